@@ -1,0 +1,384 @@
+//! The functions a model file can call. Each is a thin layer that reads its
+//! arguments and adds op nodes; the shape rules live with the ops.
+
+use super::args::Args;
+use super::values::Val;
+use super::Elab;
+use crate::diag::Diagnostic;
+use crate::dsl::ast::Span;
+use crate::ir::{Dim, Value};
+use crate::ops::*;
+
+type Handler = fn(&mut Elab, &mut Args) -> Result<Val, Diagnostic>;
+
+pub struct Builtin {
+    pub name: &'static str,
+    pub sig: &'static str,
+    pub doc: &'static str,
+    f: Handler,
+}
+
+macro_rules! unary_builtin {
+    ($name:literal, $kind:expr, $doc:literal) => {
+        Builtin {
+            name: $name,
+            sig: concat!($name, "(x)"),
+            doc: $doc,
+            f: |e, a| unary(e, a, $kind),
+        }
+    };
+}
+
+pub const BUILTINS: &[Builtin] = &[
+    Builtin { name: "linear", sig: "linear(x, weight, bias?)", doc: "x @ weight + bias; weight is [in, out]", f: linear },
+    Builtin { name: "embedding", sig: "embedding(table, indices)", doc: "rows of table [V, C] picked by i32 indices", f: embedding },
+    Builtin { name: "layernorm", sig: "layernorm(x, weight, bias, eps = 1e-5)", doc: "LayerNorm over the last axis", f: layernorm },
+    Builtin { name: "rmsnorm", sig: "rmsnorm(x, weight, eps = 1e-6)", doc: "RMSNorm over the last axis", f: rmsnorm },
+    unary_builtin!("gelu", UnaryKind::Gelu, "GELU, tanh approximation"),
+    unary_builtin!("relu", UnaryKind::Relu, "max(x, 0)"),
+    unary_builtin!("silu", UnaryKind::Silu, "x * sigmoid(x)"),
+    unary_builtin!("sigmoid", UnaryKind::Sigmoid, "1 / (1 + exp(-x))"),
+    unary_builtin!("tanh", UnaryKind::Tanh, "hyperbolic tangent"),
+    unary_builtin!("exp", UnaryKind::Exp, "e^x (also on numbers)"),
+    unary_builtin!("log", UnaryKind::Log, "natural logarithm (also on numbers)"),
+    unary_builtin!("sqrt", UnaryKind::Sqrt, "square root (also on numbers)"),
+    unary_builtin!("rsqrt", UnaryKind::Rsqrt, "1 / sqrt(x) (also on numbers)"),
+    Builtin { name: "swiglu", sig: "swiglu(gate, up)", doc: "silu(gate) * up", f: swiglu },
+    Builtin { name: "softmax", sig: "softmax(x, axis = -1)", doc: "softmax along an axis", f: softmax },
+    Builtin { name: "sum", sig: "sum(x, axis = all, keepdim = false)", doc: "sum over an axis or a list of axes", f: |e, a| reduce(e, a, ReduceKind::Sum) },
+    Builtin { name: "mean", sig: "mean(x, axis = all, keepdim = false)", doc: "mean over an axis or a list of axes", f: |e, a| reduce(e, a, ReduceKind::Mean) },
+    Builtin { name: "reshape", sig: "reshape(x, [d0, d1, ...])", doc: "same elements, new shape; one -1 is inferred", f: reshape },
+    Builtin { name: "heads", sig: "heads(x, n)", doc: "[..., n*D] -> [..., n, D]", f: heads },
+    Builtin { name: "merge_heads", sig: "merge_heads(x)", doc: "[..., H, D] -> [..., H*D]", f: merge_heads },
+    Builtin { name: "transpose", sig: "transpose(x, a = -2, b = -1)", doc: "swap two axes", f: transpose },
+    Builtin { name: "permute", sig: "permute(x, [axes...])", doc: "reorder the axes", f: permute },
+    Builtin { name: "concat", sig: "concat([a, b, ...], axis = 0)", doc: "join tensors along an axis", f: concat },
+    Builtin { name: "split", sig: "split(x, n or [sizes...], axis = -1)", doc: "cut into equal parts or given sizes", f: split },
+    Builtin { name: "broadcast", sig: "broadcast(x, [d0, d1, ...])", doc: "repeat along size-1 or new leading axes", f: broadcast_fn },
+    Builtin { name: "rope", sig: "rope(x, theta = 10000)", doc: "rotary position embedding of [B, T, H, D] heads", f: rope },
+    Builtin { name: "attention", sig: "attention(q, k, v, causal = false, scale = 1/sqrt(D))", doc: "softmax(q k^T * scale) v over [B, T, H, D] heads; grouped-query when k, v have fewer heads", f: attention },
+    Builtin { name: "causal_mask", sig: "causal_mask(scores)", doc: "-inf above the diagonal of the last two axes", f: causal_mask },
+    Builtin { name: "conv2d", sig: "conv2d(x, weight, stride = 1, padding = 0)", doc: "NHWC convolution; weight is [KH, KW, Cin, Cout]", f: conv2d },
+    Builtin { name: "cross_entropy", sig: "cross_entropy(logits, targets)", doc: "mean cross-entropy of logits [..., V] and i32 targets [...]", f: cross_entropy },
+];
+
+pub(crate) fn call(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let Some(b) = BUILTINS.iter().find(|b| b.name == a.func) else {
+        let mut d = Diagnostic::new(format!("unknown function `{}`", a.func), a.func_span, "not a builtin or a block");
+        if let Some(s) = super::suggest(&a.func, BUILTINS.iter().map(|b| b.name)) {
+            d = d.with_help(format!("did you mean `{s}`?"));
+        }
+        return Err(d);
+    };
+    a.sig = b.sig;
+    let v = (b.f)(e, a)?;
+    a.finish()?;
+    Ok(v)
+}
+
+fn t(v: Value) -> Val {
+    Val::Tensor(v)
+}
+
+fn add1(e: &mut Elab, op: impl Into<Op>, ins: &[(Value, Span)], span: Span) -> Result<Value, Diagnostic> {
+    let vals: Vec<Value> = ins.iter().map(|x| x.0).collect();
+    let spans: Vec<Span> = ins.iter().map(|x| x.1).collect();
+    Ok(e.add_at(op.into(), &vals, span, &spans)?[0])
+}
+
+fn rank(e: &Elab, v: Value) -> usize {
+    e.graph.ty(v).rank()
+}
+
+fn axis_arg(e: &Elab, a: &Args, axis: i64, r: usize, span: Span) -> Result<usize, Diagnostic> {
+    norm_axis(&a.func, axis, r).map_err(|err| {
+        let mut d = Diagnostic::new(err.message, span, err.detail);
+        if let Some(h) = err.help {
+            d = d.with_help(h);
+        }
+        let _ = e;
+        d
+    })
+}
+
+fn unary(e: &mut Elab, a: &mut Args, kind: UnaryKind) -> Result<Val, Diagnostic> {
+    let (v, s) = a.required(0, "x")?;
+    if let (Some(x), false) = (v.as_f64(), matches!(v, Val::Dim(_))) {
+        if matches!(kind, UnaryKind::Exp | UnaryKind::Log | UnaryKind::Sqrt | UnaryKind::Rsqrt | UnaryKind::Tanh) {
+            return Ok(Val::Float(kind.apply(x)));
+        }
+    }
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let _ = s;
+    Ok(t(add1(e, Unary { kind }, &[x], a.span)?))
+}
+
+fn linear(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let w = a.tensor(&e.graph, 1, "weight")?;
+    let b = a.opt_tensor(&e.graph, 2, "bias")?;
+    let y = add1(e, MatMul, &[x, w], a.span)?;
+    Ok(t(match b {
+        Some(b) => add1(e, Binary { kind: BinaryKind::Add }, &[(y, a.span), b], a.span)?,
+        None => y,
+    }))
+}
+
+fn embedding(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let table = a.tensor(&e.graph, 0, "table")?;
+    let idx = a.tensor(&e.graph, 1, "indices")?;
+    Ok(t(add1(e, Embedding, &[table, idx], a.span)?))
+}
+
+fn layernorm(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let w = a.tensor(&e.graph, 1, "weight")?;
+    let b = a.tensor(&e.graph, 2, "bias")?;
+    let eps = a.float(&e.graph, 3, "eps", Some(1e-5))?;
+    Ok(t(add1(e, LayerNorm { eps }, &[x, w, b], a.span)?))
+}
+
+fn rmsnorm(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let w = a.tensor(&e.graph, 1, "weight")?;
+    let eps = a.float(&e.graph, 2, "eps", Some(1e-6))?;
+    Ok(t(add1(e, RmsNorm { eps }, &[x, w], a.span)?))
+}
+
+fn swiglu(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let g = a.tensor(&e.graph, 0, "gate")?;
+    let u = a.tensor(&e.graph, 1, "up")?;
+    let s = add1(e, Unary { kind: UnaryKind::Silu }, &[g], a.span)?;
+    Ok(t(add1(e, Binary { kind: BinaryKind::Mul }, &[(s, g.1), u], a.span)?))
+}
+
+fn softmax(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let (ax, s) = a.int(&e.graph, 1, "axis", Some(-1))?;
+    let axis = axis_arg(e, a, ax, rank(e, x.0), s)?;
+    Ok(t(add1(e, Softmax { axis }, &[x], a.span)?))
+}
+
+fn reduce(e: &mut Elab, a: &mut Args, kind: ReduceKind) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let r = rank(e, x.0);
+    let mut axes = Vec::new();
+    match a.get(1, "axis")? {
+        None => axes.extend(0..r),
+        Some((Val::List(items), _)) => {
+            for (v, s) in items {
+                let ax = v.as_i64().ok_or_else(|| Diagnostic::new("an axis must be an integer", s, format!("found {}", v.describe(&e.graph))))?;
+                axes.push(axis_arg(e, a, ax, r, s)?);
+            }
+        }
+        Some((v, s)) => {
+            let ax = v.as_i64().ok_or_else(|| Diagnostic::new("an axis must be an integer", s, format!("found {}", v.describe(&e.graph))))?;
+            axes.push(axis_arg(e, a, ax, r, s)?);
+        }
+    }
+    axes.sort();
+    axes.dedup();
+    let keepdim = a.bool(&e.graph, 2, "keepdim", false)?;
+    Ok(t(add1(e, Reduce { kind, axes, keepdim }, &[x], a.span)?))
+}
+
+fn reshape(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let (dims, list_span) = a.dims(&e.graph, 1, "shape")?;
+    let numel = e.graph.ty(x.0).numel();
+    let holes: Vec<usize> = (0..dims.len()).filter(|&i| dims[i].0.as_const() == Some(-1)).collect();
+    if holes.len() > 1 {
+        return Err(Diagnostic::new("only one dimension can be inferred", dims[holes[1]].1, "second -1").with_note(dims[holes[0]].1, "first -1"));
+    }
+    let mut shape: Vec<Dim> = dims.iter().map(|d| d.0.clone()).collect();
+    if let Some(&h) = holes.first() {
+        let known = shape
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != h)
+            .try_fold(Dim::constant(1), |acc, (_, d)| acc.checked_mul(d));
+        let inferred = known.as_ref().and_then(|k| numel.checked_div(k));
+        match inferred {
+            Some(d) => shape[h] = d,
+            None => {
+                return Err(Diagnostic::new(
+                    "the -1 dimension cannot be inferred",
+                    dims[h].1,
+                    format!(
+                        "{} has {numel} elements, not a multiple of {}",
+                        e.graph.ty(x.0),
+                        known.map_or("the other dimensions".to_string(), |k| k.to_string())
+                    ),
+                ));
+            }
+        }
+    }
+    if let Some((d, s)) = dims.iter().find(|(d, _)| d.as_const().is_some_and(|c| c <= 0 && c != -1)) {
+        return Err(Diagnostic::new("dimensions must be positive", *s, format!("found {d}")));
+    }
+    let _ = list_span;
+    Ok(t(add1(e, Reshape { shape }, &[x], a.span)?))
+}
+
+fn heads(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let (n, ns) = a.int(&e.graph, 1, "n", None)?;
+    let ty = e.graph.ty(x.0).clone();
+    if ty.rank() == 0 || n <= 0 {
+        return Err(Diagnostic::new("`heads` splits the last axis into n heads", ns, format!("cannot split {ty} into {n}")));
+    }
+    let c = ty.shape[ty.rank() - 1].clone();
+    let Some(d) = c.checked_div(&Dim::constant(n)) else {
+        return Err(Diagnostic::new("the features do not split evenly into heads", ns, format!("{c} features into {n} heads")).with_note(x.1, ty.to_string()));
+    };
+    let mut shape = ty.shape[..ty.rank() - 1].to_vec();
+    shape.extend([Dim::constant(n), d]);
+    Ok(t(add1(e, Reshape { shape }, &[x], a.span)?))
+}
+
+fn merge_heads(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let ty = e.graph.ty(x.0).clone();
+    if ty.rank() < 2 {
+        return Err(Diagnostic::new("`merge_heads` joins the last two axes", x.1, format!("found {ty}")));
+    }
+    let r = ty.rank();
+    let merged = ty.shape[r - 2].checked_mul(&ty.shape[r - 1]).unwrap_or_default();
+    let mut shape = ty.shape[..r - 2].to_vec();
+    shape.push(merged);
+    Ok(t(add1(e, Reshape { shape }, &[x], a.span)?))
+}
+
+fn transpose(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let r = rank(e, x.0);
+    let (i, si) = a.int(&e.graph, 1, "a", Some(-2))?;
+    let (j, sj) = a.int(&e.graph, 2, "b", Some(-1))?;
+    let i = axis_arg(e, a, i, r, si)?;
+    let j = axis_arg(e, a, j, r, sj)?;
+    let mut perm: Vec<usize> = (0..r).collect();
+    perm.swap(i, j);
+    Ok(t(add1(e, Permute { perm }, &[x], a.span)?))
+}
+
+fn permute(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let r = rank(e, x.0);
+    let (axes, _) = a.dims(&e.graph, 1, "axes")?;
+    let mut perm = Vec::new();
+    for (d, s) in axes {
+        let ax = d.as_const().unwrap_or(i64::MAX);
+        perm.push(axis_arg(e, a, ax, r, s)?);
+    }
+    Ok(t(add1(e, Permute { perm }, &[x], a.span)?))
+}
+
+fn concat(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let (v, s) = a.required(0, "tensors")?;
+    let Val::List(items) = v else {
+        return Err(Diagnostic::new("`concat` takes a list of tensors", s, format!("found {}", v.describe(&e.graph))).with_help("write concat([a, b], axis = 1)"));
+    };
+    let mut ins = Vec::new();
+    for (v, is) in items {
+        match v {
+            Val::Tensor(x) => ins.push((x, is)),
+            other => return Err(Diagnostic::new("`concat` takes a list of tensors", is, format!("found {}", other.describe(&e.graph)))),
+        }
+    }
+    if ins.is_empty() {
+        return Err(Diagnostic::new("`concat` needs at least one tensor", s, "empty list"));
+    }
+    let (ax, axs) = a.int(&e.graph, 1, "axis", Some(0))?;
+    let axis = axis_arg(e, a, ax, rank(e, ins[0].0), axs)?;
+    let vals: Vec<Value> = ins.iter().map(|x| x.0).collect();
+    let spans: Vec<Span> = ins.iter().map(|x| x.1).collect();
+    Ok(t(e.add_at(Concat { axis }.into(), &vals, a.span, &spans)?[0]))
+}
+
+fn split(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let (ax, axs) = a.int(&e.graph, 2, "axis", Some(-1))?;
+    let ty = e.graph.ty(x.0).clone();
+    let axis = axis_arg(e, a, ax, ty.rank(), axs)?;
+    let size = ty.shape[axis].clone();
+    let (sec, ss) = a.required(1, "sections")?;
+    let sizes: Vec<Dim> = match &sec {
+        Val::List(items) => {
+            let mut out = Vec::new();
+            for (v, is) in items {
+                out.push(v.as_dim().ok_or_else(|| Diagnostic::new("expected a size", *is, format!("found {}", v.describe(&e.graph))))?);
+            }
+            let total = out.iter().try_fold(Dim::constant(0), |acc, d| acc.checked_add(d));
+            if total.as_ref() != Some(&size) {
+                return Err(Diagnostic::new("the sizes do not add up to the axis", ss, format!("they add up to {}, the axis is {size}", total.map_or("?".into(), |t| t.to_string()))).with_note(x.1, ty.to_string()));
+            }
+            out
+        }
+        v => {
+            let n = v.as_i64().filter(|n| *n > 0).ok_or_else(|| Diagnostic::new("`split` needs a count or a list of sizes", ss, format!("found {}", v.describe(&e.graph))))?;
+            let part = size.checked_div(&Dim::constant(n)).ok_or_else(|| {
+                Diagnostic::new("the axis does not split evenly", ss, format!("{size} into {n} parts")).with_note(x.1, ty.to_string())
+            })?;
+            vec![part; n as usize]
+        }
+    };
+    let mut start = Dim::constant(0);
+    let mut parts = Vec::new();
+    for d in sizes {
+        let end = start.checked_add(&d).unwrap_or_default();
+        let v = add1(e, Slice { axis, start: start.clone(), end: end.clone() }, &[x], a.span)?;
+        parts.push((Val::Tensor(v), a.span));
+        start = end;
+    }
+    Ok(Val::List(parts))
+}
+
+fn broadcast_fn(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let (dims, _) = a.dims(&e.graph, 1, "shape")?;
+    let shape = dims.into_iter().map(|d| d.0).collect();
+    Ok(t(add1(e, Broadcast { shape }, &[x], a.span)?))
+}
+
+fn rope(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let theta = a.float(&e.graph, 1, "theta", Some(10000.0))?;
+    Ok(t(add1(e, Rope { theta, inverse: false }, &[x], a.span)?))
+}
+
+fn attention(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let q = a.tensor(&e.graph, 0, "q")?;
+    let k = a.tensor(&e.graph, 1, "k")?;
+    let v = a.tensor(&e.graph, 2, "v")?;
+    let causal = a.bool(&e.graph, 3, "causal", false)?;
+    let d = e.graph.ty(q.0).shape.last().and_then(|d| d.as_const()).unwrap_or(1).max(1);
+    let scale = a.float(&e.graph, 4, "scale", Some(1.0 / (d as f64).sqrt()))?;
+    let vals = [q.0, k.0, v.0];
+    let out = e.add_at(Attention { causal, scale }.into(), &vals, a.span, &[q.1, k.1, v.1])?;
+    Ok(t(out[0]))
+}
+
+fn causal_mask(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "scores")?;
+    Ok(t(add1(e, CausalMask { fill: f64::NEG_INFINITY }, &[x], a.span)?))
+}
+
+fn conv2d(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let w = a.tensor(&e.graph, 1, "weight")?;
+    let (stride, ss) = a.int(&e.graph, 2, "stride", Some(1))?;
+    let (padding, ps) = a.int(&e.graph, 3, "padding", Some(0))?;
+    if !(1..=1024).contains(&stride) {
+        return Err(Diagnostic::new("`conv2d` needs a stride from 1 to 1024", ss, format!("found {stride}")));
+    }
+    if !(0..=1024).contains(&padding) {
+        return Err(Diagnostic::new("`conv2d` needs a padding from 0 to 1024", ps, format!("found {padding}")));
+    }
+    Ok(t(add1(e, Conv2d { stride: stride as usize, padding: padding as usize }, &[x, w], a.span)?))
+}
+
+fn cross_entropy(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let logits = a.tensor(&e.graph, 0, "logits")?;
+    let targets = a.tensor(&e.graph, 1, "targets")?;
+    Ok(t(add1(e, CrossEntropy, &[logits, targets], a.span)?))
+}

@@ -1,0 +1,303 @@
+//! Expressions: constant folding for numbers and dimensions, graph nodes
+//! for tensors, block calls, `repeat`, and indexing.
+
+use super::args::Args;
+use super::values::{dim_val, Val};
+use super::{builtins, Elab};
+use crate::diag::Diagnostic;
+use crate::dsl::ast::{Arg, BinOp, Expr, ExprKind, Ident, IndexItem, Span};
+use crate::ir::{Dim, Value};
+use crate::ops::{Binary, BinaryKind, Constant, DimValue, MatMul, Reshape, Slice};
+
+/// Most layers a `repeat` may unroll.
+const MAX_REPEAT: i64 = 10_000;
+
+impl<'m> Elab<'m> {
+    pub(crate) fn eval(&mut self, e: &Expr) -> Result<Val, Diagnostic> {
+        match &e.kind {
+            ExprKind::Int(i) => Ok(Val::Int(*i)),
+            ExprKind::Float(f) => Ok(Val::Float(*f)),
+            ExprKind::Bool(b) => Ok(Val::Bool(*b)),
+            ExprKind::Name(n) => match n.as_str() {
+                // Words that only mean something where they are consumed.
+                "bf16" | "fp16" | "f16" | "fp32" | "f32" | "zeros" | "ones" => Ok(Val::Word(n.clone())),
+                _ => self.lookup(n, e.span),
+            },
+            ExprKind::Neg(inner) => {
+                let v = self.eval(inner)?;
+                self.negate(v, inner.span, e.span)
+            }
+            ExprKind::Binary { op, lhs, rhs } => {
+                let a = self.eval(lhs)?;
+                let b = self.eval(rhs)?;
+                self.binary(*op, (a, lhs.span), (b, rhs.span), e.span)
+            }
+            ExprKind::List(items) | ExprKind::Tuple(items) => {
+                let mut out = Vec::with_capacity(items.len());
+                for it in items {
+                    out.push((self.eval(it)?, it.span));
+                }
+                Ok(Val::List(out))
+            }
+            ExprKind::Call { func, args } => self.call(func, args, e.span),
+            ExprKind::Repeat { count, func, args } => self.repeat(count, func, args, e.span),
+            ExprKind::Index { base, indices } => {
+                let v = self.eval(base)?;
+                let Val::Tensor(t) = v else {
+                    return Err(Diagnostic::new("only tensors can be indexed", base.span, format!("this is {}", v.describe(&self.graph))));
+                };
+                self.index(t, indices, base.span, e.span)
+            }
+        }
+    }
+
+    fn negate(&mut self, v: Val, inner: Span, span: Span) -> Result<Val, Diagnostic> {
+        match v {
+            Val::Int(i) => i.checked_neg().map(Val::Int).ok_or_else(|| overflow(span)),
+            Val::Float(f) => Ok(Val::Float(-f)),
+            Val::Dim(d) => d.checked_mul(&Dim::constant(-1)).map(dim_val).ok_or_else(|| overflow(span)),
+            Val::Tensor(t) => {
+                let n = self.add(crate::ops::Unary { kind: crate::ops::UnaryKind::Neg }.into(), &[t], span)?;
+                Ok(Val::Tensor(n[0]))
+            }
+            other => Err(Diagnostic::new("cannot negate this", inner, format!("this is {}", other.describe(&self.graph)))),
+        }
+    }
+
+    pub(crate) fn binary(&mut self, op: BinOp, a: (Val, Span), b: (Val, Span), span: Span) -> Result<Val, Diagnostic> {
+        let sym = op.symbol();
+        if op == BinOp::MatMul {
+            return match (&a.0, &b.0) {
+                (Val::Tensor(x), Val::Tensor(y)) => Ok(Val::Tensor(self.add_at(MatMul.into(), &[*x, *y], span, &[a.1, b.1])?[0])),
+                _ => {
+                    let (bad, s) = if matches!(a.0, Val::Tensor(_)) { (&b.0, b.1) } else { (&a.0, a.1) };
+                    Err(Diagnostic::new("`@` multiplies two tensors", s, format!("this is {}", bad.describe(&self.graph)))
+                        .with_help("use `*` to scale by a number"))
+                }
+            };
+        }
+        let kind = match op {
+            BinOp::Add => BinaryKind::Add,
+            BinOp::Sub => BinaryKind::Sub,
+            BinOp::Mul => BinaryKind::Mul,
+            _ => BinaryKind::Div,
+        };
+        match (&a.0, &b.0) {
+            (Val::Tensor(_), _) | (_, Val::Tensor(_)) => {
+                let dtype = match (&a.0, &b.0) {
+                    (Val::Tensor(t), _) | (_, Val::Tensor(t)) => self.graph.ty(*t).dtype,
+                    _ => unreachable!(),
+                };
+                let x = self.scalar_tensor(&a.0, a.1, dtype, sym)?;
+                let y = self.scalar_tensor(&b.0, b.1, dtype, sym)?;
+                Ok(Val::Tensor(self.add_at(Binary { kind }.into(), &[x, y], span, &[a.1, b.1])?[0]))
+            }
+            (Val::Int(x), Val::Int(y)) => int_arith(kind, *x, *y, span, b.1),
+            (Val::Dim(_), _) | (_, Val::Dim(_)) if a.0.as_dim().is_some() && b.0.as_dim().is_some() => {
+                let (x, y) = (a.0.as_dim().unwrap_or_default(), b.0.as_dim().unwrap_or_default());
+                let r = match kind {
+                    BinaryKind::Add => x.checked_add(&y),
+                    BinaryKind::Sub => x.checked_sub(&y),
+                    BinaryKind::Mul => x.checked_mul(&y),
+                    BinaryKind::Div => x.checked_div(&y),
+                };
+                r.map(dim_val).ok_or_else(|| {
+                    Diagnostic::new(format!("cannot compute `{x} {sym} {y}` as a dimension"), span, "not an exact dimension")
+                        .with_help("dimensions divide only when the result is a whole dimension")
+                })
+            }
+            _ => match (a.0.as_f64(), b.0.as_f64()) {
+                (Some(x), Some(y)) if !matches!(a.0, Val::Dim(_)) && !matches!(b.0, Val::Dim(_)) => {
+                    Ok(Val::Float(kind.apply(x, y)))
+                }
+                _ => {
+                    let (bad, s) = if a.0.as_f64().is_none() || matches!(a.0, Val::Dim(_)) { (&a.0, a.1) } else { (&b.0, b.1) };
+                    Err(Diagnostic::new(format!("`{sym}` cannot use this value"), s, format!("this is {}", bad.describe(&self.graph))))
+                }
+            },
+        }
+    }
+
+    /// A number or dimension beside a tensor becomes a scalar tensor of its dtype.
+    fn scalar_tensor(&mut self, v: &Val, span: Span, dtype: crate::ir::DType, sym: &str) -> Result<Value, Diagnostic> {
+        let op = match v {
+            Val::Tensor(t) => return Ok(*t),
+            Val::Int(i) => Constant { value: *i as f64, dtype }.into(),
+            Val::Float(f) => Constant { value: *f, dtype }.into(),
+            Val::Dim(d) => DimValue { dim: d.clone(), dtype }.into(),
+            other => {
+                return Err(Diagnostic::new(format!("`{sym}` cannot use this value"), span, format!("this is {}", other.describe(&self.graph))))
+            }
+        };
+        if !dtype.is_float() {
+            return Err(Diagnostic::new(format!("`{sym}` needs floating-point tensors"), span, format!("the tensor beside this is {dtype}")));
+        }
+        Ok(self.add(op, &[], span)?[0])
+    }
+
+    fn eval_args(&mut self, args: &[Arg]) -> Result<Args, Diagnostic> {
+        let mut out = Args::default();
+        for a in args {
+            let v = self.eval(&a.value)?;
+            match &a.name {
+                Some(n) => out.kw.push((n.clone(), v, a.value.span)),
+                None => out.pos.push((v, a.value.span)),
+            }
+        }
+        Ok(out)
+    }
+
+    fn call(&mut self, func: &Ident, args: &[Arg], span: Span) -> Result<Val, Diagnostic> {
+        if self.is_block(&func.name) {
+            if let Some(a) = args.iter().find_map(|a| a.name.as_ref()) {
+                return Err(Diagnostic::new("blocks take positional arguments only", a.span, "keyword argument"));
+            }
+            let a = self.eval_args(args)?;
+            let instance = self.instance_name(&func.name);
+            return self.call_block(func, a.pos, instance, span);
+        }
+        let mut a = self.eval_args(args)?;
+        a.func = func.name.clone();
+        a.span = span;
+        a.func_span = func.span;
+        builtins::call(self, &mut a)
+    }
+
+    fn repeat(&mut self, count: &Expr, func: &Ident, args: &[Arg], span: Span) -> Result<Val, Diagnostic> {
+        let n = self.eval(count)?;
+        let n = match n.as_i64() {
+            Some(n) if (1..=MAX_REPEAT).contains(&n) => n,
+            _ => {
+                return Err(Diagnostic::new(
+                    format!("`repeat` needs a count from 1 to {MAX_REPEAT}"),
+                    count.span,
+                    format!("found {}", n.describe(&self.graph)),
+                ))
+            }
+        };
+        if !self.is_block(&func.name) {
+            return Err(Diagnostic::new("`repeat` applies a block", func.span, format!("`{}` is not a block", func.name))
+                .with_help("define the layer with `block name(x) { ... return x }`"));
+        }
+        if let Some(a) = args.iter().find_map(|a| a.name.as_ref()) {
+            return Err(Diagnostic::new("blocks take positional arguments only", a.span, "keyword argument"));
+        }
+        let a = self.eval_args(args)?;
+        if a.pos.is_empty() {
+            return Err(Diagnostic::new("`repeat` threads the first argument through each layer", span, "no arguments")
+                .with_help("write `repeat N block(x)`"));
+        }
+        let base = self.instance_name(&func.name);
+        let mut pos = a.pos;
+        for i in 0..n {
+            let out = self.call_block(func, pos.clone(), format!("{base}.{i}"), span)?;
+            if let (Val::Tensor(new), Val::Tensor(old)) = (&out, &pos[0].0) {
+                if self.graph.ty(*new) != self.graph.ty(*old) {
+                    let (tn, to) = (self.graph.ty(*new).clone(), self.graph.ty(*old).clone());
+                    return Err(Diagnostic::new("a repeated block must return what it takes", span, format!("layer {i} takes {to} and returns {tn}"))
+                        .with_help("the output of each layer is the first argument of the next"));
+                }
+            }
+            pos[0].0 = out;
+        }
+        Ok(pos.swap_remove(0).0)
+    }
+
+    fn index(&mut self, t: Value, items: &[IndexItem], base: Span, span: Span) -> Result<Val, Diagnostic> {
+        let shape = self.graph.ty(t).shape.clone();
+        let rank = shape.len();
+        let ellipses = items.iter().filter(|i| matches!(i, IndexItem::Ellipsis(_))).count();
+        let explicit = items.len() - ellipses;
+        if ellipses > 1 || explicit > rank {
+            let ty = self.graph.ty(t).clone();
+            return Err(Diagnostic::new("too many indices", span, format!("{} indices for {ty}", explicit))
+                .with_note(base, format!("this is {ty}"))
+                .with_help("use at most one `...`"));
+        }
+        // One entry per axis: (axis, start, end, drop_axis).
+        let mut cuts: Vec<(usize, Dim, Dim, bool)> = Vec::new();
+        let mut axis = 0;
+        for it in items {
+            match it {
+                IndexItem::Ellipsis(_) => axis += rank - explicit,
+                IndexItem::Single(e) => {
+                    let i = self.position(e, &shape[axis])?;
+                    let end = i.checked_add(&Dim::constant(1)).ok_or_else(|| overflow(e.span))?;
+                    cuts.push((axis, i, end, true));
+                    axis += 1;
+                }
+                IndexItem::Range { start, end, .. } => {
+                    let s = match start {
+                        Some(e) => self.position(e, &shape[axis])?,
+                        None => Dim::constant(0),
+                    };
+                    let en = match end {
+                        Some(e) => self.position(e, &shape[axis])?,
+                        None => shape[axis].clone(),
+                    };
+                    cuts.push((axis, s, en, false));
+                    axis += 1;
+                }
+            }
+        }
+        let mut v = t;
+        let mut dropped = Vec::new();
+        for (axis, start, end, drop) in cuts {
+            if drop {
+                dropped.push(axis);
+            }
+            if start == Dim::constant(0) && end == shape[axis] {
+                continue;
+            }
+            v = self.add(Slice { axis, start, end }.into(), &[v], span)?[0];
+        }
+        if !dropped.is_empty() {
+            let kept: Vec<Dim> = self
+                .graph
+                .ty(v)
+                .shape
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !dropped.contains(i))
+                .map(|(_, d)| d.clone())
+                .collect();
+            v = self.add(Reshape { shape: kept }.into(), &[v], span)?[0];
+        }
+        Ok(Val::Tensor(v))
+    }
+
+    /// An index or slice bound; negative constants count from the end.
+    fn position(&mut self, e: &Expr, size: &Dim) -> Result<Dim, Diagnostic> {
+        let v = self.eval(e)?;
+        let Some(d) = v.as_dim() else {
+            return Err(Diagnostic::new("an index must be an integer or a dimension", e.span, format!("found {}", v.describe(&self.graph))));
+        };
+        if d.as_const().is_some_and(|c| c < 0) {
+            return size.checked_add(&d).ok_or_else(|| overflow(e.span));
+        }
+        Ok(d)
+    }
+}
+
+fn overflow(span: Span) -> Diagnostic {
+    Diagnostic::new("integer overflow", span, "this value does not fit in 64 bits")
+}
+
+fn int_arith(kind: BinaryKind, x: i64, y: i64, span: Span, rhs: Span) -> Result<Val, Diagnostic> {
+    match kind {
+        BinaryKind::Add => x.checked_add(y).map(Val::Int).ok_or_else(|| overflow(span)),
+        BinaryKind::Sub => x.checked_sub(y).map(Val::Int).ok_or_else(|| overflow(span)),
+        BinaryKind::Mul => x.checked_mul(y).map(Val::Int).ok_or_else(|| overflow(span)),
+        BinaryKind::Div => {
+            if y == 0 {
+                return Err(Diagnostic::new("division by zero", rhs, "this is 0"));
+            }
+            // Exact integer division stays an integer (`d / heads` is a size).
+            if x % y == 0 {
+                Ok(Val::Int(x / y))
+            } else {
+                Ok(Val::Float(x as f64 / y as f64))
+            }
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! Random values for a graph's sources: parameters from their initialisers,
+//! data inputs within the range their consumers accept (token ids below the
+//! embedding's row count, targets below the number of classes).
+
+use super::tensor::{numel, Tensor};
+use super::{concrete_shape, Feeds, InterpError};
+use crate::ir::graph::{Graph, Init, Value};
+use crate::ir::types::DType;
+use crate::ops::Op;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::HashMap;
+
+/// Standard normal by Box-Muller (keeps the dependency list short).
+fn normal(rng: &mut ChaCha8Rng) -> f64 {
+    let u1: f64 = rng.random::<f64>().max(1e-300);
+    let u2: f64 = rng.random();
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
+pub fn init_tensor(init: &Init, shape: &[usize], rng: &mut ChaCha8Rng) -> Tensor {
+    let n = numel(shape);
+    let data = match init {
+        Init::Normal { std } => (0..n).map(|_| normal(rng) * std).collect(),
+        Init::Uniform { bound } => (0..n).map(|_| rng.random_range(-1.0..1.0) * bound).collect(),
+        Init::Constant(c) => vec![*c; n],
+    };
+    Tensor::new(shape.to_vec(), data)
+}
+
+/// The exclusive upper bound an integer input must respect, from the ops
+/// that read it (an embedding table's rows, cross-entropy's classes).
+pub fn index_bound(g: &Graph, input: Value, dims: &HashMap<String, i64>) -> Option<i64> {
+    let mut bound: Option<i64> = None;
+    for (user, slot) in g.users(input) {
+        let ins = g.inputs(user);
+        let b = match (&g.g[user].op, slot) {
+            (Op::Embedding(_), 1) => g.ty(ins[0]).shape[0].eval(&|s| dims.get(s).copied()),
+            (Op::CrossEntropy(_), 1) => g.ty(ins[0]).shape.last()?.eval(&|s| dims.get(s).copied()),
+            // Reshapes and slices pass indices through unchanged.
+            (Op::Reshape(_) | Op::Slice(_) | Op::Permute(_), 0) => {
+                index_bound(g, Value { node: user, port: 0 }, dims)
+            }
+            _ => None,
+        };
+        if let Some(b) = b {
+            bound = Some(bound.map_or(b, |x: i64| x.min(b)));
+        }
+    }
+    bound
+}
+
+/// Parameters from their initialisers and data inputs at random, all from one seed.
+pub fn random_feeds(g: &Graph, dims: &HashMap<String, i64>, seed: u64) -> Result<Feeds, InterpError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut feeds = Feeds {
+        dims: dims.clone(),
+        ..Feeds::default()
+    };
+    for p in &g.params {
+        let shape = concrete_shape(&p.ty.shape, dims)?;
+        feeds.params.insert(p.name.clone(), init_tensor(&p.init, &shape, &mut rng));
+    }
+    for n in g.topo_order() {
+        let node = &g.g[n];
+        match &node.op {
+            Op::Input(i) => {
+                let shape = concrete_shape(&i.ty.shape, dims)?;
+                let t = if i.ty.dtype == DType::I32 {
+                    let hi = index_bound(g, Value { node: n, port: 0 }, dims).unwrap_or(2).max(1);
+                    Tensor::new(shape.clone(), (0..numel(&shape)).map(|_| rng.random_range(0..hi) as f64).collect())
+                } else {
+                    init_tensor(&Init::Normal { std: 1.0 }, &shape, &mut rng)
+                };
+                feeds.inputs.insert(i.name.clone(), t);
+            }
+            Op::State(s) => {
+                let shape = concrete_shape(&s.ty.shape, dims)?;
+                feeds.state.insert(s.name.clone(), Tensor::zeros(&shape));
+            }
+            _ => {}
+        }
+    }
+    Ok(feeds)
+}

@@ -1,0 +1,233 @@
+//! The graph: nodes are ops, edges are tensors. A node may have several
+//! outputs (attention gives its output and the log-sum-exp); an edge names
+//! which output it carries (`src_port`) and which input slot it feeds
+//! (`dst_slot`), so a node's inputs are its incoming edges ordered by slot.
+
+use super::types::TensorType;
+use crate::dsl::ast::Span;
+use crate::ops::{OpError, Op};
+use petgraph::stable_graph::{NodeIndex, StableDiGraph};
+use petgraph::visit::EdgeRef;
+use petgraph::Direction;
+use std::collections::BinaryHeap;
+
+/// One output of one node.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub struct Value {
+    pub node: NodeIndex,
+    pub port: usize,
+}
+
+/// Which part of the training step a node belongs to.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Phase {
+    Forward,
+    Backward,
+    Update,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Update => "update",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub op: Op,
+    pub outputs: Vec<TensorType>,
+    /// Where in the model file this node came from (backward nodes keep the
+    /// span of the forward op they differentiate).
+    pub span: Option<Span>,
+    pub phase: Phase,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Edge {
+    pub src_port: usize,
+    pub dst_slot: usize,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Init {
+    Normal { std: f64 },
+    Uniform { bound: f64 },
+    Constant(f64),
+}
+
+impl std::fmt::Display for Init {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Init::Normal { std } => write!(f, "normal(std={})", crate::ir::print::num(*std)),
+            Init::Uniform { bound } => write!(f, "uniform(bound={})", crate::ir::print::num(*bound)),
+            Init::Constant(c) if *c == 0.0 => write!(f, "zeros"),
+            Init::Constant(c) if *c == 1.0 => write!(f, "ones"),
+            Init::Constant(c) => write!(f, "constant({})", crate::ir::print::num(*c)),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ParamInfo {
+    /// Dotted path as the model file spells it: `h.3.attn.qkv_w`.
+    pub name: String,
+    pub ty: TensorType,
+    pub init: Init,
+    /// Decay with AdamW's weight decay (matrices and embeddings; not norms or biases).
+    pub decay: bool,
+    pub span: Span,
+    pub node: NodeIndex,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    Loss,
+    Grad(usize),
+    NewParam(usize),
+    NewState(String),
+    GradNorm,
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Role::Loss => write!(f, "loss"),
+            Role::Grad(i) => write!(f, "grad[{i}]"),
+            Role::NewParam(i) => write!(f, "param[{i}]"),
+            Role::NewState(s) => write!(f, "state \"{s}\""),
+            Role::GradNorm => write!(f, "grad_norm"),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Graph {
+    pub name: String,
+    pub g: StableDiGraph<Node, Edge>,
+    /// Symbolic dimensions, in declaration order.
+    pub dims: Vec<String>,
+    pub params: Vec<ParamInfo>,
+    pub outputs: Vec<(Role, Value)>,
+}
+
+impl Graph {
+    pub fn new(name: &str) -> Graph {
+        Graph {
+            name: name.to_string(),
+            g: StableDiGraph::new(),
+            dims: Vec::new(),
+            params: Vec::new(),
+            outputs: Vec::new(),
+        }
+    }
+
+    pub fn ty(&self, v: Value) -> &TensorType {
+        &self.g[v.node].outputs[v.port]
+    }
+
+    pub fn node(&self, n: NodeIndex) -> &Node {
+        &self.g[n]
+    }
+
+    /// Adds a node after checking its inputs with the op's shape rule.
+    pub fn add(
+        &mut self,
+        op: Op,
+        inputs: &[Value],
+        span: Option<Span>,
+        phase: Phase,
+    ) -> Result<Vec<Value>, OpError> {
+        let types: Vec<TensorType> = inputs.iter().map(|v| self.ty(*v).clone()).collect();
+        let outputs = op.infer(&types)?;
+        let n = outputs.len();
+        let node = self.g.add_node(Node {
+            op,
+            outputs,
+            span,
+            phase,
+        });
+        for (slot, v) in inputs.iter().enumerate() {
+            self.g.add_edge(
+                v.node,
+                node,
+                Edge {
+                    src_port: v.port,
+                    dst_slot: slot,
+                },
+            );
+        }
+        Ok((0..n).map(|port| Value { node, port }).collect())
+    }
+
+    /// The node's inputs, in slot order.
+    pub fn inputs(&self, n: NodeIndex) -> Vec<Value> {
+        let mut ins: Vec<(usize, Value)> = self
+            .g
+            .edges_directed(n, Direction::Incoming)
+            .map(|e| {
+                (
+                    e.weight().dst_slot,
+                    Value {
+                        node: e.source(),
+                        port: e.weight().src_port,
+                    },
+                )
+            })
+            .collect();
+        ins.sort_by_key(|(slot, _)| *slot);
+        ins.into_iter().map(|(_, v)| v).collect()
+    }
+
+    /// Every (consumer, slot) that reads `v`.
+    pub fn users(&self, v: Value) -> Vec<(NodeIndex, usize)> {
+        let mut u: Vec<(NodeIndex, usize)> = self
+            .g
+            .edges_directed(v.node, Direction::Outgoing)
+            .filter(|e| e.weight().src_port == v.port)
+            .map(|e| (e.target(), e.weight().dst_slot))
+            .collect();
+        u.sort();
+        u
+    }
+
+    /// Nodes in a deterministic topological order: among the ready nodes the
+    /// one added first goes first, so the order follows the model file.
+    pub fn topo_order(&self) -> Vec<NodeIndex> {
+        let mut indeg: std::collections::HashMap<NodeIndex, usize> = self
+            .g
+            .node_indices()
+            .map(|n| (n, self.g.edges_directed(n, Direction::Incoming).count()))
+            .collect();
+        let mut ready: BinaryHeap<std::cmp::Reverse<NodeIndex>> = indeg
+            .iter()
+            .filter(|(_, d)| **d == 0)
+            .map(|(n, _)| std::cmp::Reverse(*n))
+            .collect();
+        let mut order = Vec::with_capacity(indeg.len());
+        while let Some(std::cmp::Reverse(n)) = ready.pop() {
+            order.push(n);
+            for e in self.g.edges_directed(n, Direction::Outgoing) {
+                let d = indeg.get_mut(&e.target()).expect("edge target is a node");
+                *d -= 1;
+                if *d == 0 {
+                    ready.push(std::cmp::Reverse(e.target()));
+                }
+            }
+        }
+        order
+    }
+
+    pub fn output(&self, role: &Role) -> Option<Value> {
+        self.outputs.iter().find(|(r, _)| r == role).map(|(_, v)| *v)
+    }
+
+    pub fn param_count(&self) -> Option<i64> {
+        self.params
+            .iter()
+            .try_fold(0i64, |acc, p| acc.checked_add(p.ty.numel().as_const()?))
+    }
+}

@@ -1,0 +1,12 @@
+//! The intermediate representation: a petgraph graph of ops over typed
+//! tensors, its verifier and its text and Graphviz forms.
+pub mod dim;
+pub mod dot;
+pub mod graph;
+pub mod print;
+pub mod types;
+pub mod verify;
+
+pub use dim::Dim;
+pub use graph::{Graph, Node, Phase, Role, Value};
+pub use types::{DType, TensorType};

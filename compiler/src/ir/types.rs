@@ -1,0 +1,117 @@
+//! What flows along an edge: a tensor's dtype, shape and layout.
+
+use super::dim::Dim;
+use std::fmt;
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub enum DType {
+    F32,
+    BF16,
+    F16,
+    I32,
+}
+
+impl DType {
+    pub fn parse(s: &str) -> Option<DType> {
+        Some(match s {
+            "f32" | "fp32" => DType::F32,
+            "bf16" => DType::BF16,
+            "f16" | "fp16" => DType::F16,
+            "i32" => DType::I32,
+            _ => return None,
+        })
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::I32 => "i32",
+        }
+    }
+    pub fn is_float(self) -> bool {
+        !matches!(self, DType::I32)
+    }
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+pub type Shape = Vec<Dim>;
+
+/// Order in which the axes are laid out in memory, outermost first. The
+/// identity permutation is the ordinary row-major layout; the layout pass
+/// (later in the pipeline) may choose others and turn transposes into views.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub struct Layout(pub Vec<usize>);
+
+impl Layout {
+    pub fn row_major(rank: usize) -> Layout {
+        Layout((0..rank).collect())
+    }
+    pub fn is_row_major(&self) -> bool {
+        self.0.iter().enumerate().all(|(i, &a)| i == a)
+    }
+}
+
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub struct TensorType {
+    pub dtype: DType,
+    pub shape: Shape,
+    pub layout: Layout,
+}
+
+impl TensorType {
+    pub fn new(dtype: DType, shape: Shape) -> TensorType {
+        let layout = Layout::row_major(shape.len());
+        TensorType {
+            dtype,
+            shape,
+            layout,
+        }
+    }
+    pub fn scalar(dtype: DType) -> TensorType {
+        TensorType::new(dtype, Vec::new())
+    }
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+    pub fn with_shape(&self, shape: Shape) -> TensorType {
+        TensorType::new(self.dtype, shape)
+    }
+    pub fn with_dtype(&self, dtype: DType) -> TensorType {
+        TensorType::new(dtype, self.shape.clone())
+    }
+    /// Number of elements, as a dimension expression.
+    pub fn numel(&self) -> Dim {
+        self.shape
+            .iter()
+            .try_fold(Dim::constant(1), |acc, d| acc.checked_mul(d))
+            .unwrap_or_else(|| Dim::constant(i64::MAX))
+    }
+}
+
+pub fn shape_string(shape: &[Dim]) -> String {
+    let parts: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    format!("[{}]", parts.join(", "))
+}
+
+impl fmt::Display for TensorType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", self.dtype, shape_string(&self.shape))?;
+        if !self.layout.is_row_major() {
+            let order: Vec<String> = self.layout.0.iter().map(|a| a.to_string()).collect();
+            write!(f, "{{{}}}", order.join(","))?;
+        }
+        Ok(())
+    }
+}

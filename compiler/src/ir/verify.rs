@@ -1,0 +1,64 @@
+//! The verifier, run after every stage and pass: the graph is acyclic, every
+//! node's inputs fill its slots, every recorded type is what the op's shape
+//! rule gives, and the graph's outputs exist.
+
+use super::graph::Graph;
+use petgraph::visit::EdgeRef;
+use petgraph::Direction;
+
+pub fn verify(g: &Graph) -> Result<(), Vec<String>> {
+    let mut problems = Vec::new();
+    let order = g.topo_order();
+    if order.len() != g.g.node_count() {
+        problems.push(format!(
+            "the graph has a cycle ({} of {} nodes ordered)",
+            order.len(),
+            g.g.node_count()
+        ));
+    }
+    for n in g.g.node_indices() {
+        let node = &g.g[n];
+        let mut slots: Vec<usize> = g
+            .g
+            .edges_directed(n, Direction::Incoming)
+            .map(|e| e.weight().dst_slot)
+            .collect();
+        slots.sort();
+        if slots.iter().enumerate().any(|(i, &s)| i != s) {
+            problems.push(format!("node {} ({}): input slots {:?} are not 0..n", n.index(), node.op.name(), slots));
+            continue;
+        }
+        for e in g.g.edges_directed(n, Direction::Incoming) {
+            if e.weight().src_port >= g.g[e.source()].outputs.len() {
+                problems.push(format!("node {} reads a missing output port", n.index()));
+            }
+        }
+        let types: Vec<_> = g.inputs(n).into_iter().map(|v| g.ty(v).clone()).collect();
+        match node.op.infer(&types) {
+            Ok(t) if t == node.outputs => {}
+            Ok(t) => problems.push(format!(
+                "node {} ({}): recorded types {:?} but the shape rule gives {:?}",
+                n.index(),
+                node.op.name(),
+                node.outputs,
+                t
+            )),
+            Err(e) => problems.push(format!("node {} ({}): {e}", n.index(), node.op.name())),
+        }
+    }
+    for (role, v) in &g.outputs {
+        if !g.g.contains_node(v.node) || v.port >= g.g[v.node].outputs.len() {
+            problems.push(format!("output {role} refers to a missing value"));
+        }
+    }
+    for p in &g.params {
+        if !g.g.contains_node(p.node) {
+            problems.push(format!("parameter {} has no node", p.name));
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(problems)
+    }
+}

@@ -1,0 +1,96 @@
+//! A checked model: the forward graph plus what the `train` section asks for.
+
+use crate::dsl::ast::Span;
+use crate::ir::{DType, Graph};
+use crate::ir::print::num;
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Optimizer {
+    AdamW {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+    },
+}
+
+impl Optimizer {
+    pub fn lr(&self) -> f64 {
+        match self {
+            Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. } => *lr,
+        }
+    }
+}
+
+impl std::fmt::Display for Optimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Optimizer::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => write!(
+                f,
+                "adamw(lr={}, betas=({}, {}), eps={}, weight_decay={})",
+                num(*lr),
+                num(*beta1),
+                num(*beta2),
+                num(*eps),
+                num(*weight_decay)
+            ),
+            Optimizer::Sgd {
+                lr,
+                momentum,
+                weight_decay,
+            } => write!(
+                f,
+                "sgd(lr={}, momentum={}, weight_decay={})",
+                num(*lr),
+                num(*momentum),
+                num(*weight_decay)
+            ),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainConfig {
+    pub optimizer: Optimizer,
+    /// Clip gradients to this global L2 norm before the update.
+    pub clip_grad_norm: Option<f64>,
+    /// Compute dtype: f32, or bf16/f16 with f32 master weights and optimizer state.
+    pub precision: DType,
+    /// Micro-batches whose gradients are accumulated before one update.
+    pub micro_batches: u32,
+    /// Where the loss was written, for errors about it.
+    pub loss_span: Span,
+}
+
+#[derive(Clone, Debug)]
+pub struct Model {
+    pub graph: Graph,
+    pub train: TrainConfig,
+    /// Top-level constants with their final values (after `--set`), in file order.
+    pub consts: Vec<(String, String)>,
+}
+
+impl Model {
+    pub fn inputs(&self) -> Vec<(String, crate::ir::TensorType)> {
+        self.graph
+            .topo_order()
+            .into_iter()
+            .filter_map(|n| match &self.graph.g[n].op {
+                crate::ops::Op::Input(i) => Some((i.name.clone(), i.ty.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+}

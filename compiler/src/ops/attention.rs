@@ -1,0 +1,226 @@
+//! Scaled dot-product attention as one op each way. Heads stay in the
+//! feature-innermost layout the projections produce: q [B, T, Hq, D],
+//! k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped-query heads).
+//! The forward also returns the per-row log-sum-exp [B, Hq, T] in f32, which
+//! the backward uses to recompute probabilities instead of storing them.
+
+use super::*;
+use crate::ir::print::num;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Attention {
+    pub causal: bool,
+    pub scale: f64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionGrad {
+    pub causal: bool,
+    pub scale: f64,
+}
+
+fn attrs(causal: bool, scale: f64) -> Vec<String> {
+    vec![format!("causal={causal}"), format!("scale={}", num(scale))]
+}
+
+fn check(op: &str, q: &TensorType, k: &TensorType, v: &TensorType) -> Result<(), OpError> {
+    for (i, t) in [q, k, v].into_iter().enumerate() {
+        expect_float(op, t, i)?;
+        if t.rank() != 4 {
+            return Err(OpError::new(
+                format!("`{op}` needs heads laid out as [B, T, H, D]"),
+                format!("argument {} is {t}", i + 1),
+            )
+            .at(i)
+            .help("split the features into heads first: heads(x, H)"));
+        }
+    }
+    expect_same_dtype(op, q, k)?;
+    expect_same_dtype(op, q, v)?;
+    dims_equal(op, "batch of q and k", &q.shape[0], &k.shape[0])?;
+    dims_equal(op, "batch of k and v", &k.shape[0], &v.shape[0])?;
+    dims_equal(op, "sequence of k and v", &k.shape[1], &v.shape[1])?;
+    dims_equal(op, "heads of k and v", &k.shape[2], &v.shape[2])?;
+    dims_equal(op, "head dim of q and k", &q.shape[3], &k.shape[3])?;
+    let (hq, hk) = (&q.shape[2], &k.shape[2]);
+    match (hq.as_const(), hk.as_const()) {
+        (Some(a), Some(b)) if b > 0 && a % b == 0 => Ok(()),
+        _ => Err(OpError::new(
+            format!("`{op}`: query heads must be a multiple of key/value heads"),
+            format!("{hq} query heads, {hk} key/value heads"),
+        )),
+    }
+}
+
+struct Dims {
+    b: usize,
+    t: usize,
+    s: usize,
+    hq: usize,
+    hk: usize,
+    d: usize,
+    dv: usize,
+}
+
+impl Dims {
+    fn of(q: &Tensor, k: &Tensor, v: &Tensor) -> Dims {
+        Dims {
+            b: q.shape[0],
+            t: q.shape[1],
+            s: k.shape[1],
+            hq: q.shape[2],
+            hk: k.shape[2],
+            d: q.shape[3],
+            dv: v.shape[3],
+        }
+    }
+    fn q(&self, b: usize, i: usize, h: usize) -> usize {
+        ((b * self.t + i) * self.hq + h) * self.d
+    }
+    fn k(&self, b: usize, j: usize, h: usize) -> usize {
+        ((b * self.s + j) * self.hk + h / (self.hq / self.hk)) * self.d
+    }
+    fn v(&self, b: usize, j: usize, h: usize) -> usize {
+        ((b * self.s + j) * self.hk + h / (self.hq / self.hk)) * self.dv
+    }
+    fn o(&self, b: usize, i: usize, h: usize) -> usize {
+        ((b * self.t + i) * self.hq + h) * self.dv
+    }
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Scores of one query row against every key (masked entries are -inf).
+fn scores(a: &Attention, m: &Dims, q: &Tensor, k: &Tensor, b: usize, i: usize, h: usize) -> Vec<f64> {
+    let qr = &q.data[m.q(b, i, h)..m.q(b, i, h) + m.d];
+    (0..m.s)
+        .map(|j| {
+            if a.causal && j > i {
+                f64::NEG_INFINITY
+            } else {
+                a.scale * dot(qr, &k.data[m.k(b, j, h)..m.k(b, j, h) + m.d])
+            }
+        })
+        .collect()
+}
+
+impl OpDef for Attention {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+    fn attrs(&self) -> Vec<String> {
+        attrs(self.causal, self.scale)
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("attention", inputs, 3)?;
+        let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
+        check("attention", q, k, v)?;
+        let out = vec![q.shape[0].clone(), q.shape[1].clone(), q.shape[2].clone(), v.shape[3].clone()];
+        let lse = vec![q.shape[0].clone(), q.shape[2].clone(), q.shape[1].clone()];
+        Ok(vec![TensorType::new(q.dtype, out), TensorType::new(DType::F32, lse)])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+        let m = Dims::of(q, k, v);
+        let mut out = vec![0.0; m.b * m.t * m.hq * m.dv];
+        let mut lse = vec![0.0; m.b * m.hq * m.t];
+        for b in 0..m.b {
+            for h in 0..m.hq {
+                for i in 0..m.t {
+                    let s = scores(self, &m, q, k, b, i, h);
+                    let mx = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let sum: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+                    lse[(b * m.hq + h) * m.t + i] = mx + sum.ln();
+                    let o = m.o(b, i, h);
+                    for (j, sj) in s.iter().enumerate() {
+                        let p = (sj - mx).exp() / sum;
+                        if p == 0.0 {
+                            continue;
+                        }
+                        let vr = m.v(b, j, h);
+                        for c in 0..m.dv {
+                            out[o + c] += p * v.data[vr + c];
+                        }
+                    }
+                }
+            }
+        }
+        vec![
+            Tensor::new(vec![m.b, m.t, m.hq, m.dv], out),
+            Tensor::new(vec![m.b, m.hq, m.t], lse),
+        ]
+    }
+    fn vjp(&self, b: &mut Builder, inputs: &[Value], outputs: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(dout) = douts[0] else { return Ok(vec![None; 3]) };
+        let grad = AttentionGrad {
+            causal: self.causal,
+            scale: self.scale,
+        };
+        let r = b.op(grad, &[inputs[0], inputs[1], inputs[2], outputs[0], outputs[1], dout])?;
+        Ok(vec![Some(r[0]), Some(r[1]), Some(r[2])])
+    }
+}
+
+impl OpDef for AttentionGrad {
+    fn name(&self) -> &'static str {
+        "attention_grad"
+    }
+    fn attrs(&self) -> Vec<String> {
+        attrs(self.causal, self.scale)
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("attention_grad", inputs, 6)?;
+        check("attention_grad", &inputs[0], &inputs[1], &inputs[2])?;
+        Ok(vec![inputs[0].clone(), inputs[1].clone(), inputs[2].clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        let (q, k, v, o, lse, dout) = (inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5]);
+        let m = Dims::of(q, k, v);
+        let fwd = Attention {
+            causal: self.causal,
+            scale: self.scale,
+        };
+        let mut dq = vec![0.0; q.len()];
+        let mut dk = vec![0.0; k.len()];
+        let mut dv = vec![0.0; v.len()];
+        for b in 0..m.b {
+            for h in 0..m.hq {
+                for i in 0..m.t {
+                    let s = scores(&fwd, &m, q, k, b, i, h);
+                    let l = lse.data[(b * m.hq + h) * m.t + i];
+                    let oi = m.o(b, i, h);
+                    let d_o = &dout.data[oi..oi + m.dv];
+                    // D_i = rowsum(dO * O), the FlashAttention-2 shortcut.
+                    let di = dot(d_o, &o.data[oi..oi + m.dv]);
+                    let qi = m.q(b, i, h);
+                    for (j, sj) in s.iter().enumerate() {
+                        let p = (sj - l).exp();
+                        if p == 0.0 {
+                            continue;
+                        }
+                        let (kj, vj) = (m.k(b, j, h), m.v(b, j, h));
+                        for c in 0..m.dv {
+                            dv[vj + c] += p * d_o[c];
+                        }
+                        let dp = dot(d_o, &v.data[vj..vj + m.dv]);
+                        let ds = p * (dp - di) * self.scale;
+                        for c in 0..m.d {
+                            dq[qi + c] += ds * k.data[kj + c];
+                            dk[kj + c] += ds * q.data[qi + c];
+                        }
+                    }
+                }
+            }
+        }
+        vec![
+            Tensor::new(q.shape.clone(), dq),
+            Tensor::new(k.shape.clone(), dk),
+            Tensor::new(v.shape.clone(), dv),
+        ]
+    }
+    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new("second derivatives are not supported", "attention_grad"))
+    }
+}

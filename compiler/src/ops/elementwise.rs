@@ -1,0 +1,350 @@
+//! Elementwise ops: unary math, broadcasting binary arithmetic, constants
+//! and casts.
+
+use super::*;
+use crate::ir::print::num;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryKind {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Tanh,
+    Sigmoid,
+    /// GELU, tanh approximation (as GPT-2 uses).
+    Gelu,
+    Relu,
+    Silu,
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_C: f64 = 0.044715;
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+impl UnaryKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryKind::Neg => "neg",
+            UnaryKind::Exp => "exp",
+            UnaryKind::Log => "log",
+            UnaryKind::Sqrt => "sqrt",
+            UnaryKind::Rsqrt => "rsqrt",
+            UnaryKind::Tanh => "tanh",
+            UnaryKind::Sigmoid => "sigmoid",
+            UnaryKind::Gelu => "gelu",
+            UnaryKind::Relu => "relu",
+            UnaryKind::Silu => "silu",
+        }
+    }
+
+    pub fn apply(self, x: f64) -> f64 {
+        match self {
+            UnaryKind::Neg => -x,
+            UnaryKind::Exp => x.exp(),
+            UnaryKind::Log => x.ln(),
+            UnaryKind::Sqrt => x.sqrt(),
+            UnaryKind::Rsqrt => 1.0 / x.sqrt(),
+            UnaryKind::Tanh => x.tanh(),
+            UnaryKind::Sigmoid => sigmoid(x),
+            UnaryKind::Gelu => 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + GELU_C * x * x * x)).tanh()),
+            UnaryKind::Relu => x.max(0.0),
+            UnaryKind::Silu => x * sigmoid(x),
+        }
+    }
+
+    /// d apply / dx
+    pub fn derivative(self, x: f64) -> f64 {
+        match self {
+            UnaryKind::Neg => -1.0,
+            UnaryKind::Exp => x.exp(),
+            UnaryKind::Log => 1.0 / x,
+            UnaryKind::Sqrt => 0.5 / x.sqrt(),
+            UnaryKind::Rsqrt => -0.5 * x.powf(-1.5),
+            UnaryKind::Tanh => 1.0 - x.tanh().powi(2),
+            UnaryKind::Sigmoid => sigmoid(x) * (1.0 - sigmoid(x)),
+            UnaryKind::Gelu => {
+                let u = SQRT_2_OVER_PI * (x + GELU_C * x * x * x);
+                let t = u.tanh();
+                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
+            }
+            UnaryKind::Relu => {
+                if x > 0.0 {
+                    1.0
+                } else {
+                    0.0
+                }
+            }
+            UnaryKind::Silu => {
+                let s = sigmoid(x);
+                s + x * s * (1.0 - s)
+            }
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Unary {
+    pub kind: UnaryKind,
+}
+
+impl OpDef for Unary {
+    fn name(&self) -> &'static str {
+        self.kind.name()
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity(self.kind.name(), inputs, 1)?;
+        expect_float(self.kind.name(), &inputs[0], 0)?;
+        Ok(vec![inputs[0].clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        vec![inputs[0].map(|x| self.kind.apply(x))]
+    }
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(dy) = douts[0] else { return Ok(vec![None]) };
+        let dx = if self.kind == UnaryKind::Neg {
+            b.neg(dy)?
+        } else {
+            b.op1(UnaryGrad { kind: self.kind }, &[inputs[0], dy])?
+        };
+        Ok(vec![Some(dx)])
+    }
+}
+
+/// `dy * f'(x)` for a unary `f`: the backward of every unary op, fused.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UnaryGrad {
+    pub kind: UnaryKind,
+}
+
+impl OpDef for UnaryGrad {
+    fn name(&self) -> &'static str {
+        match self.kind {
+            UnaryKind::Neg => "neg_grad",
+            UnaryKind::Exp => "exp_grad",
+            UnaryKind::Log => "log_grad",
+            UnaryKind::Sqrt => "sqrt_grad",
+            UnaryKind::Rsqrt => "rsqrt_grad",
+            UnaryKind::Tanh => "tanh_grad",
+            UnaryKind::Sigmoid => "sigmoid_grad",
+            UnaryKind::Gelu => "gelu_grad",
+            UnaryKind::Relu => "relu_grad",
+            UnaryKind::Silu => "silu_grad",
+        }
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity(self.name(), inputs, 2)?;
+        dims_equal(self.name(), "x and dy", &inputs[0].numel(), &inputs[1].numel())?;
+        Ok(vec![inputs[0].clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        vec![inputs[0].zip(inputs[1], |x, dy| self.kind.derivative(x) * dy)]
+    }
+    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new("second derivatives are not supported", self.name()))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryKind {
+    Add,
+    Sub,
+    Mul,
+    Div,
+}
+
+impl BinaryKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryKind::Add => "add",
+            BinaryKind::Sub => "sub",
+            BinaryKind::Mul => "mul",
+            BinaryKind::Div => "div",
+        }
+    }
+    /// How the model file writes it, for messages.
+    pub fn symbol(self) -> &'static str {
+        match self {
+            BinaryKind::Add => "+",
+            BinaryKind::Sub => "-",
+            BinaryKind::Mul => "*",
+            BinaryKind::Div => "/",
+        }
+    }
+    pub fn apply(self, a: f64, b: f64) -> f64 {
+        match self {
+            BinaryKind::Add => a + b,
+            BinaryKind::Sub => a - b,
+            BinaryKind::Mul => a * b,
+            BinaryKind::Div => a / b,
+        }
+    }
+}
+
+/// Broadcasting arithmetic on two tensors of one floating dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Binary {
+    pub kind: BinaryKind,
+}
+
+impl OpDef for Binary {
+    fn name(&self) -> &'static str {
+        self.kind.name()
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        let n = self.kind.symbol();
+        expect_arity(n, inputs, 2)?;
+        expect_float(n, &inputs[0], 0)?;
+        expect_float(n, &inputs[1], 1)?;
+        expect_same_dtype(n, &inputs[0], &inputs[1])?;
+        let shape = broadcast(n, &inputs[0].shape, &inputs[1].shape)?;
+        Ok(vec![TensorType::new(inputs[0].dtype, shape)])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        vec![inputs[0].zip(inputs[1], |a, b| self.kind.apply(a, b))]
+    }
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        outputs: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else { return Ok(vec![None, None]) };
+        let (x, y) = (inputs[0], inputs[1]);
+        let (sx, sy) = (b.ty(x).shape, b.ty(y).shape);
+        let (gx, gy) = match self.kind {
+            BinaryKind::Add => (g, g),
+            BinaryKind::Sub => (g, b.neg(g)?),
+            BinaryKind::Mul => (b.mul(g, y)?, b.mul(g, x)?),
+            BinaryKind::Div => {
+                let gx = b.div(g, y)?;
+                let t = b.mul(g, outputs[0])?;
+                let t = b.div(t, y)?;
+                (gx, b.neg(t)?)
+            }
+        };
+        Ok(vec![Some(b.sum_to(gx, &sx)?), Some(b.sum_to(gy, &sy)?)])
+    }
+}
+
+/// A scalar constant.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Constant {
+    pub value: f64,
+    pub dtype: DType,
+}
+
+impl OpDef for Constant {
+    fn name(&self) -> &'static str {
+        "const"
+    }
+    fn attrs(&self) -> Vec<String> {
+        vec![num(self.value)]
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("const", inputs, 0)?;
+        Ok(vec![TensorType::scalar(self.dtype)])
+    }
+    fn eval(&self, _: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        vec![Tensor::scalar(self.value)]
+    }
+    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
+        Ok(Vec::new())
+    }
+}
+
+/// A scalar equal to a (possibly symbolic) dimension, e.g. `B*T` for a mean.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DimValue {
+    pub dim: Dim,
+    pub dtype: DType,
+}
+
+impl OpDef for DimValue {
+    fn name(&self) -> &'static str {
+        "dim_value"
+    }
+    fn attrs(&self) -> Vec<String> {
+        vec![self.dim.to_string()]
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("dim_value", inputs, 0)?;
+        Ok(vec![TensorType::scalar(self.dtype)])
+    }
+    fn eval(&self, _: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor> {
+        vec![Tensor::scalar((ctx.dim)(&self.dim) as f64)]
+    }
+    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
+        Ok(Vec::new())
+    }
+}
+
+/// A dtype conversion (fp32 master weights to bf16 compute copies, and back for gradients).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cast {
+    pub to: DType,
+}
+
+impl OpDef for Cast {
+    fn name(&self) -> &'static str {
+        "cast"
+    }
+    fn attrs(&self) -> Vec<String> {
+        vec![format!("to={}", self.to)]
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("cast", inputs, 1)?;
+        Ok(vec![inputs[0].with_dtype(self.to)])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        // Rounding to the target precision is applied by the interpreter to
+        // every output according to its dtype.
+        vec![inputs[0].clone()]
+    }
+    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else { return Ok(vec![None]) };
+        let from = b.ty(inputs[0]).dtype;
+        if !from.is_float() {
+            return Ok(vec![None]);
+        }
+        Ok(vec![Some(b.cast(g, from)?)])
+    }
+}
+
+/// The global-norm clipping coefficient from the sum of squared gradients:
+/// `min(1, max_norm / (sqrt(sumsq) + 1e-6))`, as torch.nn.utils.clip_grad_norm_.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClipCoef {
+    pub max_norm: f64,
+}
+
+impl OpDef for ClipCoef {
+    fn name(&self) -> &'static str {
+        "clip_coef"
+    }
+    fn attrs(&self) -> Vec<String> {
+        vec![format!("max_norm={}", num(self.max_norm))]
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("clip_coef", inputs, 1)?;
+        Ok(vec![TensorType::scalar(DType::F32)])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        let norm = inputs[0].data[0].sqrt();
+        vec![Tensor::scalar((self.max_norm / (norm + 1e-6)).min(1.0))]
+    }
+    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new("the optimizer update is not differentiable", "clip_coef"))
+    }
+}

@@ -1,0 +1,260 @@
+//! The op set. Each op is declared once, in one of the files below, as a
+//! type implementing [`OpDef`]: its shape and dtype rule (`infer`), its CPU
+//! reference (`eval`) and its gradient rule (`vjp`, written with other ops).
+//! Adding an op means writing that impl and one line in `ops!` below.
+
+mod attention;
+mod builder;
+mod conv;
+mod elementwise;
+mod linalg;
+mod nn;
+mod optim;
+mod shape;
+mod source;
+
+pub use attention::{Attention, AttentionGrad};
+pub use builder::Builder;
+pub use conv::{Conv2d, Conv2dGradInput, Conv2dGradWeight};
+pub use elementwise::{Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unary, UnaryGrad, UnaryKind};
+pub use linalg::MatMul;
+pub use nn::{
+    CausalMask, CrossEntropy, CrossEntropyGrad, Embedding, EmbeddingGrad, LayerNorm, LayerNormGrad,
+    RmsNorm, RmsNormGrad, Rope, Softmax, SoftmaxGrad,
+};
+pub use optim::{AdamW, Sgd};
+pub use shape::{Broadcast, Concat, Permute, Reduce, ReduceKind, Reshape, Slice, SliceGrad};
+pub use source::{Input, Param, State};
+
+use crate::interp::tensor::Tensor;
+use crate::ir::dim::Dim;
+use crate::ir::graph::Value;
+use crate::ir::types::{shape_string, DType, TensorType};
+
+/// Why an op rejected its inputs. The elaborator turns it into a diagnostic
+/// at the call's span (or at the argument's span when `arg` is set).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpError {
+    pub message: String,
+    pub detail: String,
+    pub arg: Option<usize>,
+    pub help: Option<String>,
+}
+
+impl OpError {
+    pub fn new(message: impl Into<String>, detail: impl Into<String>) -> OpError {
+        OpError {
+            message: message.into(),
+            detail: detail.into(),
+            arg: None,
+            help: None,
+        }
+    }
+    pub fn at(mut self, arg: usize) -> OpError {
+        self.arg = Some(arg);
+        self
+    }
+    pub fn help(mut self, h: impl Into<String>) -> OpError {
+        self.help = Some(h.into());
+        self
+    }
+}
+
+impl std::fmt::Display for OpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.message, self.detail)
+    }
+}
+
+/// What `eval` knows beyond its inputs: the concrete output shapes, and the
+/// values of the symbolic dimensions.
+pub struct EvalCtx<'a> {
+    pub out_shapes: &'a [Vec<usize>],
+    pub dim: &'a dyn Fn(&Dim) -> usize,
+}
+
+pub trait OpDef {
+    fn name(&self) -> &'static str;
+    /// Attributes as `key=value` words for the text form of the graph.
+    fn attrs(&self) -> Vec<String> {
+        Vec::new()
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError>;
+    fn eval(&self, inputs: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor>;
+    /// Given the gradients of the outputs (None where no gradient flows),
+    /// returns the gradients of the inputs (None where none is needed).
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        outputs: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError>;
+}
+
+macro_rules! ops {
+    ($($variant:ident),* $(,)?) => {
+        /// Every op in the IR.
+        #[derive(Clone, Debug, PartialEq)]
+        pub enum Op {
+            $($variant($variant)),*
+        }
+
+        impl Op {
+            fn def(&self) -> &dyn OpDef {
+                match self {
+                    $(Op::$variant(o) => o),*
+                }
+            }
+        }
+
+        $(impl From<$variant> for Op {
+            fn from(o: $variant) -> Op {
+                Op::$variant(o)
+            }
+        })*
+    };
+}
+
+ops!(
+    Input, Param, State, Constant, DimValue, Cast, Unary, UnaryGrad, Binary, ClipCoef, Reduce,
+    Reshape, Permute, Slice, SliceGrad, Concat, Broadcast, MatMul, Softmax, SoftmaxGrad, LayerNorm,
+    LayerNormGrad, RmsNorm, RmsNormGrad, Embedding, EmbeddingGrad, CrossEntropy, CrossEntropyGrad,
+    Rope, CausalMask, Attention, AttentionGrad, Conv2d, Conv2dGradInput, Conv2dGradWeight, AdamW,
+    Sgd,
+);
+
+impl Op {
+    pub fn name(&self) -> &'static str {
+        self.def().name()
+    }
+    pub fn attrs(&self) -> Vec<String> {
+        self.def().attrs()
+    }
+    pub fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        self.def().infer(inputs)
+    }
+    pub fn eval(&self, inputs: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor> {
+        self.def().eval(inputs, ctx)
+    }
+    pub fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        outputs: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        self.def().vjp(b, inputs, outputs, douts)
+    }
+    pub fn is_source(&self) -> bool {
+        matches!(self, Op::Input(_) | Op::Param(_) | Op::State(_))
+    }
+}
+
+// ---- shared checks used by the shape rules ----
+
+pub(crate) fn expect_arity(op: &str, inputs: &[TensorType], n: usize) -> Result<(), OpError> {
+    if inputs.len() != n {
+        return Err(OpError::new(
+            format!("`{op}` takes {n} tensor argument{}", if n == 1 { "" } else { "s" }),
+            format!("found {}", inputs.len()),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn expect_float(op: &str, t: &TensorType, arg: usize) -> Result<(), OpError> {
+    if !t.dtype.is_float() {
+        return Err(OpError::new(
+            format!("`{op}` needs a floating-point tensor"),
+            format!("found {t}"),
+        )
+        .at(arg));
+    }
+    Ok(())
+}
+
+pub(crate) fn expect_int(op: &str, t: &TensorType, arg: usize) -> Result<(), OpError> {
+    if t.dtype != DType::I32 {
+        return Err(OpError::new(
+            format!("`{op}` needs an i32 tensor of indices"),
+            format!("found {t}"),
+        )
+        .at(arg));
+    }
+    Ok(())
+}
+
+pub(crate) fn expect_same_dtype(op: &str, a: &TensorType, b: &TensorType) -> Result<(), OpError> {
+    if a.dtype != b.dtype {
+        return Err(OpError::new(
+            format!("dtype mismatch in `{op}`"),
+            format!("{a} and {b}"),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn expect_rank_at_least(op: &str, t: &TensorType, r: usize, arg: usize) -> Result<(), OpError> {
+    if t.rank() < r {
+        return Err(OpError::new(
+            format!("`{op}` needs a tensor of rank {r} or more"),
+            format!("found {t}"),
+        )
+        .at(arg));
+    }
+    Ok(())
+}
+
+pub(crate) fn dims_equal(op: &str, what: &str, a: &Dim, b: &Dim) -> Result<(), OpError> {
+    if a != b {
+        return Err(OpError::new(
+            format!("shape mismatch in `{op}`"),
+            format!("{what}: {a} vs {b}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Symbolic numpy broadcasting: equal dims, or one of them is the constant 1.
+pub(crate) fn broadcast(op: &str, a: &[Dim], b: &[Dim]) -> Result<Vec<Dim>, OpError> {
+    let r = a.len().max(b.len());
+    let one = Dim::constant(1);
+    let mut out = Vec::with_capacity(r);
+    for i in 0..r {
+        let da = if i + a.len() >= r { &a[i + a.len() - r] } else { &one };
+        let db = if i + b.len() >= r { &b[i + b.len() - r] } else { &one };
+        out.push(if da == db || db.is_one() {
+            da.clone()
+        } else if da.is_one() {
+            db.clone()
+        } else {
+            return Err(OpError::new(
+                format!("shapes do not broadcast in `{op}`"),
+                format!(
+                    "{} and {}: axis {} is {} on the left and {} on the right",
+                    shape_string(a),
+                    shape_string(b),
+                    i as i64 - r as i64,
+                    da,
+                    db
+                ),
+            )
+            .help("broadcasting matches axes from the right; each pair must be equal or one of them 1"));
+        });
+    }
+    Ok(out)
+}
+
+/// Normalises a possibly negative axis against a rank.
+pub(crate) fn norm_axis(op: &str, axis: i64, rank: usize) -> Result<usize, OpError> {
+    let r = rank as i64;
+    if axis < -r || axis >= r {
+        return Err(OpError::new(
+            format!("axis out of range in `{op}`"),
+            format!("axis {axis} for a tensor of rank {rank}"),
+        )
+        .help(format!("valid axes are -{r}..{}", r - 1)));
+    }
+    Ok(if axis < 0 { (axis + r) as usize } else { axis as usize })
+}

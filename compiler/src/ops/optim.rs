@@ -1,0 +1,101 @@
+//! Optimizer updates, one op per parameter, written as PyTorch defines them
+//! (torch.optim.AdamW, torch.optim.SGD with dampening 0) so that losses can
+//! be compared step for step.
+
+use super::*;
+use crate::ir::print::num;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdamW {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl OpDef for AdamW {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+    fn attrs(&self) -> Vec<String> {
+        vec![
+            format!("betas=({}, {})", num(self.beta1), num(self.beta2)),
+            format!("eps={}", num(self.eps)),
+            format!("wd={}", num(self.weight_decay)),
+        ]
+    }
+    /// (param, grad, m, v, lr, step) -> (param', m', v'); `step` counts from 1.
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("adamw", inputs, 6)?;
+        let p = &inputs[0];
+        for t in &inputs[1..4] {
+            if t.shape != p.shape {
+                return Err(OpError::new("shape mismatch in `adamw`", format!("{p} and {t}")));
+            }
+        }
+        Ok(vec![p.clone(), inputs[2].clone(), inputs[3].clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        let (p, g, m, v) = (inputs[0], inputs[1], inputs[2], inputs[3]);
+        let (lr, t) = (inputs[4].data[0], inputs[5].data[0]);
+        let bc1 = 1.0 - self.beta1.powf(t);
+        let bc2 = 1.0 - self.beta2.powf(t);
+        let n = p.len();
+        let (mut po, mut mo, mut vo) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        for i in 0..n {
+            let gi = g.data[i];
+            mo[i] = self.beta1 * m.data[i] + (1.0 - self.beta1) * gi;
+            vo[i] = self.beta2 * v.data[i] + (1.0 - self.beta2) * gi * gi;
+            let decayed = p.data[i] * (1.0 - lr * self.weight_decay);
+            po[i] = decayed - lr * (mo[i] / bc1) / ((vo[i] / bc2).sqrt() + self.eps);
+        }
+        vec![
+            Tensor::new(p.shape.clone(), po),
+            Tensor::new(p.shape.clone(), mo),
+            Tensor::new(p.shape.clone(), vo),
+        ]
+    }
+    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new("the optimizer update is not differentiable", "adamw"))
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sgd {
+    pub momentum: f64,
+    pub weight_decay: f64,
+}
+
+impl OpDef for Sgd {
+    fn name(&self) -> &'static str {
+        "sgd"
+    }
+    fn attrs(&self) -> Vec<String> {
+        vec![format!("momentum={}", num(self.momentum)), format!("wd={}", num(self.weight_decay))]
+    }
+    /// (param, grad, momentum buffer, lr) -> (param', buffer').
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("sgd", inputs, 4)?;
+        let p = &inputs[0];
+        for t in &inputs[1..3] {
+            if t.shape != p.shape {
+                return Err(OpError::new("shape mismatch in `sgd`", format!("{p} and {t}")));
+            }
+        }
+        Ok(vec![p.clone(), inputs[2].clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        let (p, g, buf, lr) = (inputs[0], inputs[1], inputs[2], inputs[3].data[0]);
+        let n = p.len();
+        let (mut po, mut bo) = (vec![0.0; n], vec![0.0; n]);
+        for i in 0..n {
+            let gi = g.data[i] + self.weight_decay * p.data[i];
+            bo[i] = self.momentum * buf.data[i] + gi;
+            po[i] = p.data[i] - lr * bo[i];
+        }
+        vec![Tensor::new(p.shape.clone(), po), Tensor::new(p.shape.clone(), bo)]
+    }
+    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new("the optimizer update is not differentiable", "sgd"))
+    }
+}

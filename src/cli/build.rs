@@ -1,0 +1,90 @@
+//! `fusec build`: compile a model and write every stage to a folder.
+
+use super::common::{load, ModelArgs};
+use super::CliError;
+use clap::{Args, ValueEnum};
+use fusec_compiler::driver::{Compiled, STAGES};
+use fusec_compiler::ir::{dot::to_dot, print::print_graph};
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Format {
+    Text,
+    Dot,
+}
+
+#[derive(Args, Debug)]
+pub struct BuildArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Folder for the results (created if missing)
+    #[arg(short, long, value_name = "DIR", default_value = "out")]
+    pub out: PathBuf,
+    /// Print one stage to standard output: ast, forward, backward or train
+    #[arg(long, value_name = "STAGE", value_parser = stage_name)]
+    pub dump: Option<String>,
+    /// Format of --dump: readable text or Graphviz dot
+    #[arg(long, value_enum, default_value = "text")]
+    pub format: Format,
+}
+
+fn stage_name(s: &str) -> Result<String, String> {
+    if STAGES.iter().any(|(n, _)| *n == s) {
+        Ok(s.to_string())
+    } else {
+        let list: Vec<String> = STAGES.iter().map(|(n, d)| format!("  {n:<9} {d}")).collect();
+        Err(format!("unknown stage `{s}`; the stages are:\n{}", list.join("\n")))
+    }
+}
+
+pub fn stage_text(c: &Compiled, stage: &str, source: &str, format: Format) -> String {
+    let graph = match stage {
+        "ast" => return format!("{:#?}\n", c.ast),
+        "forward" => &c.model.graph,
+        "backward" => {
+            // The training graph without its update phase.
+            let mut g = c.training.clone();
+            g.g.retain_nodes(|gr, n| gr[n].phase != fusec_compiler::ir::Phase::Update);
+            g.outputs.retain(|(_, v)| g.g.contains_node(v.node));
+            return match format {
+                Format::Text => print_graph(&g, Some(source)),
+                Format::Dot => to_dot(&g),
+            };
+        }
+        _ => &c.training,
+    };
+    match format {
+        Format::Text => print_graph(graph, Some(source)),
+        Format::Dot => to_dot(graph),
+    }
+}
+
+fn write(path: &Path, text: &str) -> Result<(), CliError> {
+    std::fs::write(path, text).map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))
+}
+
+pub fn run(args: &BuildArgs) -> Result<(), CliError> {
+    let loaded = load(&args.model)?;
+    let c = &loaded.compiled;
+    if let Some(stage) = &args.dump {
+        print!("{}", stage_text(c, stage, &loaded.source, args.format));
+        return Ok(());
+    }
+    std::fs::create_dir_all(&args.out)
+        .map_err(|e| CliError::usage(format!("error: cannot create output folder {}: {e}", args.out.display())))?;
+    let mut written = Vec::new();
+    for (stage, _) in STAGES.iter().filter(|(s, _)| *s != "ast") {
+        let p = args.out.join(format!("{stage}.txt"));
+        write(&p, &stage_text(c, stage, &loaded.source, Format::Text))?;
+        written.push(p);
+    }
+    let p = args.out.join("train.dot");
+    write(&p, &to_dot(&c.training))?;
+    written.push(p);
+    print!("{}", super::check::summary(c, &loaded.path.display().to_string()));
+    println!("\nwrote:");
+    for p in written {
+        println!("  {}", p.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,23 @@
+//! The subcommands. Each reads its arguments, calls the compiler library and
+//! prints for a person; errors carry the exit status they end with.
+
+pub mod build;
+pub mod check;
+mod common;
+
+/// A failure to report: the rendered message and the exit status.
+pub struct CliError {
+    pub message: String,
+    pub code: u8,
+}
+
+impl CliError {
+    /// The model file is wrong (exit 1).
+    pub fn model(message: impl Into<String>) -> CliError {
+        CliError { message: message.into(), code: 1 }
+    }
+    /// The command line or the environment is wrong (exit 2).
+    pub fn usage(message: impl Into<String>) -> CliError {
+        CliError { message: message.into(), code: 2 }
+    }
+}

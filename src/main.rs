@@ -1,0 +1,47 @@
+//! `fusec`: compile a model file into one fused training step.
+
+mod cli;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "fusec",
+    version,
+    about = "A training-graph compiler: a model file in, one fused training step out",
+    long_about = "fusec turns a model written in its small DSL into one training step \
+(forward, backward and optimizer update) as fused CUDA kernels and a static memory plan.\n\n\
+Start with `fusec check dsl-examples/gpt2-small.dsl`, then `fusec build`.",
+    after_help = "Exit status: 0 ok, 1 the model file has an error, 2 the command line is wrong."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check a model file and list its inputs and parameters
+    Check(cli::check::CheckArgs),
+    /// Compile a model file and write the results to a folder
+    Build(cli::build::BuildArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Check(a) => cli::check::run(&a),
+        Command::Build(a) => cli::build::run(&a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprint!("{}", e.message);
+            if !e.message.ends_with('\n') {
+                eprintln!();
+            }
+            ExitCode::from(e.code)
+        }
+    }
+}
