@@ -8,3 +8,4 @@ pub mod elaborate;
 pub mod model;
 pub mod autodiff;
 pub mod driver;
+pub mod gradcheck;

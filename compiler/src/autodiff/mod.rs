@@ -10,7 +10,6 @@ mod update;
 
 use crate::diag::{Diagnostic, Errors};
 use crate::ir::graph::{Graph, Phase, Role, Value};
-use crate::ir::types::DType;
 use crate::model::Model;
 use crate::ops::{Builder, Constant, OpError};
 use std::collections::HashMap;
@@ -27,7 +26,8 @@ pub fn add_backward(model: &Model) -> Result<Graph, Errors> {
     let mut grads: HashMap<Value, Value> = HashMap::new();
     {
         let mut b = Builder::new(&mut g, Some(model.train.loss_span), Phase::Backward);
-        let seed = b.op1(Constant { value: 1.0 / model.train.micro_batches as f64, dtype: DType::F32 }, &[]).map_err(internal)?;
+        let dtype = b.ty(loss).dtype;
+        let seed = b.op1(Constant { value: 1.0 / model.train.micro_batches as f64, dtype }, &[]).map_err(internal)?;
         grads.insert(loss, seed);
     }
     for &n in order.iter().rev() {
@@ -42,6 +42,8 @@ pub fn add_backward(model: &Model) -> Result<Graph, Errors> {
         let dins = node.op.vjp(&mut b, &inputs, &outputs, &douts).map_err(internal)?;
         for (x, dx) in inputs.iter().zip(dins) {
             let Some(dx) = dx else { continue };
+            // A gradient has its value's dtype (f32 for master weights).
+            let dx = b.cast(dx, b.ty(*x).dtype).map_err(internal)?;
             let total = match grads.get(x) {
                 Some(&prev) => b.add(prev, dx).map_err(internal)?,
                 None => dx,

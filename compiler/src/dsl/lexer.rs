@@ -363,3 +363,24 @@ mod tests {
         assert!(lex(&one_line).is_err());
     }
 }
+#[cfg(test)]
+mod probe {
+    #[test]
+    fn probe() {
+        let which = std::env::var("PROBE").unwrap();
+        let n = 1_000_000;
+        let s = match which.as_str() {
+            "ident" => "a".repeat(n),
+            "digits" => "1".repeat(n),
+            "float" => format!("1.{}", "1".repeat(n)),
+            "comment" => format!("#{}", "a".repeat(n)),
+            "space" => " ".repeat(n),
+            "newline" => "\n".repeat(n),
+            "mixed_ws" => " \t\r\n".repeat(n / 4),
+            "exp" => format!("1e{}", "1".repeat(n)),
+            _ => panic!(),
+        };
+        let r = super::lex(&s);
+        eprintln!("{which} ok {}", r.is_ok());
+    }
+}

@@ -1,0 +1,60 @@
+//! Helpers shared by the end-to-end tests.
+#![allow(dead_code)]
+
+use fusec_compiler::driver::{compile, Compiled};
+use fusec_compiler::elaborate::Options;
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn example(name: &str) -> (String, String) {
+    let path = root().join("dsl-examples").join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    (format!("dsl-examples/{name}"), text)
+}
+
+pub fn compile_with(source: &str, name: &str, sets: &[(&str, &str)]) -> Compiled {
+    let opts = Options {
+        overrides: sets.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+    };
+    match compile(source, name, &opts) {
+        Ok(c) => c,
+        Err(f) => panic!("{}", f.render(name, source)),
+    }
+}
+
+pub fn dims(pairs: &[(&str, i64)]) -> HashMap<String, i64> {
+    pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+/// Every shipped model, with the constants that shrink it to a size the
+/// reference interpreter evaluates in milliseconds, and its symbolic sizes.
+pub fn tiny_models() -> Vec<(&'static str, Vec<(&'static str, &'static str)>, Vec<(&'static str, i64)>)> {
+    vec![
+        ("mlp.dsl", vec![("d_in", "6"), ("d_hidden", "8"), ("classes", "5")], vec![("B", 3)]),
+        ("gpt2-block.dsl", vec![("d", "16"), ("n_heads", "2")], vec![("B", 2), ("T", 5)]),
+        (
+            "gpt2-small.dsl",
+            vec![("vocab", "23"), ("ctx", "8"), ("d", "16"), ("n_heads", "2"), ("layers", "2")],
+            vec![("B", 2), ("T", 5)],
+        ),
+        (
+            "llama-small.dsl",
+            vec![("vocab", "23"), ("d", "16"), ("n_heads", "4"), ("n_kv_heads", "2"), ("ffn", "24"), ("layers", "2")],
+            vec![("B", 2), ("T", 5)],
+        ),
+        (
+            "bert-encoder.dsl",
+            vec![("vocab", "23"), ("ctx", "8"), ("d", "16"), ("n_heads", "2"), ("layers", "2")],
+            vec![("B", 2), ("T", 5)],
+        ),
+        (
+            "vit-tiny.dsl",
+            vec![("image", "8"), ("patch", "4"), ("channels", "3"), ("d", "16"), ("n_heads", "2"), ("layers", "2"), ("classes", "5")],
+            vec![("B", 2)],
+        ),
+    ]
+}
