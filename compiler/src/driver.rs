@@ -23,27 +23,57 @@ pub struct Compiled {
     pub training: Graph,
 }
 
-/// A failure with the text it came from, so it can be rendered.
+/// Why a compile failed.
 #[derive(Debug)]
-pub struct Failure {
-    pub errors: Errors,
+pub enum Failure {
+    /// The model file is wrong; render against its text.
+    Model(Errors),
+    /// The options are wrong (e.g. `--set` of a constant the model lacks).
+    Usage(String),
 }
 
 impl Failure {
     pub fn render(&self, file_name: &str, source: &str) -> String {
-        self.errors.render(file_name, source)
+        match self {
+            Failure::Model(errors) => errors.render(file_name, source),
+            Failure::Usage(m) => format!("error: {m}\n"),
+        }
+    }
+    pub fn is_usage(&self) -> bool {
+        matches!(self, Failure::Usage(_))
     }
 }
 
+/// `--set` may only name top-level constants; checked on the syntax tree so
+/// the message can list the ones there are.
+fn check_overrides(ast: &Module, opts: &Options) -> Result<(), Failure> {
+    let consts: Vec<&str> = ast
+        .items
+        .iter()
+        .filter_map(|i| match i {
+            crate::dsl::ast::Item::Const { name, .. } => Some(name.name.as_str()),
+            _ => None,
+        })
+        .collect();
+    for (name, value) in &opts.overrides {
+        if !consts.contains(&name.as_str()) {
+            let list = if consts.is_empty() { "it has none".to_string() } else { format!("they are: {}", consts.join(", ")) };
+            return Err(Failure::Usage(format!("--set {name}={value}: the model has no top-level constant `{name}`; {list}")));
+        }
+    }
+    Ok(())
+}
+
 pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compiled, Failure> {
-    let ast = dsl::parse(source).map_err(|errors| Failure { errors })?;
-    let model = elaborate::elaborate(&ast, model_name, opts).map_err(|errors| Failure { errors })?;
+    let ast = dsl::parse(source).map_err(Failure::Model)?;
+    check_overrides(&ast, opts)?;
+    let model = elaborate::elaborate(&ast, model_name, opts).map_err(Failure::Model)?;
     check_verified(&model.graph, "elaboration")?;
-    let backward = autodiff::add_backward(&model).map_err(|errors| Failure { errors })?;
+    let backward = autodiff::add_backward(&model).map_err(Failure::Model)?;
     check_verified(&backward, "autodiff")?;
     let mut training = backward;
-    autodiff::add_update(&mut training, &model.train).map_err(|e| Failure {
-        errors: crate::diag::Diagnostic::new(format!("internal error building the update: {e}"), model.train.loss_span, "").into(),
+    autodiff::add_update(&mut training, &model.train).map_err(|e| {
+        Failure::Model(crate::diag::Diagnostic::new(format!("internal error building the update: {e}"), model.train.loss_span, "").into())
     })?;
     check_verified(&training, "the optimizer update")?;
     Ok(Compiled { ast, model, training })
@@ -52,15 +82,17 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
 /// The verifier guards the compiler's own invariants: a failure is a bug in
 /// fusec, never in the model file, and is reported as such.
 fn check_verified(g: &Graph, after: &str) -> Result<(), Failure> {
-    verify(g).map_err(|problems| Failure {
-        errors: crate::diag::Diagnostic::new(
+    verify(g).map_err(|problems| {
+        Failure::Model(
+            crate::diag::Diagnostic::new(
             format!("internal error: the graph is invalid after {after}"),
             crate::dsl::ast::Span::default(),
             "",
         )
         .with_help(problems.join("\n"))
-        .with_help("this is a bug in fusec; please report it with the model file")
-        .into(),
+            .with_help("this is a bug in fusec; please report it with the model file")
+            .into(),
+        )
     })
 }
 

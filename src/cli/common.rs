@@ -47,8 +47,14 @@ pub fn load(args: &ModelArgs) -> Result<Loaded, CliError> {
     let source = read_source(&args.model)?;
     let opts = options(&args.set)?;
     let name = driver::model_name(&args.model);
-    let compiled = driver::compile(&source, &name, &opts)
-        .map_err(|f| CliError::model(f.render(&args.model.display().to_string(), &source)))?;
+    let compiled = driver::compile(&source, &name, &opts).map_err(|f| {
+        let text = f.render(&args.model.display().to_string(), &source);
+        if f.is_usage() {
+            CliError::usage(text)
+        } else {
+            CliError::model(text)
+        }
+    })?;
     Ok(Loaded { path: args.model.clone(), source, compiled })
 }
 

@@ -16,11 +16,13 @@ pub fn example(name: &str) -> (String, String) {
     (format!("dsl-examples/{name}"), text)
 }
 
+/// Compiles a model; `name` is its path for messages, the model is named by the file stem.
 pub fn compile_with(source: &str, name: &str, sets: &[(&str, &str)]) -> Compiled {
+    let model_name = fusec_compiler::driver::model_name(std::path::Path::new(name));
     let opts = Options {
         overrides: sets.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
     };
-    match compile(source, name, &opts) {
+    match compile(source, &model_name, &opts) {
         Ok(c) => c,
         Err(f) => panic!("{}", f.render(name, source)),
     }

@@ -205,7 +205,7 @@ impl<'m> Elab<'m> {
                 if top {
                     if let Some((text, used)) = self.overrides.get_mut(&name.name) {
                         *used = true;
-                        val = parse_override(&name.name, text, &val)?;
+                        val = parse_override(name, text, &val)?;
                     }
                 }
                 if !matches!(val, Val::Int(_) | Val::Float(_) | Val::Bool(_) | Val::Dim(_)) {
@@ -529,9 +529,9 @@ fn parse_dtype(id: &Ident) -> Result<DType, Diagnostic> {
     })
 }
 
-fn parse_override(name: &str, text: &str, current: &Val) -> Result<Val, Diagnostic> {
+fn parse_override(name: &Ident, text: &str, current: &Val) -> Result<Val, Diagnostic> {
     let bad = |what: &str| {
-        Diagnostic::new(format!("`--set {name}={text}`: {what}"), Span::default(), "")
+        Diagnostic::new(format!("`--set {}={text}` does not fit this constant", name.name), name.span, what)
     };
     match current {
         Val::Int(_) => text.parse::<i64>().map(Val::Int).map_err(|_| bad("this constant is an integer")),

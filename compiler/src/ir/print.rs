@@ -72,7 +72,11 @@ pub fn print_graph(g: &Graph, src: Option<&str>) -> String {
             .map(|port| format!("{}: {}", names.get(Value { node: n, port }), node.outputs[port]))
             .collect();
         let args: Vec<String> = g.inputs(n).into_iter().map(|v| names.get(v)).collect();
-        let mut line = format!("  {} = {}({})", outs.join(", "), node.op.name(), args.join(", "));
+        let mut line = if args.is_empty() {
+            format!("  {} = {}", outs.join(", "), node.op.name())
+        } else {
+            format!("  {} = {}({})", outs.join(", "), node.op.name(), args.join(", "))
+        };
         for a in node.op.attrs() {
             line.push(' ');
             line.push_str(&a);

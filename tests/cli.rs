@@ -1,0 +1,97 @@
+//! The `fusec` command as a person runs it.
+
+mod common;
+
+use std::process::Command;
+
+fn fusec(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fusec"))
+        .args(args)
+        .current_dir(common::root())
+        .output()
+        .expect("fusec runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_reports_gpt2_small_parameter_count() {
+    let (code, out, err) = fusec(&["check", "dsl-examples/gpt2-small.dsl"]);
+    assert_eq!(code, 0, "{err}");
+    // The count PyTorch gives for GPT-2 small with tied embeddings.
+    assert!(out.contains("total: 124,439,808 parameters"), "{out}");
+    assert!(out.contains("tokens               i32[B, T]"), "{out}");
+    assert!(out.contains("h.11.mlp.c_proj_w"), "{out}");
+}
+
+#[test]
+fn set_overrides_a_constant() {
+    let (code, out, err) = fusec(&["check", "dsl-examples/gpt2-small.dsl", "--set", "layers=2"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("h.1.mlp.c_proj_w") && !out.contains("h.2."), "{out}");
+    let (code, _, err) = fusec(&["check", "dsl-examples/gpt2-small.dsl", "--set", "nope=2"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("no top-level constant `nope`"), "{err}");
+    let (code, _, err) = fusec(&["check", "dsl-examples/gpt2-small.dsl", "--set", "layers"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("NAME=VALUE"), "{err}");
+}
+
+#[test]
+fn build_writes_every_stage() {
+    let dir = std::env::temp_dir().join(format!("fusec-cli-build-{}", std::process::id()));
+    let (code, out, err) = fusec(&["build", "dsl-examples/mlp.dsl", "-o", dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    for f in ["forward.txt", "backward.txt", "train.txt", "train.dot"] {
+        let p = dir.join(f);
+        assert!(p.exists(), "{} missing; stdout:\n{out}", p.display());
+    }
+    let train = std::fs::read_to_string(dir.join("train.txt")).unwrap();
+    assert!(train.contains("= sgd(") && train.contains("backward:"), "{train}");
+    let dot = std::fs::read_to_string(dir.join("train.dot")).unwrap();
+    assert!(dot.starts_with("digraph \"mlp\" {"), "{dot}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn dump_prints_one_stage() {
+    let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "forward"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("graph mlp (B)\n") && !out.contains("backward:"), "{out}");
+    let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "backward"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("backward:") && !out.contains("update:"), "{out}");
+    let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "train", "--format", "dot"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("-> n"), "{out}");
+    let (code, _, err) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "kernels"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("unknown stage `kernels`"), "{err}");
+}
+
+#[test]
+fn help_on_every_command() {
+    for args in [vec!["--help"], vec!["check", "--help"], vec!["build", "--help"]] {
+        let (code, out, _) = fusec(&args);
+        assert_eq!(code, 0);
+        assert!(out.contains("Usage: fusec"), "{out}");
+    }
+    let (code, _, err) = fusec(&["frobnicate"]);
+    assert_eq!(code, 2, "{err}");
+}
+
+#[test]
+fn missing_and_non_utf8_files() {
+    let (code, _, err) = fusec(&["check", "no/such/model.dsl"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("cannot read model file no/such/model.dsl"), "{err}");
+    let p = std::env::temp_dir().join(format!("fusec-binary-{}.dsl", std::process::id()));
+    std::fs::write(&p, [0xff, 0xfe, 0x00, 0x41]).unwrap();
+    let (code, _, err) = fusec(&["check", p.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("is not UTF-8 text"), "{err}");
+    let _ = std::fs::remove_file(p);
+}

@@ -1,0 +1,10 @@
+# A negative gradient-norm clip.
+const d = 64
+dim B
+input x: f32[B, d]
+param w: [d, d] = normal(0.02)
+
+train {
+    loss = mean(x @ w)
+    clip_grad_norm = -1.0
+}

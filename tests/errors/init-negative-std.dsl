@@ -1,0 +1,9 @@
+# A normal initialiser with a negative standard deviation.
+const d = 64
+dim B
+input x: f32[B, d]
+param w: [d, d] = normal(-0.02)
+
+train {
+    loss = mean(x @ w)
+}

@@ -1,0 +1,10 @@
+# Zero micro-batches.
+const d = 64
+dim B
+input x: f32[B, d]
+param w: [d, d] = normal(0.02)
+
+train {
+    loss = mean(x @ w)
+    micro_batches = 0
+}

@@ -1,0 +1,9 @@
+# The model has no train section.
+const d = 64
+const classes = 10
+dim B
+input x: f32[B, d]
+input labels: i32[B]
+param w: [d, classes] = normal(0.02)
+
+let logits = x @ w

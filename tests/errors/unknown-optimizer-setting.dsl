@@ -1,0 +1,10 @@
+# `adamw` takes `betas`, not `beta1`.
+const d = 64
+dim B
+input x: f32[B, d]
+param w: [d, d] = normal(0.02)
+
+train {
+    loss = mean(x @ w)
+    optimizer = adamw(lr = 3e-4, beta1 = 0.9)
+}

@@ -1,0 +1,10 @@
+# `bfloat16` is not a precision; write `bf16`.
+const d = 64
+dim B
+input x: f32[B, d]
+param w: [d, d] = normal(0.02)
+
+train {
+    loss = mean(x @ w)
+    precision = bfloat16
+}
