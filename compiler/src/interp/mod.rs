@@ -4,6 +4,7 @@
 //! autodiff, passes and GPU kernels are checked against.
 
 pub mod random;
+pub mod step;
 pub mod tensor;
 
 use crate::ir::graph::{Graph, Value};

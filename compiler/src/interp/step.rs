@@ -1,0 +1,37 @@
+//! One whole training step on the CPU: evaluate the training graph, then
+//! write the updated parameters and optimizer state back into the feeds.
+//! This is the reference a GPU step is compared with.
+
+use super::tensor::Tensor;
+use super::{run, Feeds, InterpError, Precision};
+use crate::ir::graph::{Graph, Role};
+
+#[derive(Clone, Debug)]
+pub struct StepResult {
+    pub loss: f64,
+    pub grad_norm: Option<f64>,
+}
+
+/// Runs step number `step` (counting from 1) with learning rate `lr`.
+pub fn train_step(g: &Graph, feeds: &mut Feeds, lr: f64, step: u64, precision: Precision) -> Result<StepResult, InterpError> {
+    feeds.inputs.insert("lr".into(), Tensor::scalar(lr));
+    feeds.inputs.insert("step".into(), Tensor::scalar(step as f64));
+    let vals = run(g, feeds, precision)?;
+    let mut result = StepResult { loss: f64::NAN, grad_norm: None };
+    for (role, v) in &g.outputs {
+        let t = &vals[v];
+        match role {
+            Role::Loss => result.loss = t.data[0],
+            Role::GradNorm => result.grad_norm = Some(t.data[0]),
+            Role::NewParam(i) => {
+                let name = &g.params[*i].name;
+                feeds.params.insert(name.clone(), t.clone());
+            }
+            Role::NewState(name) => {
+                feeds.state.insert(name.clone(), t.clone());
+            }
+            Role::Grad(_) => {}
+        }
+    }
+    Ok(result)
+}
