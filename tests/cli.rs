@@ -31,7 +31,10 @@ fn check_reports_gpt2_small_parameter_count() {
 fn set_overrides_a_constant() {
     let (code, out, err) = fusec(&["check", "dsl-examples/gpt2-small.dsl", "--set", "layers=2"]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("h.1.mlp.c_proj_w") && !out.contains("h.2."), "{out}");
+    assert!(
+        out.contains("h.1.mlp.c_proj_w") && !out.contains("h.2."),
+        "{out}"
+    );
     let (code, _, err) = fusec(&["check", "dsl-examples/gpt2-small.dsl", "--set", "nope=2"]);
     assert_eq!(code, 2);
     assert!(err.contains("no top-level constant `nope`"), "{err}");
@@ -50,7 +53,10 @@ fn build_writes_every_stage() {
         assert!(p.exists(), "{} missing; stdout:\n{out}", p.display());
     }
     let train = std::fs::read_to_string(dir.join("train.txt")).unwrap();
-    assert!(train.contains("= sgd(") && train.contains("backward:"), "{train}");
+    assert!(
+        train.contains("= sgd(") && train.contains("backward:"),
+        "{train}"
+    );
     let dot = std::fs::read_to_string(dir.join("train.dot")).unwrap();
     assert!(dot.starts_with("digraph \"mlp\" {"), "{dot}");
     let _ = std::fs::remove_dir_all(dir);
@@ -60,11 +66,24 @@ fn build_writes_every_stage() {
 fn dump_prints_one_stage() {
     let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "forward"]);
     assert_eq!(code, 0);
-    assert!(out.starts_with("graph mlp (B)\n") && !out.contains("backward:"), "{out}");
+    assert!(
+        out.starts_with("graph mlp (B)\n") && !out.contains("backward:"),
+        "{out}"
+    );
     let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "backward"]);
     assert_eq!(code, 0);
-    assert!(out.contains("backward:") && !out.contains("update:"), "{out}");
-    let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "train", "--format", "dot"]);
+    assert!(
+        out.contains("backward:") && !out.contains("update:"),
+        "{out}"
+    );
+    let (code, out, _) = fusec(&[
+        "build",
+        "dsl-examples/mlp.dsl",
+        "--dump",
+        "train",
+        "--format",
+        "dot",
+    ]);
     assert_eq!(code, 0);
     assert!(out.contains("-> n"), "{out}");
     let (code, _, err) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "kernels"]);
@@ -74,7 +93,11 @@ fn dump_prints_one_stage() {
 
 #[test]
 fn help_on_every_command() {
-    for args in [vec!["--help"], vec!["check", "--help"], vec!["build", "--help"]] {
+    for args in [
+        vec!["--help"],
+        vec!["check", "--help"],
+        vec!["build", "--help"],
+    ] {
         let (code, out, _) = fusec(&args);
         assert_eq!(code, 0);
         assert!(out.contains("Usage: fusec"), "{out}");
@@ -87,7 +110,10 @@ fn help_on_every_command() {
 fn missing_and_non_utf8_files() {
     let (code, _, err) = fusec(&["check", "no/such/model.dsl"]);
     assert_eq!(code, 2);
-    assert!(err.contains("cannot read model file no/such/model.dsl"), "{err}");
+    assert!(
+        err.contains("cannot read model file no/such/model.dsl"),
+        "{err}"
+    );
     let p = std::env::temp_dir().join(format!("fusec-binary-{}.dsl", std::process::id()));
     std::fs::write(&p, [0xff, 0xfe, 0x00, 0x41]).unwrap();
     let (code, _, err) = fusec(&["check", p.to_str().unwrap()]);

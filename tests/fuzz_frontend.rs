@@ -24,12 +24,86 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const TOKENS: &[&str] = &[
-    "const", "dim", "input", "param", "let", "block", "return", "repeat", "train", "true", "false", "(", ")", "[", "]", "{",
-    "}", ",", ":", "=", "+", "-", "*", "/", "@", ".", "...", ";", "\n", " ", "#", "x", "B", "T", "w", "f32", "i32", "bf16",
-    "0", "1", "2", "-1", "3", "1e-5", "0.02", "99999999999999999999", "1e400", "normal(0.02)", "zeros", "ones", "loss",
-    "optimizer", "adamw(lr = 1e-3)", "sgd(lr = 0.1)", "precision", "micro_batches", "clip_grad_norm", "linear", "embedding",
-    "layernorm", "rmsnorm", "gelu", "softmax", "attention", "heads", "merge_heads", "split", "concat", "reshape", "rope",
-    "conv2d", "cross_entropy", "sum", "mean", "transpose", "permute", "broadcast", "causal_mask", "causal = true", "axis = -1",
+    "const",
+    "dim",
+    "input",
+    "param",
+    "let",
+    "block",
+    "return",
+    "repeat",
+    "train",
+    "true",
+    "false",
+    "(",
+    ")",
+    "[",
+    "]",
+    "{",
+    "}",
+    ",",
+    ":",
+    "=",
+    "+",
+    "-",
+    "*",
+    "/",
+    "@",
+    ".",
+    "...",
+    ";",
+    "\n",
+    " ",
+    "#",
+    "x",
+    "B",
+    "T",
+    "w",
+    "f32",
+    "i32",
+    "bf16",
+    "0",
+    "1",
+    "2",
+    "-1",
+    "3",
+    "1e-5",
+    "0.02",
+    "99999999999999999999",
+    "1e400",
+    "normal(0.02)",
+    "zeros",
+    "ones",
+    "loss",
+    "optimizer",
+    "adamw(lr = 1e-3)",
+    "sgd(lr = 0.1)",
+    "precision",
+    "micro_batches",
+    "clip_grad_norm",
+    "linear",
+    "embedding",
+    "layernorm",
+    "rmsnorm",
+    "gelu",
+    "softmax",
+    "attention",
+    "heads",
+    "merge_heads",
+    "split",
+    "concat",
+    "reshape",
+    "rope",
+    "conv2d",
+    "cross_entropy",
+    "sum",
+    "mean",
+    "transpose",
+    "permute",
+    "broadcast",
+    "causal_mask",
+    "causal = true",
+    "axis = -1",
 ];
 
 fn compile_str(src: &str) {
@@ -37,7 +111,10 @@ fn compile_str(src: &str) {
 }
 
 fn examples() -> Vec<String> {
-    common::tiny_models().iter().map(|(f, _, _)| common::example(f).1).collect()
+    common::tiny_models()
+        .iter()
+        .map(|(f, _, _)| common::example(f).1)
+        .collect()
 }
 
 /// One random edit: delete, duplicate or replace a span, or insert a token.
@@ -57,7 +134,11 @@ fn mutate(rng: &mut impl Rng, src: &str) -> String {
         }
         _ => out.extend(chars[a.min(chars.len())..b].iter().rev()),
     }
-    let rest = if rng.random_bool(0.5) { b } else { a.min(chars.len()) };
+    let rest = if rng.random_bool(0.5) {
+        b
+    } else {
+        a.min(chars.len())
+    };
     out.extend_from_slice(&chars[rest..]);
     out.into_iter().collect()
 }
@@ -104,17 +185,32 @@ fn pathological_inputs_fail_cleanly_and_fast() {
     for c in cases {
         let start = Instant::now();
         let r = compile(&c, "p", &Options::default());
-        assert!(r.is_err(), "accepted a pathological input of {} bytes", c.len());
+        assert!(
+            r.is_err(),
+            "accepted a pathological input of {} bytes",
+            c.len()
+        );
         let _ = r.map_err(|f| f.render("p.dsl", &c));
-        assert!(start.elapsed() < Duration::from_secs(5), "took {:?} on an input of {} bytes", start.elapsed(), c.len());
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "took {:?} on an input of {} bytes",
+            start.elapsed(),
+            c.len()
+        );
     }
 }
 
 #[test]
 #[ignore = "long-running; set FUSEC_FUZZ_SECONDS"]
 fn long_fuzz_run() {
-    let secs: u64 = std::env::var("FUSEC_FUZZ_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(60);
-    let seed: u64 = std::env::var("FUSEC_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+    let secs: u64 = std::env::var("FUSEC_FUZZ_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60);
+    let seed: u64 = std::env::var("FUSEC_FUZZ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
     let failure_path = common::root().join("target").join("fuzz-failure.dsl");
     let current = Arc::new(Mutex::new(String::new()));
     let started = Arc::new(AtomicU64::new(0));
@@ -128,7 +224,10 @@ fn long_fuzz_run() {
             if s > 0 && t0.elapsed().as_millis() as u64 > s + 10_000 {
                 let input = current.lock().map(|c| c.clone()).unwrap_or_default();
                 let _ = std::fs::write(&path, &input);
-                eprintln!("HANG: a case ran over 10 s; input written to {}", path.display());
+                eprintln!(
+                    "HANG: a case ran over 10 s; input written to {}",
+                    path.display()
+                );
                 std::process::exit(1);
             }
         });
@@ -146,7 +245,11 @@ fn long_fuzz_run() {
             c.clone_from(&s);
         }
         started.store(t0.elapsed().as_millis() as u64 + 1, Ordering::SeqCst);
-        let r = std::panic::catch_unwind(|| compile(&s, "fuzz", &Options::default()).map(|_| ()).map_err(|f| f.render("fuzz.dsl", &s)));
+        let r = std::panic::catch_unwind(|| {
+            compile(&s, "fuzz", &Options::default())
+                .map(|_| ())
+                .map_err(|f| f.render("fuzz.dsl", &s))
+        });
         started.store(0, Ordering::SeqCst);
         match r {
             Ok(Ok(())) => accepted += 1,
@@ -154,7 +257,10 @@ fn long_fuzz_run() {
             Err(_) => {
                 let _ = std::fs::write(&failure_path, &s);
                 let _ = std::panic::take_hook();
-                panic!("PANIC after {cases} cases; input written to {}", failure_path.display());
+                panic!(
+                    "PANIC after {cases} cases; input written to {}",
+                    failure_path.display()
+                );
             }
         }
         cases += 1;

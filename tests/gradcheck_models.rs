@@ -19,8 +19,15 @@ fn every_shipped_model_passes_its_gradient_check() {
         let (name, src) = common::example(file);
         let c = common::compile_with(&src, &name, &sets);
         let backward = fusec_compiler::autodiff::add_backward(&c.model).expect("differentiates");
-        let report = check_model(&c.model, &backward, &common::dims(&dims), 7, 4, Tolerance::default())
-            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let report = check_model(
+            &c.model,
+            &backward,
+            &common::dims(&dims),
+            7,
+            4,
+            Tolerance::default(),
+        )
+        .unwrap_or_else(|e| panic!("{file}: {e}"));
         println!(
             "{file}: {} gradient entries checked, max abs error {:.2e}, max rel error {:.2e}",
             report.checked, report.max_abs_err, report.max_rel_err
@@ -30,5 +37,9 @@ fn every_shipped_model_passes_its_gradient_check() {
             failures.push(format!("{file}: {f}"));
         }
     }
-    assert!(failures.is_empty(), "gradient check failures:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "gradient check failures:\n{}",
+        failures.join("\n")
+    );
 }

@@ -7,7 +7,14 @@ mod common;
 
 use fusec_compiler::ir::print::print_graph;
 
-const MODELS: &[&str] = &["mlp.dsl", "gpt2-block.dsl", "gpt2-small.dsl", "llama-small.dsl", "bert-encoder.dsl", "vit-tiny.dsl"];
+const MODELS: &[&str] = &[
+    "mlp.dsl",
+    "gpt2-block.dsl",
+    "gpt2-small.dsl",
+    "llama-small.dsl",
+    "bert-encoder.dsl",
+    "vit-tiny.dsl",
+];
 
 #[test]
 fn forward_and_training_graphs_of_every_shipped_model() {
@@ -15,8 +22,14 @@ fn forward_and_training_graphs_of_every_shipped_model() {
         let (name, src) = common::example(file);
         let c = common::compile_with(&src, &name, &[]);
         let stem = file.trim_end_matches(".dsl");
-        insta::assert_snapshot!(format!("{stem}.forward"), print_graph(&c.model.graph, Some(&src)));
-        insta::assert_snapshot!(format!("{stem}.train"), print_graph(&c.training, Some(&src)));
+        insta::assert_snapshot!(
+            format!("{stem}.forward"),
+            print_graph(&c.model.graph, Some(&src))
+        );
+        insta::assert_snapshot!(
+            format!("{stem}.train"),
+            print_graph(&c.training, Some(&src))
+        );
     }
 }
 

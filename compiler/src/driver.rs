@@ -13,8 +13,14 @@ use crate::model::Model;
 pub const STAGES: &[(&str, &str)] = &[
     ("ast", "the syntax tree, as parsed"),
     ("forward", "the forward graph, after elaboration"),
-    ("backward", "forward and backward: the loss and every parameter's gradient"),
-    ("train", "the whole step: forward, backward, clipping and the optimizer update"),
+    (
+        "backward",
+        "forward and backward: the loss and every parameter's gradient",
+    ),
+    (
+        "train",
+        "the whole step: forward, backward, clipping and the optimizer update",
+    ),
 ];
 
 pub struct Compiled {
@@ -57,8 +63,14 @@ fn check_overrides(ast: &Module, opts: &Options) -> Result<(), Failure> {
         .collect();
     for (name, value) in &opts.overrides {
         if !consts.contains(&name.as_str()) {
-            let list = if consts.is_empty() { "it has none".to_string() } else { format!("they are: {}", consts.join(", ")) };
-            return Err(Failure::Usage(format!("--set {name}={value}: the model has no top-level constant `{name}`; {list}")));
+            let list = if consts.is_empty() {
+                "it has none".to_string()
+            } else {
+                format!("they are: {}", consts.join(", "))
+            };
+            return Err(Failure::Usage(format!(
+                "--set {name}={value}: the model has no top-level constant `{name}`; {list}"
+            )));
         }
     }
     Ok(())
@@ -73,10 +85,21 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
     check_verified(&backward, "autodiff")?;
     let mut training = backward;
     autodiff::add_update(&mut training, &model.train).map_err(|e| {
-        Failure::Model(crate::diag::Diagnostic::new(format!("internal error building the update: {e}"), model.train.loss_span, "").into())
+        Failure::Model(
+            crate::diag::Diagnostic::new(
+                format!("internal error building the update: {e}"),
+                model.train.loss_span,
+                "",
+            )
+            .into(),
+        )
     })?;
     check_verified(&training, "the optimizer update")?;
-    Ok(Compiled { ast, model, training })
+    Ok(Compiled {
+        ast,
+        model,
+        training,
+    })
 }
 
 /// The verifier guards the compiler's own invariants: a failure is a bug in
@@ -85,11 +108,11 @@ fn check_verified(g: &Graph, after: &str) -> Result<(), Failure> {
     verify(g).map_err(|problems| {
         Failure::Model(
             crate::diag::Diagnostic::new(
-            format!("internal error: the graph is invalid after {after}"),
-            crate::dsl::ast::Span::default(),
-            "",
-        )
-        .with_help(problems.join("\n"))
+                format!("internal error: the graph is invalid after {after}"),
+                crate::dsl::ast::Span::default(),
+                "",
+            )
+            .with_help(problems.join("\n"))
             .with_help("this is a bug in fusec; please report it with the model file")
             .into(),
         )
@@ -98,5 +121,6 @@ fn check_verified(g: &Graph, after: &str) -> Result<(), Failure> {
 
 /// Derives a model name from a file path: `dsl-examples/gpt2-small.dsl` -> `gpt2-small`.
 pub fn model_name(path: &std::path::Path) -> String {
-    path.file_stem().map_or("model".into(), |s| s.to_string_lossy().into_owned())
+    path.file_stem()
+        .map_or("model".into(), |s| s.to_string_lossy().into_owned())
 }

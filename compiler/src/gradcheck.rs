@@ -23,7 +23,11 @@ impl Default for Tolerance {
     /// relative, so 1e-5 leaves a wide margin while still catching any real
     /// error in a gradient rule (those are off by O(1) relative).
     fn default() -> Self {
-        Tolerance { h: 1e-6, atol: 1e-8, rtol: 1e-5 }
+        Tolerance {
+            h: 1e-6,
+            atol: 1e-8,
+            rtol: 1e-5,
+        }
     }
 }
 
@@ -36,7 +40,9 @@ pub struct Report {
 }
 
 fn loss_of(g: &Graph, feeds: &Feeds) -> Result<f64, InterpError> {
-    let loss = g.output(&Role::Loss).ok_or_else(|| InterpError("the graph has no loss".into()))?;
+    let loss = g
+        .output(&Role::Loss)
+        .ok_or_else(|| InterpError("the graph has no loss".into()))?;
     let vals = run(g, feeds, Precision::F64)?;
     Ok(vals[&loss].data[0])
 }
@@ -62,7 +68,11 @@ pub fn check_model(
             .ok_or_else(|| InterpError(format!("no gradient for {}", p.name)))?;
         let grad = &vals[&gv];
         let n = grad.len();
-        let picks: Vec<usize> = if n <= samples { (0..n).collect() } else { (0..samples).map(|_| rng.random_range(0..n)).collect() };
+        let picks: Vec<usize> = if n <= samples {
+            (0..n).collect()
+        } else {
+            (0..samples).map(|_| rng.random_range(0..n)).collect()
+        };
         for k in picks {
             let mut f = feeds.clone();
             let base = f.params[&p.name].data[k];
@@ -79,7 +89,9 @@ pub fn check_model(
             if scale > tol.atol {
                 report.max_rel_err = report.max_rel_err.max(err / scale);
             }
-            if !(err <= tol.atol + tol.rtol * scale) {
+            // Written so that a NaN error counts as a failure.
+            let within = err <= tol.atol + tol.rtol * scale;
+            if !within {
                 report.failures.push(format!(
                     "{}[{k}]: autodiff {analytic:.10e}, finite difference {numeric:.10e} (error {err:.3e})",
                     p.name

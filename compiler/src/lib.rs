@@ -1,11 +1,11 @@
 //! fusec's compiler: model files in, a checked training graph out.
+pub mod autodiff;
 pub mod diag;
+pub mod driver;
 pub mod dsl;
+pub mod elaborate;
+pub mod gradcheck;
 pub mod interp;
 pub mod ir;
-pub mod ops;
-pub mod elaborate;
 pub mod model;
-pub mod autodiff;
-pub mod driver;
-pub mod gradcheck;
+pub mod ops;

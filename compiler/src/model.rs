@@ -1,8 +1,8 @@
 //! A checked model: the forward graph plus what the `train` section asks for.
 
 use crate::dsl::ast::Span;
-use crate::ir::{DType, Graph};
 use crate::ir::print::num;
+use crate::ir::{DType, Graph};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Optimizer {

@@ -6,7 +6,7 @@ use fusec_compiler::elaborate::Options;
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::step::train_step;
 use fusec_compiler::interp::tensor::Tensor;
-use fusec_compiler::interp::{run, round_to, Precision};
+use fusec_compiler::interp::{round_to, run, Precision};
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::DType;
 use std::collections::HashMap;
@@ -38,7 +38,10 @@ fn weight_decay_skips_vectors() {
     let c = compiled(src);
     let mut feeds = random_feeds(&c.training, &HashMap::new(), 1).unwrap();
     train_step(&c.training, &mut feeds, 0.5, 1, Precision::F64).unwrap();
-    assert!((feeds.params["w"].data[0] - 0.95).abs() < 1e-12, "matrices decay");
+    assert!(
+        (feeds.params["w"].data[0] - 0.95).abs() < 1e-12,
+        "matrices decay"
+    );
     assert_eq!(feeds.params["b"].data[0], 1.0, "vectors do not");
 }
 
@@ -84,7 +87,10 @@ fn feeds_are_checked() {
     let mut feeds = random_feeds(&c.model.graph, &dims, 1).unwrap();
     feeds.inputs.insert("x".into(), Tensor::zeros(&[2, 4]));
     let err = run(&c.model.graph, &feeds, Precision::F64).unwrap_err();
-    assert!(err.0.contains("input `x` should have shape [2, 3]"), "{err}");
+    assert!(
+        err.0.contains("input `x` should have shape [2, 3]"),
+        "{err}"
+    );
     feeds.dims.clear();
     let err = run(&c.model.graph, &feeds, Precision::F64).unwrap_err();
     assert!(err.0.contains("no size given for dimension B"), "{err}");
@@ -97,29 +103,69 @@ fn slices_past_the_end_at_run_time_are_errors() {
     let dims: HashMap<String, i64> = [("T".to_string(), 6)].into();
     let feeds = random_feeds(&c.model.graph, &dims, 1).unwrap();
     let err = run(&c.model.graph, &feeds, Precision::F64).unwrap_err();
-    assert!(err.0.contains("slice 0:T is out of range for an axis of size 4"), "{err}");
+    assert!(
+        err.0
+            .contains("slice 0:T is out of range for an axis of size 4"),
+        "{err}"
+    );
 }
 
 /// Ten steps of each small model on one fixed batch: the loss must fall.
 #[test]
 fn training_steps_reduce_the_loss() {
     let cases: &[(&str, &[(&str, &str)], &[(&str, i64)])] = &[
-        ("mlp.dsl", &[("d_in", "6"), ("d_hidden", "16"), ("classes", "5")], &[("B", 8)]),
-        ("gpt2-small.dsl", &[("vocab", "17"), ("ctx", "8"), ("d", "16"), ("n_heads", "2"), ("layers", "2")], &[("B", 2), ("T", 6)]),
-        ("llama-small.dsl", &[("vocab", "17"), ("d", "16"), ("n_heads", "4"), ("n_kv_heads", "2"), ("ffn", "24"), ("layers", "1")], &[("B", 2), ("T", 6)]),
+        (
+            "mlp.dsl",
+            &[("d_in", "6"), ("d_hidden", "16"), ("classes", "5")],
+            &[("B", 8)],
+        ),
+        (
+            "gpt2-small.dsl",
+            &[
+                ("vocab", "17"),
+                ("ctx", "8"),
+                ("d", "16"),
+                ("n_heads", "2"),
+                ("layers", "2"),
+            ],
+            &[("B", 2), ("T", 6)],
+        ),
+        (
+            "llama-small.dsl",
+            &[
+                ("vocab", "17"),
+                ("d", "16"),
+                ("n_heads", "4"),
+                ("n_kv_heads", "2"),
+                ("ffn", "24"),
+                ("layers", "1"),
+            ],
+            &[("B", 2), ("T", 6)],
+        ),
     ];
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("dsl-examples");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("dsl-examples");
     for (file, sets, dims) in cases {
         let src = std::fs::read_to_string(root.join(file)).unwrap();
-        let opts = Options { overrides: sets.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect() };
+        let opts = Options {
+            overrides: sets
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
         let c = compile(&src, file, &opts).unwrap_or_else(|f| panic!("{}", f.render(file, &src)));
         let dims: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
         let mut feeds = random_feeds(&c.training, &dims, 3).unwrap();
         let lr = c.model.train.optimizer.lr().max(1e-2);
-        let first = train_step(&c.training, &mut feeds, lr, 1, Precision::AsStored).unwrap().loss;
+        let first = train_step(&c.training, &mut feeds, lr, 1, Precision::AsStored)
+            .unwrap()
+            .loss;
         let mut last = first;
         for step in 2..=10 {
-            last = train_step(&c.training, &mut feeds, lr, step, Precision::AsStored).unwrap().loss;
+            last = train_step(&c.training, &mut feeds, lr, step, Precision::AsStored)
+                .unwrap()
+                .loss;
         }
         assert!(last < first * 0.9, "{file}: loss {first} -> {last}");
     }

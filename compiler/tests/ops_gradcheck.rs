@@ -18,14 +18,23 @@ fn check(name: &str, decls: &str, y: &str, y_shape: &str, extra_train: &str) {
     let src = format!(
         "dim B, T\n{decls}\nlet y = {y}\nparam r: {y_shape} = normal(1.0)\ntrain {{\n    loss = sum(y * r) + 0.5 * sum(y * y)\n    {extra_train}\n}}\n"
     );
-    let c = compile(&src, name, &Options::default()).unwrap_or_else(|f| panic!("{}", f.render(name, &src)));
+    let c = compile(&src, name, &Options::default())
+        .unwrap_or_else(|f| panic!("{}", f.render(name, &src)));
     let backward = add_backward(&c.model).expect("differentiates");
     let dims: HashMap<String, i64> = [("B".to_string(), 2), ("T".to_string(), 5)].into();
-    let report = check_model(&c.model, &backward, &dims, 11, 1000, Tolerance::default()).expect("evaluates");
+    let report =
+        check_model(&c.model, &backward, &dims, 11, 1000, Tolerance::default()).expect("evaluates");
     assert!(report.checked > 0);
-    assert!(report.failures.is_empty(), "{name}:\n{}\n--- model ---\n{src}", report.failures.join("\n"));
+    assert!(
+        report.failures.is_empty(),
+        "{name}:\n{}\n--- model ---\n{src}",
+        report.failures.join("\n")
+    );
     // The case must really exercise a backward op, not only reshape grads.
-    assert!(backward.g.node_weights().any(|n| n.phase == Phase::Backward));
+    assert!(backward
+        .g
+        .node_weights()
+        .any(|n| n.phase == Phase::Backward));
 }
 
 #[test]
@@ -41,15 +50,39 @@ fn binary_arithmetic_with_broadcasting() {
 
 #[test]
 fn unary_functions() {
-    for f in ["exp(x)", "log(x * x + 1)", "sqrt(x * x + 1)", "rsqrt(x * x + 1)", "tanh(x)", "sigmoid(x)", "gelu(x)", "relu(x)", "silu(x)", "-x", "swiglu(x, x * 2)"] {
+    for f in [
+        "exp(x)",
+        "log(x * x + 1)",
+        "sqrt(x * x + 1)",
+        "rsqrt(x * x + 1)",
+        "tanh(x)",
+        "sigmoid(x)",
+        "gelu(x)",
+        "relu(x)",
+        "silu(x)",
+        "-x",
+        "swiglu(x, x * 2)",
+    ] {
         check(f, "param x: [3, 4] = normal(1.0)", f, "[3, 4]", "");
     }
 }
 
 #[test]
 fn matmul_batched_and_broadcast() {
-    check("matmul_2d", "param a: [3, 4] = normal(1.0)\nparam w: [4, 5] = normal(1.0)", "a @ w", "[3, 5]", "");
-    check("matmul_bcast", "param a: [2, 3, 4] = normal(1.0)\nparam w: [4, 5] = normal(1.0)", "a @ w", "[2, 3, 5]", "");
+    check(
+        "matmul_2d",
+        "param a: [3, 4] = normal(1.0)\nparam w: [4, 5] = normal(1.0)",
+        "a @ w",
+        "[3, 5]",
+        "",
+    );
+    check(
+        "matmul_bcast",
+        "param a: [2, 3, 4] = normal(1.0)\nparam w: [4, 5] = normal(1.0)",
+        "a @ w",
+        "[2, 3, 5]",
+        "",
+    );
     check(
         "matmul_batched",
         "param a: [2, 2, 3, 4] = normal(1.0)\nparam w: [2, 1, 4, 3] = normal(1.0)",
@@ -64,7 +97,13 @@ fn matmul_batched_and_broadcast() {
 fn reductions() {
     let d = "param x: [2, 3, 4] = normal(1.0)";
     check("sum_axis", d, "sum(x, axis = 1)", "[2, 4]", "");
-    check("sum_keep", d, "sum(x, axis = [0, 2], keepdim = true)", "[1, 3, 1]", "");
+    check(
+        "sum_keep",
+        d,
+        "sum(x, axis = [0, 2], keepdim = true)",
+        "[1, 3, 1]",
+        "",
+    );
     check("mean_axis", d, "mean(x, axis = -1)", "[2, 3]", "");
     check("mean_all", d, "mean(x) * x", "[2, 3, 4]", "");
 }
@@ -78,11 +117,29 @@ fn data_movement() {
     check("slice", d, "x[:, 1:3, ...]", "[2, 2, 4]", "");
     check("index", d, "x[1, :, -1]", "[3]", "");
     let dz = "param x: [2, 3, 4] = normal(1.0)\nparam z: [2, 3, 2] = normal(1.0)";
-    check("concat", dz, "concat([x, z, x], axis = -1)", "[2, 3, 10]", "");
-    check("split", d, "concat(split(x, [1, 3], axis = 2), axis = 2) * x", "[2, 3, 4]", "");
+    check(
+        "concat",
+        dz,
+        "concat([x, z, x], axis = -1)",
+        "[2, 3, 10]",
+        "",
+    );
+    check(
+        "split",
+        d,
+        "concat(split(x, [1, 3], axis = 2), axis = 2) * x",
+        "[2, 3, 4]",
+        "",
+    );
     let d2 = "param x: [3, 1] = normal(1.0)";
     check("broadcast", d2, "broadcast(x, [2, 3, 4])", "[2, 3, 4]", "");
-    check("heads", "param x: [2, 3, 8] = normal(1.0)", "merge_heads(permute(heads(x, 2), [0, 1, 3, 2]))", "[2, 3, 8]", "");
+    check(
+        "heads",
+        "param x: [2, 3, 8] = normal(1.0)",
+        "merge_heads(permute(heads(x, 2), [0, 1, 3, 2]))",
+        "[2, 3, 8]",
+        "",
+    );
 }
 
 #[test]
@@ -94,7 +151,8 @@ fn softmax_along_any_axis() {
 
 #[test]
 fn norms() {
-    let d = "param x: [2, 3, 6] = normal(1.0)\nparam g: [6] = normal(1.0)\nparam b: [6] = normal(1.0)";
+    let d =
+        "param x: [2, 3, 6] = normal(1.0)\nparam g: [6] = normal(1.0)\nparam b: [6] = normal(1.0)";
     check("layernorm", d, "layernorm(x, g, b)", "[2, 3, 6]", "");
     check("rmsnorm", d, "rmsnorm(x, g) + b", "[2, 3, 6]", "");
 }
@@ -119,18 +177,42 @@ fn embedding_and_cross_entropy() {
 
 #[test]
 fn rotary_embedding() {
-    check("rope", "param x: [2, 5, 2, 6] = normal(1.0)", "rope(x, theta = 100)", "[2, 5, 2, 6]", "");
+    check(
+        "rope",
+        "param x: [2, 5, 2, 6] = normal(1.0)",
+        "rope(x, theta = 100)",
+        "[2, 5, 2, 6]",
+        "",
+    );
 }
 
 #[test]
 fn attention_variants() {
     let qkv = "param q: [2, 5, 4, 3] = normal(1.0)\nparam k: [2, 5, 4, 3] = normal(1.0)\nparam v: [2, 5, 4, 3] = normal(1.0)";
     check("attention", qkv, "attention(q, k, v)", "[2, 5, 4, 3]", "");
-    check("attention_causal", qkv, "attention(q, k, v, causal = true)", "[2, 5, 4, 3]", "");
+    check(
+        "attention_causal",
+        qkv,
+        "attention(q, k, v, causal = true)",
+        "[2, 5, 4, 3]",
+        "",
+    );
     let gqa = "param q: [2, 5, 4, 3] = normal(1.0)\nparam k: [2, 5, 2, 3] = normal(1.0)\nparam v: [2, 5, 2, 2] = normal(1.0)";
-    check("attention_gqa", gqa, "attention(q, k, v, causal = true, scale = 0.3)", "[2, 5, 4, 2]", "");
+    check(
+        "attention_gqa",
+        gqa,
+        "attention(q, k, v, causal = true, scale = 0.3)",
+        "[2, 5, 4, 2]",
+        "",
+    );
     let cross = "param q: [2, 3, 2, 3] = normal(1.0)\nparam k: [2, 6, 1, 3] = normal(1.0)\nparam v: [2, 6, 1, 3] = normal(1.0)";
-    check("attention_cross", cross, "attention(q, k, v)", "[2, 3, 2, 3]", "");
+    check(
+        "attention_cross",
+        cross,
+        "attention(q, k, v)",
+        "[2, 3, 2, 3]",
+        "",
+    );
 }
 
 #[test]
@@ -153,7 +235,13 @@ fn convolution() {
         "[2, 3, 3, 4]",
         "",
     );
-    check("conv2d_patch", "param x: [1, 4, 4, 2] = normal(1.0)\nparam w: [2, 2, 2, 3] = normal(1.0)", "conv2d(x, w, stride = 2)", "[1, 2, 2, 3]", "");
+    check(
+        "conv2d_patch",
+        "param x: [1, 4, 4, 2] = normal(1.0)\nparam w: [2, 2, 2, 3] = normal(1.0)",
+        "conv2d(x, w, stride = 2)",
+        "[1, 2, 2, 3]",
+        "",
+    );
 }
 
 #[test]
@@ -169,7 +257,13 @@ fn symbolic_dims_in_arithmetic_and_slices() {
 
 #[test]
 fn mixed_precision_casts_and_micro_batches() {
-    check("bf16", "param a: [3, 4] = normal(1.0)\nparam w: [4, 2] = normal(1.0)", "gelu(a @ w)", "[3, 2]", "precision = bf16\n    micro_batches = 3");
+    check(
+        "bf16",
+        "param a: [3, 4] = normal(1.0)\nparam w: [4, 2] = normal(1.0)",
+        "gelu(a @ w)",
+        "[3, 2]",
+        "precision = bf16\n    micro_batches = 3",
+    );
 }
 
 #[test]
@@ -190,7 +284,8 @@ fn the_check_catches_a_wrong_gradient() {
     use fusec_compiler::ir::graph::Role;
     use fusec_compiler::ops::{Builder, Constant};
     let src = "param x: [3] = normal(1.0)\nparam w: [3] = normal(1.0)\ntrain {\n    loss = sum(tanh(x) * w)\n}\n";
-    let c = compile(src, "wrong", &Options::default()).unwrap_or_else(|f| panic!("{}", f.render("wrong", src)));
+    let c = compile(src, "wrong", &Options::default())
+        .unwrap_or_else(|f| panic!("{}", f.render("wrong", src)));
     let mut backward = add_backward(&c.model).expect("differentiates");
     let (idx, gv) = backward
         .outputs
@@ -199,10 +294,31 @@ fn the_check_catches_a_wrong_gradient() {
         .find_map(|(i, (r, v))| (*r == Role::Grad(0)).then_some((i, *v)))
         .expect("a gradient for x");
     let mut b = Builder::new(&mut backward, None, Phase::Backward);
-    let two = b.op1(Constant { value: 2.0, dtype: fusec_compiler::ir::DType::F32 }, &[]).unwrap();
+    let two = b
+        .op1(
+            Constant {
+                value: 2.0,
+                dtype: fusec_compiler::ir::DType::F32,
+            },
+            &[],
+        )
+        .unwrap();
     let wrong = b.mul(gv, two).unwrap();
     backward.outputs[idx].1 = wrong;
-    let report = check_model(&c.model, &backward, &HashMap::new(), 3, 10, Tolerance::default()).expect("evaluates");
-    assert_eq!(report.failures.len(), 3, "every entry of x is caught: {:?}", report.failures);
+    let report = check_model(
+        &c.model,
+        &backward,
+        &HashMap::new(),
+        3,
+        10,
+        Tolerance::default(),
+    )
+    .expect("evaluates");
+    assert_eq!(
+        report.failures.len(),
+        3,
+        "every entry of x is caught: {:?}",
+        report.failures
+    );
     assert!(report.failures[0].starts_with("x["));
 }

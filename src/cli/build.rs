@@ -32,8 +32,14 @@ fn stage_name(s: &str) -> Result<String, String> {
     if STAGES.iter().any(|(n, _)| *n == s) {
         Ok(s.to_string())
     } else {
-        let list: Vec<String> = STAGES.iter().map(|(n, d)| format!("  {n:<9} {d}")).collect();
-        Err(format!("unknown stage `{s}`; the stages are:\n{}", list.join("\n")))
+        let list: Vec<String> = STAGES
+            .iter()
+            .map(|(n, d)| format!("  {n:<9} {d}"))
+            .collect();
+        Err(format!(
+            "unknown stage `{s}`; the stages are:\n{}",
+            list.join("\n")
+        ))
     }
 }
 
@@ -60,7 +66,8 @@ pub fn stage_text(c: &Compiled, stage: &str, source: &str, format: Format) -> St
 }
 
 fn write(path: &Path, text: &str) -> Result<(), CliError> {
-    std::fs::write(path, text).map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))
+    std::fs::write(path, text)
+        .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))
 }
 
 pub fn run(args: &BuildArgs) -> Result<(), CliError> {
@@ -70,8 +77,12 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         print!("{}", stage_text(c, stage, &loaded.source, args.format));
         return Ok(());
     }
-    std::fs::create_dir_all(&args.out)
-        .map_err(|e| CliError::usage(format!("error: cannot create output folder {}: {e}", args.out.display())))?;
+    std::fs::create_dir_all(&args.out).map_err(|e| {
+        CliError::usage(format!(
+            "error: cannot create output folder {}: {e}",
+            args.out.display()
+        ))
+    })?;
     let mut written = Vec::new();
     for (stage, _) in STAGES.iter().filter(|(s, _)| *s != "ast") {
         let p = args.out.join(format!("{stage}.txt"));
@@ -81,7 +92,10 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     let p = args.out.join("train.dot");
     write(&p, &to_dot(&c.training))?;
     written.push(p);
-    print!("{}", super::check::summary(c, &loaded.path.display().to_string()));
+    print!(
+        "{}",
+        super::check::summary(c, &loaded.path.display().to_string())
+    );
     println!("\nwrote:");
     for p in written {
         println!("  {}", p.display());

@@ -16,7 +16,10 @@ pub struct CheckArgs {
 
 pub fn run(args: &CheckArgs) -> Result<(), CliError> {
     let loaded = load(&args.model)?;
-    print!("{}", summary(&loaded.compiled, &loaded.path.display().to_string()));
+    print!(
+        "{}",
+        summary(&loaded.compiled, &loaded.path.display().to_string())
+    );
     Ok(())
 }
 
@@ -32,27 +35,64 @@ pub fn summary(c: &fusec_compiler::driver::Compiled, path: &str) -> String {
     for (name, ty) in m.inputs() {
         let _ = writeln!(out, "  {name:<20} {ty}");
     }
-    let name_w = g.params.iter().map(|p| p.name.len()).max().unwrap_or(4).max(4);
-    let shape_w = g.params.iter().map(|p| shape_string(&p.ty.shape).len()).max().unwrap_or(5).max(5);
+    let name_w = g
+        .params
+        .iter()
+        .map(|p| p.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    let shape_w = g
+        .params
+        .iter()
+        .map(|p| shape_string(&p.ty.shape).len())
+        .max()
+        .unwrap_or(5)
+        .max(5);
     let _ = writeln!(out, "\nparameters:");
-    let _ = writeln!(out, "  {:<name_w$}  {:<shape_w$}  {:>13}", "name", "shape", "count");
+    let _ = writeln!(
+        out,
+        "  {:<name_w$}  {:<shape_w$}  {:>13}",
+        "name", "shape", "count"
+    );
     for p in &g.params {
         let count = p.ty.numel().as_const().map_or("?".into(), thousands);
-        let _ = writeln!(out, "  {:<name_w$}  {:<shape_w$}  {:>13}", p.name, shape_string(&p.ty.shape), count);
+        let _ = writeln!(
+            out,
+            "  {:<name_w$}  {:<shape_w$}  {:>13}",
+            p.name,
+            shape_string(&p.ty.shape),
+            count
+        );
     }
     match g.param_count() {
         Some(total) => {
             let mib = total as f64 * 4.0 / (1024.0 * 1024.0);
-            let _ = writeln!(out, "\ntotal: {} parameters in {} tensors ({mib:.1} MiB in f32)", thousands(total), g.params.len());
+            let _ = writeln!(
+                out,
+                "\ntotal: {} parameters in {} tensors ({mib:.1} MiB in f32)",
+                thousands(total),
+                g.params.len()
+            );
         }
         None => {
             let _ = writeln!(out, "\ntotal: too many parameters to count in 64 bits");
         }
     }
     let t = &m.train;
-    let clip = t.clip_grad_norm.map_or("no clipping".into(), |c| format!("clip grad norm {c}"));
-    let mb = if t.micro_batches == 1 { "1 micro-batch".to_string() } else { format!("{} micro-batches", t.micro_batches) };
-    let _ = writeln!(out, "training: {}, {clip}, {} compute, {mb}", t.optimizer, t.precision);
+    let clip = t
+        .clip_grad_norm
+        .map_or("no clipping".into(), |c| format!("clip grad norm {c}"));
+    let mb = if t.micro_batches == 1 {
+        "1 micro-batch".to_string()
+    } else {
+        format!("{} micro-batches", t.micro_batches)
+    };
+    let _ = writeln!(
+        out,
+        "training: {}, {clip}, {} compute, {mb}",
+        t.optimizer, t.precision
+    );
     let count = |p: Phase| c.training.g.node_weights().filter(|n| n.phase == p).count();
     let _ = writeln!(
         out,

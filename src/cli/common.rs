@@ -22,7 +22,12 @@ pub struct Loaded {
 }
 
 pub fn read_source(path: &Path) -> Result<String, CliError> {
-    let bytes = std::fs::read(path).map_err(|e| CliError::usage(format!("error: cannot read model file {}: {e}", path.display())))?;
+    let bytes = std::fs::read(path).map_err(|e| {
+        CliError::usage(format!(
+            "error: cannot read model file {}: {e}",
+            path.display()
+        ))
+    })?;
     String::from_utf8(bytes).map_err(|e| {
         CliError::model(format!(
             "error: {} is not UTF-8 text (invalid byte at offset {})\n",
@@ -36,7 +41,9 @@ pub fn options(set: &[String]) -> Result<Options, CliError> {
     let mut overrides = Vec::new();
     for s in set {
         let Some((k, v)) = s.split_once('=') else {
-            return Err(CliError::usage(format!("error: --set expects NAME=VALUE, found `{s}`")));
+            return Err(CliError::usage(format!(
+                "error: --set expects NAME=VALUE, found `{s}`"
+            )));
         };
         overrides.push((k.trim().to_string(), v.trim().to_string()));
     }
@@ -55,7 +62,11 @@ pub fn load(args: &ModelArgs) -> Result<Loaded, CliError> {
             CliError::model(text)
         }
     })?;
-    Ok(Loaded { path: args.model.clone(), source, compiled })
+    Ok(Loaded {
+        path: args.model.clone(),
+        source,
+        compiled,
+    })
 }
 
 /// `124439808` -> `124,439,808`
@@ -63,7 +74,7 @@ pub fn thousands(n: i64) -> String {
     let s = n.unsigned_abs().to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);

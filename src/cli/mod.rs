@@ -14,10 +14,16 @@ pub struct CliError {
 impl CliError {
     /// The model file is wrong (exit 1).
     pub fn model(message: impl Into<String>) -> CliError {
-        CliError { message: message.into(), code: 1 }
+        CliError {
+            message: message.into(),
+            code: 1,
+        }
     }
     /// The command line or the environment is wrong (exit 2).
     pub fn usage(message: impl Into<String>) -> CliError {
-        CliError { message: message.into(), code: 2 }
+        CliError {
+            message: message.into(),
+            code: 2,
+        }
     }
 }

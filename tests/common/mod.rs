@@ -20,7 +20,10 @@ pub fn example(name: &str) -> (String, String) {
 pub fn compile_with(source: &str, name: &str, sets: &[(&str, &str)]) -> Compiled {
     let model_name = fusec_compiler::driver::model_name(std::path::Path::new(name));
     let opts = Options {
-        overrides: sets.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        overrides: sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
     };
     match compile(source, &model_name, &opts) {
         Ok(c) => c,
@@ -34,28 +37,69 @@ pub fn dims(pairs: &[(&str, i64)]) -> HashMap<String, i64> {
 
 /// Every shipped model, with the constants that shrink it to a size the
 /// reference interpreter evaluates in milliseconds, and its symbolic sizes.
-pub fn tiny_models() -> Vec<(&'static str, Vec<(&'static str, &'static str)>, Vec<(&'static str, i64)>)> {
+pub type TinyModel = (
+    &'static str,
+    Vec<(&'static str, &'static str)>,
+    Vec<(&'static str, i64)>,
+);
+
+pub fn tiny_models() -> Vec<TinyModel> {
     vec![
-        ("mlp.dsl", vec![("d_in", "6"), ("d_hidden", "8"), ("classes", "5")], vec![("B", 3)]),
-        ("gpt2-block.dsl", vec![("d", "16"), ("n_heads", "2")], vec![("B", 2), ("T", 5)]),
+        (
+            "mlp.dsl",
+            vec![("d_in", "6"), ("d_hidden", "8"), ("classes", "5")],
+            vec![("B", 3)],
+        ),
+        (
+            "gpt2-block.dsl",
+            vec![("d", "16"), ("n_heads", "2")],
+            vec![("B", 2), ("T", 5)],
+        ),
         (
             "gpt2-small.dsl",
-            vec![("vocab", "23"), ("ctx", "8"), ("d", "16"), ("n_heads", "2"), ("layers", "2")],
+            vec![
+                ("vocab", "23"),
+                ("ctx", "8"),
+                ("d", "16"),
+                ("n_heads", "2"),
+                ("layers", "2"),
+            ],
             vec![("B", 2), ("T", 5)],
         ),
         (
             "llama-small.dsl",
-            vec![("vocab", "23"), ("d", "16"), ("n_heads", "4"), ("n_kv_heads", "2"), ("ffn", "24"), ("layers", "2")],
+            vec![
+                ("vocab", "23"),
+                ("d", "16"),
+                ("n_heads", "4"),
+                ("n_kv_heads", "2"),
+                ("ffn", "24"),
+                ("layers", "2"),
+            ],
             vec![("B", 2), ("T", 5)],
         ),
         (
             "bert-encoder.dsl",
-            vec![("vocab", "23"), ("ctx", "8"), ("d", "16"), ("n_heads", "2"), ("layers", "2")],
+            vec![
+                ("vocab", "23"),
+                ("ctx", "8"),
+                ("d", "16"),
+                ("n_heads", "2"),
+                ("layers", "2"),
+            ],
             vec![("B", 2), ("T", 5)],
         ),
         (
             "vit-tiny.dsl",
-            vec![("image", "8"), ("patch", "4"), ("channels", "3"), ("d", "16"), ("n_heads", "2"), ("layers", "2"), ("classes", "5")],
+            vec![
+                ("image", "8"),
+                ("patch", "4"),
+                ("channels", "3"),
+                ("d", "16"),
+                ("n_heads", "2"),
+                ("layers", "2"),
+                ("classes", "5"),
+            ],
             vec![("B", 2)],
         ),
     ]

@@ -11,12 +11,28 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let grads: Vec<(usize, Value)> = g
         .outputs
         .iter()
-        .filter_map(|(r, v)| if let Role::Grad(i) = r { Some((*i, *v)) } else { None })
+        .filter_map(|(r, v)| {
+            if let Role::Grad(i) = r {
+                Some((*i, *v))
+            } else {
+                None
+            }
+        })
         .collect();
     let params: Vec<(String, TensorType, bool, Value)> = g
         .params
         .iter()
-        .map(|p| (p.name.clone(), p.ty.clone(), p.decay, Value { node: p.node, port: 0 }))
+        .map(|p| {
+            (
+                p.name.clone(),
+                p.ty.clone(),
+                p.decay,
+                Value {
+                    node: p.node,
+                    port: 0,
+                },
+            )
+        })
         .collect();
     let mut new_outputs = Vec::new();
     let mut b = Builder::new(g, None, Phase::Update);
@@ -39,34 +55,88 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             let norm = b.unary(UnaryKind::Sqrt, sumsq)?;
             new_outputs.push((Role::GradNorm, norm));
             let coef = b.op1(ClipCoef { max_norm }, &[sumsq])?;
-            scaled = grads.iter().map(|&(i, gv)| Ok((i, b.mul(gv, coef)?))).collect::<Result<_, OpError>>()?;
+            scaled = grads
+                .iter()
+                .map(|&(i, gv)| Ok((i, b.mul(gv, coef)?)))
+                .collect::<Result<_, OpError>>()?;
         }
     }
 
-    let lr = b.op1(Input { name: "lr".into(), ty: scalar.clone() }, &[])?;
+    let lr = b.op1(
+        Input {
+            name: "lr".into(),
+            ty: scalar.clone(),
+        },
+        &[],
+    )?;
     let step = match train.optimizer {
-        Optimizer::AdamW { .. } => Some(b.op1(Input { name: "step".into(), ty: scalar.clone() }, &[])?),
+        Optimizer::AdamW { .. } => Some(b.op1(
+            Input {
+                name: "step".into(),
+                ty: scalar.clone(),
+            },
+            &[],
+        )?),
         Optimizer::Sgd { .. } => None,
     };
     for (i, gv) in scaled {
         let (name, ty, decay, pv) = &params[i];
         let wd = |w: f64| if *decay { w } else { 0.0 };
         match train.optimizer {
-            Optimizer::AdamW { beta1, beta2, eps, weight_decay, .. } => {
+            Optimizer::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            } => {
                 let (mn, vn) = (format!("{name}.adam_m"), format!("{name}.adam_v"));
-                let m = b.op1(State { name: mn.clone(), ty: ty.clone() }, &[])?;
-                let v = b.op1(State { name: vn.clone(), ty: ty.clone() }, &[])?;
-                let op = AdamW { beta1, beta2, eps, weight_decay: wd(weight_decay) };
+                let m = b.op1(
+                    State {
+                        name: mn.clone(),
+                        ty: ty.clone(),
+                    },
+                    &[],
+                )?;
+                let v = b.op1(
+                    State {
+                        name: vn.clone(),
+                        ty: ty.clone(),
+                    },
+                    &[],
+                )?;
+                let op = AdamW {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay: wd(weight_decay),
+                };
                 let step = step.expect("AdamW has a step input");
                 let r = b.op(op, &[*pv, gv, m, v, lr, step])?;
                 new_outputs.push((Role::NewParam(i), r[0]));
                 new_outputs.push((Role::NewState(mn), r[1]));
                 new_outputs.push((Role::NewState(vn), r[2]));
             }
-            Optimizer::Sgd { momentum, weight_decay, .. } => {
+            Optimizer::Sgd {
+                momentum,
+                weight_decay,
+                ..
+            } => {
                 let bn = format!("{name}.momentum");
-                let buf = b.op1(State { name: bn.clone(), ty: ty.clone() }, &[])?;
-                let r = b.op(Sgd { momentum, weight_decay: wd(weight_decay) }, &[*pv, gv, buf, lr])?;
+                let buf = b.op1(
+                    State {
+                        name: bn.clone(),
+                        ty: ty.clone(),
+                    },
+                    &[],
+                )?;
+                let r = b.op(
+                    Sgd {
+                        momentum,
+                        weight_decay: wd(weight_decay),
+                    },
+                    &[*pv, gv, buf, lr],
+                )?;
                 new_outputs.push((Role::NewParam(i), r[0]));
                 new_outputs.push((Role::NewState(bn), r[1]));
             }

@@ -48,7 +48,11 @@ pub struct Module {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Item {
     /// `const NAME = expr`
-    Const { name: Ident, value: Expr, span: Span },
+    Const {
+        name: Ident,
+        value: Expr,
+        span: Span,
+    },
     /// `dim B, T`: symbolic dimensions, bound only when the model is built or run.
     Dim { names: Vec<Ident>, span: Span },
     /// `input tokens: i32[B, T]`
@@ -155,7 +159,10 @@ pub enum ExprKind {
         rhs: Box<Expr>,
     },
     /// `f(a, b, key = c)`
-    Call { func: Ident, args: Vec<Arg> },
+    Call {
+        func: Ident,
+        args: Vec<Arg>,
+    },
     /// `x[0, :, 1:T, ...]`
     Index {
         base: Box<Expr>,

@@ -52,21 +52,32 @@ pub fn round_to(dtype: DType, x: f64) -> f64 {
 }
 
 /// Binds every symbolic dimension; errors name the ones missing.
-pub fn concrete_shape(shape: &[Dim], dims: &HashMap<String, i64>) -> Result<Vec<usize>, InterpError> {
+pub fn concrete_shape(
+    shape: &[Dim],
+    dims: &HashMap<String, i64>,
+) -> Result<Vec<usize>, InterpError> {
     shape
         .iter()
         .map(|d| {
             let v = d.eval(&|s| dims.get(s).copied()).ok_or_else(|| {
                 let missing: Vec<&str> = d.symbols().filter(|s| !dims.contains_key(*s)).collect();
-                InterpError(format!("no size given for dimension {}", missing.join(", ")))
+                InterpError(format!(
+                    "no size given for dimension {}",
+                    missing.join(", ")
+                ))
             })?;
-            usize::try_from(v).map_err(|_| InterpError(format!("dimension {d} is {v}, which is negative")))
+            usize::try_from(v)
+                .map_err(|_| InterpError(format!("dimension {d} is {v}, which is negative")))
         })
         .collect()
 }
 
 /// Evaluates the whole graph; returns every value it computed.
-pub fn run(g: &Graph, feeds: &Feeds, precision: Precision) -> Result<HashMap<Value, Tensor>, InterpError> {
+pub fn run(
+    g: &Graph,
+    feeds: &Feeds,
+    precision: Precision,
+) -> Result<HashMap<Value, Tensor>, InterpError> {
     let mut vals: HashMap<Value, Tensor> = HashMap::new();
     let dim_env = |d: &Dim| -> usize {
         d.eval(&|s| feeds.dims.get(s).copied())
@@ -80,7 +91,10 @@ pub fn run(g: &Graph, feeds: &Feeds, precision: Precision) -> Result<HashMap<Val
             .iter()
             .map(|t| concrete_shape(&t.shape, &feeds.dims))
             .collect::<Result<_, _>>()?;
-        let fed = |kind: &str, map: &HashMap<String, Tensor>, name: &str| -> Result<Tensor, InterpError> {
+        let fed = |kind: &str,
+                   map: &HashMap<String, Tensor>,
+                   name: &str|
+         -> Result<Tensor, InterpError> {
             let t = map
                 .get(name)
                 .ok_or_else(|| InterpError(format!("no value given for {kind} `{name}`")))?;

@@ -22,7 +22,9 @@ pub fn init_tensor(init: &Init, shape: &[usize], rng: &mut ChaCha8Rng) -> Tensor
     let n = numel(shape);
     let data = match init {
         Init::Normal { std } => (0..n).map(|_| normal(rng) * std).collect(),
-        Init::Uniform { bound } => (0..n).map(|_| rng.random_range(-1.0..1.0) * bound).collect(),
+        Init::Uniform { bound } => (0..n)
+            .map(|_| rng.random_range(-1.0..1.0) * bound)
+            .collect(),
         Init::Constant(c) => vec![*c; n],
     };
     Tensor::new(shape.to_vec(), data)
@@ -38,9 +40,14 @@ pub fn index_bound(g: &Graph, input: Value, dims: &HashMap<String, i64>) -> Opti
             (Op::Embedding(_), 1) => g.ty(ins[0]).shape[0].eval(&|s| dims.get(s).copied()),
             (Op::CrossEntropy(_), 1) => g.ty(ins[0]).shape.last()?.eval(&|s| dims.get(s).copied()),
             // Reshapes and slices pass indices through unchanged.
-            (Op::Reshape(_) | Op::Slice(_) | Op::Permute(_), 0) => {
-                index_bound(g, Value { node: user, port: 0 }, dims)
-            }
+            (Op::Reshape(_) | Op::Slice(_) | Op::Permute(_), 0) => index_bound(
+                g,
+                Value {
+                    node: user,
+                    port: 0,
+                },
+                dims,
+            ),
             _ => None,
         };
         if let Some(b) = b {
@@ -51,7 +58,11 @@ pub fn index_bound(g: &Graph, input: Value, dims: &HashMap<String, i64>) -> Opti
 }
 
 /// Parameters from their initialisers and data inputs at random, all from one seed.
-pub fn random_feeds(g: &Graph, dims: &HashMap<String, i64>, seed: u64) -> Result<Feeds, InterpError> {
+pub fn random_feeds(
+    g: &Graph,
+    dims: &HashMap<String, i64>,
+    seed: u64,
+) -> Result<Feeds, InterpError> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut feeds = Feeds {
         dims: dims.clone(),
@@ -59,7 +70,9 @@ pub fn random_feeds(g: &Graph, dims: &HashMap<String, i64>, seed: u64) -> Result
     };
     for p in &g.params {
         let shape = concrete_shape(&p.ty.shape, dims)?;
-        feeds.params.insert(p.name.clone(), init_tensor(&p.init, &shape, &mut rng));
+        feeds
+            .params
+            .insert(p.name.clone(), init_tensor(&p.init, &shape, &mut rng));
     }
     for n in g.topo_order() {
         let node = &g.g[n];
@@ -67,8 +80,15 @@ pub fn random_feeds(g: &Graph, dims: &HashMap<String, i64>, seed: u64) -> Result
             Op::Input(i) => {
                 let shape = concrete_shape(&i.ty.shape, dims)?;
                 let t = if i.ty.dtype == DType::I32 {
-                    let hi = index_bound(g, Value { node: n, port: 0 }, dims).unwrap_or(2).max(1);
-                    Tensor::new(shape.clone(), (0..numel(&shape)).map(|_| rng.random_range(0..hi) as f64).collect())
+                    let hi = index_bound(g, Value { node: n, port: 0 }, dims)
+                        .unwrap_or(2)
+                        .max(1);
+                    Tensor::new(
+                        shape.clone(),
+                        (0..numel(&shape))
+                            .map(|_| rng.random_range(0..hi) as f64)
+                            .collect(),
+                    )
                 } else {
                     init_tensor(&Init::Normal { std: 1.0 }, &shape, &mut rng)
                 };

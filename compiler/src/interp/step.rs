@@ -13,11 +13,22 @@ pub struct StepResult {
 }
 
 /// Runs step number `step` (counting from 1) with learning rate `lr`.
-pub fn train_step(g: &Graph, feeds: &mut Feeds, lr: f64, step: u64, precision: Precision) -> Result<StepResult, InterpError> {
+pub fn train_step(
+    g: &Graph,
+    feeds: &mut Feeds,
+    lr: f64,
+    step: u64,
+    precision: Precision,
+) -> Result<StepResult, InterpError> {
     feeds.inputs.insert("lr".into(), Tensor::scalar(lr));
-    feeds.inputs.insert("step".into(), Tensor::scalar(step as f64));
+    feeds
+        .inputs
+        .insert("step".into(), Tensor::scalar(step as f64));
     let vals = run(g, feeds, precision)?;
-    let mut result = StepResult { loss: f64::NAN, grad_norm: None };
+    let mut result = StepResult {
+        loss: f64::NAN,
+        grad_norm: None,
+    };
     for (role, v) in &g.outputs {
         let t = &vals[v];
         match role {

@@ -24,8 +24,16 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     let r = a.len().max(b.len());
     let mut out = vec![0; r];
     for i in 0..r {
-        let da = if i + a.len() >= r { a[i + a.len() - r] } else { 1 };
-        let db = if i + b.len() >= r { b[i + b.len() - r] } else { 1 };
+        let da = if i + a.len() >= r {
+            a[i + a.len() - r]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= r {
+            b[i + b.len() - r]
+        } else {
+            1
+        };
         out[i] = if da == db || db == 1 {
             da
         } else if da == 1 {
@@ -58,7 +66,10 @@ impl Tensor {
         self.data.is_empty()
     }
     pub fn map(&self, f: impl Fn(f64) -> f64) -> Tensor {
-        Tensor::new(self.shape.clone(), self.data.iter().map(|&x| f(x)).collect())
+        Tensor::new(
+            self.shape.clone(),
+            self.data.iter().map(|&x| f(x)).collect(),
+        )
     }
 
     /// Reads this tensor as if broadcast to `shape` (which it must broadcast to).

@@ -219,12 +219,19 @@ mod tests {
         assert_eq!(tp1.to_string(), "T + 1");
         assert_eq!(tp1.checked_sub(&Dim::constant(1)).unwrap(), t());
         assert_eq!(t().checked_sub(&t()).unwrap().as_const(), Some(0));
-        assert_eq!(Dim::constant(-4).checked_add(&t()).unwrap().to_string(), "T - 4");
+        assert_eq!(
+            Dim::constant(-4).checked_add(&t()).unwrap().to_string(),
+            "T - 4"
+        );
     }
 
     #[test]
     fn eval_binds_symbols() {
-        let d = b().checked_mul(&t()).unwrap().checked_add(&Dim::constant(2)).unwrap();
+        let d = b()
+            .checked_mul(&t())
+            .unwrap()
+            .checked_add(&Dim::constant(2))
+            .unwrap();
         let env = |s: &str| match s {
             "B" => Some(3),
             "T" => Some(5),

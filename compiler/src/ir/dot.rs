@@ -12,7 +12,10 @@ pub fn to_dot(g: &Graph) -> String {
     let names = Names::of(g);
     let mut out = String::new();
     let _ = writeln!(out, "digraph \"{}\" {{", escape(&g.name));
-    let _ = writeln!(out, "  node [shape=box, fontname=\"monospace\", fontsize=10];");
+    let _ = writeln!(
+        out,
+        "  node [shape=box, fontname=\"monospace\", fontsize=10];"
+    );
     for n in g.topo_order() {
         let node = &g.g[n];
         let color = match node.phase {
@@ -47,8 +50,15 @@ pub fn to_dot(g: &Graph) -> String {
         }
     }
     for (role, v) in &g.outputs {
-        let id = format!("out_{}", escape(&role.to_string()).replace(['[', ']', ' ', '"'], "_"));
-        let _ = writeln!(out, "  {id} [label=\"{}\", shape=ellipse];", escape(&role.to_string()));
+        let id = format!(
+            "out_{}",
+            escape(&role.to_string()).replace(['[', ']', ' ', '"'], "_")
+        );
+        let _ = writeln!(
+            out,
+            "  {id} [label=\"{}\", shape=ellipse];",
+            escape(&role.to_string())
+        );
         let Value { node, .. } = v;
         let _ = writeln!(out, "  n{} -> {id};", node.index());
     }

@@ -5,7 +5,7 @@
 
 use super::types::TensorType;
 use crate::dsl::ast::Span;
-use crate::ops::{OpError, Op};
+use crate::ops::{Op, OpError};
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
@@ -63,7 +63,9 @@ impl std::fmt::Display for Init {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Init::Normal { std } => write!(f, "normal(std={})", crate::ir::print::num(*std)),
-            Init::Uniform { bound } => write!(f, "uniform(bound={})", crate::ir::print::num(*bound)),
+            Init::Uniform { bound } => {
+                write!(f, "uniform(bound={})", crate::ir::print::num(*bound))
+            }
             Init::Constant(c) if *c == 0.0 => write!(f, "zeros"),
             Init::Constant(c) if *c == 1.0 => write!(f, "ones"),
             Init::Constant(c) => write!(f, "constant({})", crate::ir::print::num(*c)),
@@ -222,7 +224,10 @@ impl Graph {
     }
 
     pub fn output(&self, role: &Role) -> Option<Value> {
-        self.outputs.iter().find(|(r, _)| r == role).map(|(_, v)| *v)
+        self.outputs
+            .iter()
+            .find(|(r, _)| r == role)
+            .map(|(_, v)| *v)
     }
 
     pub fn param_count(&self) -> Option<i64> {

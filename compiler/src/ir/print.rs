@@ -23,8 +23,14 @@ pub fn line_col(src: &str, offset: usize) -> (usize, usize) {
     let offset = offset.min(src.len());
     let before = &src.as_bytes()[..offset];
     let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
-    let line_start = before.iter().rposition(|&b| b == b'\n').map_or(0, |p| p + 1);
-    let col = String::from_utf8_lossy(&before[line_start..]).chars().count() + 1;
+    let line_start = before
+        .iter()
+        .rposition(|&b| b == b'\n')
+        .map_or(0, |p| p + 1);
+    let col = String::from_utf8_lossy(&before[line_start..])
+        .chars()
+        .count()
+        + 1;
     (line, col)
 }
 
@@ -58,7 +64,11 @@ pub fn print_graph(g: &Graph, src: Option<&str>) -> String {
         for (i, p) in g.params.iter().enumerate() {
             let count = p.ty.numel();
             let decay = if p.decay { "" } else { " no_decay" };
-            let _ = writeln!(out, "  [{i}] {}: {} = {}{decay}  # {count} values", p.name, p.ty, p.init);
+            let _ = writeln!(
+                out,
+                "  [{i}] {}: {} = {}{decay}  # {count} values",
+                p.name, p.ty, p.init
+            );
         }
     }
     let mut phase: Option<Phase> = None;
@@ -69,13 +79,24 @@ pub fn print_graph(g: &Graph, src: Option<&str>) -> String {
             let _ = writeln!(out, "{}:", node.phase.name());
         }
         let outs: Vec<String> = (0..node.outputs.len())
-            .map(|port| format!("{}: {}", names.get(Value { node: n, port }), node.outputs[port]))
+            .map(|port| {
+                format!(
+                    "{}: {}",
+                    names.get(Value { node: n, port }),
+                    node.outputs[port]
+                )
+            })
             .collect();
         let args: Vec<String> = g.inputs(n).into_iter().map(|v| names.get(v)).collect();
         let mut line = if args.is_empty() {
             format!("  {} = {}", outs.join(", "), node.op.name())
         } else {
-            format!("  {} = {}({})", outs.join(", "), node.op.name(), args.join(", "))
+            format!(
+                "  {} = {}({})",
+                outs.join(", "),
+                node.op.name(),
+                args.join(", ")
+            )
         };
         for a in node.op.attrs() {
             line.push(' ');

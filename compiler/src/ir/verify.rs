@@ -18,14 +18,18 @@ pub fn verify(g: &Graph) -> Result<(), Vec<String>> {
     }
     for n in g.g.node_indices() {
         let node = &g.g[n];
-        let mut slots: Vec<usize> = g
-            .g
-            .edges_directed(n, Direction::Incoming)
-            .map(|e| e.weight().dst_slot)
-            .collect();
+        let mut slots: Vec<usize> =
+            g.g.edges_directed(n, Direction::Incoming)
+                .map(|e| e.weight().dst_slot)
+                .collect();
         slots.sort();
         if slots.iter().enumerate().any(|(i, &s)| i != s) {
-            problems.push(format!("node {} ({}): input slots {:?} are not 0..n", n.index(), node.op.name(), slots));
+            problems.push(format!(
+                "node {} ({}): input slots {:?} are not 0..n",
+                n.index(),
+                node.op.name(),
+                slots
+            ));
             continue;
         }
         for e in g.g.edges_directed(n, Direction::Incoming) {

@@ -93,7 +93,15 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 }
 
 /// Scores of one query row against every key (masked entries are -inf).
-fn scores(a: &Attention, m: &Dims, q: &Tensor, k: &Tensor, b: usize, i: usize, h: usize) -> Vec<f64> {
+fn scores(
+    a: &Attention,
+    m: &Dims,
+    q: &Tensor,
+    k: &Tensor,
+    b: usize,
+    i: usize,
+    h: usize,
+) -> Vec<f64> {
     let qr = &q.data[m.q(b, i, h)..m.q(b, i, h) + m.d];
     (0..m.s)
         .map(|j| {
@@ -117,9 +125,17 @@ impl OpDef for Attention {
         expect_arity("attention", inputs, 3)?;
         let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
         check("attention", q, k, v)?;
-        let out = vec![q.shape[0].clone(), q.shape[1].clone(), q.shape[2].clone(), v.shape[3].clone()];
+        let out = vec![
+            q.shape[0].clone(),
+            q.shape[1].clone(),
+            q.shape[2].clone(),
+            v.shape[3].clone(),
+        ];
         let lse = vec![q.shape[0].clone(), q.shape[2].clone(), q.shape[1].clone()];
-        Ok(vec![TensorType::new(q.dtype, out), TensorType::new(DType::F32, lse)])
+        Ok(vec![
+            TensorType::new(q.dtype, out),
+            TensorType::new(DType::F32, lse),
+        ])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
@@ -152,13 +168,26 @@ impl OpDef for Attention {
             Tensor::new(vec![m.b, m.hq, m.t], lse),
         ]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], outputs: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(dout) = douts[0] else { return Ok(vec![None; 3]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        outputs: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(dout) = douts[0] else {
+            return Ok(vec![None; 3]);
+        };
         let grad = AttentionGrad {
             causal: self.causal,
             scale: self.scale,
         };
-        let r = b.op(grad, &[inputs[0], inputs[1], inputs[2], outputs[0], outputs[1], dout])?;
+        let r = b.op(
+            grad,
+            &[
+                inputs[0], inputs[1], inputs[2], outputs[0], outputs[1], dout,
+            ],
+        )?;
         Ok(vec![Some(r[0]), Some(r[1]), Some(r[2])])
     }
 }
@@ -173,10 +202,16 @@ impl OpDef for AttentionGrad {
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("attention_grad", inputs, 6)?;
         check("attention_grad", &inputs[0], &inputs[1], &inputs[2])?;
-        Ok(vec![inputs[0].clone(), inputs[1].clone(), inputs[2].clone()])
+        Ok(vec![
+            inputs[0].clone(),
+            inputs[1].clone(),
+            inputs[2].clone(),
+        ])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
-        let (q, k, v, o, lse, dout) = (inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5]);
+        let (q, k, v, o, lse, dout) = (
+            inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
+        );
         let m = Dims::of(q, k, v);
         let fwd = Attention {
             causal: self.causal,
@@ -220,7 +255,16 @@ impl OpDef for AttentionGrad {
             Tensor::new(v.shape.clone(), dv),
         ]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new("second derivatives are not supported", "attention_grad"))
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "second derivatives are not supported",
+            "attention_grad",
+        ))
     }
 }

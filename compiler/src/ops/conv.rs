@@ -121,18 +121,49 @@ impl OpDef for Conv2d {
         expect_float("conv2d", x, 0)?;
         expect_same_dtype("conv2d", x, w)?;
         if x.rank() != 4 {
-            return Err(OpError::new("`conv2d` needs NHWC input [B, H, W, C]", format!("found {x}")).at(0));
+            return Err(OpError::new(
+                "`conv2d` needs NHWC input [B, H, W, C]",
+                format!("found {x}"),
+            )
+            .at(0));
         }
         if w.rank() != 4 {
-            return Err(OpError::new("`conv2d` needs a weight [KH, KW, Cin, Cout]", format!("found {w}")).at(1));
+            return Err(OpError::new(
+                "`conv2d` needs a weight [KH, KW, Cin, Cout]",
+                format!("found {w}"),
+            )
+            .at(1));
         }
-        dims_equal("conv2d", "input channels of x and w", &x.shape[3], &w.shape[2]).map_err(|e| e.at(1))?;
+        dims_equal(
+            "conv2d",
+            "input channels of x and w",
+            &x.shape[3],
+            &w.shape[2],
+        )
+        .map_err(|e| e.at(1))?;
         if self.stride == 0 {
             return Err(OpError::new("`conv2d` needs stride >= 1", "found 0"));
         }
-        let ho = out_size("conv2d", &x.shape[1], &w.shape[0], self.stride, self.padding)?;
-        let wo = out_size("conv2d", &x.shape[2], &w.shape[1], self.stride, self.padding)?;
-        Ok(vec![x.with_shape(vec![x.shape[0].clone(), ho, wo, w.shape[3].clone()])])
+        let ho = out_size(
+            "conv2d",
+            &x.shape[1],
+            &w.shape[0],
+            self.stride,
+            self.padding,
+        )?;
+        let wo = out_size(
+            "conv2d",
+            &x.shape[2],
+            &w.shape[1],
+            self.stride,
+            self.padding,
+        )?;
+        Ok(vec![x.with_shape(vec![
+            x.shape[0].clone(),
+            ho,
+            wo,
+            w.shape[3].clone(),
+        ])])
     }
     fn eval(&self, inputs: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor> {
         let (x, w) = (inputs[0], inputs[1]);
@@ -149,8 +180,16 @@ impl OpDef for Conv2d {
         });
         vec![Tensor::new(ys.clone(), y)]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(dy) = douts[0] else { return Ok(vec![None, None]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(dy) = douts[0] else {
+            return Ok(vec![None, None]);
+        };
         let (xs, ws) = (b.ty(inputs[0]).shape, b.ty(inputs[1]).shape);
         let gi = Conv2dGradInput {
             stride: self.stride,
@@ -180,7 +219,12 @@ impl OpDef for Conv2dGradInput {
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("conv2d_grad_input", inputs, 2)?;
         let (dy, w) = (&inputs[0], &inputs[1]);
-        Ok(vec![dy.with_shape(vec![dy.shape[0].clone(), self.h.clone(), self.w.clone(), w.shape[2].clone()])])
+        Ok(vec![dy.with_shape(vec![
+            dy.shape[0].clone(),
+            self.h.clone(),
+            self.w.clone(),
+            w.shape[2].clone(),
+        ])])
     }
     fn eval(&self, inputs: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor> {
         let (dy, w) = (inputs[0], inputs[1]);
@@ -198,8 +242,17 @@ impl OpDef for Conv2dGradInput {
         });
         vec![Tensor::new(xs.clone(), dx)]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new("second derivatives are not supported", "conv2d_grad_input"))
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "second derivatives are not supported",
+            "conv2d_grad_input",
+        ))
     }
 }
 
@@ -213,7 +266,12 @@ impl OpDef for Conv2dGradWeight {
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("conv2d_grad_weight", inputs, 2)?;
         let (x, dy) = (&inputs[0], &inputs[1]);
-        let shape = vec![self.kh.clone(), self.kw.clone(), x.shape[3].clone(), dy.shape[3].clone()];
+        let shape = vec![
+            self.kh.clone(),
+            self.kw.clone(),
+            x.shape[3].clone(),
+            dy.shape[3].clone(),
+        ];
         Ok(vec![x.with_shape(shape)])
     }
     fn eval(&self, inputs: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor> {
@@ -231,7 +289,16 @@ impl OpDef for Conv2dGradWeight {
         });
         vec![Tensor::new(wshape.clone(), dw)]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new("second derivatives are not supported", "conv2d_grad_weight"))
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "second derivatives are not supported",
+            "conv2d_grad_weight",
+        ))
     }
 }

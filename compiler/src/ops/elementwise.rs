@@ -70,7 +70,8 @@ impl UnaryKind {
             UnaryKind::Gelu => {
                 let u = SQRT_2_OVER_PI * (x + GELU_C * x * x * x);
                 let t = u.tanh();
-                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
+                0.5 * (1.0 + t)
+                    + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
             }
             UnaryKind::Relu => {
                 if x > 0.0 {
@@ -111,7 +112,9 @@ impl OpDef for Unary {
         _: &[Value],
         douts: &[Option<Value>],
     ) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(dy) = douts[0] else { return Ok(vec![None]) };
+        let Some(dy) = douts[0] else {
+            return Ok(vec![None]);
+        };
         let dx = if self.kind == UnaryKind::Neg {
             b.neg(dy)?
         } else {
@@ -144,14 +147,28 @@ impl OpDef for UnaryGrad {
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity(self.name(), inputs, 2)?;
-        dims_equal(self.name(), "x and dy", &inputs[0].numel(), &inputs[1].numel())?;
+        dims_equal(
+            self.name(),
+            "x and dy",
+            &inputs[0].numel(),
+            &inputs[1].numel(),
+        )?;
         Ok(vec![inputs[0].clone()])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         vec![inputs[0].zip(inputs[1], |x, dy| self.kind.derivative(x) * dy)]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new("second derivatives are not supported", self.name()))
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "second derivatives are not supported",
+            self.name(),
+        ))
     }
 }
 
@@ -220,7 +237,9 @@ impl OpDef for Binary {
         outputs: &[Value],
         douts: &[Option<Value>],
     ) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None, None]) };
+        let Some(g) = douts[0] else {
+            return Ok(vec![None, None]);
+        };
         let (x, y) = (inputs[0], inputs[1]);
         let (sx, sy) = (b.ty(x).shape, b.ty(y).shape);
         let (gx, gy) = match self.kind {
@@ -259,7 +278,13 @@ impl OpDef for Constant {
     fn eval(&self, _: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         vec![Tensor::scalar(self.value)]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
         Ok(Vec::new())
     }
 }
@@ -285,7 +310,13 @@ impl OpDef for DimValue {
     fn eval(&self, _: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor> {
         vec![Tensor::scalar((ctx.dim)(&self.dim) as f64)]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
         Ok(Vec::new())
     }
 }
@@ -312,8 +343,16 @@ impl OpDef for Cast {
         // every output according to its dtype.
         vec![inputs[0].clone()]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else {
+            return Ok(vec![None]);
+        };
         let from = b.ty(inputs[0]).dtype;
         if !from.is_float() {
             return Ok(vec![None]);
@@ -344,7 +383,16 @@ impl OpDef for ClipCoef {
         let norm = inputs[0].data[0].sqrt();
         vec![Tensor::scalar((self.max_norm / (norm + 1e-6)).min(1.0))]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new("the optimizer update is not differentiable", "clip_coef"))
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "the optimizer update is not differentiable",
+            "clip_coef",
+        ))
     }
 }

@@ -18,9 +18,12 @@ impl OpDef for MatMul {
         expect_same_dtype("@", a, b)?;
         for (i, t) in [a, b].into_iter().enumerate() {
             if t.rank() < 2 {
-                return Err(OpError::new("`@` needs matrices (rank 2 or more)", format!("found {t}"))
-                    .at(i)
-                    .help("reshape a vector to [1, n] or [n, 1] first"));
+                return Err(OpError::new(
+                    "`@` needs matrices (rank 2 or more)",
+                    format!("found {t}"),
+                )
+                .at(i)
+                .help("reshape a vector to [1, n] or [n, 1] first"));
             }
         }
         let (ra, rb) = (a.rank(), b.rank());
@@ -45,8 +48,16 @@ impl OpDef for MatMul {
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         vec![matmul(inputs[0], inputs[1])]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None, None]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else {
+            return Ok(vec![None, None]);
+        };
         let (x, w) = (inputs[0], inputs[1]);
         let (sx, sw) = (b.ty(x).shape, b.ty(w).shape);
         let wt = b.transpose_last2(w)?;

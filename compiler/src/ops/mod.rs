@@ -16,7 +16,9 @@ mod source;
 pub use attention::{Attention, AttentionGrad};
 pub use builder::Builder;
 pub use conv::{Conv2d, Conv2dGradInput, Conv2dGradWeight};
-pub use elementwise::{Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unary, UnaryGrad, UnaryKind};
+pub use elementwise::{
+    Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unary, UnaryGrad, UnaryKind,
+};
 pub use linalg::MatMul;
 pub use nn::{
     CausalMask, CrossEntropy, CrossEntropyGrad, Embedding, EmbeddingGrad, LayerNorm, LayerNormGrad,
@@ -117,10 +119,42 @@ macro_rules! ops {
 }
 
 ops!(
-    Input, Param, State, Constant, DimValue, Cast, Unary, UnaryGrad, Binary, ClipCoef, Reduce,
-    Reshape, Permute, Slice, SliceGrad, Concat, Broadcast, MatMul, Softmax, SoftmaxGrad, LayerNorm,
-    LayerNormGrad, RmsNorm, RmsNormGrad, Embedding, EmbeddingGrad, CrossEntropy, CrossEntropyGrad,
-    Rope, CausalMask, Attention, AttentionGrad, Conv2d, Conv2dGradInput, Conv2dGradWeight, AdamW,
+    Input,
+    Param,
+    State,
+    Constant,
+    DimValue,
+    Cast,
+    Unary,
+    UnaryGrad,
+    Binary,
+    ClipCoef,
+    Reduce,
+    Reshape,
+    Permute,
+    Slice,
+    SliceGrad,
+    Concat,
+    Broadcast,
+    MatMul,
+    Softmax,
+    SoftmaxGrad,
+    LayerNorm,
+    LayerNormGrad,
+    RmsNorm,
+    RmsNormGrad,
+    Embedding,
+    EmbeddingGrad,
+    CrossEntropy,
+    CrossEntropyGrad,
+    Rope,
+    CausalMask,
+    Attention,
+    AttentionGrad,
+    Conv2d,
+    Conv2dGradInput,
+    Conv2dGradWeight,
+    AdamW,
     Sgd,
 );
 
@@ -156,7 +190,10 @@ impl Op {
 pub(crate) fn expect_arity(op: &str, inputs: &[TensorType], n: usize) -> Result<(), OpError> {
     if inputs.len() != n {
         return Err(OpError::new(
-            format!("`{op}` takes {n} tensor argument{}", if n == 1 { "" } else { "s" }),
+            format!(
+                "`{op}` takes {n} tensor argument{}",
+                if n == 1 { "" } else { "s" }
+            ),
             format!("found {}", inputs.len()),
         ));
     }
@@ -195,7 +232,12 @@ pub(crate) fn expect_same_dtype(op: &str, a: &TensorType, b: &TensorType) -> Res
     Ok(())
 }
 
-pub(crate) fn expect_rank_at_least(op: &str, t: &TensorType, r: usize, arg: usize) -> Result<(), OpError> {
+pub(crate) fn expect_rank_at_least(
+    op: &str,
+    t: &TensorType,
+    r: usize,
+    arg: usize,
+) -> Result<(), OpError> {
     if t.rank() < r {
         return Err(OpError::new(
             format!("`{op}` needs a tensor of rank {r} or more"),
@@ -222,8 +264,16 @@ pub(crate) fn broadcast(op: &str, a: &[Dim], b: &[Dim]) -> Result<Vec<Dim>, OpEr
     let one = Dim::constant(1);
     let mut out = Vec::with_capacity(r);
     for i in 0..r {
-        let da = if i + a.len() >= r { &a[i + a.len() - r] } else { &one };
-        let db = if i + b.len() >= r { &b[i + b.len() - r] } else { &one };
+        let da = if i + a.len() >= r {
+            &a[i + a.len() - r]
+        } else {
+            &one
+        };
+        let db = if i + b.len() >= r {
+            &b[i + b.len() - r]
+        } else {
+            &one
+        };
         out.push(if da == db || db.is_one() {
             da.clone()
         } else if da.is_one() {
@@ -256,5 +306,9 @@ pub(crate) fn norm_axis(op: &str, axis: i64, rank: usize) -> Result<usize, OpErr
         )
         .help(format!("valid axes are -{r}..{}", r - 1)));
     }
-    Ok(if axis < 0 { (axis + r) as usize } else { axis as usize })
+    Ok(if axis < 0 {
+        (axis + r) as usize
+    } else {
+        axis as usize
+    })
 }

@@ -33,7 +33,9 @@ fn softmax_along(x: &Tensor, axis: usize) -> Tensor {
     for o in 0..outer {
         for i in 0..inner {
             let at = |k: usize| (o * n + k) * inner + i;
-            let m = (0..n).map(|k| x.data[at(k)]).fold(f64::NEG_INFINITY, f64::max);
+            let m = (0..n)
+                .map(|k| x.data[at(k)])
+                .fold(f64::NEG_INFINITY, f64::max);
             let s: f64 = (0..n).map(|k| (x.data[at(k)] - m).exp()).sum();
             for k in 0..n {
                 out[at(k)] = (x.data[at(k)] - m).exp() / s;
@@ -59,9 +61,19 @@ impl OpDef for Softmax {
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         vec![softmax_along(inputs[0], self.axis)]
     }
-    fn vjp(&self, b: &mut Builder, _: &[Value], outputs: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None]) };
-        Ok(vec![Some(b.op1(SoftmaxGrad { axis: self.axis }, &[outputs[0], g])?)])
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        _: &[Value],
+        outputs: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else {
+            return Ok(vec![None]);
+        };
+        Ok(vec![Some(
+            b.op1(SoftmaxGrad { axis: self.axis }, &[outputs[0], g])?,
+        )])
     }
 }
 
@@ -97,8 +109,17 @@ impl OpDef for SoftmaxGrad {
         }
         vec![Tensor::new(y.shape.clone(), out)]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new("second derivatives are not supported", "softmax_grad"))
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "second derivatives are not supported",
+            "softmax_grad",
+        ))
     }
 }
 
@@ -135,12 +156,24 @@ impl OpDef for LayerNorm {
         let mut out = Vec::with_capacity(inputs[0].len());
         for row in rows(inputs[0]) {
             let (mean, rstd) = norm_stats(row, self.eps);
-            out.extend(row.iter().enumerate().map(|(i, v)| (v - mean) * rstd * g[i] + bias[i]));
+            out.extend(
+                row.iter()
+                    .enumerate()
+                    .map(|(i, v)| (v - mean) * rstd * g[i] + bias[i]),
+            );
         }
         vec![Tensor::new(inputs[0].shape.clone(), out)]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(dy) = douts[0] else { return Ok(vec![None; 3]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(dy) = douts[0] else {
+            return Ok(vec![None; 3]);
+        };
         let r = b.op(LayerNormGrad { eps: self.eps }, &[inputs[0], inputs[1], dy])?;
         Ok(vec![Some(r[0]), Some(r[1]), Some(r[2])])
     }
@@ -161,7 +194,11 @@ impl OpDef for LayerNormGrad {
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("layernorm_grad", inputs, 3)?;
-        Ok(vec![inputs[0].clone(), inputs[1].clone(), inputs[1].clone()])
+        Ok(vec![
+            inputs[0].clone(),
+            inputs[1].clone(),
+            inputs[1].clone(),
+        ])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (x, g, dy) = (inputs[0], &inputs[1].data, inputs[2]);
@@ -187,8 +224,17 @@ impl OpDef for LayerNormGrad {
             Tensor::new(vec![c], db),
         ]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new("second derivatives are not supported", "layernorm_grad"))
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "second derivatives are not supported",
+            "layernorm_grad",
+        ))
     }
 }
 
@@ -226,8 +272,16 @@ impl OpDef for RmsNorm {
         }
         vec![Tensor::new(inputs[0].shape.clone(), out)]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(dy) = douts[0] else { return Ok(vec![None; 2]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(dy) = douts[0] else {
+            return Ok(vec![None; 2]);
+        };
         let r = b.op(RmsNormGrad { eps: self.eps }, &[inputs[0], inputs[1], dy])?;
         Ok(vec![Some(r[0]), Some(r[1])])
     }
@@ -265,8 +319,17 @@ impl OpDef for RmsNormGrad {
         }
         vec![Tensor::new(x.shape.clone(), dx), Tensor::new(vec![c], dg)]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new("second derivatives are not supported", "rmsnorm_grad"))
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "second derivatives are not supported",
+            "rmsnorm_grad",
+        ))
     }
 }
 
@@ -283,7 +346,11 @@ impl OpDef for Embedding {
         let (table, idx) = (&inputs[0], &inputs[1]);
         expect_float("embedding", table, 0)?;
         if table.rank() != 2 {
-            return Err(OpError::new("`embedding` needs a table of shape [rows, features]", format!("found {table}")).at(0));
+            return Err(OpError::new(
+                "`embedding` needs a table of shape [rows, features]",
+                format!("found {table}"),
+            )
+            .at(0));
         }
         expect_int("embedding", idx, 1)?;
         let mut shape = idx.shape.clone();
@@ -305,10 +372,21 @@ impl OpDef for Embedding {
         }
         vec![Tensor::new(ctx.out_shapes[0].clone(), out)]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(dy) = douts[0] else { return Ok(vec![None, None]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(dy) = douts[0] else {
+            return Ok(vec![None, None]);
+        };
         let rows = b.ty(inputs[0]).shape[0].clone();
-        Ok(vec![Some(b.op1(EmbeddingGrad { rows }, &[inputs[1], dy])?), None])
+        Ok(vec![
+            Some(b.op1(EmbeddingGrad { rows }, &[inputs[1], dy])?),
+            None,
+        ])
     }
 }
 
@@ -328,7 +406,10 @@ impl OpDef for EmbeddingGrad {
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("embedding_grad", inputs, 2)?;
         let c = inputs[1].shape.last().cloned().unwrap_or(Dim::constant(1));
-        Ok(vec![TensorType::new(inputs[1].dtype, vec![self.rows.clone(), c])])
+        Ok(vec![TensorType::new(
+            inputs[1].dtype,
+            vec![self.rows.clone(), c],
+        )])
     }
     fn eval(&self, inputs: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor> {
         let (idx, dy) = (inputs[0], inputs[1]);
@@ -345,8 +426,17 @@ impl OpDef for EmbeddingGrad {
         }
         vec![Tensor::new(shape, out)]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new("second derivatives are not supported", "embedding_grad"))
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "second derivatives are not supported",
+            "embedding_grad",
+        ))
     }
 }
 
@@ -388,14 +478,29 @@ impl OpDef for CrossEntropy {
         for (row, &t) in rows(logits).zip(&targets.data) {
             let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
-            let picked = if t >= 0.0 && (t as usize) < row.len() { row[t as usize] } else { f64::NAN };
+            let picked = if t >= 0.0 && (t as usize) < row.len() {
+                row[t as usize]
+            } else {
+                f64::NAN
+            };
             total += lse - picked;
         }
         vec![Tensor::scalar(total / targets.len().max(1) as f64)]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(dl) = douts[0] else { return Ok(vec![None, None]) };
-        Ok(vec![Some(b.op1(CrossEntropyGrad, &[inputs[0], inputs[1], dl])?), None])
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(dl) = douts[0] else {
+            return Ok(vec![None, None]);
+        };
+        Ok(vec![
+            Some(b.op1(CrossEntropyGrad, &[inputs[0], inputs[1], dl])?),
+            None,
+        ])
     }
 }
 
@@ -420,14 +525,27 @@ impl OpDef for CrossEntropyGrad {
             let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let s: f64 = row.iter().map(|v| (v - m).exp()).sum();
             for (j, v) in row.iter().enumerate() {
-                let onehot = if t as usize == j && t >= 0.0 { 1.0 } else { 0.0 };
+                let onehot = if t as usize == j && t >= 0.0 {
+                    1.0
+                } else {
+                    0.0
+                };
                 out.push(((v - m).exp() / s - onehot) * dl / n);
             }
         }
         vec![Tensor::new(logits.shape.clone(), out)]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new("second derivatives are not supported", "cross_entropy_grad"))
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "second derivatives are not supported",
+            "cross_entropy_grad",
+        ))
     }
 }
 
@@ -456,11 +574,19 @@ impl OpDef for Rope {
         let x = &inputs[0];
         expect_float("rope", x, 0)?;
         if x.rank() < 3 {
-            return Err(OpError::new("`rope` needs heads laid out as [..., T, H, D]", format!("found {x}")).at(0));
+            return Err(OpError::new(
+                "`rope` needs heads laid out as [..., T, H, D]",
+                format!("found {x}"),
+            )
+            .at(0));
         }
         let d = &x.shape[x.rank() - 1];
         if d.as_const().is_none_or(|d| d % 2 != 0) {
-            return Err(OpError::new("`rope` needs an even head dimension", format!("found D = {d} in {x}")).at(0));
+            return Err(OpError::new(
+                "`rope` needs an even head dimension",
+                format!("found D = {d} in {x}"),
+            )
+            .at(0));
         }
         Ok(vec![x.clone()])
     }
@@ -484,8 +610,16 @@ impl OpDef for Rope {
         }
         vec![Tensor::new(x.shape.clone(), out)]
     }
-    fn vjp(&self, b: &mut Builder, _: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else {
+            return Ok(vec![None]);
+        };
         let inv = Rope {
             theta: self.theta,
             inverse: !self.inverse,
@@ -527,8 +661,16 @@ impl OpDef for CausalMask {
         }
         vec![Tensor::new(x.shape.clone(), out)]
     }
-    fn vjp(&self, b: &mut Builder, _: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else {
+            return Ok(vec![None]);
+        };
         Ok(vec![Some(b.op1(CausalMask { fill: 0.0 }, &[g])?)])
     }
 }

@@ -30,7 +30,10 @@ impl OpDef for AdamW {
         let p = &inputs[0];
         for t in &inputs[1..4] {
             if t.shape != p.shape {
-                return Err(OpError::new("shape mismatch in `adamw`", format!("{p} and {t}")));
+                return Err(OpError::new(
+                    "shape mismatch in `adamw`",
+                    format!("{p} and {t}"),
+                ));
             }
         }
         Ok(vec![p.clone(), inputs[2].clone(), inputs[3].clone()])
@@ -55,8 +58,17 @@ impl OpDef for AdamW {
             Tensor::new(p.shape.clone(), vo),
         ]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new("the optimizer update is not differentiable", "adamw"))
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "the optimizer update is not differentiable",
+            "adamw",
+        ))
     }
 }
 
@@ -71,7 +83,10 @@ impl OpDef for Sgd {
         "sgd"
     }
     fn attrs(&self) -> Vec<String> {
-        vec![format!("momentum={}", num(self.momentum)), format!("wd={}", num(self.weight_decay))]
+        vec![
+            format!("momentum={}", num(self.momentum)),
+            format!("wd={}", num(self.weight_decay)),
+        ]
     }
     /// (param, grad, momentum buffer, lr) -> (param', buffer').
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
@@ -79,7 +94,10 @@ impl OpDef for Sgd {
         let p = &inputs[0];
         for t in &inputs[1..3] {
             if t.shape != p.shape {
-                return Err(OpError::new("shape mismatch in `sgd`", format!("{p} and {t}")));
+                return Err(OpError::new(
+                    "shape mismatch in `sgd`",
+                    format!("{p} and {t}"),
+                ));
             }
         }
         Ok(vec![p.clone(), inputs[2].clone()])
@@ -93,9 +111,21 @@ impl OpDef for Sgd {
             bo[i] = self.momentum * buf.data[i] + gi;
             po[i] = p.data[i] - lr * bo[i];
         }
-        vec![Tensor::new(p.shape.clone(), po), Tensor::new(p.shape.clone(), bo)]
+        vec![
+            Tensor::new(p.shape.clone(), po),
+            Tensor::new(p.shape.clone(), bo),
+        ]
     }
-    fn vjp(&self, _: &mut Builder, _: &[Value], _: &[Value], _: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new("the optimizer update is not differentiable", "sgd"))
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "the optimizer update is not differentiable",
+            "sgd",
+        ))
     }
 }

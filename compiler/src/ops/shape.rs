@@ -54,7 +54,9 @@ impl OpDef for Reduce {
         for &a in &self.axes {
             norm_axis(self.name(), a as i64, inputs[0].rank())?;
         }
-        Ok(vec![inputs[0].with_shape(self.reduced_shape(&inputs[0].shape, self.keepdim))])
+        Ok(vec![inputs[0].with_shape(
+            self.reduced_shape(&inputs[0].shape, self.keepdim),
+        )])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let x = inputs[0];
@@ -78,8 +80,16 @@ impl OpDef for Reduce {
             .collect();
         vec![Tensor::new(shape, t.data)]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else {
+            return Ok(vec![None]);
+        };
         let xt = b.ty(inputs[0]);
         let kept = self.reduced_shape(&xt.shape, true);
         let g = b.reshape(g, kept)?;
@@ -90,7 +100,13 @@ impl OpDef for Reduce {
                 .iter()
                 .try_fold(Dim::constant(1), |acc, &a| acc.checked_mul(&xt.shape[a]))
                 .ok_or_else(|| OpError::new("dimension overflow", "mean"))?;
-            let n = b.op1(DimValue { dim: count, dtype: xt.dtype }, &[])?;
+            let n = b.op1(
+                DimValue {
+                    dim: count,
+                    dtype: xt.dtype,
+                },
+                &[],
+            )?;
             g = b.div(g, n)?;
         }
         Ok(vec![Some(g)])
@@ -127,10 +143,21 @@ impl OpDef for Reshape {
         Ok(vec![out])
     }
     fn eval(&self, inputs: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor> {
-        vec![Tensor::new(ctx.out_shapes[0].clone(), inputs[0].data.clone())]
+        vec![Tensor::new(
+            ctx.out_shapes[0].clone(),
+            inputs[0].data.clone(),
+        )]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else {
+            return Ok(vec![None]);
+        };
         let s = b.ty(inputs[0]).shape;
         Ok(vec![Some(b.reshape(g, s)?)])
     }
@@ -154,21 +181,39 @@ impl OpDef for Permute {
         let r = inputs[0].rank();
         let mut seen = vec![false; r];
         let ok = self.perm.len() == r
-            && self.perm.iter().all(|&p| p < r && !std::mem::replace(&mut seen[p], true));
+            && self
+                .perm
+                .iter()
+                .all(|&p| p < r && !std::mem::replace(&mut seen[p], true));
         if !ok {
             return Err(OpError::new(
                 "invalid permutation",
-                format!("{:?} is not a permutation of the {r} axes of {}", self.perm, inputs[0]),
+                format!(
+                    "{:?} is not a permutation of the {r} axes of {}",
+                    self.perm, inputs[0]
+                ),
             ));
         }
-        let shape = self.perm.iter().map(|&p| inputs[0].shape[p].clone()).collect();
+        let shape = self
+            .perm
+            .iter()
+            .map(|&p| inputs[0].shape[p].clone())
+            .collect();
         Ok(vec![inputs[0].with_shape(shape)])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         vec![inputs[0].permute(&self.perm)]
     }
-    fn vjp(&self, b: &mut Builder, _: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else {
+            return Ok(vec![None]);
+        };
         let mut inv = vec![0; self.perm.len()];
         for (i, &p) in self.perm.iter().enumerate() {
             inv[p] = i;
@@ -190,20 +235,29 @@ impl OpDef for Slice {
         "slice"
     }
     fn attrs(&self) -> Vec<String> {
-        vec![format!("axis={}", self.axis), format!("{}:{}", self.start, self.end)]
+        vec![
+            format!("axis={}", self.axis),
+            format!("{}:{}", self.start, self.end),
+        ]
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("slice", inputs, 1)?;
         let t = &inputs[0];
         if self.axis >= t.rank() {
-            return Err(OpError::new("too many indices", format!("{t} has {} axes", t.rank())));
+            return Err(OpError::new(
+                "too many indices",
+                format!("{t} has {} axes", t.rank()),
+            ));
         }
         let size = &t.shape[self.axis];
         let len = self
             .end
             .checked_sub(&self.start)
             .ok_or_else(|| OpError::new("dimension overflow", "slice"))?;
-        let past_end = size.checked_sub(&self.end).and_then(|d| d.as_const()).is_some_and(|d| d < 0);
+        let past_end = size
+            .checked_sub(&self.end)
+            .and_then(|d| d.as_const())
+            .is_some_and(|d| d < 0);
         let negative_start = self.start.as_const().is_some_and(|s| s < 0);
         if len.as_const().is_some_and(|l| l <= 0) || past_end || negative_start {
             return Err(OpError::new(
@@ -226,8 +280,16 @@ impl OpDef for Slice {
         }
         vec![Tensor::new(ctx.out_shapes[0].clone(), out)]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else {
+            return Ok(vec![None]);
+        };
         let full = b.ty(inputs[0]).shape[self.axis].clone();
         let op = SliceGrad {
             axis: self.axis,
@@ -251,7 +313,11 @@ impl OpDef for SliceGrad {
         "slice_grad"
     }
     fn attrs(&self) -> Vec<String> {
-        vec![format!("axis={}", self.axis), format!("at={}", self.start), format!("full={}", self.full)]
+        vec![
+            format!("axis={}", self.axis),
+            format!("at={}", self.start),
+            format!("full={}", self.full),
+        ]
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("slice_grad", inputs, 1)?;
@@ -271,9 +337,20 @@ impl OpDef for SliceGrad {
         }
         vec![Tensor::new(ctx.out_shapes[0].clone(), out)]
     }
-    fn vjp(&self, b: &mut Builder, _: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None]) };
-        let end = self.start.checked_add(&b.ty(g).shape[self.axis]).unwrap_or_else(|| self.full.clone());
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else {
+            return Ok(vec![None]);
+        };
+        let end = self
+            .start
+            .checked_add(&b.ty(g).shape[self.axis])
+            .unwrap_or_else(|| self.full.clone());
         let op = Slice {
             axis: self.axis,
             start: self.start.clone(),
@@ -297,11 +374,17 @@ impl OpDef for Concat {
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         if inputs.is_empty() {
-            return Err(OpError::new("`concat` needs at least one tensor", "found none"));
+            return Err(OpError::new(
+                "`concat` needs at least one tensor",
+                "found none",
+            ));
         }
         let first = &inputs[0];
         if self.axis >= first.rank() {
-            return Err(OpError::new("axis out of range in `concat`", format!("axis {} for {first}", self.axis)));
+            return Err(OpError::new(
+                "axis out of range in `concat`",
+                format!("axis {} for {first}", self.axis),
+            ));
         }
         let mut total = Dim::constant(0);
         for (i, t) in inputs.iter().enumerate() {
@@ -334,8 +417,16 @@ impl OpDef for Concat {
         }
         vec![Tensor::new(ctx.out_shapes[0].clone(), out)]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None; inputs.len()]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else {
+            return Ok(vec![None; inputs.len()]);
+        };
         let mut start = Dim::constant(0);
         let mut grads = Vec::new();
         for &x in inputs {
@@ -373,7 +464,11 @@ impl OpDef for Broadcast {
         if out != self.shape {
             return Err(OpError::new(
                 "cannot broadcast",
-                format!("{} to {}", shape_string(&inputs[0].shape), shape_string(&self.shape)),
+                format!(
+                    "{} to {}",
+                    shape_string(&inputs[0].shape),
+                    shape_string(&self.shape)
+                ),
             ));
         }
         Ok(vec![inputs[0].with_shape(out)])
@@ -381,8 +476,16 @@ impl OpDef for Broadcast {
     fn eval(&self, inputs: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor> {
         vec![inputs[0].broadcast_to(&ctx.out_shapes[0])]
     }
-    fn vjp(&self, b: &mut Builder, inputs: &[Value], _: &[Value], douts: &[Option<Value>]) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(g) = douts[0] else { return Ok(vec![None]) };
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(g) = douts[0] else {
+            return Ok(vec![None]);
+        };
         let s = b.ty(inputs[0]).shape;
         Ok(vec![Some(b.sum_to(g, &s)?)])
     }

@@ -25,7 +25,11 @@ macro_rules! source_op {
                 Ok(vec![self.ty.clone()])
             }
             fn eval(&self, _: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
-                unreachable!(concat!("the interpreter binds every ", $text, " before evaluating"))
+                unreachable!(concat!(
+                    "the interpreter binds every ",
+                    $text,
+                    " before evaluating"
+                ))
             }
             fn vjp(
                 &self,
@@ -40,6 +44,18 @@ macro_rules! source_op {
     };
 }
 
-source_op!(Input, "input", "A data input (tokens, targets, images, labels, the learning rate).");
-source_op!(Param, "param", "A trainable parameter (the fp32 master copy).");
-source_op!(State, "state", "Optimizer state (AdamW moments, SGD momentum).");
+source_op!(
+    Input,
+    "input",
+    "A data input (tokens, targets, images, labels, the learning rate)."
+);
+source_op!(
+    Param,
+    "param",
+    "A trainable parameter (the fp32 master copy)."
+);
+source_op!(
+    State,
+    "state",
+    "Optimizer state (AdamW moments, SGD momentum)."
+);
