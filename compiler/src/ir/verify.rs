@@ -66,3 +66,83 @@ pub fn verify(g: &Graph) -> Result<(), Vec<String>> {
         Err(problems)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::graph::{Phase, Role};
+    use crate::ir::types::{DType, TensorType};
+    use crate::ir::{Dim, Graph};
+    use crate::ops::{Binary, BinaryKind, Param};
+
+    fn small() -> Graph {
+        let mut g = Graph::new("t");
+        let ty = TensorType::new(DType::F32, vec![Dim::constant(3)]);
+        let p = g
+            .add(
+                Param {
+                    name: "p".into(),
+                    ty,
+                }
+                .into(),
+                &[],
+                None,
+                Phase::Forward,
+            )
+            .unwrap()[0];
+        let s = g
+            .add(
+                Binary {
+                    kind: BinaryKind::Add,
+                }
+                .into(),
+                &[p, p],
+                None,
+                Phase::Forward,
+            )
+            .unwrap()[0];
+        g.outputs.push((Role::Loss, s));
+        g
+    }
+
+    #[test]
+    fn a_well_formed_graph_passes() {
+        assert_eq!(verify(&small()), Ok(()));
+    }
+
+    #[test]
+    fn a_wrong_recorded_type_is_caught() {
+        let mut g = small();
+        let n = g.topo_order()[1];
+        g.g[n].outputs[0] = TensorType::new(DType::F32, vec![Dim::constant(4)]);
+        let err = verify(&g).unwrap_err();
+        assert!(err[0].contains("recorded types"), "{err:?}");
+    }
+
+    #[test]
+    fn a_missing_input_is_caught() {
+        let mut g = small();
+        let n = g.topo_order()[1];
+        let first =
+            g.g.edges_directed(n, Direction::Incoming)
+                .find(|e| e.weight().dst_slot == 0)
+                .unwrap()
+                .id();
+        g.g.remove_edge(first);
+        let err = verify(&g).unwrap_err();
+        assert!(err[0].contains("input slots [1] are not 0..n"), "{err:?}");
+    }
+
+    #[test]
+    fn a_dangling_output_is_caught() {
+        let mut g = small();
+        let n = g.topo_order()[1];
+        g.g.remove_node(n);
+        let err = verify(&g).unwrap_err();
+        assert!(
+            err.iter()
+                .any(|e| e.contains("output loss refers to a missing value")),
+            "{err:?}"
+        );
+    }
+}
