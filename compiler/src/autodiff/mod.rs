@@ -14,7 +14,7 @@ use crate::model::Model;
 use crate::ops::{Builder, Constant, OpError};
 use std::collections::HashMap;
 
-pub use update::add_update;
+pub use update::{add_update, LR_INPUT, STEP_INPUT};
 
 /// Forward and backward: the loss and every parameter's gradient (f32).
 pub fn add_backward(model: &Model) -> Result<Graph, Errors> {

@@ -7,6 +7,11 @@ use crate::ir::types::{DType, TensorType};
 use crate::model::{Optimizer, TrainConfig};
 use crate::ops::{AdamW, Builder, ClipCoef, Input, OpError, Sgd, State, UnaryKind};
 
+/// The learning rate and the step number (from 1) enter the update as
+/// inputs with these names, which no model file can spell.
+pub const LR_INPUT: &str = "update.lr";
+pub const STEP_INPUT: &str = "update.step";
+
 pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let grads: Vec<(usize, Value)> = g
         .outputs
@@ -64,7 +69,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
 
     let lr = b.op1(
         Input {
-            name: "lr".into(),
+            name: LR_INPUT.into(),
             ty: scalar.clone(),
         },
         &[],
@@ -72,7 +77,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let step = match train.optimizer {
         Optimizer::AdamW { .. } => Some(b.op1(
             Input {
-                name: "step".into(),
+                name: STEP_INPUT.into(),
                 ty: scalar.clone(),
             },
             &[],

@@ -4,6 +4,7 @@
 
 use super::tensor::{numel, Tensor};
 use super::{concrete_shape, Feeds, InterpError};
+use crate::autodiff::{LR_INPUT, STEP_INPUT};
 use crate::ir::graph::{Graph, Init, Value};
 use crate::ir::types::DType;
 use crate::ops::Op;
@@ -79,7 +80,11 @@ pub fn random_feeds(
         match &node.op {
             Op::Input(i) => {
                 let shape = concrete_shape(&i.ty.shape, dims)?;
-                let t = if i.ty.dtype == DType::I32 {
+                let t = if i.name == LR_INPUT {
+                    Tensor::scalar(1e-3)
+                } else if i.name == STEP_INPUT {
+                    Tensor::scalar(1.0)
+                } else if i.ty.dtype == DType::I32 {
                     let hi = index_bound(g, Value { node: n, port: 0 }, dims)
                         .unwrap_or(2)
                         .max(1);

@@ -4,6 +4,7 @@
 
 use super::tensor::Tensor;
 use super::{run, Feeds, InterpError, Precision};
+use crate::autodiff::{LR_INPUT, STEP_INPUT};
 use crate::ir::graph::{Graph, Role};
 
 #[derive(Clone, Debug)]
@@ -20,10 +21,10 @@ pub fn train_step(
     step: u64,
     precision: Precision,
 ) -> Result<StepResult, InterpError> {
-    feeds.inputs.insert("lr".into(), Tensor::scalar(lr));
+    feeds.inputs.insert(LR_INPUT.into(), Tensor::scalar(lr));
     feeds
         .inputs
-        .insert("step".into(), Tensor::scalar(step as f64));
+        .insert(STEP_INPUT.into(), Tensor::scalar(step as f64));
     let vals = run(g, feeds, precision)?;
     let mut result = StepResult {
         loss: f64::NAN,

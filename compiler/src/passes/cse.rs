@@ -1,0 +1,45 @@
+//! Common-subexpression elimination: two nodes with the same op (and
+//! attributes) reading the same values compute the same thing; the later
+//! one is replaced by the earlier. Autodiff produces many of these (the two
+//! gradients of `x * x`, repeated transposes of one weight).
+
+use super::{replace_uses, Pass};
+use crate::ir::{Graph, Value};
+use std::collections::HashMap;
+
+pub struct Cse;
+
+impl Pass for Cse {
+    fn name(&self) -> &'static str {
+        "cse"
+    }
+    fn about(&self) -> &'static str {
+        "common-subexpression elimination: merge ops that compute the same value"
+    }
+    fn run(&self, g: &mut Graph) -> usize {
+        let mut seen: HashMap<(String, Vec<Value>), petgraph::stable_graph::NodeIndex> =
+            HashMap::new();
+        let mut merged = 0;
+        for n in g.topo_order() {
+            let node = &g.g[n];
+            if node.op.is_source() {
+                continue;
+            }
+            // Debug output holds every attribute exactly (floats round-trip).
+            let key = (format!("{:?}", node.op), g.inputs(n));
+            match seen.get(&key) {
+                Some(&first) => {
+                    for port in 0..g.g[n].outputs.len() {
+                        replace_uses(g, Value { node: n, port }, Value { node: first, port });
+                    }
+                    g.g.remove_node(n);
+                    merged += 1;
+                }
+                None => {
+                    seen.insert(key, n);
+                }
+            }
+        }
+        merged
+    }
+}

@@ -1,0 +1,112 @@
+//! Graph passes. A pass is a value with a name and a `run`; the pipeline is
+//! a list of them, and the verifier runs after each one, so a broken pass is
+//! caught where it broke the graph. `fusec build --dump-after <pass>` prints
+//! the graph after any of them.
+
+mod cse;
+mod dce;
+mod simplify;
+
+pub use cse::Cse;
+pub use dce::Dce;
+pub use simplify::Simplify;
+
+use crate::ir::verify::verify;
+use crate::ir::Graph;
+
+/// What a pass did, for the build report.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PassStats {
+    pub nodes_before: usize,
+    pub nodes_after: usize,
+    pub rewrites: usize,
+}
+
+pub trait Pass {
+    fn name(&self) -> &'static str;
+    /// One line for `--help` and the docs.
+    fn about(&self) -> &'static str;
+    /// Rewrites the graph; returns how many rewrites it made.
+    fn run(&self, g: &mut Graph) -> usize;
+}
+
+/// The passes in the order `fusec build` runs them.
+pub fn default_pipeline() -> Vec<Box<dyn Pass>> {
+    vec![Box::new(Simplify), Box::new(Cse), Box::new(Dce)]
+}
+
+pub fn pass_names() -> Vec<&'static str> {
+    default_pipeline().iter().map(|p| p.name()).collect()
+}
+
+/// A pass that left an invalid graph: a bug in fusec.
+#[derive(Debug)]
+pub struct PassError {
+    pub pass: &'static str,
+    pub problems: Vec<String>,
+}
+
+impl std::fmt::Display for PassError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "internal error: the graph is invalid after pass `{}`:\n  {}",
+            self.pass,
+            self.problems.join("\n  ")
+        )
+    }
+}
+
+/// Runs the passes in order, verifying after each; `after` sees the graph
+/// after every pass (for `--dump-after`).
+pub fn run_pipeline(
+    g: &mut Graph,
+    passes: &[Box<dyn Pass>],
+    mut after: impl FnMut(&str, &Graph),
+) -> Result<Vec<(&'static str, PassStats)>, PassError> {
+    let mut stats = Vec::new();
+    for p in passes {
+        let before = g.g.node_count();
+        let rewrites = p.run(g);
+        verify(g).map_err(|problems| PassError {
+            pass: p.name(),
+            problems,
+        })?;
+        after(p.name(), g);
+        stats.push((
+            p.name(),
+            PassStats {
+                nodes_before: before,
+                nodes_after: g.g.node_count(),
+                rewrites,
+            },
+        ));
+    }
+    Ok(stats)
+}
+
+/// Points every reader of `from` at `to` instead (and any graph output).
+pub(crate) fn replace_uses(g: &mut Graph, from: crate::ir::Value, to: crate::ir::Value) {
+    for (user, slot) in g.users(from) {
+        let e =
+            g.g.edges_connecting(from.node, user)
+                .find(|e| e.weight().src_port == from.port && e.weight().dst_slot == slot)
+                .map(|e| petgraph::visit::EdgeRef::id(&e));
+        if let Some(e) = e {
+            let w = g.g.remove_edge(e).expect("edge exists");
+            g.g.add_edge(
+                to.node,
+                user,
+                crate::ir::graph::Edge {
+                    src_port: to.port,
+                    dst_slot: w.dst_slot,
+                },
+            );
+        }
+    }
+    for (_, v) in g.outputs.iter_mut() {
+        if *v == from {
+            *v = to;
+        }
+    }
+}
