@@ -3,16 +3,20 @@
 //!
 //! Gradients are accumulated per value, so a parameter used twice (an
 //! embedding tied to the output projection) receives one summed gradient.
-//! The loss gradient is seeded with `1 / micro_batches`, so that summing the
-//! gradients of the micro-batches gives the gradient of their mean loss.
+//! Each parameter's gradient is scaled by `1 / micro_batches`, so that the
+//! runtime, summing the gradients of the micro-batches before it runs the
+//! update phase, gets the gradient of their mean loss.
 
 mod update;
 
 use crate::diag::{Diagnostic, Errors};
 use crate::ir::graph::{Graph, Phase, Role, Value};
 use crate::model::Model;
-use crate::ops::{Builder, Constant, OpError};
-use std::collections::HashMap;
+use crate::ops::{Builder, OpError};
+use crate::passes::Pass;
+use petgraph::stable_graph::NodeIndex;
+use petgraph::Direction;
+use std::collections::{HashMap, HashSet};
 
 pub use update::{add_update, LR_INPUT, STEP_INPUT};
 
@@ -29,19 +33,22 @@ pub fn add_backward(model: &Model) -> Result<Graph, Errors> {
     };
 
     let order = g.topo_order();
+    // Only values that depend on a parameter need a gradient: data inputs
+    // and whatever is computed from them alone get none.
+    let mut needs: HashSet<NodeIndex> = g.params.iter().map(|p| p.node).collect();
+    for &n in &order {
+        if g.g
+            .neighbors_directed(n, Direction::Incoming)
+            .any(|m| needs.contains(&m))
+        {
+            needs.insert(n);
+        }
+    }
     let mut grads: HashMap<Value, Value> = HashMap::new();
     {
         let mut b = Builder::new(&mut g, Some(model.train.loss_span), Phase::Backward);
         let dtype = b.ty(loss).dtype;
-        let seed = b
-            .op1(
-                Constant {
-                    value: 1.0 / model.train.micro_batches as f64,
-                    dtype,
-                },
-                &[],
-            )
-            .map_err(internal)?;
+        let seed = b.constant(1.0, dtype).map_err(internal)?;
         grads.insert(loss, seed);
     }
     for &n in order.iter().rev() {
@@ -50,7 +57,7 @@ pub fn add_backward(model: &Model) -> Result<Graph, Errors> {
             .map(|port| Value { node: n, port })
             .collect();
         let douts: Vec<Option<Value>> = outputs.iter().map(|v| grads.get(v).copied()).collect();
-        if douts.iter().all(Option::is_none) || node.op.is_source() {
+        if douts.iter().all(Option::is_none) || node.op.is_source() || !needs.contains(&n) {
             continue;
         }
         let inputs = g.inputs(n);
@@ -61,6 +68,9 @@ pub fn add_backward(model: &Model) -> Result<Graph, Errors> {
             .map_err(internal)?;
         for (x, dx) in inputs.iter().zip(dins) {
             let Some(dx) = dx else { continue };
+            if !needs.contains(&x.node) {
+                continue;
+            }
             // A gradient has its value's dtype (f32 for master weights).
             let dx = b.cast(dx, b.ty(*x).dtype).map_err(internal)?;
             let total = match grads.get(x) {
@@ -71,13 +81,25 @@ pub fn add_backward(model: &Model) -> Result<Graph, Errors> {
         }
     }
 
+    // Summing the gradients of k micro-batches must give the gradient of
+    // their mean loss; the 1/k is applied here, in f32, not to the seed.
+    let k = model.train.micro_batches;
     let mut missing = Vec::new();
-    for (i, p) in g.params.iter().enumerate() {
+    for i in 0..g.params.len() {
+        let p = g.params[i].clone();
         match grads.get(&Value {
             node: p.node,
             port: 0,
         }) {
-            Some(&gv) => g.outputs.push((Role::Grad(i), gv)),
+            Some(&gv) => {
+                let mut b = Builder::new(&mut g, Some(p.span), Phase::Backward);
+                let gv = if k > 1 {
+                    b.scale(gv, 1.0 / k as f64).map_err(internal)?
+                } else {
+                    gv
+                };
+                g.outputs.push((Role::Grad(i), gv));
+            }
             None => missing.push(
                 Diagnostic::new(
                     format!("parameter `{}` gets no gradient", p.name),
@@ -91,6 +113,8 @@ pub fn add_backward(model: &Model) -> Result<Graph, Errors> {
     if !missing.is_empty() {
         return Err(Errors(missing));
     }
+    // Gradient rules build every input's gradient; drop the unread ones.
+    crate::passes::Dce.run(&mut g);
     Ok(g)
 }
 
