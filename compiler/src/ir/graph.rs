@@ -196,27 +196,31 @@ impl Graph {
         u
     }
 
-    /// Nodes in a deterministic topological order: among the ready nodes the
-    /// one added first goes first, so the order follows the model file.
+    /// Nodes in a deterministic topological order: among the ready nodes,
+    /// forward before backward before update, then the one added first, so
+    /// the order follows the model file. (Indices freed by removed nodes are
+    /// reused, so within a phase this is only mostly file order.)
     pub fn topo_order(&self) -> Vec<NodeIndex> {
+        use std::cmp::Reverse;
+        let key = |n: NodeIndex| Reverse((self.g[n].phase as u8, n));
         let mut indeg: std::collections::HashMap<NodeIndex, usize> = self
             .g
             .node_indices()
             .map(|n| (n, self.g.edges_directed(n, Direction::Incoming).count()))
             .collect();
-        let mut ready: BinaryHeap<std::cmp::Reverse<NodeIndex>> = indeg
+        let mut ready: BinaryHeap<Reverse<(u8, NodeIndex)>> = indeg
             .iter()
             .filter(|(_, d)| **d == 0)
-            .map(|(n, _)| std::cmp::Reverse(*n))
+            .map(|(n, _)| key(*n))
             .collect();
         let mut order = Vec::with_capacity(indeg.len());
-        while let Some(std::cmp::Reverse(n)) = ready.pop() {
+        while let Some(Reverse((_, n))) = ready.pop() {
             order.push(n);
             for e in self.g.edges_directed(n, Direction::Outgoing) {
                 let d = indeg.get_mut(&e.target()).expect("edge target is a node");
                 *d -= 1;
                 if *d == 0 {
-                    ready.push(std::cmp::Reverse(e.target()));
+                    ready.push(key(e.target()));
                 }
             }
         }
