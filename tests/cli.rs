@@ -89,6 +89,16 @@ fn dump_prints_one_stage() {
     let (code, _, err) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "kernels"]);
     assert_eq!(code, 2);
     assert!(err.contains("unknown stage `kernels`"), "{err}");
+    let (code, _, err) = fusec(&[
+        "build",
+        "dsl-examples/mlp.dsl",
+        "--dump",
+        "ast",
+        "--format",
+        "dot",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("no Graphviz form"), "{err}");
 }
 
 #[test]

@@ -71,6 +71,11 @@ fn write(path: &Path, text: &str) -> Result<(), CliError> {
 }
 
 pub fn run(args: &BuildArgs) -> Result<(), CliError> {
+    if args.dump.as_deref() == Some("ast") && matches!(args.format, Format::Dot) {
+        return Err(CliError::usage(
+            "error: the syntax tree has no Graphviz form; use --dump ast without --format dot",
+        ));
+    }
     let loaded = load(&args.model)?;
     let c = &loaded.compiled;
     if let Some(stage) = &args.dump {
