@@ -26,6 +26,8 @@ enum Command {
     Check(cli::check::CheckArgs),
     /// Compile a model file and write the results to a folder
     Build(cli::build::BuildArgs),
+    /// List the graph passes in the order `fusec build` runs them
+    Passes,
 }
 
 fn main() -> ExitCode {
@@ -33,6 +35,12 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Check(a) => cli::check::run(&a),
         Command::Build(a) => cli::build::run(&a),
+        Command::Passes => {
+            for p in fusec_compiler::passes::default_pipeline() {
+                println!("{:<10} {}", p.name(), p.about());
+            }
+            Ok(())
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

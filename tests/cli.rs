@@ -102,6 +102,30 @@ fn dump_prints_one_stage() {
 }
 
 #[test]
+fn passes_are_listed_and_dumped_after() {
+    let (code, out, _) = fusec(&["passes"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.starts_with("simplify") && out.contains("\ncse ") && out.contains("\ndce "),
+        "{out}"
+    );
+    let (code, out, err) = fusec(&[
+        "build",
+        "dsl-examples/gpt2-block.dsl",
+        "--dump-after",
+        "cse",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.starts_with("graph gpt2-block (B, T)") && out.contains("update:"),
+        "{out}"
+    );
+    let (code, _, err) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump-after", "fusion9"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("unknown pass `fusion9`"), "{err}");
+}
+
+#[test]
 fn help_on_every_command() {
     for args in [
         vec!["--help"],

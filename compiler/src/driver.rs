@@ -8,6 +8,7 @@ use crate::elaborate::{self, Options};
 use crate::ir::verify::verify;
 use crate::ir::Graph;
 use crate::model::Model;
+use crate::passes::{default_pipeline, run_pipeline, PassStats};
 
 /// The stages whose result `fusec build --dump <stage>` can print.
 pub const STAGES: &[(&str, &str)] = &[
@@ -21,12 +22,31 @@ pub const STAGES: &[(&str, &str)] = &[
         "train",
         "the whole step: forward, backward, clipping and the optimizer update",
     ),
+    (
+        "optimized",
+        "the whole step after every pass (see --dump-after)",
+    ),
 ];
 
 pub struct Compiled {
     pub ast: Module,
     pub model: Model,
+    /// The step as autodiff and the update built it.
     pub training: Graph,
+    /// The step after the pass pipeline.
+    pub optimized: Graph,
+    pub pass_stats: Vec<(&'static str, PassStats)>,
+}
+
+impl Compiled {
+    /// The step as it stands after the named pass (`None` if no pass has that name).
+    pub fn graph_after(&self, pass: &str) -> Option<Graph> {
+        let passes = default_pipeline();
+        let upto = passes.iter().position(|p| p.name() == pass)?;
+        let mut g = self.training.clone();
+        run_pipeline(&mut g, &passes[..=upto], |_, _| {}).ok()?;
+        Some(g)
+    }
 }
 
 /// Why a compile failed.
@@ -95,10 +115,20 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
         )
     })?;
     check_verified(&training, "the optimizer update")?;
+    let mut optimized = training.clone();
+    let pass_stats = run_pipeline(&mut optimized, &default_pipeline(), |_, _| {}).map_err(|e| {
+        Failure::Model(
+            crate::diag::Diagnostic::new(e.to_string(), crate::dsl::ast::Span::default(), "")
+                .with_help("this is a bug in fusec; please report it with the model file")
+                .into(),
+        )
+    })?;
     Ok(Compiled {
         ast,
         model,
         training,
+        optimized,
+        pass_stats,
     })
 }
 

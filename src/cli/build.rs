@@ -23,7 +23,10 @@ pub struct BuildArgs {
     /// Print one stage to standard output: ast, forward, backward or train
     #[arg(long, value_name = "STAGE", value_parser = stage_name)]
     pub dump: Option<String>,
-    /// Format of --dump: readable text or Graphviz dot
+    /// Print the step graph after one pass (`fusec passes` lists them)
+    #[arg(long, value_name = "PASS", value_parser = pass_name, conflicts_with = "dump")]
+    pub dump_after: Option<String>,
+    /// Format of --dump and --dump-after: readable text or Graphviz dot
     #[arg(long, value_enum, default_value = "text")]
     pub format: Format,
 }
@@ -43,6 +46,25 @@ fn stage_name(s: &str) -> Result<String, String> {
     }
 }
 
+fn pass_name(s: &str) -> Result<String, String> {
+    let names = fusec_compiler::passes::pass_names();
+    if names.contains(&s) {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "unknown pass `{s}`; the passes are: {}",
+            names.join(", ")
+        ))
+    }
+}
+
+fn graph_text(g: &fusec_compiler::ir::Graph, source: &str, format: Format) -> String {
+    match format {
+        Format::Text => print_graph(g, Some(source)),
+        Format::Dot => to_dot(g),
+    }
+}
+
 pub fn stage_text(c: &Compiled, stage: &str, source: &str, format: Format) -> String {
     let graph = match stage {
         "ast" => return format!("{:#?}\n", c.ast),
@@ -52,17 +74,12 @@ pub fn stage_text(c: &Compiled, stage: &str, source: &str, format: Format) -> St
             let mut g = c.training.clone();
             g.g.retain_nodes(|gr, n| gr[n].phase != fusec_compiler::ir::Phase::Update);
             g.outputs.retain(|(_, v)| g.g.contains_node(v.node));
-            return match format {
-                Format::Text => print_graph(&g, Some(source)),
-                Format::Dot => to_dot(&g),
-            };
+            return graph_text(&g, source, format);
         }
+        "optimized" => &c.optimized,
         _ => &c.training,
     };
-    match format {
-        Format::Text => print_graph(graph, Some(source)),
-        Format::Dot => to_dot(graph),
-    }
+    graph_text(graph, source, format)
 }
 
 fn write(path: &Path, text: &str) -> Result<(), CliError> {
@@ -78,6 +95,13 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     }
     let loaded = load(&args.model)?;
     let c = &loaded.compiled;
+    if let Some(pass) = &args.dump_after {
+        let g = c
+            .graph_after(pass)
+            .ok_or_else(|| CliError::usage(format!("error: unknown pass `{pass}`")))?;
+        print!("{}", graph_text(&g, &loaded.source, args.format));
+        return Ok(());
+    }
     if let Some(stage) = &args.dump {
         print!("{}", stage_text(c, stage, &loaded.source, args.format));
         return Ok(());

@@ -101,5 +101,16 @@ pub fn summary(c: &fusec_compiler::driver::Compiled, path: &str) -> String {
         count(Phase::Backward),
         count(Phase::Update)
     );
+    let passes: Vec<String> = c
+        .pass_stats
+        .iter()
+        .map(|(name, st)| format!("{name} {}", st.rewrites))
+        .collect();
+    let _ = writeln!(
+        out,
+        "after passes: {} ops ({})",
+        c.optimized.g.node_count(),
+        passes.join(", ")
+    );
     out
 }
