@@ -50,7 +50,11 @@ fn fences(text: &str) -> Vec<Fence> {
             body.push('\n');
             i += 1;
         }
-        assert!(i < lines.len(), "{DOC}:{}: the code block is never closed", open + 1);
+        assert!(
+            i < lines.len(),
+            "{DOC}:{}: the code block is never closed",
+            open + 1
+        );
         out.push(Fence {
             info: info.trim().to_string(),
             line: open + 1,
@@ -119,7 +123,10 @@ fn every_complete_model_in_the_reference_compiles() {
         }
     }
     assert!(failures.is_empty(), "\n{}", failures.join("\n\n"));
-    assert!(compiled >= 10, "only {compiled} complete models found in {DOC}");
+    assert!(
+        compiled >= 10,
+        "only {compiled} complete models found in {DOC}"
+    );
 }
 
 #[test]
@@ -146,7 +153,9 @@ fn every_error_example_in_the_reference_fails_as_shown() {
         };
         checked += 1;
         // The ```text block right after it (only blank lines between) shows the message.
-        let Some(next) = fences.get(i + 1) else { continue };
+        let Some(next) = fences.get(i + 1) else {
+            continue;
+        };
         let end = f.line + f.body.lines().count() + 1; // 1-based line of the closing ```
         let between = &lines[end..next.line - 1];
         if next.info != "text" || !between.iter().all(|l| l.trim().is_empty()) {
@@ -175,7 +184,8 @@ fn every_builtin_is_documented() {
             s.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
                 .any(|w| w == b.name)
         };
-        let in_backticks = text.contains(&format!("`{}`", b.name)) || text.contains(&format!("`{}(", b.name));
+        let in_backticks =
+            text.contains(&format!("`{}`", b.name)) || text.contains(&format!("`{}(", b.name));
         let in_heading = headings.iter().any(|h| word(h));
         if !in_backticks && !in_heading {
             missing.push(format!("`{}` is not mentioned", b.name));
@@ -222,9 +232,15 @@ fn every_documented_builtin_exists() {
 #[test]
 fn the_convention_is_stated_at_the_top() {
     let text = doc();
-    assert!(text.starts_with("<!--"), "{DOC} should open with the HTML comment that states its code-block convention");
+    assert!(
+        text.starts_with("<!--"),
+        "{DOC} should open with the HTML comment that states its code-block convention"
+    );
     let comment = &text[..text.find("-->").expect("the comment is closed")];
     for kind in ["```dsl ", "```dsl fragment", "```dsl error"] {
-        assert!(comment.contains(kind), "the comment at the top of {DOC} does not explain {kind}");
+        assert!(
+            comment.contains(kind),
+            "the comment at the top of {DOC} does not explain {kind}"
+        );
     }
 }

@@ -8,5 +8,5 @@ pub mod gradcheck;
 pub mod interp;
 pub mod ir;
 pub mod model;
-pub mod passes;
 pub mod ops;
+pub mod passes;

@@ -1,10 +1,10 @@
-# 3 * d features are split into 4 parts.
+# The fused projection is 2 * d wide, which does not split into q, k and v.
 const d = 64
 dim B, T
 input x: f32[B, T, d]
-param qkv_w: [d, 3 * d] = normal(0.02)
+param qkv_w: [d, 2 * d] = normal(0.02)
 
-let q, k, v, extra = split(x @ qkv_w, 4)
+let q, k, v = split(x @ qkv_w, 3)
 
 train {
     loss = mean(q * k * v)

@@ -1,11 +1,12 @@
-# `softmax` takes `axis`, not `dim`.
+# `layernorm` takes `eps`, not `epsilon`.
 const d = 64
 dim B
 input x: f32[B, d]
-param w: [d, d] = normal(0.02)
+param ln_w: [d] = ones
+param ln_b: [d] = zeros
 
-let p = softmax(x @ w, dim = -1)
+let h = layernorm(x, ln_w, ln_b, epsilon = 1e-5)
 
 train {
-    loss = mean(p * p)
+    loss = mean(h * h)
 }

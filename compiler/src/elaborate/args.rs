@@ -27,13 +27,27 @@ impl Args {
     pub fn get(&mut self, i: usize, name: &str) -> Result<Option<(Val, Span)>, Diagnostic> {
         self.max_pos = self.max_pos.max(i + 1);
         self.used_kw.push(name.to_string());
-        let by_kw = self.kw.iter().find(|(n, _, _)| n.name == name);
+        let mut named = self.kw.iter().filter(|(n, _, _)| n.name == name);
+        let by_kw = named.next();
+        if let (Some((first, _, _)), Some((again, _, _))) = (by_kw, named.next()) {
+            return Err(self.help(
+                Diagnostic::new(
+                    format!("`{name}` is given twice"),
+                    again.span,
+                    "given again here",
+                )
+                .with_note(first.span, "first given here"),
+            ));
+        }
         match (self.pos.get(i), by_kw) {
-            (Some(_), Some((n, _, _))) => Err(self.help(Diagnostic::new(
-                format!("`{name}` is given twice"),
-                n.span,
-                "also given by position",
-            ))),
+            (Some((_, ps)), Some((n, _, _))) => Err(self.help(
+                Diagnostic::new(
+                    format!("`{name}` is given twice"),
+                    n.span,
+                    format!("already given by position, as argument {}", i + 1),
+                )
+                .with_note(*ps, format!("`{name}` by position")),
+            )),
             (Some(p), None) => Ok(Some(p.clone())),
             (None, Some((_, v, s))) => Ok(Some((v.clone(), *s))),
             (None, None) => Ok(None),
@@ -63,14 +77,25 @@ impl Args {
         }
     }
 
-    pub fn opt_tensor(&mut self, g: &Graph, i: usize, name: &str) -> Result<Option<(Value, Span)>, Diagnostic> {
+    pub fn opt_tensor(
+        &mut self,
+        g: &Graph,
+        i: usize,
+        name: &str,
+    ) -> Result<Option<(Value, Span)>, Diagnostic> {
         if self.get(i, name)?.is_none() {
             return Ok(None);
         }
         self.tensor(g, i, name).map(Some)
     }
 
-    pub fn float(&mut self, g: &Graph, i: usize, name: &str, default: Option<f64>) -> Result<f64, Diagnostic> {
+    pub fn float(
+        &mut self,
+        g: &Graph,
+        i: usize,
+        name: &str,
+        default: Option<f64>,
+    ) -> Result<f64, Diagnostic> {
         let v = match (self.get(i, name)?, default) {
             (Some(v), _) => v,
             (None, Some(d)) => return Ok(d),
@@ -86,7 +111,13 @@ impl Args {
         }
     }
 
-    pub fn int(&mut self, g: &Graph, i: usize, name: &str, default: Option<i64>) -> Result<(i64, Span), Diagnostic> {
+    pub fn int(
+        &mut self,
+        g: &Graph,
+        i: usize,
+        name: &str,
+        default: Option<i64>,
+    ) -> Result<(i64, Span), Diagnostic> {
         let v = match (self.get(i, name)?, default) {
             (Some(v), _) => v,
             (None, Some(d)) => return Ok((d, self.span)),
@@ -102,7 +133,13 @@ impl Args {
         }
     }
 
-    pub fn bool(&mut self, g: &Graph, i: usize, name: &str, default: bool) -> Result<bool, Diagnostic> {
+    pub fn bool(
+        &mut self,
+        g: &Graph,
+        i: usize,
+        name: &str,
+        default: bool,
+    ) -> Result<bool, Diagnostic> {
         match self.get(i, name)? {
             None => Ok(default),
             Some((Val::Bool(b), _)) => Ok(b),
@@ -115,7 +152,12 @@ impl Args {
     }
 
     /// A list of dimensions, e.g. a target shape.
-    pub fn dims(&mut self, g: &Graph, i: usize, name: &str) -> Result<(Vec<(Dim, Span)>, Span), Diagnostic> {
+    pub fn dims(
+        &mut self,
+        g: &Graph,
+        i: usize,
+        name: &str,
+    ) -> Result<(Vec<(Dim, Span)>, Span), Diagnostic> {
         let (v, s) = self.required(i, name)?;
         let Val::List(items) = v else {
             return Err(self.help(Diagnostic::new(
@@ -129,7 +171,11 @@ impl Args {
             match it.as_dim() {
                 Some(d) => out.push((d, is)),
                 None => {
-                    return Err(Diagnostic::new("expected a dimension", is, format!("found {}", it.describe(g))));
+                    return Err(Diagnostic::new(
+                        "expected a dimension",
+                        is,
+                        format!("found {}", it.describe(g)),
+                    ));
                 }
             }
         }
@@ -141,18 +187,27 @@ impl Args {
         if self.pos.len() > self.max_pos {
             let (_, s) = &self.pos[self.max_pos];
             return Err(self.help(Diagnostic::new(
-                format!("`{}` takes at most {} positional argument{}", self.func, self.max_pos, if self.max_pos == 1 { "" } else { "s" }),
+                format!(
+                    "`{}` takes at most {} positional argument{}",
+                    self.func,
+                    self.max_pos,
+                    if self.max_pos == 1 { "" } else { "s" }
+                ),
                 *s,
-                "extra argument",
+                format!("argument {} is one too many", self.max_pos + 1),
             )));
         }
         for (n, _, _) in &self.kw {
             if !self.used_kw.contains(&n.name) {
-                return Err(self.help(Diagnostic::new(
+                let mut d = Diagnostic::new(
                     format!("`{}` has no argument named `{}`", self.func, n.name),
                     n.span,
                     "unknown keyword",
-                )));
+                );
+                if let Some(s) = super::suggest(&n.name, self.used_kw.iter().map(|k| k.as_str())) {
+                    d = d.with_help(format!("did you mean `{s}`?"));
+                }
+                return Err(self.help(d));
             }
         }
         Ok(())

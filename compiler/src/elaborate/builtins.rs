@@ -64,14 +64,32 @@ pub const BUILTINS: &[Builtin] = &[
 
 pub(crate) fn call(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let Some(b) = BUILTINS.iter().find(|b| b.name == a.func) else {
-        let mut d = Diagnostic::new(format!("unknown function `{}`", a.func), a.func_span, "not a builtin or a block");
-        if let Some(s) = super::suggest(&a.func, BUILTINS.iter().map(|b| b.name)) {
-            d = d.with_help(format!("did you mean `{s}`?"));
+        let mut d = Diagnostic::new(
+            format!("unknown function `{}`", a.func),
+            a.func_span,
+            "not a builtin or a block",
+        );
+        let blocks = e.blocks.keys().map(|k| k.as_str());
+        if let Some(s) = super::suggest(&a.func, BUILTINS.iter().map(|b| b.name).chain(blocks)) {
+            let what = if e.is_block(&s) {
+                "the block"
+            } else {
+                "the builtin"
+            };
+            d = d.with_help(format!("did you mean {what} `{s}`?"));
         }
         return Err(d);
     };
     a.sig = b.sig;
-    let v = (b.f)(e, a)?;
+    // A shape or dtype error is easier to fix with the argument order at hand.
+    let usage = |d: Diagnostic| {
+        if d.help.iter().any(|h| h.starts_with("usage:")) {
+            d
+        } else {
+            d.with_help(format!("usage: {}", b.sig))
+        }
+    };
+    let v = (b.f)(e, a).map_err(usage)?;
     a.finish()?;
     Ok(v)
 }
@@ -80,7 +98,12 @@ fn t(v: Value) -> Val {
     Val::Tensor(v)
 }
 
-fn add1(e: &mut Elab, op: impl Into<Op>, ins: &[(Value, Span)], span: Span) -> Result<Value, Diagnostic> {
+fn add1(
+    e: &mut Elab,
+    op: impl Into<Op>,
+    ins: &[(Value, Span)],
+    span: Span,
+) -> Result<Value, Diagnostic> {
     let vals: Vec<Value> = ins.iter().map(|x| x.0).collect();
     let spans: Vec<Span> = ins.iter().map(|x| x.1).collect();
     Ok(e.add_at(op.into(), &vals, span, &spans)?[0])
@@ -104,7 +127,10 @@ fn axis_arg(e: &Elab, a: &Args, axis: i64, r: usize, span: Span) -> Result<usize
 fn unary(e: &mut Elab, a: &mut Args, kind: UnaryKind) -> Result<Val, Diagnostic> {
     let (v, s) = a.required(0, "x")?;
     if let (Some(x), false) = (v.as_f64(), matches!(v, Val::Dim(_))) {
-        if matches!(kind, UnaryKind::Exp | UnaryKind::Log | UnaryKind::Sqrt | UnaryKind::Rsqrt | UnaryKind::Tanh) {
+        if matches!(
+            kind,
+            UnaryKind::Exp | UnaryKind::Log | UnaryKind::Sqrt | UnaryKind::Rsqrt | UnaryKind::Tanh
+        ) {
             return Ok(Val::Float(kind.apply(x)));
         }
     }
@@ -119,7 +145,14 @@ fn linear(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let b = a.opt_tensor(&e.graph, 2, "bias")?;
     let y = add1(e, MatMul, &[x, w], a.span)?;
     Ok(t(match b {
-        Some(b) => add1(e, Binary { kind: BinaryKind::Add }, &[(y, a.span), b], a.span)?,
+        Some(b) => add1(
+            e,
+            Binary {
+                kind: BinaryKind::Add,
+            },
+            &[(y, a.span), b],
+            a.span,
+        )?,
         None => y,
     }))
 }
@@ -148,8 +181,22 @@ fn rmsnorm(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
 fn swiglu(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let g = a.tensor(&e.graph, 0, "gate")?;
     let u = a.tensor(&e.graph, 1, "up")?;
-    let s = add1(e, Unary { kind: UnaryKind::Silu }, &[g], a.span)?;
-    Ok(t(add1(e, Binary { kind: BinaryKind::Mul }, &[(s, g.1), u], a.span)?))
+    let s = add1(
+        e,
+        Unary {
+            kind: UnaryKind::Silu,
+        },
+        &[g],
+        a.span,
+    )?;
+    Ok(t(add1(
+        e,
+        Binary {
+            kind: BinaryKind::Mul,
+        },
+        &[(s, g.1), u],
+        a.span,
+    )?))
 }
 
 fn softmax(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
@@ -167,28 +214,67 @@ fn reduce(e: &mut Elab, a: &mut Args, kind: ReduceKind) -> Result<Val, Diagnosti
         None => axes.extend(0..r),
         Some((Val::List(items), _)) => {
             for (v, s) in items {
-                let ax = v.as_i64().ok_or_else(|| Diagnostic::new("an axis must be an integer", s, format!("found {}", v.describe(&e.graph))))?;
+                let ax = v.as_i64().ok_or_else(|| {
+                    Diagnostic::new(
+                        "an axis must be an integer",
+                        s,
+                        format!("found {}", v.describe(&e.graph)),
+                    )
+                })?;
                 axes.push(axis_arg(e, a, ax, r, s)?);
             }
         }
         Some((v, s)) => {
-            let ax = v.as_i64().ok_or_else(|| Diagnostic::new("an axis must be an integer", s, format!("found {}", v.describe(&e.graph))))?;
+            let ax = v.as_i64().ok_or_else(|| {
+                Diagnostic::new(
+                    "an axis must be an integer",
+                    s,
+                    format!("found {}", v.describe(&e.graph)),
+                )
+            })?;
             axes.push(axis_arg(e, a, ax, r, s)?);
         }
     }
     axes.sort();
     axes.dedup();
     let keepdim = a.bool(&e.graph, 2, "keepdim", false)?;
-    Ok(t(add1(e, Reduce { kind, axes, keepdim }, &[x], a.span)?))
+    Ok(t(add1(
+        e,
+        Reduce {
+            kind,
+            axes,
+            keepdim,
+        },
+        &[x],
+        a.span,
+    )?))
 }
 
 fn reshape(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let x = a.tensor(&e.graph, 0, "x")?;
     let (dims, list_span) = a.dims(&e.graph, 1, "shape")?;
     let numel = e.graph.ty(x.0).numel();
-    let holes: Vec<usize> = (0..dims.len()).filter(|&i| dims[i].0.as_const() == Some(-1)).collect();
+    if let Some((d, s)) = dims
+        .iter()
+        .find(|(d, _)| d.as_const().is_some_and(|c| c <= 0 && c != -1))
+    {
+        return Err(Diagnostic::new(
+            "dimensions must be positive",
+            *s,
+            format!("expected a size of 1 or more (or -1 to infer one), found {d}"),
+        ));
+    }
+    let _ = list_span;
+    let holes: Vec<usize> = (0..dims.len())
+        .filter(|&i| dims[i].0.as_const() == Some(-1))
+        .collect();
     if holes.len() > 1 {
-        return Err(Diagnostic::new("only one dimension can be inferred", dims[holes[1]].1, "second -1").with_note(dims[holes[0]].1, "first -1"));
+        return Err(Diagnostic::new(
+            "only one dimension can be inferred",
+            dims[holes[1]].1,
+            "second -1",
+        )
+        .with_note(dims[holes[0]].1, "first -1"));
     }
     let mut shape: Vec<Dim> = dims.iter().map(|d| d.0.clone()).collect();
     if let Some(&h) = holes.first() {
@@ -213,10 +299,6 @@ fn reshape(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
             }
         }
     }
-    if let Some((d, s)) = dims.iter().find(|(d, _)| d.as_const().is_some_and(|c| c <= 0 && c != -1)) {
-        return Err(Diagnostic::new("dimensions must be positive", *s, format!("found {d}")));
-    }
-    let _ = list_span;
     Ok(t(add1(e, Reshape { shape }, &[x], a.span)?))
 }
 
@@ -225,11 +307,20 @@ fn heads(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let (n, ns) = a.int(&e.graph, 1, "n", None)?;
     let ty = e.graph.ty(x.0).clone();
     if ty.rank() == 0 || n <= 0 {
-        return Err(Diagnostic::new("`heads` splits the last axis into n heads", ns, format!("cannot split {ty} into {n}")));
+        return Err(Diagnostic::new(
+            "`heads` splits the last axis into n heads",
+            ns,
+            format!("cannot split {ty} into {n}"),
+        ));
     }
     let c = ty.shape[ty.rank() - 1].clone();
     let Some(d) = c.checked_div(&Dim::constant(n)) else {
-        return Err(Diagnostic::new("the features do not split evenly into heads", ns, format!("{c} features into {n} heads")).with_note(x.1, ty.to_string()));
+        return Err(Diagnostic::new(
+            format!("`heads`: {c} features do not split evenly into {n} heads"),
+            ns,
+            format!("expected a head count that divides {c}, found {n}"),
+        )
+        .with_note(x.1, format!("the last axis of {ty} is split")));
     };
     let mut shape = ty.shape[..ty.rank() - 1].to_vec();
     shape.extend([Dim::constant(n), d]);
@@ -240,10 +331,16 @@ fn merge_heads(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let x = a.tensor(&e.graph, 0, "x")?;
     let ty = e.graph.ty(x.0).clone();
     if ty.rank() < 2 {
-        return Err(Diagnostic::new("`merge_heads` joins the last two axes", x.1, format!("found {ty}")));
+        return Err(Diagnostic::new(
+            "`merge_heads` joins the last two axes",
+            x.1,
+            format!("found {ty}"),
+        ));
     }
     let r = ty.rank();
-    let merged = ty.shape[r - 2].checked_mul(&ty.shape[r - 1]).unwrap_or_default();
+    let merged = ty.shape[r - 2]
+        .checked_mul(&ty.shape[r - 1])
+        .unwrap_or_default();
     let mut shape = ty.shape[..r - 2].to_vec();
     shape.push(merged);
     Ok(t(add1(e, Reshape { shape }, &[x], a.span)?))
@@ -276,23 +373,43 @@ fn permute(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
 fn concat(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let (v, s) = a.required(0, "tensors")?;
     let Val::List(items) = v else {
-        return Err(Diagnostic::new("`concat` takes a list of tensors", s, format!("found {}", v.describe(&e.graph))).with_help("write concat([a, b], axis = 1)"));
+        return Err(Diagnostic::new(
+            "`concat` takes a list of tensors",
+            s,
+            format!("found {}", v.describe(&e.graph)),
+        )
+        .with_help("write concat([a, b], axis = 1)"));
     };
     let mut ins = Vec::new();
     for (v, is) in items {
         match v {
             Val::Tensor(x) => ins.push((x, is)),
-            other => return Err(Diagnostic::new("`concat` takes a list of tensors", is, format!("found {}", other.describe(&e.graph)))),
+            other => {
+                return Err(Diagnostic::new(
+                    "`concat` takes a list of tensors",
+                    is,
+                    format!("found {}", other.describe(&e.graph)),
+                ))
+            }
         }
     }
     if ins.is_empty() {
-        return Err(Diagnostic::new("`concat` needs at least one tensor", s, "empty list"));
+        return Err(Diagnostic::new(
+            "`concat` needs at least one tensor",
+            s,
+            "empty list",
+        ));
     }
     let (ax, axs) = a.int(&e.graph, 1, "axis", Some(0))?;
     let axis = axis_arg(e, a, ax, rank(e, ins[0].0), axs)?;
     let vals: Vec<Value> = ins.iter().map(|x| x.0).collect();
     let spans: Vec<Span> = ins.iter().map(|x| x.1).collect();
-    Ok(t(e.add_at(Concat { axis }.into(), &vals, a.span, &spans)?[0]))
+    Ok(t(e.add_at(
+        Concat { axis }.into(),
+        &vals,
+        a.span,
+        &spans,
+    )?[0]))
 }
 
 fn split(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
@@ -306,18 +423,62 @@ fn split(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
         Val::List(items) => {
             let mut out = Vec::new();
             for (v, is) in items {
-                out.push(v.as_dim().ok_or_else(|| Diagnostic::new("expected a size", *is, format!("found {}", v.describe(&e.graph))))?);
+                out.push(v.as_dim().ok_or_else(|| {
+                    Diagnostic::new(
+                        "expected a size",
+                        *is,
+                        format!(
+                            "expected an integer or a dimension, found {}",
+                            v.describe(&e.graph)
+                        ),
+                    )
+                })?);
             }
-            let total = out.iter().try_fold(Dim::constant(0), |acc, d| acc.checked_add(d));
+            let total = out
+                .iter()
+                .try_fold(Dim::constant(0), |acc, d| acc.checked_add(d));
             if total.as_ref() != Some(&size) {
-                return Err(Diagnostic::new("the sizes do not add up to the axis", ss, format!("they add up to {}, the axis is {size}", total.map_or("?".into(), |t| t.to_string()))).with_note(x.1, ty.to_string()));
+                return Err(Diagnostic::new(
+                    "the sizes do not add up to the axis",
+                    ss,
+                    format!(
+                        "expected sizes adding up to {size}, found a total of {}",
+                        total.map_or("more than fits in 64 bits".into(), |t| t.to_string())
+                    ),
+                )
+                .with_note(x.1, format!("axis {axis} of {ty} is split")));
             }
             out
         }
         v => {
-            let n = v.as_i64().filter(|n| *n > 0).ok_or_else(|| Diagnostic::new("`split` needs a count or a list of sizes", ss, format!("found {}", v.describe(&e.graph))))?;
+            let n = v.as_i64().filter(|n| *n > 0).ok_or_else(|| {
+                Diagnostic::new(
+                    "`split` needs a count or a list of sizes",
+                    ss,
+                    format!(
+                        "expected a positive count or a list, found {}",
+                        v.describe(&e.graph)
+                    ),
+                )
+            })?;
+            // Each part is an op of its own; a count past this is a mistake.
+            const MAX_PARTS: i64 = 65536;
+            if n > MAX_PARTS {
+                return Err(Diagnostic::new(
+                    format!("`split` makes at most {MAX_PARTS} parts"),
+                    ss,
+                    format!("expected a count from 1 to {MAX_PARTS}, found {n}"),
+                )
+                .with_help("to view a long axis in groups, use `reshape(x, [..., groups, -1])`"));
+            }
             let part = size.checked_div(&Dim::constant(n)).ok_or_else(|| {
-                Diagnostic::new("the axis does not split evenly", ss, format!("{size} into {n} parts")).with_note(x.1, ty.to_string())
+                Diagnostic::new(
+                    format!("`split`: an axis of size {size} does not split into {n} equal parts"),
+                    ss,
+                    format!("expected a count that divides {size}, found {n}"),
+                )
+                .with_note(x.1, format!("axis {axis} of {ty} is split"))
+                .with_help("to cut unequal parts, give their sizes: `split(x, [a, b, ...])`")
             })?;
             vec![part; n as usize]
         }
@@ -326,7 +487,16 @@ fn split(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let mut parts = Vec::new();
     for d in sizes {
         let end = start.checked_add(&d).unwrap_or_default();
-        let v = add1(e, Slice { axis, start: start.clone(), end: end.clone() }, &[x], a.span)?;
+        let v = add1(
+            e,
+            Slice {
+                axis,
+                start: start.clone(),
+                end: end.clone(),
+            },
+            &[x],
+            a.span,
+        )?;
         parts.push((Val::Tensor(v), a.span));
         start = end;
     }
@@ -343,7 +513,15 @@ fn broadcast_fn(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
 fn rope(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let x = a.tensor(&e.graph, 0, "x")?;
     let theta = a.float(&e.graph, 1, "theta", Some(10000.0))?;
-    Ok(t(add1(e, Rope { theta, inverse: false }, &[x], a.span)?))
+    Ok(t(add1(
+        e,
+        Rope {
+            theta,
+            inverse: false,
+        },
+        &[x],
+        a.span,
+    )?))
 }
 
 fn attention(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
@@ -351,16 +529,35 @@ fn attention(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let k = a.tensor(&e.graph, 1, "k")?;
     let v = a.tensor(&e.graph, 2, "v")?;
     let causal = a.bool(&e.graph, 3, "causal", false)?;
-    let d = e.graph.ty(q.0).shape.last().and_then(|d| d.as_const()).unwrap_or(1).max(1);
+    let d = e
+        .graph
+        .ty(q.0)
+        .shape
+        .last()
+        .and_then(|d| d.as_const())
+        .unwrap_or(1)
+        .max(1);
     let scale = a.float(&e.graph, 4, "scale", Some(1.0 / (d as f64).sqrt()))?;
     let vals = [q.0, k.0, v.0];
-    let out = e.add_at(Attention { causal, scale }.into(), &vals, a.span, &[q.1, k.1, v.1])?;
+    let out = e.add_at(
+        Attention { causal, scale }.into(),
+        &vals,
+        a.span,
+        &[q.1, k.1, v.1],
+    )?;
     Ok(t(out[0]))
 }
 
 fn causal_mask(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let x = a.tensor(&e.graph, 0, "scores")?;
-    Ok(t(add1(e, CausalMask { fill: f64::NEG_INFINITY }, &[x], a.span)?))
+    Ok(t(add1(
+        e,
+        CausalMask {
+            fill: f64::NEG_INFINITY,
+        },
+        &[x],
+        a.span,
+    )?))
 }
 
 fn conv2d(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
@@ -369,12 +566,28 @@ fn conv2d(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let (stride, ss) = a.int(&e.graph, 2, "stride", Some(1))?;
     let (padding, ps) = a.int(&e.graph, 3, "padding", Some(0))?;
     if !(1..=1024).contains(&stride) {
-        return Err(Diagnostic::new("`conv2d` needs a stride from 1 to 1024", ss, format!("found {stride}")));
+        return Err(Diagnostic::new(
+            "`conv2d` needs a stride from 1 to 1024",
+            ss,
+            format!("found {stride}"),
+        ));
     }
     if !(0..=1024).contains(&padding) {
-        return Err(Diagnostic::new("`conv2d` needs a padding from 0 to 1024", ps, format!("found {padding}")));
+        return Err(Diagnostic::new(
+            "`conv2d` needs a padding from 0 to 1024",
+            ps,
+            format!("found {padding}"),
+        ));
     }
-    Ok(t(add1(e, Conv2d { stride: stride as usize, padding: padding as usize }, &[x, w], a.span)?))
+    Ok(t(add1(
+        e,
+        Conv2d {
+            stride: stride as usize,
+            padding: padding as usize,
+        },
+        &[x, w],
+        a.span,
+    )?))
 }
 
 fn cross_entropy(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {

@@ -19,9 +19,27 @@ use crate::ops::{Cast, Input, Op, OpError, Param};
 use std::collections::{HashMap, HashSet};
 use values::Val;
 
+/// For a dimension that came out as a fraction.
+const FRACTION_HELP: &str = "this value is a floating-point number, not an integer: a `/` that does not divide exactly \
+     gives one (`10 / 4` is 2.5), and so does anything computed from it; check the constants it uses";
+
 /// Past this many nodes the model is certainly a mistake (or an attack);
-/// stopping keeps a bad `repeat` from eating the machine.
-const MAX_NODES: usize = 2_000_000;
+/// stopping keeps a bad `repeat` from eating the machine. A GPT-2 layer is
+/// about 45 forward ops, so this is over 5,000 layers; it is reached in about
+/// half a second, where 2,000,000 took 4 s and 3.6 GB before the error.
+const MAX_NODES: usize = 250_000;
+
+/// Deepest nesting of block calls (a block calling a block ...). Real models
+/// nest a few levels; each level is a deep recursion of the elaborator.
+const MAX_BLOCK_DEPTH: usize = 32;
+
+/// Deepest nesting of expressions being evaluated, counted through block
+/// calls: the parser bounds one expression, this bounds a chain of blocks
+/// each nesting its call of the next deep inside an expression.
+const MAX_EVAL_DEPTH: usize = 500;
+
+/// Most "in this call of block" notes on one error.
+const MAX_CALL_NOTES: usize = 8;
 
 #[derive(Clone, Debug, Default)]
 pub struct Options {
@@ -62,6 +80,8 @@ pub(crate) struct Elab<'m> {
     instances: HashSet<String>,
     consts_out: Vec<(String, String)>,
     calls: Vec<String>,
+    /// Expressions being evaluated, counted across block calls.
+    depth: usize,
 }
 
 pub fn elaborate(module: &Module, name: &str, opts: &Options) -> Result<Model, Errors> {
@@ -74,10 +94,15 @@ pub fn elaborate(module: &Module, name: &str, opts: &Options) -> Result<Model, E
             prefix: String::new(),
             block: None,
         }],
-        overrides: opts.overrides.iter().map(|(k, v)| (k.clone(), (v.clone(), false))).collect(),
+        overrides: opts
+            .overrides
+            .iter()
+            .map(|(k, v)| (k.clone(), (v.clone(), false)))
+            .collect(),
         instances: HashSet::new(),
         consts_out: Vec::new(),
         calls: Vec::new(),
+        depth: 0,
     };
     e.run(module).map_err(Errors::from)
 }
@@ -100,7 +125,13 @@ impl<'m> Elab<'m> {
         let trains: Vec<_> = module
             .items
             .iter()
-            .filter_map(|i| if let Item::Train(t) = i { Some(t) } else { None })
+            .filter_map(|i| {
+                if let Item::Train(t) = i {
+                    Some(t)
+                } else {
+                    None
+                }
+            })
             .collect();
         let Some(section) = trains.first() else {
             let end = module.items.last().map_or(Span::default(), |i| i.span());
@@ -108,8 +139,12 @@ impl<'m> Elab<'m> {
                 .with_help("add a section such as:\n    train {\n        loss = cross_entropy(logits, targets)\n        optimizer = adamw(lr = 3e-4)\n    }"));
         };
         if let Some(second) = trains.get(1) {
-            return Err(Diagnostic::new("the model has two `train` sections", second.span, "second section")
-                .with_note(section.span, "first section here"));
+            return Err(Diagnostic::new(
+                "the model has two `train` sections",
+                second.span,
+                "second section",
+            )
+            .with_note(section.span, "first section here"));
         }
         // Precision decides how parameters are read, so it is settled before any item.
         self.precision = train::precision(section)?;
@@ -140,7 +175,9 @@ impl<'m> Elab<'m> {
     }
 
     fn frame(&mut self) -> &mut Frame {
-        self.frames.last_mut().expect("the global frame is never popped")
+        self.frames
+            .last_mut()
+            .expect("the global frame is never popped")
     }
 
     fn bind(&mut self, name: &Ident, val: Val, kind: Kind) -> Result<(), Diagnostic> {
@@ -180,17 +217,35 @@ impl<'m> Elab<'m> {
                 return Err(Diagnostic::new(
                     format!("`{name}` is not visible inside block `{block}`"),
                     span,
-                    format!("`{name}` is a {} of the top level", kind_word(b.kind)),
+                    format!("`{name}` is {} of the top level", kind_word(b.kind)),
                 )
                 .with_note(b.span, "defined here")
-                .with_help("blocks see top-level constants and dimensions; pass tensors in as arguments"));
+                .with_help(
+                    "blocks see top-level constants and dimensions; pass tensors in as arguments",
+                ));
             }
         }
         if self.blocks.contains_key(name) {
-            return Err(Diagnostic::new(format!("block `{name}` used as a value"), span, "call it: `name(x)`"));
+            return Err(Diagnostic::new(
+                format!("block `{name}` used as a value"),
+                span,
+                format!("expected a value, found the block `{name}`"),
+            )
+            .with_help(format!(
+                "call it: `{name}({})`",
+                block_params(self.blocks[name])
+            )));
         }
-        let mut d = Diagnostic::new(format!("unknown name `{name}`"), span, "not defined before this point");
-        let candidates = self.frames.iter().flat_map(|f| f.vars.keys()).map(|s| s.as_str());
+        let mut d = Diagnostic::new(
+            format!("unknown name `{name}`"),
+            span,
+            "not defined before this point",
+        );
+        let candidates = self
+            .frames
+            .iter()
+            .flat_map(|f| f.vars.keys())
+            .map(|s| s.as_str());
         if let Some(s) = suggest(name, candidates) {
             d = d.with_help(format!("did you mean `{s}`?"));
         }
@@ -208,11 +263,14 @@ impl<'m> Elab<'m> {
                         val = parse_override(name, text, &val)?;
                     }
                 }
-                if !matches!(val, Val::Int(_) | Val::Float(_) | Val::Bool(_) | Val::Dim(_)) {
+                if !matches!(
+                    val,
+                    Val::Int(_) | Val::Float(_) | Val::Bool(_) | Val::Dim(_)
+                ) {
                     return Err(Diagnostic::new(
                         "a constant must be a number",
                         value.span,
-                        format!("this is {}", val.describe(&self.graph)),
+                        format!("expected a number, found {}", val.describe(&self.graph)),
                     )
                     .with_help("use `let` to name a tensor"));
                 }
@@ -231,17 +289,30 @@ impl<'m> Elab<'m> {
             Item::Dim { names, .. } => {
                 for n in names {
                     if self.frames.len() > 1 {
-                        return Err(Diagnostic::new("`dim` belongs at the top level", n.span, "inside a block"));
+                        return Err(Diagnostic::new(
+                            "`dim` belongs at the top level",
+                            n.span,
+                            "inside a block",
+                        ));
                     }
                     self.graph.dims.push(n.name.clone());
                     self.bind(n, Val::Dim(Dim::symbol(&n.name)), Kind::Dim)?;
                 }
                 Ok(())
             }
-            Item::Input { name, dtype, dims, span } => {
+            Item::Input {
+                name,
+                dtype,
+                dims,
+                span,
+            } => {
                 if self.frames.len() > 1 {
-                    return Err(Diagnostic::new("`input` belongs at the top level", *span, "inside a block")
-                        .with_help("declare inputs at the top and pass them to the block"));
+                    return Err(Diagnostic::new(
+                        "`input` belongs at the top level",
+                        *span,
+                        "inside a block",
+                    )
+                    .with_help("declare inputs at the top and pass them to the block"));
                 }
                 let dt = parse_dtype(dtype)?;
                 let shape = self.shape(dims, true)?;
@@ -290,9 +361,17 @@ impl<'m> Elab<'m> {
                 }
                 Ok(())
             }
-            Item::Block(b) => Err(Diagnostic::new("blocks cannot be nested", b.name.span, "defined inside a block")
-                .with_help("define every block at the top level")),
-            Item::Train(t) => Err(Diagnostic::new("`train` belongs at the top level", t.span, "inside a block")),
+            Item::Block(b) => Err(Diagnostic::new(
+                "blocks cannot be nested",
+                b.name.span,
+                "defined inside a block",
+            )
+            .with_help("define every block at the top level")),
+            Item::Train(t) => Err(Diagnostic::new(
+                "`train` belongs at the top level",
+                t.span,
+                "inside a block",
+            )),
         }
     }
 
@@ -312,7 +391,7 @@ impl<'m> Elab<'m> {
             return Err(Diagnostic::new(
                 "parameters are stored in f32",
                 dtype.map_or(span, |d| d.span),
-                format!("found {dt}"),
+                format!("expected f32 (or no dtype), found {dt}"),
             )
             .with_help("set the compute precision with `precision = bf16` in the train section; master weights stay f32"));
         }
@@ -320,6 +399,19 @@ impl<'m> Elab<'m> {
         let init = self.init(init)?;
         let full = format!("{}{}", self.frame().prefix, name.name);
         let ty = TensorType::new(dt, shape);
+        // 2^40 f32 values is 4 TiB: far past any GPU, and past this the
+        // element count may no longer fit the arithmetic downstream.
+        if ty.numel().as_const().is_none_or(|n| n >= 1 << 40) {
+            let all = dims
+                .first()
+                .map_or(span, |f| f.span.to(dims.last().map_or(f.span, |l| l.span)));
+            return Err(Diagnostic::new(
+                format!("parameter `{}` is too large", name.name),
+                all,
+                format!("{} has more than 2^40 elements", ty),
+            )
+            .with_help("check the sizes; a parameter this large cannot be allocated"));
+        }
         let decay = ty.rank() >= 2;
         let v = self.add(
             Param {
@@ -352,9 +444,34 @@ impl<'m> Elab<'m> {
     }
 
     fn init(&mut self, e: &Expr) -> Result<Init, Diagnostic> {
-        let bad = |found: &str| {
-            Diagnostic::new("unknown initialiser", e.span, format!("found {found}"))
-                .with_help("use one of: zeros, ones, normal(std), uniform(bound), constant(value)")
+        let bad = |name: &str, found: &str| {
+            let d = Diagnostic::new(
+                "unknown initialiser",
+                e.span,
+                format!("expected zeros, ones, normal(std), uniform(bound) or constant(value), found {found}"),
+            );
+            let meant = match name {
+                "gaussian" | "randn" | "normal_" | "trunc_normal" => Some("normal".to_string()),
+                "xavier" | "xavier_uniform" | "xavier_normal" | "kaiming" | "kaiming_uniform"
+                | "kaiming_normal" | "he" | "glorot" | "orthogonal" => {
+                    return d.with_help(format!(
+                        "`{name}` is not built in: give the scale yourself with `normal(std)` or `uniform(bound)`, e.g. `normal(0.02)`"
+                    ));
+                }
+                "zero" | "zeros_" => Some("zeros".to_string()),
+                "one" | "ones_" => Some("ones".to_string()),
+                _ => suggest(
+                    name,
+                    ["zeros", "ones", "normal", "uniform", "constant"].into_iter(),
+                ),
+            };
+            match meant {
+                Some(m) if m == "normal" => {
+                    d.with_help("did you mean `normal(std)`? e.g. `normal(0.02)`")
+                }
+                Some(m) => d.with_help(format!("did you mean `{m}`?")),
+                None => d,
+            }
         };
         match &e.kind {
             ExprKind::Name(n) if n == "zeros" => Ok(Init::Constant(0.0)),
@@ -362,13 +479,19 @@ impl<'m> Elab<'m> {
             ExprKind::Call { func, args } => {
                 let kind = func.name.as_str();
                 if !matches!(kind, "normal" | "uniform" | "constant") {
-                    return Err(bad(&format!("`{kind}(...)`")));
+                    return Err(bad(kind, &format!("`{kind}(...)`")));
                 }
                 if args.len() != 1 || args[0].name.is_some() {
+                    let found = match args.first().and_then(|a| a.name.as_ref()) {
+                        Some(n) if args.len() == 1 => {
+                            format!("found `{}` given by keyword", n.name)
+                        }
+                        _ => format!("found {} arguments", args.len()),
+                    };
                     return Err(Diagnostic::new(
-                        format!("`{kind}` takes one number"),
+                        format!("`{kind}` takes one number, by position"),
                         e.span,
-                        format!("found {} arguments", args.len()),
+                        found,
                     )
                     .with_help(format!("for example `{kind}(0.02)`")));
                 }
@@ -381,7 +504,11 @@ impl<'m> Elab<'m> {
                     ));
                 };
                 if kind != "constant" && x < 0.0 {
-                    return Err(Diagnostic::new(format!("`{kind}` needs a non-negative scale"), args[0].value.span, format!("found {x}")));
+                    return Err(Diagnostic::new(
+                        format!("`{kind}` needs a non-negative scale"),
+                        args[0].value.span,
+                        format!("expected a number >= 0, found {}", crate::ir::print::num(x)),
+                    ));
                 }
                 Ok(match kind {
                     "normal" => Init::Normal { std: x },
@@ -389,8 +516,8 @@ impl<'m> Elab<'m> {
                     _ => Init::Constant(x),
                 })
             }
-            ExprKind::Name(n) => Err(bad(&format!("`{n}`"))),
-            _ => Err(bad("an expression")),
+            ExprKind::Name(n) => Err(bad(n, &format!("`{n}`"))),
+            _ => Err(bad("", "an expression")),
         }
     }
 
@@ -401,20 +528,35 @@ impl<'m> Elab<'m> {
         for d in dims {
             let v = self.eval(d)?;
             let Some(dim) = v.as_dim() else {
-                return Err(Diagnostic::new("expected a dimension", d.span, format!("found {}", v.describe(&self.graph)))
-                    .with_help("a dimension is a positive integer, a constant, or a symbolic `dim`"));
+                let d = Diagnostic::new(
+                    "expected a dimension",
+                    d.span,
+                    format!("found {}", v.describe(&self.graph)),
+                )
+                .with_help("a dimension is a positive integer, a constant, or a symbolic `dim`");
+                return Err(match v {
+                    Val::Float(_) => d.with_help(FRACTION_HELP),
+                    _ => d,
+                });
             };
             match dim.as_const() {
                 Some(c) if c <= 0 => {
-                    return Err(Diagnostic::new("dimensions must be positive", d.span, format!("this is {c}")));
+                    return Err(Diagnostic::new(
+                        "dimensions must be positive",
+                        d.span,
+                        format!("expected a size of 1 or more, found {c}"),
+                    ));
                 }
                 None if !symbolic_ok => {
                     return Err(Diagnostic::new(
                         "a parameter's shape must be fixed",
                         d.span,
-                        format!("`{dim}` depends on a symbolic dimension and cannot be inferred here"),
+                        format!("expected a fixed size, found `{dim}`, which is known only when the model runs"),
                     )
-                    .with_help("parameters are allocated once; use constants for their sizes"));
+                    .with_help(
+                        "parameters are allocated once, before any batch is seen: size them with constants \
+                         (e.g. `const ctx = 1024`, `param pos: [ctx, d]`) and slice what a batch needs (`pos[0:T]`)",
+                    ));
                 }
                 _ => {}
             }
@@ -424,7 +566,12 @@ impl<'m> Elab<'m> {
     }
 
     /// Adds a node, turning a shape-rule error into a diagnostic at `span`.
-    pub(crate) fn add(&mut self, op: Op, inputs: &[Value], span: Span) -> Result<Vec<Value>, Diagnostic> {
+    pub(crate) fn add(
+        &mut self,
+        op: Op,
+        inputs: &[Value],
+        span: Span,
+    ) -> Result<Vec<Value>, Diagnostic> {
         self.add_at(op, inputs, span, &[])
     }
 
@@ -439,19 +586,49 @@ impl<'m> Elab<'m> {
     ) -> Result<Vec<Value>, Diagnostic> {
         if self.graph.g.node_count() >= MAX_NODES {
             return Err(Diagnostic::new(
-                "the model is too large",
+                format!("the model is too large: more than {MAX_NODES} ops"),
                 span,
-                format!("more than {MAX_NODES} ops by this point"),
+                "the limit is reached here",
             )
-            .with_help("check `repeat` counts and sizes"));
+            .with_help("a transformer layer is about 50 ops; check the `repeat` counts"));
         }
-        let types: Vec<TensorType> = inputs.iter().map(|v| self.graph.ty(*v).clone()).collect();
-        self.graph
-            .add(op, inputs, Some(span), Phase::Forward)
-            .map_err(|e| op_error(e, span, arg_spans, &types))
+        let outs = match self.graph.add(op, inputs, Some(span), Phase::Forward) {
+            Ok(outs) => outs,
+            Err(e) => {
+                // A failed add leaves the graph as it was; the types are only needed here.
+                let types: Vec<TensorType> =
+                    inputs.iter().map(|v| self.graph.ty(*v).clone()).collect();
+                return Err(op_error(e, span, arg_spans, &types));
+            }
+        };
+        for v in &outs {
+            let ty = self.graph.ty(*v);
+            let fits = ty
+                .shape
+                .iter()
+                .try_fold(Dim::constant(1), |acc, d| acc.checked_mul(d))
+                .is_some();
+            if !fits {
+                return Err(Diagnostic::new(
+                    "tensor too large",
+                    span,
+                    format!("expected at most 2^63 elements, but {ty} has more"),
+                )
+                .with_help(
+                    "check the sizes: the element count of every tensor must fit in 64 bits",
+                ));
+            }
+        }
+        Ok(outs)
     }
 
-    pub(crate) fn call_block(&mut self, func: &Ident, args: Vec<(Val, Span)>, instance: String, span: Span) -> Result<Val, Diagnostic> {
+    pub(crate) fn call_block(
+        &mut self,
+        func: &Ident,
+        args: Vec<(Val, Span)>,
+        instance: String,
+        span: Span,
+    ) -> Result<Val, Diagnostic> {
         let b: &'m BlockDef = self.blocks[&func.name];
         if self.calls.contains(&func.name) {
             return Err(Diagnostic::new(
@@ -461,13 +638,38 @@ impl<'m> Elab<'m> {
             )
             .with_help("use `repeat N block(x)` to stack layers"));
         }
+        if self.calls.len() >= MAX_BLOCK_DEPTH {
+            // Each level is a deep recursion of the elaborator: stop well before the stack does.
+            return Err(Diagnostic::new(
+                format!("blocks nested too deeply (more than {MAX_BLOCK_DEPTH} levels)"),
+                func.span,
+                format!("expected at most {MAX_BLOCK_DEPTH} blocks inside one another, found a call of `{}` at level {}", func.name, self.calls.len() + 1),
+            )
+            .with_help("call the blocks one after another rather than each from inside the last"));
+        }
         if args.len() != b.params.len() {
             return Err(Diagnostic::new(
-                format!("block `{}` takes {} argument{}", func.name, b.params.len(), if b.params.len() == 1 { "" } else { "s" }),
+                format!(
+                    "block `{}` takes {} argument{}",
+                    func.name,
+                    b.params.len(),
+                    if b.params.len() == 1 { "" } else { "s" }
+                ),
                 span,
-                format!("found {}", args.len()),
+                format!("expected {}, found {}", b.params.len(), args.len()),
             )
-            .with_note(b.name.span, format!("defined here as `{}({})`", func.name, b.params.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "))));
+            .with_note(
+                b.name.span,
+                format!(
+                    "defined here as `{}({})`",
+                    func.name,
+                    b.params
+                        .iter()
+                        .map(|p| p.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
         }
         let prefix = format!("{}{}.", self.frame().prefix, instance);
         self.frames.push(Frame {
@@ -487,7 +689,13 @@ impl<'m> Elab<'m> {
         })();
         self.calls.pop();
         self.frames.pop();
-        result.map_err(|d| d.with_note(span, format!("in this call of block `{}`", func.name)))
+        result.map_err(|d| {
+            // The innermost calls explain the error; past a few, the notes are noise.
+            if d.secondary.len() >= MAX_CALL_NOTES {
+                return d;
+            }
+            d.with_note(span, format!("in this call of block `{}`", func.name))
+        })
     }
 
     /// A fresh instance name for a block call: `mlp`, then `mlp_2`, ...
@@ -511,6 +719,15 @@ impl<'m> Elab<'m> {
     }
 }
 
+/// `x, residual`: a block's parameter names, for messages.
+fn block_params(b: &BlockDef) -> String {
+    b.params
+        .iter()
+        .map(|p| p.name.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn kind_word(k: Kind) -> &'static str {
     match k {
         Kind::Const => "a constant",
@@ -524,19 +741,47 @@ fn kind_word(k: Kind) -> &'static str {
 
 fn parse_dtype(id: &Ident) -> Result<DType, Diagnostic> {
     DType::parse(&id.name).ok_or_else(|| {
-        Diagnostic::new(format!("unknown dtype `{}`", id.name), id.span, "not a dtype")
-            .with_help("the dtypes are f32, bf16, f16 and i32")
+        let d = Diagnostic::new(
+            format!("unknown dtype `{}`", id.name),
+            id.span,
+            format!("expected f32, bf16, f16 or i32, found `{}`", id.name),
+        );
+        // The spellings of other frameworks.
+        let meant = match id.name.as_str() {
+            "float32" | "float" | "fp32" => Some("f32".to_string()),
+            "bfloat16" => Some("bf16".to_string()),
+            "float16" | "half" | "fp16" => Some("f16".to_string()),
+            "int32" | "int" | "int64" | "long" | "i64" => Some("i32".to_string()),
+            other => suggest(other, ["f32", "bf16", "f16", "i32"].into_iter()),
+        };
+        match meant {
+            Some(m) => d.with_help(format!("did you mean `{m}`?")),
+            None => d,
+        }
     })
 }
 
 fn parse_override(name: &Ident, text: &str, current: &Val) -> Result<Val, Diagnostic> {
     let bad = |what: &str| {
-        Diagnostic::new(format!("`--set {}={text}` does not fit this constant", name.name), name.span, what)
+        Diagnostic::new(
+            format!("`--set {}={text}` does not fit this constant", name.name),
+            name.span,
+            what,
+        )
     };
     match current {
-        Val::Int(_) => text.parse::<i64>().map(Val::Int).map_err(|_| bad("this constant is an integer")),
-        Val::Float(_) => text.parse::<f64>().map(Val::Float).map_err(|_| bad("this constant is a number")),
-        Val::Bool(_) => text.parse::<bool>().map(Val::Bool).map_err(|_| bad("this constant is true or false")),
+        Val::Int(_) => text
+            .parse::<i64>()
+            .map(Val::Int)
+            .map_err(|_| bad("this constant is an integer")),
+        Val::Float(_) => text
+            .parse::<f64>()
+            .map(Val::Float)
+            .map_err(|_| bad("this constant is a number")),
+        Val::Bool(_) => text
+            .parse::<bool>()
+            .map(Val::Bool)
+            .map_err(|_| bad("this constant is true or false")),
         _ => Err(bad("only number constants can be set")),
     }
 }
@@ -544,11 +789,20 @@ fn parse_override(name: &Ident, text: &str, current: &Val) -> Result<Val, Diagno
 /// Places a shape-rule error: at the argument at fault, or at the whole
 /// call with the types of its arguments shown beneath.
 fn op_error(e: OpError, span: Span, arg_spans: &[Span], types: &[TensorType]) -> Diagnostic {
-    let primary = e.arg.and_then(|i| arg_spans.get(i).copied()).unwrap_or(span);
-    let mut d = Diagnostic::new(e.message, primary, e.detail);
-    if e.arg.is_none() && arg_spans.len() <= 3 {
-        for (s, t) in arg_spans.iter().zip(types) {
-            d = d.with_note(*s, t.to_string());
+    let primary = e
+        .arg
+        .and_then(|i| arg_spans.get(i).copied())
+        .unwrap_or(span);
+    let mut d = Diagnostic::new(e.message, primary, e.detail.clone());
+    if arg_spans.len() <= 3 {
+        // The type of each argument under it; when one argument is at fault,
+        // only the others, and only where its label does not already say it.
+        for (i, (s, t)) in arg_spans.iter().zip(types).enumerate() {
+            let ty = t.to_string();
+            if e.arg.is_some() && (e.arg == Some(i) || *s == primary || e.detail.contains(&ty)) {
+                continue;
+            }
+            d = d.with_note(*s, ty);
         }
     }
     if let Some(h) = e.help {
@@ -562,7 +816,16 @@ pub(crate) fn suggest<'a>(name: &str, candidates: impl Iterator<Item = &'a str>)
     let mut best: Option<(usize, &str)> = None;
     for c in candidates {
         let d = edit_distance(name, c);
-        if d <= (name.len().max(2) / 3).max(1) && best.is_none_or(|(bd, bc)| d < bd || (d == bd && c < bc)) {
+        // A typo, or a name cut short or run on (`clip_grad` for `clip_grad_norm`).
+        // Replacing every letter of a short name is no typo (`v` is not `B`).
+        let close = (d <= (name.len().max(2) / 3).max(1) && d < name.chars().count())
+            || (name.len().min(c.len()) >= 3 && (c.starts_with(name) || name.starts_with(c)));
+        let d = if close {
+            d.min(name.len().abs_diff(c.len()))
+        } else {
+            d
+        };
+        if close && best.is_none_or(|(bd, bc)| d < bd || (d == bd && c < bc)) {
             best = Some((d, c));
         }
     }
@@ -574,14 +837,19 @@ fn edit_distance(a: &str, b: &str) -> usize {
     if a.len().abs_diff(b.len()) > 3 || a.len() > 64 || b.len() > 64 {
         return usize::MAX;
     }
+    // Optimal string alignment: a swap of two neighbours (`mpl` for `mlp`) is one edit.
+    let mut before: Vec<usize> = Vec::new();
     let mut prev: Vec<usize> = (0..=b.len()).collect();
     for i in 1..=a.len() {
         let mut cur = vec![i; b.len() + 1];
         for j in 1..=b.len() {
             let sub = prev[j - 1] + usize::from(a[i - 1] != b[j - 1]);
             cur[j] = sub.min(prev[j] + 1).min(cur[j - 1] + 1);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                cur[j] = cur[j].min(before[j - 2] + 1);
+            }
         }
-        prev = cur;
+        before = std::mem::replace(&mut prev, cur);
     }
     prev[b.len()]
 }

@@ -8,61 +8,128 @@ use crate::dsl::ast::{Expr, ExprKind, TrainSection};
 use crate::ir::DType;
 use crate::model::{Optimizer, TrainConfig};
 
-const KEYS: &[&str] = &["loss", "optimizer", "clip_grad_norm", "precision", "micro_batches"];
+const KEYS: &[&str] = &[
+    "loss",
+    "optimizer",
+    "clip_grad_norm",
+    "precision",
+    "micro_batches",
+];
 
 fn entry<'a>(t: &'a TrainSection, key: &str) -> Option<&'a Expr> {
-    t.entries.iter().find(|e| e.key.name == key).map(|e| &e.value)
+    t.entries
+        .iter()
+        .find(|e| e.key.name == key)
+        .map(|e| &e.value)
 }
 
 /// Read before anything else: parameters are cast to it as they are declared.
 pub fn precision(t: &TrainSection) -> Result<DType, Diagnostic> {
-    let Some(e) = entry(t, "precision") else { return Ok(DType::F32) };
-    let bad = || {
-        Diagnostic::new("unknown precision", e.span, "expected fp32, bf16 or fp16")
-            .with_help("bf16 and fp16 compute with f32 master weights and optimizer state")
+    let Some(e) = entry(t, "precision") else {
+        return Ok(DType::F32);
     };
+    let bad = |found: String| {
+        Diagnostic::new(
+            "unknown precision",
+            e.span,
+            format!("expected fp32, bf16 or fp16, found {found}"),
+        )
+    };
+    let about = "bf16 and fp16 compute with f32 master weights and optimizer state";
     match &e.kind {
         ExprKind::Name(n) => match n.as_str() {
             "fp32" | "f32" => Ok(DType::F32),
             "bf16" => Ok(DType::BF16),
             "fp16" | "f16" => Ok(DType::F16),
-            _ => Err(bad()),
+            other => {
+                // The spellings other frameworks use.
+                let meant = match other {
+                    "bfloat16" | "bfloat" => Some("bf16".to_string()),
+                    "float16" | "half" => Some("fp16".to_string()),
+                    "float32" | "float" | "full" => Some("fp32".to_string()),
+                    _ => super::suggest(other, ["fp32", "bf16", "fp16"].into_iter()),
+                };
+                let d = bad(format!("`{other}`"));
+                Err(match meant {
+                    Some(m) => d.with_help(format!("did you mean `{m}`?")),
+                    None => d,
+                }
+                .with_help(about))
+            }
         },
-        _ => Err(bad()),
+        _ => Err(bad("an expression".into()).with_help(about)),
     }
 }
 
 pub fn section(e: &mut Elab, t: &TrainSection) -> Result<TrainConfig, Diagnostic> {
     for (i, en) in t.entries.iter().enumerate() {
         if !KEYS.contains(&en.key.name.as_str()) {
-            let mut d = Diagnostic::new(format!("unknown setting `{}` in `train`", en.key.name), en.key.span, "not a training setting")
-                .with_help(format!("the settings are: {}", KEYS.join(", ")));
+            let mut d = Diagnostic::new(
+                format!("unknown setting `{}` in `train`", en.key.name),
+                en.key.span,
+                "not a training setting",
+            );
             if let Some(s) = super::suggest(&en.key.name, KEYS.iter().copied()) {
                 d = d.with_help(format!("did you mean `{s}`?"));
             }
-            return Err(d);
+            return Err(d.with_help(format!("the settings are: {}", KEYS.join(", "))));
         }
         if let Some(prev) = t.entries[..i].iter().find(|p| p.key.name == en.key.name) {
-            return Err(Diagnostic::new(format!("`{}` is set twice", en.key.name), en.key.span, "set again here").with_note(prev.key.span, "first set here"));
+            return Err(Diagnostic::new(
+                format!("`{}` is set twice", en.key.name),
+                en.key.span,
+                "set again here",
+            )
+            .with_note(prev.key.span, "first set here"));
         }
     }
     let Some(loss_expr) = entry(t, "loss") else {
-        return Err(Diagnostic::new("the `train` section does not say what the loss is", t.span, "no `loss = ...` here")
-            .with_help("add `loss = cross_entropy(logits, targets)` or another scalar"));
+        return Err(Diagnostic::new(
+            "the `train` section does not say what the loss is",
+            t.span,
+            "no `loss = ...` here",
+        )
+        .with_help("add `loss = cross_entropy(logits, targets)` or another scalar"));
     };
     let loss = e.eval(loss_expr)?;
     let Val::Tensor(lv) = loss else {
-        return Err(Diagnostic::new("the loss must be a tensor computed from the model", loss_expr.span, format!("found {}", loss.describe(&e.graph))));
+        return Err(Diagnostic::new(
+            "the loss must be a tensor computed from the model",
+            loss_expr.span,
+            format!(
+                "expected a scalar tensor, found {}",
+                loss.describe(&e.graph)
+            ),
+        )
+        .with_help("e.g. `loss = cross_entropy(logits, targets)`"));
     };
     let lt = e.graph.ty(lv).clone();
-    if lt.rank() != 0 || !lt.dtype.is_float() {
-        return Err(Diagnostic::new("the loss must be a scalar", loss_expr.span, format!("found {lt}"))
-            .with_help("reduce it, e.g. `mean(x)`; `cross_entropy` already returns the mean"));
+    if lt.rank() != 0 {
+        return Err(Diagnostic::new(
+            "the loss must be a scalar",
+            loss_expr.span,
+            format!("expected a scalar (shape []), found {lt}"),
+        )
+        .with_help("reduce it, e.g. `mean(x)`; `cross_entropy` already returns the mean"));
+    }
+    if !lt.dtype.is_float() {
+        return Err(Diagnostic::new(
+            "the loss must be a floating-point scalar",
+            loss_expr.span,
+            format!("expected a floating-point scalar, found {lt}"),
+        )
+        .with_help("an i32 value has no gradient; compute the loss from the model's floating-point outputs"));
     }
     e.finish_loss(lv);
 
     let optimizer = match entry(t, "optimizer") {
-        None => Optimizer::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 },
+        None => Optimizer::AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
         Some(o) => optimizer(e, o)?,
     };
     let clip_grad_norm = match entry(t, "clip_grad_norm") {
@@ -75,18 +142,40 @@ pub fn section(e: &mut Elab, t: &TrainSection) -> Result<TrainConfig, Diagnostic
             let v = e.eval(m)?;
             match v.as_i64() {
                 Some(n) if (1..=65536).contains(&n) => n as u32,
-                _ => return Err(Diagnostic::new("`micro_batches` must be an integer from 1 to 65536", m.span, format!("found {}", v.describe(&e.graph)))),
+                _ => {
+                    return Err(Diagnostic::new(
+                        "`micro_batches` must be an integer from 1 to 65536",
+                        m.span,
+                        format!(
+                            "expected an integer from 1 to 65536, found {}",
+                            v.describe(&e.graph)
+                        ),
+                    ))
+                }
             }
         }
     };
-    Ok(TrainConfig { optimizer, clip_grad_norm, precision: e.precision, micro_batches, loss_span: loss_expr.span })
+    Ok(TrainConfig {
+        optimizer,
+        clip_grad_norm,
+        precision: e.precision,
+        micro_batches,
+        loss_span: loss_expr.span,
+    })
 }
 
 fn positive(e: &mut Elab, x: &Expr, what: &str) -> Result<f64, Diagnostic> {
     let v = e.eval(x)?;
     match v.as_f64() {
         Some(f) if f > 0.0 && f.is_finite() => Ok(f),
-        _ => Err(Diagnostic::new(format!("`{what}` must be a positive number"), x.span, format!("found {}", v.describe(&e.graph)))),
+        _ => Err(Diagnostic::new(
+            format!("`{what}` must be a positive number"),
+            x.span,
+            format!(
+                "expected a number greater than 0, found {}",
+                v.describe(&e.graph)
+            ),
+        )),
     }
 }
 
@@ -99,40 +188,80 @@ fn optimizer(e: &mut Elab, o: &Expr) -> Result<Optimizer, Diagnostic> {
         "adamw" => &["lr", "betas", "eps", "weight_decay"],
         "sgd" => &["lr", "momentum", "weight_decay"],
         other => {
-            return Err(Diagnostic::new(format!("unknown optimizer `{other}`"), func.span, "expected `adamw` or `sgd`"));
+            let d = Diagnostic::new(
+                format!("unknown optimizer `{other}`"),
+                func.span,
+                "expected `adamw` or `sgd`",
+            );
+            return Err(match super::suggest(other, ["adamw", "sgd"].into_iter()) {
+                Some(s) => d.with_help(format!("did you mean `{s}`?")),
+                None => d,
+            });
         }
     };
     let mut vals = std::collections::HashMap::new();
     for a in args {
         let Some(n) = &a.name else {
-            return Err(Diagnostic::new("optimizer settings are given by name", a.value.span, "positional argument")
-                .with_help(format!("`{}` takes: {}", func.name, allowed.join(", "))));
+            return Err(Diagnostic::new(
+                "optimizer settings are given by name",
+                a.value.span,
+                "expected `name = value`, found a value by position",
+            )
+            .with_help(format!("e.g. `{}({} = ...)`", func.name, allowed[0]))
+            .with_help(format!("`{}` takes: {}", func.name, allowed.join(", "))));
         };
         if !allowed.contains(&n.name.as_str()) {
-            return Err(Diagnostic::new(format!("`{}` has no setting `{}`", func.name, n.name), n.span, "unknown setting")
-                .with_help(format!("`{}` takes: {}", func.name, allowed.join(", "))));
+            let mut d = Diagnostic::new(
+                format!("`{}` has no setting `{}`", func.name, n.name),
+                n.span,
+                "unknown setting",
+            );
+            if let Some(s) = super::suggest(&n.name, allowed.iter().copied()) {
+                d = d.with_help(format!("did you mean `{s}`?"));
+            }
+            return Err(d.with_help(format!("`{}` takes: {}", func.name, allowed.join(", "))));
         }
         if vals.contains_key(n.name.as_str()) {
-            return Err(Diagnostic::new(format!("`{}` is given twice", n.name), n.span, "given again"));
+            return Err(Diagnostic::new(
+                format!("`{}` is given twice", n.name),
+                n.span,
+                "given again",
+            ));
         }
         vals.insert(n.name.as_str(), &a.value);
     }
     let mut num = |key: &str, default: f64, lo: f64, hi: f64| -> Result<f64, Diagnostic> {
-        let Some(x) = vals.get(key) else { return Ok(default) };
+        let Some(x) = vals.get(key) else {
+            return Ok(default);
+        };
         let v = e.eval(x)?;
         match v.as_f64() {
             Some(f) if f >= lo && f <= hi => Ok(f),
-            _ => Err(Diagnostic::new(format!("`{key}` must be a number from {lo} to {hi}"), x.span, format!("found {}", v.describe(&e.graph)))),
+            _ => Err(Diagnostic::new(
+                format!("`{key}` must be a number from {lo} to {hi}"),
+                x.span,
+                format!(
+                    "expected a number from {lo} to {hi}, found {}",
+                    v.describe(&e.graph)
+                ),
+            )),
         }
     };
     if func.name == "sgd" {
         if !vals.contains_key("lr") {
-            return Err(Diagnostic::new("`sgd` needs a learning rate", o.span, "no `lr`").with_help("e.g. `sgd(lr = 0.1, momentum = 0.9)`"));
+            return Err(
+                Diagnostic::new("`sgd` needs a learning rate", o.span, "no `lr`")
+                    .with_help("e.g. `sgd(lr = 0.1, momentum = 0.9)`"),
+            );
         }
         let lr = num("lr", 0.0, 0.0, 1e3)?;
         let momentum = num("momentum", 0.0, 0.0, 1.0)?;
         let weight_decay = num("weight_decay", 0.0, 0.0, 1e3)?;
-        return Ok(Optimizer::Sgd { lr, momentum, weight_decay });
+        return Ok(Optimizer::Sgd {
+            lr,
+            momentum,
+            weight_decay,
+        });
     }
     let lr = num("lr", 1e-3, 0.0, 1e3)?;
     let eps = num("eps", 1e-8, 0.0, 1.0)?;
@@ -141,15 +270,49 @@ fn optimizer(e: &mut Elab, o: &Expr) -> Result<Optimizer, Diagnostic> {
         None => (0.9, 0.999),
         Some(b) => {
             let v = e.eval(b)?;
-            let pair = match &v {
-                Val::List(items) if items.len() == 2 => items[0].0.as_f64().zip(items[1].0.as_f64()),
-                _ => None,
+            let bad = |span, found: String| {
+                Diagnostic::new("`betas` must be two numbers in [0, 1)", span, found)
+                    .with_help("e.g. `betas = (0.9, 0.95)`")
             };
-            match pair {
-                Some((b1, b2)) if (0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2) => (b1, b2),
-                _ => return Err(Diagnostic::new("`betas` must be two numbers in [0, 1)", b.span, format!("found {}", v.describe(&e.graph))).with_help("e.g. `betas = (0.9, 0.95)`")),
+            let Val::List(items) = &v else {
+                return Err(bad(
+                    b.span,
+                    format!(
+                        "expected a pair `(beta1, beta2)`, found {}",
+                        v.describe(&e.graph)
+                    ),
+                ));
+            };
+            if items.len() != 2 {
+                return Err(bad(
+                    b.span,
+                    format!("expected 2 numbers, found {}", items.len()),
+                ));
             }
+            let mut pair = [0.0; 2];
+            for (k, (item, span)) in items.iter().enumerate() {
+                match item.as_f64() {
+                    Some(x) if (0.0..1.0).contains(&x) => pair[k] = x,
+                    _ => {
+                        let which = if k == 0 { "beta1" } else { "beta2" };
+                        return Err(bad(
+                            *span,
+                            format!(
+                                "expected {which} in [0, 1), found {}",
+                                item.describe(&e.graph)
+                            ),
+                        ));
+                    }
+                }
+            }
+            (pair[0], pair[1])
         }
     };
-    Ok(Optimizer::AdamW { lr, beta1, beta2, eps, weight_decay })
+    Ok(Optimizer::AdamW {
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+    })
 }

@@ -24,7 +24,9 @@ impl Val {
     pub fn describe(&self, g: &Graph) -> String {
         match self {
             Val::Int(i) => format!("the integer {i}"),
-            Val::Float(f) => format!("the number {f}"),
+            // `64.0`, not `64`: a fraction where an integer is expected must look like one.
+            Val::Float(f) if f.fract() == 0.0 && f.abs() < 1e15 => format!("the number {f:.1}"),
+            Val::Float(f) => format!("the number {}", crate::ir::print::num(*f)),
             Val::Bool(b) => format!("`{b}`"),
             Val::Dim(d) => format!("the dimension {d}"),
             Val::Tensor(v) => format!("a tensor {}", g.ty(*v)),

@@ -4,7 +4,7 @@ dim B
 input x: f32[B, d]
 param w: [d, d] = normal(0.02)
 
-let h = x @ w
+let h = x @ w
 
 train {
     loss = mean(h)

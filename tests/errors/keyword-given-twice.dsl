@@ -1,0 +1,12 @@
+# `eps` is given twice in the same call.
+const d = 64
+dim B
+input x: f32[B, d]
+param ln_w: [d] = ones
+param ln_b: [d] = zeros
+
+let h = layernorm(x, ln_w, ln_b, eps = 1e-5, eps = 1e-6)
+
+train {
+    loss = mean(h * h)
+}
