@@ -16,6 +16,7 @@ pub enum LexError {
     UnexpectedChar,
     IntTooLarge,
     FloatOutOfRange,
+    TwoDecimalPoints,
 }
 
 #[derive(Logos, Clone, Copy, Debug, PartialEq)]
@@ -126,6 +127,11 @@ fn number(lex: &mut logos::Lexer<Token>) -> Result<Token, LexError> {
         if exp > 0 {
             len += 1 + sign + exp;
         }
+    }
+    // `3.0.4`: a second point followed by a digit is a typo, not a field access.
+    if len > 0 && rest[0] == b'.' && rest.get(len) == Some(&b'.') && digits_from(len + 1) > 0 {
+        lex.bump(len + 1 + digits_from(len + 1));
+        return Err(LexError::TwoDecimalPoints);
     }
     lex.bump(len);
     if len == 0 {
@@ -239,6 +245,11 @@ fn lex_error(source: &str, span: Span, err: LexError) -> Diagnostic {
             "does not fit in a 64-bit signed integer",
         )
         .with_help(format!("the largest integer is {}", i64::MAX)),
+        LexError::TwoDecimalPoints => Diagnostic::new(
+            format!("number '{}' has more than one decimal point", snippet(text)),
+            span,
+            "expected a number such as `3.04`",
+        ),
         LexError::FloatOutOfRange => Diagnostic::new(
             format!("number '{}' is out of range", snippet(text)),
             span,

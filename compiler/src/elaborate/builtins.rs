@@ -131,11 +131,21 @@ fn unary(e: &mut Elab, a: &mut Args, kind: UnaryKind) -> Result<Val, Diagnostic>
             kind,
             UnaryKind::Exp | UnaryKind::Log | UnaryKind::Sqrt | UnaryKind::Rsqrt | UnaryKind::Tanh
         ) {
-            return Ok(Val::Float(kind.apply(x)));
+            let y = kind.apply(x);
+            if !y.is_finite() {
+                return Err(Diagnostic::new(
+                    format!("`{}({x})` has no finite value", kind.name()),
+                    s,
+                    format!(
+                        "expected a number in the domain of `{}`, found {x}",
+                        kind.name()
+                    ),
+                ));
+            }
+            return Ok(Val::Float(y));
         }
     }
     let x = a.tensor(&e.graph, 0, "x")?;
-    let _ = s;
     Ok(t(add1(e, Unary { kind }, &[x], a.span)?))
 }
 
@@ -529,15 +539,18 @@ fn attention(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let k = a.tensor(&e.graph, 1, "k")?;
     let v = a.tensor(&e.graph, 2, "v")?;
     let causal = a.bool(&e.graph, 3, "causal", false)?;
-    let d = e
-        .graph
-        .ty(q.0)
-        .shape
-        .last()
-        .and_then(|d| d.as_const())
-        .unwrap_or(1)
-        .max(1);
-    let scale = a.float(&e.graph, 4, "scale", Some(1.0 / (d as f64).sqrt()))?;
+    let d = e.graph.ty(q.0).shape.last().and_then(|d| d.as_const());
+    let default = d.filter(|d| *d > 0).map(|d| 1.0 / (d as f64).sqrt());
+    if default.is_none() && a.get(4, "scale")?.is_none() {
+        let ty = e.graph.ty(q.0).clone();
+        return Err(Diagnostic::new(
+            "`attention` needs a scale when the head dimension is not a fixed size",
+            q.1,
+            format!("the head dimension of {ty} is not a constant"),
+        )
+        .with_help("pass `scale = ...`, usually 1/sqrt(head dimension)"));
+    }
+    let scale = a.float(&e.graph, 4, "scale", default)?;
     let vals = [q.0, k.0, v.0];
     let out = e.add_at(
         Attention { causal, scale }.into(),

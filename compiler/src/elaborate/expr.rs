@@ -33,13 +33,7 @@ impl<'m> Elab<'m> {
             ExprKind::Int(i) => Ok(Val::Int(*i)),
             ExprKind::Float(f) => Ok(Val::Float(*f)),
             ExprKind::Bool(b) => Ok(Val::Bool(*b)),
-            ExprKind::Name(n) => match n.as_str() {
-                // Words that only mean something where they are consumed.
-                "bf16" | "fp16" | "f16" | "fp32" | "f32" | "zeros" | "ones" => {
-                    Ok(Val::Word(n.clone()))
-                }
-                _ => self.lookup(n, e.span),
-            },
+            ExprKind::Name(n) => self.lookup(n, e.span),
             ExprKind::Neg(inner) => {
                 let v = self.eval(inner)?;
                 self.negate(v, inner.span, e.span)
@@ -369,6 +363,20 @@ impl<'m> Elab<'m> {
         let mut pos = a.pos;
         for i in 0..n {
             let out = self.call_block(func, pos.clone(), format!("{base}.{i}"), span)?;
+            if !matches!((&out, &pos[0].0), (Val::Tensor(_), Val::Tensor(_))) {
+                let ret = self.blocks[&func.name].ret.span;
+                return Err(Diagnostic::new(
+                    "a repeated block must take and return one tensor",
+                    span,
+                    format!(
+                        "expected a tensor, found {} passed in and {} returned",
+                        pos[0].0.describe(&self.graph),
+                        out.describe(&self.graph)
+                    ),
+                )
+                .with_note(ret, "returned here")
+                .with_help("the output of each layer is the first argument of the next"));
+            }
             if let (Val::Tensor(new), Val::Tensor(old)) = (&out, &pos[0].0) {
                 if self.graph.ty(*new) != self.graph.ty(*old) {
                     let (tn, to) = (self.graph.ty(*new).clone(), self.graph.ty(*old).clone());

@@ -112,6 +112,14 @@ impl<'m> Elab<'m> {
         // Blocks may be used before they are defined; collect them first.
         for item in &module.items {
             if let Item::Block(b) = item {
+                if builtins::BUILTINS.iter().any(|f| f.name == b.name.name) {
+                    return Err(Diagnostic::new(
+                        format!("block `{}` has the name of a builtin function", b.name.name),
+                        b.name.span,
+                        "expected a name that is not a builtin",
+                    )
+                    .with_help("rename the block; calls would otherwise be ambiguous"));
+                }
                 if let Some(prev) = self.blocks.insert(b.name.name.clone(), b) {
                     return Err(Diagnostic::new(
                         format!("block `{}` is defined twice", b.name.name),
@@ -248,6 +256,12 @@ impl<'m> Elab<'m> {
             .map(|s| s.as_str());
         if let Some(s) = suggest(name, candidates) {
             d = d.with_help(format!("did you mean `{s}`?"));
+        } else if crate::ir::DType::parse(name).is_some() {
+            d = d.with_help(format!("`{name}` is a dtype: it goes in `input x: {name}[...]`, or `precision = {name}` in the train section"));
+        } else if matches!(name, "zeros" | "ones") {
+            d = d.with_help(format!(
+                "`{name}` is an initialiser: it goes after `=` in `param w: [...] = {name}`"
+            ));
         }
         Err(d)
     }

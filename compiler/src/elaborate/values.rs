@@ -15,8 +15,6 @@ pub enum Val {
     Tensor(Value),
     /// `[a, b]` or `(a, b)`, or the several results of `split`.
     List(Vec<(Val, Span)>),
-    /// A bare name that only means something to the consumer (`bf16`, `zeros`).
-    Word(String),
 }
 
 impl Val {
@@ -31,7 +29,6 @@ impl Val {
             Val::Dim(d) => format!("the dimension {d}"),
             Val::Tensor(v) => format!("a tensor {}", g.ty(*v)),
             Val::List(items) => format!("a list of {} items", items.len()),
-            Val::Word(w) => format!("the name `{w}`"),
         }
     }
 

@@ -19,6 +19,16 @@ impl<'a> Parser<'a> {
         Ok(())
     }
 
+    /// Whether only blanks stand between the start of its line and `span`.
+    fn starts_line(&self, span: Span) -> bool {
+        let before = self.src.get(..span.start).unwrap_or("");
+        before
+            .bytes()
+            .rev()
+            .find(|b| !matches!(b, b' ' | b'\t' | b'\r'))
+            .is_none_or(|b| b == b'\n')
+    }
+
     pub(super) fn expr(&mut self) -> PResult<Parsed> {
         self.enter()?;
         let result = self.binary();
@@ -314,6 +324,36 @@ impl<'a> Parser<'a> {
                 d.with_help("`...` can only appear inside an index, as in `x[..., 0]`")
             }
             Token::Dot => d.with_help("a number needs a digit before the point: `0.5`"),
+            // `softmax(x, dim = -1)`: a keyword where an argument name goes.
+            Token::Dim | Token::Input | Token::Param if self.peek2() == Token::Eq => {
+                let kw = tok.keyword().unwrap_or("?");
+                let mut d = Diagnostic::new(
+                    format!("`{kw}` is a keyword and cannot name an argument"),
+                    d.span,
+                    "expected an argument name",
+                );
+                if tok == Token::Dim {
+                    d = d.with_help("to choose an axis, write `axis = ...`");
+                }
+                d
+            }
+            // `let h = x +` at the end of a line: the statement is unfinished.
+            Token::Const
+            | Token::Dim
+            | Token::Input
+            | Token::Param
+            | Token::Let
+            | Token::Block
+            | Token::Return
+            | Token::Train
+            | Token::RBrace
+            | Token::Eof
+                if self.starts_line(d.span) =>
+            {
+                d.with_help(
+                    "the expression is unfinished: complete it, or remove the operator or comma before this point",
+                )
+            }
             _ => match keyword_help(tok) {
                 Some(h) => d.with_help(h),
                 None => d,
