@@ -100,14 +100,50 @@ pub fn add_backward(model: &Model) -> Result<Graph, Errors> {
                 };
                 g.outputs.push((Role::Grad(i), gv));
             }
-            None => missing.push(
-                Diagnostic::new(
+            None => {
+                // Follow the compute copy (a cast) to the first real use.
+                let mut v = Value {
+                    node: p.node,
+                    port: 0,
+                };
+                let mut users = g.users(v);
+                if let [(only, _)] = users[..] {
+                    if matches!(g.g[only].op, crate::ops::Op::Cast(_)) {
+                        v = Value {
+                            node: only,
+                            port: 0,
+                        };
+                        users = g.users(v);
+                    }
+                }
+                let first_use = users
+                    .iter()
+                    .filter_map(|(u, _)| g.g[*u].span)
+                    .min_by_key(|s| s.start);
+                let d = Diagnostic::new(
                     format!("parameter `{}` gets no gradient", p.name),
                     p.span,
-                    "declared here, but the loss does not depend on it",
-                )
-                .with_help("use it in the computation of the loss, or remove it"),
-            ),
+                    "",
+                );
+                missing.push(match first_use {
+                    None => Diagnostic {
+                        label: "declared here, but never used".into(),
+                        ..d
+                    }
+                    .with_help("use it in the computation of the loss, or remove it"),
+                    Some(at) => Diagnostic {
+                        label: "declared here".into(),
+                        ..d
+                    }
+                    .with_note(
+                        at,
+                        "used here, but nothing computed from this reaches the loss",
+                    )
+                    .with_help(
+                        "the loss must depend on every parameter; remove it or use its result",
+                    ),
+                });
+            }
         }
     }
     if !missing.is_empty() {
