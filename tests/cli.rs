@@ -63,6 +63,28 @@ fn build_writes_every_stage() {
 }
 
 #[test]
+fn every_shipped_model_checks_and_builds() {
+    let dir = std::env::temp_dir().join(format!("fusec-cli-all-{}", std::process::id()));
+    let mut files: Vec<_> = std::fs::read_dir(common::root().join("dsl-examples"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "dsl"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 6, "{files:?}");
+    for f in files {
+        let f = f.to_str().unwrap();
+        let (code, _, err) = fusec(&["check", f]);
+        assert_eq!(code, 0, "check {f}: {err}");
+        let out = dir.join(std::path::Path::new(f).file_stem().unwrap());
+        let (code, _, err) = fusec(&["build", f, "-o", out.to_str().unwrap()]);
+        assert_eq!(code, 0, "build {f}: {err}");
+        assert!(out.join("optimized.txt").exists());
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn dump_prints_one_stage() {
     let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "forward"]);
     assert_eq!(code, 0);
