@@ -7,6 +7,7 @@ pub mod elaborate;
 pub mod gradcheck;
 pub mod interp;
 pub mod ir;
+pub mod kernel;
 pub mod model;
 pub mod ops;
 pub mod passes;

@@ -1,0 +1,409 @@
+//! Fusion: cuts the graph into kernels.
+//!
+//! Elementwise ops (unary, their gradients, binary arithmetic, casts) fuse
+//! into chains: an op joins the kernel of its producer when it is that
+//! value's only reader and computes the same number of elements, reached
+//! through nothing but reshapes. A chain therefore stores only its last
+//! value; everything before it stays in registers. Scalars (constants,
+//! symbolic sizes) are folded into the expressions, and reshapes, permutes,
+//! slices and broadcasts become views that the loads read through. Every
+//! other op is a kernel of its own.
+
+use super::view::View;
+use super::{Body, BufKind, Buffer, Kernel, PExpr, Pointwise, Program};
+use crate::ir::graph::Value;
+use crate::ir::Graph;
+use crate::ops::Op;
+use petgraph::stable_graph::NodeIndex;
+use std::collections::HashMap;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Class {
+    Source,
+    Scalar,
+    View,
+    Pointwise,
+    Other,
+}
+
+fn class(op: &Op) -> Class {
+    match op {
+        Op::Input(_) | Op::Param(_) | Op::State(_) => Class::Source,
+        Op::Constant(_) | Op::DimValue(_) => Class::Scalar,
+        Op::Reshape(_) | Op::Permute(_) | Op::Slice(_) | Op::Broadcast(_) => Class::View,
+        Op::Unary(_) | Op::UnaryGrad(_) | Op::Binary(_) | Op::Cast(_) => Class::Pointwise,
+        _ => Class::Other,
+    }
+}
+
+struct Fuser<'g> {
+    g: &'g Graph,
+    /// Chain (group) of each pointwise node.
+    group: HashMap<NodeIndex, usize>,
+    chains: Vec<Vec<NodeIndex>>,
+    buffers: Vec<Buffer>,
+    buffer_of: HashMap<Value, usize>,
+    outputs: std::collections::HashSet<Value>,
+}
+
+impl<'g> Fuser<'g> {
+    fn class(&self, n: NodeIndex) -> Class {
+        class(&self.g.g[n].op)
+    }
+
+    /// Follows view ops back to the value they view: (base, view ops in
+    /// application order).
+    fn base(&self, mut v: Value) -> (Value, Vec<NodeIndex>) {
+        let mut chain = Vec::new();
+        while self.class(v.node) == Class::View {
+            chain.push(v.node);
+            v = self.g.inputs(v.node)[0];
+        }
+        chain.reverse();
+        (v, chain)
+    }
+
+    /// The non-view readers of `v`, looking through view ops.
+    fn readers(&self, v: Value) -> Vec<NodeIndex> {
+        let mut out = Vec::new();
+        for (u, _) in self.g.users(v) {
+            if self.class(u) == Class::View {
+                out.extend(self.readers(Value { node: u, port: 0 }));
+            } else {
+                out.push(u);
+            }
+        }
+        out
+    }
+
+    /// Whether `x`, read by `n`, is the previous op's value seen unchanged:
+    /// only reshapes between, and the same shape as `n`'s result.
+    fn same_elements(&self, x: Value, n: NodeIndex) -> bool {
+        let (_, chain) = self.base(x);
+        chain
+            .iter()
+            .all(|v| matches!(self.g.g[*v].op, Op::Reshape(_)))
+            && self.g.ty(x).shape == self.g.g[n].outputs[0].shape
+    }
+
+    fn form_chains(&mut self) {
+        for n in self.g.topo_order() {
+            if self.class(n) != Class::Pointwise {
+                continue;
+            }
+            let mut joined = None;
+            for x in self.g.inputs(n) {
+                let (b, _) = self.base(x);
+                let Some(&gi) = self.group.get(&b.node) else {
+                    continue;
+                };
+                let tail = *self.chains[gi].last().expect("chains are not empty");
+                let only_reader = self.readers(b).iter().all(|&r| r == n);
+                if tail == b.node
+                    && only_reader
+                    && !self.outputs.contains(&b)
+                    && self.same_elements(x, n)
+                {
+                    joined = Some(gi);
+                    break;
+                }
+            }
+            let gi = joined.unwrap_or_else(|| {
+                self.chains.push(Vec::new());
+                self.chains.len() - 1
+            });
+            self.chains[gi].push(n);
+            self.group.insert(n, gi);
+        }
+    }
+
+    fn store(&mut self, v: Value, kind: BufKind) -> usize {
+        if let Some(&b) = self.buffer_of.get(&v) {
+            return b;
+        }
+        self.buffers.push(Buffer {
+            value: v,
+            ty: self.g.ty(v).clone(),
+            kind,
+        });
+        self.buffer_of.insert(v, self.buffers.len() - 1);
+        self.buffers.len() - 1
+    }
+
+    /// The buffer an op kernel reads for `x`: a stored value, or a view of
+    /// one copied out by a small pointwise kernel.
+    fn materialise(&mut self, x: Value, kernels: &mut Vec<Kernel>) -> usize {
+        if let Some(&b) = self.buffer_of.get(&x) {
+            return b;
+        }
+        if self.scalar_expr(x).is_some() && self.class(x.node) == Class::Scalar {
+            return self.materialise_scalar(x, kernels);
+        }
+        let (src, view) = if self.needs_copy(x) {
+            // A reshape of a strided view: copy the inner view out first,
+            // then the reshape reads it contiguously.
+            let inner = self.g.inputs(x.node)[0];
+            let src = self.materialise(inner, kernels);
+            let v = View::contiguous(&self.g.ty(inner).shape);
+            let v = match &self.g.g[x.node].op {
+                Op::Permute(p) => v.permute(p),
+                Op::Broadcast(b) => v.broadcast(b),
+                Op::Slice(s) => v.slice(s).unwrap_or(v),
+                Op::Reshape(r) => View::contiguous(&r.shape),
+                _ => v,
+            };
+            (src, v)
+        } else {
+            let (base, _) = self.base(x);
+            let src = match self.buffer_of.get(&base) {
+                Some(&b) => b,
+                None => self.materialise_scalar(base, kernels),
+            };
+            (src, self.view_of(x))
+        };
+        let out = self.store(x, BufKind::Temp);
+        let n = self.g.ty(x).numel();
+        kernels.push(Kernel {
+            name: format!("k{}_copy", kernels.len()),
+            nodes: vec![x.node],
+            inputs: vec![src],
+            outputs: vec![out],
+            body: Body::Pointwise(Pointwise {
+                n,
+                exprs: vec![PExpr::Load { input: 0, view }],
+                stores: vec![(0, 0)],
+            }),
+        });
+        out
+    }
+
+    /// How `x` reads its base value's buffer.
+    fn view_of(&self, x: Value) -> View {
+        let (base, chain) = self.base(x);
+        let mut v = View::contiguous(&self.g.ty(base).shape);
+        for n in chain {
+            v = match &self.g.g[n].op {
+                Op::Permute(p) => v.permute(p),
+                Op::Broadcast(b) => v.broadcast(b),
+                Op::Slice(s) => v.slice(s).unwrap_or(v),
+                // A reshape of a strided view: fall back to the reshape's
+                // own row-major layout over the base (only reached for
+                // contiguous views, see `needs_copy`).
+                Op::Reshape(r) => v.reshape(r).unwrap_or_else(|| View::contiguous(&r.shape)),
+                _ => v,
+            };
+        }
+        v
+    }
+
+    /// A view chain a load cannot express (a reshape of a permuted view).
+    fn needs_copy(&self, x: Value) -> bool {
+        let (base, chain) = self.base(x);
+        let mut v = View::contiguous(&self.g.ty(base).shape);
+        for n in chain {
+            v = match &self.g.g[n].op {
+                Op::Permute(p) => v.permute(p),
+                Op::Broadcast(b) => v.broadcast(b),
+                Op::Slice(s) => match v.slice(s) {
+                    Some(s) => s,
+                    None => return true,
+                },
+                Op::Reshape(r) => match v.reshape(r) {
+                    Some(r) => r,
+                    None => return true,
+                },
+                _ => v,
+            };
+        }
+        false
+    }
+
+    fn scalar_expr(&self, x: Value) -> Option<PExpr> {
+        let (b, _) = self.base(x);
+        match &self.g.g[b.node].op {
+            Op::Constant(c) => Some(PExpr::Const(c.value)),
+            Op::DimValue(d) => Some(PExpr::Dim(d.dim.clone())),
+            _ => None,
+        }
+    }
+
+    fn chain_kernel(&mut self, chain: &[NodeIndex], kernels: &mut Vec<Kernel>) {
+        let mut exprs: Vec<PExpr> = Vec::new();
+        let mut inputs: Vec<usize> = Vec::new();
+        let mut prev: Option<(NodeIndex, usize)> = None;
+        for &n in chain {
+            let out_shape = self.g.g[n].outputs[0].shape.clone();
+            let mut args = Vec::new();
+            for x in self.g.inputs(n) {
+                let (b, _) = self.base(x);
+                let e = match prev {
+                    Some((p, e)) if b.node == p && self.same_elements(x, n) => e,
+                    _ => {
+                        let ex = match self.scalar_expr(x) {
+                            Some(s) => s,
+                            None => {
+                                let src = if self.needs_copy(x) {
+                                    self.materialise(x, kernels)
+                                } else {
+                                    self.buffer_of[&b]
+                                };
+                                let view = if self.needs_copy(x) {
+                                    View::contiguous(&self.g.ty(x).shape)
+                                } else {
+                                    self.view_of(x)
+                                };
+                                let slot = match inputs.iter().position(|&i| i == src) {
+                                    Some(s) => s,
+                                    None => {
+                                        inputs.push(src);
+                                        inputs.len() - 1
+                                    }
+                                };
+                                PExpr::Load {
+                                    input: slot,
+                                    view: view.expand_to(&out_shape),
+                                }
+                            }
+                        };
+                        exprs.push(ex);
+                        exprs.len() - 1
+                    }
+                };
+                args.push(e);
+            }
+            let e = match &self.g.g[n].op {
+                Op::Unary(u) => PExpr::Unary(u.kind, args[0]),
+                Op::UnaryGrad(u) => PExpr::UnaryGrad(u.kind, args[0], args[1]),
+                Op::Binary(b) => PExpr::Binary(b.kind, args[0], args[1]),
+                Op::Cast(c) => PExpr::Round(c.to, args[0]),
+                other => unreachable!("{} is not pointwise", other.name()),
+            };
+            exprs.push(e);
+            prev = Some((n, exprs.len() - 1));
+        }
+        let tail = *chain.last().expect("chains are not empty");
+        let out = self.store(
+            Value {
+                node: tail,
+                port: 0,
+            },
+            BufKind::Temp,
+        );
+        let names: Vec<&str> = chain.iter().map(|&n| self.g.g[n].op.name()).collect();
+        kernels.push(Kernel {
+            name: kernel_name(kernels.len(), &names),
+            nodes: chain.to_vec(),
+            inputs,
+            outputs: vec![out],
+            body: Body::Pointwise(Pointwise {
+                n: self.g.g[tail].outputs[0].numel(),
+                exprs,
+                stores: vec![(0, prev.expect("a chain has ops").1)],
+            }),
+        });
+    }
+}
+
+/// `k7_add_gelu`; long chains name their first ops and how many more.
+fn kernel_name(index: usize, ops: &[&str]) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for op in ops {
+        if parts.last() != Some(op) {
+            parts.push(op);
+        }
+    }
+    let shown = parts.len().min(4);
+    let mut name = format!("k{index}_{}", parts[..shown].join("_"));
+    if parts.len() > shown {
+        name.push_str(&format!("_and{}", parts.len() - shown));
+    }
+    name
+}
+
+pub fn fuse(g: &Graph) -> Program {
+    let mut f = Fuser {
+        g,
+        group: HashMap::new(),
+        chains: Vec::new(),
+        buffers: Vec::new(),
+        buffer_of: HashMap::new(),
+        outputs: g.outputs.iter().map(|(_, v)| *v).collect(),
+    };
+    f.form_chains();
+    let mut kernels = Vec::new();
+    let order = g.topo_order();
+    // Sources first: they are buffers before any kernel runs.
+    for &n in &order {
+        let kind = match &g.g[n].op {
+            Op::Input(_) => BufKind::Input,
+            Op::Param(_) => BufKind::Param,
+            Op::State(_) => BufKind::State,
+            _ => continue,
+        };
+        f.store(Value { node: n, port: 0 }, kind);
+    }
+    for &n in &order {
+        match f.class(n) {
+            Class::Source => {}
+            Class::Scalar => {
+                let v = Value { node: n, port: 0 };
+                if f.outputs.contains(&v) {
+                    f.materialise_scalar(v, &mut kernels);
+                }
+            }
+            Class::View => {
+                // Views are read in place, except by a graph output.
+                let v = Value { node: n, port: 0 };
+                if f.outputs.contains(&v) {
+                    f.materialise(v, &mut kernels);
+                }
+            }
+            Class::Pointwise => {
+                let chain = f.chains[f.group[&n]].clone();
+                if chain.last() == Some(&n) {
+                    f.chain_kernel(&chain, &mut kernels);
+                }
+            }
+            Class::Other => {
+                let ins: Vec<usize> = g
+                    .inputs(n)
+                    .into_iter()
+                    .map(|x| f.materialise(x, &mut kernels))
+                    .collect();
+                let outs: Vec<usize> = (0..g.g[n].outputs.len())
+                    .map(|port| f.store(Value { node: n, port }, BufKind::Temp))
+                    .collect();
+                kernels.push(Kernel {
+                    name: kernel_name(kernels.len(), &[g.g[n].op.name()]),
+                    nodes: vec![n],
+                    inputs: ins,
+                    outputs: outs,
+                    body: Body::Op(n),
+                });
+            }
+        }
+    }
+    Program {
+        buffers: f.buffers,
+        kernels,
+    }
+}
+
+impl Fuser<'_> {
+    fn materialise_scalar(&mut self, x: Value, kernels: &mut Vec<Kernel>) -> usize {
+        let e = self.scalar_expr(x).expect("a scalar");
+        let out = self.store(x, BufKind::Temp);
+        kernels.push(Kernel {
+            name: format!("k{}_fill", kernels.len()),
+            nodes: vec![x.node],
+            inputs: vec![],
+            outputs: vec![out],
+            body: Body::Pointwise(Pointwise {
+                n: self.g.ty(x).numel(),
+                exprs: vec![e],
+                stores: vec![(0, 0)],
+            }),
+        });
+        out
+    }
+}

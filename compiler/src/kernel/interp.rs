@@ -1,0 +1,155 @@
+//! The kernel IR's CPU interpreter: runs a program kernel by kernel,
+//! element by element, with the index arithmetic the CUDA code uses, so
+//! that a fused program can be checked against the unfused graph.
+
+use super::view::View;
+use super::{Body, BufKind, PExpr, Program};
+use crate::interp::tensor::Tensor;
+use crate::interp::{concrete_shape, round_to, Feeds, InterpError, Precision};
+use crate::ir::{Dim, Graph};
+use crate::ops::{EvalCtx, Op};
+
+/// A view's shape, strides and offset with every size bound.
+type BoundView = (Vec<usize>, Vec<usize>, usize);
+
+fn dim(d: &Dim, feeds: &Feeds) -> usize {
+    d.eval(&|s| feeds.dims.get(s).copied())
+        .and_then(|v| usize::try_from(v).ok())
+        .unwrap_or(0)
+}
+
+/// The element of the viewed buffer for flat element `i` of the view's shape.
+fn offset(view: &View, shape: &[usize], strides: &[usize], base: usize, mut i: usize) -> usize {
+    let mut at = base;
+    for k in (0..view.shape.len()).rev() {
+        let c = i % shape[k].max(1);
+        i /= shape[k].max(1);
+        at += c * strides[k];
+    }
+    at
+}
+
+/// Runs every kernel in order; returns the contents of every buffer.
+pub fn run_program(
+    g: &Graph,
+    p: &Program,
+    feeds: &Feeds,
+    precision: Precision,
+) -> Result<Vec<Tensor>, InterpError> {
+    let mut bufs: Vec<Option<Tensor>> = vec![None; p.buffers.len()];
+    for (i, b) in p.buffers.iter().enumerate() {
+        let fed = match (&g.g[b.value.node].op, b.kind) {
+            (Op::Input(x), BufKind::Input) => feeds.inputs.get(&x.name),
+            (Op::Param(x), BufKind::Param) => feeds.params.get(&x.name),
+            (Op::State(x), BufKind::State) => feeds.state.get(&x.name),
+            _ => continue,
+        };
+        let t = fed.ok_or_else(|| InterpError(format!("no value for buffer {i}")))?;
+        bufs[i] = Some(t.clone());
+    }
+    for k in &p.kernels {
+        let ins: Vec<&Tensor> = k
+            .inputs
+            .iter()
+            .map(|&b| {
+                bufs[b].as_ref().ok_or_else(|| {
+                    InterpError(format!(
+                        "kernel {} reads buffer {b} before it is written",
+                        k.name
+                    ))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let outs: Vec<Tensor> = match &k.body {
+            Body::Op(n) => {
+                let node = &g.g[*n];
+                let out_shapes: Vec<Vec<usize>> = node
+                    .outputs
+                    .iter()
+                    .map(|t| concrete_shape(&t.shape, &feeds.dims))
+                    .collect::<Result<_, _>>()?;
+                let env = |d: &Dim| dim(d, feeds);
+                node.op.eval(
+                    &ins,
+                    &EvalCtx {
+                        out_shapes: &out_shapes,
+                        dim: &env,
+                    },
+                )
+            }
+            Body::Pointwise(pw) => {
+                let n = dim(&pw.n, feeds);
+                // Views with their sizes bound, once per kernel.
+                let bound: Vec<Option<BoundView>> = pw
+                    .exprs
+                    .iter()
+                    .map(|e| match e {
+                        PExpr::Load { view, .. } => Some((
+                            view.shape.iter().map(|d| dim(d, feeds)).collect(),
+                            view.strides.iter().map(|d| dim(d, feeds)).collect(),
+                            dim(&view.offset, feeds),
+                        )),
+                        _ => None,
+                    })
+                    .collect();
+                let mut data: Vec<Vec<f64>> = vec![vec![0.0; n]; k.outputs.len()];
+                let mut vals = vec![0.0; pw.exprs.len()];
+                // `i` is the element index the loads unravel, not just a position in `data`.
+                #[allow(clippy::needless_range_loop)]
+                for i in 0..n {
+                    for (j, e) in pw.exprs.iter().enumerate() {
+                        vals[j] = match e {
+                            PExpr::Load { input, view } => {
+                                let (shape, strides, base) =
+                                    bound[j].as_ref().expect("bound above");
+                                let t = ins[*input];
+                                t.data
+                                    .get(offset(view, shape, strides, *base, i))
+                                    .copied()
+                                    .ok_or_else(|| {
+                                        InterpError(format!(
+                                            "kernel {} reads past the end of input {input}",
+                                            k.name
+                                        ))
+                                    })?
+                            }
+                            PExpr::Const(c) => *c,
+                            PExpr::Dim(d) => dim(d, feeds) as f64,
+                            PExpr::Unary(u, a) => u.apply(vals[*a]),
+                            PExpr::UnaryGrad(u, x, dy) => u.derivative(vals[*x]) * vals[*dy],
+                            PExpr::Binary(b, x, y) => b.apply(vals[*x], vals[*y]),
+                            PExpr::Round(dt, a) => match precision {
+                                Precision::F64 => vals[*a],
+                                Precision::AsStored => round_to(*dt, vals[*a]),
+                            },
+                        };
+                    }
+                    for &(slot, e) in &pw.stores {
+                        data[slot][i] = vals[e];
+                    }
+                }
+                k.outputs
+                    .iter()
+                    .zip(data)
+                    .map(|(&b, d)| {
+                        Ok(Tensor::new(
+                            concrete_shape(&p.buffers[b].ty.shape, &feeds.dims)?,
+                            d,
+                        ))
+                    })
+                    .collect::<Result<_, InterpError>>()?
+            }
+        };
+        for (&b, mut t) in k.outputs.iter().zip(outs) {
+            if precision == Precision::AsStored {
+                let dt = p.buffers[b].ty.dtype;
+                t = t.map(|x| round_to(dt, x));
+            }
+            bufs[b] = Some(t);
+        }
+    }
+    Ok(bufs
+        .into_iter()
+        .map(|b| b.unwrap_or_else(|| Tensor::zeros(&[])))
+        .collect())
+}

@@ -1,0 +1,98 @@
+//! The kernel IR: the training graph cut into kernels. A kernel reads and
+//! writes stored buffers (graph values that live in device memory); a
+//! pointwise kernel computes a whole chain of elementwise ops per element,
+//! reading its inputs through views, so the values inside the chain never
+//! touch memory. Ops that are not (yet) generated as loops stay one op per
+//! kernel, for a library call or a template.
+//!
+//! The IR has its own CPU interpreter (`interp`), and the tests check every
+//! kernel program against the unfused graph.
+
+pub mod fuse;
+pub mod interp;
+pub mod view;
+
+use crate::ir::graph::Value;
+use crate::ir::types::{DType, TensorType};
+use crate::ir::Dim;
+use crate::ops::{BinaryKind, UnaryKind};
+use petgraph::stable_graph::NodeIndex;
+use view::View;
+
+/// What a stored buffer holds, for the memory plan and the report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BufKind {
+    Input,
+    Param,
+    State,
+    /// Computed during the step.
+    Temp,
+}
+
+#[derive(Clone, Debug)]
+pub struct Buffer {
+    pub value: Value,
+    pub ty: TensorType,
+    pub kind: BufKind,
+}
+
+/// One expression of a pointwise kernel; operands are earlier expressions
+/// by index. Arithmetic is in f32 (f64 in the interpreter); `Round` is where
+/// a value is rounded to a narrower dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PExpr {
+    /// `inputs[input]` read through `view`, indexed by this element's
+    /// coordinates in `view.shape` (the flat element index unravelled).
+    Load {
+        input: usize,
+        view: View,
+    },
+    Const(f64),
+    Dim(Dim),
+    Unary(UnaryKind, usize),
+    /// `f'(x) * dy` for the unary `f`.
+    UnaryGrad(UnaryKind, usize, usize),
+    Binary(BinaryKind, usize, usize),
+    Round(DType, usize),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pointwise {
+    /// Elements computed: every op of the kernel has this many.
+    pub n: Dim,
+    pub exprs: Vec<PExpr>,
+    /// (output slot, expression): `outputs[slot][i] = exprs[e]`.
+    pub stores: Vec<(usize, usize)>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Body {
+    Pointwise(Pointwise),
+    /// One graph op, run by a library call or a kernel template.
+    Op(NodeIndex),
+}
+
+#[derive(Clone, Debug)]
+pub struct Kernel {
+    /// `k12_add_gelu`: position and the ops it holds.
+    pub name: String,
+    /// The graph ops this kernel computes.
+    pub nodes: Vec<NodeIndex>,
+    /// Buffers read and written, by index into `Program::buffers`.
+    pub inputs: Vec<usize>,
+    pub outputs: Vec<usize>,
+    pub body: Body,
+}
+
+/// The training step as kernels, in launch order.
+#[derive(Clone, Debug)]
+pub struct Program {
+    pub buffers: Vec<Buffer>,
+    pub kernels: Vec<Kernel>,
+}
+
+impl Program {
+    pub fn buffer_of(&self, v: Value) -> Option<usize> {
+        self.buffers.iter().position(|b| b.value == v)
+    }
+}
