@@ -4,6 +4,7 @@ pub mod diag;
 pub mod driver;
 pub mod dsl;
 pub mod elaborate;
+pub mod emit;
 pub mod gradcheck;
 pub mod interp;
 pub mod ir;

@@ -150,6 +150,39 @@ impl Dim {
     }
 }
 
+impl Dim {
+    /// The dimension as a C expression over `long long` variables named
+    /// like the symbols: `768LL*B*T`, `T + 1LL`.
+    pub fn to_c(&self) -> String {
+        if self.terms.is_empty() {
+            return "0LL".into();
+        }
+        let mut out = String::new();
+        for (i, (m, c)) in self.terms.iter().rev().enumerate() {
+            let neg = *c < 0;
+            if i > 0 {
+                out.push_str(if neg { " - " } else { " + " });
+            } else if neg {
+                out.push('-');
+            }
+            let a = c.unsigned_abs();
+            let mut factors: Vec<String> = Vec::new();
+            if a != 1 || m.is_empty() {
+                factors.push(format!("{a}LL"));
+            }
+            factors.extend(m.iter().cloned());
+            out.push_str(&factors.join("*"));
+        }
+        // Parenthesised unless a single factor, so it can stand anywhere in
+        // an expression (`i / (768LL*T)`).
+        if out.contains(['*', ' ']) {
+            format!("({out})")
+        } else {
+            out
+        }
+    }
+}
+
 impl From<i64> for Dim {
     fn from(n: i64) -> Dim {
         Dim::constant(n)
@@ -223,6 +256,16 @@ mod tests {
             Dim::constant(-4).checked_add(&t()).unwrap().to_string(),
             "T - 4"
         );
+    }
+
+    #[test]
+    fn c_expressions() {
+        let bt = b().checked_mul(&t()).unwrap().checked_mul(&Dim::constant(768)).unwrap();
+        assert_eq!(bt.to_c(), "(768LL*B*T)");
+        assert_eq!(t().checked_add(&Dim::constant(1)).unwrap().to_c(), "(T + 1LL)");
+        assert_eq!(Dim::constant(0).to_c(), "0LL");
+        assert_eq!(Dim::constant(-3).to_c(), "-3LL");
+        assert_eq!(t().to_c(), "T");
     }
 
     #[test]

@@ -1,0 +1,7 @@
+//! Emission: kernels of the kernel IR become CUDA C source.
+pub mod cuda;
+
+/// The shared device functions every generated kernel includes.
+pub const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
+/// The name generated sources include the prelude by.
+pub const PRELUDE_NAME: &str = "fusec_prelude.cuh";

@@ -1,0 +1,53 @@
+// fusec prelude: what every generated kernel shares. It needs no CUDA
+// headers (NVRTC compiles it as it is): 16-bit floats travel as raw bits and
+// convert through PTX, and all arithmetic happens in f32.
+#pragma once
+
+typedef unsigned short fs_bf16;
+typedef unsigned short fs_f16;
+typedef long long fs_i64;
+
+__device__ __forceinline__ float fs_load(const float* p) { return *p; }
+__device__ __forceinline__ float fs_load(const int* p) { return (float)*p; }
+__device__ __forceinline__ float fs_load_bf16(const fs_bf16* p) {
+    return __uint_as_float(((unsigned int)*p) << 16);
+}
+__device__ __forceinline__ float fs_load_f16(const fs_f16* p) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
+    return f;
+}
+
+__device__ __forceinline__ fs_bf16 fs_to_bf16(float f) {
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+__device__ __forceinline__ fs_f16 fs_to_f16(float f) {
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+// Rounding an f32 to a narrower type and back, where the graph casts.
+__device__ __forceinline__ float fs_round_bf16(float f) { return __uint_as_float(((unsigned int)fs_to_bf16(f)) << 16); }
+__device__ __forceinline__ float fs_round_f16(float f) {
+    fs_f16 h = fs_to_f16(f);
+    return fs_load_f16(&h);
+}
+
+// Activations and their derivatives, as the CPU reference defines them.
+#define FS_SQRT_2_OVER_PI 0.7978845608028654f
+#define FS_GELU_C 0.044715f
+__device__ __forceinline__ float fs_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float fs_gelu(float x) {
+    return 0.5f * x * (1.0f + tanhf(FS_SQRT_2_OVER_PI * (x + FS_GELU_C * x * x * x)));
+}
+__device__ __forceinline__ float fs_gelu_grad(float x) {
+    float t = tanhf(FS_SQRT_2_OVER_PI * (x + FS_GELU_C * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * FS_SQRT_2_OVER_PI * (1.0f + 3.0f * FS_GELU_C * x * x);
+}
+__device__ __forceinline__ float fs_silu(float x) { return x * fs_sigmoid(x); }
+__device__ __forceinline__ float fs_silu_grad(float x) {
+    float s = fs_sigmoid(x);
+    return s + x * s * (1.0f - s);
+}
