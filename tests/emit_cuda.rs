@@ -22,7 +22,11 @@ fn kernels_of(file: &str) -> String {
 fn generated_cuda_of_shipped_models() {
     for file in ["mlp.dsl", "gpt2-block.dsl"] {
         let text = kernels_of(file);
-        assert_eq!(text, kernels_of(file), "{file}: emission is not deterministic");
+        assert_eq!(
+            text,
+            kernels_of(file),
+            "{file}: emission is not deterministic"
+        );
         insta::assert_snapshot!(file.trim_end_matches(".dsl"), text);
     }
 }

@@ -41,7 +41,11 @@ fn store(dt: DType, v: &str) -> String {
 fn float_lit(x: f64) -> String {
     let f = x as f32;
     if f.is_infinite() {
-        return if f > 0.0 { "__int_as_float(0x7f800000)".into() } else { "__int_as_float(0xff800000)".into() };
+        return if f > 0.0 {
+            "__int_as_float(0x7f800000)".into()
+        } else {
+            "__int_as_float(0xff800000)".into()
+        };
     }
     if f.is_nan() {
         return "__int_as_float(0x7fc00000)".into();
@@ -66,7 +70,11 @@ fn index(view: &View) -> String {
                 (false, true) => format!("(i % {})", view.shape[k].to_c()),
                 (false, false) => format!("((i / {}) % {})", inner.to_c(), view.shape[k].to_c()),
             };
-            terms.push(if stride.is_one() { coord } else { format!("{coord} * {}", stride.to_c()) });
+            terms.push(if stride.is_one() {
+                coord
+            } else {
+                format!("{coord} * {}", stride.to_c())
+            });
         }
         inner = inner.checked_mul(&view.shape[k]).unwrap_or_default();
     }
@@ -144,15 +152,28 @@ fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<
     let _ = writeln!(s, "#include \"{PRELUDE_NAME}\"\n");
     let mut params: Vec<String> = Vec::new();
     for (slot, &b) in k.inputs.iter().enumerate() {
-        params.push(format!("const {}* __restrict__ in{slot} /* {} */", c_type(p.buffers[b].ty.dtype), p.buffers[b].ty));
+        params.push(format!(
+            "const {}* __restrict__ in{slot} /* {} */",
+            c_type(p.buffers[b].ty.dtype),
+            p.buffers[b].ty
+        ));
     }
     for (slot, &b) in k.outputs.iter().enumerate() {
-        params.push(format!("{}* __restrict__ out{slot} /* {} */", c_type(p.buffers[b].ty.dtype), p.buffers[b].ty));
+        params.push(format!(
+            "{}* __restrict__ out{slot} /* {} */",
+            c_type(p.buffers[b].ty.dtype),
+            p.buffers[b].ty
+        ));
     }
     for d in &g.dims {
         params.push(format!("fs_i64 {d}"));
     }
-    let _ = writeln!(s, "extern \"C\" __global__ void {}(\n    {})\n{{", k.name, params.join(",\n    "));
+    let _ = writeln!(
+        s,
+        "extern \"C\" __global__ void {}(\n    {})\n{{",
+        k.name,
+        params.join(",\n    ")
+    );
     let _ = writeln!(s, "    const fs_i64 n = {};", pw.n.to_c());
     let _ = writeln!(
         s,
@@ -162,14 +183,21 @@ fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<
     // An integer copy moves the bits: no trip through f32.
     if let ([PExpr::Load { input, view }], [(slot, 0)]) = (&pw.exprs[..], &pw.stores[..]) {
         if out_dt(*slot) == DType::I32 {
-            let _ = writeln!(s, "        out{slot}[i] = in{input}[{}];\n    }}\n}}", index(view));
+            let _ = writeln!(
+                s,
+                "        out{slot}[i] = in{input}[{}];\n    }}\n}}",
+                index(view)
+            );
             return s;
         }
     }
     for (j, e) in pw.exprs.iter().enumerate() {
         let v = |i: &usize| format!("v{i}");
         let rhs = match e {
-            PExpr::Load { input, view } => load(p.buffers[k.inputs[*input]].ty.dtype, &format!("in{input}[{}]", index(view))),
+            PExpr::Load { input, view } => load(
+                p.buffers[k.inputs[*input]].ty.dtype,
+                &format!("in{input}[{}]", index(view)),
+            ),
             PExpr::Const(c) => float_lit(*c),
             PExpr::Dim(d) => format!("(float){}", d.to_c()),
             PExpr::Unary(u, a) => unary(*u, &v(a)),
@@ -185,7 +213,11 @@ fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<
         let _ = writeln!(s, "        const float v{j} = {rhs};");
     }
     for &(slot, e) in &pw.stores {
-        let _ = writeln!(s, "        out{slot}[i] = {};", store(out_dt(slot), &format!("v{e}")));
+        let _ = writeln!(
+            s,
+            "        out{slot}[i] = {};",
+            store(out_dt(slot), &format!("v{e}"))
+        );
     }
     let _ = writeln!(s, "    }}\n}}");
     s

@@ -260,9 +260,16 @@ mod tests {
 
     #[test]
     fn c_expressions() {
-        let bt = b().checked_mul(&t()).unwrap().checked_mul(&Dim::constant(768)).unwrap();
+        let bt = b()
+            .checked_mul(&t())
+            .unwrap()
+            .checked_mul(&Dim::constant(768))
+            .unwrap();
         assert_eq!(bt.to_c(), "(768LL*B*T)");
-        assert_eq!(t().checked_add(&Dim::constant(1)).unwrap().to_c(), "(T + 1LL)");
+        assert_eq!(
+            t().checked_add(&Dim::constant(1)).unwrap().to_c(),
+            "(T + 1LL)"
+        );
         assert_eq!(Dim::constant(0).to_c(), "0LL");
         assert_eq!(Dim::constant(-3).to_c(), "-3LL");
         assert_eq!(t().to_c(), "T");
