@@ -12,12 +12,12 @@ __device__ __forceinline__ float fs_load(const int* p) { return (float)*p; }
 __device__ __forceinline__ float fs_load_bf16(const fs_bf16* p) {
     return __uint_as_float(((unsigned int)*p) << 16);
 }
+#ifdef __CUDA_ARCH__
 __device__ __forceinline__ float fs_load_f16(const fs_f16* p) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
     return f;
 }
-
 __device__ __forceinline__ fs_bf16 fs_to_bf16(float f) {
     unsigned short r;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
@@ -28,6 +28,28 @@ __device__ __forceinline__ fs_f16 fs_to_f16(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
     return r;
 }
+#else
+// The same conversions in portable C++, so a host compiler can run the
+// generated kernels in tests.
+inline float fs_load_f16(const fs_f16* p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+inline fs_bf16 fs_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
+    return (fs_bf16)(u >> 16);
+}
+inline fs_f16 fs_to_f16(float f) {
+    _Float16 h = (_Float16)f;
+    fs_f16 r;
+    memcpy(&r, &h, 2);
+    return r;
+}
+#endif
+
 // Rounding an f32 to a narrower type and back, where the graph casts.
 __device__ __forceinline__ float fs_round_bf16(float f) { return __uint_as_float(((unsigned int)fs_to_bf16(f)) << 16); }
 __device__ __forceinline__ float fs_round_f16(float f) {
