@@ -85,6 +85,68 @@ fn every_shipped_model_checks_and_builds() {
 }
 
 #[test]
+fn build_writes_kernels_plan_and_report_for_given_sizes() {
+    let dir = std::env::temp_dir().join(format!("fusec-cli-plan-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    let (code, out, err) = fusec(&["build", "dsl-examples/gpt2-block.dsl", "-o", d]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("no memory plan: give the size of B, T"),
+        "{out}"
+    );
+    assert!(dir.join("kernels/fusec_prelude.cuh").exists() && !dir.join("plan.json").exists());
+    let (code, out, err) = fusec(&[
+        "build",
+        "dsl-examples/gpt2-block.dsl",
+        "-o",
+        d,
+        "--batch",
+        "4",
+        "--dim",
+        "T=64",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("memory plan: arena of") && out.contains("one step launches"),
+        "{out}"
+    );
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(plan["dims"]["T"], 64);
+    let launches = plan["launches"].as_array().unwrap();
+    let cu = std::fs::read_dir(dir.join("kernels"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "cu")
+        })
+        .count();
+    let generated = launches.iter().filter(|l| l["kind"] == "generated").count();
+    assert_eq!(cu, generated, "one .cu file per generated kernel");
+    assert!(std::fs::read_to_string(dir.join("report.txt"))
+        .unwrap()
+        .contains("kernels in launch order"));
+    for (args, msg) in [
+        (vec!["--batch", "0"], "--batch must be a positive size"),
+        (
+            vec!["--dim", "X=3"],
+            "the model has no dimension `X`; its dimensions are: B, T",
+        ),
+        (vec!["--dim", "T"], "--dim expects NAME=N"),
+    ] {
+        let mut a = vec!["build", "dsl-examples/gpt2-block.dsl", "-o", d];
+        a.extend(args);
+        let (code, _, err) = fusec(&a);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains(msg), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn dump_prints_one_stage() {
     let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "forward"]);
     assert_eq!(code, 0);

@@ -12,3 +12,4 @@ pub mod kernel;
 pub mod model;
 pub mod ops;
 pub mod passes;
+pub mod plan;

@@ -4,7 +4,12 @@ use super::common::{load, ModelArgs};
 use super::CliError;
 use clap::{Args, ValueEnum};
 use fusec_compiler::driver::{Compiled, STAGES};
+use fusec_compiler::emit::cuda::emit_program;
+use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
 use fusec_compiler::ir::{dot::to_dot, print::print_graph};
+use fusec_compiler::kernel::fuse::fuse;
+use fusec_compiler::plan::{plan, report::report};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -26,9 +31,61 @@ pub struct BuildArgs {
     /// Print the step graph after one pass (`fusec passes` lists them)
     #[arg(long, value_name = "PASS", value_parser = pass_name, conflicts_with = "dump")]
     pub dump_after: Option<String>,
+    /// Size of the batch dimension B, for the memory plan
+    #[arg(long, value_name = "N")]
+    pub batch: Option<i64>,
+    /// Size of the sequence dimension T, for the memory plan
+    #[arg(long, value_name = "N")]
+    pub seq: Option<i64>,
+    /// Size of any symbolic dimension, e.g. --dim B=8 (repeatable)
+    #[arg(long = "dim", value_name = "NAME=N")]
+    pub dims: Vec<String>,
     /// Format of --dump and --dump-after: readable text or Graphviz dot
     #[arg(long, value_enum, default_value = "text")]
     pub format: Format,
+}
+
+/// --batch, --seq and --dim as one map; B and T are the names the shipped
+/// models use for batch and sequence.
+fn dim_sizes(args: &BuildArgs, declared: &[String]) -> Result<BTreeMap<String, i64>, CliError> {
+    let mut dims = BTreeMap::new();
+    let mut set = |name: &str, v: i64, flag: &str| -> Result<(), CliError> {
+        if v <= 0 {
+            return Err(CliError::usage(format!(
+                "error: {flag} must be a positive size, found {v}"
+            )));
+        }
+        if !declared.iter().any(|d| d == name) {
+            let list = if declared.is_empty() {
+                "none".to_string()
+            } else {
+                declared.join(", ")
+            };
+            return Err(CliError::usage(format!(
+                "error: {flag}: the model has no dimension `{name}`; its dimensions are: {list}"
+            )));
+        }
+        dims.insert(name.to_string(), v);
+        Ok(())
+    };
+    if let Some(b) = args.batch {
+        set("B", b, "--batch")?;
+    }
+    if let Some(t) = args.seq {
+        set("T", t, "--seq")?;
+    }
+    for d in &args.dims {
+        let parsed = d
+            .split_once('=')
+            .and_then(|(k, v)| Some((k.trim(), v.trim().parse::<i64>().ok()?)));
+        let Some((k, v)) = parsed else {
+            return Err(CliError::usage(format!(
+                "error: --dim expects NAME=N, found `{d}`"
+            )));
+        };
+        set(k, v, &format!("--dim {k}"))?;
+    }
+    Ok(dims)
 }
 
 fn stage_name(s: &str) -> Result<String, String> {
@@ -121,10 +178,54 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     let p = args.out.join("train.dot");
     write(&p, &to_dot(&c.training))?;
     written.push(p);
+
+    let program = fuse(&c.optimized);
+    let kdir = args.out.join("kernels");
+    // Stale kernels from an earlier build would mislead: start the folder afresh.
+    let _ = std::fs::remove_dir_all(&kdir);
+    std::fs::create_dir_all(&kdir)
+        .map_err(|e| CliError::usage(format!("error: cannot create {}: {e}", kdir.display())))?;
+    write(&kdir.join(PRELUDE_NAME), PRELUDE)?;
+    let kernels = emit_program(&c.optimized, &program, Some(&loaded.source));
+    for (name, text) in &kernels {
+        write(&kdir.join(format!("{name}.cu")), text)?;
+    }
+    written.push(kdir.join(format!("*.cu ({} kernels)", kernels.len())));
+
+    let dims = dim_sizes(args, &c.optimized.dims)?;
+    let missing: Vec<&String> = c
+        .optimized
+        .dims
+        .iter()
+        .filter(|d| !dims.contains_key(*d))
+        .collect();
+    let plan_note = if missing.is_empty() {
+        let plan = plan(&c.optimized, &program, &dims)
+            .map_err(|e| CliError::usage(format!("error: {e}")))?;
+        let p = args.out.join("plan.json");
+        write(&p, &plan.to_json())?;
+        written.push(p);
+        let p = args.out.join("report.txt");
+        let text = report(&c.optimized, &program, &plan, c.training.g.node_count());
+        write(&p, &text)?;
+        written.push(p);
+        let head: Vec<&str> = text
+            .lines()
+            .take_while(|l| !l.starts_with("kernels in launch order"))
+            .collect();
+        head.join("\n").trim_end().to_string()
+    } else {
+        let names: Vec<&str> = missing.iter().map(|s| s.as_str()).collect();
+        format!(
+            "no memory plan: give the size of {} (--batch, --seq or --dim NAME=N) for plan.json and report.txt",
+            names.join(", ")
+        )
+    };
     print!(
         "{}",
         super::check::summary(c, &loaded.path.display().to_string())
     );
+    println!("\n{plan_note}");
     println!("\nwrote:");
     for p in written {
         println!("  {}", p.display());

@@ -1,0 +1,317 @@
+//! The memory plan: every stored buffer of a kernel program gets an offset
+//! in one device arena, for concrete sizes of the symbolic dimensions.
+//!
+//! Parameters, their gradients, the optimizer state and the data inputs live
+//! for the whole run and sit first. Every other buffer lives from the kernel
+//! that writes it to the last kernel that reads it; those intervals are
+//! packed greedily (largest first, lowest free offset), so buffers whose
+//! lives do not overlap share memory. The optimizer writes new parameters
+//! and state in place.
+
+use crate::ir::graph::{Graph, Role};
+use crate::kernel::{Body, BufKind, Program};
+use crate::ops::Op;
+use serde::Serialize;
+
+pub mod report;
+use std::collections::{BTreeMap, HashMap};
+
+/// Offsets are multiples of this (cuBLASLt and 16-byte vector loads want it).
+pub const ALIGN: u64 = 256;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemKind {
+    Param,
+    Grad,
+    OptimizerState,
+    Input,
+    Activation,
+}
+
+impl MemKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            MemKind::Param => "parameters (f32 master)",
+            MemKind::Grad => "gradients",
+            MemKind::OptimizerState => "optimizer state",
+            MemKind::Input => "inputs",
+            MemKind::Activation => "activations and temporaries",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PlannedBuffer {
+    pub id: usize,
+    /// The parameter, input or state name, or the value's type for temporaries.
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<i64>,
+    pub bytes: u64,
+    pub offset: u64,
+    pub kind: MemKind,
+    /// Written in place over this buffer (an optimizer update).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alias_of: Option<usize>,
+    /// First and last kernel that touches it (temporaries only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub live: Option<(usize, usize)>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Launch {
+    pub kernel: String,
+    /// "generated" (CUDA C in kernels/), or the op a library call or template runs.
+    pub kind: String,
+    pub ops: Vec<String>,
+    pub inputs: Vec<usize>,
+    pub outputs: Vec<usize>,
+    /// Elements a generated kernel computes (one thread each, grid-stride).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub elements: Option<u64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Plan {
+    pub model: String,
+    pub dims: BTreeMap<String, i64>,
+    pub arena_bytes: u64,
+    pub bytes_by_kind: BTreeMap<MemKind, u64>,
+    pub buffers: Vec<PlannedBuffer>,
+    pub launches: Vec<Launch>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanError(pub String);
+
+impl std::fmt::Display for PlanError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn align(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan, PlanError> {
+    let missing: Vec<&str> = g
+        .dims
+        .iter()
+        .filter(|d| !dims.contains_key(*d))
+        .map(|s| s.as_str())
+        .collect();
+    if !missing.is_empty() {
+        return Err(PlanError(format!(
+            "the memory plan needs a size for {}",
+            missing.join(", ")
+        )));
+    }
+    let env = |s: &str| dims.get(s).copied();
+    let grads: HashMap<_, _> = g
+        .outputs
+        .iter()
+        .filter_map(|(r, v)| matches!(r, Role::Grad(_)).then_some((*v, ())))
+        .collect();
+    // In-place updates: the new value of a parameter or state overwrites it.
+    let mut alias: HashMap<usize, usize> = HashMap::new();
+    for (role, v) in &g.outputs {
+        let target = match role {
+            Role::NewParam(i) => p.buffer_of(crate::ir::Value {
+                node: g.params[*i].node,
+                port: 0,
+            }),
+            Role::NewState(name) => p
+                .buffers
+                .iter()
+                .position(|b| matches!(&g.g[b.value.node].op, Op::State(s) if &s.name == name)),
+            _ => None,
+        };
+        if let (Some(b), Some(t)) = (p.buffer_of(*v), target) {
+            alias.insert(b, t);
+        }
+    }
+    let mut out = Vec::with_capacity(p.buffers.len());
+    for (id, b) in p.buffers.iter().enumerate() {
+        let shape: Vec<i64> =
+            b.ty.shape
+                .iter()
+                .map(|d| {
+                    d.eval(&env)
+                        .filter(|v| *v >= 0)
+                        .ok_or_else(|| PlanError(format!("dimension {d} has no size")))
+                })
+                .collect::<Result<_, _>>()?;
+        let n: i64 = shape
+            .iter()
+            .try_fold(1i64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| PlanError("a buffer's size overflows".into()))?;
+        let kind = match b.kind {
+            BufKind::Param => MemKind::Param,
+            BufKind::State => MemKind::OptimizerState,
+            BufKind::Input => MemKind::Input,
+            BufKind::Temp if grads.contains_key(&b.value) => MemKind::Grad,
+            BufKind::Temp => MemKind::Activation,
+        };
+        let name = match &g.g[b.value.node].op {
+            Op::Param(x) => x.name.clone(),
+            Op::Input(x) => x.name.clone(),
+            Op::State(x) => x.name.clone(),
+            _ => format!("{} ({})", b.ty, g.g[b.value.node].op.name()),
+        };
+        out.push(PlannedBuffer {
+            id,
+            name,
+            dtype: b.ty.dtype.name().to_string(),
+            shape,
+            bytes: (n as u64) * b.ty.dtype.size_bytes() as u64,
+            offset: 0,
+            kind,
+            alias_of: alias.get(&id).copied(),
+            live: None,
+        });
+    }
+    // Lifetimes of temporaries, in kernel positions.
+    let last = p.kernels.len();
+    let outputs: Vec<usize> = g
+        .outputs
+        .iter()
+        .filter_map(|(_, v)| p.buffer_of(*v))
+        .collect();
+    for (k, kernel) in p.kernels.iter().enumerate() {
+        for &b in kernel.inputs.iter().chain(&kernel.outputs) {
+            let l = out[b].live.get_or_insert((k, k));
+            l.0 = l.0.min(k);
+            l.1 = l.1.max(k);
+        }
+    }
+    for &b in &outputs {
+        if let Some(l) = out[b].live.as_mut() {
+            l.1 = last;
+        }
+    }
+    // Whole-run buffers first, in a fixed order of kinds.
+    let mut cursor = 0u64;
+    for kind in [
+        MemKind::Param,
+        MemKind::Grad,
+        MemKind::OptimizerState,
+        MemKind::Input,
+    ] {
+        for b in out
+            .iter_mut()
+            .filter(|b| b.kind == kind && b.alias_of.is_none())
+        {
+            b.offset = cursor;
+            b.live = None;
+            cursor += align(b.bytes);
+        }
+    }
+    let base = cursor;
+    let mut temps: Vec<usize> = (0..out.len())
+        .filter(|&i| out[i].kind == MemKind::Activation && out[i].alias_of.is_none())
+        .collect();
+    temps.sort_by(|&a, &b| out[b].bytes.cmp(&out[a].bytes).then(a.cmp(&b)));
+    let mut placed: Vec<(u64, u64, (usize, usize))> = Vec::new();
+    let mut top = base;
+    for i in temps {
+        let life = out[i].live.unwrap_or((0, last));
+        let size = align(out[i].bytes);
+        let mut clashes: Vec<(u64, u64)> = placed
+            .iter()
+            .filter(|(_, _, l)| l.0 <= life.1 && life.0 <= l.1)
+            .map(|(o, s, _)| (*o, *s))
+            .collect();
+        clashes.sort();
+        let mut at = base;
+        for (o, s) in clashes {
+            if at + size <= o {
+                break;
+            }
+            at = at.max(o + s);
+        }
+        out[i].offset = at;
+        placed.push((at, size, life));
+        top = top.max(at + size);
+    }
+    for i in 0..out.len() {
+        if let Some(t) = out[i].alias_of {
+            out[i].offset = out[t].offset;
+        }
+    }
+    let mut bytes_by_kind: BTreeMap<MemKind, u64> = BTreeMap::new();
+    for b in out
+        .iter()
+        .filter(|b| b.alias_of.is_none() && b.kind != MemKind::Activation)
+    {
+        *bytes_by_kind.entry(b.kind).or_default() += align(b.bytes);
+    }
+    bytes_by_kind.insert(MemKind::Activation, top - base);
+    let launches = p
+        .kernels
+        .iter()
+        .map(|k| Launch {
+            kernel: k.name.clone(),
+            kind: match k.body {
+                Body::Pointwise(_) => "generated".into(),
+                Body::Op(n) => g.g[n].op.name().to_string(),
+            },
+            ops: k
+                .nodes
+                .iter()
+                .map(|&n| g.g[n].op.name().to_string())
+                .collect(),
+            inputs: k.inputs.clone(),
+            outputs: k.outputs.clone(),
+            elements: match &k.body {
+                Body::Pointwise(pw) => pw.n.eval(&env).map(|n| n as u64),
+                Body::Op(_) => None,
+            },
+        })
+        .collect();
+    Ok(Plan {
+        model: g.name.clone(),
+        dims: dims.clone(),
+        arena_bytes: top,
+        bytes_by_kind,
+        buffers: out,
+        launches,
+    })
+}
+
+impl Plan {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    }
+
+    /// Checks the plan's own promise: no two buffers that are alive at the
+    /// same time overlap in the arena.
+    pub fn check(&self) -> Result<(), String> {
+        let owned: Vec<&PlannedBuffer> = self
+            .buffers
+            .iter()
+            .filter(|b| b.alias_of.is_none())
+            .collect();
+        for (i, a) in owned.iter().enumerate() {
+            if a.offset % ALIGN != 0 || a.offset + a.bytes > self.arena_bytes {
+                return Err(format!("buffer {} is misplaced", a.id));
+            }
+            for b in &owned[i + 1..] {
+                let space =
+                    a.offset < b.offset + b.bytes.max(1) && b.offset < a.offset + a.bytes.max(1);
+                let time = match (a.live, b.live) {
+                    (Some(x), Some(y)) => x.0 <= y.1 && y.0 <= x.1,
+                    _ => true,
+                };
+                if space && time && a.bytes > 0 && b.bytes > 0 {
+                    return Err(format!(
+                        "buffers {} and {} overlap while both are alive",
+                        a.id, b.id
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}

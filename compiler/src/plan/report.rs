@@ -1,0 +1,86 @@
+//! The build report a person reads: the kernels of one step with the ops
+//! each holds and the bytes it moves, and the memory plan by kind.
+
+use super::{MemKind, Plan};
+use crate::ir::Graph;
+use crate::kernel::Program;
+use std::fmt::Write;
+
+fn gib(b: u64) -> String {
+    format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64)
+}
+
+pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize) -> String {
+    let mut s = String::new();
+    let dims: Vec<String> = plan.dims.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let _ = writeln!(
+        s,
+        "fusec build report: {} at {}",
+        g.name,
+        if dims.is_empty() {
+            "fixed sizes".into()
+        } else {
+            dims.join(", ")
+        }
+    );
+    let generated = plan
+        .launches
+        .iter()
+        .filter(|l| l.kind == "generated")
+        .count();
+    let _ = writeln!(
+        s,
+        "\none step launches {} kernels: {generated} generated, {} library calls or templates ({} ops in the step graph before fusion)",
+        plan.launches.len(),
+        plan.launches.len() - generated,
+        ops_before
+    );
+    let fused: usize = p
+        .kernels
+        .iter()
+        .filter(|k| k.nodes.len() > 1)
+        .map(|k| k.nodes.len() - 1)
+        .sum();
+    let _ = writeln!(
+        s,
+        "fusion kept {fused} intermediate tensors out of device memory"
+    );
+    let _ = writeln!(s, "\nmemory plan: arena of {}", gib(plan.arena_bytes));
+    for (kind, bytes) in &plan.bytes_by_kind {
+        let _ = writeln!(s, "  {:<30} {:>14}", kind.name(), gib(*bytes));
+    }
+    let params: u64 = plan
+        .bytes_by_kind
+        .get(&MemKind::Param)
+        .copied()
+        .unwrap_or(0);
+    let _ = writeln!(s, "  (parameters are {} in f32)", gib(params));
+    let _ = writeln!(s, "\nkernels in launch order (bytes read / written):");
+    let width = plan
+        .launches
+        .iter()
+        .map(|l| l.kernel.len())
+        .max()
+        .unwrap_or(8);
+    for l in &plan.launches {
+        let read: u64 = l.inputs.iter().map(|&b| plan.buffers[b].bytes).sum();
+        let written: u64 = l.outputs.iter().map(|&b| plan.buffers[b].bytes).sum();
+        let what = if l.kind == "generated" {
+            l.ops.join(" + ")
+        } else {
+            format!("[{}]", l.kind)
+        };
+        let _ = writeln!(
+            s,
+            "  {:<width$}  {:>11} / {:>11}  {what}",
+            l.kernel,
+            mib(read),
+            mib(written)
+        );
+    }
+    s
+}
