@@ -73,3 +73,38 @@ __device__ __forceinline__ float fs_silu_grad(float x) {
     float s = fs_sigmoid(x);
     return s + x * s * (1.0f - s);
 }
+
+// Sums and maxima across a thread block (blockDim.x a multiple of 32, at
+// most 1024); every thread gets the result. On the host (tests) a block is
+// one thread, so the value is already the total.
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ float fs_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float fs_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float fs_block_sum(float v) {
+    __shared__ float part[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = fs_warp_sum(v);
+    __syncthreads();  // the previous call's readers are done with `part`
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    return fs_warp_sum(lane < warps ? part[lane] : 0.0f);
+}
+__device__ __forceinline__ float fs_block_max(float v) {
+    __shared__ float part[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = fs_warp_max(v);
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    return fs_warp_max(lane < warps ? part[lane] : -__int_as_float(0x7f800000));
+}
+#else
+inline float fs_block_sum(float v) { return v; }
+inline float fs_block_max(float v) { return v; }
+#endif

@@ -8,6 +8,7 @@
 //! lives do not overlap share memory. The optimizer writes new parameters
 //! and state in place.
 
+use crate::emit::templates::{grid, shape_of, Shape, BLOCK};
 use crate::ir::graph::{Graph, Role};
 use crate::kernel::{Body, BufKind, Program};
 use crate::ops::Op;
@@ -67,9 +68,11 @@ pub struct Launch {
     pub ops: Vec<String>,
     pub inputs: Vec<usize>,
     pub outputs: Vec<usize>,
-    /// Elements a generated kernel computes (one thread each, grid-stride).
+    /// Blocks and threads per block of a generated kernel.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub elements: Option<u64>,
+    pub grid: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -251,23 +254,28 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
     let launches = p
         .kernels
         .iter()
-        .map(|k| Launch {
-            kernel: k.name.clone(),
-            kind: match k.body {
-                Body::Pointwise(_) => "generated".into(),
-                Body::Op(n) => g.g[n].op.name().to_string(),
-            },
-            ops: k
-                .nodes
-                .iter()
-                .map(|&n| g.g[n].op.name().to_string())
-                .collect(),
-            inputs: k.inputs.clone(),
-            outputs: k.outputs.clone(),
-            elements: match &k.body {
-                Body::Pointwise(pw) => pw.n.eval(&env).map(|n| n as u64),
-                Body::Op(_) => None,
-            },
+        .map(|k| {
+            let shape = match &k.body {
+                Body::Pointwise(pw) => Some(Shape::Elements(pw.n.clone())),
+                Body::Op(n) => shape_of(g, *n),
+            };
+            Launch {
+                kernel: k.name.clone(),
+                kind: match (&k.body, &shape) {
+                    (_, Some(_)) => "generated".into(),
+                    (Body::Op(n), None) => g.g[*n].op.name().to_string(),
+                    (Body::Pointwise(_), None) => unreachable!("pointwise kernels have a shape"),
+                },
+                ops: k
+                    .nodes
+                    .iter()
+                    .map(|&n| g.g[n].op.name().to_string())
+                    .collect(),
+                inputs: k.inputs.clone(),
+                outputs: k.outputs.clone(),
+                grid: shape.as_ref().and_then(|s| grid(s, &env)),
+                block: shape.map(|_| BLOCK),
+            }
         })
         .collect();
     Ok(Plan {

@@ -34,11 +34,23 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize) -> String 
         .count();
     let _ = writeln!(
         s,
-        "\none step launches {} kernels: {generated} generated, {} library calls or templates ({} ops in the step graph before fusion)",
+        "\none step launches {} kernels: {generated} generated, {} other ({} ops in the step graph before fusion)",
         plan.launches.len(),
         plan.launches.len() - generated,
         ops_before
     );
+    let mut others: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
+    for l in plan.launches.iter().filter(|l| l.kind != "generated") {
+        *others.entry(l.kind.as_str()).or_default() += 1;
+    }
+    if !others.is_empty() {
+        let list: Vec<String> = others.iter().map(|(k, n)| format!("{k} x{n}")).collect();
+        let _ = writeln!(
+            s,
+            "other kernels (library calls, or ops with no generated kernel yet): {}",
+            list.join(", ")
+        );
+    }
     let fused: usize = p
         .kernels
         .iter()

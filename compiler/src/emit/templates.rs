@@ -1,0 +1,354 @@
+//! CUDA C for single ops that are not elementwise chains: row-wise
+//! normalisations and softmax, the cross-entropy gradient, embedding
+//! lookup, sums over leading axes, masking, rotary embedding and the
+//! optimizer updates. Each is one clear kernel, specialised for the op's
+//! shapes and dtypes, with the same signature convention as the generated
+//! pointwise kernels (inputs, outputs, symbolic sizes), and checked against
+//! the op's CPU reference by `tests/cuda_host.rs`.
+//!
+//! Row kernels run one thread block per row (grid-stride over rows) and
+//! reduce across the block; element kernels one thread per element.
+
+use super::cuda::{float_lit, header, load, store};
+use crate::ir::types::DType;
+use crate::ir::{Dim, Graph};
+use crate::kernel::{Kernel, Program};
+use crate::ops::{Op, ReduceKind};
+use petgraph::stable_graph::NodeIndex;
+use std::fmt::Write;
+
+/// How a template kernel is launched.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Shape {
+    /// One thread per element.
+    Elements(Dim),
+    /// One block per row.
+    Rows(Dim),
+}
+
+struct Ctx<'a> {
+    p: &'a Program,
+    k: &'a Kernel,
+}
+
+impl Ctx<'_> {
+    fn in_dt(&self, i: usize) -> DType {
+        self.p.buffers[self.k.inputs[i]].ty.dtype
+    }
+    fn out_dt(&self, i: usize) -> DType {
+        self.p.buffers[self.k.outputs[i]].ty.dtype
+    }
+    fn ld(&self, i: usize, idx: &str) -> String {
+        load(self.in_dt(i), &format!("in{i}[{idx}]"))
+    }
+    fn st(&self, o: usize, idx: &str, v: &str) -> String {
+        format!("out{o}[{idx}] = {};", store(self.out_dt(o), v))
+    }
+}
+
+fn numel(d: &[Dim]) -> Dim {
+    d.iter()
+        .try_fold(Dim::constant(1), |a, x| a.checked_mul(x))
+        .unwrap_or_default()
+}
+
+const NEG_INF: &str = "(-__int_as_float(0x7f800000))";
+
+/// Threads per block of every generated kernel.
+pub const BLOCK: u64 = 256;
+
+/// Grid size for a launch shape: one block per row, or enough blocks for one
+/// thread per element, capped (the loops stride over the rest).
+pub fn grid(shape: &Shape, env: &dyn Fn(&str) -> Option<i64>) -> Option<u64> {
+    let cap = 1u64 << 20;
+    Some(match shape {
+        Shape::Rows(r) => (r.eval(env)? as u64).clamp(1, cap),
+        Shape::Elements(n) => (n.eval(env)? as u64).div_ceil(BLOCK).clamp(1, cap),
+    })
+}
+
+/// The kernel's launch shape, for ops that have a template.
+pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
+    let ins = g.inputs(n);
+    let t = |i: usize| g.ty(ins[i]).shape.clone();
+    let rows_of = |s: &[Dim]| numel(&s[..s.len().saturating_sub(1)]);
+    Some(match &g.g[n].op {
+        Op::Softmax(s) if s.axis + 1 == t(0).len() => Shape::Rows(rows_of(&t(0))),
+        Op::SoftmaxGrad(s) if s.axis + 1 == t(0).len() => Shape::Rows(rows_of(&t(0))),
+        Op::LayerNorm(_) | Op::RmsNorm(_) | Op::CrossEntropyGrad(_) => Shape::Rows(rows_of(&t(0))),
+        Op::Embedding(_) | Op::CausalMask(_) | Op::Rope(_) => {
+            Shape::Elements(g.g[n].outputs[0].numel())
+        }
+        Op::AdamW(_) | Op::Sgd(_) => Shape::Elements(g.g[n].outputs[0].numel()),
+        Op::Reduce(r) if r.axes.iter().enumerate().all(|(i, &a)| i == a) => {
+            Shape::Elements(g.g[n].outputs[0].numel())
+        }
+        _ => return None,
+    })
+}
+
+pub fn op_kernel(
+    g: &Graph,
+    p: &Program,
+    k: &Kernel,
+    n: NodeIndex,
+    source: Option<&str>,
+) -> Option<String> {
+    let shape = shape_of(g, n)?;
+    let c = Ctx { p, k };
+    let ins = g.inputs(n);
+    let in_shape = |i: usize| g.ty(ins[i]).shape.clone();
+    let last = |s: &[Dim]| s.last().cloned().unwrap_or(Dim::constant(1));
+    let mut s = header(g, p, k, source);
+    let mut body = String::new();
+    let b = &mut body;
+    match &g.g[n].op {
+        Op::Softmax(_) => {
+            let x = |j: &str| c.ld(0, &format!("row * C + {j}"));
+            let _ = writeln!(b, "        float m = {NEG_INF};");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) m = fmaxf(m, {});",
+                x("j")
+            );
+            let _ = writeln!(b, "        m = fs_block_max(m);\n        float sum = 0.0f;");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += expf({} - m);",
+                x("j")
+            );
+            let _ = writeln!(b, "        sum = fs_block_sum(sum);");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
+                c.st(0, "row * C + j", &format!("expf({} - m) / sum", x("j")))
+            );
+        }
+        Op::SoftmaxGrad(_) => {
+            let (y, dy) = (c.ld(0, "row * C + j"), c.ld(1, "row * C + j"));
+            let _ = writeln!(b, "        float dot = 0.0f;");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) dot += {y} * {dy};"
+            );
+            let _ = writeln!(b, "        dot = fs_block_sum(dot);");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
+                c.st(0, "row * C + j", &format!("{y} * ({dy} - dot)"))
+            );
+        }
+        Op::LayerNorm(ln) => {
+            let x = c.ld(0, "row * C + j");
+            let _ = writeln!(b, "        float sum = 0.0f;");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += {x};"
+            );
+            let _ = writeln!(b, "        const float mean = fs_block_sum(sum) / (float)C;\n        float sq = 0.0f;");
+            let _ = writeln!(b, "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{ const float d = {x} - mean; sq += d * d; }}");
+            let _ = writeln!(
+                b,
+                "        const float rstd = rsqrtf(fs_block_sum(sq) / (float)C + {});",
+                float_lit(ln.eps)
+            );
+            let v = format!("({x} - mean) * rstd * {} + {}", c.ld(1, "j"), c.ld(2, "j"));
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
+                c.st(0, "row * C + j", &v)
+            );
+        }
+        Op::RmsNorm(rn) => {
+            let x = c.ld(0, "row * C + j");
+            let _ = writeln!(b, "        float sq = 0.0f;");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sq += {x} * {x};"
+            );
+            let _ = writeln!(
+                b,
+                "        const float r = rsqrtf(fs_block_sum(sq) / (float)C + {});",
+                float_lit(rn.eps)
+            );
+            let v = format!("{x} * r * {}", c.ld(1, "j"));
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
+                c.st(0, "row * C + j", &v)
+            );
+        }
+        Op::CrossEntropyGrad(_) => {
+            // (softmax(logits) - onehot(target)) * dloss / rows
+            let x = c.ld(0, "row * C + j");
+            let _ = writeln!(b, "        float m = {NEG_INF};");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) m = fmaxf(m, {x});"
+            );
+            let _ = writeln!(b, "        m = fs_block_max(m);\n        float sum = 0.0f;");
+            let _ = writeln!(b, "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += expf({x} - m);");
+            let _ = writeln!(b, "        sum = fs_block_sum(sum);");
+            let _ = writeln!(b, "        const fs_i64 target = in1[row];\n        const float scale = {} / (float)rows;", c.ld(2, "0"));
+            let v = format!("(expf({x} - m) / sum - (j == target ? 1.0f : 0.0f)) * scale");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
+                c.st(0, "row * C + j", &v)
+            );
+        }
+        Op::Embedding(_) => {
+            let (v, cc) = (in_shape(0)[0].to_c(), last(&in_shape(0)).to_c());
+            let _ = writeln!(
+                b,
+                "        const fs_i64 C = {cc}, r = i / C, j = i % C, idx = in1[r];"
+            );
+            let _ = writeln!(
+                b,
+                "        // An index outside the table gives NaN, as the reference does."
+            );
+            let val = format!(
+                "(idx >= 0 && idx < {v}) ? {} : __int_as_float(0x7fc00000)",
+                c.ld(0, "idx * C + j")
+            );
+            let _ = writeln!(b, "        {}", c.st(0, "i", &val));
+        }
+        Op::CausalMask(m) => {
+            let sh = in_shape(0);
+            let (t, sz) = (sh[sh.len() - 2].to_c(), sh[sh.len() - 1].to_c());
+            let _ = writeln!(
+                b,
+                "        const fs_i64 col = i % {sz}, q = (i / {sz}) % {t};"
+            );
+            let val = format!("col > q ? {} : {}", float_lit(m.fill), c.ld(0, "i"));
+            let _ = writeln!(b, "        {}", c.st(0, "i", &val));
+        }
+        Op::Rope(r) => {
+            let sh = in_shape(0);
+            let rk = sh.len();
+            let (t, h, d) = (sh[rk - 3].to_c(), sh[rk - 2].to_c(), sh[rk - 1].to_c());
+            let sign = if r.inverse { "-" } else { "" };
+            let _ = writeln!(b, "        const fs_i64 D = {d}, half = D / 2, dd = i % D, pos = (i / D / {h}) % {t}, f = dd % half;");
+            let _ = writeln!(
+                b,
+                "        const float angle = (float)pos * powf({}, -2.0f * (float)f / (float)D);",
+                float_lit(r.theta)
+            );
+            let _ = writeln!(
+                b,
+                "        const float cs = cosf(angle), sn = {sign}sinf(angle);"
+            );
+            let lo = c.ld(0, "i - dd + f");
+            let hi = c.ld(0, "i - dd + f + half");
+            let _ = writeln!(b, "        const float v = dd < half ? {lo} * cs - {hi} * sn : {lo} * sn + {hi} * cs;");
+            let _ = writeln!(b, "        {}", c.st(0, "i", "v"));
+        }
+        Op::Reduce(r) => {
+            // Sum over leading axes: column j of a [rows, C] matrix.
+            let sh = in_shape(0);
+            let rows = numel(&sh[..r.axes.len()]);
+            let _ = writeln!(
+                b,
+                "        const fs_i64 rows = {};\n        float acc = 0.0f;",
+                rows.to_c()
+            );
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 r = 0; r < rows; ++r) acc += {};",
+                c.ld(0, "r * n + i")
+            );
+            let v = if r.kind == ReduceKind::Mean {
+                "acc / (float)rows"
+            } else {
+                "acc"
+            };
+            let _ = writeln!(b, "        {}", c.st(0, "i", v));
+        }
+        Op::AdamW(a) => {
+            let _ = writeln!(
+                b,
+                "        const float g = {}, lr = {}, t = {};",
+                c.ld(1, "i"),
+                c.ld(4, "0"),
+                c.ld(5, "0")
+            );
+            let _ = writeln!(
+                b,
+                "        const float m = {} * {} + {} * g;",
+                float_lit(a.beta1),
+                c.ld(2, "i"),
+                float_lit(1.0 - a.beta1)
+            );
+            let _ = writeln!(
+                b,
+                "        const float v = {} * {} + {} * g * g;",
+                float_lit(a.beta2),
+                c.ld(3, "i"),
+                float_lit(1.0 - a.beta2)
+            );
+            let _ = writeln!(
+                b,
+                "        const float bc1 = 1.0f - powf({}, t), bc2 = 1.0f - powf({}, t);",
+                float_lit(a.beta1),
+                float_lit(a.beta2)
+            );
+            let _ = writeln!(
+                b,
+                "        const float p = {} * (1.0f - lr * {}) - lr * (m / bc1) / (sqrtf(v / bc2) + {});",
+                c.ld(0, "i"),
+                float_lit(a.weight_decay),
+                float_lit(a.eps)
+            );
+            let _ = writeln!(
+                b,
+                "        {}\n        {}\n        {}",
+                c.st(0, "i", "p"),
+                c.st(1, "i", "m"),
+                c.st(2, "i", "v")
+            );
+        }
+        Op::Sgd(o) => {
+            let _ = writeln!(
+                b,
+                "        const float p = {}, lr = {};",
+                c.ld(0, "i"),
+                c.ld(3, "0")
+            );
+            let _ = writeln!(
+                b,
+                "        const float buf = {} * {} + {} + {} * p;",
+                float_lit(o.momentum),
+                c.ld(2, "i"),
+                c.ld(1, "i"),
+                float_lit(o.weight_decay)
+            );
+            let _ = writeln!(
+                b,
+                "        {}\n        {}",
+                c.st(0, "i", "p - lr * buf"),
+                c.st(1, "i", "buf")
+            );
+        }
+        _ => return None,
+    }
+    match shape {
+        Shape::Rows(rows) => {
+            let _ = writeln!(s, "    const fs_i64 rows = {};", rows.to_c());
+            let _ = writeln!(s, "    const fs_i64 C = {};", last(&in_shape(0)).to_c());
+            let _ = writeln!(
+                s,
+                "    for (fs_i64 row = blockIdx.x; row < rows; row += gridDim.x) {{"
+            );
+        }
+        Shape::Elements(n) => {
+            let _ = writeln!(s, "    const fs_i64 n = {};", n.to_c());
+            let _ = writeln!(
+                s,
+                "    for (fs_i64 i = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fs_i64)gridDim.x * blockDim.x) {{"
+            );
+        }
+    }
+    s.push_str(&body);
+    s.push_str("    }\n}\n");
+    Some(s)
+}
