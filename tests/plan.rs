@@ -24,6 +24,11 @@ fn every_models_plan_is_sound() {
             .collect();
         let p = plan(g, &program, &dims).unwrap_or_else(|e| panic!("{file}: {e}"));
         p.check().unwrap_or_else(|e| panic!("{file}: {e}"));
+        let shared = p.buffers.iter().filter(|b| b.shares_with.is_some()).count();
+        assert!(
+            file == "mlp.dsl" || shared > 0,
+            "{file}: no kernel wrote in place"
+        );
         let params = c.model.graph.param_count().unwrap() as u64;
         let kind = |k: MemKind| p.bytes_by_kind.get(&k).copied().unwrap_or(0);
         // Alignment adds at most ALIGN per tensor.
@@ -69,6 +74,128 @@ fn every_models_plan_is_sound() {
     }
 }
 
+/// Runs a model's whole step with every buffer living at its planned offset
+/// in one byte arena (values stored in their dtype's bytes): if the plan let
+/// two live buffers overlap, a kernel would read a clobbered value and the
+/// outputs would differ from a run with separate buffers.
+#[test]
+fn a_step_run_inside_the_planned_arena_gives_the_same_outputs() {
+    use fusec_compiler::interp::random::random_feeds;
+    use fusec_compiler::interp::tensor::Tensor;
+    use fusec_compiler::interp::Precision;
+    use fusec_compiler::ir::DType;
+    use fusec_compiler::kernel::interp::{run_kernel, run_program};
+    use fusec_compiler::kernel::BufKind;
+    use fusec_compiler::ops::Op;
+
+    fn put(arena: &mut [u8], at: usize, dt: DType, data: &[f64]) {
+        let w = dt.size_bytes();
+        for (i, &x) in data.iter().enumerate() {
+            let b = &mut arena[at + i * w..at + (i + 1) * w];
+            match dt {
+                DType::F32 => b.copy_from_slice(&(x as f32).to_le_bytes()),
+                DType::I32 => b.copy_from_slice(&(x as i32).to_le_bytes()),
+                DType::BF16 => b.copy_from_slice(&half::bf16::from_f64(x).to_bits().to_le_bytes()),
+                DType::F16 => b.copy_from_slice(&half::f16::from_f64(x).to_bits().to_le_bytes()),
+            }
+        }
+    }
+    fn get(arena: &[u8], at: usize, dt: DType, shape: &[usize]) -> Tensor {
+        let w = dt.size_bytes();
+        let n: usize = shape.iter().product();
+        let data = (0..n)
+            .map(|i| {
+                let b = &arena[at + i * w..at + (i + 1) * w];
+                match dt {
+                    DType::F32 => f32::from_le_bytes(b.try_into().unwrap()) as f64,
+                    DType::I32 => i32::from_le_bytes(b.try_into().unwrap()) as f64,
+                    DType::BF16 => {
+                        half::bf16::from_bits(u16::from_le_bytes(b.try_into().unwrap())).to_f64()
+                    }
+                    DType::F16 => {
+                        half::f16::from_bits(u16::from_le_bytes(b.try_into().unwrap())).to_f64()
+                    }
+                }
+            })
+            .collect();
+        Tensor::new(shape.to_vec(), data)
+    }
+
+    for (file, sets, dims) in common::tiny_models() {
+        let (name, src) = common::example(file);
+        let c = common::compile_with(&src, &name, &sets);
+        let g = &c.optimized;
+        let program = fuse(g);
+        let dims_map = common::dims(&dims);
+        let plan = plan(g, &program, &dims_map.clone().into_iter().collect()).unwrap();
+        // Values rounded to f32 first, so the arena's f32 storage is exact.
+        let mut feeds = random_feeds(g, &dims_map, 4).unwrap();
+        for t in feeds.params.values_mut().chain(feeds.inputs.values_mut()) {
+            *t = t.map(|x| x as f32 as f64);
+        }
+        let reference = run_program(g, &program, &feeds, Precision::AsStored).unwrap();
+        let mut arena = vec![0u8; plan.arena_bytes as usize];
+        let shape = |b: usize| {
+            plan.buffers[b]
+                .shape
+                .iter()
+                .map(|&d| d as usize)
+                .collect::<Vec<_>>()
+        };
+        for (b, buf) in program.buffers.iter().enumerate() {
+            let fed = match (&g.g[buf.value.node].op, buf.kind) {
+                (Op::Input(x), BufKind::Input) => &feeds.inputs[&x.name],
+                (Op::Param(x), BufKind::Param) => &feeds.params[&x.name],
+                (Op::State(x), BufKind::State) => &feeds.state[&x.name],
+                _ => continue,
+            };
+            put(
+                &mut arena,
+                plan.buffers[b].offset as usize,
+                buf.ty.dtype,
+                &fed.data,
+            );
+        }
+        for k in &program.kernels {
+            let ins: Vec<Tensor> = k
+                .inputs
+                .iter()
+                .map(|&b| {
+                    get(
+                        &arena,
+                        plan.buffers[b].offset as usize,
+                        program.buffers[b].ty.dtype,
+                        &shape(b),
+                    )
+                })
+                .collect();
+            let refs: Vec<&Tensor> = ins.iter().collect();
+            let outs = run_kernel(g, &program, k, &refs, &feeds, Precision::AsStored).unwrap();
+            for (&b, t) in k.outputs.iter().zip(outs) {
+                put(
+                    &mut arena,
+                    plan.buffers[b].offset as usize,
+                    program.buffers[b].ty.dtype,
+                    &t.data,
+                );
+            }
+        }
+        for (role, v) in &g.outputs {
+            let b = program.buffer_of(*v).unwrap();
+            let got = get(
+                &arena,
+                plan.buffers[b].offset as usize,
+                program.buffers[b].ty.dtype,
+                &shape(b),
+            );
+            assert_eq!(
+                got.data, reference[b].data,
+                "{file}: output {role} differs when run in the arena"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_plan_needs_every_dimension() {
     let (name, src) = common::example("gpt2-block.dsl");
@@ -81,4 +208,32 @@ fn a_plan_needs_every_dimension() {
     )
     .unwrap_err();
     assert_eq!(err.0, "the memory plan needs a size for T");
+}
+
+/// GPT-2 small at B=8, T=1024: the planned arena is within 10% of the
+/// textbook count (16 bytes per parameter for f32 master weights, gradients
+/// and AdamW's two moments, plus every activation the backward pass reads).
+#[test]
+fn gpt2_small_plan_is_within_ten_percent_of_the_textbook_count() {
+    use fusec_compiler::plan::textbook_bytes;
+    let (name, src) = common::example("gpt2-small.dsl");
+    let c = common::compile_with(&src, &name, &[]);
+    let g = &c.optimized;
+    let program = fuse(g);
+    let dims = BTreeMap::from([("B".to_string(), 8), ("T".to_string(), 1024)]);
+    let p = plan(g, &program, &dims).unwrap();
+    let textbook = textbook_bytes(g, &dims).unwrap();
+    let params = c.model.graph.param_count().unwrap() as u64;
+    assert!(textbook > 16 * params, "{textbook}");
+    let ratio = p.arena_bytes as f64 / textbook as f64;
+    println!(
+        "arena {} bytes, textbook {textbook} bytes, ratio {ratio:.3}, {} kernels",
+        p.arena_bytes,
+        p.launches.len()
+    );
+    assert!(
+        (0.9..=1.1).contains(&ratio),
+        "plan {} vs textbook {textbook}: {ratio:.3}",
+        p.arena_bytes
+    );
 }

@@ -3,7 +3,7 @@
 //! that a fused program can be checked against the unfused graph.
 
 use super::view::View;
-use super::{Body, BufKind, PExpr, Program};
+use super::{Body, BufKind, Kernel, PExpr, Program};
 use crate::interp::tensor::Tensor;
 use crate::interp::{concrete_shape, round_to, Feeds, InterpError, Precision};
 use crate::ir::{Dim, Graph};
@@ -27,6 +27,108 @@ fn offset(view: &View, shape: &[usize], strides: &[usize], base: usize, mut i: u
         at += c * strides[k];
     }
     at
+}
+
+/// Runs one kernel on its input tensors; returns its outputs, each rounded
+/// to its buffer's dtype when `precision` asks for stored values.
+pub fn run_kernel(
+    g: &Graph,
+    p: &Program,
+    k: &Kernel,
+    ins: &[&Tensor],
+    feeds: &Feeds,
+    precision: Precision,
+) -> Result<Vec<Tensor>, InterpError> {
+    let outs: Vec<Tensor> = match &k.body {
+        Body::Op(n) => {
+            let node = &g.g[*n];
+            let out_shapes: Vec<Vec<usize>> = node
+                .outputs
+                .iter()
+                .map(|t| concrete_shape(&t.shape, &feeds.dims))
+                .collect::<Result<_, _>>()?;
+            let env = |d: &Dim| dim(d, feeds);
+            node.op.eval(
+                ins,
+                &EvalCtx {
+                    out_shapes: &out_shapes,
+                    dim: &env,
+                },
+            )
+        }
+        Body::Pointwise(pw) => {
+            let n = dim(&pw.n, feeds);
+            // Views with their sizes bound, once per kernel.
+            let bound: Vec<Option<BoundView>> = pw
+                .exprs
+                .iter()
+                .map(|e| match e {
+                    PExpr::Load { view, .. } => Some((
+                        view.shape.iter().map(|d| dim(d, feeds)).collect(),
+                        view.strides.iter().map(|d| dim(d, feeds)).collect(),
+                        dim(&view.offset, feeds),
+                    )),
+                    _ => None,
+                })
+                .collect();
+            let mut data: Vec<Vec<f64>> = vec![vec![0.0; n]; k.outputs.len()];
+            let mut vals = vec![0.0; pw.exprs.len()];
+            // `i` is the element index the loads unravel, not just a position in `data`.
+            #[allow(clippy::needless_range_loop)]
+            for i in 0..n {
+                for (j, e) in pw.exprs.iter().enumerate() {
+                    vals[j] = match e {
+                        PExpr::Load { input, view } => {
+                            let (shape, strides, base) = bound[j].as_ref().expect("bound above");
+                            let t = ins[*input];
+                            t.data
+                                .get(offset(view, shape, strides, *base, i))
+                                .copied()
+                                .ok_or_else(|| {
+                                    InterpError(format!(
+                                        "kernel {} reads past the end of input {input}",
+                                        k.name
+                                    ))
+                                })?
+                        }
+                        PExpr::Const(c) => *c,
+                        PExpr::Dim(d) => dim(d, feeds) as f64,
+                        PExpr::Unary(u, a) => u.apply(vals[*a]),
+                        PExpr::UnaryGrad(u, x, dy) => u.derivative(vals[*x]) * vals[*dy],
+                        PExpr::Binary(b, x, y) => b.apply(vals[*x], vals[*y]),
+                        PExpr::Round(dt, a) => match precision {
+                            Precision::F64 => vals[*a],
+                            Precision::AsStored => round_to(*dt, vals[*a]),
+                        },
+                    };
+                }
+                for &(slot, e) in &pw.stores {
+                    data[slot][i] = vals[e];
+                }
+            }
+            k.outputs
+                .iter()
+                .zip(data)
+                .map(|(&b, d)| {
+                    Ok(Tensor::new(
+                        concrete_shape(&p.buffers[b].ty.shape, &feeds.dims)?,
+                        d,
+                    ))
+                })
+                .collect::<Result<_, InterpError>>()?
+        }
+    };
+    Ok(k.outputs
+        .iter()
+        .zip(outs)
+        .map(|(&b, t)| match precision {
+            Precision::AsStored => {
+                let dt = p.buffers[b].ty.dtype;
+                t.map(|x| round_to(dt, x))
+            }
+            Precision::F64 => t,
+        })
+        .collect())
 }
 
 /// Runs every kernel in order; returns the contents of every buffer.
@@ -60,91 +162,8 @@ pub fn run_program(
                 })
             })
             .collect::<Result<_, _>>()?;
-        let outs: Vec<Tensor> = match &k.body {
-            Body::Op(n) => {
-                let node = &g.g[*n];
-                let out_shapes: Vec<Vec<usize>> = node
-                    .outputs
-                    .iter()
-                    .map(|t| concrete_shape(&t.shape, &feeds.dims))
-                    .collect::<Result<_, _>>()?;
-                let env = |d: &Dim| dim(d, feeds);
-                node.op.eval(
-                    &ins,
-                    &EvalCtx {
-                        out_shapes: &out_shapes,
-                        dim: &env,
-                    },
-                )
-            }
-            Body::Pointwise(pw) => {
-                let n = dim(&pw.n, feeds);
-                // Views with their sizes bound, once per kernel.
-                let bound: Vec<Option<BoundView>> = pw
-                    .exprs
-                    .iter()
-                    .map(|e| match e {
-                        PExpr::Load { view, .. } => Some((
-                            view.shape.iter().map(|d| dim(d, feeds)).collect(),
-                            view.strides.iter().map(|d| dim(d, feeds)).collect(),
-                            dim(&view.offset, feeds),
-                        )),
-                        _ => None,
-                    })
-                    .collect();
-                let mut data: Vec<Vec<f64>> = vec![vec![0.0; n]; k.outputs.len()];
-                let mut vals = vec![0.0; pw.exprs.len()];
-                // `i` is the element index the loads unravel, not just a position in `data`.
-                #[allow(clippy::needless_range_loop)]
-                for i in 0..n {
-                    for (j, e) in pw.exprs.iter().enumerate() {
-                        vals[j] = match e {
-                            PExpr::Load { input, view } => {
-                                let (shape, strides, base) =
-                                    bound[j].as_ref().expect("bound above");
-                                let t = ins[*input];
-                                t.data
-                                    .get(offset(view, shape, strides, *base, i))
-                                    .copied()
-                                    .ok_or_else(|| {
-                                        InterpError(format!(
-                                            "kernel {} reads past the end of input {input}",
-                                            k.name
-                                        ))
-                                    })?
-                            }
-                            PExpr::Const(c) => *c,
-                            PExpr::Dim(d) => dim(d, feeds) as f64,
-                            PExpr::Unary(u, a) => u.apply(vals[*a]),
-                            PExpr::UnaryGrad(u, x, dy) => u.derivative(vals[*x]) * vals[*dy],
-                            PExpr::Binary(b, x, y) => b.apply(vals[*x], vals[*y]),
-                            PExpr::Round(dt, a) => match precision {
-                                Precision::F64 => vals[*a],
-                                Precision::AsStored => round_to(*dt, vals[*a]),
-                            },
-                        };
-                    }
-                    for &(slot, e) in &pw.stores {
-                        data[slot][i] = vals[e];
-                    }
-                }
-                k.outputs
-                    .iter()
-                    .zip(data)
-                    .map(|(&b, d)| {
-                        Ok(Tensor::new(
-                            concrete_shape(&p.buffers[b].ty.shape, &feeds.dims)?,
-                            d,
-                        ))
-                    })
-                    .collect::<Result<_, InterpError>>()?
-            }
-        };
-        for (&b, mut t) in k.outputs.iter().zip(outs) {
-            if precision == Precision::AsStored {
-                let dt = p.buffers[b].ty.dtype;
-                t = t.map(|x| round_to(dt, x));
-            }
+        let outs = run_kernel(g, p, k, &ins, feeds, precision)?;
+        for (&b, t) in k.outputs.iter().zip(outs) {
             bufs[b] = Some(t);
         }
     }

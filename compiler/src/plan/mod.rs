@@ -55,6 +55,9 @@ pub struct PlannedBuffer {
     /// Written in place over this buffer (an optimizer update).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub alias_of: Option<usize>,
+    /// Stored over this buffer, whose last reader writes it (in place).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shares_with: Option<usize>,
     /// First and last kernel that touches it (temporaries only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub live: Option<(usize, usize)>,
@@ -172,6 +175,7 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
             offset: 0,
             kind,
             alias_of: alias.get(&id).copied(),
+            shares_with: None,
             live: None,
         });
     }
@@ -212,8 +216,39 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
         }
     }
     let base = cursor;
+    // A kernel may write its result over an input it reads for the last
+    // time, element for element (softmax over its logits, an add over its
+    // operand): the two share storage, and their lifetimes join.
+    for (k, kernel) in p.kernels.iter().enumerate() {
+        let [o] = kernel.outputs[..] else { continue };
+        if out[o].kind != MemKind::Activation || out[o].alias_of.is_some() || outputs.contains(&o) {
+            continue;
+        }
+        for (slot, &b) in kernel.inputs.iter().enumerate() {
+            let root = out[b].shares_with.unwrap_or(b);
+            let ok = out[b].kind == MemKind::Activation
+                && out[b].alias_of.is_none()
+                && !outputs.contains(&b)
+                && out[root].live.is_some_and(|l| l.1 == k && l.0 < k)
+                && out[root].bytes >= out[o].bytes
+                && p.buffers[b].ty.dtype.size_bytes() == p.buffers[o].ty.dtype.size_bytes()
+                && in_place_ok(g, kernel, slot);
+            if ok {
+                let end = out[o].live.map_or(k, |l| l.1);
+                if let Some(l) = out[root].live.as_mut() {
+                    l.1 = l.1.max(end);
+                }
+                out[o].shares_with = Some(root);
+                break;
+            }
+        }
+    }
     let mut temps: Vec<usize> = (0..out.len())
-        .filter(|&i| out[i].kind == MemKind::Activation && out[i].alias_of.is_none())
+        .filter(|&i| {
+            out[i].kind == MemKind::Activation
+                && out[i].alias_of.is_none()
+                && out[i].shares_with.is_none()
+        })
         .collect();
     temps.sort_by(|&a, &b| out[b].bytes.cmp(&out[a].bytes).then(a.cmp(&b)));
     let mut placed: Vec<(u64, u64, (usize, usize))> = Vec::new();
@@ -239,7 +274,7 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
         top = top.max(at + size);
     }
     for i in 0..out.len() {
-        if let Some(t) = out[i].alias_of {
+        if let Some(t) = out[i].alias_of.or(out[i].shares_with) {
             out[i].offset = out[t].offset;
         }
     }
@@ -288,6 +323,66 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
     })
 }
 
+/// Whether `kernel` reads input `slot` only at the element (or row) it
+/// writes, after which the output may take that input's storage.
+fn in_place_ok(g: &Graph, kernel: &crate::kernel::Kernel, slot: usize) -> bool {
+    use crate::kernel::PExpr;
+    match &kernel.body {
+        Body::Pointwise(pw) => pw.exprs.iter().all(|e| match e {
+            PExpr::Load { input, view } => *input != slot || view.is_contiguous(),
+            _ => true,
+        }),
+        Body::Op(n) => {
+            shape_of(g, *n).is_some()
+                && match &g.g[*n].op {
+                    Op::Softmax(_)
+                    | Op::LayerNorm(_)
+                    | Op::RmsNorm(_)
+                    | Op::CrossEntropyGrad(_)
+                    | Op::CausalMask(_) => slot == 0,
+                    Op::SoftmaxGrad(_) => slot <= 1,
+                    _ => false,
+                }
+        }
+    }
+}
+
+/// The textbook count for mixed-precision training with the plan's
+/// optimizer: 4 bytes per parameter each for the f32 master weights and
+/// gradients, plus the optimizer state as planned (8 bytes per parameter for
+/// AdamW), plus every forward value the backward pass reads (the activations
+/// kept for it), at its dtype.
+pub fn textbook_bytes(g: &Graph, dims: &BTreeMap<String, i64>) -> Option<u64> {
+    use crate::ir::graph::Phase;
+    let env = |s: &str| dims.get(s).copied();
+    let params = g.param_count()? as u64;
+    let state: u64 = g
+        .topo_order()
+        .into_iter()
+        .filter_map(|n| match &g.g[n].op {
+            Op::State(st) => Some(st.ty.numel().eval(&env)? as u64 * 4),
+            _ => None,
+        })
+        .sum();
+    let mut kept = 0u64;
+    for n in g.topo_order() {
+        let node = &g.g[n];
+        if node.phase != Phase::Forward || node.op.is_source() {
+            continue;
+        }
+        for (port, ty) in node.outputs.iter().enumerate() {
+            let v = crate::ir::Value { node: n, port };
+            if g.users(v)
+                .iter()
+                .any(|(u, _)| g.g[*u].phase == Phase::Backward)
+            {
+                kept += ty.numel().eval(&env)? as u64 * ty.dtype.size_bytes() as u64;
+            }
+        }
+    }
+    Some(8 * params + state + kept)
+}
+
 impl Plan {
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
@@ -299,7 +394,7 @@ impl Plan {
         let owned: Vec<&PlannedBuffer> = self
             .buffers
             .iter()
-            .filter(|b| b.alias_of.is_none())
+            .filter(|b| b.alias_of.is_none() && b.shares_with.is_none())
             .collect();
         for (i, a) in owned.iter().enumerate() {
             if a.offset % ALIGN != 0 || a.offset + a.bytes > self.arena_bytes {

@@ -65,6 +65,14 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize) -> String 
     for (kind, bytes) in &plan.bytes_by_kind {
         let _ = writeln!(s, "  {:<30} {:>14}", kind.name(), gib(*bytes));
     }
+    if let Some(t) = super::textbook_bytes(g, &plan.dims) {
+        let _ = writeln!(
+            s,
+            "  textbook count {} (f32 weights and gradients, optimizer state, activations kept for backward): the plan is {:.2}x",
+            gib(t),
+            plan.arena_bytes as f64 / t as f64
+        );
+    }
     let params: u64 = plan
         .bytes_by_kind
         .get(&MemKind::Param)
