@@ -154,3 +154,20 @@ pub fn model_name(path: &std::path::Path) -> String {
     path.file_stem()
         .map_or("model".into(), |s| s.to_string_lossy().into_owned())
 }
+
+/// Every generated CUDA C kernel of a model file, as (kernel name, source),
+/// in launch order: what `fusec build` writes to `kernels/`. The text depends
+/// only on the model file and the options, so it can be held in snapshots.
+pub fn generated_kernels(
+    source: &str,
+    model_name: &str,
+    opts: &Options,
+) -> Result<Vec<(String, String)>, Failure> {
+    let c = compile(source, model_name, opts)?;
+    let program = crate::kernel::fuse::fuse(&c.optimized);
+    Ok(crate::emit::cuda::emit_program(
+        &c.optimized,
+        &program,
+        Some(source),
+    ))
+}
