@@ -24,6 +24,8 @@ pub enum Shape {
     Elements(Dim),
     /// One block per row.
     Rows(Dim),
+    /// One block for the whole job (a reduction to a scalar).
+    Single,
 }
 
 struct Ctx<'a> {
@@ -52,6 +54,10 @@ fn numel(d: &[Dim]) -> Dim {
         .unwrap_or_default()
 }
 
+fn rows_of_c(s: &[Dim]) -> String {
+    numel(&s[..s.len().saturating_sub(1)]).to_c()
+}
+
 const NEG_INF: &str = "(-__int_as_float(0x7f800000))";
 
 /// Threads per block of every generated kernel.
@@ -64,6 +70,7 @@ pub fn grid(shape: &Shape, env: &dyn Fn(&str) -> Option<i64>) -> Option<u64> {
     Some(match shape {
         Shape::Rows(r) => (r.eval(env)? as u64).clamp(1, cap),
         Shape::Elements(n) => (n.eval(env)? as u64).div_ceil(BLOCK).clamp(1, cap),
+        Shape::Single => 1,
     })
 }
 
@@ -83,6 +90,10 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
         Op::Reduce(r) if r.axes.iter().enumerate().all(|(i, &a)| i == a) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
+        Op::SliceGrad(_) | Op::Concat(_) | Op::ClipCoef(_) => {
+            Shape::Elements(g.g[n].outputs[0].numel())
+        }
+        Op::CrossEntropy(_) => Shape::Single,
         _ => return None,
     })
 }
@@ -329,6 +340,101 @@ pub fn op_kernel(
                 c.st(1, "i", "buf")
             );
         }
+        Op::SliceGrad(sg) => {
+            let out = &g.g[n].outputs[0].shape;
+            let inner = numel(&out[sg.axis + 1..]).to_c();
+            let len = in_shape(0)[sg.axis].to_c();
+            let _ = writeln!(
+                b,
+                "        const fs_i64 inner = {inner}, full = {}, len = {len}, start = {};",
+                sg.full.to_c(),
+                sg.start.to_c()
+            );
+            let _ = writeln!(b, "        const fs_i64 a = (i / inner) % full, outer = i / (inner * full), j = i % inner;");
+            let val = format!(
+                "(a >= start && a < start + len) ? {} : 0.0f",
+                c.ld(0, "(outer * len + a - start) * inner + j")
+            );
+            let _ = writeln!(b, "        {}", c.st(0, "i", &val));
+        }
+        Op::Concat(cat) => {
+            let out = &g.g[n].outputs[0].shape;
+            let inner = numel(&out[cat.axis + 1..]).to_c();
+            let _ = writeln!(
+                b,
+                "        const fs_i64 inner = {inner}, total = {};",
+                out[cat.axis].to_c()
+            );
+            let _ = writeln!(b, "        const fs_i64 a = (i / inner) % total, outer = i / (inner * total), j = i % inner;");
+            let mut start = Dim::constant(0);
+            let _ = writeln!(b, "        float v;");
+            for (k, x) in ins.iter().enumerate() {
+                let len = g.ty(*x).shape[cat.axis].clone();
+                let end = start.checked_add(&len).unwrap_or_default();
+                let idx = format!(
+                    "(outer * {} + a - {}) * inner + j",
+                    len.to_c(),
+                    start.to_c()
+                );
+                let cond = if k + 1 == ins.len() {
+                    "else".to_string()
+                } else {
+                    format!(
+                        "{}if (a < {})",
+                        if k == 0 { "" } else { "else " },
+                        end.to_c()
+                    )
+                };
+                let _ = writeln!(b, "        {cond} v = {};", c.ld(k, &idx));
+                start = end;
+            }
+            let _ = writeln!(b, "        {}", c.st(0, "i", "v"));
+        }
+        Op::ClipCoef(cc) => {
+            let _ = writeln!(b, "        const float norm = sqrtf({});", c.ld(0, "0"));
+            let _ = writeln!(
+                b,
+                "        {}",
+                c.st(
+                    0,
+                    "i",
+                    &format!("fminf(1.0f, {} / (norm + 1e-6f))", float_lit(cc.max_norm))
+                )
+            );
+        }
+        Op::CrossEntropy(_) => {
+            // One block walks every row: the mean needs all of them.
+            let x = c.ld(0, "row * C + j");
+            let _ = writeln!(
+                b,
+                "        const fs_i64 rows = {}, C = {};",
+                rows_of_c(&in_shape(0)),
+                last(&in_shape(0)).to_c()
+            );
+            let _ = writeln!(
+                b,
+                "        float total = 0.0f;
+        for (fs_i64 row = 0; row < rows; ++row) {{"
+            );
+            let _ = writeln!(b, "            float m = {NEG_INF};");
+            let _ = writeln!(b, "            for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) m = fmaxf(m, {x});");
+            let _ = writeln!(
+                b,
+                "            m = fs_block_max(m);
+            float sum = 0.0f;"
+            );
+            let _ = writeln!(b, "            for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += expf({x} - m);");
+            let _ = writeln!(b, "            sum = fs_block_sum(sum);");
+            let _ = writeln!(b, "            const fs_i64 t = in1[row];");
+            let picked = c.ld(0, "row * C + t");
+            let _ = writeln!(b, "            total += (t >= 0 && t < C) ? m + logf(sum) - {picked} : __int_as_float(0x7fc00000);
+        }}");
+            let _ = writeln!(
+                b,
+                "        if (threadIdx.x == 0) {}",
+                c.st(0, "0", "total / (float)rows")
+            );
+        }
         _ => return None,
     }
     match shape {
@@ -339,6 +445,9 @@ pub fn op_kernel(
                 s,
                 "    for (fs_i64 row = blockIdx.x; row < rows; row += gridDim.x) {{"
             );
+        }
+        Shape::Single => {
+            let _ = writeln!(s, "    if (blockIdx.x == 0) {{");
         }
         Shape::Elements(n) => {
             let _ = writeln!(s, "    const fs_i64 n = {};", n.to_c());
