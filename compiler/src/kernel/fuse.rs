@@ -168,6 +168,7 @@ impl<'g> Fuser<'g> {
             nodes: vec![x.node],
             inputs: vec![src],
             outputs: vec![out],
+            input_views: Vec::new(),
             body: Body::Pointwise(Pointwise {
                 n,
                 exprs: vec![PExpr::Load { input: 0, view }],
@@ -295,6 +296,7 @@ impl<'g> Fuser<'g> {
             nodes: chain.to_vec(),
             inputs,
             outputs: vec![out],
+            input_views: Vec::new(),
             body: Body::Pointwise(Pointwise {
                 n: self.g.g[tail].outputs[0].numel(),
                 exprs,
@@ -302,6 +304,19 @@ impl<'g> Fuser<'g> {
             }),
         });
     }
+}
+
+/// A view that is a row-major buffer with its last two axes swapped: what a
+/// GEMM reads as a transposed operand.
+fn is_transposed_matrix(v: &View) -> bool {
+    let r = v.shape.len();
+    if r < 2 {
+        return false;
+    }
+    let mut t = v.clone();
+    t.shape.swap(r - 2, r - 1);
+    t.strides.swap(r - 2, r - 1);
+    t.is_contiguous()
 }
 
 /// `k7_add_gelu`; long chains name their first ops and how many more.
@@ -365,11 +380,13 @@ pub fn fuse(g: &Graph) -> Program {
                 }
             }
             Class::Other => {
-                let ins: Vec<usize> = g
-                    .inputs(n)
-                    .into_iter()
-                    .map(|x| f.materialise(x, &mut kernels))
-                    .collect();
+                let mut ins = Vec::new();
+                let mut views = Vec::new();
+                for x in g.inputs(n) {
+                    let (b, v) = f.op_input(x, n, &mut kernels);
+                    ins.push(b);
+                    views.push(v);
+                }
                 let outs: Vec<usize> = (0..g.g[n].outputs.len())
                     .map(|port| f.store(Value { node: n, port }, BufKind::Temp))
                     .collect();
@@ -378,6 +395,7 @@ pub fn fuse(g: &Graph) -> Program {
                     nodes: vec![n],
                     inputs: ins,
                     outputs: outs,
+                    input_views: views,
                     body: Body::Op(n),
                 });
             }
@@ -390,6 +408,33 @@ pub fn fuse(g: &Graph) -> Program {
 }
 
 impl Fuser<'_> {
+    /// How an op kernel reads `x`: a reshape of a stored buffer is the
+    /// buffer itself (same elements, same order); a GEMM reads a transposed
+    /// matrix in place; anything else is copied out first.
+    fn op_input(
+        &mut self,
+        x: Value,
+        n: NodeIndex,
+        kernels: &mut Vec<Kernel>,
+    ) -> (usize, Option<View>) {
+        if let Some(&b) = self.buffer_of.get(&x) {
+            return (b, None);
+        }
+        let (base, _) = self.base(x);
+        if self.class(base.node) != Class::Scalar && !self.needs_copy(x) {
+            if let Some(&b) = self.buffer_of.get(&base) {
+                let view = self.view_of(x);
+                if view.is_contiguous() {
+                    return (b, None);
+                }
+                if matches!(self.g.g[n].op, Op::MatMul(_)) && is_transposed_matrix(&view) {
+                    return (b, Some(view));
+                }
+            }
+        }
+        (self.materialise(x, kernels), None)
+    }
+
     fn materialise_scalar(&mut self, x: Value, kernels: &mut Vec<Kernel>) -> usize {
         let e = self.scalar_expr(x).expect("a scalar");
         let out = self.store(x, BufKind::Temp);
@@ -398,6 +443,7 @@ impl Fuser<'_> {
             nodes: vec![x.node],
             inputs: vec![],
             outputs: vec![out],
+            input_views: Vec::new(),
             body: Body::Pointwise(Pointwise {
                 n: self.g.ty(x).numel(),
                 exprs: vec![e],

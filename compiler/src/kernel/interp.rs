@@ -29,6 +29,23 @@ fn offset(view: &View, shape: &[usize], strides: &[usize], base: usize, mut i: u
     at
 }
 
+/// The tensor a view shows of a stored buffer, element by element.
+fn gather(t: &Tensor, view: &View, feeds: &Feeds) -> Tensor {
+    let shape: Vec<usize> = view.shape.iter().map(|d| dim(d, feeds)).collect();
+    let strides: Vec<usize> = view.strides.iter().map(|d| dim(d, feeds)).collect();
+    let base = dim(&view.offset, feeds);
+    let n: usize = shape.iter().product();
+    let data = (0..n)
+        .map(|i| {
+            t.data
+                .get(offset(view, &shape, &strides, base, i))
+                .copied()
+                .unwrap_or(f64::NAN)
+        })
+        .collect();
+    Tensor::new(shape, data)
+}
+
 /// Runs one kernel on its input tensors; returns its outputs, each rounded
 /// to its buffer's dtype when `precision` asks for stored values.
 pub fn run_kernel(
@@ -48,8 +65,19 @@ pub fn run_kernel(
                 .map(|t| concrete_shape(&t.shape, &feeds.dims))
                 .collect::<Result<_, _>>()?;
             let env = |d: &Dim| dim(d, feeds);
+            // Each input as the op sees it: through its view, or the stored
+            // buffer in the op's shape (a reshape reads it unchanged).
+            let mut shaped = Vec::with_capacity(ins.len());
+            for (slot, (x, t)) in g.inputs(*n).into_iter().zip(ins).enumerate() {
+                let want = concrete_shape(&g.ty(x).shape, &feeds.dims)?;
+                shaped.push(match k.input_views.get(slot).and_then(|v| v.as_ref()) {
+                    Some(view) => gather(t, view, feeds),
+                    None => Tensor::new(want, t.data.clone()),
+                });
+            }
+            let ins: Vec<&Tensor> = shaped.iter().collect();
             node.op.eval(
-                ins,
+                &ins,
                 &EvalCtx {
                     out_shapes: &out_shapes,
                     dim: &env,

@@ -81,6 +81,9 @@ pub struct Kernel {
     /// Buffers read and written, by index into `Program::buffers`.
     pub inputs: Vec<usize>,
     pub outputs: Vec<usize>,
+    /// Op kernels only: an input read through a view of its buffer (a GEMM
+    /// reading a transposed operand); `None` reads the buffer as stored.
+    pub input_views: Vec<Option<View>>,
     pub body: Body,
 }
 

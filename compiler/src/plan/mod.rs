@@ -71,6 +71,9 @@ pub struct Launch {
     pub ops: Vec<String>,
     pub inputs: Vec<usize>,
     pub outputs: Vec<usize>,
+    /// Input slots a GEMM reads transposed, in place.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub transposed_inputs: Vec<usize>,
     /// Blocks and threads per block of a generated kernel.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grid: Option<u64>,
@@ -308,6 +311,9 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
                     .collect(),
                 inputs: k.inputs.clone(),
                 outputs: k.outputs.clone(),
+                transposed_inputs: (0..k.input_views.len())
+                    .filter(|&i| k.input_views[i].is_some())
+                    .collect(),
                 grid: shape.as_ref().and_then(|s| grid(s, &env)),
                 block: shape.map(|_| BLOCK),
             }
