@@ -255,16 +255,4 @@ impl OpDef for AttentionGrad {
             Tensor::new(v.shape.clone(), dv),
         ]
     }
-    fn vjp(
-        &self,
-        _: &mut Builder,
-        _: &[Value],
-        _: &[Value],
-        _: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new(
-            "second derivatives are not supported",
-            "attention_grad",
-        ))
-    }
 }

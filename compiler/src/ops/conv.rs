@@ -242,18 +242,6 @@ impl OpDef for Conv2dGradInput {
         });
         vec![Tensor::new(xs.clone(), dx)]
     }
-    fn vjp(
-        &self,
-        _: &mut Builder,
-        _: &[Value],
-        _: &[Value],
-        _: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new(
-            "second derivatives are not supported",
-            "conv2d_grad_input",
-        ))
-    }
 }
 
 impl OpDef for Conv2dGradWeight {
@@ -288,17 +276,5 @@ impl OpDef for Conv2dGradWeight {
             }
         });
         vec![Tensor::new(wshape.clone(), dw)]
-    }
-    fn vjp(
-        &self,
-        _: &mut Builder,
-        _: &[Value],
-        _: &[Value],
-        _: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new(
-            "second derivatives are not supported",
-            "conv2d_grad_weight",
-        ))
     }
 }

@@ -158,18 +158,6 @@ impl OpDef for UnaryGrad {
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         vec![inputs[0].zip(inputs[1], |x, dy| self.kind.derivative(x) * dy)]
     }
-    fn vjp(
-        &self,
-        _: &mut Builder,
-        _: &[Value],
-        _: &[Value],
-        _: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new(
-            "second derivatives are not supported",
-            self.name(),
-        ))
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -382,17 +370,5 @@ impl OpDef for ClipCoef {
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let norm = inputs[0].data[0].sqrt();
         vec![Tensor::scalar((self.max_norm / (norm + 1e-6)).min(1.0))]
-    }
-    fn vjp(
-        &self,
-        _: &mut Builder,
-        _: &[Value],
-        _: &[Value],
-        _: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new(
-            "the optimizer update is not differentiable",
-            "clip_coef",
-        ))
     }
 }

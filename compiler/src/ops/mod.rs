@@ -85,13 +85,20 @@ pub trait OpDef {
     fn eval(&self, inputs: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor>;
     /// Given the gradients of the outputs (None where no gradient flows),
     /// returns the gradients of the inputs (None where none is needed).
+    /// Gradient ops and optimizer updates keep this default: the training
+    /// graph is differentiated once.
     fn vjp(
         &self,
-        b: &mut Builder,
-        inputs: &[Value],
-        outputs: &[Value],
-        douts: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError>;
+        _b: &mut Builder,
+        _inputs: &[Value],
+        _outputs: &[Value],
+        _douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        Err(OpError::new(
+            "this op has no gradient rule (second derivatives are not supported)",
+            self.name(),
+        ))
+    }
 }
 
 macro_rules! ops {

@@ -109,18 +109,6 @@ impl OpDef for SoftmaxGrad {
         }
         vec![Tensor::new(y.shape.clone(), out)]
     }
-    fn vjp(
-        &self,
-        _: &mut Builder,
-        _: &[Value],
-        _: &[Value],
-        _: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new(
-            "second derivatives are not supported",
-            "softmax_grad",
-        ))
-    }
 }
 
 /// LayerNorm over the last axis: `(x - mean) / sqrt(var + eps) * g + b`.
@@ -224,18 +212,6 @@ impl OpDef for LayerNormGrad {
             Tensor::new(vec![c], db),
         ]
     }
-    fn vjp(
-        &self,
-        _: &mut Builder,
-        _: &[Value],
-        _: &[Value],
-        _: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new(
-            "second derivatives are not supported",
-            "layernorm_grad",
-        ))
-    }
 }
 
 /// RMSNorm over the last axis: `x / sqrt(mean(x^2) + eps) * g`.
@@ -318,18 +294,6 @@ impl OpDef for RmsNormGrad {
             }
         }
         vec![Tensor::new(x.shape.clone(), dx), Tensor::new(vec![c], dg)]
-    }
-    fn vjp(
-        &self,
-        _: &mut Builder,
-        _: &[Value],
-        _: &[Value],
-        _: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new(
-            "second derivatives are not supported",
-            "rmsnorm_grad",
-        ))
     }
 }
 
@@ -425,18 +389,6 @@ impl OpDef for EmbeddingGrad {
             }
         }
         vec![Tensor::new(shape, out)]
-    }
-    fn vjp(
-        &self,
-        _: &mut Builder,
-        _: &[Value],
-        _: &[Value],
-        _: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new(
-            "second derivatives are not supported",
-            "embedding_grad",
-        ))
     }
 }
 
@@ -534,18 +486,6 @@ impl OpDef for CrossEntropyGrad {
             }
         }
         vec![Tensor::new(logits.shape.clone(), out)]
-    }
-    fn vjp(
-        &self,
-        _: &mut Builder,
-        _: &[Value],
-        _: &[Value],
-        _: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new(
-            "second derivatives are not supported",
-            "cross_entropy_grad",
-        ))
     }
 }
 

@@ -58,18 +58,6 @@ impl OpDef for AdamW {
             Tensor::new(p.shape.clone(), vo),
         ]
     }
-    fn vjp(
-        &self,
-        _: &mut Builder,
-        _: &[Value],
-        _: &[Value],
-        _: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new(
-            "the optimizer update is not differentiable",
-            "adamw",
-        ))
-    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -115,17 +103,5 @@ impl OpDef for Sgd {
             Tensor::new(p.shape.clone(), po),
             Tensor::new(p.shape.clone(), bo),
         ]
-    }
-    fn vjp(
-        &self,
-        _: &mut Builder,
-        _: &[Value],
-        _: &[Value],
-        _: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        Err(OpError::new(
-            "the optimizer update is not differentiable",
-            "sgd",
-        ))
     }
 }
