@@ -7,6 +7,7 @@ mod common;
 
 use fusec_compiler::emit::cuda::emit_program;
 use fusec_compiler::kernel::fuse::fuse;
+use fusec_compiler::plan::roofline::device;
 use fusec_compiler::plan::{plan, report::report};
 use std::collections::BTreeMap;
 
@@ -70,6 +71,12 @@ fn build_report_of_gpt2_small() {
     let p = plan(&c.optimized, &program, &dims).unwrap();
     insta::assert_snapshot!(
         "gpt2-small.report",
-        report(&c.optimized, &program, &p, c.training.g.node_count())
+        report(
+            &c.optimized,
+            &program,
+            &p,
+            c.training.g.node_count(),
+            device("h100").unwrap()
+        )
     );
 }

@@ -237,3 +237,26 @@ fn gpt2_small_plan_is_within_ten_percent_of_the_textbook_count() {
         p.arena_bytes
     );
 }
+
+/// The roofline's FLOP count for GPT-2 small at B=8, T=1024 agrees with the
+/// textbook: 6 FLOPs per matmul weight per token, plus causal attention
+/// (4·B·H·T²·D/2 forward, 2.5 times that backward, per layer), within 1%
+/// (the rest is elementwise work).
+#[test]
+fn gpt2_small_flops_match_the_textbook() {
+    use fusec_compiler::plan::roofline::{device, estimate};
+    let (name, src) = common::example("gpt2-small.dsl");
+    let c = common::compile_with(&src, &name, &[]);
+    let g = &c.optimized;
+    let program = fuse(g);
+    let dims = BTreeMap::from([("B".to_string(), 8), ("T".to_string(), 1024)]);
+    let p = plan(g, &program, &dims).unwrap();
+    let est = estimate(g, &program, &p, device("h100").unwrap());
+    let (b, t, d, h, l, v) = (8.0, 1024.0, 768.0, 12.0, 12.0, 50257.0);
+    let matmul_weights = l * (d * 3.0 * d + d * d + 2.0 * d * 4.0 * d) + d * v;
+    let attention = l * 3.5 * 4.0 * b * h * t * t * (d / h) / 2.0;
+    let textbook = 6.0 * b * t * matmul_weights + attention;
+    let ratio = est.flops / textbook;
+    println!("{:.3e} FLOP per step, textbook {textbook:.3e}, ratio {ratio:.4}; {:.2} ms on H100 by the roofline", est.flops, est.seconds * 1e3);
+    assert!((1.0..1.01).contains(&ratio), "{ratio}");
+}

@@ -40,6 +40,9 @@ pub struct BuildArgs {
     /// Size of any symbolic dimension, e.g. --dim B=8 (repeatable)
     #[arg(long = "dim", value_name = "NAME=N")]
     pub dims: Vec<String>,
+    /// Device for the report's roofline estimate: h100, h200 or a100
+    #[arg(long, value_name = "NAME", default_value = "h100", value_parser = device_name)]
+    pub device: String,
     /// Format of --dump and --dump-after: readable text or Graphviz dot
     #[arg(long, value_enum, default_value = "text")]
     pub format: Format,
@@ -86,6 +89,22 @@ fn dim_sizes(args: &BuildArgs, declared: &[String]) -> Result<BTreeMap<String, i
         set(k, v, &format!("--dim {k}"))?;
     }
     Ok(dims)
+}
+
+fn device_name(s: &str) -> Result<String, String> {
+    use fusec_compiler::plan::roofline::DEVICES;
+    if DEVICES.iter().any(|d| d.name == s) {
+        Ok(s.to_string())
+    } else {
+        let list: Vec<String> = DEVICES
+            .iter()
+            .map(|d| format!("  {:<5} {}", d.name, d.about))
+            .collect();
+        Err(format!(
+            "unknown device `{s}`; the devices are:\n{}",
+            list.join("\n")
+        ))
+    }
 }
 
 fn stage_name(s: &str) -> Result<String, String> {
@@ -206,7 +225,13 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         write(&p, &plan.to_json())?;
         written.push(p);
         let p = args.out.join("report.txt");
-        let text = report(&c.optimized, &program, &plan, c.training.g.node_count());
+        let text = report(
+            &c.optimized,
+            &program,
+            &plan,
+            c.training.g.node_count(),
+            fusec_compiler::plan::roofline::device(&args.device).expect("checked by clap"),
+        );
         write(&p, &text)?;
         written.push(p);
         let head: Vec<&str> = text

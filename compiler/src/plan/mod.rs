@@ -15,6 +15,7 @@ use crate::ops::Op;
 use serde::Serialize;
 
 pub mod report;
+pub mod roofline;
 use std::collections::{BTreeMap, HashMap};
 
 /// Offsets are multiples of this (cuBLASLt and 16-byte vector loads want it).

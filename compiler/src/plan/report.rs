@@ -1,6 +1,7 @@
 //! The build report a person reads: the kernels of one step with the ops
 //! each holds and the bytes it moves, and the memory plan by kind.
 
+use super::roofline::{estimate, Device};
 use super::{MemKind, Plan};
 use crate::ir::Graph;
 use crate::kernel::Program;
@@ -14,7 +15,8 @@ fn mib(b: u64) -> String {
     format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64)
 }
 
-pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize) -> String {
+pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: Device) -> String {
+    let est = estimate(g, p, plan, device);
     let mut s = String::new();
     let dims: Vec<String> = plan.dims.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let _ = writeln!(
@@ -79,14 +81,33 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize) -> String 
         .copied()
         .unwrap_or(0);
     let _ = writeln!(s, "  (parameters are {} in f32)", gib(params));
-    let _ = writeln!(s, "\nkernels in launch order (bytes read / written):");
+    let compute: f64 = est
+        .kernels
+        .iter()
+        .filter(|k| k.compute_bound)
+        .map(|k| k.seconds)
+        .sum();
+    let _ = writeln!(s, "\nroofline estimate on {}:", device.about);
+    let _ = writeln!(
+        s,
+        "  {:.2} ms per step ({:.2} ms in compute-bound kernels, {:.2} ms in memory-bound ones); {:.2} TFLOP and {} moved per step",
+        est.seconds * 1e3,
+        compute * 1e3,
+        (est.seconds - compute) * 1e3,
+        est.flops / 1e12,
+        gib(est.bytes as u64)
+    );
+    let _ = writeln!(
+        s,
+        "\nkernels in launch order (bytes read / written, GFLOP, estimated time, bound):"
+    );
     let width = plan
         .launches
         .iter()
         .map(|l| l.kernel.len())
         .max()
         .unwrap_or(8);
-    for l in &plan.launches {
+    for (l, cost) in plan.launches.iter().zip(&est.kernels) {
         let read: u64 = l.inputs.iter().map(|&b| plan.buffers[b].bytes).sum();
         let written: u64 = l.outputs.iter().map(|&b| plan.buffers[b].bytes).sum();
         let what = if l.kind == "generated" {
@@ -96,10 +117,17 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize) -> String 
         };
         let _ = writeln!(
             s,
-            "  {:<width$}  {:>11} / {:>11}  {what}",
+            "  {:<width$}  {:>11} / {:>11}  {:>9.3}  {:>8.1} us  {}  {what}",
             l.kernel,
             mib(read),
-            mib(written)
+            mib(written),
+            cost.flops / 1e9,
+            cost.seconds * 1e6,
+            if cost.compute_bound {
+                "compute"
+            } else {
+                "memory "
+            }
         );
     }
     s
