@@ -36,8 +36,11 @@ fn main() -> ExitCode {
         Command::Check(a) => cli::check::run(&a),
         Command::Build(a) => cli::build::run(&a),
         Command::Passes => {
-            for p in fusec_compiler::passes::default_pipeline() {
-                println!("{:<10} {}", p.name(), p.about());
+            let passes = fusec_compiler::passes::forward_pipeline()
+                .into_iter()
+                .chain(fusec_compiler::passes::default_pipeline());
+            for p in passes {
+                println!("{:<15} {}", p.name(), p.about());
             }
             Ok(())
         }

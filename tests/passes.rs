@@ -53,3 +53,67 @@ fn every_pass_preserves_every_models_outputs() {
     // `err * err` in gpt2-block differentiates into two equal products.
     assert!(removed > 0, "the passes removed nothing from any model");
 }
+
+const SPELLED_OUT: &str = "dim B, T
+input x: f32[B, T, 16]
+param wq: [16, 16] = normal(0.3)
+param wk: [16, 16] = normal(0.3)
+param wv: [16, 16] = normal(0.3)
+let q = permute(heads(x @ wq, 4), [0, 2, 1, 3])
+let k = permute(heads(x @ wk, 4), [0, 2, 1, 3])
+let v = permute(heads(x @ wv, 4), [0, 2, 1, 3])
+let p = softmax(causal_mask(q @ transpose(k) * 0.5))
+let y = p @ v
+train {
+    loss = mean(y * y) EXTRA
+}
+";
+
+fn fold(extra: &str) -> (fusec_compiler::ir::Graph, fusec_compiler::ir::Graph) {
+    use fusec_compiler::passes::{forward_pipeline, run_pipeline};
+    let src = SPELLED_OUT.replace("EXTRA", extra);
+    let ast = fusec_compiler::dsl::parse(&src).unwrap();
+    let model = fusec_compiler::elaborate::elaborate(&ast, "att", &Default::default()).unwrap();
+    let mut folded = model.graph.clone();
+    run_pipeline(&mut folded, &forward_pipeline(), |_, _| {}).unwrap();
+    (model.graph, folded)
+}
+
+fn count(g: &fusec_compiler::ir::Graph, name: &str) -> usize {
+    g.g.node_weights().filter(|n| n.op.name() == name).count()
+}
+
+/// Attention written out by hand becomes one attention op computing the
+/// same loss (1e-12 relative, f64); with the probabilities read elsewhere it
+/// stays as written.
+#[test]
+fn spelled_out_attention_becomes_one_op() {
+    let (plain, folded) = fold("");
+    assert_eq!(
+        (
+            count(&folded, "attention"),
+            count(&folded, "softmax"),
+            count(&folded, "causal_mask")
+        ),
+        (1, 0, 0)
+    );
+    let feeds = random_feeds(&plain, &common::dims(&[("B", 2), ("T", 5)]), 3).unwrap();
+    let (a, b) = (outputs(&plain, &feeds), outputs(&folded, &feeds));
+    assert_same("fold-attention", &a, &b);
+    let attention = folded
+        .g
+        .node_weights()
+        .find(|n| n.op.name() == "attention")
+        .unwrap();
+    assert_eq!(
+        attention.op.attrs(),
+        vec!["causal=true".to_string(), "scale=0.5".to_string()]
+    );
+
+    let (_, kept) = fold("+ mean(p)");
+    assert_eq!(
+        (count(&kept, "attention"), count(&kept, "softmax")),
+        (0, 1),
+        "p is read twice"
+    );
+}

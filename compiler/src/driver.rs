@@ -8,7 +8,7 @@ use crate::elaborate::{self, Options};
 use crate::ir::verify::verify;
 use crate::ir::Graph;
 use crate::model::Model;
-use crate::passes::{default_pipeline, run_pipeline, PassStats};
+use crate::passes::{default_pipeline, forward_pipeline, run_pipeline, PassStats};
 
 /// The stages whose result `fusec build --dump <stage>` can print.
 pub const STAGES: &[(&str, &str)] = &[
@@ -41,6 +41,10 @@ pub struct Compiled {
 impl Compiled {
     /// The step as it stands after the named pass (`None` if no pass has that name).
     pub fn graph_after(&self, pass: &str) -> Option<Graph> {
+        // Forward passes ran before autodiff: their result is the forward graph.
+        if forward_pipeline().iter().any(|p| p.name() == pass) {
+            return Some(self.model.graph.clone());
+        }
         let passes = default_pipeline();
         let upto = passes.iter().position(|p| p.name() == pass)?;
         let mut g = self.training.clone();
@@ -99,8 +103,17 @@ fn check_overrides(ast: &Module, opts: &Options) -> Result<(), Failure> {
 pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compiled, Failure> {
     let ast = dsl::parse(source).map_err(Failure::Model)?;
     check_overrides(&ast, opts)?;
-    let model = elaborate::elaborate(&ast, model_name, opts).map_err(Failure::Model)?;
+    let mut model = elaborate::elaborate(&ast, model_name, opts).map_err(Failure::Model)?;
     check_verified(&model.graph, "elaboration")?;
+    let internal = |e: crate::passes::PassError| {
+        Failure::Model(
+            crate::diag::Diagnostic::new(e.to_string(), crate::dsl::ast::Span::default(), "")
+                .with_help("this is a bug in fusec; please report it with the model file")
+                .into(),
+        )
+    };
+    let mut pass_stats =
+        run_pipeline(&mut model.graph, &forward_pipeline(), |_, _| {}).map_err(internal)?;
     let backward = autodiff::add_backward(&model).map_err(Failure::Model)?;
     check_verified(&backward, "autodiff")?;
     let mut training = backward;
@@ -116,13 +129,8 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
     })?;
     check_verified(&training, "the optimizer update")?;
     let mut optimized = training.clone();
-    let pass_stats = run_pipeline(&mut optimized, &default_pipeline(), |_, _| {}).map_err(|e| {
-        Failure::Model(
-            crate::diag::Diagnostic::new(e.to_string(), crate::dsl::ast::Span::default(), "")
-                .with_help("this is a bug in fusec; please report it with the model file")
-                .into(),
-        )
-    })?;
+    pass_stats
+        .extend(run_pipeline(&mut optimized, &default_pipeline(), |_, _| {}).map_err(internal)?);
     Ok(Compiled {
         ast,
         model,

@@ -3,10 +3,12 @@
 //! caught where it broke the graph. `fusec build --dump-after <pass>` prints
 //! the graph after any of them.
 
+mod attention;
 mod cse;
 mod dce;
 mod simplify;
 
+pub use attention::FoldAttention;
 pub use cse::Cse;
 pub use dce::Dce;
 pub use simplify::Simplify;
@@ -35,8 +37,18 @@ pub fn default_pipeline() -> Vec<Box<dyn Pass>> {
     vec![Box::new(Simplify), Box::new(Cse), Box::new(Dce)]
 }
 
+/// Passes over the forward graph, before autodiff (so the backward pass is
+/// built from what they produce).
+pub fn forward_pipeline() -> Vec<Box<dyn Pass>> {
+    vec![Box::new(FoldAttention)]
+}
+
 pub fn pass_names() -> Vec<&'static str> {
-    default_pipeline().iter().map(|p| p.name()).collect()
+    forward_pipeline()
+        .iter()
+        .chain(default_pipeline().iter())
+        .map(|p| p.name())
+        .collect()
 }
 
 /// A pass that left an invalid graph: a bug in fusec.
