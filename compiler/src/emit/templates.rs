@@ -54,6 +54,24 @@ fn numel(d: &[Dim]) -> Dim {
         .unwrap_or_default()
 }
 
+/// Mean and reciprocal standard deviation of row `r` into `mean`, `rstd`.
+fn stats(b: &mut String, x: &str, eps: &str) {
+    let _ = writeln!(b, "        float sum = 0.0f;");
+    let _ = writeln!(
+        b,
+        "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += {x};"
+    );
+    let _ = writeln!(
+        b,
+        "        const float mean = fs_block_sum(sum) / (float)C;\n        float sq = 0.0f;"
+    );
+    let _ = writeln!(b, "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{ const float d = {x} - mean; sq += d * d; }}");
+    let _ = writeln!(
+        b,
+        "        const float rstd = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
+    );
+}
+
 fn rows_of_c(s: &[Dim]) -> String {
     numel(&s[..s.len().saturating_sub(1)]).to_c()
 }
@@ -82,7 +100,11 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
     Some(match &g.g[n].op {
         Op::Softmax(s) if s.axis + 1 == t(0).len() => Shape::Rows(rows_of(&t(0))),
         Op::SoftmaxGrad(s) if s.axis + 1 == t(0).len() => Shape::Rows(rows_of(&t(0))),
-        Op::LayerNorm(_) | Op::RmsNorm(_) | Op::CrossEntropyGrad(_) => Shape::Rows(rows_of(&t(0))),
+        Op::LayerNorm(_)
+        | Op::RmsNorm(_)
+        | Op::CrossEntropyGrad(_)
+        | Op::LayerNormGrad(_)
+        | Op::RmsNormGrad(_) => Shape::Rows(rows_of(&t(0))),
         Op::Embedding(_) | Op::CausalMask(_) | Op::Rope(_) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
@@ -339,6 +361,112 @@ pub fn op_kernel(
                 c.st(0, "i", "p - lr * buf"),
                 c.st(1, "i", "buf")
             );
+        }
+        Op::LayerNormGrad(ln) => {
+            // Rows: dx. Then column tiles of blockDim.x: each thread owns one
+            // column of dgamma and dbeta and walks every row, the block
+            // recomputing that row's statistics; no atomics, deterministic.
+            let eps = float_lit(ln.eps);
+            let x = c.ld(0, "r * C + j");
+            let dy = c.ld(2, "r * C + j");
+            let g = c.ld(1, "j");
+            let _ = writeln!(b, "        const fs_i64 r = row;");
+            stats(b, &x, &eps);
+            let _ = writeln!(b, "        float m1 = 0.0f, m2 = 0.0f;");
+            let _ = writeln!(b, "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{ const float d = {dy} * {g}; m1 += d; m2 += d * ({x} - mean) * rstd; }}");
+            let _ = writeln!(
+                b,
+                "        m1 = fs_block_sum(m1) / (float)C;
+        m2 = fs_block_sum(m2) / (float)C;"
+            );
+            let v = format!("rstd * ({dy} * {g} - m1 - ({x} - mean) * rstd * m2)");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
+                c.st(0, "r * C + j", &v)
+            );
+            let _ = writeln!(b, "    }}");
+            let _ = writeln!(
+                b,
+                "    for (fs_i64 tile = blockIdx.x; tile * blockDim.x < C; tile += gridDim.x) {{"
+            );
+            let _ = writeln!(
+                b,
+                "        const fs_i64 j = tile * blockDim.x + threadIdx.x;
+        float dg = 0.0f, db = 0.0f;"
+            );
+            let _ = writeln!(b, "        for (fs_i64 r = 0; r < rows; ++r) {{");
+            let xj = c.ld(0, "r * C + jj");
+            let _ = writeln!(b, "            float sum = 0.0f;");
+            let _ = writeln!(
+                b,
+                "            for (fs_i64 jj = threadIdx.x; jj < C; jj += blockDim.x) sum += {xj};"
+            );
+            let _ = writeln!(
+                b,
+                "            const float mean = fs_block_sum(sum) / (float)C;
+            float sq = 0.0f;"
+            );
+            let _ = writeln!(b, "            for (fs_i64 jj = threadIdx.x; jj < C; jj += blockDim.x) {{ const float d = {xj} - mean; sq += d * d; }}");
+            let _ = writeln!(
+                b,
+                "            const float rstd = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
+            );
+            let _ = writeln!(b, "            if (j < C) {{ const float d = {dy}; dg += d * ({x} - mean) * rstd; db += d; }}
+        }}");
+            let _ = writeln!(
+                b,
+                "        if (j < C) {{ {} {} }}",
+                c.st(1, "j", "dg"),
+                c.st(2, "j", "db")
+            );
+        }
+        Op::RmsNormGrad(rn) => {
+            let eps = float_lit(rn.eps);
+            let x = c.ld(0, "r * C + j");
+            let dy = c.ld(2, "r * C + j");
+            let g = c.ld(1, "j");
+            let _ = writeln!(
+                b,
+                "        const fs_i64 r = row;
+        float sq = 0.0f, dot = 0.0f;"
+            );
+            let _ = writeln!(b, "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{ const float v = {x}; sq += v * v; dot += {dy} * {g} * v; }}");
+            let _ = writeln!(
+                b,
+                "        const float rs = rsqrtf(fs_block_sum(sq) / (float)C + {eps});
+        dot = fs_block_sum(dot) / (float)C;"
+            );
+            let v = format!("{dy} * {g} * rs - {x} * rs * rs * rs * dot");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
+                c.st(0, "r * C + j", &v)
+            );
+            let _ = writeln!(b, "    }}");
+            let _ = writeln!(
+                b,
+                "    for (fs_i64 tile = blockIdx.x; tile * blockDim.x < C; tile += gridDim.x) {{"
+            );
+            let _ = writeln!(
+                b,
+                "        const fs_i64 j = tile * blockDim.x + threadIdx.x;
+        float dg = 0.0f;"
+            );
+            let _ = writeln!(b, "        for (fs_i64 r = 0; r < rows; ++r) {{");
+            let xj = c.ld(0, "r * C + jj");
+            let _ = writeln!(b, "            float sq = 0.0f;");
+            let _ = writeln!(b, "            for (fs_i64 jj = threadIdx.x; jj < C; jj += blockDim.x) sq += {xj} * {xj};");
+            let _ = writeln!(
+                b,
+                "            const float rs = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
+            );
+            let _ = writeln!(
+                b,
+                "            if (j < C) dg += {dy} * {x} * rs;
+        }}"
+            );
+            let _ = writeln!(b, "        if (j < C) {}", c.st(1, "j", "dg"));
         }
         Op::SliceGrad(sg) => {
             let out = &g.g[n].outputs[0].shape;
