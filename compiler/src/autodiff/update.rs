@@ -43,8 +43,9 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let mut b = Builder::new(g, None, Phase::Update);
     let scalar = TensorType::scalar(DType::F32);
 
-    // Squared global norm, then each gradient scaled by the clip coefficient.
-    let mut scaled: Vec<(usize, Value)> = grads.clone();
+    // Squared global norm and the clip coefficient, which the optimizer ops
+    // apply to the gradients as they read them (1 without clipping).
+    let mut scale: Option<Value> = None;
     if let Some(max_norm) = train.clip_grad_norm {
         let mut sumsq: Option<Value> = None;
         for &(_, gv) in &grads {
@@ -59,11 +60,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         if let Some(sumsq) = sumsq {
             let norm = b.unary(UnaryKind::Sqrt, sumsq)?;
             new_outputs.push((Role::GradNorm, norm));
-            let coef = b.op1(ClipCoef { max_norm }, &[sumsq])?;
-            scaled = grads
-                .iter()
-                .map(|&(i, gv)| Ok((i, b.mul(gv, coef)?)))
-                .collect::<Result<_, OpError>>()?;
+            scale = Some(b.op1(ClipCoef { max_norm }, &[sumsq])?);
         }
     }
 
@@ -84,7 +81,11 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         )?),
         Optimizer::Sgd { .. } => None,
     };
-    for (i, gv) in scaled {
+    let scale = match scale {
+        Some(s) => s,
+        None => b.constant(1.0, DType::F32)?,
+    };
+    for (i, gv) in grads {
         let (name, ty, decay, pv) = &params[i];
         let wd = |w: f64| if *decay { w } else { 0.0 };
         match train.optimizer {
@@ -117,7 +118,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                     weight_decay: wd(weight_decay),
                 };
                 let step = step.expect("AdamW has a step input");
-                let r = b.op(op, &[*pv, gv, m, v, lr, step])?;
+                let r = b.op(op, &[*pv, gv, m, v, lr, step, scale])?;
                 new_outputs.push((Role::NewParam(i), r[0]));
                 new_outputs.push((Role::NewState(mn), r[1]));
                 new_outputs.push((Role::NewState(vn), r[2]));
@@ -140,7 +141,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                         momentum,
                         weight_decay: wd(weight_decay),
                     },
-                    &[*pv, gv, buf, lr],
+                    &[*pv, gv, buf, lr, scale],
                 )?;
                 new_outputs.push((Role::NewParam(i), r[0]));
                 new_outputs.push((Role::NewState(bn), r[1]));

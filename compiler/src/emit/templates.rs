@@ -300,8 +300,9 @@ pub fn op_kernel(
         Op::AdamW(a) => {
             let _ = writeln!(
                 b,
-                "        const float g = {}, lr = {}, t = {};",
+                "        const float g = {} * {}, lr = {}, t = {};",
                 c.ld(1, "i"),
+                c.ld(6, "0"),
                 c.ld(4, "0"),
                 c.ld(5, "0")
             );
@@ -349,10 +350,11 @@ pub fn op_kernel(
             );
             let _ = writeln!(
                 b,
-                "        const float buf = {} * {} + {} + {} * p;",
+                "        const float buf = {} * {} + {} * {} + {} * p;",
                 float_lit(o.momentum),
                 c.ld(2, "i"),
                 c.ld(1, "i"),
+                c.ld(4, "0"),
                 float_lit(o.weight_decay)
             );
             let _ = writeln!(

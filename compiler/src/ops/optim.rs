@@ -24,9 +24,11 @@ impl OpDef for AdamW {
             format!("wd={}", num(self.weight_decay)),
         ]
     }
-    /// (param, grad, m, v, lr, step) -> (param', m', v'); `step` counts from 1.
+    /// (param, grad, m, v, lr, step, grad scale) -> (param', m', v'); `step`
+    /// counts from 1; the gradient is multiplied by the scale (the clip
+    /// coefficient) as it is read.
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        expect_arity("adamw", inputs, 6)?;
+        expect_arity("adamw", inputs, 7)?;
         let p = &inputs[0];
         for t in &inputs[1..4] {
             if t.shape != p.shape {
@@ -40,13 +42,13 @@ impl OpDef for AdamW {
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (p, g, m, v) = (inputs[0], inputs[1], inputs[2], inputs[3]);
-        let (lr, t) = (inputs[4].data[0], inputs[5].data[0]);
+        let (lr, t, scale) = (inputs[4].data[0], inputs[5].data[0], inputs[6].data[0]);
         let bc1 = 1.0 - self.beta1.powf(t);
         let bc2 = 1.0 - self.beta2.powf(t);
         let n = p.len();
         let (mut po, mut mo, mut vo) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
         for i in 0..n {
-            let gi = g.data[i];
+            let gi = g.data[i] * scale;
             mo[i] = self.beta1 * m.data[i] + (1.0 - self.beta1) * gi;
             vo[i] = self.beta2 * v.data[i] + (1.0 - self.beta2) * gi * gi;
             let decayed = p.data[i] * (1.0 - lr * self.weight_decay);
@@ -76,9 +78,9 @@ impl OpDef for Sgd {
             format!("wd={}", num(self.weight_decay)),
         ]
     }
-    /// (param, grad, momentum buffer, lr) -> (param', buffer').
+    /// (param, grad, momentum buffer, lr, grad scale) -> (param', buffer').
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        expect_arity("sgd", inputs, 4)?;
+        expect_arity("sgd", inputs, 5)?;
         let p = &inputs[0];
         for t in &inputs[1..3] {
             if t.shape != p.shape {
@@ -91,11 +93,17 @@ impl OpDef for Sgd {
         Ok(vec![p.clone(), inputs[2].clone()])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
-        let (p, g, buf, lr) = (inputs[0], inputs[1], inputs[2], inputs[3].data[0]);
+        let (p, g, buf, lr, scale) = (
+            inputs[0],
+            inputs[1],
+            inputs[2],
+            inputs[3].data[0],
+            inputs[4].data[0],
+        );
         let n = p.len();
         let (mut po, mut bo) = (vec![0.0; n], vec![0.0; n]);
         for i in 0..n {
-            let gi = g.data[i] + self.weight_decay * p.data[i];
+            let gi = g.data[i] * scale + self.weight_decay * p.data[i];
             bo[i] = self.momentum * buf.data[i] + gi;
             po[i] = p.data[i] - lr * bo[i];
         }
