@@ -108,3 +108,31 @@ __device__ __forceinline__ float fs_block_max(float v) {
 inline float fs_block_sum(float v) { return v; }
 inline float fs_block_max(float v) { return v; }
 #endif
+
+// One parameter's AdamW update (torch.optim.AdamW), grid-stride over its n
+// elements; a group kernel calls it once per parameter, so the update of a
+// whole model is one launch and one copy of this code. Outputs may alias
+// inputs (the update is in place).
+static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* v_out, const float* p, const float* g,
+                                      const float* m, const float* v, float lr, float t, float scale, fs_i64 n,
+                                      float b1, float b2, float eps, float wd) {
+    const float bc1 = 1.0f - powf(b1, t), bc2 = 1.0f - powf(b2, t);
+    for (fs_i64 i = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fs_i64)gridDim.x * blockDim.x) {
+        const float gi = g[i] * scale;
+        const float mi = b1 * m[i] + (1.0f - b1) * gi;
+        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        p_out[i] = p[i] * (1.0f - lr * wd) - lr * (mi / bc1) / (sqrtf(vi / bc2) + eps);
+        m_out[i] = mi;
+        v_out[i] = vi;
+    }
+}
+
+// One parameter's SGD update with momentum (torch.optim.SGD, dampening 0).
+static __device__ __noinline__ void fs_sgd(float* p_out, float* buf_out, const float* p, const float* g, const float* buf,
+                                    float lr, float scale, fs_i64 n, float momentum, float wd) {
+    for (fs_i64 i = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fs_i64)gridDim.x * blockDim.x) {
+        const float b = momentum * buf[i] + g[i] * scale + wd * p[i];
+        p_out[i] = p[i] - lr * b;
+        buf_out[i] = b;
+    }
+}

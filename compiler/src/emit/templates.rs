@@ -13,6 +13,7 @@ use super::cuda::{float_lit, header, load, store};
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::kernel::{Kernel, Program};
+
 use crate::ops::{Op, ReduceKind};
 use petgraph::stable_graph::NodeIndex;
 use std::fmt::Write;
@@ -28,23 +29,27 @@ pub enum Shape {
     Single,
 }
 
+/// The op's inputs and outputs as kernel parameters: `ins[i]` is the kernel
+/// input slot of the op's input `i` (the identity for a one-op kernel).
 struct Ctx<'a> {
     p: &'a Program,
     k: &'a Kernel,
+    ins: Vec<usize>,
+    outs: Vec<usize>,
 }
 
 impl Ctx<'_> {
     fn in_dt(&self, i: usize) -> DType {
-        self.p.buffers[self.k.inputs[i]].ty.dtype
+        self.p.buffers[self.k.inputs[self.ins[i]]].ty.dtype
     }
     fn out_dt(&self, i: usize) -> DType {
-        self.p.buffers[self.k.outputs[i]].ty.dtype
+        self.p.buffers[self.k.outputs[self.outs[i]]].ty.dtype
     }
     fn ld(&self, i: usize, idx: &str) -> String {
-        load(self.in_dt(i), &format!("in{i}[{idx}]"))
+        load(self.in_dt(i), &format!("in{}[{idx}]", self.ins[i]))
     }
     fn st(&self, o: usize, idx: &str, v: &str) -> String {
-        format!("out{o}[{idx}] = {};", store(self.out_dt(o), v))
+        format!("out{}[{idx}] = {};", self.outs[o], store(self.out_dt(o), v))
     }
 }
 
@@ -127,12 +132,51 @@ pub fn op_kernel(
     n: NodeIndex,
     source: Option<&str>,
 ) -> Option<String> {
+    let arity = g.inputs(n).len();
+    let c = Ctx {
+        p,
+        k,
+        ins: (0..arity).collect(),
+        outs: (0..g.g[n].outputs.len()).collect(),
+    };
+    let mut s = header(g, p, k, source);
+    s.push_str(&op_loop(g, &c, n)?);
+    s.push_str("}\n");
+    Some(s)
+}
+
+/// One kernel running several independent ops of one kind (every
+/// parameter's optimizer update), each over its own elements in turn.
+pub fn group_kernel(
+    g: &Graph,
+    p: &Program,
+    k: &Kernel,
+    members: &[crate::kernel::Member],
+    source: Option<&str>,
+) -> Option<String> {
+    let mut s = header(g, p, k, source);
+    for m in members {
+        let c = Ctx {
+            p,
+            k,
+            ins: m.inputs.clone(),
+            outs: m.outputs.clone(),
+        };
+        s.push_str("  {\n");
+        s.push_str(&op_loop(g, &c, m.node)?);
+        s.push_str("  }\n");
+    }
+    s.push_str("}\n");
+    Some(s)
+}
+
+/// The loop (rows or elements) and body of one op, closed.
+fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let shape = shape_of(g, n)?;
-    let c = Ctx { p, k };
     let ins = g.inputs(n);
     let in_shape = |i: usize| g.ty(ins[i]).shape.clone();
     let last = |s: &[Dim]| s.last().cloned().unwrap_or(Dim::constant(1));
-    let mut s = header(g, p, k, source);
+    let mut s = String::new();
     let mut body = String::new();
     let b = &mut body;
     match &g.g[n].op {
@@ -588,6 +632,6 @@ pub fn op_kernel(
         }
     }
     s.push_str(&body);
-    s.push_str("    }\n}\n");
+    s.push_str("    }\n");
     Some(s)
 }

@@ -10,7 +10,7 @@
 //! other op is a kernel of its own.
 
 use super::view::View;
-use super::{Body, BufKind, Buffer, Kernel, PExpr, Pointwise, Program};
+use super::{Body, BufKind, Buffer, Kernel, Member, PExpr, Pointwise, Program};
 use crate::ir::graph::Value;
 use crate::ir::Graph;
 use crate::ops::Op;
@@ -401,10 +401,104 @@ pub fn fuse(g: &Graph) -> Program {
             }
         }
     }
+    let kernels = group_optimizer_updates(g, kernels);
     Program {
         buffers: f.buffers,
         kernels,
     }
+}
+
+/// Most ops in one group kernel: their pointers must fit the 32 KiB of
+/// kernel parameters (seven pointers for an AdamW update).
+const GROUP_MAX: usize = 256;
+
+/// Every parameter's optimizer update in one launch (or a few): the ops
+/// are independent and nothing in the step reads their results, so they
+/// move to the position of the last of them. Kernels are then renamed for
+/// their new positions.
+fn group_optimizer_updates(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
+    let is_update = |k: &Kernel| matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::AdamW(_) | Op::Sgd(_)));
+    let updates: Vec<usize> = (0..kernels.len())
+        .filter(|&i| is_update(&kernels[i]))
+        .collect();
+    if updates.len() < 2 {
+        return kernels;
+    }
+    // Only when no other kernel reads what an update writes.
+    let written: std::collections::HashSet<usize> = updates
+        .iter()
+        .flat_map(|&i| kernels[i].outputs.iter().copied())
+        .collect();
+    if kernels
+        .iter()
+        .any(|k| !is_update(k) && k.inputs.iter().any(|b| written.contains(b)))
+    {
+        return kernels;
+    }
+    let mut groups: Vec<Kernel> = Vec::new();
+    for chunk in updates.chunks(GROUP_MAX) {
+        let mut inputs: Vec<usize> = Vec::new();
+        let mut outputs: Vec<usize> = Vec::new();
+        let mut members = Vec::new();
+        for &i in chunk {
+            let k = &kernels[i];
+            let Body::Op(node) = k.body else { continue };
+            let ins = k
+                .inputs
+                .iter()
+                .map(|b| match inputs.iter().position(|x| x == b) {
+                    Some(s) => s,
+                    None => {
+                        inputs.push(*b);
+                        inputs.len() - 1
+                    }
+                })
+                .collect();
+            let outs = k
+                .outputs
+                .iter()
+                .map(|b| {
+                    outputs.push(*b);
+                    outputs.len() - 1
+                })
+                .collect();
+            members.push(Member {
+                node,
+                inputs: ins,
+                outputs: outs,
+            });
+        }
+        let op = g.g[members[0].node].op.name();
+        groups.push(Kernel {
+            name: format!("{op}_x{}", members.len()),
+            nodes: members.iter().map(|m| m.node).collect(),
+            inputs,
+            outputs,
+            input_views: Vec::new(),
+            body: Body::Group(members),
+        });
+    }
+    let last = *updates.last().expect("at least two updates");
+    let mut out = Vec::with_capacity(kernels.len());
+    for (i, k) in kernels.into_iter().enumerate() {
+        if !is_update(&k) {
+            out.push(k);
+        }
+        if i == last {
+            out.append(&mut groups);
+        }
+    }
+    // Names lead with the launch position.
+    for (i, k) in out.iter_mut().enumerate() {
+        let rest = match k.name.split_once('_') {
+            Some((head, rest)) if head.starts_with('k') && head[1..].parse::<usize>().is_ok() => {
+                rest.to_string()
+            }
+            _ => k.name.clone(),
+        };
+        k.name = format!("k{i}_{rest}");
+    }
+    out
 }
 
 impl Fuser<'_> {

@@ -65,11 +65,22 @@ pub struct Pointwise {
     pub stores: Vec<(usize, usize)>,
 }
 
+/// One op of a group kernel, with its inputs and outputs as kernel slots.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Member {
+    pub node: NodeIndex,
+    pub inputs: Vec<usize>,
+    pub outputs: Vec<usize>,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Body {
     Pointwise(Pointwise),
     /// One graph op, run by a library call or a kernel template.
     Op(NodeIndex),
+    /// Independent ops of one kind in one launch (the optimizer update of
+    /// every parameter), each reading and writing its own buffers.
+    Group(Vec<Member>),
 }
 
 #[derive(Clone, Debug)]

@@ -10,6 +10,7 @@
 
 use crate::emit::templates::{grid, shape_of, Shape, BLOCK};
 use crate::ir::graph::{Graph, Role};
+use crate::ir::Dim;
 use crate::kernel::{Body, BufKind, Program};
 use crate::ops::Op;
 use serde::Serialize;
@@ -297,13 +298,21 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
             let shape = match &k.body {
                 Body::Pointwise(pw) => Some(Shape::Elements(pw.n.clone())),
                 Body::Op(n) => shape_of(g, *n),
+                Body::Group(members) => members
+                    .iter()
+                    .map(|m| match shape_of(g, m.node) {
+                        Some(Shape::Elements(n)) => Some(n),
+                        _ => None,
+                    })
+                    .try_fold(Dim::constant(0), |acc, n| acc.checked_add(&n?))
+                    .map(Shape::Elements),
             };
             Launch {
                 kernel: k.name.clone(),
                 kind: match (&k.body, &shape) {
                     (_, Some(_)) => "generated".into(),
                     (Body::Op(n), None) => g.g[*n].op.name().to_string(),
-                    (Body::Pointwise(_), None) => unreachable!("pointwise kernels have a shape"),
+                    (_, None) => "group".to_string(),
                 },
                 ops: k
                     .nodes
@@ -351,6 +360,7 @@ fn in_place_ok(g: &Graph, kernel: &crate::kernel::Kernel, slot: usize) -> bool {
                     _ => false,
                 }
         }
+        Body::Group(_) => false,
     }
 }
 

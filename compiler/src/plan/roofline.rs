@@ -88,6 +88,14 @@ fn flops(g: &Graph, p: &Program, k: usize, env: &dyn Fn(&str) -> Option<i64>) ->
                 .count();
             (ops as f64 * eval(&pw.n, env), false)
         }
+        // Optimizer updates: a handful of operations per element.
+        Body::Group(members) => (
+            members
+                .iter()
+                .map(|m| 12.0 * prod(&g.g[m.node].outputs[0].shape, env))
+                .sum(),
+            false,
+        ),
         Body::Op(n) => {
             let node = &g.g[*n];
             let ins = g.inputs(*n);
