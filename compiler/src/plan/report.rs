@@ -56,7 +56,7 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
     let fused: usize = p
         .kernels
         .iter()
-        .filter(|k| k.nodes.len() > 1)
+        .filter(|k| matches!(k.body, crate::kernel::Body::Pointwise(_)) && k.nodes.len() > 1)
         .map(|k| k.nodes.len() - 1)
         .sum();
     let _ = writeln!(
