@@ -10,6 +10,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __noinline__
+#define __shared__ static
 #define __restrict__ __restrict
 
 struct fs_dim3 {
@@ -34,3 +35,4 @@ static inline unsigned int __float_as_uint(float f) {
     memcpy(&u, &f, 4);
     return u;
 }
+static inline void __syncthreads() {}

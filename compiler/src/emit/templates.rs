@@ -81,6 +81,9 @@ fn rows_of_c(s: &[Dim]) -> String {
     numel(&s[..s.len().saturating_sub(1)]).to_c()
 }
 
+/// Most columns of an embedding gradient row kept in shared memory (48 KiB).
+const EMBED_SHARED: i64 = 12288;
+
 const NEG_INF: &str = "(-__int_as_float(0x7f800000))";
 
 /// Threads per block of every generated kernel.
@@ -110,6 +113,14 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
         | Op::CrossEntropyGrad(_)
         | Op::LayerNormGrad(_)
         | Op::RmsNormGrad(_) => Shape::Rows(rows_of(&t(0))),
+        // One block per table row, with that row's gradient in shared memory.
+        Op::EmbeddingGrad(_)
+            if g.g[n].outputs[0].shape[1]
+                .as_const()
+                .is_some_and(|c| c <= EMBED_SHARED) =>
+        {
+            Shape::Rows(g.g[n].outputs[0].shape[0].clone())
+        }
         Op::Embedding(_) | Op::CausalMask(_) | Op::Rope(_) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
@@ -514,6 +525,39 @@ fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             );
             let _ = writeln!(b, "        if (j < C) {}", c.st(1, "j", "dg"));
         }
+        Op::EmbeddingGrad(_) => {
+            // Tokens are scanned in order, a chunk at a time: each thread
+            // flags the tokens of its chunk that pick this row, then every
+            // thread adds those tokens' gradients to the columns it owns.
+            // Same order every run: deterministic.
+            let c_cols = g.g[n].outputs[0].shape[1].as_const().unwrap_or(1);
+            let tokens = numel(&in_shape(0)).to_c();
+            let _ = writeln!(b, "        __shared__ float acc[{c_cols}];\n        __shared__ unsigned char hit[1024];");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) acc[j] = 0.0f;"
+            );
+            let _ = writeln!(b, "        const fs_i64 tokens = {tokens};");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 t0 = 0; t0 < tokens; t0 += blockDim.x) {{"
+            );
+            let _ = writeln!(b, "            __syncthreads();");
+            let _ = writeln!(b, "            hit[threadIdx.x] = (t0 + threadIdx.x < tokens && in0[t0 + threadIdx.x] == row) ? 1 : 0;");
+            let _ = writeln!(b, "            __syncthreads();");
+            let _ = writeln!(
+                b,
+                "            for (fs_i64 k = 0; k < (fs_i64)blockDim.x && t0 + k < tokens; ++k) {{"
+            );
+            let dy = c.ld(1, "(t0 + k) * C + j");
+            let _ = writeln!(b, "                if (hit[k]) for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) acc[j] += {dy};");
+            let _ = writeln!(b, "            }}\n        }}");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
+                c.st(0, "row * C + j", "acc[j]")
+            );
+        }
         Op::SliceGrad(sg) => {
             let out = &g.g[n].outputs[0].shape;
             let inner = numel(&out[sg.axis + 1..]).to_c();
@@ -614,7 +658,12 @@ fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     match shape {
         Shape::Rows(rows) => {
             let _ = writeln!(s, "    const fs_i64 rows = {};", rows.to_c());
-            let _ = writeln!(s, "    const fs_i64 C = {};", last(&in_shape(0)).to_c());
+            // Row length: of the input, or of the gradient table for embedding_grad.
+            let cols = match &g.g[n].op {
+                Op::EmbeddingGrad(_) => last(&g.g[n].outputs[0].shape),
+                _ => last(&in_shape(0)),
+            };
+            let _ = writeln!(s, "    const fs_i64 C = {};", cols.to_c());
             let _ = writeln!(
                 s,
                 "    for (fs_i64 row = blockIdx.x; row < rows; row += gridDim.x) {{"
