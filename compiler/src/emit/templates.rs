@@ -59,6 +59,22 @@ fn numel(d: &[Dim]) -> Dim {
         .unwrap_or_default()
 }
 
+/// The row's maximum `m` and `sum` of exp(x - m), the two passes every
+/// softmax-like kernel starts with.
+fn max_sumexp(b: &mut String, x: &str, indent: &str) {
+    let _ = writeln!(b, "{indent}float m = {NEG_INF};");
+    let _ = writeln!(
+        b,
+        "{indent}for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) m = fmaxf(m, {x});"
+    );
+    let _ = writeln!(b, "{indent}m = fs_block_max(m);\n{indent}float sum = 0.0f;");
+    let _ = writeln!(
+        b,
+        "{indent}for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += expf({x} - m);"
+    );
+    let _ = writeln!(b, "{indent}sum = fs_block_sum(sum);");
+}
+
 /// Mean and reciprocal standard deviation of row `r` into `mean`, `rstd`.
 fn stats(b: &mut String, x: &str, eps: &str) {
     let _ = writeln!(b, "        float sum = 0.0f;");
@@ -193,19 +209,7 @@ fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     match &g.g[n].op {
         Op::Softmax(_) => {
             let x = |j: &str| c.ld(0, &format!("row * C + {j}"));
-            let _ = writeln!(b, "        float m = {NEG_INF};");
-            let _ = writeln!(
-                b,
-                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) m = fmaxf(m, {});",
-                x("j")
-            );
-            let _ = writeln!(b, "        m = fs_block_max(m);\n        float sum = 0.0f;");
-            let _ = writeln!(
-                b,
-                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += expf({} - m);",
-                x("j")
-            );
-            let _ = writeln!(b, "        sum = fs_block_sum(sum);");
+            max_sumexp(b, &x("j"), "        ");
             let _ = writeln!(
                 b,
                 "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
@@ -228,18 +232,7 @@ fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         }
         Op::LayerNorm(ln) => {
             let x = c.ld(0, "row * C + j");
-            let _ = writeln!(b, "        float sum = 0.0f;");
-            let _ = writeln!(
-                b,
-                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += {x};"
-            );
-            let _ = writeln!(b, "        const float mean = fs_block_sum(sum) / (float)C;\n        float sq = 0.0f;");
-            let _ = writeln!(b, "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{ const float d = {x} - mean; sq += d * d; }}");
-            let _ = writeln!(
-                b,
-                "        const float rstd = rsqrtf(fs_block_sum(sq) / (float)C + {});",
-                float_lit(ln.eps)
-            );
+            stats(b, &x, &float_lit(ln.eps));
             let v = format!("({x} - mean) * rstd * {} + {}", c.ld(1, "j"), c.ld(2, "j"));
             let _ = writeln!(
                 b,
@@ -269,14 +262,7 @@ fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         Op::CrossEntropyGrad(_) => {
             // (softmax(logits) - onehot(target)) * dloss / rows
             let x = c.ld(0, "row * C + j");
-            let _ = writeln!(b, "        float m = {NEG_INF};");
-            let _ = writeln!(
-                b,
-                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) m = fmaxf(m, {x});"
-            );
-            let _ = writeln!(b, "        m = fs_block_max(m);\n        float sum = 0.0f;");
-            let _ = writeln!(b, "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += expf({x} - m);");
-            let _ = writeln!(b, "        sum = fs_block_sum(sum);");
+            max_sumexp(b, &x, "        ");
             let _ = writeln!(b, "        const fs_i64 target = in1[row];\n        const float scale = {} / (float)rows;", c.ld(2, "0"));
             let v = format!("(expf({x} - m) / sum - (j == target ? 1.0f : 0.0f)) * scale");
             let _ = writeln!(
@@ -634,15 +620,7 @@ fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 "        float total = 0.0f;
         for (fs_i64 row = 0; row < rows; ++row) {{"
             );
-            let _ = writeln!(b, "            float m = {NEG_INF};");
-            let _ = writeln!(b, "            for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) m = fmaxf(m, {x});");
-            let _ = writeln!(
-                b,
-                "            m = fs_block_max(m);
-            float sum = 0.0f;"
-            );
-            let _ = writeln!(b, "            for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += expf({x} - m);");
-            let _ = writeln!(b, "            sum = fs_block_sum(sum);");
+            max_sumexp(b, &x, "            ");
             let _ = writeln!(b, "            const fs_i64 t = in1[row];");
             let picked = c.ld(0, "row * C + t");
             let _ = writeln!(b, "            total += (t >= 0 && t < C) ? m + logf(sum) - {picked} : __int_as_float(0x7fc00000);
