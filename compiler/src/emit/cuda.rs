@@ -134,7 +134,7 @@ pub fn emit_program(g: &Graph, p: &Program, source: Option<&str>) -> Vec<(String
             Body::Op(n) => {
                 super::templates::op_kernel(g, p, k, *n, source).map(|text| (k.name.clone(), text))
             }
-            Body::Group(members) => super::templates::group_kernel(g, p, k, members, source)
+            Body::Group(members) => super::group::group_kernel(g, p, k, members, source)
                 .map(|text| (k.name.clone(), text)),
         })
         .collect()

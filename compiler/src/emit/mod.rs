@@ -1,5 +1,6 @@
 //! Emission: kernels of the kernel IR become CUDA C source.
 pub mod cuda;
+pub mod group;
 pub mod templates;
 
 /// The shared device functions every generated kernel includes.

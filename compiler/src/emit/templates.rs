@@ -31,11 +31,11 @@ pub enum Shape {
 
 /// The op's inputs and outputs as kernel parameters: `ins[i]` is the kernel
 /// input slot of the op's input `i` (the identity for a one-op kernel).
-struct Ctx<'a> {
-    p: &'a Program,
-    k: &'a Kernel,
-    ins: Vec<usize>,
-    outs: Vec<usize>,
+pub(crate) struct Ctx<'a> {
+    pub(crate) p: &'a Program,
+    pub(crate) k: &'a Kernel,
+    pub(crate) ins: Vec<usize>,
+    pub(crate) outs: Vec<usize>,
 }
 
 impl Ctx<'_> {
@@ -172,33 +172,8 @@ pub fn op_kernel(
     Some(s)
 }
 
-/// One kernel running several independent ops of one kind (every
-/// parameter's optimizer update), each over its own elements in turn.
-pub fn group_kernel(
-    g: &Graph,
-    p: &Program,
-    k: &Kernel,
-    members: &[crate::kernel::Member],
-    source: Option<&str>,
-) -> Option<String> {
-    let mut s = header(g, p, k, source);
-    for m in members {
-        let c = Ctx {
-            p,
-            k,
-            ins: m.inputs.clone(),
-            outs: m.outputs.clone(),
-        };
-        s.push_str("  {\n");
-        s.push_str(&op_loop(g, &c, m.node)?);
-        s.push_str("  }\n");
-    }
-    s.push_str("}\n");
-    Some(s)
-}
-
 /// The loop (rows or elements) and body of one op, closed.
-fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let shape = shape_of(g, n)?;
     let ins = g.inputs(n);
     let in_shape = |i: usize| g.ty(ins[i]).shape.clone();
