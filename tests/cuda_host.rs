@@ -10,7 +10,7 @@
 
 mod common;
 
-use fusec_compiler::emit::cuda::emit_program;
+use fusec_compiler::emit::cuda::{c_type, emit_program};
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::Precision;
@@ -20,49 +20,6 @@ use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::kernel::Program;
 use std::fmt::Write;
 use std::process::Command;
-
-fn to_bytes(dt: DType, data: &[f64]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(data.len() * 4);
-    for &x in data {
-        match dt {
-            DType::F32 => out.extend((x as f32).to_le_bytes()),
-            DType::I32 => out.extend((x as i32).to_le_bytes()),
-            DType::BF16 => out.extend(half::bf16::from_f64(x).to_bits().to_le_bytes()),
-            DType::F16 => out.extend(half::f16::from_f64(x).to_bits().to_le_bytes()),
-        }
-    }
-    out
-}
-
-fn from_bytes(dt: DType, b: &[u8]) -> Vec<f64> {
-    match dt {
-        DType::F32 => b
-            .chunks(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-            .collect(),
-        DType::I32 => b
-            .chunks(4)
-            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f64)
-            .collect(),
-        DType::BF16 => b
-            .chunks(2)
-            .map(|c| half::bf16::from_bits(u16::from_le_bytes(c.try_into().unwrap())).to_f64())
-            .collect(),
-        DType::F16 => b
-            .chunks(2)
-            .map(|c| half::f16::from_bits(u16::from_le_bytes(c.try_into().unwrap())).to_f64())
-            .collect(),
-    }
-}
-
-fn c_type(dt: DType) -> &'static str {
-    match dt {
-        DType::F32 => "float",
-        DType::BF16 => "fs_bf16",
-        DType::F16 => "fs_f16",
-        DType::I32 => "int",
-    }
-}
 
 /// One C++ program holding every pointwise kernel and a `main` that runs
 /// the one named on its command line on files in a folder.
@@ -186,7 +143,11 @@ fn generated_kernels_compute_what_the_interpreter_computes() {
             std::fs::create_dir_all(&dir).unwrap();
             for (slot, &b) in k.inputs.iter().enumerate() {
                 let dt = program.buffers[b].ty.dtype;
-                std::fs::write(dir.join(format!("in{slot}")), to_bytes(dt, &bufs[b].data)).unwrap();
+                std::fs::write(
+                    dir.join(format!("in{slot}")),
+                    common::to_bytes(dt, &bufs[b].data),
+                )
+                .unwrap();
             }
             let run = Command::new(&exe)
                 .arg(&k.name)
@@ -202,7 +163,8 @@ fn generated_kernels_compute_what_the_interpreter_computes() {
             );
             for (slot, &b) in k.outputs.iter().enumerate() {
                 let dt = program.buffers[b].ty.dtype;
-                let got = from_bytes(dt, &std::fs::read(dir.join(format!("out{slot}"))).unwrap());
+                let got =
+                    common::from_bytes(dt, &std::fs::read(dir.join(format!("out{slot}"))).unwrap());
                 let want = &bufs[b].data;
                 assert_eq!(got.len(), want.len(), "{file} {}", k.name);
                 let tol = if matches!(dt, DType::BF16 | DType::F16) {

@@ -244,3 +244,37 @@ fn the_convention_is_stated_at_the_top() {
         );
     }
 }
+
+/// A ```` ```text ```` block that starts with `$ fusec check ...` or
+/// `$ fusec passes` shows that command's output, exactly: the test runs it.
+#[test]
+fn command_transcripts_match_the_binary() {
+    let text = doc();
+    let mut checked = 0;
+    for f in fences(&text).into_iter().filter(|f| f.info == "text") {
+        let Some((first, expected)) = f.body.split_once('\n') else {
+            continue;
+        };
+        let Some(cmd) = first.strip_prefix("$ fusec ") else {
+            continue;
+        };
+        let args: Vec<&str> = cmd.split_whitespace().collect();
+        if !matches!(args.first(), Some(&"check") | Some(&"passes")) {
+            continue;
+        }
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"))
+            .args(&args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .expect("fusec runs");
+        let got = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            got.trim_end(),
+            expected.trim_end(),
+            "{DOC}:{}: the transcript of `fusec {cmd}` differs from what the command prints",
+            f.line
+        );
+        checked += 1;
+    }
+    assert!(checked > 0, "no command transcript found in {DOC}");
+}

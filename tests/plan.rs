@@ -88,37 +88,17 @@ fn a_step_run_inside_the_planned_arena_gives_the_same_outputs() {
     use fusec_compiler::kernel::BufKind;
     use fusec_compiler::ops::Op;
 
+    // A buffer's values, stored at its offset in the arena.
     fn put(arena: &mut [u8], at: usize, dt: DType, data: &[f64]) {
-        let w = dt.size_bytes();
-        for (i, &x) in data.iter().enumerate() {
-            let b = &mut arena[at + i * w..at + (i + 1) * w];
-            match dt {
-                DType::F32 => b.copy_from_slice(&(x as f32).to_le_bytes()),
-                DType::I32 => b.copy_from_slice(&(x as i32).to_le_bytes()),
-                DType::BF16 => b.copy_from_slice(&half::bf16::from_f64(x).to_bits().to_le_bytes()),
-                DType::F16 => b.copy_from_slice(&half::f16::from_f64(x).to_bits().to_le_bytes()),
-            }
-        }
+        let bytes = common::to_bytes(dt, data);
+        arena[at..at + bytes.len()].copy_from_slice(&bytes);
     }
     fn get(arena: &[u8], at: usize, dt: DType, shape: &[usize]) -> Tensor {
-        let w = dt.size_bytes();
         let n: usize = shape.iter().product();
-        let data = (0..n)
-            .map(|i| {
-                let b = &arena[at + i * w..at + (i + 1) * w];
-                match dt {
-                    DType::F32 => f32::from_le_bytes(b.try_into().unwrap()) as f64,
-                    DType::I32 => i32::from_le_bytes(b.try_into().unwrap()) as f64,
-                    DType::BF16 => {
-                        half::bf16::from_bits(u16::from_le_bytes(b.try_into().unwrap())).to_f64()
-                    }
-                    DType::F16 => {
-                        half::f16::from_bits(u16::from_le_bytes(b.try_into().unwrap())).to_f64()
-                    }
-                }
-            })
-            .collect();
-        Tensor::new(shape.to_vec(), data)
+        Tensor::new(
+            shape.to_vec(),
+            common::from_bytes(dt, &arena[at..at + n * dt.size_bytes()]),
+        )
     }
 
     for (file, sets, dims) in common::tiny_models() {

@@ -104,3 +104,33 @@ pub fn tiny_models() -> Vec<TinyModel> {
         ),
     ]
 }
+
+/// Values as the bytes a device buffer of `dt` holds (little-endian).
+pub fn to_bytes(dt: fusec_compiler::ir::DType, data: &[f64]) -> Vec<u8> {
+    use fusec_compiler::ir::DType;
+    let mut out = Vec::with_capacity(data.len() * dt.size_bytes());
+    for &x in data {
+        match dt {
+            DType::F32 => out.extend((x as f32).to_le_bytes()),
+            DType::I32 => out.extend((x as i32).to_le_bytes()),
+            DType::BF16 => out.extend(half::bf16::from_f64(x).to_bits().to_le_bytes()),
+            DType::F16 => out.extend(half::f16::from_f64(x).to_bits().to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// The inverse of `to_bytes`.
+pub fn from_bytes(dt: fusec_compiler::ir::DType, b: &[u8]) -> Vec<f64> {
+    use fusec_compiler::ir::DType;
+    b.chunks(dt.size_bytes())
+        .map(|c| match dt {
+            DType::F32 => f32::from_le_bytes(c.try_into().unwrap()) as f64,
+            DType::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f64,
+            DType::BF16 => {
+                half::bf16::from_bits(u16::from_le_bytes(c.try_into().unwrap())).to_f64()
+            }
+            DType::F16 => half::f16::from_bits(u16::from_le_bytes(c.try_into().unwrap())).to_f64(),
+        })
+        .collect()
+}

@@ -12,7 +12,8 @@ use crate::kernel::{Body, Kernel, PExpr, Pointwise, Program};
 use crate::ops::{BinaryKind, UnaryKind};
 use std::fmt::Write;
 
-pub(crate) fn c_type(dt: DType) -> &'static str {
+/// The C type a buffer of `dt` has in generated code.
+pub fn c_type(dt: DType) -> &'static str {
     match dt {
         DType::F32 => "float",
         DType::BF16 => "fs_bf16",

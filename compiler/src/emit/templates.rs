@@ -75,22 +75,42 @@ fn max_sumexp(b: &mut String, x: &str, indent: &str) {
     let _ = writeln!(b, "{indent}sum = fs_block_sum(sum);");
 }
 
-/// Mean and reciprocal standard deviation of row `r` into `mean`, `rstd`.
-fn stats(b: &mut String, x: &str, eps: &str) {
-    let _ = writeln!(b, "        float sum = 0.0f;");
+/// Mean and reciprocal standard deviation of one row into `mean`, `rstd`;
+/// `x` reads the row at loop variable `var`.
+fn stats(b: &mut String, x: &str, eps: &str, indent: &str, var: &str) {
+    let each = format!("for (fs_i64 {var} = threadIdx.x; {var} < C; {var} += blockDim.x)");
+    let _ = writeln!(b, "{indent}float sum = 0.0f;");
+    let _ = writeln!(b, "{indent}{each} sum += {x};");
     let _ = writeln!(
         b,
-        "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += {x};"
+        "{indent}const float mean = fs_block_sum(sum) / (float)C;"
+    );
+    let _ = writeln!(b, "{indent}float sq = 0.0f;");
+    let _ = writeln!(
+        b,
+        "{indent}{each} {{ const float d = {x} - mean; sq += d * d; }}"
     );
     let _ = writeln!(
         b,
-        "        const float mean = fs_block_sum(sum) / (float)C;\n        float sq = 0.0f;"
+        "{indent}const float rstd = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
     );
-    let _ = writeln!(b, "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{ const float d = {x} - mean; sq += d * d; }}");
+}
+
+/// Closes the row loop and opens the column-tile phase of a norm backward:
+/// each thread owns column `j` of the parameter gradients and walks every
+/// row `r` (deterministic: no atomics); `init` declares its accumulators.
+fn column_tiles(b: &mut String, init: &str) {
+    let _ = writeln!(b, "    }}");
     let _ = writeln!(
         b,
-        "        const float rstd = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
+        "    for (fs_i64 tile = blockIdx.x; tile * blockDim.x < C; tile += gridDim.x) {{"
     );
+    let _ = writeln!(
+        b,
+        "        const fs_i64 j = tile * blockDim.x + threadIdx.x;"
+    );
+    let _ = writeln!(b, "        {init}");
+    let _ = writeln!(b, "        for (fs_i64 r = 0; r < rows; ++r) {{");
 }
 
 fn rows_of_c(s: &[Dim]) -> String {
@@ -207,7 +227,7 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         }
         Op::LayerNorm(ln) => {
             let x = c.ld(0, "row * C + j");
-            stats(b, &x, &float_lit(ln.eps));
+            stats(b, &x, &float_lit(ln.eps), "        ", "j");
             let v = format!("({x} - mean) * rstd * {} + {}", c.ld(1, "j"), c.ld(2, "j"));
             let _ = writeln!(
                 b,
@@ -381,57 +401,28 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             );
         }
         Op::LayerNormGrad(ln) => {
-            // Rows: dx. Then column tiles of blockDim.x: each thread owns one
-            // column of dgamma and dbeta and walks every row, the block
-            // recomputing that row's statistics; no atomics, deterministic.
+            // Rows: dx. Then column tiles: dgamma and dbeta, each row's
+            // statistics recomputed by the block.
             let eps = float_lit(ln.eps);
             let x = c.ld(0, "r * C + j");
             let dy = c.ld(2, "r * C + j");
             let g = c.ld(1, "j");
             let _ = writeln!(b, "        const fs_i64 r = row;");
-            stats(b, &x, &eps);
+            stats(b, &x, &eps, "        ", "j");
             let _ = writeln!(b, "        float m1 = 0.0f, m2 = 0.0f;");
             let _ = writeln!(b, "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{ const float d = {dy} * {g}; m1 += d; m2 += d * ({x} - mean) * rstd; }}");
-            let _ = writeln!(
-                b,
-                "        m1 = fs_block_sum(m1) / (float)C;
-        m2 = fs_block_sum(m2) / (float)C;"
-            );
+            let _ = writeln!(b, "        m1 = fs_block_sum(m1) / (float)C;");
+            let _ = writeln!(b, "        m2 = fs_block_sum(m2) / (float)C;");
             let v = format!("rstd * ({dy} * {g} - m1 - ({x} - mean) * rstd * m2)");
             let _ = writeln!(
                 b,
                 "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
                 c.st(0, "r * C + j", &v)
             );
-            let _ = writeln!(b, "    }}");
-            let _ = writeln!(
-                b,
-                "    for (fs_i64 tile = blockIdx.x; tile * blockDim.x < C; tile += gridDim.x) {{"
-            );
-            let _ = writeln!(
-                b,
-                "        const fs_i64 j = tile * blockDim.x + threadIdx.x;
-        float dg = 0.0f, db = 0.0f;"
-            );
-            let _ = writeln!(b, "        for (fs_i64 r = 0; r < rows; ++r) {{");
-            let xj = c.ld(0, "r * C + jj");
-            let _ = writeln!(b, "            float sum = 0.0f;");
-            let _ = writeln!(
-                b,
-                "            for (fs_i64 jj = threadIdx.x; jj < C; jj += blockDim.x) sum += {xj};"
-            );
-            let _ = writeln!(
-                b,
-                "            const float mean = fs_block_sum(sum) / (float)C;
-            float sq = 0.0f;"
-            );
-            let _ = writeln!(b, "            for (fs_i64 jj = threadIdx.x; jj < C; jj += blockDim.x) {{ const float d = {xj} - mean; sq += d * d; }}");
-            let _ = writeln!(
-                b,
-                "            const float rstd = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
-            );
-            let _ = writeln!(b, "            if (j < C) {{ const float d = {dy}; dg += d * ({x} - mean) * rstd; db += d; }}
-        }}");
+            column_tiles(b, "float dg = 0.0f, db = 0.0f;");
+            stats(b, &c.ld(0, "r * C + jj"), &eps, "            ", "jj");
+            let _ = writeln!(b, "            if (j < C) {{ const float d = {dy}; dg += d * ({x} - mean) * rstd; db += d; }}");
+            let _ = writeln!(b, "        }}");
             let _ = writeln!(
                 b,
                 "        if (j < C) {{ {} {} }}",
@@ -444,34 +435,21 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             let x = c.ld(0, "r * C + j");
             let dy = c.ld(2, "r * C + j");
             let g = c.ld(1, "j");
-            let _ = writeln!(
-                b,
-                "        const fs_i64 r = row;
-        float sq = 0.0f, dot = 0.0f;"
-            );
+            let _ = writeln!(b, "        const fs_i64 r = row;");
+            let _ = writeln!(b, "        float sq = 0.0f, dot = 0.0f;");
             let _ = writeln!(b, "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{ const float v = {x}; sq += v * v; dot += {dy} * {g} * v; }}");
             let _ = writeln!(
                 b,
-                "        const float rs = rsqrtf(fs_block_sum(sq) / (float)C + {eps});
-        dot = fs_block_sum(dot) / (float)C;"
+                "        const float rs = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
             );
+            let _ = writeln!(b, "        dot = fs_block_sum(dot) / (float)C;");
             let v = format!("{dy} * {g} * rs - {x} * rs * rs * rs * dot");
             let _ = writeln!(
                 b,
                 "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
                 c.st(0, "r * C + j", &v)
             );
-            let _ = writeln!(b, "    }}");
-            let _ = writeln!(
-                b,
-                "    for (fs_i64 tile = blockIdx.x; tile * blockDim.x < C; tile += gridDim.x) {{"
-            );
-            let _ = writeln!(
-                b,
-                "        const fs_i64 j = tile * blockDim.x + threadIdx.x;
-        float dg = 0.0f;"
-            );
-            let _ = writeln!(b, "        for (fs_i64 r = 0; r < rows; ++r) {{");
+            column_tiles(b, "float dg = 0.0f;");
             let xj = c.ld(0, "r * C + jj");
             let _ = writeln!(b, "            float sq = 0.0f;");
             let _ = writeln!(b, "            for (fs_i64 jj = threadIdx.x; jj < C; jj += blockDim.x) sq += {xj} * {xj};");
@@ -479,11 +457,8 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 b,
                 "            const float rs = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
             );
-            let _ = writeln!(
-                b,
-                "            if (j < C) dg += {dy} * {x} * rs;
-        }}"
-            );
+            let _ = writeln!(b, "            if (j < C) dg += {dy} * {x} * rs;");
+            let _ = writeln!(b, "        }}");
             let _ = writeln!(b, "        if (j < C) {}", c.st(1, "j", "dg"));
         }
         Op::EmbeddingGrad(_) => {
