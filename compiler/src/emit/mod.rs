@@ -1,4 +1,6 @@
 //! Emission: kernels of the kernel IR become CUDA C source.
+pub mod attention;
+pub mod conv;
 pub mod cuda;
 pub mod group;
 pub mod templates;

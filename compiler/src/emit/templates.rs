@@ -168,7 +168,7 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
         Op::CrossEntropy(_) => Shape::Single,
-        _ => return None,
+        _ => return super::attention::shape_of(g, n).or_else(|| super::conv::shape_of(g, n)),
     })
 }
 
@@ -187,7 +187,15 @@ pub fn op_kernel(
         outs: (0..g.g[n].outputs.len()).collect(),
     };
     let mut s = header(g, p, k, source);
-    s.push_str(&op_loop(g, &c, n)?);
+    // Attention and convolution kernels have their own loop structure.
+    let body = match super::attention::kernel_body(g, &c, n) {
+        Some(b) => b,
+        None => match super::conv::kernel_body(g, &c, n) {
+            Some(b) => b,
+            None => op_loop(g, &c, n)?,
+        },
+    };
+    s.push_str(&body);
     s.push_str("}\n");
     Some(s)
 }

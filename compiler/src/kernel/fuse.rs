@@ -524,6 +524,13 @@ impl Fuser<'_> {
                 if matches!(self.g.g[n].op, Op::MatMul(_)) && is_transposed_matrix(&view) {
                     return (b, Some(view));
                 }
+                // Attention reads q, k, v, o and dO with any strides: heads
+                // straight out of the fused QKV projection, no copies.
+                if matches!(self.g.g[n].op, Op::Attention(_) | Op::AttentionGrad(_))
+                    && view.strides.last().is_some_and(|s| s.is_one())
+                {
+                    return (b, Some(view));
+                }
             }
         }
         (self.materialise(x, kernels), None)

@@ -71,30 +71,56 @@ impl View {
         }
     }
 
-    /// A reshape keeps a view affine when the view is contiguous (then the
-    /// new shape's row-major strides apply), or when it only adds or removes
-    /// axes of size 1. Otherwise the data must be copied first.
+    /// A reshape keeps a view affine when each run of old axes that the
+    /// new shape merges or splits is itself contiguous in memory (so heads
+    /// split out of a sliced QKV projection stay a view). Axes of size 1
+    /// are free. Otherwise the data must be copied first.
     pub fn reshape(&self, r: &Reshape) -> Option<View> {
         if self.is_contiguous() {
             return Some(View::contiguous(&r.shape));
         }
-        let kept_old: Vec<usize> = (0..self.shape.len())
+        let old: Vec<usize> = (0..self.shape.len())
             .filter(|&i| !self.shape[i].is_one())
             .collect();
-        let kept_new: Vec<usize> = (0..r.shape.len())
+        let new: Vec<usize> = (0..r.shape.len())
             .filter(|&i| !r.shape[i].is_one())
             .collect();
-        if kept_old.len() != kept_new.len()
-            || kept_old
-                .iter()
-                .zip(&kept_new)
-                .any(|(&a, &b)| self.shape[a] != r.shape[b])
-        {
-            return None;
-        }
         let mut strides = vec![Dim::constant(0); r.shape.len()];
-        for (&a, &b) in kept_old.iter().zip(&kept_new) {
-            strides[b] = self.strides[a].clone();
+        let (mut i, mut j) = (0, 0);
+        while i < old.len() && j < new.len() {
+            // Grow a group of old axes and a group of new axes until both
+            // hold the same number of elements.
+            let (i0, j0) = (i, j);
+            let mut po = self.shape[old[i]].clone();
+            let mut pn = r.shape[new[j]].clone();
+            while po != pn {
+                if pn.checked_div(&po).is_some() && i + 1 < old.len() {
+                    i += 1;
+                    po = po.checked_mul(&self.shape[old[i]])?;
+                } else if po.checked_div(&pn).is_some() && j + 1 < new.len() {
+                    j += 1;
+                    pn = pn.checked_mul(&r.shape[new[j]])?;
+                } else {
+                    return None;
+                }
+            }
+            // The old group must be one contiguous run of memory.
+            for a in i0..i {
+                let inner = self.strides[old[a + 1]].checked_mul(&self.shape[old[a + 1]])?;
+                if self.strides[old[a]] != inner {
+                    return None;
+                }
+            }
+            let mut st = self.strides[old[i]].clone();
+            for b in (j0..=j).rev() {
+                strides[new[b]] = st.clone();
+                st = st.checked_mul(&r.shape[new[b]])?;
+            }
+            i += 1;
+            j += 1;
+        }
+        if i != old.len() || j != new.len() {
+            return None;
         }
         Some(View {
             shape: r.shape.clone(),
@@ -150,5 +176,52 @@ mod tests {
             })
             .unwrap();
         assert_eq!(r.strides, vec![d(1), d(0), d(3)]);
+    }
+
+    #[test]
+    fn heads_split_out_of_a_sliced_projection_stay_a_view() {
+        // qkv [B=2, T=5, 3*C] with C = 8; k = qkv[..., 8:16] as [2, 5, H=2, D=4].
+        let qkv = View::contiguous(&[d(2), d(5), d(24)]);
+        let k = qkv
+            .slice(&Slice {
+                axis: 2,
+                start: d(8),
+                end: d(16),
+            })
+            .unwrap();
+        let h = k
+            .reshape(&Reshape {
+                shape: vec![d(2), d(5), d(2), d(4)],
+            })
+            .unwrap();
+        assert_eq!(h.strides, vec![d(120), d(24), d(4), d(1)]);
+        assert_eq!(h.offset, d(8));
+        // Batch and time merge (uniform stride); time and features do not.
+        let bt = k
+            .reshape(&Reshape {
+                shape: vec![d(10), d(8)],
+            })
+            .unwrap();
+        assert_eq!(bt.strides, vec![d(24), d(1)]);
+        assert!(k
+            .reshape(&Reshape {
+                shape: vec![d(2), d(40)]
+            })
+            .is_none());
+        // Merging the split axes back is.
+        let m = h
+            .reshape(&Reshape {
+                shape: vec![d(2), d(5), d(8)],
+            })
+            .unwrap();
+        assert_eq!(m, k);
+        // A transposed matrix cannot be flattened, but its axes can be split.
+        let t = View::contiguous(&[d(4), d(6)]).permute(&Permute { perm: vec![1, 0] });
+        let s = t
+            .reshape(&Reshape {
+                shape: vec![d(2), d(3), d(4)],
+            })
+            .unwrap();
+        assert_eq!(s.strides, vec![d(3), d(1), d(6)]);
     }
 }

@@ -6,7 +6,8 @@
 use super::{replace_uses, Pass};
 use crate::ir::graph::Node;
 use crate::ir::{Graph, Value};
-use crate::ops::{BinaryKind, Op, Permute, Reshape, UnaryKind};
+use crate::ops::{BinaryKind, Concat, Op, Permute, Reshape, UnaryKind};
+use petgraph::stable_graph::NodeIndex;
 
 pub struct Simplify;
 
@@ -21,13 +22,72 @@ fn constant(g: &Graph, v: Value) -> Option<f64> {
     }
 }
 
-/// What a node can be replaced by: an existing value, or a new op on one.
+/// What a node can be replaced by: an existing value, or a new op on
+/// existing values.
 enum Rewrite {
     Value(Value),
-    Op(Op, Value),
+    Op(Op, Vec<Value>),
 }
 
-fn rule(g: &Graph, node: &Node, ins: &[Value]) -> Option<Rewrite> {
+/// The leaves of a tree of adds.
+fn add_leaves(g: &Graph, v: Value, out: &mut Vec<Value>) {
+    match &g.g[v.node].op {
+        Op::Binary(b)
+            if b.kind == BinaryKind::Add
+                && g.ty(v) == g.ty(g.inputs(v.node)[0])
+                && g.ty(v) == g.ty(g.inputs(v.node)[1]) =>
+        {
+            for x in g.inputs(v.node) {
+                add_leaves(g, x, out);
+            }
+        }
+        _ => out.push(v),
+    }
+}
+
+/// A sum of slice gradients that tile their axis exactly (the gradient of
+/// `split`) is the concatenation of the pieces: no zero-filled full-size
+/// tensors, one kernel instead of one per piece plus the adds.
+fn slice_grads_to_concat(g: &Graph, root: Value) -> Option<Rewrite> {
+    let mut leaves = Vec::new();
+    add_leaves(g, root, &mut leaves);
+    if leaves.len() < 2 {
+        return None;
+    }
+    let mut pieces = Vec::new();
+    for l in &leaves {
+        match &g.g[l.node].op {
+            Op::SliceGrad(sg) => pieces.push((sg.clone(), g.inputs(l.node)[0])),
+            _ => return None,
+        }
+    }
+    let (axis, full) = (pieces[0].0.axis, pieces[0].0.full.clone());
+    // Order by start; starts must be constants to sort.
+    let mut keyed = Vec::new();
+    for (sg, x) in pieces {
+        if sg.axis != axis || sg.full != full {
+            return None;
+        }
+        keyed.push((sg.start.as_const()?, sg.start, x));
+    }
+    keyed.sort_by_key(|k| k.0);
+    let mut at = crate::ir::Dim::constant(0);
+    for (_, start, x) in &keyed {
+        if *start != at {
+            return None;
+        }
+        at = at.checked_add(&g.ty(*x).shape[axis])?;
+    }
+    if at != full {
+        return None;
+    }
+    Some(Rewrite::Op(
+        Concat { axis }.into(),
+        keyed.into_iter().map(|k| k.2).collect(),
+    ))
+}
+
+fn rule(g: &Graph, n: NodeIndex, node: &Node, ins: &[Value]) -> Option<Rewrite> {
     let out = &node.outputs[0];
     let same = |v: Value| g.ty(v) == out;
     match &node.op {
@@ -42,7 +102,7 @@ fn rule(g: &Graph, node: &Node, ins: &[Value]) -> Option<Rewrite> {
                         shape: r.shape.clone(),
                     }
                     .into(),
-                    inner,
+                    vec![inner],
                 ))
             }
             _ => None,
@@ -58,7 +118,7 @@ fn rule(g: &Graph, node: &Node, ins: &[Value]) -> Option<Rewrite> {
                     if perm.iter().enumerate().all(|(i, &a)| i == a) {
                         Some(Rewrite::Value(inner))
                     } else {
-                        Some(Rewrite::Op(Permute { perm }.into(), inner))
+                        Some(Rewrite::Op(Permute { perm }.into(), vec![inner]))
                     }
                 }
                 _ => None,
@@ -71,6 +131,11 @@ fn rule(g: &Graph, node: &Node, ins: &[Value]) -> Option<Rewrite> {
             _ => None,
         },
         Op::Binary(b) => {
+            if b.kind == BinaryKind::Add {
+                if let Some(r) = slice_grads_to_concat(g, Value { node: n, port: 0 }) {
+                    return Some(r);
+                }
+            }
             let (x, y) = (ins[0], ins[1]);
             let (cx, cy) = (constant(g, x), constant(g, y));
             let keep = |v: Value| same(v).then_some(Rewrite::Value(v));
@@ -93,7 +158,7 @@ impl Pass for Simplify {
         "simplify"
     }
     fn about(&self) -> &'static str {
-        "algebraic simplification: x*1, x+0, reshape of reshape, permute of permute, no-op casts"
+        "algebraic simplification: x*1, x+0, reshape of reshape, permute of permute, no-op casts, sums of slice gradients as concat"
     }
     fn run(&self, g: &mut Graph) -> usize {
         let mut total = 0;
@@ -109,12 +174,12 @@ impl Pass for Simplify {
                 }
                 let ins = g.inputs(n);
                 let node = g.g[n].clone();
-                let Some(rw) = rule(g, &node, &ins) else {
+                let Some(rw) = rule(g, n, &node, &ins) else {
                     continue;
                 };
                 let to = match rw {
                     Rewrite::Value(v) => v,
-                    Rewrite::Op(op, input) => match g.add(op, &[input], node.span, node.phase) {
+                    Rewrite::Op(op, inputs) => match g.add(op, &inputs, node.span, node.phase) {
                         Ok(v) => v[0],
                         Err(_) => continue,
                     },
