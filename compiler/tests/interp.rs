@@ -110,10 +110,13 @@ fn slices_past_the_end_at_run_time_are_errors() {
     );
 }
 
+/// A model file, its `--set` overrides and its dimension sizes.
+type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a [(&'a str, i64)]);
+
 /// Ten steps of each small model on one fixed batch: the loss must fall.
 #[test]
 fn training_steps_reduce_the_loss() {
-    let cases: &[(&str, &[(&str, &str)], &[(&str, i64)])] = &[
+    let cases: &[Case] = &[
         (
             "mlp.dsl",
             &[("d_in", "6"), ("d_hidden", "16"), ("classes", "5")],

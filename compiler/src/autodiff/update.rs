@@ -5,12 +5,15 @@
 use crate::ir::graph::{Graph, Phase, Role, Value};
 use crate::ir::types::{DType, TensorType};
 use crate::model::{Optimizer, TrainConfig};
-use crate::ops::{AdamW, Builder, ClipCoef, Input, OpError, Sgd, State, UnaryKind};
+use crate::ops::{AdamW, Builder, ClipCoef, Input, OpError, Sgd, State, SumSquares, UnaryKind};
 
 /// The learning rate and the step number (from 1) enter the update as
 /// inputs with these names, which no model file can spell.
 pub const LR_INPUT: &str = "update.lr";
 pub const STEP_INPUT: &str = "update.step";
+
+/// Elements per block of the global-norm reduction.
+const SUM_SQUARES_CHUNK: i64 = 65536;
 
 pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let grads: Vec<(usize, Value)> = g
@@ -48,7 +51,18 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let mut scale: Option<Value> = None;
     if let Some(max_norm) = train.clip_grad_norm {
         let mut sumsq: Option<Value> = None;
-        for &(_, gv) in &grads {
+        let gvs: Vec<Value> = grads.iter().map(|&(_, gv)| gv).collect();
+        let tys: Vec<TensorType> = gvs.iter().map(|&v| b.ty(v).clone()).collect();
+        let multi = SumSquares {
+            chunk: SUM_SQUARES_CHUNK,
+        };
+        if !gvs.is_empty() && multi.chunks(&tys).is_some() {
+            let partials = b.op1(multi, &gvs)?;
+            sumsq = Some(b.sum(partials, vec![0], false)?);
+        }
+        // Tensors of symbolic size: one square-and-sum per gradient.
+        let per_tensor = if sumsq.is_none() { &grads[..] } else { &[] };
+        for &(_, gv) in per_tensor {
             let sq = b.mul(gv, gv)?;
             let rank = b.ty(sq).rank();
             let s = b.sum(sq, (0..rank).collect(), false)?;

@@ -606,5 +606,13 @@ fn conv2d(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
 fn cross_entropy(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let logits = a.tensor(&e.graph, 0, "logits")?;
     let targets = a.tensor(&e.graph, 1, "targets")?;
-    Ok(t(add1(e, CrossEntropy, &[logits, targets], a.span)?))
+    // Per-row losses (one block per row on the GPU), then their mean.
+    let rows = add1(e, CrossEntropy, &[logits, targets], a.span)?;
+    let rank = e.graph.ty(rows).rank();
+    let mean = Reduce {
+        kind: ReduceKind::Mean,
+        axes: (0..rank).collect(),
+        keepdim: false,
+    };
+    Ok(t(add1(e, mean, &[(rows, a.span)], a.span)?))
 }

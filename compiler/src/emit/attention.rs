@@ -1,16 +1,487 @@
-//! CUDA C for attention forward and backward.
+//! CUDA C for attention forward and backward: the simple, exact version
+//! (one block per query row, and per key row for the backward), which never
+//! stores a score matrix. A tensor-core FlashAttention replaces it later.
+//!
+//! Both kernels stream over keys (or queries) in chunks of `blockDim.x`:
+//! each thread scores one entry of the chunk, the chunk's weights go to
+//! shared memory, then every thread accumulates the output features it
+//! owns. Accumulators live in registers, `FEATS` features per thread per
+//! pass; a head wider than `FEATS * blockDim.x` takes more passes (each
+//! recomputes the scores), so any head size works with any block size,
+//! including the host shim's single thread.
 
-use super::templates::{Ctx, Shape};
-use crate::ir::Graph;
+use super::cuda::{float_lit, load, store};
+use super::templates::{Ctx, Shape, BLOCK};
+use crate::ir::types::DType;
+use crate::ir::{Dim, Graph};
+use crate::kernel::view::contiguous_strides;
+use crate::ops::Op;
 use petgraph::stable_graph::NodeIndex;
+use std::fmt::Write;
+
+/// Output features each thread accumulates per pass (a register array).
+const FEATS: usize = 4;
+
+const NEG_INF: &str = "(-__int_as_float(0x7f800000))";
+
+/// How a kernel addresses one of its tensors: the buffer it reads or writes
+/// and the strides and offset of the op's view of it. Inputs may be strided
+/// views (heads sliced out of a fused QKV projection); outputs are
+/// contiguous.
+pub(crate) struct Access {
+    ptr: String,
+    dt: DType,
+    strides: Vec<Dim>,
+    offset: Dim,
+}
+
+impl Access {
+    /// Op input `i`, through its view when the kernel has one.
+    pub(crate) fn input(g: &Graph, c: &Ctx, n: NodeIndex, i: usize) -> Access {
+        let slot = c.ins[i];
+        let dt = c.p.buffers[c.k.inputs[slot]].ty.dtype;
+        let ptr = format!("in{slot}");
+        match c.k.input_views.get(slot).and_then(|v| v.as_ref()) {
+            Some(v) => Access {
+                ptr,
+                dt,
+                strides: v.strides.clone(),
+                offset: v.offset.clone(),
+            },
+            None => Access {
+                ptr,
+                dt,
+                strides: contiguous_strides(&g.ty(g.inputs(n)[i]).shape),
+                offset: Dim::constant(0),
+            },
+        }
+    }
+
+    /// Op output `o`, row-major.
+    pub(crate) fn output(g: &Graph, c: &Ctx, n: NodeIndex, o: usize) -> Access {
+        let slot = c.outs[o];
+        Access {
+            ptr: format!("out{slot}"),
+            dt: c.p.buffers[c.k.outputs[slot]].ty.dtype,
+            strides: contiguous_strides(&g.g[n].outputs[o].shape),
+            offset: Dim::constant(0),
+        }
+    }
+
+    /// The C offset of the element at `coords` (one C expression per axis;
+    /// `"0"` drops the axis).
+    pub(crate) fn at(&self, coords: &[&str]) -> String {
+        let mut terms = Vec::new();
+        if self.offset.as_const() != Some(0) {
+            terms.push(self.offset.to_c());
+        }
+        for (x, s) in coords.iter().zip(&self.strides) {
+            if *x == "0" || s.as_const() == Some(0) {
+                continue;
+            }
+            terms.push(if s.is_one() {
+                x.to_string()
+            } else {
+                format!("{x} * {}", s.to_c())
+            });
+        }
+        if terms.is_empty() {
+            "0".into()
+        } else {
+            terms.join(" + ")
+        }
+    }
+
+    /// The stride of `axis` as C.
+    pub(crate) fn stride(&self, axis: usize) -> String {
+        self.strides[axis].to_c()
+    }
+
+    /// The element at `row + d` (a row base plus an index on the last axis)
+    /// as a float.
+    fn elem(&self, row: &str, d: &str) -> String {
+        let last = self.strides.len() - 1;
+        let idx = self.at_last(row, d, last);
+        self.load(&idx)
+    }
+
+    fn at_last(&self, row: &str, d: &str, last: usize) -> String {
+        if self.strides[last].is_one() {
+            format!("{row} + {d}")
+        } else {
+            format!("{row} + {d} * {}", self.stride(last))
+        }
+    }
+
+    /// Loads `ptr[idx]` as a float.
+    pub(crate) fn load(&self, idx: &str) -> String {
+        load(self.dt, &format!("{}[{idx}]", self.ptr))
+    }
+
+    /// Stores the float `v` at `ptr[idx]`.
+    pub(crate) fn store(&self, idx: &str, v: &str) -> String {
+        format!("{}[{idx}] = {};", self.ptr, store(self.dt, v))
+    }
+}
+
+fn product(ds: &[&Dim]) -> Dim {
+    ds.iter()
+        .try_fold(Dim::constant(1), |a, d| a.checked_mul(d))
+        .unwrap_or_default()
+}
+
+/// Sizes of one attention op: q [B, T, Hq, D], k [B, S, Hkv, D],
+/// v [B, S, Hkv, Dv].
+struct Sizes {
+    b: Dim,
+    t: Dim,
+    s: Dim,
+    hq: Dim,
+    hkv: Dim,
+    d: Dim,
+    dv: Dim,
+}
+
+fn sizes(g: &Graph, n: NodeIndex) -> Option<(Sizes, bool, f64)> {
+    let (causal, scale) = match &g.g[n].op {
+        Op::Attention(a) => (a.causal, a.scale),
+        Op::AttentionGrad(a) => (a.causal, a.scale),
+        _ => return None,
+    };
+    let ins = g.inputs(n);
+    let (q, k, v) = (
+        &g.ty(ins[0]).shape,
+        &g.ty(ins[1]).shape,
+        &g.ty(ins[2]).shape,
+    );
+    let s = Sizes {
+        b: q[0].clone(),
+        t: q[1].clone(),
+        s: k[1].clone(),
+        hq: q[2].clone(),
+        hkv: k[2].clone(),
+        d: q[3].clone(),
+        dv: v[3].clone(),
+    };
+    Some((s, causal, scale))
+}
 
 /// Launch shape of an attention kernel; `None` for other ops.
-pub fn shape_of(_g: &Graph, _n: NodeIndex) -> Option<Shape> {
-    None
+pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
+    let (s, _, _) = sizes(g, n)?;
+    let q_rows = product(&[&s.b, &s.hq, &s.t]);
+    Some(Shape::Rows(match &g.g[n].op {
+        Op::Attention(_) => q_rows,
+        // Query rows (dq), then key rows (dk, dv).
+        _ => q_rows.checked_add(&product(&[&s.b, &s.hkv, &s.s]))?,
+    }))
 }
 
 /// The kernel body (everything after the signature, before the closing
 /// brace); `None` for other ops.
-pub(crate) fn kernel_body(_g: &Graph, _c: &Ctx, _n: NodeIndex) -> Option<String> {
-    None
+pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+    let (s, causal, scale) = sizes(g, n)?;
+    let Shape::Rows(rows) = shape_of(g, n)? else {
+        return None;
+    };
+    let group = s.hq.as_const()? / s.hkv.as_const().filter(|&h| h > 0)?;
+    let forward_op = matches!(g.g[n].op, Op::Attention(_));
+    let mut b = String::from(if forward_op { FORWARD } else { BACKWARD });
+    let _ = writeln!(
+        b,
+        "    const fs_i64 q_len = {}, kv_len = {}, q_heads = {}, kv_heads = {}, group = {group};",
+        s.t.to_c(),
+        s.s.to_c(),
+        s.hq.to_c(),
+        s.hkv.to_c()
+    );
+    let _ = writeln!(
+        b,
+        "    const fs_i64 head_dim = {}, v_dim = {}, rows = {};",
+        s.d.to_c(),
+        s.dv.to_c(),
+        rows.to_c()
+    );
+    let _ = writeln!(b, "    const float scale = {};", float_lit(scale));
+    let _ = writeln!(
+        b,
+        "    const bool causal = {causal};  // keys j > query i are masked"
+    );
+    if forward_op {
+        forward(&mut b, g, c, n);
+    } else {
+        backward(&mut b, g, c, n, &s);
+    }
+    Some(b)
+}
+
+const FORWARD: &str = "    \
+    // Attention forward: one block per (batch, query head, query row).
+    // Keys stream by in chunks of blockDim with an online softmax (running
+    // max and sum, accumulators rescaled when the max grows), so no score
+    // matrix is stored; lse = max + log(sum) is kept for the backward.
+";
+
+const BACKWARD: &str = "    \
+    // Attention backward, deterministic (no atomics). Rows below q_rows are
+    // query rows (b, h, i) writing dq_i = scale * sum_j p_ij (dp_ij - D_i) k_j;
+    // the rest are key rows (b, kv head, j) writing dv_j = sum p_ij dO_i and
+    // dk_j = scale * sum p_ij (dp_ij - D_i) q_i over the query heads of the
+    // group. p_ij = exp(scale q_i.k_j - lse_i), dp_ij = dO_i.v_j, D_i = dO_i.O_i.
+";
+
+/// One register accumulator per owned feature: `for r` over the `FEATS`
+/// features `d = d0 + threadIdx.x + r * blockDim.x` of this pass.
+fn each_feat(body: &str, indent: &str) -> String {
+    format!(
+        "{indent}#pragma unroll\n{indent}for (int r = 0; r < {FEATS}; ++r) {{\n\
+         {indent}    const fs_i64 d = d0 + threadIdx.x + (fs_i64)r * blockDim.x;\n\
+         {body}{indent}}}\n"
+    )
+}
+
+fn zeros() -> String {
+    vec!["0.0f"; FEATS].join(", ")
+}
+
+fn forward(b: &mut String, g: &Graph, c: &Ctx, n: NodeIndex) {
+    let q = Access::input(g, c, n, 0);
+    let k = Access::input(g, c, n, 1);
+    let v = Access::input(g, c, n, 2);
+    let (out, lse) = (Access::output(g, c, n, 0), Access::output(g, c, n, 1));
+    let _ = writeln!(
+        b,
+        "    __shared__ float probs[{BLOCK}];\n\
+         \x20   for (fs_i64 row = blockIdx.x; row < rows; row += gridDim.x) {{\n\
+         \x20       // Rows in lse's order: (b, h, i).\n\
+         \x20       const fs_i64 i = row % q_len, h = (row / q_len) % q_heads, b = row / (q_len * q_heads);\n\
+         \x20       const fs_i64 q_row = {}, k_head = {}, v_head = {};\n\
+         \x20       // Causal: chunks past the diagonal are never visited.\n\
+         \x20       const fs_i64 keys = (causal && i + 1 < kv_len) ? i + 1 : kv_len;\n\
+         \x20       for (fs_i64 d0 = 0; d0 < v_dim; d0 += {FEATS} * (fs_i64)blockDim.x) {{\n\
+         \x20           float acc[{FEATS}] = {{{}}};\n\
+         \x20           float row_max = {NEG_INF}, row_sum = 0.0f;\n\
+         \x20           for (fs_i64 j0 = 0; j0 < keys; j0 += blockDim.x) {{\n\
+         \x20               const fs_i64 j = j0 + threadIdx.x;\n\
+         \x20               float score = {NEG_INF};\n\
+         \x20               if (j < keys) {{\n\
+         \x20                   const fs_i64 k_row = k_head + j * {};\n\
+         \x20                   float dot = 0.0f;\n\
+         \x20                   for (fs_i64 d = 0; d < head_dim; ++d) dot += {} * {};\n\
+         \x20                   score = dot * scale;\n\
+         \x20               }}\n\
+         \x20               // Every visited chunk holds a visible key: new_max is finite.\n\
+         \x20               const float new_max = fmaxf(row_max, fs_block_max(score));\n\
+         \x20               const float p = expf(score - new_max), rescale = expf(row_max - new_max);\n\
+         \x20               row_sum = row_sum * rescale + fs_block_sum(p);\n\
+         \x20               row_max = new_max;\n\
+         \x20               __syncthreads();  // the last chunk's readers are done with probs\n\
+         \x20               probs[threadIdx.x] = p;\n\
+         \x20               __syncthreads();\n\
+         \x20               const fs_i64 chunk = keys - j0 < blockDim.x ? keys - j0 : blockDim.x;\n\
+         \x20               #pragma unroll\n\
+         \x20               for (int r = 0; r < {FEATS}; ++r) acc[r] *= rescale;\n\
+         \x20               for (fs_i64 jj = 0; jj < chunk; ++jj) {{\n\
+         \x20                   const float pj = probs[jj];\n\
+         \x20                   const fs_i64 v_row = v_head + (j0 + jj) * {};\n\
+         {}\
+         \x20               }}\n\
+         \x20           }}\n\
+         \x20           // No visible key (kv_len = 0): output 0, lse -inf, no NaN.\n\
+         \x20           const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;\n\
+         \x20           const fs_i64 o_row = {};\n\
+         {}\
+         \x20           if (d0 == 0 && threadIdx.x == 0) {}\n\
+         \x20       }}\n\
+         \x20   }}",
+        q.at(&["b", "i", "h", "0"]),
+        k.at(&["b", "0", "(h / group)", "0"]),
+        v.at(&["b", "0", "(h / group)", "0"]),
+        zeros(),
+        k.stride(1),
+        q.elem("q_row", "d"),
+        k.elem("k_row", "d"),
+        v.stride(1),
+        each_feat(
+            &format!(
+                "                        if (d < v_dim) acc[r] += pj * {};\n",
+                v.elem("v_row", "d")
+            ),
+            "                    "
+        ),
+        out.at(&["b", "i", "h", "0"]),
+        each_feat(
+            &format!(
+                "                if (d < v_dim) {}\n",
+                out.store("o_row + d", "acc[r] * inv_sum")
+            ),
+            "            "
+        ),
+        lse.store(
+            &lse.at(&["b", "h", "i"]),
+            &format!("row_sum > 0.0f ? row_max + logf(row_sum) : {NEG_INF}")
+        ),
+    );
+}
+
+fn backward(b: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, s: &Sizes) {
+    let [q, k, v, o, lse, dout] = [0, 1, 2, 3, 4, 5].map(|i| Access::input(g, c, n, i));
+    let [dq, dk, dv] = [0, 1, 2].map(|i| Access::output(g, c, n, i));
+    let _ = writeln!(
+        b,
+        "    __shared__ float probs[{BLOCK}], dscores[{BLOCK}];\n\
+         \x20   const fs_i64 q_rows = {};\n\
+         \x20   for (fs_i64 row = blockIdx.x; row < rows; row += gridDim.x) {{\n\
+         \x20       if (row < q_rows) {{\n\
+         \x20           const fs_i64 i = row % q_len, h = (row / q_len) % q_heads, b = row / (q_len * q_heads);\n\
+         \x20           const fs_i64 q_row = {}, o_row = {}, do_row = {};\n\
+         \x20           const fs_i64 k_head = {}, v_head = {};\n\
+         \x20           float part = 0.0f;\n\
+         \x20           for (fs_i64 d = threadIdx.x; d < v_dim; d += blockDim.x) part += {} * {};\n\
+         \x20           const float delta = fs_block_sum(part);\n\
+         \x20           const float row_lse = {};\n\
+         \x20           const fs_i64 keys = (causal && i + 1 < kv_len) ? i + 1 : kv_len;\n\
+         \x20           for (fs_i64 d0 = 0; d0 < head_dim; d0 += {FEATS} * (fs_i64)blockDim.x) {{\n\
+         \x20               float acc[{FEATS}] = {{{}}};\n\
+         \x20               for (fs_i64 j0 = 0; j0 < keys; j0 += blockDim.x) {{\n\
+         \x20                   const fs_i64 j = j0 + threadIdx.x;\n\
+         \x20                   float ds = 0.0f;\n\
+         \x20                   if (j < keys) {{\n\
+         \x20                       const fs_i64 k_row = k_head + j * {}, v_row = v_head + j * {};\n\
+         \x20                       float qk = 0.0f, dp = 0.0f;\n\
+         \x20                       for (fs_i64 d = 0; d < head_dim; ++d) qk += {} * {};\n\
+         \x20                       for (fs_i64 d = 0; d < v_dim; ++d) dp += {} * {};\n\
+         \x20                       ds = expf(qk * scale - row_lse) * (dp - delta) * scale;\n\
+         \x20                   }}\n\
+         \x20                   __syncthreads();  // the last chunk's readers are done\n\
+         \x20                   dscores[threadIdx.x] = ds;\n\
+         \x20                   __syncthreads();\n\
+         \x20                   const fs_i64 chunk = keys - j0 < blockDim.x ? keys - j0 : blockDim.x;\n\
+         \x20                   for (fs_i64 jj = 0; jj < chunk; ++jj) {{\n\
+         \x20                       const float dsj = dscores[jj];\n\
+         \x20                       const fs_i64 k_row = k_head + (j0 + jj) * {};\n\
+         {}\
+         \x20                   }}\n\
+         \x20               }}\n\
+         \x20               const fs_i64 dq_row = {};\n\
+         {}\
+         \x20           }}\n\
+         \x20       }} else {{\n\
+         \x20           const fs_i64 key = row - q_rows;\n\
+         \x20           const fs_i64 j = key % kv_len, kv_h = (key / kv_len) % kv_heads, b = key / (kv_len * kv_heads);\n\
+         \x20           const fs_i64 k_row = {}, v_row = {};\n\
+         \x20           // Causal: queries before key j do not see it.\n\
+         \x20           const fs_i64 first = causal ? j : 0;\n\
+         \x20           // A key row owns head_dim features of dk and v_dim of dv.\n\
+         \x20           const fs_i64 feats = head_dim > v_dim ? head_dim : v_dim;\n\
+         \x20           for (fs_i64 d0 = 0; d0 < feats; d0 += {FEATS} * (fs_i64)blockDim.x) {{\n\
+         \x20               float dk[{FEATS}] = {{{}}}, dv[{FEATS}] = {{{}}};\n\
+         \x20               for (fs_i64 hh = 0; hh < group; ++hh) {{\n\
+         \x20                   const fs_i64 h = kv_h * group + hh;\n\
+         \x20                   const fs_i64 q_head = {}, o_head = {}, do_head = {};\n\
+         \x20                   for (fs_i64 i0 = first; i0 < q_len; i0 += blockDim.x) {{\n\
+         \x20                       const fs_i64 i = i0 + threadIdx.x;\n\
+         \x20                       float p = 0.0f, ds = 0.0f;\n\
+         \x20                       if (i < q_len) {{\n\
+         \x20                           const fs_i64 q_row = q_head + i * {}, o_row = o_head + i * {}, do_row = do_head + i * {};\n\
+         \x20                           float qk = 0.0f, dp = 0.0f, delta = 0.0f;\n\
+         \x20                           for (fs_i64 d = 0; d < head_dim; ++d) qk += {} * {};\n\
+         \x20                           for (fs_i64 d = 0; d < v_dim; ++d) {{\n\
+         \x20                               const float dout_d = {};\n\
+         \x20                               dp += dout_d * {};\n\
+         \x20                               delta += dout_d * {};\n\
+         \x20                           }}\n\
+         \x20                           p = expf(qk * scale - {});\n\
+         \x20                           ds = p * (dp - delta) * scale;\n\
+         \x20                       }}\n\
+         \x20                       __syncthreads();  // the last chunk's readers are done\n\
+         \x20                       probs[threadIdx.x] = p;\n\
+         \x20                       dscores[threadIdx.x] = ds;\n\
+         \x20                       __syncthreads();\n\
+         \x20                       const fs_i64 chunk = q_len - i0 < blockDim.x ? q_len - i0 : blockDim.x;\n\
+         \x20                       for (fs_i64 ii = 0; ii < chunk; ++ii) {{\n\
+         \x20                           const float p_i = probs[ii], ds_i = dscores[ii];\n\
+         \x20                           const fs_i64 q_row = q_head + (i0 + ii) * {}, do_row = do_head + (i0 + ii) * {};\n\
+         {}\
+         \x20                       }}\n\
+         \x20                   }}\n\
+         \x20               }}\n\
+         \x20               const fs_i64 dk_row = {}, dv_row = {};\n\
+         {}\
+         \x20           }}\n\
+         \x20       }}\n\
+         \x20   }}",
+        product(&[&s.b, &s.hq, &s.t]).to_c(),
+        // Query rows.
+        q.at(&["b", "i", "h", "0"]),
+        o.at(&["b", "i", "h", "0"]),
+        dout.at(&["b", "i", "h", "0"]),
+        k.at(&["b", "0", "(h / group)", "0"]),
+        v.at(&["b", "0", "(h / group)", "0"]),
+        dout.elem("do_row", "d"),
+        o.elem("o_row", "d"),
+        lse.load(&lse.at(&["b", "h", "i"])),
+        zeros(),
+        k.stride(1),
+        v.stride(1),
+        q.elem("q_row", "d"),
+        k.elem("k_row", "d"),
+        dout.elem("do_row", "d"),
+        v.elem("v_row", "d"),
+        k.stride(1),
+        each_feat(
+            &format!(
+                "                            if (d < head_dim) acc[r] += dsj * {};\n",
+                k.elem("k_row", "d")
+            ),
+            "                        "
+        ),
+        dq.at(&["b", "i", "h", "0"]),
+        each_feat(
+            &format!(
+                "                    if (d < head_dim) {}\n",
+                dq.store("dq_row + d", "acc[r]")
+            ),
+            "                "
+        ),
+        // Key rows.
+        k.at(&["b", "j", "kv_h", "0"]),
+        v.at(&["b", "j", "kv_h", "0"]),
+        zeros(),
+        zeros(),
+        q.at(&["b", "0", "h", "0"]),
+        o.at(&["b", "0", "h", "0"]),
+        dout.at(&["b", "0", "h", "0"]),
+        q.stride(1),
+        o.stride(1),
+        dout.stride(1),
+        q.elem("q_row", "d"),
+        k.elem("k_row", "d"),
+        dout.elem("do_row", "d"),
+        v.elem("v_row", "d"),
+        o.elem("o_row", "d"),
+        lse.load(&lse.at(&["b", "h", "i"])),
+        q.stride(1),
+        dout.stride(1),
+        each_feat(
+            &format!(
+                "                                if (d < v_dim) dv[r] += p_i * {};\n\
+                 \x20                               if (d < head_dim) dk[r] += ds_i * {};\n",
+                dout.elem("do_row", "d"),
+                q.elem("q_row", "d")
+            ),
+            "                            "
+        ),
+        dk.at(&["b", "j", "kv_h", "0"]),
+        dv.at(&["b", "j", "kv_h", "0"]),
+        each_feat(
+            &format!(
+                "                    if (d < head_dim) {}\n\
+                 \x20                   if (d < v_dim) {}\n",
+                dk.store("dk_row + d", "dk[r]"),
+                dv.store("dv_row + d", "dv[r]")
+            ),
+            "                "
+        ),
+    );
 }

@@ -137,6 +137,8 @@ pub fn emit_program(g: &Graph, p: &Program, source: Option<&str>) -> Vec<(String
             }
             Body::Group(members) => super::group::group_kernel(g, p, k, members, source)
                 .map(|text| (k.name.clone(), text)),
+            // cuBLASLt, with its epilogue.
+            Body::Gemm(..) => None,
         })
         .collect()
 }

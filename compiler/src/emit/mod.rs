@@ -3,6 +3,7 @@ pub mod attention;
 pub mod conv;
 pub mod cuda;
 pub mod group;
+pub mod multi;
 pub mod templates;
 
 /// The shared device functions every generated kernel includes.

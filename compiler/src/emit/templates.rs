@@ -39,16 +39,16 @@ pub(crate) struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn in_dt(&self, i: usize) -> DType {
+    pub(crate) fn in_dt(&self, i: usize) -> DType {
         self.p.buffers[self.k.inputs[self.ins[i]]].ty.dtype
     }
-    fn out_dt(&self, i: usize) -> DType {
+    pub(crate) fn out_dt(&self, i: usize) -> DType {
         self.p.buffers[self.k.outputs[self.outs[i]]].ty.dtype
     }
-    fn ld(&self, i: usize, idx: &str) -> String {
+    pub(crate) fn ld(&self, i: usize, idx: &str) -> String {
         load(self.in_dt(i), &format!("in{}[{idx}]", self.ins[i]))
     }
-    fn st(&self, o: usize, idx: &str, v: &str) -> String {
+    pub(crate) fn st(&self, o: usize, idx: &str, v: &str) -> String {
         format!("out{}[{idx}] = {};", self.outs[o], store(self.out_dt(o), v))
     }
 }
@@ -113,10 +113,6 @@ fn column_tiles(b: &mut String, init: &str) {
     let _ = writeln!(b, "        for (fs_i64 r = 0; r < rows; ++r) {{");
 }
 
-fn rows_of_c(s: &[Dim]) -> String {
-    numel(&s[..s.len().saturating_sub(1)]).to_c()
-}
-
 /// Most columns of an embedding gradient row kept in shared memory (48 KiB).
 const EMBED_SHARED: i64 = 12288;
 
@@ -146,6 +142,7 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
         Op::SoftmaxGrad(s) if s.axis + 1 == t(0).len() => Shape::Rows(rows_of(&t(0))),
         Op::LayerNorm(_)
         | Op::RmsNorm(_)
+        | Op::CrossEntropy(_)
         | Op::CrossEntropyGrad(_)
         | Op::LayerNormGrad(_)
         | Op::RmsNormGrad(_) => Shape::Rows(rows_of(&t(0))),
@@ -160,15 +157,18 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
         Op::Embedding(_) | Op::CausalMask(_) | Op::Rope(_) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
-        Op::AdamW(_) | Op::Sgd(_) => Shape::Elements(g.g[n].outputs[0].numel()),
+        Op::AdamW(_) | Op::Sgd(_) | Op::Cast(_) => Shape::Elements(g.g[n].outputs[0].numel()),
         Op::Reduce(r) if r.axes.iter().enumerate().all(|(i, &a)| i == a) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
         Op::SliceGrad(_) | Op::Concat(_) | Op::ClipCoef(_) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
-        Op::CrossEntropy(_) => Shape::Single,
-        _ => return super::attention::shape_of(g, n).or_else(|| super::conv::shape_of(g, n)),
+        _ => {
+            return super::attention::shape_of(g, n)
+                .or_else(|| super::conv::shape_of(g, n))
+                .or_else(|| super::multi::shape_of(g, n))
+        }
     })
 }
 
@@ -187,13 +187,14 @@ pub fn op_kernel(
         outs: (0..g.g[n].outputs.len()).collect(),
     };
     let mut s = header(g, p, k, source);
-    // Attention and convolution kernels have their own loop structure.
-    let body = match super::attention::kernel_body(g, &c, n) {
+    // Attention, convolution and multi-tensor kernels have their own loop
+    // structure.
+    let body = super::attention::kernel_body(g, &c, n)
+        .or_else(|| super::conv::kernel_body(g, &c, n))
+        .or_else(|| super::multi::kernel_body(g, &c, n));
+    let body = match body {
         Some(b) => b,
-        None => match super::conv::kernel_body(g, &c, n) {
-            Some(b) => b,
-            None => op_loop(g, &c, n)?,
-        },
+        None => op_loop(g, &c, n)?,
     };
     s.push_str(&body);
     s.push_str("}\n");
@@ -263,10 +264,14 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             );
         }
         Op::CrossEntropyGrad(_) => {
-            // (softmax(logits) - onehot(target)) * dloss / rows
+            // (softmax(logits) - onehot(target)) * dloss[row]
             let x = c.ld(0, "row * C + j");
             max_sumexp(b, &x, "        ");
-            let _ = writeln!(b, "        const fs_i64 target = in1[row];\n        const float scale = {} / (float)rows;", c.ld(2, "0"));
+            let _ = writeln!(
+                b,
+                "        const fs_i64 target = in1[row];\n        const float scale = {};",
+                c.ld(2, "row")
+            );
             let v = format!("(expf({x} - m) / sum - (j == target ? 1.0f : 0.0f)) * scale");
             let _ = writeln!(
                 b,
@@ -552,6 +557,11 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             }
             let _ = writeln!(b, "        {}", c.st(0, "i", "v"));
         }
+        // Casts run here only as members of a group kernel (the master
+        // weights to the compute dtype); elsewhere they fuse into chains.
+        Op::Cast(_) => {
+            let _ = writeln!(b, "        {}", c.st(0, "i", &c.ld(0, "i")));
+        }
         Op::ClipCoef(cc) => {
             let _ = writeln!(b, "        const float norm = sqrtf({});", c.ld(0, "0"));
             let _ = writeln!(
@@ -565,28 +575,21 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             );
         }
         Op::CrossEntropy(_) => {
-            // One block walks every row: the mean needs all of them.
+            // logsumexp(row) - row[target]; NaN for a target outside the row.
             let x = c.ld(0, "row * C + j");
-            let _ = writeln!(
-                b,
-                "        const fs_i64 rows = {}, C = {};",
-                rows_of_c(&in_shape(0)),
-                last(&in_shape(0)).to_c()
-            );
-            let _ = writeln!(
-                b,
-                "        float total = 0.0f;
-        for (fs_i64 row = 0; row < rows; ++row) {{"
-            );
-            max_sumexp(b, &x, "            ");
-            let _ = writeln!(b, "            const fs_i64 t = in1[row];");
+            max_sumexp(b, &x, "        ");
+            let _ = writeln!(b, "        const fs_i64 t = in1[row];");
             let picked = c.ld(0, "row * C + t");
-            let _ = writeln!(b, "            total += (t >= 0 && t < C) ? m + logf(sum) - {picked} : __int_as_float(0x7fc00000);
-        }}");
             let _ = writeln!(
                 b,
                 "        if (threadIdx.x == 0) {}",
-                c.st(0, "0", "total / (float)rows")
+                c.st(
+                    0,
+                    "row",
+                    &format!(
+                        "(t >= 0 && t < C) ? m + logf(sum) - {picked} : __int_as_float(0x7fc00000)"
+                    )
+                )
             );
         }
         _ => return None,

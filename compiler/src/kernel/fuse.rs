@@ -10,10 +10,12 @@
 //! other op is a kernel of its own.
 
 use super::view::View;
-use super::{Body, BufKind, Buffer, Kernel, Member, PExpr, Pointwise, Program};
+use super::{Body, BufKind, Buffer, Epilogue, Kernel, Member, PExpr, Pointwise, Program};
 use crate::ir::graph::Value;
+use crate::ir::types::DType;
 use crate::ir::Graph;
 use crate::ops::Op;
+use crate::ops::{BinaryKind, UnaryKind};
 use petgraph::stable_graph::NodeIndex;
 use std::collections::HashMap;
 
@@ -44,6 +46,21 @@ struct Fuser<'g> {
     buffers: Vec<Buffer>,
     buffer_of: HashMap<Value, usize>,
     outputs: std::collections::HashSet<Value>,
+    /// Op outputs stored straight into the buffer of the cast reading them.
+    cast_into: HashMap<Value, NodeIndex>,
+    /// Chains folded into the GEMM before them.
+    absorbed: std::collections::HashSet<usize>,
+}
+
+/// Pointwise chains a GEMM performs as it stores its product, as values.
+struct Fold {
+    bias: Option<Value>,
+    residual: Option<Value>,
+    gelu: bool,
+    dgelu: Option<Value>,
+    chains: Vec<usize>,
+    /// Values the GEMM kernel stores, in output-slot order.
+    outs: Vec<Value>,
 }
 
 impl<'g> Fuser<'g> {
@@ -86,9 +103,29 @@ impl<'g> Fuser<'g> {
             && self.g.ty(x).shape == self.g.g[n].outputs[0].shape
     }
 
+    /// A widening cast (bf16 gradient to its f32 buffer) that the op
+    /// kernel before it performs as it stores: the op computes in f32, so
+    /// the narrow value is never written.
+    fn absorbed_cast(&self, n: NodeIndex) -> Option<Value> {
+        let Op::Cast(c) = &self.g.g[n].op else {
+            return None;
+        };
+        let x = self.g.inputs(n)[0];
+        let absorbs = c.to == DType::F32
+            && self.class(x.node) == Class::Other
+            && !matches!(self.g.g[x.node].op, Op::AdamW(_) | Op::Sgd(_))
+            && self.g.users(x).len() == 1
+            && !self.outputs.contains(&x);
+        absorbs.then_some(x)
+    }
+
     fn form_chains(&mut self) {
         for n in self.g.topo_order() {
             if self.class(n) != Class::Pointwise {
+                continue;
+            }
+            if let Some(x) = self.absorbed_cast(n) {
+                self.cast_into.insert(x, n);
                 continue;
             }
             let mut joined = None;
@@ -343,6 +380,8 @@ pub fn fuse(g: &Graph) -> Program {
         buffers: Vec::new(),
         buffer_of: HashMap::new(),
         outputs: g.outputs.iter().map(|(_, v)| *v).collect(),
+        cast_into: HashMap::new(),
+        absorbed: Default::default(),
     };
     f.form_chains();
     let mut kernels = Vec::new();
@@ -374,10 +413,16 @@ pub fn fuse(g: &Graph) -> Program {
                 }
             }
             Class::Pointwise => {
+                if f.absorbed_cast(n).is_some() || f.absorbed.contains(&f.group[&n]) {
+                    continue;
+                }
                 let chain = f.chains[f.group[&n]].clone();
                 if chain.last() == Some(&n) {
                     f.chain_kernel(&chain, &mut kernels);
                 }
+            }
+            Class::Other if matches!(g.g[n].op, Op::MatMul(_)) && f.gemm_fold(n).is_some() => {
+                f.gemm_kernel(n, &mut kernels);
             }
             Class::Other => {
                 let mut ins = Vec::new();
@@ -387,12 +432,23 @@ pub fn fuse(g: &Graph) -> Program {
                     ins.push(b);
                     views.push(v);
                 }
+                let mut nodes = vec![n];
                 let outs: Vec<usize> = (0..g.g[n].outputs.len())
-                    .map(|port| f.store(Value { node: n, port }, BufKind::Temp))
+                    .map(|port| {
+                        let v = Value { node: n, port };
+                        match f.cast_into.get(&v) {
+                            Some(&c) => {
+                                nodes.push(c);
+                                f.store(Value { node: c, port: 0 }, BufKind::Temp)
+                            }
+                            None => f.store(v, BufKind::Temp),
+                        }
+                    })
                     .collect();
+                let names: Vec<&str> = nodes.iter().map(|&m| g.g[m].op.name()).collect();
                 kernels.push(Kernel {
-                    name: kernel_name(kernels.len(), &[g.g[n].op.name()]),
-                    nodes: vec![n],
+                    name: kernel_name(kernels.len(), &names),
+                    nodes,
                     inputs: ins,
                     outputs: outs,
                     input_views: views,
@@ -401,11 +457,64 @@ pub fn fuse(g: &Graph) -> Program {
             }
         }
     }
+    let kernels = group_param_casts(g, &f.buffers, kernels);
     let kernels = group_optimizer_updates(g, kernels);
     Program {
         buffers: f.buffers,
         kernels,
     }
+}
+
+/// The casts of the f32 master weights to the compute dtype, one kernel
+/// each after fusion, become one launch at the place of the first: they read
+/// only parameters, which nothing writes before the update.
+fn group_param_casts(g: &Graph, buffers: &[Buffer], kernels: Vec<Kernel>) -> Vec<Kernel> {
+    let is_cast = |k: &Kernel| {
+        k.nodes.len() == 1
+            && matches!(g.g[k.nodes[0]].op, Op::Cast(_))
+            && k.inputs.len() == 1
+            && buffers[k.inputs[0]].kind == BufKind::Param
+            && matches!(&k.body, Body::Pointwise(pw) if pw.exprs.iter().all(|e| match e {
+                PExpr::Load { view, .. } => view.is_contiguous(),
+                _ => true,
+            }))
+    };
+    let casts: Vec<usize> = (0..kernels.len())
+        .filter(|&i| is_cast(&kernels[i]))
+        .collect();
+    if casts.len() < 2 {
+        return kernels;
+    }
+    let mut members = Vec::new();
+    let (mut inputs, mut outputs) = (Vec::new(), Vec::new());
+    for &i in &casts {
+        inputs.push(kernels[i].inputs[0]);
+        outputs.push(kernels[i].outputs[0]);
+        members.push(Member {
+            node: kernels[i].nodes[0],
+            inputs: vec![inputs.len() - 1],
+            outputs: vec![outputs.len() - 1],
+        });
+    }
+    let group = Kernel {
+        name: format!("k0_cast_x{}", members.len()),
+        nodes: members.iter().map(|m| m.node).collect(),
+        inputs,
+        outputs,
+        input_views: Vec::new(),
+        body: Body::Group(members),
+    };
+    let mut group = Some(group);
+    let mut out = Vec::with_capacity(kernels.len());
+    for (i, k) in kernels.into_iter().enumerate() {
+        if i == casts[0] {
+            out.extend(group.take());
+        }
+        if !is_cast(&k) {
+            out.push(k);
+        }
+    }
+    out
 }
 
 /// Most ops in one group kernel: their pointers must fit the 32 KiB of
@@ -552,5 +661,167 @@ impl Fuser<'_> {
             }),
         });
         out
+    }
+}
+
+impl Fuser<'_> {
+    /// `x` is a stored tensor of exactly `shape`, read as laid out.
+    fn stored_as(&self, x: Value, shape: &[crate::ir::Dim]) -> bool {
+        let (base, _) = self.base(x);
+        self.buffer_of.contains_key(&base)
+            && self.class(base.node) != Class::Scalar
+            && !self.needs_copy(x)
+            && self.view_of(x).is_contiguous()
+            && self.g.ty(x).shape == shape
+    }
+
+    /// `x` is a stored vector of the last size of `shape`, broadcast over
+    /// the other axes: a bias.
+    fn is_bias(&self, x: Value, shape: &[crate::ir::Dim]) -> bool {
+        let (base, _) = self.base(x);
+        if !self.buffer_of.contains_key(&base)
+            || self.class(base.node) == Class::Scalar
+            || self.needs_copy(x)
+            || self.g.ty(base).rank() != 1
+            || self.g.ty(base).shape.last() != shape.last()
+        {
+            return false;
+        }
+        let v = self.view_of(x).expand_to(shape);
+        let r = v.strides.len();
+        v.offset.as_const() == Some(0)
+            && v.strides[r - 1].is_one()
+            && v.strides[..r - 1].iter().all(|s| s.as_const() == Some(0))
+    }
+
+    /// The chains after matmul `n` that cuBLASLt can apply as it stores the
+    /// product: `+ bias`, `+ residual`, `gelu` (keeping the pre-activation),
+    /// or the GELU backward `gelu'(pre) * product`.
+    fn gemm_fold(&self, n: NodeIndex) -> Option<Fold> {
+        let y = Value { node: n, port: 0 };
+        let yt = self.g.ty(y);
+        let users = self.g.users(y);
+        if self.outputs.contains(&y) || users.len() != 1 {
+            return None;
+        }
+        let u = users[0].0;
+        if self.class(u) != Class::Pointwise || self.absorbed_cast(u).is_some() {
+            return None;
+        }
+        let ci = self.group[&u];
+        let chain = &self.chains[ci];
+        if chain[0] != u {
+            return None;
+        }
+        let same_type = |v: Value| self.g.ty(v) == yt;
+        let ins = self.g.inputs(u);
+        if let Op::UnaryGrad(ug) = &self.g.g[u].op {
+            let ok = ug.kind == UnaryKind::Gelu
+                && chain.len() == 1
+                && ins[1] == y
+                && ins[0] != y
+                && same_type(ins[0])
+                && self.stored_as(ins[0], &yt.shape);
+            return ok.then(|| Fold {
+                bias: None,
+                residual: None,
+                gelu: false,
+                dgelu: Some(ins[0]),
+                chains: vec![ci],
+                outs: vec![Value { node: u, port: 0 }],
+            });
+        }
+        let (mut bias, mut residual, mut prev) = (None, None, y);
+        for &a in chain {
+            match &self.g.g[a].op {
+                Op::Binary(b) if b.kind == BinaryKind::Add => {}
+                _ => return None,
+            }
+            let ins = self.g.inputs(a);
+            let other = match (ins[0] == prev, ins[1] == prev) {
+                (true, false) => ins[1],
+                (false, true) => ins[0],
+                _ => return None,
+            };
+            let a_out = Value { node: a, port: 0 };
+            if !same_type(a_out) || self.g.ty(other).dtype != yt.dtype {
+                return None;
+            }
+            if bias.is_none() && self.is_bias(other, &yt.shape) {
+                bias = Some(other);
+            } else if residual.is_none() && same_type(other) && self.stored_as(other, &yt.shape) {
+                residual = Some(other);
+            } else {
+                return None;
+            }
+            prev = a_out;
+        }
+        let mut fold = Fold {
+            bias,
+            residual,
+            gelu: false,
+            dgelu: None,
+            chains: vec![ci],
+            outs: vec![prev],
+        };
+        // GELU of the biased product, stored beside its input.
+        if residual.is_none() {
+            for (v, _) in self.g.users(prev) {
+                let is_gelu =
+                    matches!(&self.g.g[v].op, Op::Unary(un) if un.kind == UnaryKind::Gelu);
+                if is_gelu
+                    && self.class(v) == Class::Pointwise
+                    && self.chains[self.group[&v]] == [v]
+                {
+                    fold.gelu = true;
+                    fold.chains.push(self.group[&v]);
+                    fold.outs.insert(0, Value { node: v, port: 0 });
+                    break;
+                }
+            }
+        }
+        Some(fold)
+    }
+
+    fn gemm_kernel(&mut self, n: NodeIndex, kernels: &mut Vec<Kernel>) {
+        let fold = self.gemm_fold(n).expect("checked by the caller");
+        let mut ins = Vec::new();
+        let mut views = Vec::new();
+        for x in self.g.inputs(n) {
+            let (b, v) = self.op_input(x, n, kernels);
+            ins.push(b);
+            views.push(v);
+        }
+        let mut slot = |x: Option<Value>, this: &Self| {
+            x.map(|x| {
+                ins.push(this.buffer_of[&this.base(x).0]);
+                ins.len() - 1
+            })
+        };
+        let epilogue = Epilogue {
+            bias: slot(fold.bias, self),
+            residual: slot(fold.residual, self),
+            gelu: fold.gelu,
+            dgelu: slot(fold.dgelu, self),
+        };
+        let mut nodes = vec![n];
+        for &c in &fold.chains {
+            nodes.extend(self.chains[c].iter().copied());
+            self.absorbed.insert(c);
+        }
+        let outs = fold
+            .outs
+            .iter()
+            .map(|&v| self.store(v, BufKind::Temp))
+            .collect();
+        let names: Vec<&str> = nodes.iter().map(|&m| self.g.g[m].op.name()).collect();
+        kernels.push(Kernel {
+            name: kernel_name(kernels.len(), &names),
+            nodes,
+            inputs: ins,
+            outputs: outs,
+            input_views: views,
+            body: Body::Gemm(n, epilogue),
+        });
     }
 }

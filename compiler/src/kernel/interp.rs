@@ -7,7 +7,8 @@ use super::{Body, BufKind, Kernel, PExpr, Program};
 use crate::interp::tensor::Tensor;
 use crate::interp::{concrete_shape, round_to, Feeds, InterpError, Precision};
 use crate::ir::{Dim, Graph};
-use crate::ops::{EvalCtx, Op};
+use crate::ops::{EvalCtx, Op, UnaryKind};
+use petgraph::stable_graph::NodeIndex;
 
 /// A view's shape, strides and offset with every size bound.
 type BoundView = (Vec<usize>, Vec<usize>, usize);
@@ -85,33 +86,29 @@ pub fn run_kernel(
                 })
                 .collect::<Result<_, _>>()?
         }
-        Body::Op(n) => {
-            let node = &g.g[*n];
-            let out_shapes: Vec<Vec<usize>> = node
-                .outputs
-                .iter()
-                .map(|t| concrete_shape(&t.shape, &feeds.dims))
-                .collect::<Result<_, _>>()?;
-            let env = |d: &Dim| dim(d, feeds);
-            // Each input as the op sees it: through its view, or the stored
-            // buffer in the op's shape (a reshape reads it unchanged).
-            let mut shaped = Vec::with_capacity(ins.len());
-            for (slot, (x, t)) in g.inputs(*n).into_iter().zip(ins).enumerate() {
-                let want = concrete_shape(&g.ty(x).shape, &feeds.dims)?;
-                shaped.push(match k.input_views.get(slot).and_then(|v| v.as_ref()) {
-                    Some(view) => gather(t, view, feeds),
-                    None => Tensor::new(want, t.data.clone()),
-                });
+        Body::Gemm(n, ep) => {
+            let prod = run_op(g, k, *n, ins, feeds)?.remove(0);
+            let cols = prod.shape.last().copied().unwrap_or(1).max(1);
+            let gelu = UnaryKind::Gelu;
+            let mut pre = prod;
+            for (i, x) in pre.data.iter_mut().enumerate() {
+                if let Some(r) = ep.residual {
+                    *x += ins[r].data[i];
+                }
+                if let Some(b) = ep.bias {
+                    *x += ins[b].data[i % cols];
+                }
+                if let Some(a) = ep.dgelu {
+                    *x *= gelu.derivative(ins[a].data[i]);
+                }
             }
-            let ins: Vec<&Tensor> = shaped.iter().collect();
-            node.op.eval(
-                &ins,
-                &EvalCtx {
-                    out_shapes: &out_shapes,
-                    dim: &env,
-                },
-            )
+            if ep.gelu {
+                vec![pre.map(|x| gelu.apply(x)), pre]
+            } else {
+                vec![pre]
+            }
         }
+        Body::Op(n) => run_op(g, k, *n, ins, feeds)?,
         Body::Pointwise(pw) => {
             let n = dim(&pw.n, feeds);
             // Views with their sizes bound, once per kernel.
@@ -227,4 +224,39 @@ pub fn run_program(
         .into_iter()
         .map(|b| b.unwrap_or_else(|| Tensor::zeros(&[])))
         .collect())
+}
+
+/// One graph op on the kernel's inputs.
+fn run_op(
+    g: &Graph,
+    k: &Kernel,
+    n: NodeIndex,
+    ins: &[&Tensor],
+    feeds: &Feeds,
+) -> Result<Vec<Tensor>, InterpError> {
+    let node = &g.g[n];
+    let out_shapes: Vec<Vec<usize>> = node
+        .outputs
+        .iter()
+        .map(|t| concrete_shape(&t.shape, &feeds.dims))
+        .collect::<Result<_, _>>()?;
+    let env = |d: &Dim| dim(d, feeds);
+    // Each input as the op sees it: through its view, or the stored
+    // buffer in the op's shape (a reshape reads it unchanged).
+    let mut shaped = Vec::with_capacity(ins.len());
+    for (slot, (x, t)) in g.inputs(n).into_iter().zip(ins).enumerate() {
+        let want = concrete_shape(&g.ty(x).shape, &feeds.dims)?;
+        shaped.push(match k.input_views.get(slot).and_then(|v| v.as_ref()) {
+            Some(view) => gather(t, view, feeds),
+            None => Tensor::new(want, t.data.clone()),
+        });
+    }
+    let ins: Vec<&Tensor> = shaped.iter().collect();
+    Ok(node.op.eval(
+        &ins,
+        &EvalCtx {
+            out_shapes: &out_shapes,
+            dim: &env,
+        },
+    ))
 }

@@ -73,11 +73,54 @@ pub struct Member {
     pub outputs: Vec<usize>,
 }
 
+/// Elementwise work a GEMM does as it stores the product (cuBLASLt
+/// epilogues), so the product never makes a round trip through memory.
+/// Slots are the kernel's input and output slots; the product's operands are
+/// inputs 0 and 1.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Epilogue {
+    /// A vector of the output's last size, added to every row.
+    pub bias: Option<usize>,
+    /// A tensor of the output's shape added (the residual stream: C with
+    /// beta = 1).
+    pub residual: Option<usize>,
+    /// Output 0 is gelu(pre) and output 1 the pre-activation `pre`, which
+    /// the backward pass reads.
+    pub gelu: bool,
+    /// Input slot of a stored pre-activation: output 0 is gelu'(pre) times
+    /// the product (the backward of a GELU).
+    pub dgelu: Option<usize>,
+}
+
+impl Epilogue {
+    pub fn is_empty(&self) -> bool {
+        *self == Epilogue::default()
+    }
+
+    /// The cuBLASLt epilogue this is, plus a residual where there is one:
+    /// `bias`, `gelu_aux_bias`, `dgelu`, `bias+residual`.
+    pub fn name(&self) -> String {
+        let base = match (self.bias.is_some(), self.gelu, self.dgelu.is_some()) {
+            (_, _, true) => "dgelu",
+            (true, true, _) => "gelu_aux_bias",
+            (false, true, _) => "gelu_aux",
+            (true, false, _) => "bias",
+            (false, false, _) => "default",
+        };
+        match self.residual {
+            Some(_) => format!("{base}+residual"),
+            None => base.to_string(),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Body {
     Pointwise(Pointwise),
     /// One graph op, run by a library call or a kernel template.
     Op(NodeIndex),
+    /// A matmul (library call) with the elementwise ops after it folded in.
+    Gemm(NodeIndex, Epilogue),
     /// Independent ops of one kind in one launch (the optimizer update of
     /// every parameter), each reading and writing its own buffers.
     Group(Vec<Member>),

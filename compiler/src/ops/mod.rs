@@ -24,7 +24,7 @@ pub use nn::{
     CausalMask, CrossEntropy, CrossEntropyGrad, Embedding, EmbeddingGrad, LayerNorm, LayerNormGrad,
     RmsNorm, RmsNormGrad, Rope, Softmax, SoftmaxGrad,
 };
-pub use optim::{AdamW, Sgd};
+pub use optim::{AdamW, Sgd, SumSquares};
 pub use shape::{Broadcast, Concat, Permute, Reduce, ReduceKind, Reshape, Slice, SliceGrad};
 pub use source::{Input, Param, State};
 
@@ -163,6 +163,7 @@ ops!(
     Conv2dGradWeight,
     AdamW,
     Sgd,
+    SumSquares,
 );
 
 impl Op {

@@ -392,7 +392,9 @@ impl OpDef for EmbeddingGrad {
     }
 }
 
-/// Mean cross-entropy of logits [..., V] against i32 targets [...]; an f32 scalar.
+/// Cross-entropy of each row of logits [..., V] against i32 targets [...]:
+/// f32 losses of the targets' shape (the `cross_entropy` builtin takes their
+/// mean). A target outside [0, V) gives NaN.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CrossEntropy;
 
@@ -422,11 +424,11 @@ impl OpDef for CrossEntropy {
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("cross_entropy", inputs, 2)?;
         check_ce("cross_entropy", &inputs[0], &inputs[1])?;
-        Ok(vec![TensorType::scalar(DType::F32)])
+        Ok(vec![TensorType::new(DType::F32, inputs[1].shape.clone())])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (logits, targets) = (inputs[0], inputs[1]);
-        let mut total = 0.0;
+        let mut losses = Vec::with_capacity(targets.len());
         for (row, &t) in rows(logits).zip(&targets.data) {
             let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
@@ -435,9 +437,9 @@ impl OpDef for CrossEntropy {
             } else {
                 f64::NAN
             };
-            total += lse - picked;
+            losses.push(lse - picked);
         }
-        vec![Tensor::scalar(total / targets.len().max(1) as f64)]
+        vec![Tensor::new(targets.shape.clone(), losses)]
     }
     fn vjp(
         &self,
@@ -456,7 +458,8 @@ impl OpDef for CrossEntropy {
     }
 }
 
-/// `(softmax(logits) - onehot(targets)) * dloss / N`, never storing the probabilities.
+/// `(softmax(logits) - onehot(targets)) * dloss[row]`, never storing the
+/// probabilities.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CrossEntropyGrad;
 
@@ -470,10 +473,9 @@ impl OpDef for CrossEntropyGrad {
         Ok(vec![inputs[0].clone()])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
-        let (logits, targets, dl) = (inputs[0], inputs[1], inputs[2].data[0]);
-        let n = targets.len().max(1) as f64;
+        let (logits, targets, dl) = (inputs[0], inputs[1], inputs[2]);
         let mut out = Vec::with_capacity(logits.len());
-        for (row, &t) in rows(logits).zip(&targets.data) {
+        for ((row, &t), &dl) in rows(logits).zip(&targets.data).zip(&dl.data) {
             let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let s: f64 = row.iter().map(|v| (v - m).exp()).sum();
             for (j, v) in row.iter().enumerate() {
@@ -482,7 +484,7 @@ impl OpDef for CrossEntropyGrad {
                 } else {
                     0.0
                 };
-                out.push(((v - m).exp() / s - onehot) * dl / n);
+                out.push(((v - m).exp() / s - onehot) * dl);
             }
         }
         vec![Tensor::new(logits.shape.clone(), out)]

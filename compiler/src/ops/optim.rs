@@ -113,3 +113,69 @@ impl OpDef for Sgd {
         ]
     }
 }
+
+/// Sums of squares of many tensors in fixed chunks (the global gradient
+/// norm): output `i` is the sum over chunk `i`, chunks numbered tensor by
+/// tensor, `chunk` elements each (the last of a tensor may be shorter).
+/// One launch for every gradient of the model, one block per chunk, and a
+/// deterministic result; a `sum` of the partials gives the total.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SumSquares {
+    pub chunk: i64,
+}
+
+impl SumSquares {
+    /// Chunks of each input, in order; `None` when a size is symbolic.
+    pub fn chunks(&self, inputs: &[TensorType]) -> Option<Vec<i64>> {
+        inputs
+            .iter()
+            .map(|t| {
+                let n = t.numel().as_const()?;
+                Some(((n + self.chunk - 1) / self.chunk).max(1))
+            })
+            .collect()
+    }
+}
+
+impl OpDef for SumSquares {
+    fn name(&self) -> &'static str {
+        "sum_squares"
+    }
+    fn attrs(&self) -> Vec<String> {
+        vec![format!("chunk={}", self.chunk)]
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        if inputs.is_empty() || self.chunk < 1 {
+            return Err(OpError::new(
+                "`sum_squares` needs at least one tensor and a positive chunk",
+                format!("{} tensors, chunk {}", inputs.len(), self.chunk),
+            ));
+        }
+        for (i, t) in inputs.iter().enumerate() {
+            expect_float("sum_squares", t, i)?;
+        }
+        let chunks = self.chunks(inputs).ok_or_else(|| {
+            OpError::new(
+                "`sum_squares` needs tensors of known size",
+                "a tensor has a symbolic shape",
+            )
+        })?;
+        let total: i64 = chunks.iter().sum();
+        Ok(vec![TensorType::new(
+            DType::F32,
+            vec![Dim::constant(total)],
+        )])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        let mut out = Vec::new();
+        for t in inputs {
+            if t.data.is_empty() {
+                out.push(0.0);
+            }
+            for c in t.data.chunks(self.chunk as usize) {
+                out.push(c.iter().map(|x| x * x).sum());
+            }
+        }
+        vec![Tensor::new(vec![out.len()], out)]
+    }
+}

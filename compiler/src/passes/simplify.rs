@@ -5,8 +5,9 @@
 
 use super::{replace_uses, Pass};
 use crate::ir::graph::Node;
+use crate::ir::Dim;
 use crate::ir::{Graph, Value};
-use crate::ops::{BinaryKind, Concat, Op, Permute, Reshape, UnaryKind};
+use crate::ops::{BinaryKind, Concat, MatMul, Op, Permute, ReduceKind, Reshape, UnaryKind};
 use petgraph::stable_graph::NodeIndex;
 
 pub struct Simplify;
@@ -27,6 +28,68 @@ fn constant(g: &Graph, v: Value) -> Option<f64> {
 enum Rewrite {
     Value(Value),
     Op(Op, Vec<Value>),
+    /// Several new ops in order, each reading existing values or the
+    /// results of earlier ones; the last is the replacement.
+    Ops(Vec<(Op, Vec<Arg>)>),
+}
+
+enum Arg {
+    Existing(Value),
+    Earlier(usize),
+}
+
+/// A sum over the batch axes of a batched product, `sum_b a[b] @ b[b]`
+/// (every weight gradient of a layer applied to [B, T, C] activations), is
+/// one product with the batch folded into the contracted axis:
+/// `[M, B*K] @ [B*K, N]`. One GEMM accumulating in f32 instead of B
+/// products, a [B, M, N] temporary and a reduction kernel; the operands are
+/// views of the stored tensors (no copies).
+fn batched_product_sum(g: &Graph, node: &Node, ins: &[Value]) -> Option<Rewrite> {
+    let Op::Reduce(r) = &node.op else { return None };
+    if r.kind != ReduceKind::Sum || r.keepdim {
+        return None;
+    }
+    let mm = ins[0];
+    if !matches!(g.g[mm.node].op, Op::MatMul(_)) || g.users(mm).len() != 1 {
+        return None;
+    }
+    let ab = g.inputs(mm.node);
+    let (ta, tb) = (g.ty(ab[0]), g.ty(ab[1]));
+    let rank = ta.rank();
+    if rank < 3 || tb.rank() != rank || ta.shape[..rank - 2] != tb.shape[..rank - 2] {
+        return None;
+    }
+    if r.axes != (0..rank - 2).collect::<Vec<_>>() {
+        return None;
+    }
+    let batch = ta.shape[..rank - 2]
+        .iter()
+        .try_fold(Dim::constant(1), |acc, d| acc.checked_mul(d))?;
+    let (m, k, n) = (
+        ta.shape[rank - 2].clone(),
+        ta.shape[rank - 1].clone(),
+        tb.shape[rank - 1].clone(),
+    );
+    let bk = batch.checked_mul(&k)?;
+    // a: [..batch, M, K] -> [M, ..batch, K] -> [M, B*K]
+    let mut perm = vec![rank - 2];
+    perm.extend(0..rank - 2);
+    perm.push(rank - 1);
+    Some(Rewrite::Ops(vec![
+        (Permute { perm }.into(), vec![Arg::Existing(ab[0])]),
+        (
+            Reshape {
+                shape: vec![m, bk.clone()],
+            }
+            .into(),
+            vec![Arg::Earlier(0)],
+        ),
+        (
+            Reshape { shape: vec![bk, n] }.into(),
+            vec![Arg::Existing(ab[1])],
+        ),
+        (MatMul.into(), vec![Arg::Earlier(1), Arg::Earlier(2)]),
+    ]))
 }
 
 /// The leaves of a tree of adds.
@@ -124,6 +187,7 @@ fn rule(g: &Graph, n: NodeIndex, node: &Node, ins: &[Value]) -> Option<Rewrite> 
                 _ => None,
             }
         }
+        Op::Reduce(_) => batched_product_sum(g, node, ins),
         Op::Unary(u) if u.kind == UnaryKind::Neg => match &g.g[ins[0].node].op {
             Op::Unary(v) if v.kind == UnaryKind::Neg => {
                 Some(Rewrite::Value(g.inputs(ins[0].node)[0]))
@@ -158,7 +222,7 @@ impl Pass for Simplify {
         "simplify"
     }
     fn about(&self) -> &'static str {
-        "algebraic simplification: x*1, x+0, reshape of reshape, permute of permute, no-op casts, sums of slice gradients as concat"
+        "algebraic simplification: x*1, x+0, reshape of reshape, permute of permute, no-op casts, sums of slice gradients as concat, batch-summed products as one GEMM"
     }
     fn run(&self, g: &mut Graph) -> usize {
         let mut total = 0;
@@ -183,6 +247,28 @@ impl Pass for Simplify {
                         Ok(v) => v[0],
                         Err(_) => continue,
                     },
+                    Rewrite::Ops(ops) => {
+                        let mut made: Vec<Value> = Vec::new();
+                        let wanted = ops.len();
+                        for (op, args) in ops {
+                            let inputs: Vec<Value> = args
+                                .iter()
+                                .map(|a| match a {
+                                    Arg::Existing(v) => *v,
+                                    Arg::Earlier(i) => made[*i],
+                                })
+                                .collect();
+                            match g.add(op, &inputs, node.span, node.phase) {
+                                Ok(v) => made.push(v[0]),
+                                Err(_) => break,
+                            }
+                        }
+                        // A failed build leaves dead nodes for DCE and no rewrite.
+                        if made.len() != wanted || wanted == 0 {
+                            continue;
+                        }
+                        *made.last().expect("not empty")
+                    }
                 };
                 replace_uses(g, Value { node: n, port: 0 }, to);
                 changed += 1;

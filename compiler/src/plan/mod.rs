@@ -76,11 +76,34 @@ pub struct Launch {
     /// Input slots a GEMM reads transposed, in place.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub transposed_inputs: Vec<usize>,
+    /// A GEMM's epilogue (cuBLASLt): what it adds and applies as it stores
+    /// the product.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub epilogue: Option<GemmEpilogue>,
     /// Blocks and threads per block of a generated kernel.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grid: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub block: Option<u64>,
+}
+
+/// Slots refer to the launch's `inputs` and `outputs`; the product's
+/// operands are inputs 0 and 1.
+#[derive(Clone, Debug, Serialize)]
+pub struct GemmEpilogue {
+    /// `bias`, `gelu_aux_bias`, `dgelu`, with `+residual` where the product
+    /// is added to a tensor of its shape (C with beta = 1).
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bias: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub residual: Option<usize>,
+    /// Output slot of the stored pre-activation (GELU forward).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pre_activation_out: Option<usize>,
+    /// Input slot of the pre-activation a GELU backward reads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pre_activation_in: Option<usize>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -298,6 +321,7 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
             let shape = match &k.body {
                 Body::Pointwise(pw) => Some(Shape::Elements(pw.n.clone())),
                 Body::Op(n) => shape_of(g, *n),
+                Body::Gemm(..) => None,
                 Body::Group(members) => members
                     .iter()
                     .map(|m| match shape_of(g, m.node) {
@@ -311,7 +335,7 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
                 kernel: k.name.clone(),
                 kind: match (&k.body, &shape) {
                     (_, Some(_)) => "generated".into(),
-                    (Body::Op(n), None) => g.g[*n].op.name().to_string(),
+                    (Body::Op(n) | Body::Gemm(n, _), None) => g.g[*n].op.name().to_string(),
                     (_, None) => "group".to_string(),
                 },
                 ops: k
@@ -324,6 +348,16 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
                 transposed_inputs: (0..k.input_views.len())
                     .filter(|&i| k.input_views[i].is_some())
                     .collect(),
+                epilogue: match &k.body {
+                    Body::Gemm(_, e) => Some(GemmEpilogue {
+                        name: e.name(),
+                        bias: e.bias,
+                        residual: e.residual,
+                        pre_activation_out: e.gelu.then_some(1),
+                        pre_activation_in: e.dgelu,
+                    }),
+                    _ => None,
+                },
                 grid: shape.as_ref().and_then(|s| grid(s, &env)),
                 block: shape.map(|_| BLOCK),
             }
@@ -360,7 +394,7 @@ fn in_place_ok(g: &Graph, kernel: &crate::kernel::Kernel, slot: usize) -> bool {
                     _ => false,
                 }
         }
-        Body::Group(_) => false,
+        Body::Group(_) | Body::Gemm(..) => false,
     }
 }
 

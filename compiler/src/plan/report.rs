@@ -53,11 +53,16 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
             list.join(", ")
         );
     }
+    // Values computed inside a kernel and never stored: chain links, GEMM
+    // products consumed by their epilogue, narrow values cast as stored.
     let fused: usize = p
         .kernels
         .iter()
-        .filter(|k| matches!(k.body, crate::kernel::Body::Pointwise(_)) && k.nodes.len() > 1)
-        .map(|k| k.nodes.len() - 1)
+        .filter(|k| !matches!(k.body, crate::kernel::Body::Group(_)))
+        .map(|k| {
+            let made: usize = k.nodes.iter().map(|&n| g.g[n].outputs.len()).sum();
+            made.saturating_sub(k.outputs.len())
+        })
         .sum();
     let _ = writeln!(
         s,
@@ -110,10 +115,10 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
     for (l, cost) in plan.launches.iter().zip(&est.kernels) {
         let read: u64 = l.inputs.iter().map(|&b| plan.buffers[b].bytes).sum();
         let written: u64 = l.outputs.iter().map(|&b| plan.buffers[b].bytes).sum();
-        let what = if l.kind == "generated" {
-            l.ops.join(" + ")
-        } else {
-            format!("[{}]", l.kind)
+        let what = match (&l.epilogue, l.kind.as_str()) {
+            (Some(e), kind) => format!("[{kind}, epilogue {}]", e.name),
+            (None, "generated") => op_list(&l.ops),
+            (None, kind) => format!("[{kind}]"),
         };
         let _ = writeln!(
             s,
@@ -131,4 +136,26 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
         );
     }
     s
+}
+
+/// `add + gelu`; runs of one op as `cast x148`.
+fn op_list(ops: &[String]) -> String {
+    let mut parts: Vec<(String, usize)> = Vec::new();
+    for op in ops {
+        match parts.last_mut() {
+            Some((last, n)) if last == op => *n += 1,
+            _ => parts.push((op.clone(), 1)),
+        }
+    }
+    parts
+        .into_iter()
+        .map(|(op, n)| {
+            if n > 2 {
+                format!("{op} x{n}")
+            } else {
+                vec![op; n].join(" + ")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" + ")
 }

@@ -96,7 +96,7 @@ fn flops(g: &Graph, p: &Program, k: usize, env: &dyn Fn(&str) -> Option<i64>) ->
                 .sum(),
             false,
         ),
-        Body::Op(n) => {
+        Body::Op(n) | Body::Gemm(n, _) => {
             let node = &g.g[*n];
             let ins = g.inputs(*n);
             let t = |i: usize| g.ty(ins[i]).clone();

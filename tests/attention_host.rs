@@ -1,0 +1,478 @@
+//! The attention and convolution kernels, run on the host (through
+//! tests/cuda_host/shim.h, one thread per block) on small models built for
+//! their edge cases, against the kernel-IR interpreter: head dims 8 and 20
+//! (several feature passes), sequence lengths 1, 5 and 17, causal and not,
+//! grouped-query ratios 1, 2 and 4, keys longer and shorter than queries,
+//! a value head dim different from the query's, q/k/v read as strided
+//! slices of one fused projection, and convolutions with stride 2 and
+//! padding 1 (also where the window does not tile the image) next to a
+//! patch convolution. f32 within 1e-5 relative, bf16 within 1e-2.
+//! Skipped, with a message, where no `c++` compiler exists.
+
+mod common;
+
+use fusec_compiler::emit::cuda::{c_type, emit_program};
+use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
+use fusec_compiler::interp::random::random_feeds;
+use fusec_compiler::interp::Precision;
+use fusec_compiler::ir::{DType, Graph};
+use fusec_compiler::kernel::fuse::fuse;
+use fusec_compiler::kernel::interp::run_program;
+use fusec_compiler::kernel::{Body, Kernel, Program};
+use fusec_compiler::ops::Op;
+use std::fmt::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Every attention variant at once; T and S are bound per run.
+const ATTENTION: &str = "
+const d = 16
+dim B, T, S
+input x: f32[B, T, d]
+input mem: f32[B, S, d]
+# Fused projection, equal split: heads are strided views, ratio 1, D = 8.
+param w_qkv: [d, 48] = normal(0.4)
+# Fused projection, unequal split: 4 query heads on 1 kv head, D = 20.
+param w_gqa: [d, 120] = normal(0.4)
+# Separate projections (contiguous heads): 4 query heads on 2, D = 8.
+param w_q: [d, 32] = normal(0.4)
+param w_k: [d, 16] = normal(0.4)
+param w_v: [d, 16] = normal(0.4)
+# Cross-attention to S keys: D = 20 for q and k, Dv = 8.
+param c_q: [d, 40] = normal(0.4)
+param c_k: [d, 40] = normal(0.4)
+param c_v: [d, 16] = normal(0.4)
+param w_o2: [80, d] = normal(0.4)
+param w_o3: [32, d] = normal(0.4)
+
+let q1, k1, v1 = split(x @ w_qkv, 3)
+let a1 = merge_heads(attention(heads(q1, 2), heads(k1, 2), heads(v1, 2), causal = true))
+let q2, k2, v2 = split(x @ w_gqa, [80, 20, 20])
+let a2 = merge_heads(attention(heads(q2, 4), heads(k2, 1), heads(v2, 1)))
+let a6 = merge_heads(attention(heads(q2, 4), heads(k2, 1), heads(v2, 1), causal = true))
+let a3 = merge_heads(attention(heads(x @ w_q, 4), heads(x @ w_k, 2), heads(x @ w_v, 2), causal = true))
+let a4 = merge_heads(attention(heads(x @ c_q, 2), heads(mem @ c_k, 2), heads(mem @ c_v, 2), causal = true))
+let a5 = merge_heads(attention(heads(x @ c_q, 2), heads(mem @ c_k, 2), heads(mem @ c_v, 2)))
+let y = a1 + a3 @ w_o3 + a4 + a5 + (a2 + a6) @ w_o2
+train {
+    loss = mean(y * y)
+    precision = PRECISION
+}
+";
+
+/// Convolutions: stride 2 with padding 1 (one that tiles the image, one
+/// whose window leaves the last row and column unused), and a patch conv.
+const CONV: &str = "
+dim B
+input img: f32[B, 9, 9, 3]
+param w1: [3, 3, 3, 4] = normal(0.4)
+param w2: [3, 3, 4, 6] = normal(0.4)
+param w3: [4, 4, 4, 5] = normal(0.4)
+param w4: [3, 3, 3, 5] = normal(0.4)
+let y1 = gelu(conv2d(img, w1, padding = 1))          # [B, 9, 9, 4]
+let y2 = conv2d(y1, w2, stride = 2, padding = 1)      # [B, 5, 5, 6]
+let y3 = conv2d(y1, w3, stride = 2, padding = 1)      # [B, 4, 4, 5]
+let y4 = conv2d(img, w4, stride = 3)                  # [B, 3, 3, 5], patches
+train {
+    loss = mean(y2 * y2) + mean(y3 * y3) + mean(y4 * y4)
+    precision = PRECISION
+}
+";
+
+/// A host stand-in for a real thread block, so the kernels' shared memory
+/// and barriers are exercised too: each block's threads are OS threads
+/// meeting at a `std::barrier` for `__syncthreads()`; blocks run one after
+/// another (so a `__shared__` static is one block's shared memory), and the
+/// prelude's host block reductions, which assume one thread, are replaced
+/// by ones over shared memory.
+const THREADS_SHIM: &str = r#"#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __noinline__
+#define __shared__ static
+#define __restrict__ __restrict
+
+struct fs_dim3 {
+    unsigned x, y, z;
+};
+static thread_local fs_dim3 blockIdx, threadIdx;
+static fs_dim3 blockDim, gridDim;
+static std::barrier<>* fs_bar;
+static inline void __syncthreads() { fs_bar->arrive_and_wait(); }
+
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+
+template <class F>
+static void fs_launch(unsigned grid, unsigned block, F f) {
+    gridDim = {grid, 1, 1};
+    blockDim = {block, 1, 1};
+    for (unsigned b = 0; b < grid; ++b) {
+        std::barrier<> bar(block);
+        fs_bar = &bar;
+        std::vector<std::thread> threads;
+        for (unsigned t = 0; t < block; ++t)
+            threads.emplace_back([&, b, t] {
+                blockIdx = {b, 0, 0};
+                threadIdx = {t, 0, 0};
+                f();
+            });
+        for (auto& t : threads) t.join();
+    }
+}
+#define FS_LAUNCH(grid, block, call) fs_launch(grid, block, [&] { call; })
+"#;
+
+const BLOCK_REDUCTIONS: &str = "
+static float fs_block_reduce(float v, bool max) {
+    static float part[1024];
+    __syncthreads();
+    part[threadIdx.x] = v;
+    __syncthreads();
+    float r = part[0];
+    for (unsigned i = 1; i < blockDim.x; ++i) r = max ? fmaxf(r, part[i]) : r + part[i];
+    return r;
+}
+inline float fs_block_sum(float v) { return fs_block_reduce(v, false); }
+inline float fs_block_max(float v) { return fs_block_reduce(v, true); }
+";
+
+/// Launch configurations: (grid, block, threaded shim). One thread as
+/// tests/cuda_host/shim.h runs it; 4 threads (chunks of 4 keys, head dims
+/// over several feature passes, 3 blocks striding over the rows); the
+/// real 256-thread block.
+const LAUNCHES: [(u32, u32, bool); 3] = [(1, 1, false), (3, 4, true), (1, 256, true)];
+
+fn is_template(g: &Graph, k: &Kernel) -> bool {
+    matches!(k.body, Body::Op(n) if matches!(
+        g.g[n].op,
+        Op::Attention(_)
+            | Op::AttentionGrad(_)
+            | Op::Conv2d(_)
+            | Op::Conv2dGradInput(_)
+            | Op::Conv2dGradWeight(_)
+    ))
+}
+
+/// One C++ program holding the chosen kernels and a `main` that runs the
+/// one named on its command line on the files in a folder.
+fn harness(g: &Graph, p: &Program, kernels: &[(String, String)], threads: bool) -> String {
+    let mut s = if threads {
+        let host = "inline float fs_block_sum(float v) { return v; }\n\
+                    inline float fs_block_max(float v) { return v; }\n";
+        assert!(
+            PRELUDE.contains(host),
+            "the prelude's host reductions changed"
+        );
+        format!("{THREADS_SHIM}{}", PRELUDE.replace(host, BLOCK_REDUCTIONS))
+    } else {
+        format!("#include \"shim.h\"\n#define FS_LAUNCH(grid, block, call) call\n{PRELUDE}")
+    };
+    for (_, text) in kernels {
+        s.push_str(&text.replace(&format!("#include \"{PRELUDE_NAME}\""), ""));
+    }
+    s.push_str(
+        "static void* fs_read(const char* dir, const char* name, size_t bytes) {\n\
+         char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
+         FILE* f = fopen(path, \"rb\"); if (!f) { perror(path); exit(2); }\n\
+         void* p = calloc(1, bytes + 16); size_t got = fread(p, 1, bytes, f); fclose(f);\n\
+         if (got != bytes) { fprintf(stderr, \"%s: %zu of %zu bytes\\n\", path, got, bytes); exit(2); }\n\
+         return p; }\n\
+         static void fs_write(const char* dir, const char* name, const void* p, size_t bytes) {\n\
+         char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
+         FILE* f = fopen(path, \"wb\"); fwrite(p, 1, bytes, f); fclose(f); }\n",
+    );
+    s.push_str(
+        "int main(int argc, char** argv) {\n  const char* dir = argv[2];\n\
+         \x20 const unsigned grid = atoi(argv[3]), block = atoi(argv[4]);\n",
+    );
+    for (i, d) in g.dims.iter().enumerate() {
+        let _ = writeln!(s, "  const fs_i64 {d} = atoll(argv[{}]);", i + 5);
+    }
+    for k in p
+        .kernels
+        .iter()
+        .filter(|k| kernels.iter().any(|(n, _)| *n == k.name))
+    {
+        let _ = writeln!(s, "  if (!strcmp(argv[1], \"{}\")) {{", k.name);
+        let mut args = Vec::new();
+        let mut writes = String::new();
+        for (slot, &b) in k.inputs.iter().chain(&k.outputs).enumerate() {
+            let ty = &p.buffers[b].ty;
+            let t = c_type(ty.dtype);
+            let bytes = format!("(size_t){} * sizeof({t})", ty.numel().to_c());
+            let name = if slot < k.inputs.len() {
+                let name = format!("in{slot}");
+                let _ = writeln!(
+                    s,
+                    "    {t}* {name} = ({t}*)fs_read(dir, \"{name}\", {bytes});"
+                );
+                name
+            } else {
+                let name = format!("out{}", slot - k.inputs.len());
+                let _ = writeln!(s, "    {t}* {name} = ({t}*)calloc(1, {bytes} + 16);");
+                let _ = writeln!(writes, "    fs_write(dir, \"{name}\", {name}, {bytes});");
+                name
+            };
+            args.push(name);
+        }
+        args.extend(g.dims.iter().cloned());
+        let _ = writeln!(
+            s,
+            "    FS_LAUNCH(grid, block, {}({}));",
+            k.name,
+            args.join(", ")
+        );
+        s.push_str(&writes);
+        let _ = writeln!(s, "    return 0;\n  }}");
+    }
+    s.push_str("  fprintf(stderr, \"unknown kernel %s\\n\", argv[1]);\n  return 2;\n}\n");
+    s
+}
+
+fn work_dir(label: &str) -> PathBuf {
+    let work = std::env::temp_dir().join(format!(
+        "fusec-attention-host-{}-{label}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&work).unwrap();
+    std::fs::copy(
+        common::root().join("tests/cuda_host/shim.h"),
+        work.join("shim.h"),
+    )
+    .unwrap();
+    work
+}
+
+/// Compiles `src` at `precision`, builds its attention and convolution
+/// kernels with the host compiler, and runs them at each size in `runs`
+/// against the interpreter. Returns the kernels run and the programs'
+/// template kernels (for the callers' coverage checks).
+fn check(
+    label: &str,
+    src: &str,
+    precision: &str,
+    runs: &[Vec<(&str, i64)>],
+) -> (usize, Program, Graph) {
+    let src = src.replace("PRECISION", precision);
+    let name = format!("{label}.dsl");
+    let c = common::compile_with(&src, &name, &[]);
+    let g = c.optimized;
+    let program = fuse(&g);
+    let kernels: Vec<(String, String)> = emit_program(&g, &program, None)
+        .into_iter()
+        .filter(|(n, _)| {
+            program
+                .kernels
+                .iter()
+                .any(|k| k.name == *n && is_template(&g, k))
+        })
+        .collect();
+    let templates = program
+        .kernels
+        .iter()
+        .filter(|k| is_template(&g, k))
+        .count();
+    assert_eq!(
+        kernels.len(),
+        templates,
+        "{label}: every attention and convolution kernel has generated source"
+    );
+    let work = work_dir(&format!("{label}-{precision}"));
+    // Both builds at once: the host compiler is the slow part.
+    let builds: Vec<_> = [false, true]
+        .into_iter()
+        .map(|threads| {
+            let stem = if threads { "threads" } else { "single" };
+            let cpp = work.join(format!("{stem}.cpp"));
+            std::fs::write(&cpp, harness(&g, &program, &kernels, threads)).unwrap();
+            let child = Command::new("c++")
+                .args(["-std=c++20", "-pthread", "-O1", "-w", "-o"])
+                .arg(work.join(stem))
+                .arg(&cpp)
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("c++ runs");
+            (work.join(stem), child)
+        })
+        .collect();
+    let mut exes = Vec::new();
+    for (exe, child) in builds {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{label}: c++ failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        exes.push(exe);
+    }
+    let mut checked = 0;
+    // Outputs that were not all zero in some run: (kernel, slot).
+    let mut tested: Vec<(String, usize)> = Vec::new();
+    for dims in runs {
+        let dims_map = common::dims(dims);
+        let feeds = random_feeds(&g, &dims_map, 7).expect("feeds");
+        let bufs = run_program(&g, &program, &feeds, Precision::AsStored).expect("interpreter");
+        let dim_args: Vec<String> = g.dims.iter().map(|d| dims_map[d].to_string()).collect();
+        for k in program.kernels.iter().filter(|k| is_template(&g, k)) {
+            for (grid, block, threads) in LAUNCHES {
+                let at = format!(
+                    "{label} {precision} {dims:?} {} <<<{grid}, {block}>>>",
+                    k.name
+                );
+                let dir = work.join(format!("{}-{}-{block}", k.name, dim_args.join("x")));
+                let mut args = vec![grid.to_string(), block.to_string()];
+                args.extend(dim_args.iter().cloned());
+                let exe = &exes[threads as usize];
+                for slot in run_one(exe, &dir, &program, k, &bufs, &args, &at) {
+                    tested.push((k.name.clone(), slot));
+                }
+                checked += 1;
+            }
+        }
+    }
+    for k in program.kernels.iter().filter(|k| is_template(&g, k)) {
+        for slot in 0..k.outputs.len() {
+            assert!(
+                tested.contains(&(k.name.clone(), slot)),
+                "{label} {precision} {} out{slot}: all zero in every run, the case tests nothing",
+                k.name
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    (checked, program, g)
+}
+
+fn run_one(
+    exe: &Path,
+    dir: &Path,
+    program: &Program,
+    k: &Kernel,
+    bufs: &[fusec_compiler::interp::tensor::Tensor],
+    args: &[String],
+    at: &str,
+) -> Vec<usize> {
+    let mut nonzero = Vec::new();
+    std::fs::create_dir_all(dir).unwrap();
+    for (slot, &b) in k.inputs.iter().enumerate() {
+        let dt = program.buffers[b].ty.dtype;
+        std::fs::write(
+            dir.join(format!("in{slot}")),
+            common::to_bytes(dt, &bufs[b].data),
+        )
+        .unwrap();
+    }
+    let run = Command::new(exe)
+        .arg(&k.name)
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{at}: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    for (slot, &b) in k.outputs.iter().enumerate() {
+        let dt = program.buffers[b].ty.dtype;
+        let got = common::from_bytes(dt, &std::fs::read(dir.join(format!("out{slot}"))).unwrap());
+        let want = &bufs[b].data;
+        assert_eq!(got.len(), want.len(), "{at} out{slot}");
+        let tol = if matches!(dt, DType::BF16 | DType::F16) {
+            1e-2
+        } else {
+            1e-5
+        };
+        for (i, (x, y)) in want.iter().zip(&got).enumerate() {
+            let ok = (x - y).abs() <= tol * x.abs().max(1.0)
+                || (x.is_nan() && y.is_nan())
+                || (x.is_infinite() && x == y);
+            assert!(
+                ok,
+                "{at} out{slot} element {i}: interpreter {x}, generated code {y}"
+            );
+        }
+        if want.iter().any(|x| *x != 0.0) {
+            nonzero.push(slot);
+        }
+    }
+    nonzero
+}
+
+fn have_cxx() -> bool {
+    let ok = Command::new("c++").arg("--version").output().is_ok();
+    if !ok {
+        println!("skipped: no c++ compiler on PATH");
+    }
+    ok
+}
+
+#[test]
+fn attention_kernels_match_the_interpreter() {
+    if !have_cxx() {
+        return;
+    }
+    let runs: Vec<Vec<(&str, i64)>> = [(1, 1), (5, 5), (17, 17), (5, 17), (17, 5)]
+        .iter()
+        .map(|&(t, s)| vec![("B", 2), ("T", t), ("S", s)])
+        .collect();
+    for precision in ["f32", "bf16"] {
+        let (checked, program, g) = check("attention", ATTENTION, precision, &runs);
+        let count = |f: fn(&Op) -> bool| {
+            program
+                .kernels
+                .iter()
+                .filter(|k| matches!(k.body, Body::Op(n) if f(&g.g[n].op)))
+                .count()
+        };
+        assert_eq!(count(|o| matches!(o, Op::Attention(_))), 6);
+        assert_eq!(count(|o| matches!(o, Op::AttentionGrad(_))), 6);
+        // The fused projections' heads are read in place, through strides.
+        let strided = program
+            .kernels
+            .iter()
+            .filter(|k| is_template(&g, k) && k.input_views.iter().any(|v| v.is_some()))
+            .count();
+        assert!(
+            strided >= 4,
+            "{strided} attention kernels read strided views"
+        );
+        println!("{precision}: {checked} attention kernel runs matched");
+    }
+}
+
+#[test]
+fn convolution_kernels_match_the_interpreter() {
+    if !have_cxx() {
+        return;
+    }
+    let runs = vec![vec![("B", 1)], vec![("B", 3)]];
+    for precision in ["f32", "bf16"] {
+        let (checked, program, g) = check("conv", CONV, precision, &runs);
+        let ops: Vec<&str> = program
+            .kernels
+            .iter()
+            .filter(|k| is_template(&g, k))
+            .map(|k| match k.body {
+                Body::Op(n) => g.g[n].op.name(),
+                _ => unreachable!(),
+            })
+            .collect();
+        for op in ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"] {
+            assert!(ops.contains(&op), "{precision}: no {op} kernel in {ops:?}");
+        }
+        println!("{precision}: {checked} convolution kernel runs matched");
+    }
+}
