@@ -42,6 +42,10 @@ fn main() -> ExitCode {
             for p in passes {
                 println!("{:<15} {}", p.name(), p.about());
             }
+            println!("\nthen, on kernels (see --dump layout, --dump kernels, plan.json):");
+            for (name, about) in fusec_compiler::kernel::STAGES {
+                println!("{name:<15} {about}");
+            }
             Ok(())
         }
     };

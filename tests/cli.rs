@@ -170,9 +170,26 @@ fn dump_prints_one_stage() {
     ]);
     assert_eq!(code, 0);
     assert!(out.contains("-> n"), "{out}");
-    let (code, _, err) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "kernels"]);
+    let (code, _, err) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "cuda"]);
     assert_eq!(code, 2);
-    assert!(err.contains("unknown stage `kernels`"), "{err}");
+    assert!(err.contains("unknown stage `cuda`"), "{err}");
+    let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "kernels"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("kernels of mlp (B): "), "{out}");
+    assert!(out.contains("(gemm, epilogue bias)"), "{out}");
+    let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "layout"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("stored, row-major (parameter)"), "{out}");
+    let (code, _, err) = fusec(&[
+        "build",
+        "dsl-examples/mlp.dsl",
+        "--dump",
+        "layout",
+        "--format",
+        "dot",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--dump layout has no Graphviz form"), "{err}");
     let (code, _, err) = fusec(&[
         "build",
         "dsl-examples/mlp.dsl",

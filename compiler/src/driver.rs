@@ -26,6 +26,14 @@ pub const STAGES: &[(&str, &str)] = &[
         "optimized",
         "the whole step after every pass (see --dump-after)",
     ),
+    (
+        "layout",
+        "where every value lives: stored row-major, a strided view read in place, or registers",
+    ),
+    (
+        "kernels",
+        "the kernels in launch order, with what each reads (through which view) and writes",
+    ),
 ];
 
 pub struct Compiled {

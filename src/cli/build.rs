@@ -25,7 +25,8 @@ pub struct BuildArgs {
     /// Folder for the results (created if missing)
     #[arg(short, long, value_name = "DIR", default_value = "out")]
     pub out: PathBuf,
-    /// Print one stage to standard output: ast, forward, backward or train
+    /// Print one stage to standard output: ast, forward, backward, train,
+    /// optimized, layout or kernels
     #[arg(long, value_name = "STAGE", value_parser = stage_name)]
     pub dump: Option<String>,
     /// Print the step graph after one pass (`fusec passes` lists them)
@@ -153,6 +154,14 @@ pub fn stage_text(c: &Compiled, stage: &str, source: &str, format: Format) -> St
             return graph_text(&g, source, format);
         }
         "optimized" => &c.optimized,
+        "layout" => {
+            let program = fuse(&c.optimized);
+            return fusec_compiler::kernel::print::print_layouts(&c.optimized, &program);
+        }
+        "kernels" => {
+            let program = fuse(&c.optimized);
+            return fusec_compiler::kernel::print::print_program(&c.optimized, &program);
+        }
         _ => &c.training,
     };
     graph_text(graph, source, format)
@@ -164,10 +173,12 @@ fn write(path: &Path, text: &str) -> Result<(), CliError> {
 }
 
 pub fn run(args: &BuildArgs) -> Result<(), CliError> {
-    if args.dump.as_deref() == Some("ast") && matches!(args.format, Format::Dot) {
-        return Err(CliError::usage(
-            "error: the syntax tree has no Graphviz form; use --dump ast without --format dot",
-        ));
+    if let Some(stage @ ("ast" | "layout" | "kernels")) = args.dump.as_deref() {
+        if matches!(args.format, Format::Dot) {
+            return Err(CliError::usage(format!(
+                "error: --dump {stage} has no Graphviz form; use it without --format dot"
+            )));
+        }
     }
     let loaded = load(&args.model)?;
     let c = &loaded.compiled;

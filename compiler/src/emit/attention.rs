@@ -205,7 +205,7 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let _ = writeln!(b, "    const float scale = {};", float_lit(scale));
     let _ = writeln!(
         b,
-        "    const bool causal = {causal};  // keys j > query i are masked"
+        "    const bool causal = {causal};  // if so, keys j > query i are masked"
     );
     if forward_op {
         forward(&mut b, g, c, n);
@@ -241,7 +241,7 @@ fn each_feat(body: &str, indent: &str) -> String {
 }
 
 fn zeros() -> String {
-    vec!["0.0f"; FEATS].join(", ")
+    ["0.0f"; FEATS].join(", ")
 }
 
 fn forward(b: &mut String, g: &Graph, c: &Ctx, n: NodeIndex) {

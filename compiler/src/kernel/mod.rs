@@ -10,6 +10,7 @@
 
 pub mod fuse;
 pub mod interp;
+pub mod print;
 pub mod view;
 
 use crate::ir::graph::Value;
@@ -18,6 +19,22 @@ use crate::ir::Dim;
 use crate::ops::{BinaryKind, UnaryKind};
 use petgraph::stable_graph::NodeIndex;
 use view::View;
+
+/// The stages after the graph passes, for `fusec passes`.
+pub const STAGES: &[(&str, &str)] = &[
+    (
+        "layout",
+        "transposes, slices, head splits and broadcasts become strided views read in place; a copy only where no view can express it (--dump layout)",
+    ),
+    (
+        "fuse",
+        "elementwise chains, GEMM epilogues (bias, residual, GELU and its backward), casts stored by their producer, multi-tensor groups (--dump kernels)",
+    ),
+    (
+        "plan",
+        "one arena: offsets from liveness, in-place updates and kernels (plan.json, report.txt)",
+    ),
+];
 
 /// What a stored buffer holds, for the memory plan and the report.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
