@@ -50,6 +50,26 @@ inline fs_f16 fs_to_f16(float f) {
 }
 #endif
 
+// 16-byte loads and stores: `n` elements of T (n * sizeof(T) a multiple of
+// 16, both addresses 16-byte aligned) in ld.global.v4 / st.global.v4.
+#ifdef __CUDA_ARCH__
+template <typename T, int N>
+__device__ __forceinline__ void fs_vload(T (&dst)[N], const T* src) {
+#pragma unroll
+    for (int k = 0; k < (int)(N * sizeof(T) / 16); ++k) reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(src)[k];
+}
+template <typename T, int N>
+__device__ __forceinline__ void fs_vstore(T* dst, const T (&src)[N]) {
+#pragma unroll
+    for (int k = 0; k < (int)(N * sizeof(T) / 16); ++k) reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(src)[k];
+}
+#else
+template <typename T, int N>
+inline void fs_vload(T (&dst)[N], const T* src) { memcpy(dst, src, sizeof dst); }
+template <typename T, int N>
+inline void fs_vstore(T* dst, const T (&src)[N]) { memcpy(dst, src, sizeof src); }
+#endif
+
 // Rounding an f32 to a narrower type and back, where the graph casts.
 __device__ __forceinline__ float fs_round_bf16(float f) { return __uint_as_float(((unsigned int)fs_to_bf16(f)) << 16); }
 __device__ __forceinline__ float fs_round_f16(float f) {

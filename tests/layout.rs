@@ -61,9 +61,10 @@ fn transformers_read_heads_in_place_and_copy_nothing() {
         for k in &p.kernels {
             if let Body::Pointwise(_) = k.body {
                 let first = &g.g[k.nodes[0]].op;
-                let reads_product = g.inputs(k.nodes[0]).iter().any(|x| {
-                    matches!(g.g[x.node].op, Op::MatMul(_)) && g.users(*x).len() == 1
-                });
+                let reads_product = g
+                    .inputs(k.nodes[0])
+                    .iter()
+                    .any(|x| matches!(g.g[x.node].op, Op::MatMul(_)) && g.users(*x).len() == 1);
                 assert!(
                     !(matches!(first, Op::Binary(_)) && reads_product && k.nodes.len() == 1),
                     "{file}: {} adds to a product outside the GEMM",

@@ -97,19 +97,12 @@ impl Access {
         self.strides[axis].to_c()
     }
 
-    /// The element at `row + d` (a row base plus an index on the last axis)
-    /// as a float.
+    /// The element `d` of the last axis after the row base `row`, as a
+    /// float (the last stride is 1 for every view attention reads).
     fn elem(&self, row: &str, d: &str) -> String {
-        let last = self.strides.len() - 1;
-        let idx = self.at_last(row, d, last);
-        self.load(&idx)
-    }
-
-    fn at_last(&self, row: &str, d: &str, last: usize) -> String {
-        if self.strides[last].is_one() {
-            format!("{row} + {d}")
-        } else {
-            format!("{row} + {d} * {}", self.stride(last))
+        match self.strides.last() {
+            Some(s) if !s.is_one() => self.load(&format!("{row} + {d} * {}", s.to_c())),
+            _ => self.load(&format!("{row} + {d}")),
         }
     }
 

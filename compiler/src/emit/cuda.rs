@@ -192,29 +192,144 @@ pub(crate) fn header(g: &Graph, p: &Program, k: &Kernel, source: Option<&str>) -
 fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<&str>) -> String {
     let mut s = header(g, p, k, source);
     let _ = writeln!(s, "    const fs_i64 n = {};", pw.n.to_c());
-    let _ = writeln!(
-        s,
-        "    for (fs_i64 i = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fs_i64)gridDim.x * blockDim.x) {{"
-    );
     let out_dt = |slot: usize| p.buffers[k.outputs[slot]].ty.dtype;
+    let grid_stride = "i += (fs_i64)gridDim.x * blockDim.x";
+    let first = "(fs_i64)blockIdx.x * blockDim.x + threadIdx.x";
     // An integer copy moves the bits: no trip through f32.
     if let ([PExpr::Load { input, view }], [(slot, 0)]) = (&pw.exprs[..], &pw.stores[..]) {
         if out_dt(*slot) == DType::I32 {
             let _ = writeln!(
                 s,
-                "        out{slot}[i] = in{input}[{}];\n    }}\n}}",
+                "    for (fs_i64 i = {first}; i < n; {grid_stride}) {{\n        out{slot}[i] = in{input}[{}];\n    }}\n}}",
                 index(view)
             );
             return s;
         }
     }
+    let in_dt = |input: usize| p.buffers[k.inputs[input]].ty.dtype;
+    // Inputs read contiguously (element i of the buffer for element i).
+    let mut vector_inputs: Vec<usize> = Vec::new();
+    for e in &pw.exprs {
+        if let PExpr::Load { input, view } = e {
+            if view.is_contiguous() && !vector_inputs.contains(input) {
+                vector_inputs.push(*input);
+            }
+        }
+    }
+    let vec = vector_width(p, k, pw);
+    let _ = writeln!(
+        s,
+        "    // {vec} elements per thread in 16-byte loads and stores, then the tail one by one."
+    );
+    let _ = writeln!(s, "    const fs_i64 nv = n / {vec};");
+    let _ = writeln!(
+        s,
+        "    for (fs_i64 w = {first}; w < nv; w += (fs_i64)gridDim.x * blockDim.x) {{"
+    );
+    let _ = writeln!(s, "        const fs_i64 i0 = w * {vec};");
+    for &input in &vector_inputs {
+        let _ = writeln!(
+            s,
+            "        alignas(16) {} l{input}[{vec}];\n        fs_vload(l{input}, &in{input}[i0]);",
+            c_type(in_dt(input))
+        );
+    }
+    for (slot, _) in pw.stores.iter() {
+        let _ = writeln!(
+            s,
+            "        alignas(16) {} s{slot}[{vec}];",
+            c_type(out_dt(*slot))
+        );
+    }
+    let _ = writeln!(
+        s,
+        "#pragma unroll\n        for (int e = 0; e < {vec}; ++e) {{"
+    );
+    let strided = pw
+        .exprs
+        .iter()
+        .any(|e| matches!(e, PExpr::Load { view, .. } if !view.is_contiguous()));
+    if strided {
+        let _ = writeln!(s, "            const fs_i64 i = i0 + e;");
+    }
+    let body = element_body(p, k, pw, "            ", &|input, view| {
+        if view.is_contiguous() {
+            format!("l{input}[e]")
+        } else {
+            format!("in{input}[{}]", index(view))
+        }
+    });
+    s.push_str(&body);
+    for &(slot, e) in &pw.stores {
+        let _ = writeln!(
+            s,
+            "            s{slot}[e] = {};",
+            store(out_dt(slot), &format!("v{e}"))
+        );
+    }
+    let _ = writeln!(s, "        }}");
+    for (slot, _) in pw.stores.iter() {
+        let _ = writeln!(s, "        fs_vstore(&out{slot}[i0], s{slot});");
+    }
+    let _ = writeln!(s, "    }}");
+    let _ = writeln!(
+        s,
+        "    for (fs_i64 i = nv * {vec} + {first}; i < n; {grid_stride}) {{"
+    );
+    let body = element_body(p, k, pw, "        ", &|input, view| {
+        format!("in{input}[{}]", index(view))
+    });
+    s.push_str(&body);
+    for &(slot, e) in &pw.stores {
+        let _ = writeln!(
+            s,
+            "        out{slot}[i] = {};",
+            store(out_dt(slot), &format!("v{e}"))
+        );
+    }
+    let _ = writeln!(s, "    }}\n}}");
+    s
+}
+
+/// Elements each thread of a pointwise kernel computes per iteration: 16
+/// bytes of the narrowest contiguous access (8 for bf16, 4 for f32).
+pub fn vector_width(p: &Program, k: &Kernel, pw: &Pointwise) -> u64 {
+    let narrowest = pw
+        .exprs
+        .iter()
+        .filter_map(|e| match e {
+            PExpr::Load { input, view } if view.is_contiguous() => {
+                Some(p.buffers[k.inputs[*input]].ty.dtype)
+            }
+            _ => None,
+        })
+        .chain(
+            pw.stores
+                .iter()
+                .map(|&(slot, _)| p.buffers[k.outputs[slot]].ty.dtype),
+        )
+        .map(|dt| dt.size_bytes())
+        .min()
+        .unwrap_or(4);
+    16 / narrowest.clamp(1, 16) as u64
+}
+
+/// The expressions of one element as `const float vJ = ...;` lines; `at`
+/// gives the C lvalue a load reads.
+fn element_body(
+    p: &Program,
+    k: &Kernel,
+    pw: &Pointwise,
+    indent: &str,
+    at: &dyn Fn(usize, &View) -> String,
+) -> String {
+    let mut s = String::new();
     for (j, e) in pw.exprs.iter().enumerate() {
         let v = |i: &usize| format!("v{i}");
         let rhs = match e {
-            PExpr::Load { input, view } => load(
-                p.buffers[k.inputs[*input]].ty.dtype,
-                &format!("in{input}[{}]", index(view)),
-            ),
+            PExpr::Load { input, view } => {
+                load(p.buffers[k.inputs[*input]].ty.dtype, &at(*input, view))
+            }
             PExpr::Const(c) => float_lit(*c),
             PExpr::Dim(d) => format!("(float){}", d.to_c()),
             PExpr::Unary(u, a) => unary(*u, &v(a)),
@@ -227,15 +342,7 @@ fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<
                 DType::I32 => format!("(float)(int){}", v(a)),
             },
         };
-        let _ = writeln!(s, "        const float v{j} = {rhs};");
+        let _ = writeln!(s, "{indent}const float v{j} = {rhs};");
     }
-    for &(slot, e) in &pw.stores {
-        let _ = writeln!(
-            s,
-            "        out{slot}[i] = {};",
-            store(out_dt(slot), &format!("v{e}"))
-        );
-    }
-    let _ = writeln!(s, "    }}\n}}");
     s
 }

@@ -358,7 +358,14 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
                     }),
                     _ => None,
                 },
-                grid: shape.as_ref().and_then(|s| grid(s, &env)),
+                grid: match (&k.body, &shape) {
+                    // Each thread takes a 16-byte vector of elements.
+                    (Body::Pointwise(pw), Some(Shape::Elements(n))) => n.eval(&env).map(|n| {
+                        let vec = crate::emit::cuda::vector_width(p, k, pw);
+                        ((n as u64).div_ceil(vec).div_ceil(BLOCK)).clamp(1, 1 << 20)
+                    }),
+                    _ => shape.as_ref().and_then(|s| grid(s, &env)),
+                },
                 block: shape.map(|_| BLOCK),
             }
         })
