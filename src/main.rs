@@ -13,7 +13,7 @@ use std::process::ExitCode;
     long_about = "fusec turns a model written in its small DSL into one training step \
 (forward, backward and optimizer update) as fused CUDA kernels and a static memory plan.\n\n\
 Start with `fusec check dsl-examples/gpt2-small.dsl`, then `fusec build`.",
-    after_help = "Exit status: 0 ok, 1 the model file has an error, 2 the command line is wrong."
+    after_help = "Exit status: 0 ok, 1 the model file has an error, 2 the command line is wrong, 3 the GPU, data or a run failed."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -28,6 +28,10 @@ enum Command {
     Build(cli::build::BuildArgs),
     /// List the graph passes in the order `fusec build` runs them
     Passes,
+    /// Train a model on a GPU: compile, load, and run steps
+    Train(cli::train::TrainArgs),
+    /// Time the compiled step on a GPU and print one JSON line
+    Bench(cli::train::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -35,6 +39,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Check(a) => cli::check::run(&a),
         Command::Build(a) => cli::build::run(&a),
+        Command::Train(a) => cli::train::train(&a),
+        Command::Bench(a) => cli::train::bench(&a),
         Command::Passes => {
             let passes = fusec_compiler::passes::forward_pipeline()
                 .into_iter()

@@ -9,7 +9,6 @@ use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
 use fusec_compiler::ir::{dot::to_dot, print::print_graph};
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::plan::{plan, report::report};
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -47,49 +46,6 @@ pub struct BuildArgs {
     /// Format of --dump and --dump-after: readable text or Graphviz dot
     #[arg(long, value_enum, default_value = "text")]
     pub format: Format,
-}
-
-/// --batch, --seq and --dim as one map; B and T are the names the shipped
-/// models use for batch and sequence.
-fn dim_sizes(args: &BuildArgs, declared: &[String]) -> Result<BTreeMap<String, i64>, CliError> {
-    let mut dims = BTreeMap::new();
-    let mut set = |name: &str, v: i64, flag: &str| -> Result<(), CliError> {
-        if v <= 0 {
-            return Err(CliError::usage(format!(
-                "error: {flag} must be a positive size, found {v}"
-            )));
-        }
-        if !declared.iter().any(|d| d == name) {
-            let list = if declared.is_empty() {
-                "none".to_string()
-            } else {
-                declared.join(", ")
-            };
-            return Err(CliError::usage(format!(
-                "error: {flag}: the model has no dimension `{name}`; its dimensions are: {list}"
-            )));
-        }
-        dims.insert(name.to_string(), v);
-        Ok(())
-    };
-    if let Some(b) = args.batch {
-        set("B", b, "--batch")?;
-    }
-    if let Some(t) = args.seq {
-        set("T", t, "--seq")?;
-    }
-    for d in &args.dims {
-        let parsed = d
-            .split_once('=')
-            .and_then(|(k, v)| Some((k.trim(), v.trim().parse::<i64>().ok()?)));
-        let Some((k, v)) = parsed else {
-            return Err(CliError::usage(format!(
-                "error: --dim expects NAME=N, found `{d}`"
-            )));
-        };
-        set(k, v, &format!("--dim {k}"))?;
-    }
-    Ok(dims)
 }
 
 fn device_name(s: &str) -> Result<String, String> {
@@ -222,7 +178,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     }
     written.push(kdir.join(format!("*.cu ({} kernels)", kernels.len())));
 
-    let dims = dim_sizes(args, &c.optimized.dims)?;
+    let dims = super::common::dim_sizes(args.batch, args.seq, &args.dims, &c.optimized.dims)?;
     let missing: Vec<&String> = c
         .optimized
         .dims

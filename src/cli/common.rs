@@ -85,3 +85,51 @@ pub fn thousands(n: i64) -> String {
         out
     }
 }
+
+/// --batch, --seq and --dim as one map; B and T are the names the shipped
+/// models use for batch and sequence.
+pub fn dim_sizes(
+    batch: Option<i64>,
+    seq: Option<i64>,
+    dim_args: &[String],
+    declared: &[String],
+) -> Result<std::collections::BTreeMap<String, i64>, CliError> {
+    let mut dims = std::collections::BTreeMap::new();
+    let mut set = |name: &str, v: i64, flag: &str| -> Result<(), CliError> {
+        if v <= 0 {
+            return Err(CliError::usage(format!(
+                "error: {flag} must be a positive size, found {v}"
+            )));
+        }
+        if !declared.iter().any(|d| d == name) {
+            let list = if declared.is_empty() {
+                "none".to_string()
+            } else {
+                declared.join(", ")
+            };
+            return Err(CliError::usage(format!(
+                "error: {flag}: the model has no dimension `{name}`; its dimensions are: {list}"
+            )));
+        }
+        dims.insert(name.to_string(), v);
+        Ok(())
+    };
+    if let Some(b) = batch {
+        set("B", b, "--batch")?;
+    }
+    if let Some(t) = seq {
+        set("T", t, "--seq")?;
+    }
+    for d in dim_args {
+        let parsed = d
+            .split_once('=')
+            .and_then(|(k, v)| Some((k.trim(), v.trim().parse::<i64>().ok()?)));
+        let Some((k, v)) = parsed else {
+            return Err(CliError::usage(format!(
+                "error: --dim expects NAME=N, found `{d}`"
+            )));
+        };
+        set(k, v, &format!("--dim {k}"))?;
+    }
+    Ok(dims)
+}

@@ -715,8 +715,16 @@ impl Fuser<'_> {
         }
         let same_type = |v: Value| self.g.ty(v) == yt;
         let ins = self.g.inputs(u);
+        // cuBLASLt's GELU epilogues store the pre-activation with a leading
+        // dimension that must be a multiple of 8.
+        let aux_ok = yt
+            .shape
+            .last()
+            .and_then(|d| d.as_const())
+            .is_some_and(|n| n % 8 == 0);
         if let Op::UnaryGrad(ug) = &self.g.g[u].op {
             let ok = ug.kind == UnaryKind::Gelu
+                && aux_ok
                 && chain.len() == 1
                 && ins[1] == y
                 && ins[0] != y
@@ -765,7 +773,7 @@ impl Fuser<'_> {
             outs: vec![prev],
         };
         // GELU of the biased product, stored beside its input.
-        if residual.is_none() {
+        if residual.is_none() && aux_ok {
             for (v, _) in self.g.users(prev) {
                 let is_gelu =
                     matches!(&self.g.g[v].op, Op::Unary(un) if un.kind == UnaryKind::Gelu);

@@ -1,0 +1,202 @@
+//! Training data: token shards in llm.c's `.bin` format (a header of 256
+//! little-endian i32 — magic 20240520, version 1, token count — then uint16
+//! tokens) and plain text read as bytes (one token per byte, vocabulary
+//! 256). Batches are windows of T + 1 tokens: the first T are the inputs,
+//! the last T the targets. A background thread prepares the next batch
+//! while the GPU runs the current step.
+
+use std::path::Path;
+use std::sync::mpsc;
+
+pub const MAGIC: i32 = 20240520;
+
+#[derive(Debug)]
+pub struct DataError(pub String);
+
+impl std::fmt::Display for DataError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for DataError {}
+
+/// Every token of a data file.
+pub fn load_tokens(path: &Path) -> Result<Vec<u32>, DataError> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| DataError(format!("cannot read the data file {}: {e}", path.display())))?;
+    if path.extension().is_some_and(|e| e == "bin") {
+        parse_bin(&bytes).map_err(|m| DataError(format!("{}: {m}", path.display())))
+    } else {
+        if bytes.is_empty() {
+            return Err(DataError(format!("{}: the file is empty", path.display())));
+        }
+        Ok(bytes.iter().map(|&b| b as u32).collect())
+    }
+}
+
+/// An llm.c token shard.
+pub fn parse_bin(bytes: &[u8]) -> Result<Vec<u32>, String> {
+    if bytes.len() < 1024 {
+        return Err(format!(
+            "too short for an llm.c token shard ({} bytes; the header alone is 1024)",
+            bytes.len()
+        ));
+    }
+    let header: Vec<i32> = bytes[..1024]
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    if header[0] != MAGIC {
+        return Err(format!(
+            "not an llm.c token shard (magic {}, expected {MAGIC}); plain text must not end in .bin",
+            header[0]
+        ));
+    }
+    if header[1] != 1 {
+        return Err(format!(
+            "token shard version {} (only version 1, uint16 tokens, is read)",
+            header[1]
+        ));
+    }
+    let count = usize::try_from(header[2]).map_err(|_| "negative token count".to_string())?;
+    let body = &bytes[1024..];
+    if body.len() < count * 2 {
+        return Err(format!(
+            "truncated: the header promises {count} tokens ({} bytes), the file has {} bytes after it",
+            count * 2,
+            body.len()
+        ));
+    }
+    Ok(body[..count * 2]
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
+        .collect())
+}
+
+/// Writes tokens as an llm.c shard (for tests and examples).
+pub fn write_bin(path: &Path, tokens: &[u16]) -> std::io::Result<()> {
+    let mut out = Vec::with_capacity(1024 + tokens.len() * 2);
+    let mut header = [0i32; 256];
+    header[0] = MAGIC;
+    header[1] = 1;
+    header[2] = tokens.len() as i32;
+    for h in header {
+        out.extend_from_slice(&h.to_le_bytes());
+    }
+    for t in tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    std::fs::write(path, out)
+}
+
+/// One batch: inputs and targets, each B*T tokens, row-major [B, T].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    pub inputs: Vec<i32>,
+    pub targets: Vec<i32>,
+}
+
+/// Consecutive windows through the tokens, wrapping around at the end.
+pub struct Batches {
+    tokens: Vec<u32>,
+    b: usize,
+    t: usize,
+    pos: usize,
+}
+
+impl Batches {
+    /// Checks that the data can fill a batch and that every token is below
+    /// `vocab` (the model's embedding rows).
+    pub fn new(
+        tokens: Vec<u32>,
+        b: usize,
+        t: usize,
+        vocab: Option<u32>,
+    ) -> Result<Batches, DataError> {
+        if tokens.len() < t + 1 {
+            return Err(DataError(format!(
+                "the data has {} tokens; one sequence needs T + 1 = {}",
+                tokens.len(),
+                t + 1
+            )));
+        }
+        if let Some(v) = vocab {
+            if let Some((i, bad)) = tokens.iter().enumerate().find(|(_, &x)| x >= v) {
+                return Err(DataError(format!(
+                    "token {bad} at position {i} is outside the model's vocabulary of {v}"
+                )));
+            }
+        }
+        Ok(Batches {
+            tokens,
+            b,
+            t,
+            pos: 0,
+        })
+    }
+
+    pub fn next_batch(&mut self) -> Batch {
+        let (b, t) = (self.b, self.t);
+        let mut inputs = Vec::with_capacity(b * t);
+        let mut targets = Vec::with_capacity(b * t);
+        for _ in 0..b {
+            if self.pos + t + 1 > self.tokens.len() {
+                self.pos = 0;
+            }
+            let w = &self.tokens[self.pos..self.pos + t + 1];
+            inputs.extend(w[..t].iter().map(|&x| x as i32));
+            targets.extend(w[1..].iter().map(|&x| x as i32));
+            self.pos += t;
+        }
+        Batch { inputs, targets }
+    }
+
+    /// The batches, prepared on a background thread two ahead.
+    pub fn prefetch(mut self) -> mpsc::Receiver<Batch> {
+        let (tx, rx) = mpsc::sync_channel(2);
+        std::thread::spawn(move || while tx.send(self.next_batch()).is_ok() {});
+        rx
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_round_trip_and_bad_ones_are_named() {
+        let dir = std::env::temp_dir().join(format!("fusec-data-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("t.bin");
+        write_bin(&p, &[1, 2, 3, 65535]).unwrap();
+        assert_eq!(load_tokens(&p).unwrap(), vec![1, 2, 3, 65535]);
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes.truncate(1024 + 5);
+        let e = parse_bin(&bytes).unwrap_err();
+        assert!(e.contains("truncated"), "{e}");
+        bytes[..4].copy_from_slice(&7i32.to_le_bytes());
+        assert!(parse_bin(&bytes).unwrap_err().contains("magic 7"));
+        assert!(parse_bin(b"short").unwrap_err().contains("too short"));
+        let missing = load_tokens(&dir.join("none.bin")).unwrap_err().0;
+        assert!(missing.contains("cannot read"), "{missing}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn batches_are_shifted_windows_and_wrap() {
+        let tokens: Vec<u32> = (0..10).collect();
+        let mut b = Batches::new(tokens, 2, 3, Some(10)).unwrap();
+        let x = b.next_batch();
+        assert_eq!(x.inputs, vec![0, 1, 2, 3, 4, 5]);
+        assert_eq!(x.targets, vec![1, 2, 3, 4, 5, 6]);
+        let y = b.next_batch();
+        assert_eq!(y.inputs, vec![6, 7, 8, 0, 1, 2]);
+        assert!(Batches::new(vec![1, 2], 1, 3, None).is_err());
+        let e = Batches::new(vec![1, 300, 2, 3, 4], 1, 3, Some(256))
+            .err()
+            .unwrap()
+            .0;
+        assert!(e.contains("token 300 at position 1"), "{e}");
+    }
+}

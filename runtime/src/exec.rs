@@ -1,0 +1,454 @@
+//! One training step on the GPU, as the plan lays it out: one arena, every
+//! buffer at its planned offset, the kernels launched in plan order (the
+//! generated ones from their cubins, GEMMs through cuBLASLt with their
+//! epilogues).
+
+use crate::device::Gpu;
+use crate::gemm::{Elem, EpiloguePtrs, Gemm, GemmSpec};
+use crate::RuntimeError;
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use fusec_compiler::ir::graph::Role;
+use fusec_compiler::ir::types::DType;
+use fusec_compiler::ir::{Dim, Graph};
+use fusec_compiler::kernel::{Body, BufKind, Kernel, Program};
+use fusec_compiler::ops::Op;
+use fusec_compiler::plan::Plan;
+use std::collections::{BTreeMap, HashMap};
+
+enum Step {
+    Kernel {
+        func: CudaFunction,
+        grid: u32,
+        block: u32,
+        args: Vec<u64>,
+    },
+    Gemm {
+        spec: GemmSpec,
+        a: u64,
+        b: u64,
+        d: u64,
+        ep: EpiloguePtrs,
+    },
+}
+
+struct Launch {
+    name: String,
+    step: Step,
+}
+
+/// A buffer of the plan as the executor sees it.
+#[derive(Clone, Debug)]
+pub struct Slot {
+    pub offset: u64,
+    pub bytes: u64,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub kind: BufKind,
+}
+
+pub struct Executor {
+    pub gpu: Gpu,
+    arena: CudaSlice<u8>,
+    base: u64,
+    launches: Vec<Launch>,
+    gemm: Option<Gemm>,
+    dims: Vec<i64>,
+    pub slots: Vec<Slot>,
+    /// Buffers of named sources: inputs, parameters, optimizer state.
+    pub inputs: HashMap<String, usize>,
+    pub params: HashMap<String, usize>,
+    pub state: HashMap<String, usize>,
+    pub loss: Option<usize>,
+    pub grad_norm: Option<usize>,
+    pub arena_bytes: u64,
+}
+
+fn elem(dt: DType) -> Result<Elem, RuntimeError> {
+    Ok(match dt {
+        DType::F32 => Elem::F32,
+        DType::BF16 => Elem::BF16,
+        DType::F16 => Elem::F16,
+        DType::I32 => {
+            return Err(RuntimeError::Unsupported(
+                "a matrix product of integers".into(),
+            ))
+        }
+    })
+}
+
+fn eval(d: &Dim, dims: &BTreeMap<String, i64>) -> Result<u64, RuntimeError> {
+    d.eval(&|s| dims.get(s).copied())
+        .and_then(|v| u64::try_from(v).ok())
+        .ok_or_else(|| RuntimeError::Unsupported(format!("the size {d} is not known")))
+}
+
+/// The row-major product a matmul kernel computes, from its operands'
+/// types and the views it reads them through.
+fn gemm_spec(
+    g: &Graph,
+    p: &Program,
+    k: &Kernel,
+    n: petgraph::stable_graph::NodeIndex,
+    dims: &BTreeMap<String, i64>,
+) -> Result<GemmSpec, RuntimeError> {
+    let ins = g.inputs(n);
+    let (ta, tb) = (g.ty(ins[0]).clone(), g.ty(ins[1]).clone());
+    let out = &g.g[n].outputs[0];
+    let r = out.shape.len();
+    let (ra, rb) = (ta.rank(), tb.rank());
+    let m = eval(&out.shape[r - 2], dims)?;
+    let nn = eval(&out.shape[r - 1], dims)?;
+    let kk = eval(&ta.shape[ra - 1], dims)?;
+    let numel = |s: &[Dim]| -> Result<u64, RuntimeError> {
+        s.iter().try_fold(1u64, |acc, d| Ok(acc * eval(d, dims)?))
+    };
+    let batch = numel(&out.shape[..r - 2])?;
+    let a_transposed = k.input_views.first().is_some_and(|v| v.is_some());
+    let b_transposed = k.input_views.get(1).is_some_and(|v| v.is_some());
+    let batch_a = numel(&ta.shape[..ra - 2])?;
+    let batch_b = numel(&tb.shape[..rb - 2])?;
+    if (batch_a != 1 && batch_a != batch) || (batch_b != 1 && batch_b != batch) {
+        return Err(RuntimeError::Unsupported(format!(
+            "kernel {}: a product whose operands broadcast only some batch axes",
+            k.name
+        )));
+    }
+    let in_type = elem(ta.dtype)?;
+    let out_type = elem(p.buffers[k.outputs[0]].ty.dtype)?;
+    // A stack of rows times one matrix is one tall product.
+    if batch_b == 1 && batch > 1 && !a_transposed {
+        return Ok(GemmSpec {
+            m: m * batch,
+            n: nn,
+            k: kk,
+            batch: 1,
+            a_transposed,
+            b_transposed,
+            batch_stride_a: 0,
+            batch_stride_b: 0,
+            batch_stride_d: 0,
+            in_type,
+            out_type,
+        });
+    }
+    Ok(GemmSpec {
+        m,
+        n: nn,
+        k: kk,
+        batch,
+        a_transposed,
+        b_transposed,
+        batch_stride_a: if batch_a == 1 { 0 } else { m * kk },
+        batch_stride_b: if batch_b == 1 { 0 } else { kk * nn },
+        batch_stride_d: m * nn,
+        in_type,
+        out_type,
+    })
+}
+
+impl Executor {
+    /// Allocates the arena and loads every kernel. `cubins[i]` is the image
+    /// of `sources[i]` (kernel name, CUDA C).
+    pub fn new(
+        gpu: Gpu,
+        g: &Graph,
+        p: &Program,
+        plan: &Plan,
+        sources: &[(String, String)],
+        cubins: Vec<Vec<u8>>,
+    ) -> Result<Executor, RuntimeError> {
+        let free = gpu.free_bytes()?;
+        // cuBLASLt's workspace and the context need some room too.
+        let need = plan.arena_bytes + (64 << 20);
+        if need > free {
+            return Err(RuntimeError::OutOfMemory {
+                need_gib: need as f64 / (1u64 << 30) as f64,
+                free_gib: free as f64 / (1u64 << 30) as f64,
+            });
+        }
+        let arena = gpu
+            .stream
+            .alloc_zeros::<u8>(plan.arena_bytes.max(256) as usize)
+            .map_err(|e| RuntimeError::driver("allocating the arena", e))?;
+        let base = {
+            let (ptr, _sync) = arena.device_ptr(&gpu.stream);
+            ptr
+        };
+        let mut slots = Vec::with_capacity(p.buffers.len());
+        for (i, b) in p.buffers.iter().enumerate() {
+            let pb = &plan.buffers[i];
+            slots.push(Slot {
+                offset: pb.offset,
+                bytes: pb.bytes,
+                dtype: b.ty.dtype,
+                shape: pb.shape.iter().map(|&d| d.max(0) as usize).collect(),
+                kind: b.kind,
+            });
+        }
+        let (mut inputs, mut params, mut state) = (HashMap::new(), HashMap::new(), HashMap::new());
+        for (i, b) in p.buffers.iter().enumerate() {
+            match (&g.g[b.value.node].op, b.kind) {
+                (Op::Input(x), BufKind::Input) => {
+                    inputs.insert(x.name.clone(), i);
+                }
+                (Op::Param(x), BufKind::Param) => {
+                    params.insert(x.name.clone(), i);
+                }
+                (Op::State(x), BufKind::State) => {
+                    state.insert(x.name.clone(), i);
+                }
+                _ => {}
+            }
+        }
+        let find = |role: &Role| {
+            g.outputs
+                .iter()
+                .find(|(r, _)| r == role)
+                .and_then(|(_, v)| p.buffer_of(*v))
+        };
+        let dims: Vec<i64> = g
+            .dims
+            .iter()
+            .map(|d| {
+                plan.dims.get(d).copied().ok_or_else(|| {
+                    RuntimeError::Unsupported(format!("the size of dimension {d} is not set"))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let by_name: HashMap<&str, usize> = sources
+            .iter()
+            .enumerate()
+            .map(|(i, (n, _))| (n.as_str(), i))
+            .collect();
+        let mut modules = HashMap::new();
+        let ptr = |b: usize| base + slots[b].offset;
+        let mut launches = Vec::with_capacity(p.kernels.len());
+        let mut gemm = None;
+        for (ki, k) in p.kernels.iter().enumerate() {
+            let l = &plan.launches[ki];
+            let step = match (&k.body, by_name.get(k.name.as_str())) {
+                (Body::Gemm(n, _), _) | (Body::Op(n), None)
+                    if matches!(g.g[*n].op, Op::MatMul(_)) =>
+                {
+                    let spec = gemm_spec(g, p, k, *n, &plan.dims)?;
+                    let mut ep = EpiloguePtrs::default();
+                    if let Body::Gemm(_, e) = &k.body {
+                        ep.bias = e.bias.map(|s| ptr(k.inputs[s]));
+                        ep.residual = e.residual.map(|s| ptr(k.inputs[s]));
+                        ep.dgelu_aux_in = e.dgelu.map(|s| ptr(k.inputs[s]));
+                        if e.gelu {
+                            ep.gelu_aux_out = Some(ptr(k.outputs[1]));
+                        }
+                    }
+                    if gemm.is_none() {
+                        gemm = Some(
+                            Gemm::new(&gpu.stream)
+                                .map_err(|e| RuntimeError::Gemm(e.to_string()))?,
+                        );
+                    }
+                    Step::Gemm {
+                        spec,
+                        a: ptr(k.inputs[0]),
+                        b: ptr(k.inputs[1]),
+                        d: ptr(k.outputs[0]),
+                        ep,
+                    }
+                }
+                (_, Some(&si)) => {
+                    let module = match modules.get(&si) {
+                        Some(m) => std::sync::Arc::clone(m),
+                        None => {
+                            let m = gpu
+                                .ctx
+                                .load_module(cudarc::nvrtc::Ptx::from_binary(cubins[si].clone()))
+                                .map_err(|e| {
+                                    RuntimeError::driver(&format!("loading kernel {}", k.name), e)
+                                })?;
+                            modules.insert(si, std::sync::Arc::clone(&m));
+                            m
+                        }
+                    };
+                    let func = module.load_function(&k.name).map_err(|e| {
+                        RuntimeError::driver(&format!("finding kernel {}", k.name), e)
+                    })?;
+                    let args = k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
+                    Step::Kernel {
+                        func,
+                        grid: l.grid.unwrap_or(1).clamp(1, u32::MAX as u64) as u32,
+                        block: l.block.unwrap_or(256) as u32,
+                        args,
+                    }
+                }
+                (_, None) => {
+                    let what: Vec<&str> = k.nodes.iter().map(|&n| g.g[n].op.name()).collect();
+                    return Err(RuntimeError::Unsupported(format!(
+                        "kernel {} ({}) has no generated code and no library call yet",
+                        k.name,
+                        what.join(" + ")
+                    )));
+                }
+            };
+            launches.push(Launch {
+                name: k.name.clone(),
+                step,
+            });
+        }
+        Ok(Executor {
+            gpu,
+            arena,
+            base,
+            launches,
+            gemm,
+            dims,
+            slots,
+            inputs,
+            params,
+            state,
+            loss: find(&Role::Loss),
+            grad_norm: find(&Role::GradNorm),
+            arena_bytes: plan.arena_bytes,
+        })
+    }
+
+    pub fn kernel_count(&self) -> usize {
+        self.launches.len()
+    }
+
+    pub fn kernel_name(&self, i: usize) -> &str {
+        &self.launches[i].name
+    }
+
+    /// Launches kernel `i` (asynchronously, on the executor's stream).
+    pub fn launch(&mut self, i: usize) -> Result<(), RuntimeError> {
+        let l = &self.launches[i];
+        match &l.step {
+            Step::Kernel {
+                func,
+                grid,
+                block,
+                args,
+            } => {
+                let mut b = self.gpu.stream.launch_builder(func);
+                for a in args {
+                    b.arg(a);
+                }
+                for d in &self.dims {
+                    b.arg(d);
+                }
+                let cfg = LaunchConfig {
+                    grid_dim: (*grid, 1, 1),
+                    block_dim: (*block, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: the arguments match the kernel's signature (inputs,
+                // outputs, then every symbolic size, as the emitter writes
+                // it) and every pointer lies inside the arena.
+                unsafe { b.launch(cfg) }
+                    .map_err(|e| RuntimeError::driver(&format!("launching {}", l.name), e))?;
+            }
+            Step::Gemm { spec, a, b, d, ep } => {
+                let gemm = self.gemm.as_mut().expect("created with the first GEMM");
+                gemm.run(spec, *a, *b, *d, ep)
+                    .map_err(|e| RuntimeError::Gemm(format!("kernel {}: {e}", l.name)))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every kernel of the step, in plan order.
+    pub fn run_step(&mut self) -> Result<(), RuntimeError> {
+        for i in 0..self.launches.len() {
+            self.launch(i)?;
+        }
+        Ok(())
+    }
+
+    pub fn synchronize(&self) -> Result<(), RuntimeError> {
+        self.gpu
+            .stream
+            .synchronize()
+            .map_err(|e| RuntimeError::driver("running the step", e))
+    }
+
+    /// Copies host bytes into buffer `b` (exactly its size).
+    pub fn write(&mut self, b: usize, bytes: &[u8]) -> Result<(), RuntimeError> {
+        let s = &self.slots[b];
+        if bytes.len() as u64 != s.bytes {
+            return Err(RuntimeError::Unsupported(format!(
+                "buffer {b} holds {} bytes, given {}",
+                s.bytes,
+                bytes.len()
+            )));
+        }
+        let (lo, hi) = (s.offset as usize, (s.offset + s.bytes) as usize);
+        let mut view = self.arena.slice_mut(lo..hi);
+        self.gpu
+            .stream
+            .memcpy_htod(bytes, &mut view)
+            .map_err(|e| RuntimeError::driver("copying to the GPU", e))
+    }
+
+    /// Buffer `b`'s bytes (waits for the stream).
+    pub fn read(&self, b: usize) -> Result<Vec<u8>, RuntimeError> {
+        let s = &self.slots[b];
+        let (lo, hi) = (s.offset as usize, (s.offset + s.bytes) as usize);
+        let mut out = vec![0u8; s.bytes as usize];
+        let view = self.arena.slice(lo..hi);
+        self.gpu
+            .stream
+            .memcpy_dtoh(&view, &mut out)
+            .map_err(|e| RuntimeError::driver("copying from the GPU", e))?;
+        self.synchronize()?;
+        Ok(out)
+    }
+
+    /// Fills every byte of the arena with `byte` (tests poison it).
+    pub fn fill(&mut self, byte: u8) -> Result<(), RuntimeError> {
+        let host = vec![byte; self.arena.len()];
+        self.gpu
+            .stream
+            .memcpy_htod(&host, &mut self.arena)
+            .map_err(|e| RuntimeError::driver("filling the arena", e))
+    }
+
+    /// The arena's device address (for diagnostics).
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+}
+
+/// Host values as a buffer's bytes.
+pub fn encode(dt: DType, values: &[f64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * dt.size_bytes());
+    for &v in values {
+        match dt {
+            DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+            DType::BF16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+            DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// A buffer's bytes as host values.
+pub fn decode(dt: DType, bytes: &[u8]) -> Vec<f64> {
+    match dt {
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+            .collect(),
+        DType::I32 => bytes
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+            .collect(),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
+    }
+}

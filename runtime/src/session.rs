@@ -1,0 +1,164 @@
+//! A training session: the compiled step made ready on a GPU (kernels
+//! compiled or taken from the cache, arena allocated, parameters
+//! initialised), then stepped with batches.
+
+use crate::cache::{self, CacheStats};
+use crate::device::Gpu;
+use crate::exec::{decode, encode, Executor};
+use crate::RuntimeError;
+use fusec_compiler::autodiff::{LR_INPUT, STEP_INPUT};
+use fusec_compiler::emit::cuda::emit_program;
+use fusec_compiler::interp::random::init_tensor;
+use fusec_compiler::ir::types::DType;
+use fusec_compiler::ir::Graph;
+use fusec_compiler::kernel::fuse::fuse;
+use fusec_compiler::kernel::Program;
+use fusec_compiler::plan::{plan, Plan};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+pub struct Session {
+    pub exec: Executor,
+    pub graph: Graph,
+    pub program: Program,
+    pub plan: Plan,
+    pub cache: CacheStats,
+    /// Seconds spent getting cubins (cache reads or NVRTC).
+    pub compile_seconds: f64,
+    pub kernels_generated: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct StepStats {
+    pub loss: f64,
+    pub grad_norm: Option<f64>,
+}
+
+impl Session {
+    /// Fuses, plans, emits and compiles `graph` (an optimized training
+    /// graph) for `gpu` with the given sizes.
+    pub fn new(
+        gpu: Gpu,
+        graph: &Graph,
+        dims: &BTreeMap<String, i64>,
+        cache_dir: Option<&Path>,
+        progress: &(dyn Fn(usize, usize) + Sync),
+    ) -> Result<Session, RuntimeError> {
+        let program = fuse(graph);
+        let plan =
+            plan(graph, &program, dims).map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
+        let sources = emit_program(graph, &program, None);
+        let t0 = Instant::now();
+        let (cubins, stats) = cache::cubins(&sources, &gpu.arch(), cache_dir, progress)?;
+        let compile_seconds = t0.elapsed().as_secs_f64();
+        let exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins)?;
+        Ok(Session {
+            exec,
+            graph: graph.clone(),
+            program,
+            plan,
+            cache: stats,
+            compile_seconds,
+            kernels_generated: sources.len(),
+        })
+    }
+
+    /// Writes `values` into the named input, parameter or state buffer.
+    pub fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
+        let b = self
+            .exec
+            .inputs
+            .get(name)
+            .or_else(|| self.exec.params.get(name))
+            .or_else(|| self.exec.state.get(name))
+            .copied()
+            .ok_or_else(|| {
+                RuntimeError::Unsupported(format!("the step has no buffer named `{name}`"))
+            })?;
+        let slot = &self.exec.slots[b];
+        let n: usize = slot.shape.iter().product();
+        if values.len() != n {
+            return Err(RuntimeError::Unsupported(format!(
+                "`{name}` holds {n} values of shape {:?}, given {}",
+                slot.shape,
+                values.len()
+            )));
+        }
+        let bytes = encode(slot.dtype, values);
+        self.exec.write(b, &bytes)
+    }
+
+    /// The named buffer's values.
+    pub fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        let b = self
+            .exec
+            .inputs
+            .get(name)
+            .or_else(|| self.exec.params.get(name))
+            .or_else(|| self.exec.state.get(name))
+            .copied()
+            .ok_or_else(|| {
+                RuntimeError::Unsupported(format!("the step has no buffer named `{name}`"))
+            })?;
+        Ok(decode(self.exec.slots[b].dtype, &self.exec.read(b)?))
+    }
+
+    /// Parameters from their initialisers (the CPU reference's generator
+    /// and order, so a seed gives the same weights on both), optimizer
+    /// state zero.
+    pub fn init_params(&mut self, seed: u64) -> Result<(), RuntimeError> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let params = self.graph.params.clone();
+        for p in &params {
+            let Some(&b) = self.exec.params.get(&p.name) else {
+                continue; // a parameter nothing reads
+            };
+            let shape = self.exec.slots[b].shape.clone();
+            let t = init_tensor(&p.init, &shape, &mut rng);
+            self.set(&p.name, &t.data)?;
+        }
+        let states: Vec<(usize, u64)> = self
+            .exec
+            .state
+            .values()
+            .map(|&b| (b, self.exec.slots[b].bytes))
+            .collect();
+        for (b, bytes) in states {
+            self.exec.write(b, &vec![0u8; bytes as usize])?;
+        }
+        Ok(())
+    }
+
+    /// One step with learning rate `lr`; `step` counts from 1. Inputs must
+    /// have been set.
+    pub fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError> {
+        if self.exec.inputs.contains_key(LR_INPUT) {
+            self.set(LR_INPUT, &[lr])?;
+        }
+        if self.exec.inputs.contains_key(STEP_INPUT) {
+            self.set(STEP_INPUT, &[step as f64])?;
+        }
+        self.exec.run_step()?;
+        let read = |b: Option<usize>| -> Result<Option<f64>, RuntimeError> {
+            match b {
+                Some(b) => Ok(Some(decode(DType::F32, &self.exec.read(b)?)[0])),
+                None => Ok(None),
+            }
+        };
+        let loss = read(self.exec.loss)?.unwrap_or(f64::NAN);
+        Ok(StepStats {
+            loss,
+            grad_norm: read(self.exec.grad_norm)?,
+        })
+    }
+
+    /// FLOPs of one step as the roofline counts them.
+    pub fn flops(&self) -> f64 {
+        let device = fusec_compiler::plan::roofline::device("h100").expect("a known device");
+        fusec_compiler::plan::roofline::estimate(&self.graph, &self.program, &self.plan, device)
+            .flops
+    }
+}

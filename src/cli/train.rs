@@ -1,0 +1,309 @@
+//! `fusec train` and `fusec bench`: the compiled step on a GPU.
+
+use super::common::{dim_sizes, load, ModelArgs};
+use super::CliError;
+use clap::Args;
+use fusec_runtime::data::{load_tokens, Batches};
+use fusec_runtime::device;
+use fusec_runtime::session::Session;
+use fusec_runtime::RuntimeError;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Training data: an llm.c token shard (.bin), any other file as bytes
+    /// (one token per byte), or `random` (one fixed random batch)
+    #[arg(long, value_name = "FILE")]
+    pub data: String,
+    /// Steps to run
+    #[arg(long, default_value_t = 20)]
+    pub steps: u64,
+    /// Batch size (dimension B)
+    #[arg(long, value_name = "N")]
+    pub batch: Option<i64>,
+    /// Sequence length (dimension T)
+    #[arg(long, value_name = "N")]
+    pub seq: Option<i64>,
+    /// Size of any other symbolic dimension, e.g. --dim B=8 (repeatable)
+    #[arg(long = "dim", value_name = "NAME=N")]
+    pub dims: Vec<String>,
+    /// Learning rate (the model file's optimizer settings are used otherwise)
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Seed for the initial weights (and the random batch)
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Append one JSON line per step (step, loss, grad_norm, ms, tokens_per_s)
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<PathBuf>,
+    /// GPU to use
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[arg(long, value_name = "N")]
+    pub batch: Option<i64>,
+    #[arg(long, value_name = "N")]
+    pub seq: Option<i64>,
+    #[arg(long = "dim", value_name = "NAME=N")]
+    pub dims: Vec<String>,
+    /// Timed steps (after three warm-up steps)
+    #[arg(long, default_value_t = 20)]
+    pub steps: u64,
+    /// Peak dense bf16 rate for MFU, in TFLOP/s (default: the GPU's datasheet figure when known)
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+}
+
+fn runtime_err(e: RuntimeError) -> CliError {
+    CliError {
+        message: format!("error: {e}"),
+        code: 3,
+    }
+}
+
+/// Compiles, plans and loads the step on the GPU, saying what it does.
+fn start(
+    model: &ModelArgs,
+    batch: Option<i64>,
+    seq: Option<i64>,
+    dims: &[String],
+    gpu: usize,
+) -> Result<(Session, BTreeMap<String, i64>, String), CliError> {
+    let loaded = load(model)?;
+    let g = &loaded.compiled.optimized;
+    let dims = dim_sizes(batch, seq, dims, &g.dims)?;
+    let missing: Vec<&str> = g
+        .dims
+        .iter()
+        .filter(|d| !dims.contains_key(*d))
+        .map(|s| s.as_str())
+        .collect();
+    if !missing.is_empty() {
+        return Err(CliError::usage(format!(
+            "error: give the size of {} (--batch for B, --seq for T, --dim NAME=N)",
+            missing.join(", ")
+        )));
+    }
+    let gpu = device::open(gpu).map_err(runtime_err)?;
+    let about = format!(
+        "{} ({}, {:.0} GiB)",
+        gpu.name,
+        gpu.arch(),
+        gpu.total_bytes as f64 / (1u64 << 30) as f64
+    );
+    eprintln!(
+        "{about}: compiling the kernels of {}",
+        loaded.compiled.model.graph.name
+    );
+    let t0 = Instant::now();
+    let progress = |done: usize, total: usize| {
+        if done == total || done.is_multiple_of(16) {
+            eprint!("\r  kernels {done}/{total}");
+            let _ = std::io::stderr().flush();
+        }
+    };
+    let s = Session::new(
+        gpu,
+        g,
+        &dims,
+        Some(&fusec_runtime::cache::default_dir()),
+        &progress,
+    )
+    .map_err(runtime_err)?;
+    eprintln!(
+        "\r  {} kernels ready in {:.1} s ({} from the cache, {} compiled); arena {:.2} GiB",
+        s.kernels_generated,
+        t0.elapsed().as_secs_f64(),
+        s.cache.hits,
+        s.cache.compiled,
+        s.plan.arena_bytes as f64 / (1u64 << 30) as f64
+    );
+    Ok((s, dims, about))
+}
+
+pub fn train(args: &TrainArgs) -> Result<(), CliError> {
+    let loaded = load(&args.model)?;
+    let lr = args
+        .lr
+        .unwrap_or(loaded.compiled.model.train.optimizer.lr());
+    let (mut s, dims, _) = start(&args.model, args.batch, args.seq, &args.dims, args.gpu)?;
+    let token_inputs: Vec<String> = s
+        .exec
+        .inputs
+        .keys()
+        .filter(|k| !k.starts_with("update."))
+        .cloned()
+        .collect();
+    s.init_params(args.seed).map_err(runtime_err)?;
+    let tokens_per_step: i64 =
+        dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1);
+    // Data: a token file feeds `tokens` and `targets`; `random` feeds every input once.
+    let mut batches = None;
+    if args.data == "random" {
+        let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, args.seed)
+            .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
+        for name in &token_inputs {
+            s.set(name, &feeds.inputs[name].data).map_err(runtime_err)?;
+        }
+    } else {
+        for need in ["tokens", "targets"] {
+            if !s.exec.inputs.contains_key(need) {
+                return Err(CliError::usage(format!(
+                    "error: --data {} feeds the inputs `tokens` and `targets`, and this model has no input `{need}` (its inputs: {}); use --data random",
+                    args.data,
+                    token_inputs.join(", ")
+                )));
+            }
+        }
+        let (b, t) = (dims["B"] as usize, dims["T"] as usize);
+        let tokens = load_tokens(std::path::Path::new(&args.data)).map_err(|e| CliError {
+            message: format!("error: {e}"),
+            code: 3,
+        })?;
+        let vocab = fusec_compiler::interp::random::index_bound(
+            &s.graph,
+            fusec_compiler::ir::Value { node: s.graph.g.node_indices().find(|&n| matches!(&s.graph.g[n].op, fusec_compiler::ops::Op::Input(i) if i.name == "tokens")).expect("checked above"), port: 0 },
+            &dims.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+        );
+        let src = Batches::new(tokens, b, t, vocab.map(|v| v as u32)).map_err(|e| CliError {
+            message: format!("error: {}: {e}", args.data),
+            code: 3,
+        })?;
+        batches = Some(src.prefetch());
+    }
+    let mut log =
+        match &args.log {
+            Some(p) => Some(std::fs::File::create(p).map_err(|e| {
+                CliError::usage(format!("error: cannot write {}: {e}", p.display()))
+            })?),
+            None => None,
+        };
+    let mut first_step = None;
+    for step in 1..=args.steps {
+        if let Some(rx) = &batches {
+            let batch = rx.recv().map_err(|_| CliError {
+                message: "error: the data thread stopped".into(),
+                code: 3,
+            })?;
+            let ins: Vec<f64> = batch.inputs.iter().map(|&x| x as f64).collect();
+            let tgs: Vec<f64> = batch.targets.iter().map(|&x| x as f64).collect();
+            s.set("tokens", &ins).map_err(runtime_err)?;
+            s.set("targets", &tgs).map_err(runtime_err)?;
+        }
+        let t0 = Instant::now();
+        let st = s.step(lr, step).map_err(runtime_err)?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        first_step.get_or_insert(ms);
+        let tps = tokens_per_step as f64 / (ms / 1e3);
+        eprintln!(
+            "step {step:>5}/{}  loss {:.4}  {}{ms:.1} ms  {:.0} tok/s",
+            args.steps,
+            st.loss,
+            st.grad_norm
+                .map_or(String::new(), |n| format!("norm {n:.3}  ")),
+            tps
+        );
+        if let Some(f) = &mut log {
+            let _ = writeln!(
+                f,
+                "{{\"step\":{step},\"loss\":{},\"grad_norm\":{},\"ms\":{ms:.3},\"tokens_per_s\":{tps:.1}}}",
+                json_num(st.loss),
+                st.grad_norm.map_or("null".into(), json_num)
+            );
+        }
+        if !st.loss.is_finite() {
+            return Err(CliError {
+                message: format!(
+                    "error: the loss is {} at step {step}; lower the learning rate",
+                    st.loss
+                ),
+                code: 3,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn json_num(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x}")
+    } else {
+        "null".into()
+    }
+}
+
+pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
+    let (mut s, dims, about) = start(&args.model, args.batch, args.seq, &args.dims, args.gpu)?;
+    let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, 1)
+        .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
+    s.init_params(1).map_err(runtime_err)?;
+    let names: Vec<String> = s
+        .exec
+        .inputs
+        .keys()
+        .filter(|k| !k.starts_with("update."))
+        .cloned()
+        .collect();
+    for name in &names {
+        s.set(name, &feeds.inputs[name].data).map_err(runtime_err)?;
+    }
+    for step in 1..=3 {
+        s.step(1e-4, step).map_err(runtime_err)?;
+    }
+    let t0 = Instant::now();
+    for i in 0..args.steps {
+        s.exec.run_step().map_err(runtime_err)?;
+        let _ = i;
+    }
+    s.exec.synchronize().map_err(runtime_err)?;
+    let ms = t0.elapsed().as_secs_f64() * 1e3 / args.steps as f64;
+    let tokens = dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1);
+    let flops = s.flops();
+    let tflops = flops / (ms / 1e3) / 1e12;
+    let peak = args
+        .peak_tflops
+        .or_else(|| datasheet_peak(&s.exec.gpu.name));
+    let used = s.exec.gpu.total_bytes - s.exec.gpu.free_bytes().map_err(runtime_err)?;
+    println!(
+        "{{\"model\":\"{}\",\"device\":\"{}\",\"dims\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tflops\":{tflops:.1},\"mfu\":{},\"peak_memory_gib\":{:.3},\"plan_arena_gib\":{:.3}}}",
+        s.graph.name,
+        about,
+        serde_like(&dims),
+        tokens as f64 / (ms / 1e3),
+        peak.map_or("null".into(), |p| format!("{:.3}", tflops / p)),
+        used as f64 / (1u64 << 30) as f64,
+        s.plan.arena_bytes as f64 / (1u64 << 30) as f64,
+    );
+    Ok(())
+}
+
+fn serde_like(dims: &BTreeMap<String, i64>) -> String {
+    let parts: Vec<String> = dims.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+    format!("{{{}}}", parts.join(","))
+}
+
+/// Dense bf16 tensor-core TFLOP/s from datasheets, for MFU.
+fn datasheet_peak(name: &str) -> Option<f64> {
+    let n = name.to_ascii_uppercase();
+    if n.contains("H100") || n.contains("H200") {
+        Some(989.0)
+    } else if n.contains("A100") {
+        Some(312.0)
+    } else {
+        None
+    }
+}
