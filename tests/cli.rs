@@ -177,6 +177,22 @@ fn dump_prints_one_stage() {
     assert_eq!(code, 0);
     assert!(out.starts_with("kernels of mlp (B): "), "{out}");
     assert!(out.contains("(gemm, epilogue bias)"), "{out}");
+    let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump-after", "fuse"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("kernels of mlp (B): "), "{out}");
+    let (code, _, err) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump-after", "plan"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("needs a size for B"), "{err}");
+    let (code, out, _) = fusec(&[
+        "build",
+        "dsl-examples/mlp.dsl",
+        "--dump-after",
+        "plan",
+        "--batch",
+        "4",
+    ]);
+    assert_eq!(code, 0);
+    assert!(out.contains("\"arena_bytes\""), "{out}");
     let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "layout"]);
     assert_eq!(code, 0);
     assert!(out.contains("stored, row-major (parameter)"), "{out}");

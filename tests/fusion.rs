@@ -23,6 +23,9 @@ fn every_models_fused_program_matches_its_graph() {
         let c = common::compile_with(&src, &name, &sets);
         let g = &c.optimized;
         let program = fuse(g);
+        program
+            .verify()
+            .unwrap_or_else(|p| panic!("{name}: the program is invalid:\n{}", p.join("\n")));
         let feeds = random_feeds(g, &common::dims(&dims), 9).expect("feeds");
         for precision in [Precision::F64, Precision::AsStored] {
             let reference = run(g, &feeds, precision).expect("graph runs");
@@ -73,4 +76,24 @@ fn every_models_fused_program_matches_its_graph() {
         total_fused += fused;
     }
     assert!(total_fused > 0, "nothing fused in any model");
+}
+
+/// The program verifier catches a kernel moved before its input's writer
+/// and a buffer written twice.
+#[test]
+fn the_program_verifier_catches_broken_programs() {
+    let (name, src) = common::example("mlp.dsl");
+    let c = common::compile_with(&src, &name, &[]);
+    let program = fuse(&c.optimized);
+    assert_eq!(program.verify(), Ok(()));
+    let mut swapped = program.clone();
+    let last = swapped.kernels.len() - 1;
+    swapped.kernels.swap(0, last);
+    let e = swapped.verify().unwrap_err().join("\n");
+    assert!(e.contains("before anything writes it"), "{e}");
+    let mut twice = program.clone();
+    let k = twice.kernels[1].clone();
+    twice.kernels.push(k);
+    let e = twice.verify().unwrap_err().join("\n");
+    assert!(e.contains("written 2 times"), "{e}");
 }

@@ -80,7 +80,8 @@ fn stage_name(s: &str) -> Result<String, String> {
 }
 
 fn pass_name(s: &str) -> Result<String, String> {
-    let names = fusec_compiler::passes::pass_names();
+    let mut names = fusec_compiler::passes::pass_names();
+    names.extend(fusec_compiler::kernel::STAGES.iter().map(|(n, _)| *n));
     if names.contains(&s) {
         Ok(s.to_string())
     } else {
@@ -128,6 +129,40 @@ fn write(path: &Path, text: &str) -> Result<(), CliError> {
         .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))
 }
 
+/// `--dump-after layout|fuse|plan`: the stages on kernels.
+fn kernel_stage(c: &Compiled, stage: &str, args: &BuildArgs) -> Result<Option<String>, CliError> {
+    use fusec_compiler::kernel::print::{print_layouts, print_program};
+    if !matches!(stage, "layout" | "fuse" | "plan") {
+        return Ok(None);
+    }
+    if matches!(args.format, Format::Dot) {
+        return Err(CliError::usage(format!(
+            "error: --dump-after {stage} has no Graphviz form; use it without --format dot"
+        )));
+    }
+    let program = fuse(&c.optimized);
+    program.verify().map_err(|p| {
+        CliError::model(format!(
+            "internal error: the kernel program is invalid after fusion:\n  {}\nthis is a bug in fusec; please report it with the model file",
+            p.join("\n  ")
+        ))
+    })?;
+    Ok(Some(match stage {
+        "layout" => print_layouts(&c.optimized, &program),
+        "fuse" => print_program(&c.optimized, &program),
+        _ => {
+            let dims =
+                super::common::dim_sizes(args.batch, args.seq, &args.dims, &c.optimized.dims)?;
+            let plan = plan(&c.optimized, &program, &dims).map_err(|e| {
+                CliError::usage(format!(
+                    "error: {e} (give sizes with --batch, --seq or --dim)"
+                ))
+            })?;
+            plan.to_json()
+        }
+    }))
+}
+
 pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     if let Some(stage @ ("ast" | "layout" | "kernels")) = args.dump.as_deref() {
         if matches!(args.format, Format::Dot) {
@@ -138,6 +173,12 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     }
     let loaded = load(&args.model)?;
     let c = &loaded.compiled;
+    if let Some(stage) = args.dump_after.as_deref() {
+        if let Some(text) = kernel_stage(c, stage, args)? {
+            print!("{text}");
+            return Ok(());
+        }
+    }
     if let Some(pass) = &args.dump_after {
         let g = c
             .graph_after(pass)

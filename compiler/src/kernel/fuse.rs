@@ -459,10 +459,12 @@ pub fn fuse(g: &Graph) -> Program {
     }
     let kernels = group_param_casts(g, &f.buffers, kernels);
     let kernels = group_optimizer_updates(g, kernels);
-    Program {
+    let program = Program {
         buffers: f.buffers,
         kernels,
-    }
+    };
+    debug_assert_eq!(program.verify(), Ok(()), "fusion broke the program");
+    program
 }
 
 /// The casts of the f32 master weights to the compute dtype, one kernel

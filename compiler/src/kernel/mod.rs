@@ -169,4 +169,90 @@ impl Program {
     pub fn buffer_of(&self, v: Value) -> Option<usize> {
         self.buffers.iter().position(|b| b.value == v)
     }
+
+    /// The program's own invariants, checked after fusion as the graph
+    /// verifier checks passes: every buffer a kernel reads is a source or
+    /// written by an earlier kernel, computed buffers are written exactly
+    /// once, group members and epilogues name slots that exist.
+    pub fn verify(&self) -> Result<(), Vec<String>> {
+        let mut problems = Vec::new();
+        let mut written: Vec<bool> = self
+            .buffers
+            .iter()
+            .map(|b| b.kind != BufKind::Temp)
+            .collect();
+        let mut writes = vec![0usize; self.buffers.len()];
+        for k in &self.kernels {
+            for &b in k.inputs.iter().chain(&k.outputs) {
+                if b >= self.buffers.len() {
+                    problems.push(format!("{}: buffer {b} does not exist", k.name));
+                }
+            }
+            if !problems.is_empty() {
+                return Err(problems);
+            }
+            for &b in &k.inputs {
+                if !written[b] {
+                    problems.push(format!(
+                        "{} reads buffer {b} before anything writes it",
+                        k.name
+                    ));
+                }
+            }
+            for &b in &k.outputs {
+                writes[b] += 1;
+                written[b] = true;
+            }
+            let slot_ok = |s: &usize, n: usize| *s < n;
+            match &k.body {
+                Body::Group(members) => {
+                    for m in members {
+                        if !m.inputs.iter().all(|s| slot_ok(s, k.inputs.len()))
+                            || !m.outputs.iter().all(|s| slot_ok(s, k.outputs.len()))
+                        {
+                            problems.push(format!(
+                                "{}: a member names a slot that does not exist",
+                                k.name
+                            ));
+                        }
+                    }
+                }
+                Body::Gemm(_, e) => {
+                    let ins = [e.bias, e.residual, e.dgelu];
+                    if !ins.iter().flatten().all(|s| slot_ok(s, k.inputs.len()))
+                        || k.outputs.len() != 1 + usize::from(e.gelu)
+                    {
+                        problems.push(format!(
+                            "{}: the epilogue names a slot that does not exist",
+                            k.name
+                        ));
+                    }
+                }
+                Body::Pointwise(pw) => {
+                    for e in &pw.exprs {
+                        if let PExpr::Load { input, .. } = e {
+                            if *input >= k.inputs.len() {
+                                problems.push(format!(
+                                    "{}: a load reads input {input} of {}",
+                                    k.name,
+                                    k.inputs.len()
+                                ));
+                            }
+                        }
+                    }
+                }
+                Body::Op(_) => {}
+            }
+        }
+        for (b, &n) in writes.iter().enumerate() {
+            if self.buffers[b].kind == BufKind::Temp && n != 1 {
+                problems.push(format!("buffer {b} is written {n} times"));
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems)
+        }
+    }
 }
