@@ -2,7 +2,9 @@
 //! libraries are loaded at run time, so the crate builds and its non-GPU
 //! tests run on machines without them.
 
+pub mod backend;
 pub mod cache;
+pub mod checkpoint;
 pub mod data;
 pub mod device;
 pub mod exec;

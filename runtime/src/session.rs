@@ -8,14 +8,11 @@ use crate::exec::{decode, encode, Executor};
 use crate::RuntimeError;
 use fusec_compiler::autodiff::{LR_INPUT, STEP_INPUT};
 use fusec_compiler::emit::cuda::emit_program;
-use fusec_compiler::interp::random::init_tensor;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::ir::Graph;
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::kernel::Program;
 use fusec_compiler::plan::{plan, Plan};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
@@ -104,32 +101,6 @@ impl Session {
                 RuntimeError::Unsupported(format!("the step has no buffer named `{name}`"))
             })?;
         Ok(decode(self.exec.slots[b].dtype, &self.exec.read(b)?))
-    }
-
-    /// Parameters from their initialisers (the CPU reference's generator
-    /// and order, so a seed gives the same weights on both), optimizer
-    /// state zero.
-    pub fn init_params(&mut self, seed: u64) -> Result<(), RuntimeError> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let params = self.graph.params.clone();
-        for p in &params {
-            let Some(&b) = self.exec.params.get(&p.name) else {
-                continue; // a parameter nothing reads
-            };
-            let shape = self.exec.slots[b].shape.clone();
-            let t = init_tensor(&p.init, &shape, &mut rng);
-            self.set(&p.name, &t.data)?;
-        }
-        let states: Vec<(usize, u64)> = self
-            .exec
-            .state
-            .values()
-            .map(|&b| (b, self.exec.slots[b].bytes))
-            .collect();
-        for (b, bytes) in states {
-            self.exec.write(b, &vec![0u8; bytes as usize])?;
-        }
-        Ok(())
     }
 
     /// One step with learning rate `lr`; `step` counts from 1. Inputs must

@@ -18,6 +18,7 @@ use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::kernel::interp::run_program;
+use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::device;
 use fusec_runtime::exec::{decode, encode};
 use fusec_runtime::session::Session;

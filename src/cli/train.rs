@@ -5,6 +5,9 @@ use super::CliError;
 use clap::Args;
 use fusec_runtime::data::{load_tokens, Batches};
 use fusec_runtime::device;
+use fusec_compiler::interp::Precision;
+use fusec_runtime::backend::{self, Backend};
+use fusec_runtime::checkpoint;
 use fusec_runtime::session::Session;
 use fusec_runtime::RuntimeError;
 use std::collections::BTreeMap;
@@ -44,6 +47,23 @@ pub struct TrainArgs {
     /// GPU to use
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
+    /// Run on the CPU with the reference interpreter (small models; for
+    /// checking against the GPU or PyTorch)
+    #[arg(long)]
+    pub cpu: bool,
+    /// Write a safetensors checkpoint here at the end (and every --save-every steps)
+    #[arg(long, value_name = "FILE")]
+    pub save: Option<PathBuf>,
+    /// Also checkpoint every N steps
+    #[arg(long, value_name = "N", requires = "save")]
+    pub save_every: Option<u64>,
+    /// Write the initial weights (before step 1) to this safetensors file
+    #[arg(long, value_name = "FILE")]
+    pub save_init: Option<PathBuf>,
+    /// Continue from a checkpoint: weights, optimizer state, step count and
+    /// data position, as if the run had not stopped
+    #[arg(long, value_name = "FILE")]
+    pub resume: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -84,18 +104,7 @@ fn start(
     let loaded = load(model)?;
     let g = &loaded.compiled.optimized;
     let dims = dim_sizes(batch, seq, dims, &g.dims)?;
-    let missing: Vec<&str> = g
-        .dims
-        .iter()
-        .filter(|d| !dims.contains_key(*d))
-        .map(|s| s.as_str())
-        .collect();
-    if !missing.is_empty() {
-        return Err(CliError::usage(format!(
-            "error: give the size of {} (--batch for B, --seq for T, --dim NAME=N)",
-            missing.join(", ")
-        )));
-    }
+    require_all(g, &dims)?;
     let gpu = device::open(gpu).map_err(runtime_err)?;
     let about = format!(
         "{} ({}, {:.0} GiB)",
@@ -135,85 +144,108 @@ fn start(
 
 pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     let loaded = load(&args.model)?;
-    let lr = args
-        .lr
-        .unwrap_or(loaded.compiled.model.train.optimizer.lr());
-    let (mut s, dims, _) = start(&args.model, args.batch, args.seq, &args.dims, args.gpu)?;
-    let token_inputs: Vec<String> = s
-        .exec
-        .inputs
+    let lr = args.lr.unwrap_or(loaded.compiled.model.train.optimizer.lr());
+    let mut backend: Box<dyn Backend> = if args.cpu {
+        let g = &loaded.compiled.optimized;
+        let dims = dim_sizes(args.batch, args.seq, &args.dims, &g.dims)?;
+        require_all(g, &dims)?;
+        eprintln!("CPU reference interpreter (values rounded to their dtypes as stored): slow, for small models");
+        Box::new(backend::Cpu::new(g, &dims, Precision::AsStored).map_err(runtime_err)?)
+    } else {
+        let (s, dims, _) = start(&args.model, args.batch, args.seq, &args.dims, args.gpu)?;
+        Box::new(backend::Gpu::new(s, &dims).map_err(runtime_err)?)
+    };
+    let b = backend.as_mut();
+    let dims: BTreeMap<String, i64> = loaded
+        .compiled
+        .optimized
+        .dims
+        .iter()
+        .filter_map(|d| {
+            let sizes = dim_sizes(args.batch, args.seq, &args.dims, &loaded.compiled.optimized.dims).ok()?;
+            sizes.get(d).map(|v| (d.clone(), *v))
+        })
+        .collect();
+    let data_inputs: Vec<String> = b
+        .shapes()
         .keys()
-        .filter(|k| !k.starts_with("update."))
+        .filter(|k| is_input(b.graph(), k) && !k.starts_with("update."))
         .cloned()
         .collect();
-    s.init_params(args.seed).map_err(runtime_err)?;
-    let tokens_per_step: i64 =
-        dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1);
+    backend::init_params(b, args.seed).map_err(runtime_err)?;
+    let mut first = 1;
+    if let Some(path) = &args.resume {
+        let ck = checkpoint::load(path).map_err(|e| CliError { message: format!("error: {e}"), code: 3 })?;
+        checkpoint::check_against(&ck, path, &backend::needed(b))
+            .map_err(|e| CliError { message: format!("error: {e}"), code: 3 })?;
+        backend::restore(b, &ck).map_err(runtime_err)?;
+        first = ck.step + 1;
+        eprintln!("resuming {} after step {}", path.display(), ck.step);
+    }
+    if let Some(path) = &args.save_init {
+        save(b, path, 0)?;
+    }
+    let tokens_per_step = dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1);
     // Data: a token file feeds `tokens` and `targets`; `random` feeds every input once.
     let mut batches = None;
     if args.data == "random" {
         let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
-        let feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, args.seed)
+        let feeds = fusec_compiler::interp::random::random_feeds(b.graph(), &dmap, args.seed)
             .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
-        for name in &token_inputs {
-            s.set(name, &feeds.inputs[name].data).map_err(runtime_err)?;
+        for name in &data_inputs {
+            b.set(name, &feeds.inputs[name].data).map_err(runtime_err)?;
         }
     } else {
         for need in ["tokens", "targets"] {
-            if !s.exec.inputs.contains_key(need) {
+            if !data_inputs.iter().any(|n| n == need) {
                 return Err(CliError::usage(format!(
                     "error: --data {} feeds the inputs `tokens` and `targets`, and this model has no input `{need}` (its inputs: {}); use --data random",
                     args.data,
-                    token_inputs.join(", ")
+                    data_inputs.join(", ")
                 )));
             }
         }
-        let (b, t) = (dims["B"] as usize, dims["T"] as usize);
-        let tokens = load_tokens(std::path::Path::new(&args.data)).map_err(|e| CliError {
-            message: format!("error: {e}"),
-            code: 3,
-        })?;
-        let vocab = fusec_compiler::interp::random::index_bound(
-            &s.graph,
-            fusec_compiler::ir::Value { node: s.graph.g.node_indices().find(|&n| matches!(&s.graph.g[n].op, fusec_compiler::ops::Op::Input(i) if i.name == "tokens")).expect("checked above"), port: 0 },
-            &dims.iter().map(|(k, v)| (k.clone(), *v)).collect(),
-        );
-        let src = Batches::new(tokens, b, t, vocab.map(|v| v as u32)).map_err(|e| CliError {
-            message: format!("error: {}: {e}", args.data),
-            code: 3,
-        })?;
+        let (bsz, t) = (dims["B"] as usize, dims["T"] as usize);
+        let tokens = load_tokens(std::path::Path::new(&args.data))
+            .map_err(|e| CliError { message: format!("error: {e}"), code: 3 })?;
+        let vocab = token_bound(b.graph(), &dims);
+        let mut src = Batches::new(tokens, bsz, t, vocab)
+            .map_err(|e| CliError { message: format!("error: {}: {e}", args.data), code: 3 })?;
+        // A resumed run reads on from where the first run stopped.
+        for _ in 1..first {
+            src.next_batch();
+        }
         batches = Some(src.prefetch());
     }
-    let mut log =
-        match &args.log {
-            Some(p) => Some(std::fs::File::create(p).map_err(|e| {
-                CliError::usage(format!("error: cannot write {}: {e}", p.display()))
-            })?),
-            None => None,
-        };
-    let mut first_step = None;
-    for step in 1..=args.steps {
+    let mut log = match &args.log {
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(args.resume.is_some())
+                .write(true)
+                .truncate(args.resume.is_none())
+                .open(p)
+                .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", p.display())))?,
+        ),
+        None => None,
+    };
+    let last = first + args.steps - 1;
+    for step in first..=last {
         if let Some(rx) = &batches {
-            let batch = rx.recv().map_err(|_| CliError {
-                message: "error: the data thread stopped".into(),
-                code: 3,
-            })?;
+            let batch = rx.recv().map_err(|_| CliError { message: "error: the data thread stopped".into(), code: 3 })?;
             let ins: Vec<f64> = batch.inputs.iter().map(|&x| x as f64).collect();
             let tgs: Vec<f64> = batch.targets.iter().map(|&x| x as f64).collect();
-            s.set("tokens", &ins).map_err(runtime_err)?;
-            s.set("targets", &tgs).map_err(runtime_err)?;
+            b.set("tokens", &ins).map_err(runtime_err)?;
+            b.set("targets", &tgs).map_err(runtime_err)?;
         }
         let t0 = Instant::now();
-        let st = s.step(lr, step).map_err(runtime_err)?;
+        let st = b.step(lr, step).map_err(runtime_err)?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
-        first_step.get_or_insert(ms);
         let tps = tokens_per_step as f64 / (ms / 1e3);
         eprintln!(
-            "step {step:>5}/{}  loss {:.4}  {}{ms:.1} ms  {:.0} tok/s",
-            args.steps,
+            "step {step:>5}/{last}  loss {:.4}  {}{ms:.1} ms  {:.0} tok/s",
             st.loss,
-            st.grad_norm
-                .map_or(String::new(), |n| format!("norm {n:.3}  ")),
+            st.grad_norm.map_or(String::new(), |n| format!("norm {n:.3}  ")),
             tps
         );
         if let Some(f) = &mut log {
@@ -226,15 +258,58 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         }
         if !st.loss.is_finite() {
             return Err(CliError {
-                message: format!(
-                    "error: the loss is {} at step {step}; lower the learning rate",
-                    st.loss
-                ),
+                message: format!("error: the loss is {} at step {step}; lower the learning rate", st.loss),
                 code: 3,
             });
         }
+        if let (Some(path), Some(every)) = (&args.save, args.save_every) {
+            if step % every == 0 && step != last {
+                save(b, path, step)?;
+            }
+        }
+    }
+    if let Some(path) = &args.save {
+        save(b, path, last)?;
+        eprintln!("saved {} (step {last})", path.display());
     }
     Ok(())
+}
+
+fn save(b: &dyn Backend, path: &std::path::Path, step: u64) -> Result<(), CliError> {
+    let ck = backend::checkpoint(b, step).map_err(runtime_err)?;
+    checkpoint::save(path, &ck).map_err(|e| CliError { message: format!("error: {e}"), code: 3 })
+}
+
+fn is_input(g: &fusec_compiler::ir::Graph, name: &str) -> bool {
+    g.g.node_indices()
+        .any(|n| matches!(&g.g[n].op, fusec_compiler::ops::Op::Input(i) if i.name == name))
+}
+
+/// The bound token ids must respect: the embedding's rows.
+fn token_bound(g: &fusec_compiler::ir::Graph, dims: &BTreeMap<String, i64>) -> Option<u32> {
+    let node = g.g.node_indices().find(
+        |&n| matches!(&g.g[n].op, fusec_compiler::ops::Op::Input(i) if i.name == "tokens"),
+    )?;
+    let d = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    fusec_compiler::interp::random::index_bound(g, fusec_compiler::ir::Value { node, port: 0 }, &d)
+        .map(|v| v as u32)
+}
+
+fn require_all(g: &fusec_compiler::ir::Graph, dims: &BTreeMap<String, i64>) -> Result<(), CliError> {
+    let missing: Vec<&str> = g
+        .dims
+        .iter()
+        .filter(|d| !dims.contains_key(*d))
+        .map(|s| s.as_str())
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(CliError::usage(format!(
+            "error: give the size of {} (--batch for B, --seq for T, --dim NAME=N)",
+            missing.join(", ")
+        )))
+    }
 }
 
 fn json_num(x: f64) -> String {
@@ -246,12 +321,14 @@ fn json_num(x: f64) -> String {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
-    let (mut s, dims, about) = start(&args.model, args.batch, args.seq, &args.dims, args.gpu)?;
+    let (s, dims, about) = start(&args.model, args.batch, args.seq, &args.dims, args.gpu)?;
     let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
     let feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, 1)
         .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
-    s.init_params(1).map_err(runtime_err)?;
-    let names: Vec<String> = s
+    let mut b = backend::Gpu::new(s, &dims).map_err(runtime_err)?;
+    backend::init_params(&mut b, 1).map_err(runtime_err)?;
+    let names: Vec<String> = b
+        .session
         .exec
         .inputs
         .keys()
@@ -259,15 +336,15 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
         .cloned()
         .collect();
     for name in &names {
-        s.set(name, &feeds.inputs[name].data).map_err(runtime_err)?;
+        b.set(name, &feeds.inputs[name].data).map_err(runtime_err)?;
     }
     for step in 1..=3 {
-        s.step(1e-4, step).map_err(runtime_err)?;
+        b.step(1e-4, step).map_err(runtime_err)?;
     }
+    let s = &mut b.session;
     let t0 = Instant::now();
-    for i in 0..args.steps {
+    for _ in 0..args.steps {
         s.exec.run_step().map_err(runtime_err)?;
-        let _ = i;
     }
     s.exec.synchronize().map_err(runtime_err)?;
     let ms = t0.elapsed().as_secs_f64() * 1e3 / args.steps as f64;

@@ -1,0 +1,243 @@
+//! What `fusec train` drives: the compiled step on a GPU, or the CPU
+//! reference interpreter (small models, and checking the GPU and PyTorch
+//! against it). Both take inputs, parameters and state by name, so data
+//! feeding and checkpoints are written once.
+
+use crate::checkpoint::{Checkpoint, Tensor as CkTensor};
+use crate::session::{Session, StepStats};
+use crate::RuntimeError;
+use fusec_compiler::interp::random::init_tensor;
+use fusec_compiler::interp::step::train_step;
+use fusec_compiler::interp::tensor::Tensor;
+use fusec_compiler::interp::{concrete_shape, Feeds, Precision};
+use fusec_compiler::ir::Graph;
+use fusec_compiler::ops::Op;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::collections::{BTreeMap, HashMap};
+
+pub trait Backend {
+    fn graph(&self) -> &Graph;
+    /// Writes a named input, parameter or state tensor.
+    fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError>;
+    fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError>;
+    /// One step; `step` counts from 1.
+    fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError>;
+    /// The shape of every named source, with sizes bound.
+    fn shapes(&self) -> &BTreeMap<String, Vec<usize>>;
+}
+
+/// Names and shapes of the graph's inputs, parameters and state.
+fn source_shapes(g: &Graph, dims: &HashMap<String, i64>) -> Result<BTreeMap<String, Vec<usize>>, RuntimeError> {
+    let mut out = BTreeMap::new();
+    for n in g.g.node_indices() {
+        let (name, ty) = match &g.g[n].op {
+            Op::Input(x) => (&x.name, &x.ty),
+            Op::Param(x) => (&x.name, &x.ty),
+            Op::State(x) => (&x.name, &x.ty),
+            _ => continue,
+        };
+        let shape = concrete_shape(&ty.shape, dims).map_err(|e| RuntimeError::Unsupported(e.0))?;
+        out.insert(name.clone(), shape);
+    }
+    Ok(out)
+}
+
+/// Parameters from their initialisers, in the graph's parameter order and
+/// from one generator (the CPU reference's `random_feeds` draws the same
+/// values), and optimizer state zero.
+pub fn init_params(b: &mut dyn Backend, seed: u64) -> Result<(), RuntimeError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let params = b.graph().params.clone();
+    let shapes = b.shapes().clone();
+    for p in &params {
+        let Some(shape) = shapes.get(&p.name) else {
+            continue;
+        };
+        let t = init_tensor(&p.init, shape, &mut rng);
+        b.set(&p.name, &t.data)?;
+    }
+    let states: Vec<String> = state_names(b.graph());
+    for s in states {
+        let n: usize = shapes[&s].iter().product();
+        b.set(&s, &vec![0.0; n])?;
+    }
+    Ok(())
+}
+
+fn state_names(g: &Graph) -> Vec<String> {
+    let mut v: Vec<String> = g
+        .g
+        .node_indices()
+        .filter_map(|n| match &g.g[n].op {
+            Op::State(s) => Some(s.name.clone()),
+            _ => None,
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// Parameters and optimizer state, as a checkpoint after `step` steps.
+pub fn checkpoint(b: &dyn Backend, step: u64) -> Result<Checkpoint, RuntimeError> {
+    let g = b.graph();
+    let mut names: Vec<String> = g.params.iter().map(|p| p.name.clone()).collect();
+    names.extend(state_names(g));
+    let mut tensors = Vec::new();
+    for name in names {
+        let Some(shape) = b.shapes().get(&name) else {
+            continue;
+        };
+        let data = b.get(&name)?.into_iter().map(|x| x as f32).collect();
+        tensors.push(CkTensor {
+            name,
+            shape: shape.clone(),
+            data,
+        });
+    }
+    Ok(Checkpoint {
+        model: g.name.clone(),
+        step,
+        tensors,
+    })
+}
+
+/// The tensors a checkpoint must hold for this run: (name, shape).
+pub fn needed(b: &dyn Backend) -> Vec<(String, Vec<usize>)> {
+    let g = b.graph();
+    let mut names: Vec<String> = g.params.iter().map(|p| p.name.clone()).collect();
+    names.extend(state_names(g));
+    names
+        .into_iter()
+        .filter_map(|n| b.shapes().get(&n).map(|s| (n, s.clone())))
+        .collect()
+}
+
+/// Writes a checkpoint's tensors back (checked with `checkpoint::check_against` first).
+pub fn restore(b: &mut dyn Backend, ck: &Checkpoint) -> Result<(), RuntimeError> {
+    for (name, _) in needed(b) {
+        let t = ck.get(&name).expect("checked against the run");
+        let v: Vec<f64> = t.data.iter().map(|&x| x as f64).collect();
+        b.set(&name, &v)?;
+    }
+    Ok(())
+}
+
+pub struct Gpu {
+    pub session: Session,
+    shapes: BTreeMap<String, Vec<usize>>,
+}
+
+impl Gpu {
+    pub fn new(session: Session, dims: &BTreeMap<String, i64>) -> Result<Gpu, RuntimeError> {
+        let d: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let shapes = source_shapes(&session.graph, &d)?
+            .into_iter()
+            .filter(|(n, _)| {
+                session.exec.inputs.contains_key(n)
+                    || session.exec.params.contains_key(n)
+                    || session.exec.state.contains_key(n)
+            })
+            .collect();
+        Ok(Gpu { session, shapes })
+    }
+}
+
+impl Backend for Gpu {
+    fn graph(&self) -> &Graph {
+        &self.session.graph
+    }
+    fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
+        self.session.set(name, values)
+    }
+    fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        self.session.get(name)
+    }
+    fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError> {
+        self.session.step(lr, step)
+    }
+    fn shapes(&self) -> &BTreeMap<String, Vec<usize>> {
+        &self.shapes
+    }
+}
+
+/// The reference interpreter, with every value rounded to its dtype as the
+/// GPU stores it.
+pub struct Cpu {
+    graph: Graph,
+    feeds: Feeds,
+    shapes: BTreeMap<String, Vec<usize>>,
+    pub precision: Precision,
+}
+
+impl Cpu {
+    pub fn new(graph: &Graph, dims: &BTreeMap<String, i64>, precision: Precision) -> Result<Cpu, RuntimeError> {
+        let d: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let shapes = source_shapes(graph, &d)?;
+        let mut feeds = Feeds {
+            dims: d,
+            ..Feeds::default()
+        };
+        for n in graph.g.node_indices() {
+            let (map, name) = match &graph.g[n].op {
+                Op::Input(x) => (&mut feeds.inputs, &x.name),
+                Op::Param(x) => (&mut feeds.params, &x.name),
+                Op::State(x) => (&mut feeds.state, &x.name),
+                _ => continue,
+            };
+            map.insert(name.clone(), Tensor::zeros(&shapes[name]));
+        }
+        Ok(Cpu {
+            graph: graph.clone(),
+            feeds,
+            shapes,
+            precision,
+        })
+    }
+}
+
+impl Backend for Cpu {
+    fn graph(&self) -> &Graph {
+        &self.graph
+    }
+    fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
+        let shape = self
+            .shapes
+            .get(name)
+            .ok_or_else(|| RuntimeError::Unsupported(format!("the step has no tensor named `{name}`")))?
+            .clone();
+        if shape.iter().product::<usize>() != values.len() {
+            return Err(RuntimeError::Unsupported(format!(
+                "`{name}` holds {} values of shape {shape:?}, given {}",
+                shape.iter().product::<usize>(),
+                values.len()
+            )));
+        }
+        let t = Tensor::new(shape, values.to_vec());
+        for map in [&mut self.feeds.inputs, &mut self.feeds.params, &mut self.feeds.state] {
+            if let Some(slot) = map.get_mut(name) {
+                *slot = t;
+                return Ok(());
+            }
+        }
+        Err(RuntimeError::Unsupported(format!("the step has no tensor named `{name}`")))
+    }
+    fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        [&self.feeds.inputs, &self.feeds.params, &self.feeds.state]
+            .iter()
+            .find_map(|m| m.get(name))
+            .map(|t| t.data.clone())
+            .ok_or_else(|| RuntimeError::Unsupported(format!("the step has no tensor named `{name}`")))
+    }
+    fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError> {
+        let r = train_step(&self.graph, &mut self.feeds, lr, step, self.precision)
+            .map_err(|e| RuntimeError::Unsupported(format!("the CPU reference failed: {}", e.0)))?;
+        Ok(StepStats {
+            loss: r.loss,
+            grad_norm: r.grad_norm,
+        })
+    }
+    fn shapes(&self) -> &BTreeMap<String, Vec<usize>> {
+        &self.shapes
+    }
+}

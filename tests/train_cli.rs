@@ -1,0 +1,122 @@
+//! `fusec train` as a user runs it, on the CPU reference (`--cpu`), so it
+//! runs everywhere: the loss falls on the shipped text, checkpoints are
+//! safetensors that a resumed run continues from exactly as an unbroken run
+//! would, and bad data, checkpoints and a missing GPU are clear errors.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+fn fusec(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fusec"))
+        .args(args)
+        .current_dir(common::root())
+        .output()
+        .expect("fusec runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const SMALL: &[&str] = &[
+    "--set", "vocab=256", "--set", "layers=1", "--set", "d=32", "--set", "n_heads=2", "--set", "ctx=64",
+    "--batch", "2", "--seq", "32", "--lr", "3e-3", "--cpu",
+];
+
+fn run(extra: &[&str]) -> (i32, String, String) {
+    run_on("dsl-examples/data/founding-texts.txt", extra)
+}
+
+fn run_on(data: &str, extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec!["train", "dsl-examples/gpt2-small.dsl", "--data", data];
+    args.extend_from_slice(SMALL);
+    args.extend_from_slice(extra);
+    fusec(&args)
+}
+
+fn losses(log: &Path) -> Vec<String> {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            format!("{}:{}", v["step"], v["loss"])
+        })
+        .collect()
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("fusec-train-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+#[test]
+fn the_loss_falls_and_a_resumed_run_matches_an_unbroken_one() {
+    let (whole, first, second) = (tmp("whole.jsonl"), tmp("first.jsonl"), tmp("second.jsonl"));
+    let ck = tmp("ck.safetensors");
+    let (code, _, err) = run(&["--steps", "8", "--log", whole.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let all = losses(&whole);
+    assert_eq!(all.len(), 8);
+    let loss = |s: &str| s.split(':').nth(1).unwrap().parse::<f64>().unwrap();
+    assert!(loss(&all[7]) < 0.95 * loss(&all[0]), "{all:?}");
+
+    let (code, _, err) = run(&["--steps", "5", "--log", first.to_str().unwrap(), "--save", ck.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("saved"), "{err}");
+    let (code, _, err) = run(&["--steps", "3", "--log", second.to_str().unwrap(), "--resume", ck.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("after step 5"), "{err}");
+    let mut resumed = losses(&first);
+    resumed.extend(losses(&second));
+    assert_eq!(resumed, all, "a resumed run must repeat the unbroken run's losses exactly");
+}
+
+#[test]
+fn bad_data_and_checkpoints_are_named() {
+    let (code, _, err) = run_on("no/such/file.bin", &["--steps", "1"]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("cannot read the data file no/such/file.bin"), "{err}");
+
+    let bad = tmp("bad.bin");
+    std::fs::write(&bad, [0u8; 2000]).unwrap();
+    let (code, _, err) = run_on(bad.to_str().unwrap(), &["--steps", "1"]);
+    assert_eq!(code, 3);
+    assert!(err.contains("not an llm.c token shard"), "{err}");
+
+    let truncated = tmp("short.safetensors");
+    std::fs::write(&truncated, b"\x10\x00\x00\x00\x00\x00\x00\x00{}").unwrap();
+    let (code, _, err) = run(&["--steps", "1", "--resume", truncated.to_str().unwrap()]);
+    assert_eq!(code, 3);
+    assert!(err.contains("not a usable checkpoint"), "{err}");
+
+    // A checkpoint of another model names the missing tensor.
+    let other = tmp("other.safetensors");
+    let (code, _, err) = fusec(&[
+        "train", "dsl-examples/mlp.dsl", "--cpu", "--data", "random", "--batch", "2", "--steps", "1",
+        "--set", "d_hidden=4", "--save", other.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = run(&["--steps", "1", "--resume", other.to_str().unwrap()]);
+    assert_eq!(code, 3);
+    assert!(err.contains("has no tensor `wte`") || err.contains("has no tensor"), "{err}");
+
+    let (code, _, err) = fusec(&["train", "dsl-examples/mlp.dsl", "--cpu", "--data", "random", "--batch", "0"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--batch must be a positive size"), "{err}");
+}
+
+#[test]
+fn without_a_gpu_train_says_so() {
+    if fusec_runtime::device::driver_present() {
+        println!("skipped: this machine has a CUDA driver");
+        return;
+    }
+    let (code, _, err) = fusec(&["train", "dsl-examples/mlp.dsl", "--data", "random", "--batch", "2"]);
+    assert_eq!(code, 3);
+    assert!(err.contains("no GPU") && err.contains("fusec build"), "{err}");
+}
