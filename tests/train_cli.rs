@@ -22,8 +22,23 @@ fn fusec(args: &[&str]) -> (i32, String, String) {
 }
 
 const SMALL: &[&str] = &[
-    "--set", "vocab=256", "--set", "layers=1", "--set", "d=32", "--set", "n_heads=2", "--set", "ctx=64",
-    "--batch", "2", "--seq", "32", "--lr", "3e-3", "--cpu",
+    "--set",
+    "vocab=256",
+    "--set",
+    "layers=1",
+    "--set",
+    "d=32",
+    "--set",
+    "n_heads=2",
+    "--set",
+    "ctx=64",
+    "--batch",
+    "2",
+    "--seq",
+    "32",
+    "--lr",
+    "3e-3",
+    "--cpu",
 ];
 
 fn run(extra: &[&str]) -> (i32, String, String) {
@@ -65,22 +80,42 @@ fn the_loss_falls_and_a_resumed_run_matches_an_unbroken_one() {
     let loss = |s: &str| s.split(':').nth(1).unwrap().parse::<f64>().unwrap();
     assert!(loss(&all[7]) < 0.95 * loss(&all[0]), "{all:?}");
 
-    let (code, _, err) = run(&["--steps", "5", "--log", first.to_str().unwrap(), "--save", ck.to_str().unwrap()]);
+    let (code, _, err) = run(&[
+        "--steps",
+        "5",
+        "--log",
+        first.to_str().unwrap(),
+        "--save",
+        ck.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("saved"), "{err}");
-    let (code, _, err) = run(&["--steps", "3", "--log", second.to_str().unwrap(), "--resume", ck.to_str().unwrap()]);
+    let (code, _, err) = run(&[
+        "--steps",
+        "3",
+        "--log",
+        second.to_str().unwrap(),
+        "--resume",
+        ck.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("after step 5"), "{err}");
     let mut resumed = losses(&first);
     resumed.extend(losses(&second));
-    assert_eq!(resumed, all, "a resumed run must repeat the unbroken run's losses exactly");
+    assert_eq!(
+        resumed, all,
+        "a resumed run must repeat the unbroken run's losses exactly"
+    );
 }
 
 #[test]
 fn bad_data_and_checkpoints_are_named() {
     let (code, _, err) = run_on("no/such/file.bin", &["--steps", "1"]);
     assert_eq!(code, 3, "{err}");
-    assert!(err.contains("cannot read the data file no/such/file.bin"), "{err}");
+    assert!(
+        err.contains("cannot read the data file no/such/file.bin"),
+        "{err}"
+    );
 
     let bad = tmp("bad.bin");
     std::fs::write(&bad, [0u8; 2000]).unwrap();
@@ -97,15 +132,37 @@ fn bad_data_and_checkpoints_are_named() {
     // A checkpoint of another model names the missing tensor.
     let other = tmp("other.safetensors");
     let (code, _, err) = fusec(&[
-        "train", "dsl-examples/mlp.dsl", "--cpu", "--data", "random", "--batch", "2", "--steps", "1",
-        "--set", "d_hidden=4", "--save", other.to_str().unwrap(),
+        "train",
+        "dsl-examples/mlp.dsl",
+        "--cpu",
+        "--data",
+        "random",
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        "--set",
+        "d_hidden=4",
+        "--save",
+        other.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{err}");
     let (code, _, err) = run(&["--steps", "1", "--resume", other.to_str().unwrap()]);
     assert_eq!(code, 3);
-    assert!(err.contains("has no tensor `wte`") || err.contains("has no tensor"), "{err}");
+    assert!(
+        err.contains("has no tensor `wte`") || err.contains("has no tensor"),
+        "{err}"
+    );
 
-    let (code, _, err) = fusec(&["train", "dsl-examples/mlp.dsl", "--cpu", "--data", "random", "--batch", "0"]);
+    let (code, _, err) = fusec(&[
+        "train",
+        "dsl-examples/mlp.dsl",
+        "--cpu",
+        "--data",
+        "random",
+        "--batch",
+        "0",
+    ]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--batch must be a positive size"), "{err}");
 }
@@ -116,7 +173,17 @@ fn without_a_gpu_train_says_so() {
         println!("skipped: this machine has a CUDA driver");
         return;
     }
-    let (code, _, err) = fusec(&["train", "dsl-examples/mlp.dsl", "--data", "random", "--batch", "2"]);
+    let (code, _, err) = fusec(&[
+        "train",
+        "dsl-examples/mlp.dsl",
+        "--data",
+        "random",
+        "--batch",
+        "2",
+    ]);
     assert_eq!(code, 3);
-    assert!(err.contains("no GPU") && err.contains("fusec build"), "{err}");
+    assert!(
+        err.contains("no GPU") && err.contains("fusec build"),
+        "{err}"
+    );
 }

@@ -28,7 +28,10 @@ pub trait Backend {
 }
 
 /// Names and shapes of the graph's inputs, parameters and state.
-fn source_shapes(g: &Graph, dims: &HashMap<String, i64>) -> Result<BTreeMap<String, Vec<usize>>, RuntimeError> {
+fn source_shapes(
+    g: &Graph,
+    dims: &HashMap<String, i64>,
+) -> Result<BTreeMap<String, Vec<usize>>, RuntimeError> {
     let mut out = BTreeMap::new();
     for n in g.g.node_indices() {
         let (name, ty) = match &g.g[n].op {
@@ -66,14 +69,13 @@ pub fn init_params(b: &mut dyn Backend, seed: u64) -> Result<(), RuntimeError> {
 }
 
 fn state_names(g: &Graph) -> Vec<String> {
-    let mut v: Vec<String> = g
-        .g
-        .node_indices()
-        .filter_map(|n| match &g.g[n].op {
-            Op::State(s) => Some(s.name.clone()),
-            _ => None,
-        })
-        .collect();
+    let mut v: Vec<String> =
+        g.g.node_indices()
+            .filter_map(|n| match &g.g[n].op {
+                Op::State(s) => Some(s.name.clone()),
+                _ => None,
+            })
+            .collect();
     v.sort();
     v
 }
@@ -171,7 +173,11 @@ pub struct Cpu {
 }
 
 impl Cpu {
-    pub fn new(graph: &Graph, dims: &BTreeMap<String, i64>, precision: Precision) -> Result<Cpu, RuntimeError> {
+    pub fn new(
+        graph: &Graph,
+        dims: &BTreeMap<String, i64>,
+        precision: Precision,
+    ) -> Result<Cpu, RuntimeError> {
         let d: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
         let shapes = source_shapes(graph, &d)?;
         let mut feeds = Feeds {
@@ -204,7 +210,9 @@ impl Backend for Cpu {
         let shape = self
             .shapes
             .get(name)
-            .ok_or_else(|| RuntimeError::Unsupported(format!("the step has no tensor named `{name}`")))?
+            .ok_or_else(|| {
+                RuntimeError::Unsupported(format!("the step has no tensor named `{name}`"))
+            })?
             .clone();
         if shape.iter().product::<usize>() != values.len() {
             return Err(RuntimeError::Unsupported(format!(
@@ -214,20 +222,28 @@ impl Backend for Cpu {
             )));
         }
         let t = Tensor::new(shape, values.to_vec());
-        for map in [&mut self.feeds.inputs, &mut self.feeds.params, &mut self.feeds.state] {
+        for map in [
+            &mut self.feeds.inputs,
+            &mut self.feeds.params,
+            &mut self.feeds.state,
+        ] {
             if let Some(slot) = map.get_mut(name) {
                 *slot = t;
                 return Ok(());
             }
         }
-        Err(RuntimeError::Unsupported(format!("the step has no tensor named `{name}`")))
+        Err(RuntimeError::Unsupported(format!(
+            "the step has no tensor named `{name}`"
+        )))
     }
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         [&self.feeds.inputs, &self.feeds.params, &self.feeds.state]
             .iter()
             .find_map(|m| m.get(name))
             .map(|t| t.data.clone())
-            .ok_or_else(|| RuntimeError::Unsupported(format!("the step has no tensor named `{name}`")))
+            .ok_or_else(|| {
+                RuntimeError::Unsupported(format!("the step has no tensor named `{name}`"))
+            })
     }
     fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError> {
         let r = train_step(&self.graph, &mut self.feeds, lr, step, self.precision)

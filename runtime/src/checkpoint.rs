@@ -67,13 +67,21 @@ pub fn save(path: &Path, ck: &Checkpoint) -> Result<(), CheckpointError> {
 pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
     let bytes = std::fs::read(path)
         .map_err(|e| CheckpointError(format!("cannot read checkpoint {}: {e}", path.display())))?;
-    let bad = |m: String| CheckpointError(format!("{} is not a usable checkpoint: {m}", path.display()));
+    let bad = |m: String| {
+        CheckpointError(format!(
+            "{} is not a usable checkpoint: {m}",
+            path.display()
+        ))
+    };
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(e.to_string()))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
     let info = meta.metadata().clone().unwrap_or_default();
     let step = info
         .get("step")
-        .map(|s| s.parse::<u64>().map_err(|_| bad(format!("step `{s}` is not a number"))))
+        .map(|s| {
+            s.parse::<u64>()
+                .map_err(|_| bad(format!("step `{s}` is not a number")))
+        })
         .transpose()?
         .unwrap_or(0);
     let mut tensors = Vec::new();
@@ -97,7 +105,11 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            other => return Err(bad(format!("tensor {name} is {other:?}; f32, bf16 or f16 expected"))),
+            other => {
+                return Err(bad(format!(
+                    "tensor {name} is {other:?}; f32, bf16 or f16 expected"
+                )))
+            }
         };
         tensors.push(Tensor {
             name,
@@ -155,23 +167,41 @@ mod tests {
             model: "m".into(),
             step: 12,
             tensors: vec![
-                Tensor { name: "w".into(), shape: vec![2, 3], data: vec![1.0, -2.0, 3.5, 0.0, 1e-8, 7.0] },
-                Tensor { name: "w.adam_m".into(), shape: vec![2, 3], data: vec![0.5; 6] },
+                Tensor {
+                    name: "w".into(),
+                    shape: vec![2, 3],
+                    data: vec![1.0, -2.0, 3.5, 0.0, 1e-8, 7.0],
+                },
+                Tensor {
+                    name: "w.adam_m".into(),
+                    shape: vec![2, 3],
+                    data: vec![0.5; 6],
+                },
             ],
         };
         save(&p, &ck).unwrap();
         assert_eq!(load(&p).unwrap(), ck);
         let need = vec![("w".to_string(), vec![2, 3])];
         check_against(&ck, &p, &need).unwrap();
-        let e = check_against(&ck, &p, &[("b".to_string(), vec![3])]).unwrap_err().0;
+        let e = check_against(&ck, &p, &[("b".to_string(), vec![3])])
+            .unwrap_err()
+            .0;
         assert!(e.contains("no tensor `b`"), "{e}");
-        let e = check_against(&ck, &p, &[("w".to_string(), vec![3, 2])]).unwrap_err().0;
-        assert!(e.contains("has shape [2, 3], the model needs [3, 2]"), "{e}");
+        let e = check_against(&ck, &p, &[("w".to_string(), vec![3, 2])])
+            .unwrap_err()
+            .0;
+        assert!(
+            e.contains("has shape [2, 3], the model needs [3, 2]"),
+            "{e}"
+        );
         // Truncated and missing files are errors, not panics.
         let bytes = std::fs::read(&p).unwrap();
         std::fs::write(&p, &bytes[..bytes.len() - 5]).unwrap();
         assert!(load(&p).unwrap_err().0.contains("not a usable checkpoint"));
-        assert!(load(&dir.join("none")).unwrap_err().0.contains("cannot read"));
+        assert!(load(&dir.join("none"))
+            .unwrap_err()
+            .0
+            .contains("cannot read"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -61,6 +61,8 @@ pub struct Executor {
     pub loss: Option<usize>,
     pub grad_norm: Option<usize>,
     pub arena_bytes: u64,
+    /// The whole step captured once and replayed (see `capture`).
+    graph: Option<cudarc::driver::CudaGraph>,
 }
 
 fn elem(dt: DType) -> Result<Elem, RuntimeError> {
@@ -307,6 +309,7 @@ impl Executor {
             loss: find(&Role::Loss),
             grad_norm: find(&Role::GradNorm),
             arena_bytes: plan.arena_bytes,
+            graph: None,
         })
     }
 
@@ -355,12 +358,50 @@ impl Executor {
         Ok(())
     }
 
-    /// Every kernel of the step, in plan order.
+    /// Every kernel of the step, in plan order: the captured graph where
+    /// there is one, else launch by launch.
     pub fn run_step(&mut self) -> Result<(), RuntimeError> {
+        if let Some(g) = &self.graph {
+            return g
+                .launch()
+                .map_err(|e| RuntimeError::driver("replaying the step's CUDA graph", e));
+        }
         for i in 0..self.launches.len() {
             self.launch(i)?;
         }
         Ok(())
+    }
+
+    /// Captures the whole step as a CUDA graph, replayed by every later
+    /// `run_step`: one launch instead of hundreds. Call it after a step has
+    /// run eagerly (so cuBLASLt has chosen its algorithms). Inputs are
+    /// copied before each replay; the graph holds only kernels.
+    pub fn capture(&mut self) -> Result<(), RuntimeError> {
+        use cudarc::driver::sys;
+        self.synchronize()?;
+        self.gpu
+            .stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| RuntimeError::driver("starting a CUDA graph capture", e))?;
+        let mut launched = Ok(());
+        for i in 0..self.launches.len() {
+            launched = self.launch(i);
+            if launched.is_err() {
+                break;
+            }
+        }
+        let graph = self
+            .gpu
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| RuntimeError::driver("finishing the CUDA graph capture", e));
+        launched?;
+        self.graph = graph?;
+        Ok(())
+    }
+
+    pub fn has_graph(&self) -> bool {
+        self.graph.is_some()
     }
 
     pub fn synchronize(&self) -> Result<(), RuntimeError> {

@@ -26,6 +26,12 @@ pub struct Session {
     /// Seconds spent getting cubins (cache reads or NVRTC).
     pub compile_seconds: f64,
     pub kernels_generated: usize,
+    /// Replay the step as a CUDA graph after the first step (on unless
+    /// FUSEC_NO_CUDA_GRAPH is set).
+    pub use_graph: bool,
+    /// Why the step is not a graph, when capture failed.
+    pub graph_note: Option<String>,
+    steps_run: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -60,6 +66,9 @@ impl Session {
             cache: stats,
             compile_seconds,
             kernels_generated: sources.len(),
+            use_graph: std::env::var_os("FUSEC_NO_CUDA_GRAPH").is_none(),
+            graph_note: None,
+            steps_run: 0,
         })
     }
 
@@ -113,6 +122,16 @@ impl Session {
             self.set(STEP_INPUT, &[step as f64])?;
         }
         self.exec.run_step()?;
+        self.steps_run += 1;
+        // After the first (eager) step, the step becomes one CUDA graph;
+        // a step that cannot be captured keeps running launch by launch.
+        if self.steps_run == 1 && self.use_graph && !self.exec.has_graph() {
+            if let Err(e) = self.exec.capture() {
+                self.graph_note = Some(format!(
+                    "CUDA graph capture failed, launching kernel by kernel: {e}"
+                ));
+            }
+        }
         let read = |b: Option<usize>| -> Result<Option<f64>, RuntimeError> {
             match b {
                 Some(b) => Ok(Some(decode(DType::F32, &self.exec.read(b)?)[0])),

@@ -3,11 +3,11 @@
 use super::common::{dim_sizes, load, ModelArgs};
 use super::CliError;
 use clap::Args;
-use fusec_runtime::data::{load_tokens, Batches};
-use fusec_runtime::device;
 use fusec_compiler::interp::Precision;
 use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::checkpoint;
+use fusec_runtime::data::{load_tokens, Batches};
+use fusec_runtime::device;
 use fusec_runtime::session::Session;
 use fusec_runtime::RuntimeError;
 use std::collections::BTreeMap;
@@ -144,7 +144,9 @@ fn start(
 
 pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     let loaded = load(&args.model)?;
-    let lr = args.lr.unwrap_or(loaded.compiled.model.train.optimizer.lr());
+    let lr = args
+        .lr
+        .unwrap_or(loaded.compiled.model.train.optimizer.lr());
     let mut backend: Box<dyn Backend> = if args.cpu {
         let g = &loaded.compiled.optimized;
         let dims = dim_sizes(args.batch, args.seq, &args.dims, &g.dims)?;
@@ -162,7 +164,13 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         .dims
         .iter()
         .filter_map(|d| {
-            let sizes = dim_sizes(args.batch, args.seq, &args.dims, &loaded.compiled.optimized.dims).ok()?;
+            let sizes = dim_sizes(
+                args.batch,
+                args.seq,
+                &args.dims,
+                &loaded.compiled.optimized.dims,
+            )
+            .ok()?;
             sizes.get(d).map(|v| (d.clone(), *v))
         })
         .collect();
@@ -175,9 +183,14 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     backend::init_params(b, args.seed).map_err(runtime_err)?;
     let mut first = 1;
     if let Some(path) = &args.resume {
-        let ck = checkpoint::load(path).map_err(|e| CliError { message: format!("error: {e}"), code: 3 })?;
-        checkpoint::check_against(&ck, path, &backend::needed(b))
-            .map_err(|e| CliError { message: format!("error: {e}"), code: 3 })?;
+        let ck = checkpoint::load(path).map_err(|e| CliError {
+            message: format!("error: {e}"),
+            code: 3,
+        })?;
+        checkpoint::check_against(&ck, path, &backend::needed(b)).map_err(|e| CliError {
+            message: format!("error: {e}"),
+            code: 3,
+        })?;
         backend::restore(b, &ck).map_err(runtime_err)?;
         first = ck.step + 1;
         eprintln!("resuming {} after step {}", path.display(), ck.step);
@@ -206,11 +219,15 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             }
         }
         let (bsz, t) = (dims["B"] as usize, dims["T"] as usize);
-        let tokens = load_tokens(std::path::Path::new(&args.data))
-            .map_err(|e| CliError { message: format!("error: {e}"), code: 3 })?;
+        let tokens = load_tokens(std::path::Path::new(&args.data)).map_err(|e| CliError {
+            message: format!("error: {e}"),
+            code: 3,
+        })?;
         let vocab = token_bound(b.graph(), &dims);
-        let mut src = Batches::new(tokens, bsz, t, vocab)
-            .map_err(|e| CliError { message: format!("error: {}: {e}", args.data), code: 3 })?;
+        let mut src = Batches::new(tokens, bsz, t, vocab).map_err(|e| CliError {
+            message: format!("error: {}: {e}", args.data),
+            code: 3,
+        })?;
         // A resumed run reads on from where the first run stopped.
         for _ in 1..first {
             src.next_batch();
@@ -225,14 +242,19 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
                 .write(true)
                 .truncate(args.resume.is_none())
                 .open(p)
-                .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", p.display())))?,
+                .map_err(|e| {
+                    CliError::usage(format!("error: cannot write {}: {e}", p.display()))
+                })?,
         ),
         None => None,
     };
     let last = first + args.steps - 1;
     for step in first..=last {
         if let Some(rx) = &batches {
-            let batch = rx.recv().map_err(|_| CliError { message: "error: the data thread stopped".into(), code: 3 })?;
+            let batch = rx.recv().map_err(|_| CliError {
+                message: "error: the data thread stopped".into(),
+                code: 3,
+            })?;
             let ins: Vec<f64> = batch.inputs.iter().map(|&x| x as f64).collect();
             let tgs: Vec<f64> = batch.targets.iter().map(|&x| x as f64).collect();
             b.set("tokens", &ins).map_err(runtime_err)?;
@@ -245,7 +267,8 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         eprintln!(
             "step {step:>5}/{last}  loss {:.4}  {}{ms:.1} ms  {:.0} tok/s",
             st.loss,
-            st.grad_norm.map_or(String::new(), |n| format!("norm {n:.3}  ")),
+            st.grad_norm
+                .map_or(String::new(), |n| format!("norm {n:.3}  ")),
             tps
         );
         if let Some(f) = &mut log {
@@ -258,7 +281,10 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         }
         if !st.loss.is_finite() {
             return Err(CliError {
-                message: format!("error: the loss is {} at step {step}; lower the learning rate", st.loss),
+                message: format!(
+                    "error: the loss is {} at step {step}; lower the learning rate",
+                    st.loss
+                ),
                 code: 3,
             });
         }
@@ -277,7 +303,10 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
 
 fn save(b: &dyn Backend, path: &std::path::Path, step: u64) -> Result<(), CliError> {
     let ck = backend::checkpoint(b, step).map_err(runtime_err)?;
-    checkpoint::save(path, &ck).map_err(|e| CliError { message: format!("error: {e}"), code: 3 })
+    checkpoint::save(path, &ck).map_err(|e| CliError {
+        message: format!("error: {e}"),
+        code: 3,
+    })
 }
 
 fn is_input(g: &fusec_compiler::ir::Graph, name: &str) -> bool {
@@ -287,15 +316,19 @@ fn is_input(g: &fusec_compiler::ir::Graph, name: &str) -> bool {
 
 /// The bound token ids must respect: the embedding's rows.
 fn token_bound(g: &fusec_compiler::ir::Graph, dims: &BTreeMap<String, i64>) -> Option<u32> {
-    let node = g.g.node_indices().find(
-        |&n| matches!(&g.g[n].op, fusec_compiler::ops::Op::Input(i) if i.name == "tokens"),
-    )?;
+    let node = g
+        .g
+        .node_indices()
+        .find(|&n| matches!(&g.g[n].op, fusec_compiler::ops::Op::Input(i) if i.name == "tokens"))?;
     let d = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
     fusec_compiler::interp::random::index_bound(g, fusec_compiler::ir::Value { node, port: 0 }, &d)
         .map(|v| v as u32)
 }
 
-fn require_all(g: &fusec_compiler::ir::Graph, dims: &BTreeMap<String, i64>) -> Result<(), CliError> {
+fn require_all(
+    g: &fusec_compiler::ir::Graph,
+    dims: &BTreeMap<String, i64>,
+) -> Result<(), CliError> {
     let missing: Vec<&str> = g
         .dims
         .iter()
@@ -356,7 +389,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
         .or_else(|| datasheet_peak(&s.exec.gpu.name));
     let used = s.exec.gpu.total_bytes - s.exec.gpu.free_bytes().map_err(runtime_err)?;
     println!(
-        "{{\"model\":\"{}\",\"device\":\"{}\",\"dims\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tflops\":{tflops:.1},\"mfu\":{},\"peak_memory_gib\":{:.3},\"plan_arena_gib\":{:.3}}}",
+        "{{\"model\":\"{}\",\"device\":\"{}\",\"dims\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tflops\":{tflops:.1},\"mfu\":{},\"peak_memory_gib\":{:.3},\"plan_arena_gib\":{:.3},\"cuda_graph\":{}}}",
         s.graph.name,
         about,
         serde_like(&dims),
@@ -364,7 +397,11 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
         peak.map_or("null".into(), |p| format!("{:.3}", tflops / p)),
         used as f64 / (1u64 << 30) as f64,
         s.plan.arena_bytes as f64 / (1u64 << 30) as f64,
+        s.exec.has_graph(),
     );
+    if let Some(note) = &s.graph_note {
+        eprintln!("note: {note}");
+    }
     Ok(())
 }
 
