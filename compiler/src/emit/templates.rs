@@ -144,6 +144,7 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
         | Op::RmsNorm(_)
         | Op::CrossEntropy(_)
         | Op::CrossEntropyGrad(_)
+        | Op::CrossEntropyWithGrad(_)
         | Op::LayerNormGrad(_)
         | Op::RmsNormGrad(_) => Shape::Rows(rows_of(&t(0))),
         // One block per table row, with that row's gradient in shared memory.
@@ -572,6 +573,38 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                     "i",
                     &format!("fminf(1.0f, {} / (norm + 1e-6f))", float_lit(cc.max_norm))
                 )
+            );
+        }
+        Op::CrossEntropyWithGrad(_) => {
+            // One pass over the logits: the row's loss and its gradient
+            // (softmax - onehot(target)) * dloss[row].
+            let x = c.ld(0, "row * C + j");
+            max_sumexp(b, &x, "        ");
+            let _ = writeln!(
+                b,
+                "        const fs_i64 t = in1[row];\n        const float scale = {};",
+                c.ld(2, "row")
+            );
+            let picked = c.ld(0, "row * C + t");
+            let _ = writeln!(
+                b,
+                "        if (threadIdx.x == 0) {}",
+                c.st(
+                    1,
+                    "row",
+                    &format!(
+                        "(t >= 0 && t < C) ? m + logf(sum) - {picked} : __int_as_float(0x7fc00000)"
+                    )
+                )
+            );
+            // Every thread has read its logits of this row (the loss above
+            // reads one more) before any overwrites them in place.
+            let _ = writeln!(b, "        __syncthreads();");
+            let v = format!("(expf({x} - m) / sum - (j == t ? 1.0f : 0.0f)) * scale");
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
+                c.st(0, "row * C + j", &v)
             );
         }
         Op::CrossEntropy(_) => {

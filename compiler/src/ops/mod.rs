@@ -21,8 +21,8 @@ pub use elementwise::{
 };
 pub use linalg::MatMul;
 pub use nn::{
-    CausalMask, CrossEntropy, CrossEntropyGrad, Embedding, EmbeddingGrad, LayerNorm, LayerNormGrad,
-    RmsNorm, RmsNormGrad, Rope, Softmax, SoftmaxGrad,
+    CausalMask, CrossEntropy, CrossEntropyGrad, CrossEntropyWithGrad, Embedding, EmbeddingGrad,
+    LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad, Rope, Softmax, SoftmaxGrad,
 };
 pub use optim::{AdamW, Sgd, SumSquares};
 pub use shape::{Broadcast, Concat, Permute, Reduce, ReduceKind, Reshape, Slice, SliceGrad};
@@ -154,6 +154,7 @@ ops!(
     EmbeddingGrad,
     CrossEntropy,
     CrossEntropyGrad,
+    CrossEntropyWithGrad,
     Rope,
     CausalMask,
     Attention,

@@ -491,6 +491,32 @@ impl OpDef for CrossEntropyGrad {
     }
 }
 
+/// Cross-entropy and its gradient in one pass over the logits, after
+/// autodiff (the `fuse-cross-entropy` pass): (logits, targets, dloss per
+/// row) -> (dlogits, loss per row). The logits are read once; the
+/// probabilities are never stored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CrossEntropyWithGrad;
+
+impl OpDef for CrossEntropyWithGrad {
+    fn name(&self) -> &'static str {
+        "cross_entropy_with_grad"
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("cross_entropy_with_grad", inputs, 3)?;
+        check_ce("cross_entropy_with_grad", &inputs[0], &inputs[1])?;
+        Ok(vec![
+            inputs[0].clone(),
+            TensorType::new(DType::F32, inputs[1].shape.clone()),
+        ])
+    }
+    fn eval(&self, inputs: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor> {
+        let grad = CrossEntropyGrad.eval(inputs, ctx);
+        let loss = CrossEntropy.eval(&inputs[..2], ctx);
+        vec![grad[0].clone(), loss[0].clone()]
+    }
+}
+
 /// Rotary position embedding on x [..., T, H, D], positions 0..T along axis -3,
 /// rotating the pairs (i, i + D/2) as LLaMA's reference code does. `inverse`
 /// rotates the other way (the gradient).

@@ -4,11 +4,13 @@
 //! the graph after any of them.
 
 mod attention;
+mod cross_entropy;
 mod cse;
 mod dce;
 mod simplify;
 
 pub use attention::FoldAttention;
+pub use cross_entropy::FuseCrossEntropy;
 pub use cse::Cse;
 pub use dce::Dce;
 pub use simplify::Simplify;
@@ -34,7 +36,12 @@ pub trait Pass {
 
 /// The passes in the order `fusec build` runs them.
 pub fn default_pipeline() -> Vec<Box<dyn Pass>> {
-    vec![Box::new(Simplify), Box::new(Cse), Box::new(Dce)]
+    vec![
+        Box::new(Simplify),
+        Box::new(Cse),
+        Box::new(FuseCrossEntropy),
+        Box::new(Dce),
+    ]
 }
 
 /// Passes over the forward graph, before autodiff (so the backward pass is

@@ -248,7 +248,14 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
     // time, element for element (softmax over its logits, an add over its
     // operand): the two share storage, and their lifetimes join.
     for (k, kernel) in p.kernels.iter().enumerate() {
-        let [o] = kernel.outputs[..] else { continue };
+        // One output, or the first of cross-entropy-with-gradient (dlogits
+        // over the logits; the per-row losses are separate).
+        let fused_ce = matches!(&kernel.body, Body::Op(n) if matches!(g.g[*n].op, Op::CrossEntropyWithGrad(_)));
+        let o = match kernel.outputs[..] {
+            [o] => o,
+            [o, _] if fused_ce => o,
+            _ => continue,
+        };
         if out[o].kind != MemKind::Activation || out[o].alias_of.is_some() || outputs.contains(&o) {
             continue;
         }
@@ -396,6 +403,7 @@ fn in_place_ok(g: &Graph, kernel: &crate::kernel::Kernel, slot: usize) -> bool {
                     | Op::LayerNorm(_)
                     | Op::RmsNorm(_)
                     | Op::CrossEntropyGrad(_)
+                    | Op::CrossEntropyWithGrad(_)
                     | Op::CausalMask(_) => slot == 0,
                     Op::SoftmaxGrad(_) => slot <= 1,
                     _ => false,
