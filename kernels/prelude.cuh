@@ -134,8 +134,19 @@ inline float fs_block_max(float v) { return v; }
 // whole model is one launch and one copy of this code. Outputs may alias
 // inputs (the update is in place).
 static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* v_out, const float* p, const float* g,
-                                      const float* m, const float* v, float lr, float t, float scale, fs_i64 n,
-                                      float b1, float b2, float eps, float wd) {
+                                      const float* m, const float* v, float lr, float t, float scale, float apply,
+                                      fs_i64 n, float b1, float b2, float eps, float wd) {
+    // A micro-batch that only accumulates gradients leaves the state as it
+    // is (in place, nothing to copy).
+    if (apply == 0.0f) {
+        if (p_out == p && m_out == m && v_out == v) return;
+        for (fs_i64 i = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fs_i64)gridDim.x * blockDim.x) {
+            p_out[i] = p[i];
+            m_out[i] = m[i];
+            v_out[i] = v[i];
+        }
+        return;
+    }
     const float bc1 = 1.0f - powf(b1, t), bc2 = 1.0f - powf(b2, t);
     for (fs_i64 i = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fs_i64)gridDim.x * blockDim.x) {
         const float gi = g[i] * scale;
@@ -149,7 +160,15 @@ static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* 
 
 // One parameter's SGD update with momentum (torch.optim.SGD, dampening 0).
 static __device__ __noinline__ void fs_sgd(float* p_out, float* buf_out, const float* p, const float* g, const float* buf,
-                                    float lr, float scale, fs_i64 n, float momentum, float wd) {
+                                    float lr, float scale, float apply, fs_i64 n, float momentum, float wd) {
+    if (apply == 0.0f) {
+        if (p_out == p && buf_out == buf) return;
+        for (fs_i64 i = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fs_i64)gridDim.x * blockDim.x) {
+            p_out[i] = p[i];
+            buf_out[i] = buf[i];
+        }
+        return;
+    }
     for (fs_i64 i = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fs_i64)gridDim.x * blockDim.x) {
         const float b = momentum * buf[i] + g[i] * scale + wd * p[i];
         p_out[i] = p[i] - lr * b;

@@ -173,3 +173,81 @@ fn training_steps_reduce_the_loss() {
         assert!(last < first * 0.9, "{file}: loss {first} -> {last}");
     }
 }
+
+/// Two micro-batches of B rows, accumulated, make the same update as one
+/// batch of 2B rows: the LLaMA-style model (micro_batches = 2, gradient
+/// clipping, AdamW) against itself with one micro-batch, in f64.
+#[test]
+fn micro_batches_accumulate_into_one_update() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../dsl-examples/llama-small.dsl"
+    );
+    let src = std::fs::read_to_string(path).unwrap();
+    assert!(src.contains("micro_batches = 2"));
+    let single = src.replace("micro_batches = 2", "micro_batches = 1");
+    let sets = [
+        ("vocab", "23"),
+        ("d", "16"),
+        ("n_heads", "4"),
+        ("n_kv_heads", "2"),
+        ("ffn", "24"),
+        ("layers", "1"),
+    ];
+    let opts = Options {
+        overrides: sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    };
+    let two = compile(&src, "llama", &opts).unwrap().training;
+    let one = compile(&single, "llama", &opts).unwrap().training;
+    let (b, t) = (2usize, 5usize);
+    let dims2 = HashMap::from([("B".to_string(), b as i64), ("T".to_string(), t as i64)]);
+    let dims4 = HashMap::from([("B".to_string(), 2 * b as i64), ("T".to_string(), t as i64)]);
+    let mut big = random_feeds(&one, &dims4, 4).unwrap();
+    let mut small = random_feeds(&two, &dims2, 4).unwrap();
+    small.params = big.params.clone();
+    let half = |name: &str, k: usize| {
+        let all = &big.inputs[name].data;
+        Tensor::new(vec![b, t], all[k * b * t..(k + 1) * b * t].to_vec())
+    };
+    let mut losses = Vec::new();
+    for (k, apply) in [(0, 0.0), (1, 1.0)] {
+        for name in ["tokens", "targets"] {
+            small.inputs.insert(name.into(), half(name, k));
+        }
+        small
+            .inputs
+            .insert("update.apply".into(), Tensor::scalar(apply));
+        losses.push(
+            train_step(&two, &mut small, 1e-2, 1, Precision::F64)
+                .unwrap()
+                .loss,
+        );
+        if k == 0 {
+            // Nothing is applied before the last micro-batch.
+            assert_eq!(small.params, big.params);
+        }
+    }
+    let whole = train_step(&one, &mut big, 1e-2, 1, Precision::F64)
+        .unwrap()
+        .loss;
+    assert!(((losses[0] + losses[1]) / 2.0 - whole).abs() < 1e-12);
+    for (name, p) in &big.params {
+        let q = &small.params[name];
+        let err = p
+            .data
+            .iter()
+            .zip(&q.data)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        assert!(err < 1e-9, "{name}: {err}");
+    }
+    // The accumulators are cleared after the update.
+    for (name, s) in &small.state {
+        if name.ends_with(".grad_acc") {
+            assert!(s.data.iter().all(|&x| x == 0.0), "{name}");
+        }
+    }
+}

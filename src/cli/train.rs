@@ -181,6 +181,9 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         .cloned()
         .collect();
     backend::init_params(b, args.seed).map_err(runtime_err)?;
+    // Each optimizer step runs `micro` micro-batches of B rows, adding up
+    // their gradients, and applies the update on the last.
+    let micro = loaded.compiled.model.train.micro_batches.max(1) as u64;
     let mut first = 1;
     if let Some(path) = &args.resume {
         let ck = checkpoint::load(path).map_err(|e| CliError {
@@ -198,7 +201,8 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     if let Some(path) = &args.save_init {
         save(b, path, 0)?;
     }
-    let tokens_per_step = dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1);
+    let tokens_per_step =
+        dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1) * micro as i64;
     // Data: a token file feeds `tokens` and `targets`; `random` feeds every input once.
     let mut batches = None;
     if args.data == "random" {
@@ -229,7 +233,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             code: 3,
         })?;
         // A resumed run reads on from where the first run stopped.
-        for _ in 1..first {
+        for _ in 0..(first - 1) * micro {
             src.next_batch();
         }
         batches = Some(src.prefetch());
@@ -250,18 +254,31 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     };
     let last = first + args.steps - 1;
     for step in first..=last {
-        if let Some(rx) = &batches {
-            let batch = rx.recv().map_err(|_| CliError {
-                message: "error: the data thread stopped".into(),
-                code: 3,
-            })?;
-            let ins: Vec<f64> = batch.inputs.iter().map(|&x| x as f64).collect();
-            let tgs: Vec<f64> = batch.targets.iter().map(|&x| x as f64).collect();
-            b.set("tokens", &ins).map_err(runtime_err)?;
-            b.set("targets", &tgs).map_err(runtime_err)?;
-        }
         let t0 = Instant::now();
-        let st = b.step(lr, step).map_err(runtime_err)?;
+        let mut st = fusec_runtime::session::StepStats {
+            loss: 0.0,
+            grad_norm: None,
+        };
+        for mb in 0..micro {
+            if let Some(rx) = &batches {
+                let batch = rx.recv().map_err(|_| CliError {
+                    message: "error: the data thread stopped".into(),
+                    code: 3,
+                })?;
+                let ins: Vec<f64> = batch.inputs.iter().map(|&x| x as f64).collect();
+                let tgs: Vec<f64> = batch.targets.iter().map(|&x| x as f64).collect();
+                b.set("tokens", &ins).map_err(runtime_err)?;
+                b.set("targets", &tgs).map_err(runtime_err)?;
+            }
+            if micro > 1 {
+                let apply = if mb + 1 == micro { 1.0 } else { 0.0 };
+                b.set(fusec_compiler::autodiff::APPLY_INPUT, &[apply])
+                    .map_err(runtime_err)?;
+            }
+            let one = b.step(lr, step).map_err(runtime_err)?;
+            st.loss += one.loss / micro as f64;
+            st.grad_norm = one.grad_norm;
+        }
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let tps = tokens_per_step as f64 / (ms / 1e3);
         eprintln!(

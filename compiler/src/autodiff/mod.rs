@@ -18,7 +18,7 @@ use petgraph::stable_graph::NodeIndex;
 use petgraph::Direction;
 use std::collections::{HashMap, HashSet};
 
-pub use update::{add_update, LR_INPUT, STEP_INPUT};
+pub use update::{add_update, APPLY_INPUT, LR_INPUT, STEP_INPUT};
 
 /// Forward and backward: the loss and every parameter's gradient (f32).
 pub fn add_backward(model: &Model) -> Result<Graph, Errors> {

@@ -11,6 +11,9 @@ use crate::ops::{AdamW, Builder, ClipCoef, Input, OpError, Sgd, State, SumSquare
 /// inputs with these names, which no model file can spell.
 pub const LR_INPUT: &str = "update.lr";
 pub const STEP_INPUT: &str = "update.step";
+/// 1 on the micro-batch that ends an optimizer step, 0 on the ones before
+/// it (which only accumulate gradients); present when micro_batches > 1.
+pub const APPLY_INPUT: &str = "update.apply";
 
 /// Elements per block of the global-norm reduction.
 const SUM_SQUARES_CHUNK: i64 = 65536;
@@ -45,6 +48,43 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let mut new_outputs = Vec::new();
     let mut b = Builder::new(g, None, Phase::Update);
     let scalar = TensorType::scalar(DType::F32);
+
+    // Micro-batches: each run adds its gradient (already scaled by 1/k) to
+    // an f32 accumulator; the optimizer reads the sum and applies it only on
+    // the last micro-batch, which also clears the accumulator.
+    let mut apply = None;
+    let grads = if train.micro_batches > 1 {
+        let a = b.op1(
+            Input {
+                name: APPLY_INPUT.into(),
+                ty: scalar.clone(),
+            },
+            &[],
+        )?;
+        apply = Some(a);
+        let one = b.constant(1.0, DType::F32)?;
+        let keep = b.sub(one, a)?;
+        let mut summed = Vec::with_capacity(grads.len());
+        for (i, gv) in grads {
+            let name = format!("{}.grad_acc", params[i].0);
+            let ty = TensorType::new(DType::F32, params[i].1.shape.clone());
+            let acc = b.op1(
+                State {
+                    name: name.clone(),
+                    ty,
+                },
+                &[],
+            )?;
+            let gv32 = b.cast(gv, DType::F32)?;
+            let total = b.add(acc, gv32)?;
+            let next = b.mul(total, keep)?;
+            new_outputs.push((Role::NewState(name), next));
+            summed.push((i, total));
+        }
+        summed
+    } else {
+        grads
+    };
 
     // Squared global norm and the clip coefficient, which the optimizer ops
     // apply to the gradients as they read them (1 without clipping).
@@ -132,7 +172,9 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                     weight_decay: wd(weight_decay),
                 };
                 let step = step.expect("AdamW has a step input");
-                let r = b.op(op, &[*pv, gv, m, v, lr, step, scale])?;
+                let mut ins = vec![*pv, gv, m, v, lr, step, scale];
+                ins.extend(apply);
+                let r = b.op(op, &ins)?;
                 new_outputs.push((Role::NewParam(i), r[0]));
                 new_outputs.push((Role::NewState(mn), r[1]));
                 new_outputs.push((Role::NewState(vn), r[2]));
@@ -150,12 +192,14 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                     },
                     &[],
                 )?;
+                let mut ins = vec![*pv, gv, buf, lr, scale];
+                ins.extend(apply);
                 let r = b.op(
                     Sgd {
                         momentum,
                         weight_decay: wd(weight_decay),
                     },
-                    &[*pv, gv, buf, lr, scale],
+                    &ins,
                 )?;
                 new_outputs.push((Role::NewParam(i), r[0]));
                 new_outputs.push((Role::NewState(bn), r[1]));

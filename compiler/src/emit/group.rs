@@ -53,13 +53,18 @@ pub fn group_kernel(
     Some(s)
 }
 
+/// The `apply` argument: the micro-batch flag, or 1 without micro-batches.
+fn apply(slot: Option<&usize>) -> String {
+    slot.map_or("1.0f".to_string(), |s| format!("*in{s}"))
+}
+
 /// `fs_adamw(...)` or `fs_sgd(...)` for one member; `None` for other ops.
 fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
     let (i, o) = (&m.inputs, &m.outputs);
     let n = g.g[m.node].outputs[0].numel().to_c();
     Some(match &g.g[m.node].op {
         Op::AdamW(a) => format!(
-            "    fs_adamw(out{}, out{}, out{}, in{}, in{}, in{}, in{}, *in{}, *in{}, *in{}, {n}, {}, {}, {}, {});\n",
+            "    fs_adamw(out{}, out{}, out{}, in{}, in{}, in{}, in{}, *in{}, *in{}, *in{}, {}, {n}, {}, {}, {}, {});\n",
             o[0],
             o[1],
             o[2],
@@ -70,13 +75,14 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
             i[4],
             i[5],
             i[6],
+            apply(i.get(7)),
             float_lit(a.beta1),
             float_lit(a.beta2),
             float_lit(a.eps),
             float_lit(a.weight_decay)
         ),
         Op::Sgd(sg) => format!(
-            "    fs_sgd(out{}, out{}, in{}, in{}, in{}, *in{}, *in{}, {n}, {}, {});\n",
+            "    fs_sgd(out{}, out{}, in{}, in{}, in{}, *in{}, *in{}, {}, {n}, {}, {});\n",
             o[0],
             o[1],
             i[0],
@@ -84,6 +90,7 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
             i[2],
             i[3],
             i[4],
+            apply(i.get(5)),
             float_lit(sg.momentum),
             float_lit(sg.weight_decay)
         ),

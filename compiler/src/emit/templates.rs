@@ -348,6 +348,17 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             let _ = writeln!(b, "        {}", c.st(0, "i", v));
         }
         Op::AdamW(a) => {
+            if g.inputs(n).len() == 8 {
+                // A micro-batch that only accumulates: the state stays.
+                let _ = writeln!(
+                    b,
+                    "        if ({} == 0.0f) {{ {} {} {} continue; }}",
+                    c.ld(7, "0"),
+                    c.st(0, "i", &c.ld(0, "i")),
+                    c.st(1, "i", &c.ld(2, "i")),
+                    c.st(2, "i", &c.ld(3, "i"))
+                );
+            }
             let _ = writeln!(
                 b,
                 "        const float g = {} * {}, lr = {}, t = {};",
@@ -392,6 +403,15 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             );
         }
         Op::Sgd(o) => {
+            if g.inputs(n).len() == 6 {
+                let _ = writeln!(
+                    b,
+                    "        if ({} == 0.0f) {{ {} {} continue; }}",
+                    c.ld(5, "0"),
+                    c.st(0, "i", &c.ld(0, "i")),
+                    c.st(1, "i", &c.ld(2, "i"))
+                );
+            }
             let _ = writeln!(
                 b,
                 "        const float p = {}, lr = {};",

@@ -4,7 +4,7 @@
 
 use super::tensor::Tensor;
 use super::{run, Feeds, InterpError, Precision};
-use crate::autodiff::{LR_INPUT, STEP_INPUT};
+use crate::autodiff::{APPLY_INPUT, LR_INPUT, STEP_INPUT};
 use crate::ir::graph::{Graph, Role};
 
 #[derive(Clone, Debug)]
@@ -25,6 +25,11 @@ pub fn train_step(
     feeds
         .inputs
         .insert(STEP_INPUT.into(), Tensor::scalar(step as f64));
+    // One call is one micro-batch; unless told otherwise, the last.
+    feeds
+        .inputs
+        .entry(APPLY_INPUT.into())
+        .or_insert_with(|| Tensor::scalar(1.0));
     let vals = run(g, feeds, precision)?;
     let mut result = StepResult {
         loss: f64::NAN,

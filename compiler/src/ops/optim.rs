@@ -24,11 +24,14 @@ impl OpDef for AdamW {
             format!("wd={}", num(self.weight_decay)),
         ]
     }
-    /// (param, grad, m, v, lr, step, grad scale) -> (param', m', v'); `step`
-    /// counts from 1; the gradient is multiplied by the scale (the clip
-    /// coefficient) as it is read.
+    /// (param, grad, m, v, lr, step, grad scale[, apply]) -> (param', m',
+    /// v'); `step` counts from 1; the gradient is multiplied by the scale
+    /// (the clip coefficient) as it is read. With `apply` 0 (a micro-batch
+    /// that only accumulates) the outputs are the inputs.
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        expect_arity("adamw", inputs, 7)?;
+        if inputs.len() != 8 {
+            expect_arity("adamw", inputs, 7)?;
+        }
         let p = &inputs[0];
         for t in &inputs[1..4] {
             if t.shape != p.shape {
@@ -42,6 +45,9 @@ impl OpDef for AdamW {
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (p, g, m, v) = (inputs[0], inputs[1], inputs[2], inputs[3]);
+        if inputs.get(7).is_some_and(|a| a.data[0] == 0.0) {
+            return vec![inputs[0].clone(), inputs[2].clone(), inputs[3].clone()];
+        }
         let (lr, t, scale) = (inputs[4].data[0], inputs[5].data[0], inputs[6].data[0]);
         let bc1 = 1.0 - self.beta1.powf(t);
         let bc2 = 1.0 - self.beta2.powf(t);
@@ -78,9 +84,12 @@ impl OpDef for Sgd {
             format!("wd={}", num(self.weight_decay)),
         ]
     }
-    /// (param, grad, momentum buffer, lr, grad scale) -> (param', buffer').
+    /// (param, grad, momentum buffer, lr, grad scale[, apply]) -> (param',
+    /// buffer'); with `apply` 0 the outputs are the inputs.
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        expect_arity("sgd", inputs, 5)?;
+        if inputs.len() != 6 {
+            expect_arity("sgd", inputs, 5)?;
+        }
         let p = &inputs[0];
         for t in &inputs[1..3] {
             if t.shape != p.shape {
@@ -93,6 +102,9 @@ impl OpDef for Sgd {
         Ok(vec![p.clone(), inputs[2].clone()])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        if inputs.get(5).is_some_and(|a| a.data[0] == 0.0) {
+            return vec![inputs[0].clone(), inputs[2].clone()];
+        }
         let (p, g, buf, lr, scale) = (
             inputs[0],
             inputs[1],
