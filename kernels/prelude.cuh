@@ -70,6 +70,9 @@ template <typename T, int N>
 inline void fs_vstore(T* dst, const T (&src)[N]) { memcpy(dst, src, sizeof src); }
 #endif
 
+// Neither infinite nor NaN (the exponent is not all ones).
+__device__ __forceinline__ bool fs_isfinite(float x) { return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u; }
+
 // Rounding an f32 to a narrower type and back, where the graph casts.
 __device__ __forceinline__ float fs_round_bf16(float f) { return __uint_as_float(((unsigned int)fs_to_bf16(f)) << 16); }
 __device__ __forceinline__ float fs_round_f16(float f) {

@@ -43,7 +43,11 @@ fn every_models_plan_is_sound() {
         );
         // AdamW's two moments, plus an f32 gradient accumulator when the
         // step is split into micro-batches.
-        let acc = if c.model.train.micro_batches > 1 { 4 } else { 0 };
+        let acc = if c.model.train.micro_batches > 1 {
+            4
+        } else {
+            0
+        };
         if let Optimizer::AdamW { .. } = c.model.train.optimizer {
             assert!(
                 kind(MemKind::OptimizerState) >= (8 + acc) * params

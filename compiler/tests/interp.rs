@@ -251,3 +251,56 @@ fn micro_batches_accumulate_into_one_update() {
         }
     }
 }
+
+/// fp16 loss scaling: the backward pass starts from the loss scale and the
+/// update divides it out, so in exact arithmetic the step equals the fp32
+/// model's; an overflow (a scale too large for fp16) skips the update.
+#[test]
+fn fp16_loss_scaling_cancels_and_overflow_skips_the_step() {
+    let model = |precision: &str| {
+        format!(
+            "dim B\ninput x: f32[B, 4]\ninput y: i32[B]\nparam w: [4, 3] = normal(0.5)\nparam b: [3] = zeros\n\
+             train {{\n loss = cross_entropy(x @ w + b, y)\n optimizer = adamw(lr = 0.1)\n clip_grad_norm = 0.5\n precision = {precision}\n}}\n"
+        )
+    };
+    let half = compiled(&model("fp16")).training;
+    let full = compiled(&model("fp32")).training;
+    let dims = HashMap::from([("B".to_string(), 5)]);
+    let mut a = random_feeds(&half, &dims, 2).unwrap();
+    let mut b = random_feeds(&full, &dims, 2).unwrap();
+    b.params = a.params.clone();
+    b.inputs.extend(
+        a.inputs
+            .iter()
+            .filter(|(k, _)| !k.starts_with("update."))
+            .map(|(k, v)| (k.clone(), v.clone())),
+    );
+    a.inputs
+        .insert("update.loss_scale".into(), Tensor::scalar(1024.0));
+    let ra = train_step(&half, &mut a, 0.1, 1, Precision::F64).unwrap();
+    let rb = train_step(&full, &mut b, 0.1, 1, Precision::F64).unwrap();
+    assert!((ra.grad_norm.unwrap() - rb.grad_norm.unwrap()).abs() < 1e-12);
+    for (name, p) in &b.params {
+        let err = p
+            .data
+            .iter()
+            .zip(&a.params[name].data)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        assert!(err < 1e-12, "{name}: {err}");
+    }
+    // A scale that overflows fp16 when values are rounded as stored.
+    let before = a.params.clone();
+    a.inputs
+        .insert("update.loss_scale".into(), Tensor::scalar(1e30));
+    let r = train_step(&half, &mut a, 0.1, 2, Precision::AsStored).unwrap();
+    assert!(!r.grad_norm.unwrap().is_finite(), "{:?}", r.grad_norm);
+    // Unchanged, but for being stored as f32.
+    for (name, p) in &before {
+        let stored: Vec<f64> = p.data.iter().map(|&x| round_to(DType::F32, x)).collect();
+        assert_eq!(
+            a.params[name].data, stored,
+            "{name}: an overflowing step must not change the weights"
+        );
+    }
+}

@@ -101,6 +101,7 @@ pub fn checkpoint(b: &dyn Backend, step: u64) -> Result<Checkpoint, RuntimeError
         model: g.name.clone(),
         step,
         tensors,
+        extra: Default::default(),
     })
 }
 

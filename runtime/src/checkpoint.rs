@@ -22,6 +22,9 @@ pub struct Checkpoint {
     /// Steps completed: a resumed run continues with step + 1.
     pub step: u64,
     pub tensors: Vec<Tensor>,
+    /// Run state beyond the tensors (the fp16 loss scale, the optimizer's
+    /// own step count), as text.
+    pub extra: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Debug)]
@@ -53,11 +56,14 @@ pub fn save(path: &Path, ck: &Checkpoint) -> Result<(), CheckpointError> {
             .map_err(|e| CheckpointError(format!("tensor {}: {e}", t.name)))?;
         views.push((t.name.clone(), v));
     }
-    let meta = HashMap::from([
+    let mut meta = HashMap::from([
         ("format".to_string(), "fusec".to_string()),
         ("model".to_string(), ck.model.clone()),
         ("step".to_string(), ck.step.to_string()),
     ]);
+    for (k, v) in &ck.extra {
+        meta.insert(format!("fusec.{k}"), v.clone());
+    }
     let out = safetensors::serialize(views, Some(meta))
         .map_err(|e| CheckpointError(format!("cannot encode the checkpoint: {e}")))?;
     crate::cache::write_atomic(path, &out)
@@ -117,10 +123,15 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
             data,
         });
     }
+    let extra = info
+        .iter()
+        .filter_map(|(k, v)| k.strip_prefix("fusec.").map(|k| (k.to_string(), v.clone())))
+        .collect();
     Ok(Checkpoint {
         model: info.get("model").cloned().unwrap_or_default(),
         step,
         tensors,
+        extra,
     })
 }
 
@@ -178,6 +189,7 @@ mod tests {
                     data: vec![0.5; 6],
                 },
             ],
+            extra: [("loss_scale".to_string(), "1024".to_string())].into(),
         };
         save(&p, &ck).unwrap();
         assert_eq!(load(&p).unwrap(), ck);

@@ -10,6 +10,7 @@ pub mod device;
 pub mod exec;
 pub mod gemm;
 pub mod nvrtc;
+pub mod scaler;
 pub mod session;
 
 use cudarc::driver::DriverError;

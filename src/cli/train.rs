@@ -185,6 +185,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     // their gradients, and applies the update on the last.
     let micro = loaded.compiled.model.train.micro_batches.max(1) as u64;
     let mut first = 1;
+    let mut resumed = None;
     if let Some(path) = &args.resume {
         let ck = checkpoint::load(path).map_err(|e| CliError {
             message: format!("error: {e}"),
@@ -197,9 +198,10 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         backend::restore(b, &ck).map_err(runtime_err)?;
         first = ck.step + 1;
         eprintln!("resuming {} after step {}", path.display(), ck.step);
+        resumed = Some(ck);
     }
     if let Some(path) = &args.save_init {
-        save(b, path, 0)?;
+        save(b, path, 0, &Default::default())?;
     }
     let tokens_per_step =
         dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1) * micro as i64;
@@ -252,8 +254,25 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         ),
         None => None,
     };
+    // fp16: dynamic loss scaling. An overflowing step is skipped (the
+    // optimizer's own step count does not advance) and the scale halves.
+    let fp16 = is_input(b.graph(), fusec_compiler::autodiff::LOSS_SCALE_INPUT);
+    let mut scaler = fusec_runtime::scaler::LossScaler::default();
+    let mut opt_step = first - 1;
+    if let Some(ck) = &resumed {
+        if let Some(v) = ck.extra.get("loss_scale").and_then(|v| v.parse().ok()) {
+            scaler.scale = v;
+        }
+        if let Some(v) = ck.extra.get("optimizer_step").and_then(|v| v.parse().ok()) {
+            opt_step = v;
+        }
+    }
     let last = first + args.steps - 1;
     for step in first..=last {
+        if fp16 {
+            b.set(fusec_compiler::autodiff::LOSS_SCALE_INPUT, &[scaler.scale])
+                .map_err(runtime_err)?;
+        }
         let t0 = Instant::now();
         let mut st = fusec_runtime::session::StepStats {
             loss: 0.0,
@@ -275,11 +294,26 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
                 b.set(fusec_compiler::autodiff::APPLY_INPUT, &[apply])
                     .map_err(runtime_err)?;
             }
-            let one = b.step(lr, step).map_err(runtime_err)?;
+            let one = b.step(lr, opt_step + 1).map_err(runtime_err)?;
             st.loss += one.loss / micro as f64;
             st.grad_norm = one.grad_norm;
         }
         let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let applied = !fp16 || st.grad_norm.is_some_and(f64::is_finite);
+        if applied {
+            opt_step += 1;
+        }
+        if fp16 && scaler.update(applied) {
+            eprintln!(
+                "{}loss scale now {}",
+                if applied {
+                    ""
+                } else {
+                    "gradients overflowed, step skipped; "
+                },
+                scaler.scale
+            );
+        }
         let tps = tokens_per_step as f64 / (ms / 1e3);
         eprintln!(
             "step {step:>5}/{last}  loss {:.4}  {}{ms:.1} ms  {:.0} tok/s",
@@ -307,19 +341,38 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         }
         if let (Some(path), Some(every)) = (&args.save, args.save_every) {
             if step % every == 0 && step != last {
-                save(b, path, step)?;
+                save(b, path, step, &run_state(&scaler, opt_step, fp16))?;
             }
         }
     }
     if let Some(path) = &args.save {
-        save(b, path, last)?;
+        save(b, path, last, &run_state(&scaler, opt_step, fp16))?;
         eprintln!("saved {} (step {last})", path.display());
     }
     Ok(())
 }
 
-fn save(b: &dyn Backend, path: &std::path::Path, step: u64) -> Result<(), CliError> {
-    let ck = backend::checkpoint(b, step).map_err(runtime_err)?;
+/// What a checkpoint records beyond the tensors.
+fn run_state(
+    scaler: &fusec_runtime::scaler::LossScaler,
+    opt_step: u64,
+    fp16: bool,
+) -> BTreeMap<String, String> {
+    let mut m = BTreeMap::from([("optimizer_step".to_string(), opt_step.to_string())]);
+    if fp16 {
+        m.insert("loss_scale".into(), scaler.scale.to_string());
+    }
+    m
+}
+
+fn save(
+    b: &dyn Backend,
+    path: &std::path::Path,
+    step: u64,
+    extra: &BTreeMap<String, String>,
+) -> Result<(), CliError> {
+    let mut ck = backend::checkpoint(b, step).map_err(runtime_err)?;
+    ck.extra = extra.clone();
     checkpoint::save(path, &ck).map_err(|e| CliError {
         message: format!("error: {e}"),
         code: 3,

@@ -18,7 +18,7 @@ use petgraph::stable_graph::NodeIndex;
 use petgraph::Direction;
 use std::collections::{HashMap, HashSet};
 
-pub use update::{add_update, APPLY_INPUT, LR_INPUT, STEP_INPUT};
+pub use update::{add_update, APPLY_INPUT, LOSS_SCALE_INPUT, LR_INPUT, STEP_INPUT};
 
 /// Forward and backward: the loss and every parameter's gradient (f32).
 pub fn add_backward(model: &Model) -> Result<Graph, Errors> {
@@ -48,7 +48,23 @@ pub fn add_backward(model: &Model) -> Result<Graph, Errors> {
     {
         let mut b = Builder::new(&mut g, Some(model.train.loss_span), Phase::Backward);
         let dtype = b.ty(loss).dtype;
-        let seed = b.constant(1.0, dtype).map_err(internal)?;
+        // fp16 gradients underflow: the backward pass starts from the loss
+        // scale (an input the runtime adjusts) instead of 1, and the update
+        // divides it out.
+        let seed = if model.train.precision == crate::ir::DType::F16 {
+            let s = b
+                .op1(
+                    crate::ops::Input {
+                        name: LOSS_SCALE_INPUT.into(),
+                        ty: crate::ir::TensorType::scalar(crate::ir::DType::F32),
+                    },
+                    &[],
+                )
+                .map_err(internal)?;
+            b.cast(s, dtype).map_err(internal)?
+        } else {
+            b.constant(1.0, dtype).map_err(internal)?
+        };
         grads.insert(loss, seed);
     }
     for &n in order.iter().rev() {

@@ -5,12 +5,17 @@
 use crate::ir::graph::{Graph, Phase, Role, Value};
 use crate::ir::types::{DType, TensorType};
 use crate::model::{Optimizer, TrainConfig};
-use crate::ops::{AdamW, Builder, ClipCoef, Input, OpError, Sgd, State, SumSquares, UnaryKind};
+use crate::ops::{
+    AdamW, Builder, ClipCoef, Input, OpError, Sgd, State, SumSquares, UnaryKind, Unscale,
+};
 
 /// The learning rate and the step number (from 1) enter the update as
 /// inputs with these names, which no model file can spell.
 pub const LR_INPUT: &str = "update.lr";
 pub const STEP_INPUT: &str = "update.step";
+/// The fp16 loss scale: the backward pass starts from it, the update
+/// divides it out; present when precision = fp16.
+pub const LOSS_SCALE_INPUT: &str = "update.loss_scale";
 /// 1 on the micro-batch that ends an optimizer step, 0 on the ones before
 /// it (which only accumulate gradients); present when micro_batches > 1.
 pub const APPLY_INPUT: &str = "update.apply";
@@ -45,6 +50,11 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             )
         })
         .collect();
+    // The loss scale the backward pass starts from (fp16 only).
+    let loss_scale =
+        g.g.node_indices()
+            .find(|&n| matches!(&g.g[n].op, crate::ops::Op::Input(i) if i.name == LOSS_SCALE_INPUT))
+            .map(|n| Value { node: n, port: 0 });
     let mut new_outputs = Vec::new();
     let mut b = Builder::new(g, None, Phase::Update);
     let scalar = TensorType::scalar(DType::F32);
@@ -89,7 +99,36 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     // Squared global norm and the clip coefficient, which the optimizer ops
     // apply to the gradients as they read them (1 without clipping).
     let mut scale: Option<Value> = None;
-    if let Some(max_norm) = train.clip_grad_norm {
+    let fp16 = train.precision == DType::F16;
+    if fp16 {
+        let ls = loss_scale.ok_or_else(|| OpError::new("internal: no loss scale input", "fp16"))?;
+        let gvs: Vec<Value> = grads.iter().map(|&(_, gv)| gv).collect();
+        let mut sumsq = None;
+        if !gvs.is_empty() {
+            let partials = b.op1(
+                SumSquares {
+                    chunk: SUM_SQUARES_CHUNK,
+                },
+                &gvs,
+            )?;
+            sumsq = Some(b.sum(partials, vec![0], false)?);
+        }
+        if let Some(sumsq) = sumsq {
+            let host_apply = match apply {
+                Some(a) => a,
+                None => b.constant(1.0, DType::F32)?,
+            };
+            let r = b.op(
+                Unscale {
+                    max_norm: train.clip_grad_norm,
+                },
+                &[sumsq, ls, host_apply],
+            )?;
+            scale = Some(r[0]);
+            apply = Some(r[1]);
+            new_outputs.push((Role::GradNorm, r[2]));
+        }
+    } else if let Some(max_norm) = train.clip_grad_norm {
         let mut sumsq: Option<Value> = None;
         let gvs: Vec<Value> = grads.iter().map(|&(_, gv)| gv).collect();
         let tys: Vec<TensorType> = gvs.iter().map(|&v| b.ty(v).clone()).collect();

@@ -162,7 +162,7 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
         Op::Reduce(r) if r.axes.iter().enumerate().all(|(i, &a)| i == a) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
-        Op::SliceGrad(_) | Op::Concat(_) | Op::ClipCoef(_) => {
+        Op::SliceGrad(_) | Op::Concat(_) | Op::ClipCoef(_) | Op::Unscale(_) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
         _ => {
@@ -582,6 +582,34 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         // weights to the compute dtype); elsewhere they fuse into chains.
         Op::Cast(_) => {
             let _ = writeln!(b, "        {}", c.st(0, "i", &c.ld(0, "i")));
+        }
+        Op::Unscale(u) => {
+            // fp16: the true norm, the clip coefficient over the loss
+            // scale, and whether the step applies (no overflow).
+            let _ = writeln!(
+                b,
+                "        const float sumsq = {}, scale = {};",
+                c.ld(0, "0"),
+                c.ld(1, "0")
+            );
+            let _ = writeln!(
+                b,
+                "        const float norm = sqrtf(sumsq) / scale;\n        const bool finite = fs_isfinite(sumsq);"
+            );
+            let coef = match u.max_norm {
+                Some(m) => format!(
+                    "(finite ? fminf(1.0f, {} / (norm + 1e-6f)) : 1.0f)",
+                    float_lit(m)
+                ),
+                None => "1.0f".to_string(),
+            };
+            let _ = writeln!(b, "        {}", c.st(0, "i", &format!("{coef} / scale")));
+            let _ = writeln!(
+                b,
+                "        {}",
+                c.st(1, "i", &format!("finite ? {} : 0.0f", c.ld(2, "0")))
+            );
+            let _ = writeln!(b, "        {}", c.st(2, "i", "norm"));
         }
         Op::ClipCoef(cc) => {
             let _ = writeln!(b, "        const float norm = sqrtf({});", c.ld(0, "0"));

@@ -4,7 +4,7 @@
 
 use super::tensor::{numel, Tensor};
 use super::{concrete_shape, Feeds, InterpError};
-use crate::autodiff::{APPLY_INPUT, LR_INPUT, STEP_INPUT};
+use crate::autodiff::{APPLY_INPUT, LOSS_SCALE_INPUT, LR_INPUT, STEP_INPUT};
 use crate::ir::graph::{Graph, Init, Value};
 use crate::ir::types::DType;
 use crate::ops::Op;
@@ -82,7 +82,10 @@ pub fn random_feeds(
                 let shape = concrete_shape(&i.ty.shape, dims)?;
                 let t = if i.name == LR_INPUT {
                     Tensor::scalar(1e-3)
-                } else if i.name == STEP_INPUT || i.name == APPLY_INPUT {
+                } else if i.name == STEP_INPUT
+                    || i.name == APPLY_INPUT
+                    || i.name == LOSS_SCALE_INPUT
+                {
                     Tensor::scalar(1.0)
                 } else if i.ty.dtype == DType::I32 {
                     let hi = index_bound(g, Value { node: n, port: 0 }, dims)

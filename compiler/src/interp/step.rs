@@ -4,7 +4,7 @@
 
 use super::tensor::Tensor;
 use super::{run, Feeds, InterpError, Precision};
-use crate::autodiff::{APPLY_INPUT, LR_INPUT, STEP_INPUT};
+use crate::autodiff::{APPLY_INPUT, LOSS_SCALE_INPUT, LR_INPUT, STEP_INPUT};
 use crate::ir::graph::{Graph, Role};
 
 #[derive(Clone, Debug)]
@@ -25,6 +25,10 @@ pub fn train_step(
     feeds
         .inputs
         .insert(STEP_INPUT.into(), Tensor::scalar(step as f64));
+    feeds
+        .inputs
+        .entry(LOSS_SCALE_INPUT.into())
+        .or_insert_with(|| Tensor::scalar(1.0));
     // One call is one micro-batch; unless told otherwise, the last.
     feeds
         .inputs

@@ -372,3 +372,44 @@ impl OpDef for ClipCoef {
         vec![Tensor::scalar((self.max_norm / (norm + 1e-6)).min(1.0))]
     }
 }
+
+/// The fp16 update's control scalars from the squared norm of the scaled
+/// gradients: (sumsq, loss scale S, apply) -> (gradient multiplier, apply,
+/// true norm). The multiplier is the clip coefficient of the true norm
+/// sqrt(sumsq) / S, divided by S; a non-finite sumsq (an overflow) turns
+/// apply to 0, so the step is skipped and the runtime lowers S.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Unscale {
+    pub max_norm: Option<f64>,
+}
+
+impl OpDef for Unscale {
+    fn name(&self) -> &'static str {
+        "unscale"
+    }
+    fn attrs(&self) -> Vec<String> {
+        match self.max_norm {
+            Some(m) => vec![format!("max_norm={}", num(m))],
+            None => vec![],
+        }
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("unscale", inputs, 3)?;
+        let s = TensorType::scalar(DType::F32);
+        Ok(vec![s.clone(), s.clone(), s])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        let (sumsq, scale, apply) = (inputs[0].data[0], inputs[1].data[0], inputs[2].data[0]);
+        let norm = sumsq.sqrt() / scale;
+        let finite = sumsq.is_finite();
+        let coef = match self.max_norm {
+            Some(m) if finite => (m / (norm + 1e-6)).min(1.0),
+            _ => 1.0,
+        };
+        vec![
+            Tensor::scalar(coef / scale),
+            Tensor::scalar(if finite { apply } else { 0.0 }),
+            Tensor::scalar(norm),
+        ]
+    }
+}

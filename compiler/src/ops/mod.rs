@@ -17,7 +17,7 @@ pub use attention::{Attention, AttentionGrad};
 pub use builder::Builder;
 pub use conv::{Conv2d, Conv2dGradInput, Conv2dGradWeight};
 pub use elementwise::{
-    Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unary, UnaryGrad, UnaryKind,
+    Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unary, UnaryGrad, UnaryKind, Unscale,
 };
 pub use linalg::MatMul;
 pub use nn::{
@@ -136,6 +136,7 @@ ops!(
     UnaryGrad,
     Binary,
     ClipCoef,
+    Unscale,
     Reduce,
     Reshape,
     Permute,
