@@ -64,6 +64,11 @@ pub struct TrainArgs {
     /// data position, as if the run had not stopped
     #[arg(long, value_name = "FILE")]
     pub resume: Option<PathBuf>,
+    /// Insist on bit-for-bit repeatable runs. Every kernel fusec runs already
+    /// is deterministic (generated kernels use no atomics; each GEMM keeps
+    /// the cuBLASLt algorithm chosen for it), so this only says so.
+    #[arg(long)]
+    pub deterministic: bool,
 }
 
 #[derive(Args, Debug)]
@@ -180,6 +185,11 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         .filter(|k| is_input(b.graph(), k) && !k.starts_with("update."))
         .cloned()
         .collect();
+    if args.deterministic {
+        eprintln!(
+            "deterministic: every kernel of this step is (generated kernels use no atomics; GEMMs keep one cuBLASLt algorithm each), so a run repeats bit for bit on the same GPU and software"
+        );
+    }
     backend::init_params(b, args.seed).map_err(runtime_err)?;
     // Each optimizer step runs `micro` micro-batches of B rows, adding up
     // their gradients, and applies the update on the last.
