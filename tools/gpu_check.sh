@@ -1,27 +1,52 @@
 #!/usr/bin/env bash
-# Runs fusec's GPU checks on a machine with an NVIDIA GPU and no Rust
-# toolchain: the test binaries and the fusec binary are built elsewhere and
-# placed in $BIN (default out/device). Writes logs under $OUT (default
-# out/gpu-logs). Usage: tools/gpu_check.sh [tests|bench|all]
+# fusec's GPU checks, for a machine with an NVIDIA GPU and no Rust
+# toolchain. Build here first (tools/gpu_prepare.sh puts the fusec binary,
+# the GPU test binaries and the PyTorch baseline in out/device), carry
+# out/device, then run on the GPU machine:
+#   tools/gpu_check.sh tests     GPU tests (GEMMs, every kernel, steps, training)
+#   tools/gpu_check.sh parity    per-step losses against PyTorch, fp32 and bf16
+#   tools/gpu_check.sh bench     GPT-2 small: cold and warm start, fusec bench, PyTorch
+#   tools/gpu_check.sh all
+# Logs go to $OUT (default out/gpu-logs, or $OUT/gpu-logs when $OUT is set
+# by the device tool).
 set -u
 BIN=${BIN:-out/device}
-OUT=${OUT:-out/gpu-logs}
-mkdir -p "$OUT"
+LOGS=${OUT:-out}/gpu-logs
+mkdir -p "$LOGS"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export FUSEC_ROOT=$(pwd)
 export FUSEC_CACHE_DIR=${FUSEC_CACHE_DIR:-/tmp/fusec-cache}
 what=${1:-all}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOGS/gpu.txt"
+run() { echo "== $*"; }
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for t in "$BIN"/gemm_gpu "$BIN"/step_gpu; do
-    [ -x "$t" ] || continue
-    echo "== $(basename "$t")"
-    timeout 300 "$t" --nocapture --test-threads=1 2>&1 | tee "$OUT/$(basename "$t").log" | grep -E "^test |test result|skipped|worst|loss|error|panicked" | head -60
+  for t in gemm_gpu step_gpu; do
+    [ -x "$BIN/$t" ] || { echo "missing $BIN/$t"; continue; }
+    run "$t"
+    FUSEC_REQUIRE_GPU=1 timeout 400 "$BIN/$t" --nocapture --test-threads=1 > "$LOGS/$t.log" 2>&1
+    echo "exit $?"
+    grep -E "^test |test result|skipped|worst|loss|GPU|panicked|error" "$LOGS/$t.log" | head -60
+  done
+fi
+if [ "$what" = parity ] || [ "$what" = all ]; then
+  for p in fp32 bf16; do
+    run "parity $p"
+    timeout 400 python3 tools/torch_parity.py --fusec "$BIN/fusec" --precision "$p" --out "$LOGS/parity-$p.json" 2>&1 | tail -16
   done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  echo "== fusec train gpt2-small (random batch)"
-  timeout 300 "$BIN"/fusec train dsl-examples/gpt2-small.dsl --data random --batch 4 --seq 256 --steps 5 2>&1 | tail -8 | tee "$OUT/train.log"
-  echo "== fusec bench gpt2-small B=8 T=1024"
-  timeout 300 "$BIN"/fusec bench dsl-examples/gpt2-small.dsl --batch 8 --seq 1024 --steps 10 2>&1 | tail -3 | tee "$OUT/bench.log"
+  rm -rf "$FUSEC_CACHE_DIR"
+  T=dsl-examples/data/founding-texts.txt
+  run "cold start: fusec train gpt2-small"
+  /usr/bin/time -f "%e s wall" "$BIN/fusec" train dsl-examples/gpt2-small.dsl --data $T --batch 4 --seq 128 --steps 1 2>&1 | tail -4
+  run "warm start"
+  /usr/bin/time -f "%e s wall" "$BIN/fusec" train dsl-examples/gpt2-small.dsl --data $T --batch 4 --seq 128 --steps 1 2>&1 | tail -4
+  for b in 8 32; do
+    run "fusec bench gpt2-small B=$b T=1024"
+    timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch $b --seq 1024 --steps 10 2>&1 | tail -3 | tee -a "$LOGS/bench.jsonl"
+  done
+  if [ -f "$BIN/torch_reference.py" ]; then
+    run "PyTorch baselines B=32"
+    timeout 400 python3 "$BIN/torch_reference.py" --models gpt2-small --batch 32 --seq 1024 --no-ceilings 2>&1 | tail -6 | tee "$LOGS/torch.jsonl"
+  fi
 fi

@@ -92,17 +92,23 @@ fn cases() -> Vec<Case> {
     ]
 }
 
+/// The GPU, or None with the reason printed (a failure instead when
+/// FUSEC_REQUIRE_GPU is set, so a GPU run cannot pass by skipping).
 fn gpu() -> Option<device::Gpu> {
+    let skip = |why: String| {
+        assert!(
+            std::env::var_os("FUSEC_REQUIRE_GPU").is_none(),
+            "FUSEC_REQUIRE_GPU is set: {why}"
+        );
+        println!("skipped: {why}");
+        None
+    };
     if !device::driver_present() {
-        println!("skipped: no CUDA driver on this machine");
-        return None;
+        return skip("no CUDA driver on this machine".into());
     }
     match device::open(0) {
         Ok(g) => Some(g),
-        Err(e) => {
-            println!("skipped: {e}");
-            None
-        }
+        Err(e) => skip(e.to_string()),
     }
 }
 

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Builds what tools/gpu_check.sh runs on a GPU machine into out/device: the
+# release fusec binary, the GPU test executables and the PyTorch baseline.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release
+rm -rf out/device && mkdir -p out/device
+cp target/release/fusec out/device/
+for t in gemm_gpu step_gpu; do
+  exe=$(cargo test --release -p fusec-runtime --test "$t" --no-run --message-format=json 2>/dev/null \
+    | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)
+  cp "$exe" "out/device/$t"
+done
+if [ -f ../shared/bench/torch_reference.py ]; then cp ../shared/bench/torch_reference.py out/device/; fi
+du -sh out/device
