@@ -60,6 +60,30 @@ train {
 }
 ";
 
+/// Row kernels with block reductions: layernorm, rmsnorm, softmax and their
+/// backward passes (the norms' parameter gradients by row groups), the
+/// fused cross-entropy and the gradient norm.
+const ROWS: &str = "
+const d = 16
+dim B, T
+input x: f32[B, T, d]
+input targets: i32[B, T]
+param g1: [d] = normal(1.0)
+param b1: [d] = normal(0.2)
+param g2: [d] = normal(1.0)
+param w2: [d, d] = normal(0.4)
+param w: [d, 11] = normal(0.4)
+let h = layernorm(x, g1, b1)
+let r = rmsnorm(h * 1.5, g2)
+let p = softmax(r @ w2)
+train {
+    loss = cross_entropy((r + p) @ w, targets)
+    optimizer = adamw(lr = 1e-3)
+    clip_grad_norm = 1.0
+    precision = PRECISION
+}
+";
+
 /// Convolutions: stride 2 with padding 1 (one that tiles the image, one
 /// whose window leaves the last row and column unused), and a patch conv.
 const CONV: &str = "
@@ -154,6 +178,8 @@ inline float fs_block_max(float v) { return fs_block_reduce(v, true); }
 /// real 256-thread block.
 const LAUNCHES: [(u32, u32, bool); 3] = [(1, 1, false), (3, 4, true), (1, 256, true)];
 
+/// Kernels whose threads cooperate (block reductions, shared memory,
+/// barriers): the ones a one-thread host run cannot fully check.
 fn is_template(g: &Graph, k: &Kernel) -> bool {
     matches!(k.body, Body::Op(n) if matches!(
         g.g[n].op,
@@ -162,6 +188,14 @@ fn is_template(g: &Graph, k: &Kernel) -> bool {
             | Op::Conv2d(_)
             | Op::Conv2dGradInput(_)
             | Op::Conv2dGradWeight(_)
+            | Op::LayerNorm(_)
+            | Op::LayerNormGrad(_)
+            | Op::RmsNorm(_)
+            | Op::RmsNormGrad(_)
+            | Op::Softmax(_)
+            | Op::SoftmaxGrad(_)
+            | Op::CrossEntropyWithGrad(_)
+            | Op::SumSquares(_)
     ))
 }
 
@@ -474,5 +508,36 @@ fn convolution_kernels_match_the_interpreter() {
             assert!(ops.contains(&op), "{precision}: no {op} kernel in {ops:?}");
         }
         println!("{precision}: {checked} convolution kernel runs matched");
+    }
+}
+
+#[test]
+fn row_kernels_match_the_interpreter() {
+    if !have_cxx() {
+        return;
+    }
+    // 300 rows: the norms' parameter gradients put two rows in most groups.
+    let runs = vec![vec![("B", 3), ("T", 100)], vec![("B", 1), ("T", 3)]];
+    for precision in ["f32", "bf16"] {
+        let (checked, program, g) = check("rows", ROWS, precision, &runs);
+        let ops: Vec<&str> = program
+            .kernels
+            .iter()
+            .filter(|k| is_template(&g, k))
+            .map(|k| match k.body {
+                Body::Op(n) => g.g[n].op.name(),
+                _ => unreachable!(),
+            })
+            .collect();
+        for op in [
+            "layernorm_grad",
+            "rmsnorm_grad",
+            "softmax_grad",
+            "cross_entropy_with_grad",
+            "sum_squares",
+        ] {
+            assert!(ops.contains(&op), "{precision}: no {op} kernel in {ops:?}");
+        }
+        println!("{precision}: {checked} row kernel runs matched");
     }
 }

@@ -14,7 +14,7 @@ use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::kernel::{Kernel, Program};
 
-use crate::ops::{Op, ReduceKind};
+use crate::ops::{Op, ReduceKind, NORM_GROUPS};
 use petgraph::stable_graph::NodeIndex;
 use std::fmt::Write;
 
@@ -96,21 +96,57 @@ fn stats(b: &mut String, x: &str, eps: &str, indent: &str, var: &str) {
     );
 }
 
-/// Closes the row loop and opens the column-tile phase of a norm backward:
-/// each thread owns column `j` of the parameter gradients and walks every
-/// row `r` (deterministic: no atomics); `init` declares its accumulators.
-fn column_tiles(b: &mut String, init: &str) {
+/// Closes the row loop and opens the parameter-gradient phase of a norm
+/// backward: block `grp` owns rows [grp * per, (grp + 1) * per) and walks
+/// them in chunks of up to 256, first computing each row's statistics
+/// (`stats` declares them, `keep` stores them into the `__shared__` arrays
+/// named in `shared`), then summing over the chunk with one thread per
+/// feature `j` between `r = c0..c1`. Its partial sums start at zero and
+/// accumulate in `out1`/`out2` [NORM_GROUPS, C]; deterministic.
+fn row_groups(
+    b: &mut String,
+    zero: &str,
+    keep: &str,
+    shared: &[&str],
+    stats: &dyn Fn(&mut String),
+) {
     let _ = writeln!(b, "    }}");
+    let arrays: Vec<String> = shared.iter().map(|n| format!("{n}_s[256]")).collect();
+    let _ = writeln!(b, "    __shared__ float {};", arrays.join(", "));
     let _ = writeln!(
         b,
-        "    for (fs_i64 tile = blockIdx.x; tile * blockDim.x < C; tile += gridDim.x) {{"
+        "    const fs_i64 groups = {NORM_GROUPS}, per = (rows + groups - 1) / groups;"
     );
     let _ = writeln!(
         b,
-        "        const fs_i64 j = tile * blockDim.x + threadIdx.x;"
+        "    for (fs_i64 grp = blockIdx.x; grp < groups; grp += gridDim.x) {{"
     );
-    let _ = writeln!(b, "        {init}");
-    let _ = writeln!(b, "        for (fs_i64 r = 0; r < rows; ++r) {{");
+    let _ = writeln!(
+        b,
+        "        const fs_i64 g0 = grp * per, g1 = g0 + per < rows ? g0 + per : rows;"
+    );
+    let _ = writeln!(
+        b,
+        "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{ {zero} }}"
+    );
+    let _ = writeln!(b, "        for (fs_i64 c0 = g0; c0 < g1; c0 += 256) {{");
+    let _ = writeln!(
+        b,
+        "            const fs_i64 c1 = c0 + 256 < g1 ? c0 + 256 : g1;"
+    );
+    let _ = writeln!(b, "            for (fs_i64 r = c0; r < c1; ++r) {{");
+    stats(b);
+    let _ = writeln!(b, "                if (threadIdx.x == 0) {{ {keep} }}");
+    let _ = writeln!(b, "            }}");
+    let _ = writeln!(b, "            __syncthreads();");
+}
+
+/// Ends a chunk and the group loop opened by `row_groups`.
+fn close_row_groups(b: &mut String) {
+    // Every thread is done with the chunk's statistics before the next
+    // chunk overwrites them.
+    let _ = writeln!(b, "            __syncthreads();");
+    let _ = writeln!(b, "        }}");
 }
 
 /// Most columns of an embedding gradient row kept in shared memory (48 KiB).
@@ -453,16 +489,30 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
                 c.st(0, "r * C + j", &v)
             );
-            column_tiles(b, "float dg = 0.0f, db = 0.0f;");
-            stats(b, &c.ld(0, "r * C + jj"), &eps, "            ", "jj");
-            let _ = writeln!(b, "            if (j < C) {{ const float d = {dy}; dg += d * ({x} - mean) * rstd; db += d; }}");
-            let _ = writeln!(b, "        }}");
+            // Then the parameter gradients by row groups: each block sums
+            // its group's rows into one f32 partial per feature.
+            let zero = "out1[grp * C + j] = 0.0f; out2[grp * C + j] = 0.0f;";
+            row_groups(
+                b,
+                zero,
+                "mean_s[r - c0] = mean; rstd_s[r - c0] = rstd;",
+                &["mean", "rstd"],
+                &|b| {
+                    stats(b, &c.ld(0, "r * C + jj"), &eps, "                ", "jj");
+                },
+            );
             let _ = writeln!(
                 b,
-                "        if (j < C) {{ {} {} }}",
-                c.st(1, "j", "dg"),
-                c.st(2, "j", "db")
+                "            for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{"
             );
+            let _ = writeln!(b, "                float dg = 0.0f, db = 0.0f;");
+            let _ = writeln!(b, "                for (fs_i64 r = c0; r < c1; ++r) {{ const float d = {dy}; dg += d * ({x} - mean_s[r - c0]) * rstd_s[r - c0]; db += d; }}");
+            let _ = writeln!(
+                b,
+                "                out1[grp * C + j] += dg; out2[grp * C + j] += db;"
+            );
+            let _ = writeln!(b, "            }}");
+            close_row_groups(b);
         }
         Op::RmsNormGrad(rn) => {
             let eps = float_lit(rn.eps);
@@ -483,17 +533,33 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
                 c.st(0, "r * C + j", &v)
             );
-            column_tiles(b, "float dg = 0.0f;");
-            let xj = c.ld(0, "r * C + jj");
-            let _ = writeln!(b, "            float sq = 0.0f;");
-            let _ = writeln!(b, "            for (fs_i64 jj = threadIdx.x; jj < C; jj += blockDim.x) sq += {xj} * {xj};");
+            row_groups(
+                b,
+                "out1[grp * C + j] = 0.0f;",
+                "rs_s[r - c0] = rs;",
+                &["rs"],
+                &|b| {
+                    let xj = c.ld(0, "r * C + jj");
+                    let _ = writeln!(b, "                float sq = 0.0f;");
+                    let _ = writeln!(b, "                for (fs_i64 jj = threadIdx.x; jj < C; jj += blockDim.x) sq += {xj} * {xj};");
+                    let _ = writeln!(
+                    b,
+                    "                const float rs = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
+                );
+                },
+            );
             let _ = writeln!(
                 b,
-                "            const float rs = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
+                "            for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{"
             );
-            let _ = writeln!(b, "            if (j < C) dg += {dy} * {x} * rs;");
-            let _ = writeln!(b, "        }}");
-            let _ = writeln!(b, "        if (j < C) {}", c.st(1, "j", "dg"));
+            let _ = writeln!(b, "                float dg = 0.0f;");
+            let _ = writeln!(
+                b,
+                "                for (fs_i64 r = c0; r < c1; ++r) dg += {dy} * {x} * rs_s[r - c0];"
+            );
+            let _ = writeln!(b, "                out1[grp * C + j] += dg;");
+            let _ = writeln!(b, "            }}");
+            close_row_groups(b);
         }
         Op::EmbeddingGrad(_) => {
             // Tokens are scanned in order, a chunk at a time: each thread

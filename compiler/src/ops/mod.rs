@@ -22,7 +22,7 @@ pub use elementwise::{
 pub use linalg::MatMul;
 pub use nn::{
     CausalMask, CrossEntropy, CrossEntropyGrad, CrossEntropyWithGrad, Embedding, EmbeddingGrad,
-    LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad, Rope, Softmax, SoftmaxGrad,
+    LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad, Rope, Softmax, SoftmaxGrad, NORM_GROUPS,
 };
 pub use optim::{AdamW, Sgd, SumSquares};
 pub use shape::{Broadcast, Concat, Permute, Reduce, ReduceKind, Reshape, Slice, SliceGrad};

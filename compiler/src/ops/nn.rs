@@ -117,6 +117,21 @@ pub struct LayerNorm {
     pub eps: f64,
 }
 
+/// f32 [NORM_GROUPS, C] partial sums for a parameter like `p`.
+fn partials_type(p: &TensorType) -> TensorType {
+    let mut shape = vec![Dim::constant(NORM_GROUPS as i64)];
+    shape.extend(p.shape.iter().cloned());
+    TensorType::new(DType::F32, shape)
+}
+
+/// The parameter gradient from its group partials: their sum, in the
+/// parameter's dtype.
+fn finish_partials(b: &mut Builder, partials: Value, param: Value) -> Result<Value, OpError> {
+    let total = b.sum(partials, vec![0], false)?;
+    let dt = b.ty(param).dtype;
+    b.cast(total, dt)
+}
+
 fn norm_stats(row: &[f64], eps: f64) -> (f64, f64) {
     let n = row.len() as f64;
     let mean = row.iter().sum::<f64>() / n;
@@ -163,11 +178,26 @@ impl OpDef for LayerNorm {
             return Ok(vec![None; 3]);
         };
         let r = b.op(LayerNormGrad { eps: self.eps }, &[inputs[0], inputs[1], dy])?;
-        Ok(vec![Some(r[0]), Some(r[1]), Some(r[2])])
+        let dg = finish_partials(b, r[1], inputs[1])?;
+        let db = finish_partials(b, r[2], inputs[2])?;
+        Ok(vec![Some(r[0]), Some(dg), Some(db)])
     }
 }
 
-/// The whole LayerNorm backward: (x, g, dy) -> (dx, dg, db).
+/// Row groups of a norm backward's parameter gradients: each group of
+/// consecutive rows gives one f32 partial sum per feature, and a `sum` over
+/// the groups finishes them. Many groups keep every SM busy; few keep that
+/// final sum short. Deterministic: fixed groups, fixed order.
+pub const NORM_GROUPS: usize = 256;
+
+/// The group of each row: `rows` split into NORM_GROUPS runs of
+/// ceil(rows / NORM_GROUPS) (the kernel's split).
+fn group_of(row: usize, rows: usize) -> usize {
+    row / rows.div_ceil(NORM_GROUPS).max(1)
+}
+
+/// The whole LayerNorm backward: (x, g, dy) -> (dx, dg partials, db
+/// partials), the partials f32 [NORM_GROUPS, C].
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerNormGrad {
     pub eps: f64,
@@ -182,19 +212,18 @@ impl OpDef for LayerNormGrad {
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("layernorm_grad", inputs, 3)?;
-        Ok(vec![
-            inputs[0].clone(),
-            inputs[1].clone(),
-            inputs[1].clone(),
-        ])
+        let part = partials_type(&inputs[1]);
+        Ok(vec![inputs[0].clone(), part.clone(), part])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (x, g, dy) = (inputs[0], &inputs[1].data, inputs[2]);
         let c = g.len();
+        let n = x.len() / c.max(1);
         let mut dx = Vec::with_capacity(x.len());
-        let mut dg = vec![0.0; c];
-        let mut db = vec![0.0; c];
-        for (row, dyr) in rows(x).zip(rows(dy)) {
+        let mut dg = vec![0.0; NORM_GROUPS * c];
+        let mut db = vec![0.0; NORM_GROUPS * c];
+        for (r, (row, dyr)) in rows(x).zip(rows(dy)).enumerate() {
+            let at = group_of(r, n) * c;
             let (mean, rstd) = norm_stats(row, self.eps);
             let xhat: Vec<f64> = row.iter().map(|v| (v - mean) * rstd).collect();
             let dxhat: Vec<f64> = (0..c).map(|i| dyr[i] * g[i]).collect();
@@ -202,14 +231,14 @@ impl OpDef for LayerNormGrad {
             let m2 = dxhat.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f64>() / c as f64;
             for i in 0..c {
                 dx.push(rstd * (dxhat[i] - m1 - xhat[i] * m2));
-                dg[i] += dyr[i] * xhat[i];
-                db[i] += dyr[i];
+                dg[at + i] += dyr[i] * xhat[i];
+                db[at + i] += dyr[i];
             }
         }
         vec![
             Tensor::new(x.shape.clone(), dx),
-            Tensor::new(vec![c], dg),
-            Tensor::new(vec![c], db),
+            Tensor::new(vec![NORM_GROUPS, c], dg),
+            Tensor::new(vec![NORM_GROUPS, c], db),
         ]
     }
 }
@@ -259,11 +288,13 @@ impl OpDef for RmsNorm {
             return Ok(vec![None; 2]);
         };
         let r = b.op(RmsNormGrad { eps: self.eps }, &[inputs[0], inputs[1], dy])?;
-        Ok(vec![Some(r[0]), Some(r[1])])
+        let dg = finish_partials(b, r[1], inputs[1])?;
+        Ok(vec![Some(r[0]), Some(dg)])
     }
 }
 
-/// The whole RMSNorm backward: (x, g, dy) -> (dx, dg).
+/// The whole RMSNorm backward: (x, g, dy) -> (dx, dg partials f32
+/// [NORM_GROUPS, C]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RmsNormGrad {
     pub eps: f64,
@@ -278,22 +309,27 @@ impl OpDef for RmsNormGrad {
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("rmsnorm_grad", inputs, 3)?;
-        Ok(vec![inputs[0].clone(), inputs[1].clone()])
+        Ok(vec![inputs[0].clone(), partials_type(&inputs[1])])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (x, g, dy) = (inputs[0], &inputs[1].data, inputs[2]);
         let c = g.len();
+        let n = x.len() / c.max(1);
         let mut dx = Vec::with_capacity(x.len());
-        let mut dg = vec![0.0; c];
-        for (row, dyr) in rows(x).zip(rows(dy)) {
+        let mut dg = vec![0.0; NORM_GROUPS * c];
+        for (r, (row, dyr)) in rows(x).zip(rows(dy)).enumerate() {
+            let at = group_of(r, n) * c;
             let r = rms_r(row, self.eps);
             let dot: f64 = (0..c).map(|i| dyr[i] * g[i] * row[i]).sum();
             for i in 0..c {
                 dx.push(dyr[i] * g[i] * r - row[i] * r * r * r * dot / c as f64);
-                dg[i] += dyr[i] * row[i] * r;
+                dg[at + i] += dyr[i] * row[i] * r;
             }
         }
-        vec![Tensor::new(x.shape.clone(), dx), Tensor::new(vec![c], dg)]
+        vec![
+            Tensor::new(x.shape.clone(), dx),
+            Tensor::new(vec![NORM_GROUPS, c], dg),
+        ]
     }
 }
 
