@@ -157,6 +157,19 @@ fn rule(g: &Graph, n: NodeIndex, node: &Node, ins: &[Value]) -> Option<Rewrite> 
         Op::Cast(_) | Op::Reshape(_) | Op::Broadcast(_) if same(ins[0]) => {
             Some(Rewrite::Value(ins[0]))
         }
+        // An f32 value cast to a 16-bit type and straight back (a norm's
+        // parameter gradient, summed in f32, on its way to the f32
+        // gradient buffer) keeps its f32 value: as PyTorch's autocast,
+        // which keeps such sums in f32, and one rounding less.
+        Op::Cast(c) if c.to == crate::ir::DType::F32 => match &g.g[ins[0].node].op {
+            Op::Cast(inner)
+                if matches!(inner.to, crate::ir::DType::BF16 | crate::ir::DType::F16) =>
+            {
+                let orig = g.inputs(ins[0].node)[0];
+                same(orig).then_some(Rewrite::Value(orig))
+            }
+            _ => None,
+        },
         Op::Reshape(r) => match &g.g[ins[0].node].op {
             Op::Reshape(_) => {
                 let inner = g.inputs(ins[0].node)[0];
@@ -222,7 +235,7 @@ impl Pass for Simplify {
         "simplify"
     }
     fn about(&self) -> &'static str {
-        "algebraic simplification: x*1, x+0, reshape of reshape, permute of permute, no-op casts, sums of slice gradients as concat, batch-summed products as one GEMM"
+        "algebraic simplification: x*1, x+0, reshape of reshape, permute of permute, no-op casts and f32 round trips through 16 bits, sums of slice gradients as concat, batch-summed products as one GEMM"
     }
     fn run(&self, g: &mut Graph) -> usize {
         let mut total = 0;
