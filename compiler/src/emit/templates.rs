@@ -53,6 +53,21 @@ impl Ctx<'_> {
     }
 }
 
+/// `v`, plus the kernel's residual input at the same element where it has
+/// one (row-major `r * C + j`).
+fn with_residual(c: &Ctx, v: String) -> String {
+    match c.k.residual {
+        Some(slot) => format!(
+            "{v} + {}",
+            load(
+                c.p.buffers[c.k.inputs[slot]].ty.dtype,
+                &format!("in{slot}[r * C + j]")
+            )
+        ),
+        None => v,
+    }
+}
+
 fn numel(d: &[Dim]) -> Dim {
     d.iter()
         .try_fold(Dim::constant(1), |a, x| a.checked_mul(x))
@@ -483,7 +498,10 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             let _ = writeln!(b, "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{ const float d = {dy} * {g}; m1 += d; m2 += d * ({x} - mean) * rstd; }}");
             let _ = writeln!(b, "        m1 = fs_block_sum(m1) / (float)C;");
             let _ = writeln!(b, "        m2 = fs_block_sum(m2) / (float)C;");
-            let v = format!("rstd * ({dy} * {g} - m1 - ({x} - mean) * rstd * m2)");
+            let v = with_residual(
+                c,
+                format!("rstd * ({dy} * {g} - m1 - ({x} - mean) * rstd * m2)"),
+            );
             let _ = writeln!(
                 b,
                 "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
@@ -527,7 +545,7 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 "        const float rs = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
             );
             let _ = writeln!(b, "        dot = fs_block_sum(dot) / (float)C;");
-            let v = format!("{dy} * {g} * rs - {x} * rs * rs * rs * dot");
+            let v = with_residual(c, format!("{dy} * {g} * rs - {x} * rs * rs * rs * dot"));
             let _ = writeln!(
                 b,
                 "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",

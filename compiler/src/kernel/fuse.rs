@@ -206,6 +206,7 @@ impl<'g> Fuser<'g> {
             inputs: vec![src],
             outputs: vec![out],
             input_views: Vec::new(),
+            residual: None,
             body: Body::Pointwise(Pointwise {
                 n,
                 exprs: vec![PExpr::Load { input: 0, view }],
@@ -334,6 +335,7 @@ impl<'g> Fuser<'g> {
             inputs,
             outputs: vec![out],
             input_views: Vec::new(),
+            residual: None,
             body: Body::Pointwise(Pointwise {
                 n: self.g.g[tail].outputs[0].numel(),
                 exprs,
@@ -433,9 +435,15 @@ pub fn fuse(g: &Graph) -> Program {
                     views.push(v);
                 }
                 let mut nodes = vec![n];
+                // A norm backward's dx plus the residual stream's gradient.
+                let residual = f.residual_add(n);
                 let outs: Vec<usize> = (0..g.g[n].outputs.len())
                     .map(|port| {
                         let v = Value { node: n, port };
+                        if let (0, Some((add, _))) = (port, residual) {
+                            nodes.push(add);
+                            return f.store(Value { node: add, port: 0 }, BufKind::Temp);
+                        }
                         match f.cast_into.get(&v) {
                             Some(&c) => {
                                 nodes.push(c);
@@ -445,6 +453,13 @@ pub fn fuse(g: &Graph) -> Program {
                         }
                     })
                     .collect();
+                let mut residual_slot = None;
+                if let Some((add, other)) = residual {
+                    f.absorbed.insert(f.group[&add]);
+                    ins.push(f.buffer_of[&f.base(other).0]);
+                    views.push(None);
+                    residual_slot = Some(ins.len() - 1);
+                }
                 let names: Vec<&str> = nodes.iter().map(|&m| g.g[m].op.name()).collect();
                 kernels.push(Kernel {
                     name: kernel_name(kernels.len(), &names),
@@ -452,6 +467,7 @@ pub fn fuse(g: &Graph) -> Program {
                     inputs: ins,
                     outputs: outs,
                     input_views: views,
+                    residual: residual_slot,
                     body: Body::Op(n),
                 });
             }
@@ -504,6 +520,7 @@ fn group_param_casts(g: &Graph, buffers: &[Buffer], kernels: Vec<Kernel>) -> Vec
         inputs,
         outputs,
         input_views: Vec::new(),
+        residual: None,
         body: Body::Group(members),
     };
     let mut group = Some(group);
@@ -586,6 +603,7 @@ fn group_optimizer_updates(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
             inputs,
             outputs,
             input_views: Vec::new(),
+            residual: None,
             body: Body::Group(members),
         });
     }
@@ -656,6 +674,7 @@ impl Fuser<'_> {
             inputs: vec![],
             outputs: vec![out],
             input_views: Vec::new(),
+            residual: None,
             body: Body::Pointwise(Pointwise {
                 n: self.g.ty(x).numel(),
                 exprs: vec![e],
@@ -694,6 +713,37 @@ impl Fuser<'_> {
         v.offset.as_const() == Some(0)
             && v.strides[r - 1].is_one()
             && v.strides[..r - 1].iter().all(|s| s.as_const() == Some(0))
+    }
+
+    /// `dx + r` after a norm backward `n`, when that add is a chain of its
+    /// own, dx's only reader, and `r` a stored tensor of dx's shape and
+    /// type: (the add, r).
+    fn residual_add(&self, n: NodeIndex) -> Option<(NodeIndex, Value)> {
+        if !matches!(self.g.g[n].op, Op::LayerNormGrad(_) | Op::RmsNormGrad(_)) {
+            return None;
+        }
+        let dx = Value { node: n, port: 0 };
+        let users = self.g.users(dx);
+        if self.outputs.contains(&dx) || users.len() != 1 {
+            return None;
+        }
+        let u = users[0].0;
+        let is_add = matches!(&self.g.g[u].op, Op::Binary(b) if b.kind == BinaryKind::Add);
+        if !is_add || self.class(u) != Class::Pointwise || self.chains[*self.group.get(&u)?] != [u]
+        {
+            return None;
+        }
+        let ins = self.g.inputs(u);
+        let other = match (ins[0] == dx, ins[1] == dx) {
+            (true, false) => ins[1],
+            (false, true) => ins[0],
+            _ => return None,
+        };
+        let t = self.g.ty(dx);
+        (self.g.ty(other) == t
+            && self.g.ty(Value { node: u, port: 0 }) == t
+            && self.stored_as(other, &t.shape))
+        .then_some((u, other))
     }
 
     /// The chains after matmul `n` that cuBLASLt can apply as it stores the
@@ -831,6 +881,7 @@ impl Fuser<'_> {
             inputs: ins,
             outputs: outs,
             input_views: views,
+            residual: None,
             body: Body::Gemm(n, epilogue),
         });
     }

@@ -67,6 +67,7 @@ pub fn run_kernel(
                     inputs: m.inputs.iter().map(|&i| k.inputs[i]).collect(),
                     outputs: m.outputs.iter().map(|&o| k.outputs[o]).collect(),
                     input_views: Vec::new(),
+                    residual: None,
                     body: Body::Op(m.node),
                 };
                 let mins: Vec<&Tensor> = m.inputs.iter().map(|&i| ins[i]).collect();
@@ -108,7 +109,15 @@ pub fn run_kernel(
                 vec![pre]
             }
         }
-        Body::Op(n) => run_op(g, k, *n, ins, feeds)?,
+        Body::Op(n) => {
+            let mut outs = run_op(g, k, *n, ins, feeds)?;
+            if let Some(r) = k.residual {
+                for (x, y) in outs[0].data.iter_mut().zip(&ins[r].data) {
+                    *x += y;
+                }
+            }
+            outs
+        }
         Body::Pointwise(pw) => {
             let n = dim(&pw.n, feeds);
             // Views with their sizes bound, once per kernel.

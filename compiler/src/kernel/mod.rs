@@ -156,6 +156,10 @@ pub struct Kernel {
     /// reading a transposed operand); `None` reads the buffer as stored.
     pub input_views: Vec<Option<View>>,
     pub body: Body,
+    /// Op kernels only: an input slot added, element for element, to
+    /// output 0 as it is stored (a norm backward's dx plus the residual
+    /// stream's gradient), so the sum needs no kernel of its own.
+    pub residual: Option<usize>,
 }
 
 /// The training step as kernels, in launch order.
@@ -242,6 +246,11 @@ impl Program {
                     }
                 }
                 Body::Op(_) => {}
+            }
+            if let Some(r) = k.residual {
+                if r >= k.inputs.len() || !matches!(k.body, Body::Op(_)) {
+                    problems.push(format!("{}: the residual input does not exist", k.name));
+                }
             }
         }
         for (b, &n) in writes.iter().enumerate() {

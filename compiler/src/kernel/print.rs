@@ -164,7 +164,10 @@ pub fn print_program(g: &Graph, p: &Program) -> String {
         let ops: Vec<&str> = k.nodes.iter().map(|&n| g.g[n].op.name()).collect();
         let kind = match &k.body {
             Body::Pointwise(_) => "pointwise".to_string(),
-            Body::Op(_) => "op".to_string(),
+            Body::Op(_) => match k.residual {
+                Some(r) => format!("op, in{r} added to out0"),
+                None => "op".to_string(),
+            },
             Body::Group(m) => format!("group of {}", m.len()),
             Body::Gemm(_, e) => format!("gemm, epilogue {}", e.name()),
         };

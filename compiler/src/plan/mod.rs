@@ -396,6 +396,8 @@ fn in_place_ok(g: &Graph, kernel: &crate::kernel::Kernel, slot: usize) -> bool {
             PExpr::Load { input, view } => *input != slot || view.is_contiguous(),
             _ => true,
         }),
+        // The residual is read at the element out0 writes.
+        Body::Op(_) if kernel.residual == Some(slot) => true,
         Body::Op(n) => {
             shape_of(g, *n).is_some()
                 && match &g.g[*n].op {

@@ -1,0 +1,559 @@
+//! CUDA C for a tensor-core FlashAttention-2 forward kernel (Ampere-style
+//! `mma.sync.m16n8k16`, runs on sm_80 and sm_90). Not wired into the
+//! default pipeline yet: `attention.rs` stays the kernel every program
+//! uses; this one is switched on (and timed) once a GPU can run it.
+//!
+//! # Launch contract
+//!
+//! [`flash_kernel`] (or [`flash_forward`] inside the crate) returns the
+//! *complete* source of one kernel and its [`FlashLaunch`]. The runtime must:
+//!
+//! - compile it like every generated kernel (the prelude pasted in place of
+//!   its `#include`; no other header); it is `__launch_bounds__(128)`;
+//! - pass the usual arguments: `in0` = q, `in1` = k, `in2` = v (the arena
+//!   addresses of their buffers; the kernel applies the views itself),
+//!   `out0` = O (contiguous `[B, T, Hq, D]`, the input dtype), `out1` = LSE
+//!   (contiguous `[B, Hq, T]`, f32), then every symbolic size of the graph in
+//!   `Graph::dims` order, as `long long`;
+//! - launch `grid = (ceil(T / 64), Hq, B)` ([`FlashLaunch::grid`] evaluates
+//!   it; `grid_c` has it as C), `block = (128, 1, 1)`, **no dynamic shared
+//!   memory** (the kernel declares [`FlashLaunch::static_smem_bytes`] of
+//!   static shared memory, below the 48 KiB that needs no opt-in);
+//! - keep every buffer 16-byte aligned (the arena aligns to 256): the kernel
+//!   moves q, k and v in 16-byte loads. [`flash_kernel`] returns `None`
+//!   unless every row of q, k and v starts on a multiple of 8 elements (view
+//!   offsets and strides divisible by 8, the last stride 1), so the buffer
+//!   alignment is all the runtime has to guarantee.
+//!
+//! `gridDim.y` and `gridDim.z` are limited to 65535: Hq and B above that are
+//! not supported (`FlashLaunch::grid` returns `None`).
+//!
+//! # Design
+//!
+//! One block of 4 warps owns 64 query rows of one (batch, query head); warp
+//! `w` owns rows `16w .. 16w + 15`. The queries go through shared memory once
+//! into registers (A fragments). Keys and values then stream through shared
+//! memory 64 rows at a time (rows padded by 8 elements, so fragment reads
+//! are free of bank conflicts): S = Q K^T with `mma.m16n8k16` (f32
+//! accumulation), the scale folded into log2 units for `ex2`, an online
+//! softmax per row (running max, running sum, accumulator rescale), P
+//! rounded to 16 bits in registers (the S accumulator layout *is* the A
+//! fragment layout of P, so no shuffle is needed) and O += P V with the mma
+//! again. Causal: key tiles after the query tile are never visited, and only
+//! tail and diagonal tiles are masked. Keys past S and queries past T are
+//! zero-filled on load and masked / not stored.
+//!
+//! The warp-level operations are small wrappers (`fs_mma_16816_*`,
+//! `fs_shfl_xor`, `fs_exp2`, `fs_ld32`, `fs_copy16`) that are inline PTX
+//! under `__CUDA_ARCH__` and, in a host build, call `fs_emu_*` functions an
+//! emulation supplies (`tests/flash_host/mma_emu.h`, which rebuilds each
+//! mma's matrices from the 32 lanes' fragments with the PTX ISA's layouts).
+//! The same kernel text therefore runs on the host against the reference.
+
+use super::cuda::{float_lit, header, store};
+use super::templates::Ctx;
+use crate::ir::types::DType;
+use crate::ir::{Dim, Graph};
+use crate::kernel::view::contiguous_strides;
+use crate::kernel::{Kernel, Program};
+use crate::ops::Op;
+use petgraph::stable_graph::NodeIndex;
+use std::fmt::Write;
+
+/// Query rows per block (4 warps of 16).
+pub const TILE_Q: u64 = 64;
+/// Keys per shared-memory tile.
+pub const TILE_K: u64 = 64;
+/// Threads per block.
+pub const THREADS: u32 = 128;
+/// Padding of each shared-memory row, in elements.
+const PAD: u64 = 8;
+
+const NEG_INF: &str = "(-__int_as_float(0x7f800000))";
+
+/// How the runtime launches a FlashAttention kernel (see the module docs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FlashLaunch {
+    /// Query rows per block: `grid.x = ceil(q_len / tile_q)`.
+    pub tile_q: u64,
+    /// T, Hq, B of the op.
+    pub q_len: Dim,
+    pub q_heads: Dim,
+    pub batch: Dim,
+    /// The grid as C expressions of the kernel's size parameters.
+    pub grid_c: [String; 3],
+    /// Threads per block (x only).
+    pub block: u32,
+    /// Static shared memory the kernel declares.
+    pub static_smem_bytes: u64,
+    /// Dynamic shared memory to pass at launch (always 0).
+    pub dynamic_smem_bytes: u64,
+}
+
+impl FlashLaunch {
+    /// `(grid.x, grid.y, grid.z)` for concrete sizes; `None` for an unbound
+    /// symbol or a y/z extent over 65535.
+    pub fn grid(&self, env: &dyn Fn(&str) -> Option<i64>) -> Option<[u64; 3]> {
+        let t = u64::try_from(self.q_len.eval(env)?).ok()?;
+        let h = u64::try_from(self.q_heads.eval(env)?).ok()?;
+        let b = u64::try_from(self.batch.eval(env)?).ok()?;
+        if h > 65535 || b > 65535 {
+            return None;
+        }
+        Some([t.div_ceil(self.tile_q).max(1), h.max(1), b.max(1)])
+    }
+}
+
+/// Where one tensor lives: its kernel parameter, element type, the strides
+/// and offset of the op's view of it (the `Access` of `attention.rs`,
+/// trimmed to what this kernel needs).
+struct Access {
+    ptr: String,
+    dt: DType,
+    strides: Vec<Dim>,
+    offset: Dim,
+}
+
+impl Access {
+    fn input(g: &Graph, c: &Ctx, n: NodeIndex, i: usize) -> Access {
+        let slot = c.ins[i];
+        let dt = c.p.buffers[c.k.inputs[slot]].ty.dtype;
+        let ptr = format!("in{slot}");
+        match c.k.input_views.get(slot).and_then(|v| v.as_ref()) {
+            Some(v) => Access {
+                ptr,
+                dt,
+                strides: v.strides.clone(),
+                offset: v.offset.clone(),
+            },
+            None => Access {
+                ptr,
+                dt,
+                strides: contiguous_strides(&g.ty(g.inputs(n)[i]).shape),
+                offset: Dim::constant(0),
+            },
+        }
+    }
+
+    fn output(g: &Graph, c: &Ctx, n: NodeIndex, o: usize) -> Access {
+        let slot = c.outs[o];
+        Access {
+            ptr: format!("out{slot}"),
+            dt: c.p.buffers[c.k.outputs[slot]].ty.dtype,
+            strides: contiguous_strides(&g.g[n].outputs[o].shape),
+            offset: Dim::constant(0),
+        }
+    }
+
+    /// The C offset of the element at `coords` (`"0"` drops an axis).
+    fn at(&self, coords: &[&str]) -> String {
+        let mut terms = Vec::new();
+        if self.offset.as_const() != Some(0) {
+            terms.push(self.offset.to_c());
+        }
+        for (x, s) in coords.iter().zip(&self.strides) {
+            if *x == "0" || s.as_const() == Some(0) {
+                continue;
+            }
+            terms.push(if s.is_one() {
+                x.to_string()
+            } else {
+                format!("{x} * {}", s.to_c())
+            });
+        }
+        if terms.is_empty() {
+            "0".into()
+        } else {
+            terms.join(" + ")
+        }
+    }
+
+    /// Every row (the last axis) starts 16-byte aligned and is contiguous.
+    fn rows_aligned(&self) -> bool {
+        let div8 = |d: &Dim| d.checked_div(&Dim::constant(8)).is_some();
+        matches!(self.strides.split_last(), Some((last, rest))
+            if last.is_one() && rest.iter().all(div8) && div8(&self.offset))
+    }
+}
+
+/// The op's sizes when the kernel supports it: (B, T, S, Hq, Hkv, D, group,
+/// causal, scale, dtype).
+struct Config {
+    batch: Dim,
+    q_len: Dim,
+    kv_len: Dim,
+    q_heads: Dim,
+    head_dim: u64,
+    group: i64,
+    causal: bool,
+    scale: f64,
+    dt: DType,
+}
+
+fn config(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<Config> {
+    let Op::Attention(a) = &g.g[n].op else {
+        return None;
+    };
+    let ins = g.inputs(n);
+    if ins.len() != 3 || c.ins.len() != 3 || c.outs.len() != 2 {
+        return None;
+    }
+    let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
+    let dt = q.dtype;
+    if !matches!(dt, DType::BF16 | DType::F16)
+        || k.dtype != dt
+        || v.dtype != dt
+        || (0..3).any(|i| c.in_dt(i) != dt)
+        || c.out_dt(0) != dt
+        || c.out_dt(1) != DType::F32
+    {
+        return None;
+    }
+    let d = q.shape[3].as_const()?;
+    if !matches!(d, 64 | 128) || k.shape[3].as_const()? != d || v.shape[3].as_const()? != d {
+        return None;
+    }
+    let group = q.shape[2].as_const()? / k.shape[2].as_const().filter(|&h| h > 0)?;
+    if group < 1 {
+        return None;
+    }
+    if !(0..3).all(|i| Access::input(g, c, n, i).rows_aligned()) {
+        return None;
+    }
+    Some(Config {
+        batch: q.shape[0].clone(),
+        q_len: q.shape[1].clone(),
+        kv_len: k.shape[1].clone(),
+        q_heads: q.shape[2].clone(),
+        head_dim: d as u64,
+        group,
+        causal: a.causal,
+        scale: a.scale,
+        dt,
+    })
+}
+
+/// The complete source of the FlashAttention forward kernel of attention op
+/// `n` in kernel `k` (its inputs and outputs in op order, as `op_kernel`
+/// lays them out), with its launch; `None` when the op is not supported
+/// (see [`flash_forward`]).
+pub fn flash_kernel(
+    g: &Graph,
+    p: &Program,
+    k: &Kernel,
+    n: NodeIndex,
+    source: Option<&str>,
+) -> Option<(String, FlashLaunch)> {
+    let c = Ctx {
+        p,
+        k,
+        ins: (0..g.inputs(n).len()).collect(),
+        outs: (0..g.g[n].outputs.len()).collect(),
+    };
+    emit(g, &c, n, source)
+}
+
+/// The FlashAttention-2 forward kernel for `Op::Attention` node `n`: the
+/// whole kernel source (file-scope helpers, the signature `header` writes,
+/// the body) and its launch. `None` unless the dtype is bf16 or f16, q, k
+/// and v share a head dim of 64 or 128, the head counts are constants, and
+/// every row of q, k and v is 16-byte aligned and contiguous. Any causal
+/// flag, grouped-query ratio, T and S. The entry point for
+/// `templates::op_kernel` once the runtime switches the kernel on.
+#[allow(dead_code)]
+pub(crate) fn flash_forward(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<(String, FlashLaunch)> {
+    emit(g, c, n, None)
+}
+
+fn emit(g: &Graph, c: &Ctx, n: NodeIndex, source: Option<&str>) -> Option<(String, FlashLaunch)> {
+    let cfg = config(g, c, n)?;
+    let head = header(g, c.p, c.k, source);
+    let sig = "extern \"C\" __global__ void ";
+    let at = head.find(sig)?;
+    let mut s = String::new();
+    s.push_str(&head[..at]);
+    s.push_str(HELPERS);
+    s.push_str(&head[at..].replacen(sig, &format!("{sig}__launch_bounds__({THREADS}) "), 1));
+    body(&mut s, g, c, n, &cfg);
+    s.push_str("}\n");
+    let d = cfg.head_dim;
+    let launch = FlashLaunch {
+        tile_q: TILE_Q,
+        grid_c: [
+            format!("({} + {}LL) / {TILE_Q}LL", cfg.q_len.to_c(), TILE_Q - 1),
+            cfg.q_heads.to_c(),
+            cfg.batch.to_c(),
+        ],
+        q_len: cfg.q_len,
+        q_heads: cfg.q_heads,
+        batch: cfg.batch,
+        block: THREADS,
+        // The key and value tiles, 16-bit elements.
+        static_smem_bytes: 2 * TILE_K * (d + PAD) * 2,
+        dynamic_smem_bytes: 0,
+    };
+    Some((s, launch))
+}
+
+/// File-scope building blocks, once per translation unit.
+const HELPERS: &str = r#"// FlashAttention building blocks: single PTX instructions on the GPU; a
+// host build supplies fs_emu_* (an emulation of one warp, with the PTX ISA's
+// fragment layouts) so that the same kernel runs in tests.
+#ifndef FS_FLASH_HELPERS
+#define FS_FLASH_HELPERS
+#ifdef __CUDA_ARCH__
+// d += a * b for one warp, m16n8k16: a is 16x16 row-major (4 registers of two
+// 16-bit values), b 16x8 column-major (2 registers), d 16x8 in f32.
+__device__ __forceinline__ void fs_mma_16816_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void fs_mma_16816_f16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float fs_shfl_xor(float v, int lane_mask) { return __shfl_xor_sync(0xffffffffu, v, lane_mask); }
+// 2^x (2 ulp; 2^-inf = 0).
+__device__ __forceinline__ float fs_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// Two adjacent 16-bit values (4-byte aligned) as one register, low first.
+__device__ __forceinline__ unsigned fs_ld32(const unsigned short* p) { return *reinterpret_cast<const unsigned*>(p); }
+// 16 bytes, both addresses 16-byte aligned.
+__device__ __forceinline__ void fs_copy16(unsigned short* dst, const unsigned short* src) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+__device__ __forceinline__ void fs_zero16(unsigned short* dst) { *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u}; }
+#else
+inline void fs_mma_16816_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { fs_emu_mma_16816(d, a, b0, b1, true); }
+inline void fs_mma_16816_f16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { fs_emu_mma_16816(d, a, b0, b1, false); }
+inline float fs_shfl_xor(float v, int lane_mask) { return fs_emu_shfl_xor(v, lane_mask); }
+inline float fs_exp2(float x) { return exp2f(x); }
+inline unsigned fs_ld32(const unsigned short* p) {
+    unsigned u;
+    memcpy(&u, p, 4);
+    return u;
+}
+inline void fs_copy16(unsigned short* dst, const unsigned short* src) { memcpy(dst, src, 16); }
+inline void fs_zero16(unsigned short* dst) { memset(dst, 0, 16); }
+#endif
+// Two floats rounded to 16 bits and packed into one mma operand, lo in the low half.
+__device__ __forceinline__ unsigned fs_pack_bf16(float lo, float hi) { return (unsigned)fs_to_bf16(lo) | ((unsigned)fs_to_bf16(hi) << 16); }
+__device__ __forceinline__ unsigned fs_pack_f16(float lo, float hi) { return (unsigned)fs_to_f16(lo) | ((unsigned)fs_to_f16(hi) << 16); }
+#endif
+
+"#;
+
+fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
+    let q = Access::input(g, c, n, 0);
+    let k = Access::input(g, c, n, 1);
+    let v = Access::input(g, c, n, 2);
+    let (out, lse) = (Access::output(g, c, n, 0), Access::output(g, c, n, 1));
+    let (elem, ty) = match cfg.dt {
+        DType::F16 => ("f16", "fs_f16"),
+        _ => ("bf16", "fs_bf16"),
+    };
+    let mma = format!("fs_mma_16816_{elem}");
+    let pack = format!("fs_pack_{elem}");
+    let store_o = |idx: &str, val: &str| format!("{}[{idx}] = {};", out.ptr, store(out.dt, val));
+    let scale_log2 = float_lit(cfg.scale * std::f64::consts::LOG2_E);
+    let _ = write!(
+        s,
+        r#"    // FlashAttention-2 forward on tensor cores (mma.m16n8k16, f32 accumulation).
+    // Block (blockIdx.x, blockIdx.y, blockIdx.z) = (tile of {TILE_Q} queries, query head, batch);
+    // warp w owns the tile's rows 16w .. 16w + 15. Keys and values stream through
+    // shared memory {TILE_K} at a time; scores and probabilities stay in registers.
+    constexpr int TILE_Q = {TILE_Q}, TILE_K = {TILE_K}, HEAD_DIM = {d};
+    constexpr int ROW = HEAD_DIM + {PAD};      // shared row pitch: 16-byte rows, conflict-free fragment reads
+    constexpr int CHUNKS = HEAD_DIM / 8;   // 16-byte chunks per row
+    const fs_i64 q_len = {t}, kv_len = {s_len}, group = {group};
+    const bool causal = {causal};  // if so, keys j > query i are masked
+    const float scale_log2 = {scale_log2};  // scale * log2(e): exp(x * scale) = exp2(x * scale_log2)
+    const fs_i64 q0 = (fs_i64)blockIdx.x * TILE_Q, h = blockIdx.y, b = blockIdx.z, kv_h = h / group;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
+    const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
+    __shared__ alignas(16) {ty} k_tile[TILE_K * ROW];
+    __shared__ alignas(16) {ty} v_tile[TILE_K * ROW];
+
+    // 1. The tile's queries into shared memory (v_tile is free until the first
+    //    key tile; rows past q_len are zero), then each warp's A fragments:
+    //    q_frag[kk] covers features 16kk .. 16kk + 15 of rows q_row and q_row + 8.
+    for (int c = threadIdx.x; c < TILE_Q * CHUNKS; c += {THREADS}) {{
+        const int r = c / CHUNKS, e = (c % CHUNKS) * 8;
+        const fs_i64 i = q0 + r;
+        if (i < q_len) fs_copy16(&v_tile[r * ROW + e], &{qp}[{q_at} + e]);
+        else fs_zero16(&v_tile[r * ROW + e]);
+    }}
+    __syncthreads();
+    const int q_row = warp * 16 + frag_row;
+    unsigned q_frag[HEAD_DIM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {{
+        const {ty}* at = &v_tile[q_row * ROW + kk * 16 + frag_col];
+        q_frag[kk][0] = fs_ld32(at);                // row q_row,     features 2t, 2t + 1
+        q_frag[kk][1] = fs_ld32(at + 8 * ROW);      // row q_row + 8
+        q_frag[kk][2] = fs_ld32(at + 8);            // row q_row,     features + 8
+        q_frag[kk][3] = fs_ld32(at + 8 * ROW + 8);  // row q_row + 8, features + 8
+    }}
+
+    // Running state of this thread's rows q_row (index 0) and q_row + 8 (index 1):
+    // the max score in log2 units, this thread's part of the row sum, and the
+    // output accumulator o_acc[n][e] = row q_row + 8 * (e / 2), feature 8n + frag_col + e % 2.
+    float row_max[2] = {{{NEG_INF}, {NEG_INF}}}, row_sum[2] = {{0.0f, 0.0f}};
+    float o_acc[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) {{
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o_acc[n][e] = 0.0f;
+    }}
+    const fs_i64 i_lo = q0 + q_row, i_hi = i_lo + 8;
+    // Causal: key tiles after the query tile's last row are never visited.
+    const fs_i64 kv_end = causal && q0 + TILE_Q < kv_len ? q0 + TILE_Q : kv_len;
+    for (fs_i64 k0 = 0; k0 < kv_end; k0 += TILE_K) {{
+        // 2. Keys and values k0 .. k0 + {last} into shared memory (rows past kv_len zero).
+        __syncthreads();  // every warp is done with the previous tile (and the queries)
+        for (int c = threadIdx.x; c < TILE_K * CHUNKS; c += {THREADS}) {{
+            const int r = c / CHUNKS, e = (c % CHUNKS) * 8;
+            const fs_i64 j = k0 + r;
+            if (j < kv_len) {{
+                fs_copy16(&k_tile[r * ROW + e], &{kp}[{k_at} + e]);
+                fs_copy16(&v_tile[r * ROW + e], &{vp}[{v_at} + e]);
+            }} else {{
+                fs_zero16(&k_tile[r * ROW + e]);
+                fs_zero16(&v_tile[r * ROW + e]);
+            }}
+        }}
+        __syncthreads();
+
+        // 3. Scores S = Q K^T of the warp's 16 rows and the tile's keys, in log2
+        //    units: s[n][e] = row q_row + 8 * (e / 2), key k0 + 8n + frag_col + e % 2.
+        //    The B fragment (K^T, column-major) is two features of key 8n + frag_row.
+        float s[TILE_K / 8][4];
+#pragma unroll
+        for (int n = 0; n < TILE_K / 8; ++n) {{
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {{
+                const {ty}* key = &k_tile[(n * 8 + frag_row) * ROW + kk * 16 + frag_col];
+                {mma}(s[n], q_frag[kk], fs_ld32(key), fs_ld32(key + 8));
+            }}
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
+        }}
+
+        // 4. Masks, only where a key can be invisible: keys past kv_len (the
+        //    last tile) and, when causal, keys after the query (diagonal tiles).
+        if (k0 + TILE_K > kv_len || (causal && k0 + TILE_K - 1 > q0 + warp * 16)) {{
+#pragma unroll
+            for (int n = 0; n < TILE_K / 8; ++n) {{
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {{
+                    const fs_i64 j = k0 + n * 8 + frag_col + (e & 1), i = e < 2 ? i_lo : i_hi;
+                    if (j >= kv_len || (causal && j > i)) s[n][e] = {NEG_INF};
+                }}
+            }}
+        }}
+
+        // 5. Online softmax per row: the new max (over the row's 4 threads),
+        //    the old sum and accumulator rescaled, s becomes P = exp2(s - max).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {{
+            float tile_max = {NEG_INF};
+#pragma unroll
+            for (int n = 0; n < TILE_K / 8; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+            tile_max = fmaxf(tile_max, fs_shfl_xor(tile_max, 1));
+            tile_max = fmaxf(tile_max, fs_shfl_xor(tile_max, 2));
+            const float new_max = fmaxf(row_max[r], tile_max);
+            // No visible key yet: subtract 0, not -inf, so masked scores give 0 and not NaN.
+            const float base = new_max == {NEG_INF} ? 0.0f : new_max;
+            const float rescale = fs_exp2(row_max[r] - base);
+            row_max[r] = new_max;
+            float tile_sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < TILE_K / 8; ++n) {{
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {{
+                    s[n][e] = fs_exp2(s[n][e] - base);
+                    tile_sum += s[n][e];
+                }}
+            }}
+            row_sum[r] = row_sum[r] * rescale + tile_sum;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {{
+                o_acc[n][2 * r] *= rescale;
+                o_acc[n][2 * r + 1] *= rescale;
+            }}
+        }}
+
+        // 6. O += P V. The accumulators of keys 16kk .. 16kk + 15 (s[2kk], s[2kk + 1])
+        //    are exactly P's A fragment; the B fragment is two keys (frag_col, + 1,
+        //    and + 8) of value feature 8n + frag_row, read from shared memory.
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; ++kk) {{
+            const unsigned p_frag[4] = {{{pack}(s[2 * kk][0], s[2 * kk][1]), {pack}(s[2 * kk][2], s[2 * kk][3]),
+                                        {pack}(s[2 * kk + 1][0], s[2 * kk + 1][1]), {pack}(s[2 * kk + 1][2], s[2 * kk + 1][3])}};
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {{
+                const {ty}* value = &v_tile[(kk * 16 + frag_col) * ROW + n * 8 + frag_row];
+                const unsigned b0 = (unsigned)value[0] | ((unsigned)value[ROW] << 16);
+                const unsigned b1 = (unsigned)value[8 * ROW] | ((unsigned)value[9 * ROW] << 16);
+                {mma}(o_acc[n], p_frag, b0, b1);
+            }}
+        }}
+    }}
+
+    // 7. Row sums over the row's 4 threads; O = acc / sum, lse = max * ln 2 + ln(sum)
+    //    (output 0 and lse -inf for a row without a visible key, kv_len = 0).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {{
+        float sum = row_sum[r];
+        sum += fs_shfl_xor(sum, 1);
+        sum += fs_shfl_xor(sum, 2);
+        const fs_i64 i = r == 0 ? i_lo : i_hi;
+        if (i < q_len) {{
+            const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const fs_i64 o_row = {o_at};
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {{
+                {store0}
+                {store1}
+            }}
+            if (frag_col == 0) {lse_store}
+        }}
+    }}
+"#,
+        d = cfg.head_dim,
+        t = cfg.q_len.to_c(),
+        s_len = cfg.kv_len.to_c(),
+        group = cfg.group,
+        causal = cfg.causal,
+        last = TILE_K - 1,
+        qp = q.ptr,
+        kp = k.ptr,
+        vp = v.ptr,
+        q_at = q.at(&["b", "i", "h", "0"]),
+        k_at = k.at(&["b", "j", "kv_h", "0"]),
+        v_at = v.at(&["b", "j", "kv_h", "0"]),
+        o_at = out.at(&["b", "i", "h", "0"]),
+        store0 = store_o("o_row + n * 8 + frag_col", "o_acc[n][2 * r] * inv_sum"),
+        store1 = store_o(
+            "o_row + n * 8 + frag_col + 1",
+            "o_acc[n][2 * r + 1] * inv_sum"
+        ),
+        lse_store = format!(
+            "{}[{}] = {};",
+            lse.ptr,
+            lse.at(&["b", "h", "i"]),
+            store(
+                lse.dt,
+                &format!("sum > 0.0f ? row_max[r] * 0.6931471805599453f + logf(sum) : {NEG_INF}")
+            )
+        ),
+    );
+}

@@ -1,0 +1,86 @@
+// Runs fusec's generated kernels on the host with real thread blocks: every
+// thread of a block is an OS thread, `__syncthreads()` is a std::barrier over
+// the block, and each warp of 32 threads has its own barrier for the warp-level
+// operations that mma_emu.h emulates. Blocks run one after another, so a
+// `__shared__` (function-local static) array is one block's shared memory.
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __noinline__
+#define __shared__ static
+#define __restrict__ __restrict
+#define __launch_bounds__(n)
+
+struct fs_dim3 {
+    unsigned x, y, z;
+};
+static thread_local fs_dim3 blockIdx, threadIdx;
+static fs_dim3 blockDim, gridDim;
+
+static std::barrier<>* fs_block_barrier;
+// One barrier per warp of the running block.
+static std::barrier<>* fs_warp_barrier[32];
+// Warp-level operations this thread has issued (mma_emu.h alternates its
+// exchange buffers with it).
+static thread_local unsigned fs_warp_ops;
+
+static inline void __syncthreads() { fs_block_barrier->arrive_and_wait(); }
+
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+static inline float __uint_as_float(unsigned int u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline float __int_as_float(int u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline unsigned int __float_as_uint(float f) {
+    unsigned int u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+// Runs `f` as the kernel body for every block of `grid` (x fastest), with
+// `block` threads per block (a multiple of 32, at most 1024).
+template <class F>
+static void fs_launch(fs_dim3 grid, unsigned block, F f) {
+    if (block % 32 != 0 || block > 1024) {
+        fprintf(stderr, "block of %u threads: not a whole number of warps\n", block);
+        exit(2);
+    }
+    gridDim = grid;
+    blockDim = {block, 1, 1};
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                std::barrier<> bar(block);
+                fs_block_barrier = &bar;
+                std::vector<std::unique_ptr<std::barrier<>>> warps;
+                for (unsigned w = 0; w < block / 32; ++w) {
+                    warps.push_back(std::make_unique<std::barrier<>>(32));
+                    fs_warp_barrier[w] = warps.back().get();
+                }
+                std::vector<std::thread> threads;
+                for (unsigned t = 0; t < block; ++t)
+                    threads.emplace_back([&, x, y, z, t] {
+                        blockIdx = {x, y, z};
+                        threadIdx = {t, 0, 0};
+                        fs_warp_ops = 0;
+                        f();
+                    });
+                for (auto& t : threads) t.join();
+            }
+}

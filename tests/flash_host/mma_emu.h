@@ -1,0 +1,158 @@
+// Host emulation of the warp-level PTX operations the FlashAttention kernel
+// uses (compiler/src/emit/flash.rs calls them through fs_emu_* in a host
+// build): mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 and
+// shfl.sync.bfly (__shfl_xor_sync). Needs block_shim.h (real threads, one
+// barrier per warp).
+//
+// Each operation is collective, as on the GPU: every lane publishes its
+// operands in its warp's exchange buffer, the warp meets at its barrier, and
+// every lane then computes its own result from all 32 lanes' operands. For
+// the mma that means rebuilding the whole A (16x16), B (16x8) and C (16x8)
+// matrices from the lanes' fragments with the layouts of the PTX ISA,
+// section "Matrix Fragments for mma.m16n8k16 with floating point type":
+//
+//   groupID = laneid >> 2, threadID_in_group = laneid % 4
+//   A (.row, a0..a7 in 4 .b32 registers, 2 elements each, low half first):
+//     row = groupID for a0, a1, a4, a5; groupID + 8 for a2, a3, a6, a7
+//     col = threadID_in_group * 2 + (i & 1), + 8 for a4..a7
+//   B (.col, b0..b3 in 2 .b32 registers):
+//     row = threadID_in_group * 2 + (i & 1), + 8 for b2, b3;  col = groupID
+//   C, D (.f32, c0..c3):
+//     row = groupID for c0, c1; groupID + 8 for c2, c3
+//     col = threadID_in_group * 2 + (i & 1)
+//
+// The products of two 16-bit values are exact in f32; the sum runs over k
+// in order in f32 (the hardware's order and rounding inside the tensor core
+// are unspecified, which the tests' tolerances absorb).
+//
+// Two exchange buffers alternate (by the count of warp operations each
+// thread has issued), so one barrier per operation is enough: a lane that
+// writes buffer p for operation n + 2 has passed the barrier of operation
+// n + 1, which every lane reaches only after reading operation n's buffer.
+// Each lane also publishes which operation it is in, and a warp whose lanes
+// disagree (a divergent mma or shuffle, undefined on the GPU) aborts.
+#pragma once
+
+enum fs_emu_op { FS_EMU_MMA_BF16 = 1, FS_EMU_MMA_F16, FS_EMU_SHFL };
+
+struct fs_emu_exchange {
+    int op[2][32];
+    unsigned a[2][32][4];
+    unsigned b[2][32][2];
+    float c[2][32][4];
+    float x[2][32];
+};
+static fs_emu_exchange fs_emu_warps[32];
+
+static inline void fs_emu_a_coord(int lane, int i, int& row, int& col) {
+    const int group = lane >> 2, tig = lane % 4;
+    row = (i < 2 || (i >= 4 && i < 6)) ? group : group + 8;
+    col = tig * 2 + (i & 1) + (i >= 4 ? 8 : 0);
+}
+static inline void fs_emu_b_coord(int lane, int i, int& row, int& col) {
+    const int group = lane >> 2, tig = lane % 4;
+    row = tig * 2 + (i & 1) + (i >= 2 ? 8 : 0);
+    col = group;
+}
+static inline void fs_emu_c_coord(int lane, int i, int& row, int& col) {
+    const int group = lane >> 2, tig = lane % 4;
+    row = i < 2 ? group : group + 8;
+    col = tig * 2 + (i & 1);
+}
+
+// Each map covers its matrix exactly once (checked once per program).
+static bool fs_emu_layouts_are_bijections() {
+    int a[16][16] = {}, b[16][8] = {}, c[16][8] = {};
+    for (int lane = 0; lane < 32; ++lane) {
+        int r, col;
+        for (int i = 0; i < 8; ++i) fs_emu_a_coord(lane, i, r, col), ++a[r][col];
+        for (int i = 0; i < 4; ++i) fs_emu_b_coord(lane, i, r, col), ++b[r][col];
+        for (int i = 0; i < 4; ++i) fs_emu_c_coord(lane, i, r, col), ++c[r][col];
+    }
+    for (int r = 0; r < 16; ++r) {
+        for (int k = 0; k < 16; ++k)
+            if (a[r][k] != 1) return false;
+        for (int k = 0; k < 8; ++k)
+            if (b[r][k] != 1 || c[r][k] != 1) return false;
+    }
+    return true;
+}
+static const bool fs_emu_layouts_ok = [] {
+    if (!fs_emu_layouts_are_bijections()) {
+        fprintf(stderr, "mma_emu.h: a fragment layout does not cover its matrix exactly once\n");
+        exit(3);
+    }
+    return true;
+}();
+
+// 16 bits of a register (the low half for `high` = 0) as a float.
+static inline float fs_emu_elem(unsigned reg, int high, bool bf16) {
+    const unsigned short bits = (unsigned short)(reg >> (16 * high));
+    if (bf16) return __uint_as_float((unsigned)bits << 16);
+    _Float16 h;
+    memcpy(&h, &bits, 2);
+    return (float)h;
+}
+
+// Publishes this lane's part, waits for the warp, checks the lanes agree.
+static inline fs_emu_exchange& fs_emu_meet(int op, int& lane, int& p, void (*publish)(fs_emu_exchange&, int, int, const void*),
+                                           const void* arg) {
+    const int warp = threadIdx.x >> 5;
+    lane = threadIdx.x & 31;
+    p = fs_warp_ops++ & 1;
+    fs_emu_exchange& w = fs_emu_warps[warp];
+    w.op[p][lane] = op;
+    publish(w, p, lane, arg);
+    fs_warp_barrier[warp]->arrive_and_wait();
+    for (int l = 0; l < 32; ++l)
+        if (w.op[p][l] != op) {
+            fprintf(stderr, "warp %d of block (%u, %u, %u): lanes %d and %d are in different warp operations\n", warp,
+                    blockIdx.x, blockIdx.y, blockIdx.z, lane, l);
+            exit(4);
+        }
+    return w;
+}
+
+struct fs_emu_mma_args {
+    const float* d;
+    const unsigned* a;
+    unsigned b0, b1;
+};
+
+// d = a * b + d for the warp (this lane's fragments in and out).
+static void fs_emu_mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, bool bf16) {
+    const fs_emu_mma_args args = {d, a, b0, b1};
+    int lane, p;
+    fs_emu_exchange& w = fs_emu_meet(
+        bf16 ? FS_EMU_MMA_BF16 : FS_EMU_MMA_F16, lane, p,
+        [](fs_emu_exchange& w, int p, int lane, const void* arg) {
+            const fs_emu_mma_args& m = *static_cast<const fs_emu_mma_args*>(arg);
+            for (int r = 0; r < 4; ++r) w.a[p][lane][r] = m.a[r], w.c[p][lane][r] = m.d[r];
+            w.b[p][lane][0] = m.b0;
+            w.b[p][lane][1] = m.b1;
+        },
+        &args);
+    float A[16][16], B[16][8], C[16][8];
+    for (int l = 0; l < 32; ++l) {
+        int r, c;
+        for (int i = 0; i < 8; ++i) fs_emu_a_coord(l, i, r, c), A[r][c] = fs_emu_elem(w.a[p][l][i / 2], i & 1, bf16);
+        for (int i = 0; i < 4; ++i) fs_emu_b_coord(l, i, r, c), B[r][c] = fs_emu_elem(w.b[p][l][i / 2], i & 1, bf16);
+        for (int i = 0; i < 4; ++i) fs_emu_c_coord(l, i, r, c), C[r][c] = w.c[p][l][i];
+    }
+    for (int i = 0; i < 4; ++i) {
+        int r, c;
+        fs_emu_c_coord(lane, i, r, c);
+        float acc = C[r][c];
+        for (int k = 0; k < 16; ++k) acc += A[r][k] * B[k][c];
+        d[i] = acc;
+    }
+}
+
+// __shfl_xor_sync(0xffffffff, v, lane_mask): the value of lane (lane ^ lane_mask).
+static float fs_emu_shfl_xor(float v, int lane_mask) {
+    int lane, p;
+    fs_emu_exchange& w = fs_emu_meet(
+        FS_EMU_SHFL, lane, p, [](fs_emu_exchange& w, int p, int lane, const void* arg) { w.x[p][lane] = *static_cast<const float*>(arg); },
+        &v);
+    return w.x[p][(lane ^ lane_mask) & 31];
+}
