@@ -196,6 +196,7 @@ fn is_template(g: &Graph, k: &Kernel) -> bool {
             | Op::SoftmaxGrad(_)
             | Op::CrossEntropyWithGrad(_)
             | Op::SumSquares(_)
+            | Op::Reduce(_)
     ))
 }
 

@@ -4,20 +4,99 @@
 
 use super::templates::{Ctx, Shape};
 use crate::ir::Graph;
-use crate::ops::Op;
+use crate::ops::{Op, ReduceKind};
 use petgraph::stable_graph::NodeIndex;
 use std::fmt::Write;
 
 pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
     match &g.g[n].op {
         Op::SumSquares(_) => Some(Shape::Rows(g.g[n].outputs[0].shape[0].clone())),
-        _ => None,
+        _ => column_tiles(g, n).map(|t| Shape::Rows(crate::ir::Dim::constant(t))),
     }
+}
+
+/// Columns per tile of a leading-axis sum: a warp's worth, so each row of
+/// a tile is one coalesced load.
+const TILE: i64 = 32;
+
+/// Tiles of a sum over leading axes with a known number of outputs (every
+/// bias gradient): how many blocks its column-tile kernel takes.
+pub fn column_tiles(g: &Graph, n: NodeIndex) -> Option<i64> {
+    let Op::Reduce(r) = &g.g[n].op else {
+        return None;
+    };
+    let leading = r.axes.iter().enumerate().all(|(i, &a)| i == a);
+    let cols = g.g[n].outputs[0].numel().as_const()?;
+    (leading && matches!(r.kind, ReduceKind::Sum | ReduceKind::Mean) && cols > 0)
+        .then_some((cols + TILE - 1) / TILE)
+}
+
+/// A sum over leading axes, [rows, C] -> [C]: a block per tile of 32
+/// columns, its threads split into 32 lanes (columns) by blockDim/32 row
+/// slices; each thread sums every slices-th row of its column, then the
+/// slices add up in a fixed order. Coalesced and deterministic.
+fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+    let Op::Reduce(r) = &g.g[n].op else {
+        return None;
+    };
+    column_tiles(g, n)?;
+    let ins = g.inputs(n);
+    let sh = &g.ty(ins[0]).shape;
+    let rows = sh[..r.axes.len()]
+        .iter()
+        .try_fold(crate::ir::Dim::constant(1), |a, d| a.checked_mul(d))?;
+    let cols = g.g[n].outputs[0].numel();
+    let mut b = String::new();
+    let _ = writeln!(
+        b,
+        "    // Sum over the leading axes: column j of a [rows, C] matrix, by tiles of columns."
+    );
+    let _ = writeln!(
+        b,
+        "    const fs_i64 rows = {}, C = {};",
+        rows.to_c(),
+        cols.to_c()
+    );
+    let _ = writeln!(b, "    const int lanes = blockDim.x < {TILE} ? blockDim.x : {TILE}, slices = blockDim.x / lanes;");
+    let _ = writeln!(
+        b,
+        "    const int lane = threadIdx.x % lanes, slice = threadIdx.x / lanes;"
+    );
+    let _ = writeln!(b, "    __shared__ float part[256];");
+    let _ = writeln!(
+        b,
+        "    for (fs_i64 tile = blockIdx.x; tile * lanes < C; tile += gridDim.x) {{"
+    );
+    let _ = writeln!(b, "        const fs_i64 j = tile * lanes + lane;");
+    let _ = writeln!(b, "        float acc = 0.0f;");
+    let _ = writeln!(
+        b,
+        "        if (j < C && slice < slices) for (fs_i64 r = slice; r < rows; r += slices) acc += {};",
+        c.ld(0, "r * C + j")
+    );
+    let _ = writeln!(b, "        part[threadIdx.x] = acc;");
+    let _ = writeln!(b, "        __syncthreads();");
+    let _ = writeln!(b, "        if (slice == 0 && j < C) {{");
+    let _ = writeln!(b, "            float total = 0.0f;");
+    let _ = writeln!(
+        b,
+        "            for (int s = 0; s < slices; ++s) total += part[s * lanes + lane];"
+    );
+    let v = if r.kind == ReduceKind::Mean {
+        "total / (float)rows"
+    } else {
+        "total"
+    };
+    let _ = writeln!(b, "            {}", c.st(0, "j", v));
+    let _ = writeln!(b, "        }}");
+    let _ = writeln!(b, "        __syncthreads();");
+    let _ = writeln!(b, "    }}");
+    Some(b)
 }
 
 pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let Op::SumSquares(op) = &g.g[n].op else {
-        return None;
+        return column_sum(g, c, n);
     };
     let ins = g.inputs(n);
     let tys: Vec<_> = ins.iter().map(|&x| g.ty(x).clone()).collect();

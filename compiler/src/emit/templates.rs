@@ -210,6 +210,9 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
         Op::AdamW(_) | Op::Sgd(_) | Op::Cast(_) => Shape::Elements(g.g[n].outputs[0].numel()),
+        Op::Reduce(_) if super::multi::column_tiles(g, n).is_some() => {
+            return super::multi::shape_of(g, n)
+        }
         Op::Reduce(r) if r.axes.iter().enumerate().all(|(i, &a)| i == a) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
