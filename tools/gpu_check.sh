@@ -43,7 +43,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   /usr/bin/time -f "%e s wall" "$BIN/fusec" train dsl-examples/gpt2-small.dsl --data $T --batch 4 --seq 128 --steps 1 2>&1 | tail -4
   for b in 8 32; do
     run "fusec bench gpt2-small B=$b T=1024"
-    timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch $b --seq 1024 --steps 10 2>&1 | tail -3 | tee -a "$LOGS/bench.jsonl"
+    timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch $b --seq 1024 --steps 10 --profile "$LOGS/profile-b$b.jsonl" 2>&1 | tee "$LOGS/bench-b$b.log" | tail -20
   done
   if [ -f "$BIN/torch_reference.py" ]; then
     run "PyTorch baselines B=32"

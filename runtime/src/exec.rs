@@ -404,6 +404,33 @@ impl Executor {
         self.graph.is_some()
     }
 
+    /// One step launch by launch with a timing event between launches:
+    /// (kernel name, milliseconds) in launch order. Events cost a little,
+    /// so the sum is slightly above a replayed step.
+    pub fn profile_step(&mut self) -> Result<Vec<(String, f64)>, RuntimeError> {
+        use cudarc::driver::sys::CUevent_flags;
+        let ev = |s: &Self| {
+            s.gpu
+                .stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| RuntimeError::driver("recording a timing event", e))
+        };
+        let mut marks = vec![ev(self)?];
+        for i in 0..self.launches.len() {
+            self.launch(i)?;
+            marks.push(ev(self)?);
+        }
+        self.synchronize()?;
+        let mut out = Vec::with_capacity(self.launches.len());
+        for (i, l) in self.launches.iter().enumerate() {
+            let ms = marks[i]
+                .elapsed_ms(&marks[i + 1])
+                .map_err(|e| RuntimeError::driver("reading a timing event", e))?;
+            out.push((l.name.clone(), ms as f64));
+        }
+        Ok(out)
+    }
+
     pub fn synchronize(&self) -> Result<(), RuntimeError> {
         self.gpu
             .stream

@@ -84,6 +84,10 @@ pub struct BenchArgs {
     /// Timed steps (after three warm-up steps)
     #[arg(long, default_value_t = 20)]
     pub steps: u64,
+    /// Also time every kernel of one step and print the costliest (and
+    /// write all of them, as JSON lines, to this file)
+    #[arg(long, value_name = "FILE")]
+    pub profile: Option<PathBuf>,
     /// Peak dense bf16 rate for MFU, in TFLOP/s (default: the GPU's datasheet figure when known)
     #[arg(long)]
     pub peak_tflops: Option<f64>,
@@ -481,6 +485,34 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
     );
     if let Some(note) = &s.graph_note {
         eprintln!("note: {note}");
+    }
+    if let Some(path) = &args.profile {
+        let times = s.exec.profile_step().map_err(runtime_err)?;
+        let total: f64 = times.iter().map(|t| t.1).sum();
+        let mut by_kind: BTreeMap<String, (usize, f64)> = BTreeMap::new();
+        let mut lines = String::new();
+        for (name, ms) in &times {
+            // `k12_matmul_add` -> `matmul_add`
+            let kind = name
+                .split_once('_')
+                .map_or(name.as_str(), |(_, k)| k)
+                .to_string();
+            let e = by_kind.entry(kind).or_default();
+            e.0 += 1;
+            e.1 += ms;
+            lines.push_str(&format!("{{\"kernel\":\"{name}\",\"ms\":{ms:.4}}}\n"));
+        }
+        std::fs::write(path, lines)
+            .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))?;
+        let mut kinds: Vec<_> = by_kind.into_iter().collect();
+        kinds.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        eprintln!("one step launch by launch: {total:.2} ms; by kind (count, ms, share):");
+        for (kind, (n, ms)) in kinds.iter().take(15) {
+            eprintln!(
+                "  {kind:<32} {n:>4}  {ms:>9.3}  {:>5.1}%",
+                100.0 * ms / total
+            );
+        }
     }
     Ok(())
 }
