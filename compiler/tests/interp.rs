@@ -304,3 +304,26 @@ fn fp16_loss_scaling_cancels_and_overflow_skips_the_step() {
         );
     }
 }
+
+/// Initial values filled in chunks from their position in the parameter's
+/// stream equal the values filled in one go (what lets the runtime
+/// initialise large parameters in parallel), and parameters differ.
+#[test]
+fn chunked_initialisation_matches_sequential() {
+    use fusec_compiler::interp::random::{init_param, init_values};
+    use fusec_compiler::ir::graph::Init;
+    for init in [
+        Init::Normal { std: 0.02 },
+        Init::Uniform { bound: 0.5 },
+        Init::Constant(0.25),
+    ] {
+        let whole = init_param(&init, &[1000], 7, 3);
+        let mut parts = vec![0.0; 1000];
+        for (k, chunk) in parts.chunks_mut(137).enumerate() {
+            init_values(&init, 7, 3, k * 137, chunk);
+        }
+        assert_eq!(whole.data, parts, "{init}");
+        let other = init_param(&init, &[1000], 7, 4);
+        assert!(matches!(init, Init::Constant(_)) || other.data != whole.data);
+    }
+}

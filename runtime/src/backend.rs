@@ -6,14 +6,13 @@
 use crate::checkpoint::{Checkpoint, Tensor as CkTensor};
 use crate::session::{Session, StepStats};
 use crate::RuntimeError;
-use fusec_compiler::interp::random::init_tensor;
+use fusec_compiler::interp::random::init_values;
 use fusec_compiler::interp::step::train_step;
 use fusec_compiler::interp::tensor::Tensor;
 use fusec_compiler::interp::{concrete_shape, Feeds, Precision};
 use fusec_compiler::ir::Graph;
 use fusec_compiler::ops::Op;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 
 pub trait Backend {
@@ -46,19 +45,22 @@ fn source_shapes(
     Ok(out)
 }
 
-/// Parameters from their initialisers, in the graph's parameter order and
-/// from one generator (the CPU reference's `random_feeds` draws the same
-/// values), and optimizer state zero.
+/// Parameters from their initialisers (each from its own stream of the
+/// seed, as the CPU reference's `random_feeds` draws them), filled in
+/// parallel chunks, and optimizer state zero.
 pub fn init_params(b: &mut dyn Backend, seed: u64) -> Result<(), RuntimeError> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    const CHUNK: usize = 1 << 20;
     let params = b.graph().params.clone();
     let shapes = b.shapes().clone();
-    for p in &params {
+    for (i, p) in params.iter().enumerate() {
         let Some(shape) = shapes.get(&p.name) else {
             continue;
         };
-        let t = init_tensor(&p.init, shape, &mut rng);
-        b.set(&p.name, &t.data)?;
+        let mut data = vec![0.0; shape.iter().product()];
+        data.par_chunks_mut(CHUNK).enumerate().for_each(|(k, out)| {
+            init_values(&p.init, seed, i as u64, k * CHUNK, out);
+        });
+        b.set(&p.name, &data)?;
     }
     let states: Vec<String> = state_names(b.graph());
     for s in states {

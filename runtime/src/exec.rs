@@ -485,8 +485,22 @@ impl Executor {
     }
 }
 
-/// Host values as a buffer's bytes.
+/// Host values as a buffer's bytes (in parallel chunks: a large parameter
+/// is tens of millions of values).
 pub fn encode(dt: DType, values: &[f64]) -> Vec<u8> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 20;
+    if values.len() > CHUNK {
+        return values
+            .par_chunks(CHUNK)
+            .map(|c| encode_serial(dt, c))
+            .collect::<Vec<_>>()
+            .concat();
+    }
+    encode_serial(dt, values)
+}
+
+fn encode_serial(dt: DType, values: &[f64]) -> Vec<u8> {
     let mut out = Vec::with_capacity(values.len() * dt.size_bytes());
     for &v in values {
         match dt {

@@ -19,6 +19,40 @@ fn normal(rng: &mut ChaCha8Rng) -> f64 {
     (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
 }
 
+/// 32-bit words of the generator one value of `init` consumes: a normal
+/// value takes two f64 draws (Box-Muller), a uniform one draw.
+fn words_per_value(init: &Init) -> u128 {
+    match init {
+        Init::Normal { .. } => 4,
+        Init::Uniform { .. } => 2,
+        Init::Constant(_) => 0,
+    }
+}
+
+/// Values `start..start + out.len()` of parameter number `index` drawn from
+/// `seed`: the parameter's own ChaCha8 stream, positioned at the value, so a
+/// runtime can fill a large tensor in parallel chunks and get exactly what
+/// a sequential fill gives.
+pub fn init_values(init: &Init, seed: u64, index: u64, start: usize, out: &mut [f64]) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(index);
+    rng.set_word_pos(start as u128 * words_per_value(init));
+    match init {
+        Init::Normal { std } => out.iter_mut().for_each(|x| *x = normal(&mut rng) * std),
+        Init::Uniform { bound } => out
+            .iter_mut()
+            .for_each(|x| *x = rng.random_range(-1.0..1.0) * bound),
+        Init::Constant(c) => out.iter_mut().for_each(|x| *x = *c),
+    }
+}
+
+/// Parameter number `index`'s initial values under `seed`.
+pub fn init_param(init: &Init, shape: &[usize], seed: u64, index: u64) -> Tensor {
+    let mut data = vec![0.0; numel(shape)];
+    init_values(init, seed, index, 0, &mut data);
+    Tensor::new(shape.to_vec(), data)
+}
+
 pub fn init_tensor(init: &Init, shape: &[usize], rng: &mut ChaCha8Rng) -> Tensor {
     let n = numel(shape);
     let data = match init {
@@ -64,17 +98,19 @@ pub fn random_feeds(
     dims: &HashMap<String, i64>,
     seed: u64,
 ) -> Result<Feeds, InterpError> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut feeds = Feeds {
         dims: dims.clone(),
         ..Feeds::default()
     };
-    for p in &g.params {
+    for (i, p) in g.params.iter().enumerate() {
         let shape = concrete_shape(&p.ty.shape, dims)?;
         feeds
             .params
-            .insert(p.name.clone(), init_tensor(&p.init, &shape, &mut rng));
+            .insert(p.name.clone(), init_param(&p.init, &shape, seed, i as u64));
     }
+    // Data inputs draw from a stream of their own, after every parameter's.
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(u64::MAX);
     for n in g.topo_order() {
         let node = &g.g[n];
         match &node.op {
