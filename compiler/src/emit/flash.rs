@@ -5,7 +5,7 @@
 //!
 //! # Launch contract
 //!
-//! [`flash_kernel`] (or [`flash_forward`] inside the crate) returns the
+//! [`flash_kernel`] (or `flash_forward` inside the crate) returns the
 //! *complete* source of one kernel and its [`FlashLaunch`]. The runtime must:
 //!
 //! - compile it like every generated kernel (the prelude pasted in place of
@@ -43,10 +43,11 @@
 //! tail and diagonal tiles are masked. Keys past S and queries past T are
 //! zero-filled on load and masked / not stored.
 //!
-//! The warp-level operations are small wrappers (`fs_mma_16816_*`,
-//! `fs_shfl_xor`, `fs_exp2`, `fs_ld32`, `fs_copy16`) that are inline PTX
-//! under `__CUDA_ARCH__` and, in a host build, call `fs_emu_*` functions an
-//! emulation supplies (`tests/flash_host/mma_emu.h`, which rebuilds each
+//! The GPU-only operations are small wrappers: `fs_mma_16816_*`,
+//! `fs_shfl_xor` and `fs_exp2` are one PTX instruction each (inline asm,
+//! `__shfl_xor_sync`), `fs_ld32`/`fs_copy16`/`fs_zero16` plain 4- and
+//! 16-byte accesses. In a host build the last three are `memcpy`s and the
+//! warp operations call `fs_emu_*` functions an emulation supplies (`tests/flash_host/mma_emu.h`, which rebuilds each
 //! mma's matrices from the 32 lanes' fragments with the PTX ISA's layouts).
 //! The same kernel text therefore runs on the host against the reference.
 
@@ -236,7 +237,7 @@ fn config(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<Config> {
 /// The complete source of the FlashAttention forward kernel of attention op
 /// `n` in kernel `k` (its inputs and outputs in op order, as `op_kernel`
 /// lays them out), with its launch; `None` when the op is not supported
-/// (see [`flash_forward`]).
+/// (see `flash_forward`).
 pub fn flash_kernel(
     g: &Graph,
     p: &Program,
@@ -361,6 +362,14 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     let pack = format!("fs_pack_{elem}");
     let store_o = |idx: &str, val: &str| format!("{}[{idx}] = {};", out.ptr, store(out.dt, val));
     let scale_log2 = float_lit(cfg.scale * std::f64::consts::LOG2_E);
+    let lse_value =
+        format!("sum > 0.0f ? row_max[r] * 0.6931471805599453f + logf(sum) : {NEG_INF}");
+    let lse_store = format!(
+        "{}[{}] = {};",
+        lse.ptr,
+        lse.at(&["b", "h", "i"]),
+        store(lse.dt, &lse_value)
+    );
     let _ = write!(
         s,
         r#"    // FlashAttention-2 forward on tensor cores (mma.m16n8k16, f32 accumulation).
@@ -377,8 +386,8 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
     const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
-    __shared__ alignas(16) {ty} k_tile[TILE_K * ROW];
-    __shared__ alignas(16) {ty} v_tile[TILE_K * ROW];
+    alignas(16) __shared__ {ty} k_tile[TILE_K * ROW];
+    alignas(16) __shared__ {ty} v_tile[TILE_K * ROW];
 
     // 1. The tile's queries into shared memory (v_tile is free until the first
     //    key tile; rows past q_len are zero), then each warp's A fragments:
@@ -545,15 +554,6 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         store1 = store_o(
             "o_row + n * 8 + frag_col + 1",
             "o_acc[n][2 * r + 1] * inv_sum"
-        ),
-        lse_store = format!(
-            "{}[{}] = {};",
-            lse.ptr,
-            lse.at(&["b", "h", "i"]),
-            store(
-                lse.dt,
-                &format!("sum > 0.0f ? row_max[r] * 0.6931471805599453f + logf(sum) : {NEG_INF}")
-            )
         ),
     );
 }
