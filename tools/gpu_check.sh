@@ -20,7 +20,7 @@ what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOGS/gpu.txt"
 run() { echo "== $*"; }
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for t in gemm_gpu step_gpu; do
+  for t in gemm_gpu step_gpu flash_gpu; do
     [ -x "$BIN/$t" ] || { echo "missing $BIN/$t"; continue; }
     run "$t"
     FUSEC_REQUIRE_GPU=1 timeout 400 "$BIN/$t" --nocapture --test-threads=1 > "$LOGS/$t.log" 2>&1

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 cargo build --release
 rm -rf out/device && mkdir -p out/device
 cp target/release/fusec out/device/
-for t in gemm_gpu step_gpu; do
+for t in gemm_gpu step_gpu flash_gpu; do
   exe=$(cargo test --release -p fusec-runtime --test "$t" --no-run --message-format=json 2>/dev/null \
     | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)
   cp "$exe" "out/device/$t"
