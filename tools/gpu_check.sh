@@ -45,6 +45,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     run "fusec bench gpt2-small B=$b T=1024"
     timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch $b --seq 1024 --steps 10 --profile "$LOGS/profile-b$b.jsonl" 2>&1 | tee "$LOGS/bench-b$b.log" | tail -20
   done
+  run "fusec bench gpt2-small B=32 T=1024, tensor-core attention forward (FUSEC_ATTENTION=flash)"
+  FUSEC_ATTENTION=flash timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch 32 --seq 1024 --steps 10 --profile "$LOGS/profile-flash.jsonl" 2>&1 | tee "$LOGS/bench-flash.log" | tail -20
   if [ -f "$BIN/torch_reference.py" ]; then
     run "PyTorch baselines B=32"
     timeout 400 python3 "$BIN/torch_reference.py" --models gpt2-small --batch 32 --seq 1024 --no-ceilings 2>&1 | tail -6 | tee "$LOGS/torch.jsonl"

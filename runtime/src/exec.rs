@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, HashMap};
 enum Step {
     Kernel {
         func: CudaFunction,
-        grid: u32,
+        grid: (u32, u32, u32),
         block: u32,
         args: Vec<u64>,
     },
@@ -158,6 +158,7 @@ impl Executor {
         plan: &Plan,
         sources: &[(String, String)],
         cubins: Vec<Vec<u8>>,
+        geometry: &HashMap<String, ((u32, u32, u32), u32)>,
     ) -> Result<Executor, RuntimeError> {
         let free = gpu.free_bytes()?;
         // cuBLASLt's workspace and the context need some room too.
@@ -274,10 +275,16 @@ impl Executor {
                         RuntimeError::driver(&format!("finding kernel {}", k.name), e)
                     })?;
                     let args = k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
+                    // A kernel with its own launch geometry (the tensor-core
+                    // attention), else the plan's.
+                    let (grid, block) = geometry.get(&k.name).copied().unwrap_or((
+                        (l.grid.unwrap_or(1).clamp(1, u32::MAX as u64) as u32, 1, 1),
+                        l.block.unwrap_or(256) as u32,
+                    ));
                     Step::Kernel {
                         func,
-                        grid: l.grid.unwrap_or(1).clamp(1, u32::MAX as u64) as u32,
-                        block: l.block.unwrap_or(256) as u32,
+                        grid,
+                        block,
                         args,
                     }
                 }
@@ -339,7 +346,7 @@ impl Executor {
                     b.arg(d);
                 }
                 let cfg = LaunchConfig {
-                    grid_dim: (*grid, 1, 1),
+                    grid_dim: *grid,
                     block_dim: (*block, 1, 1),
                     shared_mem_bytes: 0,
                 };

@@ -8,12 +8,15 @@ use crate::exec::{decode, encode, Executor};
 use crate::RuntimeError;
 use fusec_compiler::autodiff::{LR_INPUT, STEP_INPUT};
 use fusec_compiler::emit::cuda::emit_program;
+use fusec_compiler::emit::flash::flash_kernel;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::ir::Graph;
 use fusec_compiler::kernel::fuse::fuse;
-use fusec_compiler::kernel::Program;
+use fusec_compiler::kernel::{Body, Program};
+use fusec_compiler::ops::Op;
 use fusec_compiler::plan::{plan, Plan};
 use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
@@ -53,11 +56,36 @@ impl Session {
         let program = fuse(graph);
         let plan =
             plan(graph, &program, dims).map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
-        let sources = emit_program(graph, &program, None);
+        let mut sources = emit_program(graph, &program, None);
+        // FUSEC_ATTENTION=flash: the tensor-core attention forward where it
+        // applies (bf16/f16, head dim 64 or 128), with its own geometry.
+        let mut geometry = HashMap::new();
+        if std::env::var("FUSEC_ATTENTION").as_deref() == Ok("flash") {
+            let env = |s: &str| dims.get(s).copied();
+            for k in &program.kernels {
+                let Body::Op(n) = k.body else { continue };
+                if !matches!(graph.g[n].op, Op::Attention(_)) {
+                    continue;
+                }
+                let Some((text, launch)) = flash_kernel(graph, &program, k, n, None) else {
+                    continue;
+                };
+                let Some([x, y, z]) = launch.grid(&env) else {
+                    continue;
+                };
+                if let Some(slot) = sources.iter_mut().find(|(name, _)| *name == k.name) {
+                    slot.1 = text;
+                    geometry.insert(
+                        k.name.clone(),
+                        ((x as u32, y as u32, z as u32), launch.block),
+                    );
+                }
+            }
+        }
         let t0 = Instant::now();
         let (cubins, stats) = cache::cubins(&sources, &gpu.arch(), cache_dir, progress)?;
         let compile_seconds = t0.elapsed().as_secs_f64();
-        let exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins)?;
+        let exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins, &geometry)?;
         Ok(Session {
             exec,
             graph: graph.clone(),
