@@ -24,7 +24,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     pub data: String,
     /// Steps to run
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: u64,
     /// Batch size (dimension B)
     #[arg(long, value_name = "N")]
@@ -55,7 +55,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     pub save: Option<PathBuf>,
     /// Also checkpoint every N steps
-    #[arg(long, value_name = "N", requires = "save")]
+    #[arg(long, value_name = "N", requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
     pub save_every: Option<u64>,
     /// Write the initial weights (before step 1) to this safetensors file
     #[arg(long, value_name = "FILE")]
@@ -82,7 +82,7 @@ pub struct BenchArgs {
     #[arg(long = "dim", value_name = "NAME=N")]
     pub dims: Vec<String>,
     /// Timed steps (after three warm-up steps)
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: u64,
     /// Also time every kernel of one step and print the costliest (and
     /// write all of them, as JSON lines, to this file)
@@ -244,8 +244,15 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             code: 3,
         })?;
         let vocab = token_bound(b.graph(), &dims);
+        let text = !args.data.ends_with(".bin");
         let mut src = Batches::new(tokens, bsz, t, vocab).map_err(|e| CliError {
-            message: format!("error: {}: {e}", args.data),
+            message: match vocab {
+                Some(v) if text && v < 256 => format!(
+                    "error: {}: {e}\n(a file that is not a .bin shard is read as bytes, ids 0 to 255: the model needs a vocabulary of at least 256, e.g. --set vocab=256)",
+                    args.data
+                ),
+                _ => format!("error: {}: {e}", args.data),
+            },
             code: 3,
         })?;
         // A resumed run reads on from where the first run stopped.
