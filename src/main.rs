@@ -32,6 +32,8 @@ enum Command {
     Train(cli::train::TrainArgs),
     /// Time the compiled step on a GPU and print one JSON line
     Bench(cli::train::BenchArgs),
+    /// Time the attention kernels alone over head dims and lengths (JSON lines)
+    BenchAttention(cli::train::BenchAttentionArgs),
 }
 
 fn main() -> ExitCode {
@@ -41,6 +43,7 @@ fn main() -> ExitCode {
         Command::Build(a) => cli::build::run(&a),
         Command::Train(a) => cli::train::train(&a),
         Command::Bench(a) => cli::train::bench(&a),
+        Command::BenchAttention(a) => cli::train::bench_attention(&a),
         Command::Passes => {
             let passes = fusec_compiler::passes::forward_pipeline()
                 .into_iter()

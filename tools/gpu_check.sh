@@ -6,6 +6,7 @@
 #   tools/gpu_check.sh tests     GPU tests (GEMMs, every kernel, steps, training)
 #   tools/gpu_check.sh parity    per-step losses against PyTorch, fp32 and bf16
 #   tools/gpu_check.sh bench     GPT-2 small: cold and warm start, fusec bench, PyTorch
+#   tools/gpu_check.sh attention the attention sweep, fusec (tensor-core and simple) and PyTorch
 #   tools/gpu_check.sh all
 # Logs go to $OUT (default out/gpu-logs, or $OUT/gpu-logs when $OUT is set
 # by the device tool).
@@ -50,5 +51,15 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   if [ -f "$BIN/torch_reference.py" ]; then
     run "PyTorch baselines B=32"
     timeout 400 python3 "$BIN/torch_reference.py" --models gpt2-small --batch 32 --seq 1024 --no-ceilings 2>&1 | tail -6 | tee "$LOGS/torch.jsonl"
+  fi
+fi
+if [ "$what" = attention ] || [ "$what" = all ]; then
+  run "fusec bench-attention (tensor-core forward)"
+  timeout 400 "$BIN/fusec" bench-attention 2>&1 | tee "$LOGS/attention-flash.jsonl"
+  run "fusec bench-attention --simple"
+  timeout 400 "$BIN/fusec" bench-attention --simple --seqs 1024,2048 2>&1 | tee "$LOGS/attention-simple.jsonl"
+  if [ -f "$BIN/torch_reference.py" ]; then
+    run "PyTorch --attn-sweep"
+    timeout 400 python3 "$BIN/torch_reference.py" --attn-sweep --models none --modes none 2>&1 | tail -20 | tee "$LOGS/attention-torch.jsonl"
   fi
 fi

@@ -2,6 +2,7 @@
 //! libraries are loaded at run time, so the crate builds and its non-GPU
 //! tests run on machines without them.
 
+pub mod attn_bench;
 pub mod backend;
 pub mod cache;
 pub mod checkpoint;

@@ -95,6 +95,49 @@ pub struct BenchArgs {
     pub gpu: usize,
 }
 
+#[derive(Args, Debug)]
+pub struct BenchAttentionArgs {
+    /// Head dimensions to sweep
+    #[arg(long, value_delimiter = ',', default_value = "64,128")]
+    pub head_dims: Vec<usize>,
+    /// Sequence lengths to sweep (B = 16384 / T, H = 2048 / D, as torch_reference.py --attn-sweep)
+    #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096,8192")]
+    pub seqs: Vec<usize>,
+    /// Also run without the causal mask
+    #[arg(long)]
+    pub non_causal: bool,
+    /// The simple attention forward instead of the tensor-core one
+    #[arg(long)]
+    pub simple: bool,
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+}
+
+/// One JSON line per configuration, as torch_reference.py --attn-sweep prints.
+pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
+    let gpu = device::open(args.gpu).map_err(runtime_err)?;
+    let causal: &[bool] = if args.non_causal {
+        &[true, false]
+    } else {
+        &[true]
+    };
+    for &d in &args.head_dims {
+        for &t in &args.seqs {
+            if d == 0 || t == 0 {
+                return Err(CliError::usage(
+                    "error: head dims and sequence lengths must be positive",
+                ));
+            }
+            for &c in causal {
+                let r = fusec_runtime::attn_bench::run(&gpu, d, t, c, !args.simple)
+                    .map_err(runtime_err)?;
+                println!("{}", r.json());
+            }
+        }
+    }
+    Ok(())
+}
+
 fn runtime_err(e: RuntimeError) -> CliError {
     CliError {
         message: format!("error: {e}"),

@@ -1,0 +1,268 @@
+//! `fusec bench-attention`: the attention kernels alone, timed the way
+//! `torch_reference.py --attn-sweep` times PyTorch's: B = 16384 / T
+//! sequences of H = 2048 / D heads, forward and forward + backward, the
+//! forward counted as 4·B·H·T²·D FLOPs (halved when causal) and forward +
+//! backward as 3.5 times that.
+
+use crate::device::Gpu;
+use crate::exec::encode;
+use crate::RuntimeError;
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use fusec_compiler::driver::compile;
+use fusec_compiler::elaborate::Options;
+use fusec_compiler::emit::cuda::emit_program;
+use fusec_compiler::emit::flash::flash_kernel;
+use fusec_compiler::emit::templates::{grid, shape_of, BLOCK};
+use fusec_compiler::kernel::fuse::fuse;
+use fusec_compiler::kernel::{Body, Kernel, Program};
+use fusec_compiler::ops::Op;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+#[derive(Clone, Debug)]
+pub struct AttnResult {
+    pub head_dim: usize,
+    pub seq: usize,
+    pub batch: usize,
+    pub heads: usize,
+    pub causal: bool,
+    /// Which forward kernel ran: "flash" (tensor cores) or "simple".
+    pub forward: &'static str,
+    pub fwd_ms: f64,
+    pub fwd_bwd_ms: f64,
+    pub fwd_tflops: f64,
+    pub fwd_bwd_tflops: f64,
+    /// Device memory the attention's buffers take (q, k, v, o, lse, dO,
+    /// dq, dk, dv): linear in T.
+    pub buffer_bytes: u64,
+}
+
+impl AttnResult {
+    pub fn json(&self) -> String {
+        format!(
+            "{{\"bench\":\"attention\",\"impl\":\"fusec-{}\",\"head_dim\":{},\"seq\":{},\"batch\":{},\"heads\":{},\"causal\":{},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.1},\"fwd_bwd_ms\":{:.3},\"fwd_bwd_tflops\":{:.1},\"buffer_mib\":{:.1}}}",
+            self.forward,
+            self.head_dim,
+            self.seq,
+            self.batch,
+            self.heads,
+            self.causal,
+            self.fwd_ms,
+            self.fwd_tflops,
+            self.fwd_bwd_ms,
+            self.fwd_bwd_tflops,
+            self.buffer_bytes as f64 / (1u64 << 20) as f64
+        )
+    }
+}
+
+fn err(m: impl Into<String>) -> RuntimeError {
+    RuntimeError::Unsupported(m.into())
+}
+
+/// The model: one attention over bf16 parameters q, k, v [B, T, H, D].
+fn model(b: usize, t: usize, h: usize, d: usize, causal: bool) -> String {
+    format!(
+        "const B = {b}\nconst T = {t}\nparam q: [B, T, {h}, {d}] = normal(1.0)\nparam k: [B, T, {h}, {d}] = normal(1.0)\n\
+         param v: [B, T, {h}, {d}] = normal(1.0)\nlet y = attention(q, k, v, causal = {causal})\n\
+         train {{\n loss = mean(y * y)\n precision = bf16\n}}\n"
+    )
+}
+
+struct Launch {
+    func: CudaFunction,
+    grid: (u32, u32, u32),
+    block: u32,
+    args: Vec<u64>,
+}
+
+fn load(gpu: &Gpu, name: &str, src: &str) -> Result<CudaFunction, RuntimeError> {
+    let cubin = crate::nvrtc::compile(name, src, &gpu.arch())
+        .map_err(|e| RuntimeError::Compile(e.to_string()))?;
+    let m = gpu
+        .ctx
+        .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.image))
+        .map_err(|e| RuntimeError::driver("loading an attention kernel", e))?;
+    m.load_function(name)
+        .map_err(|e| RuntimeError::driver("finding an attention kernel", e))
+}
+
+fn find<'a>(g: &fusec_compiler::ir::Graph, p: &'a Program, grad: bool) -> Option<&'a Kernel> {
+    p.kernels.iter().find(|k| {
+        matches!(k.body, Body::Op(n) if matches!(
+            (&g.g[n].op, grad),
+            (Op::Attention(_), false) | (Op::AttentionGrad(_), true)
+        ))
+    })
+}
+
+/// Times one configuration; `flash` asks for the tensor-core forward where
+/// it applies.
+pub fn run(
+    gpu: &Gpu,
+    d: usize,
+    t: usize,
+    causal: bool,
+    flash: bool,
+) -> Result<AttnResult, RuntimeError> {
+    let (b, h) = ((16384 / t).max(1), (2048 / d).max(1));
+    let src = model(b, t, h, d, causal);
+    let c = compile(&src, "attention", &Options::default())
+        .map_err(|f| err(f.render("attention.dsl", &src)))?;
+    let g = &c.optimized;
+    let p = fuse(g);
+    let sources = emit_program(g, &p, None);
+    let fwd = find(g, &p, false).ok_or_else(|| err("no attention kernel"))?;
+    let bwd = find(g, &p, true).ok_or_else(|| err("no attention_grad kernel"))?;
+    let (&Body::Op(nf), &Body::Op(nb)) = (&fwd.body, &bwd.body) else {
+        unreachable!()
+    };
+    // Buffers: the forward's inputs and outputs, then the backward's dO and outputs.
+    let numel = |buf: usize| -> usize {
+        p.buffers[buf]
+            .ty
+            .shape
+            .iter()
+            .map(|d| d.as_const().unwrap_or(0) as usize)
+            .product()
+    };
+    let before = gpu.free_bytes()?;
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let mut device: Vec<(usize, CudaSlice<u8>)> = Vec::new();
+    let mut ptr_of =
+        |buf: usize, device: &mut Vec<(usize, CudaSlice<u8>)>| -> Result<u64, RuntimeError> {
+            if let Some((_, s)) = device.iter().find(|(b2, _)| *b2 == buf) {
+                return Ok(s.device_ptr(&gpu.stream).0);
+            }
+            let dt = p.buffers[buf].ty.dtype;
+            let vals: Vec<f64> = (0..numel(buf))
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let s = gpu
+                .stream
+                .clone_htod(&encode(dt, &vals))
+                .map_err(|e| RuntimeError::driver("allocating attention buffers", e))?;
+            let ptr = s.device_ptr(&gpu.stream).0;
+            device.push((buf, s));
+            Ok(ptr)
+        };
+    let mut forward = "simple";
+    let fwd_launch = {
+        let args: Vec<u64> = fwd
+            .inputs
+            .iter()
+            .chain(&fwd.outputs)
+            .map(|&b2| ptr_of(b2, &mut device))
+            .collect::<Result<_, _>>()?;
+        match flash.then(|| flash_kernel(g, &p, fwd, nf, None)).flatten() {
+            Some((text, launch)) => {
+                forward = "flash";
+                let [x, y, z] = launch.grid(&|_| None).ok_or_else(|| err("no flash grid"))?;
+                Launch {
+                    func: load(gpu, &fwd.name, &text)?,
+                    grid: (x as u32, y as u32, z as u32),
+                    block: launch.block,
+                    args,
+                }
+            }
+            None => {
+                let text = &sources
+                    .iter()
+                    .find(|(n2, _)| *n2 == fwd.name)
+                    .ok_or_else(|| err("no source"))?
+                    .1;
+                let blocks = shape_of(g, nf)
+                    .and_then(|s| grid(&s, &|_| None))
+                    .unwrap_or(1);
+                Launch {
+                    func: load(gpu, &fwd.name, text)?,
+                    grid: (blocks as u32, 1, 1),
+                    block: BLOCK as u32,
+                    args,
+                }
+            }
+        }
+    };
+    let bwd_launch = {
+        let args: Vec<u64> = bwd
+            .inputs
+            .iter()
+            .chain(&bwd.outputs)
+            .map(|&b2| ptr_of(b2, &mut device))
+            .collect::<Result<_, _>>()?;
+        let text = &sources
+            .iter()
+            .find(|(n2, _)| *n2 == bwd.name)
+            .ok_or_else(|| err("no source"))?
+            .1;
+        let blocks = shape_of(g, nb)
+            .and_then(|s| grid(&s, &|_| None))
+            .unwrap_or(1);
+        Launch {
+            func: load(gpu, &bwd.name, text)?,
+            grid: (blocks as u32, 1, 1),
+            block: BLOCK as u32,
+            args,
+        }
+    };
+    let buffer_bytes = before.saturating_sub(gpu.free_bytes()?);
+    let launch = |l: &Launch| -> Result<(), RuntimeError> {
+        let mut a = gpu.stream.launch_builder(&l.func);
+        for x in &l.args {
+            a.arg(x);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: l.grid,
+            block_dim: (l.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments as the kernel's signature lists them (no
+        // symbolic sizes: the model's sizes are constants).
+        unsafe { a.launch(cfg) }.map_err(|e| RuntimeError::driver("launching attention", e))?;
+        Ok(())
+    };
+    let median_ms = |with_bwd: bool| -> Result<f64, RuntimeError> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let mut times = Vec::new();
+        for rep in 0..13 {
+            let e0 = gpu
+                .stream
+                .record_event(Some(CU_EVENT_DEFAULT))
+                .map_err(|e| RuntimeError::driver("timing", e))?;
+            launch(&fwd_launch)?;
+            if with_bwd {
+                launch(&bwd_launch)?;
+            }
+            let e1 = gpu
+                .stream
+                .record_event(Some(CU_EVENT_DEFAULT))
+                .map_err(|e| RuntimeError::driver("timing", e))?;
+            let ms = e0
+                .elapsed_ms(&e1)
+                .map_err(|e| RuntimeError::driver("timing", e))? as f64;
+            if rep >= 3 {
+                times.push(ms);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    };
+    let fwd_ms = median_ms(false)?;
+    let fwd_bwd_ms = median_ms(true)?;
+    let full = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64;
+    let fl = if causal { full / 2.0 } else { full };
+    drop(device);
+    Ok(AttnResult {
+        head_dim: d,
+        seq: t,
+        batch: b,
+        heads: h,
+        causal,
+        forward,
+        fwd_ms,
+        fwd_bwd_ms,
+        fwd_tflops: fl / fwd_ms / 1e9,
+        fwd_bwd_tflops: 3.5 * fl / fwd_bwd_ms / 1e9,
+        buffer_bytes,
+    })
+}
