@@ -60,6 +60,7 @@ if [ "$what" = attention ] || [ "$what" = all ]; then
   timeout 400 "$BIN/fusec" bench-attention --simple --seqs 1024,2048 2>&1 | tee "$LOGS/attention-simple.jsonl"
   if [ -f "$BIN/torch_reference.py" ]; then
     run "PyTorch --attn-sweep"
-    timeout 400 python3 "$BIN/torch_reference.py" --attn-sweep --models none --modes none 2>&1 | tail -20 | tee "$LOGS/attention-torch.jsonl"
+    # The sweep alone (the script's command line would also run its models).
+    timeout 400 python3 -c "import sys, torch; sys.path.insert(0, '$BIN'); import torch_reference as r; r.attn_sweep(torch.bfloat16)" 2>&1 | tail -20 | tee "$LOGS/attention-torch.jsonl"
   fi
 fi
