@@ -86,7 +86,7 @@ fn eval(d: &Dim, dims: &BTreeMap<String, i64>) -> Result<u64, RuntimeError> {
 
 /// The row-major product a matmul kernel computes, from its operands'
 /// types and the views it reads them through.
-fn gemm_spec(
+pub fn gemm_spec(
     g: &Graph,
     p: &Program,
     k: &Kernel,
