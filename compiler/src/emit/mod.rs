@@ -3,6 +3,7 @@ pub mod attention;
 pub mod conv;
 pub mod cuda;
 pub mod flash;
+pub mod flash_bwd;
 pub mod group;
 pub mod multi;
 pub mod templates;

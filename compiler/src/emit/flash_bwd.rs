@@ -1,0 +1,904 @@
+//! CUDA C for a tensor-core FlashAttention-2 *backward* (`AttentionGrad`):
+//! three kernels, every product on `mma.sync.m16n8k16` (f32 accumulation),
+//! deterministic (no atomics: every output element is written by exactly one
+//! thread, once). Not wired into the default pipeline yet: `attention.rs`
+//! stays the kernel every program uses until a GPU has run these.
+//!
+//! # Launch contract
+//!
+//! [`flash_backward`] returns three [`FlashBwdLaunch`]es, to launch in order
+//! on one stream (each reads what the one before wrote):
+//!
+//! 1. `<name>_delta`: `delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d]`
+//!    into the scratch buffer; grid `(ceil(T / 128), Hq, B)`;
+//! 2. `<name>_dkdv`: dK and dV, one block per (tile of 64 keys, key/value
+//!    head, batch), streaming the queries of every query head of the group;
+//!    grid `(ceil(S / 64), Hkv, B)`;
+//! 3. `<name>_dq`: dQ, one block per (tile of 64 queries, query head,
+//!    batch), streaming the keys; grid `(ceil(T / 64), Hq, B)`.
+//!
+//! Every kernel is `__launch_bounds__(128)`, launched with `block = (128, 1,
+//! 1)` and **no dynamic shared memory** (each declares at most
+//! [`FlashBwdLaunch::static_smem_bytes`] < 48 KiB statically). Each is
+//! compiled like every generated kernel (the prelude pasted in place of its
+//! `#include`), and all three take the same arguments: the kernel's usual
+//! ones (`in0..in5` = q, k, v, o, lse, dO as arena addresses, the kernel
+//! applying the views itself; `out0..out2` = dQ, dK, dV, contiguous, in the
+//! dtypes of q, k, v; every symbolic size in `Graph::dims` order, as
+//! `long long`), then **one extra pointer, `scratch`**: an f32 buffer of
+//! [`FlashBwdLaunch::scratch_f32_elems`] = `B * Hq * T` elements (the same
+//! for all three launches; 16-byte aligned; its contents on entry do not
+//! matter; kernel 1 writes all of it, kernels 2 and 3 only read it). Every
+//! buffer must be 16-byte aligned; `flash_backward` returns `None` unless
+//! every row of q, k, v, O and dO is 16-byte aligned and contiguous (view
+//! offsets and strides divisible by 8, last stride 1). `gridDim.y/z` above
+//! 65535 are refused by [`FlashBwdLaunch::grid`].
+//!
+//! # Design
+//!
+//! With `P = exp2(S * scale_log2 - lse * log2 e)` recomputed from the
+//! forward's log-sum-exp, `dP = dO V^T`, `dS = P * (dP - delta)`:
+//!
+//! - `_dkdv` works key-major: warp `w` owns keys `16w .. 16w + 15` of the
+//!   block's 64 and computes the *transposed* products `S^T = K Q^T` and
+//!   `dP^T = V dO^T` (A fragments of K and V from shared memory, B fragments
+//!   two consecutive features of one query row of Q / dO: plain 32-bit
+//!   reads), so that `P^T` and `dS^T` come out in the accumulator layout,
+//!   which is the A-fragment layout of the next products `dV += P^T dO` and
+//!   `dK += dS^T Q` (B fragments: two consecutive query rows of one feature,
+//!   as the forward reads V). No fragment transpose or shuffle is needed.
+//!   Query tiles are 64 rows for D = 64, 16 rows for D = 128 (shared memory
+//!   stays static); dK and dV stay in registers across the whole group.
+//! - `_dq` works query-major like the forward: Q and dO as A fragments in
+//!   registers, `S = Q K^T` and `dP = dO V^T` (B from the K / V tile rows),
+//!   then `dQ += dS K` (dS's accumulator layout is its A fragment; B is two
+//!   consecutive keys of one feature). Key tiles are 64 (D = 64) or 32
+//!   (D = 128) rows.
+//! - Causal: `_dkdv` starts at the first query tile that can see the key
+//!   tile; `_dq` stops after the last key tile its queries can see; only
+//!   tiles crossing the diagonal or the sequence ends are masked.
+//! - P and dS are rounded to the input's 16-bit type as mma operands (as
+//!   FlashAttention-2 does); everything accumulates in f32; dK and dQ are
+//!   scaled once at the end.
+
+use super::cuda::{float_lit, header, load, store};
+use super::templates::Ctx;
+use crate::ir::types::DType;
+use crate::ir::{Dim, Graph};
+use crate::kernel::view::contiguous_strides;
+use crate::kernel::{Kernel, Program};
+use crate::ops::Op;
+use petgraph::stable_graph::NodeIndex;
+
+/// Threads per block of every kernel.
+pub const THREADS: u32 = 128;
+/// Keys per block of `_dkdv` (4 warps of 16).
+pub const TILE_KEYS: u64 = 64;
+/// Queries per block of `_dq` (4 warps of 16).
+pub const TILE_QUERIES: u64 = 64;
+/// Rows per block of `_delta` (one thread each).
+pub const DELTA_ROWS: u64 = 128;
+/// Padding of each shared-memory row, in elements.
+const PAD: u64 = 8;
+
+const NEG_INF: &str = "(-__int_as_float(0x7f800000))";
+
+/// Which of the three kernels a launch is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// delta = rowsum(dO * O) into the scratch buffer.
+    Delta,
+    /// dK and dV.
+    DkDv,
+    /// dQ.
+    Dq,
+}
+
+/// One kernel of the backward and how to launch it (see the module docs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FlashBwdLaunch {
+    pub stage: Stage,
+    /// The kernel's name (the `Kernel`'s name and a suffix).
+    pub name: String,
+    /// The complete kernel text (prelude `#include`d, as every kernel).
+    pub source: String,
+    /// grid axis `a` = `ceil(grid_dims[a] / grid_tiles[a])`.
+    pub grid_dims: [Dim; 3],
+    pub grid_tiles: [u64; 3],
+    /// The grid as C expressions of the kernel's size parameters.
+    pub grid_c: [String; 3],
+    /// Threads per block (x only).
+    pub block: u32,
+    /// Static shared memory the kernel declares; dynamic is always 0.
+    pub static_smem_bytes: u64,
+    /// Input slots (`inN`) it reads and output slots (`outN`) it writes.
+    pub reads: Vec<usize>,
+    pub writes: Vec<usize>,
+    /// Elements of the f32 scratch buffer passed as the last argument
+    /// (`B * Hq * T`, the same for every launch of the set).
+    pub scratch_f32_elems: Dim,
+    /// Whether this kernel writes the scratch buffer (else it reads it).
+    pub writes_scratch: bool,
+}
+
+impl FlashBwdLaunch {
+    /// `(grid.x, grid.y, grid.z)` for concrete sizes; `None` for an unbound
+    /// symbol or a y/z extent over 65535.
+    pub fn grid(&self, env: &dyn Fn(&str) -> Option<i64>) -> Option<[u64; 3]> {
+        let mut g = [0u64; 3];
+        for ((x, dim), tile) in g.iter_mut().zip(&self.grid_dims).zip(self.grid_tiles) {
+            let n = u64::try_from(dim.eval(env)?).ok()?;
+            *x = n.div_ceil(tile).max(1);
+        }
+        if g[1] > 65535 || g[2] > 65535 {
+            return None;
+        }
+        Some(g)
+    }
+}
+
+/// Where one tensor lives (the `Access` of `attention.rs`, trimmed).
+struct Access {
+    ptr: String,
+    dt: DType,
+    strides: Vec<Dim>,
+    offset: Dim,
+}
+
+impl Access {
+    fn input(g: &Graph, c: &Ctx, n: NodeIndex, i: usize) -> Access {
+        let slot = c.ins[i];
+        let dt = c.p.buffers[c.k.inputs[slot]].ty.dtype;
+        let ptr = format!("in{slot}");
+        match c.k.input_views.get(slot).and_then(|v| v.as_ref()) {
+            Some(v) => Access {
+                ptr,
+                dt,
+                strides: v.strides.clone(),
+                offset: v.offset.clone(),
+            },
+            None => Access {
+                ptr,
+                dt,
+                strides: contiguous_strides(&g.ty(g.inputs(n)[i]).shape),
+                offset: Dim::constant(0),
+            },
+        }
+    }
+
+    fn output(g: &Graph, c: &Ctx, n: NodeIndex, o: usize) -> Access {
+        let slot = c.outs[o];
+        Access {
+            ptr: format!("out{slot}"),
+            dt: c.p.buffers[c.k.outputs[slot]].ty.dtype,
+            strides: contiguous_strides(&g.g[n].outputs[o].shape),
+            offset: Dim::constant(0),
+        }
+    }
+
+    /// The C offset of the element at `coords` (`"0"` drops an axis).
+    fn at(&self, coords: &[&str]) -> String {
+        let mut terms = Vec::new();
+        if self.offset.as_const() != Some(0) {
+            terms.push(self.offset.to_c());
+        }
+        for (x, s) in coords.iter().zip(&self.strides) {
+            if *x == "0" || s.as_const() == Some(0) {
+                continue;
+            }
+            terms.push(if s.is_one() {
+                x.to_string()
+            } else {
+                format!("{x} * {}", s.to_c())
+            });
+        }
+        if terms.is_empty() {
+            "0".into()
+        } else {
+            terms.join(" + ")
+        }
+    }
+
+    /// Every row (the last axis) starts 16-byte aligned and is contiguous.
+    fn rows_aligned(&self) -> bool {
+        let div8 = |d: &Dim| d.checked_div(&Dim::constant(8)).is_some();
+        matches!(self.strides.split_last(), Some((last, rest))
+            if last.is_one() && rest.iter().all(div8) && div8(&self.offset))
+    }
+}
+
+struct Config {
+    batch: Dim,
+    q_len: Dim,
+    kv_len: Dim,
+    q_heads: Dim,
+    kv_heads: Dim,
+    head_dim: u64,
+    group: i64,
+    causal: bool,
+    scale: f64,
+    dt: DType,
+}
+
+fn config(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<Config> {
+    let Op::AttentionGrad(a) = &g.g[n].op else {
+        return None;
+    };
+    let ins = g.inputs(n);
+    if ins.len() != 6 || c.ins.len() != 6 || c.outs.len() != 3 {
+        return None;
+    }
+    let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
+    let dt = q.dtype;
+    if !matches!(dt, DType::BF16 | DType::F16)
+        || [0, 1, 2, 3, 5].iter().any(|&i| c.in_dt(i) != dt)
+        || c.in_dt(4) != DType::F32
+        || (0..3).any(|o| c.out_dt(o) != dt)
+    {
+        return None;
+    }
+    let d = q.shape[3].as_const()?;
+    if !matches!(d, 64 | 128) || k.shape[3].as_const()? != d || v.shape[3].as_const()? != d {
+        return None;
+    }
+    let group = q.shape[2].as_const()? / k.shape[2].as_const().filter(|&h| h > 0)?;
+    if group < 1 {
+        return None;
+    }
+    if ![0, 1, 2, 3, 5]
+        .iter()
+        .all(|&i| Access::input(g, c, n, i).rows_aligned())
+    {
+        return None;
+    }
+    Some(Config {
+        batch: q.shape[0].clone(),
+        q_len: q.shape[1].clone(),
+        kv_len: k.shape[1].clone(),
+        q_heads: q.shape[2].clone(),
+        kv_heads: k.shape[2].clone(),
+        head_dim: d as u64,
+        group,
+        causal: a.causal,
+        scale: a.scale,
+        dt,
+    })
+}
+
+/// The three kernels of the FlashAttention-2 backward of `AttentionGrad`
+/// node `n` in kernel `k` (its inputs q, k, v, o, lse, dO and outputs dq,
+/// dk, dv in op order, as `op_kernel` lays them out), in launch order.
+/// `None` unless the dtype is bf16 or f16 (lse f32), q, k and v share a head
+/// dim of 64 or 128, the head counts are constants, and every row of q, k,
+/// v, O and dO is 16-byte aligned and contiguous. Any causal flag,
+/// grouped-query ratio, T and S.
+pub fn flash_backward(
+    g: &Graph,
+    p: &Program,
+    k: &Kernel,
+    n: NodeIndex,
+    source: Option<&str>,
+) -> Option<Vec<FlashBwdLaunch>> {
+    let c = Ctx {
+        p,
+        k,
+        ins: (0..g.inputs(n).len()).collect(),
+        outs: (0..g.g[n].outputs.len()).collect(),
+    };
+    let cfg = config(g, &c, n)?;
+    let head = header(g, p, k, source);
+    let scratch = cfg
+        .batch
+        .checked_mul(&cfg.q_heads)?
+        .checked_mul(&cfg.q_len)?;
+    let d = cfg.head_dim;
+    let elem = 2; // bytes of a 16-bit element
+    let row = d + PAD;
+    let (qt, kt) = (query_tile(d), key_tile(d));
+    let stages = [
+        (
+            Stage::Delta,
+            "delta",
+            delta_body(g, &c, n, &cfg),
+            [cfg.q_len.clone(), cfg.q_heads.clone(), cfg.batch.clone()],
+            DELTA_ROWS,
+            vec![3, 5],
+            vec![],
+            0,
+        ),
+        (
+            Stage::DkDv,
+            "dkdv",
+            dkdv_body(g, &c, n, &cfg),
+            [cfg.kv_len.clone(), cfg.kv_heads.clone(), cfg.batch.clone()],
+            TILE_KEYS,
+            vec![0, 1, 2, 4, 5],
+            vec![1, 2],
+            (2 * TILE_KEYS + 2 * qt) * row * elem + 2 * qt * 4,
+        ),
+        (
+            Stage::Dq,
+            "dq",
+            dq_body(g, &c, n, &cfg),
+            [cfg.q_len.clone(), cfg.q_heads.clone(), cfg.batch.clone()],
+            TILE_QUERIES,
+            vec![0, 1, 2, 4, 5],
+            vec![0],
+            2 * kt * row * elem,
+        ),
+    ];
+    let mut out = Vec::new();
+    for (stage, suffix, body, dims, tile, reads, writes, smem) in stages {
+        let name = format!("{}_{suffix}", k.name);
+        let mut s = kernel_head(&head, &k.name, &name)?;
+        s.push_str(&body);
+        s.push_str("}\n");
+        let grid_c = [
+            format!("({} + {}LL) / {tile}LL", dims[0].to_c(), tile - 1),
+            dims[1].to_c(),
+            dims[2].to_c(),
+        ];
+        out.push(FlashBwdLaunch {
+            stage,
+            name,
+            source: s,
+            grid_dims: dims,
+            grid_tiles: [tile, 1, 1],
+            grid_c,
+            block: THREADS,
+            static_smem_bytes: smem,
+            reads,
+            writes,
+            scratch_f32_elems: scratch.clone(),
+            writes_scratch: stage == Stage::Delta,
+        });
+    }
+    Some(out)
+}
+
+/// Queries per streamed tile of `_dkdv`.
+fn query_tile(d: u64) -> u64 {
+    if d > 64 {
+        16
+    } else {
+        64
+    }
+}
+
+/// Keys per streamed tile of `_dq`.
+fn key_tile(d: u64) -> u64 {
+    if d > 64 {
+        32
+    } else {
+        64
+    }
+}
+
+/// `header`'s text renamed to `name`, with the helpers before the signature,
+/// `__launch_bounds__` and the scratch pointer as the last parameter.
+fn kernel_head(head: &str, old: &str, name: &str) -> Option<String> {
+    let sig = format!("extern \"C\" __global__ void {old}(");
+    let at = head.find(&sig)?;
+    let close = head.rfind(")\n{")?;
+    let mut s = String::new();
+    s.push_str(&head[..at].replacen(&format!("// {old}:"), &format!("// {name}:"), 1));
+    s.push_str(HELPERS);
+    s.push_str(&format!(
+        "extern \"C\" __global__ void __launch_bounds__({THREADS}) {name}("
+    ));
+    s.push_str(&head[at + sig.len()..close]);
+    s.push_str(",\n    float* scratch /* f32 scratch [B, Hq, T]: delta = rowsum(dO * O) */)\n{\n");
+    Some(s)
+}
+
+/// Replaces every `$key` of `t` (longest keys first).
+fn fill(t: &str, subs: &[(&str, String)]) -> String {
+    let mut subs: Vec<&(&str, String)> = subs.iter().collect();
+    subs.sort_by_key(|(k, _)| std::cmp::Reverse(k.len()));
+    let mut s = t.to_string();
+    for (k, v) in subs {
+        s = s.replace(&format!("${k}"), v);
+    }
+    s
+}
+
+/// File-scope building blocks, once per translation unit (the forward's,
+/// `flash.rs`, under the same include guard).
+const HELPERS: &str = r#"// FlashAttention building blocks: single PTX instructions on the GPU; a
+// host build supplies fs_emu_* (an emulation of one warp, with the PTX ISA's
+// fragment layouts) so that the same kernel runs in tests.
+#ifndef FS_FLASH_HELPERS
+#define FS_FLASH_HELPERS
+#ifdef __CUDA_ARCH__
+// d += a * b for one warp, m16n8k16: a is 16x16 row-major (4 registers of two
+// 16-bit values), b 16x8 column-major (2 registers), d 16x8 in f32.
+__device__ __forceinline__ void fs_mma_16816_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void fs_mma_16816_f16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float fs_shfl_xor(float v, int lane_mask) { return __shfl_xor_sync(0xffffffffu, v, lane_mask); }
+// 2^x (2 ulp; 2^-inf = 0).
+__device__ __forceinline__ float fs_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// Two adjacent 16-bit values (4-byte aligned) as one register, low first.
+__device__ __forceinline__ unsigned fs_ld32(const unsigned short* p) { return *reinterpret_cast<const unsigned*>(p); }
+// 16 bytes, both addresses 16-byte aligned.
+__device__ __forceinline__ void fs_copy16(unsigned short* dst, const unsigned short* src) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+__device__ __forceinline__ void fs_zero16(unsigned short* dst) { *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u}; }
+#else
+inline void fs_mma_16816_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { fs_emu_mma_16816(d, a, b0, b1, true); }
+inline void fs_mma_16816_f16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { fs_emu_mma_16816(d, a, b0, b1, false); }
+inline float fs_shfl_xor(float v, int lane_mask) { return fs_emu_shfl_xor(v, lane_mask); }
+inline float fs_exp2(float x) { return exp2f(x); }
+inline unsigned fs_ld32(const unsigned short* p) {
+    unsigned u;
+    memcpy(&u, p, 4);
+    return u;
+}
+inline void fs_copy16(unsigned short* dst, const unsigned short* src) { memcpy(dst, src, 16); }
+inline void fs_zero16(unsigned short* dst) { memset(dst, 0, 16); }
+#endif
+// Two floats rounded to 16 bits and packed into one mma operand, lo in the low half.
+__device__ __forceinline__ unsigned fs_pack_bf16(float lo, float hi) { return (unsigned)fs_to_bf16(lo) | ((unsigned)fs_to_bf16(hi) << 16); }
+__device__ __forceinline__ unsigned fs_pack_f16(float lo, float hi) { return (unsigned)fs_to_f16(lo) | ((unsigned)fs_to_f16(hi) << 16); }
+#endif
+
+"#;
+
+/// Substitutions every body uses.
+fn common_subs(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> Vec<(&'static str, String)> {
+    let [q, k, v, o, lse, dout] = [0, 1, 2, 3, 4, 5].map(|i| Access::input(g, c, n, i));
+    let (elem, ty) = match cfg.dt {
+        DType::F16 => ("f16", "fs_f16"),
+        _ => ("bf16", "fs_bf16"),
+    };
+    vec![
+        ("D", cfg.head_dim.to_string()),
+        ("PAD", PAD.to_string()),
+        ("T", cfg.q_len.to_c()),
+        ("S", cfg.kv_len.to_c()),
+        ("HQ", cfg.q_heads.to_c()),
+        ("GROUP", cfg.group.to_string()),
+        ("CAUSAL", cfg.causal.to_string()),
+        (
+            "SCALE_LOG2",
+            float_lit(cfg.scale * std::f64::consts::LOG2_E),
+        ),
+        ("SCALE", float_lit(cfg.scale)),
+        ("TY", ty.to_string()),
+        ("MMA", format!("fs_mma_16816_{elem}")),
+        ("PACK", format!("fs_pack_{elem}")),
+        ("QP", q.ptr.clone()),
+        ("KP", k.ptr.clone()),
+        ("VP", v.ptr.clone()),
+        ("DOP", dout.ptr.clone()),
+        ("Q_AT", q.at(&["b", "i", "h", "0"])),
+        ("K_AT", k.at(&["b", "j", "kv_h", "0"])),
+        ("V_AT", v.at(&["b", "j", "kv_h", "0"])),
+        ("DO_AT", dout.at(&["b", "i", "h", "0"])),
+        ("O_AT", o.at(&["b", "i", "h", "0"])),
+        (
+            "LSE",
+            load(
+                lse.dt,
+                &format!("{}[{}]", lse.ptr, lse.at(&["b", "h", "i"])),
+            ),
+        ),
+        (
+            "LOAD_DO",
+            load(dout.dt, &format!("{}[do_row + e]", dout.ptr)),
+        ),
+        ("LOAD_O", load(o.dt, &format!("{}[o_row + e]", o.ptr))),
+        ("NEG_INF", NEG_INF.to_string()),
+        ("THREADS", THREADS.to_string()),
+    ]
+}
+
+fn delta_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
+    let mut subs = common_subs(g, c, n, cfg);
+    subs.push(("ROWS", DELTA_ROWS.to_string()));
+    fill(
+        r#"    // FlashAttention-2 backward, kernel 1 of 3: delta_i = rowsum(dO_i * O_i) per
+    // (b, h, i), into scratch[(b * Hq + h) * T + i]. One thread per row.
+    const fs_i64 q_len = $T, h = blockIdx.y, b = blockIdx.z;
+    const fs_i64 i = (fs_i64)blockIdx.x * $ROWS + threadIdx.x;
+    if (i < q_len) {
+        const fs_i64 o_row = $O_AT, do_row = $DO_AT;
+        float acc = 0.0f;
+        for (int e = 0; e < $D; ++e) acc += $LOAD_DO * $LOAD_O;
+        scratch[(b * $HQ + h) * q_len + i] = acc;
+    }
+"#,
+        &subs,
+    )
+}
+
+fn dkdv_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
+    let [dk, dv] = [1, 2].map(|o| Access::output(g, c, n, o));
+    let mut subs = common_subs(g, c, n, cfg);
+    subs.push(("TILE_Q", query_tile(cfg.head_dim).to_string()));
+    subs.push(("TILE_K", TILE_KEYS.to_string()));
+    subs.push(("DK_AT", dk.at(&["b", "j", "kv_h", "0"])));
+    subs.push((
+        "STORE_DK0",
+        format!(
+            "{}[dk_row + n * 8 + frag_col] = {};",
+            dk.ptr,
+            store(dk.dt, "dk_acc[n][2 * r] * scale")
+        ),
+    ));
+    subs.push((
+        "STORE_DK1",
+        format!(
+            "{}[dk_row + n * 8 + frag_col + 1] = {};",
+            dk.ptr,
+            store(dk.dt, "dk_acc[n][2 * r + 1] * scale")
+        ),
+    ));
+    subs.push((
+        "STORE_DV0",
+        format!(
+            "{}[dv_row + n * 8 + frag_col] = {};",
+            dv.ptr,
+            store(dv.dt, "dv_acc[n][2 * r]")
+        ),
+    ));
+    subs.push((
+        "STORE_DV1",
+        format!(
+            "{}[dv_row + n * 8 + frag_col + 1] = {};",
+            dv.ptr,
+            store(dv.dt, "dv_acc[n][2 * r + 1]")
+        ),
+    ));
+    subs.push(("DV_AT", dv.at(&["b", "j", "kv_h", "0"])));
+    fill(DKDV, &subs)
+}
+
+const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV on tensor cores
+    // (mma.m16n8k16, f32 accumulation). Block = (tile of $TILE_K keys, kv head,
+    // batch); warp w owns the tile's keys 16w .. 16w + 15 and computes the
+    // transposed products S^T = K Q^T and dP^T = V dO^T, so that P^T and
+    // dS^T = P^T * (dP^T - delta) come out in the accumulator layout, which is
+    // the A-fragment layout of dV += P^T dO and dK += dS^T Q. Queries of every
+    // head of the group stream through shared memory $TILE_Q rows at a time.
+    constexpr int TILE_K = $TILE_K, TILE_Q = $TILE_Q, HEAD_DIM = $D;
+    constexpr int ROW = HEAD_DIM + $PAD;      // shared row pitch: 16-byte rows, conflict-free fragment reads
+    constexpr int CHUNKS = HEAD_DIM / 8;   // 16-byte chunks per row
+    const fs_i64 q_len = $T, kv_len = $S, group = $GROUP;
+    const bool causal = $CAUSAL;  // if so, keys j > query i are masked
+    const float scale = $SCALE, scale_log2 = $SCALE_LOG2;  // exp(x * scale) = exp2(x * scale_log2)
+    const fs_i64 k0 = (fs_i64)blockIdx.x * TILE_K, kv_h = blockIdx.y, b = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
+    const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
+    alignas(16) __shared__ $TY k_tile[TILE_K * ROW];
+    alignas(16) __shared__ $TY v_tile[TILE_K * ROW];
+    alignas(16) __shared__ $TY q_tile[TILE_Q * ROW];
+    alignas(16) __shared__ $TY do_tile[TILE_Q * ROW];
+    __shared__ float lse_tile[TILE_Q];    // lse * log2(e) of the tile's queries
+    __shared__ float delta_tile[TILE_Q];  // delta of the tile's queries
+
+    // 1. The block's keys and values (rows past kv_len zero; their dK, dV are
+    //    never stored). The first barrier of the query loop publishes them.
+    for (int c = threadIdx.x; c < TILE_K * CHUNKS; c += $THREADS) {
+        const int r = c / CHUNKS, e = (c % CHUNKS) * 8;
+        const fs_i64 j = k0 + r;
+        if (j < kv_len) {
+            fs_copy16(&k_tile[r * ROW + e], &$KP[$K_AT + e]);
+            fs_copy16(&v_tile[r * ROW + e], &$VP[$V_AT + e]);
+        } else {
+            fs_zero16(&k_tile[r * ROW + e]);
+            fs_zero16(&v_tile[r * ROW + e]);
+        }
+    }
+
+    // dk_acc[n][e], dv_acc[n][e]: key row key_row + 8 * (e / 2), feature 8n + frag_col + e % 2.
+    const int key_row = warp * 16 + frag_row;
+    float dk_acc[HEAD_DIM / 8][4], dv_acc[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.0f;
+    }
+    // Causal: query tiles before the first that can see key k0 are skipped.
+    const fs_i64 i_first = causal ? (k0 / TILE_Q) * TILE_Q : 0;
+    for (fs_i64 hh = 0; hh < group; ++hh) {
+        const fs_i64 h = kv_h * group + hh;
+        for (fs_i64 i0 = i_first; i0 < q_len; i0 += TILE_Q) {
+            // 2. Queries and dO i0 .. i0 + TILE_Q - 1 of head h (rows past q_len zero),
+            //    their lse (log2 units) and delta.
+            __syncthreads();  // every warp is done with the previous tile
+            for (int c = threadIdx.x; c < TILE_Q * CHUNKS; c += $THREADS) {
+                const int r = c / CHUNKS, e = (c % CHUNKS) * 8;
+                const fs_i64 i = i0 + r;
+                if (i < q_len) {
+                    fs_copy16(&q_tile[r * ROW + e], &$QP[$Q_AT + e]);
+                    fs_copy16(&do_tile[r * ROW + e], &$DOP[$DO_AT + e]);
+                } else {
+                    fs_zero16(&q_tile[r * ROW + e]);
+                    fs_zero16(&do_tile[r * ROW + e]);
+                }
+            }
+            if (threadIdx.x < TILE_Q) {
+                const fs_i64 i = i0 + threadIdx.x;
+                lse_tile[threadIdx.x] = i < q_len ? $LSE * 1.4426950408889634f : 0.0f;
+                delta_tile[threadIdx.x] = i < q_len ? scratch[(b * $HQ + h) * q_len + i] : 0.0f;
+            }
+            __syncthreads();
+
+            // 3. S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys:
+            //    s[n][e], dp[n][e] = key key_row + 8 * (e / 2), query i0 + 8n + frag_col + e % 2.
+            //    A: the warp's K / V rows; B (column-major): two features of query row 8n + frag_row.
+            float s[TILE_Q / 8][4], dp[TILE_Q / 8][4];
+#pragma unroll
+            for (int n = 0; n < TILE_Q / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+            }
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                const $TY* ka = &k_tile[key_row * ROW + kk * 16 + frag_col];
+                const $TY* va = &v_tile[key_row * ROW + kk * 16 + frag_col];
+                const unsigned k_frag[4] = {fs_ld32(ka), fs_ld32(ka + 8 * ROW), fs_ld32(ka + 8), fs_ld32(ka + 8 * ROW + 8)};
+                const unsigned v_frag[4] = {fs_ld32(va), fs_ld32(va + 8 * ROW), fs_ld32(va + 8), fs_ld32(va + 8 * ROW + 8)};
+#pragma unroll
+                for (int n = 0; n < TILE_Q / 8; ++n) {
+                    const $TY* query = &q_tile[(n * 8 + frag_row) * ROW + kk * 16 + frag_col];
+                    const $TY* dout = &do_tile[(n * 8 + frag_row) * ROW + kk * 16 + frag_col];
+                    $MMA(s[n], k_frag, fs_ld32(query), fs_ld32(query + 8));
+                    $MMA(dp[n], v_frag, fs_ld32(dout), fs_ld32(dout + 8));
+                }
+            }
+
+            // 4. P^T = exp2(S^T * scale_log2 - lse_log2), masked (queries past q_len;
+            //    causal: keys after the query) only on tiles that can need it;
+            //    dS^T = P^T * (dP^T - delta), in place of dp.
+            const bool edge = i0 + TILE_Q > q_len || (causal && i0 < k0 + TILE_K);
+#pragma unroll
+            for (int n = 0; n < TILE_Q / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int qc = n * 8 + frag_col + (e & 1);
+                    float p = fs_exp2(s[n][e] * scale_log2 - lse_tile[qc]);
+                    if (edge) {
+                        const fs_i64 i = i0 + qc, j = k0 + key_row + 8 * (e >> 1);
+                        if (i >= q_len || (causal && j > i)) p = 0.0f;
+                    }
+                    s[n][e] = p;
+                    dp[n][e] = p * (dp[n][e] - delta_tile[qc]);
+                }
+            }
+
+            // 5. dV += P^T dO and dK += dS^T Q. The accumulators of queries
+            //    16kk .. 16kk + 15 are the A fragments; B (column-major) is two
+            //    query rows (frag_col, + 1, and + 8) of feature 8n + frag_row.
+#pragma unroll
+            for (int kk = 0; kk < TILE_Q / 16; ++kk) {
+                const unsigned p_frag[4] = {$PACK(s[2 * kk][0], s[2 * kk][1]), $PACK(s[2 * kk][2], s[2 * kk][3]),
+                                            $PACK(s[2 * kk + 1][0], s[2 * kk + 1][1]), $PACK(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                const unsigned ds_frag[4] = {$PACK(dp[2 * kk][0], dp[2 * kk][1]), $PACK(dp[2 * kk][2], dp[2 * kk][3]),
+                                             $PACK(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), $PACK(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+                for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                    const $TY* dout = &do_tile[(kk * 16 + frag_col) * ROW + n * 8 + frag_row];
+                    const $TY* query = &q_tile[(kk * 16 + frag_col) * ROW + n * 8 + frag_row];
+                    $MMA(dv_acc[n], p_frag, (unsigned)dout[0] | ((unsigned)dout[ROW] << 16),
+                         (unsigned)dout[8 * ROW] | ((unsigned)dout[9 * ROW] << 16));
+                    $MMA(dk_acc[n], ds_frag, (unsigned)query[0] | ((unsigned)query[ROW] << 16),
+                         (unsigned)query[8 * ROW] | ((unsigned)query[9 * ROW] << 16));
+                }
+            }
+        }
+    }
+
+    // 6. Each key row once: dK = scale * acc, dV = acc (rows past kv_len dropped).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const fs_i64 j = k0 + key_row + 8 * r;
+        if (j < kv_len) {
+            const fs_i64 dk_row = $DK_AT, dv_row = $DV_AT;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                $STORE_DK0
+                $STORE_DK1
+                $STORE_DV0
+                $STORE_DV1
+            }
+        }
+    }
+"#;
+
+fn dq_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
+    let dq = Access::output(g, c, n, 0);
+    let mut subs = common_subs(g, c, n, cfg);
+    subs.push(("TILE_Q", TILE_QUERIES.to_string()));
+    subs.push(("TILE_K", key_tile(cfg.head_dim).to_string()));
+    subs.push(("DQ_AT", dq.at(&["b", "i", "h", "0"])));
+    subs.push((
+        "STORE_DQ0",
+        format!(
+            "{}[dq_row + n * 8 + frag_col] = {};",
+            dq.ptr,
+            store(dq.dt, "dq_acc[n][2 * r] * scale")
+        ),
+    ));
+    subs.push((
+        "STORE_DQ1",
+        format!(
+            "{}[dq_row + n * 8 + frag_col + 1] = {};",
+            dq.ptr,
+            store(dq.dt, "dq_acc[n][2 * r + 1] * scale")
+        ),
+    ));
+    fill(DQ, &subs)
+}
+
+const DQ: &str = r#"    // FlashAttention-2 backward, kernel 3 of 3: dQ on tensor cores. Block =
+    // (tile of $TILE_Q queries, query head, batch); warp w owns rows 16w .. 16w + 15.
+    // Q and dO are A fragments in registers; keys and values stream through
+    // shared memory $TILE_K rows at a time: S = Q K^T, dP = dO V^T,
+    // dS = P * (dP - delta), dQ += dS K.
+    constexpr int TILE_Q = $TILE_Q, TILE_K = $TILE_K, HEAD_DIM = $D;
+    constexpr int ROW = HEAD_DIM + $PAD;      // shared row pitch: 16-byte rows, conflict-free fragment reads
+    constexpr int CHUNKS = HEAD_DIM / 8;   // 16-byte chunks per row
+    const fs_i64 q_len = $T, kv_len = $S, group = $GROUP;
+    const bool causal = $CAUSAL;  // if so, keys j > query i are masked
+    const float scale = $SCALE, scale_log2 = $SCALE_LOG2;  // exp(x * scale) = exp2(x * scale_log2)
+    const fs_i64 q0 = (fs_i64)blockIdx.x * TILE_Q, h = blockIdx.y, b = blockIdx.z, kv_h = h / group;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
+    const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
+    // The key tile, then the value tile; before the first key tile, the
+    // staging area of Q and dO (2 * TILE_K >= TILE_Q rows).
+    alignas(16) __shared__ $TY kv_tiles[2 * TILE_K * ROW];
+    $TY* const k_tile = kv_tiles;
+    $TY* const v_tile = kv_tiles + TILE_K * ROW;
+    static_assert(2 * TILE_K >= TILE_Q, "the staging area holds a query tile");
+
+    // 1. Q and dO of the tile into registers as A fragments (through shared
+    //    memory, rows past q_len zero): frag[kk] covers features 16kk .. 16kk + 15
+    //    of rows q_row and q_row + 8.
+    const int q_row = warp * 16 + frag_row;
+    unsigned q_frag[HEAD_DIM / 16][4], do_frag[HEAD_DIM / 16][4];
+    for (int c = threadIdx.x; c < TILE_Q * CHUNKS; c += $THREADS) {
+        const int r = c / CHUNKS, e = (c % CHUNKS) * 8;
+        const fs_i64 i = q0 + r;
+        if (i < q_len) fs_copy16(&kv_tiles[r * ROW + e], &$QP[$Q_AT + e]);
+        else fs_zero16(&kv_tiles[r * ROW + e]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const $TY* at = &kv_tiles[q_row * ROW + kk * 16 + frag_col];
+        q_frag[kk][0] = fs_ld32(at);
+        q_frag[kk][1] = fs_ld32(at + 8 * ROW);
+        q_frag[kk][2] = fs_ld32(at + 8);
+        q_frag[kk][3] = fs_ld32(at + 8 * ROW + 8);
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < TILE_Q * CHUNKS; c += $THREADS) {
+        const int r = c / CHUNKS, e = (c % CHUNKS) * 8;
+        const fs_i64 i = q0 + r;
+        if (i < q_len) fs_copy16(&kv_tiles[r * ROW + e], &$DOP[$DO_AT + e]);
+        else fs_zero16(&kv_tiles[r * ROW + e]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const $TY* at = &kv_tiles[q_row * ROW + kk * 16 + frag_col];
+        do_frag[kk][0] = fs_ld32(at);
+        do_frag[kk][1] = fs_ld32(at + 8 * ROW);
+        do_frag[kk][2] = fs_ld32(at + 8);
+        do_frag[kk][3] = fs_ld32(at + 8 * ROW + 8);
+    }
+    // lse (log2 units) and delta of rows q_row (index 0) and q_row + 8 (index 1).
+    const fs_i64 i_lo = q0 + q_row, i_hi = i_lo + 8;
+    float lse2[2], delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const fs_i64 i = r == 0 ? i_lo : i_hi;
+        lse2[r] = i < q_len ? $LSE * 1.4426950408889634f : 0.0f;
+        delta[r] = i < q_len ? scratch[(b * $HQ + h) * q_len + i] : 0.0f;
+    }
+
+    // dq_acc[n][e] = row q_row + 8 * (e / 2), feature 8n + frag_col + e % 2.
+    float dq_acc[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq_acc[n][e] = 0.0f;
+    }
+    // Causal: key tiles after the query tile's last row are never visited.
+    const fs_i64 kv_end = causal && q0 + TILE_Q < kv_len ? q0 + TILE_Q : kv_len;
+    for (fs_i64 k0 = 0; k0 < kv_end; k0 += TILE_K) {
+        // 2. Keys and values k0 .. k0 + TILE_K - 1 (rows past kv_len zero).
+        __syncthreads();  // every warp is done with the previous tile (and the staging)
+        for (int c = threadIdx.x; c < TILE_K * CHUNKS; c += $THREADS) {
+            const int r = c / CHUNKS, e = (c % CHUNKS) * 8;
+            const fs_i64 j = k0 + r;
+            if (j < kv_len) {
+                fs_copy16(&k_tile[r * ROW + e], &$KP[$K_AT + e]);
+                fs_copy16(&v_tile[r * ROW + e], &$VP[$V_AT + e]);
+            } else {
+                fs_zero16(&k_tile[r * ROW + e]);
+                fs_zero16(&v_tile[r * ROW + e]);
+            }
+        }
+        __syncthreads();
+
+        // 3. S = Q K^T and dP = dO V^T: s[n][e], dp[n][e] = row q_row + 8 * (e / 2),
+        //    key k0 + 8n + frag_col + e % 2; B (column-major) is two features of key 8n + frag_row.
+        float s[TILE_K / 8][4], dp[TILE_K / 8][4];
+#pragma unroll
+        for (int n = 0; n < TILE_K / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                const $TY* key = &k_tile[(n * 8 + frag_row) * ROW + kk * 16 + frag_col];
+                const $TY* value = &v_tile[(n * 8 + frag_row) * ROW + kk * 16 + frag_col];
+                $MMA(s[n], q_frag[kk], fs_ld32(key), fs_ld32(key + 8));
+                $MMA(dp[n], do_frag[kk], fs_ld32(value), fs_ld32(value + 8));
+            }
+        }
+
+        // 4. P = exp2(S * scale_log2 - lse_log2), masked (keys past kv_len; causal:
+        //    keys after the query) only on tiles that can need it;
+        //    dS = P * (dP - delta), in place of dp.
+        const bool edge = k0 + TILE_K > kv_len || (causal && k0 + TILE_K - 1 > q0 + warp * 16);
+#pragma unroll
+        for (int n = 0; n < TILE_K / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                float p = fs_exp2(s[n][e] * scale_log2 - lse2[r]);
+                if (edge) {
+                    const fs_i64 j = k0 + n * 8 + frag_col + (e & 1), i = r == 0 ? i_lo : i_hi;
+                    if (j >= kv_len || (causal && j > i)) p = 0.0f;
+                }
+                dp[n][e] = p * (dp[n][e] - delta[r]);
+            }
+        }
+
+        // 5. dQ += dS K: the accumulators of keys 16kk .. 16kk + 15 are dS's A
+        //    fragment; B (column-major) is two keys (frag_col, + 1, and + 8) of
+        //    feature 8n + frag_row.
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; ++kk) {
+            const unsigned ds_frag[4] = {$PACK(dp[2 * kk][0], dp[2 * kk][1]), $PACK(dp[2 * kk][2], dp[2 * kk][3]),
+                                         $PACK(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), $PACK(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                const $TY* key = &k_tile[(kk * 16 + frag_col) * ROW + n * 8 + frag_row];
+                $MMA(dq_acc[n], ds_frag, (unsigned)key[0] | ((unsigned)key[ROW] << 16),
+                     (unsigned)key[8 * ROW] | ((unsigned)key[9 * ROW] << 16));
+            }
+        }
+    }
+
+    // 6. dQ = scale * acc, each row once (rows past q_len dropped).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const fs_i64 i = r == 0 ? i_lo : i_hi;
+        if (i < q_len) {
+            const fs_i64 dq_row = $DQ_AT;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                $STORE_DQ0
+                $STORE_DQ1
+            }
+        }
+    }
+"#;

@@ -1,0 +1,652 @@
+//! The tensor-core FlashAttention-2 backward (compiler/src/emit/flash_bwd.rs),
+//! verified without a GPU:
+//!
+//! - its three kernels' exact text runs on the host, in order, 128 OS threads
+//!   per block with real barriers (tests/flash_host/block_shim.h), the
+//!   warp-level PTX emulated with the PTX ISA's fragment layouts
+//!   (tests/flash_host/mma_emu.h), and dQ, dK, dV must match what the
+//!   kernel-IR interpreter computes for the `attention_grad` op: head dims
+//!   64 and 128, T = S in {1, 17, 64, 100}, causal and not, grouped-query
+//!   ratios 1 and 4, q/k/v as strided slices of a fused projection (and as
+//!   contiguous heads), bf16 (f16 on one size), and cross-attention S != T;
+//!   each output within 3e-2 of its max |ref|;
+//! - deliberate breakages (causal bounds, dropped delta terms, fragment
+//!   halves swapped, a dropped scale) fail that comparison;
+//! - NVRTC compiles every kernel for sm_80 and sm_90 without spills (skipped,
+//!   saying so, where libnvrtc is missing);
+//! - one kernel set's text is held in a snapshot.
+//!
+//! The host runs are skipped, with a message, where no `c++` compiler exists.
+
+mod common;
+
+use fusec_compiler::emit::cuda::c_type;
+use fusec_compiler::emit::flash_bwd::{flash_backward, FlashBwdLaunch};
+use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
+use fusec_compiler::interp::random::random_feeds;
+use fusec_compiler::interp::tensor::Tensor;
+use fusec_compiler::interp::Precision;
+use fusec_compiler::ir::Graph;
+use fusec_compiler::kernel::fuse::fuse;
+use fusec_compiler::kernel::interp::run_program;
+use fusec_compiler::kernel::{Body, Kernel, Program};
+use fusec_compiler::ops::Op;
+use std::collections::HashMap;
+use std::fmt::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Head dims 64 and 128 x ratios 1 and 4 x causal or not. D = 64 and the
+/// D = 128 ratio-1 pair read q/k/v as strided slices of a fused projection;
+/// the D = 128 ratio-4 pair reads separate projections (contiguous heads).
+const MODEL: &str = "
+const d = 16
+dim B, T
+input x: f32[B, T, d]
+param f64a: [d, 384] = normal(0.3)
+param f64b: [d, 384] = normal(0.3)
+param f128a: [d, 768] = normal(0.3)
+param q128b: [d, 1024] = normal(0.3)
+param k128b: [d, 256] = normal(0.3)
+param v128b: [d, 256] = normal(0.3)
+
+let q1, k1, v1 = split(x @ f64a, 3)
+let q2, k2, v2 = split(x @ f64b, [256, 64, 64])
+let q3, k3, v3 = split(x @ f128a, 3)
+let y1 = merge_heads(attention(heads(q1, 2), heads(k1, 2), heads(v1, 2), causal = true))
+let y2 = merge_heads(attention(heads(q1, 2), heads(k1, 2), heads(v1, 2)))
+let y3 = merge_heads(attention(heads(q2, 4), heads(k2, 1), heads(v2, 1), causal = true))
+let y4 = merge_heads(attention(heads(q2, 4), heads(k2, 1), heads(v2, 1)))
+let y5 = merge_heads(attention(heads(q3, 2), heads(k3, 2), heads(v3, 2), causal = true))
+let y6 = merge_heads(attention(heads(q3, 2), heads(k3, 2), heads(v3, 2)))
+let y7 = merge_heads(attention(heads(x @ q128b, 8), heads(x @ k128b, 2), heads(x @ v128b, 2), causal = true))
+let y8 = merge_heads(attention(heads(x @ q128b, 8), heads(x @ k128b, 2), heads(x @ v128b, 2)))
+train {
+    loss = mean(y1 * y1) + mean(y2 * y2) + mean(y3 * y3) + mean(y4 * y4) + mean(y5 * y5) + mean(y6 * y6) + mean(y7 * y7) + mean(y8 * y8)
+    precision = PRECISION
+}
+";
+
+/// The kernel set the snapshot holds (and the mutation test breaks): fused
+/// projection, 4 query heads on 1, D = 64, causal (and a non-causal twin).
+const SNAPSHOT_MODEL: &str = "
+const d = 16
+dim B, T
+input x: f32[B, T, d]
+param w: [d, 384] = normal(0.3)
+let q, k, v = split(x @ w, [256, 64, 64])
+let y = merge_heads(attention(heads(q, 4), heads(k, 1), heads(v, 1), causal = true))
+train {
+    loss = mean(y * y)
+    precision = bf16
+}
+";
+
+/// Sequence lengths (T = S) and the batch each runs with.
+const RUNS: &[&[(&str, i64)]] = &[
+    &[("B", 2), ("T", 1)],
+    &[("B", 2), ("T", 17)],
+    &[("B", 1), ("T", 64)],
+    &[("B", 1), ("T", 100)],
+];
+
+/// Cross-attention (S keys, T queries), D = 64, 2 query heads on 1 key/value
+/// head of a fused projection of the memory; causal and not.
+const CROSS_MODEL: &str = "
+const d = 16
+dim B, T, S
+input x: f32[B, T, d]
+input mem: f32[B, S, d]
+param wq: [d, 128] = normal(0.3)
+param wkv: [d, 128] = normal(0.3)
+let k, v = split(mem @ wkv, 2)
+let y1 = merge_heads(attention(heads(x @ wq, 2), heads(k, 1), heads(v, 1), causal = true))
+let y2 = merge_heads(attention(heads(x @ wq, 2), heads(k, 1), heads(v, 1)))
+train {
+    loss = mean(y1 * y1) + mean(y2 * y2)
+    precision = bf16
+}
+";
+
+struct Set {
+    /// Index into `Program::kernels`.
+    kernel: usize,
+    launches: Vec<FlashBwdLaunch>,
+    /// (head dim, group ratio, causal, strided) for messages and coverage.
+    what: String,
+}
+
+struct Built {
+    g: Graph,
+    program: Program,
+    sets: Vec<Set>,
+}
+
+fn is_grad(g: &Graph, k: &Kernel) -> bool {
+    matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::AttentionGrad(_)))
+}
+
+fn build(src: &str, precision: &str) -> Built {
+    let src = src.replace("PRECISION", precision);
+    let c = common::compile_with(&src, "flash_bwd.dsl", &[]);
+    let g = c.optimized;
+    let program = fuse(&g);
+    let mut sets = Vec::new();
+    for (i, k) in program.kernels.iter().enumerate() {
+        let Body::Op(n) = k.body else {
+            continue;
+        };
+        if !is_grad(&g, k) {
+            continue;
+        }
+        let launches = flash_backward(&g, &program, k, n, None)
+            .unwrap_or_else(|| panic!("{}: no flash backward for a supported attention", k.name));
+        let ins = g.inputs(n);
+        let (q, kk) = (g.ty(ins[0]), g.ty(ins[1]));
+        let causal = matches!(&g.g[n].op, Op::AttentionGrad(a) if a.causal);
+        let strided = k.input_views[..3].iter().any(|v| v.is_some());
+        let what = format!(
+            "D={} ratio={} causal={causal} {}",
+            q.shape[3],
+            q.shape[2].as_const().unwrap() / kk.shape[2].as_const().unwrap(),
+            if strided { "strided" } else { "contiguous" }
+        );
+        sets.push(Set {
+            kernel: i,
+            launches,
+            what,
+        });
+    }
+    Built { g, program, sets }
+}
+
+fn have_cxx() -> bool {
+    let ok = Command::new("c++").arg("--version").output().is_ok();
+    if !ok {
+        println!("skipped: no c++ compiler on PATH");
+    }
+    ok
+}
+
+fn work_dir(label: &str) -> PathBuf {
+    let work = std::env::temp_dir().join(format!("fusec-flash-bwd-{}-{label}", std::process::id()));
+    std::fs::create_dir_all(&work).unwrap();
+    work
+}
+
+/// A broken copy of one of the kernels' lines: (pattern, replacement).
+type Mutation = (&'static str, &'static str);
+
+/// One C++ program holding the kernel sets `sets` (indices into `b.sets`)
+/// and a `main` that runs the set named on its command line, its three
+/// kernels in order, on the files in a folder.
+fn harness(b: &Built, sets: &[usize], mutation: Option<Mutation>) -> String {
+    let mut s = String::from("#include \"block_shim.h\"\n#include \"mma_emu.h\"\n");
+    s.push_str(PRELUDE);
+    for &f in sets {
+        for l in &b.sets[f].launches {
+            let mut text = l
+                .source
+                .replace(&format!("#include \"{PRELUDE_NAME}\""), "");
+            if let Some((from, to)) = mutation {
+                text = text.replace(from, to);
+            }
+            s.push_str(&text);
+        }
+    }
+    s.push_str(
+        "static void* fs_read(const char* dir, const char* name, size_t bytes) {\n\
+         char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
+         FILE* f = fopen(path, \"rb\"); if (!f) { perror(path); exit(2); }\n\
+         void* p = calloc(1, bytes + 16); size_t got = fread(p, 1, bytes, f); fclose(f);\n\
+         if (got != bytes) { fprintf(stderr, \"%s: %zu of %zu bytes\\n\", path, got, bytes); exit(2); }\n\
+         return p; }\n\
+         static void fs_write(const char* dir, const char* name, const void* p, size_t bytes) {\n\
+         char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
+         FILE* f = fopen(path, \"wb\"); fwrite(p, 1, bytes, f); fclose(f); }\n",
+    );
+    // argv: set name, folder, 3 x 3 grid extents, block, the sizes.
+    s.push_str(
+        "int main(int argc, char** argv) {\n  const char* dir = argv[2];\n\
+         \x20 fs_dim3 grids[3];\n\
+         \x20 for (int l = 0; l < 3; ++l) grids[l] = {(unsigned)atoi(argv[3 + 3 * l]), (unsigned)atoi(argv[4 + 3 * l]), (unsigned)atoi(argv[5 + 3 * l])};\n\
+         \x20 const unsigned block = atoi(argv[12]);\n",
+    );
+    for (i, d) in b.g.dims.iter().enumerate() {
+        let _ = writeln!(s, "  const fs_i64 {d} = atoll(argv[{}]);", i + 13);
+    }
+    for &f in sets {
+        let set = &b.sets[f];
+        let k = &b.program.kernels[set.kernel];
+        let _ = writeln!(s, "  if (!strcmp(argv[1], \"{}\")) {{", k.name);
+        let mut args = Vec::new();
+        let mut writes = String::new();
+        for (slot, &buf) in k.inputs.iter().chain(&k.outputs).enumerate() {
+            let ty = &b.program.buffers[buf].ty;
+            let t = c_type(ty.dtype);
+            let bytes = format!("(size_t){} * sizeof({t})", ty.numel().to_c());
+            let name = if slot < k.inputs.len() {
+                let name = format!("in{slot}");
+                let _ = writeln!(
+                    s,
+                    "    {t}* {name} = ({t}*)fs_read(dir, \"{name}\", {bytes});"
+                );
+                name
+            } else {
+                // Unwritten outputs read back as NaN.
+                let name = format!("out{}", slot - k.inputs.len());
+                let _ = writeln!(
+                    s,
+                    "    {t}* {name} = ({t}*)malloc({bytes} + 16); memset({name}, 0xff, {bytes});"
+                );
+                let _ = writeln!(writes, "    fs_write(dir, \"{name}\", {name}, {bytes});");
+                name
+            };
+            args.push(name);
+        }
+        args.extend(b.g.dims.iter().cloned());
+        // The scratch buffer starts as NaN: the delta kernel must write it all.
+        let scratch = set.launches[0].scratch_f32_elems.to_c();
+        let _ = writeln!(
+            s,
+            "    float* scratch = (float*)malloc((size_t)({scratch}) * 4 + 16); memset(scratch, 0xff, (size_t)({scratch}) * 4);"
+        );
+        args.push("scratch".into());
+        for (l, launch) in set.launches.iter().enumerate() {
+            let _ = writeln!(
+                s,
+                "    fs_launch(grids[{l}], block, [&] {{ {}({}); }});",
+                launch.name,
+                args.join(", ")
+            );
+        }
+        s.push_str(&writes);
+        let _ = writeln!(s, "    return 0;\n  }}");
+    }
+    s.push_str("  fprintf(stderr, \"unknown kernel %s\\n\", argv[1]);\n  return 2;\n}\n");
+    s
+}
+
+/// Copies the (unchanged) emulation headers and the harness into `work`,
+/// and builds it.
+fn compile(work: &Path, stem: &str, cpp: &str) -> PathBuf {
+    let headers = common::root().join("tests/flash_host");
+    for h in ["block_shim.h", "mma_emu.h"] {
+        std::fs::copy(headers.join(h), work.join(h)).unwrap();
+    }
+    let src = work.join(format!("{stem}.cpp"));
+    std::fs::write(&src, cpp).unwrap();
+    let exe = work.join(stem);
+    let out = Command::new("c++")
+        .args(["-std=c++20", "-pthread", "-O1", "-w", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .output()
+        .expect("c++ runs");
+    assert!(
+        out.status.success(),
+        "c++ failed on {}:\n{}",
+        src.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    exe
+}
+
+/// The interpreter's buffers at the sizes `dims`.
+fn reference(b: &Built, dims: &HashMap<String, i64>) -> Vec<Tensor> {
+    let feeds = random_feeds(&b.g, dims, 11).expect("feeds");
+    run_program(&b.g, &b.program, &feeds, Precision::AsStored).expect("interpreter")
+}
+
+/// Runs kernel set `f` on the interpreter's inputs and compares dQ, dK, dV
+/// with the interpreter's: the largest error of each relative to its max
+/// |ref|, or where they differ.
+fn run_and_compare(
+    exe: &Path,
+    dir: &Path,
+    b: &Built,
+    f: usize,
+    bufs: &[Tensor],
+    dims: &HashMap<String, i64>,
+) -> Result<[f64; 3], String> {
+    let set = &b.sets[f];
+    let k = &b.program.kernels[set.kernel];
+    std::fs::create_dir_all(dir).unwrap();
+    for (slot, &buf) in k.inputs.iter().enumerate() {
+        let dt = b.program.buffers[buf].ty.dtype;
+        std::fs::write(
+            dir.join(format!("in{slot}")),
+            common::to_bytes(dt, &bufs[buf].data),
+        )
+        .unwrap();
+    }
+    let mut cmd = Command::new(exe);
+    cmd.arg(&k.name).arg(dir);
+    for l in &set.launches {
+        let grid = l.grid(&|s: &str| dims.get(s).copied()).expect("grid");
+        cmd.args(grid.iter().map(|x| x.to_string()));
+    }
+    cmd.arg(set.launches[0].block.to_string());
+    cmd.args(b.g.dims.iter().map(|d| dims[d].to_string()));
+    let run = cmd.output().unwrap();
+    if !run.status.success() {
+        return Err(format!(
+            "the host run failed ({}): {}",
+            run.status,
+            String::from_utf8_lossy(&run.stderr)
+        ));
+    }
+    let mut outs = Vec::new();
+    for slot in 0..3 {
+        let buf = k.outputs[slot];
+        let dt = b.program.buffers[buf].ty.dtype;
+        let got = common::from_bytes(dt, &std::fs::read(dir.join(format!("out{slot}"))).unwrap());
+        let want = &bufs[buf].data;
+        assert_eq!(got.len(), want.len());
+        let max = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        outs.push((got, want, max));
+    }
+    // With one visible key per query (S = 1), dQ and dK are exactly zero
+    // (P = 1, dP = delta): their errors are then measured against max |dV|.
+    let largest = outs.iter().fold(0.0f64, |m, o| m.max(o.2));
+    if largest == 0.0 {
+        return Err("every reference output is all zero: the case tests nothing".into());
+    }
+    let mut errs = [0.0f64; 3];
+    for (slot, (got, want, max)) in outs.iter().enumerate() {
+        let name = ["dQ", "dK", "dV"][slot];
+        let max = if *max > 0.0 { *max } else { largest };
+        for (i, (x, y)) in want.iter().zip(got).enumerate() {
+            let err = (x - y).abs() / max;
+            if err.is_nan() || err > 3e-2 {
+                return Err(format!(
+                    "{name} element {i}: reference {x}, kernel {y} (max |{name}| {max})"
+                ));
+            }
+            errs[slot] = errs[slot].max(err);
+        }
+    }
+    Ok(errs)
+}
+
+/// Every kernel set of `b` at every size in `runs`: the number checked.
+fn check_all(label: &str, b: &Built, runs: &[&[(&str, i64)]]) -> usize {
+    let work = work_dir(label);
+    let all: Vec<usize> = (0..b.sets.len()).collect();
+    let exe = compile(&work, "flash_bwd", &harness(b, &all, None));
+    let mut checked = 0;
+    let mut worst = [0.0f64; 3];
+    for (r, sizes) in runs.iter().enumerate() {
+        let dims = common::dims(sizes);
+        let bufs = reference(b, &dims);
+        for (f, set) in b.sets.iter().enumerate() {
+            let name = &b.program.kernels[set.kernel].name;
+            let dir = work.join(format!("{name}-{r}"));
+            match run_and_compare(&exe, &dir, b, f, &bufs, &dims) {
+                Ok(e) => {
+                    for (w, e) in worst.iter_mut().zip(e) {
+                        *w = w.max(e);
+                    }
+                }
+                Err(e) => panic!("{label} {name} ({}) at {sizes:?}: {e}", set.what),
+            }
+            checked += 1;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    println!(
+        "{label}: largest errors of max |ref|: dQ {:.2e}, dK {:.2e}, dV {:.2e}",
+        worst[0], worst[1], worst[2]
+    );
+    checked
+}
+
+#[test]
+fn flash_backward_matches_the_reference_on_the_host() {
+    if !have_cxx() {
+        return;
+    }
+    let b = build(MODEL, "bf16");
+    assert_eq!(b.sets.len(), 8, "one kernel set per attention_grad op");
+    let mut kinds: Vec<&str> = b.sets.iter().map(|f| f.what.as_str()).collect();
+    kinds.sort();
+    kinds.dedup();
+    assert_eq!(kinds.len(), 8, "every variant once: {kinds:?}");
+    let checked = check_all("bf16", &b, RUNS);
+    println!("bf16: {checked} kernel-set runs matched the reference ({kinds:?})");
+}
+
+#[test]
+fn flash_backward_matches_the_reference_in_f16() {
+    if !have_cxx() {
+        return;
+    }
+    let b = build(MODEL, "f16");
+    assert_eq!(b.sets.len(), 8);
+    let checked = check_all("f16", &b, &[&[("B", 1), ("T", 100)]]);
+    println!("f16: {checked} kernel-set runs matched the reference");
+}
+
+#[test]
+fn flash_backward_cross_attention_matches_the_reference() {
+    if !have_cxx() {
+        return;
+    }
+    let b = build(CROSS_MODEL, "bf16");
+    assert_eq!(b.sets.len(), 2);
+    let runs: &[&[(&str, i64)]] = &[
+        &[("B", 2), ("T", 17), ("S", 100)],
+        &[("B", 1), ("T", 100), ("S", 17)],
+    ];
+    let checked = check_all("cross", &b, runs);
+    println!("cross: {checked} kernel-set runs matched the reference");
+}
+
+/// Plain logic bugs of either kernel, and wrong fragment halves, must make
+/// the comparison fail (else the host runs prove little). Each mutation
+/// names the set it breaks: the causal one or the other.
+#[test]
+fn deliberate_breakages_are_caught() {
+    if !have_cxx() {
+        return;
+    }
+    let src = SNAPSHOT_MODEL
+        .replace(
+            "train {",
+            "let y2 = merge_heads(attention(heads(q, 4), heads(k, 1), heads(v, 1)))\ntrain {",
+        )
+        .replace("loss = mean(y * y)", "loss = mean(y * y) + mean(y2 * y2)");
+    let b = build(&src, "bf16");
+    let causal = b
+        .sets
+        .iter()
+        .position(|f| f.what.contains("causal=true"))
+        .unwrap();
+    let plain = b
+        .sets
+        .iter()
+        .position(|f| f.what.contains("causal=false"))
+        .unwrap();
+    let mutations: [(Mutation, usize); 8] = [
+        // dK/dV: the causal bound off by one.
+        (
+            (
+                "if (i >= q_len || (causal && j > i)) p = 0.0f;",
+                "if (i >= q_len || (causal && j > i + 1)) p = 0.0f;",
+            ),
+            causal,
+        ),
+        // dK/dV: query tiles start one tile too late.
+        (
+            ("(k0 / TILE_Q) * TILE_Q", "(k0 / TILE_Q + 1) * TILE_Q"),
+            causal,
+        ),
+        // dQ: the causal bound off by one.
+        (
+            (
+                "if (j >= kv_len || (causal && j > i)) p = 0.0f;",
+                "if (j >= kv_len || (causal && j >= i)) p = 0.0f;",
+            ),
+            causal,
+        ),
+        // dK: the delta term dropped.
+        (
+            (
+                "dp[n][e] = p * (dp[n][e] - delta_tile[qc]);",
+                "dp[n][e] = p * dp[n][e];",
+            ),
+            plain,
+        ),
+        // dQ: the delta term dropped.
+        (
+            (
+                "dp[n][e] = p * (dp[n][e] - delta[r]);",
+                "dp[n][e] = p * dp[n][e];",
+            ),
+            plain,
+        ),
+        // dQ: K^T's B fragment halves swapped.
+        (
+            (
+                "fs_ld32(key), fs_ld32(key + 8)",
+                "fs_ld32(key + 8), fs_ld32(key)",
+            ),
+            plain,
+        ),
+        // dV: the halves of dO's B fragment (two query rows) swapped.
+        (
+            (
+                "(unsigned)dout[0] | ((unsigned)dout[ROW] << 16)",
+                "(unsigned)dout[ROW] | ((unsigned)dout[0] << 16)",
+            ),
+            plain,
+        ),
+        // dK: the scale dropped.
+        (("dk_acc[n][2 * r] * scale", "dk_acc[n][2 * r]"), plain),
+    ];
+    let dims = common::dims(&[("B", 1), ("T", 100)]);
+    let bufs = reference(&b, &dims);
+    let work = work_dir("mutations");
+    // The unbroken build passes, so each failure below is the mutation's.
+    let exe = compile(&work, "good", &harness(&b, &[causal, plain], None));
+    for f in [causal, plain] {
+        run_and_compare(&exe, &work.join(format!("good-{f}")), &b, f, &bufs, &dims)
+            .expect("the unbroken kernels");
+    }
+    for (i, &((from, to), f)) in mutations.iter().enumerate() {
+        let text: String = b.sets[f]
+            .launches
+            .iter()
+            .map(|l| l.source.as_str())
+            .collect();
+        assert!(
+            text.contains(from),
+            "mutation {i}: the kernels have no `{from}`"
+        );
+        let stem = format!("broken{i}");
+        let cpp = harness(&b, &[f], Some((from, to)));
+        let exe = compile(&work, &stem, &cpp);
+        let got = run_and_compare(&exe, &work.join(format!("{stem}-run")), &b, f, &bufs, &dims);
+        let e = got.expect_err(&format!("mutation {i} (`{from}`) went unnoticed"));
+        println!("mutation {i} caught: {e}");
+    }
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+#[test]
+fn flash_backward_compiles_with_nvrtc_without_spills() {
+    use fusec_runtime::nvrtc;
+    if !nvrtc::available() {
+        assert!(
+            std::env::var("FUSEC_REQUIRE_NVRTC").is_err(),
+            "FUSEC_REQUIRE_NVRTC is set but libnvrtc is not on the loader path"
+        );
+        println!("skipped: libnvrtc not found (put its lib folder on LD_LIBRARY_PATH)");
+        return;
+    }
+    println!("NVRTC {:?}", nvrtc::version());
+    let mut failures = Vec::new();
+    for precision in ["bf16", "f16"] {
+        let b = build(MODEL, precision);
+        for set in &b.sets {
+            for l in &set.launches {
+                for arch in ["sm_80", "sm_90"] {
+                    match nvrtc::compile(&l.name, &l.source, arch) {
+                        Ok(c) => {
+                            println!(
+                                "{precision} {} {:?} {arch}: {} registers, spills {}/{} bytes, {} bytes static shared",
+                                set.what,
+                                l.stage,
+                                c.registers.unwrap_or(0),
+                                c.spill_store_bytes,
+                                c.spill_load_bytes,
+                                l.static_smem_bytes
+                            );
+                            if c.spill_store_bytes > 0 || c.spill_load_bytes > 0 {
+                                failures.push(format!(
+                                    "{} {} ({arch}): spills\n{}",
+                                    l.name, set.what, c.log
+                                ));
+                            }
+                        }
+                        Err(e) => failures.push(format!(
+                            "{e}\n--- source ---\n{}",
+                            nvrtc::with_prelude(&l.source)
+                        )),
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
+fn flash_backward_kernel_text() {
+    let b = build(SNAPSHOT_MODEL, "bf16");
+    assert_eq!(b.sets.len(), 1);
+    let set = &b.sets[0];
+    let name = &b.program.kernels[set.kernel].name;
+    let mut text = String::new();
+    for l in &set.launches {
+        let _ = writeln!(
+            text,
+            "// launch {:?}: grid ({}, {}, {}), block {}, static shared {} bytes, reads in{:?}, writes out{:?}, scratch f32[{}] ({})",
+            l.stage,
+            l.grid_c[0],
+            l.grid_c[1],
+            l.grid_c[2],
+            l.block,
+            l.static_smem_bytes,
+            l.reads,
+            l.writes,
+            l.scratch_f32_elems.to_c(),
+            if l.writes_scratch { "written" } else { "read" }
+        );
+        text.push_str(&l.source.replace(name.as_str(), "KERNEL"));
+    }
+    insta::assert_snapshot!("flash_backward_d64_gqa4_causal_bf16", text);
+}
+
+/// f32, head dims other than 64 and 128 get no flash backward.
+#[test]
+fn unsupported_attention_gets_no_flash_backward() {
+    let cases = [
+        SNAPSHOT_MODEL.replace("precision = bf16", "precision = f32"),
+        SNAPSHOT_MODEL
+            .replace("[d, 384]", "[d, 192]")
+            .replace("[256, 64, 64]", "[128, 32, 32]"),
+    ];
+    for src in &cases {
+        let c = common::compile_with(src, "flash_bwd.dsl", &[]);
+        let program = fuse(&c.optimized);
+        let mut seen = 0;
+        for k in &program.kernels {
+            if let (true, Body::Op(n)) = (is_grad(&c.optimized, k), &k.body) {
+                seen += 1;
+                assert!(flash_backward(&c.optimized, &program, k, *n, None).is_none());
+            }
+        }
+        assert_eq!(seen, 1);
+    }
+}
