@@ -12,6 +12,7 @@ use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::emit::cuda::emit_program;
 use fusec_compiler::emit::flash::flash_kernel;
+use fusec_compiler::emit::flash_bwd::flash_backward;
 use fusec_compiler::emit::templates::{grid, shape_of, BLOCK};
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::kernel::{Body, Kernel, Program};
@@ -28,6 +29,8 @@ pub struct AttnResult {
     pub causal: bool,
     /// Which forward kernel ran: "flash" (tensor cores) or "simple".
     pub forward: &'static str,
+    /// Which backward kernels ran.
+    pub backward: &'static str,
     pub fwd_ms: f64,
     pub fwd_bwd_ms: f64,
     pub fwd_tflops: f64,
@@ -40,8 +43,9 @@ pub struct AttnResult {
 impl AttnResult {
     pub fn json(&self) -> String {
         format!(
-            "{{\"bench\":\"attention\",\"impl\":\"fusec-{}\",\"head_dim\":{},\"seq\":{},\"batch\":{},\"heads\":{},\"causal\":{},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.1},\"fwd_bwd_ms\":{:.3},\"fwd_bwd_tflops\":{:.1},\"buffer_mib\":{:.1}}}",
+            "{{\"bench\":\"attention\",\"impl\":\"fusec-{}-fwd-{}-bwd\",\"head_dim\":{},\"seq\":{},\"batch\":{},\"heads\":{},\"causal\":{},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.1},\"fwd_bwd_ms\":{:.3},\"fwd_bwd_tflops\":{:.1},\"buffer_mib\":{:.1}}}",
             self.forward,
+            self.backward,
             self.head_dim,
             self.seq,
             self.batch,
@@ -74,6 +78,8 @@ struct Launch {
     grid: (u32, u32, u32),
     block: u32,
     args: Vec<u64>,
+    /// Passed after the arguments (the backward's scratch).
+    extra: Option<u64>,
 }
 
 fn load(gpu: &Gpu, name: &str, src: &str) -> Result<CudaFunction, RuntimeError> {
@@ -163,6 +169,7 @@ pub fn run(
                     grid: (x as u32, y as u32, z as u32),
                     block: launch.block,
                     args,
+                    extra: None,
                 }
             }
             None => {
@@ -179,36 +186,72 @@ pub fn run(
                     grid: (blocks as u32, 1, 1),
                     block: BLOCK as u32,
                     args,
+                    extra: None,
                 }
             }
         }
     };
-    let bwd_launch = {
+    let mut backward = "simple";
+    let mut scratch: Option<CudaSlice<u8>> = None;
+    let bwd_launches: Vec<Launch> = {
         let args: Vec<u64> = bwd
             .inputs
             .iter()
             .chain(&bwd.outputs)
             .map(|&b2| ptr_of(b2, &mut device))
             .collect::<Result<_, _>>()?;
-        let text = &sources
-            .iter()
-            .find(|(n2, _)| *n2 == bwd.name)
-            .ok_or_else(|| err("no source"))?
-            .1;
-        let blocks = shape_of(g, nb)
-            .and_then(|s| grid(&s, &|_| None))
-            .unwrap_or(1);
-        Launch {
-            func: load(gpu, &bwd.name, text)?,
-            grid: (blocks as u32, 1, 1),
-            block: BLOCK as u32,
-            args,
+        match flash
+            .then(|| flash_backward(g, &p, bwd, nb, None))
+            .flatten()
+        {
+            Some(ls) => {
+                backward = "flash";
+                let elems = ls[0].scratch_f32_elems.eval(&|_| None).unwrap_or(0).max(1) as usize;
+                let s = gpu
+                    .stream
+                    .alloc_zeros::<u8>(4 * elems)
+                    .map_err(|e| RuntimeError::driver("allocating attention scratch", e))?;
+                let sp = s.device_ptr(&gpu.stream).0;
+                scratch = Some(s);
+                let mut out = Vec::new();
+                for l in ls {
+                    let [x, y, z] = l.grid(&|_| None).ok_or_else(|| err("no flash grid"))?;
+                    out.push(Launch {
+                        func: load(gpu, &l.name, &l.source)?,
+                        grid: (x as u32, y as u32, z as u32),
+                        block: l.block,
+                        args: args.clone(),
+                        extra: Some(sp),
+                    });
+                }
+                out
+            }
+            None => {
+                let text = &sources
+                    .iter()
+                    .find(|(n2, _)| *n2 == bwd.name)
+                    .ok_or_else(|| err("no source"))?
+                    .1;
+                let blocks = shape_of(g, nb)
+                    .and_then(|s| grid(&s, &|_| None))
+                    .unwrap_or(1);
+                vec![Launch {
+                    func: load(gpu, &bwd.name, text)?,
+                    grid: (blocks as u32, 1, 1),
+                    block: BLOCK as u32,
+                    args,
+                    extra: None,
+                }]
+            }
         }
     };
     let buffer_bytes = before.saturating_sub(gpu.free_bytes()?);
     let launch = |l: &Launch| -> Result<(), RuntimeError> {
         let mut a = gpu.stream.launch_builder(&l.func);
         for x in &l.args {
+            a.arg(x);
+        }
+        if let Some(x) = &l.extra {
             a.arg(x);
         }
         let cfg = LaunchConfig {
@@ -231,7 +274,9 @@ pub fn run(
                 .map_err(|e| RuntimeError::driver("timing", e))?;
             launch(&fwd_launch)?;
             if with_bwd {
-                launch(&bwd_launch)?;
+                for l in &bwd_launches {
+                    launch(l)?;
+                }
             }
             let e1 = gpu
                 .stream
@@ -252,6 +297,7 @@ pub fn run(
     let full = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64;
     let fl = if causal { full / 2.0 } else { full };
     drop(device);
+    drop(scratch);
     Ok(AttnResult {
         head_dim: d,
         seq: t,
@@ -259,6 +305,7 @@ pub fn run(
         heads: h,
         causal,
         forward,
+        backward,
         fwd_ms,
         fwd_bwd_ms,
         fwd_tflops: fl / fwd_ms / 1e9,

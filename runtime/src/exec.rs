@@ -21,7 +21,12 @@ enum Step {
         grid: (u32, u32, u32),
         block: u32,
         args: Vec<u64>,
+        /// A pointer passed after the sizes (the attention backward's scratch).
+        extra: Option<u64>,
     },
+    /// Several kernels doing one op, in order (the tensor-core attention
+    /// backward's three).
+    Sequence(Vec<Step>),
     Gemm {
         spec: GemmSpec,
         a: u64,
@@ -63,6 +68,8 @@ pub struct Executor {
     pub arena_bytes: u64,
     /// The whole step captured once and replayed (see `capture`).
     graph: Option<cudarc::driver::CudaGraph>,
+    /// Scratch memory some kernels take (kept alive for their pointers).
+    _scratch: Option<CudaSlice<u8>>,
 }
 
 fn elem(dt: DType) -> Result<Elem, RuntimeError> {
@@ -158,8 +165,13 @@ impl Executor {
         plan: &Plan,
         sources: &[(String, String)],
         cubins: Vec<Vec<u8>>,
-        geometry: &HashMap<String, ((u32, u32, u32), u32)>,
+        overrides: &Overrides,
     ) -> Result<Executor, RuntimeError> {
+        let (geometry, multi, scratch_bytes) = (
+            &overrides.geometry,
+            &overrides.multi,
+            overrides.scratch_bytes,
+        );
         let free = gpu.free_bytes()?;
         // cuBLASLt's workspace and the context need some room too.
         let need = plan.arena_bytes + (64 << 20);
@@ -223,7 +235,34 @@ impl Executor {
             .enumerate()
             .map(|(i, (n, _))| (n.as_str(), i))
             .collect();
-        let mut modules = HashMap::new();
+        let mut modules: HashMap<usize, std::sync::Arc<cudarc::driver::CudaModule>> =
+            HashMap::new();
+        let mut function = |si: usize, name: &str| -> Result<CudaFunction, RuntimeError> {
+            let module = match modules.get(&si) {
+                Some(m) => std::sync::Arc::clone(m),
+                None => {
+                    let m = gpu
+                        .ctx
+                        .load_module(cudarc::nvrtc::Ptx::from_binary(cubins[si].clone()))
+                        .map_err(|e| RuntimeError::driver(&format!("loading kernel {name}"), e))?;
+                    modules.insert(si, std::sync::Arc::clone(&m));
+                    m
+                }
+            };
+            module
+                .load_function(name)
+                .map_err(|e| RuntimeError::driver(&format!("finding kernel {name}"), e))
+        };
+        let scratch = if scratch_bytes > 0 {
+            Some(
+                gpu.stream
+                    .alloc_zeros::<u8>(scratch_bytes as usize)
+                    .map_err(|e| RuntimeError::driver("allocating attention scratch", e))?,
+            )
+        } else {
+            None
+        };
+        let scratch_ptr = scratch.as_ref().map(|s| s.device_ptr(&gpu.stream).0);
         let ptr = |b: usize| base + slots[b].offset;
         let mut launches = Vec::with_capacity(p.kernels.len());
         let mut gemm = None;
@@ -257,23 +296,23 @@ impl Executor {
                         ep,
                     }
                 }
+                (_, _) if multi.contains_key(&k.name) => {
+                    let args: Vec<u64> =
+                        k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
+                    let mut steps = Vec::new();
+                    for m in &multi[&k.name] {
+                        steps.push(Step::Kernel {
+                            func: function(m.source, &m.name)?,
+                            grid: m.grid,
+                            block: m.block,
+                            args: args.clone(),
+                            extra: scratch_ptr,
+                        });
+                    }
+                    Step::Sequence(steps)
+                }
                 (_, Some(&si)) => {
-                    let module = match modules.get(&si) {
-                        Some(m) => std::sync::Arc::clone(m),
-                        None => {
-                            let m = gpu
-                                .ctx
-                                .load_module(cudarc::nvrtc::Ptx::from_binary(cubins[si].clone()))
-                                .map_err(|e| {
-                                    RuntimeError::driver(&format!("loading kernel {}", k.name), e)
-                                })?;
-                            modules.insert(si, std::sync::Arc::clone(&m));
-                            m
-                        }
-                    };
-                    let func = module.load_function(&k.name).map_err(|e| {
-                        RuntimeError::driver(&format!("finding kernel {}", k.name), e)
-                    })?;
+                    let func = function(si, &k.name)?;
                     let args = k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
                     // A kernel with its own launch geometry (the tensor-core
                     // attention), else the plan's.
@@ -286,6 +325,7 @@ impl Executor {
                         grid,
                         block,
                         args,
+                        extra: None,
                     }
                 }
                 (_, None) => {
@@ -317,6 +357,7 @@ impl Executor {
             grad_norm: find(&Role::GradNorm),
             arena_bytes: plan.arena_bytes,
             graph: None,
+            _scratch: scratch,
         })
     }
 
@@ -330,39 +371,15 @@ impl Executor {
 
     /// Launches kernel `i` (asynchronously, on the executor's stream).
     pub fn launch(&mut self, i: usize) -> Result<(), RuntimeError> {
-        let l = &self.launches[i];
-        match &l.step {
-            Step::Kernel {
-                func,
-                grid,
-                block,
-                args,
-            } => {
-                let mut b = self.gpu.stream.launch_builder(func);
-                for a in args {
-                    b.arg(a);
-                }
-                for d in &self.dims {
-                    b.arg(d);
-                }
-                let cfg = LaunchConfig {
-                    grid_dim: *grid,
-                    block_dim: (*block, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                // SAFETY: the arguments match the kernel's signature (inputs,
-                // outputs, then every symbolic size, as the emitter writes
-                // it) and every pointer lies inside the arena.
-                unsafe { b.launch(cfg) }
-                    .map_err(|e| RuntimeError::driver(&format!("launching {}", l.name), e))?;
-            }
-            Step::Gemm { spec, a, b, d, ep } => {
-                let gemm = self.gemm.as_mut().expect("created with the first GEMM");
-                gemm.run(spec, *a, *b, *d, ep)
-                    .map_err(|e| RuntimeError::Gemm(format!("kernel {}: {e}", l.name)))?;
-            }
-        }
-        Ok(())
+        let name = self.launches[i].name.clone();
+        let Executor {
+            launches,
+            gpu,
+            dims,
+            gemm,
+            ..
+        } = self;
+        run(&launches[i].step, &name, gpu, dims, gemm)
     }
 
     /// Every kernel of the step, in plan order: the captured graph where
@@ -490,6 +507,80 @@ impl Executor {
     pub fn base(&self) -> u64 {
         self.base
     }
+}
+
+/// One step of the plan: a kernel, a GEMM or a sequence of kernels.
+fn run(
+    step: &Step,
+    name: &str,
+    gpu: &Gpu,
+    dims: &[i64],
+    gemm: &mut Option<Gemm>,
+) -> Result<(), RuntimeError> {
+    match step {
+        Step::Kernel {
+            func,
+            grid,
+            block,
+            args,
+            extra,
+        } => {
+            let mut b = gpu.stream.launch_builder(func);
+            for a in args {
+                b.arg(a);
+            }
+            for d in dims {
+                b.arg(d);
+            }
+            if let Some(x) = extra {
+                b.arg(x);
+            }
+            let cfg = LaunchConfig {
+                grid_dim: *grid,
+                block_dim: (*block, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match the kernel's signature (inputs,
+            // outputs, then every symbolic size, as the emitter writes it,
+            // then the scratch where it takes one) and every pointer lies
+            // inside the arena or the scratch.
+            unsafe { b.launch(cfg) }
+                .map_err(|e| RuntimeError::driver(&format!("launching {name}"), e))?;
+        }
+        Step::Sequence(steps) => {
+            for s in steps {
+                run(s, name, gpu, dims, gemm)?;
+            }
+        }
+        Step::Gemm { spec, a, b, d, ep } => {
+            let gemm = gemm.as_mut().expect("created with the first GEMM");
+            gemm.run(spec, *a, *b, *d, ep)
+                .map_err(|e| RuntimeError::Gemm(format!("kernel {name}: {e}")))?;
+        }
+    }
+    Ok(())
+}
+
+/// Kernels launched otherwise than the plan says (the tensor-core
+/// attention): their own geometry, or several kernels for one op with a
+/// shared f32 scratch.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    /// Kernel name -> (grid, threads per block).
+    pub geometry: HashMap<String, ((u32, u32, u32), u32)>,
+    /// Kernel name -> the kernels that do its op, in order.
+    pub multi: HashMap<String, Vec<MultiLaunch>>,
+    pub scratch_bytes: u64,
+}
+
+/// One kernel of an op that runs as several (see `Step::Sequence`).
+#[derive(Clone, Debug)]
+pub struct MultiLaunch {
+    pub name: String,
+    /// Index of its source among the executor's sources.
+    pub source: usize,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
 }
 
 /// Host values as a buffer's bytes (in parallel chunks: a large parameter

@@ -4,11 +4,12 @@
 
 use crate::cache::{self, CacheStats};
 use crate::device::Gpu;
-use crate::exec::{decode, encode, Executor};
+use crate::exec::{decode, encode, Executor, MultiLaunch, Overrides};
 use crate::RuntimeError;
 use fusec_compiler::autodiff::{LR_INPUT, STEP_INPUT};
 use fusec_compiler::emit::cuda::emit_program;
 use fusec_compiler::emit::flash::flash_kernel;
+use fusec_compiler::emit::flash_bwd::flash_backward;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::ir::Graph;
 use fusec_compiler::kernel::fuse::fuse;
@@ -60,10 +61,39 @@ impl Session {
         // FUSEC_ATTENTION=flash: the tensor-core attention forward where it
         // applies (bf16/f16, head dim 64 or 128), with its own geometry.
         let mut geometry = HashMap::new();
+        let mut multi: HashMap<String, Vec<MultiLaunch>> = HashMap::new();
+        let mut scratch_bytes = 0u64;
         if std::env::var("FUSEC_ATTENTION").as_deref() == Ok("flash") {
             let env = |s: &str| dims.get(s).copied();
             for k in &program.kernels {
                 let Body::Op(n) = k.body else { continue };
+                if matches!(graph.g[n].op, Op::AttentionGrad(_)) {
+                    // The backward as three kernels sharing one scratch.
+                    let Some(ls) = flash_backward(graph, &program, k, n, None) else {
+                        continue;
+                    };
+                    let mut steps = Vec::new();
+                    for l in ls {
+                        let (Some([x, y, z]), Some(elems)) =
+                            (l.grid(&env), l.scratch_f32_elems.eval(&env))
+                        else {
+                            steps.clear();
+                            break;
+                        };
+                        scratch_bytes = scratch_bytes.max(4 * elems.max(0) as u64);
+                        sources.push((l.name.clone(), l.source));
+                        steps.push(MultiLaunch {
+                            name: l.name,
+                            source: sources.len() - 1,
+                            grid: (x as u32, y as u32, z as u32),
+                            block: l.block,
+                        });
+                    }
+                    if !steps.is_empty() {
+                        multi.insert(k.name.clone(), steps);
+                    }
+                    continue;
+                }
                 if !matches!(graph.g[n].op, Op::Attention(_)) {
                     continue;
                 }
@@ -85,7 +115,12 @@ impl Session {
         let t0 = Instant::now();
         let (cubins, stats) = cache::cubins(&sources, &gpu.arch(), cache_dir, progress)?;
         let compile_seconds = t0.elapsed().as_secs_f64();
-        let exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins, &geometry)?;
+        let overrides = Overrides {
+            geometry,
+            multi,
+            scratch_bytes,
+        };
+        let exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins, &overrides)?;
         Ok(Session {
             exec,
             graph: graph.clone(),

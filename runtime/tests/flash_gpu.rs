@@ -174,3 +174,108 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// The tensor-core backward (three kernels and a scratch) against the
+/// interpreter's dq, dk, dv.
+#[test]
+fn flash_backward_matches_the_interpreter() {
+    use fusec_compiler::emit::flash_bwd::flash_backward;
+    let Some(gpu) = gpu() else { return };
+    let arch = gpu.arch();
+    let mut failures = Vec::new();
+    for (d, heads, ratio, causal, t) in [
+        (64usize, 2usize, 1usize, true, 1000i64),
+        (64, 4, 4, false, 17),
+        (128, 2, 1, false, 1023),
+        (128, 4, 4, true, 100),
+    ] {
+        let src = model(d, heads, ratio, causal);
+        let c = compile(&src, "flash", &Options::default()).unwrap();
+        let g = &c.optimized;
+        let p = fuse(g);
+        let k = p
+            .kernels
+            .iter()
+            .find(|k| matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::AttentionGrad(_))))
+            .expect("an attention_grad kernel");
+        let Body::Op(n) = k.body else { unreachable!() };
+        let launches = flash_backward(g, &p, k, n, None).expect("a supported backward");
+        let dims = HashMap::from([("B".to_string(), 1), ("T".to_string(), t)]);
+        let env = |s: &str| dims.get(s).copied();
+        let feeds = random_feeds(g, &dims, 6).unwrap();
+        let reference = run_program(g, &p, &feeds, Precision::AsStored).unwrap();
+        let mut bufs: Vec<CudaSlice<u8>> = Vec::new();
+        for &b in &k.inputs {
+            bufs.push(
+                gpu.stream
+                    .clone_htod(&encode(p.buffers[b].ty.dtype, &reference[b].data))
+                    .unwrap(),
+            );
+        }
+        for &b in &k.outputs {
+            let n = reference[b].data.len() * p.buffers[b].ty.dtype.size_bytes();
+            bufs.push(gpu.stream.clone_htod(&vec![0xffu8; n]).unwrap());
+        }
+        let elems = launches[0].scratch_f32_elems.eval(&env).unwrap().max(1) as usize;
+        let scratch = gpu.stream.clone_htod(&vec![0xffu8; 4 * elems]).unwrap();
+        let mut ptrs: Vec<u64> = bufs.iter().map(|s| s.device_ptr(&gpu.stream).0).collect();
+        let sizes: Vec<i64> = g.dims.iter().map(|d| dims[d]).collect();
+        let sp = scratch.device_ptr(&gpu.stream).0;
+        for l in &launches {
+            let cubin = fusec_runtime::nvrtc::compile(&l.name, &l.source, &arch)
+                .expect("NVRTC compiles it");
+            let module = gpu
+                .ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.image))
+                .unwrap();
+            let func = module.load_function(&l.name).unwrap();
+            let [gx, gy, gz] = l.grid(&env).expect("a grid");
+            let mut b = gpu.stream.launch_builder(&func);
+            for p in &ptrs {
+                b.arg(p);
+            }
+            for s in &sizes {
+                b.arg(s);
+            }
+            b.arg(&sp);
+            let cfg = LaunchConfig {
+                grid_dim: (gx as u32, gy as u32, gz as u32),
+                block_dim: (l.block, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: arguments per flash_bwd.rs's launch contract.
+            unsafe { b.launch(cfg) }.unwrap();
+        }
+        gpu.stream.synchronize().unwrap();
+        ptrs.clear();
+        let at = format!("D={d} heads={heads} ratio={ratio} causal={causal} T={t}");
+        for (slot, &b) in k.outputs.iter().enumerate() {
+            let dt = p.buffers[b].ty.dtype;
+            let got = decode(
+                dt,
+                &gpu.stream.clone_dtoh(&bufs[k.inputs.len() + slot]).unwrap(),
+            );
+            let want = &reference[b].data;
+            let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-6);
+            let worst = got
+                .iter()
+                .zip(want)
+                .map(|(a, b)| {
+                    if a.is_finite() {
+                        (a - b).abs()
+                    } else {
+                        f64::INFINITY
+                    }
+                })
+                .fold(0.0, f64::max);
+            if worst > 3e-2 * scale {
+                failures.push(format!(
+                    "{at}: out{slot} error {:.3e} of max",
+                    worst / scale
+                ));
+            }
+        }
+        println!("{at}: checked");
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
