@@ -11,7 +11,9 @@
 
 mod common;
 
-use fusec_compiler::emit::cuda::{c_type, emit_program};
+use common::host;
+
+use fusec_compiler::emit::cuda::emit_program;
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::Precision;
@@ -217,17 +219,7 @@ fn harness(g: &Graph, p: &Program, kernels: &[(String, String)], threads: bool) 
     for (_, text) in kernels {
         s.push_str(&text.replace(&format!("#include \"{PRELUDE_NAME}\""), ""));
     }
-    s.push_str(
-        "static void* fs_read(const char* dir, const char* name, size_t bytes) {\n\
-         char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
-         FILE* f = fopen(path, \"rb\"); if (!f) { perror(path); exit(2); }\n\
-         void* p = calloc(1, bytes + 16); size_t got = fread(p, 1, bytes, f); fclose(f);\n\
-         if (got != bytes) { fprintf(stderr, \"%s: %zu of %zu bytes\\n\", path, got, bytes); exit(2); }\n\
-         return p; }\n\
-         static void fs_write(const char* dir, const char* name, const void* p, size_t bytes) {\n\
-         char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
-         FILE* f = fopen(path, \"wb\"); fwrite(p, 1, bytes, f); fclose(f); }\n",
-    );
+    s.push_str(host::FILE_IO);
     s.push_str(
         "int main(int argc, char** argv) {\n  const char* dir = argv[2];\n\
          \x20 const unsigned grid = atoi(argv[3]), block = atoi(argv[4]);\n",
@@ -241,28 +233,7 @@ fn harness(g: &Graph, p: &Program, kernels: &[(String, String)], threads: bool) 
         .filter(|k| kernels.iter().any(|(n, _)| *n == k.name))
     {
         let _ = writeln!(s, "  if (!strcmp(argv[1], \"{}\")) {{", k.name);
-        let mut args = Vec::new();
-        let mut writes = String::new();
-        for (slot, &b) in k.inputs.iter().chain(&k.outputs).enumerate() {
-            let ty = &p.buffers[b].ty;
-            let t = c_type(ty.dtype);
-            let bytes = format!("(size_t){} * sizeof({t})", ty.numel().to_c());
-            let name = if slot < k.inputs.len() {
-                let name = format!("in{slot}");
-                let _ = writeln!(
-                    s,
-                    "    {t}* {name} = ({t}*)fs_read(dir, \"{name}\", {bytes});"
-                );
-                name
-            } else {
-                let name = format!("out{}", slot - k.inputs.len());
-                let _ = writeln!(s, "    {t}* {name} = ({t}*)calloc(1, {bytes} + 16);");
-                let _ = writeln!(writes, "    fs_write(dir, \"{name}\", {name}, {bytes});");
-                name
-            };
-            args.push(name);
-        }
-        args.extend(g.dims.iter().cloned());
+        let (args, writes) = host::kernel_buffers(&mut s, p, k, &g.dims, false);
         let _ = writeln!(
             s,
             "    FS_LAUNCH(grid, block, {}({}));",
@@ -277,11 +248,7 @@ fn harness(g: &Graph, p: &Program, kernels: &[(String, String)], threads: bool) 
 }
 
 fn work_dir(label: &str) -> PathBuf {
-    let work = std::env::temp_dir().join(format!(
-        "fusec-attention-host-{}-{label}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&work).unwrap();
+    let work = host::work_dir(&format!("attention-host-{label}"));
     std::fs::copy(
         common::root().join("tests/cuda_host/shim.h"),
         work.join("shim.h"),
@@ -332,10 +299,7 @@ fn check(
             let stem = if threads { "threads" } else { "single" };
             let cpp = work.join(format!("{stem}.cpp"));
             std::fs::write(&cpp, harness(&g, &program, &kernels, threads)).unwrap();
-            let child = Command::new("c++")
-                .args(["-std=c++20", "-pthread", "-O1", "-w", "-o"])
-                .arg(work.join(stem))
-                .arg(&cpp)
+            let child = host::cxx(&cpp, &work.join(stem))
                 .stderr(std::process::Stdio::piped())
                 .spawn()
                 .expect("c++ runs");
@@ -446,17 +410,9 @@ fn run_one(
     nonzero
 }
 
-fn have_cxx() -> bool {
-    let ok = Command::new("c++").arg("--version").output().is_ok();
-    if !ok {
-        println!("skipped: no c++ compiler on PATH");
-    }
-    ok
-}
-
 #[test]
 fn attention_kernels_match_the_interpreter() {
-    if !have_cxx() {
+    if !host::have_cxx() {
         return;
     }
     let runs: Vec<Vec<(&str, i64)>> = [(1, 1), (5, 5), (17, 17), (5, 17), (17, 5)]
@@ -490,7 +446,7 @@ fn attention_kernels_match_the_interpreter() {
 
 #[test]
 fn convolution_kernels_match_the_interpreter() {
-    if !have_cxx() {
+    if !host::have_cxx() {
         return;
     }
     let runs = vec![vec![("B", 1)], vec![("B", 3)]];
@@ -514,7 +470,7 @@ fn convolution_kernels_match_the_interpreter() {
 
 #[test]
 fn row_kernels_match_the_interpreter() {
-    if !have_cxx() {
+    if !host::have_cxx() {
         return;
     }
     // 300 rows: the norms' parameter gradients put two rows in most groups.

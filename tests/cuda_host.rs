@@ -10,7 +10,9 @@
 
 mod common;
 
-use fusec_compiler::emit::cuda::{c_type, emit_program};
+use common::host;
+
+use fusec_compiler::emit::cuda::emit_program;
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::Precision;
@@ -29,17 +31,7 @@ fn harness(g: &fusec_compiler::ir::Graph, p: &Program, kernels: &[(String, Strin
     for (_, text) in kernels {
         s.push_str(&text.replace(&format!("#include \"{PRELUDE_NAME}\""), ""));
     }
-    s.push_str(
-        "static void* fs_read(const char* dir, const char* name, size_t bytes) {\n\
-         char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
-         FILE* f = fopen(path, \"rb\"); if (!f) { perror(path); exit(2); }\n\
-         void* p = calloc(1, bytes + 16); size_t got = fread(p, 1, bytes, f); fclose(f);\n\
-         if (got != bytes) { fprintf(stderr, \"%s: %zu of %zu bytes\\n\", path, got, bytes); exit(2); }\n\
-         return p; }\n\
-         static void fs_write(const char* dir, const char* name, const void* p, size_t bytes) {\n\
-         char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
-         FILE* f = fopen(path, \"wb\"); fwrite(p, 1, bytes, f); fclose(f); }\n",
-    );
+    s.push_str(host::FILE_IO);
     s.push_str("int main(int argc, char** argv) {\n  const char* dir = argv[2];\n");
     for (i, d) in g.dims.iter().enumerate() {
         let _ = writeln!(s, "  const fs_i64 {d} = atoll(argv[{}]);", i + 3);
@@ -49,46 +41,9 @@ fn harness(g: &fusec_compiler::ir::Graph, p: &Program, kernels: &[(String, Strin
             continue;
         }
         let _ = writeln!(s, "  if (!strcmp(argv[1], \"{}\")) {{", k.name);
-        let mut args = Vec::new();
-        for (slot, &b) in k.inputs.iter().chain(&k.outputs).enumerate() {
-            let ty = &p.buffers[b].ty;
-            let is_in = slot < k.inputs.len();
-            let name = if is_in {
-                format!("in{slot}")
-            } else {
-                format!("out{}", slot - k.inputs.len())
-            };
-            let bytes = format!(
-                "(size_t){} * sizeof({})",
-                ty.numel().to_c(),
-                c_type(ty.dtype)
-            );
-            if is_in {
-                let _ = writeln!(
-                    s,
-                    "    {t}* {name} = ({t}*)fs_read(dir, \"{name}\", {bytes});",
-                    t = c_type(ty.dtype)
-                );
-            } else {
-                let _ = writeln!(
-                    s,
-                    "    {t}* {name} = ({t}*)calloc(1, {bytes} + 16);",
-                    t = c_type(ty.dtype)
-                );
-            }
-            args.push(name);
-        }
-        args.extend(g.dims.iter().cloned());
+        let (args, writes) = host::kernel_buffers(&mut s, p, k, &g.dims, false);
         let _ = writeln!(s, "    {}({});", k.name, args.join(", "));
-        for slot in 0..k.outputs.len() {
-            let ty = &p.buffers[k.outputs[slot]].ty;
-            let _ = writeln!(
-                s,
-                "    fs_write(dir, \"out{slot}\", out{slot}, (size_t){} * sizeof({}));",
-                ty.numel().to_c(),
-                c_type(ty.dtype)
-            );
-        }
+        s.push_str(&writes);
         let _ = writeln!(s, "    return 0;\n  }}");
     }
     s.push_str("  fprintf(stderr, \"unknown kernel %s\\n\", argv[1]);\n  return 2;\n}\n");
@@ -97,17 +52,10 @@ fn harness(g: &fusec_compiler::ir::Graph, p: &Program, kernels: &[(String, Strin
 
 #[test]
 fn generated_kernels_compute_what_the_interpreter_computes() {
-    if Command::new("c++").arg("--version").output().is_err() {
-        println!("skipped: no c++ compiler on PATH");
+    if !host::have_cxx() {
         return;
     }
-    let work = std::env::temp_dir().join(format!("fusec-cuda-host-{}", std::process::id()));
-    std::fs::create_dir_all(&work).unwrap();
-    std::fs::copy(
-        common::root().join("tests/cuda_host/shim.h"),
-        work.join("shim.h"),
-    )
-    .unwrap();
+    let work = host::shim_dir("cuda-host");
     let mut checked = 0;
     for (file, sets, dims) in common::tiny_models() {
         let (name, src) = common::example(file);
@@ -119,20 +67,7 @@ fn generated_kernels_compute_what_the_interpreter_computes() {
         let bufs = run_program(g, &program, &feeds, Precision::AsStored).expect("interpreter");
         let kernels = emit_program(g, &program, None);
         let stem = file.trim_end_matches(".dsl");
-        let cpp = work.join(format!("{stem}.cpp"));
-        std::fs::write(&cpp, harness(g, &program, &kernels)).unwrap();
-        let exe = work.join(stem);
-        let out = Command::new("c++")
-            .args(["-std=c++17", "-O1", "-w", "-o"])
-            .arg(&exe)
-            .arg(&cpp)
-            .output()
-            .expect("c++ runs");
-        assert!(
-            out.status.success(),
-            "{file}: c++ failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let exe = host::build(&work, stem, &harness(g, &program, &kernels));
         let dim_args: Vec<String> = g.dims.iter().map(|d| dims_map[d].to_string()).collect();
         for k in program
             .kernels

@@ -20,7 +20,8 @@
 
 mod common;
 
-use fusec_compiler::emit::cuda::c_type;
+use common::host;
+
 use fusec_compiler::emit::flash_bwd::{flash_backward, FlashBwdLaunch};
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
 use fusec_compiler::interp::random::random_feeds;
@@ -160,18 +161,8 @@ fn build(src: &str, precision: &str) -> Built {
     Built { g, program, sets }
 }
 
-fn have_cxx() -> bool {
-    let ok = Command::new("c++").arg("--version").output().is_ok();
-    if !ok {
-        println!("skipped: no c++ compiler on PATH");
-    }
-    ok
-}
-
 fn work_dir(label: &str) -> PathBuf {
-    let work = std::env::temp_dir().join(format!("fusec-flash-bwd-{}-{label}", std::process::id()));
-    std::fs::create_dir_all(&work).unwrap();
-    work
+    host::work_dir(&format!("flash-bwd-{label}"))
 }
 
 /// A broken copy of one of the kernels' lines: (pattern, replacement).
@@ -194,17 +185,7 @@ fn harness(b: &Built, sets: &[usize], mutation: Option<Mutation>) -> String {
             s.push_str(&text);
         }
     }
-    s.push_str(
-        "static void* fs_read(const char* dir, const char* name, size_t bytes) {\n\
-         char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
-         FILE* f = fopen(path, \"rb\"); if (!f) { perror(path); exit(2); }\n\
-         void* p = calloc(1, bytes + 16); size_t got = fread(p, 1, bytes, f); fclose(f);\n\
-         if (got != bytes) { fprintf(stderr, \"%s: %zu of %zu bytes\\n\", path, got, bytes); exit(2); }\n\
-         return p; }\n\
-         static void fs_write(const char* dir, const char* name, const void* p, size_t bytes) {\n\
-         char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
-         FILE* f = fopen(path, \"wb\"); fwrite(p, 1, bytes, f); fclose(f); }\n",
-    );
+    s.push_str(host::FILE_IO);
     // argv: set name, folder, 3 x 3 grid extents, block, the sizes.
     s.push_str(
         "int main(int argc, char** argv) {\n  const char* dir = argv[2];\n\
@@ -219,32 +200,8 @@ fn harness(b: &Built, sets: &[usize], mutation: Option<Mutation>) -> String {
         let set = &b.sets[f];
         let k = &b.program.kernels[set.kernel];
         let _ = writeln!(s, "  if (!strcmp(argv[1], \"{}\")) {{", k.name);
-        let mut args = Vec::new();
-        let mut writes = String::new();
-        for (slot, &buf) in k.inputs.iter().chain(&k.outputs).enumerate() {
-            let ty = &b.program.buffers[buf].ty;
-            let t = c_type(ty.dtype);
-            let bytes = format!("(size_t){} * sizeof({t})", ty.numel().to_c());
-            let name = if slot < k.inputs.len() {
-                let name = format!("in{slot}");
-                let _ = writeln!(
-                    s,
-                    "    {t}* {name} = ({t}*)fs_read(dir, \"{name}\", {bytes});"
-                );
-                name
-            } else {
-                // Unwritten outputs read back as NaN.
-                let name = format!("out{}", slot - k.inputs.len());
-                let _ = writeln!(
-                    s,
-                    "    {t}* {name} = ({t}*)malloc({bytes} + 16); memset({name}, 0xff, {bytes});"
-                );
-                let _ = writeln!(writes, "    fs_write(dir, \"{name}\", {name}, {bytes});");
-                name
-            };
-            args.push(name);
-        }
-        args.extend(b.g.dims.iter().cloned());
+        // Unwritten outputs read back as NaN.
+        let (mut args, writes) = host::kernel_buffers(&mut s, &b.program, k, &b.g.dims, true);
         // The scratch buffer starts as NaN: the delta kernel must write it all.
         let scratch = set.launches[0].scratch_f32_elems.to_c();
         let _ = writeln!(
@@ -274,22 +231,7 @@ fn compile(work: &Path, stem: &str, cpp: &str) -> PathBuf {
     for h in ["block_shim.h", "mma_emu.h"] {
         std::fs::copy(headers.join(h), work.join(h)).unwrap();
     }
-    let src = work.join(format!("{stem}.cpp"));
-    std::fs::write(&src, cpp).unwrap();
-    let exe = work.join(stem);
-    let out = Command::new("c++")
-        .args(["-std=c++20", "-pthread", "-O1", "-w", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .output()
-        .expect("c++ runs");
-    assert!(
-        out.status.success(),
-        "c++ failed on {}:\n{}",
-        src.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    exe
+    host::build(work, stem, cpp)
 }
 
 /// The interpreter's buffers at the sizes `dims`.
@@ -403,7 +345,7 @@ fn check_all(label: &str, b: &Built, runs: &[&[(&str, i64)]]) -> usize {
 
 #[test]
 fn flash_backward_matches_the_reference_on_the_host() {
-    if !have_cxx() {
+    if !host::have_cxx() {
         return;
     }
     let b = build(MODEL, "bf16");
@@ -418,7 +360,7 @@ fn flash_backward_matches_the_reference_on_the_host() {
 
 #[test]
 fn flash_backward_matches_the_reference_in_f16() {
-    if !have_cxx() {
+    if !host::have_cxx() {
         return;
     }
     let b = build(MODEL, "f16");
@@ -429,7 +371,7 @@ fn flash_backward_matches_the_reference_in_f16() {
 
 #[test]
 fn flash_backward_cross_attention_matches_the_reference() {
-    if !have_cxx() {
+    if !host::have_cxx() {
         return;
     }
     let b = build(CROSS_MODEL, "bf16");
@@ -447,7 +389,7 @@ fn flash_backward_cross_attention_matches_the_reference() {
 /// names the set it breaks: the causal one or the other.
 #[test]
 fn deliberate_breakages_are_caught() {
-    if !have_cxx() {
+    if !host::have_cxx() {
         return;
     }
     let src = SNAPSHOT_MODEL

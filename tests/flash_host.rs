@@ -21,7 +21,8 @@
 
 mod common;
 
-use fusec_compiler::emit::cuda::c_type;
+use common::host;
+
 use fusec_compiler::emit::flash::{flash_kernel, FlashLaunch};
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
 use fusec_compiler::interp::random::random_feeds;
@@ -184,19 +185,8 @@ fn build(src: &str, precision: &str) -> Built {
     Built { g, program, flash }
 }
 
-fn have_cxx() -> bool {
-    let ok = Command::new("c++").arg("--version").output().is_ok();
-    if !ok {
-        println!("skipped: no c++ compiler on PATH");
-    }
-    ok
-}
-
 fn work_dir(label: &str) -> PathBuf {
-    let work =
-        std::env::temp_dir().join(format!("fusec-flash-host-{}-{label}", std::process::id()));
-    std::fs::create_dir_all(&work).unwrap();
-    work
+    host::work_dir(&format!("flash-host-{label}"))
 }
 
 /// A broken copy of one of the emulator's or the kernel's lines, for the
@@ -218,17 +208,7 @@ fn harness(b: &Built, kernels: &[usize], kernel_mutation: Option<Mutation>) -> S
         }
         s.push_str(&text);
     }
-    s.push_str(
-        "static void* fs_read(const char* dir, const char* name, size_t bytes) {\n\
-         char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
-         FILE* f = fopen(path, \"rb\"); if (!f) { perror(path); exit(2); }\n\
-         void* p = calloc(1, bytes + 16); size_t got = fread(p, 1, bytes, f); fclose(f);\n\
-         if (got != bytes) { fprintf(stderr, \"%s: %zu of %zu bytes\\n\", path, got, bytes); exit(2); }\n\
-         return p; }\n\
-         static void fs_write(const char* dir, const char* name, const void* p, size_t bytes) {\n\
-         char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
-         FILE* f = fopen(path, \"wb\"); fwrite(p, 1, bytes, f); fclose(f); }\n",
-    );
+    s.push_str(host::FILE_IO);
     s.push_str(
         "int main(int argc, char** argv) {\n  const char* dir = argv[2];\n\
          \x20 const fs_dim3 grid = {(unsigned)atoi(argv[3]), (unsigned)atoi(argv[4]), (unsigned)atoi(argv[5])};\n\
@@ -240,32 +220,8 @@ fn harness(b: &Built, kernels: &[usize], kernel_mutation: Option<Mutation>) -> S
     for &f in kernels {
         let k = &b.program.kernels[b.flash[f].kernel];
         let _ = writeln!(s, "  if (!strcmp(argv[1], \"{}\")) {{", k.name);
-        let mut args = Vec::new();
-        let mut writes = String::new();
-        for (slot, &buf) in k.inputs.iter().chain(&k.outputs).enumerate() {
-            let ty = &b.program.buffers[buf].ty;
-            let t = c_type(ty.dtype);
-            let bytes = format!("(size_t){} * sizeof({t})", ty.numel().to_c());
-            let name = if slot < k.inputs.len() {
-                let name = format!("in{slot}");
-                let _ = writeln!(
-                    s,
-                    "    {t}* {name} = ({t}*)fs_read(dir, \"{name}\", {bytes});"
-                );
-                name
-            } else {
-                // Unwritten outputs read back as NaN.
-                let name = format!("out{}", slot - k.inputs.len());
-                let _ = writeln!(
-                    s,
-                    "    {t}* {name} = ({t}*)malloc({bytes} + 16); memset({name}, 0xff, {bytes});"
-                );
-                let _ = writeln!(writes, "    fs_write(dir, \"{name}\", {name}, {bytes});");
-                name
-            };
-            args.push(name);
-        }
-        args.extend(b.g.dims.iter().cloned());
+        // Unwritten outputs read back as NaN.
+        let (args, writes) = host::kernel_buffers(&mut s, &b.program, k, &b.g.dims, true);
         let _ = writeln!(
             s,
             "    fs_launch(grid, block, [&] {{ {}({}); }});",
@@ -293,22 +249,7 @@ fn compile(work: &Path, stem: &str, cpp: &str, mutation: Option<Mutation>) -> Pa
         }
         std::fs::write(work.join(h), text).unwrap();
     }
-    let src = work.join(format!("{stem}.cpp"));
-    std::fs::write(&src, cpp).unwrap();
-    let exe = work.join(stem);
-    let out = Command::new("c++")
-        .args(["-std=c++20", "-pthread", "-O1", "-w", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .output()
-        .expect("c++ runs");
-    assert!(
-        out.status.success(),
-        "c++ failed on {}:\n{}",
-        src.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    exe
+    host::build(work, stem, cpp)
 }
 
 /// The interpreter's buffers at the sizes `dims`.
@@ -419,7 +360,7 @@ fn check_all(label: &str, b: &Built, runs: &[&[(&str, i64)]]) -> usize {
 
 #[test]
 fn flash_attention_matches_the_reference_on_the_host() {
-    if !have_cxx() {
+    if !host::have_cxx() {
         return;
     }
     let b = build(MODEL, "bf16");
@@ -434,7 +375,7 @@ fn flash_attention_matches_the_reference_on_the_host() {
 
 #[test]
 fn flash_attention_matches_the_reference_in_f16() {
-    if !have_cxx() {
+    if !host::have_cxx() {
         return;
     }
     let b = build(MODEL, "f16");
@@ -445,7 +386,7 @@ fn flash_attention_matches_the_reference_in_f16() {
 
 #[test]
 fn flash_cross_attention_matches_the_reference() {
-    if !have_cxx() {
+    if !host::have_cxx() {
         return;
     }
     let b = build(CROSS_MODEL, "bf16");
@@ -466,7 +407,7 @@ fn flash_cross_attention_matches_the_reference() {
 /// the tail mask hides).
 #[test]
 fn a_broken_fragment_mapping_is_caught() {
-    if !have_cxx() {
+    if !host::have_cxx() {
         return;
     }
     let src = SNAPSHOT_MODEL

@@ -10,6 +10,8 @@
 
 mod common;
 
+use common::host;
+
 use fusec_compiler::emit::cuda::{c_type, emit_program};
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
 use fusec_compiler::interp::random::random_feeds;
@@ -82,17 +84,10 @@ static void fs_gemm(long long m, long long n, long long k, long long batch, int 
 
 #[test]
 fn a_whole_step_in_one_arena_matches_the_interpreter() {
-    if Command::new("c++").arg("--version").output().is_err() {
-        println!("skipped: no c++ compiler on PATH");
+    if !host::have_cxx() {
         return;
     }
-    let work = std::env::temp_dir().join(format!("fusec-host-step-{}", std::process::id()));
-    std::fs::create_dir_all(&work).unwrap();
-    std::fs::copy(
-        common::root().join("tests/cuda_host/shim.h"),
-        work.join("shim.h"),
-    )
-    .unwrap();
+    let work = host::shim_dir("host-step");
     let mut report = Vec::new();
     for (file, sets, dims) in common::tiny_models() {
         let (name, src) = common::example(file);
@@ -200,20 +195,7 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
             "  f = fopen(argv[2], \"wb\"); fwrite(arena, 1, bytes, f); fclose(f);\n  return 0;\n}}"
         );
         let stem = file.trim_end_matches(".dsl");
-        let cpp = work.join(format!("{stem}.cpp"));
-        std::fs::write(&cpp, s).unwrap();
-        let exe = work.join(stem);
-        let out = Command::new("c++")
-            .args(["-std=c++17", "-O1", "-w", "-o"])
-            .arg(&exe)
-            .arg(&cpp)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{file}: c++ failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let exe = host::build(&work, stem, &s);
         let after = work.join(format!("{stem}.out"));
         let run = Command::new(&exe)
             .arg(work.join("arena.bin"))

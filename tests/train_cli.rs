@@ -187,3 +187,32 @@ fn without_a_gpu_train_says_so() {
         "{err}"
     );
 }
+
+/// Token windows take their shape from the model's `tokens` input, whatever
+/// its dimensions are called.
+#[test]
+fn token_data_follows_the_tokens_input_shape() {
+    let model = tmp("nl.dsl");
+    std::fs::write(
+        &model,
+        "dim N, L\ninput tokens: i32[N, L]\ninput targets: i32[N, L]\n\
+         param emb: [256, 16] = normal(0.1)\nparam w: [16, 256] = normal(0.1)\n\
+         train {\n loss = cross_entropy(embedding(emb, tokens) @ w, targets)\n optimizer = adamw(lr = 1e-2)\n}\n",
+    )
+    .unwrap();
+    let (code, _, err) = fusec(&[
+        "train",
+        model.to_str().unwrap(),
+        "--cpu",
+        "--data",
+        "dsl-examples/data/founding-texts.txt",
+        "--dim",
+        "N=2",
+        "--dim",
+        "L=8",
+        "--steps",
+        "2",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("step     2/2"), "{err}");
+}

@@ -135,18 +135,22 @@ impl Session {
         })
     }
 
-    /// Writes `values` into the named input, parameter or state buffer.
-    pub fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
-        let b = self
-            .exec
-            .inputs
+    /// The buffer of a named input, parameter or optimizer state.
+    fn buffer(&self, name: &str) -> Result<usize, RuntimeError> {
+        let e = &self.exec;
+        e.inputs
             .get(name)
-            .or_else(|| self.exec.params.get(name))
-            .or_else(|| self.exec.state.get(name))
+            .or_else(|| e.params.get(name))
+            .or_else(|| e.state.get(name))
             .copied()
             .ok_or_else(|| {
                 RuntimeError::Unsupported(format!("the step has no buffer named `{name}`"))
-            })?;
+            })
+    }
+
+    /// Writes `values` into the named input, parameter or state buffer.
+    pub fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
+        let b = self.buffer(name)?;
         let slot = &self.exec.slots[b];
         let n: usize = slot.shape.iter().product();
         if values.len() != n {
@@ -162,16 +166,7 @@ impl Session {
 
     /// The named buffer's values.
     pub fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
-        let b = self
-            .exec
-            .inputs
-            .get(name)
-            .or_else(|| self.exec.params.get(name))
-            .or_else(|| self.exec.state.get(name))
-            .copied()
-            .ok_or_else(|| {
-                RuntimeError::Unsupported(format!("the step has no buffer named `{name}`"))
-            })?;
+        let b = self.buffer(name)?;
         Ok(decode(self.exec.slots[b].dtype, &self.exec.read(b)?))
     }
 

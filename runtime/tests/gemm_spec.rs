@@ -4,8 +4,9 @@
 //! the stack-of-rows folding) and its epilogue, evaluated on the CPU from
 //! the stored operand buffers, must give the interpreter's outputs.
 
-use fusec_compiler::driver::compile;
-use fusec_compiler::elaborate::Options;
+mod common;
+
+use common::{model, sizes, tiny_models};
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::Precision;
 use fusec_compiler::kernel::fuse::fuse;
@@ -14,75 +15,6 @@ use fusec_compiler::kernel::Body;
 use fusec_compiler::ops::{Op, UnaryKind};
 use fusec_runtime::exec::gemm_spec;
 use fusec_runtime::gemm::GemmSpec;
-use std::collections::{BTreeMap, HashMap};
-
-type Case = (
-    &'static str,
-    Vec<(&'static str, &'static str)>,
-    Vec<(&'static str, i64)>,
-);
-
-fn cases() -> Vec<Case> {
-    vec![
-        (
-            "mlp.dsl",
-            vec![("d_in", "6"), ("d_hidden", "8"), ("classes", "5")],
-            vec![("B", 3)],
-        ),
-        (
-            "gpt2-block.dsl",
-            vec![("d", "16"), ("n_heads", "2")],
-            vec![("B", 2), ("T", 5)],
-        ),
-        (
-            "gpt2-small.dsl",
-            vec![
-                ("vocab", "23"),
-                ("ctx", "8"),
-                ("d", "16"),
-                ("n_heads", "2"),
-                ("layers", "2"),
-            ],
-            vec![("B", 2), ("T", 5)],
-        ),
-        (
-            "llama-small.dsl",
-            vec![
-                ("vocab", "23"),
-                ("d", "16"),
-                ("n_heads", "4"),
-                ("n_kv_heads", "2"),
-                ("ffn", "24"),
-                ("layers", "2"),
-            ],
-            vec![("B", 2), ("T", 5)],
-        ),
-        (
-            "bert-encoder.dsl",
-            vec![
-                ("vocab", "23"),
-                ("ctx", "8"),
-                ("d", "16"),
-                ("n_heads", "2"),
-                ("layers", "2"),
-            ],
-            vec![("B", 2), ("T", 5)],
-        ),
-        (
-            "vit-tiny.dsl",
-            vec![
-                ("image", "8"),
-                ("patch", "4"),
-                ("channels", "3"),
-                ("d", "16"),
-                ("n_heads", "2"),
-                ("layers", "2"),
-                ("classes", "5"),
-            ],
-            vec![("B", 2)],
-        ),
-    ]
-}
 
 /// `D = A @ B` as the spec describes it, on the stored buffers.
 fn product(s: &GemmSpec, a: &[f64], b: &[f64]) -> Vec<f64> {
@@ -125,21 +57,12 @@ fn product(s: &GemmSpec, a: &[f64], b: &[f64]) -> Vec<f64> {
 
 #[test]
 fn every_gemm_spec_computes_its_kernel() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../dsl-examples");
     let mut checked = 0;
-    for (file, sets, dims) in cases() {
-        let src = std::fs::read_to_string(root.join(file)).unwrap();
-        let opts = Options {
-            overrides: sets
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-        };
-        let c = compile(&src, file.trim_end_matches(".dsl"), &opts).unwrap();
+    for (file, sets, dims) in tiny_models() {
+        let c = model(file, &sets);
         let g = &c.optimized;
         let p = fuse(g);
-        let dmap: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
-        let bdims: BTreeMap<String, i64> = dmap.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let (dmap, bdims) = sizes(&dims);
         let feeds = random_feeds(g, &dmap, 3).unwrap();
         let bufs = run_program(g, &p, &feeds, Precision::F64).unwrap();
         for k in &p.kernels {

@@ -11,18 +11,17 @@
 //!   kernel-IR interpreter with values rounded as stored;
 //! - every shipped model trains 20 steps on one batch with a falling loss.
 
-use fusec_compiler::driver::compile;
-use fusec_compiler::elaborate::Options;
+mod common;
+
+use common::{gpu, model, sizes};
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::kernel::interp::run_program;
 use fusec_runtime::backend::{self, Backend};
-use fusec_runtime::device;
 use fusec_runtime::exec::{decode, encode};
 use fusec_runtime::session::Session;
-use std::collections::{BTreeMap, HashMap};
 
 type Case = (
     &'static str,
@@ -92,50 +91,6 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-/// The GPU, or None with the reason printed (a failure instead when
-/// FUSEC_REQUIRE_GPU is set, so a GPU run cannot pass by skipping).
-fn gpu() -> Option<device::Gpu> {
-    let skip = |why: String| {
-        assert!(
-            std::env::var_os("FUSEC_REQUIRE_GPU").is_none(),
-            "FUSEC_REQUIRE_GPU is set: {why}"
-        );
-        println!("skipped: {why}");
-        None
-    };
-    if !device::driver_present() {
-        return skip("no CUDA driver on this machine".into());
-    }
-    match device::open(0) {
-        Ok(g) => Some(g),
-        Err(e) => skip(e.to_string()),
-    }
-}
-
-fn model(file: &str, sets: &[(&str, &str)]) -> fusec_compiler::driver::Compiled {
-    // The repository as built, or (a test binary carried to another
-    // machine) as named by FUSEC_ROOT or the working directory.
-    let root = std::env::var_os("FUSEC_ROOT")
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-            built.join("dsl-examples").exists().then_some(built)
-        })
-        .unwrap_or_else(|| std::env::current_dir().unwrap());
-    let path = root.join("dsl-examples").join(file);
-    let src = std::fs::read_to_string(&path).unwrap();
-    let opts = Options {
-        overrides: sets
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-    };
-    match compile(&src, file.trim_end_matches(".dsl"), &opts) {
-        Ok(c) => c,
-        Err(f) => panic!("{}", f.render(file, &src)),
-    }
-}
-
 /// max |a - b| over max |b| (1 where b is all zero).
 fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     let scale = b.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-6);
@@ -176,8 +131,7 @@ fn every_kernel_matches_the_interpreter() {
     for (file, sets, dims) in cases() {
         let c = model(file, &sets);
         let g = &c.optimized;
-        let dmap: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
-        let bdims: BTreeMap<String, i64> = dmap.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let (dmap, bdims) = sizes(&dims);
         let feeds = random_feeds(g, &dmap, 7).unwrap();
         let gpu = gpu().unwrap();
         let mut s = Session::new(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}).unwrap();
@@ -231,8 +185,7 @@ fn the_gpt2_block_step_matches_the_cpu_reference() {
     let (file, sets, dims) = cases().remove(1);
     let c = model(file, &sets);
     let g = &c.optimized;
-    let dmap: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
-    let bdims: BTreeMap<String, i64> = dmap.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let (dmap, bdims) = sizes(&dims);
     let mut feeds = random_feeds(g, &dmap, 11).unwrap();
     feeds.inputs.insert(
         "update.lr".into(),
@@ -273,25 +226,46 @@ fn the_gpt2_block_step_matches_the_cpu_reference() {
     println!("gpt2-block gradients: worst error {worst:.2e} (of each tensor's largest value)");
 }
 
+/// Weights from `seed`, and every input the step reads from `feeds`.
+fn ready(b: &mut dyn Backend, feeds: &fusec_compiler::interp::Feeds, seed: u64) {
+    backend::init_params(b, seed).unwrap();
+    for (name, t) in &feeds.inputs {
+        if b.shapes().contains_key(name) {
+            b.set(name, &t.data).unwrap();
+        }
+    }
+}
+
+/// The step of `g` on the GPU, ready to run.
+fn on_gpu(
+    gpu: fusec_runtime::device::Gpu,
+    g: &fusec_compiler::ir::Graph,
+    bdims: &std::collections::BTreeMap<String, i64>,
+    feeds: &fusec_compiler::interp::Feeds,
+    seed: u64,
+) -> backend::Gpu {
+    let s = Session::new(gpu, g, bdims, Some(&cache_dir()), &|_, _| {}).unwrap();
+    let mut b = backend::Gpu::new(s, bdims).unwrap();
+    ready(&mut b, feeds, seed);
+    b
+}
+
+/// Twenty steps' losses (the MLP at a larger learning rate).
+fn twenty_steps(b: &mut dyn Backend, file: &str) -> Vec<f64> {
+    let lr = if file == "mlp.dsl" { 0.05 } else { 1e-3 };
+    (1..=20).map(|i| b.step(lr, i).unwrap().loss).collect()
+}
+
 #[test]
 fn every_shipped_model_trains() {
     let Some(_) = gpu() else { return };
     for (file, sets, dims) in cases() {
         let c = model(file, &sets);
         let g = &c.optimized;
-        let dmap: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
-        let bdims: BTreeMap<String, i64> = dmap.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let (dmap, bdims) = sizes(&dims);
         let feeds = random_feeds(g, &dmap, 3).unwrap();
-        let s = Session::new(gpu().unwrap(), g, &bdims, Some(&cache_dir()), &|_, _| {}).unwrap();
-        let mut b = backend::Gpu::new(s, &bdims).unwrap();
-        backend::init_params(&mut b, 3).unwrap();
-        for (name, t) in &feeds.inputs {
-            if b.session.exec.inputs.contains_key(name) {
-                b.set(name, &t.data).unwrap();
-            }
-        }
-        let lr = if file == "mlp.dsl" { 0.05 } else { 1e-3 };
-        let losses: Vec<f64> = (1..=20).map(|i| b.step(lr, i).unwrap().loss).collect();
+        let mut b = on_gpu(gpu().unwrap(), g, &bdims, &feeds, 3);
+        let losses = twenty_steps(&mut b, file);
         // Steps after the first replay the captured CUDA graph.
         assert!(
             b.session.exec.has_graph(),
@@ -312,21 +286,14 @@ fn gpu_training_follows_the_cpu_reference() {
     let (file, sets, dims) = cases().remove(2);
     let c = model(file, &sets);
     let g = &c.optimized;
-    let dmap: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
-    let bdims: BTreeMap<String, i64> = dmap.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let (dmap, bdims) = sizes(&dims);
     let feeds = random_feeds(g, &dmap, 5).unwrap();
-    let s = Session::new(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}).unwrap();
-    let mut on_gpu = backend::Gpu::new(s, &bdims).unwrap();
+    let mut gpu_run = on_gpu(gpu, g, &bdims, &feeds, 5);
     let mut on_cpu = backend::Cpu::new(g, &bdims, Precision::AsStored).unwrap();
-    for b in [&mut on_gpu as &mut dyn Backend, &mut on_cpu] {
-        backend::init_params(b, 5).unwrap();
-        for name in ["tokens", "targets"] {
-            b.set(name, &feeds.inputs[name].data).unwrap();
-        }
-    }
+    ready(&mut on_cpu, &feeds, 5);
     for step in 1..=10 {
         let (a, r) = (
-            on_gpu.step(1e-3, step).unwrap().loss,
+            gpu_run.step(1e-3, step).unwrap().loss,
             on_cpu.step(1e-3, step).unwrap().loss,
         );
         println!("step {step}: GPU {a:.5} CPU {r:.5}");
@@ -346,18 +313,9 @@ fn a_restored_gpu_run_repeats_the_unbroken_one() {
     let (file, sets, dims) = cases().remove(2);
     let c = model(file, &sets);
     let g = &c.optimized;
-    let dmap: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
-    let bdims: BTreeMap<String, i64> = dmap.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let (dmap, bdims) = sizes(&dims);
     let feeds = random_feeds(g, &dmap, 9).unwrap();
-    let fresh = || {
-        let s = Session::new(gpu().unwrap(), g, &bdims, Some(&cache_dir()), &|_, _| {}).unwrap();
-        let mut b = backend::Gpu::new(s, &bdims).unwrap();
-        backend::init_params(&mut b, 9).unwrap();
-        for name in ["tokens", "targets"] {
-            b.set(name, &feeds.inputs[name].data).unwrap();
-        }
-        b
-    };
+    let fresh = || on_gpu(gpu().unwrap(), g, &bdims, &feeds, 9);
     let mut whole = fresh();
     let all: Vec<f64> = (1..=6).map(|i| whole.step(1e-3, i).unwrap().loss).collect();
     let mut first = fresh();
@@ -381,18 +339,11 @@ fn every_shipped_model_trains_on_the_cpu_backend() {
     for (file, sets, dims) in cases() {
         let c = model(file, &sets);
         let g = &c.optimized;
-        let dmap: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
-        let bdims: BTreeMap<String, i64> = dmap.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let (dmap, bdims) = sizes(&dims);
         let feeds = random_feeds(g, &dmap, 3).unwrap();
         let mut b = backend::Cpu::new(g, &bdims, Precision::AsStored).unwrap();
-        backend::init_params(&mut b, 3).unwrap();
-        for (name, t) in &feeds.inputs {
-            if b.shapes().contains_key(name) {
-                b.set(name, &t.data).unwrap();
-            }
-        }
-        let lr = if file == "mlp.dsl" { 0.05 } else { 1e-3 };
-        let losses: Vec<f64> = (1..=20).map(|i| b.step(lr, i).unwrap().loss).collect();
+        ready(&mut b, &feeds, 3);
+        let losses = twenty_steps(&mut b, file);
         println!("{file}: loss {:.4} -> {:.4}", losses[0], losses[19]);
         assert!(losses[19] < 0.9 * losses[0], "{file}: {losses:?}");
     }

@@ -1,6 +1,6 @@
 //! `fusec build`: compile a model and write every stage to a folder.
 
-use super::common::{load, ModelArgs};
+use super::common::{load, ModelArgs, SizeArgs};
 use super::CliError;
 use clap::{Args, ValueEnum};
 use fusec_compiler::driver::{Compiled, STAGES};
@@ -31,15 +31,9 @@ pub struct BuildArgs {
     /// Print the step graph after one pass (`fusec passes` lists them)
     #[arg(long, value_name = "PASS", value_parser = pass_name, conflicts_with = "dump")]
     pub dump_after: Option<String>,
-    /// Size of the batch dimension B, for the memory plan
-    #[arg(long, value_name = "N")]
-    pub batch: Option<i64>,
-    /// Size of the sequence dimension T, for the memory plan
-    #[arg(long, value_name = "N")]
-    pub seq: Option<i64>,
-    /// Size of any symbolic dimension, e.g. --dim B=8 (repeatable)
-    #[arg(long = "dim", value_name = "NAME=N")]
-    pub dims: Vec<String>,
+    /// Sizes, for the memory plan
+    #[command(flatten)]
+    pub sizes: SizeArgs,
     /// Device for the report's roofline estimate: h100, h200 or a100
     #[arg(long, value_name = "NAME", default_value = "h100", value_parser = device_name)]
     pub device: String,
@@ -151,8 +145,7 @@ fn kernel_stage(c: &Compiled, stage: &str, args: &BuildArgs) -> Result<Option<St
         "layout" => print_layouts(&c.optimized, &program),
         "fuse" => print_program(&c.optimized, &program),
         _ => {
-            let dims =
-                super::common::dim_sizes(args.batch, args.seq, &args.dims, &c.optimized.dims)?;
+            let dims = args.sizes.resolve(&c.optimized.dims)?;
             let plan = plan(&c.optimized, &program, &dims).map_err(|e| {
                 CliError::usage(format!(
                     "error: {e} (give sizes with --batch, --seq or --dim)"
@@ -219,7 +212,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     }
     written.push(kdir.join(format!("*.cu ({} kernels)", kernels.len())));
 
-    let dims = super::common::dim_sizes(args.batch, args.seq, &args.dims, &c.optimized.dims)?;
+    let dims = args.sizes.resolve(&c.optimized.dims)?;
     let missing: Vec<&String> = c
         .optimized
         .dims

@@ -15,6 +15,51 @@ pub struct ModelArgs {
     pub set: Vec<String>,
 }
 
+/// `--batch`, `--seq` and `--dim`: the sizes of a model's symbolic dimensions.
+#[derive(Args, Debug)]
+pub struct SizeArgs {
+    /// Size of the batch dimension B
+    #[arg(long, value_name = "N")]
+    pub batch: Option<i64>,
+    /// Size of the sequence dimension T
+    #[arg(long, value_name = "N")]
+    pub seq: Option<i64>,
+    /// Size of any symbolic dimension, e.g. --dim B=8 (repeatable)
+    #[arg(long = "dim", value_name = "NAME=N")]
+    pub dims: Vec<String>,
+}
+
+impl SizeArgs {
+    /// The sizes given, checked against the dimensions the model declares.
+    pub fn resolve(
+        &self,
+        declared: &[String],
+    ) -> Result<std::collections::BTreeMap<String, i64>, CliError> {
+        dim_sizes(self.batch, self.seq, &self.dims, declared)
+    }
+
+    /// The sizes, which must cover every dimension the model declares.
+    pub fn resolve_all(
+        &self,
+        declared: &[String],
+    ) -> Result<std::collections::BTreeMap<String, i64>, CliError> {
+        let dims = self.resolve(declared)?;
+        let missing: Vec<&str> = declared
+            .iter()
+            .filter(|d| !dims.contains_key(*d))
+            .map(|s| s.as_str())
+            .collect();
+        if missing.is_empty() {
+            Ok(dims)
+        } else {
+            Err(CliError::usage(format!(
+                "error: give the size of {} (--batch for B, --seq for T, --dim NAME=N)",
+                missing.join(", ")
+            )))
+        }
+    }
+}
+
 pub struct Loaded {
     pub path: PathBuf,
     pub source: String,

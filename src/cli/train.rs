@@ -1,6 +1,6 @@
 //! `fusec train` and `fusec bench`: the compiled step on a GPU.
 
-use super::common::{dim_sizes, load, ModelArgs};
+use super::common::{load, Loaded, ModelArgs, SizeArgs};
 use super::CliError;
 use clap::Args;
 use fusec_compiler::interp::Precision;
@@ -26,15 +26,8 @@ pub struct TrainArgs {
     /// Steps to run
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: u64,
-    /// Batch size (dimension B)
-    #[arg(long, value_name = "N")]
-    pub batch: Option<i64>,
-    /// Sequence length (dimension T)
-    #[arg(long, value_name = "N")]
-    pub seq: Option<i64>,
-    /// Size of any other symbolic dimension, e.g. --dim B=8 (repeatable)
-    #[arg(long = "dim", value_name = "NAME=N")]
-    pub dims: Vec<String>,
+    #[command(flatten)]
+    pub sizes: SizeArgs,
     /// Learning rate (the model file's optimizer settings are used otherwise)
     #[arg(long)]
     pub lr: Option<f64>,
@@ -75,12 +68,8 @@ pub struct TrainArgs {
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    #[arg(long, value_name = "N")]
-    pub batch: Option<i64>,
-    #[arg(long, value_name = "N")]
-    pub seq: Option<i64>,
-    #[arg(long = "dim", value_name = "NAME=N")]
-    pub dims: Vec<String>,
+    #[command(flatten)]
+    pub sizes: SizeArgs,
     /// Timed steps (after three warm-up steps)
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: u64,
@@ -145,18 +134,13 @@ fn runtime_err(e: RuntimeError) -> CliError {
     }
 }
 
-/// Compiles, plans and loads the step on the GPU, saying what it does.
+/// Plans and loads the compiled step on the GPU, saying what it does.
 fn start(
-    model: &ModelArgs,
-    batch: Option<i64>,
-    seq: Option<i64>,
-    dims: &[String],
+    loaded: &Loaded,
+    dims: &BTreeMap<String, i64>,
     gpu: usize,
-) -> Result<(Session, BTreeMap<String, i64>, String), CliError> {
-    let loaded = load(model)?;
+) -> Result<(Session, String), CliError> {
     let g = &loaded.compiled.optimized;
-    let dims = dim_sizes(batch, seq, dims, &g.dims)?;
-    require_all(g, &dims)?;
     let gpu = device::open(gpu).map_err(runtime_err)?;
     let about = format!(
         "{} ({}, {:.0} GiB)",
@@ -178,7 +162,7 @@ fn start(
     let s = Session::new(
         gpu,
         g,
-        &dims,
+        dims,
         Some(&fusec_runtime::cache::default_dir()),
         &progress,
     )
@@ -191,7 +175,7 @@ fn start(
         s.cache.compiled,
         s.plan.arena_bytes as f64 / (1u64 << 30) as f64
     );
-    Ok((s, dims, about))
+    Ok((s, about))
 }
 
 pub fn train(args: &TrainArgs) -> Result<(), CliError> {
@@ -199,33 +183,16 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     let lr = args
         .lr
         .unwrap_or(loaded.compiled.model.train.optimizer.lr());
+    let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     let mut backend: Box<dyn Backend> = if args.cpu {
-        let g = &loaded.compiled.optimized;
-        let dims = dim_sizes(args.batch, args.seq, &args.dims, &g.dims)?;
-        require_all(g, &dims)?;
         eprintln!("CPU reference interpreter (values rounded to their dtypes as stored): slow, for small models");
+        let g = &loaded.compiled.optimized;
         Box::new(backend::Cpu::new(g, &dims, Precision::AsStored).map_err(runtime_err)?)
     } else {
-        let (s, dims, _) = start(&args.model, args.batch, args.seq, &args.dims, args.gpu)?;
+        let (s, _) = start(&loaded, &dims, args.gpu)?;
         Box::new(backend::Gpu::new(s, &dims).map_err(runtime_err)?)
     };
     let b = backend.as_mut();
-    let dims: BTreeMap<String, i64> = loaded
-        .compiled
-        .optimized
-        .dims
-        .iter()
-        .filter_map(|d| {
-            let sizes = dim_sizes(
-                args.batch,
-                args.seq,
-                &args.dims,
-                &loaded.compiled.optimized.dims,
-            )
-            .ok()?;
-            sizes.get(d).map(|v| (d.clone(), *v))
-        })
-        .collect();
     let data_inputs: Vec<String> = b
         .shapes()
         .keys()
@@ -260,8 +227,12 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     if let Some(path) = &args.save_init {
         save(b, path, 0, &Default::default())?;
     }
-    let tokens_per_step =
-        dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1) * micro as i64;
+    // Tokens per step: the rows of `tokens` where the model reads them.
+    let tokens_shape = b.shapes().get("tokens").cloned();
+    let tokens_per_step = tokens_shape
+        .as_ref()
+        .map_or(1, |s| s.iter().product::<usize>()) as i64
+        * micro as i64;
     // Data: a token file feeds `tokens` and `targets`; `random` feeds every input once.
     let mut batches = None;
     if args.data == "random" {
@@ -281,7 +252,17 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
                 )));
             }
         }
-        let (bsz, t) = (dims["B"] as usize, dims["T"] as usize);
+        // Windows of the data, shaped as the model's `tokens` input.
+        let (bsz, t) = match tokens_shape.as_deref() {
+            Some(&[bsz, t]) => (bsz, t),
+            other => {
+                return Err(CliError::usage(format!(
+                    "error: --data {} cuts the data into [batch, sequence] windows, and this model's `tokens` input has shape {:?}; use --data random",
+                    args.data,
+                    other.unwrap_or(&[])
+                )))
+            }
+        };
         let tokens = load_tokens(std::path::Path::new(&args.data)).map_err(|e| CliError {
             message: format!("error: {e}"),
             code: 3,
@@ -459,26 +440,6 @@ fn token_bound(g: &fusec_compiler::ir::Graph, dims: &BTreeMap<String, i64>) -> O
         .map(|v| v as u32)
 }
 
-fn require_all(
-    g: &fusec_compiler::ir::Graph,
-    dims: &BTreeMap<String, i64>,
-) -> Result<(), CliError> {
-    let missing: Vec<&str> = g
-        .dims
-        .iter()
-        .filter(|d| !dims.contains_key(*d))
-        .map(|s| s.as_str())
-        .collect();
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(CliError::usage(format!(
-            "error: give the size of {} (--batch for B, --seq for T, --dim NAME=N)",
-            missing.join(", ")
-        )))
-    }
-}
-
 fn json_num(x: f64) -> String {
     if x.is_finite() {
         format!("{x}")
@@ -488,7 +449,9 @@ fn json_num(x: f64) -> String {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
-    let (s, dims, about) = start(&args.model, args.batch, args.seq, &args.dims, args.gpu)?;
+    let loaded = load(&args.model)?;
+    let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
+    let (s, about) = start(&loaded, &dims, args.gpu)?;
     let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
     let feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, 1)
         .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;

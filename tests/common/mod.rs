@@ -1,6 +1,9 @@
 //! Helpers shared by the end-to-end tests.
 #![allow(dead_code)]
 
+pub mod host;
+mod tiny;
+
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;
 use std::collections::HashMap;
@@ -35,102 +38,10 @@ pub fn dims(pairs: &[(&str, i64)]) -> HashMap<String, i64> {
     pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
-/// Every shipped model, with the constants that shrink it to a size the
-/// reference interpreter evaluates in milliseconds, and its symbolic sizes.
-pub type TinyModel = (
-    &'static str,
-    Vec<(&'static str, &'static str)>,
-    Vec<(&'static str, i64)>,
-);
+#[allow(unused_imports)]
+pub use tiny::{tiny_models, TinyModel};
 
-pub fn tiny_models() -> Vec<TinyModel> {
-    vec![
-        (
-            "mlp.dsl",
-            vec![("d_in", "6"), ("d_hidden", "8"), ("classes", "5")],
-            vec![("B", 3)],
-        ),
-        (
-            "gpt2-block.dsl",
-            vec![("d", "16"), ("n_heads", "2")],
-            vec![("B", 2), ("T", 5)],
-        ),
-        (
-            "gpt2-small.dsl",
-            vec![
-                ("vocab", "23"),
-                ("ctx", "8"),
-                ("d", "16"),
-                ("n_heads", "2"),
-                ("layers", "2"),
-            ],
-            vec![("B", 2), ("T", 5)],
-        ),
-        (
-            "llama-small.dsl",
-            vec![
-                ("vocab", "23"),
-                ("d", "16"),
-                ("n_heads", "4"),
-                ("n_kv_heads", "2"),
-                ("ffn", "24"),
-                ("layers", "2"),
-            ],
-            vec![("B", 2), ("T", 5)],
-        ),
-        (
-            "bert-encoder.dsl",
-            vec![
-                ("vocab", "23"),
-                ("ctx", "8"),
-                ("d", "16"),
-                ("n_heads", "2"),
-                ("layers", "2"),
-            ],
-            vec![("B", 2), ("T", 5)],
-        ),
-        (
-            "vit-tiny.dsl",
-            vec![
-                ("image", "8"),
-                ("patch", "4"),
-                ("channels", "3"),
-                ("d", "16"),
-                ("n_heads", "2"),
-                ("layers", "2"),
-                ("classes", "5"),
-            ],
-            vec![("B", 2)],
-        ),
-    ]
-}
-
-/// Values as the bytes a device buffer of `dt` holds (little-endian).
-pub fn to_bytes(dt: fusec_compiler::ir::DType, data: &[f64]) -> Vec<u8> {
-    use fusec_compiler::ir::DType;
-    let mut out = Vec::with_capacity(data.len() * dt.size_bytes());
-    for &x in data {
-        match dt {
-            DType::F32 => out.extend((x as f32).to_le_bytes()),
-            DType::I32 => out.extend((x as i32).to_le_bytes()),
-            DType::BF16 => out.extend(half::bf16::from_f64(x).to_bits().to_le_bytes()),
-            DType::F16 => out.extend(half::f16::from_f64(x).to_bits().to_le_bytes()),
-        }
-    }
-    out
-}
-
-/// The inverse of `to_bytes`.
-pub fn from_bytes(dt: fusec_compiler::ir::DType, b: &[u8]) -> Vec<f64> {
-    use fusec_compiler::ir::DType;
-    b.chunks(dt.size_bytes())
-        .map(|c| match dt {
-            DType::F32 => f32::from_le_bytes(c.try_into().unwrap()) as f64,
-            DType::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f64,
-            DType::BF16 => {
-                half::bf16::from_bits(u16::from_le_bytes(c.try_into().unwrap())).to_f64()
-            }
-            DType::F16 => half::f16::from_bits(u16::from_le_bytes(c.try_into().unwrap())).to_f64(),
-        })
-        .collect()
-}
+/// Values as the bytes a device buffer holds, and back: the runtime's own
+/// codec (little-endian; 16-bit floats rounded to nearest even).
+#[allow(unused_imports)]
+pub use fusec_runtime::exec::{decode as from_bytes, encode as to_bytes};

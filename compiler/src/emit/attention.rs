@@ -29,8 +29,8 @@ const NEG_INF: &str = "(-__int_as_float(0x7f800000))";
 /// views (heads sliced out of a fused QKV projection); outputs are
 /// contiguous.
 pub(crate) struct Access {
-    ptr: String,
-    dt: DType,
+    pub(crate) ptr: String,
+    pub(crate) dt: DType,
     strides: Vec<Dim>,
     offset: Dim,
 }
@@ -90,6 +90,14 @@ impl Access {
         } else {
             terms.join(" + ")
         }
+    }
+
+    /// Every row (the last axis) starts 16-byte aligned for 16-bit elements
+    /// and is contiguous: what 16-byte tile loads need.
+    pub(crate) fn rows_aligned(&self) -> bool {
+        let div8 = |d: &Dim| d.checked_div(&Dim::constant(8)).is_some();
+        matches!(self.strides.split_last(), Some((last, rest))
+            if last.is_one() && rest.iter().all(div8) && div8(&self.offset))
     }
 
     /// The stride of `axis` as C.

@@ -51,11 +51,11 @@
 //! mma's matrices from the 32 lanes' fragments with the PTX ISA's layouts).
 //! The same kernel text therefore runs on the host against the reference.
 
+use super::attention::Access;
 use super::cuda::{float_lit, header, store};
 use super::templates::Ctx;
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
-use crate::kernel::view::contiguous_strides;
 use crate::kernel::{Kernel, Program};
 use crate::ops::Op;
 use petgraph::stable_graph::NodeIndex;
@@ -95,143 +95,101 @@ impl FlashLaunch {
     /// `(grid.x, grid.y, grid.z)` for concrete sizes; `None` for an unbound
     /// symbol or a y/z extent over 65535.
     pub fn grid(&self, env: &dyn Fn(&str) -> Option<i64>) -> Option<[u64; 3]> {
-        let t = u64::try_from(self.q_len.eval(env)?).ok()?;
-        let h = u64::try_from(self.q_heads.eval(env)?).ok()?;
-        let b = u64::try_from(self.batch.eval(env)?).ok()?;
-        if h > 65535 || b > 65535 {
+        let dims = [self.q_len.clone(), self.q_heads.clone(), self.batch.clone()];
+        grid_of(&dims, [self.tile_q, 1, 1], env)
+    }
+}
+
+/// An attention op's sizes when the tensor-core kernels support it (shared
+/// by the forward and `flash_bwd.rs`).
+pub(crate) struct Config {
+    pub(crate) batch: Dim,
+    pub(crate) q_len: Dim,
+    pub(crate) kv_len: Dim,
+    pub(crate) q_heads: Dim,
+    pub(crate) kv_heads: Dim,
+    pub(crate) head_dim: u64,
+    pub(crate) group: i64,
+    pub(crate) causal: bool,
+    pub(crate) scale: f64,
+    pub(crate) dt: DType,
+}
+
+impl Config {
+    /// For op `n` with q, k, v its inputs 0..3: `None` unless they are bf16
+    /// or f16 with a head dim of 64 or 128, the head counts are constants,
+    /// the inputs in `tiled` have 16-byte aligned contiguous rows, the
+    /// inputs and outputs listed as f32 are f32 and every other one has
+    /// q's dtype.
+    pub(crate) fn of(
+        g: &Graph,
+        c: &Ctx,
+        n: NodeIndex,
+        (causal, scale): (bool, f64),
+        tiled: &[usize],
+        f32_in: &[usize],
+        f32_out: &[usize],
+    ) -> Option<Config> {
+        let ins = g.inputs(n);
+        if c.ins.len() != ins.len() || c.outs.len() != g.g[n].outputs.len() {
             return None;
         }
-        Some([t.div_ceil(self.tile_q).max(1), h.max(1), b.max(1)])
-    }
-}
-
-/// Where one tensor lives: its kernel parameter, element type, the strides
-/// and offset of the op's view of it (the `Access` of `attention.rs`,
-/// trimmed to what this kernel needs).
-struct Access {
-    ptr: String,
-    dt: DType,
-    strides: Vec<Dim>,
-    offset: Dim,
-}
-
-impl Access {
-    fn input(g: &Graph, c: &Ctx, n: NodeIndex, i: usize) -> Access {
-        let slot = c.ins[i];
-        let dt = c.p.buffers[c.k.inputs[slot]].ty.dtype;
-        let ptr = format!("in{slot}");
-        match c.k.input_views.get(slot).and_then(|v| v.as_ref()) {
-            Some(v) => Access {
-                ptr,
-                dt,
-                strides: v.strides.clone(),
-                offset: v.offset.clone(),
-            },
-            None => Access {
-                ptr,
-                dt,
-                strides: contiguous_strides(&g.ty(g.inputs(n)[i]).shape),
-                offset: Dim::constant(0),
-            },
+        let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
+        let dt = q.dtype;
+        let want = |f32: bool| if f32 { DType::F32 } else { dt };
+        if !matches!(dt, DType::BF16 | DType::F16)
+            || (0..ins.len()).any(|i| c.in_dt(i) != want(f32_in.contains(&i)))
+            || (0..c.outs.len()).any(|o| c.out_dt(o) != want(f32_out.contains(&o)))
+        {
+            return None;
         }
-    }
-
-    fn output(g: &Graph, c: &Ctx, n: NodeIndex, o: usize) -> Access {
-        let slot = c.outs[o];
-        Access {
-            ptr: format!("out{slot}"),
-            dt: c.p.buffers[c.k.outputs[slot]].ty.dtype,
-            strides: contiguous_strides(&g.g[n].outputs[o].shape),
-            offset: Dim::constant(0),
+        let d = q.shape[3].as_const()?;
+        if !matches!(d, 64 | 128) || k.shape[3].as_const()? != d || v.shape[3].as_const()? != d {
+            return None;
         }
-    }
-
-    /// The C offset of the element at `coords` (`"0"` drops an axis).
-    fn at(&self, coords: &[&str]) -> String {
-        let mut terms = Vec::new();
-        if self.offset.as_const() != Some(0) {
-            terms.push(self.offset.to_c());
+        let group = q.shape[2].as_const()? / k.shape[2].as_const().filter(|&h| h > 0)?;
+        if group < 1
+            || !tiled
+                .iter()
+                .all(|&i| Access::input(g, c, n, i).rows_aligned())
+        {
+            return None;
         }
-        for (x, s) in coords.iter().zip(&self.strides) {
-            if *x == "0" || s.as_const() == Some(0) {
-                continue;
-            }
-            terms.push(if s.is_one() {
-                x.to_string()
-            } else {
-                format!("{x} * {}", s.to_c())
-            });
-        }
-        if terms.is_empty() {
-            "0".into()
-        } else {
-            terms.join(" + ")
-        }
+        Some(Config {
+            batch: q.shape[0].clone(),
+            q_len: q.shape[1].clone(),
+            kv_len: k.shape[1].clone(),
+            q_heads: q.shape[2].clone(),
+            kv_heads: k.shape[2].clone(),
+            head_dim: d as u64,
+            group,
+            causal,
+            scale,
+            dt,
+        })
     }
-
-    /// Every row (the last axis) starts 16-byte aligned and is contiguous.
-    fn rows_aligned(&self) -> bool {
-        let div8 = |d: &Dim| d.checked_div(&Dim::constant(8)).is_some();
-        matches!(self.strides.split_last(), Some((last, rest))
-            if last.is_one() && rest.iter().all(div8) && div8(&self.offset))
-    }
-}
-
-/// The op's sizes when the kernel supports it: (B, T, S, Hq, Hkv, D, group,
-/// causal, scale, dtype).
-struct Config {
-    batch: Dim,
-    q_len: Dim,
-    kv_len: Dim,
-    q_heads: Dim,
-    head_dim: u64,
-    group: i64,
-    causal: bool,
-    scale: f64,
-    dt: DType,
 }
 
 fn config(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<Config> {
     let Op::Attention(a) = &g.g[n].op else {
         return None;
     };
-    let ins = g.inputs(n);
-    if ins.len() != 3 || c.ins.len() != 3 || c.outs.len() != 2 {
-        return None;
+    Config::of(g, c, n, (a.causal, a.scale), &[0, 1, 2], &[], &[1])
+}
+
+/// `ceil(dims[a] / tiles[a])` per grid axis for concrete sizes; `None` for
+/// an unbound symbol or a y/z extent over 65535.
+pub(crate) fn grid_of(
+    dims: &[Dim; 3],
+    tiles: [u64; 3],
+    env: &dyn Fn(&str) -> Option<i64>,
+) -> Option<[u64; 3]> {
+    let mut g = [0u64; 3];
+    for ((x, dim), tile) in g.iter_mut().zip(dims).zip(tiles) {
+        let n = u64::try_from(dim.eval(env)?).ok()?;
+        *x = n.div_ceil(tile).max(1);
     }
-    let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
-    let dt = q.dtype;
-    if !matches!(dt, DType::BF16 | DType::F16)
-        || k.dtype != dt
-        || v.dtype != dt
-        || (0..3).any(|i| c.in_dt(i) != dt)
-        || c.out_dt(0) != dt
-        || c.out_dt(1) != DType::F32
-    {
-        return None;
-    }
-    let d = q.shape[3].as_const()?;
-    if !matches!(d, 64 | 128) || k.shape[3].as_const()? != d || v.shape[3].as_const()? != d {
-        return None;
-    }
-    let group = q.shape[2].as_const()? / k.shape[2].as_const().filter(|&h| h > 0)?;
-    if group < 1 {
-        return None;
-    }
-    if !(0..3).all(|i| Access::input(g, c, n, i).rows_aligned()) {
-        return None;
-    }
-    Some(Config {
-        batch: q.shape[0].clone(),
-        q_len: q.shape[1].clone(),
-        kv_len: k.shape[1].clone(),
-        q_heads: q.shape[2].clone(),
-        head_dim: d as u64,
-        group,
-        causal: a.causal,
-        scale: a.scale,
-        dt,
-    })
+    (g[1] <= 65535 && g[2] <= 65535).then_some(g)
 }
 
 /// The complete source of the FlashAttention forward kernel of attention op
@@ -245,13 +203,7 @@ pub fn flash_kernel(
     n: NodeIndex,
     source: Option<&str>,
 ) -> Option<(String, FlashLaunch)> {
-    let c = Ctx {
-        p,
-        k,
-        ins: (0..g.inputs(n).len()).collect(),
-        outs: (0..g.g[n].outputs.len()).collect(),
-    };
-    emit(g, &c, n, source)
+    emit(g, &Ctx::for_op(g, p, k, n), n, source)
 }
 
 /// The FlashAttention-2 forward kernel for `Op::Attention` node `n`: the
@@ -296,8 +248,9 @@ fn emit(g: &Graph, c: &Ctx, n: NodeIndex, source: Option<&str>) -> Option<(Strin
     Some((s, launch))
 }
 
-/// File-scope building blocks, once per translation unit.
-const HELPERS: &str = r#"// FlashAttention building blocks: single PTX instructions on the GPU; a
+/// File-scope building blocks, once per translation unit (the backward's
+/// kernels include them too).
+pub(crate) const HELPERS: &str = r#"// FlashAttention building blocks: single PTX instructions on the GPU; a
 // host build supplies fs_emu_* (an emulation of one warp, with the PTX ISA's
 // fragment layouts) so that the same kernel runs in tests.
 #ifndef FS_FLASH_HELPERS

@@ -61,11 +61,12 @@
 //!   FlashAttention-2 does); everything accumulates in f32; dK and dQ are
 //!   scaled once at the end.
 
+use super::attention::Access;
 use super::cuda::{float_lit, header, load, store};
+use super::flash::{grid_of, Config, HELPERS};
 use super::templates::Ctx;
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
-use crate::kernel::view::contiguous_strides;
 use crate::kernel::{Kernel, Program};
 use crate::ops::Op;
 use petgraph::stable_graph::NodeIndex;
@@ -125,144 +126,16 @@ impl FlashBwdLaunch {
     /// `(grid.x, grid.y, grid.z)` for concrete sizes; `None` for an unbound
     /// symbol or a y/z extent over 65535.
     pub fn grid(&self, env: &dyn Fn(&str) -> Option<i64>) -> Option<[u64; 3]> {
-        let mut g = [0u64; 3];
-        for ((x, dim), tile) in g.iter_mut().zip(&self.grid_dims).zip(self.grid_tiles) {
-            let n = u64::try_from(dim.eval(env)?).ok()?;
-            *x = n.div_ceil(tile).max(1);
-        }
-        if g[1] > 65535 || g[2] > 65535 {
-            return None;
-        }
-        Some(g)
+        grid_of(&self.grid_dims, self.grid_tiles, env)
     }
-}
-
-/// Where one tensor lives (the `Access` of `attention.rs`, trimmed).
-struct Access {
-    ptr: String,
-    dt: DType,
-    strides: Vec<Dim>,
-    offset: Dim,
-}
-
-impl Access {
-    fn input(g: &Graph, c: &Ctx, n: NodeIndex, i: usize) -> Access {
-        let slot = c.ins[i];
-        let dt = c.p.buffers[c.k.inputs[slot]].ty.dtype;
-        let ptr = format!("in{slot}");
-        match c.k.input_views.get(slot).and_then(|v| v.as_ref()) {
-            Some(v) => Access {
-                ptr,
-                dt,
-                strides: v.strides.clone(),
-                offset: v.offset.clone(),
-            },
-            None => Access {
-                ptr,
-                dt,
-                strides: contiguous_strides(&g.ty(g.inputs(n)[i]).shape),
-                offset: Dim::constant(0),
-            },
-        }
-    }
-
-    fn output(g: &Graph, c: &Ctx, n: NodeIndex, o: usize) -> Access {
-        let slot = c.outs[o];
-        Access {
-            ptr: format!("out{slot}"),
-            dt: c.p.buffers[c.k.outputs[slot]].ty.dtype,
-            strides: contiguous_strides(&g.g[n].outputs[o].shape),
-            offset: Dim::constant(0),
-        }
-    }
-
-    /// The C offset of the element at `coords` (`"0"` drops an axis).
-    fn at(&self, coords: &[&str]) -> String {
-        let mut terms = Vec::new();
-        if self.offset.as_const() != Some(0) {
-            terms.push(self.offset.to_c());
-        }
-        for (x, s) in coords.iter().zip(&self.strides) {
-            if *x == "0" || s.as_const() == Some(0) {
-                continue;
-            }
-            terms.push(if s.is_one() {
-                x.to_string()
-            } else {
-                format!("{x} * {}", s.to_c())
-            });
-        }
-        if terms.is_empty() {
-            "0".into()
-        } else {
-            terms.join(" + ")
-        }
-    }
-
-    /// Every row (the last axis) starts 16-byte aligned and is contiguous.
-    fn rows_aligned(&self) -> bool {
-        let div8 = |d: &Dim| d.checked_div(&Dim::constant(8)).is_some();
-        matches!(self.strides.split_last(), Some((last, rest))
-            if last.is_one() && rest.iter().all(div8) && div8(&self.offset))
-    }
-}
-
-struct Config {
-    batch: Dim,
-    q_len: Dim,
-    kv_len: Dim,
-    q_heads: Dim,
-    kv_heads: Dim,
-    head_dim: u64,
-    group: i64,
-    causal: bool,
-    scale: f64,
-    dt: DType,
 }
 
 fn config(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<Config> {
     let Op::AttentionGrad(a) = &g.g[n].op else {
         return None;
     };
-    let ins = g.inputs(n);
-    if ins.len() != 6 || c.ins.len() != 6 || c.outs.len() != 3 {
-        return None;
-    }
-    let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
-    let dt = q.dtype;
-    if !matches!(dt, DType::BF16 | DType::F16)
-        || [0, 1, 2, 3, 5].iter().any(|&i| c.in_dt(i) != dt)
-        || c.in_dt(4) != DType::F32
-        || (0..3).any(|o| c.out_dt(o) != dt)
-    {
-        return None;
-    }
-    let d = q.shape[3].as_const()?;
-    if !matches!(d, 64 | 128) || k.shape[3].as_const()? != d || v.shape[3].as_const()? != d {
-        return None;
-    }
-    let group = q.shape[2].as_const()? / k.shape[2].as_const().filter(|&h| h > 0)?;
-    if group < 1 {
-        return None;
-    }
-    if ![0, 1, 2, 3, 5]
-        .iter()
-        .all(|&i| Access::input(g, c, n, i).rows_aligned())
-    {
-        return None;
-    }
-    Some(Config {
-        batch: q.shape[0].clone(),
-        q_len: q.shape[1].clone(),
-        kv_len: k.shape[1].clone(),
-        q_heads: q.shape[2].clone(),
-        kv_heads: k.shape[2].clone(),
-        head_dim: d as u64,
-        group,
-        causal: a.causal,
-        scale: a.scale,
-        dt,
-    })
+    // q, k, v, o and dO are read in 16-byte tiles; lse is f32.
+    Config::of(g, c, n, (a.causal, a.scale), &[0, 1, 2, 3, 5], &[4], &[])
 }
 
 /// The three kernels of the FlashAttention-2 backward of `AttentionGrad`
@@ -279,12 +152,7 @@ pub fn flash_backward(
     n: NodeIndex,
     source: Option<&str>,
 ) -> Option<Vec<FlashBwdLaunch>> {
-    let c = Ctx {
-        p,
-        k,
-        ins: (0..g.inputs(n).len()).collect(),
-        outs: (0..g.g[n].outputs.len()).collect(),
-    };
+    let c = Ctx::for_op(g, p, k, n);
     let cfg = config(g, &c, n)?;
     let head = header(g, p, k, source);
     let scratch = cfg
@@ -401,60 +269,6 @@ fn fill(t: &str, subs: &[(&str, String)]) -> String {
     }
     s
 }
-
-/// File-scope building blocks, once per translation unit (the forward's,
-/// `flash.rs`, under the same include guard).
-const HELPERS: &str = r#"// FlashAttention building blocks: single PTX instructions on the GPU; a
-// host build supplies fs_emu_* (an emulation of one warp, with the PTX ISA's
-// fragment layouts) so that the same kernel runs in tests.
-#ifndef FS_FLASH_HELPERS
-#define FS_FLASH_HELPERS
-#ifdef __CUDA_ARCH__
-// d += a * b for one warp, m16n8k16: a is 16x16 row-major (4 registers of two
-// 16-bit values), b 16x8 column-major (2 registers), d 16x8 in f32.
-__device__ __forceinline__ void fs_mma_16816_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void fs_mma_16816_f16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ float fs_shfl_xor(float v, int lane_mask) { return __shfl_xor_sync(0xffffffffu, v, lane_mask); }
-// 2^x (2 ulp; 2^-inf = 0).
-__device__ __forceinline__ float fs_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-// Two adjacent 16-bit values (4-byte aligned) as one register, low first.
-__device__ __forceinline__ unsigned fs_ld32(const unsigned short* p) { return *reinterpret_cast<const unsigned*>(p); }
-// 16 bytes, both addresses 16-byte aligned.
-__device__ __forceinline__ void fs_copy16(unsigned short* dst, const unsigned short* src) {
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-}
-__device__ __forceinline__ void fs_zero16(unsigned short* dst) { *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u}; }
-#else
-inline void fs_mma_16816_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { fs_emu_mma_16816(d, a, b0, b1, true); }
-inline void fs_mma_16816_f16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { fs_emu_mma_16816(d, a, b0, b1, false); }
-inline float fs_shfl_xor(float v, int lane_mask) { return fs_emu_shfl_xor(v, lane_mask); }
-inline float fs_exp2(float x) { return exp2f(x); }
-inline unsigned fs_ld32(const unsigned short* p) {
-    unsigned u;
-    memcpy(&u, p, 4);
-    return u;
-}
-inline void fs_copy16(unsigned short* dst, const unsigned short* src) { memcpy(dst, src, 16); }
-inline void fs_zero16(unsigned short* dst) { memset(dst, 0, 16); }
-#endif
-// Two floats rounded to 16 bits and packed into one mma operand, lo in the low half.
-__device__ __forceinline__ unsigned fs_pack_bf16(float lo, float hi) { return (unsigned)fs_to_bf16(lo) | ((unsigned)fs_to_bf16(hi) << 16); }
-__device__ __forceinline__ unsigned fs_pack_f16(float lo, float hi) { return (unsigned)fs_to_f16(lo) | ((unsigned)fs_to_f16(hi) << 16); }
-#endif
-
-"#;
 
 /// Substitutions every body uses.
 fn common_subs(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> Vec<(&'static str, String)> {

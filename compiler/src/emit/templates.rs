@@ -38,7 +38,18 @@ pub(crate) struct Ctx<'a> {
     pub(crate) outs: Vec<usize>,
 }
 
-impl Ctx<'_> {
+impl<'a> Ctx<'a> {
+    /// A kernel that is one op: its slots are the op's inputs and outputs
+    /// in order.
+    pub(crate) fn for_op(g: &Graph, p: &'a Program, k: &'a Kernel, n: NodeIndex) -> Ctx<'a> {
+        Ctx {
+            p,
+            k,
+            ins: (0..g.inputs(n).len()).collect(),
+            outs: (0..g.g[n].outputs.len()).collect(),
+        }
+    }
+
     pub(crate) fn in_dt(&self, i: usize) -> DType {
         self.p.buffers[self.k.inputs[self.ins[i]]].ty.dtype
     }
@@ -109,6 +120,60 @@ fn stats(b: &mut String, x: &str, eps: &str, indent: &str, var: &str) {
         b,
         "{indent}const float rstd = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
     );
+}
+
+/// `name` = 1 / sqrt(mean(x^2) + eps) of one row; `x` reads the row at
+/// loop variable `var`.
+fn rms(b: &mut String, x: &str, eps: &str, indent: &str, var: &str, name: &str) {
+    let _ = writeln!(b, "{indent}float sq = 0.0f;");
+    let _ = writeln!(
+        b,
+        "{indent}for (fs_i64 {var} = threadIdx.x; {var} < C; {var} += blockDim.x) sq += {x} * {x};"
+    );
+    let _ = writeln!(
+        b,
+        "{indent}const float {name} = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
+    );
+}
+
+/// One row of cross-entropy over logits (input 0) against targets (input
+/// 1): the loss into output `loss`, and/or the gradient (softmax -
+/// onehot(t)) * dloss[row] (dloss input 2) into output `grad`, the
+/// probabilities never stored.
+fn cross_entropy_row(b: &mut String, c: &Ctx, loss: Option<usize>, grad: Option<usize>) {
+    let x = c.ld(0, "row * C + j");
+    max_sumexp(b, &x, "        ");
+    let _ = writeln!(b, "        const fs_i64 t = in1[row];");
+    if grad.is_some() {
+        let _ = writeln!(b, "        const float scale = {};", c.ld(2, "row"));
+    }
+    if let Some(o) = loss {
+        let picked = c.ld(0, "row * C + t");
+        let _ = writeln!(
+            b,
+            "        if (threadIdx.x == 0) {}",
+            c.st(
+                o,
+                "row",
+                &format!(
+                    "(t >= 0 && t < C) ? m + logf(sum) - {picked} : __int_as_float(0x7fc00000)"
+                )
+            )
+        );
+    }
+    if let Some(o) = grad {
+        if loss.is_some() {
+            // Every thread has read its logits of this row (the loss above
+            // reads one more) before any overwrites them in place.
+            let _ = writeln!(b, "        __syncthreads();");
+        }
+        let v = format!("(expf({x} - m) / sum - (j == t ? 1.0f : 0.0f)) * scale");
+        let _ = writeln!(
+            b,
+            "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
+            c.st(o, "row * C + j", &v)
+        );
+    }
 }
 
 /// Closes the row loop and opens the parameter-gradient phase of a norm
@@ -234,13 +299,7 @@ pub fn op_kernel(
     n: NodeIndex,
     source: Option<&str>,
 ) -> Option<String> {
-    let arity = g.inputs(n).len();
-    let c = Ctx {
-        p,
-        k,
-        ins: (0..arity).collect(),
-        outs: (0..g.g[n].outputs.len()).collect(),
-    };
+    let c = Ctx::for_op(g, p, k, n);
     let mut s = header(g, p, k, source);
     // Attention, convolution and multi-tensor kernels have their own loop
     // structure.
@@ -301,16 +360,7 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         }
         Op::RmsNorm(rn) => {
             let x = c.ld(0, "row * C + j");
-            let _ = writeln!(b, "        float sq = 0.0f;");
-            let _ = writeln!(
-                b,
-                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sq += {x} * {x};"
-            );
-            let _ = writeln!(
-                b,
-                "        const float r = rsqrtf(fs_block_sum(sq) / (float)C + {});",
-                float_lit(rn.eps)
-            );
+            rms(b, &x, &float_lit(rn.eps), "        ", "j", "r");
             let v = format!("{x} * r * {}", c.ld(1, "j"));
             let _ = writeln!(
                 b,
@@ -318,22 +368,7 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 c.st(0, "row * C + j", &v)
             );
         }
-        Op::CrossEntropyGrad(_) => {
-            // (softmax(logits) - onehot(target)) * dloss[row]
-            let x = c.ld(0, "row * C + j");
-            max_sumexp(b, &x, "        ");
-            let _ = writeln!(
-                b,
-                "        const fs_i64 target = in1[row];\n        const float scale = {};",
-                c.ld(2, "row")
-            );
-            let v = format!("(expf({x} - m) / sum - (j == target ? 1.0f : 0.0f)) * scale");
-            let _ = writeln!(
-                b,
-                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
-                c.st(0, "row * C + j", &v)
-            );
-        }
+        Op::CrossEntropyGrad(_) => cross_entropy_row(b, c, None, Some(0)),
         Op::Embedding(_) => {
             let (v, cc) = (in_shape(0)[0].to_c(), last(&in_shape(0)).to_c());
             let _ = writeln!(
@@ -560,13 +595,14 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 "rs_s[r - c0] = rs;",
                 &["rs"],
                 &|b| {
-                    let xj = c.ld(0, "r * C + jj");
-                    let _ = writeln!(b, "                float sq = 0.0f;");
-                    let _ = writeln!(b, "                for (fs_i64 jj = threadIdx.x; jj < C; jj += blockDim.x) sq += {xj} * {xj};");
-                    let _ = writeln!(
-                    b,
-                    "                const float rs = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
-                );
+                    rms(
+                        b,
+                        &c.ld(0, "r * C + jj"),
+                        &eps,
+                        "                ",
+                        "jj",
+                        "rs",
+                    )
                 },
             );
             let _ = writeln!(
@@ -710,56 +746,10 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 )
             );
         }
-        Op::CrossEntropyWithGrad(_) => {
-            // One pass over the logits: the row's loss and its gradient
-            // (softmax - onehot(target)) * dloss[row].
-            let x = c.ld(0, "row * C + j");
-            max_sumexp(b, &x, "        ");
-            let _ = writeln!(
-                b,
-                "        const fs_i64 t = in1[row];\n        const float scale = {};",
-                c.ld(2, "row")
-            );
-            let picked = c.ld(0, "row * C + t");
-            let _ = writeln!(
-                b,
-                "        if (threadIdx.x == 0) {}",
-                c.st(
-                    1,
-                    "row",
-                    &format!(
-                        "(t >= 0 && t < C) ? m + logf(sum) - {picked} : __int_as_float(0x7fc00000)"
-                    )
-                )
-            );
-            // Every thread has read its logits of this row (the loss above
-            // reads one more) before any overwrites them in place.
-            let _ = writeln!(b, "        __syncthreads();");
-            let v = format!("(expf({x} - m) / sum - (j == t ? 1.0f : 0.0f)) * scale");
-            let _ = writeln!(
-                b,
-                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
-                c.st(0, "row * C + j", &v)
-            );
-        }
-        Op::CrossEntropy(_) => {
-            // logsumexp(row) - row[target]; NaN for a target outside the row.
-            let x = c.ld(0, "row * C + j");
-            max_sumexp(b, &x, "        ");
-            let _ = writeln!(b, "        const fs_i64 t = in1[row];");
-            let picked = c.ld(0, "row * C + t");
-            let _ = writeln!(
-                b,
-                "        if (threadIdx.x == 0) {}",
-                c.st(
-                    0,
-                    "row",
-                    &format!(
-                        "(t >= 0 && t < C) ? m + logf(sum) - {picked} : __int_as_float(0x7fc00000)"
-                    )
-                )
-            );
-        }
+        // One pass over the logits: the row's loss and its gradient.
+        Op::CrossEntropyWithGrad(_) => cross_entropy_row(b, c, Some(1), Some(0)),
+        // logsumexp(row) - row[target]; NaN for a target outside the row.
+        Op::CrossEntropy(_) => cross_entropy_row(b, c, Some(0), None),
         _ => return None,
     }
     match shape {

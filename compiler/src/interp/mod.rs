@@ -72,6 +72,14 @@ pub fn concrete_shape(
         .collect()
 }
 
+/// A size with every symbol bound (0 where one is not, or it is negative:
+/// the feeds' own checks report those).
+pub(crate) fn dim_size(d: &Dim, dims: &HashMap<String, i64>) -> usize {
+    d.eval(&|s| dims.get(s).copied())
+        .and_then(|v| usize::try_from(v).ok())
+        .unwrap_or(0)
+}
+
 /// Evaluates the whole graph; returns every value it computed.
 pub fn run(
     g: &Graph,
@@ -79,11 +87,7 @@ pub fn run(
     precision: Precision,
 ) -> Result<HashMap<Value, Tensor>, InterpError> {
     let mut vals: HashMap<Value, Tensor> = HashMap::new();
-    let dim_env = |d: &Dim| -> usize {
-        d.eval(&|s| feeds.dims.get(s).copied())
-            .and_then(|v| usize::try_from(v).ok())
-            .unwrap_or(0)
-    };
+    let dim_env = |d: &Dim| dim_size(d, &feeds.dims);
     for n in g.topo_order() {
         let node = &g.g[n];
         let out_shapes: Vec<Vec<usize>> = node

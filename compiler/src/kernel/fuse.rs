@@ -182,13 +182,7 @@ impl<'g> Fuser<'g> {
             let inner = self.g.inputs(x.node)[0];
             let src = self.materialise(inner, kernels);
             let v = View::contiguous(&self.g.ty(inner).shape);
-            let v = match &self.g.g[x.node].op {
-                Op::Permute(p) => v.permute(p),
-                Op::Broadcast(b) => v.broadcast(b),
-                Op::Slice(s) => v.slice(s).unwrap_or(v),
-                Op::Reshape(r) => View::contiguous(&r.shape),
-                _ => v,
-            };
+            let v = v.apply(&self.g.g[x.node].op).unwrap_or(v);
             (src, v)
         } else {
             let (base, _) = self.base(x);
@@ -216,45 +210,26 @@ impl<'g> Fuser<'g> {
         out
     }
 
-    /// How `x` reads its base value's buffer.
-    fn view_of(&self, x: Value) -> View {
+    /// How `x` reads its base value's buffer, when a view can say it.
+    fn try_view(&self, x: Value) -> Option<View> {
         let (base, chain) = self.base(x);
-        let mut v = View::contiguous(&self.g.ty(base).shape);
-        for n in chain {
-            v = match &self.g.g[n].op {
-                Op::Permute(p) => v.permute(p),
-                Op::Broadcast(b) => v.broadcast(b),
-                Op::Slice(s) => v.slice(s).unwrap_or(v),
-                // A reshape of a strided view: fall back to the reshape's
-                // own row-major layout over the base (only reached for
-                // contiguous views, see `needs_copy`).
-                Op::Reshape(r) => v.reshape(r).unwrap_or_else(|| View::contiguous(&r.shape)),
-                _ => v,
-            };
-        }
-        v
+        chain
+            .iter()
+            .try_fold(View::contiguous(&self.g.ty(base).shape), |v, &n| {
+                v.apply(&self.g.g[n].op)
+            })
+    }
+
+    /// How `x` reads its base value's buffer (callers first check
+    /// `needs_copy`).
+    fn view_of(&self, x: Value) -> View {
+        self.try_view(x)
+            .unwrap_or_else(|| View::contiguous(&self.g.ty(x).shape))
     }
 
     /// A view chain a load cannot express (a reshape of a permuted view).
     fn needs_copy(&self, x: Value) -> bool {
-        let (base, chain) = self.base(x);
-        let mut v = View::contiguous(&self.g.ty(base).shape);
-        for n in chain {
-            v = match &self.g.g[n].op {
-                Op::Permute(p) => v.permute(p),
-                Op::Broadcast(b) => v.broadcast(b),
-                Op::Slice(s) => match v.slice(s) {
-                    Some(s) => s,
-                    None => return true,
-                },
-                Op::Reshape(r) => match v.reshape(r) {
-                    Some(r) => r,
-                    None => return true,
-                },
-                _ => v,
-            };
-        }
-        false
+        self.try_view(x).is_none()
     }
 
     fn scalar_expr(&self, x: Value) -> Option<PExpr> {
@@ -474,7 +449,7 @@ pub fn fuse(g: &Graph) -> Program {
         }
     }
     let kernels = group_param_casts(g, &f.buffers, kernels);
-    let kernels = group_optimizer_updates(g, kernels);
+    let kernels = number(group_optimizer_updates(g, kernels));
     let program = Program {
         buffers: f.buffers,
         kernels,
@@ -503,74 +478,23 @@ fn group_param_casts(g: &Graph, buffers: &[Buffer], kernels: Vec<Kernel>) -> Vec
     if casts.len() < 2 {
         return kernels;
     }
-    let mut members = Vec::new();
-    let (mut inputs, mut outputs) = (Vec::new(), Vec::new());
-    for &i in &casts {
-        inputs.push(kernels[i].inputs[0]);
-        outputs.push(kernels[i].outputs[0]);
-        members.push(Member {
-            node: kernels[i].nodes[0],
-            inputs: vec![inputs.len() - 1],
-            outputs: vec![outputs.len() - 1],
-        });
-    }
-    let group = Kernel {
-        name: format!("k0_cast_x{}", members.len()),
-        nodes: members.iter().map(|m| m.node).collect(),
-        inputs,
-        outputs,
-        input_views: Vec::new(),
-        residual: None,
-        body: Body::Group(members),
-    };
-    let mut group = Some(group);
-    let mut out = Vec::with_capacity(kernels.len());
-    for (i, k) in kernels.into_iter().enumerate() {
-        if i == casts[0] {
-            out.extend(group.take());
-        }
-        if !is_cast(&k) {
-            out.push(k);
-        }
-    }
-    out
+    regroup(g, kernels, &casts, casts[0])
 }
 
 /// Most ops in one group kernel: their pointers must fit the 32 KiB of
 /// kernel parameters (seven pointers for an AdamW update).
 const GROUP_MAX: usize = 256;
 
-/// Every parameter's optimizer update in one launch (or a few): the ops
-/// are independent and nothing in the step reads their results, so they
-/// move to the position of the last of them. Kernels are then renamed for
-/// their new positions.
-fn group_optimizer_updates(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
-    let is_update = |k: &Kernel| matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::AdamW(_) | Op::Sgd(_)));
-    let updates: Vec<usize> = (0..kernels.len())
-        .filter(|&i| is_update(&kernels[i]))
-        .collect();
-    if updates.len() < 2 {
-        return kernels;
-    }
-    // Only when no other kernel reads what an update writes.
-    let written: std::collections::HashSet<usize> = updates
-        .iter()
-        .flat_map(|&i| kernels[i].outputs.iter().copied())
-        .collect();
-    if kernels
-        .iter()
-        .any(|k| !is_update(k) && k.inputs.iter().any(|b| written.contains(b)))
-    {
-        return kernels;
-    }
+/// Kernels `chosen` (independent single-op kernels of one kind, in launch
+/// order) as group kernels of at most GROUP_MAX members each, launched
+/// where kernel `at` (one of them) was; the other kernels keep their order.
+fn regroup(g: &Graph, kernels: Vec<Kernel>, chosen: &[usize], at: usize) -> Vec<Kernel> {
     let mut groups: Vec<Kernel> = Vec::new();
-    for chunk in updates.chunks(GROUP_MAX) {
-        let mut inputs: Vec<usize> = Vec::new();
-        let mut outputs: Vec<usize> = Vec::new();
+    for chunk in chosen.chunks(GROUP_MAX) {
+        let (mut inputs, mut outputs): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
         let mut members = Vec::new();
         for &i in chunk {
             let k = &kernels[i];
-            let Body::Op(node) = k.body else { continue };
             let ins = k
                 .inputs
                 .iter()
@@ -591,7 +515,7 @@ fn group_optimizer_updates(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
                 })
                 .collect();
             members.push(Member {
-                node,
+                node: k.nodes[0],
                 inputs: ins,
                 outputs: outs,
             });
@@ -607,18 +531,47 @@ fn group_optimizer_updates(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
             body: Body::Group(members),
         });
     }
-    let last = *updates.last().expect("at least two updates");
     let mut out = Vec::with_capacity(kernels.len());
     for (i, k) in kernels.into_iter().enumerate() {
-        if !is_update(&k) {
-            out.push(k);
-        }
-        if i == last {
+        if i == at {
             out.append(&mut groups);
         }
+        if !chosen.contains(&i) {
+            out.push(k);
+        }
     }
-    // Names lead with the launch position.
-    for (i, k) in out.iter_mut().enumerate() {
+    out
+}
+
+/// Every parameter's optimizer update in one launch (or a few): the ops
+/// are independent and nothing in the step reads their results, so they
+/// move to the position of the last of them.
+fn group_optimizer_updates(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
+    let is_update = |k: &Kernel| matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::AdamW(_) | Op::Sgd(_)));
+    let updates: Vec<usize> = (0..kernels.len())
+        .filter(|&i| is_update(&kernels[i]))
+        .collect();
+    if updates.len() < 2 {
+        return kernels;
+    }
+    // Only when no other kernel reads what an update writes.
+    let written: std::collections::HashSet<usize> = updates
+        .iter()
+        .flat_map(|&i| kernels[i].outputs.iter().copied())
+        .collect();
+    if kernels
+        .iter()
+        .any(|k| !is_update(k) && k.inputs.iter().any(|b| written.contains(b)))
+    {
+        return kernels;
+    }
+    let last = *updates.last().expect("at least two updates");
+    regroup(g, kernels, &updates, last)
+}
+
+/// Names lead with the launch position (`k12_add_gelu`), whatever moved.
+fn number(mut kernels: Vec<Kernel>) -> Vec<Kernel> {
+    for (i, k) in kernels.iter_mut().enumerate() {
         let rest = match k.name.split_once('_') {
             Some((head, rest)) if head.starts_with('k') && head[1..].parse::<usize>().is_ok() => {
                 rest.to_string()
@@ -627,7 +580,7 @@ fn group_optimizer_updates(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
         };
         k.name = format!("k{i}_{rest}");
     }
-    out
+    kernels
 }
 
 impl Fuser<'_> {

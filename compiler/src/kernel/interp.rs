@@ -14,9 +14,7 @@ use petgraph::stable_graph::NodeIndex;
 type BoundView = (Vec<usize>, Vec<usize>, usize);
 
 fn dim(d: &Dim, feeds: &Feeds) -> usize {
-    d.eval(&|s| feeds.dims.get(s).copied())
-        .and_then(|v| usize::try_from(v).ok())
-        .unwrap_or(0)
+    crate::interp::dim_size(d, &feeds.dims)
 }
 
 /// The element of the viewed buffer for flat element `i` of the view's shape.

@@ -46,16 +46,12 @@ fn view_of(g: &Graph, p: &Program, v: Value) -> Option<(usize, View)> {
         at = g.inputs(at.node)[0];
     }
     let b = p.buffer_of(at)?;
-    let mut view = View::contiguous(&g.ty(at).shape);
-    for n in chain.into_iter().rev() {
-        view = match &g.g[n].op {
-            Op::Permute(x) => view.permute(x),
-            Op::Broadcast(x) => view.broadcast(x),
-            Op::Slice(x) => view.slice(x)?,
-            Op::Reshape(x) => view.reshape(x)?,
-            _ => return None,
-        };
-    }
+    let view = chain
+        .into_iter()
+        .rev()
+        .try_fold(View::contiguous(&g.ty(at).shape), |v, n| {
+            v.apply(&g.g[n].op)
+        })?;
     Some((b, view))
 }
 
@@ -171,7 +167,7 @@ pub fn print_program(g: &Graph, p: &Program) -> String {
             Body::Group(m) => format!("group of {}", m.len()),
             Body::Gemm(_, e) => format!("gemm, epilogue {}", e.name()),
         };
-        let _ = writeln!(s, "{} ({kind}): {}", k.name, summarize(&ops));
+        let _ = writeln!(s, "{} ({kind}): {}", k.name, op_runs(&ops, 2));
         for (slot, &b) in k.inputs.iter().enumerate() {
             let through = match k.input_views.get(slot).and_then(|v| v.as_ref()) {
                 Some(v) => format!(" as {} {}", dims(&v.shape), describe_view(v)),
@@ -200,22 +196,23 @@ pub fn print_program(g: &Graph, p: &Program) -> String {
     s
 }
 
-/// `cast x148`, `add + gelu`.
-fn summarize(ops: &[&str]) -> String {
+/// `add + gelu`, `cast x148`: ops in order, a run of at least `shortest`
+/// equal ops written once with its count, shorter runs spelled out.
+pub fn op_runs<S: AsRef<str>>(ops: &[S], shortest: usize) -> String {
     let mut parts: Vec<(&str, usize)> = Vec::new();
     for op in ops {
         match parts.last_mut() {
-            Some((last, n)) if last == op => *n += 1,
-            _ => parts.push((op, 1)),
+            Some((last, n)) if *last == op.as_ref() => *n += 1,
+            _ => parts.push((op.as_ref(), 1)),
         }
     }
     parts
         .iter()
-        .map(|(op, n)| {
-            if *n > 1 {
+        .map(|&(op, n)| {
+            if n >= shortest {
                 format!("{op} x{n}")
             } else {
-                op.to_string()
+                vec![op; n].join(" + ")
             }
         })
         .collect::<Vec<_>>()

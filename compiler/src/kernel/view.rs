@@ -129,6 +129,20 @@ impl View {
         })
     }
 
+    /// This view seen through one view op (reshape, permute, slice,
+    /// broadcast); `None` when no affine view expresses it (a reshape that
+    /// needs a copy) or `op` is not a view op.
+    pub fn apply(&self, op: &crate::ops::Op) -> Option<View> {
+        use crate::ops::Op;
+        match op {
+            Op::Permute(p) => Some(self.permute(p)),
+            Op::Broadcast(b) => Some(self.broadcast(b)),
+            Op::Slice(s) => self.slice(s),
+            Op::Reshape(r) => self.reshape(r),
+            _ => None,
+        }
+    }
+
     /// Numpy-style broadcast of this view to a larger iteration shape.
     pub fn expand_to(&self, shape: &[Dim]) -> View {
         self.broadcast(&Broadcast {

@@ -117,7 +117,7 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
         let written: u64 = l.outputs.iter().map(|&b| plan.buffers[b].bytes).sum();
         let what = match (&l.epilogue, l.kind.as_str()) {
             (Some(e), kind) => format!("[{kind}, epilogue {}]", e.name),
-            (None, "generated") => op_list(&l.ops),
+            (None, "generated") => crate::kernel::print::op_runs(&l.ops, 3),
             (None, kind) => format!("[{kind}]"),
         };
         let _ = writeln!(
@@ -136,26 +136,4 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
         );
     }
     s
-}
-
-/// `add + gelu`; runs of one op as `cast x148`.
-fn op_list(ops: &[String]) -> String {
-    let mut parts: Vec<(String, usize)> = Vec::new();
-    for op in ops {
-        match parts.last_mut() {
-            Some((last, n)) if last == op => *n += 1,
-            _ => parts.push((op.clone(), 1)),
-        }
-    }
-    parts
-        .into_iter()
-        .map(|(op, n)| {
-            if n > 2 {
-                format!("{op} x{n}")
-            } else {
-                vec![op; n].join(" + ")
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(" + ")
 }

@@ -1,0 +1,66 @@
+//! Helpers shared by the runtime's tests.
+#![allow(dead_code)]
+
+#[path = "../../../tests/common/tiny.rs"]
+mod tiny;
+
+#[allow(unused_imports)]
+pub use tiny::{tiny_models, TinyModel};
+
+use fusec_compiler::driver::{compile, Compiled};
+use fusec_compiler::elaborate::Options;
+use fusec_runtime::device;
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+
+/// The GPU, or None with the reason printed (a failure instead when
+/// FUSEC_REQUIRE_GPU is set, so a GPU run cannot pass by skipping).
+pub fn gpu() -> Option<device::Gpu> {
+    let skip = |why: String| {
+        assert!(
+            std::env::var_os("FUSEC_REQUIRE_GPU").is_none(),
+            "FUSEC_REQUIRE_GPU is set: {why}"
+        );
+        println!("skipped: {why}");
+        None
+    };
+    if !device::driver_present() {
+        return skip("no CUDA driver on this machine".into());
+    }
+    device::open(0).map_or_else(|e| skip(e.to_string()), Some)
+}
+
+/// The repository as built, or (a test binary carried to another machine)
+/// as named by FUSEC_ROOT or the working directory.
+pub fn root() -> PathBuf {
+    std::env::var_os("FUSEC_ROOT")
+        .map(PathBuf::from)
+        .or_else(|| {
+            let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+            built.join("dsl-examples").exists().then_some(built)
+        })
+        .unwrap_or_else(|| std::env::current_dir().unwrap())
+}
+
+/// A shipped model compiled with `--set` overrides.
+pub fn model(file: &str, sets: &[(&str, &str)]) -> Compiled {
+    let path = root().join("dsl-examples").join(file);
+    let src = std::fs::read_to_string(&path).unwrap();
+    let opts = Options {
+        overrides: sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    };
+    match compile(&src, file.trim_end_matches(".dsl"), &opts) {
+        Ok(c) => c,
+        Err(f) => panic!("{}", f.render(file, &src)),
+    }
+}
+
+/// Sizes as the interpreter takes them and as a plan takes them.
+pub fn sizes(dims: &[(&str, i64)]) -> (HashMap<String, i64>, BTreeMap<String, i64>) {
+    let h: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+    let b = h.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    (h, b)
+}

@@ -1,0 +1,116 @@
+//! Running generated kernels as host C++ (tests/cuda_host/shim.h and the
+//! threaded shims stand in for CUDA): the pieces every such harness shares.
+
+use fusec_compiler::emit::cuda::c_type;
+use fusec_compiler::kernel::{Kernel, Program};
+use std::fmt::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Whether a host C++ compiler exists (the tests that need one skip,
+/// saying so, without it).
+pub fn have_cxx() -> bool {
+    let ok = Command::new("c++").arg("--version").output().is_ok();
+    if !ok {
+        println!("skipped: no c++ compiler on PATH");
+    }
+    ok
+}
+
+/// A fresh folder for one test's files.
+pub fn work_dir(label: &str) -> PathBuf {
+    let work = std::env::temp_dir().join(format!("fusec-{label}-{}", std::process::id()));
+    std::fs::create_dir_all(&work).unwrap();
+    work
+}
+
+/// `fs_read` / `fs_write`: a harness's kernel buffers from and to files.
+pub const FILE_IO: &str = "static void* fs_read(const char* dir, const char* name, size_t bytes) {\n\
+    char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
+    FILE* f = fopen(path, \"rb\"); if (!f) { perror(path); exit(2); }\n\
+    void* p = calloc(1, bytes + 16); size_t got = fread(p, 1, bytes, f); fclose(f);\n\
+    if (got != bytes) { fprintf(stderr, \"%s: %zu of %zu bytes\\n\", path, got, bytes); exit(2); }\n\
+    return p; }\n\
+    static void fs_write(const char* dir, const char* name, const void* p, size_t bytes) {\n\
+    char path[4096]; snprintf(path, sizeof path, \"%s/%s\", dir, name);\n\
+    FILE* f = fopen(path, \"wb\"); fwrite(p, 1, bytes, f); fclose(f); }\n";
+
+/// Declares kernel `k`'s buffers in a harness's `main`: inputs `inN` read
+/// from files of that name, outputs `outN` allocated (filled with NaN when
+/// `poison`, so an unwritten element shows, else zeros). Returns the call's
+/// arguments (buffers, then `sizes`) and the lines that write the outputs
+/// back to files.
+pub fn kernel_buffers(
+    s: &mut String,
+    p: &Program,
+    k: &Kernel,
+    sizes: &[String],
+    poison: bool,
+) -> (Vec<String>, String) {
+    let mut args = Vec::new();
+    let mut writes = String::new();
+    for (slot, &buf) in k.inputs.iter().chain(&k.outputs).enumerate() {
+        let ty = &p.buffers[buf].ty;
+        let t = c_type(ty.dtype);
+        let bytes = format!("(size_t){} * sizeof({t})", ty.numel().to_c());
+        let name = if slot < k.inputs.len() {
+            let name = format!("in{slot}");
+            let _ = writeln!(
+                s,
+                "    {t}* {name} = ({t}*)fs_read(dir, \"{name}\", {bytes});"
+            );
+            name
+        } else {
+            let name = format!("out{}", slot - k.inputs.len());
+            if poison {
+                let _ = writeln!(
+                    s,
+                    "    {t}* {name} = ({t}*)malloc({bytes} + 16); memset({name}, 0xff, {bytes});"
+                );
+            } else {
+                let _ = writeln!(s, "    {t}* {name} = ({t}*)calloc(1, {bytes} + 16);");
+            }
+            let _ = writeln!(writes, "    fs_write(dir, \"{name}\", {name}, {bytes});");
+            name
+        };
+        args.push(name);
+    }
+    args.extend(sizes.iter().cloned());
+    (args, writes)
+}
+
+/// The host compiler's command for one harness (C++20, threads, light
+/// optimisation, no warnings: generated code is not written for a host).
+pub fn cxx(src: &Path, exe: &Path) -> Command {
+    let mut c = Command::new("c++");
+    c.args(["-std=c++20", "-pthread", "-O1", "-w", "-o"])
+        .arg(exe)
+        .arg(src);
+    c
+}
+
+/// Builds `cpp`, written to `work/<stem>.cpp`, into `work/<stem>`.
+pub fn build(work: &Path, stem: &str, cpp: &str) -> PathBuf {
+    let src = work.join(format!("{stem}.cpp"));
+    std::fs::write(&src, cpp).unwrap();
+    let exe = work.join(stem);
+    let out = cxx(&src, &exe).output().expect("c++ runs");
+    assert!(
+        out.status.success(),
+        "c++ failed on {}:\n{}",
+        src.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    exe
+}
+
+/// A work folder holding tests/cuda_host/shim.h (one host thread per block).
+pub fn shim_dir(label: &str) -> PathBuf {
+    let work = work_dir(label);
+    std::fs::copy(
+        super::root().join("tests/cuda_host/shim.h"),
+        work.join("shim.h"),
+    )
+    .unwrap();
+    work
+}
