@@ -24,7 +24,6 @@ use fusec_compiler::kernel::{Body, Kernel, Program};
 use fusec_compiler::ops::Op;
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// Every attention variant at once; T and S are bound per run.
 const ATTENTION: &str = "
@@ -364,29 +363,10 @@ fn run_one(
     at: &str,
 ) -> Vec<usize> {
     let mut nonzero = Vec::new();
-    std::fs::create_dir_all(dir).unwrap();
-    for (slot, &b) in k.inputs.iter().enumerate() {
+    let written =
+        host::run_kernel(exe, dir, program, k, bufs, args).unwrap_or_else(|e| panic!("{at}: {e}"));
+    for (slot, (&b, got)) in k.outputs.iter().zip(written).enumerate() {
         let dt = program.buffers[b].ty.dtype;
-        std::fs::write(
-            dir.join(format!("in{slot}")),
-            common::to_bytes(dt, &bufs[b].data),
-        )
-        .unwrap();
-    }
-    let run = Command::new(exe)
-        .arg(&k.name)
-        .arg(dir)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "{at}: {}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    for (slot, &b) in k.outputs.iter().enumerate() {
-        let dt = program.buffers[b].ty.dtype;
-        let got = common::from_bytes(dt, &std::fs::read(dir.join(format!("out{slot}"))).unwrap());
         let want = &bufs[b].data;
         assert_eq!(got.len(), want.len(), "{at} out{slot}");
         let tol = if matches!(dt, DType::BF16 | DType::F16) {

@@ -21,7 +21,6 @@ use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::kernel::Program;
 use std::fmt::Write;
-use std::process::Command;
 
 /// One C++ program holding every pointwise kernel and a `main` that runs
 /// the one named on its command line on files in a folder.
@@ -75,31 +74,10 @@ fn generated_kernels_compute_what_the_interpreter_computes() {
             .filter(|k| kernels.iter().any(|(n, _)| *n == k.name))
         {
             let dir = work.join(format!("{stem}-{}", k.name));
-            std::fs::create_dir_all(&dir).unwrap();
-            for (slot, &b) in k.inputs.iter().enumerate() {
+            let written = host::run_kernel(&exe, &dir, &program, k, &bufs, &dim_args)
+                .unwrap_or_else(|e| panic!("{file} {}: {e}", k.name));
+            for (&b, got) in k.outputs.iter().zip(written) {
                 let dt = program.buffers[b].ty.dtype;
-                std::fs::write(
-                    dir.join(format!("in{slot}")),
-                    common::to_bytes(dt, &bufs[b].data),
-                )
-                .unwrap();
-            }
-            let run = Command::new(&exe)
-                .arg(&k.name)
-                .arg(&dir)
-                .args(&dim_args)
-                .output()
-                .unwrap();
-            assert!(
-                run.status.success(),
-                "{file} {}: {}",
-                k.name,
-                String::from_utf8_lossy(&run.stderr)
-            );
-            for (slot, &b) in k.outputs.iter().enumerate() {
-                let dt = program.buffers[b].ty.dtype;
-                let got =
-                    common::from_bytes(dt, &std::fs::read(dir.join(format!("out{slot}"))).unwrap());
                 let want = &bufs[b].data;
                 assert_eq!(got.len(), want.len(), "{file} {}", k.name);
                 let tol = if matches!(dt, DType::BF16 | DType::F16) {

@@ -35,7 +35,6 @@ use fusec_compiler::ops::Op;
 use std::collections::HashMap;
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// Head dims 64 and 128 x ratios 1 and 4 x causal or not. D = 64 and the
 /// D = 128 ratio-1 pair read q/k/v as strided slices of a fused projection;
@@ -253,37 +252,17 @@ fn run_and_compare(
 ) -> Result<[f64; 3], String> {
     let set = &b.sets[f];
     let k = &b.program.kernels[set.kernel];
-    std::fs::create_dir_all(dir).unwrap();
-    for (slot, &buf) in k.inputs.iter().enumerate() {
-        let dt = b.program.buffers[buf].ty.dtype;
-        std::fs::write(
-            dir.join(format!("in{slot}")),
-            common::to_bytes(dt, &bufs[buf].data),
-        )
-        .unwrap();
-    }
-    let mut cmd = Command::new(exe);
-    cmd.arg(&k.name).arg(dir);
+    let mut args = Vec::new();
     for l in &set.launches {
         let grid = l.grid(&|s: &str| dims.get(s).copied()).expect("grid");
-        cmd.args(grid.iter().map(|x| x.to_string()));
+        args.extend(grid.iter().map(|x| x.to_string()));
     }
-    cmd.arg(set.launches[0].block.to_string());
-    cmd.args(b.g.dims.iter().map(|d| dims[d].to_string()));
-    let run = cmd.output().unwrap();
-    if !run.status.success() {
-        return Err(format!(
-            "the host run failed ({}): {}",
-            run.status,
-            String::from_utf8_lossy(&run.stderr)
-        ));
-    }
+    args.push(set.launches[0].block.to_string());
+    args.extend(b.g.dims.iter().map(|d| dims[d].to_string()));
+    let written = host::run_kernel(exe, dir, &b.program, k, bufs, &args)?;
     let mut outs = Vec::new();
-    for slot in 0..3 {
-        let buf = k.outputs[slot];
-        let dt = b.program.buffers[buf].ty.dtype;
-        let got = common::from_bytes(dt, &std::fs::read(dir.join(format!("out{slot}"))).unwrap());
-        let want = &bufs[buf].data;
+    for (slot, got) in written.into_iter().enumerate() {
+        let want = &bufs[k.outputs[slot]].data;
         assert_eq!(got.len(), want.len());
         let max = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
         outs.push((got, want, max));

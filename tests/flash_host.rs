@@ -36,7 +36,6 @@ use fusec_compiler::ops::Op;
 use std::collections::HashMap;
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// Every supported variant: head dims 64 and 128; fused projections read as
 /// strided views (ratio 1: 2 heads each; ratio 4: 4 query heads on 1) and
@@ -270,38 +269,15 @@ fn run_and_compare(
 ) -> Result<(f64, f64), String> {
     let flash = &b.flash[f];
     let k = &b.program.kernels[flash.kernel];
-    std::fs::create_dir_all(dir).unwrap();
-    for (slot, &buf) in k.inputs.iter().enumerate() {
-        let dt = b.program.buffers[buf].ty.dtype;
-        std::fs::write(
-            dir.join(format!("in{slot}")),
-            common::to_bytes(dt, &bufs[buf].data),
-        )
-        .unwrap();
-    }
     let grid = flash
         .launch
         .grid(&|s: &str| dims.get(s).copied())
         .expect("grid");
-    let mut cmd = Command::new(exe);
-    cmd.arg(&k.name).arg(dir);
-    cmd.args(grid.iter().map(|x| x.to_string()));
-    cmd.arg(flash.launch.block.to_string());
-    cmd.args(b.g.dims.iter().map(|d| dims[d].to_string()));
-    let run = cmd.output().unwrap();
-    if !run.status.success() {
-        return Err(format!(
-            "the host run failed ({}): {}",
-            run.status,
-            String::from_utf8_lossy(&run.stderr)
-        ));
-    }
-    let read = |slot: usize| {
-        let buf = k.outputs[slot];
-        let dt = b.program.buffers[buf].ty.dtype;
-        let got = common::from_bytes(dt, &std::fs::read(dir.join(format!("out{slot}"))).unwrap());
-        (got, &bufs[buf].data)
-    };
+    let mut args: Vec<String> = grid.iter().map(|x| x.to_string()).collect();
+    args.push(flash.launch.block.to_string());
+    args.extend(b.g.dims.iter().map(|d| dims[d].to_string()));
+    let outs = host::run_kernel(exe, dir, &b.program, k, bufs, &args)?;
+    let read = |slot: usize| (outs[slot].clone(), &bufs[k.outputs[slot]].data);
     let (o, want_o) = read(0);
     let (lse, want_lse) = read(1);
     assert_eq!(o.len(), want_o.len());

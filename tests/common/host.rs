@@ -114,3 +114,43 @@ pub fn shim_dir(label: &str) -> PathBuf {
     .unwrap();
     work
 }
+
+/// Runs kernel `k` of a harness built from `kernel_buffers` on the
+/// interpreter's values of its inputs (`bufs`, by buffer), in folder `dir`,
+/// with `args` after the kernel name and folder; returns every output as the
+/// host run wrote it, or why the run failed.
+pub fn run_kernel(
+    exe: &Path,
+    dir: &Path,
+    p: &Program,
+    k: &Kernel,
+    bufs: &[fusec_compiler::interp::tensor::Tensor],
+    args: &[String],
+) -> Result<Vec<Vec<f64>>, String> {
+    std::fs::create_dir_all(dir).unwrap();
+    for (slot, &b) in k.inputs.iter().enumerate() {
+        let bytes = super::to_bytes(p.buffers[b].ty.dtype, &bufs[b].data);
+        std::fs::write(dir.join(format!("in{slot}")), bytes).unwrap();
+    }
+    let run = Command::new(exe)
+        .arg(&k.name)
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    if !run.status.success() {
+        return Err(format!(
+            "the host run failed ({}): {}",
+            run.status,
+            String::from_utf8_lossy(&run.stderr)
+        ));
+    }
+    Ok(k.outputs
+        .iter()
+        .enumerate()
+        .map(|(slot, &b)| {
+            let bytes = std::fs::read(dir.join(format!("out{slot}"))).unwrap();
+            super::from_bytes(p.buffers[b].ty.dtype, &bytes)
+        })
+        .collect())
+}
