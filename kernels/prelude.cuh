@@ -127,23 +127,47 @@ __device__ __forceinline__ float fs_block_max(float v) {
     __syncthreads();
     return fs_warp_max(lane < warps ? part[lane] : -__int_as_float(0x7f800000));
 }
+// Exclusive prefix sum of `v` over the threads of a block (thread i gets
+// the sum of threads 0..i-1), the block's total in *total. Call it from
+// every thread.
+__device__ __forceinline__ int fs_block_scan(int v, int* total) {
+    __shared__ int sums[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    int x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();  // the previous call's readers are done with `sums`
+    if (lane == 31) sums[warp] = x;
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < warps; ++w) {
+        const int c = sums[w];
+        all += c;
+        if (w < warp) before += c;
+    }
+    *total = all;
+    return before + x - v;
+}
 #else
 inline float fs_block_sum(float v) { return v; }
 inline float fs_block_max(float v) { return v; }
+inline int fs_block_scan(int v, int* total) { *total = v; return 0; }
 #endif
 
-// One parameter's AdamW update (torch.optim.AdamW), grid-stride over its n
-// elements; a group kernel calls it once per parameter, so the update of a
-// whole model is one launch and one copy of this code. Outputs may alias
-// inputs (the update is in place).
+// One parameter's AdamW update (torch.optim.AdamW) over its elements
+// [lo, hi), one block's chunk; a group kernel calls it for every chunk of
+// every parameter, so the update of a whole model is one launch and one
+// copy of this code. Outputs may alias inputs (the update is in place).
 static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* v_out, const float* p, const float* g,
                                       const float* m, const float* v, float lr, float t, float scale, float apply,
-                                      fs_i64 n, float b1, float b2, float eps, float wd) {
+                                      fs_i64 lo, fs_i64 hi, float b1, float b2, float eps, float wd) {
     // A micro-batch that only accumulates gradients leaves the state as it
     // is (in place, nothing to copy).
     if (apply == 0.0f) {
         if (p_out == p && m_out == m && v_out == v) return;
-        for (fs_i64 i = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fs_i64)gridDim.x * blockDim.x) {
+        for (fs_i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
             p_out[i] = p[i];
             m_out[i] = m[i];
             v_out[i] = v[i];
@@ -151,7 +175,7 @@ static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* 
         return;
     }
     const float bc1 = 1.0f - powf(b1, t), bc2 = 1.0f - powf(b2, t);
-    for (fs_i64 i = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fs_i64)gridDim.x * blockDim.x) {
+    for (fs_i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         const float gi = g[i] * scale;
         const float mi = b1 * m[i] + (1.0f - b1) * gi;
         const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
@@ -163,16 +187,16 @@ static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* 
 
 // One parameter's SGD update with momentum (torch.optim.SGD, dampening 0).
 static __device__ __noinline__ void fs_sgd(float* p_out, float* buf_out, const float* p, const float* g, const float* buf,
-                                    float lr, float scale, float apply, fs_i64 n, float momentum, float wd) {
+                                    float lr, float scale, float apply, fs_i64 lo, fs_i64 hi, float momentum, float wd) {
     if (apply == 0.0f) {
         if (p_out == p && buf_out == buf) return;
-        for (fs_i64 i = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fs_i64)gridDim.x * blockDim.x) {
+        for (fs_i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
             p_out[i] = p[i];
             buf_out[i] = buf[i];
         }
         return;
     }
-    for (fs_i64 i = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (fs_i64)gridDim.x * blockDim.x) {
+    for (fs_i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         const float b = momentum * buf[i] + g[i] * scale + wd * p[i];
         p_out[i] = p[i] - lr * b;
         buf_out[i] = b;

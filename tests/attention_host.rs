@@ -67,13 +67,17 @@ train {
 const ROWS: &str = "
 const d = 16
 dim B, T
-input x: f32[B, T, d]
+input xin: f32[B, T, d]
+input tokens: i32[B, T]
 input targets: i32[B, T]
+# 7 rows: most are picked by several tokens, from several tiles of a block.
+param emb: [7, d] = normal(0.5)
 param g1: [d] = normal(1.0)
 param b1: [d] = normal(0.2)
 param g2: [d] = normal(1.0)
 param w2: [d, d] = normal(0.4)
 param w: [d, 11] = normal(0.4)
+let x = embedding(emb, tokens) + xin
 let h = layernorm(x, g1, b1)
 let r = rmsnorm(h * 1.5, g2)
 let p = softmax(r @ w2)
@@ -133,6 +137,8 @@ static thread_local fs_dim3 blockIdx, threadIdx;
 static fs_dim3 blockDim, gridDim;
 static std::barrier<>* fs_bar;
 static inline void __syncthreads() { fs_bar->arrive_and_wait(); }
+static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
@@ -171,6 +177,19 @@ static float fs_block_reduce(float v, bool max) {
 }
 inline float fs_block_sum(float v) { return fs_block_reduce(v, false); }
 inline float fs_block_max(float v) { return fs_block_reduce(v, true); }
+static int fs_block_scan(int v, int* total) {
+    static int part[1024];
+    __syncthreads();
+    part[threadIdx.x] = v;
+    __syncthreads();
+    int before = 0, all = 0;
+    for (unsigned i = 0; i < blockDim.x; ++i) {
+        all += part[i];
+        if (i < threadIdx.x) before += part[i];
+    }
+    *total = all;
+    return before;
+}
 ";
 
 /// Launch configurations: (grid, block, threaded shim). One thread as
@@ -198,6 +217,7 @@ fn is_template(g: &Graph, k: &Kernel) -> bool {
             | Op::CrossEntropyWithGrad(_)
             | Op::SumSquares(_)
             | Op::Reduce(_)
+            | Op::EmbeddingGrad(_)
     ))
 }
 
@@ -206,7 +226,8 @@ fn is_template(g: &Graph, k: &Kernel) -> bool {
 fn harness(g: &Graph, p: &Program, kernels: &[(String, String)], threads: bool) -> String {
     let mut s = if threads {
         let host = "inline float fs_block_sum(float v) { return v; }\n\
-                    inline float fs_block_max(float v) { return v; }\n";
+                    inline float fs_block_max(float v) { return v; }\n\
+                    inline int fs_block_scan(int v, int* total) { *total = v; return 0; }\n";
         assert!(
             PRELUDE.contains(host),
             "the prelude's host reductions changed"
@@ -472,6 +493,7 @@ fn row_kernels_match_the_interpreter() {
             "softmax_grad",
             "cross_entropy_with_grad",
             "sum_squares",
+            "embedding_grad",
         ] {
             assert!(ops.contains(&op), "{precision}: no {op} kernel in {ops:?}");
         }

@@ -7,13 +7,17 @@
 #   tools/gpu_check.sh parity    per-step losses against PyTorch, fp32 and bf16
 #   tools/gpu_check.sh bench     GPT-2 small: cold and warm start, fusec bench, PyTorch
 #   tools/gpu_check.sh attention the attention sweep, fusec (tensor-core and simple) and PyTorch
+# TORCH_MODES picks torch_reference.py's modes (default: all three).
 #   tools/gpu_check.sh all
-# Logs go to $OUT (default out/gpu-logs, or $OUT/gpu-logs when $OUT is set
-# by the device tool).
+# Logs go to out/gpu-logs, or, when $OUT is set by the device tool, to
+# /tmp/gpu-logs packed into $OUT/gpu-logs.tgz at the end (one file comes
+# back however many logs there are). TEST_TIMEOUT bounds each test binary.
 set -u
 BIN=${BIN:-out/device}
-LOGS=${OUT:-out}/gpu-logs
+if [ -n "${OUT:-}" ]; then LOGS=/tmp/gpu-logs; else LOGS=out/gpu-logs; fi
 mkdir -p "$LOGS"
+pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/gpu-logs.tgz" -C "$(dirname "$LOGS")" gpu-logs; }
+trap pack EXIT
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export FUSEC_ROOT=$(pwd)
 export FUSEC_CACHE_DIR=${FUSEC_CACHE_DIR:-/tmp/fusec-cache}
@@ -24,7 +28,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   for t in gemm_gpu step_gpu flash_gpu; do
     [ -x "$BIN/$t" ] || { echo "missing $BIN/$t"; continue; }
     run "$t"
-    FUSEC_REQUIRE_GPU=1 timeout 400 "$BIN/$t" --nocapture --test-threads=1 > "$LOGS/$t.log" 2>&1
+    FUSEC_REQUIRE_GPU=1 timeout "${TEST_TIMEOUT:-400}" "$BIN/$t" --nocapture --test-threads=1 > "$LOGS/$t.log" 2>&1
     echo "exit $?"
     grep -E "^test |test result|skipped|worst|loss|GPU|panicked|error" "$LOGS/$t.log" | head -60
   done
@@ -44,13 +48,12 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   /usr/bin/time -f "%e s wall" "$BIN/fusec" train dsl-examples/gpt2-small.dsl --data $T --batch 4 --seq 128 --steps 1 2>&1 | tail -4
   for b in 8 32; do
     run "fusec bench gpt2-small B=$b T=1024"
-    timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch $b --seq 1024 --steps 10 --profile "$LOGS/profile-b$b.jsonl" 2>&1 | tee "$LOGS/bench-b$b.log" | tail -20
+    timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch $b --seq 1024 --steps 20 --profile "$LOGS/profile-b$b.jsonl" 2>&1 | tee "$LOGS/bench-b$b.log" | tr "\r" "\n" | grep -v "^  kernels [0-9]" | tail -20
+    sort -t: -k3 -g -r "$LOGS/profile-b$b.jsonl" | head -8
   done
-  run "fusec bench gpt2-small B=32 T=1024, tensor-core attention forward (FUSEC_ATTENTION=flash)"
-  FUSEC_ATTENTION=flash timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch 32 --seq 1024 --steps 10 --profile "$LOGS/profile-flash.jsonl" 2>&1 | tee "$LOGS/bench-flash.log" | tail -20
   if [ -f "$BIN/torch_reference.py" ]; then
     run "PyTorch baselines B=32"
-    timeout 400 python3 "$BIN/torch_reference.py" --models gpt2-small --batch 32 --seq 1024 --no-ceilings 2>&1 | tail -6 | tee "$LOGS/torch.jsonl"
+    timeout 400 python3 "$BIN/torch_reference.py" --models gpt2-small --batch 32 --seq 1024 --no-ceilings ${TORCH_MODES:+--modes $TORCH_MODES} 2>&1 | tail -6 | tee "$LOGS/torch.jsonl"
   fi
 fi
 if [ "$what" = attention ] || [ "$what" = all ]; then

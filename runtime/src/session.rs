@@ -10,7 +10,6 @@ use fusec_compiler::autodiff::{LR_INPUT, STEP_INPUT};
 use fusec_compiler::emit::cuda::emit_program;
 use fusec_compiler::emit::flash::flash_kernel;
 use fusec_compiler::emit::flash_bwd::flash_backward;
-use fusec_compiler::ir::types::DType;
 use fusec_compiler::ir::Graph;
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::kernel::{Body, Program};
@@ -58,12 +57,14 @@ impl Session {
         let plan =
             plan(graph, &program, dims).map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
         let mut sources = emit_program(graph, &program, None);
-        // FUSEC_ATTENTION=flash: the tensor-core attention forward where it
-        // applies (bf16/f16, head dim 64 or 128), with its own geometry.
+        // The tensor-core (FlashAttention) kernels, forward and backward,
+        // where they apply (bf16/f16, head dim 64 or 128), each with its own
+        // geometry; FUSEC_ATTENTION=simple keeps the plan's simple kernels
+        // (one thread per query row), as the CPU-checked reference.
         let mut geometry = HashMap::new();
         let mut multi: HashMap<String, Vec<MultiLaunch>> = HashMap::new();
         let mut scratch_bytes = 0u64;
-        if std::env::var("FUSEC_ATTENTION").as_deref() == Ok("flash") {
+        if std::env::var("FUSEC_ATTENTION").as_deref() != Ok("simple") {
             let env = |s: &str| dims.get(s).copied();
             for k in &program.kernels {
                 let Body::Op(n) = k.body else { continue };
@@ -192,7 +193,11 @@ impl Session {
         }
         let read = |b: Option<usize>| -> Result<Option<f64>, RuntimeError> {
             match b {
-                Some(b) => Ok(Some(decode(DType::F32, &self.exec.read(b)?)[0])),
+                Some(b) => {
+                    // The loss and norm take the model's dtype (bf16 in a bf16 model).
+                    let dt = self.exec.slots[b].dtype;
+                    Ok(decode(dt, &self.exec.read(b)?).first().copied())
+                }
                 None => Ok(None),
             }
         };

@@ -36,3 +36,9 @@ static inline unsigned int __float_as_uint(float f) {
     return u;
 }
 static inline void __syncthreads() {}
+static inline void __threadfence() {}
+static inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    const unsigned old = *p;
+    *p += v;
+    return old;
+}

@@ -1,12 +1,16 @@
 //! Group kernels: several independent ops of one kind in one launch (every
 //! parameter's optimizer update).
 
+/// Elements per chunk of a group kernel's work: 16 per thread of a block.
+pub const GROUP_CHUNK: i64 = 4096;
+
 use super::cuda::{float_lit, header};
-use super::templates::{op_loop, Ctx};
+use super::templates::{element_body, Ctx};
 use crate::ir::types::DType;
 use crate::ir::Graph;
 use crate::kernel::{Kernel, Program};
 use crate::ops::Op;
+use std::fmt::Write;
 
 /// One kernel running several independent ops of one kind (every
 /// parameter's optimizer update), each over its own elements in turn.
@@ -18,8 +22,10 @@ pub fn group_kernel(
     source: Option<&str>,
 ) -> Option<String> {
     let mut s = header(g, p, k, source);
-    // Updates of f32 parameters call the prelude's one copy of the update,
-    // so compile time stays flat in the number of parameters.
+    // Every member is cut into chunks of GROUP_CHUNK elements, numbered one
+    // member after another; block b takes chunks b, b + gridDim.x, ... So
+    // each block does a member's setup (the bias corrections) once per
+    // chunk, and a one-element bias costs one block, not a pass of the grid.
     let f32_only = |m: &crate::kernel::Member| {
         m.inputs
             .iter()
@@ -27,29 +33,43 @@ pub fn group_kernel(
             .chain(m.outputs.iter().map(|&o| k.outputs[o]))
             .all(|b| p.buffers[b].ty.dtype == DType::F32)
     };
-    if members.iter().all(f32_only) {
-        if let Some(calls) = members
-            .iter()
-            .map(|m| update_call(g, m))
-            .collect::<Option<String>>()
-        {
-            s.push_str(&calls);
-            s.push_str("}\n");
-            return Some(s);
-        }
-    }
-    for m in members {
-        let c = Ctx {
-            p,
-            k,
-            ins: m.inputs.clone(),
-            outs: m.outputs.clone(),
+    // Updates of f32 parameters call the prelude's one copy of the update,
+    // so compile time stays flat in the number of parameters.
+    let calls: Option<Vec<String>> = if members.iter().all(f32_only) {
+        members.iter().map(|m| update_call(g, m)).collect()
+    } else {
+        None
+    };
+    let _ = writeln!(
+        s,
+        "    for (fs_i64 chunk = blockIdx.x; ; chunk += gridDim.x) {{\n        fs_i64 b = chunk;"
+    );
+    for (i, m) in members.iter().enumerate() {
+        let n = g.g[m.node].outputs[0].numel().to_c();
+        let work = match &calls {
+            Some(calls) => format!("                {}", calls[i].trim_start()),
+            None => {
+                let c = Ctx {
+                    p,
+                    k,
+                    ins: m.inputs.clone(),
+                    outs: m.outputs.clone(),
+                };
+                let body: String = element_body(g, &c, m.node)?
+                    .lines()
+                    .map(|l| format!("            {l}\n"))
+                    .collect();
+                format!(
+                    "                for (fs_i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {{\n{body}                }}\n"
+                )
+            }
         };
-        s.push_str("  {\n");
-        s.push_str(&op_loop(g, &c, m.node)?);
-        s.push_str("  }\n");
+        let _ = write!(
+            s,
+            "        {{  // member {i}\n            const fs_i64 n = {n}, chunks = (n + {GROUP_CHUNK} - 1) / {GROUP_CHUNK};\n            if (b < chunks) {{\n                const fs_i64 lo = b * {GROUP_CHUNK}, hi = lo + {GROUP_CHUNK} < n ? lo + {GROUP_CHUNK} : n;\n{work}                continue;\n            }}\n            b -= chunks;\n        }}\n"
+        );
     }
-    s.push_str("}\n");
+    s.push_str("        break;  // past the last member's chunks\n    }\n}\n");
     Some(s)
 }
 
@@ -61,10 +81,9 @@ fn apply(slot: Option<&usize>) -> String {
 /// `fs_adamw(...)` or `fs_sgd(...)` for one member; `None` for other ops.
 fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
     let (i, o) = (&m.inputs, &m.outputs);
-    let n = g.g[m.node].outputs[0].numel().to_c();
     Some(match &g.g[m.node].op {
         Op::AdamW(a) => format!(
-            "    fs_adamw(out{}, out{}, out{}, in{}, in{}, in{}, in{}, *in{}, *in{}, *in{}, {}, {n}, {}, {}, {}, {});\n",
+            "fs_adamw(out{}, out{}, out{}, in{}, in{}, in{}, in{}, *in{}, *in{}, *in{}, {}, lo, hi, {}, {}, {}, {});\n",
             o[0],
             o[1],
             o[2],
@@ -82,7 +101,7 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
             float_lit(a.weight_decay)
         ),
         Op::Sgd(sg) => format!(
-            "    fs_sgd(out{}, out{}, in{}, in{}, in{}, *in{}, *in{}, {}, {n}, {}, {});\n",
+            "fs_sgd(out{}, out{}, in{}, in{}, in{}, *in{}, *in{}, {}, lo, hi, {}, {});\n",
             o[0],
             o[1],
             i[0],

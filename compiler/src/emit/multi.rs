@@ -19,9 +19,18 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
 /// a tile is one coalesced load.
 const TILE: i64 = 32;
 
+/// Row splits of a column tile: each tile's rows are cut into this many
+/// runs, each a block's work, so a bias gradient over B*T rows and a few
+/// hundred columns still fills the GPU.
+pub const SPLITS: i64 = 64;
+
 /// Tiles of a sum over leading axes with a known number of outputs (every
-/// bias gradient): how many blocks its column-tile kernel takes.
+/// bias gradient) times the row splits: how many blocks its kernel takes.
 pub fn column_tiles(g: &Graph, n: NodeIndex) -> Option<i64> {
+    tiles(g, n).map(|t| t * SPLITS)
+}
+
+fn tiles(g: &Graph, n: NodeIndex) -> Option<i64> {
     let Op::Reduce(r) = &g.g[n].op else {
         return None;
     };
@@ -31,29 +40,48 @@ pub fn column_tiles(g: &Graph, n: NodeIndex) -> Option<i64> {
         .then_some((cols + TILE - 1) / TILE)
 }
 
-/// A sum over leading axes, [rows, C] -> [C]: a block per tile of 32
-/// columns, its threads split into 32 lanes (columns) by blockDim/32 row
-/// slices; each thread sums every slices-th row of its column, then the
-/// slices add up in a fixed order. Coalesced and deterministic.
+/// File-scope storage of a column sum: each (tile, split)'s f32 partials
+/// and each tile's count of finished splits. The last split of a tile to
+/// finish resets its count, so the next launch (or a graph replay) starts
+/// from zero.
+pub(crate) fn file_scope(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+    let cols = g.g[n].outputs[0].numel().as_const()?;
+    let t = tiles(g, n)?;
+    let k = &c.k.name;
+    Some(format!(
+        "// The row splits' partial sums and each column tile's finished splits.\n\
+         __device__ float {k}_part[{}];\n__device__ unsigned {k}_done[{t}] = {{0}};\n\n",
+        SPLITS * cols
+    ))
+}
+
+/// A sum over leading axes, [rows, C] -> [C]. Work item w is a tile of 32
+/// columns and one of SPLITS runs of the rows; a block's threads split into
+/// 32 lanes (columns) by blockDim/32 row slices, each thread sums every
+/// slices-th row of its run and column, the slices add up in a fixed order
+/// into the run's partial, and the last run of a tile to finish (counted
+/// with an atomic) adds the tile's partials in run order. Coalesced, and
+/// deterministic: the atomic only counts.
 fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let Op::Reduce(r) = &g.g[n].op else {
         return None;
     };
-    column_tiles(g, n)?;
+    let tiles = tiles(g, n)?;
     let ins = g.inputs(n);
     let sh = &g.ty(ins[0]).shape;
     let rows = sh[..r.axes.len()]
         .iter()
         .try_fold(crate::ir::Dim::constant(1), |a, d| a.checked_mul(d))?;
     let cols = g.g[n].outputs[0].numel();
+    let k = &c.k.name;
     let mut b = String::new();
     let _ = writeln!(
         b,
-        "    // Sum over the leading axes: column j of a [rows, C] matrix, by tiles of columns."
+        "    // Sum over the leading axes: column j of a [rows, C] matrix, by tiles of columns and runs of rows."
     );
     let _ = writeln!(
         b,
-        "    const fs_i64 rows = {}, C = {};",
+        "    const fs_i64 rows = {}, C = {}, tiles = {tiles}, splits = {SPLITS};",
         rows.to_c(),
         cols.to_c()
     );
@@ -62,34 +90,67 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         b,
         "    const int lane = threadIdx.x % lanes, slice = threadIdx.x / lanes;"
     );
-    let _ = writeln!(b, "    __shared__ float part[256];");
     let _ = writeln!(
         b,
-        "    for (fs_i64 tile = blockIdx.x; tile * lanes < C; tile += gridDim.x) {{"
+        "    __shared__ float part[256];\n    __shared__ bool last;"
     );
-    let _ = writeln!(b, "        const fs_i64 j = tile * lanes + lane;");
-    let _ = writeln!(b, "        float acc = 0.0f;");
     let _ = writeln!(
         b,
-        "        if (j < C && slice < slices) for (fs_i64 r = slice; r < rows; r += slices) acc += {};",
+        "    for (fs_i64 w = blockIdx.x; w < tiles * splits; w += gridDim.x) {{"
+    );
+    let _ = writeln!(
+        b,
+        "        const fs_i64 tile = w / splits, run = w % splits;"
+    );
+    let _ = writeln!(
+        b,
+        "        const fs_i64 r0 = run * rows / splits, r1 = (run + 1) * rows / splits;"
+    );
+    let _ = writeln!(b, "        for (fs_i64 j0 = tile * {TILE}; j0 < tile * {TILE} + {TILE} && j0 < C; j0 += lanes) {{");
+    let _ = writeln!(b, "            const fs_i64 j = j0 + lane;");
+    let _ = writeln!(b, "            float acc = 0.0f;");
+    let _ = writeln!(
+        b,
+        "            if (j < C && slice < slices) for (fs_i64 r = r0 + slice; r < r1; r += slices) acc += {};",
         c.ld(0, "r * C + j")
     );
-    let _ = writeln!(b, "        part[threadIdx.x] = acc;");
-    let _ = writeln!(b, "        __syncthreads();");
-    let _ = writeln!(b, "        if (slice == 0 && j < C) {{");
-    let _ = writeln!(b, "            float total = 0.0f;");
+    let _ = writeln!(b, "            part[threadIdx.x] = acc;");
+    let _ = writeln!(b, "            __syncthreads();");
+    let _ = writeln!(b, "            if (slice == 0 && j < C) {{");
+    let _ = writeln!(b, "                float total = 0.0f;");
     let _ = writeln!(
         b,
-        "            for (int s = 0; s < slices; ++s) total += part[s * lanes + lane];"
+        "                for (int s = 0; s < slices; ++s) total += part[s * lanes + lane];"
     );
+    let _ = writeln!(b, "                {k}_part[run * C + j] = total;");
+    let _ = writeln!(b, "            }}");
+    let _ = writeln!(b, "            __syncthreads();");
+    let _ = writeln!(b, "        }}");
+    let _ = writeln!(
+        b,
+        "        __threadfence();  // this run's partials are visible before it is counted"
+    );
+    let _ = writeln!(b, "        __syncthreads();");
+    let _ = writeln!(b, "        if (threadIdx.x == 0) last = atomicAdd(&{k}_done[tile], 1u) == (unsigned)(splits - 1);");
+    let _ = writeln!(b, "        __syncthreads();");
+    let _ = writeln!(b, "        if (last) {{");
+    let _ = writeln!(b, "            __threadfence();");
+    let _ = writeln!(b, "            for (fs_i64 j = tile * {TILE} + threadIdx.x; j < tile * {TILE} + {TILE} && j < C; j += blockDim.x) {{");
+    let _ = writeln!(b, "                float total = 0.0f;");
+    let _ = writeln!(b, "                for (fs_i64 s = 0; s < splits; ++s) total += ((volatile float*){k}_part)[s * C + j];");
     let v = if r.kind == ReduceKind::Mean {
         "total / (float)rows"
     } else {
         "total"
     };
-    let _ = writeln!(b, "            {}", c.st(0, "j", v));
+    let _ = writeln!(b, "                {}", c.st(0, "j", v));
+    let _ = writeln!(b, "            }}");
+    let _ = writeln!(b, "            if (threadIdx.x == 0) {k}_done[tile] = 0;");
     let _ = writeln!(b, "        }}");
-    let _ = writeln!(b, "        __syncthreads();");
+    let _ = writeln!(
+        b,
+        "        __syncthreads();  // `last` and `part` are reused by the next item"
+    );
     let _ = writeln!(b, "    }}");
     Some(b)
 }

@@ -301,6 +301,12 @@ pub fn op_kernel(
 ) -> Option<String> {
     let c = Ctx::for_op(g, p, k, n);
     let mut s = header(g, p, k, source);
+    // Device-global storage some templates keep between their blocks goes
+    // before the kernel (after the prelude's include).
+    if let Some(decls) = super::multi::file_scope(g, &c, n) {
+        let at = s.find("extern \"C\"")?;
+        s.insert_str(at, &decls);
+    }
     // Attention, convolution and multi-tensor kernels have their own loop
     // structure.
     let body = super::attention::kernel_body(g, &c, n)
@@ -316,6 +322,20 @@ pub fn op_kernel(
 }
 
 /// The loop (rows or elements) and body of one op, closed.
+/// The per-element body of an element-shaped op (its index is `i`), for a
+/// group kernel to run over one chunk of the op's elements.
+pub(crate) fn element_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+    let Shape::Elements(_) = shape_of(g, n)? else {
+        return None;
+    };
+    let text = op_loop(g, c, n)?;
+    // op_loop's text is a size line, the loop header, the body and a brace.
+    let mut lines: Vec<&str> = text.lines().collect();
+    (lines.len() >= 3).then_some(())?;
+    lines.pop();
+    Some(lines[2..].iter().map(|l| format!("{l}\n")).collect())
+}
+
 pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let shape = shape_of(g, n)?;
     let ins = g.inputs(n);
@@ -619,13 +639,18 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             close_row_groups(b);
         }
         Op::EmbeddingGrad(_) => {
-            // Tokens are scanned in order, a chunk at a time: each thread
-            // flags the tokens of its chunk that pick this row, then every
-            // thread adds those tokens' gradients to the columns it owns.
-            // Same order every run: deterministic.
+            // Tokens are scanned in order, a tile of 4 per thread at a
+            // time: each thread counts the tokens of its four that pick
+            // this row, a block scan turns the counts into places in a
+            // shared list (in token order), then every thread adds the
+            // listed tokens' gradients to the columns it owns. Same order
+            // every run: deterministic.
             let c_cols = g.g[n].outputs[0].shape[1].as_const().unwrap_or(1);
             let tokens = numel(&in_shape(0)).to_c();
-            let _ = writeln!(b, "        __shared__ float acc[{c_cols}];\n        __shared__ unsigned char hit[1024];");
+            let _ = writeln!(
+                b,
+                "        __shared__ float acc[{c_cols}];\n        __shared__ int list[4096];"
+            );
             let _ = writeln!(
                 b,
                 "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) acc[j] = 0.0f;"
@@ -633,17 +658,23 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             let _ = writeln!(b, "        const fs_i64 tokens = {tokens};");
             let _ = writeln!(
                 b,
-                "        for (fs_i64 t0 = 0; t0 < tokens; t0 += blockDim.x) {{"
+                "        for (fs_i64 t0 = 0; t0 < tokens; t0 += 4 * (fs_i64)blockDim.x) {{"
             );
-            let _ = writeln!(b, "            __syncthreads();");
-            let _ = writeln!(b, "            hit[threadIdx.x] = (t0 + threadIdx.x < tokens && in0[t0 + threadIdx.x] == row) ? 1 : 0;");
-            let _ = writeln!(b, "            __syncthreads();");
             let _ = writeln!(
                 b,
-                "            for (fs_i64 k = 0; k < (fs_i64)blockDim.x && t0 + k < tokens; ++k) {{"
+                "            const fs_i64 t = t0 + 4 * (fs_i64)threadIdx.x;"
             );
-            let dy = c.ld(1, "(t0 + k) * C + j");
-            let _ = writeln!(b, "                if (hit[k]) for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) acc[j] += {dy};");
+            let _ = writeln!(b, "            bool hit[4];\n            int mine = 0;");
+            let _ = writeln!(b, "            for (int s = 0; s < 4; ++s) {{ hit[s] = t + s < tokens && in0[t + s] == row; mine += hit[s]; }}");
+            let _ = writeln!(
+                b,
+                "            int count;\n            int at = fs_block_scan(mine, &count);"
+            );
+            let _ = writeln!(b, "            for (int s = 0; s < 4; ++s) if (hit[s]) list[at++] = (int)(t + s - t0);");
+            let _ = writeln!(b, "            __syncthreads();");
+            let dy = c.ld(1, "tk * C + j");
+            let _ = writeln!(b, "            for (int k = 0; k < count; ++k) {{\n                const fs_i64 tk = t0 + list[k];");
+            let _ = writeln!(b, "                for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) acc[j] += {dy};");
             let _ = writeln!(b, "            }}\n        }}");
             let _ = writeln!(
                 b,

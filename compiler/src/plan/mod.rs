@@ -366,6 +366,16 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
                     _ => None,
                 },
                 grid: match (&k.body, &shape) {
+                    // A block per chunk of a member (see emit::group).
+                    (Body::Group(members), Some(_)) => members
+                        .iter()
+                        .map(|m| {
+                            g.g[m.node].outputs[0].numel().eval(&env).map(|n| {
+                                (n.max(0) as u64).div_ceil(crate::emit::group::GROUP_CHUNK as u64)
+                            })
+                        })
+                        .sum::<Option<u64>>()
+                        .map(|n| n.clamp(1, 1 << 20)),
                     // Each thread takes a 16-byte vector of elements.
                     (Body::Pointwise(pw), Some(Shape::Elements(n))) => n.eval(&env).map(|n| {
                         let vec = crate::emit::cuda::vector_width(p, k, pw);
