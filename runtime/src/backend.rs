@@ -19,7 +19,33 @@ pub trait Backend {
     fn graph(&self) -> &Graph;
     /// Writes a named input, parameter or state tensor.
     fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError>;
+    /// Sets a named tensor to zeros (the GPU clears it in place).
+    fn zero(&mut self, name: &str) -> Result<(), RuntimeError> {
+        let n = self
+            .shapes()
+            .get(name)
+            .map_or(0, |s| s.iter().product::<usize>());
+        self.set(name, &vec![0.0; n])
+    }
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError>;
+    /// Fills a named parameter from its initialiser: `fill(start, out)`
+    /// writes values `start..start + out.len()` (any chunk, any order).
+    fn init(
+        &mut self,
+        name: &str,
+        fill: &(dyn Fn(usize, &mut [f64]) + Sync),
+    ) -> Result<(), RuntimeError> {
+        const CHUNK: usize = 1 << 20;
+        let n = self
+            .shapes()
+            .get(name)
+            .map_or(0, |s| s.iter().product::<usize>());
+        let mut data = vec![0.0; n];
+        data.par_chunks_mut(CHUNK)
+            .enumerate()
+            .for_each(|(k, out)| fill(k * CHUNK, out));
+        self.set(name, &data)
+    }
     /// One step; `step` counts from 1.
     fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError>;
     /// The shape of every named source, with sizes bound.
@@ -49,23 +75,19 @@ fn source_shapes(
 /// seed, as the CPU reference's `random_feeds` draws them), filled in
 /// parallel chunks, and optimizer state zero.
 pub fn init_params(b: &mut dyn Backend, seed: u64) -> Result<(), RuntimeError> {
-    const CHUNK: usize = 1 << 20;
     let params = b.graph().params.clone();
     let shapes = b.shapes().clone();
     for (i, p) in params.iter().enumerate() {
-        let Some(shape) = shapes.get(&p.name) else {
+        if !shapes.contains_key(&p.name) {
             continue;
-        };
-        let mut data = vec![0.0; shape.iter().product()];
-        data.par_chunks_mut(CHUNK).enumerate().for_each(|(k, out)| {
-            init_values(&p.init, seed, i as u64, k * CHUNK, out);
-        });
-        b.set(&p.name, &data)?;
+        }
+        b.init(&p.name, &|start, out| {
+            init_values(&p.init, seed, i as u64, start, out)
+        })?;
     }
     let states: Vec<String> = state_names(b.graph());
     for s in states {
-        let n: usize = shapes[&s].iter().product();
-        b.set(&s, &vec![0.0; n])?;
+        b.zero(&s)?;
     }
     Ok(())
 }
@@ -154,6 +176,16 @@ impl Backend for Gpu {
     }
     fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
         self.session.set(name, values)
+    }
+    fn zero(&mut self, name: &str) -> Result<(), RuntimeError> {
+        self.session.zero(name)
+    }
+    fn init(
+        &mut self,
+        name: &str,
+        fill: &(dyn Fn(usize, &mut [f64]) + Sync),
+    ) -> Result<(), RuntimeError> {
+        self.session.init(name, fill)
     }
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         self.session.get(name)

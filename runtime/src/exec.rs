@@ -45,10 +45,28 @@ struct Launch {
 #[derive(Clone, Debug)]
 pub struct Slot {
     pub offset: u64,
+    /// Bytes in the arena (padded rows included).
     pub bytes: u64,
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub kind: BufKind,
+    /// Elements between rows where the rows are padded (kernel::pitch).
+    pub pitch: Option<usize>,
+}
+
+impl Slot {
+    /// Bytes of the values alone, rows packed: what `read` returns and
+    /// `write` takes.
+    pub fn packed_bytes(&self) -> u64 {
+        self.shape.iter().product::<usize>() as u64 * self.dtype.size_bytes() as u64
+    }
+
+    /// (row bytes, pitch bytes) of a padded buffer.
+    fn rows(&self) -> Option<(usize, usize)> {
+        let size = self.dtype.size_bytes();
+        let last = *self.shape.last()?;
+        self.pitch.map(|p| (last * size, p * size))
+    }
 }
 
 pub struct Executor {
@@ -124,6 +142,11 @@ pub fn gemm_spec(
     }
     let in_type = elem(ta.dtype)?;
     let out_type = elem(p.buffers[k.outputs[0]].ty.dtype)?;
+    // Padded rows (kernel::pitch): the leading dimension is the pitch.
+    let pitch = |b: usize| p.buffers[b].pitch.map_or(0, |x| x as u64);
+    let (pitch_a, pitch_b, pitch_d) = (pitch(k.inputs[0]), pitch(k.inputs[1]), pitch(k.outputs[0]));
+    // Elements of one stored matrix: its rows times their pitch or length.
+    let span = |rows: u64, len: u64, pitch: u64| rows * if pitch == 0 { len } else { pitch };
     // A stack of rows times one matrix is one tall product.
     if batch_b == 1 && batch > 1 && !a_transposed {
         return Ok(GemmSpec {
@@ -136,10 +159,15 @@ pub fn gemm_spec(
             batch_stride_a: 0,
             batch_stride_b: 0,
             batch_stride_d: 0,
+            pitch_a,
+            pitch_b,
+            pitch_d,
             in_type,
             out_type,
         });
     }
+    let (rows_a, len_a) = if a_transposed { (kk, m) } else { (m, kk) };
+    let (rows_b, len_b) = if b_transposed { (nn, kk) } else { (kk, nn) };
     Ok(GemmSpec {
         m,
         n: nn,
@@ -147,9 +175,20 @@ pub fn gemm_spec(
         batch,
         a_transposed,
         b_transposed,
-        batch_stride_a: if batch_a == 1 { 0 } else { m * kk },
-        batch_stride_b: if batch_b == 1 { 0 } else { kk * nn },
-        batch_stride_d: m * nn,
+        batch_stride_a: if batch_a == 1 {
+            0
+        } else {
+            span(rows_a, len_a, pitch_a)
+        },
+        batch_stride_b: if batch_b == 1 {
+            0
+        } else {
+            span(rows_b, len_b, pitch_b)
+        },
+        batch_stride_d: span(m, nn, pitch_d),
+        pitch_a,
+        pitch_b,
+        pitch_d,
         in_type,
         out_type,
     })
@@ -198,6 +237,7 @@ impl Executor {
                 dtype: b.ty.dtype,
                 shape: pb.shape.iter().map(|&d| d.max(0) as usize).collect(),
                 kind: b.kind,
+                pitch: pb.pitch.map(|x| x.max(0) as usize),
             });
         }
         let (mut inputs, mut params, mut state) = (HashMap::new(), HashMap::new(), HashMap::new());
@@ -465,19 +505,43 @@ impl Executor {
     /// Copies host bytes into buffer `b` (exactly its size).
     pub fn write(&mut self, b: usize, bytes: &[u8]) -> Result<(), RuntimeError> {
         let s = &self.slots[b];
-        if bytes.len() as u64 != s.bytes {
+        if bytes.len() as u64 != s.packed_bytes() {
             return Err(RuntimeError::Unsupported(format!(
                 "buffer {b} holds {} bytes, given {}",
-                s.bytes,
+                s.packed_bytes(),
                 bytes.len()
             )));
         }
         let (lo, hi) = (s.offset as usize, (s.offset + s.bytes) as usize);
+        // Padded rows: each row at its pitch, zeros between.
+        let padded;
+        let bytes = match s.rows() {
+            Some((row, pitch)) if row > 0 => {
+                let mut out = vec![0u8; s.bytes as usize];
+                for (r, chunk) in bytes.chunks(row).enumerate() {
+                    out[r * pitch..r * pitch + row].copy_from_slice(chunk);
+                }
+                padded = out;
+                &padded[..]
+            }
+            _ => bytes,
+        };
         let mut view = self.arena.slice_mut(lo..hi);
         self.gpu
             .stream
             .memcpy_htod(bytes, &mut view)
             .map_err(|e| RuntimeError::driver("copying to the GPU", e))
+    }
+
+    /// Sets every byte of buffer `b` to zero, on the device.
+    pub fn zero(&mut self, b: usize) -> Result<(), RuntimeError> {
+        let s = &self.slots[b];
+        let (lo, hi) = (s.offset as usize, (s.offset + s.bytes) as usize);
+        let mut view = self.arena.slice_mut(lo..hi);
+        self.gpu
+            .stream
+            .memset_zeros(&mut view)
+            .map_err(|e| RuntimeError::driver("clearing a buffer", e))
     }
 
     /// Buffer `b`'s bytes (waits for the stream).
@@ -491,6 +555,15 @@ impl Executor {
             .memcpy_dtoh(&view, &mut out)
             .map_err(|e| RuntimeError::driver("copying from the GPU", e))?;
         self.synchronize()?;
+        // Padded rows: the rows alone, packed.
+        if let Some((row, pitch)) = s.rows() {
+            let n = s.packed_bytes() as usize;
+            let mut packed = Vec::with_capacity(n);
+            for r in 0..n.checked_div(row).unwrap_or(0) {
+                packed.extend_from_slice(&out[r * pitch..r * pitch + row]);
+            }
+            return Ok(packed);
+        }
         Ok(out)
     }
 

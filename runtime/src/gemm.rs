@@ -77,6 +77,11 @@ pub struct GemmSpec {
     pub batch_stride_a: u64,
     pub batch_stride_b: u64,
     pub batch_stride_d: u64,
+    /// Elements from one stored row of A, B and D to the next where rows
+    /// are padded (a row pitch); 0 for packed rows.
+    pub pitch_a: u64,
+    pub pitch_b: u64,
+    pub pitch_d: u64,
     /// Type of A and B.
     pub in_type: Elem,
     /// Type of D and of the residual, bias and GELU aux buffers.
@@ -96,6 +101,9 @@ impl GemmSpec {
             batch_stride_a: 0,
             batch_stride_b: 0,
             batch_stride_d: 0,
+            pitch_a: 0,
+            pitch_b: 0,
+            pitch_d: 0,
             in_type,
             out_type,
         }
@@ -118,6 +126,18 @@ impl GemmSpec {
         if self.batch > 1 && self.batch_stride_d < self.m * self.n {
             return bad("batch_stride_d is smaller than m * n, so the batches' outputs overlap");
         }
+        let row = |t: bool, a: u64, b: u64| if t { a } else { b };
+        if (self.pitch_a != 0 && self.pitch_a < row(self.a_transposed, self.m, self.k))
+            || (self.pitch_b != 0 && self.pitch_b < row(self.b_transposed, self.k, self.n))
+            || (self.pitch_d != 0 && self.pitch_d < self.n)
+        {
+            return bad("a row pitch is shorter than its row");
+        }
+        // The residual and GELU aux buffers take D's packed layout.
+        let aux = ep.gelu_aux_out.is_some() || ep.dgelu_aux_in.is_some();
+        if self.pitch_d != 0 && (aux || ep.residual.is_some()) {
+            return bad("a padded D takes no residual or GELU aux buffer");
+        }
         if ep.gelu_aux_out.is_some() && ep.dgelu_aux_in.is_some() {
             return bad("gelu_aux_out and dgelu_aux_in exclude each other");
         }
@@ -126,7 +146,6 @@ impl GemmSpec {
         }
         // CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD and _BATCH_STRIDE "must be
         // divisible by 8"; the aux buffer is D-shaped: they are n and D's.
-        let aux = ep.gelu_aux_out.is_some() || ep.dgelu_aux_in.is_some();
         if aux && !self.n.is_multiple_of(8) {
             return bad("cuBLASLt needs n divisible by 8 for a GELU aux buffer");
         }
@@ -346,8 +365,9 @@ unsafe fn set_pointers(desc: Desc, ep: &EpiloguePtrs) -> Result<(), CublasError>
     Ok(())
 }
 
-/// A column-major matrix as cuBLASLt sees it: type, rows, columns, batch stride.
-type Mat = (Elem, u64, u64, u64);
+/// A column-major matrix as cuBLASLt sees it: type, rows, columns, batch
+/// stride and leading dimension.
+type Mat = (Elem, u64, u64, u64, u64);
 
 /// cuBLASLt's view of the product (see the module doc): its TRANSA and
 /// TRANSB, and for its A (our B), B (our A) and D the type, rows, columns
@@ -358,10 +378,25 @@ type Mat = (Elem, u64, u64, u64);
 fn column_major(s: &GemmSpec) -> ([i32; 2], [Mat; 3]) {
     let (op_a, rows_a, cols_a) = [(0, s.n, s.k), (1, s.k, s.n)][s.b_transposed as usize];
     let (op_b, rows_b, cols_b) = [(0, s.k, s.m), (1, s.m, s.k)][s.a_transposed as usize];
+    // A stored row is a column here: the leading dimension is the row
+    // length, or the row pitch where rows are padded.
+    let ld = |rows: u64, pitch: u64| if pitch == 0 { rows } else { pitch };
     let mats = [
-        (s.in_type, rows_a, cols_a, s.batch_stride_b),
-        (s.in_type, rows_b, cols_b, s.batch_stride_a),
-        (s.out_type, s.n, s.m, s.batch_stride_d),
+        (
+            s.in_type,
+            rows_a,
+            cols_a,
+            s.batch_stride_b,
+            ld(rows_a, s.pitch_b),
+        ),
+        (
+            s.in_type,
+            rows_b,
+            cols_b,
+            s.batch_stride_a,
+            ld(rows_b, s.pitch_a),
+        ),
+        (s.out_type, s.n, s.m, s.batch_stride_d, ld(s.n, s.pitch_d)),
     ];
     ([op_a, op_b], mats)
 }
@@ -528,9 +563,8 @@ impl Gemm {
         // attribute's documented C type (int32 ops and batch count, uint32
         // epilogue and alignments, int64 ld and strides, uint64 workspace).
         unsafe {
-            for (i, (t, rows, cols, stride)) in mats.into_iter().enumerate() {
-                // Packed storage: the leading dimension is the row count.
-                let l = result::create_matrix_layout(t.cuda(), rows, cols, rows as i64)?;
+            for (i, (t, rows, cols, stride, ld)) in mats.into_iter().enumerate() {
+                let l = result::create_matrix_layout(t.cuda(), rows, cols, ld as i64)?;
                 plan.layouts[i] = l;
                 if s.batch > 1 {
                     layout_attr(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, s.batch as i32)?;
@@ -613,7 +647,7 @@ mod tests {
                 .map(|x| (x * 7 % 11) as f64 - 5.0)
                 .collect();
             let b: Vec<f64> = (0..k * n).map(|x| (x * 5 % 13) as f64 - 6.0).collect();
-            let ([op_a, op_b], [(_, ra, ca, sa), (_, rb, cb, sb), (_, rd, cd, sd)]) =
+            let ([op_a, op_b], [(_, ra, ca, sa, _), (_, rb, cb, sb, _), (_, rd, cd, sd, _)]) =
                 column_major(&s);
             assert_eq!((rd, cd), (n, m));
             // op(X)(r, c) of a column-major X with ld = rows.

@@ -165,6 +165,38 @@ impl Session {
         self.exec.write(b, &bytes)
     }
 
+    /// Fills the named buffer from `fill(start, out)` (values
+    /// `start..start + out.len()`), encoding each chunk straight into the
+    /// bytes that go to the GPU: no whole-tensor f64 copy, all cores busy.
+    pub fn init(
+        &mut self,
+        name: &str,
+        fill: &(dyn Fn(usize, &mut [f64]) + Sync),
+    ) -> Result<(), RuntimeError> {
+        use rayon::prelude::*;
+        const CHUNK: usize = 1 << 16;
+        let b = self.buffer(name)?;
+        let slot = &self.exec.slots[b];
+        let dt = slot.dtype;
+        let size = dt.size_bytes();
+        let mut bytes = vec![0u8; slot.packed_bytes() as usize];
+        bytes
+            .par_chunks_mut(CHUNK * size)
+            .enumerate()
+            .for_each(|(k, out)| {
+                let mut values = vec![0.0; out.len() / size];
+                fill(k * CHUNK, &mut values);
+                out.copy_from_slice(&encode(dt, &values));
+            });
+        self.exec.write(b, &bytes)
+    }
+
+    /// Zeros the named buffer (on the device: no host values to make).
+    pub fn zero(&mut self, name: &str) -> Result<(), RuntimeError> {
+        let b = self.buffer(name)?;
+        self.exec.zero(b)
+    }
+
     /// The named buffer's values.
     pub fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         let b = self.buffer(name)?;

@@ -141,6 +141,7 @@ fn start(
     gpu: usize,
 ) -> Result<(Session, String), CliError> {
     let g = &loaded.compiled.optimized;
+    let t_open = Instant::now();
     let gpu = device::open(gpu).map_err(runtime_err)?;
     let about = format!(
         "{} ({}, {:.0} GiB)",
@@ -149,7 +150,8 @@ fn start(
         gpu.total_bytes as f64 / (1u64 << 30) as f64
     );
     eprintln!(
-        "{about}: compiling the kernels of {}",
+        "{about}, opened in {:.1} s: compiling the kernels of {}",
+        t_open.elapsed().as_secs_f64(),
         loaded.compiled.model.graph.name
     );
     let t0 = Instant::now();
@@ -204,7 +206,14 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             "deterministic: every kernel of this step is (generated kernels use no atomics; GEMMs keep one cuBLASLt algorithm each), so a run repeats bit for bit on the same GPU and software"
         );
     }
+    let t_init = Instant::now();
     backend::init_params(b, args.seed).map_err(runtime_err)?;
+    if !args.cpu {
+        eprintln!(
+            "  weights initialized in {:.1} s",
+            t_init.elapsed().as_secs_f64()
+        );
+    }
     // Each optimizer step runs `micro` micro-batches of B rows, adding up
     // their gradients, and applies the update on the last.
     let micro = loaded.compiled.model.train.micro_batches.max(1) as u64;

@@ -141,14 +141,33 @@ fn rms(b: &mut String, x: &str, eps: &str, indent: &str, var: &str, name: &str) 
 /// onehot(t)) * dloss[row] (dloss input 2) into output `grad`, the
 /// probabilities never stored.
 fn cross_entropy_row(b: &mut String, c: &Ctx, loss: Option<usize>, grad: Option<usize>) {
-    let x = c.ld(0, "row * C + j");
+    // Rows of the logits and of the gradient are `pitch` apart where the
+    // buffer's rows are padded for the GEMMs around it (kernel::pitch).
+    let pitch = |buf: usize| {
+        c.p.buffers[buf]
+            .pitch
+            .map_or("C".to_string(), |p| format!("{p}LL"))
+    };
+    let _ = writeln!(
+        b,
+        "        const fs_i64 xrow = row * {};",
+        pitch(c.k.inputs[c.ins[0]])
+    );
+    if let Some(o) = grad {
+        let _ = writeln!(
+            b,
+            "        const fs_i64 grow = row * {};",
+            pitch(c.k.outputs[c.outs[o]])
+        );
+    }
+    let x = c.ld(0, "xrow + j");
     max_sumexp(b, &x, "        ");
     let _ = writeln!(b, "        const fs_i64 t = in1[row];");
     if grad.is_some() {
         let _ = writeln!(b, "        const float scale = {};", c.ld(2, "row"));
     }
     if let Some(o) = loss {
-        let picked = c.ld(0, "row * C + t");
+        let picked = c.ld(0, "xrow + t");
         let _ = writeln!(
             b,
             "        if (threadIdx.x == 0) {}",
@@ -171,7 +190,7 @@ fn cross_entropy_row(b: &mut String, c: &Ctx, loss: Option<usize>, grad: Option<
         let _ = writeln!(
             b,
             "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
-            c.st(o, "row * C + j", &v)
+            c.st(o, "grow + j", &v)
         );
     }
 }

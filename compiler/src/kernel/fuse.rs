@@ -162,6 +162,7 @@ impl<'g> Fuser<'g> {
             value: v,
             ty: self.g.ty(v).clone(),
             kind,
+            pitch: None,
         });
         self.buffer_of.insert(v, self.buffers.len() - 1);
         self.buffers.len() - 1
@@ -450,10 +451,11 @@ pub fn fuse(g: &Graph) -> Program {
     }
     let kernels = group_param_casts(g, &f.buffers, kernels);
     let kernels = number(group_optimizer_updates(g, kernels));
-    let program = Program {
+    let mut program = Program {
         buffers: f.buffers,
         kernels,
     };
+    super::pitch::pad_rows(g, &mut program);
     debug_assert_eq!(program.verify(), Ok(()), "fusion broke the program");
     program
 }

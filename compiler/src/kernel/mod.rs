@@ -10,6 +10,7 @@
 
 pub mod fuse;
 pub mod interp;
+pub mod pitch;
 pub mod print;
 pub mod view;
 
@@ -51,6 +52,9 @@ pub struct Buffer {
     pub value: Value,
     pub ty: TensorType,
     pub kind: BufKind,
+    /// Elements from one row (last axis) to the next where rows are padded
+    /// for aligned GEMMs (see `pitch`); `None` when packed.
+    pub pitch: Option<i64>,
 }
 
 /// One expression of a pointwise kernel; operands are earlier expressions

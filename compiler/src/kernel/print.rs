@@ -126,7 +126,12 @@ pub fn print_layouts(g: &Graph, p: &Program) -> String {
                     BufKind::State => "optimizer state",
                     BufKind::Temp => "computed",
                 };
-                format!("stored, row-major ({kind})")
+                match p.buffers[*b].pitch {
+                    Some(pitch) => format!(
+                        "stored, row-major with rows padded to {pitch} elements for aligned GEMMs ({kind})"
+                    ),
+                    None => format!("stored, row-major ({kind})"),
+                }
             }
             Layout::View(b, view) if view.is_contiguous() => {
                 format!("view of {}: same elements, row-major", buffer_name(*b))

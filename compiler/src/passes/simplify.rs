@@ -188,6 +188,21 @@ fn rule(g: &Graph, n: NodeIndex, node: &Node, ins: &[Value]) -> Option<Rewrite> 
                 return Some(Rewrite::Value(ins[0]));
             }
             match &g.g[ins[0].node].op {
+                // (a @ b)^T = b^T @ a^T: the product is stored the way it
+                // is read (the tied output projection's weight gradient,
+                // [d, V] transposed into the [V, d] table, becomes one
+                // GEMM writing [V, d] rows, not a strided copy after it).
+                Op::MatMul(_) if p.perm == [1, 0] && g.users(ins[0]).len() == 1 => {
+                    let ab = g.inputs(ins[0].node);
+                    let t = || Permute { perm: vec![1, 0] }.into();
+                    (g.ty(ab[0]).rank() == 2 && g.ty(ab[1]).rank() == 2).then(|| {
+                        Rewrite::Ops(vec![
+                            (t(), vec![Arg::Existing(ab[1])]),
+                            (t(), vec![Arg::Existing(ab[0])]),
+                            (MatMul.into(), vec![Arg::Earlier(0), Arg::Earlier(1)]),
+                        ])
+                    })
+                }
                 Op::Permute(q) => {
                     let inner = g.inputs(ins[0].node)[0];
                     let perm: Vec<usize> = p.perm.iter().map(|&i| q.perm[i]).collect();
@@ -235,7 +250,7 @@ impl Pass for Simplify {
         "simplify"
     }
     fn about(&self) -> &'static str {
-        "algebraic simplification: x*1, x+0, reshape of reshape, permute of permute, no-op casts and f32 round trips through 16 bits, sums of slice gradients as concat, batch-summed products as one GEMM"
+        "algebraic simplification: x*1, x+0, reshape of reshape, permute of permute, no-op casts and f32 round trips through 16 bits, sums of slice gradients as concat, batch-summed products as one GEMM, a transposed product as the product of the transposes"
     }
     fn run(&self, g: &mut Graph) -> usize {
         let mut total = 0;

@@ -52,6 +52,9 @@ pub struct PlannedBuffer {
     pub dtype: String,
     pub shape: Vec<i64>,
     pub bytes: u64,
+    /// Elements between rows where the rows are padded (kernel::pitch).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pitch: Option<i64>,
     pub offset: u64,
     pub kind: MemKind,
     /// Written in place over this buffer (an optimizer update).
@@ -194,12 +197,14 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
             Op::State(x) => x.name.clone(),
             _ => format!("{} ({})", b.ty, g.g[b.value.node].op.name()),
         };
+        let elems = padded(n as u64, &shape, b.pitch);
         out.push(PlannedBuffer {
             id,
             name,
             dtype: b.ty.dtype.name().to_string(),
             shape,
-            bytes: (n as u64) * b.ty.dtype.size_bytes() as u64,
+            bytes: elems * b.ty.dtype.size_bytes() as u64,
+            pitch: b.pitch,
             offset: 0,
             kind,
             alias_of: alias.get(&id).copied(),
@@ -267,6 +272,7 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
                 && out[root].live.is_some_and(|l| l.1 == k && l.0 < k)
                 && out[root].bytes >= out[o].bytes
                 && p.buffers[b].ty.dtype.size_bytes() == p.buffers[o].ty.dtype.size_bytes()
+                && p.buffers[b].pitch == p.buffers[o].pitch
                 && in_place_ok(g, kernel, slot);
             if ok {
                 let end = out[o].live.map_or(k, |l| l.1);
@@ -494,5 +500,14 @@ impl Plan {
             }
         }
         Ok(())
+    }
+}
+
+/// Elements a buffer of `n` values of `shape` takes with its rows `pitch`
+/// apart.
+fn padded(n: u64, shape: &[i64], pitch: Option<i64>) -> u64 {
+    match (pitch, shape.last()) {
+        (Some(p), Some(&last)) if last > 0 => n / last as u64 * p as u64,
+        _ => n,
     }
 }
