@@ -65,10 +65,14 @@ fn err(m: impl Into<String>) -> RuntimeError {
 }
 
 /// The model: one attention over bf16 parameters q, k, v [B, T, H, D].
+/// One attention over bf16 activations. q, k and v are sums of parameters
+/// (not the parameters themselves) so that the attention's gradients are
+/// bf16 activations as in a model, not fused with the casts into the f32
+/// parameter gradients (which the tensor-core backward does not write).
 fn model(b: usize, t: usize, h: usize, d: usize, causal: bool) -> String {
     format!(
         "const B = {b}\nconst T = {t}\nparam q: [B, T, {h}, {d}] = normal(1.0)\nparam k: [B, T, {h}, {d}] = normal(1.0)\n\
-         param v: [B, T, {h}, {d}] = normal(1.0)\nlet y = attention(q, k, v, causal = {causal})\n\
+         param v: [B, T, {h}, {d}] = normal(1.0)\nlet y = attention(q + q, k + k, v + v, causal = {causal})\n\
          train {{\n loss = mean(y * y)\n precision = bf16\n}}\n"
     )
 }
