@@ -15,15 +15,12 @@ use common::host;
 
 use fusec_compiler::emit::cuda::emit_program;
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
-use fusec_compiler::interp::random::random_feeds;
-use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::{DType, Graph};
 use fusec_compiler::kernel::fuse::fuse;
-use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::kernel::{Body, Kernel, Program};
 use fusec_compiler::ops::Op;
 use std::fmt::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Every attention variant at once; T and S are bound per run.
 const ATTENTION: &str = "
@@ -108,63 +105,6 @@ train {
 }
 ";
 
-/// A host stand-in for a real thread block, so the kernels' shared memory
-/// and barriers are exercised too: each block's threads are OS threads
-/// meeting at a `std::barrier` for `__syncthreads()`; blocks run one after
-/// another (so a `__shared__` static is one block's shared memory), and the
-/// prelude's host block reductions, which assume one thread, are replaced
-/// by ones over shared memory.
-const THREADS_SHIM: &str = r#"#pragma once
-#include <barrier>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <thread>
-#include <vector>
-
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __noinline__
-#define __shared__ static
-#define __restrict__ __restrict
-
-struct fs_dim3 {
-    unsigned x, y, z;
-};
-static thread_local fs_dim3 blockIdx, threadIdx;
-static fs_dim3 blockDim, gridDim;
-static std::barrier<>* fs_bar;
-static inline void __syncthreads() { fs_bar->arrive_and_wait(); }
-static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-
-static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
-static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
-static inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
-static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
-
-template <class F>
-static void fs_launch(unsigned grid, unsigned block, F f) {
-    gridDim = {grid, 1, 1};
-    blockDim = {block, 1, 1};
-    for (unsigned b = 0; b < grid; ++b) {
-        std::barrier<> bar(block);
-        fs_bar = &bar;
-        std::vector<std::thread> threads;
-        for (unsigned t = 0; t < block; ++t)
-            threads.emplace_back([&, b, t] {
-                blockIdx = {b, 0, 0};
-                threadIdx = {t, 0, 0};
-                f();
-            });
-        for (auto& t : threads) t.join();
-    }
-}
-#define FS_LAUNCH(grid, block, call) fs_launch(grid, block, [&] { call; })
-"#;
-
 const BLOCK_REDUCTIONS: &str = "
 static float fs_block_reduce(float v, bool max) {
     static float part[1024];
@@ -232,7 +172,10 @@ fn harness(g: &Graph, p: &Program, kernels: &[(String, String)], threads: bool) 
             PRELUDE.contains(host),
             "the prelude's host reductions changed"
         );
-        format!("{THREADS_SHIM}{}", PRELUDE.replace(host, BLOCK_REDUCTIONS))
+        format!(
+            "#include \"threads_shim.h\"\n{}",
+            PRELUDE.replace(host, BLOCK_REDUCTIONS)
+        )
     } else {
         format!("#include \"shim.h\"\n#define FS_LAUNCH(grid, block, call) call\n{PRELUDE}")
     };
@@ -265,16 +208,6 @@ fn harness(g: &Graph, p: &Program, kernels: &[(String, String)], threads: bool) 
     }
     s.push_str("  fprintf(stderr, \"unknown kernel %s\\n\", argv[1]);\n  return 2;\n}\n");
     s
-}
-
-fn work_dir(label: &str) -> PathBuf {
-    let work = host::work_dir(&format!("attention-host-{label}"));
-    std::fs::copy(
-        common::root().join("tests/cuda_host/shim.h"),
-        work.join("shim.h"),
-    )
-    .unwrap();
-    work
 }
 
 /// Compiles `src` at `precision`, builds its attention and convolution
@@ -311,7 +244,7 @@ fn check(
         templates,
         "{label}: every attention and convolution kernel has generated source"
     );
-    let work = work_dir(&format!("{label}-{precision}"));
+    let work = host::work_dir(&format!("attention-host-{label}-{precision}"));
     // Both builds at once: the host compiler is the slow part.
     let builds: Vec<_> = [false, true]
         .into_iter()
@@ -341,8 +274,7 @@ fn check(
     let mut tested: Vec<(String, usize)> = Vec::new();
     for dims in runs {
         let dims_map = common::dims(dims);
-        let feeds = random_feeds(&g, &dims_map, 7).expect("feeds");
-        let bufs = run_program(&g, &program, &feeds, Precision::AsStored).expect("interpreter");
+        let bufs = host::program_values(&g, &program, &dims_map, 7);
         let dim_args: Vec<String> = g.dims.iter().map(|d| dims_map[d].to_string()).collect();
         for k in program.kernels.iter().filter(|k| is_template(&g, k)) {
             for (grid, block, threads) in LAUNCHES {

@@ -2,20 +2,7 @@
 
 mod common;
 
-use std::process::Command;
-
-fn fusec(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fusec"))
-        .args(args)
-        .current_dir(common::root())
-        .output()
-        .expect("fusec runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::fusec;
 
 #[test]
 fn check_reports_gpt2_small_parameter_count() {

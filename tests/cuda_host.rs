@@ -14,11 +14,8 @@ use common::host;
 
 use fusec_compiler::emit::cuda::emit_program;
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
-use fusec_compiler::interp::random::random_feeds;
-use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::DType;
 use fusec_compiler::kernel::fuse::fuse;
-use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::kernel::Program;
 use std::fmt::Write;
 
@@ -54,7 +51,7 @@ fn generated_kernels_compute_what_the_interpreter_computes() {
     if !host::have_cxx() {
         return;
     }
-    let work = host::shim_dir("cuda-host");
+    let work = host::work_dir("cuda-host");
     let mut checked = 0;
     for (file, sets, dims) in common::tiny_models() {
         let (name, src) = common::example(file);
@@ -62,8 +59,7 @@ fn generated_kernels_compute_what_the_interpreter_computes() {
         let g = &c.optimized;
         let program = fuse(g);
         let dims_map = common::dims(&dims);
-        let feeds = random_feeds(g, &dims_map, 21).expect("feeds");
-        let bufs = run_program(g, &program, &feeds, Precision::AsStored).expect("interpreter");
+        let bufs = host::program_values(g, &program, &dims_map, 21);
         let kernels = emit_program(g, &program, None);
         let stem = file.trim_end_matches(".dsl");
         let exe = host::build(&work, stem, &harness(g, &program, &kernels));

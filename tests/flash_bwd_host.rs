@@ -24,12 +24,9 @@ use common::host;
 
 use fusec_compiler::emit::flash_bwd::{flash_backward, FlashBwdLaunch};
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
-use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::tensor::Tensor;
-use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::Graph;
 use fusec_compiler::kernel::fuse::fuse;
-use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::kernel::{Body, Kernel, Program};
 use fusec_compiler::ops::Op;
 use std::collections::HashMap;
@@ -223,20 +220,9 @@ fn harness(b: &Built, sets: &[usize], mutation: Option<Mutation>) -> String {
     s
 }
 
-/// Copies the (unchanged) emulation headers and the harness into `work`,
-/// and builds it.
-fn compile(work: &Path, stem: &str, cpp: &str) -> PathBuf {
-    let headers = common::root().join("tests/flash_host");
-    for h in ["block_shim.h", "mma_emu.h"] {
-        std::fs::copy(headers.join(h), work.join(h)).unwrap();
-    }
-    host::build(work, stem, cpp)
-}
-
 /// The interpreter's buffers at the sizes `dims`.
 fn reference(b: &Built, dims: &HashMap<String, i64>) -> Vec<Tensor> {
-    let feeds = random_feeds(&b.g, dims, 11).expect("feeds");
-    run_program(&b.g, &b.program, &feeds, Precision::AsStored).expect("interpreter")
+    host::program_values(&b.g, &b.program, dims, 11)
 }
 
 /// Runs kernel set `f` on the interpreter's inputs and compares dQ, dK, dV
@@ -294,7 +280,7 @@ fn run_and_compare(
 fn check_all(label: &str, b: &Built, runs: &[&[(&str, i64)]]) -> usize {
     let work = work_dir(label);
     let all: Vec<usize> = (0..b.sets.len()).collect();
-    let exe = compile(&work, "flash_bwd", &harness(b, &all, None));
+    let exe = host::build(&work, "flash_bwd", &harness(b, &all, None));
     let mut checked = 0;
     let mut worst = [0.0f64; 3];
     for (r, sizes) in runs.iter().enumerate() {
@@ -449,7 +435,7 @@ fn deliberate_breakages_are_caught() {
     let bufs = reference(&b, &dims);
     let work = work_dir("mutations");
     // The unbroken build passes, so each failure below is the mutation's.
-    let exe = compile(&work, "good", &harness(&b, &[causal, plain], None));
+    let exe = host::build(&work, "good", &harness(&b, &[causal, plain], None));
     for f in [causal, plain] {
         run_and_compare(&exe, &work.join(format!("good-{f}")), &b, f, &bufs, &dims)
             .expect("the unbroken kernels");
@@ -466,7 +452,7 @@ fn deliberate_breakages_are_caught() {
         );
         let stem = format!("broken{i}");
         let cpp = harness(&b, &[f], Some((from, to)));
-        let exe = compile(&work, &stem, &cpp);
+        let exe = host::build(&work, &stem, &cpp);
         let got = run_and_compare(&exe, &work.join(format!("{stem}-run")), &b, f, &bufs, &dims);
         let e = got.expect_err(&format!("mutation {i} (`{from}`) went unnoticed"));
         println!("mutation {i} caught: {e}");
@@ -477,15 +463,9 @@ fn deliberate_breakages_are_caught() {
 #[test]
 fn flash_backward_compiles_with_nvrtc_without_spills() {
     use fusec_runtime::nvrtc;
-    if !nvrtc::available() {
-        assert!(
-            std::env::var("FUSEC_REQUIRE_NVRTC").is_err(),
-            "FUSEC_REQUIRE_NVRTC is set but libnvrtc is not on the loader path"
-        );
-        println!("skipped: libnvrtc not found (put its lib folder on LD_LIBRARY_PATH)");
+    if !common::nvrtc_ready() {
         return;
     }
-    println!("NVRTC {:?}", nvrtc::version());
     let mut failures = Vec::new();
     for precision in ["bf16", "f16"] {
         let b = build(MODEL, precision);

@@ -25,12 +25,9 @@ use common::host;
 
 use fusec_compiler::emit::flash::{flash_kernel, FlashLaunch};
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
-use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::tensor::Tensor;
-use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::Graph;
 use fusec_compiler::kernel::fuse::fuse;
-use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::kernel::{Body, Kernel, Program};
 use fusec_compiler::ops::Op;
 use std::collections::HashMap;
@@ -234,27 +231,23 @@ fn harness(b: &Built, kernels: &[usize], kernel_mutation: Option<Mutation>) -> S
     s
 }
 
-/// Writes the headers (with `mutation` applied to the one it names) and the
-/// harness into `work`, and builds it.
+/// Builds the harness in `work`, with `mutation` applied to a copy of the
+/// header it names (found before tests/flash_host's own).
 fn compile(work: &Path, stem: &str, cpp: &str, mutation: Option<Mutation>) -> PathBuf {
-    let headers = common::root().join("tests/flash_host");
-    for h in ["block_shim.h", "mma_emu.h"] {
-        let mut text = std::fs::read_to_string(headers.join(h)).unwrap();
-        if let Some((file, from, to)) = mutation {
-            if file == h {
-                assert!(text.contains(from), "{h} has no `{from}`");
-                text = text.replace(from, to);
-            }
-        }
-        std::fs::write(work.join(h), text).unwrap();
+    let dir = work.join(stem);
+    std::fs::create_dir_all(&dir).unwrap();
+    if let Some((h, from, to)) = mutation {
+        let text =
+            std::fs::read_to_string(common::root().join("tests/flash_host").join(h)).unwrap();
+        assert!(text.contains(from), "{h} has no `{from}`");
+        std::fs::write(dir.join(h), text.replace(from, to)).unwrap();
     }
-    host::build(work, stem, cpp)
+    host::build(&dir, stem, cpp)
 }
 
 /// The interpreter's buffers at the sizes `dims`.
 fn reference(b: &Built, dims: &HashMap<String, i64>) -> Vec<Tensor> {
-    let feeds = random_feeds(&b.g, dims, 11).expect("feeds");
-    run_program(&b.g, &b.program, &feeds, Precision::AsStored).expect("interpreter")
+    host::program_values(&b.g, &b.program, dims, 11)
 }
 
 /// Runs flash kernel `f` on the interpreter's inputs and compares its O and
@@ -481,15 +474,9 @@ fn a_broken_fragment_mapping_is_caught() {
 #[test]
 fn flash_attention_compiles_with_nvrtc_without_spills() {
     use fusec_runtime::nvrtc;
-    if !nvrtc::available() {
-        assert!(
-            std::env::var("FUSEC_REQUIRE_NVRTC").is_err(),
-            "FUSEC_REQUIRE_NVRTC is set but libnvrtc is not on the loader path"
-        );
-        println!("skipped: libnvrtc not found (put its lib folder on LD_LIBRARY_PATH)");
+    if !common::nvrtc_ready() {
         return;
     }
-    println!("NVRTC {:?}", nvrtc::version());
     let mut failures = Vec::new();
     for precision in ["bf16", "f16"] {
         let b = build(MODEL, precision);

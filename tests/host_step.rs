@@ -89,7 +89,7 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
     if !host::have_cxx() {
         return;
     }
-    let work = host::shim_dir("host-step");
+    let work = host::work_dir("host-step");
     let mut report = Vec::new();
     // GPT-2 again with 1029 bf16 logits a row: not a multiple of 16 bytes,
     // so the logits are stored with padded rows (kernel::pitch).

@@ -5,21 +5,9 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Command;
+use common::fusec;
 
-fn fusec(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fusec"))
-        .args(args)
-        .current_dir(common::root())
-        .output()
-        .expect("fusec runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use std::path::Path;
 
 const SMALL: &[&str] = &[
     "--set",

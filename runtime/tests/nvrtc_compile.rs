@@ -3,6 +3,8 @@
 //! where libnvrtc is missing the test says so and passes, unless
 //! FUSEC_REQUIRE_NVRTC=1 (as CI sets it after installing NVRTC).
 
+mod common;
+
 use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::emit::cuda::emit_program;
@@ -13,15 +15,9 @@ use std::path::Path;
 
 #[test]
 fn every_generated_kernel_compiles_for_sm80_and_sm90_without_spills() {
-    if !nvrtc::available() {
-        assert!(
-            std::env::var("FUSEC_REQUIRE_NVRTC").is_err(),
-            "FUSEC_REQUIRE_NVRTC is set but libnvrtc is not on the loader path"
-        );
-        println!("skipped: libnvrtc not found (install nvidia-cuda-nvrtc and put its lib folder on LD_LIBRARY_PATH)");
+    if !common::nvrtc_ready() {
         return;
     }
-    println!("NVRTC {:?}", nvrtc::version());
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dsl-examples");
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
@@ -71,8 +67,7 @@ fn every_generated_kernel_compiles_for_sm80_and_sm90_without_spills() {
 
 #[test]
 fn a_compile_error_names_the_kernel_and_the_line() {
-    if !nvrtc::available() {
-        println!("skipped: libnvrtc not found");
+    if !common::nvrtc_ready() {
         return;
     }
     let err = nvrtc::compile(

@@ -2,7 +2,13 @@
 //! threaded shims stand in for CUDA): the pieces every such harness shares.
 
 use fusec_compiler::emit::cuda::c_type;
+use fusec_compiler::interp::random::random_feeds;
+use fusec_compiler::interp::tensor::Tensor;
+use fusec_compiler::interp::Precision;
+use fusec_compiler::ir::Graph;
+use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::kernel::{Kernel, Program};
+use std::collections::HashMap;
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -81,12 +87,28 @@ pub fn kernel_buffers(
 
 /// The host compiler's command for one harness (C++20, threads, light
 /// optimisation, no warnings: generated code is not written for a host).
+/// The shims are found in tests/cuda_host and tests/flash_host, after the
+/// harness's own folder (where a test may put a changed copy).
 pub fn cxx(src: &Path, exe: &Path) -> Command {
     let mut c = Command::new("c++");
-    c.args(["-std=c++20", "-pthread", "-O1", "-w", "-o"])
-        .arg(exe)
-        .arg(src);
+    c.args(["-std=c++20", "-pthread", "-O1", "-w"]);
+    for dir in ["tests/cuda_host", "tests/flash_host"] {
+        c.arg("-I").arg(super::root().join(dir));
+    }
+    c.arg("-o").arg(exe).arg(src);
     c
+}
+
+/// Every buffer of `program` as the kernel-IR interpreter computes it, on
+/// random feeds drawn with `seed` (the values a host run is compared with).
+pub fn program_values(
+    g: &Graph,
+    program: &Program,
+    dims: &HashMap<String, i64>,
+    seed: u64,
+) -> Vec<Tensor> {
+    let feeds = random_feeds(g, dims, seed).expect("feeds");
+    run_program(g, program, &feeds, Precision::AsStored).expect("interpreter")
 }
 
 /// Builds `cpp`, written to `work/<stem>.cpp`, into `work/<stem>`.
@@ -102,17 +124,6 @@ pub fn build(work: &Path, stem: &str, cpp: &str) -> PathBuf {
         String::from_utf8_lossy(&out.stderr)
     );
     exe
-}
-
-/// A work folder holding tests/cuda_host/shim.h (one host thread per block).
-pub fn shim_dir(label: &str) -> PathBuf {
-    let work = work_dir(label);
-    std::fs::copy(
-        super::root().join("tests/cuda_host/shim.h"),
-        work.join("shim.h"),
-    )
-    .unwrap();
-    work
 }
 
 /// Runs kernel `k` of a harness built from `kernel_buffers` on the

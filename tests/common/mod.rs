@@ -2,7 +2,11 @@
 #![allow(dead_code)]
 
 pub mod host;
+mod nvrtc_ready;
 mod tiny;
+
+#[allow(unused_imports)]
+pub use nvrtc_ready::nvrtc_ready;
 
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;
@@ -45,3 +49,18 @@ pub use tiny::{tiny_models, TinyModel};
 /// codec (little-endian; 16-bit floats rounded to nearest even).
 #[allow(unused_imports)]
 pub use fusec_runtime::exec::{decode as from_bytes, encode as to_bytes};
+
+/// Runs the built `fusec` in the repository root, as a person would:
+/// (exit code, stdout, stderr).
+pub fn fusec(args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("fusec runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

@@ -4,26 +4,12 @@
 // operations that mma_emu.h emulates. Blocks run one after another, so a
 // `__shared__` (function-local static) array is one block's shared memory.
 #pragma once
+#include "host_cuda.h"
 #include <barrier>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
 
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __noinline__
-#define __shared__ static
-#define __restrict__ __restrict
-#define __launch_bounds__(n)
-
-struct fs_dim3 {
-    unsigned x, y, z;
-};
 static thread_local fs_dim3 blockIdx, threadIdx;
 static fs_dim3 blockDim, gridDim;
 
@@ -35,23 +21,6 @@ static std::barrier<>* fs_warp_barrier[32];
 static thread_local unsigned fs_warp_ops;
 
 static inline void __syncthreads() { fs_block_barrier->arrive_and_wait(); }
-
-static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
-static inline float __uint_as_float(unsigned int u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline float __int_as_float(int u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline unsigned int __float_as_uint(float f) {
-    unsigned int u;
-    memcpy(&u, &f, 4);
-    return u;
-}
 
 // Runs `f` as the kernel body for every block of `grid` (x fastest), with
 // `block` threads per block (a multiple of 32, at most 1024).

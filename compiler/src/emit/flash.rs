@@ -295,6 +295,15 @@ inline unsigned fs_ld32(const unsigned short* p) {
 inline void fs_copy16(unsigned short* dst, const unsigned short* src) { memcpy(dst, src, 16); }
 inline void fs_zero16(unsigned short* dst) { memset(dst, 0, 16); }
 #endif
+// One m16n8k16 A fragment from a row-major tile whose rows are `row`
+// elements apart, `at` pointing at this thread's (groupID, 2 * threadID)
+// element: registers are rows r and r + 8, features c and c + 8.
+__device__ __forceinline__ void fs_a_frag(unsigned (&a)[4], const unsigned short* at, int row) {
+    a[0] = fs_ld32(at);
+    a[1] = fs_ld32(at + 8 * row);
+    a[2] = fs_ld32(at + 8);
+    a[3] = fs_ld32(at + 8 * row + 8);
+}
 // Two floats rounded to 16 bits and packed into one mma operand, lo in the low half.
 __device__ __forceinline__ unsigned fs_pack_bf16(float lo, float hi) { return (unsigned)fs_to_bf16(lo) | ((unsigned)fs_to_bf16(hi) << 16); }
 __device__ __forceinline__ unsigned fs_pack_f16(float lo, float hi) { return (unsigned)fs_to_f16(lo) | ((unsigned)fs_to_f16(hi) << 16); }
@@ -355,13 +364,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     const int q_row = warp * 16 + frag_row;
     unsigned q_frag[HEAD_DIM / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {{
-        const {ty}* at = &v_tile[q_row * ROW + kk * 16 + frag_col];
-        q_frag[kk][0] = fs_ld32(at);                // row q_row,     features 2t, 2t + 1
-        q_frag[kk][1] = fs_ld32(at + 8 * ROW);      // row q_row + 8
-        q_frag[kk][2] = fs_ld32(at + 8);            // row q_row,     features + 8
-        q_frag[kk][3] = fs_ld32(at + 8 * ROW + 8);  // row q_row + 8, features + 8
-    }}
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) fs_a_frag(q_frag[kk], &v_tile[q_row * ROW + kk * 16 + frag_col], ROW);
 
     // Running state of this thread's rows q_row (index 0) and q_row + 8 (index 1):
     // the max score in log2 units, this thread's part of the row sum, and the

@@ -463,10 +463,9 @@ const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV
             }
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                const $TY* ka = &k_tile[key_row * ROW + kk * 16 + frag_col];
-                const $TY* va = &v_tile[key_row * ROW + kk * 16 + frag_col];
-                const unsigned k_frag[4] = {fs_ld32(ka), fs_ld32(ka + 8 * ROW), fs_ld32(ka + 8), fs_ld32(ka + 8 * ROW + 8)};
-                const unsigned v_frag[4] = {fs_ld32(va), fs_ld32(va + 8 * ROW), fs_ld32(va + 8), fs_ld32(va + 8 * ROW + 8)};
+                unsigned k_frag[4], v_frag[4];
+                fs_a_frag(k_frag, &k_tile[key_row * ROW + kk * 16 + frag_col], ROW);
+                fs_a_frag(v_frag, &v_tile[key_row * ROW + kk * 16 + frag_col], ROW);
 #pragma unroll
                 for (int n = 0; n < TILE_Q / 8; ++n) {
                     const $TY* query = &q_tile[(n * 8 + frag_row) * ROW + kk * 16 + frag_col];
@@ -594,13 +593,7 @@ const DQ: &str = r#"    // FlashAttention-2 backward, kernel 3 of 3: dQ on tenso
     }
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        const $TY* at = &kv_tiles[q_row * ROW + kk * 16 + frag_col];
-        q_frag[kk][0] = fs_ld32(at);
-        q_frag[kk][1] = fs_ld32(at + 8 * ROW);
-        q_frag[kk][2] = fs_ld32(at + 8);
-        q_frag[kk][3] = fs_ld32(at + 8 * ROW + 8);
-    }
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) fs_a_frag(q_frag[kk], &kv_tiles[q_row * ROW + kk * 16 + frag_col], ROW);
     __syncthreads();
     for (int c = threadIdx.x; c < TILE_Q * CHUNKS; c += $THREADS) {
         const int r = c / CHUNKS, e = (c % CHUNKS) * 8;
@@ -610,13 +603,7 @@ const DQ: &str = r#"    // FlashAttention-2 backward, kernel 3 of 3: dQ on tenso
     }
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        const $TY* at = &kv_tiles[q_row * ROW + kk * 16 + frag_col];
-        do_frag[kk][0] = fs_ld32(at);
-        do_frag[kk][1] = fs_ld32(at + 8 * ROW);
-        do_frag[kk][2] = fs_ld32(at + 8);
-        do_frag[kk][3] = fs_ld32(at + 8 * ROW + 8);
-    }
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) fs_a_frag(do_frag[kk], &kv_tiles[q_row * ROW + kk * 16 + frag_col], ROW);
     // lse (log2 units) and delta of rows q_row (index 0) and q_row + 8 (index 1).
     const fs_i64 i_lo = q0 + q_row, i_hi = i_lo + 8;
     float lse2[2], delta[2];

@@ -5,7 +5,7 @@
 pub const GROUP_CHUNK: i64 = 4096;
 
 use super::cuda::{float_lit, header};
-use super::templates::{element_body, Ctx};
+use super::templates::{op_body, shape_of, Ctx, Shape};
 use crate::ir::types::DType;
 use crate::ir::Graph;
 use crate::kernel::{Kernel, Program};
@@ -55,7 +55,10 @@ pub fn group_kernel(
                     ins: m.inputs.clone(),
                     outs: m.outputs.clone(),
                 };
-                let body: String = element_body(g, &c, m.node)?
+                let Shape::Elements(_) = shape_of(g, m.node)? else {
+                    return None;
+                };
+                let body: String = op_body(g, &c, m.node)?
                     .lines()
                     .map(|l| format!("            {l}\n"))
                     .collect();

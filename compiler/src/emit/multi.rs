@@ -19,44 +19,61 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
 /// a tile is one coalesced load.
 const TILE: i64 = 32;
 
-/// Row splits of a column tile: each tile's rows are cut into this many
-/// runs, each a block's work, so a bias gradient over B*T rows and a few
-/// hundred columns still fills the GPU.
-pub const SPLITS: i64 = 64;
+/// Most row runs per column tile: each tile's rows are cut into runs, each
+/// a block's work, so a bias gradient over B*T rows and a few hundred
+/// columns still fills the GPU.
+const SPLITS: i64 = 64;
 
-/// Tiles of a sum over leading axes with a known number of outputs (every
-/// bias gradient) times the row splits: how many blocks its kernel takes.
-pub fn column_tiles(g: &Graph, n: NodeIndex) -> Option<i64> {
-    tiles(g, n).map(|t| t * SPLITS)
+/// Most f32 partials a column sum keeps in its own device memory (4 MiB):
+/// wide sums (a 50257-entry bias) take fewer runs per tile.
+const PARTIALS: i64 = 1 << 20;
+
+/// The work of a sum over leading axes with a known number of outputs
+/// (every bias gradient): column tiles, and runs of rows per tile.
+struct ColumnSum {
+    cols: i64,
+    tiles: i64,
+    splits: i64,
 }
 
-fn tiles(g: &Graph, n: NodeIndex) -> Option<i64> {
+fn column_sum_of(g: &Graph, n: NodeIndex) -> Option<ColumnSum> {
     let Op::Reduce(r) = &g.g[n].op else {
         return None;
     };
     let leading = r.axes.iter().enumerate().all(|(i, &a)| i == a);
     let cols = g.g[n].outputs[0].numel().as_const()?;
-    (leading && matches!(r.kind, ReduceKind::Sum | ReduceKind::Mean) && cols > 0)
-        .then_some((cols + TILE - 1) / TILE)
+    (leading && matches!(r.kind, ReduceKind::Sum | ReduceKind::Mean) && cols > 0).then(|| {
+        ColumnSum {
+            cols,
+            tiles: (cols + TILE - 1) / TILE,
+            splits: (PARTIALS / cols).clamp(1, SPLITS),
+        }
+    })
 }
 
-/// File-scope storage of a column sum: each (tile, split)'s f32 partials
-/// and each tile's count of finished splits. The last split of a tile to
+/// How many blocks a leading-axis sum's kernel takes (tiles times runs),
+/// where it has one.
+pub fn column_tiles(g: &Graph, n: NodeIndex) -> Option<i64> {
+    column_sum_of(g, n).map(|w| w.tiles * w.splits)
+}
+
+/// File-scope storage of a column sum: each (tile, run)'s f32 partials
+/// and each tile's count of finished runs. The last run of a tile to
 /// finish resets its count, so the next launch (or a graph replay) starts
 /// from zero.
 pub(crate) fn file_scope(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-    let cols = g.g[n].outputs[0].numel().as_const()?;
-    let t = tiles(g, n)?;
+    let w = column_sum_of(g, n)?;
     let k = &c.k.name;
     Some(format!(
         "// The row splits' partial sums and each column tile's finished splits.\n\
-         __device__ float {k}_part[{}];\n__device__ unsigned {k}_done[{t}] = {{0}};\n\n",
-        SPLITS * cols
+         __device__ float {k}_part[{}];\n__device__ unsigned {k}_done[{}] = {{0}};\n\n",
+        w.splits * w.cols,
+        w.tiles
     ))
 }
 
 /// A sum over leading axes, [rows, C] -> [C]. Work item w is a tile of 32
-/// columns and one of SPLITS runs of the rows; a block's threads split into
+/// columns and one of `splits` runs of the rows; a block's threads split into
 /// 32 lanes (columns) by blockDim/32 row slices, each thread sums every
 /// slices-th row of its run and column, the slices add up in a fixed order
 /// into the run's partial, and the last run of a tile to finish (counted
@@ -66,7 +83,7 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let Op::Reduce(r) = &g.g[n].op else {
         return None;
     };
-    let tiles = tiles(g, n)?;
+    let ColumnSum { tiles, splits, .. } = column_sum_of(g, n)?;
     let ins = g.inputs(n);
     let sh = &g.ty(ins[0]).shape;
     let rows = sh[..r.axes.len()]
@@ -81,7 +98,7 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     );
     let _ = writeln!(
         b,
-        "    const fs_i64 rows = {}, C = {}, tiles = {tiles}, splits = {SPLITS};",
+        "    const fs_i64 rows = {}, C = {}, tiles = {tiles}, splits = {splits};",
         rows.to_c(),
         cols.to_c()
     );

@@ -340,27 +340,13 @@ pub fn op_kernel(
     Some(s)
 }
 
-/// The loop (rows or elements) and body of one op, closed.
-/// The per-element body of an element-shaped op (its index is `i`), for a
-/// group kernel to run over one chunk of the op's elements.
-pub(crate) fn element_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-    let Shape::Elements(_) = shape_of(g, n)? else {
-        return None;
-    };
-    let text = op_loop(g, c, n)?;
-    // op_loop's text is a size line, the loop header, the body and a brace.
-    let mut lines: Vec<&str> = text.lines().collect();
-    (lines.len() >= 3).then_some(())?;
-    lines.pop();
-    Some(lines[2..].iter().map(|l| format!("{l}\n")).collect())
-}
-
-pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-    let shape = shape_of(g, n)?;
+/// The body of one op's loop: over `row` (with `C` its length) for row
+/// ops, over element `i` for element ops; `op_loop` closes it in its loop,
+/// and a group kernel runs it over each chunk of a member.
+pub(crate) fn op_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let ins = g.inputs(n);
     let in_shape = |i: usize| g.ty(ins[i]).shape.clone();
     let last = |s: &[Dim]| s.last().cloned().unwrap_or(Dim::constant(1));
-    let mut s = String::new();
     let mut body = String::new();
     let b = &mut body;
     match &g.g[n].op {
@@ -802,6 +788,16 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         Op::CrossEntropy(_) => cross_entropy_row(b, c, Some(0), None),
         _ => return None,
     }
+    Some(body)
+}
+
+/// The loop (rows or elements) and body of one op, closed.
+pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+    let shape = shape_of(g, n)?;
+    let body = op_body(g, c, n)?;
+    let in_shape = |i: usize| g.ty(g.inputs(n)[i]).shape.clone();
+    let last = |s: &[Dim]| s.last().cloned().unwrap_or(Dim::constant(1));
+    let mut s = String::new();
     match shape {
         Shape::Rows(rows) => {
             let _ = writeln!(s, "    const fs_i64 rows = {};", rows.to_c());

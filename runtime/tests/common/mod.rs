@@ -1,8 +1,13 @@
 //! Helpers shared by the runtime's tests.
 #![allow(dead_code)]
 
+#[path = "../../../tests/common/nvrtc_ready.rs"]
+mod nvrtc_ready;
 #[path = "../../../tests/common/tiny.rs"]
 mod tiny;
+
+#[allow(unused_imports)]
+pub use nvrtc_ready::nvrtc_ready;
 
 #[allow(unused_imports)]
 pub use tiny::{tiny_models, TinyModel};
