@@ -5,6 +5,7 @@
 
 use crate::checkpoint::{Checkpoint, Tensor as CkTensor};
 use crate::session::{Session, StepStats};
+use crate::stage::HostBuf;
 use crate::RuntimeError;
 use fusec_compiler::interp::random::init_values;
 use fusec_compiler::interp::step::train_step;
@@ -47,7 +48,23 @@ pub trait Backend {
         self.set(name, &data)
     }
     /// One step; `step` counts from 1.
-    fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError>;
+    fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError> {
+        self.launch(lr, step)?;
+        self.finish()
+    }
+    /// Starts a step; `finish` waits for it. Between the two the caller
+    /// stages the next batch, which is copied while this step computes.
+    fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError>;
+    /// The launched step's loss (and gradient norm).
+    fn finish(&mut self) -> Result<StepStats, RuntimeError>;
+    /// Host buffers for `count` batches of `len` values each (page-locked
+    /// on a GPU, so their copies overlap the step).
+    fn batch_buffers(&self, count: usize, len: usize) -> Result<Vec<HostBuf>, RuntimeError> {
+        Ok((0..count).map(|_| HostBuf::Plain(vec![0; len])).collect())
+    }
+    /// Queues `buf` for the named i32 inputs (their values in order), to
+    /// be in place when the next step launches.
+    fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError>;
     /// The shape of every named source, with sizes bound.
     fn shapes(&self) -> &BTreeMap<String, Vec<usize>>;
 }
@@ -190,8 +207,17 @@ impl Backend for Gpu {
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         self.session.get(name)
     }
-    fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError> {
-        self.session.step(lr, step)
+    fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
+        self.session.launch(lr, step)
+    }
+    fn finish(&mut self) -> Result<StepStats, RuntimeError> {
+        self.session.finish()
+    }
+    fn batch_buffers(&self, count: usize, len: usize) -> Result<Vec<HostBuf>, RuntimeError> {
+        crate::stage::pinned(&self.session.exec.gpu, count, len)
+    }
+    fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError> {
+        self.session.stage(names, buf)
     }
     fn shapes(&self) -> &BTreeMap<String, Vec<usize>> {
         &self.shapes
@@ -205,6 +231,10 @@ pub struct Cpu {
     feeds: Feeds,
     shapes: BTreeMap<String, Vec<usize>>,
     pub precision: Precision,
+    /// Inputs staged for the next launch.
+    staged: Vec<(String, Vec<f64>)>,
+    /// The launched step's result.
+    done: Option<StepStats>,
 }
 
 impl Cpu {
@@ -233,6 +263,8 @@ impl Cpu {
             feeds,
             shapes,
             precision,
+            staged: Vec::new(),
+            done: None,
         })
     }
 }
@@ -280,13 +312,49 @@ impl Backend for Cpu {
                 RuntimeError::Unsupported(format!("the step has no tensor named `{name}`"))
             })
     }
-    fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError> {
+    fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
+        for (name, values) in std::mem::take(&mut self.staged) {
+            self.set(&name, &values)?;
+        }
         let r = train_step(&self.graph, &mut self.feeds, lr, step, self.precision)
             .map_err(|e| RuntimeError::Unsupported(format!("the CPU reference failed: {}", e.0)))?;
-        Ok(StepStats {
+        self.done = Some(StepStats {
             loss: r.loss,
             grad_norm: r.grad_norm,
-        })
+        });
+        Ok(())
+    }
+    fn finish(&mut self) -> Result<StepStats, RuntimeError> {
+        self.done
+            .take()
+            .ok_or_else(|| RuntimeError::Unsupported("no step was launched".into()))
+    }
+    fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError> {
+        let values = buf.read()?;
+        let mut at = 0;
+        let mut staged = Vec::new();
+        for name in names {
+            let n = self
+                .shapes
+                .get(*name)
+                .map_or(0, |s| s.iter().product::<usize>());
+            let part = values.get(at..at + n).ok_or_else(|| {
+                RuntimeError::Unsupported(format!(
+                    "a staged batch holds {} values; its inputs take more",
+                    values.len()
+                ))
+            })?;
+            staged.push((name.to_string(), part.iter().map(|&x| x as f64).collect()));
+            at += n;
+        }
+        if at != values.len() {
+            return Err(RuntimeError::Unsupported(format!(
+                "a staged batch holds {} values; its inputs take {at}",
+                values.len()
+            )));
+        }
+        self.staged = staged;
+        Ok(())
     }
     fn shapes(&self) -> &BTreeMap<String, Vec<usize>> {
         &self.shapes

@@ -2,8 +2,9 @@
 //! little-endian i32 — magic 20240520, version 1, token count — then uint16
 //! tokens) and plain text read as bytes (one token per byte, vocabulary
 //! 256). Batches are windows of T + 1 tokens: the first T are the inputs,
-//! the last T the targets. A background thread prepares the next batch
-//! while the GPU runs the current step.
+//! the last T the targets. A background thread writes the next batches
+//! into a small pool of host buffers (page-locked on a GPU, see
+//! `stage::HostBuf`) while the GPU runs the current step.
 
 use std::path::Path;
 use std::sync::mpsc;
@@ -137,26 +138,98 @@ impl Batches {
     }
 
     pub fn next_batch(&mut self) -> Batch {
+        let mut inputs = vec![0; self.buffer_len()];
+        self.fill(&mut inputs);
+        let targets = inputs.split_off(self.b * self.t);
+        Batch { inputs, targets }
+    }
+
+    /// Writes the next batch into `out`: the B*T inputs, then the B*T targets.
+    pub fn fill(&mut self, out: &mut [i32]) {
         let (b, t) = (self.b, self.t);
-        let mut inputs = Vec::with_capacity(b * t);
-        let mut targets = Vec::with_capacity(b * t);
-        for _ in 0..b {
+        assert_eq!(
+            out.len(),
+            2 * b * t,
+            "a batch buffer holds inputs and targets"
+        );
+        let (inputs, targets) = out.split_at_mut(b * t);
+        for r in 0..b {
             if self.pos + t + 1 > self.tokens.len() {
                 self.pos = 0;
             }
             let w = &self.tokens[self.pos..self.pos + t + 1];
-            inputs.extend(w[..t].iter().map(|&x| x as i32));
-            targets.extend(w[1..].iter().map(|&x| x as i32));
+            for (i, &x) in w[..t].iter().enumerate() {
+                inputs[r * t + i] = x as i32;
+            }
+            for (i, &x) in w[1..].iter().enumerate() {
+                targets[r * t + i] = x as i32;
+            }
             self.pos += t;
         }
-        Batch { inputs, targets }
     }
 
-    /// The batches, prepared on a background thread two ahead.
-    pub fn prefetch(mut self) -> mpsc::Receiver<Batch> {
-        let (tx, rx) = mpsc::sync_channel(2);
-        std::thread::spawn(move || while tx.send(self.next_batch()).is_ok() {});
-        rx
+    /// Values in one batch buffer: inputs and targets.
+    pub fn buffer_len(&self) -> usize {
+        2 * self.b * self.t
+    }
+
+    /// The batches, written on a background thread into `buffers` (each
+    /// `buffer_len` long) in turn: as many batches ready ahead as there
+    /// are buffers the consumer has given back.
+    pub fn prefetch<B: BatchBuffer>(mut self, buffers: Vec<B>) -> Prefetch<B> {
+        let (full_tx, full) = mpsc::channel();
+        let (free, free_rx) = mpsc::channel::<B>();
+        for b in buffers {
+            let _ = free.send(b);
+        }
+        std::thread::spawn(move || {
+            for mut buf in free_rx {
+                let filled = match buf.values() {
+                    Ok(v) => {
+                        self.fill(v);
+                        Ok(buf)
+                    }
+                    Err(e) => Err(DataError(format!("cannot write a batch buffer: {e}"))),
+                };
+                if full_tx.send(filled).is_err() {
+                    break;
+                }
+            }
+        });
+        Prefetch { full, free }
+    }
+}
+
+/// Host memory a batch is written into.
+pub trait BatchBuffer: Send + 'static {
+    /// The values, once any copy still reading them has finished.
+    fn values(&mut self) -> Result<&mut [i32], String>;
+}
+
+impl BatchBuffer for Vec<i32> {
+    fn values(&mut self) -> Result<&mut [i32], String> {
+        Ok(self)
+    }
+}
+
+/// Batches prepared ahead on a background thread (`Batches::prefetch`).
+pub struct Prefetch<B> {
+    full: mpsc::Receiver<Result<B, DataError>>,
+    free: mpsc::Sender<B>,
+}
+
+impl<B> Prefetch<B> {
+    /// The next batch, waiting for the thread if it is not ready yet.
+    pub fn next(&self) -> Result<B, DataError> {
+        self.full
+            .recv()
+            .map_err(|_| DataError("the data thread stopped".into()))?
+    }
+
+    /// Hands a buffer back to be filled again (the thread waits for any
+    /// copy from it to finish before writing).
+    pub fn give_back(&self, buf: B) {
+        let _ = self.free.send(buf);
     }
 }
 
@@ -192,11 +265,32 @@ mod tests {
         assert_eq!(x.targets, vec![1, 2, 3, 4, 5, 6]);
         let y = b.next_batch();
         assert_eq!(y.inputs, vec![6, 7, 8, 0, 1, 2]);
+        let mut buf = vec![0; b.buffer_len()];
+        b.fill(&mut buf);
+        assert_eq!(buf, vec![3, 4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 9]);
         assert!(Batches::new(vec![1, 2], 1, 3, None).is_err());
         let e = Batches::new(vec![1, 300, 2, 3, 4], 1, 3, Some(256))
             .err()
             .unwrap()
             .0;
         assert!(e.contains("token 300 at position 1"), "{e}");
+    }
+
+    #[test]
+    fn prefetch_keeps_order_with_few_buffers() {
+        // Two buffers for ten batches: each is refilled only after it is
+        // given back, and the batches come in the order `next_batch` gives.
+        let tokens: Vec<u32> = (0..97).collect();
+        let mut serial = Batches::new(tokens.clone(), 3, 5, None).unwrap();
+        let src = Batches::new(tokens, 3, 5, None).unwrap();
+        let len = src.buffer_len();
+        let pf = src.prefetch(vec![vec![-1; len], vec![-1; len]]);
+        for _ in 0..10 {
+            let want = serial.next_batch();
+            let got = pf.next().unwrap();
+            assert_eq!(got[..15], want.inputs[..]);
+            assert_eq!(got[15..], want.targets[..]);
+            pf.give_back(got);
+        }
     }
 }

@@ -5,6 +5,7 @@
 
 use crate::device::Gpu;
 use crate::gemm::{Elem, EpiloguePtrs, Gemm, GemmSpec};
+use crate::stage::{HostBuf, Stager};
 use crate::RuntimeError;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use fusec_compiler::ir::graph::Role;
@@ -88,6 +89,8 @@ pub struct Executor {
     graph: Option<cudarc::driver::CudaGraph>,
     /// Scratch memory some kernels take (kept alive for their pointers).
     _scratch: Option<CudaSlice<u8>>,
+    /// Inputs copied in on a second stream (see `stage`).
+    stager: Option<Stager>,
 }
 
 fn elem(dt: DType) -> Result<Elem, RuntimeError> {
@@ -398,6 +401,7 @@ impl Executor {
             arena_bytes: plan.arena_bytes,
             graph: None,
             _scratch: scratch,
+            stager: None,
         })
     }
 
@@ -425,6 +429,7 @@ impl Executor {
     /// Every kernel of the step, in plan order: the captured graph where
     /// there is one, else launch by launch.
     pub fn run_step(&mut self) -> Result<(), RuntimeError> {
+        self.copy_staged()?;
         if let Some(g) = &self.graph {
             return g
                 .launch()
@@ -531,6 +536,74 @@ impl Executor {
             .stream
             .memcpy_htod(bytes, &mut view)
             .map_err(|e| RuntimeError::driver("copying to the GPU", e))
+    }
+
+    /// Starts copying `buf` to the GPU for the i32 buffers `targets` (their
+    /// values in order, each whole), on a second stream, so the copy runs
+    /// while the current step computes; the next `run_step` copies it in
+    /// before its first kernel.
+    pub fn stage(&mut self, targets: &[usize], buf: &HostBuf) -> Result<(), RuntimeError> {
+        let mut parts = Vec::with_capacity(targets.len());
+        let mut at = 0;
+        for &b in targets {
+            let s = &self.slots[b];
+            if s.dtype != DType::I32 || s.rows().is_some() {
+                return Err(RuntimeError::Unsupported(format!(
+                    "buffer {b} ({:?}, shape {:?}) cannot take a staged batch: only unpadded i32 inputs can",
+                    s.dtype, s.shape
+                )));
+            }
+            let n: usize = s.shape.iter().product();
+            parts.push((b, at, n));
+            at += n;
+        }
+        let len = buf.len();
+        if len != at {
+            return Err(RuntimeError::Unsupported(format!(
+                "a staged batch holds {len} values; its inputs take {at}"
+            )));
+        }
+        if self
+            .stager
+            .as_ref()
+            .is_none_or(|st| st.area.len() != at.max(1))
+        {
+            self.stager = Some(Stager::new(&self.gpu, at)?);
+        }
+        let st = self.stager.as_mut().expect("made above");
+        st.upload(buf)?;
+        st.parts = parts;
+        st.pending = true;
+        Ok(())
+    }
+
+    /// The staged batch into its input buffers (on the step's stream, after
+    /// the staging copy).
+    fn copy_staged(&mut self) -> Result<(), RuntimeError> {
+        let Executor {
+            stager,
+            arena,
+            slots,
+            gpu,
+            ..
+        } = self;
+        let Some(st) = stager.as_mut().filter(|st| st.pending) else {
+            return Ok(());
+        };
+        for &(b, at, n) in &st.parts {
+            let s = &slots[b];
+            let mut bytes = arena.slice_mut(s.offset as usize..(s.offset + s.bytes) as usize);
+            // SAFETY: the buffer is an unpadded i32 tensor of n values
+            // (checked by `stage`), and the arena is 256-byte aligned.
+            let mut dst = unsafe { bytes.transmute_mut::<i32>(n) }.ok_or_else(|| {
+                RuntimeError::Unsupported(format!("buffer {b} is smaller than its {n} values"))
+            })?;
+            gpu.stream
+                .memcpy_dtod(&st.area.slice(at..at + n), &mut dst)
+                .map_err(|e| RuntimeError::driver("copying a staged batch in", e))?;
+        }
+        st.pending = false;
+        Ok(())
     }
 
     /// Sets every byte of buffer `b` to zero, on the device.

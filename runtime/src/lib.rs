@@ -13,6 +13,7 @@ pub mod gemm;
 pub mod nvrtc;
 pub mod scaler;
 pub mod session;
+pub mod stage;
 
 use cudarc::driver::DriverError;
 

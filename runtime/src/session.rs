@@ -5,6 +5,7 @@
 use crate::cache::{self, CacheStats};
 use crate::device::Gpu;
 use crate::exec::{decode, encode, Executor, MultiLaunch, Overrides};
+use crate::stage::HostBuf;
 use crate::RuntimeError;
 use fusec_compiler::autodiff::{LR_INPUT, STEP_INPUT};
 use fusec_compiler::emit::cuda::emit_program;
@@ -204,8 +205,15 @@ impl Session {
     }
 
     /// One step with learning rate `lr`; `step` counts from 1. Inputs must
-    /// have been set.
+    /// have been set or staged.
     pub fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError> {
+        self.launch(lr, step)?;
+        self.finish()
+    }
+
+    /// Starts a step (returns once its kernels are queued, except for the
+    /// first, which is also captured as a CUDA graph); `finish` waits for it.
+    pub fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
         if self.exec.inputs.contains_key(LR_INPUT) {
             self.set(LR_INPUT, &[lr])?;
         }
@@ -223,6 +231,11 @@ impl Session {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Waits for the launched step and reads its loss (and gradient norm).
+    pub fn finish(&mut self) -> Result<StepStats, RuntimeError> {
         let read = |b: Option<usize>| -> Result<Option<f64>, RuntimeError> {
             match b {
                 Some(b) => {
@@ -238,6 +251,21 @@ impl Session {
             loss,
             grad_norm: read(self.exec.grad_norm)?,
         })
+    }
+
+    /// Starts copying `buf` into the named i32 inputs (their values in
+    /// order) for the next step, while the current one computes.
+    pub fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError> {
+        let targets = names
+            .iter()
+            .map(|n| match self.exec.inputs.get(*n) {
+                Some(&b) => Ok(b),
+                None => Err(RuntimeError::Unsupported(format!(
+                    "the step has no input named `{n}`"
+                ))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.exec.stage(&targets, buf)
     }
 
     /// FLOPs of one step as the roofline counts them.

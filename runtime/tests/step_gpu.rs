@@ -20,6 +20,7 @@ use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::kernel::interp::run_program;
 use fusec_runtime::backend::{self, Backend};
+use fusec_runtime::data::Batches;
 use fusec_runtime::exec::{decode, encode};
 use fusec_runtime::session::Session;
 
@@ -349,4 +350,94 @@ fn every_shipped_model_trains_on_the_cpu_backend() {
         println!("{file}: loss {:.4} -> {:.4}", losses[0], losses[19]);
         assert!(losses[19] < 0.9 * losses[0], "{file}: {losses:?}");
     }
+}
+
+/// Losses of `steps` steps on successive batches of `tokens`, set
+/// synchronously before each step.
+fn serial_losses(b: &mut dyn Backend, tokens: &[u32], steps: u64) -> Vec<f64> {
+    let shape = b.shapes()["tokens"].clone();
+    let mut src = Batches::new(tokens.to_vec(), shape[0], shape[1], None).unwrap();
+    (1..=steps)
+        .map(|i| {
+            let x = src.next_batch();
+            let f = |v: &[i32]| v.iter().map(|&t| t as f64).collect::<Vec<_>>();
+            b.set("tokens", &f(&x.inputs)).unwrap();
+            b.set("targets", &f(&x.targets)).unwrap();
+            b.step(1e-3, i).unwrap().loss
+        })
+        .collect()
+}
+
+/// The same, as `fusec train` runs it: the data thread fills the backend's
+/// batch buffers (page-locked on a GPU) and each next batch is staged
+/// between a step's launch and its finish, copied while it computes.
+fn pipelined_losses(b: &mut dyn Backend, tokens: &[u32], steps: u64) -> Vec<f64> {
+    let shape = b.shapes()["tokens"].clone();
+    let src = Batches::new(tokens.to_vec(), shape[0], shape[1], None).unwrap();
+    let buffers = b.batch_buffers(3, src.buffer_len()).unwrap();
+    let pf = src.prefetch(buffers);
+    let stage = |b: &mut dyn Backend| {
+        let buf = pf.next().unwrap();
+        b.stage(&["tokens", "targets"], &buf).unwrap();
+        pf.give_back(buf);
+    };
+    stage(b);
+    (1..=steps)
+        .map(|i| {
+            b.launch(1e-3, i).unwrap();
+            if i < steps {
+                stage(b);
+            }
+            b.finish().unwrap().loss
+        })
+        .collect()
+}
+
+/// Random tokens below the small GPT-2's vocabulary.
+fn token_stream(n: usize) -> Vec<u32> {
+    (0..n as u64)
+        .map(|i| (i.wrapping_mul(2654435761) >> 7) as u32 % 1029)
+        .collect()
+}
+
+/// Batches staged on the copy stream from pinned memory give the same
+/// losses, bit for bit, as batches copied synchronously before each step
+/// (each step reads a different batch, so a batch copied a step late or
+/// overwritten while read changes them).
+#[test]
+fn staged_batches_match_synchronous_ones_on_the_gpu() {
+    let Some(_) = gpu() else { return };
+    let (file, sets, dims) = cases().remove(2);
+    let c = model(file, &sets);
+    let g = &c.optimized;
+    let (dmap, bdims) = sizes(&dims);
+    let feeds = random_feeds(g, &dmap, 4).unwrap();
+    let tokens = token_stream(2000);
+    let mut serial = on_gpu(gpu().unwrap(), g, &bdims, &feeds, 4);
+    let want = serial_losses(&mut serial, &tokens, 12);
+    let mut piped = on_gpu(gpu().unwrap(), g, &bdims, &feeds, 4);
+    let got = pipelined_losses(&mut piped, &tokens, 12);
+    println!("serial {want:?}\nstaged {got:?}");
+    assert!(piped.session.exec.has_graph());
+    assert_eq!(got, want);
+}
+
+/// The same pipeline through the CPU backend (runs everywhere).
+#[test]
+fn staged_batches_match_synchronous_ones_on_the_cpu_backend() {
+    let (file, sets, dims) = cases().remove(2);
+    let c = model(file, &sets);
+    let g = &c.optimized;
+    let (dmap, bdims) = sizes(&dims);
+    let feeds = random_feeds(g, &dmap, 4).unwrap();
+    let tokens = token_stream(2000);
+    let fresh = || {
+        let mut b = backend::Cpu::new(g, &bdims, Precision::AsStored).unwrap();
+        ready(&mut b, &feeds, 4);
+        b
+    };
+    let want = serial_losses(&mut fresh(), &tokens, 4);
+    let got = pipelined_losses(&mut fresh(), &tokens, 4);
+    assert_eq!(got, want);
+    assert_ne!(want[0], want[1], "each step reads its own batch");
 }

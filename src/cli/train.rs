@@ -6,9 +6,10 @@ use clap::Args;
 use fusec_compiler::interp::Precision;
 use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::checkpoint;
-use fusec_runtime::data::{load_tokens, Batches};
+use fusec_runtime::data::{load_tokens, Batches, Prefetch};
 use fusec_runtime::device;
 use fusec_runtime::session::Session;
+use fusec_runtime::stage::HostBuf;
 use fusec_runtime::RuntimeError;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -292,7 +293,24 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         for _ in 0..(first - 1) * micro {
             src.next_batch();
         }
-        batches = Some(src.prefetch());
+        // Three page-locked buffers: one being copied to the GPU, two
+        // filled ahead by the data thread.
+        let buffers = b.batch_buffers(3, src.buffer_len()).map_err(runtime_err)?;
+        batches = Some(src.prefetch(buffers));
+    }
+    // The next batch into `tokens` and `targets`: copied to the GPU while
+    // the current step computes, in place when the next one launches.
+    let stage_next = |b: &mut dyn Backend, pf: &Prefetch<HostBuf>| -> Result<(), CliError> {
+        let buf = pf.next().map_err(|e| CliError {
+            message: format!("error: {e}"),
+            code: 3,
+        })?;
+        b.stage(&["tokens", "targets"], &buf).map_err(runtime_err)?;
+        pf.give_back(buf);
+        Ok(())
+    };
+    if let Some(pf) = &batches {
+        stage_next(b, pf)?;
     }
     let mut log = match &args.log {
         Some(p) => Some(
@@ -333,22 +351,18 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             grad_norm: None,
         };
         for mb in 0..micro {
-            if let Some(rx) = &batches {
-                let batch = rx.recv().map_err(|_| CliError {
-                    message: "error: the data thread stopped".into(),
-                    code: 3,
-                })?;
-                let ins: Vec<f64> = batch.inputs.iter().map(|&x| x as f64).collect();
-                let tgs: Vec<f64> = batch.targets.iter().map(|&x| x as f64).collect();
-                b.set("tokens", &ins).map_err(runtime_err)?;
-                b.set("targets", &tgs).map_err(runtime_err)?;
-            }
             if micro > 1 {
                 let apply = if mb + 1 == micro { 1.0 } else { 0.0 };
                 b.set(fusec_compiler::autodiff::APPLY_INPUT, &[apply])
                     .map_err(runtime_err)?;
             }
-            let one = b.step(lr, opt_step + 1).map_err(runtime_err)?;
+            b.launch(lr, opt_step + 1).map_err(runtime_err)?;
+            if let Some(pf) = &batches {
+                if step < last || mb + 1 < micro {
+                    stage_next(b, pf)?;
+                }
+            }
+            let one = b.finish().map_err(runtime_err)?;
             st.loss += one.loss / micro as f64;
             st.grad_norm = one.grad_norm;
         }
