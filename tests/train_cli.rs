@@ -204,3 +204,41 @@ fn token_data_follows_the_tokens_input_shape() {
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("step     2/2"), "{err}");
 }
+
+/// fp16 with micro-batches trains: one loss scale per step over its two
+/// micro-batches; steps whose gradients overflow are skipped and the scale
+/// halves; the loss falls.
+#[test]
+fn fp16_with_micro_batches_trains() {
+    let model = tmp("fp16-micro.dsl");
+    std::fs::write(
+        &model,
+        "dim B, T\ninput tokens: i32[B, T]\ninput targets: i32[B, T]\n\
+         param emb: [256, 32] = normal(0.1)\nparam w: [32, 256] = normal(0.1)\n\
+         train {\n loss = cross_entropy(embedding(emb, tokens) @ w, targets)\n optimizer = adamw(lr = 1e-2)\n\
+         precision = fp16\n micro_batches = 2\n}\n",
+    )
+    .unwrap();
+    let log = tmp("fp16-micro.jsonl");
+    let (code, _, err) = fusec(&[
+        "train",
+        model.to_str().unwrap(),
+        "--cpu",
+        "--data",
+        "dsl-examples/data/founding-texts.txt",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "30",
+        "--log",
+        log.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let loss = |l: &str| -> f64 { l.split(':').nth(1).unwrap().parse().unwrap() };
+    let all = losses(&log);
+    assert_eq!(all.len(), 30);
+    let (first, last) = (loss(&all[0]), loss(&all[29]));
+    assert!(last < 0.9 * first, "{first} -> {last}\n{err}");
+}

@@ -7,6 +7,8 @@
 #   tools/gpu_check.sh parity    per-step losses against PyTorch, fp32 and bf16
 #   tools/gpu_check.sh bench     GPT-2 small: cold and warm start, fusec bench, PyTorch
 #   tools/gpu_check.sh attention the attention sweep, fusec (tensor-core and simple) and PyTorch
+#   tools/gpu_check.sh memory    attention's device memory at B = 1, T = 1024 .. 32768 (one process each)
+#   tools/gpu_check.sh feed      fusec train on text (batches staged while the step runs) beside fusec bench
 # TORCH_MODES picks torch_reference.py's modes (default: all three).
 #   tools/gpu_check.sh all
 # Logs go to out/gpu-logs, or, when $OUT is set by the device tool, to
@@ -55,6 +57,21 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     run "PyTorch baselines B=32"
     timeout 400 python3 "$BIN/torch_reference.py" --models gpt2-small --batch 32 --seq 1024 --no-ceilings ${TORCH_MODES:+--modes $TORCH_MODES} 2>&1 | tail -6 | tee "$LOGS/torch.jsonl"
   fi
+fi
+if [ "$what" = feed ] || [ "$what" = all ]; then
+  T=dsl-examples/data/founding-texts.txt
+  for b in 8 32; do
+    run "fusec train gpt2-small B=$b T=1024 on text, 30 steps"
+    timeout 300 "$BIN/fusec" train dsl-examples/gpt2-small.dsl --data $T --batch $b --seq 1024 --steps 30 --log "$LOGS/feed-b$b.jsonl" 2>&1 | tr "\r" "\n" | grep -E "step +(1|2|10|20|30)/|error" | tail -6
+    python3 -c "import json,statistics as s; r=[json.loads(l) for l in open('$LOGS/feed-b$b.jsonl')][5:]; print('train median ms/step', s.median(x['ms'] for x in r))"
+    run "fusec bench gpt2-small B=$b T=1024"
+    timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch $b --seq 1024 --steps 20 2>&1 | tail -1
+  done
+fi
+if [ "$what" = memory ] || [ "$what" = all ]; then
+  for t in 1024 2048 4096 8192 16384 32768; do
+    timeout 200 "$BIN/fusec" bench-attention --head-dims 64 --seqs $t --batch 1 2>&1 | tee -a "$LOGS/attention-memory.jsonl"
+  done
 fi
 if [ "$what" = attention ] || [ "$what" = all ]; then
   run "fusec bench-attention (tensor-core forward)"

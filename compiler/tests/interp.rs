@@ -305,6 +305,89 @@ fn fp16_loss_scaling_cancels_and_overflow_skips_the_step() {
     }
 }
 
+/// fp16 with micro-batches: one loss scale over a step's micro-batches,
+/// divided out once, so in exact arithmetic the step equals the fp32
+/// model's; an overflow skips the update and still clears the gradient
+/// sums (to zeros, not NaN), so the step after it is as if the skipped one
+/// never ran.
+#[test]
+fn fp16_micro_batches_share_the_scale_and_an_overflow_clears_the_sums() {
+    let model = |precision: &str| {
+        format!(
+            "dim B\ninput x: f32[B, 4]\ninput y: i32[B]\nparam w: [4, 3] = normal(0.5)\nparam b: [3] = zeros\n\
+             train {{\n loss = cross_entropy(x @ w + b, y)\n optimizer = adamw(lr = 0.1)\n clip_grad_norm = 0.5\n precision = {precision}\n micro_batches = 2\n}}\n"
+        )
+    };
+    let half = compiled(&model("fp16")).training;
+    let full = compiled(&model("fp32")).training;
+    let dims = HashMap::from([("B".to_string(), 5)]);
+    let mut a = random_feeds(&half, &dims, 6).unwrap();
+    let mut b = random_feeds(&full, &dims, 6).unwrap();
+    b.params = a.params.clone();
+    let batch = |k: u64| random_feeds(&full, &dims, 100 + k).unwrap().inputs;
+    // Two micro-batches of the step: (apply, batch).
+    let step = |f: &mut fusec_compiler::interp::Feeds,
+                g: &fusec_compiler::ir::Graph,
+                scale: Option<f64>,
+                t: u64,
+                precision: Precision| {
+        let mut r = None;
+        for (k, apply) in [(0, 0.0), (1, 1.0)] {
+            for (name, v) in batch(2 * t + k) {
+                if !name.starts_with("update.") {
+                    f.inputs.insert(name, v);
+                }
+            }
+            f.inputs
+                .insert("update.apply".into(), Tensor::scalar(apply));
+            if let Some(s) = scale {
+                f.inputs
+                    .insert("update.loss_scale".into(), Tensor::scalar(s));
+            }
+            r = Some(train_step(g, f, 0.1, t, precision).unwrap());
+        }
+        r.unwrap()
+    };
+    let close = |a: &fusec_compiler::interp::Feeds, b: &fusec_compiler::interp::Feeds| {
+        for (name, p) in &b.params {
+            let err = p
+                .data
+                .iter()
+                .zip(&a.params[name].data)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f64::max);
+            assert!(err < 1e-12, "{name}: {err}");
+        }
+    };
+    let ra = step(&mut a, &half, Some(1024.0), 1, Precision::F64);
+    let rb = step(&mut b, &full, None, 1, Precision::F64);
+    assert!((ra.grad_norm.unwrap() - rb.grad_norm.unwrap()).abs() < 1e-12);
+    close(&a, &b);
+    // A scale that overflows fp16 when values are rounded as stored.
+    let before = a.clone();
+    let r = step(&mut a, &half, Some(1e30), 2, Precision::AsStored);
+    assert!(!r.grad_norm.unwrap().is_finite(), "{:?}", r.grad_norm);
+    for (name, p) in &before.params {
+        let stored: Vec<f64> = p.data.iter().map(|&x| round_to(DType::F32, x)).collect();
+        assert_eq!(
+            a.params[name].data, stored,
+            "{name}: the update was skipped"
+        );
+    }
+    for (name, s) in &a.state {
+        if name.ends_with(".grad_acc") {
+            assert!(s.data.iter().all(|&x| x == 0.0), "{name}: {:?}", s.data);
+        }
+    }
+    // The next step from there equals the fp32 model's step from the same
+    // weights and moments.
+    b.params = a.params.clone();
+    b.state = a.state.clone();
+    step(&mut a, &half, Some(1024.0), 2, Precision::F64);
+    step(&mut b, &full, None, 2, Precision::F64);
+    close(&a, &b);
+}
+
 /// Initial values filled in chunks from their position in the parameter's
 /// stream equal the values filled in one go (what lets the runtime
 /// initialise large parameters in parallel), and parameters differ.

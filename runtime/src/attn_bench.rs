@@ -35,6 +35,8 @@ pub struct AttnResult {
     pub fwd_bwd_ms: f64,
     pub fwd_tflops: f64,
     pub fwd_bwd_tflops: f64,
+    /// Each backward kernel alone: (name's last part, median ms).
+    pub bwd_parts: Vec<(String, f64)>,
     /// Device memory the attention's buffers take (q, k, v, o, lse, dO,
     /// dq, dk, dv): linear in T.
     pub buffer_bytes: u64,
@@ -43,7 +45,7 @@ pub struct AttnResult {
 impl AttnResult {
     pub fn json(&self) -> String {
         format!(
-            "{{\"bench\":\"attention\",\"impl\":\"fusec-{}-fwd-{}-bwd\",\"head_dim\":{},\"seq\":{},\"batch\":{},\"heads\":{},\"causal\":{},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.1},\"fwd_bwd_ms\":{:.3},\"fwd_bwd_tflops\":{:.1},\"buffer_mib\":{:.1}}}",
+            "{{\"bench\":\"attention\",\"impl\":\"fusec-{}-fwd-{}-bwd\",\"head_dim\":{},\"seq\":{},\"batch\":{},\"heads\":{},\"causal\":{},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.1},\"fwd_bwd_ms\":{:.3},\"fwd_bwd_tflops\":{:.1},\"bwd_ms\":{{{}}},\"buffer_mib\":{:.1}}}",
             self.forward,
             self.backward,
             self.head_dim,
@@ -55,6 +57,11 @@ impl AttnResult {
             self.fwd_tflops,
             self.fwd_bwd_ms,
             self.fwd_bwd_tflops,
+            self.bwd_parts
+                .iter()
+                .map(|(n, ms)| format!("\"{n}\":{ms:.3}"))
+                .collect::<Vec<_>>()
+                .join(","),
             self.buffer_bytes as f64 / (1u64 << 20) as f64
         )
     }
@@ -78,6 +85,7 @@ fn model(b: usize, t: usize, h: usize, d: usize, causal: bool) -> String {
 }
 
 struct Launch {
+    name: String,
     func: CudaFunction,
     grid: (u32, u32, u32),
     block: u32,
@@ -106,16 +114,17 @@ fn find<'a>(g: &fusec_compiler::ir::Graph, p: &'a Program, grad: bool) -> Option
     })
 }
 
-/// Times one configuration; `flash` asks for the tensor-core forward where
-/// it applies.
+/// Times one configuration (`batch` sequences, by default 16384 / T);
+/// `flash` asks for the tensor-core kernels where they apply.
 pub fn run(
     gpu: &Gpu,
     d: usize,
     t: usize,
+    batch: Option<usize>,
     causal: bool,
     flash: bool,
 ) -> Result<AttnResult, RuntimeError> {
-    let (b, h) = ((16384 / t).max(1), (2048 / d).max(1));
+    let (b, h) = (batch.unwrap_or((16384 / t).max(1)), (2048 / d).max(1));
     let src = model(b, t, h, d, causal);
     let c = compile(&src, "attention", &Options::default())
         .map_err(|f| err(f.render("attention.dsl", &src)))?;
@@ -169,6 +178,7 @@ pub fn run(
                 forward = "flash";
                 let [x, y, z] = launch.grid(&|_| None).ok_or_else(|| err("no flash grid"))?;
                 Launch {
+                    name: fwd.name.clone(),
                     func: load(gpu, &fwd.name, &text)?,
                     grid: (x as u32, y as u32, z as u32),
                     block: launch.block,
@@ -186,6 +196,7 @@ pub fn run(
                     .and_then(|s| grid(&s, &|_| None))
                     .unwrap_or(1);
                 Launch {
+                    name: fwd.name.clone(),
                     func: load(gpu, &fwd.name, text)?,
                     grid: (blocks as u32, 1, 1),
                     block: BLOCK as u32,
@@ -221,6 +232,7 @@ pub fn run(
                 for l in ls {
                     let [x, y, z] = l.grid(&|_| None).ok_or_else(|| err("no flash grid"))?;
                     out.push(Launch {
+                        name: l.name.clone(),
                         func: load(gpu, &l.name, &l.source)?,
                         grid: (x as u32, y as u32, z as u32),
                         block: l.block,
@@ -240,6 +252,7 @@ pub fn run(
                     .and_then(|s| grid(&s, &|_| None))
                     .unwrap_or(1);
                 vec![Launch {
+                    name: bwd.name.clone(),
                     func: load(gpu, &bwd.name, text)?,
                     grid: (blocks as u32, 1, 1),
                     block: BLOCK as u32,
@@ -268,7 +281,8 @@ pub fn run(
         unsafe { a.launch(cfg) }.map_err(|e| RuntimeError::driver("launching attention", e))?;
         Ok(())
     };
-    let median_ms = |with_bwd: bool| -> Result<f64, RuntimeError> {
+    // The median of 10 timed runs (after 3 warm-up runs) of `ls` in order.
+    let median_ms = |ls: &[&Launch]| -> Result<f64, RuntimeError> {
         use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
         let mut times = Vec::new();
         for rep in 0..13 {
@@ -276,11 +290,8 @@ pub fn run(
                 .stream
                 .record_event(Some(CU_EVENT_DEFAULT))
                 .map_err(|e| RuntimeError::driver("timing", e))?;
-            launch(&fwd_launch)?;
-            if with_bwd {
-                for l in &bwd_launches {
-                    launch(l)?;
-                }
+            for l in ls {
+                launch(l)?;
             }
             let e1 = gpu
                 .stream
@@ -296,8 +307,18 @@ pub fn run(
         times.sort_by(f64::total_cmp);
         Ok(times[times.len() / 2])
     };
-    let fwd_ms = median_ms(false)?;
-    let fwd_bwd_ms = median_ms(true)?;
+    let fwd_ms = median_ms(&[&fwd_launch])?;
+    let all: Vec<&Launch> = std::iter::once(&fwd_launch).chain(&bwd_launches).collect();
+    let fwd_bwd_ms = median_ms(&all)?;
+    // Each backward kernel after the forward and the kernels before it (so
+    // it reads what they wrote), timed alone.
+    let mut bwd_parts = Vec::new();
+    for (i, l) in bwd_launches.iter().enumerate() {
+        median_ms(&all[..i + 2])?;
+        let ms = median_ms(&[l])?;
+        let part = l.name.rsplit('_').next().unwrap_or("backward").to_string();
+        bwd_parts.push((part, ms));
+    }
     let full = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64;
     let fl = if causal { full / 2.0 } else { full };
     drop(device);
@@ -314,6 +335,7 @@ pub fn run(
         fwd_bwd_ms,
         fwd_tflops: fl / fwd_ms / 1e9,
         fwd_bwd_tflops: 3.5 * fl / fwd_bwd_ms / 1e9,
+        bwd_parts,
         buffer_bytes,
     })
 }

@@ -441,3 +441,86 @@ fn staged_batches_match_synchronous_ones_on_the_cpu_backend() {
     assert_eq!(got, want);
     assert_ne!(want[0], want[1], "each step reads its own batch");
 }
+
+/// fp16 with two micro-batches (LLaMA-style model): four steps on the GPU
+/// follow the CPU reference (rounded as stored) within 2e-2 of the loss,
+/// one loss scale per step; the second step's scale (1e30) overflows, so
+/// its update is skipped on the GPU (weights unchanged) and its gradient
+/// sums are cleared to zeros, not NaN, and the steps after it still agree.
+#[test]
+fn fp16_micro_batches_follow_the_cpu_reference_and_survive_an_overflow() {
+    let Some(gpu) = gpu() else { return };
+    let (file, sets, dims) = cases().remove(3);
+    assert_eq!(file, "llama-small.dsl");
+    let src = std::fs::read_to_string(common::root().join("dsl-examples").join(file))
+        .unwrap()
+        .replace("precision = bf16", "precision = fp16");
+    assert!(src.contains("micro_batches = 2"));
+    let opts = fusec_compiler::elaborate::Options {
+        overrides: sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    };
+    let c = fusec_compiler::driver::compile(&src, "llama", &opts).unwrap();
+    let g = &c.optimized;
+    let (dmap, bdims) = sizes(&dims);
+    let feeds = random_feeds(g, &dmap, 8).unwrap();
+    let mut on_gpu_run = on_gpu(gpu, g, &bdims, &feeds, 8);
+    let mut on_cpu = backend::Cpu::new(g, &bdims, Precision::AsStored).unwrap();
+    ready(&mut on_cpu, &feeds, 8);
+    let sums: Vec<String> = on_cpu
+        .shapes()
+        .keys()
+        .filter(|n| n.ends_with(".grad_acc"))
+        .cloned()
+        .collect();
+    assert!(!sums.is_empty());
+    let mut t = 1;
+    for step in 1..=4u64 {
+        let scale = if step == 2 { 1e30 } else { 1024.0 };
+        let before = on_gpu_run.get("tok_embeddings").ok();
+        let mut out = Vec::new();
+        for b in [&mut on_gpu_run as &mut dyn Backend, &mut on_cpu] {
+            b.set(fusec_compiler::autodiff::LOSS_SCALE_INPUT, &[scale])
+                .unwrap();
+            let mut loss = 0.0;
+            let mut last = None;
+            for k in 0..2 {
+                let batch = random_feeds(g, &dmap, 100 + 2 * step + k).unwrap();
+                for name in ["tokens", "targets"] {
+                    b.set(name, &batch.inputs[name].data).unwrap();
+                }
+                b.set(fusec_compiler::autodiff::APPLY_INPUT, &[k as f64])
+                    .unwrap();
+                let st = b.step(1e-3, t).unwrap();
+                loss += st.loss / 2.0;
+                last = st.grad_norm;
+            }
+            out.push((loss, last));
+        }
+        let ((a, na), (r, nr)) = (out[0], out[1]);
+        println!("step {step}: GPU {a:.5} (norm {na:?}) CPU {r:.5} (norm {nr:?})");
+        assert!(
+            (a - r).abs() <= 2e-2 * r.abs(),
+            "step {step}: GPU {a} CPU {r}"
+        );
+        if step == 2 {
+            assert!(!na.unwrap().is_finite() && !nr.unwrap().is_finite());
+            if let Some(w) = before {
+                assert_eq!(
+                    on_gpu_run.get("tok_embeddings").unwrap(),
+                    w,
+                    "skipped update"
+                );
+            }
+            for name in &sums {
+                let v = on_gpu_run.get(name).unwrap();
+                assert!(v.iter().all(|&x| x == 0.0), "{name} not cleared");
+            }
+        } else {
+            assert!(na.unwrap().is_finite(), "step {step}: {na:?}");
+            t += 1;
+        }
+    }
+}

@@ -93,6 +93,9 @@ pub struct BenchAttentionArgs {
     /// Sequence lengths to sweep (B = 16384 / T, H = 2048 / D, as torch_reference.py --attn-sweep)
     #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096,8192")]
     pub seqs: Vec<usize>,
+    /// Sequences per batch (default 16384 / T, so every T moves the same tokens)
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// Also run without the causal mask
     #[arg(long)]
     pub non_causal: bool,
@@ -113,13 +116,13 @@ pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
     };
     for &d in &args.head_dims {
         for &t in &args.seqs {
-            if d == 0 || t == 0 {
+            if d == 0 || t == 0 || args.batch == Some(0) {
                 return Err(CliError::usage(
-                    "error: head dims and sequence lengths must be positive",
+                    "error: head dims, sequence lengths and the batch must be positive",
                 ));
             }
             for &c in causal {
-                let r = fusec_runtime::attn_bench::run(&gpu, d, t, c, !args.simple)
+                let r = fusec_runtime::attn_bench::run(&gpu, d, t, args.batch, c, !args.simple)
                     .map_err(runtime_err)?;
                 println!("{}", r.json());
             }

@@ -87,7 +87,9 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             )?;
             let gv32 = b.cast(gv, DType::F32)?;
             let total = b.add(acc, gv32)?;
-            let next = b.mul(total, keep)?;
+            // Cleared after the last micro-batch, even when an fp16
+            // overflow made the sums infinite (inf * 0 would be NaN).
+            let next = b.binary(crate::ops::BinaryKind::KeepIf, total, keep)?;
             new_outputs.push((Role::NewState(name), next));
             summed.push((i, total));
         }

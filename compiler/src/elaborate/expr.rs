@@ -184,6 +184,8 @@ impl<'m> Elab<'m> {
                     BinaryKind::Sub => x.checked_sub(&y),
                     BinaryKind::Mul => x.checked_mul(&y),
                     BinaryKind::Div => x.checked_div(&y),
+                    // Not in the language (the update builds it).
+                    BinaryKind::KeepIf => None,
                 };
                 r.map(dim_val).ok_or_else(|| {
                     Diagnostic::new(
@@ -588,5 +590,6 @@ fn int_arith(kind: BinaryKind, x: i64, y: i64, span: Span, rhs: Span) -> Result<
                 Ok(Val::Float(x as f64 / y as f64))
             }
         }
+        BinaryKind::KeepIf => Ok(Val::Int(if y != 0 { x } else { 0 })),
     }
 }

@@ -155,16 +155,6 @@ pub fn section(e: &mut Elab, t: &TrainSection) -> Result<TrainConfig, Diagnostic
             }
         }
     };
-    if let (DType::F16, Some(m)) = (e.precision, entry(t, "micro_batches")) {
-        if micro_batches > 1 {
-            return Err(Diagnostic::new(
-                "fp16 training with micro-batches is not supported yet",
-                m.span,
-                "fp16 needs loss scaling, and a skipped step cannot yet clear the gradient sums",
-            )
-            .with_help("use `precision = bf16` (no loss scaling needed) or `micro_batches = 1`"));
-        }
-    }
     Ok(TrainConfig {
         optimizer,
         clip_grad_norm,

@@ -121,7 +121,10 @@ fn unary_grad(k: UnaryKind, x: &str, dy: &str) -> String {
 }
 
 fn binary(k: BinaryKind, a: &str, b: &str) -> String {
-    format!("{a} {} {b}", k.symbol())
+    match k {
+        BinaryKind::KeepIf => format!("({b} != 0.0f ? {a} : 0.0f)"),
+        _ => format!("{a} {} {b}", k.symbol()),
+    }
 }
 
 /// CUDA C for every kernel the emitter generates (pointwise chains and the

@@ -166,6 +166,10 @@ pub enum BinaryKind {
     Sub,
     Mul,
     Div,
+    /// `a` where `b` is not zero, else 0: unlike `a * b`, an infinite or
+    /// NaN `a` is dropped (the update clears gradient sums with it after
+    /// an fp16 overflow). The update builds it; no model file spells it.
+    KeepIf,
 }
 
 impl BinaryKind {
@@ -175,6 +179,7 @@ impl BinaryKind {
             BinaryKind::Sub => "sub",
             BinaryKind::Mul => "mul",
             BinaryKind::Div => "div",
+            BinaryKind::KeepIf => "keep_if",
         }
     }
     /// How the model file writes it, for messages.
@@ -184,6 +189,7 @@ impl BinaryKind {
             BinaryKind::Sub => "-",
             BinaryKind::Mul => "*",
             BinaryKind::Div => "/",
+            BinaryKind::KeepIf => "keep_if",
         }
     }
     pub fn apply(self, a: f64, b: f64) -> f64 {
@@ -192,6 +198,13 @@ impl BinaryKind {
             BinaryKind::Sub => a - b,
             BinaryKind::Mul => a * b,
             BinaryKind::Div => a / b,
+            BinaryKind::KeepIf => {
+                if b != 0.0 {
+                    a
+                } else {
+                    0.0
+                }
+            }
         }
     }
 }
@@ -239,6 +252,11 @@ impl OpDef for Binary {
                 let t = b.mul(g, outputs[0])?;
                 let t = b.div(t, y)?;
                 (gx, b.neg(t)?)
+            }
+            BinaryKind::KeepIf => {
+                // Only the kept values' gradient flows; the flag has none.
+                let gx = b.binary(BinaryKind::KeepIf, g, y)?;
+                return Ok(vec![Some(b.sum_to(gx, &sx)?), None]);
             }
         };
         Ok(vec![Some(b.sum_to(gx, &sx)?), Some(b.sum_to(gy, &sy)?)])
