@@ -374,7 +374,7 @@ fn deliberate_breakages_are_caught() {
         .iter()
         .position(|f| f.what.contains("causal=false"))
         .unwrap();
-    let mutations: [(Mutation, usize); 8] = [
+    let mutations: [(Mutation, usize); 9] = [
         // dK/dV: the causal bound off by one.
         (
             (
@@ -420,11 +420,19 @@ fn deliberate_breakages_are_caught() {
             ),
             plain,
         ),
-        // dV: the halves of dO's B fragment (two query rows) swapped.
+        // dV: dO's B fragments (rows 0-7 and 8-15 of the query tile) swapped.
         (
             (
-                "(unsigned)dout[0] | ((unsigned)dout[ROW] << 16)",
-                "(unsigned)dout[ROW] | ((unsigned)dout[0] << 16)",
+                "dv_acc[n], p_frag, bo[0], bo[1]",
+                "dv_acc[n], p_frag, bo[1], bo[0]",
+            ),
+            plain,
+        ),
+        // ldmatrix.trans: lanes 8-15 and 16-23 give each other's rows.
+        (
+            (
+                "at + ((lane & 7) + ((lane >> 3) & 1) * 8) * row + (lane >> 4) * 8",
+                "at + ((lane & 7) + (lane >> 4) * 8) * row + ((lane >> 3) & 1) * 8",
             ),
             plain,
         ),

@@ -396,7 +396,7 @@ fn a_broken_fragment_mapping_is_caught() {
         .iter()
         .position(|f| f.what.contains("causal=false"))
         .unwrap();
-    let mutations: [(Mutation, usize); 7] = [
+    let mutations: [(Mutation, usize); 9] = [
         // The kernel reads K's B fragment halves the wrong way round.
         (("kernel", "fs_ld32(key), fs_ld32(key + 8)", "fs_ld32(key + 8), fs_ld32(key)"), causal),
         // The kernel's P fragment: registers 1 and 2 swapped.
@@ -432,6 +432,20 @@ fn a_broken_fragment_mapping_is_caught() {
         (("kernel", "o_acc[n][2 * r] *= rescale;", ""), causal),
         (("kernel", "(causal && j > i)", "(causal && j > i + 1)"), causal),
         (("kernel", "if (j >= kv_len || (causal", "if ((causal"), plain),
+        // V's B fragments (keys 0-7 and 8-15 of the tile) swapped.
+        (
+            (
+                "kernel",
+                "o_acc[n], p_frag, b[0], b[1]",
+                "o_acc[n], p_frag, b[1], b[0]",
+            ),
+            plain,
+        ),
+        // The emulator's ldmatrix.trans with the two rows of a register swapped.
+        (
+            ("mma_emu.h", "r[i] = lo | (hi << 16);", "r[i] = hi | (lo << 16);"),
+            causal,
+        ),
     ];
     let dims = common::dims(&[("B", 1), ("T", 130)]);
     let bufs = reference(&b, &dims);

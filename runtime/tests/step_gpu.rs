@@ -126,58 +126,118 @@ fn cache_dir() -> std::path::PathBuf {
     std::env::temp_dir().join("fusec-test-cache")
 }
 
+/// Every kernel of `g`'s step, as the session runs it, launched alone on
+/// the interpreter's inputs with its outputs poisoned first: a line for
+/// the report (kernels, worst error) and one line per failure.
+fn kernels_against_the_interpreter(
+    label: &str,
+    g: &fusec_compiler::ir::Graph,
+    dims: &[(&str, i64)],
+) -> (String, Vec<String>) {
+    let (dmap, bdims) = sizes(dims);
+    let feeds = random_feeds(g, &dmap, 7).unwrap();
+    let gpu = gpu().unwrap();
+    let mut s = Session::new(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}).unwrap();
+    let reference = run_program(g, &s.program, &feeds, Precision::AsStored).unwrap();
+    let mut worst = (0.0f64, String::new());
+    let mut failures = Vec::new();
+    for i in 0..s.exec.kernel_count() {
+        let k = s.program.kernels[i].clone();
+        for &b in &k.outputs {
+            let bytes = s.exec.slots[b].packed_bytes() as usize;
+            s.exec.write(b, &vec![0xffu8; bytes]).unwrap();
+        }
+        for &b in &k.inputs {
+            let dt = s.exec.slots[b].dtype;
+            s.exec.write(b, &encode(dt, &reference[b].data)).unwrap();
+        }
+        s.exec.launch(i).unwrap();
+        s.exec
+            .synchronize()
+            .unwrap_or_else(|e| panic!("{label}: kernel {}: {e}", k.name));
+        for &b in &k.outputs {
+            let dt = s.exec.slots[b].dtype;
+            let got = decode(dt, &s.exec.read(b).unwrap());
+            let err = rel_err(&got, &reference[b].data);
+            if err > worst.0 {
+                worst = (err, k.name.clone());
+            }
+            if err > tolerance(dt) || got.len() != reference[b].data.len() {
+                failures.push(format!(
+                    "{label}: {} output buffer {b} ({dt:?}): error {err:.3e}",
+                    k.name
+                ));
+            }
+        }
+    }
+    let report = format!(
+        "{label}: {} kernels, worst {:.2e} in {}",
+        s.exec.kernel_count(),
+        worst.0,
+        worst.1
+    );
+    (report, failures)
+}
+
 #[test]
 fn every_kernel_matches_the_interpreter() {
     let Some(_) = gpu() else { return };
-    let mut report = Vec::new();
     let mut failures = Vec::new();
     for (file, sets, dims) in cases() {
         let c = model(file, &sets);
-        let g = &c.optimized;
-        let (dmap, bdims) = sizes(&dims);
-        let feeds = random_feeds(g, &dmap, 7).unwrap();
-        let gpu = gpu().unwrap();
-        let mut s = Session::new(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}).unwrap();
-        let reference = run_program(g, &s.program, &feeds, Precision::AsStored).unwrap();
-        let mut worst = (0.0f64, String::new());
-        for i in 0..s.exec.kernel_count() {
-            let k = s.program.kernels[i].clone();
-            for &b in &k.outputs {
-                let bytes = s.exec.slots[b].packed_bytes() as usize;
-                s.exec.write(b, &vec![0xffu8; bytes]).unwrap();
-            }
-            for &b in &k.inputs {
-                let dt = s.exec.slots[b].dtype;
-                s.exec.write(b, &encode(dt, &reference[b].data)).unwrap();
-            }
-            s.exec.launch(i).unwrap();
-            s.exec
-                .synchronize()
-                .unwrap_or_else(|e| panic!("{file}: kernel {}: {e}", k.name));
-            for &b in &k.outputs {
-                let dt = s.exec.slots[b].dtype;
-                let got = decode(dt, &s.exec.read(b).unwrap());
-                let err = rel_err(&got, &reference[b].data);
-                if err > worst.0 {
-                    worst = (err, k.name.clone());
-                }
-                if err > tolerance(dt) || got.len() != reference[b].data.len() {
-                    failures.push(format!(
-                        "{file}: {} output buffer {b} ({dt:?}): error {err:.3e}",
-                        k.name
-                    ));
-                }
+        let (report, mut f) = kernels_against_the_interpreter(file, &c.optimized, &dims);
+        println!("{report}");
+        failures.append(&mut f);
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// One attention over heads of a fused projection: `heads` query heads on
+/// `heads / ratio` key/value heads of size `d`.
+fn attention_model(d: usize, heads: usize, ratio: usize, causal: bool, precision: &str) -> String {
+    let kv = heads / ratio;
+    let (q, k) = (heads * d, kv * d);
+    format!(
+        "dim B, T\ninput x: f32[B, T, 32]\nparam w: [32, {}] = normal(0.3)\n\
+         let q, k, v = split(x @ w, [{q}, {k}, {k}])\n\
+         let y = attention(heads(q, {heads}), heads(k, {kv}), heads(v, {kv}), causal = {causal})\n\
+         train {{\n loss = mean(y * y)\n precision = {precision}\n}}\n",
+        q + 2 * k
+    )
+}
+
+/// Attention as the step runs it (tensor-core kernels at head dims 64 and
+/// 128, the simple ones at 32, 80 and 96), forward and backward with every
+/// kernel around them, against the interpreter: every head dim the
+/// language's attention takes here, lengths that are not tile multiples
+/// and T = 8192, causal and not, grouped-query ratios 1, 4 and 8, bf16 and
+/// fp16.
+#[test]
+fn attention_at_every_head_dim_matches_the_interpreter() {
+    let Some(_) = gpu() else { return };
+    let mut runs = Vec::new();
+    for d in [32usize, 64, 80, 96, 128] {
+        for causal in [true, false] {
+            for (heads, ratio) in [(2usize, 1usize), (8, 8)] {
+                runs.push((d, heads, ratio, causal, "bf16", 1000i64));
             }
         }
-        report.push(format!(
-            "{file}: {} kernels, worst {:.2e} in {}",
-            s.exec.kernel_count(),
-            worst.0,
-            worst.1
-        ));
+        runs.push((d, 2, 1, true, "bf16", 17));
+        runs.push((d, 4, 4, true, "fp16", 1023));
+        runs.push((d, 4, 4, false, "fp16", 1));
     }
-    for r in &report {
-        println!("{r}");
+    runs.push((64, 1, 1, true, "bf16", 8192));
+    runs.push((128, 1, 1, true, "bf16", 8192));
+    let mut failures = Vec::new();
+    for (d, heads, ratio, causal, precision, t) in runs {
+        let src = attention_model(d, heads, ratio, causal, precision);
+        let c = fusec_compiler::driver::compile(&src, "attention", &Default::default())
+            .unwrap_or_else(|f| panic!("{}", f.render("attention.dsl", &src)));
+        let label = format!("D={d} heads={heads} ratio={ratio} causal={causal} {precision} T={t}");
+        let (report, mut f) =
+            kernels_against_the_interpreter(&label, &c.optimized, &[("B", 1), ("T", t)]);
+        println!("{report}");
+        failures.append(&mut f);
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

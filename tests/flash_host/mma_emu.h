@@ -1,8 +1,8 @@
 // Host emulation of the warp-level PTX operations the FlashAttention kernel
 // uses (compiler/src/emit/flash.rs calls them through fs_emu_* in a host
-// build): mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 and
-// shfl.sync.bfly (__shfl_xor_sync). Needs block_shim.h (real threads, one
-// barrier per warp).
+// build): mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32,
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 and shfl.sync.bfly
+// (__shfl_xor_sync). Needs block_shim.h (real threads, one barrier per warp).
 //
 // Each operation is collective, as on the GPU: every lane publishes its
 // operands in its warp's exchange buffer, the warp meets at its barrier, and
@@ -32,8 +32,9 @@
 // Each lane also publishes which operation it is in, and a warp whose lanes
 // disagree (a divergent mma or shuffle, undefined on the GPU) aborts.
 #pragma once
+#include <cstdint>
 
-enum fs_emu_op { FS_EMU_MMA_BF16 = 1, FS_EMU_MMA_F16, FS_EMU_SHFL };
+enum fs_emu_op { FS_EMU_MMA_BF16 = 1, FS_EMU_MMA_F16, FS_EMU_SHFL, FS_EMU_LDSM_T };
 
 struct fs_emu_exchange {
     int op[2][32];
@@ -41,6 +42,7 @@ struct fs_emu_exchange {
     unsigned b[2][32][2];
     float c[2][32][4];
     float x[2][32];
+    const unsigned short* row[2][32];
 };
 static fs_emu_exchange fs_emu_warps[32];
 
@@ -155,4 +157,30 @@ static float fs_emu_shfl_xor(float v, int lane_mask) {
         FS_EMU_SHFL, lane, p, [](fs_emu_exchange& w, int p, int lane, const void* arg) { w.x[p][lane] = *static_cast<const float*>(arg); },
         &v);
     return w.x[p][(lane ^ lane_mask) & 31];
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lanes 8i .. 8i + 7 give the
+// addresses of rows 0 .. 7 of 8x8 matrix i (M_i[r][c] = row_{8i + r}[c]);
+// this lane's r[i] is M_i transposed at (lane / 4, 2 * (lane % 4) and + 1),
+// i.e. M_i[2 * (lane % 4)][lane / 4] in the low half and
+// M_i[2 * (lane % 4) + 1][lane / 4] in the high half (PTX ISA, "Warp-level
+// matrix load instruction: ldmatrix", with .trans).
+static void fs_emu_ldsm_x4_t(unsigned (&r)[4], const unsigned short* row) {
+    int lane, p;
+    fs_emu_exchange& w = fs_emu_meet(
+        FS_EMU_LDSM_T, lane, p,
+        [](fs_emu_exchange& w, int p, int lane, const void* arg) {
+            const unsigned short* at = static_cast<const unsigned short*>(arg);
+            if (reinterpret_cast<uintptr_t>(at) % 16 != 0) {
+                fprintf(stderr, "ldmatrix: lane %d gives a row that is not 16-byte aligned\n", lane);
+                exit(5);
+            }
+            w.row[p][lane] = at;
+        },
+        row);
+    const int col = lane / 4, r0 = 2 * (lane % 4);
+    for (int i = 0; i < 4; ++i) {
+        const unsigned lo = w.row[p][8 * i + r0][col], hi = w.row[p][8 * i + r0 + 1][col];
+        r[i] = lo | (hi << 16);
+    }
 }

@@ -282,6 +282,15 @@ __device__ __forceinline__ void fs_copy16(unsigned short* dst, const unsigned sh
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
 __device__ __forceinline__ void fs_zero16(unsigned short* dst) { *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u}; }
+// ldmatrix.x4.trans: lanes 8i .. 8i + 7 give the rows of 8x8 matrix i (16-byte
+// aligned shared memory); r[i] gets this lane's two elements of matrix i
+// transposed: (row 2 * (lane % 4), col lane / 4) low, the next row high.
+__device__ __forceinline__ void fs_ldsm_x4_t(unsigned (&r)[4], const unsigned short* row) {
+    asm volatile("{ .reg .u64 a64; .reg .u32 a; cvta.to.shared.u64 a64, %4; cvt.u32.u64 a, a64;\n"
+                 "  ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [a]; }"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "l"(row));
+}
 #else
 inline void fs_mma_16816_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { fs_emu_mma_16816(d, a, b0, b1, true); }
 inline void fs_mma_16816_f16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { fs_emu_mma_16816(d, a, b0, b1, false); }
@@ -294,6 +303,7 @@ inline unsigned fs_ld32(const unsigned short* p) {
 }
 inline void fs_copy16(unsigned short* dst, const unsigned short* src) { memcpy(dst, src, 16); }
 inline void fs_zero16(unsigned short* dst) { memset(dst, 0, 16); }
+inline void fs_ldsm_x4_t(unsigned (&r)[4], const unsigned short* row) { fs_emu_ldsm_x4_t(r, row); }
 #endif
 // One m16n8k16 A fragment from a row-major tile whose rows are `row`
 // elements apart, `at` pointing at this thread's (groupID, 2 * threadID)
@@ -303,6 +313,16 @@ __device__ __forceinline__ void fs_a_frag(unsigned (&a)[4], const unsigned short
     a[1] = fs_ld32(at + 8 * row);
     a[2] = fs_ld32(at + 8);
     a[3] = fs_ld32(at + 8 * row + 8);
+}
+// The B fragments (column-major, two 16-bit values per register) of two
+// m16n8k16 products from a row-major [k][n] tile in shared memory whose rows
+// are `row` elements apart, `at` pointing at (k0, n0): b[0], b[1] for columns
+// n0 .. n0 + 7 and b[2], b[3] for n0 + 8 .. n0 + 15, rows k0 .. k0 + 15. One
+// ldmatrix.trans instead of eight 16-bit loads: lane l gives row l % 8 (+ 8
+// for lanes 8-15 and 24-31) at column + 8 for lanes 16-31.
+__device__ __forceinline__ void fs_b_frags_t(unsigned (&b)[4], const unsigned short* at, int row) {
+    const int lane = threadIdx.x & 31;
+    fs_ldsm_x4_t(b, at + ((lane & 7) + ((lane >> 3) & 1) * 8) * row + (lane >> 4) * 8);
 }
 // Two floats rounded to 16 bits and packed into one mma operand, lo in the low half.
 __device__ __forceinline__ unsigned fs_pack_bf16(float lo, float hi) { return (unsigned)fs_to_bf16(lo) | ((unsigned)fs_to_bf16(hi) << 16); }
@@ -457,18 +477,18 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         }}
 
         // 6. O += P V. The accumulators of keys 16kk .. 16kk + 15 (s[2kk], s[2kk + 1])
-        //    are exactly P's A fragment; the B fragment is two keys (frag_col, + 1,
-        //    and + 8) of value feature 8n + frag_row, read from shared memory.
+        //    are exactly P's A fragment; the B fragments of features 8n .. 8n + 15
+        //    come from the value rows in one ldmatrix.trans.
 #pragma unroll
         for (int kk = 0; kk < TILE_K / 16; ++kk) {{
             const unsigned p_frag[4] = {{{pack}(s[2 * kk][0], s[2 * kk][1]), {pack}(s[2 * kk][2], s[2 * kk][3]),
                                         {pack}(s[2 * kk + 1][0], s[2 * kk + 1][1]), {pack}(s[2 * kk + 1][2], s[2 * kk + 1][3])}};
 #pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n) {{
-                const {ty}* value = &v_tile[(kk * 16 + frag_col) * ROW + n * 8 + frag_row];
-                const unsigned b0 = (unsigned)value[0] | ((unsigned)value[ROW] << 16);
-                const unsigned b1 = (unsigned)value[8 * ROW] | ((unsigned)value[9 * ROW] << 16);
-                {mma}(o_acc[n], p_frag, b0, b1);
+            for (int n = 0; n < HEAD_DIM / 8; n += 2) {{
+                unsigned b[4];
+                fs_b_frags_t(b, &v_tile[kk * 16 * ROW + n * 8], ROW);
+                {mma}(o_acc[n], p_frag, b[0], b[1]);
+                {mma}(o_acc[n + 1], p_frag, b[2], b[3]);
             }}
         }}
     }}

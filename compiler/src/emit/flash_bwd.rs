@@ -77,7 +77,8 @@ pub const THREADS: u32 = 128;
 pub const TILE_KEYS: u64 = 64;
 /// Queries per block of `_dq` (4 warps of 16).
 pub const TILE_QUERIES: u64 = 64;
-/// Rows per block of `_delta` (one thread each).
+/// Rows per block of `_delta` (read in 8-feature chunks, summed by one
+/// thread each).
 pub const DELTA_ROWS: u64 = 128;
 /// Padding of each shared-memory row, in elements.
 const PAD: u64 = 8;
@@ -172,7 +173,7 @@ pub fn flash_backward(
             DELTA_ROWS,
             vec![3, 5],
             vec![],
-            0,
+            DELTA_ROWS * (d / 8) * 4,
         ),
         (
             Stage::DkDv,
@@ -324,13 +325,27 @@ fn delta_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
     subs.push(("ROWS", DELTA_ROWS.to_string()));
     fill(
         r#"    // FlashAttention-2 backward, kernel 1 of 3: delta_i = rowsum(dO_i * O_i) per
-    // (b, h, i), into scratch[(b * Hq + h) * T + i]. One thread per row.
+    // (b, h, i), into scratch[(b * Hq + h) * T + i]. The block's $ROWS rows are
+    // cut into chunks of 8 features; consecutive threads take consecutive
+    // chunks (coalesced reads), then one thread per row adds its chunks'
+    // partial sums in order (deterministic).
     const fs_i64 q_len = $T, h = blockIdx.y, b = blockIdx.z;
-    const fs_i64 i = (fs_i64)blockIdx.x * $ROWS + threadIdx.x;
-    if (i < q_len) {
-        const fs_i64 o_row = $O_AT, do_row = $DO_AT;
+    constexpr int CHUNKS = $D / 8;
+    __shared__ float part[$ROWS * CHUNKS];
+    for (int idx = threadIdx.x; idx < $ROWS * CHUNKS; idx += $THREADS) {
+        const fs_i64 i = (fs_i64)blockIdx.x * $ROWS + idx / CHUNKS;
         float acc = 0.0f;
-        for (int e = 0; e < $D; ++e) acc += $LOAD_DO * $LOAD_O;
+        if (i < q_len) {
+            const fs_i64 o_row = $O_AT + (idx % CHUNKS) * 8, do_row = $DO_AT + (idx % CHUNKS) * 8;
+            for (int e = 0; e < 8; ++e) acc += $LOAD_DO * $LOAD_O;
+        }
+        part[idx] = acc;
+    }
+    __syncthreads();
+    const fs_i64 i = (fs_i64)blockIdx.x * $ROWS + threadIdx.x;
+    if (threadIdx.x < $ROWS && i < q_len) {
+        float acc = 0.0f;
+        for (int c = 0; c < CHUNKS; ++c) acc += part[threadIdx.x * CHUNKS + c];
         scratch[(b * $HQ + h) * q_len + i] = acc;
     }
 "#,
@@ -495,8 +510,9 @@ const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV
             }
 
             // 5. dV += P^T dO and dK += dS^T Q. The accumulators of queries
-            //    16kk .. 16kk + 15 are the A fragments; B (column-major) is two
-            //    query rows (frag_col, + 1, and + 8) of feature 8n + frag_row.
+            //    16kk .. 16kk + 15 are the A fragments; the B fragments of
+            //    features 8n .. 8n + 15 come from the dO / Q rows in one
+            //    ldmatrix.trans each.
 #pragma unroll
             for (int kk = 0; kk < TILE_Q / 16; ++kk) {
                 const unsigned p_frag[4] = {$PACK(s[2 * kk][0], s[2 * kk][1]), $PACK(s[2 * kk][2], s[2 * kk][3]),
@@ -504,13 +520,14 @@ const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV
                 const unsigned ds_frag[4] = {$PACK(dp[2 * kk][0], dp[2 * kk][1]), $PACK(dp[2 * kk][2], dp[2 * kk][3]),
                                              $PACK(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), $PACK(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
 #pragma unroll
-                for (int n = 0; n < HEAD_DIM / 8; ++n) {
-                    const $TY* dout = &do_tile[(kk * 16 + frag_col) * ROW + n * 8 + frag_row];
-                    const $TY* query = &q_tile[(kk * 16 + frag_col) * ROW + n * 8 + frag_row];
-                    $MMA(dv_acc[n], p_frag, (unsigned)dout[0] | ((unsigned)dout[ROW] << 16),
-                         (unsigned)dout[8 * ROW] | ((unsigned)dout[9 * ROW] << 16));
-                    $MMA(dk_acc[n], ds_frag, (unsigned)query[0] | ((unsigned)query[ROW] << 16),
-                         (unsigned)query[8 * ROW] | ((unsigned)query[9 * ROW] << 16));
+                for (int n = 0; n < HEAD_DIM / 8; n += 2) {
+                    unsigned bo[4], bq[4];
+                    fs_b_frags_t(bo, &do_tile[kk * 16 * ROW + n * 8], ROW);
+                    fs_b_frags_t(bq, &q_tile[kk * 16 * ROW + n * 8], ROW);
+                    $MMA(dv_acc[n], p_frag, bo[0], bo[1]);
+                    $MMA(dv_acc[n + 1], p_frag, bo[2], bo[3]);
+                    $MMA(dk_acc[n], ds_frag, bq[0], bq[1]);
+                    $MMA(dk_acc[n + 1], ds_frag, bq[2], bq[3]);
                 }
             }
         }
@@ -674,17 +691,18 @@ const DQ: &str = r#"    // FlashAttention-2 backward, kernel 3 of 3: dQ on tenso
         }
 
         // 5. dQ += dS K: the accumulators of keys 16kk .. 16kk + 15 are dS's A
-        //    fragment; B (column-major) is two keys (frag_col, + 1, and + 8) of
-        //    feature 8n + frag_row.
+        //    fragment; the B fragments of features 8n .. 8n + 15 come from the key
+        //    rows in one ldmatrix.trans.
 #pragma unroll
         for (int kk = 0; kk < TILE_K / 16; ++kk) {
             const unsigned ds_frag[4] = {$PACK(dp[2 * kk][0], dp[2 * kk][1]), $PACK(dp[2 * kk][2], dp[2 * kk][3]),
                                          $PACK(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), $PACK(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
 #pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n) {
-                const $TY* key = &k_tile[(kk * 16 + frag_col) * ROW + n * 8 + frag_row];
-                $MMA(dq_acc[n], ds_frag, (unsigned)key[0] | ((unsigned)key[ROW] << 16),
-                     (unsigned)key[8 * ROW] | ((unsigned)key[9 * ROW] << 16));
+            for (int n = 0; n < HEAD_DIM / 8; n += 2) {
+                unsigned b[4];
+                fs_b_frags_t(b, &k_tile[kk * 16 * ROW + n * 8], ROW);
+                $MMA(dq_acc[n], ds_frag, b[0], b[1]);
+                $MMA(dq_acc[n + 1], ds_frag, b[2], b[3]);
             }
         }
     }
