@@ -415,8 +415,8 @@ fn deliberate_breakages_are_caught() {
         // dQ: K^T's B fragment halves swapped.
         (
             (
-                "fs_ld32(key), fs_ld32(key + 8)",
-                "fs_ld32(key + 8), fs_ld32(key)",
+                "s[n], q_frag[kk], bk[0], bk[1]",
+                "s[n], q_frag[kk], bk[1], bk[0]",
             ),
             plain,
         ),

@@ -398,7 +398,7 @@ fn a_broken_fragment_mapping_is_caught() {
         .unwrap();
     let mutations: [(Mutation, usize); 9] = [
         // The kernel reads K's B fragment halves the wrong way round.
-        (("kernel", "fs_ld32(key), fs_ld32(key + 8)", "fs_ld32(key + 8), fs_ld32(key)"), causal),
+        (("kernel", "s[n], q_frag[kk], b[0], b[1]", "s[n], q_frag[kk], b[1], b[0]"), causal),
         // The kernel's P fragment: registers 1 and 2 swapped.
         (
             (

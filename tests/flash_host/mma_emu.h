@@ -34,7 +34,7 @@
 #pragma once
 #include <cstdint>
 
-enum fs_emu_op { FS_EMU_MMA_BF16 = 1, FS_EMU_MMA_F16, FS_EMU_SHFL, FS_EMU_LDSM_T };
+enum fs_emu_op { FS_EMU_MMA_BF16 = 1, FS_EMU_MMA_F16, FS_EMU_SHFL, FS_EMU_LDSM, FS_EMU_LDSM_T };
 
 struct fs_emu_exchange {
     int op[2][32];
@@ -159,16 +159,16 @@ static float fs_emu_shfl_xor(float v, int lane_mask) {
     return w.x[p][(lane ^ lane_mask) & 31];
 }
 
-// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lanes 8i .. 8i + 7 give the
-// addresses of rows 0 .. 7 of 8x8 matrix i (M_i[r][c] = row_{8i + r}[c]);
-// this lane's r[i] is M_i transposed at (lane / 4, 2 * (lane % 4) and + 1),
-// i.e. M_i[2 * (lane % 4)][lane / 4] in the low half and
-// M_i[2 * (lane % 4) + 1][lane / 4] in the high half (PTX ISA, "Warp-level
-// matrix load instruction: ldmatrix", with .trans).
-static void fs_emu_ldsm_x4_t(unsigned (&r)[4], const unsigned short* row) {
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8i .. 8i + 7 give
+// the addresses of rows 0 .. 7 of 8x8 matrix i (M_i[r][c] = row_{8i + r}[c]);
+// this lane's r[i] holds M_i at (lane / 4, 2 * (lane % 4)) in the low half
+// and the next column in the high half; with .trans, M_i transposed there:
+// M_i[2 * (lane % 4)][lane / 4] low, M_i[2 * (lane % 4) + 1][lane / 4] high
+// (PTX ISA, "Warp-level matrix load instruction: ldmatrix").
+static void fs_emu_ldsm_x4(unsigned (&r)[4], const unsigned short* row, bool trans) {
     int lane, p;
     fs_emu_exchange& w = fs_emu_meet(
-        FS_EMU_LDSM_T, lane, p,
+        trans ? FS_EMU_LDSM_T : FS_EMU_LDSM, lane, p,
         [](fs_emu_exchange& w, int p, int lane, const void* arg) {
             const unsigned short* at = static_cast<const unsigned short*>(arg);
             if (reinterpret_cast<uintptr_t>(at) % 16 != 0) {
@@ -178,9 +178,11 @@ static void fs_emu_ldsm_x4_t(unsigned (&r)[4], const unsigned short* row) {
             w.row[p][lane] = at;
         },
         row);
-    const int col = lane / 4, r0 = 2 * (lane % 4);
+    const int group = lane / 4, pair = 2 * (lane % 4);
     for (int i = 0; i < 4; ++i) {
-        const unsigned lo = w.row[p][8 * i + r0][col], hi = w.row[p][8 * i + r0 + 1][col];
+        const unsigned short* const* m = &w.row[p][8 * i];
+        const unsigned lo = trans ? m[pair][group] : m[group][pair];
+        const unsigned hi = trans ? m[pair + 1][group] : m[group][pair + 1];
         r[i] = lo | (hi << 16);
     }
 }

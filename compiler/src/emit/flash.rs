@@ -282,6 +282,15 @@ __device__ __forceinline__ void fs_copy16(unsigned short* dst, const unsigned sh
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
 __device__ __forceinline__ void fs_zero16(unsigned short* dst) { *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u}; }
+// ldmatrix.x4: lanes 8i .. 8i + 7 give the rows of 8x8 matrix i (16-byte
+// aligned shared memory); r[i] gets this lane's two elements of matrix i:
+// (row lane / 4, col 2 * (lane % 4)) low, the next column high.
+__device__ __forceinline__ void fs_ldsm_x4(unsigned (&r)[4], const unsigned short* row) {
+    asm volatile("{ .reg .u64 a64; .reg .u32 a; cvta.to.shared.u64 a64, %4; cvt.u32.u64 a, a64;\n"
+                 "  ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [a]; }"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "l"(row));
+}
 // ldmatrix.x4.trans: lanes 8i .. 8i + 7 give the rows of 8x8 matrix i (16-byte
 // aligned shared memory); r[i] gets this lane's two elements of matrix i
 // transposed: (row 2 * (lane % 4), col lane / 4) low, the next row high.
@@ -303,16 +312,24 @@ inline unsigned fs_ld32(const unsigned short* p) {
 }
 inline void fs_copy16(unsigned short* dst, const unsigned short* src) { memcpy(dst, src, 16); }
 inline void fs_zero16(unsigned short* dst) { memset(dst, 0, 16); }
-inline void fs_ldsm_x4_t(unsigned (&r)[4], const unsigned short* row) { fs_emu_ldsm_x4_t(r, row); }
+inline void fs_ldsm_x4(unsigned (&r)[4], const unsigned short* row) { fs_emu_ldsm_x4(r, row, false); }
+inline void fs_ldsm_x4_t(unsigned (&r)[4], const unsigned short* row) { fs_emu_ldsm_x4(r, row, true); }
 #endif
-// One m16n8k16 A fragment from a row-major tile whose rows are `row`
-// elements apart, `at` pointing at this thread's (groupID, 2 * threadID)
-// element: registers are rows r and r + 8, features c and c + 8.
+// One m16n8k16 A fragment (rows r0 .. r0 + 15, columns c0 .. c0 + 15) of a
+// row-major tile in shared memory whose rows are `row` elements apart, `at`
+// pointing at (r0, c0), in one ldmatrix: the four 8x8 quarters are a[0]
+// (rows 0-7, columns 0-7), a[1] (rows 8-15), a[2] (columns 8-15), a[3].
 __device__ __forceinline__ void fs_a_frag(unsigned (&a)[4], const unsigned short* at, int row) {
-    a[0] = fs_ld32(at);
-    a[1] = fs_ld32(at + 8 * row);
-    a[2] = fs_ld32(at + 8);
-    a[3] = fs_ld32(at + 8 * row + 8);
+    const int lane = threadIdx.x & 31;
+    fs_ldsm_x4(a, at + ((lane & 7) + ((lane >> 3) & 1) * 8) * row + (lane >> 4) * 8);
+}
+// The B fragments (column-major) of two m16n8k16 products from a row-major
+// [n][k] tile in shared memory (B transposed, as K is for S = Q K^T), `at`
+// pointing at (n0, k0): b[0], b[1] for n0 .. n0 + 7 and b[2], b[3] for
+// n0 + 8 .. n0 + 15, k0 .. k0 + 15, in one ldmatrix.
+__device__ __forceinline__ void fs_b_frags(unsigned (&b)[4], const unsigned short* at, int row) {
+    const int lane = threadIdx.x & 31;
+    fs_ldsm_x4(b, at + ((lane & 7) + (lane >> 4) * 8) * row + ((lane >> 3) & 1) * 8);
 }
 // The B fragments (column-major, two 16-bit values per register) of two
 // m16n8k16 products from a row-major [k][n] tile in shared memory whose rows
@@ -384,7 +401,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     const int q_row = warp * 16 + frag_row;
     unsigned q_frag[HEAD_DIM / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) fs_a_frag(q_frag[kk], &v_tile[q_row * ROW + kk * 16 + frag_col], ROW);
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) fs_a_frag(q_frag[kk], &v_tile[warp * 16 * ROW + kk * 16], ROW);
 
     // Running state of this thread's rows q_row (index 0) and q_row + 8 (index 1):
     // the max score in log2 units, this thread's part of the row sum, and the
@@ -417,17 +434,25 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
 
         // 3. Scores S = Q K^T of the warp's 16 rows and the tile's keys, in log2
         //    units: s[n][e] = row q_row + 8 * (e / 2), key k0 + 8n + frag_col + e % 2.
-        //    The B fragment (K^T, column-major) is two features of key 8n + frag_row.
+        //    The B fragments (K^T) of keys 8n .. 8n + 15 in one ldmatrix.
         float s[TILE_K / 8][4];
 #pragma unroll
         for (int n = 0; n < TILE_K / 8; ++n) {{
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+        }}
+#pragma unroll
+        for (int n = 0; n < TILE_K / 8; n += 2) {{
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {{
-                const {ty}* key = &k_tile[(n * 8 + frag_row) * ROW + kk * 16 + frag_col];
-                {mma}(s[n], q_frag[kk], fs_ld32(key), fs_ld32(key + 8));
+                unsigned b[4];
+                fs_b_frags(b, &k_tile[n * 8 * ROW + kk * 16], ROW);
+                {mma}(s[n], q_frag[kk], b[0], b[1]);
+                {mma}(s[n + 1], q_frag[kk], b[2], b[3]);
             }}
+        }}
+#pragma unroll
+        for (int n = 0; n < TILE_K / 8; ++n) {{
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
         }}

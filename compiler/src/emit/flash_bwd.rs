@@ -395,6 +395,26 @@ fn dkdv_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
     fill(DKDV, &subs)
 }
 
+/// `_dq`'s S and dP products for keys 8n .. 8n + 15, fragments by ldmatrix.
+const S_DP_BY_LDMATRIX: &str = r#"                unsigned bk[4];
+                fs_b_frags(bk, &k_tile[n * 8 * ROW + kk * 16], ROW);
+                $MMA(s[n], q_frag[kk], bk[0], bk[1]);
+                $MMA(s[n + 1], q_frag[kk], bk[2], bk[3]);
+                unsigned bv[4];
+                fs_b_frags(bv, &v_tile[n * 8 * ROW + kk * 16], ROW);
+                $MMA(dp[n], do_frag[kk], bv[0], bv[1]);
+                $MMA(dp[n + 1], do_frag[kk], bv[2], bv[3]);
+"#;
+
+/// The same with 32-bit loads (fewer registers live).
+const S_DP_BY_WORDS: &str = r#"                for (int m = n; m < n + 2; ++m) {
+                    const $TY* key = &k_tile[(m * 8 + frag_row) * ROW + kk * 16 + frag_col];
+                    const $TY* value = &v_tile[(m * 8 + frag_row) * ROW + kk * 16 + frag_col];
+                    $MMA(s[m], q_frag[kk], fs_ld32(key), fs_ld32(key + 8));
+                    $MMA(dp[m], do_frag[kk], fs_ld32(value), fs_ld32(value + 8));
+                }
+"#;
+
 const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV on tensor cores
     // (mma.m16n8k16, f32 accumulation). Block = (tile of $TILE_K keys, kv head,
     // batch); warp w owns the tile's keys 16w .. 16w + 15 and computes the
@@ -469,7 +489,7 @@ const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV
 
             // 3. S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys:
             //    s[n][e], dp[n][e] = key key_row + 8 * (e / 2), query i0 + 8n + frag_col + e % 2.
-            //    A: the warp's K / V rows; B (column-major): two features of query row 8n + frag_row.
+            //    A: the warp's K / V rows; B: query / dO rows 8n .. 8n + 15, one ldmatrix each.
             float s[TILE_Q / 8][4], dp[TILE_Q / 8][4];
 #pragma unroll
             for (int n = 0; n < TILE_Q / 8; ++n) {
@@ -479,14 +499,17 @@ const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
                 unsigned k_frag[4], v_frag[4];
-                fs_a_frag(k_frag, &k_tile[key_row * ROW + kk * 16 + frag_col], ROW);
-                fs_a_frag(v_frag, &v_tile[key_row * ROW + kk * 16 + frag_col], ROW);
+                fs_a_frag(k_frag, &k_tile[warp * 16 * ROW + kk * 16], ROW);
+                fs_a_frag(v_frag, &v_tile[warp * 16 * ROW + kk * 16], ROW);
 #pragma unroll
-                for (int n = 0; n < TILE_Q / 8; ++n) {
-                    const $TY* query = &q_tile[(n * 8 + frag_row) * ROW + kk * 16 + frag_col];
-                    const $TY* dout = &do_tile[(n * 8 + frag_row) * ROW + kk * 16 + frag_col];
-                    $MMA(s[n], k_frag, fs_ld32(query), fs_ld32(query + 8));
-                    $MMA(dp[n], v_frag, fs_ld32(dout), fs_ld32(dout + 8));
+                for (int n = 0; n < TILE_Q / 8; n += 2) {
+                    unsigned bq[4], bo[4];
+                    fs_b_frags(bq, &q_tile[n * 8 * ROW + kk * 16], ROW);
+                    fs_b_frags(bo, &do_tile[n * 8 * ROW + kk * 16], ROW);
+                    $MMA(s[n], k_frag, bq[0], bq[1]);
+                    $MMA(s[n + 1], k_frag, bq[2], bq[3]);
+                    $MMA(dp[n], v_frag, bo[0], bo[1]);
+                    $MMA(dp[n + 1], v_frag, bo[2], bo[3]);
                 }
             }
 
@@ -572,6 +595,15 @@ fn dq_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
             store(dq.dt, "dq_acc[n][2 * r + 1] * scale")
         ),
     ));
+    // At D = 128 the registers are nearly all taken (Q, dO and dQ stay in
+    // them): four fragments at once spill, so K and V are read 32 bits at a
+    // time there.
+    let products = if cfg.head_dim > 64 {
+        S_DP_BY_WORDS
+    } else {
+        S_DP_BY_LDMATRIX
+    };
+    subs.push(("S_DP_PRODUCTS", products.trim_end().to_string()));
     fill(DQ, &subs)
 }
 
@@ -610,7 +642,7 @@ const DQ: &str = r#"    // FlashAttention-2 backward, kernel 3 of 3: dQ on tenso
     }
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) fs_a_frag(q_frag[kk], &kv_tiles[q_row * ROW + kk * 16 + frag_col], ROW);
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) fs_a_frag(q_frag[kk], &kv_tiles[warp * 16 * ROW + kk * 16], ROW);
     __syncthreads();
     for (int c = threadIdx.x; c < TILE_Q * CHUNKS; c += $THREADS) {
         const int r = c / CHUNKS, e = (c % CHUNKS) * 8;
@@ -620,7 +652,7 @@ const DQ: &str = r#"    // FlashAttention-2 backward, kernel 3 of 3: dQ on tenso
     }
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) fs_a_frag(do_frag[kk], &kv_tiles[q_row * ROW + kk * 16 + frag_col], ROW);
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) fs_a_frag(do_frag[kk], &kv_tiles[warp * 16 * ROW + kk * 16], ROW);
     // lse (log2 units) and delta of rows q_row (index 0) and q_row + 8 (index 1).
     const fs_i64 i_lo = q0 + q_row, i_hi = i_lo + 8;
     float lse2[2], delta[2];
@@ -657,18 +689,18 @@ const DQ: &str = r#"    // FlashAttention-2 backward, kernel 3 of 3: dQ on tenso
         __syncthreads();
 
         // 3. S = Q K^T and dP = dO V^T: s[n][e], dp[n][e] = row q_row + 8 * (e / 2),
-        //    key k0 + 8n + frag_col + e % 2; B (column-major) is two features of key 8n + frag_row.
+        //    key k0 + 8n + frag_col + e % 2; the B fragments of keys 8n .. 8n + 15 in one ldmatrix.
         float s[TILE_K / 8][4], dp[TILE_K / 8][4];
 #pragma unroll
         for (int n = 0; n < TILE_K / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+        }
+#pragma unroll
+        for (int n = 0; n < TILE_K / 8; n += 2) {
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                const $TY* key = &k_tile[(n * 8 + frag_row) * ROW + kk * 16 + frag_col];
-                const $TY* value = &v_tile[(n * 8 + frag_row) * ROW + kk * 16 + frag_col];
-                $MMA(s[n], q_frag[kk], fs_ld32(key), fs_ld32(key + 8));
-                $MMA(dp[n], do_frag[kk], fs_ld32(value), fs_ld32(value + 8));
+$S_DP_PRODUCTS
             }
         }
 
