@@ -57,6 +57,23 @@ fn tmp(name: &str) -> std::path::PathBuf {
     d.join(name)
 }
 
+/// A bigram model in the temp folder: i32 `tokens` and `targets`, both
+/// `[dims]`, an embedding and an output projection of 16 features, AdamW,
+/// and `extra` lines in its `train` block.
+fn bigram(name: &str, dims: &str, extra: &str) -> std::path::PathBuf {
+    let model = tmp(name);
+    std::fs::write(
+        &model,
+        format!(
+            "dim {dims}\ninput tokens: i32[{dims}]\ninput targets: i32[{dims}]\n\
+             param emb: [256, 16] = normal(0.1)\nparam w: [16, 256] = normal(0.1)\n\
+             train {{\n loss = cross_entropy(embedding(emb, tokens) @ w, targets)\n optimizer = adamw(lr = 1e-2)\n{extra}}}\n"
+        ),
+    )
+    .unwrap();
+    model
+}
+
 #[test]
 fn the_loss_falls_and_a_resumed_run_matches_an_unbroken_one() {
     let (whole, first, second) = (tmp("whole.jsonl"), tmp("first.jsonl"), tmp("second.jsonl"));
@@ -180,14 +197,7 @@ fn without_a_gpu_train_says_so() {
 /// its dimensions are called.
 #[test]
 fn token_data_follows_the_tokens_input_shape() {
-    let model = tmp("nl.dsl");
-    std::fs::write(
-        &model,
-        "dim N, L\ninput tokens: i32[N, L]\ninput targets: i32[N, L]\n\
-         param emb: [256, 16] = normal(0.1)\nparam w: [16, 256] = normal(0.1)\n\
-         train {\n loss = cross_entropy(embedding(emb, tokens) @ w, targets)\n optimizer = adamw(lr = 1e-2)\n}\n",
-    )
-    .unwrap();
+    let model = bigram("nl.dsl", "N, L", "");
     let (code, _, err) = fusec(&[
         "train",
         model.to_str().unwrap(),
@@ -210,15 +220,11 @@ fn token_data_follows_the_tokens_input_shape() {
 /// halves; the loss falls.
 #[test]
 fn fp16_with_micro_batches_trains() {
-    let model = tmp("fp16-micro.dsl");
-    std::fs::write(
-        &model,
-        "dim B, T\ninput tokens: i32[B, T]\ninput targets: i32[B, T]\n\
-         param emb: [256, 32] = normal(0.1)\nparam w: [32, 256] = normal(0.1)\n\
-         train {\n loss = cross_entropy(embedding(emb, tokens) @ w, targets)\n optimizer = adamw(lr = 1e-2)\n\
-         precision = fp16\n micro_batches = 2\n}\n",
-    )
-    .unwrap();
+    let model = bigram(
+        "fp16-micro.dsl",
+        "B, T",
+        " precision = fp16\n micro_batches = 2\n",
+    );
     let log = tmp("fp16-micro.jsonl");
     let (code, _, err) = fusec(&[
         "train",
@@ -241,4 +247,35 @@ fn fp16_with_micro_batches_trains() {
     assert_eq!(all.len(), 30);
     let (first, last) = (loss(&all[0]), loss(&all[29]));
     assert!(last < 0.9 * first, "{first} -> {last}\n{err}");
+}
+
+/// Token data needs i32 `tokens`: any other type is named, with the fix,
+/// before anything runs.
+#[test]
+fn token_data_needs_i32_tokens() {
+    // f32 tokens can only be features (an embedding takes i32 indices).
+    let model = tmp("f32-tokens.dsl");
+    std::fs::write(
+        &model,
+        "dim B, T\ninput tokens: f32[B, T]\ninput targets: i32[B, T]\n\
+         param emb: [256, 16] = normal(0.1)\nparam w: [16, 256] = normal(0.1)\n\
+         train {\n loss = cross_entropy(embedding(emb, targets) @ w + mean(tokens), targets)\n optimizer = adamw(lr = 1e-2)\n}\n",
+    )
+    .unwrap();
+    let (code, _, err) = fusec(&[
+        "train",
+        model.to_str().unwrap(),
+        "--cpu",
+        "--data",
+        "dsl-examples/data/founding-texts.txt",
+        "--batch",
+        "2",
+        "--seq",
+        "8",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("declares as f32[B, T]") && err.contains("declare it as i32"),
+        "{err}"
+    );
 }

@@ -6,13 +6,26 @@ use fusec_compiler::elaborate::Options;
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::step::train_step;
 use fusec_compiler::interp::tensor::Tensor;
-use fusec_compiler::interp::{round_to, run, Precision};
+use fusec_compiler::interp::{round_to, run, Feeds, Precision};
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::DType;
 use std::collections::HashMap;
 
 fn compiled(src: &str) -> fusec_compiler::driver::Compiled {
     compile(src, "t", &Options::default()).unwrap_or_else(|f| panic!("{}", f.render("t.dsl", src)))
+}
+
+/// Every parameter of `a` within `tol` of `b`'s, element by element.
+fn assert_params_close(a: &Feeds, b: &Feeds, tol: f64) {
+    for (name, p) in &b.params {
+        let err = p
+            .data
+            .iter()
+            .zip(&a.params[name].data)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        assert!(err < tol, "{name}: {err}");
+    }
 }
 
 #[test]
@@ -234,16 +247,7 @@ fn micro_batches_accumulate_into_one_update() {
         .unwrap()
         .loss;
     assert!(((losses[0] + losses[1]) / 2.0 - whole).abs() < 1e-12);
-    for (name, p) in &big.params {
-        let q = &small.params[name];
-        let err = p
-            .data
-            .iter()
-            .zip(&q.data)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f64::max);
-        assert!(err < 1e-9, "{name}: {err}");
-    }
+    assert_params_close(&small, &big, 1e-9);
     // The accumulators are cleared after the update.
     for (name, s) in &small.state {
         if name.ends_with(".grad_acc") {
@@ -280,15 +284,7 @@ fn fp16_loss_scaling_cancels_and_overflow_skips_the_step() {
     let ra = train_step(&half, &mut a, 0.1, 1, Precision::F64).unwrap();
     let rb = train_step(&full, &mut b, 0.1, 1, Precision::F64).unwrap();
     assert!((ra.grad_norm.unwrap() - rb.grad_norm.unwrap()).abs() < 1e-12);
-    for (name, p) in &b.params {
-        let err = p
-            .data
-            .iter()
-            .zip(&a.params[name].data)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f64::max);
-        assert!(err < 1e-12, "{name}: {err}");
-    }
+    assert_params_close(&a, &b, 1e-12);
     // A scale that overflows fp16 when values are rounded as stored.
     let before = a.params.clone();
     a.inputs
@@ -326,7 +322,7 @@ fn fp16_micro_batches_share_the_scale_and_an_overflow_clears_the_sums() {
     b.params = a.params.clone();
     let batch = |k: u64| random_feeds(&full, &dims, 100 + k).unwrap().inputs;
     // Two micro-batches of the step: (apply, batch).
-    let step = |f: &mut fusec_compiler::interp::Feeds,
+    let step = |f: &mut Feeds,
                 g: &fusec_compiler::ir::Graph,
                 scale: Option<f64>,
                 t: u64,
@@ -348,21 +344,10 @@ fn fp16_micro_batches_share_the_scale_and_an_overflow_clears_the_sums() {
         }
         r.unwrap()
     };
-    let close = |a: &fusec_compiler::interp::Feeds, b: &fusec_compiler::interp::Feeds| {
-        for (name, p) in &b.params {
-            let err = p
-                .data
-                .iter()
-                .zip(&a.params[name].data)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0, f64::max);
-            assert!(err < 1e-12, "{name}: {err}");
-        }
-    };
     let ra = step(&mut a, &half, Some(1024.0), 1, Precision::F64);
     let rb = step(&mut b, &full, None, 1, Precision::F64);
     assert!((ra.grad_norm.unwrap() - rb.grad_norm.unwrap()).abs() < 1e-12);
-    close(&a, &b);
+    assert_params_close(&a, &b, 1e-12);
     // A scale that overflows fp16 when values are rounded as stored.
     let before = a.clone();
     let r = step(&mut a, &half, Some(1e30), 2, Precision::AsStored);
@@ -385,7 +370,7 @@ fn fp16_micro_batches_share_the_scale_and_an_overflow_clears_the_sums() {
     b.state = a.state.clone();
     step(&mut a, &half, Some(1024.0), 2, Precision::F64);
     step(&mut b, &full, None, 2, Precision::F64);
-    close(&a, &b);
+    assert_params_close(&a, &b, 1e-12);
 }
 
 /// Initial values filled in chunks from their position in the parameter's

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::gpu;
+use common::{attention_model, gpu};
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;
@@ -26,20 +26,6 @@ use fusec_runtime::exec::{decode, encode};
 use petgraph::stable_graph::NodeIndex;
 use std::collections::HashMap;
 
-/// One attention over heads of a fused projection: H query heads on
-/// H / ratio key/value heads of size D.
-fn model(d: usize, heads: usize, ratio: usize, causal: bool) -> String {
-    let kv = heads / ratio;
-    let (q, k) = (heads * d, kv * d);
-    format!(
-        "dim B, T\ninput x: f32[B, T, 32]\nparam w: [32, {}] = normal(0.3)\n\
-         let q, k, v = split(x @ w, [{q}, {k}, {k}])\n\
-         let y = attention(heads(q, {heads}), heads(k, {kv}), heads(v, {kv}), causal = {causal})\n\
-         train {{\n loss = mean(y * y)\n precision = bf16\n}}\n",
-        q + 2 * k
-    )
-}
-
 /// One configuration compiled, its attention (or attention_grad) kernel,
 /// and the interpreter's buffers at B = 1, T = `t`.
 struct Case {
@@ -55,7 +41,7 @@ struct Case {
 impl Case {
     fn new(cfg: (usize, usize, usize, bool, i64), grad: bool, seed: u64) -> Case {
         let (d, heads, ratio, causal, t) = cfg;
-        let src = model(d, heads, ratio, causal);
+        let src = attention_model(d, heads, ratio, causal, "bf16");
         let c = compile(&src, "flash", &Options::default())
             .unwrap_or_else(|f| panic!("{}", f.render("flash.dsl", &src)));
         let g = &c.optimized;

@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{gpu, model, sizes};
+use common::{attention_model, gpu, model, model_edited, sizes};
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::graph::Role;
@@ -206,20 +206,6 @@ fn every_kernel_matches_the_interpreter() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// One attention over heads of a fused projection: `heads` query heads on
-/// `heads / ratio` key/value heads of size `d`.
-fn attention_model(d: usize, heads: usize, ratio: usize, causal: bool, precision: &str) -> String {
-    let kv = heads / ratio;
-    let (q, k) = (heads * d, kv * d);
-    format!(
-        "dim B, T\ninput x: f32[B, T, 32]\nparam w: [32, {}] = normal(0.3)\n\
-         let q, k, v = split(x @ w, [{q}, {k}, {k}])\n\
-         let y = attention(heads(q, {heads}), heads(k, {kv}), heads(v, {kv}), causal = {causal})\n\
-         train {{\n loss = mean(y * y)\n precision = {precision}\n}}\n",
-        q + 2 * k
-    )
-}
-
 /// Attention as the step runs it (tensor-core kernels at head dims 64 and
 /// 128, the simple ones at 32, 80 and 96), forward and backward with every
 /// kernel around them, against the interpreter: every head dim the
@@ -355,19 +341,36 @@ fn every_shipped_model_trains() {
     }
 }
 
+/// The small GPT-2 of `cases()`, compiled, with its sizes and the
+/// interpreter's random inputs and weights from `seed`.
+struct Prepared {
+    compiled: fusec_compiler::driver::Compiled,
+    bdims: std::collections::BTreeMap<String, i64>,
+    feeds: fusec_compiler::interp::Feeds,
+}
+
+fn small_gpt2(seed: u64) -> Prepared {
+    let (file, sets, dims) = cases().remove(2);
+    let compiled = model(file, &sets);
+    let (dmap, bdims) = sizes(&dims);
+    let feeds = random_feeds(&compiled.optimized, &dmap, seed).unwrap();
+    Prepared {
+        compiled,
+        bdims,
+        feeds,
+    }
+}
+
 /// Ten steps of the small GPT-2 on the GPU follow the CPU reference (values
 /// rounded to bf16 as stored) within 2e-2 of the loss, from the same seed.
 #[test]
 fn gpu_training_follows_the_cpu_reference() {
     let Some(gpu) = gpu() else { return };
-    let (file, sets, dims) = cases().remove(2);
-    let c = model(file, &sets);
-    let g = &c.optimized;
-    let (dmap, bdims) = sizes(&dims);
-    let feeds = random_feeds(g, &dmap, 5).unwrap();
-    let mut gpu_run = on_gpu(gpu, g, &bdims, &feeds, 5);
-    let mut on_cpu = backend::Cpu::new(g, &bdims, Precision::AsStored).unwrap();
-    ready(&mut on_cpu, &feeds, 5);
+    let case = small_gpt2(5);
+    let (g, bdims, feeds) = (&case.compiled.optimized, &case.bdims, &case.feeds);
+    let mut gpu_run = on_gpu(gpu, g, bdims, feeds, 5);
+    let mut on_cpu = backend::Cpu::new(g, bdims, Precision::AsStored).unwrap();
+    ready(&mut on_cpu, feeds, 5);
     for step in 1..=10 {
         let (a, r) = (
             gpu_run.step(1e-3, step).unwrap().loss,
@@ -387,12 +390,9 @@ fn gpu_training_follows_the_cpu_reference() {
 #[test]
 fn a_restored_gpu_run_repeats_the_unbroken_one() {
     let Some(_) = gpu() else { return };
-    let (file, sets, dims) = cases().remove(2);
-    let c = model(file, &sets);
-    let g = &c.optimized;
-    let (dmap, bdims) = sizes(&dims);
-    let feeds = random_feeds(g, &dmap, 9).unwrap();
-    let fresh = || on_gpu(gpu().unwrap(), g, &bdims, &feeds, 9);
+    let case = small_gpt2(9);
+    let (g, bdims, feeds) = (&case.compiled.optimized, &case.bdims, &case.feeds);
+    let fresh = || on_gpu(gpu().unwrap(), g, bdims, feeds, 9);
     let mut whole = fresh();
     let all: Vec<f64> = (1..=6).map(|i| whole.step(1e-3, i).unwrap().loss).collect();
     let mut first = fresh();
@@ -481,15 +481,12 @@ fn token_stream(n: usize) -> Vec<u32> {
 #[test]
 fn staged_batches_match_synchronous_ones_on_the_gpu() {
     let Some(_) = gpu() else { return };
-    let (file, sets, dims) = cases().remove(2);
-    let c = model(file, &sets);
-    let g = &c.optimized;
-    let (dmap, bdims) = sizes(&dims);
-    let feeds = random_feeds(g, &dmap, 4).unwrap();
+    let case = small_gpt2(4);
+    let (g, bdims, feeds) = (&case.compiled.optimized, &case.bdims, &case.feeds);
     let tokens = token_stream(2000);
-    let mut serial = on_gpu(gpu().unwrap(), g, &bdims, &feeds, 4);
+    let mut serial = on_gpu(gpu().unwrap(), g, bdims, feeds, 4);
     let want = serial_losses(&mut serial, &tokens, 12);
-    let mut piped = on_gpu(gpu().unwrap(), g, &bdims, &feeds, 4);
+    let mut piped = on_gpu(gpu().unwrap(), g, bdims, feeds, 4);
     let got = pipelined_losses(&mut piped, &tokens, 12);
     println!("serial {want:?}\nstaged {got:?}");
     assert!(piped.session.exec.has_graph());
@@ -499,15 +496,12 @@ fn staged_batches_match_synchronous_ones_on_the_gpu() {
 /// The same pipeline through the CPU backend (runs everywhere).
 #[test]
 fn staged_batches_match_synchronous_ones_on_the_cpu_backend() {
-    let (file, sets, dims) = cases().remove(2);
-    let c = model(file, &sets);
-    let g = &c.optimized;
-    let (dmap, bdims) = sizes(&dims);
-    let feeds = random_feeds(g, &dmap, 4).unwrap();
+    let case = small_gpt2(4);
+    let (g, bdims, feeds) = (&case.compiled.optimized, &case.bdims, &case.feeds);
     let tokens = token_stream(2000);
     let fresh = || {
-        let mut b = backend::Cpu::new(g, &bdims, Precision::AsStored).unwrap();
-        ready(&mut b, &feeds, 4);
+        let mut b = backend::Cpu::new(g, bdims, Precision::AsStored).unwrap();
+        ready(&mut b, feeds, 4);
         b
     };
     let want = serial_losses(&mut fresh(), &tokens, 4);
@@ -526,17 +520,10 @@ fn fp16_micro_batches_follow_the_cpu_reference_and_survive_an_overflow() {
     let Some(gpu) = gpu() else { return };
     let (file, sets, dims) = cases().remove(3);
     assert_eq!(file, "llama-small.dsl");
-    let src = std::fs::read_to_string(common::root().join("dsl-examples").join(file))
-        .unwrap()
-        .replace("precision = bf16", "precision = fp16");
-    assert!(src.contains("micro_batches = 2"));
-    let opts = fusec_compiler::elaborate::Options {
-        overrides: sets
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-    };
-    let c = fusec_compiler::driver::compile(&src, "llama", &opts).unwrap();
+    let c = model_edited(file, &sets, |src| {
+        assert!(src.contains("micro_batches = 2"));
+        src.replace("precision = bf16", "precision = fp16")
+    });
     let g = &c.optimized;
     let (dmap, bdims) = sizes(&dims);
     let feeds = random_feeds(g, &dmap, 8).unwrap();

@@ -264,6 +264,15 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
                     data_inputs.join(", ")
                 )));
             }
+            // Token ids are copied to the GPU as they are read: i32.
+            if let Some(ty) = input_type(b.graph(), need) {
+                if ty.dtype != fusec_compiler::ir::DType::I32 {
+                    return Err(CliError::usage(format!(
+                        "error: --data {} feeds token ids into `{need}`, which this model declares as {ty}; declare it as i32 (e.g. `input {need}: i32[B, T]`) or use --data random",
+                        args.data
+                    )));
+                }
+            }
         }
         // Windows of the data, shaped as the model's `tokens` input.
         let (bsz, t) = match tokens_shape.as_deref() {
@@ -451,8 +460,18 @@ fn save(
 }
 
 fn is_input(g: &fusec_compiler::ir::Graph, name: &str) -> bool {
-    g.g.node_indices()
-        .any(|n| matches!(&g.g[n].op, fusec_compiler::ops::Op::Input(i) if i.name == name))
+    input_type(g, name).is_some()
+}
+
+/// The declared type of the input `name`.
+fn input_type<'g>(
+    g: &'g fusec_compiler::ir::Graph,
+    name: &str,
+) -> Option<&'g fusec_compiler::ir::TensorType> {
+    g.g.node_indices().find_map(|n| match &g.g[n].op {
+        fusec_compiler::ops::Op::Input(i) if i.name == name => Some(&i.ty),
+        _ => None,
+    })
 }
 
 /// The bound token ids must respect: the embedding's rows.

@@ -359,8 +359,9 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     };
     let mma = format!("fs_mma_16816_{elem}");
     let pack = format!("fs_pack_{elem}");
-    // K^T's fragments by ldmatrix at D = 64; at D = 128 (measured on an
-    // H100: the forward is 20% slower with ldmatrix there) in 32-bit loads.
+    // K^T's fragments by ldmatrix at D = 64; at D = 128 in 32-bit loads
+    // (on an H100 that forward ran 26-34% slower with ldmatrix there; see
+    // docs/benchmarks.md).
     let s_products = if cfg.head_dim > 64 {
         format!(
             "                for (int m = n; m < n + 2; ++m) {{\n                    const {ty}* key = &k_tile[(m * 8 + frag_row) * ROW + kk * 16 + frag_col];\n                    {mma}(s[m], q_frag[kk], fs_ld32(key), fs_ld32(key + 8));\n                }}"

@@ -49,8 +49,18 @@ pub fn root() -> PathBuf {
 
 /// A shipped model compiled with `--set` overrides.
 pub fn model(file: &str, sets: &[(&str, &str)]) -> Compiled {
+    model_edited(file, sets, |src| src)
+}
+
+/// A shipped model with its text changed by `edit` (e.g. another
+/// precision), compiled with `--set` overrides.
+pub fn model_edited(
+    file: &str,
+    sets: &[(&str, &str)],
+    edit: impl Fn(String) -> String,
+) -> Compiled {
     let path = root().join("dsl-examples").join(file);
-    let src = std::fs::read_to_string(&path).unwrap();
+    let src = edit(std::fs::read_to_string(&path).unwrap());
     let opts = Options {
         overrides: sets
             .iter()
@@ -61,6 +71,26 @@ pub fn model(file: &str, sets: &[(&str, &str)]) -> Compiled {
         Ok(c) => c,
         Err(f) => panic!("{}", f.render(file, &src)),
     }
+}
+
+/// One attention over heads of a fused projection: `heads` query heads on
+/// `heads / ratio` key/value heads of size `d`, in `precision`.
+pub fn attention_model(
+    d: usize,
+    heads: usize,
+    ratio: usize,
+    causal: bool,
+    precision: &str,
+) -> String {
+    let kv = heads / ratio;
+    let (q, k) = (heads * d, kv * d);
+    format!(
+        "dim B, T\ninput x: f32[B, T, 32]\nparam w: [32, {}] = normal(0.3)\n\
+         let q, k, v = split(x @ w, [{q}, {k}, {k}])\n\
+         let y = attention(heads(q, {heads}), heads(k, {kv}), heads(v, {kv}), causal = {causal})\n\
+         train {{\n loss = mean(y * y)\n precision = {precision}\n}}\n",
+        q + 2 * k
+    )
 }
 
 /// Sizes as the interpreter takes them and as a plan takes them.
