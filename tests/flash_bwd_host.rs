@@ -108,6 +108,8 @@ train {
 struct Set {
     /// Index into `Program::kernels`.
     kernel: usize,
+    /// The scheme: dQ without atomics, or summed by them.
+    deterministic: bool,
     launches: Vec<FlashBwdLaunch>,
     /// (head dim, group ratio, causal, strided) for messages and coverage.
     what: String,
@@ -136,23 +138,33 @@ fn build(src: &str, precision: &str) -> Built {
         if !is_grad(&g, k) {
             continue;
         }
-        let launches = flash_backward(&g, &program, k, n, None)
-            .unwrap_or_else(|| panic!("{}: no flash backward for a supported attention", k.name));
-        let ins = g.inputs(n);
-        let (q, kk) = (g.ty(ins[0]), g.ty(ins[1]));
-        let causal = matches!(&g.g[n].op, Op::AttentionGrad(a) if a.causal);
-        let strided = k.input_views[..3].iter().any(|v| v.is_some());
-        let what = format!(
-            "D={} ratio={} causal={causal} {}",
-            q.shape[3],
-            q.shape[2].as_const().unwrap() / kk.shape[2].as_const().unwrap(),
-            if strided { "strided" } else { "contiguous" }
-        );
-        sets.push(Set {
-            kernel: i,
-            launches,
-            what,
-        });
+        for deterministic in [false, true] {
+            let launches =
+                flash_backward(&g, &program, k, n, None, deterministic).unwrap_or_else(|| {
+                    panic!("{}: no flash backward for a supported attention", k.name)
+                });
+            let ins = g.inputs(n);
+            let (q, kk) = (g.ty(ins[0]), g.ty(ins[1]));
+            let causal = matches!(&g.g[n].op, Op::AttentionGrad(a) if a.causal);
+            let strided = k.input_views[..3].iter().any(|v| v.is_some());
+            let what = format!(
+                "D={} ratio={} causal={causal} {} {}",
+                q.shape[3],
+                q.shape[2].as_const().unwrap() / kk.shape[2].as_const().unwrap(),
+                if strided { "strided" } else { "contiguous" },
+                if deterministic {
+                    "deterministic"
+                } else {
+                    "atomic"
+                }
+            );
+            sets.push(Set {
+                kernel: i,
+                deterministic,
+                launches,
+                what,
+            });
+        }
     }
     Built { g, program, sets }
 }
@@ -164,9 +176,16 @@ fn work_dir(label: &str) -> PathBuf {
 /// A broken copy of one of the kernels' lines: (pattern, replacement).
 type Mutation = (&'static str, &'static str);
 
+/// A launch's function name in the harness: both schemes of one op share
+/// names (`_delta`), so each set's copies are told apart by its index.
+fn host_name(l: &FlashBwdLaunch, set: usize) -> String {
+    format!("{}_s{set}", l.name)
+}
+
 /// One C++ program holding the kernel sets `sets` (indices into `b.sets`)
-/// and a `main` that runs the set named on its command line, its three
-/// kernels in order, on the files in a folder.
+/// and a `main` that runs the set named on its command line (the op's
+/// kernel and the scheme, the last argument), its three kernels in order,
+/// on the files in a folder.
 fn harness(b: &Built, sets: &[usize], mutation: Option<Mutation>) -> String {
     let mut s = String::from("#include \"block_shim.h\"\n#include \"mma_emu.h\"\n");
     s.push_str(PRELUDE);
@@ -174,7 +193,15 @@ fn harness(b: &Built, sets: &[usize], mutation: Option<Mutation>) -> String {
         for l in &b.sets[f].launches {
             let mut text = l
                 .source
-                .replace(&format!("#include \"{PRELUDE_NAME}\""), "");
+                .replace(&format!("#include \"{PRELUDE_NAME}\""), "")
+                .replace(
+                    &format!("void __launch_bounds__({}, 2) {}(", l.block, l.name),
+                    &format!(
+                        "void __launch_bounds__({}, 2) {}(",
+                        l.block,
+                        host_name(l, f)
+                    ),
+                );
             if let Some((from, to)) = mutation {
                 text = text.replace(from, to);
             }
@@ -192,10 +219,19 @@ fn harness(b: &Built, sets: &[usize], mutation: Option<Mutation>) -> String {
     for (i, d) in b.g.dims.iter().enumerate() {
         let _ = writeln!(s, "  const fs_i64 {d} = atoll(argv[{}]);", i + 13);
     }
+    let _ = writeln!(
+        s,
+        "  const int deterministic = atoi(argv[{}]);",
+        13 + b.g.dims.len()
+    );
     for &f in sets {
         let set = &b.sets[f];
         let k = &b.program.kernels[set.kernel];
-        let _ = writeln!(s, "  if (!strcmp(argv[1], \"{}\")) {{", k.name);
+        let _ = writeln!(
+            s,
+            "  if (!strcmp(argv[1], \"{}\") && deterministic == {}) {{",
+            k.name, set.deterministic as u8
+        );
         // Unwritten outputs read back as NaN.
         let (mut args, writes) = host::kernel_buffers(&mut s, &b.program, k, &b.g.dims, true);
         // The scratch buffer starts as NaN: the delta kernel must write it all.
@@ -209,7 +245,7 @@ fn harness(b: &Built, sets: &[usize], mutation: Option<Mutation>) -> String {
             let _ = writeln!(
                 s,
                 "    fs_launch(grids[{l}], block, [&] {{ {}({}); }});",
-                launch.name,
+                host_name(launch, f),
                 args.join(", ")
             );
         }
@@ -245,6 +281,7 @@ fn run_and_compare(
     }
     args.push(set.launches[0].block.to_string());
     args.extend(b.g.dims.iter().map(|d| dims[d].to_string()));
+    args.push((set.deterministic as u8).to_string());
     let written = host::run_kernel(exe, dir, &b.program, k, bufs, &args)?;
     let mut outs = Vec::new();
     for (slot, got) in written.into_iter().enumerate() {
@@ -314,11 +351,15 @@ fn flash_backward_matches_the_reference_on_the_host() {
         return;
     }
     let b = build(MODEL, "bf16");
-    assert_eq!(b.sets.len(), 8, "one kernel set per attention_grad op");
+    assert_eq!(
+        b.sets.len(),
+        16,
+        "two kernel sets (schemes) per attention_grad op"
+    );
     let mut kinds: Vec<&str> = b.sets.iter().map(|f| f.what.as_str()).collect();
     kinds.sort();
     kinds.dedup();
-    assert_eq!(kinds.len(), 8, "every variant once: {kinds:?}");
+    assert_eq!(kinds.len(), 16, "every variant once: {kinds:?}");
     let checked = check_all("bf16", &b, RUNS);
     println!("bf16: {checked} kernel-set runs matched the reference ({kinds:?})");
 }
@@ -329,7 +370,7 @@ fn flash_backward_matches_the_reference_in_f16() {
         return;
     }
     let b = build(MODEL, "f16");
-    assert_eq!(b.sets.len(), 8);
+    assert_eq!(b.sets.len(), 16);
     let checked = check_all("f16", &b, &[&[("B", 1), ("T", 100)]]);
     println!("f16: {checked} kernel-set runs matched the reference");
 }
@@ -340,7 +381,7 @@ fn flash_backward_cross_attention_matches_the_reference() {
         return;
     }
     let b = build(CROSS_MODEL, "bf16");
-    assert_eq!(b.sets.len(), 2);
+    assert_eq!(b.sets.len(), 4);
     let runs: &[&[(&str, i64)]] = &[
         &[("B", 2), ("T", 17), ("S", 100)],
         &[("B", 1), ("T", 100), ("S", 17)],
@@ -349,9 +390,10 @@ fn flash_backward_cross_attention_matches_the_reference() {
     println!("cross: {checked} kernel-set runs matched the reference");
 }
 
-/// Plain logic bugs of either kernel, and wrong fragment halves, must make
-/// the comparison fail (else the host runs prove little). Each mutation
-/// names the set it breaks: the causal one or the other.
+/// Plain logic bugs of either scheme's kernels, and wrong fragment halves,
+/// must make the comparison fail (else the host runs prove little). Each
+/// mutation names the set it breaks: causal or not, deterministic or
+/// atomic.
 #[test]
 fn deliberate_breakages_are_caught() {
     if !host::have_cxx() {
@@ -364,17 +406,17 @@ fn deliberate_breakages_are_caught() {
         )
         .replace("loss = mean(y * y)", "loss = mean(y * y) + mean(y2 * y2)");
     let b = build(&src, "bf16");
-    let causal = b
-        .sets
-        .iter()
-        .position(|f| f.what.contains("causal=true"))
-        .unwrap();
-    let plain = b
-        .sets
-        .iter()
-        .position(|f| f.what.contains("causal=false"))
-        .unwrap();
-    let mutations: [(Mutation, usize); 9] = [
+    let find = |causal: bool, deterministic: bool| {
+        b.sets
+            .iter()
+            .position(|f| {
+                f.what.contains(&format!("causal={causal}")) && f.deterministic == deterministic
+            })
+            .unwrap()
+    };
+    let (causal, plain) = (find(true, true), find(false, true));
+    let (causal_atomic, plain_atomic) = (find(true, false), find(false, false));
+    let mutations: [(Mutation, usize); 15] = [
         // dK/dV: the causal bound off by one.
         (
             (
@@ -438,13 +480,50 @@ fn deliberate_breakages_are_caught() {
         ),
         // dK: the scale dropped.
         (("dk_acc[n][2 * r] * scale", "dk_acc[n][2 * r]"), plain),
+        // Atomic scheme: dS^T's quarters stored in each other's place.
+        (
+            (
+                "(key_row + 8) * DS_ROW + kk * 16 + frag_col], ds_frag[1]",
+                "(key_row + 8) * DS_ROW + kk * 16 + frag_col], ds_frag[2]",
+            ),
+            plain_atomic,
+        ),
+        // Atomic scheme: dS read back with a wrong lane-to-row mapping.
+        (
+            (
+                "fs_ldsm_x4_t(a, at + ((lane & 7) + (lane >> 4) * 8) * row + ((lane >> 3) & 1) * 8)",
+                "fs_ldsm_x4_t(a, at + ((lane & 7) + ((lane >> 3) & 1) * 8) * row + (lane >> 4) * 8)",
+            ),
+            plain_atomic,
+        ),
+        // Atomic scheme: the dQ sum not cleared (the scratch starts as NaN).
+        (
+            ("if (i < q_len) fs_zero16(", "if (i < 0) fs_zero16("),
+            plain_atomic,
+        ),
+        // Atomic scheme: dQ added into the next row.
+        (
+            (
+                "const fs_i64 i = i0 + m0 + frag_row + 8 * r;",
+                "const fs_i64 i = i0 + m0 + frag_row + 8 * r + 1;",
+            ),
+            causal_atomic,
+        ),
+        // Atomic scheme: dQ's scale dropped when stored.
+        (("sum[e] * scale", "sum[e]"), plain_atomic),
+        // Atomic scheme: query tiles start one tile too late (dQ and dK lose them).
+        (
+            ("(k0 / TILE_Q) * TILE_Q", "(k0 / TILE_Q + 1) * TILE_Q"),
+            causal_atomic,
+        ),
     ];
     let dims = common::dims(&[("B", 1), ("T", 100)]);
     let bufs = reference(&b, &dims);
     let work = work_dir("mutations");
     // The unbroken build passes, so each failure below is the mutation's.
-    let exe = host::build(&work, "good", &harness(&b, &[causal, plain], None));
-    for f in [causal, plain] {
+    let all = [causal, plain, causal_atomic, plain_atomic];
+    let exe = host::build(&work, "good", &harness(&b, &all, None));
+    for f in all {
         run_and_compare(&exe, &work.join(format!("good-{f}")), &b, f, &bufs, &dims)
             .expect("the unbroken kernels");
     }
@@ -513,8 +592,15 @@ fn flash_backward_compiles_with_nvrtc_without_spills() {
 #[test]
 fn flash_backward_kernel_text() {
     let b = build(SNAPSHOT_MODEL, "bf16");
-    assert_eq!(b.sets.len(), 1);
-    let set = &b.sets[0];
+    assert_eq!(b.sets.len(), 2);
+    for set in &b.sets {
+        snapshot_set(&b, set);
+    }
+}
+
+/// One kernel set's launches and texts in a snapshot (the deterministic
+/// scheme under the older name).
+fn snapshot_set(b: &Built, set: &Set) {
     let name = &b.program.kernels[set.kernel].name;
     let mut text = String::new();
     for l in &set.launches {
@@ -534,7 +620,11 @@ fn flash_backward_kernel_text() {
         );
         text.push_str(&l.source.replace(name.as_str(), "KERNEL"));
     }
-    insta::assert_snapshot!("flash_backward_d64_gqa4_causal_bf16", text);
+    if set.deterministic {
+        insta::assert_snapshot!("flash_backward_d64_gqa4_causal_bf16", text);
+    } else {
+        insta::assert_snapshot!("flash_backward_d64_gqa4_causal_bf16_atomic", text);
+    }
 }
 
 /// f32, head dims other than 64 and 128 get no flash backward.
@@ -553,7 +643,12 @@ fn unsupported_attention_gets_no_flash_backward() {
         for k in &program.kernels {
             if let (true, Body::Op(n)) = (is_grad(&c.optimized, k), &k.body) {
                 seen += 1;
-                assert!(flash_backward(&c.optimized, &program, k, *n, None).is_none());
+                for deterministic in [false, true] {
+                    assert!(
+                        flash_backward(&c.optimized, &program, k, *n, None, deterministic)
+                            .is_none()
+                    );
+                }
             }
         }
         assert_eq!(seen, 1);

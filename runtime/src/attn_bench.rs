@@ -115,7 +115,8 @@ fn find<'a>(g: &fusec_compiler::ir::Graph, p: &'a Program, grad: bool) -> Option
 }
 
 /// Times one configuration (`batch` sequences, by default 16384 / T);
-/// `flash` asks for the tensor-core kernels where they apply.
+/// `flash` asks for the tensor-core kernels where they apply, and
+/// `deterministic` for their backward without atomics.
 pub fn run(
     gpu: &Gpu,
     d: usize,
@@ -123,6 +124,7 @@ pub fn run(
     batch: Option<usize>,
     causal: bool,
     flash: bool,
+    deterministic: bool,
 ) -> Result<AttnResult, RuntimeError> {
     let (b, h) = (batch.unwrap_or((16384 / t).max(1)), (2048 / d).max(1));
     let src = model(b, t, h, d, causal);
@@ -216,11 +218,15 @@ pub fn run(
             .map(|&b2| ptr_of(b2, &mut device))
             .collect::<Result<_, _>>()?;
         match flash
-            .then(|| flash_backward(g, &p, bwd, nb, None))
+            .then(|| flash_backward(g, &p, bwd, nb, None, deterministic))
             .flatten()
         {
             Some(ls) => {
-                backward = "flash";
+                backward = if deterministic {
+                    "flash-deterministic"
+                } else {
+                    "flash"
+                };
                 let elems = ls[0].scratch_f32_elems.eval(&|_| None).unwrap_or(0).max(1) as usize;
                 let s = gpu
                     .stream

@@ -38,6 +38,15 @@ pub struct Session {
     steps_run: u64,
 }
 
+/// Choices a session is built with.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SessionOptions {
+    /// Runs that repeat bit for bit: the attention backward recomputes its
+    /// tiles for dQ instead of summing dQ with atomics (slower; every other
+    /// kernel is deterministic either way).
+    pub deterministic: bool,
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct StepStats {
     pub loss: f64,
@@ -53,6 +62,25 @@ impl Session {
         dims: &BTreeMap<String, i64>,
         cache_dir: Option<&Path>,
         progress: &(dyn Fn(usize, usize) + Sync),
+    ) -> Result<Session, RuntimeError> {
+        Session::with_options(
+            gpu,
+            graph,
+            dims,
+            cache_dir,
+            progress,
+            SessionOptions::default(),
+        )
+    }
+
+    /// [`Session::new`] with `options`.
+    pub fn with_options(
+        gpu: Gpu,
+        graph: &Graph,
+        dims: &BTreeMap<String, i64>,
+        cache_dir: Option<&Path>,
+        progress: &(dyn Fn(usize, usize) + Sync),
+        options: SessionOptions,
     ) -> Result<Session, RuntimeError> {
         let program = fuse(graph);
         let plan =
@@ -71,7 +99,9 @@ impl Session {
                 let Body::Op(n) = k.body else { continue };
                 if matches!(graph.g[n].op, Op::AttentionGrad(_)) {
                     // The backward as three kernels sharing one scratch.
-                    let Some(ls) = flash_backward(graph, &program, k, n, None) else {
+                    let Some(ls) =
+                        flash_backward(graph, &program, k, n, None, options.deterministic)
+                    else {
                         continue;
                     };
                     let mut steps = Vec::new();

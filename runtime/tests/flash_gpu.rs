@@ -221,22 +221,25 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// The tensor-core backward (three kernels and a scratch) against the
-/// interpreter's dq, dk, dv.
+/// The tensor-core backward (three kernels and a scratch), in both
+/// schemes (dQ by atomics, and deterministic), against the interpreter's
+/// dq, dk, dv.
 #[test]
 fn flash_backward_matches_the_interpreter() {
     let Some(gpu) = gpu() else { return };
     let mut failures = Vec::new();
-    for cfg in [
-        (64usize, 2usize, 1usize, true, 1000i64),
-        (64, 4, 4, false, 17),
-        (128, 2, 1, false, 1023),
-        (128, 4, 4, true, 100),
+    for (cfg, deterministic) in [
+        ((64usize, 2usize, 1usize, true, 1000i64), false),
+        ((64, 4, 4, false, 17), false),
+        ((128, 2, 1, false, 1023), false),
+        ((128, 4, 4, true, 100), false),
+        ((64, 2, 1, true, 1000), true),
+        ((128, 4, 4, true, 100), true),
     ] {
         let case = Case::new(cfg, true, 6);
         let g = &case.c.optimized;
-        let launches =
-            flash_backward(g, &case.p, case.k(), case.node, None).expect("a supported backward");
+        let launches = flash_backward(g, &case.p, case.k(), case.node, None, deterministic)
+            .expect("a supported backward");
         let env = case.env();
         let bufs = case.upload(&gpu);
         let elems = launches[0].scratch_f32_elems.eval(&env).unwrap().max(1) as usize;
@@ -261,13 +264,13 @@ fn flash_backward_matches_the_interpreter() {
             let (worst, scale) = case.error(&gpu, &bufs, slot);
             if worst > 3e-2 * scale {
                 failures.push(format!(
-                    "{}: out{slot} error {:.3e} of max",
+                    "{} (deterministic: {deterministic}): out{slot} error {:.3e} of max",
                     case.at,
                     worst / scale
                 ));
             }
         }
-        println!("{}: checked", case.at);
+        println!("{} (deterministic: {deterministic}): checked", case.at);
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

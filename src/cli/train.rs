@@ -8,7 +8,7 @@ use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::checkpoint;
 use fusec_runtime::data::{load_tokens, Batches, Prefetch};
 use fusec_runtime::device;
-use fusec_runtime::session::Session;
+use fusec_runtime::session::{Session, SessionOptions};
 use fusec_runtime::stage::HostBuf;
 use fusec_runtime::RuntimeError;
 use std::collections::BTreeMap;
@@ -58,9 +58,10 @@ pub struct TrainArgs {
     /// data position, as if the run had not stopped
     #[arg(long, value_name = "FILE")]
     pub resume: Option<PathBuf>,
-    /// Insist on bit-for-bit repeatable runs. Every kernel fusec runs already
-    /// is deterministic (generated kernels use no atomics; each GEMM keeps
-    /// the cuBLASLt algorithm chosen for it), so this only says so.
+    /// Bit-for-bit repeatable runs: the attention backward recomputes its
+    /// tiles for dQ instead of summing dQ with atomics (slower). Every other
+    /// kernel is deterministic anyway (no atomics; each GEMM keeps the
+    /// cuBLASLt algorithm chosen for it)
     #[arg(long)]
     pub deterministic: bool,
 }
@@ -81,6 +82,9 @@ pub struct BenchArgs {
     /// Peak dense bf16 rate for MFU, in TFLOP/s (default: the GPU's datasheet figure when known)
     #[arg(long)]
     pub peak_tflops: Option<f64>,
+    /// Time the deterministic step (as `fusec train --deterministic` runs it)
+    #[arg(long)]
+    pub deterministic: bool,
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
 }
@@ -102,6 +106,10 @@ pub struct BenchAttentionArgs {
     /// The simple attention forward instead of the tensor-core one
     #[arg(long)]
     pub simple: bool,
+    /// The tensor-core backward without atomics (as `fusec train
+    /// --deterministic` runs it)
+    #[arg(long)]
+    pub deterministic: bool,
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
 }
@@ -122,8 +130,16 @@ pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
                 ));
             }
             for &c in causal {
-                let r = fusec_runtime::attn_bench::run(&gpu, d, t, args.batch, c, !args.simple)
-                    .map_err(runtime_err)?;
+                let r = fusec_runtime::attn_bench::run(
+                    &gpu,
+                    d,
+                    t,
+                    args.batch,
+                    c,
+                    !args.simple,
+                    args.deterministic,
+                )
+                .map_err(runtime_err)?;
                 println!("{}", r.json());
             }
         }
@@ -143,6 +159,7 @@ fn start(
     loaded: &Loaded,
     dims: &BTreeMap<String, i64>,
     gpu: usize,
+    options: SessionOptions,
 ) -> Result<(Session, String), CliError> {
     let g = &loaded.compiled.optimized;
     let t_open = Instant::now();
@@ -165,12 +182,13 @@ fn start(
             let _ = std::io::stderr().flush();
         }
     };
-    let s = Session::new(
+    let s = Session::with_options(
         gpu,
         g,
         dims,
         Some(&fusec_runtime::cache::default_dir()),
         &progress,
+        options,
     )
     .map_err(runtime_err)?;
     eprintln!(
@@ -195,7 +213,10 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         let g = &loaded.compiled.optimized;
         Box::new(backend::Cpu::new(g, &dims, Precision::AsStored).map_err(runtime_err)?)
     } else {
-        let (s, _) = start(&loaded, &dims, args.gpu)?;
+        let options = SessionOptions {
+            deterministic: args.deterministic,
+        };
+        let (s, _) = start(&loaded, &dims, args.gpu, options)?;
         Box::new(backend::Gpu::new(s, &dims).map_err(runtime_err)?)
     };
     let b = backend.as_mut();
@@ -205,9 +226,9 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         .filter(|k| is_input(b.graph(), k) && !k.starts_with("update."))
         .cloned()
         .collect();
-    if args.deterministic {
+    if args.deterministic && !args.cpu {
         eprintln!(
-            "deterministic: every kernel of this step is (generated kernels use no atomics; GEMMs keep one cuBLASLt algorithm each), so a run repeats bit for bit on the same GPU and software"
+            "deterministic: the attention backward runs without atomics and every other kernel is deterministic (GEMMs keep one cuBLASLt algorithm each), so a run repeats bit for bit on the same GPU and software"
         );
     }
     let t_init = Instant::now();
@@ -496,7 +517,10 @@ fn json_num(x: f64) -> String {
 pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
     let loaded = load(&args.model)?;
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
-    let (s, about) = start(&loaded, &dims, args.gpu)?;
+    let options = SessionOptions {
+        deterministic: args.deterministic,
+    };
+    let (s, about) = start(&loaded, &dims, args.gpu, options)?;
     let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
     let feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, 1)
         .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;

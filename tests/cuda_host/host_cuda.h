@@ -13,7 +13,7 @@
 #define __noinline__
 #define __shared__ static
 #define __restrict__ __restrict
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 
 struct fs_dim3 {
     unsigned x, y, z;

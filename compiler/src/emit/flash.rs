@@ -282,6 +282,18 @@ __device__ __forceinline__ void fs_copy16(unsigned short* dst, const unsigned sh
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
 __device__ __forceinline__ void fs_zero16(unsigned short* dst) { *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u}; }
+// Two adjacent 16-bit values (4-byte aligned) from one register, low first.
+__device__ __forceinline__ void fs_st32(unsigned short* p, unsigned v) { *reinterpret_cast<unsigned*>(p) = v; }
+// p[0] += a, p[1] += b in global memory, atomically (p 8-byte aligned): one
+// vector reduction on sm_90, two scalar ones before.
+__device__ __forceinline__ void fs_atomic_add2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
 // ldmatrix.x4: lanes 8i .. 8i + 7 give the rows of 8x8 matrix i (16-byte
 // aligned shared memory); r[i] gets this lane's two elements of matrix i:
 // (row lane / 4, col 2 * (lane % 4)) low, the next column high.
@@ -312,6 +324,13 @@ inline unsigned fs_ld32(const unsigned short* p) {
 }
 inline void fs_copy16(unsigned short* dst, const unsigned short* src) { memcpy(dst, src, 16); }
 inline void fs_zero16(unsigned short* dst) { memset(dst, 0, 16); }
+inline void fs_st32(unsigned short* p, unsigned v) { memcpy(p, &v, 4); }
+// Host blocks run one after another and a block's warps add into disjoint
+// rows, so a plain sum is what the atomics compute.
+inline void fs_atomic_add2(float* p, float a, float b) {
+    p[0] += a;
+    p[1] += b;
+}
 inline void fs_ldsm_x4(unsigned (&r)[4], const unsigned short* row) { fs_emu_ldsm_x4(r, row, false); }
 inline void fs_ldsm_x4_t(unsigned (&r)[4], const unsigned short* row) { fs_emu_ldsm_x4(r, row, true); }
 #endif
@@ -322,6 +341,13 @@ inline void fs_ldsm_x4_t(unsigned (&r)[4], const unsigned short* row) { fs_emu_l
 __device__ __forceinline__ void fs_a_frag(unsigned (&a)[4], const unsigned short* at, int row) {
     const int lane = threadIdx.x & 31;
     fs_ldsm_x4(a, at + ((lane & 7) + ((lane >> 3) & 1) * 8) * row + (lane >> 4) * 8);
+}
+// The same A fragment from a tile stored transposed ([column][row]: element
+// (r, c) at at[c * row + r]), in one ldmatrix.trans: `at` points at
+// (r0, c0), i.e. stored row c0, column r0.
+__device__ __forceinline__ void fs_a_frag_t(unsigned (&a)[4], const unsigned short* at, int row) {
+    const int lane = threadIdx.x & 31;
+    fs_ldsm_x4_t(a, at + ((lane & 7) + (lane >> 4) * 8) * row + ((lane >> 3) & 1) * 8);
 }
 // The B fragments (column-major) of two m16n8k16 products from a row-major
 // [n][k] tile in shared memory (B transposed, as K is for S = Q K^T), `at`

@@ -94,6 +94,10 @@ pub enum Stage {
     DkDv,
     /// dQ.
     Dq,
+    /// dK and dV, and dQ summed with atomics into the scratch buffer.
+    DkDvDq,
+    /// dQ = scale * the scratch's sum, in dQ's dtype.
+    DqStore,
 }
 
 /// One kernel of the backward and how to launch it (see the module docs).
@@ -146,60 +150,115 @@ fn config(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<Config> {
 /// dim of 64 or 128, the head counts are constants, and every row of q, k,
 /// v, O and dO is 16-byte aligned and contiguous. Any causal flag,
 /// grouped-query ratio, T and S.
+///
+/// `deterministic` picks the scheme: `true` gives delta, dK/dV and dQ
+/// (every product recomputed where it is needed: 7 tile products, no
+/// atomics, bit-identical from run to run); `false` gives delta (which also
+/// clears an f32 dQ sum), dK/dV with dQ added into that sum by atomics, and
+/// a pass that stores dQ (5 tile products, as FlashAttention-2 does; the
+/// order of the additions, so dQ's last bits, vary between runs).
 pub fn flash_backward(
     g: &Graph,
     p: &Program,
     k: &Kernel,
     n: NodeIndex,
     source: Option<&str>,
+    deterministic: bool,
 ) -> Option<Vec<FlashBwdLaunch>> {
     let c = Ctx::for_op(g, p, k, n);
     let cfg = config(g, &c, n)?;
     let head = header(g, p, k, source);
-    let scratch = cfg
+    let rows = cfg
         .batch
         .checked_mul(&cfg.q_heads)?
         .checked_mul(&cfg.q_len)?;
     let d = cfg.head_dim;
+    // Deterministic: delta [B, Hq, T]. Atomic: the dQ sum [B, Hq, T, D]
+    // first (16-byte aligned rows for the vector reductions), then delta.
+    let scratch = if deterministic {
+        rows
+    } else {
+        rows.checked_mul(&Dim::constant(d as i64 + 1))?
+    };
     let elem = 2; // bytes of a 16-bit element
     let row = d + PAD;
     let (qt, kt) = (query_tile(d), key_tile(d));
-    let stages = [
-        (
-            Stage::Delta,
-            "delta",
-            delta_body(g, &c, n, &cfg),
-            [cfg.q_len.clone(), cfg.q_heads.clone(), cfg.batch.clone()],
-            DELTA_ROWS,
-            vec![3, 5],
-            vec![],
-            DELTA_ROWS * (d / 8) * 4,
-        ),
-        (
-            Stage::DkDv,
-            "dkdv",
-            dkdv_body(g, &c, n, &cfg),
-            [cfg.kv_len.clone(), cfg.kv_heads.clone(), cfg.batch.clone()],
-            TILE_KEYS,
-            vec![0, 1, 2, 4, 5],
-            vec![1, 2],
-            (2 * TILE_KEYS + 2 * qt) * row * elem + 2 * qt * 4,
-        ),
-        (
-            Stage::Dq,
-            "dq",
-            dq_body(g, &c, n, &cfg),
-            [cfg.q_len.clone(), cfg.q_heads.clone(), cfg.batch.clone()],
-            TILE_QUERIES,
-            vec![0, 1, 2, 4, 5],
-            vec![0],
-            2 * kt * row * elem,
-        ),
-    ];
+    let q_grid = [cfg.q_len.clone(), cfg.q_heads.clone(), cfg.batch.clone()];
+    let kv_grid = [cfg.kv_len.clone(), cfg.kv_heads.clone(), cfg.batch.clone()];
+    let delta_smem = DELTA_ROWS * (d / 8) * 4;
+    let dkdv_smem = (2 * TILE_KEYS + 2 * qt) * row * elem + 2 * qt * 4;
+    let stages = if deterministic {
+        vec![
+            (
+                Stage::Delta,
+                "delta",
+                q_grid.clone(),
+                DELTA_ROWS,
+                vec![3, 5],
+                vec![],
+                delta_smem,
+            ),
+            (
+                Stage::DkDv,
+                "dkdv",
+                kv_grid,
+                TILE_KEYS,
+                vec![0, 1, 2, 4, 5],
+                vec![1, 2],
+                dkdv_smem,
+            ),
+            (
+                Stage::Dq,
+                "dq",
+                q_grid,
+                TILE_QUERIES,
+                vec![0, 1, 2, 4, 5],
+                vec![0],
+                2 * kt * row * elem,
+            ),
+        ]
+    } else {
+        let ds = TILE_KEYS * (qt + PAD) * elem;
+        vec![
+            (
+                Stage::Delta,
+                "delta",
+                q_grid.clone(),
+                DELTA_ROWS,
+                vec![3, 5],
+                vec![],
+                delta_smem,
+            ),
+            (
+                Stage::DkDvDq,
+                "dkdvdq",
+                kv_grid,
+                TILE_KEYS,
+                vec![0, 1, 2, 4, 5],
+                vec![1, 2],
+                dkdv_smem + ds,
+            ),
+            (
+                Stage::DqStore,
+                "dqstore",
+                q_grid,
+                DELTA_ROWS,
+                vec![],
+                vec![0],
+                0,
+            ),
+        ]
+    };
     let mut out = Vec::new();
-    for (stage, suffix, body, dims, tile, reads, writes, smem) in stages {
+    for (stage, suffix, dims, tile, reads, writes, smem) in stages {
+        let body = match stage {
+            Stage::Delta => delta_body(g, &c, n, &cfg, deterministic),
+            Stage::DkDv | Stage::DkDvDq => dkdv_body(g, &c, n, &cfg, deterministic),
+            Stage::Dq => dq_body(g, &c, n, &cfg),
+            Stage::DqStore => dq_store_body(g, &c, n, &cfg),
+        };
         let name = format!("{}_{suffix}", k.name);
-        let mut s = kernel_head(&head, &k.name, &name)?;
+        let mut s = kernel_head(&head, &k.name, &name, deterministic)?;
         s.push_str(&body);
         s.push_str("}\n");
         let grid_c = [
@@ -219,7 +278,7 @@ pub fn flash_backward(
             reads,
             writes,
             scratch_f32_elems: scratch.clone(),
-            writes_scratch: stage == Stage::Delta,
+            writes_scratch: matches!(stage, Stage::Delta | Stage::DkDvDq),
         });
     }
     Some(out)
@@ -245,7 +304,7 @@ fn key_tile(d: u64) -> u64 {
 
 /// `header`'s text renamed to `name`, with the helpers before the signature,
 /// `__launch_bounds__` and the scratch pointer as the last parameter.
-fn kernel_head(head: &str, old: &str, name: &str) -> Option<String> {
+fn kernel_head(head: &str, old: &str, name: &str, deterministic: bool) -> Option<String> {
     let sig = format!("extern \"C\" __global__ void {old}(");
     let at = head.find(&sig)?;
     let close = head.rfind(")\n{")?;
@@ -253,10 +312,14 @@ fn kernel_head(head: &str, old: &str, name: &str) -> Option<String> {
     s.push_str(&head[..at].replacen(&format!("// {old}:"), &format!("// {name}:"), 1));
     s.push_str(HELPERS);
     s.push_str(&format!(
-        "extern \"C\" __global__ void __launch_bounds__({THREADS}) {name}("
+        "extern \"C\" __global__ void __launch_bounds__({THREADS}, 2) {name}("
     ));
     s.push_str(&head[at + sig.len()..close]);
-    s.push_str(",\n    float* scratch /* f32 scratch [B, Hq, T]: delta = rowsum(dO * O) */)\n{\n");
+    s.push_str(if deterministic {
+        ",\n    float* scratch /* f32 scratch [B, Hq, T]: delta = rowsum(dO * O) */)\n{\n"
+    } else {
+        ",\n    float* scratch /* f32 scratch: the dQ sum [B, Hq, T, D], then delta = rowsum(dO * O) [B, Hq, T] */)\n{\n"
+    });
     Some(s)
 }
 
@@ -272,7 +335,13 @@ fn fill(t: &str, subs: &[(&str, String)]) -> String {
 }
 
 /// Substitutions every body uses.
-fn common_subs(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> Vec<(&'static str, String)> {
+fn common_subs(
+    g: &Graph,
+    c: &Ctx,
+    n: NodeIndex,
+    cfg: &Config,
+    deterministic: bool,
+) -> Vec<(&'static str, String)> {
     let [q, k, v, o, lse, dout] = [0, 1, 2, 3, 4, 5].map(|i| Access::input(g, c, n, i));
     let (elem, ty) = match cfg.dt {
         DType::F16 => ("f16", "fs_f16"),
@@ -317,12 +386,34 @@ fn common_subs(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> Vec<(&'static 
         ("LOAD_O", load(o.dt, &format!("{}[o_row + e]", o.ptr))),
         ("NEG_INF", NEG_INF.to_string()),
         ("THREADS", THREADS.to_string()),
+        // Where delta lies in the scratch: after the dQ sum, if there is one.
+        (
+            "DELTA",
+            if deterministic {
+                "scratch".to_string()
+            } else {
+                format!(
+                    "(scratch + (fs_i64)({}) * {} * q_len * {})",
+                    cfg.batch.to_c(),
+                    cfg.q_heads.to_c(),
+                    cfg.head_dim
+                )
+            },
+        ),
     ]
 }
 
-fn delta_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
-    let mut subs = common_subs(g, c, n, cfg);
+fn delta_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, deterministic: bool) -> String {
+    let mut subs = common_subs(g, c, n, cfg, deterministic);
     subs.push(("ROWS", DELTA_ROWS.to_string()));
+    subs.push((
+        "CLEAR_DQ_SUM",
+        if deterministic {
+            String::new()
+        } else {
+            CLEAR_DQ_SUM.to_string()
+        },
+    ));
     fill(
         r#"    // FlashAttention-2 backward, kernel 1 of 3: delta_i = rowsum(dO_i * O_i) per
     // (b, h, i), into scratch[(b * Hq + h) * T + i]. The block's $ROWS rows are
@@ -346,16 +437,69 @@ fn delta_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
     if (threadIdx.x < $ROWS && i < q_len) {
         float acc = 0.0f;
         for (int c = 0; c < CHUNKS; ++c) acc += part[threadIdx.x * CHUNKS + c];
-        scratch[(b * $HQ + h) * q_len + i] = acc;
+        $DELTA[(b * $HQ + h) * q_len + i] = acc;
+    }
+$CLEAR_DQ_SUM"#,
+        &subs,
+    )
+}
+
+/// The delta kernel's second job when dQ is summed with atomics: its rows
+/// of the sum set to zero.
+const CLEAR_DQ_SUM: &str = r#"    // The same rows of the dQ sum (scratch [B, Hq, T, D]) set to zero for the
+    // dK/dV kernel's atomics, 4 floats per store.
+    for (int idx = threadIdx.x; idx < $ROWS * ($D / 4); idx += $THREADS) {
+        const fs_i64 i = (fs_i64)blockIdx.x * $ROWS + idx / ($D / 4);
+        if (i < q_len) fs_zero16((unsigned short*)&scratch[((b * $HQ + h) * q_len + i) * $D + (idx % ($D / 4)) * 4]);
+    }
+"#;
+
+fn dq_store_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
+    let dq = Access::output(g, c, n, 0);
+    let mut subs = common_subs(g, c, n, cfg, false);
+    subs.push(("ROWS", DELTA_ROWS.to_string()));
+    subs.push(("DQ_AT", dq.at(&["b", "i", "h", "0"])));
+    subs.push((
+        "STORE_DQ",
+        format!(
+            "{}[dq_row + e] = {};",
+            dq.ptr,
+            store(dq.dt, "sum[e] * scale")
+        ),
+    ));
+    fill(
+        r#"    // FlashAttention-2 backward, kernel 3 of 3: dQ = scale * the f32 sum the
+    // dK/dV kernel added up (scratch [B, Hq, T, D]), in dQ's dtype. The block's
+    // $ROWS rows are cut into chunks of 8 features, one per thread at a time.
+    const fs_i64 q_len = $T, h = blockIdx.y, b = blockIdx.z;
+    const float scale = $SCALE;
+    constexpr int CHUNKS = $D / 8;
+    for (int idx = threadIdx.x; idx < $ROWS * CHUNKS; idx += $THREADS) {
+        const fs_i64 i = (fs_i64)blockIdx.x * $ROWS + idx / CHUNKS;
+        if (i >= q_len) continue;
+        const int e0 = (idx % CHUNKS) * 8;
+        const float* sum = &scratch[((b * $HQ + h) * q_len + i) * $D + e0];
+        const fs_i64 dq_row = $DQ_AT + e0;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) $STORE_DQ
     }
 "#,
         &subs,
     )
 }
 
-fn dkdv_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
+fn dkdv_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, deterministic: bool) -> String {
     let [dk, dv] = [1, 2].map(|o| Access::output(g, c, n, o));
-    let mut subs = common_subs(g, c, n, cfg);
+    let mut subs = common_subs(g, c, n, cfg, deterministic);
+    let (title, ds_tile, store_ds, dq_sum) = if deterministic {
+        ("kernel 2 of 3: dK and dV", "", "", "")
+    } else {
+        ("kernel 2 of 3: dK, dV and dQ", DS_TILE, STORE_DS, DQ_SUM)
+    };
+    subs.push(("TITLE", title.to_string()));
+    subs.push(("DS_TILE", ds_tile.to_string()));
+    subs.push(("STORE_DS", store_ds.trim_end().to_string()));
+    subs.push(("DQ_SUM", dq_sum.to_string()));
     subs.push(("TILE_Q", query_tile(cfg.head_dim).to_string()));
     subs.push(("TILE_K", TILE_KEYS.to_string()));
     subs.push(("DK_AT", dk.at(&["b", "j", "kv_h", "0"])));
@@ -415,7 +559,65 @@ const S_DP_BY_WORDS: &str = r#"                for (int m = n; m < n + 2; ++m) {
                 }
 "#;
 
-const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV on tensor cores
+/// The atomic scheme's shared dS^T tile (its rows `TILE_Q + 8` apart:
+/// conflict-free 32-bit stores and ldmatrix rows).
+const DS_TILE: &str = r#"    constexpr int DS_ROW = TILE_Q + $PAD;
+    alignas(16) __shared__ $TY ds_tile[TILE_K * DS_ROW];  // dS^T of the tile: [key][query]
+"#;
+
+/// dS^T's A fragment of queries 16kk .. 16kk + 15 into the shared tile.
+const STORE_DS: &str = r#"                // dS^T into the shared tile (rows key_row and key_row + 8) for dQ below.
+                fs_st32(&ds_tile[key_row * DS_ROW + kk * 16 + frag_col], ds_frag[0]);
+                fs_st32(&ds_tile[(key_row + 8) * DS_ROW + kk * 16 + frag_col], ds_frag[1]);
+                fs_st32(&ds_tile[key_row * DS_ROW + kk * 16 + 8 + frag_col], ds_frag[2]);
+                fs_st32(&ds_tile[(key_row + 8) * DS_ROW + kk * 16 + 8 + frag_col], ds_frag[3]);
+"#;
+
+/// The atomic scheme's dQ: the tile's part of dS K added into the sum.
+const DQ_SUM: &str = r#"
+            // 6. dQ += dS K for the tile's queries and the block's keys, added into
+            //    the f32 sum in the scratch ([B, Hq, T, D]) by atomics. A: dS from the
+            //    shared dS^T tile (ldmatrix.trans); B: the key rows, as in dQ's own
+            //    kernel. Warp w takes queries 16 * (w / DQ_SPLIT) .. + 15 and features
+            //    DQ_COLS * (w % DQ_SPLIT) .. + DQ_COLS - 1, at most 32 at a time
+            //    (fewer registers live).
+            __syncthreads();  // dS^T is complete
+            constexpr int DQ_SPLIT = 4 / (TILE_Q / 16), DQ_COLS = HEAD_DIM / DQ_SPLIT;
+            constexpr int DQ_CHUNK = DQ_COLS < 32 ? DQ_COLS : 32;
+            const int m0 = (warp / DQ_SPLIT) * 16;
+#pragma unroll
+            for (int c0 = (warp % DQ_SPLIT) * DQ_COLS; c0 < (warp % DQ_SPLIT + 1) * DQ_COLS; c0 += DQ_CHUNK) {
+                float dq_acc[DQ_CHUNK / 8][4];
+#pragma unroll
+                for (int n = 0; n < DQ_CHUNK / 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dq_acc[n][e] = 0.0f;
+                }
+#pragma unroll
+                for (int kk = 0; kk < TILE_K / 16; ++kk) {
+                    unsigned ds_a[4];
+                    fs_a_frag_t(ds_a, &ds_tile[kk * 16 * DS_ROW + m0], DS_ROW);
+#pragma unroll
+                    for (int n = 0; n < DQ_CHUNK / 8; n += 2) {
+                        unsigned bk[4];
+                        fs_b_frags_t(bk, &k_tile[kk * 16 * ROW + c0 + n * 8], ROW);
+                        $MMA(dq_acc[n], ds_a, bk[0], bk[1]);
+                        $MMA(dq_acc[n + 1], ds_a, bk[2], bk[3]);
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const fs_i64 i = i0 + m0 + frag_row + 8 * r;
+                    if (i < q_len) {
+                        float* sum = &scratch[((b * $HQ + h) * q_len + i) * HEAD_DIM + c0 + frag_col];
+#pragma unroll
+                        for (int n = 0; n < DQ_CHUNK / 8; ++n) fs_atomic_add2(sum + n * 8, dq_acc[n][2 * r], dq_acc[n][2 * r + 1]);
+                    }
+                }
+            }
+"#;
+
+const DKDV: &str = r#"    // FlashAttention-2 backward, $TITLE on tensor cores
     // (mma.m16n8k16, f32 accumulation). Block = (tile of $TILE_K keys, kv head,
     // batch); warp w owns the tile's keys 16w .. 16w + 15 and computes the
     // transposed products S^T = K Q^T and dP^T = V dO^T, so that P^T and
@@ -438,7 +640,7 @@ const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV
     alignas(16) __shared__ $TY do_tile[TILE_Q * ROW];
     __shared__ float lse_tile[TILE_Q];    // lse * log2(e) of the tile's queries
     __shared__ float delta_tile[TILE_Q];  // delta of the tile's queries
-
+$DS_TILE
     // 1. The block's keys and values (rows past kv_len zero; their dK, dV are
     //    never stored). The first barrier of the query loop publishes them.
     for (int c = threadIdx.x; c < TILE_K * CHUNKS; c += $THREADS) {
@@ -483,7 +685,7 @@ const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV
             if (threadIdx.x < TILE_Q) {
                 const fs_i64 i = i0 + threadIdx.x;
                 lse_tile[threadIdx.x] = i < q_len ? $LSE * 1.4426950408889634f : 0.0f;
-                delta_tile[threadIdx.x] = i < q_len ? scratch[(b * $HQ + h) * q_len + i] : 0.0f;
+                delta_tile[threadIdx.x] = i < q_len ? $DELTA[(b * $HQ + h) * q_len + i] : 0.0f;
             }
             __syncthreads();
 
@@ -542,6 +744,7 @@ const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV
                                             $PACK(s[2 * kk + 1][0], s[2 * kk + 1][1]), $PACK(s[2 * kk + 1][2], s[2 * kk + 1][3])};
                 const unsigned ds_frag[4] = {$PACK(dp[2 * kk][0], dp[2 * kk][1]), $PACK(dp[2 * kk][2], dp[2 * kk][3]),
                                              $PACK(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), $PACK(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+$STORE_DS
 #pragma unroll
                 for (int n = 0; n < HEAD_DIM / 8; n += 2) {
                     unsigned bo[4], bq[4];
@@ -553,10 +756,10 @@ const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV
                     $MMA(dk_acc[n + 1], ds_frag, bq[2], bq[3]);
                 }
             }
-        }
+$DQ_SUM        }
     }
 
-    // 6. Each key row once: dK = scale * acc, dV = acc (rows past kv_len dropped).
+    // Last, each key row once: dK = scale * acc, dV = acc (rows past kv_len dropped).
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const fs_i64 j = k0 + key_row + 8 * r;
@@ -575,7 +778,7 @@ const DKDV: &str = r#"    // FlashAttention-2 backward, kernel 2 of 3: dK and dV
 
 fn dq_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
     let dq = Access::output(g, c, n, 0);
-    let mut subs = common_subs(g, c, n, cfg);
+    let mut subs = common_subs(g, c, n, cfg, true);
     subs.push(("TILE_Q", TILE_QUERIES.to_string()));
     subs.push(("TILE_K", key_tile(cfg.head_dim).to_string()));
     subs.push(("DQ_AT", dq.at(&["b", "i", "h", "0"])));
@@ -660,7 +863,7 @@ const DQ: &str = r#"    // FlashAttention-2 backward, kernel 3 of 3: dQ on tenso
     for (int r = 0; r < 2; ++r) {
         const fs_i64 i = r == 0 ? i_lo : i_hi;
         lse2[r] = i < q_len ? $LSE * 1.4426950408889634f : 0.0f;
-        delta[r] = i < q_len ? scratch[(b * $HQ + h) * q_len + i] : 0.0f;
+        delta[r] = i < q_len ? $DELTA[(b * $HQ + h) * q_len + i] : 0.0f;
     }
 
     // dq_acc[n][e] = row q_row + 8 * (e / 2), feature 8n + frag_col + e % 2.
