@@ -194,14 +194,7 @@ fn harness(b: &Built, sets: &[usize], mutation: Option<Mutation>) -> String {
             let mut text = l
                 .source
                 .replace(&format!("#include \"{PRELUDE_NAME}\""), "")
-                .replace(
-                    &format!("void __launch_bounds__({}, 2) {}(", l.block, l.name),
-                    &format!(
-                        "void __launch_bounds__({}, 2) {}(",
-                        l.block,
-                        host_name(l, f)
-                    ),
-                );
+                .replace(&format!(" {}(", l.name), &format!(" {}(", host_name(l, f)));
             if let Some((from, to)) = mutation {
                 text = text.replace(from, to);
             }
@@ -209,20 +202,21 @@ fn harness(b: &Built, sets: &[usize], mutation: Option<Mutation>) -> String {
         }
     }
     s.push_str(host::FILE_IO);
-    // argv: set name, folder, 3 x 3 grid extents, block, the sizes.
+    // argv: set name, folder, 3 x 3 grid extents, 3 blocks, the sizes, the scheme.
     s.push_str(
         "int main(int argc, char** argv) {\n  const char* dir = argv[2];\n\
          \x20 fs_dim3 grids[3];\n\
          \x20 for (int l = 0; l < 3; ++l) grids[l] = {(unsigned)atoi(argv[3 + 3 * l]), (unsigned)atoi(argv[4 + 3 * l]), (unsigned)atoi(argv[5 + 3 * l])};\n\
-         \x20 const unsigned block = atoi(argv[12]);\n",
+         \x20 unsigned blocks[3];\n\
+         \x20 for (int l = 0; l < 3; ++l) blocks[l] = atoi(argv[12 + l]);\n",
     );
     for (i, d) in b.g.dims.iter().enumerate() {
-        let _ = writeln!(s, "  const fs_i64 {d} = atoll(argv[{}]);", i + 13);
+        let _ = writeln!(s, "  const fs_i64 {d} = atoll(argv[{}]);", i + 15);
     }
     let _ = writeln!(
         s,
         "  const int deterministic = atoi(argv[{}]);",
-        13 + b.g.dims.len()
+        15 + b.g.dims.len()
     );
     for &f in sets {
         let set = &b.sets[f];
@@ -244,7 +238,7 @@ fn harness(b: &Built, sets: &[usize], mutation: Option<Mutation>) -> String {
         for (l, launch) in set.launches.iter().enumerate() {
             let _ = writeln!(
                 s,
-                "    fs_launch(grids[{l}], block, [&] {{ {}({}); }});",
+                "    fs_launch(grids[{l}], blocks[{l}], [&] {{ {}({}); }});",
                 host_name(launch, f),
                 args.join(", ")
             );
@@ -279,7 +273,7 @@ fn run_and_compare(
         let grid = l.grid(&|s: &str| dims.get(s).copied()).expect("grid");
         args.extend(grid.iter().map(|x| x.to_string()));
     }
-    args.push(set.launches[0].block.to_string());
+    args.extend(set.launches.iter().map(|l| l.block.to_string()));
     args.extend(b.g.dims.iter().map(|d| dims[d].to_string()));
     args.push((set.deterministic as u8).to_string());
     let written = host::run_kernel(exe, dir, &b.program, k, bufs, &args)?;
@@ -562,13 +556,14 @@ fn flash_backward_compiles_with_nvrtc_without_spills() {
                     match nvrtc::compile(&l.name, &l.source, arch) {
                         Ok(c) => {
                             println!(
-                                "{precision} {} {:?} {arch}: {} registers, spills {}/{} bytes, {} bytes static shared",
+                                "{precision} {} {:?} {arch}: {} registers, spills {}/{} bytes, {} bytes static shared, {} dynamic",
                                 set.what,
                                 l.stage,
                                 c.registers.unwrap_or(0),
                                 c.spill_store_bytes,
                                 c.spill_load_bytes,
-                                l.static_smem_bytes
+                                l.static_smem_bytes,
+                                l.dynamic_smem_bytes
                             );
                             if c.spill_store_bytes > 0 || c.spill_load_bytes > 0 {
                                 failures.push(format!(
@@ -606,13 +601,14 @@ fn snapshot_set(b: &Built, set: &Set) {
     for l in &set.launches {
         let _ = writeln!(
             text,
-            "// launch {:?}: grid ({}, {}, {}), block {}, static shared {} bytes, reads in{:?}, writes out{:?}, scratch f32[{}] ({})",
+            "// launch {:?}: grid ({}, {}, {}), block {}, shared {} bytes static, {} dynamic, reads in{:?}, writes out{:?}, scratch f32[{}] ({})",
             l.stage,
             l.grid_c[0],
             l.grid_c[1],
             l.grid_c[2],
             l.block,
             l.static_smem_bytes,
+            l.dynamic_smem_bytes,
             l.reads,
             l.writes,
             l.scratch_f32_elems.to_c(),

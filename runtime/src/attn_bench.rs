@@ -92,6 +92,8 @@ struct Launch {
     args: Vec<u64>,
     /// Passed after the arguments (the backward's scratch).
     extra: Option<u64>,
+    /// Dynamic shared memory, bytes.
+    smem: u32,
 }
 
 fn load(gpu: &Gpu, name: &str, src: &str) -> Result<CudaFunction, RuntimeError> {
@@ -186,6 +188,7 @@ pub fn run(
                     block: launch.block,
                     args,
                     extra: None,
+                    smem: 0,
                 }
             }
             None => {
@@ -204,6 +207,7 @@ pub fn run(
                     block: BLOCK as u32,
                     args,
                     extra: None,
+                    smem: 0,
                 }
             }
         }
@@ -237,13 +241,17 @@ pub fn run(
                 let mut out = Vec::new();
                 for l in ls {
                     let [x, y, z] = l.grid(&|_| None).ok_or_else(|| err("no flash grid"))?;
+                    let func = load(gpu, &l.name, &l.source)?;
+                    let smem = l.dynamic_smem_bytes as u32;
+                    crate::exec::allow_dynamic_smem(&func, &l.name, smem, gpu)?;
                     out.push(Launch {
                         name: l.name.clone(),
-                        func: load(gpu, &l.name, &l.source)?,
+                        func,
                         grid: (x as u32, y as u32, z as u32),
                         block: l.block,
                         args: args.clone(),
                         extra: Some(sp),
+                        smem,
                     });
                 }
                 out
@@ -264,6 +272,7 @@ pub fn run(
                     block: BLOCK as u32,
                     args,
                     extra: None,
+                    smem: 0,
                 }]
             }
         }
@@ -280,7 +289,7 @@ pub fn run(
         let cfg = LaunchConfig {
             grid_dim: l.grid,
             block_dim: (l.block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: l.smem,
         };
         // SAFETY: arguments as the kernel's signature lists them (no
         // symbolic sizes: the model's sizes are constants).

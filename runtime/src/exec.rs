@@ -24,6 +24,8 @@ enum Step {
         args: Vec<u64>,
         /// A pointer passed after the sizes (the attention backward's scratch).
         extra: Option<u64>,
+        /// Dynamic shared memory, bytes.
+        smem: u32,
     },
     /// Several kernels doing one op, in order (the tensor-core attention
     /// backward's three).
@@ -344,12 +346,15 @@ impl Executor {
                         k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
                     let mut steps = Vec::new();
                     for m in &multi[&k.name] {
+                        let func = function(m.source, &m.name)?;
+                        allow_dynamic_smem(&func, &m.name, m.smem, &gpu)?;
                         steps.push(Step::Kernel {
-                            func: function(m.source, &m.name)?,
+                            func,
                             grid: m.grid,
                             block: m.block,
                             args: args.clone(),
                             extra: scratch_ptr,
+                            smem: m.smem,
                         });
                     }
                     Step::Sequence(steps)
@@ -369,6 +374,7 @@ impl Executor {
                         block,
                         args,
                         extra: None,
+                        smem: 0,
                     }
                 }
                 (_, None) => {
@@ -670,6 +676,7 @@ fn run(
             block,
             args,
             extra,
+            smem,
         } => {
             let mut b = gpu.stream.launch_builder(func);
             for a in args {
@@ -684,7 +691,7 @@ fn run(
             let cfg = LaunchConfig {
                 grid_dim: *grid,
                 block_dim: (*block, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: *smem,
             };
             // SAFETY: the arguments match the kernel's signature (inputs,
             // outputs, then every symbolic size, as the emitter writes it,
@@ -727,6 +734,34 @@ pub struct MultiLaunch {
     pub source: usize,
     pub grid: (u32, u32, u32),
     pub block: u32,
+    /// Dynamic shared memory, bytes.
+    pub smem: u32,
+}
+
+/// Lets `func` launch with `bytes` of dynamic shared memory (over 48 KiB
+/// that needs the function's limit raised first), or says that the GPU
+/// has too little.
+pub fn allow_dynamic_smem(
+    func: &CudaFunction,
+    name: &str,
+    bytes: u32,
+    gpu: &Gpu,
+) -> Result<(), RuntimeError> {
+    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    if bytes <= 48 * 1024 {
+        return Ok(());
+    }
+    func.set_attribute(
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        bytes as i32,
+    )
+    .map_err(|e| {
+        RuntimeError::Unsupported(format!(
+            "kernel {name} needs {} KiB of shared memory per block, more than {} ({e}); run with FUSEC_ATTENTION=simple",
+            bytes / 1024,
+            gpu.name
+        ))
+    })
 }
 
 /// Host values as a buffer's bytes (in parallel chunks: a large parameter

@@ -119,6 +119,7 @@ impl Session {
                             source: sources.len() - 1,
                             grid: (x as u32, y as u32, z as u32),
                             block: l.block,
+                            smem: l.dynamic_smem_bytes as u32,
                         });
                     }
                     if !steps.is_empty() {

@@ -143,6 +143,7 @@ fn launch(
     extra: Option<u64>,
     grid: [u64; 3],
     block: u32,
+    smem: u32,
 ) {
     let mut l = gpu.stream.launch_builder(f);
     for p in ptrs {
@@ -157,7 +158,7 @@ fn launch(
     let cfg = LaunchConfig {
         grid_dim: (grid[0] as u32, grid[1] as u32, grid[2] as u32),
         block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     // SAFETY: the arguments follow flash.rs's and flash_bwd.rs's launch contracts.
     unsafe { l.launch(cfg) }.unwrap();
@@ -187,7 +188,7 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
         let ptrs: Vec<u64> = bufs.iter().map(|s| s.device_ptr(&gpu.stream).0).collect();
         let sizes: Vec<i64> = g.dims.iter().map(|d| case.dims[d]).collect();
         let grid = fl.grid(&case.env()).expect("a grid");
-        let run = || launch(&gpu, &func, &ptrs, &sizes, None, grid, fl.block);
+        let run = || launch(&gpu, &func, &ptrs, &sizes, None, grid, fl.block, 0);
         run();
         gpu.stream.synchronize().unwrap();
         for slot in 0..2 {
@@ -249,6 +250,8 @@ fn flash_backward_matches_the_interpreter() {
         let sp = scratch.device_ptr(&gpu.stream).0;
         for l in &launches {
             let (func, _) = load(&gpu, &l.name, &l.source);
+            let smem = l.dynamic_smem_bytes as u32;
+            fusec_runtime::exec::allow_dynamic_smem(&func, &l.name, smem, &gpu).unwrap();
             launch(
                 &gpu,
                 &func,
@@ -257,6 +260,7 @@ fn flash_backward_matches_the_interpreter() {
                 Some(sp),
                 l.grid(&env).expect("a grid"),
                 l.block,
+                smem,
             );
         }
         gpu.stream.synchronize().unwrap();

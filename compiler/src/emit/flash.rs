@@ -1,7 +1,7 @@
 //! CUDA C for a tensor-core FlashAttention-2 forward kernel (Ampere-style
-//! `mma.sync.m16n8k16`, runs on sm_80 and sm_90). Not wired into the
-//! default pipeline yet: `attention.rs` stays the kernel every program
-//! uses; this one is switched on (and timed) once a GPU can run it.
+//! `mma.sync.m16n8k16`, runs on sm_80 and sm_90). The session swaps it in
+//! for the plan's simple kernel (`attention.rs`) wherever it applies;
+//! `FUSEC_ATTENTION=simple` keeps the simple one.
 //!
 //! # Launch contract
 //!
@@ -282,6 +282,11 @@ __device__ __forceinline__ void fs_copy16(unsigned short* dst, const unsigned sh
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
 __device__ __forceinline__ void fs_zero16(unsigned short* dst) { *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u}; }
+// A kernel's dynamic shared memory (past the 48 KiB of static shared memory
+// that needs no opt-in), 16-byte aligned, as `unsigned char* name`.
+#define FS_DYNAMIC_SMEM(name, bytes) \
+    extern __shared__ uint4 name##_words[]; \
+    unsigned char* const name = reinterpret_cast<unsigned char*>(name##_words)
 // Two adjacent 16-bit values (4-byte aligned) from one register, low first.
 __device__ __forceinline__ void fs_st32(unsigned short* p, unsigned v) { *reinterpret_cast<unsigned*>(p) = v; }
 // p[0] += a, p[1] += b in global memory, atomically (p 8-byte aligned): one
@@ -325,6 +330,9 @@ inline unsigned fs_ld32(const unsigned short* p) {
 inline void fs_copy16(unsigned short* dst, const unsigned short* src) { memcpy(dst, src, 16); }
 inline void fs_zero16(unsigned short* dst) { memset(dst, 0, 16); }
 inline void fs_st32(unsigned short* p, unsigned v) { memcpy(p, &v, 4); }
+// On the host a block's dynamic shared memory is one static array, as its
+// `__shared__` arrays are (blocks run one after another).
+#define FS_DYNAMIC_SMEM(name, bytes) alignas(16) static unsigned char name[bytes]
 // Host blocks run one after another and a block's warps add into disjoint
 // rows, so a plain sum is what the atomics compute.
 inline void fs_atomic_add2(float* p, float a, float b) {

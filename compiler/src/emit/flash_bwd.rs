@@ -1,62 +1,76 @@
 //! CUDA C for a tensor-core FlashAttention-2 *backward* (`AttentionGrad`):
 //! three kernels, every product on `mma.sync.m16n8k16` (f32 accumulation),
-//! deterministic (no atomics: every output element is written by exactly one
-//! thread, once). Not wired into the default pipeline yet: `attention.rs`
-//! stays the kernel every program uses until a GPU has run these.
+//! in one of two schemes. The session runs the atomic one unless it is
+//! built deterministic (`fusec train --deterministic`).
 //!
 //! # Launch contract
 //!
 //! [`flash_backward`] returns three [`FlashBwdLaunch`]es, to launch in order
-//! on one stream (each reads what the one before wrote):
+//! on one stream (each reads what the one before wrote). Atomic scheme
+//! (`deterministic = false`, 5 tile products, as FlashAttention-2):
 //!
 //! 1. `<name>_delta`: `delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d]`
-//!    into the scratch buffer; grid `(ceil(T / 128), Hq, B)`;
-//! 2. `<name>_dkdv`: dK and dV, one block per (tile of 64 keys, key/value
-//!    head, batch), streaming the queries of every query head of the group;
-//!    grid `(ceil(S / 64), Hkv, B)`;
-//! 3. `<name>_dq`: dQ, one block per (tile of 64 queries, query head,
-//!    batch), streaming the keys; grid `(ceil(T / 64), Hq, B)`.
+//!    into the scratch, and the same rows of the f32 dQ sum set to zero;
+//!    grid `(ceil(T / 128), Hq, B)`;
+//! 2. `<name>_dkdvdq`: dK and dV, one block per (tile of 64 keys, key/value
+//!    head, batch), streaming the queries of every query head of the group,
+//!    and each tile's `dS K` added into the dQ sum with atomics; grid
+//!    `(ceil(S / 64), Hkv, B)`, **dynamic shared memory**
+//!    [`FlashBwdLaunch::dynamic_smem_bytes`] (57,600 bytes at D = 128: the
+//!    function's `MAX_DYNAMIC_SHARED_SIZE_BYTES` must be raised first);
+//! 3. `<name>_dqstore`: dQ = scale * the sum, in dQ's dtype; grid
+//!    `(ceil(T / 128), Hq, B)`.
 //!
-//! Every kernel is `__launch_bounds__(128)`, launched with `block = (128, 1,
-//! 1)` and **no dynamic shared memory** (each declares at most
-//! [`FlashBwdLaunch::static_smem_bytes`] < 48 KiB statically). Each is
-//! compiled like every generated kernel (the prelude pasted in place of its
-//! `#include`), and all three take the same arguments: the kernel's usual
-//! ones (`in0..in5` = q, k, v, o, lse, dO as arena addresses, the kernel
-//! applying the views itself; `out0..out2` = dQ, dK, dV, contiguous, in the
-//! dtypes of q, k, v; every symbolic size in `Graph::dims` order, as
-//! `long long`), then **one extra pointer, `scratch`**: an f32 buffer of
-//! [`FlashBwdLaunch::scratch_f32_elems`] = `B * Hq * T` elements (the same
-//! for all three launches; 16-byte aligned; its contents on entry do not
-//! matter; kernel 1 writes all of it, kernels 2 and 3 only read it). Every
-//! buffer must be 16-byte aligned; `flash_backward` returns `None` unless
-//! every row of q, k, v, O and dO is 16-byte aligned and contiguous (view
-//! offsets and strides divisible by 8, last stride 1). `gridDim.y/z` above
-//! 65535 are refused by [`FlashBwdLaunch::grid`].
+//! The order of the atomic additions varies, so dQ's last bits can differ
+//! between runs. Deterministic scheme (7 tile products, no atomics: every
+//! output element written by one thread, once): `<name>_delta` (delta
+//! only), `<name>_dkdv` (dK and dV; grid `(ceil(S / 64), Hkv, B)`) and
+//! `<name>_dq` (dQ, one block per tile of 64 queries, streaming the keys;
+//! grid `(ceil(T / 64), Hq, B)`), all in static shared memory.
+//!
+//! Every kernel is launched with `block = (FlashBwdLaunch::block, 1, 1)`
+//! (128 threads) and the dynamic shared memory its launch names (0 but for
+//! `_dkdvdq`). Each is compiled like every generated kernel (the prelude
+//! pasted in place of its `#include`), and all three take the same
+//! arguments: the kernel's usual ones (`in0..in5` = q, k, v, o, lse, dO as
+//! arena addresses, the kernel applying the views itself; `out0..out2` =
+//! dQ, dK, dV, contiguous, in the dtypes of q, k, v; every symbolic size in
+//! `Graph::dims` order, as `long long`), then **one extra pointer,
+//! `scratch`**: an f32 buffer of [`FlashBwdLaunch::scratch_f32_elems`]
+//! elements (`B * Hq * T` deterministic: delta; `B * Hq * T * (D + 1)`
+//! atomic: the dQ sum, then delta), the same for all three launches,
+//! 16-byte aligned, its contents on entry irrelevant (kernel 1 writes what
+//! the others read). Every buffer must be 16-byte aligned; `flash_backward`
+//! returns `None` unless every row of q, k, v, O and dO is 16-byte aligned
+//! and contiguous (view offsets and strides divisible by 8, last stride 1).
+//! `gridDim.y/z` above 65535 are refused by [`FlashBwdLaunch::grid`].
 //!
 //! # Design
 //!
 //! With `P = exp2(S * scale_log2 - lse * log2 e)` recomputed from the
 //! forward's log-sum-exp, `dP = dO V^T`, `dS = P * (dP - delta)`:
 //!
-//! - `_dkdv` works key-major: warp `w` owns keys `16w .. 16w + 15` of the
-//!   block's 64 and computes the *transposed* products `S^T = K Q^T` and
-//!   `dP^T = V dO^T` (A fragments of K and V from shared memory, B fragments
-//!   two consecutive features of one query row of Q / dO: plain 32-bit
-//!   reads), so that `P^T` and `dS^T` come out in the accumulator layout,
-//!   which is the A-fragment layout of the next products `dV += P^T dO` and
-//!   `dK += dS^T Q` (B fragments: two consecutive query rows of one feature,
-//!   as the forward reads V). No fragment transpose or shuffle is needed.
-//!   Query tiles are 64 rows for D = 64, 16 rows for D = 128 (shared memory
-//!   stays static); dK and dV stay in registers across the whole group.
+//! - `_dkdv` / `_dkdvdq` work key-major: warp `w` owns keys
+//!   `16w .. 16w + 15` of the block's 64 and computes the *transposed*
+//!   products `S^T = K Q^T` and `dP^T = V dO^T` (A fragments of K and V,
+//!   B fragments of Q / dO rows, by ldmatrix), so that `P^T` and `dS^T` come
+//!   out in the accumulator layout, which is the A-fragment layout of the
+//!   next products `dV += P^T dO` and `dK += dS^T Q` (B fragments by
+//!   ldmatrix.trans). No fragment transpose or shuffle is needed. dK and dV
+//!   stay in registers across the whole group. Query tiles are 64 rows at
+//!   D = 64; at D = 128, 16 (`_dkdv`, static shared memory) or 32
+//!   (`_dkdvdq`, dynamic).
+//! - `_dkdvdq` then writes dS^T to shared memory and, after a barrier,
+//!   computes the tile's `dQ += dS K` (A = dS by ldmatrix.trans from the
+//!   transposed tile, B = the key rows), each warp a block of queries and
+//!   features, added into the sum with `red.global.add.v2.f32` (two scalar
+//!   atomics before sm_90).
 //! - `_dq` works query-major like the forward: Q and dO as A fragments in
 //!   registers, `S = Q K^T` and `dP = dO V^T` (B from the K / V tile rows),
-//!   then `dQ += dS K` (dS's accumulator layout is its A fragment; B is two
-//!   consecutive keys of one feature). Key tiles are 64 (D = 64) or 32
-//!   (D = 128) rows.
-//! - Causal: `_dkdv` starts at the first query tile that can see the key
-//!   tile; `_dq` stops after the last key tile its queries can see; only
-//!   tiles crossing the diagonal or the sequence ends are masked.
+//!   then `dQ += dS K`. Key tiles are 64 (D = 64) or 32 (D = 128) rows.
+//! - Causal: the key-major kernels start at the first query tile that can
+//!   see the key tile; `_dq` stops after the last key tile its queries can
+//!   see; only tiles crossing the diagonal or the sequence ends are masked.
 //! - P and dS are rounded to the input's 16-bit type as mma operands (as
 //!   FlashAttention-2 does); everything accumulates in f32; dK and dQ are
 //!   scaled once at the end.
@@ -77,6 +91,12 @@ pub const THREADS: u32 = 128;
 pub const TILE_KEYS: u64 = 64;
 /// Queries per block of `_dq` (4 warps of 16).
 pub const TILE_QUERIES: u64 = 64;
+/// Threads per block of `_dkdvdq` (the atomic scheme's dK/dV/dQ kernel).
+/// One block of 8 warps and 128 keys (half the atomics per key) ran 4-13%
+/// slower on an H100 than two blocks of 4 warps and 64 keys per SM.
+pub const DKDVDQ_THREADS: u32 = 128;
+/// Keys per block of `_dkdvdq` (4 warps of 16).
+pub const DKDVDQ_KEYS: u64 = 64;
 /// Rows per block of `_delta` (read in 8-feature chunks, summed by one
 /// thread each).
 pub const DELTA_ROWS: u64 = 128;
@@ -115,8 +135,12 @@ pub struct FlashBwdLaunch {
     pub grid_c: [String; 3],
     /// Threads per block (x only).
     pub block: u32,
-    /// Static shared memory the kernel declares; dynamic is always 0.
+    /// Static shared memory the kernel declares.
     pub static_smem_bytes: u64,
+    /// Dynamic shared memory to pass at launch (0 for most kernels); over
+    /// 48 KiB, the runtime must first raise the function's
+    /// `MAX_DYNAMIC_SHARED_SIZE_BYTES` to it.
+    pub dynamic_smem_bytes: u64,
     /// Input slots (`inN`) it reads and output slots (`outN`) it writes.
     pub reads: Vec<usize>,
     pub writes: Vec<usize>,
@@ -187,6 +211,8 @@ pub fn flash_backward(
     let kv_grid = [cfg.kv_len.clone(), cfg.kv_heads.clone(), cfg.batch.clone()];
     let delta_smem = DELTA_ROWS * (d / 8) * 4;
     let dkdv_smem = (2 * TILE_KEYS + 2 * qt) * row * elem + 2 * qt * 4;
+    // (stage, suffix, grid extents, tile, threads, reads, writes, static
+    // and dynamic shared memory)
     let stages = if deterministic {
         vec![
             (
@@ -194,63 +220,74 @@ pub fn flash_backward(
                 "delta",
                 q_grid.clone(),
                 DELTA_ROWS,
+                THREADS,
                 vec![3, 5],
                 vec![],
                 delta_smem,
+                0,
             ),
             (
                 Stage::DkDv,
                 "dkdv",
                 kv_grid,
                 TILE_KEYS,
+                THREADS,
                 vec![0, 1, 2, 4, 5],
                 vec![1, 2],
                 dkdv_smem,
+                0,
             ),
             (
                 Stage::Dq,
                 "dq",
                 q_grid,
                 TILE_QUERIES,
+                THREADS,
                 vec![0, 1, 2, 4, 5],
                 vec![0],
                 2 * kt * row * elem,
+                0,
             ),
         ]
     } else {
-        let ds = TILE_KEYS * (qt + PAD) * elem;
         vec![
             (
                 Stage::Delta,
                 "delta",
                 q_grid.clone(),
                 DELTA_ROWS,
+                THREADS,
                 vec![3, 5],
                 vec![],
                 delta_smem,
+                0,
             ),
             (
                 Stage::DkDvDq,
                 "dkdvdq",
                 kv_grid,
-                TILE_KEYS,
+                DKDVDQ_KEYS,
+                DKDVDQ_THREADS,
                 vec![0, 1, 2, 4, 5],
                 vec![1, 2],
-                dkdv_smem + ds,
+                0,
+                dkdvdq_smem(d),
             ),
             (
                 Stage::DqStore,
                 "dqstore",
                 q_grid,
                 DELTA_ROWS,
+                THREADS,
                 vec![],
                 vec![0],
+                0,
                 0,
             ),
         ]
     };
     let mut out = Vec::new();
-    for (stage, suffix, dims, tile, reads, writes, smem) in stages {
+    for (stage, suffix, dims, tile, threads, reads, writes, smem, dynamic) in stages {
         let body = match stage {
             Stage::Delta => delta_body(g, &c, n, &cfg, deterministic),
             Stage::DkDv | Stage::DkDvDq => dkdv_body(g, &c, n, &cfg, deterministic),
@@ -258,7 +295,7 @@ pub fn flash_backward(
             Stage::DqStore => dq_store_body(g, &c, n, &cfg),
         };
         let name = format!("{}_{suffix}", k.name);
-        let mut s = kernel_head(&head, &k.name, &name, deterministic)?;
+        let mut s = kernel_head(&head, &k.name, &name, deterministic, threads)?;
         s.push_str(&body);
         s.push_str("}\n");
         let grid_c = [
@@ -273,8 +310,9 @@ pub fn flash_backward(
             grid_dims: dims,
             grid_tiles: [tile, 1, 1],
             grid_c,
-            block: THREADS,
+            block: threads,
             static_smem_bytes: smem,
+            dynamic_smem_bytes: dynamic,
             reads,
             writes,
             scratch_f32_elems: scratch.clone(),
@@ -282,6 +320,23 @@ pub fn flash_backward(
         });
     }
     Some(out)
+}
+
+/// `_dkdvdq`'s dynamic shared memory: the key and value tiles, the query
+/// and dO tiles, dS^T, lse and delta.
+fn dkdvdq_smem(d: u64) -> u64 {
+    let qt = dkdvdq_query_tile(d);
+    (2 * DKDVDQ_KEYS + 2 * qt) * (d + PAD) * 2 + DKDVDQ_KEYS * (qt + PAD) * 2 + 2 * qt * 4
+}
+
+/// Queries per streamed tile of `_dkdvdq`: dynamic shared memory leaves
+/// room for 32 at D = 128.
+fn dkdvdq_query_tile(d: u64) -> u64 {
+    if d > 64 {
+        32
+    } else {
+        64
+    }
 }
 
 /// Queries per streamed tile of `_dkdv`.
@@ -304,15 +359,23 @@ fn key_tile(d: u64) -> u64 {
 
 /// `header`'s text renamed to `name`, with the helpers before the signature,
 /// `__launch_bounds__` and the scratch pointer as the last parameter.
-fn kernel_head(head: &str, old: &str, name: &str, deterministic: bool) -> Option<String> {
+fn kernel_head(
+    head: &str,
+    old: &str,
+    name: &str,
+    deterministic: bool,
+    threads: u32,
+) -> Option<String> {
     let sig = format!("extern \"C\" __global__ void {old}(");
     let at = head.find(&sig)?;
     let close = head.rfind(")\n{")?;
     let mut s = String::new();
     s.push_str(&head[..at].replacen(&format!("// {old}:"), &format!("// {name}:"), 1));
     s.push_str(HELPERS);
+    // Two blocks of 128 threads (or one of 256) per SM: up to 255 registers each.
     s.push_str(&format!(
-        "extern \"C\" __global__ void __launch_bounds__({THREADS}, 2) {name}("
+        "extern \"C\" __global__ void __launch_bounds__({threads}, {}) {name}(",
+        256 / threads
     ));
     s.push_str(&head[at + sig.len()..close]);
     s.push_str(if deterministic {
@@ -323,15 +386,29 @@ fn kernel_head(head: &str, old: &str, name: &str, deterministic: bool) -> Option
     Some(s)
 }
 
-/// Replaces every `$key` of `t` (longest keys first).
+/// Replaces every `$key` of `t`: at each `$`, the longest key that follows
+/// it; a value is filled the same way first (snippets hold keys too).
 fn fill(t: &str, subs: &[(&str, String)]) -> String {
-    let mut subs: Vec<&(&str, String)> = subs.iter().collect();
-    subs.sort_by_key(|(k, _)| std::cmp::Reverse(k.len()));
-    let mut s = t.to_string();
-    for (k, v) in subs {
-        s = s.replace(&format!("${k}"), v);
+    let mut keys: Vec<&(&str, String)> = subs.iter().collect();
+    keys.sort_by_key(|(k, _)| std::cmp::Reverse(k.len()));
+    let mut out = String::with_capacity(t.len());
+    let mut rest = t;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 1..];
+        match keys.iter().find(|(k, _)| after.starts_with(k)) {
+            Some((k, v)) => {
+                out.push_str(&fill(v, subs));
+                rest = &after[k.len()..];
+            }
+            None => {
+                out.push('$');
+                rest = after;
+            }
+        }
     }
-    s
+    out.push_str(rest);
+    out
 }
 
 /// Substitutions every body uses.
@@ -459,18 +536,13 @@ fn dq_store_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
     let mut subs = common_subs(g, c, n, cfg, false);
     subs.push(("ROWS", DELTA_ROWS.to_string()));
     subs.push(("DQ_AT", dq.at(&["b", "i", "h", "0"])));
-    subs.push((
-        "STORE_DQ",
-        format!(
-            "{}[dq_row + e] = {};",
-            dq.ptr,
-            store(dq.dt, "sum[e] * scale")
-        ),
-    ));
+    subs.push(("DQP", dq.ptr.clone()));
+    subs.push(("TO_DQ", store(dq.dt, "sum[e] * scale")));
     fill(
         r#"    // FlashAttention-2 backward, kernel 3 of 3: dQ = scale * the f32 sum the
     // dK/dV kernel added up (scratch [B, Hq, T, D]), in dQ's dtype. The block's
-    // $ROWS rows are cut into chunks of 8 features, one per thread at a time.
+    // $ROWS rows are cut into chunks of 8 features, one per thread at a time
+    // (16- and 32-byte accesses).
     const fs_i64 q_len = $T, h = blockIdx.y, b = blockIdx.z;
     const float scale = $SCALE;
     constexpr int CHUNKS = $D / 8;
@@ -478,10 +550,12 @@ fn dq_store_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
         const fs_i64 i = (fs_i64)blockIdx.x * $ROWS + idx / CHUNKS;
         if (i >= q_len) continue;
         const int e0 = (idx % CHUNKS) * 8;
-        const float* sum = &scratch[((b * $HQ + h) * q_len + i) * $D + e0];
-        const fs_i64 dq_row = $DQ_AT + e0;
+        float sum[8];
+        fs_vload(sum, &scratch[((b * $HQ + h) * q_len + i) * $D + e0]);
+        $TY out[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) $STORE_DQ
+        for (int e = 0; e < 8; ++e) out[e] = $TO_DQ;
+        fs_vstore(&$DQP[$DQ_AT + e0], out);
     }
 "#,
         &subs,
@@ -491,17 +565,40 @@ fn dq_store_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
 fn dkdv_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, deterministic: bool) -> String {
     let [dk, dv] = [1, 2].map(|o| Access::output(g, c, n, o));
     let mut subs = common_subs(g, c, n, cfg, deterministic);
-    let (title, ds_tile, store_ds, dq_sum) = if deterministic {
-        ("kernel 2 of 3: dK and dV", "", "", "")
+    let (title, tiles, store_ds, dq_sum) = if deterministic {
+        ("kernel 2 of 3: dK and dV", STATIC_TILES, "", "")
     } else {
-        ("kernel 2 of 3: dK, dV and dQ", DS_TILE, STORE_DS, DQ_SUM)
+        (
+            "kernel 2 of 3: dK, dV and dQ",
+            DYNAMIC_TILES,
+            STORE_DS,
+            DQ_SUM,
+        )
     };
+    if !deterministic {
+        for (key, value) in subs.iter_mut() {
+            if *key == "THREADS" {
+                *value = DKDVDQ_THREADS.to_string();
+            }
+        }
+    }
     subs.push(("TITLE", title.to_string()));
-    subs.push(("DS_TILE", ds_tile.to_string()));
+    subs.push(("SMEM_BYTES", dkdvdq_smem(cfg.head_dim).to_string()));
+    subs.push(("TILES", tiles.to_string()));
     subs.push(("STORE_DS", store_ds.trim_end().to_string()));
     subs.push(("DQ_SUM", dq_sum.to_string()));
-    subs.push(("TILE_Q", query_tile(cfg.head_dim).to_string()));
-    subs.push(("TILE_K", TILE_KEYS.to_string()));
+    let query_rows = if deterministic {
+        query_tile(cfg.head_dim)
+    } else {
+        dkdvdq_query_tile(cfg.head_dim)
+    };
+    subs.push(("TILE_Q", query_rows.to_string()));
+    let keys = if deterministic {
+        TILE_KEYS
+    } else {
+        DKDVDQ_KEYS
+    };
+    subs.push(("TILE_K", keys.to_string()));
     subs.push(("DK_AT", dk.at(&["b", "j", "kv_h", "0"])));
     subs.push((
         "STORE_DK0",
@@ -559,10 +656,26 @@ const S_DP_BY_WORDS: &str = r#"                for (int m = n; m < n + 2; ++m) {
                 }
 "#;
 
-/// The atomic scheme's shared dS^T tile (its rows `TILE_Q + 8` apart:
-/// conflict-free 32-bit stores and ldmatrix rows).
-const DS_TILE: &str = r#"    constexpr int DS_ROW = TILE_Q + $PAD;
-    alignas(16) __shared__ $TY ds_tile[TILE_K * DS_ROW];  // dS^T of the tile: [key][query]
+/// The deterministic scheme's tiles, in static shared memory.
+const STATIC_TILES: &str = r#"    alignas(16) __shared__ $TY k_tile[TILE_K * ROW];
+    alignas(16) __shared__ $TY v_tile[TILE_K * ROW];
+    alignas(16) __shared__ $TY q_tile[TILE_Q * ROW];
+    alignas(16) __shared__ $TY do_tile[TILE_Q * ROW];
+    __shared__ float lse_tile[TILE_Q];    // lse * log2(e) of the tile's queries
+    __shared__ float delta_tile[TILE_Q];  // delta of the tile's queries
+"#;
+
+/// The atomic scheme's tiles, over 48 KiB, in dynamic shared memory; dS^T's
+/// rows `TILE_Q + 8` apart (conflict-free 32-bit stores and ldmatrix rows).
+const DYNAMIC_TILES: &str = r#"    constexpr int DS_ROW = TILE_Q + $PAD;
+    FS_DYNAMIC_SMEM(smem, $SMEM_BYTES);
+    $TY* const k_tile = reinterpret_cast<$TY*>(smem);
+    $TY* const v_tile = k_tile + TILE_K * ROW;
+    $TY* const q_tile = v_tile + TILE_K * ROW;
+    $TY* const do_tile = q_tile + TILE_Q * ROW;
+    $TY* const ds_tile = do_tile + TILE_Q * ROW;  // dS^T of the tile: [key][query]
+    float* const lse_tile = reinterpret_cast<float*>(ds_tile + TILE_K * DS_ROW);  // lse * log2(e) of the tile's queries
+    float* const delta_tile = lse_tile + TILE_Q;  // delta of the tile's queries
 "#;
 
 /// dS^T's A fragment of queries 16kk .. 16kk + 15 into the shared tile.
@@ -582,7 +695,7 @@ const DQ_SUM: &str = r#"
             //    DQ_COLS * (w % DQ_SPLIT) .. + DQ_COLS - 1, at most 32 at a time
             //    (fewer registers live).
             __syncthreads();  // dS^T is complete
-            constexpr int DQ_SPLIT = 4 / (TILE_Q / 16), DQ_COLS = HEAD_DIM / DQ_SPLIT;
+            constexpr int DQ_SPLIT = ($THREADS / 32) / (TILE_Q / 16), DQ_COLS = HEAD_DIM / DQ_SPLIT;
             constexpr int DQ_CHUNK = DQ_COLS < 32 ? DQ_COLS : 32;
             const int m0 = (warp / DQ_SPLIT) * 16;
 #pragma unroll
@@ -634,13 +747,7 @@ const DKDV: &str = r#"    // FlashAttention-2 backward, $TITLE on tensor cores
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
     const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
-    alignas(16) __shared__ $TY k_tile[TILE_K * ROW];
-    alignas(16) __shared__ $TY v_tile[TILE_K * ROW];
-    alignas(16) __shared__ $TY q_tile[TILE_Q * ROW];
-    alignas(16) __shared__ $TY do_tile[TILE_Q * ROW];
-    __shared__ float lse_tile[TILE_Q];    // lse * log2(e) of the tile's queries
-    __shared__ float delta_tile[TILE_Q];  // delta of the tile's queries
-$DS_TILE
+$TILES
     // 1. The block's keys and values (rows past kv_len zero; their dK, dV are
     //    never stored). The first barrier of the query loop publishes them.
     for (int c = threadIdx.x; c < TILE_K * CHUNKS; c += $THREADS) {
