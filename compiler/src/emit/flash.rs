@@ -334,7 +334,7 @@ inline void fs_st32(unsigned short* p, unsigned v) { memcpy(p, &v, 4); }
 // `__shared__` arrays are (blocks run one after another).
 #define FS_DYNAMIC_SMEM(name, bytes) alignas(16) static unsigned char name[bytes]
 // Host blocks run one after another and a block's warps add into disjoint
-// rows, so a plain sum is what the atomics compute.
+// elements, so a plain sum is what the atomics compute.
 inline void fs_atomic_add2(float* p, float a, float b) {
     p[0] += a;
     p[1] += b;

@@ -213,19 +213,20 @@ pub fn flash_backward(
     let dkdv_smem = (2 * TILE_KEYS + 2 * qt) * row * elem + 2 * qt * 4;
     // (stage, suffix, grid extents, tile, threads, reads, writes, static
     // and dynamic shared memory)
+    let delta = (
+        Stage::Delta,
+        "delta",
+        q_grid.clone(),
+        DELTA_ROWS,
+        THREADS,
+        vec![3, 5],
+        vec![],
+        delta_smem,
+        0,
+    );
     let stages = if deterministic {
         vec![
-            (
-                Stage::Delta,
-                "delta",
-                q_grid.clone(),
-                DELTA_ROWS,
-                THREADS,
-                vec![3, 5],
-                vec![],
-                delta_smem,
-                0,
-            ),
+            delta,
             (
                 Stage::DkDv,
                 "dkdv",
@@ -251,17 +252,7 @@ pub fn flash_backward(
         ]
     } else {
         vec![
-            (
-                Stage::Delta,
-                "delta",
-                q_grid.clone(),
-                DELTA_ROWS,
-                THREADS,
-                vec![3, 5],
-                vec![],
-                delta_smem,
-                0,
-            ),
+            delta,
             (
                 Stage::DkDvDq,
                 "dkdvdq",
