@@ -196,7 +196,7 @@ fn harness(g: &Graph, p: &Program, kernels: &[(String, String)], threads: bool) 
         .filter(|k| kernels.iter().any(|(n, _)| *n == k.name))
     {
         let _ = writeln!(s, "  if (!strcmp(argv[1], \"{}\")) {{", k.name);
-        let (args, writes) = host::kernel_buffers(&mut s, p, k, &g.dims, false);
+        let (args, writes) = host::kernel_buffers(&mut s, p, k, &g.dims, true);
         let _ = writeln!(
             s,
             "    FS_LAUNCH(grid, block, {}({}));",

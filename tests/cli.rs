@@ -123,6 +123,15 @@ fn build_writes_kernels_plan_and_report_for_given_sizes() {
             "the model has no dimension `X`; its dimensions are: B, T",
         ),
         (vec!["--dim", "T"], "--dim expects NAME=N"),
+        // Sizes whose bytes overflow are refused, not a panic.
+        (
+            vec!["--batch", "4611686018427387904", "--seq", "64"],
+            "check the sizes",
+        ),
+        (
+            vec!["--batch", "1099511627776", "--seq", "1024"],
+            "takes more than 2^60 bytes: check the sizes",
+        ),
     ] {
         let mut a = vec!["build", "dsl-examples/gpt2-block.dsl", "-o", d];
         a.extend(args);

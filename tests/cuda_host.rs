@@ -37,7 +37,7 @@ fn harness(g: &fusec_compiler::ir::Graph, p: &Program, kernels: &[(String, Strin
             continue;
         }
         let _ = writeln!(s, "  if (!strcmp(argv[1], \"{}\")) {{", k.name);
-        let (args, writes) = host::kernel_buffers(&mut s, p, k, &g.dims, false);
+        let (args, writes) = host::kernel_buffers(&mut s, p, k, &g.dims, true);
         let _ = writeln!(s, "    {}({});", k.name, args.join(", "));
         s.push_str(&writes);
         let _ = writeln!(s, "    return 0;\n  }}");

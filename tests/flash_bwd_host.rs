@@ -612,7 +612,7 @@ fn snapshot_set(b: &Built, set: &Set) {
             l.reads,
             l.writes,
             l.scratch_f32_elems.to_c(),
-            if l.writes_scratch { "written" } else { "read" }
+            if l.writes_scratch() { "written" } else { "read" }
         );
         text.push_str(&l.source.replace(name.as_str(), "KERNEL"));
     }

@@ -40,6 +40,11 @@ fn run_on(data: &str, extra: &[&str]) -> (i32, String, String) {
     fusec(&args)
 }
 
+/// The loss of a `losses` line.
+fn loss(line: &str) -> f64 {
+    line.split(':').nth(1).unwrap().parse().unwrap()
+}
+
 fn losses(log: &Path) -> Vec<String> {
     std::fs::read_to_string(log)
         .unwrap()
@@ -52,9 +57,7 @@ fn losses(log: &Path) -> Vec<String> {
 }
 
 fn tmp(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("fusec-train-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+    common::host::work_dir("train-cli").join(name)
 }
 
 /// A bigram model in the temp folder: i32 `tokens` and `targets`, both
@@ -82,7 +85,6 @@ fn the_loss_falls_and_a_resumed_run_matches_an_unbroken_one() {
     assert_eq!(code, 0, "{err}");
     let all = losses(&whole);
     assert_eq!(all.len(), 8);
-    let loss = |s: &str| s.split(':').nth(1).unwrap().parse::<f64>().unwrap();
     assert!(loss(&all[7]) < 0.95 * loss(&all[0]), "{all:?}");
 
     let (code, _, err) = run(&[
@@ -216,8 +218,8 @@ fn token_data_follows_the_tokens_input_shape() {
 }
 
 /// fp16 with micro-batches trains: one loss scale per step over its two
-/// micro-batches; steps whose gradients overflow are skipped and the scale
-/// halves; the loss falls.
+/// micro-batches; steps whose gradients overflow (the loss is scaled up so
+/// that the first ones do) are skipped and the scale halves; the loss falls.
 #[test]
 fn fp16_with_micro_batches_trains() {
     let model = bigram(
@@ -225,6 +227,10 @@ fn fp16_with_micro_batches_trains() {
         "B, T",
         " precision = fp16\n micro_batches = 2\n",
     );
+    let text = std::fs::read_to_string(&model).unwrap();
+    let scaled = text.replace("loss = cross_entropy", "loss = 1000 * cross_entropy");
+    assert_ne!(scaled, text);
+    std::fs::write(&model, scaled).unwrap();
     let log = tmp("fp16-micro.jsonl");
     let (code, _, err) = fusec(&[
         "train",
@@ -242,7 +248,19 @@ fn fp16_with_micro_batches_trains() {
         log.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{err}");
-    let loss = |l: &str| -> f64 { l.split(':').nth(1).unwrap().parse().unwrap() };
+    assert!(
+        err.contains("gradients overflowed, step skipped; loss scale now 32768"),
+        "{err}"
+    );
+    let first_line = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        first_line
+            .lines()
+            .next()
+            .unwrap()
+            .contains("\"grad_norm\":null"),
+        "{first_line}"
+    );
     let all = losses(&log);
     assert_eq!(all.len(), 30);
     let (first, last) = (loss(&all[0]), loss(&all[29]));
@@ -276,6 +294,38 @@ fn token_data_needs_i32_tokens() {
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("declares as f32[B, T]") && err.contains("declare it as i32"),
+        "{err}"
+    );
+}
+
+/// Token windows feed `targets` shaped as `tokens`: another shape is named
+/// before anything runs.
+#[test]
+fn token_data_needs_targets_shaped_as_tokens() {
+    let model = tmp("targets-shape.dsl");
+    std::fs::write(
+        &model,
+        "dim B, T, S\ninput tokens: i32[B, T]\ninput targets: i32[B, S]\n\
+         param emb: [256, 16] = normal(0.1)\nparam w: [16, 256] = normal(0.1)\n\
+         train {\n loss = cross_entropy(embedding(emb, targets) @ w, targets) + mean(embedding(emb, tokens))\n optimizer = adamw(lr = 1e-2)\n}\n",
+    )
+    .unwrap();
+    let (code, _, err) = fusec(&[
+        "train",
+        model.to_str().unwrap(),
+        "--cpu",
+        "--data",
+        "dsl-examples/data/founding-texts.txt",
+        "--dim",
+        "B=2",
+        "--dim",
+        "T=8",
+        "--dim",
+        "S=3",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("`targets` has shape [2, 3]") && err.contains("same shape"),
         "{err}"
     );
 }

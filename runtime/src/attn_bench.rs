@@ -71,8 +71,7 @@ fn err(m: impl Into<String>) -> RuntimeError {
     RuntimeError::Unsupported(m.into())
 }
 
-/// The model: one attention over bf16 parameters q, k, v [B, T, H, D].
-/// One attention over bf16 activations. q, k and v are sums of parameters
+/// The model: one attention over bf16 activations q, k, v [B, T, H, D]. q, k and v are sums of parameters
 /// (not the parameters themselves) so that the attention's gradients are
 /// bf16 activations as in a model, not fused with the casts into the f32
 /// parameter gradients (which the tensor-core backward does not write).
@@ -243,7 +242,7 @@ pub fn run(
                     let [x, y, z] = l.grid(&|_| None).ok_or_else(|| err("no flash grid"))?;
                     let func = load(gpu, &l.name, &l.source)?;
                     let smem = l.dynamic_smem_bytes as u32;
-                    crate::exec::allow_dynamic_smem(&func, &l.name, smem, gpu)?;
+                    crate::exec::allow_dynamic_smem(&func, &l.name, smem, gpu, "--simple")?;
                     out.push(Launch {
                         name: l.name.clone(),
                         func,

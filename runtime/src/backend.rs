@@ -20,12 +20,15 @@ pub trait Backend {
     fn graph(&self) -> &Graph;
     /// Writes a named input, parameter or state tensor.
     fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError>;
+    /// Elements of a named tensor (0 for an unknown name).
+    fn numel(&self, name: &str) -> usize {
+        self.shapes()
+            .get(name)
+            .map_or(0, |s| s.iter().product::<usize>())
+    }
     /// Sets a named tensor to zeros (the GPU clears it in place).
     fn zero(&mut self, name: &str) -> Result<(), RuntimeError> {
-        let n = self
-            .shapes()
-            .get(name)
-            .map_or(0, |s| s.iter().product::<usize>());
+        let n = self.numel(name);
         self.set(name, &vec![0.0; n])
     }
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError>;
@@ -37,10 +40,7 @@ pub trait Backend {
         fill: &(dyn Fn(usize, &mut [f64]) + Sync),
     ) -> Result<(), RuntimeError> {
         const CHUNK: usize = 1 << 20;
-        let n = self
-            .shapes()
-            .get(name)
-            .map_or(0, |s| s.iter().product::<usize>());
+        let n = self.numel(name);
         let mut data = vec![0.0; n];
         data.par_chunks_mut(CHUNK)
             .enumerate()
@@ -334,14 +334,12 @@ impl Backend for Cpu {
         let mut at = 0;
         let mut staged = Vec::new();
         for name in names {
-            let n = self
-                .shapes
-                .get(*name)
-                .map_or(0, |s| s.iter().product::<usize>());
+            let n = self.numel(name);
             let part = values.get(at..at + n).ok_or_else(|| {
                 RuntimeError::Unsupported(format!(
-                    "a staged batch holds {} values; its inputs take more",
-                    values.len()
+                    "a staged batch holds {} values; {} take more",
+                    values.len(),
+                    names.join(" and ")
                 ))
             })?;
             staged.push((name.to_string(), part.iter().map(|&x| x as f64).collect()));
@@ -349,8 +347,9 @@ impl Backend for Cpu {
         }
         if at != values.len() {
             return Err(RuntimeError::Unsupported(format!(
-                "a staged batch holds {} values; its inputs take {at}",
-                values.len()
+                "a staged batch holds {} values; {} take {at}",
+                values.len(),
+                names.join(" and ")
             )));
         }
         self.staged = staged;

@@ -105,7 +105,7 @@ pub fn cubins(
             }
             let cubin = nvrtc::compile(name, src, arch).map_err(|e| {
                 RuntimeError::Compile(format!(
-                    "{e}\n(the source is kernels/{name}.cu of `fusec build`)"
+                    "{e}\n(`fusec build` writes the plan's kernels to kernels/{name}.cu; the tensor-core attention kernels are made at run time, and FUSEC_ATTENTION=simple runs without them)"
                 ))
             })?;
             if let Some(p) = &path {

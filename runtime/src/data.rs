@@ -6,6 +6,7 @@
 //! into a small pool of host buffers (page-locked on a GPU, see
 //! `stage::HostBuf`) while the GPU runs the current step.
 
+use crate::stage::HostBuf;
 use std::path::Path;
 use std::sync::mpsc;
 
@@ -176,19 +177,24 @@ impl Batches {
     /// The batches, written on a background thread into `buffers` (each
     /// `buffer_len` long) in turn: as many batches ready ahead as there
     /// are buffers the consumer has given back.
-    pub fn prefetch<B: BatchBuffer>(mut self, buffers: Vec<B>) -> Prefetch<B> {
+    pub fn prefetch(mut self, buffers: Vec<HostBuf>) -> Prefetch {
         let (full_tx, full) = mpsc::channel();
-        let (free, free_rx) = mpsc::channel::<B>();
+        let (free, free_rx) = mpsc::channel::<HostBuf>();
         for b in buffers {
             let _ = free.send(b);
         }
         std::thread::spawn(move || {
             for mut buf in free_rx {
-                let filled = match buf.values() {
-                    Ok(v) => {
+                let len = self.buffer_len();
+                let filled = match buf.write() {
+                    Ok(v) if v.len() == len => {
                         self.fill(v);
                         Ok(buf)
                     }
+                    Ok(v) => Err(DataError(format!(
+                        "a batch buffer holds {} values, a batch {len}",
+                        v.len()
+                    ))),
                     Err(e) => Err(DataError(format!("cannot write a batch buffer: {e}"))),
                 };
                 if full_tx.send(filled).is_err() {
@@ -200,27 +206,15 @@ impl Batches {
     }
 }
 
-/// Host memory a batch is written into.
-pub trait BatchBuffer: Send + 'static {
-    /// The values, once any copy still reading them has finished.
-    fn values(&mut self) -> Result<&mut [i32], String>;
-}
-
-impl BatchBuffer for Vec<i32> {
-    fn values(&mut self) -> Result<&mut [i32], String> {
-        Ok(self)
-    }
-}
-
 /// Batches prepared ahead on a background thread (`Batches::prefetch`).
-pub struct Prefetch<B> {
-    full: mpsc::Receiver<Result<B, DataError>>,
-    free: mpsc::Sender<B>,
+pub struct Prefetch {
+    full: mpsc::Receiver<Result<HostBuf, DataError>>,
+    free: mpsc::Sender<HostBuf>,
 }
 
-impl<B> Prefetch<B> {
+impl Prefetch {
     /// The next batch, waiting for the thread if it is not ready yet.
-    pub fn next(&self) -> Result<B, DataError> {
+    pub fn next(&self) -> Result<HostBuf, DataError> {
         self.full
             .recv()
             .map_err(|_| DataError("the data thread stopped".into()))?
@@ -228,7 +222,7 @@ impl<B> Prefetch<B> {
 
     /// Hands a buffer back to be filled again (the thread waits for any
     /// copy from it to finish before writing).
-    pub fn give_back(&self, buf: B) {
+    pub fn give_back(&self, buf: HostBuf) {
         let _ = self.free.send(buf);
     }
 }
@@ -284,12 +278,16 @@ mod tests {
         let mut serial = Batches::new(tokens.clone(), 3, 5, None).unwrap();
         let src = Batches::new(tokens, 3, 5, None).unwrap();
         let len = src.buffer_len();
-        let pf = src.prefetch(vec![vec![-1; len], vec![-1; len]]);
+        let pf = src.prefetch(vec![
+            HostBuf::Plain(vec![-1; len]),
+            HostBuf::Plain(vec![-1; len]),
+        ]);
         for _ in 0..10 {
             let want = serial.next_batch();
             let got = pf.next().unwrap();
-            assert_eq!(got[..15], want.inputs[..]);
-            assert_eq!(got[15..], want.targets[..]);
+            let v = got.read().unwrap();
+            assert_eq!(v[..15], want.inputs[..]);
+            assert_eq!(v[15..], want.targets[..]);
             pf.give_back(got);
         }
     }

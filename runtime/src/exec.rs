@@ -211,11 +211,7 @@ impl Executor {
         cubins: Vec<Vec<u8>>,
         overrides: &Overrides,
     ) -> Result<Executor, RuntimeError> {
-        let (geometry, multi, scratch_bytes) = (
-            &overrides.geometry,
-            &overrides.multi,
-            overrides.scratch_bytes,
-        );
+        let (multi, scratch_bytes) = (&overrides.multi, overrides.scratch_bytes);
         let free = gpu.free_bytes()?;
         // cuBLASLt's workspace and the context need some room too.
         let need = plan.arena_bytes + (64 << 20);
@@ -347,31 +343,28 @@ impl Executor {
                     let mut steps = Vec::new();
                     for m in &multi[&k.name] {
                         let func = function(m.source, &m.name)?;
-                        allow_dynamic_smem(&func, &m.name, m.smem, &gpu)?;
+                        allow_dynamic_smem(&func, &m.name, m.smem, &gpu, "FUSEC_ATTENTION=simple")?;
                         steps.push(Step::Kernel {
                             func,
                             grid: m.grid,
                             block: m.block,
                             args: args.clone(),
-                            extra: scratch_ptr,
+                            extra: if m.scratch { scratch_ptr } else { None },
                             smem: m.smem,
                         });
                     }
-                    Step::Sequence(steps)
+                    match steps.len() {
+                        1 => steps.remove(0),
+                        _ => Step::Sequence(steps),
+                    }
                 }
                 (_, Some(&si)) => {
                     let func = function(si, &k.name)?;
                     let args = k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
-                    // A kernel with its own launch geometry (the tensor-core
-                    // attention), else the plan's.
-                    let (grid, block) = geometry.get(&k.name).copied().unwrap_or((
-                        (l.grid.unwrap_or(1).clamp(1, u32::MAX as u64) as u32, 1, 1),
-                        l.block.unwrap_or(256) as u32,
-                    ));
                     Step::Kernel {
                         func,
-                        grid,
-                        block,
+                        grid: (l.grid.unwrap_or(1).clamp(1, u32::MAX as u64) as u32, 1, 1),
+                        block: l.block.unwrap_or(256) as u32,
                         args,
                         extra: None,
                         smem: 0,
@@ -548,14 +541,14 @@ impl Executor {
     /// values in order, each whole), on a second stream, so the copy runs
     /// while the current step computes; the next `run_step` copies it in
     /// before its first kernel.
-    pub fn stage(&mut self, targets: &[usize], buf: &HostBuf) -> Result<(), RuntimeError> {
+    pub fn stage(&mut self, targets: &[(&str, usize)], buf: &HostBuf) -> Result<(), RuntimeError> {
         let mut parts = Vec::with_capacity(targets.len());
         let mut at = 0;
-        for &b in targets {
+        for &(name, b) in targets {
             let s = &self.slots[b];
             if s.dtype != DType::I32 || s.rows().is_some() {
                 return Err(RuntimeError::Unsupported(format!(
-                    "buffer {b} ({:?}, shape {:?}) cannot take a staged batch: only unpadded i32 inputs can",
+                    "`{name}` ({:?}, shape {:?}) cannot take a staged batch: only unpadded i32 inputs can; declare it i32",
                     s.dtype, s.shape
                 )));
             }
@@ -565,8 +558,10 @@ impl Executor {
         }
         let len = buf.len();
         if len != at {
+            let names: Vec<&str> = targets.iter().map(|t| t.0).collect();
             return Err(RuntimeError::Unsupported(format!(
-                "a staged batch holds {len} values; its inputs take {at}"
+                "a staged batch holds {len} values; {} take {at}",
+                names.join(" and ")
             )));
         }
         if self
@@ -715,18 +710,16 @@ fn run(
 }
 
 /// Kernels launched otherwise than the plan says (the tensor-core
-/// attention): their own geometry, or several kernels for one op with a
-/// shared f32 scratch.
+/// attention): each with its own geometry, one or several for one op, some
+/// sharing an f32 scratch.
 #[derive(Clone, Debug, Default)]
 pub struct Overrides {
-    /// Kernel name -> (grid, threads per block).
-    pub geometry: HashMap<String, ((u32, u32, u32), u32)>,
-    /// Kernel name -> the kernels that do its op, in order.
+    /// Kernel name -> the kernels that do its op instead, in order.
     pub multi: HashMap<String, Vec<MultiLaunch>>,
     pub scratch_bytes: u64,
 }
 
-/// One kernel of an op that runs as several (see `Step::Sequence`).
+/// One kernel that does (part of) an op in place of the plan's kernel.
 #[derive(Clone, Debug)]
 pub struct MultiLaunch {
     pub name: String,
@@ -736,32 +729,40 @@ pub struct MultiLaunch {
     pub block: u32,
     /// Dynamic shared memory, bytes.
     pub smem: u32,
+    /// Whether it takes the scratch as its last argument.
+    pub scratch: bool,
 }
 
 /// Lets `func` launch with `bytes` of dynamic shared memory (over 48 KiB
 /// that needs the function's limit raised first), or says that the GPU
-/// has too little.
+/// has too little and what runs without the kernel (`without`).
 pub fn allow_dynamic_smem(
     func: &CudaFunction,
     name: &str,
     bytes: u32,
     gpu: &Gpu,
+    without: &str,
 ) -> Result<(), RuntimeError> {
+    use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
     use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
     if bytes <= 48 * 1024 {
         return Ok(());
+    }
+    let limit = gpu
+        .ctx
+        .attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_err(|e| RuntimeError::driver("reading the shared memory limit", e))?;
+    if bytes as i64 > limit as i64 {
+        return Err(RuntimeError::Unsupported(format!(
+            "kernel {name} needs {bytes} bytes of shared memory per block; {} allows {limit}: run with {without}",
+            gpu.name
+        )));
     }
     func.set_attribute(
         CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
         bytes as i32,
     )
-    .map_err(|e| {
-        RuntimeError::Unsupported(format!(
-            "kernel {name} needs {} KiB of shared memory per block, more than {} ({e}); run with FUSEC_ATTENTION=simple",
-            bytes / 1024,
-            gpu.name
-        ))
-    })
+    .map_err(|e| RuntimeError::driver(&format!("raising {name}'s shared memory limit"), e))
 }
 
 /// Host values as a buffer's bytes (in parallel chunks: a large parameter

@@ -30,6 +30,9 @@ pub struct Session {
     /// Seconds spent getting cubins (cache reads or NVRTC).
     pub compile_seconds: f64,
     pub kernels_generated: usize,
+    /// Plan kernels run by other kernels (the tensor-core attention): the
+    /// plan's name -> the names launched in its place, in order.
+    pub replaced: BTreeMap<String, Vec<String>>,
     /// Replay the step as a CUDA graph after the first step (on unless
     /// FUSEC_NO_CUDA_GRAPH is set).
     pub use_graph: bool,
@@ -87,13 +90,13 @@ impl Session {
             plan(graph, &program, dims).map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
         let mut sources = emit_program(graph, &program, None);
         // The tensor-core (FlashAttention) kernels, forward and backward,
-        // where they apply (bf16/f16, head dim 64 or 128), each with its own
-        // geometry; FUSEC_ATTENTION=simple keeps the plan's simple kernels
-        // (one thread per query row), as the CPU-checked reference.
-        let mut geometry = HashMap::new();
+        // where they apply (bf16/f16, head dim 64 or 128, mma.sync needs
+        // sm_80 or newer), each with its own geometry; FUSEC_ATTENTION=simple
+        // keeps the plan's simple kernels (one thread per query row), as the
+        // CPU-checked reference.
         let mut multi: HashMap<String, Vec<MultiLaunch>> = HashMap::new();
         let mut scratch_bytes = 0u64;
-        if std::env::var("FUSEC_ATTENTION").as_deref() != Ok("simple") {
+        if std::env::var("FUSEC_ATTENTION").as_deref() != Ok("simple") && gpu.capability >= (8, 0) {
             let env = |s: &str| dims.get(s).copied();
             for k in &program.kernels {
                 let Body::Op(n) = k.body else { continue };
@@ -120,6 +123,7 @@ impl Session {
                             grid: (x as u32, y as u32, z as u32),
                             block: l.block,
                             smem: l.dynamic_smem_bytes as u32,
+                            scratch: true,
                         });
                     }
                     if !steps.is_empty() {
@@ -136,20 +140,29 @@ impl Session {
                 let Some([x, y, z]) = launch.grid(&env) else {
                     continue;
                 };
-                if let Some(slot) = sources.iter_mut().find(|(name, _)| *name == k.name) {
-                    slot.1 = text;
-                    geometry.insert(
-                        k.name.clone(),
-                        ((x as u32, y as u32, z as u32), launch.block),
-                    );
+                // In place of the plan's kernel, under its name.
+                if let Some(si) = sources.iter().position(|(name, _)| *name == k.name) {
+                    sources[si].1 = text;
+                    let step = MultiLaunch {
+                        name: k.name.clone(),
+                        source: si,
+                        grid: (x as u32, y as u32, z as u32),
+                        block: launch.block,
+                        smem: launch.dynamic_smem_bytes as u32,
+                        scratch: false,
+                    };
+                    multi.insert(k.name.clone(), vec![step]);
                 }
             }
         }
         let t0 = Instant::now();
         let (cubins, stats) = cache::cubins(&sources, &gpu.arch(), cache_dir, progress)?;
         let compile_seconds = t0.elapsed().as_secs_f64();
+        let replaced = multi
+            .iter()
+            .map(|(k, ls)| (k.clone(), ls.iter().map(|l| l.name.clone()).collect()))
+            .collect();
         let overrides = Overrides {
-            geometry,
             multi,
             scratch_bytes,
         };
@@ -162,6 +175,7 @@ impl Session {
             cache: stats,
             compile_seconds,
             kernels_generated: sources.len(),
+            replaced,
             use_graph: std::env::var_os("FUSEC_NO_CUDA_GRAPH").is_none(),
             graph_note: None,
             steps_run: 0,
@@ -289,13 +303,8 @@ impl Session {
     pub fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError> {
         let targets = names
             .iter()
-            .map(|n| match self.exec.inputs.get(*n) {
-                Some(&b) => Ok(b),
-                None => Err(RuntimeError::Unsupported(format!(
-                    "the step has no input named `{n}`"
-                ))),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|&n| Ok((n, self.buffer(n)?)))
+            .collect::<Result<Vec<_>, RuntimeError>>()?;
         self.exec.stage(&targets, buf)
     }
 

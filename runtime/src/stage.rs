@@ -10,9 +10,8 @@
 //! cudarc's event tracking orders the two streams: the staging copy waits
 //! until the previous batch has been read out of the staging area, the step
 //! waits for the staging copy, and a pinned buffer is written again only
-//! after its copy has finished (`values` waits for it).
+//! after its copy has finished (`write` waits for it).
 
-use crate::data::BatchBuffer;
 use crate::device::Gpu;
 use crate::RuntimeError;
 use cudarc::driver::{CudaSlice, CudaStream, PinnedHostSlice};
@@ -26,18 +25,17 @@ pub enum HostBuf {
     Pinned(PinnedHostSlice<i32>),
 }
 
-impl BatchBuffer for HostBuf {
-    fn values(&mut self) -> Result<&mut [i32], String> {
+impl HostBuf {
+    /// The values to write, once any copy still reading them has finished.
+    pub fn write(&mut self) -> Result<&mut [i32], RuntimeError> {
         match self {
             HostBuf::Plain(v) => Ok(v),
             HostBuf::Pinned(p) => p
                 .as_mut_slice()
-                .map_err(|e| format!("waiting for a copy from pinned memory: {e:?}")),
+                .map_err(|e| RuntimeError::driver("waiting for a copy from pinned memory", e)),
         }
     }
-}
 
-impl HostBuf {
     /// The values, once any copy still reading them has finished.
     pub fn read(&self) -> Result<&[i32], RuntimeError> {
         match self {

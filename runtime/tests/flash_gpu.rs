@@ -251,7 +251,7 @@ fn flash_backward_matches_the_interpreter() {
         for l in &launches {
             let (func, _) = load(&gpu, &l.name, &l.source);
             let smem = l.dynamic_smem_bytes as u32;
-            fusec_runtime::exec::allow_dynamic_smem(&func, &l.name, smem, &gpu).unwrap();
+            fusec_runtime::exec::allow_dynamic_smem(&func, &l.name, smem, &gpu, "").unwrap();
             launch(
                 &gpu,
                 &func,

@@ -18,7 +18,7 @@ fn every_generated_kernel_compiles_for_sm80_and_sm90_without_spills() {
     if !common::nvrtc_ready() {
         return;
     }
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dsl-examples");
+    let dir = common::root().join("dsl-examples");
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())

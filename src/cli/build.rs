@@ -213,12 +213,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     written.push(kdir.join(format!("*.cu ({} kernels)", kernels.len())));
 
     let dims = args.sizes.resolve(&c.optimized.dims)?;
-    let missing: Vec<&String> = c
-        .optimized
-        .dims
-        .iter()
-        .filter(|d| !dims.contains_key(*d))
-        .collect();
+    let missing = super::common::missing(&dims, &c.optimized.dims);
     let plan_note = if missing.is_empty() {
         let plan = plan(&c.optimized, &program, &dims)
             .map_err(|e| CliError::usage(format!("error: {e}")))?;
@@ -241,10 +236,9 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
             .collect();
         head.join("\n").trim_end().to_string()
     } else {
-        let names: Vec<&str> = missing.iter().map(|s| s.as_str()).collect();
         format!(
             "no memory plan: give the size of {} (--batch, --seq or --dim NAME=N) for plan.json and report.txt",
-            names.join(", ")
+            missing.join(", ")
         )
     };
     print!(

@@ -44,11 +44,7 @@ impl SizeArgs {
         declared: &[String],
     ) -> Result<std::collections::BTreeMap<String, i64>, CliError> {
         let dims = self.resolve(declared)?;
-        let missing: Vec<&str> = declared
-            .iter()
-            .filter(|d| !dims.contains_key(*d))
-            .map(|s| s.as_str())
-            .collect();
+        let missing = missing(&dims, declared);
         if missing.is_empty() {
             Ok(dims)
         } else {
@@ -177,4 +173,16 @@ pub fn dim_sizes(
         set(k, v, &format!("--dim {k}"))?;
     }
     Ok(dims)
+}
+
+/// The declared dimensions `dims` gives no size.
+pub fn missing<'a>(
+    dims: &std::collections::BTreeMap<String, i64>,
+    declared: &'a [String],
+) -> Vec<&'a str> {
+    declared
+        .iter()
+        .filter(|d| !dims.contains_key(*d))
+        .map(|s| s.as_str())
+        .collect()
 }

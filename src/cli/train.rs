@@ -9,7 +9,6 @@ use fusec_runtime::checkpoint;
 use fusec_runtime::data::{load_tokens, Batches, Prefetch};
 use fusec_runtime::device;
 use fusec_runtime::session::{Session, SessionOptions};
-use fusec_runtime::stage::HostBuf;
 use fusec_runtime::RuntimeError;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -306,6 +305,16 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
                 )))
             }
         };
+        // Each window's targets are its tokens shifted by one: same shape.
+        let targets_shape = b.shapes().get("targets").cloned();
+        if targets_shape != tokens_shape {
+            return Err(CliError::usage(format!(
+                "error: --data {} feeds `targets` a window shaped as `tokens` {:?}, and this model's `targets` has shape {:?}; declare both with the same shape or use --data random",
+                args.data,
+                tokens_shape.as_deref().unwrap_or(&[]),
+                targets_shape.as_deref().unwrap_or(&[])
+            )));
+        }
         let tokens = load_tokens(std::path::Path::new(&args.data)).map_err(|e| CliError {
             message: format!("error: {e}"),
             code: 3,
@@ -333,7 +342,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     }
     // The next batch into `tokens` and `targets`: copied to the GPU while
     // the current step computes, in place when the next one launches.
-    let stage_next = |b: &mut dyn Backend, pf: &Prefetch<HostBuf>| -> Result<(), CliError> {
+    let stage_next = |b: &mut dyn Backend, pf: &Prefetch| -> Result<(), CliError> {
         let buf = pf.next().map_err(|e| CliError {
             message: format!("error: {e}"),
             code: 3,

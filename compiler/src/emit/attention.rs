@@ -10,7 +10,7 @@
 //! recomputes the scores), so any head size works with any block size,
 //! including the host shim's single thread.
 
-use super::cuda::{float_lit, load, store};
+use super::cuda::{float_lit, load, store, NEG_INF};
 use super::templates::{Ctx, Shape, BLOCK};
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
@@ -21,8 +21,6 @@ use std::fmt::Write;
 
 /// Output features each thread accumulates per pass (a register array).
 const FEATS: usize = 4;
-
-const NEG_INF: &str = "(-__int_as_float(0x7f800000))";
 
 /// How a kernel addresses one of its tensors: the buffer it reads or writes
 /// and the strides and offset of the op's view of it. Inputs may be strided

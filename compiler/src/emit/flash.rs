@@ -52,7 +52,7 @@
 //! The same kernel text therefore runs on the host against the reference.
 
 use super::attention::Access;
-use super::cuda::{float_lit, header, store};
+use super::cuda::{float_lit, header, store, NEG_INF};
 use super::templates::Ctx;
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
@@ -67,10 +67,9 @@ pub const TILE_Q: u64 = 64;
 pub const TILE_K: u64 = 64;
 /// Threads per block.
 pub const THREADS: u32 = 128;
-/// Padding of each shared-memory row, in elements.
-const PAD: u64 = 8;
-
-const NEG_INF: &str = "(-__int_as_float(0x7f800000))";
+/// Padding of each shared-memory row, in elements (shared with the
+/// backward's kernels).
+pub(crate) const PAD: u64 = 8;
 
 /// How the runtime launches a FlashAttention kernel (see the module docs).
 #[derive(Clone, Debug, PartialEq)]
@@ -177,6 +176,16 @@ fn config(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<Config> {
     Config::of(g, c, n, (a.causal, a.scale), &[0, 1, 2], &[], &[1])
 }
 
+/// The grid as C expressions of the kernel's size parameters: `dims[0]`
+/// cut into tiles of `tile`, then `dims[1]` and `dims[2]` whole.
+pub(crate) fn grid_c_of(dims: &[Dim; 3], tile: u64) -> [String; 3] {
+    [
+        format!("({} + {}LL) / {tile}LL", dims[0].to_c(), tile - 1),
+        dims[1].to_c(),
+        dims[2].to_c(),
+    ]
+}
+
 /// `ceil(dims[a] / tiles[a])` per grid axis for concrete sizes; `None` for
 /// an unbound symbol or a y/z extent over 65535.
 pub(crate) fn grid_of(
@@ -232,11 +241,10 @@ fn emit(g: &Graph, c: &Ctx, n: NodeIndex, source: Option<&str>) -> Option<(Strin
     let d = cfg.head_dim;
     let launch = FlashLaunch {
         tile_q: TILE_Q,
-        grid_c: [
-            format!("({} + {}LL) / {TILE_Q}LL", cfg.q_len.to_c(), TILE_Q - 1),
-            cfg.q_heads.to_c(),
-            cfg.batch.to_c(),
-        ],
+        grid_c: grid_c_of(
+            &[cfg.q_len.clone(), cfg.q_heads.clone(), cfg.batch.clone()],
+            TILE_Q,
+        ),
         q_len: cfg.q_len,
         q_heads: cfg.q_heads,
         batch: cfg.batch,

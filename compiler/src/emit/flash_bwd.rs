@@ -76,8 +76,9 @@
 //!   scaled once at the end.
 
 use super::attention::Access;
+use super::cuda::NEG_INF;
 use super::cuda::{float_lit, header, load, store};
-use super::flash::{grid_of, Config, HELPERS};
+use super::flash::{grid_c_of, grid_of, Config, HELPERS, PAD};
 use super::templates::Ctx;
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
@@ -87,23 +88,15 @@ use petgraph::stable_graph::NodeIndex;
 
 /// Threads per block of every kernel.
 pub const THREADS: u32 = 128;
-/// Keys per block of `_dkdv` (4 warps of 16).
+/// Keys per block of `_dkdv` and `_dkdvdq` (4 warps of 16). One block of 8
+/// warps and 128 keys (half the atomics per key) ran `_dkdvdq` 2-15% slower
+/// on an H100 than two blocks of 4 warps and 64 keys per SM
+/// (docs/benchmarks.md, "Attention backward with dQ by atomics").
 pub const TILE_KEYS: u64 = 64;
 /// Queries per block of `_dq` (4 warps of 16).
 pub const TILE_QUERIES: u64 = 64;
-/// Threads per block of `_dkdvdq` (the atomic scheme's dK/dV/dQ kernel).
-/// One block of 8 warps and 128 keys (half the atomics per key) ran 4-13%
-/// slower on an H100 than two blocks of 4 warps and 64 keys per SM.
-pub const DKDVDQ_THREADS: u32 = 128;
-/// Keys per block of `_dkdvdq` (4 warps of 16).
-pub const DKDVDQ_KEYS: u64 = 64;
-/// Rows per block of `_delta` (read in 8-feature chunks, summed by one
-/// thread each).
+/// Rows per block of `_delta` and `_dqstore` (read in 8-feature chunks).
 pub const DELTA_ROWS: u64 = 128;
-/// Padding of each shared-memory row, in elements.
-const PAD: u64 = 8;
-
-const NEG_INF: &str = "(-__int_as_float(0x7f800000))";
 
 /// Which of the three kernels a launch is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,13 +138,17 @@ pub struct FlashBwdLaunch {
     pub reads: Vec<usize>,
     pub writes: Vec<usize>,
     /// Elements of the f32 scratch buffer passed as the last argument
-    /// (`B * Hq * T`, the same for every launch of the set).
+    /// (`B * Hq * T`, times `D + 1` in the atomic scheme; the same for every
+    /// launch of the set).
     pub scratch_f32_elems: Dim,
-    /// Whether this kernel writes the scratch buffer (else it reads it).
-    pub writes_scratch: bool,
 }
 
 impl FlashBwdLaunch {
+    /// Whether this kernel writes the scratch buffer (else it only reads it).
+    pub fn writes_scratch(&self) -> bool {
+        matches!(self.stage, Stage::Delta | Stage::DkDvDq)
+    }
+
     /// `(grid.x, grid.y, grid.z)` for concrete sizes; `None` for an unbound
     /// symbol or a y/z extent over 65535.
     pub fn grid(&self, env: &dyn Fn(&str) -> Option<i64>) -> Option<[u64; 3]> {
@@ -204,24 +201,20 @@ pub fn flash_backward(
     } else {
         rows.checked_mul(&Dim::constant(d as i64 + 1))?
     };
-    let elem = 2; // bytes of a 16-bit element
-    let row = d + PAD;
-    let (qt, kt) = (query_tile(d), key_tile(d));
     let q_grid = [cfg.q_len.clone(), cfg.q_heads.clone(), cfg.batch.clone()];
     let kv_grid = [cfg.kv_len.clone(), cfg.kv_heads.clone(), cfg.batch.clone()];
-    let delta_smem = DELTA_ROWS * (d / 8) * 4;
-    let dkdv_smem = (2 * TILE_KEYS + 2 * qt) * row * elem + 2 * qt * 4;
-    // (stage, suffix, grid extents, tile, threads, reads, writes, static
-    // and dynamic shared memory)
+    let qt = query_tile(d, deterministic);
+    let qkdo = vec![0, 1, 2, 4, 5];
+    // (stage, suffix, grid extents, tile, reads, writes, static and dynamic
+    // shared memory)
     let delta = (
         Stage::Delta,
         "delta",
         q_grid.clone(),
         DELTA_ROWS,
-        THREADS,
         vec![3, 5],
         vec![],
-        delta_smem,
+        DELTA_ROWS * (d / 8) * 4,
         0,
     );
     let stages = if deterministic {
@@ -232,10 +225,9 @@ pub fn flash_backward(
                 "dkdv",
                 kv_grid,
                 TILE_KEYS,
-                THREADS,
-                vec![0, 1, 2, 4, 5],
+                qkdo.clone(),
                 vec![1, 2],
-                dkdv_smem,
+                key_major_smem(d, qt, false),
                 0,
             ),
             (
@@ -243,10 +235,9 @@ pub fn flash_backward(
                 "dq",
                 q_grid,
                 TILE_QUERIES,
-                THREADS,
-                vec![0, 1, 2, 4, 5],
+                qkdo,
                 vec![0],
-                2 * kt * row * elem,
+                2 * key_tile(d) * (d + PAD) * 2,
                 0,
             ),
         ]
@@ -257,19 +248,17 @@ pub fn flash_backward(
                 Stage::DkDvDq,
                 "dkdvdq",
                 kv_grid,
-                DKDVDQ_KEYS,
-                DKDVDQ_THREADS,
-                vec![0, 1, 2, 4, 5],
+                TILE_KEYS,
+                qkdo,
                 vec![1, 2],
                 0,
-                dkdvdq_smem(d),
+                key_major_smem(d, qt, true),
             ),
             (
                 Stage::DqStore,
                 "dqstore",
                 q_grid,
                 DELTA_ROWS,
-                THREADS,
                 vec![],
                 vec![0],
                 0,
@@ -278,64 +267,56 @@ pub fn flash_backward(
         ]
     };
     let mut out = Vec::new();
-    for (stage, suffix, dims, tile, threads, reads, writes, smem, dynamic) in stages {
+    for (stage, suffix, dims, tile, reads, writes, smem, dynamic) in stages {
         let body = match stage {
             Stage::Delta => delta_body(g, &c, n, &cfg, deterministic),
-            Stage::DkDv | Stage::DkDvDq => dkdv_body(g, &c, n, &cfg, deterministic),
+            Stage::DkDv | Stage::DkDvDq => dkdv_body(g, &c, n, &cfg, deterministic, dynamic),
             Stage::Dq => dq_body(g, &c, n, &cfg),
             Stage::DqStore => dq_store_body(g, &c, n, &cfg),
         };
         let name = format!("{}_{suffix}", k.name);
-        let mut s = kernel_head(&head, &k.name, &name, deterministic, threads)?;
+        let mut s = kernel_head(&head, &k.name, &name, deterministic)?;
         s.push_str(&body);
         s.push_str("}\n");
-        let grid_c = [
-            format!("({} + {}LL) / {tile}LL", dims[0].to_c(), tile - 1),
-            dims[1].to_c(),
-            dims[2].to_c(),
-        ];
         out.push(FlashBwdLaunch {
             stage,
             name,
             source: s,
+            grid_c: grid_c_of(&dims, tile),
             grid_dims: dims,
             grid_tiles: [tile, 1, 1],
-            grid_c,
-            block: threads,
+            block: THREADS,
             static_smem_bytes: smem,
             dynamic_smem_bytes: dynamic,
             reads,
             writes,
             scratch_f32_elems: scratch.clone(),
-            writes_scratch: matches!(stage, Stage::Delta | Stage::DkDvDq),
         });
     }
     Some(out)
 }
 
-/// `_dkdvdq`'s dynamic shared memory: the key and value tiles, the query
-/// and dO tiles, dS^T, lse and delta.
-fn dkdvdq_smem(d: u64) -> u64 {
-    let qt = dkdvdq_query_tile(d);
-    (2 * DKDVDQ_KEYS + 2 * qt) * (d + PAD) * 2 + DKDVDQ_KEYS * (qt + PAD) * 2 + 2 * qt * 4
+/// Shared memory of a key-major kernel (`_dkdv`, `_dkdvdq`): the key and
+/// value tiles, the query and dO tiles (16-bit rows `d + PAD` apart), dS^T
+/// where dQ is summed (`TILE_KEYS` rows `queries + PAD` apart), lse and
+/// delta.
+fn key_major_smem(d: u64, queries: u64, ds_tile: bool) -> u64 {
+    let ds = if ds_tile {
+        TILE_KEYS * (queries + PAD) * 2
+    } else {
+        0
+    };
+    (2 * TILE_KEYS + 2 * queries) * (d + PAD) * 2 + ds + 2 * queries * 4
 }
 
-/// Queries per streamed tile of `_dkdvdq`: dynamic shared memory leaves
-/// room for 32 at D = 128.
-fn dkdvdq_query_tile(d: u64) -> u64 {
-    if d > 64 {
-        32
-    } else {
-        64
-    }
-}
-
-/// Queries per streamed tile of `_dkdv`.
-fn query_tile(d: u64) -> u64 {
-    if d > 64 {
-        16
-    } else {
-        64
+/// Queries per streamed tile of the key-major kernels: 64 at D = 64; at
+/// D = 128, 16 for `_dkdv` (within 48 KiB of static shared memory) and 32
+/// for `_dkdvdq` (dynamic shared memory).
+fn query_tile(d: u64, deterministic: bool) -> u64 {
+    match (d > 64, deterministic) {
+        (false, _) => 64,
+        (true, true) => 16,
+        (true, false) => 32,
     }
 }
 
@@ -350,23 +331,16 @@ fn key_tile(d: u64) -> u64 {
 
 /// `header`'s text renamed to `name`, with the helpers before the signature,
 /// `__launch_bounds__` and the scratch pointer as the last parameter.
-fn kernel_head(
-    head: &str,
-    old: &str,
-    name: &str,
-    deterministic: bool,
-    threads: u32,
-) -> Option<String> {
+fn kernel_head(head: &str, old: &str, name: &str, deterministic: bool) -> Option<String> {
     let sig = format!("extern \"C\" __global__ void {old}(");
     let at = head.find(&sig)?;
     let close = head.rfind(")\n{")?;
     let mut s = String::new();
     s.push_str(&head[..at].replacen(&format!("// {old}:"), &format!("// {name}:"), 1));
     s.push_str(HELPERS);
-    // Two blocks of 128 threads (or one of 256) per SM: up to 255 registers each.
+    // Two blocks per SM: up to 255 registers each.
     s.push_str(&format!(
-        "extern \"C\" __global__ void __launch_bounds__({threads}, {}) {name}(",
-        256 / threads
+        "extern \"C\" __global__ void __launch_bounds__({THREADS}, 2) {name}("
     ));
     s.push_str(&head[at + sig.len()..close]);
     s.push_str(if deterministic {
@@ -553,7 +527,15 @@ fn dq_store_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
     )
 }
 
-fn dkdv_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, deterministic: bool) -> String {
+/// `_dkdv` or `_dkdvdq` (with `dynamic` bytes of dynamic shared memory).
+fn dkdv_body(
+    g: &Graph,
+    c: &Ctx,
+    n: NodeIndex,
+    cfg: &Config,
+    deterministic: bool,
+    dynamic: u64,
+) -> String {
     let [dk, dv] = [1, 2].map(|o| Access::output(g, c, n, o));
     let mut subs = common_subs(g, c, n, cfg, deterministic);
     let (title, tiles, store_ds, dq_sum) = if deterministic {
@@ -566,30 +548,16 @@ fn dkdv_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, deterministic: bool
             DQ_SUM,
         )
     };
-    if !deterministic {
-        for (key, value) in subs.iter_mut() {
-            if *key == "THREADS" {
-                *value = DKDVDQ_THREADS.to_string();
-            }
-        }
-    }
     subs.push(("TITLE", title.to_string()));
-    subs.push(("SMEM_BYTES", dkdvdq_smem(cfg.head_dim).to_string()));
+    subs.push(("SMEM_BYTES", dynamic.to_string()));
     subs.push(("TILES", tiles.to_string()));
     subs.push(("STORE_DS", store_ds.trim_end().to_string()));
     subs.push(("DQ_SUM", dq_sum.to_string()));
-    let query_rows = if deterministic {
-        query_tile(cfg.head_dim)
-    } else {
-        dkdvdq_query_tile(cfg.head_dim)
-    };
-    subs.push(("TILE_Q", query_rows.to_string()));
-    let keys = if deterministic {
-        TILE_KEYS
-    } else {
-        DKDVDQ_KEYS
-    };
-    subs.push(("TILE_K", keys.to_string()));
+    subs.push((
+        "TILE_Q",
+        query_tile(cfg.head_dim, deterministic).to_string(),
+    ));
+    subs.push(("TILE_K", TILE_KEYS.to_string()));
     subs.push(("DK_AT", dk.at(&["b", "j", "kv_h", "0"])));
     subs.push((
         "STORE_DK0",

@@ -9,7 +9,7 @@
 //! Row kernels run one thread block per row (grid-stride over rows) and
 //! reduce across the block; element kernels one thread per element.
 
-use super::cuda::{float_lit, header, load, store};
+use super::cuda::{float_lit, header, load, store, NEG_INF};
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::kernel::{Kernel, Program};
@@ -250,8 +250,6 @@ fn close_row_groups(b: &mut String) {
 
 /// Most columns of an embedding gradient row kept in shared memory (48 KiB).
 const EMBED_SHARED: i64 = 12288;
-
-const NEG_INF: &str = "(-__int_as_float(0x7f800000))";
 
 /// Threads per block of every generated kernel.
 pub const BLOCK: u64 = 256;

@@ -29,7 +29,7 @@ pub fn pad_rows(g: &Graph, p: &mut Program) {
         if buf.kind != BufKind::Temp
             || buf.ty.shape.len() < 2
             || n < MIN_ROW
-            || (n * size) % ROW_ALIGN == 0
+            || n.checked_mul(size).is_none_or(|row| row % ROW_ALIGN == 0)
             || g.outputs.iter().any(|(_, v)| *v == buf.value)
         {
             continue;
@@ -57,7 +57,7 @@ pub fn pad_rows(g: &Graph, p: &mut Program) {
         });
         if honours {
             let per_row = ROW_ALIGN / size.max(1);
-            p.buffers[b].pitch = Some((n + per_row - 1) / per_row * per_row);
+            p.buffers[b].pitch = n.checked_add(per_row - 1).map(|x| x / per_row * per_row);
         }
     }
     // The fused cross-entropy writes its gradient over its logits: where

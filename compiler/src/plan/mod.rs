@@ -128,6 +128,10 @@ impl std::fmt::Display for PlanError {
     }
 }
 
+/// No buffer, and no arena, is planned past this (sizes stay far from
+/// u64 overflow in every offset sum).
+const MAX_BYTES: u64 = 1 << 60;
+
 fn align(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
 }
@@ -183,7 +187,9 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
         let n: i64 = shape
             .iter()
             .try_fold(1i64, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| PlanError("a buffer's size overflows".into()))?;
+            .ok_or_else(|| {
+                PlanError("a buffer's element count overflows 64 bits: check the sizes".into())
+            })?;
         let kind = match b.kind {
             BufKind::Param => MemKind::Param,
             BufKind::State => MemKind::OptimizerState,
@@ -197,13 +203,20 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
             Op::State(x) => x.name.clone(),
             _ => format!("{} ({})", b.ty, g.g[b.value.node].op.name()),
         };
-        let elems = padded(n as u64, &shape, b.pitch);
+        let bytes = padded(n as u64, &shape, b.pitch)
+            .and_then(|e| e.checked_mul(b.ty.dtype.size_bytes() as u64))
+            .filter(|&x| x <= MAX_BYTES)
+            .ok_or_else(|| {
+                PlanError(format!(
+                    "{name} takes more than 2^60 bytes: check the sizes"
+                ))
+            })?;
         out.push(PlannedBuffer {
             id,
             name,
             dtype: b.ty.dtype.name().to_string(),
             shape,
-            bytes: elems * b.ty.dtype.size_bytes() as u64,
+            bytes,
             pitch: b.pitch,
             offset: 0,
             kind,
@@ -233,6 +246,16 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
     }
     // Whole-run buffers first, in a fixed order of kinds.
     let mut cursor = 0u64;
+    // Every offset below is at most the sum of all sizes.
+    if out
+        .iter()
+        .try_fold(0u64, |t, b| t.checked_add(align(b.bytes)))
+        .is_none_or(|t| t > MAX_BYTES)
+    {
+        return Err(PlanError(
+            "the buffers take more than 2^60 bytes in all: check the sizes".into(),
+        ));
+    }
     for kind in [
         MemKind::Param,
         MemKind::Grad,
@@ -505,9 +528,9 @@ impl Plan {
 
 /// Elements a buffer of `n` values of `shape` takes with its rows `pitch`
 /// apart.
-fn padded(n: u64, shape: &[i64], pitch: Option<i64>) -> u64 {
+fn padded(n: u64, shape: &[i64], pitch: Option<i64>) -> Option<u64> {
     match (pitch, shape.last()) {
-        (Some(p), Some(&last)) if last > 0 => n / last as u64 * p as u64,
-        _ => n,
+        (Some(p), Some(&last)) if last > 0 => (n / last as u64).checked_mul(p as u64),
+        _ => Some(n),
     }
 }
