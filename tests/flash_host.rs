@@ -23,7 +23,7 @@ mod common;
 
 use common::host;
 
-use fusec_compiler::emit::flash::{flash_kernel, FlashLaunch};
+use fusec_compiler::emit::flash::{flash_kernel, FlashArch, FlashLaunch};
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
 use fusec_compiler::interp::tensor::Tensor;
 use fusec_compiler::ir::Graph;
@@ -146,7 +146,7 @@ fn is_attention(g: &Graph, k: &Kernel) -> bool {
     matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::Attention(_)))
 }
 
-fn build(src: &str, precision: &str) -> Built {
+fn build(src: &str, precision: &str, arch: FlashArch) -> Built {
     let src = src.replace("PRECISION", precision);
     let c = common::compile_with(&src, "flash.dsl", &[]);
     let g = c.optimized;
@@ -159,7 +159,7 @@ fn build(src: &str, precision: &str) -> Built {
         if !is_attention(&g, k) {
             continue;
         }
-        let (source, launch) = flash_kernel(&g, &program, k, n, None)
+        let (source, launch) = flash_kernel(&g, &program, k, n, None, arch)
             .unwrap_or_else(|| panic!("{}: no flash kernel for a supported attention", k.name));
         let ins = g.inputs(n);
         let (q, kk) = (g.ty(ins[0]), g.ty(ins[1]));
@@ -332,7 +332,7 @@ fn flash_attention_matches_the_reference_on_the_host() {
     if !host::have_cxx() {
         return;
     }
-    let b = build(MODEL, "bf16");
+    let b = build(MODEL, "bf16", FlashArch::Sm80);
     assert_eq!(b.flash.len(), 16, "one flash kernel per attention op");
     let mut kinds: Vec<&str> = b.flash.iter().map(|f| f.what.as_str()).collect();
     kinds.sort();
@@ -347,7 +347,7 @@ fn flash_attention_matches_the_reference_in_f16() {
     if !host::have_cxx() {
         return;
     }
-    let b = build(MODEL, "f16");
+    let b = build(MODEL, "f16", FlashArch::Sm80);
     assert_eq!(b.flash.len(), 16);
     let checked = check_all("f16", &b, &[&[("B", 1), ("T", 100)]]);
     println!("f16: {checked} flash kernel runs matched the reference");
@@ -358,7 +358,7 @@ fn flash_cross_attention_matches_the_reference() {
     if !host::have_cxx() {
         return;
     }
-    let b = build(CROSS_MODEL, "bf16");
+    let b = build(CROSS_MODEL, "bf16", FlashArch::Sm80);
     assert_eq!(b.flash.len(), 2);
     let runs: &[&[(&str, i64)]] = &[
         &[("B", 2), ("T", 17), ("S", 130)],
@@ -367,6 +367,107 @@ fn flash_cross_attention_matches_the_reference() {
     ];
     let checked = check_all("cross", &b, runs);
     println!("cross: {checked} flash kernel runs matched the reference");
+}
+
+/// The Hopper (wgmma) forward, `emit/flash_sm90.rs`, on the same variants
+/// and sizes (its 128-query, 64- or 128-key tiles: T = 130 takes two query
+/// tiles and two or three key tiles, the last partial).
+#[test]
+fn hopper_flash_attention_matches_the_reference_on_the_host() {
+    if !host::have_cxx() {
+        return;
+    }
+    let b = build(MODEL, "bf16", FlashArch::Sm90a);
+    assert_eq!(b.flash.len(), 16, "one flash kernel per attention op");
+    let checked = check_all("hopper-bf16", &b, RUNS);
+    println!("hopper bf16: {checked} flash kernel runs matched the reference");
+    let b = build(MODEL, "f16", FlashArch::Sm90a);
+    let checked = check_all("hopper-f16", &b, &[&[("B", 1), ("T", 100)]]);
+    println!("hopper f16: {checked} flash kernel runs matched the reference");
+    let b = build(CROSS_MODEL, "bf16", FlashArch::Sm90a);
+    let runs: &[&[(&str, i64)]] = &[
+        &[("B", 2), ("T", 17), ("S", 130)],
+        &[("B", 1), ("T", 130), ("S", 17)],
+        &[("B", 1), ("T", 200), ("S", 300)],
+    ];
+    let checked = check_all("hopper-cross", &b, runs);
+    println!("hopper cross: {checked} flash kernel runs matched the reference");
+}
+
+/// The Hopper kernel's own layouts: shared tiles in core matrices, the
+/// descriptors' strides, the emulator's reading of them, P as wgmma's
+/// register fragment, and the warpgroups' causal masks.
+#[test]
+fn a_broken_wgmma_layout_is_caught() {
+    if !host::have_cxx() {
+        return;
+    }
+    let mutations: [(Mutation, bool); 7] = [
+        // V's descriptor with its two strides exchanged (read K-major-wise).
+        (
+            (
+                "kernel",
+                "fs_make_desc(vt + kk * 16 * HEAD_DIM, ROW8, CORE)",
+                "fs_make_desc(vt + kk * 16 * HEAD_DIM, CORE, ROW8)",
+            ),
+            false,
+        ),
+        // K's descriptor likewise.
+        (
+            (
+                "kernel",
+                "fs_make_desc(kt + kk * 128, CORE, ROW8)",
+                "fs_make_desc(kt + kk * 128, ROW8, CORE)",
+            ),
+            true,
+        ),
+        // The copy stores rows row-major instead of in core matrices.
+        (
+            (
+                "kernel",
+                "const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;\n            const fs_i64 j",
+                "const int r = c / CHUNKS, e = (c % CHUNKS) * 8;\n            const fs_i64 j",
+            ),
+            false,
+        ),
+        // P's register fragment: registers 1 and 2 swapped.
+        (
+            (
+                "kernel",
+                "p_frag[kk][1] = fs_pack_bf16(s[2 * kk][2], s[2 * kk][3]);\n            p_frag[kk][2] = fs_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);",
+                "p_frag[kk][2] = fs_pack_bf16(s[2 * kk][2], s[2 * kk][3]);\n            p_frag[kk][1] = fs_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);",
+            ),
+            true,
+        ),
+        // The second warpgroup's diagonal tile left unmasked.
+        (
+            (
+                "kernel",
+                "(causal && k0 + TILE_K - 1 > q0 + wg * 64 + warp * 16)",
+                "(causal && k0 + TILE_K - 1 > q0 + 64 + wg * 64 + warp * 16)",
+            ),
+            true,
+        ),
+        // The emulator reads MN-major core matrices K-major.
+        (
+            (
+                "mma_emu.h",
+                "(mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2)",
+                "((mn % 8) * 16 + (k % 8) * 2)",
+            ),
+            false,
+        ),
+        // The emulator's descriptor strides exchanged.
+        (
+            (
+                "mma_emu.h",
+                "p + (mn / 8) * sbo + (k / 8) * lbo",
+                "p + (mn / 8) * lbo + (k / 8) * sbo",
+            ),
+            true,
+        ),
+    ];
+    check_mutations("hopper-mutations", FlashArch::Sm90a, &mutations);
 }
 
 /// A wrong fragment mapping, in the kernel or in the emulator, must make the
@@ -379,13 +480,71 @@ fn a_broken_fragment_mapping_is_caught() {
     if !host::have_cxx() {
         return;
     }
+    let mutations: [(Mutation, bool); 9] = [
+        // The kernel reads K's B fragment halves the wrong way round.
+        (("kernel", "s[n], q_frag[kk], b[0], b[1]", "s[n], q_frag[kk], b[1], b[0]"), true),
+        // The kernel's P fragment: registers 1 and 2 swapped.
+        (
+            (
+                "kernel",
+                "{fs_pack_bf16(s[2 * kk][0], s[2 * kk][1]), fs_pack_bf16(s[2 * kk][2], s[2 * kk][3]),\n                                        fs_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),",
+                "{fs_pack_bf16(s[2 * kk][0], s[2 * kk][1]), fs_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),\n                                        fs_pack_bf16(s[2 * kk][2], s[2 * kk][3]),",
+            ),
+            true,
+        ),
+        // The emulator's A layout with a1/a2 rows and columns exchanged (still a bijection).
+        (
+            (
+                "mma_emu.h",
+                "row = (i < 2 || (i >= 4 && i < 6)) ? group : group + 8;\n    col = tig * 2 + (i & 1) + (i >= 4 ? 8 : 0);",
+                "row = (i < 4) ? group : group + 8;\n    col = tig * 2 + (i & 1) + ((i & 2) ? 8 : 0);",
+            ),
+            true,
+        ),
+        // The emulator's accumulator layout: the row halves swapped.
+        (
+            (
+                "mma_emu.h",
+                "row = i < 2 ? group : group + 8;",
+                "row = i < 2 ? group + 8 : group;",
+            ),
+            true,
+        ),
+        // Not layouts, but the same test's reach: the online softmax's
+        // accumulator rescale dropped, the causal mask off by one, the mask
+        // of keys past S dropped (T = 130: 3 key tiles, the last partial).
+        (("kernel", "o_acc[n][2 * r] *= rescale;", ""), true),
+        (("kernel", "(causal && j > i)", "(causal && j > i + 1)"), true),
+        (("kernel", "if (j >= kv_len || (causal", "if ((causal"), false),
+        // V's B fragments (keys 0-7 and 8-15 of the tile) swapped.
+        (
+            (
+                "kernel",
+                "o_acc[n], p_frag, b[0], b[1]",
+                "o_acc[n], p_frag, b[1], b[0]",
+            ),
+            false,
+        ),
+        // The emulator's ldmatrix.trans with the two rows of a register swapped.
+        (
+            ("mma_emu.h", "r[i] = lo | (hi << 16);", "r[i] = hi | (lo << 16);"),
+            true,
+        ),
+    ];
+    check_mutations("mutations", FlashArch::Sm80, &mutations);
+}
+
+/// Runs each mutation on the causal kernel (`true`) or the other one of
+/// the snapshot model plus its non-causal twin, at T = 130, and requires the
+/// unbroken kernels to pass and every mutation to fail.
+fn check_mutations(label: &str, arch: FlashArch, mutations: &[(Mutation, bool)]) {
     let src = SNAPSHOT_MODEL
         .replace(
             "train {",
             "let y2 = merge_heads(attention(heads(q, 4), heads(k, 1), heads(v, 1)))\ntrain {",
         )
         .replace("loss = mean(y * y)", "loss = mean(y * y) + mean(y2 * y2)");
-    let b = build(&src, "bf16");
+    let b = build(&src, "bf16", arch);
     let causal = b
         .flash
         .iter()
@@ -396,61 +555,10 @@ fn a_broken_fragment_mapping_is_caught() {
         .iter()
         .position(|f| f.what.contains("causal=false"))
         .unwrap();
-    let mutations: [(Mutation, usize); 9] = [
-        // The kernel reads K's B fragment halves the wrong way round.
-        (("kernel", "s[n], q_frag[kk], b[0], b[1]", "s[n], q_frag[kk], b[1], b[0]"), causal),
-        // The kernel's P fragment: registers 1 and 2 swapped.
-        (
-            (
-                "kernel",
-                "{fs_pack_bf16(s[2 * kk][0], s[2 * kk][1]), fs_pack_bf16(s[2 * kk][2], s[2 * kk][3]),\n                                        fs_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),",
-                "{fs_pack_bf16(s[2 * kk][0], s[2 * kk][1]), fs_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),\n                                        fs_pack_bf16(s[2 * kk][2], s[2 * kk][3]),",
-            ),
-            causal,
-        ),
-        // The emulator's A layout with a1/a2 rows and columns exchanged (still a bijection).
-        (
-            (
-                "mma_emu.h",
-                "row = (i < 2 || (i >= 4 && i < 6)) ? group : group + 8;\n    col = tig * 2 + (i & 1) + (i >= 4 ? 8 : 0);",
-                "row = (i < 4) ? group : group + 8;\n    col = tig * 2 + (i & 1) + ((i & 2) ? 8 : 0);",
-            ),
-            causal,
-        ),
-        // The emulator's accumulator layout: the row halves swapped.
-        (
-            (
-                "mma_emu.h",
-                "row = i < 2 ? group : group + 8;",
-                "row = i < 2 ? group + 8 : group;",
-            ),
-            causal,
-        ),
-        // Not layouts, but the same test's reach: the online softmax's
-        // accumulator rescale dropped, the causal mask off by one, the mask
-        // of keys past S dropped (T = 130: 3 key tiles, the last partial).
-        (("kernel", "o_acc[n][2 * r] *= rescale;", ""), causal),
-        (("kernel", "(causal && j > i)", "(causal && j > i + 1)"), causal),
-        (("kernel", "if (j >= kv_len || (causal", "if ((causal"), plain),
-        // V's B fragments (keys 0-7 and 8-15 of the tile) swapped.
-        (
-            (
-                "kernel",
-                "o_acc[n], p_frag, b[0], b[1]",
-                "o_acc[n], p_frag, b[1], b[0]",
-            ),
-            plain,
-        ),
-        // The emulator's ldmatrix.trans with the two rows of a register swapped.
-        (
-            ("mma_emu.h", "r[i] = lo | (hi << 16);", "r[i] = hi | (lo << 16);"),
-            causal,
-        ),
-    ];
     let dims = common::dims(&[("B", 1), ("T", 130)]);
     let bufs = reference(&b, &dims);
     // The unbroken build passes, so each failure below is the mutation's.
-    let work = work_dir("mutations");
+    let work = work_dir(label);
     let exe = compile(&work, "good", &harness(&b, &[causal, plain], None), None);
     for f in [causal, plain] {
         run_and_compare(
@@ -463,22 +571,16 @@ fn a_broken_fragment_mapping_is_caught() {
         )
         .expect("the unbroken kernel");
     }
-    for (i, (m, f)) in mutations.iter().enumerate() {
+    for (i, &(m, on_causal)) in mutations.iter().enumerate() {
+        let f = if on_causal { causal } else { plain };
         let (kernel_m, header_m) = if m.0 == "kernel" {
-            (Some(*m), None)
+            (Some(m), None)
         } else {
-            (None, Some(*m))
+            (None, Some(m))
         };
         let stem = format!("broken{i}");
-        let exe = compile(&work, &stem, &harness(&b, &[*f], kernel_m), header_m);
-        let got = run_and_compare(
-            &exe,
-            &work.join(format!("{stem}-run")),
-            &b,
-            *f,
-            &bufs,
-            &dims,
-        );
+        let exe = compile(&work, &stem, &harness(&b, &[f], kernel_m), header_m);
+        let got = run_and_compare(&exe, &work.join(format!("{stem}-run")), &b, f, &bufs, &dims);
         let e = got.expect_err(&format!("mutation {i} ({}: `{}`) went unnoticed", m.0, m.1));
         println!("mutation {i} ({}) caught: {e}", m.0);
     }
@@ -493,28 +595,39 @@ fn flash_attention_compiles_with_nvrtc_without_spills() {
     }
     let mut failures = Vec::new();
     for precision in ["bf16", "f16"] {
-        let b = build(MODEL, precision);
-        for f in &b.flash {
-            let name = &b.program.kernels[f.kernel].name;
-            for arch in ["sm_80", "sm_90"] {
-                match nvrtc::compile(name, &f.source, arch) {
-                    Ok(c) => {
-                        println!(
-                            "{precision} {} {arch}: {} registers, spills {}/{} bytes, {} bytes static shared",
+        for (family, archs) in [
+            (FlashArch::Sm80, &["sm_80", "sm_90"][..]),
+            (FlashArch::Sm90a, &["sm_90a"][..]),
+        ] {
+            let b = build(MODEL, precision, family);
+            for f in &b.flash {
+                let name = &b.program.kernels[f.kernel].name;
+                for &arch in archs {
+                    match nvrtc::compile(name, &f.source, arch) {
+                        Ok(c) => {
+                            println!(
+                            "{precision} {} {arch}: {} registers, spills {}/{} bytes, {} bytes shared",
                             f.what,
                             c.registers.unwrap_or(0),
                             c.spill_store_bytes,
                             c.spill_load_bytes,
-                            f.launch.static_smem_bytes
+                            f.launch.static_smem_bytes + f.launch.dynamic_smem_bytes
                         );
-                        if c.spill_store_bytes > 0 || c.spill_load_bytes > 0 {
-                            failures.push(format!("{name} {} ({arch}): spills\n{}", f.what, c.log));
+                            // ptxas serializes wgmma it cannot prove safe to
+                            // overlap, and says so ("Potential Performance Loss").
+                            if c.log.contains("Performance Loss") {
+                                failures.push(format!("{name} {} ({arch}): {}", f.what, c.log));
+                            }
+                            if c.spill_store_bytes > 0 || c.spill_load_bytes > 0 {
+                                failures
+                                    .push(format!("{name} {} ({arch}): spills\n{}", f.what, c.log));
+                            }
                         }
+                        Err(e) => failures.push(format!(
+                            "{e}\n--- source ---\n{}",
+                            nvrtc::with_prelude(&f.source)
+                        )),
                     }
-                    Err(e) => failures.push(format!(
-                        "{e}\n--- source ---\n{}",
-                        nvrtc::with_prelude(&f.source)
-                    )),
                 }
             }
         }
@@ -524,7 +637,7 @@ fn flash_attention_compiles_with_nvrtc_without_spills() {
 
 #[test]
 fn flash_attention_kernel_text() {
-    let b = build(SNAPSHOT_MODEL, "bf16");
+    let b = build(SNAPSHOT_MODEL, "bf16", FlashArch::Sm80);
     assert_eq!(b.flash.len(), 1);
     let f = &b.flash[0];
     let name = &b.program.kernels[f.kernel].name;
@@ -540,6 +653,25 @@ fn flash_attention_kernel_text() {
         f.source.replace(name.as_str(), "KERNEL")
     );
     insta::assert_snapshot!("flash_forward_d64_gqa4_causal_bf16", text);
+}
+
+#[test]
+fn hopper_flash_attention_kernel_text() {
+    let b = build(SNAPSHOT_MODEL, "bf16", FlashArch::Sm90a);
+    let f = &b.flash[0];
+    let name = &b.program.kernels[f.kernel].name;
+    let launch = &f.launch;
+    let text = format!(
+        "// launch: grid ({}, {}, {}), block {}, static shared {} bytes, dynamic shared {}\n{}",
+        launch.grid_c[0],
+        launch.grid_c[1],
+        launch.grid_c[2],
+        launch.block,
+        launch.static_smem_bytes,
+        launch.dynamic_smem_bytes,
+        f.source.replace(name.as_str(), "KERNEL")
+    );
+    insta::assert_snapshot!("flash_forward_sm90a_d64_gqa4_causal_bf16", text);
 }
 
 /// f32, head dims other than 64 and 128, and differing q/v head dims get no
@@ -566,7 +698,9 @@ fn unsupported_attention_gets_no_flash_kernel() {
             if let (true, Body::Op(n)) = (is_attention(&c.optimized, k), &k.body) {
                 let n = *n;
                 seen += 1;
-                assert!(flash_kernel(&c.optimized, &program, k, n, None).is_none());
+                for arch in [FlashArch::Sm80, FlashArch::Sm90a] {
+                    assert!(flash_kernel(&c.optimized, &program, k, n, None, arch).is_none());
+                }
             }
         }
         assert_eq!(seen, 1);

@@ -11,7 +11,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKerne
 use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::emit::cuda::emit_program;
-use fusec_compiler::emit::flash::flash_kernel;
+use fusec_compiler::emit::flash::{flash_kernel, FlashArch};
 use fusec_compiler::emit::flash_bwd::flash_backward;
 use fusec_compiler::emit::templates::{grid, shape_of, BLOCK};
 use fusec_compiler::kernel::fuse::fuse;
@@ -27,7 +27,8 @@ pub struct AttnResult {
     pub batch: usize,
     pub heads: usize,
     pub causal: bool,
-    /// Which forward kernel ran: "flash" (tensor cores) or "simple".
+    /// Which forward kernel ran: "flash" (mma.sync tensor cores),
+    /// "flash-wgmma" (Hopper's) or "simple".
     pub forward: &'static str,
     /// Which backward kernels ran.
     pub backward: &'static str,
@@ -176,18 +177,25 @@ pub fn run(
             .chain(&fwd.outputs)
             .map(|&b2| ptr_of(b2, &mut device))
             .collect::<Result<_, _>>()?;
-        match flash.then(|| flash_kernel(g, &p, fwd, nf, None)).flatten() {
+        let arch = gpu.flash_arch().filter(|_| flash);
+        match arch.and_then(|a| flash_kernel(g, &p, fwd, nf, None, a)) {
             Some((text, launch)) => {
-                forward = "flash";
+                forward = match arch {
+                    Some(FlashArch::Sm90a) => "flash-wgmma",
+                    _ => "flash",
+                };
+                let func = load(gpu, &fwd.name, &text)?;
+                let smem = launch.dynamic_smem_bytes as u32;
+                crate::exec::allow_dynamic_smem(&func, &fwd.name, smem, gpu, "--simple")?;
                 let [x, y, z] = launch.grid(&|_| None).ok_or_else(|| err("no flash grid"))?;
                 Launch {
                     name: fwd.name.clone(),
-                    func: load(gpu, &fwd.name, &text)?,
+                    func,
                     grid: (x as u32, y as u32, z as u32),
                     block: launch.block,
                     args,
                     extra: None,
-                    smem: 0,
+                    smem,
                 }
             }
             None => {
@@ -220,7 +228,7 @@ pub fn run(
             .chain(&bwd.outputs)
             .map(|&b2| ptr_of(b2, &mut device))
             .collect::<Result<_, _>>()?;
-        match flash
+        match (flash && gpu.flash_arch().is_some())
             .then(|| flash_backward(g, &p, bwd, nb, None, deterministic))
             .flatten()
         {

@@ -3,6 +3,7 @@
 
 use crate::RuntimeError;
 use cudarc::driver::{CudaContext, CudaStream};
+use fusec_compiler::emit::flash::FlashArch;
 use std::sync::Arc;
 
 pub struct Gpu {
@@ -16,10 +17,28 @@ pub struct Gpu {
 }
 
 impl Gpu {
-    /// `sm_90`: what NVRTC compiles for (the exact architecture, so the
-    /// driver loads a cubin and never JIT-compiles PTX).
+    /// `sm_86`: what NVRTC compiles for (the exact architecture, so the
+    /// driver loads a cubin and never JIT-compiles PTX). Hopper (9.0) is
+    /// `sm_90a`, whose cubins may use wgmma; they run on sm_90 alone, which
+    /// an exact-architecture cubin does anyway.
     pub fn arch(&self) -> String {
-        format!("sm_{}{}", self.capability.0, self.capability.1)
+        match self.capability {
+            (9, 0) => "sm_90a".to_string(),
+            (major, minor) => format!("sm_{major}{minor}"),
+        }
+    }
+
+    /// The tensor-core attention kernels to use: the best family for this
+    /// GPU (wgmma on Hopper, mma.sync on sm_80 and newer), `None` before
+    /// sm_80. `FUSEC_ATTENTION=simple` turns them off (`None`), and
+    /// `FUSEC_ATTENTION=mma` keeps the mma.sync family on Hopper.
+    pub fn flash_arch(&self) -> Option<FlashArch> {
+        let best = FlashArch::for_capability(self.capability)?;
+        match std::env::var("FUSEC_ATTENTION").as_deref() {
+            Ok("simple") => None,
+            Ok("mma") => Some(FlashArch::Sm80),
+            _ => Some(best),
+        }
     }
 
     pub fn free_bytes(&self) -> Result<u64, RuntimeError> {

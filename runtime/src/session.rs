@@ -96,7 +96,7 @@ impl Session {
         // CPU-checked reference.
         let mut multi: HashMap<String, Vec<MultiLaunch>> = HashMap::new();
         let mut scratch_bytes = 0u64;
-        if std::env::var("FUSEC_ATTENTION").as_deref() != Ok("simple") && gpu.capability >= (8, 0) {
+        if let Some(arch) = gpu.flash_arch() {
             let env = |s: &str| dims.get(s).copied();
             for k in &program.kernels {
                 let Body::Op(n) = k.body else { continue };
@@ -134,7 +134,7 @@ impl Session {
                 if !matches!(graph.g[n].op, Op::Attention(_)) {
                     continue;
                 }
-                let Some((text, launch)) = flash_kernel(graph, &program, k, n, None) else {
+                let Some((text, launch)) = flash_kernel(graph, &program, k, n, None, arch) else {
                     continue;
                 };
                 let Some([x, y, z]) = launch.grid(&env) else {

@@ -12,7 +12,7 @@ use common::{attention_model, gpu};
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;
-use fusec_compiler::emit::flash::flash_kernel;
+use fusec_compiler::emit::flash::{flash_kernel, FlashArch};
 use fusec_compiler::emit::flash_bwd::flash_backward;
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::tensor::Tensor;
@@ -178,17 +178,27 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
             }
         }
     }
-    for cfg in cases {
+    // Every kernel family this GPU runs: mma.sync, and on Hopper wgmma too.
+    let mut archs = vec![FlashArch::Sm80];
+    if FlashArch::for_capability(gpu.capability) == Some(FlashArch::Sm90a) {
+        archs.push(FlashArch::Sm90a);
+    }
+    for (cfg, arch) in cases
+        .into_iter()
+        .flat_map(|c| archs.iter().map(move |&a| (c, a)))
+    {
         let case = Case::new(cfg, false, 5);
         let g = &case.c.optimized;
-        let (text, fl) =
-            flash_kernel(g, &case.p, case.k(), case.node, None).expect("a supported attention");
+        let (text, fl) = flash_kernel(g, &case.p, case.k(), case.node, None, arch)
+            .expect("a supported attention");
         let (func, registers) = load(&gpu, &case.k().name, &text);
+        let smem = fl.dynamic_smem_bytes as u32;
+        fusec_runtime::exec::allow_dynamic_smem(&func, &case.k().name, smem, &gpu, "-").unwrap();
         let bufs = case.upload(&gpu);
         let ptrs: Vec<u64> = bufs.iter().map(|s| s.device_ptr(&gpu.stream).0).collect();
         let sizes: Vec<i64> = g.dims.iter().map(|d| case.dims[d]).collect();
         let grid = fl.grid(&case.env()).expect("a grid");
-        let run = || launch(&gpu, &func, &ptrs, &sizes, None, grid, fl.block, 0);
+        let run = || launch(&gpu, &func, &ptrs, &sizes, None, grid, fl.block, smem);
         run();
         gpu.stream.synchronize().unwrap();
         for slot in 0..2 {
@@ -197,7 +207,7 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
             let tol = if slot == 0 { 2e-2 * scale } else { 1e-2 };
             if worst > tol {
                 failures.push(format!(
-                    "{}: out{slot} error {worst:.3e} (tolerance {tol:.1e})",
+                    "{} {arch:?}: out{slot} error {worst:.3e} (tolerance {tol:.1e})",
                     case.at
                 ));
             }
@@ -213,7 +223,7 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
             let ms = e0.elapsed_ms(&e1).unwrap() as f64 / 20.0;
             let flops = 4.0 * (t * t) as f64 / 2.0 * d as f64 * heads as f64;
             println!(
-                "{}: {ms:.4} ms, {:.1} TFLOP/s (registers {registers:?})",
+                "{} {arch:?}: {ms:.4} ms, {:.1} TFLOP/s (registers {registers:?})",
                 case.at,
                 flops / ms / 1e9
             );

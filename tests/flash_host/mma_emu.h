@@ -2,7 +2,9 @@
 // uses (compiler/src/emit/flash.rs calls them through fs_emu_* in a host
 // build): mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32,
 // ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 and shfl.sync.bfly
-// (__shfl_xor_sync). Needs block_shim.h (real threads, one barrier per warp).
+// (__shfl_xor_sync), and for the Hopper kernel
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16} (fs_emu_wgmma, below).
+// Needs block_shim.h (real threads, one barrier per warp).
 //
 // Each operation is collective, as on the GPU: every lane publishes its
 // operands in its warp's exchange buffer, the warp meets at its barrier, and
@@ -34,7 +36,7 @@
 #pragma once
 #include <cstdint>
 
-enum fs_emu_op { FS_EMU_MMA_BF16 = 1, FS_EMU_MMA_F16, FS_EMU_SHFL, FS_EMU_LDSM, FS_EMU_LDSM_T };
+enum fs_emu_op { FS_EMU_MMA_BF16 = 1, FS_EMU_MMA_F16, FS_EMU_SHFL, FS_EMU_LDSM, FS_EMU_LDSM_T, FS_EMU_WGMMA_RS };
 
 struct fs_emu_exchange {
     int op[2][32];
@@ -184,5 +186,65 @@ static void fs_emu_ldsm_x4(unsigned (&r)[4], const unsigned short* row, bool tra
         const unsigned lo = trans ? m[pair][group] : m[group][pair];
         const unsigned hi = trans ? m[pair + 1][group] : m[group][pair + 1];
         r[i] = lo | (hi << 16);
+    }
+}
+
+// Element (mn, k) of a wgmma operand in shared memory, through a descriptor
+// without swizzling (PTX ISA, "Shared Memory Matrix Layout"): the matrix is
+// made of core matrices of 8 x 8 16-bit elements, each 8 rows of 16
+// contiguous bytes; core matrices are `lbo` bytes apart along K and `sbo`
+// bytes apart along M or N. K-major: a core matrix's rows are 8 values of
+// M/N, its 16 bytes 8 values of K; MN-major the other way round.
+static float fs_emu_desc_elem(const unsigned char* p, unsigned lbo, unsigned sbo, int mn, int k, bool mn_major, bool bf16) {
+    const unsigned char* at = p + (mn / 8) * sbo + (k / 8) * lbo + (mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2);
+    unsigned short bits;
+    memcpy(&bits, at, 2);
+    return fs_emu_elem(bits, 0, bf16);
+}
+
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}.{bf16,f16} for one
+// thread of a warpgroup: d (this thread's N / 2 accumulators) = A B + (acc ?
+// d : 0), A 64 x 16, B 16 x N. Warp w of the warpgroup (threadIdx.x / 32 % 4)
+// holds rows 16w .. 16w + 15 of D in the m16n8 accumulator layout, repeated
+// for each 8 columns (d[4j + i] at column 8j + that layout's column). A
+// comes from registers (`a_regs`: this lane's m16n8k16 A fragment of its
+// warp's 16 rows, which needs the warp's other lanes) or, K-major, through a
+// descriptor; B through a descriptor, K-major or MN-major. The GPU runs it
+// asynchronously; here it completes at once, which a correct kernel (one
+// that waits before reading d or reusing the operands) cannot tell apart.
+static void fs_emu_wgmma(float* d, int n, const unsigned* a_regs, const unsigned char* a_p, unsigned a_lbo, unsigned a_sbo,
+                         const unsigned char* b_p, unsigned b_lbo, unsigned b_sbo, bool acc, bool b_mn_major, bool bf16) {
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    for (const unsigned char* p : {a_p, b_p})
+        if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+            fprintf(stderr, "wgmma: a descriptor's matrix does not start 16-byte aligned\n");
+            exit(5);
+        }
+    float A[16][16];
+    if (a_regs) {
+        int l, p;
+        fs_emu_exchange& w = fs_emu_meet(
+            FS_EMU_WGMMA_RS, l, p,
+            [](fs_emu_exchange& w, int p, int lane, const void* arg) {
+                for (int r = 0; r < 4; ++r) w.a[p][lane][r] = static_cast<const unsigned*>(arg)[r];
+            },
+            a_regs);
+        for (int from = 0; from < 32; ++from)
+            for (int i = 0; i < 8; ++i) {
+                int r, c;
+                fs_emu_a_coord(from, i, r, c);
+                A[r][c] = fs_emu_elem(w.a[p][from][i / 2], i & 1, bf16);
+            }
+    } else {
+        for (int r = 0; r < 16; ++r)
+            for (int k = 0; k < 16; ++k) A[r][k] = fs_emu_desc_elem(a_p, a_lbo, a_sbo, 16 * warp + r, k, false, bf16);
+    }
+    for (int i = 0; i < n / 2; ++i) {
+        int r, c;
+        fs_emu_c_coord(lane, i % 4, r, c);
+        const int col = 8 * (i / 4) + c;
+        float sum = acc ? d[i] : 0.0f;
+        for (int k = 0; k < 16; ++k) sum += A[r][k] * fs_emu_desc_elem(b_p, b_lbo, b_sbo, col, k, b_mn_major, bf16);
+        d[i] = sum;
     }
 }

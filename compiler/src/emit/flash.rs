@@ -201,18 +201,45 @@ pub(crate) fn grid_of(
     (g[1] <= 65535 && g[2] <= 65535).then_some(g)
 }
 
+/// Which tensor-core instructions a FlashAttention kernel is written with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashArch {
+    /// `mma.sync.m16n8k16` and `ldmatrix`: sm_80 and newer (this module).
+    Sm80,
+    /// `wgmma.mma_async` from shared-memory descriptors and `cp.async`:
+    /// sm_90a only, compiled for `sm_90a` (`flash_sm90.rs`).
+    Sm90a,
+}
+
+impl FlashArch {
+    /// The best kernel family for a GPU of compute capability `cap`; `None`
+    /// before sm_80 (no bf16 mma).
+    pub fn for_capability(cap: (i32, i32)) -> Option<FlashArch> {
+        match cap {
+            (9, 0) => Some(FlashArch::Sm90a),
+            c if c >= (8, 0) => Some(FlashArch::Sm80),
+            _ => None,
+        }
+    }
+}
+
 /// The complete source of the FlashAttention forward kernel of attention op
 /// `n` in kernel `k` (its inputs and outputs in op order, as `op_kernel`
-/// lays them out), with its launch; `None` when the op is not supported
-/// (see `flash_forward`).
+/// lays them out) for `arch`, with its launch; `None` when the op is not
+/// supported (see `flash_forward`).
 pub fn flash_kernel(
     g: &Graph,
     p: &Program,
     k: &Kernel,
     n: NodeIndex,
     source: Option<&str>,
+    arch: FlashArch,
 ) -> Option<(String, FlashLaunch)> {
-    emit(g, &Ctx::for_op(g, p, k, n), n, source)
+    let c = Ctx::for_op(g, p, k, n);
+    match arch {
+        FlashArch::Sm80 => emit(g, &c, n, source),
+        FlashArch::Sm90a => super::flash_sm90::emit(g, &c, n, config(g, &c, n)?, source),
+    }
 }
 
 /// The FlashAttention-2 forward kernel for `Op::Attention` node `n`: the
@@ -394,7 +421,6 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     let q = Access::input(g, c, n, 0);
     let k = Access::input(g, c, n, 1);
     let v = Access::input(g, c, n, 2);
-    let (out, lse) = (Access::output(g, c, n, 0), Access::output(g, c, n, 1));
     let (elem, ty) = match cfg.dt {
         DType::F16 => ("f16", "fs_f16"),
         _ => ("bf16", "fs_bf16"),
@@ -413,16 +439,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
             "                unsigned b[4];\n                fs_b_frags(b, &k_tile[n * 8 * ROW + kk * 16], ROW);\n                {mma}(s[n], q_frag[kk], b[0], b[1]);\n                {mma}(s[n + 1], q_frag[kk], b[2], b[3]);"
         )
     };
-    let store_o = |idx: &str, val: &str| format!("{}[{idx}] = {};", out.ptr, store(out.dt, val));
     let scale_log2 = float_lit(cfg.scale * std::f64::consts::LOG2_E);
-    let lse_value =
-        format!("sum > 0.0f ? row_max[r] * 0.6931471805599453f + logf(sum) : {NEG_INF}");
-    let lse_store = format!(
-        "{}[{}] = {};",
-        lse.ptr,
-        lse.at(&["b", "h", "i"]),
-        store(lse.dt, &lse_value)
-    );
     let _ = write!(
         s,
         r#"    // FlashAttention-2 forward on tensor cores (mma.m16n8k16, f32 accumulation).
@@ -508,9 +525,50 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
             for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
         }}
 
-        // 4. Masks, only where a key can be invisible: keys past kv_len (the
+{softmax}        // 6. O += P V. The accumulators of keys 16kk .. 16kk + 15 (s[2kk], s[2kk + 1])
+        //    are exactly P's A fragment; the B fragments of features 8n .. 8n + 15
+        //    come from the value rows in one ldmatrix.trans.
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; ++kk) {{
+            const unsigned p_frag[4] = {{{pack}(s[2 * kk][0], s[2 * kk][1]), {pack}(s[2 * kk][2], s[2 * kk][3]),
+                                        {pack}(s[2 * kk + 1][0], s[2 * kk + 1][1]), {pack}(s[2 * kk + 1][2], s[2 * kk + 1][3])}};
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; n += 2) {{
+                unsigned b[4];
+                fs_b_frags_t(b, &v_tile[kk * 16 * ROW + n * 8], ROW);
+                {mma}(o_acc[n], p_frag, b[0], b[1]);
+                {mma}(o_acc[n + 1], p_frag, b[2], b[3]);
+            }}
+        }}
+    }}
+
+{epilogue}"#,
+        d = cfg.head_dim,
+        t = cfg.q_len.to_c(),
+        s_len = cfg.kv_len.to_c(),
+        group = cfg.group,
+        causal = cfg.causal,
+        last = TILE_K - 1,
+        qp = q.ptr,
+        kp = k.ptr,
+        vp = v.ptr,
+        q_at = q.at(&["b", "i", "h", "0"]),
+        k_at = k.at(&["b", "j", "kv_h", "0"]),
+        v_at = v.at(&["b", "j", "kv_h", "0"]),
+        softmax = masks_and_softmax("q0 + warp * 16"),
+        epilogue = epilogue(g, c, n),
+    );
+}
+
+/// Steps 4 and 5 of both forwards: the masks (keys past kv_len, and when
+/// causal keys after the query, only in tiles where the warp whose first
+/// row is `first_row` can meet one), then the online softmax over
+/// `s[TILE_K / 8][4]` in the accumulator layout of m16n8 (and of wgmma).
+pub(crate) fn masks_and_softmax(first_row: &str) -> String {
+    format!(
+        r#"        // 4. Masks, only where a key can be invisible: keys past kv_len (the
         //    last tile) and, when causal, keys after the query (diagonal tiles).
-        if (k0 + TILE_K > kv_len || (causal && k0 + TILE_K - 1 > q0 + warp * 16)) {{
+        if (k0 + TILE_K > kv_len || (causal && k0 + TILE_K - 1 > {first_row})) {{
 #pragma unroll
             for (int n = 0; n < TILE_K / 8; ++n) {{
 #pragma unroll
@@ -552,24 +610,25 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
             }}
         }}
 
-        // 6. O += P V. The accumulators of keys 16kk .. 16kk + 15 (s[2kk], s[2kk + 1])
-        //    are exactly P's A fragment; the B fragments of features 8n .. 8n + 15
-        //    come from the value rows in one ldmatrix.trans.
-#pragma unroll
-        for (int kk = 0; kk < TILE_K / 16; ++kk) {{
-            const unsigned p_frag[4] = {{{pack}(s[2 * kk][0], s[2 * kk][1]), {pack}(s[2 * kk][2], s[2 * kk][3]),
-                                        {pack}(s[2 * kk + 1][0], s[2 * kk + 1][1]), {pack}(s[2 * kk + 1][2], s[2 * kk + 1][3])}};
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; n += 2) {{
-                unsigned b[4];
-                fs_b_frags_t(b, &v_tile[kk * 16 * ROW + n * 8], ROW);
-                {mma}(o_acc[n], p_frag, b[0], b[1]);
-                {mma}(o_acc[n + 1], p_frag, b[2], b[3]);
-            }}
-        }}
-    }}
+"#
+    )
+}
 
-    // 7. Row sums over the row's 4 threads; O = acc / sum, lse = max * ln 2 + ln(sum)
+/// Step 7 of both forwards: the row sums over each row's 4 threads, then O
+/// and the log-sum-exp stored (rows `i_lo`, `i_hi` of this thread).
+pub(crate) fn epilogue(g: &Graph, c: &Ctx, n: NodeIndex) -> String {
+    let (out, lse) = (Access::output(g, c, n, 0), Access::output(g, c, n, 1));
+    let store_o = |idx: &str, val: &str| format!("{}[{idx}] = {};", out.ptr, store(out.dt, val));
+    let lse_value =
+        format!("sum > 0.0f ? row_max[r] * 0.6931471805599453f + logf(sum) : {NEG_INF}");
+    let lse_store = format!(
+        "{}[{}] = {};",
+        lse.ptr,
+        lse.at(&["b", "h", "i"]),
+        store(lse.dt, &lse_value)
+    );
+    format!(
+        r#"    // 7. Row sums over the row's 4 threads; O = acc / sum, lse = max * ln 2 + ln(sum)
     //    (output 0 and lse -inf for a row without a visible key, kv_len = 0).
 #pragma unroll
     for (int r = 0; r < 2; ++r) {{
@@ -589,23 +648,11 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         }}
     }}
 "#,
-        d = cfg.head_dim,
-        t = cfg.q_len.to_c(),
-        s_len = cfg.kv_len.to_c(),
-        group = cfg.group,
-        causal = cfg.causal,
-        last = TILE_K - 1,
-        qp = q.ptr,
-        kp = k.ptr,
-        vp = v.ptr,
-        q_at = q.at(&["b", "i", "h", "0"]),
-        k_at = k.at(&["b", "j", "kv_h", "0"]),
-        v_at = v.at(&["b", "j", "kv_h", "0"]),
         o_at = out.at(&["b", "i", "h", "0"]),
         store0 = store_o("o_row + n * 8 + frag_col", "o_acc[n][2 * r] * inv_sum"),
         store1 = store_o(
             "o_row + n * 8 + frag_col + 1",
             "o_acc[n][2 * r + 1] * inv_sum"
         ),
-    );
+    )
 }
