@@ -170,6 +170,7 @@ pub fn run(
             Ok(ptr)
         };
     let mut forward = "simple";
+    let arch = gpu.flash_arch().filter(|_| flash);
     let fwd_launch = {
         let args: Vec<u64> = fwd
             .inputs
@@ -177,7 +178,6 @@ pub fn run(
             .chain(&fwd.outputs)
             .map(|&b2| ptr_of(b2, &mut device))
             .collect::<Result<_, _>>()?;
-        let arch = gpu.flash_arch().filter(|_| flash);
         match arch.and_then(|a| flash_kernel(g, &p, fwd, nf, None, a)) {
             Some((text, launch)) => {
                 forward = match arch {
@@ -228,15 +228,12 @@ pub fn run(
             .chain(&bwd.outputs)
             .map(|&b2| ptr_of(b2, &mut device))
             .collect::<Result<_, _>>()?;
-        match (flash && gpu.flash_arch().is_some())
-            .then(|| flash_backward(g, &p, bwd, nb, None, deterministic))
-            .flatten()
-        {
+        match arch.and_then(|a| flash_backward(g, &p, bwd, nb, None, deterministic, a)) {
             Some(ls) => {
-                backward = if deterministic {
-                    "flash-deterministic"
-                } else {
-                    "flash"
+                backward = match (deterministic, arch) {
+                    (true, _) => "flash-deterministic",
+                    (false, Some(FlashArch::Sm90a)) => "flash-wgmma",
+                    _ => "flash",
                 };
                 let elems = ls[0].scratch_f32_elems.eval(&|_| None).unwrap_or(0).max(1) as usize;
                 let s = gpu

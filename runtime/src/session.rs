@@ -103,7 +103,7 @@ impl Session {
                 if matches!(graph.g[n].op, Op::AttentionGrad(_)) {
                     // The backward as three kernels sharing one scratch.
                     let Some(ls) =
-                        flash_backward(graph, &program, k, n, None, options.deterministic)
+                        flash_backward(graph, &program, k, n, None, options.deterministic, arch)
                     else {
                         continue;
                     };

@@ -135,6 +135,7 @@ fn load(gpu: &Gpu, name: &str, source: &str) -> (CudaFunction, Option<u32>) {
 
 /// Launches with the generated kernels' arguments: buffers, sizes, then
 /// `extra` (the backward's scratch) where given.
+#[allow(clippy::too_many_arguments)]
 fn launch(
     gpu: &Gpu,
     f: &CudaFunction,
@@ -239,17 +240,35 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
 fn flash_backward_matches_the_interpreter() {
     let Some(gpu) = gpu() else { return };
     let mut failures = Vec::new();
-    for (cfg, deterministic) in [
-        ((64usize, 2usize, 1usize, true, 1000i64), false),
-        ((64, 4, 4, false, 17), false),
-        ((128, 2, 1, false, 1023), false),
-        ((128, 4, 4, true, 100), false),
-        ((64, 2, 1, true, 1000), true),
-        ((128, 4, 4, true, 100), true),
-    ] {
+    let hopper = FlashArch::for_capability(gpu.capability) == Some(FlashArch::Sm90a);
+    let mut cases = vec![
+        (
+            (64usize, 2usize, 1usize, true, 1000i64),
+            false,
+            FlashArch::Sm80,
+        ),
+        ((64, 4, 4, false, 17), false, FlashArch::Sm80),
+        ((128, 2, 1, false, 1023), false, FlashArch::Sm80),
+        ((128, 4, 4, true, 100), false, FlashArch::Sm80),
+        ((64, 2, 1, true, 1000), true, FlashArch::Sm80),
+        ((128, 4, 4, true, 100), true, FlashArch::Sm80),
+    ];
+    if hopper {
+        for cfg in [
+            (64usize, 2usize, 1usize, true, 1000i64),
+            (64, 4, 4, false, 17),
+            (64, 2, 1, false, 1),
+            (128, 2, 1, false, 1023),
+            (128, 4, 4, true, 100),
+            (128, 2, 1, true, 1000),
+        ] {
+            cases.push((cfg, false, FlashArch::Sm90a));
+        }
+    }
+    for (cfg, deterministic, arch) in cases {
         let case = Case::new(cfg, true, 6);
         let g = &case.c.optimized;
-        let launches = flash_backward(g, &case.p, case.k(), case.node, None, deterministic)
+        let launches = flash_backward(g, &case.p, case.k(), case.node, None, deterministic, arch)
             .expect("a supported backward");
         let env = case.env();
         let bufs = case.upload(&gpu);
@@ -278,13 +297,16 @@ fn flash_backward_matches_the_interpreter() {
             let (worst, scale) = case.error(&gpu, &bufs, slot);
             if worst > 3e-2 * scale {
                 failures.push(format!(
-                    "{} (deterministic: {deterministic}): out{slot} error {:.3e} of max",
+                    "{} (deterministic: {deterministic}, {arch:?}): out{slot} error {:.3e} of max",
                     case.at,
                     worst / scale
                 ));
             }
         }
-        println!("{} (deterministic: {deterministic}): checked", case.at);
+        println!(
+            "{} (deterministic: {deterministic}, {arch:?}): checked",
+            case.at
+        );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

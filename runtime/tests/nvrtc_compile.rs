@@ -11,7 +11,6 @@ use fusec_compiler::emit::cuda::emit_program;
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_runtime::nvrtc;
 use std::collections::BTreeMap;
-use std::path::Path;
 
 #[test]
 fn every_generated_kernel_compiles_for_sm80_and_sm90_without_spills() {

@@ -208,14 +208,15 @@ static float fs_emu_desc_elem(const unsigned char* p, unsigned lbo, unsigned sbo
 // holds rows 16w .. 16w + 15 of D in the m16n8 accumulator layout, repeated
 // for each 8 columns (d[4j + i] at column 8j + that layout's column). A
 // comes from registers (`a_regs`: this lane's m16n8k16 A fragment of its
-// warp's 16 rows, which needs the warp's other lanes) or, K-major, through a
-// descriptor; B through a descriptor, K-major or MN-major. The GPU runs it
+// warp's 16 rows, which needs the warp's other lanes) or through a
+// descriptor; B through a descriptor; each K-major or MN-major. The GPU runs it
 // asynchronously; here it completes at once, which a correct kernel (one
 // that waits before reading d or reusing the operands) cannot tell apart.
 static void fs_emu_wgmma(float* d, int n, const unsigned* a_regs, const unsigned char* a_p, unsigned a_lbo, unsigned a_sbo,
-                         const unsigned char* b_p, unsigned b_lbo, unsigned b_sbo, bool acc, bool b_mn_major, bool bf16) {
+                         bool a_mn_major, const unsigned char* b_p, unsigned b_lbo, unsigned b_sbo, bool b_mn_major, bool acc,
+                         bool bf16) {
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    for (const unsigned char* p : {a_p, b_p})
+    for (const unsigned char* p : {a_regs ? b_p : a_p, b_p})
         if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
             fprintf(stderr, "wgmma: a descriptor's matrix does not start 16-byte aligned\n");
             exit(5);
@@ -237,7 +238,7 @@ static void fs_emu_wgmma(float* d, int n, const unsigned* a_regs, const unsigned
             }
     } else {
         for (int r = 0; r < 16; ++r)
-            for (int k = 0; k < 16; ++k) A[r][k] = fs_emu_desc_elem(a_p, a_lbo, a_sbo, 16 * warp + r, k, false, bf16);
+            for (int k = 0; k < 16; ++k) A[r][k] = fs_emu_desc_elem(a_p, a_lbo, a_sbo, 16 * warp + r, k, a_mn_major, bf16);
     }
     for (int i = 0; i < n / 2; ++i) {
         int r, c;

@@ -78,7 +78,8 @@
 use super::attention::Access;
 use super::cuda::NEG_INF;
 use super::cuda::{float_lit, header, load, store};
-use super::flash::{grid_c_of, grid_of, Config, HELPERS, PAD};
+use super::flash::{grid_c_of, grid_of, Config, FlashArch, HELPERS, PAD};
+use super::flash_bwd_sm90 as sm90;
 use super::templates::Ctx;
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
@@ -185,6 +186,7 @@ pub fn flash_backward(
     n: NodeIndex,
     source: Option<&str>,
     deterministic: bool,
+    arch: FlashArch,
 ) -> Option<Vec<FlashBwdLaunch>> {
     let c = Ctx::for_op(g, p, k, n);
     let cfg = config(g, &c, n)?;
@@ -204,6 +206,8 @@ pub fn flash_backward(
     let q_grid = [cfg.q_len.clone(), cfg.q_heads.clone(), cfg.batch.clone()];
     let kv_grid = [cfg.kv_len.clone(), cfg.kv_heads.clone(), cfg.batch.clone()];
     let qt = query_tile(d, deterministic);
+    // Hopper's dK/dV/dQ kernel (wgmma) where the atomic scheme runs on sm_90a.
+    let hopper = arch == FlashArch::Sm90a && !deterministic;
     let qkdo = vec![0, 1, 2, 4, 5];
     // (stage, suffix, grid extents, tile, reads, writes, static and dynamic
     // shared memory)
@@ -248,11 +252,15 @@ pub fn flash_backward(
                 Stage::DkDvDq,
                 "dkdvdq",
                 kv_grid,
-                TILE_KEYS,
+                if hopper { sm90::TILE_KEYS } else { TILE_KEYS },
                 qkdo,
                 vec![1, 2],
                 0,
-                key_major_smem(d, qt, true),
+                if hopper {
+                    sm90::smem_bytes(d)
+                } else {
+                    key_major_smem(d, qt, true)
+                },
             ),
             (
                 Stage::DqStore,
@@ -268,14 +276,27 @@ pub fn flash_backward(
     };
     let mut out = Vec::new();
     for (stage, suffix, dims, tile, reads, writes, smem, dynamic) in stages {
+        let mut block = THREADS;
+        // Two blocks per SM: up to 255 registers each.
+        let mut bounds = format!("{THREADS}, 2");
+        let mut helpers = String::new();
         let body = match stage {
             Stage::Delta => delta_body(g, &c, n, &cfg, deterministic),
+            Stage::DkDvDq if hopper => {
+                block = sm90::THREADS;
+                bounds = format!("{block}, 1");
+                helpers = sm90::helpers(d);
+                sm90::dkdvdq_body(g, &c, n, &cfg, dynamic)
+            }
             Stage::DkDv | Stage::DkDvDq => dkdv_body(g, &c, n, &cfg, deterministic, dynamic),
             Stage::Dq => dq_body(g, &c, n, &cfg),
             Stage::DqStore => dq_store_body(g, &c, n, &cfg),
         };
         let name = format!("{}_{suffix}", k.name);
-        let mut s = kernel_head(&head, &k.name, &name, deterministic)?;
+        let mut s = kernel_head(&head, &k.name, &name, deterministic, &bounds)?;
+        if let Some(at) = s.find("extern \"C\" __global__") {
+            s.insert_str(at, &helpers);
+        }
         s.push_str(&body);
         s.push_str("}\n");
         out.push(FlashBwdLaunch {
@@ -285,7 +306,7 @@ pub fn flash_backward(
             grid_c: grid_c_of(&dims, tile),
             grid_dims: dims,
             grid_tiles: [tile, 1, 1],
-            block: THREADS,
+            block,
             static_smem_bytes: smem,
             dynamic_smem_bytes: dynamic,
             reads,
@@ -331,16 +352,21 @@ fn key_tile(d: u64) -> u64 {
 
 /// `header`'s text renamed to `name`, with the helpers before the signature,
 /// `__launch_bounds__` and the scratch pointer as the last parameter.
-fn kernel_head(head: &str, old: &str, name: &str, deterministic: bool) -> Option<String> {
+pub(crate) fn kernel_head(
+    head: &str,
+    old: &str,
+    name: &str,
+    deterministic: bool,
+    bounds: &str,
+) -> Option<String> {
     let sig = format!("extern \"C\" __global__ void {old}(");
     let at = head.find(&sig)?;
     let close = head.rfind(")\n{")?;
     let mut s = String::new();
     s.push_str(&head[..at].replacen(&format!("// {old}:"), &format!("// {name}:"), 1));
     s.push_str(HELPERS);
-    // Two blocks per SM: up to 255 registers each.
     s.push_str(&format!(
-        "extern \"C\" __global__ void __launch_bounds__({THREADS}, 2) {name}("
+        "extern \"C\" __global__ void __launch_bounds__({bounds}) {name}("
     ));
     s.push_str(&head[at + sig.len()..close]);
     s.push_str(if deterministic {
@@ -353,7 +379,7 @@ fn kernel_head(head: &str, old: &str, name: &str, deterministic: bool) -> Option
 
 /// Replaces every `$key` of `t`: at each `$`, the longest key that follows
 /// it; a value is filled the same way first (snippets hold keys too).
-fn fill(t: &str, subs: &[(&str, String)]) -> String {
+pub(crate) fn fill(t: &str, subs: &[(&str, String)]) -> String {
     let mut keys: Vec<&(&str, String)> = subs.iter().collect();
     keys.sort_by_key(|(k, _)| std::cmp::Reverse(k.len()));
     let mut out = String::with_capacity(t.len());
@@ -377,7 +403,7 @@ fn fill(t: &str, subs: &[(&str, String)]) -> String {
 }
 
 /// Substitutions every body uses.
-fn common_subs(
+pub(crate) fn common_subs(
     g: &Graph,
     c: &Ctx,
     n: NodeIndex,
@@ -536,7 +562,6 @@ fn dkdv_body(
     deterministic: bool,
     dynamic: u64,
 ) -> String {
-    let [dk, dv] = [1, 2].map(|o| Access::output(g, c, n, o));
     let mut subs = common_subs(g, c, n, cfg, deterministic);
     let (title, tiles, store_ds, dq_sum) = if deterministic {
         ("kernel 2 of 3: dK and dV", STATIC_TILES, "", "")
@@ -558,6 +583,16 @@ fn dkdv_body(
         query_tile(cfg.head_dim, deterministic).to_string(),
     ));
     subs.push(("TILE_K", TILE_KEYS.to_string()));
+    subs.extend(dkdv_store_subs(g, c, n));
+    fill(DKDV, &subs)
+}
+
+/// How the key-major kernels store dK (scaled) and dV from their
+/// accumulators: `$DK_AT`/`$DV_AT` (row `j` of kv head `kv_h`) and the four
+/// stores of `dk_acc[n][2r + e]`, `dv_acc[n][2r + e]` at `dk_row`/`dv_row`.
+pub(crate) fn dkdv_store_subs(g: &Graph, c: &Ctx, n: NodeIndex) -> Vec<(&'static str, String)> {
+    let [dk, dv] = [1, 2].map(|o| Access::output(g, c, n, o));
+    let mut subs = Vec::new();
     subs.push(("DK_AT", dk.at(&["b", "j", "kv_h", "0"])));
     subs.push((
         "STORE_DK0",
@@ -592,7 +627,7 @@ fn dkdv_body(
         ),
     ));
     subs.push(("DV_AT", dv.at(&["b", "j", "kv_h", "0"])));
-    fill(DKDV, &subs)
+    subs
 }
 
 /// `_dq`'s S and dP products for keys 8n .. 8n + 15, fragments by ldmatrix.

@@ -79,7 +79,10 @@ pub(crate) fn emit(
     let mut s = String::new();
     s.push_str(&head[..at]);
     s.push_str(HELPERS);
-    s.push_str(&wgmma_helpers(&[tile_k(d)], &[d]));
+    s.push_str(&wgmma_helpers(&[
+        (Operand::KMajor, Operand::KMajor, tile_k(d)),
+        (Operand::Regs, Operand::MnMajor, d),
+    ]));
     s.push_str(&head[at..].replacen(sig, &format!("{sig}__launch_bounds__({THREADS}, 1) "), 1));
     body(&mut s, g, c, n, &cfg);
     s.push_str("}\n");
@@ -99,22 +102,41 @@ pub(crate) fn emit(
     Some((s, launch))
 }
 
+/// Where a wgmma operand comes from: registers (A only, in m16n8k16's A
+/// fragment layout), or shared memory through a descriptor, K-major (the
+/// 16-byte rows of a core matrix run along K) or MN-major (along M or N).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Operand {
+    Regs,
+    KMajor,
+    MnMajor,
+}
+
+impl Operand {
+    fn letter(self) -> char {
+        match self {
+            Operand::Regs => 'r',
+            Operand::KMajor => 'k',
+            Operand::MnMajor => 'm',
+        }
+    }
+}
+
+/// The C name of one wgmma wrapper: `fs_wgmma_<A><B>_n<N>_<elem>`, A and B
+/// each `r`, `k` or `m` (see [`Operand`]).
+pub(crate) fn wgmma_name(a: Operand, b: Operand, n: u64, elem: &str) -> String {
+    format!("fs_wgmma_{}{}_n{n}_{elem}", a.letter(), b.letter())
+}
+
 /// The wgmma building blocks: descriptors, fences, asynchronous copies, and
-/// for each N in `ss` the m64nNk16 product with both operands in shared
-/// memory (B K-major), for each N in `rs_t` the one with A in registers and
-/// B MN-major; each for bf16 and f16.
-pub(crate) fn wgmma_helpers(ss: &[u64], rs_t: &[u64]) -> String {
+/// one m64nNk16 wrapper per `(A, B, N)` in `shapes`, for bf16 and f16.
+pub(crate) fn wgmma_helpers(shapes: &[(Operand, Operand, u64)]) -> String {
     let mut s = String::from(WGMMA_COMMON);
     for (cuda, guard) in [(true, "#ifdef __CUDA_ARCH__\n"), (false, "#else\n")] {
         s.push_str(guard);
-        for &n in ss {
+        for &(a, b, n) in shapes {
             for elem in ["bf16", "f16"] {
-                s.push_str(&wgmma_fn(n, elem, false, cuda));
-            }
-        }
-        for &n in rs_t {
-            for elem in ["bf16", "f16"] {
-                s.push_str(&wgmma_fn(n, elem, true, cuda));
+                s.push_str(&wgmma_fn(a, b, n, elem, cuda));
             }
         }
     }
@@ -122,16 +144,12 @@ pub(crate) fn wgmma_helpers(ss: &[u64], rs_t: &[u64]) -> String {
     s
 }
 
-/// One wgmma wrapper: `fs_wgmma_ss_n{N}_{elem}(d, a_desc, b_desc, acc)` or
-/// `fs_wgmma_rs_t_n{N}_{elem}(d, a_regs, b_desc, acc)`; `d = A B + (acc ? d :
-/// 0)` for the warpgroup, `d` in the m64nN accumulator layout.
-fn wgmma_fn(n: u64, elem: &str, regs_a: bool, cuda: bool) -> String {
-    let name = if regs_a {
-        format!("fs_wgmma_rs_t_n{n}_{elem}")
-    } else {
-        format!("fs_wgmma_ss_n{n}_{elem}")
-    };
-    let a_param = if regs_a {
+/// One wgmma wrapper, `name(d, a, b, acc)`: `d = A B + (acc ? d : 0)` for
+/// the warpgroup, `d` in the m64nN accumulator layout, `a` four registers
+/// or a descriptor, `b` a descriptor.
+fn wgmma_fn(a: Operand, b: Operand, n: u64, elem: &str, cuda: bool) -> String {
+    let name = wgmma_name(a, b, n, elem);
+    let a_param = if a == Operand::Regs {
         "const unsigned (&a)[4]"
     } else {
         "fs_desc a"
@@ -140,30 +158,31 @@ fn wgmma_fn(n: u64, elem: &str, regs_a: bool, cuda: bool) -> String {
         "void {name}(float (&d)[{}][4], {a_param}, fs_desc b, int acc)",
         n / 8
     );
+    let def = if cuda {
+        wgmma_asm(&sig, a, b, n, elem)
+    } else {
+        let a_args = if a == Operand::Regs {
+            "a, nullptr, 0, 0".to_string()
+        } else {
+            "nullptr, a.p, a.lbo, a.sbo".to_string()
+        };
+        format!(
+            "inline {sig} {{ fs_emu_wgmma(&d[0][0], {n}, {a_args}, {}, b.p, b.lbo, b.sbo, {}, acc != 0, {}); }}\n",
+            a == Operand::MnMajor,
+            b == Operand::MnMajor,
+            elem == "bf16"
+        )
+    };
     // Once per translation unit, however many kernels ask for it.
     let guard = name.to_uppercase();
-    format!(
-        "#ifndef {guard}\n#define {guard}\n{}#endif\n",
-        wgmma_def(&sig, n, elem, regs_a, cuda)
-    )
+    format!("#ifndef {guard}\n#define {guard}\n{def}#endif\n")
 }
 
-fn wgmma_def(sig: &str, n: u64, elem: &str, regs_a: bool, cuda: bool) -> String {
-    if !cuda {
-        let a_arg = if regs_a {
-            "a, nullptr, 0, 0"
-        } else {
-            "nullptr, a.p, a.lbo, a.sbo"
-        };
-        return format!(
-            "inline {sig} {{ fs_emu_wgmma(&d[0][0], {n}, {a_arg}, b.p, b.lbo, b.sbo, acc != 0, {}, {}); }}\n",
-            regs_a,
-            elem == "bf16"
-        );
-    }
+/// The device definition: one `wgmma.mma_async` in inline PTX.
+fn wgmma_asm(sig: &str, a: Operand, b: Operand, n: u64, elem: &str) -> String {
     let regs = n / 2;
     let d_list: Vec<String> = (0..regs).map(|i| format!("%{i}")).collect();
-    let (a_ops, a_in, next) = if regs_a {
+    let (a_ops, a_in, next) = if a == Operand::Regs {
         (
             format!("{{%{}, %{}, %{}, %{}}}", regs, regs + 1, regs + 2, regs + 3),
             "\"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3])".to_string(),
@@ -172,18 +191,16 @@ fn wgmma_def(sig: &str, n: u64, elem: &str, regs_a: bool, cuda: bool) -> String 
     } else {
         (format!("%{regs}"), "\"l\"(a)".to_string(), regs + 1)
     };
-    // Operands after A: b, acc, then the immediates (scale A, scale B,
-    // [transpose A,] transpose B).
-    let imm = if regs_a {
-        format!("%{}, %{}, %{}", next + 2, next + 3, next + 4)
-    } else {
-        format!("%{}, %{}, %{}, %{}", next + 2, next + 3, next + 4, next + 5)
-    };
-    let imm_in = if regs_a {
-        "\"n\"(1), \"n\"(1), \"n\"(1)"
-    } else {
-        "\"n\"(1), \"n\"(1), \"n\"(0), \"n\"(0)"
-    };
+    // After A: b, acc, then the immediates: scale A, scale B, [transpose
+    // A (shared-memory A only),] transpose B (1 = MN-major).
+    let mut imm_in = vec!["\"n\"(1)".to_string(), "\"n\"(1)".to_string()];
+    if a != Operand::Regs {
+        imm_in.push(format!("\"n\"({})", (a == Operand::MnMajor) as u8));
+    }
+    imm_in.push(format!("\"n\"({})", (b == Operand::MnMajor) as u8));
+    let imm: Vec<String> = (0..imm_in.len())
+        .map(|i| format!("%{}", next + 2 + i as u64))
+        .collect();
     let outs: Vec<String> = (0..regs)
         .map(|i| format!("\"+f\"(d[{}][{}])", i / 4, i % 4))
         .collect();
@@ -192,7 +209,9 @@ fn wgmma_def(sig: &str, n: u64, elem: &str, regs_a: bool, cuda: bool) -> String 
         acc = next + 1,
         d = d_list.join(", "),
         b = next,
+        imm = imm.join(", "),
         outs = outs.join(", "),
+        imm_in = imm_in.join(", "),
     )
 }
 
@@ -217,6 +236,8 @@ __device__ __forceinline__ fs_desc fs_make_desc(const void* p, unsigned lbo, uns
 __device__ __forceinline__ void fs_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void fs_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void fs_wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Waits for all but the newest committed group.
+__device__ __forceinline__ void fs_wgmma_wait_all_but_1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 // Keeps the compiler from touching accumulators across an asynchronous wgmma.
 template <int N>
 __device__ __forceinline__ void fs_wgmma_hold(float (&d)[N][4]) {
@@ -241,6 +262,7 @@ inline fs_desc fs_make_desc(const void* p, unsigned lbo, unsigned sbo) { return 
 inline void fs_wgmma_fence() {}
 inline void fs_wgmma_commit() {}
 inline void fs_wgmma_wait_all() {}
+inline void fs_wgmma_wait_all_but_1() {}
 template <int N>
 inline void fs_wgmma_hold(float (&)[N][4]) {}
 inline void fs_fence_async_smem() {}
@@ -347,7 +369,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         fs_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            fs_wgmma_ss_n{tk}_{elem}(s, fs_make_desc(q_wg + kk * 128, CORE, ROW8), fs_make_desc(kt + kk * 128, CORE, ROW8), kk);
+            {s_mma}(s, fs_make_desc(q_wg + kk * 128, CORE, ROW8), fs_make_desc(kt + kk * 128, CORE, ROW8), kk);
         fs_wgmma_commit();
         fs_wgmma_wait_all();
         fs_wgmma_hold(s);
@@ -371,7 +393,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         fs_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < TILE_K / 16; ++kk)
-            fs_wgmma_rs_t_n{d}_{elem}(o_acc, p_frag[kk], fs_make_desc(vt + kk * 16 * HEAD_DIM, ROW8, CORE), 1);
+            {o_mma}(o_acc, p_frag[kk], fs_make_desc(vt + kk * 16 * HEAD_DIM, ROW8, CORE), 1);
         fs_wgmma_commit();
         fs_wgmma_wait_all();
         fs_wgmma_hold(o_acc);
@@ -392,6 +414,8 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         k_at = k.at(&["b", "j", "kv_h", "0"]),
         v_at = v.at(&["b", "j", "kv_h", "0"]),
         softmax = masks_and_softmax("q0 + wg * 64 + warp * 16"),
+        s_mma = wgmma_name(Operand::KMajor, Operand::KMajor, tk, elem),
+        o_mma = wgmma_name(Operand::Regs, Operand::MnMajor, d, elem),
         epilogue = epilogue(g, c, n),
     );
 }

@@ -4,6 +4,7 @@ pub mod conv;
 pub mod cuda;
 pub mod flash;
 pub mod flash_bwd;
+pub mod flash_bwd_sm90;
 pub mod flash_sm90;
 pub mod group;
 pub mod multi;
