@@ -293,8 +293,13 @@ fn flash_backward_matches_the_interpreter() {
             );
         }
         gpu.stream.synchronize().unwrap();
-        for slot in 0..3 {
-            let (worst, scale) = case.error(&gpu, &bufs, slot);
+        let errors: Vec<(f64, f64)> = (0..3).map(|slot| case.error(&gpu, &bufs, slot)).collect();
+        // With one visible key per query (T = 1), dQ and dK are exactly zero
+        // (P = 1, dP = delta): their errors are then measured against the
+        // largest output, as the host tests do.
+        let largest = errors.iter().fold(0.0f64, |m, e| m.max(e.1));
+        for (slot, &(worst, scale)) in errors.iter().enumerate() {
+            let scale = if scale > 1e-6 { scale } else { largest };
             if worst > 3e-2 * scale {
                 failures.push(format!(
                     "{} (deterministic: {deterministic}, {arch:?}): out{slot} error {:.3e} of max",

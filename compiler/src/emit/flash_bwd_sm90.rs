@@ -273,6 +273,8 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
         fs_wgmma_hold(dq);
         fs_wgmma_hold(dk_acc);
         fs_wgmma_hold(dv_acc);
+        // (16-byte reductions, lanes trading pairs so that each holds 4 adjacent
+        // features, ran this kernel 1-2% slower on an H100: docs/benchmarks.md.)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const fs_i64 i = i0 + warp * 16 + frag_row + 8 * r;
