@@ -23,7 +23,7 @@ mod common;
 use common::host;
 
 use fusec_compiler::emit::flash::FlashArch;
-use fusec_compiler::emit::flash_bwd::{flash_backward, FlashBwdLaunch};
+use fusec_compiler::emit::flash_bwd::{flash_backward, FlashBwdLaunch, THREADS};
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
 use fusec_compiler::interp::tensor::Tensor;
 use fusec_compiler::ir::Graph;
@@ -418,6 +418,16 @@ fn hopper_flash_backward_matches_the_reference_on_the_host() {
     println!("hopper cross: {checked} kernel-set runs matched the reference");
 }
 
+/// The snapshot model with a non-causal twin of its attention.
+fn twin_model() -> String {
+    SNAPSHOT_MODEL
+        .replace(
+            "train {",
+            "let y2 = merge_heads(attention(heads(q, 4), heads(k, 1), heads(v, 1)))\ntrain {",
+        )
+        .replace("loss = mean(y * y)", "loss = mean(y * y) + mean(y2 * y2)")
+}
+
 /// Plain logic bugs of either scheme's kernels, and wrong fragment halves,
 /// must make the comparison fail (else the host runs prove little). Each
 /// mutation names the set it breaks: causal or not, deterministic or
@@ -427,13 +437,7 @@ fn deliberate_breakages_are_caught() {
     if !host::have_cxx() {
         return;
     }
-    let src = SNAPSHOT_MODEL
-        .replace(
-            "train {",
-            "let y2 = merge_heads(attention(heads(q, 4), heads(k, 1), heads(v, 1)))\ntrain {",
-        )
-        .replace("loss = mean(y * y)", "loss = mean(y * y) + mean(y2 * y2)");
-    let b = build(&src, "bf16");
+    let b = build(&twin_model(), "bf16");
     let find = |causal: bool, deterministic: bool| {
         b.sets
             .iter()
@@ -545,14 +549,24 @@ fn deliberate_breakages_are_caught() {
             causal_atomic,
         ),
     ];
+    expect_caught(
+        &b,
+        "mutations",
+        &[causal, plain, causal_atomic, plain_atomic],
+        &mutations,
+    );
+}
+
+/// The unbroken sets `all` of `b` pass at B = 1, T = 100; then each
+/// mutation, applied to the set it names, must fail.
+fn expect_caught(b: &Built, label: &str, all: &[usize], mutations: &[(Mutation, usize)]) {
     let dims = common::dims(&[("B", 1), ("T", 100)]);
-    let bufs = reference(&b, &dims);
-    let work = work_dir("mutations");
+    let bufs = reference(b, &dims);
+    let work = work_dir(label);
     // The unbroken build passes, so each failure below is the mutation's.
-    let all = [causal, plain, causal_atomic, plain_atomic];
-    let exe = host::build(&work, "good", &harness(&b, &all, None));
-    for f in all {
-        run_and_compare(&exe, &work.join(format!("good-{f}")), &b, f, &bufs, &dims)
+    let exe = host::build(&work, "good", &harness(b, all, None));
+    for &f in all {
+        run_and_compare(&exe, &work.join(format!("good-{f}")), b, f, &bufs, &dims)
             .expect("the unbroken kernels");
     }
     for (i, &((from, to), f)) in mutations.iter().enumerate() {
@@ -566,13 +580,70 @@ fn deliberate_breakages_are_caught() {
             "mutation {i}: the kernels have no `{from}`"
         );
         let stem = format!("broken{i}");
-        let cpp = harness(&b, &[f], Some((from, to)));
+        let cpp = harness(b, &[f], Some((from, to)));
         let exe = host::build(&work, &stem, &cpp);
-        let got = run_and_compare(&exe, &work.join(format!("{stem}-run")), &b, f, &bufs, &dims);
+        let got = run_and_compare(&exe, &work.join(format!("{stem}-run")), b, f, &bufs, &dims);
         let e = got.expect_err(&format!("mutation {i} (`{from}`) went unnoticed"));
         println!("mutation {i} caught: {e}");
     }
     let _ = std::fs::remove_dir_all(&work);
+}
+
+/// Hopper's dK/dV/dQ kernel: its descriptors' strides, dS^T's layout, the
+/// warpgroups' halves of dQ and the mask must each matter.
+#[test]
+fn a_broken_hopper_backward_is_caught() {
+    if !host::have_cxx() {
+        return;
+    }
+    let b = build_for(&twin_model(), "bf16", FlashArch::Sm90a);
+    let find = |causal: bool| {
+        b.sets
+            .iter()
+            .position(|f| f.what.contains(&format!("causal={causal}")))
+            .unwrap()
+    };
+    let (causal, plain) = (find(true), find(false));
+    let mutations: [(Mutation, usize); 5] = [
+        // dQ's A (dS, MN-major) read with its strides exchanged.
+        (
+            (
+                "fs_make_desc(ds_tile + kk * 16 * TILE_Q, DS_ROW8, CORE)",
+                "fs_make_desc(ds_tile + kk * 16 * TILE_Q, CORE, DS_ROW8)",
+            ),
+            plain,
+        ),
+        // dV's B (dO, MN-major) likewise.
+        (
+            (
+                "fs_make_desc(dot + kk * 16 * HEAD_DIM, ROW8, CORE)",
+                "fs_make_desc(dot + kk * 16 * HEAD_DIM, CORE, ROW8)",
+            ),
+            plain,
+        ),
+        // dS^T stored with its key halves swapped.
+        (
+            (
+                "fs_st32(&ds_tile[ds_at(key_row, 16 * kk + frag_col)], ds_frag[kk][0]);\n            fs_st32(&ds_tile[ds_at(key_row + 8, 16 * kk + frag_col)], ds_frag[kk][1]);",
+                "fs_st32(&ds_tile[ds_at(key_row + 8, 16 * kk + frag_col)], ds_frag[kk][0]);\n            fs_st32(&ds_tile[ds_at(key_row, 16 * kk + frag_col)], ds_frag[kk][1]);",
+            ),
+            plain,
+        ),
+        // Both warpgroups take the first half of dQ's features.
+        (
+            ("+ wg * 4 * HEAD_DIM, ROW8, CORE)", ", ROW8, CORE)"),
+            plain,
+        ),
+        // The causal mask off by one.
+        (
+            (
+                "if (i >= q_len || (causal && j > i)) p = 0.0f;",
+                "if (i >= q_len || (causal && j > i + 1)) p = 0.0f;",
+            ),
+            causal,
+        ),
+    ];
+    expect_caught(&b, "hopper-mutations", &[causal, plain], &mutations);
 }
 
 #[test]
@@ -638,6 +709,9 @@ fn flash_backward_kernel_text() {
     for set in &b.sets {
         snapshot_set(&b, set);
     }
+    let b = build_for(SNAPSHOT_MODEL, "bf16", FlashArch::Sm90a);
+    assert_eq!(b.sets.len(), 1);
+    snapshot_set(&b, &b.sets[0]);
 }
 
 /// One kernel set's launches and texts in a snapshot (the deterministic
@@ -663,7 +737,9 @@ fn snapshot_set(b: &Built, set: &Set) {
         );
         text.push_str(&l.source.replace(name.as_str(), "KERNEL"));
     }
-    if set.deterministic {
+    if set.launches[1].block != THREADS {
+        insta::assert_snapshot!("flash_backward_sm90a_d64_gqa4_causal_bf16_atomic", text);
+    } else if set.deterministic {
         insta::assert_snapshot!("flash_backward_d64_gqa4_causal_bf16", text);
     } else {
         insta::assert_snapshot!("flash_backward_d64_gqa4_causal_bf16_atomic", text);
