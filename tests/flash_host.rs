@@ -370,8 +370,8 @@ fn flash_cross_attention_matches_the_reference() {
 }
 
 /// The Hopper (wgmma) forward, `emit/flash_sm90.rs`, on the same variants
-/// and sizes (its 128-query, 64- or 128-key tiles: T = 130 takes two query
-/// tiles and two or three key tiles, the last partial).
+/// and sizes (its 128-query, 64-key tiles: T = 130 takes two query tiles and
+/// three key tiles, the last partial).
 #[test]
 fn hopper_flash_attention_matches_the_reference_on_the_host() {
     if !host::have_cxx() {

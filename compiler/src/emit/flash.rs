@@ -256,29 +256,65 @@ pub(crate) fn flash_forward(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<(String,
 
 fn emit(g: &Graph, c: &Ctx, n: NodeIndex, source: Option<&str>) -> Option<(String, FlashLaunch)> {
     let cfg = config(g, c, n)?;
+    let mut text = String::new();
+    body(&mut text, g, c, n, &cfg);
+    // The key and value tiles, 16-bit elements, in static shared memory.
+    let smem = 2 * TILE_K * (cfg.head_dim + PAD) * 2;
+    let shape = ForwardShape {
+        tile_q: TILE_Q,
+        block: THREADS,
+        bounds: THREADS.to_string(),
+        static_smem: smem,
+        dynamic_smem: 0,
+    };
+    forward_kernel(g, c, source, "", &text, &cfg, shape)
+}
+
+/// How a forward kernel is launched and bounded.
+pub(crate) struct ForwardShape {
+    pub(crate) tile_q: u64,
+    pub(crate) block: u32,
+    /// `__launch_bounds__`'s arguments.
+    pub(crate) bounds: String,
+    pub(crate) static_smem: u64,
+    pub(crate) dynamic_smem: u64,
+}
+
+/// A forward kernel's whole text (the plan kernel's header, `HELPERS`, then
+/// `helpers`, the signature with its launch bounds, `body`) and its launch:
+/// what both forward families share.
+pub(crate) fn forward_kernel(
+    g: &Graph,
+    c: &Ctx,
+    source: Option<&str>,
+    helpers: &str,
+    body: &str,
+    cfg: &Config,
+    shape: ForwardShape,
+) -> Option<(String, FlashLaunch)> {
     let head = header(g, c.p, c.k, source);
     let sig = "extern \"C\" __global__ void ";
     let at = head.find(sig)?;
     let mut s = String::new();
     s.push_str(&head[..at]);
     s.push_str(HELPERS);
-    s.push_str(&head[at..].replacen(sig, &format!("{sig}__launch_bounds__({THREADS}) "), 1));
-    body(&mut s, g, c, n, &cfg);
+    s.push_str(helpers);
+    let bounds = format!("{sig}__launch_bounds__({}) ", shape.bounds);
+    s.push_str(&head[at..].replacen(sig, &bounds, 1));
+    s.push_str(body);
     s.push_str("}\n");
-    let d = cfg.head_dim;
     let launch = FlashLaunch {
-        tile_q: TILE_Q,
+        tile_q: shape.tile_q,
         grid_c: grid_c_of(
             &[cfg.q_len.clone(), cfg.q_heads.clone(), cfg.batch.clone()],
-            TILE_Q,
+            shape.tile_q,
         ),
-        q_len: cfg.q_len,
-        q_heads: cfg.q_heads,
-        batch: cfg.batch,
-        block: THREADS,
-        // The key and value tiles, 16-bit elements.
-        static_smem_bytes: 2 * TILE_K * (d + PAD) * 2,
-        dynamic_smem_bytes: 0,
+        q_len: cfg.q_len.clone(),
+        q_heads: cfg.q_heads.clone(),
+        batch: cfg.batch.clone(),
+        block: shape.block,
+        static_smem_bytes: shape.static_smem,
+        dynamic_smem_bytes: shape.dynamic_smem,
     };
     Some((s, launch))
 }

@@ -29,7 +29,9 @@
 //! grid `(ceil(T / 64), Hq, B)`), all in static shared memory.
 //!
 //! Every kernel is launched with `block = (FlashBwdLaunch::block, 1, 1)`
-//! (128 threads) and the dynamic shared memory its launch names (0 but for
+//! (128 threads; 256 for Hopper's `_dkdvdq`, `flash_bwd_sm90.rs`, which
+//! `FlashArch::Sm90a` puts in the atomic scheme with its own grid and
+//! shared memory) and the dynamic shared memory its launch names (0 but for
 //! `_dkdvdq`). Each is compiled like every generated kernel (the prelude
 //! pasted in place of its `#include`), and all three take the same
 //! arguments: the kernel's usual ones (`in0..in5` = q, k, v, o, lse, dO as
@@ -588,11 +590,13 @@ fn dkdv_body(
 }
 
 /// How the key-major kernels store dK (scaled) and dV from their
-/// accumulators: `$DK_AT`/`$DV_AT` (row `j` of kv head `kv_h`) and the four
+/// accumulators: `$STORE_DKDV`, the last step of both dK/dV kernels (each
+/// thread's key rows `key_row` and `key_row + 8` of the block's `k0 ..`),
+/// filled from `$DK_AT`/`$DV_AT` (row `j` of kv head `kv_h`) and the four
 /// stores of `dk_acc[n][2r + e]`, `dv_acc[n][2r + e]` at `dk_row`/`dv_row`.
 pub(crate) fn dkdv_store_subs(g: &Graph, c: &Ctx, n: NodeIndex) -> Vec<(&'static str, String)> {
     let [dk, dv] = [1, 2].map(|o| Access::output(g, c, n, o));
-    let mut subs = Vec::new();
+    let mut subs = vec![("STORE_DKDV", STORE_DKDV.to_string())];
     subs.push(("DK_AT", dk.at(&["b", "j", "kv_h", "0"])));
     subs.push((
         "STORE_DK0",
@@ -629,6 +633,23 @@ pub(crate) fn dkdv_store_subs(g: &Graph, c: &Ctx, n: NodeIndex) -> Vec<(&'static
     subs.push(("DV_AT", dv.at(&["b", "j", "kv_h", "0"])));
     subs
 }
+
+const STORE_DKDV: &str = r#"    // Last, each key row once: dK = scale * acc, dV = acc (rows past kv_len dropped).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const fs_i64 j = k0 + key_row + 8 * r;
+        if (j < kv_len) {
+            const fs_i64 dk_row = $DK_AT, dv_row = $DV_AT;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                $STORE_DK0
+                $STORE_DK1
+                $STORE_DV0
+                $STORE_DV1
+            }
+        }
+    }
+"#;
 
 /// `_dq`'s S and dP products for keys 8n .. 8n + 15, fragments by ldmatrix.
 const S_DP_BY_LDMATRIX: &str = r#"                unsigned bk[4];
@@ -860,22 +881,7 @@ $STORE_DS
 $DQ_SUM        }
     }
 
-    // Last, each key row once: dK = scale * acc, dV = acc (rows past kv_len dropped).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const fs_i64 j = k0 + key_row + 8 * r;
-        if (j < kv_len) {
-            const fs_i64 dk_row = $DK_AT, dv_row = $DV_AT;
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n) {
-                $STORE_DK0
-                $STORE_DK1
-                $STORE_DV0
-                $STORE_DV1
-            }
-        }
-    }
-"#;
+$STORE_DKDV"#;
 
 fn dq_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) -> String {
     let dq = Access::output(g, c, n, 0);

@@ -287,19 +287,4 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
     }
     fs_copy_async_wait_all();
 
-    // Last, each key row once: dK = scale * acc, dV = acc (rows past kv_len dropped).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const fs_i64 j = k0 + key_row + 8 * r;
-        if (j < kv_len) {
-            const fs_i64 dk_row = $DK_AT, dv_row = $DV_AT;
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n) {
-                $STORE_DK0
-                $STORE_DK1
-                $STORE_DV0
-                $STORE_DV1
-            }
-        }
-    }
-"#;
+$STORE_DKDV"#;

@@ -38,8 +38,10 @@
 //! the descriptors' layout), so the same text runs against the reference.
 
 use super::attention::Access;
-use super::cuda::{float_lit, header, NEG_INF};
-use super::flash::{epilogue, grid_c_of, masks_and_softmax, Config, FlashLaunch, HELPERS};
+use super::cuda::{float_lit, NEG_INF};
+use super::flash::{
+    epilogue, forward_kernel, masks_and_softmax, Config, FlashLaunch, ForwardShape,
+};
 use super::templates::Ctx;
 use crate::ir::types::DType;
 use crate::ir::Graph;
@@ -67,34 +69,21 @@ pub(crate) fn emit(
     cfg: Config,
     source: Option<&str>,
 ) -> Option<(String, FlashLaunch)> {
-    let head = header(g, c.p, c.k, source);
-    let sig = "extern \"C\" __global__ void ";
-    let at = head.find(sig)?;
     let d = cfg.head_dim;
-    let mut s = String::new();
-    s.push_str(&head[..at]);
-    s.push_str(HELPERS);
-    s.push_str(&wgmma_helpers(&[
+    let helpers = wgmma_helpers(&[
         (Operand::KMajor, Operand::KMajor, TILE_K),
         (Operand::Regs, Operand::MnMajor, d),
-    ]));
-    s.push_str(&head[at..].replacen(sig, &format!("{sig}__launch_bounds__({THREADS}, 1) "), 1));
-    body(&mut s, g, c, n, &cfg);
-    s.push_str("}\n");
-    let launch = FlashLaunch {
+    ]);
+    let mut text = String::new();
+    body(&mut text, g, c, n, &cfg);
+    let shape = ForwardShape {
         tile_q: TILE_Q,
-        grid_c: grid_c_of(
-            &[cfg.q_len.clone(), cfg.q_heads.clone(), cfg.batch.clone()],
-            TILE_Q,
-        ),
-        q_len: cfg.q_len,
-        q_heads: cfg.q_heads,
-        batch: cfg.batch,
         block: THREADS,
-        static_smem_bytes: 0,
-        dynamic_smem_bytes: smem_bytes(d),
+        bounds: format!("{THREADS}, 1"),
+        static_smem: 0,
+        dynamic_smem: smem_bytes(d),
     };
-    Some((s, launch))
+    forward_kernel(g, c, source, &helpers, &text, &cfg, shape)
 }
 
 /// Where a wgmma operand comes from: registers (A only, in m16n8k16's A
