@@ -425,8 +425,8 @@ fn a_broken_wgmma_layout_is_caught() {
         (
             (
                 "kernel",
-                "const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;\n            const fs_i64 j",
-                "const int r = c / CHUNKS, e = (c % CHUNKS) * 8;\n            const fs_i64 j",
+                "const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;\n                const fs_i64 j",
+                "const int r = c / CHUNKS, e = (c % CHUNKS) * 8;\n                const fs_i64 j",
             ),
             false,
         ),

@@ -5,6 +5,7 @@
 // `__shared__` (function-local static) array is one block's shared memory.
 #pragma once
 #include "host_cuda.h"
+#include <atomic>
 #include <barrier>
 #include <memory>
 #include <thread>
@@ -21,6 +22,37 @@ static std::barrier<>* fs_warp_barrier[32];
 static thread_local unsigned fs_warp_ops;
 
 static inline void __syncthreads() { fs_block_barrier->arrive_and_wait(); }
+
+// An mbarrier in (host) shared memory: the arrivals still missing from the
+// current phase (low 16 bits) and the count (high 16 bits), and the number of
+// completed phases, whose parity waits compare against.
+struct fs_emu_mbar {
+    unsigned state, phase;
+};
+static inline void fs_emu_mbar_init(fs_emu_mbar* m, unsigned count) {
+    m->state = count | count << 16;
+    m->phase = 0;
+}
+static inline void fs_emu_mbar_arrive(fs_emu_mbar* m) {
+    std::atomic_ref<unsigned> state(m->state);
+    const unsigned old = state.fetch_sub(1, std::memory_order_acq_rel);
+    if ((old & 0xFFFFu) == 0) {
+        fprintf(stderr, "mbarrier: more arrivals than its count\n");
+        abort();
+    }
+    if ((old & 0xFFFFu) == 1) {
+        state.store((old & 0xFFFF0000u) | (old >> 16), std::memory_order_relaxed);
+        std::atomic_ref<unsigned> phase(m->phase);
+        phase.fetch_add(1, std::memory_order_release);
+        phase.notify_all();
+    }
+}
+// Returns once the phase of this parity has completed.
+static inline void fs_emu_mbar_wait(fs_emu_mbar* m, unsigned parity) {
+    std::atomic_ref<unsigned> phase(m->phase);
+    for (unsigned p = phase.load(std::memory_order_acquire); (p & 1u) == parity; p = phase.load(std::memory_order_acquire))
+        phase.wait(p, std::memory_order_acquire);
+}
 
 // Runs `f` as the kernel body for every block of `grid` (x fastest), with
 // `block` threads per block (a multiple of 32, at most 1024).

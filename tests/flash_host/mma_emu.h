@@ -3,7 +3,8 @@
 // build): mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32,
 // ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 and shfl.sync.bfly
 // (__shfl_xor_sync), and for the Hopper kernel
-// wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16} (fs_emu_wgmma, below).
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16} (fs_emu_wgmma, below)
+// and wgmma.wait_group (fs_emu_wgmma_wait).
 // Needs block_shim.h (real threads, one barrier per warp).
 //
 // Each operation is collective, as on the GPU: every lane publishes its
@@ -201,6 +202,11 @@ static float fs_emu_desc_elem(const unsigned char* p, unsigned lbo, unsigned sbo
     memcpy(&bits, at, 2);
     return fs_emu_elem(bits, 0, bf16);
 }
+
+// wgmma.wait_group: the warp's lanes meet, so every lane's emulated wgmma
+// has read its operands (on the GPU, a wait in any lane means the whole
+// operation is done).
+static inline void fs_emu_wgmma_wait() { fs_warp_barrier[threadIdx.x >> 5]->arrive_and_wait(); }
 
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}.{bf16,f16} for one
 // thread of a warpgroup: d (this thread's N / 2 accumulators) = A B + (acc ?

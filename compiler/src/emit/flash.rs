@@ -591,7 +591,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         q_at = q.at(&["b", "i", "h", "0"]),
         k_at = k.at(&["b", "j", "kv_h", "0"]),
         v_at = v.at(&["b", "j", "kv_h", "0"]),
-        softmax = masks_and_softmax("q0 + warp * 16"),
+        softmax = masks_and_softmax("q0 + warp * 16", true),
         epilogue = epilogue(g, c, n),
     );
 }
@@ -600,7 +600,18 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
 /// causal keys after the query, only in tiles where the warp whose first
 /// row is `first_row` can meet one), then the online softmax over
 /// `s[TILE_K / 8][4]` in the accumulator layout of m16n8 (and of wgmma).
-pub(crate) fn masks_and_softmax(first_row: &str) -> String {
+pub(crate) fn masks_and_softmax(first_row: &str, rescale_now: bool) -> String {
+    // The Hopper forward's O += P V of the previous tile is still in flight
+    // here, so it keeps the factor and rescales O once that lands.
+    let rescale_o = if rescale_now {
+        r#"#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                o_acc[n][2 * r] *= rescale;
+                o_acc[n][2 * r + 1] *= rescale;
+            }"#
+    } else {
+        "            o_rescale[r] = rescale;"
+    };
     format!(
         r#"        // 4. Masks, only where a key can be invisible: keys past kv_len (the
         //    last tile) and, when causal, keys after the query (diagonal tiles).
@@ -639,11 +650,7 @@ pub(crate) fn masks_and_softmax(first_row: &str) -> String {
                 }}
             }}
             row_sum[r] = row_sum[r] * rescale + tile_sum;
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n) {{
-                o_acc[n][2 * r] *= rescale;
-                o_acc[n][2 * r + 1] *= rescale;
-            }}
+{rescale_o}
         }}
 
 "#

@@ -1,22 +1,29 @@
 //! CUDA C for the Hopper (sm_90a) FlashAttention forward: the same
 //! algorithm as `flash.rs`, on warpgroup tensor-core instructions
 //! (`wgmma.mma_async`) fed from shared memory by descriptors, with the key
-//! and value tiles copied asynchronously (`cp.async`) one tile ahead.
+//! and value tiles copied asynchronously (`cp.async`) by a producer
+//! warpgroup and handed over by shared-memory barriers (`mbarrier`).
 //!
 //! # Launch contract
 //!
 //! As `flash.rs`'s (same arguments, outputs and alignment rules), except:
 //! compile for `sm_90a` (wgmma exists only there); `grid = (ceil(T / 128),
-//! Hq, B)`, `block = (256, 1, 1)`; and pass [`FlashLaunch::dynamic_smem_bytes`]
+//! Hq, B)`, `block = (384, 1, 1)`; and pass [`FlashLaunch::dynamic_smem_bytes`]
 //! of dynamic shared memory (above 48 KiB, so the kernel's limit must be
 //! raised first).
 //!
 //! # Design
 //!
-//! One block of two warpgroups owns 128 query rows of one (batch, query
-//! head); warpgroup `wg` owns rows `64wg .. 64wg + 63` and its warp `w` rows
-//! `64wg + 16w .. + 15`, the rows of wgmma's accumulator fragments. Q, and
-//! two buffers of K and V, live in shared memory in wgmma's canonical
+//! One block owns 128 query rows of one (batch, query head). Its two
+//! consumer warpgroups compute: warpgroup `wg` owns rows `64wg .. 64wg + 63`
+//! and its warp `w` rows `64wg + 16w .. + 15`, the rows of wgmma's
+//! accumulator fragments. The third warpgroup only copies key and value
+//! tiles into [`STAGES`] buffers each: it waits on a buffer's "empty"
+//! mbarrier (the 8 consumer warps arrive once their wgmma reading it is
+//! done), issues its `cp.async` copies, and has them arrive on the buffer's
+//! "full" mbarrier as they land (`cp.async.mbarrier.arrive.noinc`); the
+//! consumers wait on "full" and fence the async proxy before their wgmma
+//! read it. Q, and the K and V buffers, live in shared memory in wgmma's canonical
 //! layout without swizzling: the tile is cut into *core matrices* of 8 rows
 //! by 8 features (128 contiguous bytes), stored row-group by row-group, so
 //! element `(r, c)` of a `[rows][D]` tile sits at
@@ -26,16 +33,18 @@
 //! (core matrices 128 bytes apart along the features, `16 D` bytes along the
 //! rows), V (as B of O = P V) MN-major (the same two strides, roles swapped).
 //!
-//! Per key tile: S = Q K^T by `D / 16` wgmma (the first one overwrites the
-//! accumulator), the masks and online softmax of `flash.rs` on the
-//! accumulators (whose layout is m16n8's, repeated), P rounded to 16 bits
-//! in registers (wgmma's register A fragment is m16n8k16's) and O += P V by
-//! `TILE_K / 16` wgmma. The next tile's copy is in flight meanwhile. Causal
-//! blocks run the longest query tiles first.
+//! Per key tile t: S = Q K^T by `D / 16` wgmma (the first one overwrites
+//! the accumulator) issued together with tile t - 1's O += P V (`TILE_K /
+//! 16` wgmma, P rounded to 16 bits in registers: wgmma's register A
+//! fragment is m16n8k16's); once S lands, the masks and online softmax of
+//! `flash.rs` run on its accumulators (whose layout is m16n8's, repeated)
+//! while O += P V still runs, and O takes the softmax's rescale once that
+//! lands. Causal blocks run the longest query tiles first.
 //!
-//! In a host build the wgmma, fences and copies are `fs_emu_*` functions
-//! and plain copies (`tests/flash_host/mma_emu.h` reads the operands through
-//! the descriptors' layout), so the same text runs against the reference.
+//! In a host build the wgmma, fences, mbarriers and copies are `fs_emu_*`
+//! functions and plain copies (`tests/flash_host/mma_emu.h` reads the
+//! operands through the descriptors' layout; every thread of a block is an
+//! OS thread), so the same text runs against the reference.
 
 use super::attention::Access;
 use super::cuda::{float_lit, NEG_INF};
@@ -50,16 +59,27 @@ use std::fmt::Write;
 
 /// Query rows per block (2 warpgroups of 64).
 pub const TILE_Q: u64 = 128;
+/// The two consumer warpgroups' threads.
+pub const CONSUMERS: u32 = 256;
+
+/// Threads that copy key and value tiles into shared memory (a warpgroup):
+/// on an H100, one warp starved the consumers (150 TFLOP/s forward at D =
+/// 128, T = 8192) and two 199; a warpgroup gave 239 (docs/benchmarks.md).
+pub const PRODUCERS: u32 = 128;
 /// Threads per block.
-pub const THREADS: u32 = 256;
+pub const THREADS: u32 = CONSUMERS + PRODUCERS;
+/// Buffers of key tiles, and of value tiles: three ran the forward 4-9%
+/// faster than two on an H100.
+pub const STAGES: u64 = 3;
 
 /// Keys per shared-memory tile. On an H100, 64 keys ran the forward 15-17%
 /// faster than 128 at D = 64 and the same at D = 128 (docs/benchmarks.md).
 pub const TILE_K: u64 = 64;
 
-/// Shared memory of the kernel at head dim `d`: Q, and two K and V tiles.
+/// Shared memory of the kernel at head dim `d`: Q, two K and V tiles, and
+/// their 8 mbarriers.
 pub fn smem_bytes(d: u64) -> u64 {
-    (TILE_Q + 4 * TILE_K) * d * 2
+    (TILE_Q + 2 * STAGES * TILE_K) * d * 2 + 4 * STAGES * 8
 }
 
 pub(crate) fn emit(
@@ -237,6 +257,29 @@ __device__ __forceinline__ void fs_copy16_async(unsigned short* dst, const unsig
 }
 __device__ __forceinline__ void fs_copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void fs_copy_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// 16 bytes from src, or 16 zero bytes if !valid (src is then not read).
+__device__ __forceinline__ void fs_copy16_async_or_zero(unsigned short* dst, const unsigned short* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fs_smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+// Shared-memory barriers (mbarrier) with phases: a phase completes when its
+// count of arrivals is in; waiting names the parity of the phase awaited.
+typedef unsigned long long fs_mbar;
+__device__ __forceinline__ void fs_mbar_init(fs_mbar* m, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(fs_smem_addr(m)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fs_mbar_arrive(fs_mbar* m) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(fs_smem_addr(m)) : "memory");
+}
+// Arrives once this thread's cp.async copies so far have landed (the count
+// given at init includes these arrivals).
+__device__ __forceinline__ void fs_mbar_arrive_on_copies(fs_mbar* m) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(fs_smem_addr(m)) : "memory");
+}
+__device__ __forceinline__ void fs_mbar_wait(fs_mbar* m, unsigned parity) {
+    asm volatile("{ .reg .pred done;\nFS_MBAR_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra FS_MBAR_WAIT; }" ::"r"(fs_smem_addr(m)), "r"(parity) : "memory");
+}
 #else
 struct fs_desc {
     const unsigned char* p;
@@ -245,14 +288,27 @@ struct fs_desc {
 inline fs_desc fs_make_desc(const void* p, unsigned lbo, unsigned sbo) { return {static_cast<const unsigned char*>(p), lbo, sbo}; }
 inline void fs_wgmma_fence() {}
 inline void fs_wgmma_commit() {}
-inline void fs_wgmma_wait_all() {}
-inline void fs_wgmma_wait_all_but_1() {}
+// A wait is where a warp's lanes have all read their operands (each lane's
+// emulated wgmma reads them itself), so that one lane may then hand the
+// operands' buffer on.
+inline void fs_wgmma_wait_all() { fs_emu_wgmma_wait(); }
+inline void fs_wgmma_wait_all_but_1() { fs_emu_wgmma_wait(); }
 template <int N>
 inline void fs_wgmma_hold(float (&)[N][4]) {}
 inline void fs_fence_async_smem() {}
 inline void fs_copy16_async(unsigned short* dst, const unsigned short* src) { memcpy(dst, src, 16); }
 inline void fs_copy_async_commit() {}
 inline void fs_copy_async_wait_all() {}
+inline void fs_copy16_async_or_zero(unsigned short* dst, const unsigned short* src, bool valid) {
+    if (valid) memcpy(dst, src, 16);
+    else memset(dst, 0, 16);
+}
+typedef fs_emu_mbar fs_mbar;
+inline void fs_mbar_init(fs_mbar* m, unsigned count) { fs_emu_mbar_init(m, count); }
+inline void fs_mbar_arrive(fs_mbar* m) { fs_emu_mbar_arrive(m); }
+// Host copies land at once.
+inline void fs_mbar_arrive_on_copies(fs_mbar* m) { fs_emu_mbar_arrive(m); }
+inline void fs_mbar_wait(fs_mbar* m, unsigned parity) { fs_emu_mbar_wait(m, parity); }
 #endif
 #endif
 "#;
@@ -267,13 +323,42 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     };
     let d = cfg.head_dim;
     let tk = TILE_K;
+    let softmax = masks_and_softmax("q0 + wg * 64 + warp * 16", false);
+    let s_mma = wgmma_name(Operand::KMajor, Operand::KMajor, tk, elem);
+    let o_mma = wgmma_name(Operand::Regs, Operand::MnMajor, d, elem);
+    let issue_s = format!(
+        "        fs_wgmma_fence();\n#pragma unroll\n        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)\n            \
+         {s_mma}(s, fs_make_desc(q_wg + kk * 128, CORE, ROW8), fs_make_desc(kt + kk * 128, CORE, ROW8), kk);\n"
+    );
+    let issue_pv = format!(
+        "#pragma unroll\n        for (int kk = 0; kk < TILE_K / 16; ++kk)\n            \
+         {o_mma}(o_acc, p_frag[kk], fs_make_desc(vt + kk * 16 * HEAD_DIM, ROW8, CORE), 1);\n"
+    );
+    let scale = "#pragma unroll\n        for (int n = 0; n < TILE_K / 8; ++n) {\n#pragma unroll\n            \
+                 for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;\n        }\n\n";
+    let pack = format!(
+        "#pragma unroll\n        for (int kk = 0; kk < TILE_K / 16; ++kk) {{\n{}        }}\n",
+        (0..4)
+            .map(|i| format!(
+                "            p_frag[kk][{i}] = fs_pack_{elem}(s[2 * kk{hi}][{lo}], s[2 * kk{hi}][{lo1}]);\n",
+                hi = if i >= 2 { " + 1" } else { "" },
+                lo = (i % 2) * 2,
+                lo1 = (i % 2) * 2 + 1
+            ))
+            .collect::<String>()
+    );
     let _ = write!(
         s,
         r#"    // FlashAttention-2 forward on Hopper tensor cores (wgmma, f32 accumulation).
-    // Block (blockIdx.x, blockIdx.y, blockIdx.z) = (tile of {TILE_Q} queries, query head, batch);
-    // warpgroup wg owns the tile's rows 64wg .. 64wg + 63, its warp w rows 64wg + 16w .. + 15.
-    // Keys and values stream through shared memory {tk} at a time, one tile ahead.
+    // Block (blockIdx.x, blockIdx.y, blockIdx.z) = (tile of {TILE_Q} queries, query head, batch):
+    // two consumer warpgroups (wg owns the tile's rows 64wg .. 64wg + 63, its warp w
+    // rows 64wg + 16w .. + 15) and a producer warpgroup that copies key and value
+    // tiles of {tk} into STAGES buffers each, handed over by mbarriers. Each
+    // consumer warpgroup issues tile t's scores together with tile t - 1's
+    // O += P V, so that its softmax runs while the tensor cores do the product.
     constexpr int TILE_Q = {TILE_Q}, TILE_K = {tk}, HEAD_DIM = {d};
+    constexpr int CONSUMERS = {CONSUMERS}, PRODUCERS = {PRODUCERS}, BLOCK = CONSUMERS + PRODUCERS;
+    constexpr int STAGES = {STAGES};  // buffers of key tiles, and of value tiles
     constexpr int CHUNKS = HEAD_DIM / 8;         // 16-byte chunks per row
     // Tiles in wgmma's core-matrix layout (see emit/flash_sm90.rs): core matrices
     // (8 rows x 16 bytes) are CORE bytes apart along the features, ROW8 bytes
@@ -285,46 +370,78 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     // Causal blocks take the longest query tiles first.
     const fs_i64 q0 = (fs_i64)(causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * TILE_Q;
     const fs_i64 h = blockIdx.y, b = blockIdx.z, kv_h = h / group;
-    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
-    const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
+    const int lane = threadIdx.x & 31;
     FS_DYNAMIC_SMEM(smem, {smem});
     {ty}* const q_tile = reinterpret_cast<{ty}*>(smem);      // [TILE_Q][HEAD_DIM]
-    {ty}* const k_tiles = q_tile + TILE_Q * HEAD_DIM;         // 2 x [TILE_K][HEAD_DIM]
-    {ty}* const v_tiles = k_tiles + 2 * TILE_K * HEAD_DIM;    // 2 x [TILE_K][HEAD_DIM]
+    {ty}* const k_tiles = q_tile + TILE_Q * HEAD_DIM;              // STAGES x [TILE_K][HEAD_DIM]
+    {ty}* const v_tiles = k_tiles + STAGES * TILE_K * HEAD_DIM;    // STAGES x [TILE_K][HEAD_DIM]
+    // Buffer b's k_full[b] / v_full[b] complete when its copies have landed (each
+    // producer thread arrives), k_empty[b] / v_empty[b] when the 8 consumer warps
+    // are done reading it.
+    fs_mbar* const k_full = reinterpret_cast<fs_mbar*>(v_tiles + STAGES * TILE_K * HEAD_DIM);
+    fs_mbar* const v_full = k_full + STAGES;
+    fs_mbar* const k_empty = k_full + 2 * STAGES;
+    fs_mbar* const v_empty = k_full + 3 * STAGES;
 
-    // 1. The tile's queries (rows past q_len zero), then keys and values
-    //    k0 .. k0 + {last} into buffer `buf` (rows past kv_len zero). Chunk c is
+    // 1. The tile's queries, by every thread (rows past q_len zero). Chunk c is
     //    row (c / (8 * CHUNKS)) * 8 + c % 8, features ((c / 8) % CHUNKS) * 8 ..,
-    //    stored at element 8c.
-    for (int c = threadIdx.x; c < TILE_Q * CHUNKS; c += {THREADS}) {{
+    //    stored at element 8c; likewise for key and value tiles.
+    for (int c = threadIdx.x; c < TILE_Q * CHUNKS; c += BLOCK) {{
         const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;
         const fs_i64 i = q0 + r;
         if (i < q_len) fs_copy16_async(&q_tile[c * 8], &{qp}[{q_at} + e]);
         else fs_zero16(&q_tile[c * 8]);
     }}
-    auto load_kv = [&](int buf, fs_i64 k0) {{
-        {ty}* const kt = k_tiles + buf * TILE_K * HEAD_DIM;
-        {ty}* const vt = v_tiles + buf * TILE_K * HEAD_DIM;
-        for (int c = threadIdx.x; c < TILE_K * CHUNKS; c += {THREADS}) {{
-            const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;
-            const fs_i64 j = k0 + r;
-            if (j < kv_len) {{
-                fs_copy16_async(&kt[c * 8], &{kp}[{k_at} + e]);
-                fs_copy16_async(&vt[c * 8], &{vp}[{v_at} + e]);
-            }} else {{
-                fs_zero16(&kt[c * 8]);
-                fs_zero16(&vt[c * 8]);
-            }}
-        }}
-        fs_copy_async_commit();
-    }};
+    if (threadIdx.x == 0) {{
+        for (int i = 0; i < 2 * STAGES; ++i) fs_mbar_init(&k_full[i], PRODUCERS);
+        for (int i = 2 * STAGES; i < 4 * STAGES; ++i) fs_mbar_init(&k_full[i], 8);
+    }}
+    fs_copy_async_commit();
+    fs_copy_async_wait_all();
+    fs_fence_async_smem();
+    __syncthreads();
+    // Causal: key tiles after the query tile's last row are never visited.
+    const fs_i64 kv_end = causal && q0 + TILE_Q < kv_len ? q0 + TILE_Q : kv_len;
+    const fs_i64 tiles = (kv_end + TILE_K - 1) / TILE_K;
 
+    if (threadIdx.x >= CONSUMERS) {{
+        // 2. The producers: key tile t into buffer t % STAGES once the consumers
+        //    are done with tile t - STAGES, then its value tile likewise (rows past
+        //    kv_len zero).
+        const int p = threadIdx.x - CONSUMERS;
+        for (fs_i64 t = 0; t < tiles; ++t) {{
+            const int buf = t % STAGES;
+            const unsigned released = (t / STAGES + 1) & 1;  // parity of tile t - STAGES's release
+            const fs_i64 k0 = t * TILE_K;
+            {ty}* const kt = k_tiles + buf * TILE_K * HEAD_DIM;
+            {ty}* const vt = v_tiles + buf * TILE_K * HEAD_DIM;
+            if (t >= STAGES) fs_mbar_wait(&k_empty[buf], released);
+            for (int c = p; c < TILE_K * CHUNKS; c += PRODUCERS) {{
+                const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;
+                const fs_i64 j = k0 + r;
+                fs_copy16_async_or_zero(&kt[c * 8], j < kv_len ? &{kp}[{k_at} + e] : {kp}, j < kv_len);
+            }}
+            fs_mbar_arrive_on_copies(&k_full[buf]);
+            if (t >= STAGES) fs_mbar_wait(&v_empty[buf], released);
+            for (int c = p; c < TILE_K * CHUNKS; c += PRODUCERS) {{
+                const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;
+                const fs_i64 j = k0 + r;
+                fs_copy16_async_or_zero(&vt[c * 8], j < kv_len ? &{vp}[{v_at} + e] : {vp}, j < kv_len);
+            }}
+            fs_mbar_arrive_on_copies(&v_full[buf]);
+        }}
+        fs_copy_async_wait_all();
+        return;
+    }}
+
+    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3;
+    // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
+    const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
     // Running state of this thread's rows q_row (index 0) and q_row + 8 (index 1):
     // the max score in log2 units, this thread's part of the row sum, and the
     // output accumulator o_acc[n][e] = row q_row + 8 * (e / 2), feature 8n + frag_col + e % 2.
     const int q_row = wg * 64 + warp * 16 + frag_row;
-    float row_max[2] = {{{NEG_INF}, {NEG_INF}}}, row_sum[2] = {{0.0f, 0.0f}};
+    float row_max[2] = {{{NEG_INF}, {NEG_INF}}}, row_sum[2] = {{0.0f, 0.0f}}, o_rescale[2];
     float o_acc[HEAD_DIM / 8][4];
 #pragma unroll
     for (int n = 0; n < HEAD_DIM / 8; ++n) {{
@@ -332,53 +449,64 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         for (int e = 0; e < 4; ++e) o_acc[n][e] = 0.0f;
     }}
     const fs_i64 i_lo = q0 + q_row, i_hi = i_lo + 8;
-    // Causal: key tiles after the query tile's last row are never visited.
-    const fs_i64 kv_end = causal && q0 + TILE_Q < kv_len ? q0 + TILE_Q : kv_len;
     const {ty}* const q_wg = q_tile + wg * 64 * HEAD_DIM;
-    if (kv_end > 0) load_kv(0, 0);
-    for (fs_i64 k0 = 0, t = 0; k0 < kv_end; k0 += TILE_K, ++t) {{
-        // 2. Wait for this tile (and the queries); every warp is then done with
-        //    the other buffer, which takes the next tile meanwhile.
-        fs_copy_async_wait_all();
+    // s[n][e]: tile t's scores, row q_row + 8 * (e / 2), key k0 + 8n + frag_col + e % 2;
+    // p_frag: tile t - 1's P as wgmma's register A fragments (keys 16kk .. 16kk + 15).
+    float s[TILE_K / 8][4];
+    unsigned p_frag[TILE_K / 16][4];
+    // 3. Tile 0's scores alone (no P V yet): S = Q K^T
+    //    of its 64 rows and the tile's keys (features 16kk .. 16kk + 15 start at
+    //    element 128kk of a row group); steps 4 and 5 as in the loop below.
+    if (tiles > 0) {{
+        const fs_i64 k0 = 0;
+        const {ty}* const kt = k_tiles;
+        fs_mbar_wait(&k_full[0], 0);
         fs_fence_async_smem();
-        __syncthreads();
-        if (k0 + TILE_K < kv_end) load_kv((t + 1) & 1, k0 + TILE_K);
-        const {ty}* const kt = k_tiles + (t & 1) * TILE_K * HEAD_DIM;
-        const {ty}* const vt = v_tiles + (t & 1) * TILE_K * HEAD_DIM;
-
-        // 3. Scores S = Q K^T of the warpgroup's 64 rows and the tile's keys, in
-        //    log2 units: s[n][e] = row q_row + 8 * (e / 2), key k0 + 8n + frag_col + e % 2.
-        //    Features 16kk .. 16kk + 15 start at element 128kk of a row group.
-        float s[TILE_K / 8][4];
-        fs_wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            {s_mma}(s, fs_make_desc(q_wg + kk * 128, CORE, ROW8), fs_make_desc(kt + kk * 128, CORE, ROW8), kk);
-        fs_wgmma_commit();
+{issue_s}        fs_wgmma_commit();
         fs_wgmma_wait_all();
         fs_wgmma_hold(s);
-#pragma unroll
-        for (int n = 0; n < TILE_K / 8; ++n) {{
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
-        }}
+        if (lane == 0) fs_mbar_arrive(&k_empty[0]);
+{scale}{softmax}{pack}    }}
+    for (fs_i64 t = 1; t < tiles; ++t) {{
+        const int buf = t % STAGES, prev = (t - 1) % STAGES;
+        const fs_i64 k0 = t * TILE_K;
+        const {ty}* const kt = k_tiles + buf * TILE_K * HEAD_DIM;
+        const {ty}* const vt = v_tiles + prev * TILE_K * HEAD_DIM;  // tile t - 1
+        fs_mbar_wait(&k_full[buf], (t / STAGES) & 1);
+        fs_mbar_wait(&v_full[prev], ((t - 1) / STAGES) & 1);
+        fs_fence_async_smem();
 
-{softmax}        // 6. O += P V. The accumulators of keys 16kk .. 16kk + 15 (s[2kk], s[2kk + 1])
-        //    are exactly P's register A fragment; V is B, MN-major: keys 16kk ..
-        //    start at row group 2kk.
-        unsigned p_frag[TILE_K / 16][4];
+        // 3. Tile t's scores, then O += P V for tile t - 1
+        //    (P's register fragments; V as B read MN-major, keys 16kk .. at row
+        //    group 2kk), as two commit groups.
+{issue_s}        fs_wgmma_commit();
+{issue_pv}        fs_wgmma_commit();
+
+        //    The scores land first (O += P V may still run): key tile t is free.
+        fs_wgmma_wait_all_but_1();
+        fs_wgmma_hold(s);
+        if (lane == 0) fs_mbar_arrive(&k_empty[buf]);
+{scale}{softmax}        // 6. O += P V of tile t - 1 has landed (value tile t - 1 is free): O takes
+        //    this tile's rescale, and P becomes the next product's A fragments.
+        fs_wgmma_wait_all();
+        fs_wgmma_hold(o_acc);
+        if (lane == 0) fs_mbar_arrive(&v_empty[prev]);
 #pragma unroll
-        for (int kk = 0; kk < TILE_K / 16; ++kk) {{
-            p_frag[kk][0] = fs_pack_{elem}(s[2 * kk][0], s[2 * kk][1]);
-            p_frag[kk][1] = fs_pack_{elem}(s[2 * kk][2], s[2 * kk][3]);
-            p_frag[kk][2] = fs_pack_{elem}(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            p_frag[kk][3] = fs_pack_{elem}(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        for (int n = 0; n < HEAD_DIM / 8; ++n) {{
+            o_acc[n][0] *= o_rescale[0];
+            o_acc[n][1] *= o_rescale[0];
+            o_acc[n][2] *= o_rescale[1];
+            o_acc[n][3] *= o_rescale[1];
         }}
+{pack}    }}
+    // 6. The last tile's O += P V.
+    if (tiles > 0) {{
+        const fs_i64 t = tiles - 1;
+        fs_mbar_wait(&v_full[t % STAGES], (t / STAGES) & 1);
+        fs_fence_async_smem();
+        const {ty}* const vt = v_tiles + (t % STAGES) * TILE_K * HEAD_DIM;
         fs_wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < TILE_K / 16; ++kk)
-            {o_mma}(o_acc, p_frag[kk], fs_make_desc(vt + kk * 16 * HEAD_DIM, ROW8, CORE), 1);
-        fs_wgmma_commit();
+{issue_pv}        fs_wgmma_commit();
         fs_wgmma_wait_all();
         fs_wgmma_hold(o_acc);
     }}
@@ -390,16 +518,12 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         causal = cfg.causal,
         scale_log2 = float_lit(cfg.scale * std::f64::consts::LOG2_E),
         smem = smem_bytes(d),
-        last = tk - 1,
         qp = q.ptr,
         kp = k.ptr,
         vp = v.ptr,
         q_at = q.at(&["b", "i", "h", "0"]),
         k_at = k.at(&["b", "j", "kv_h", "0"]),
         v_at = v.at(&["b", "j", "kv_h", "0"]),
-        softmax = masks_and_softmax("q0 + wg * 64 + warp * 16"),
-        s_mma = wgmma_name(Operand::KMajor, Operand::KMajor, tk, elem),
-        o_mma = wgmma_name(Operand::Regs, Operand::MnMajor, d, elem),
         epilogue = epilogue(g, c, n),
     );
 }
