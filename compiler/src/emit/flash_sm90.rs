@@ -7,19 +7,20 @@
 //! # Launch contract
 //!
 //! As `flash.rs`'s (same arguments, outputs and alignment rules), except:
-//! compile for `sm_90a` (wgmma exists only there); `grid = (ceil(T / 128),
-//! Hq, B)`, `block = (384, 1, 1)`; and pass [`FlashLaunch::dynamic_smem_bytes`]
+//! compile for `sm_90a` (wgmma exists only there); `grid = (ceil(T /
+//! tile_q(D)), Hq, B)`, `block = (threads(D), 1, 1)` (192 rows and 512
+//! threads at D <= 64, 128 and 384 above); and pass [`FlashLaunch::dynamic_smem_bytes`]
 //! of dynamic shared memory (above 48 KiB, so the kernel's limit must be
 //! raised first).
 //!
 //! # Design
 //!
-//! One block owns 128 query rows of one (batch, query head). Its two
-//! consumer warpgroups compute: warpgroup `wg` owns rows `64wg .. 64wg + 63`
-//! and its warp `w` rows `64wg + 16w .. + 15`, the rows of wgmma's
-//! accumulator fragments. The third warpgroup only copies key and value
+//! One block owns [`tile_q`] query rows of one (batch, query head). Its
+//! consumer warpgroups compute: warpgroup `wg` owns rows `64wg .. 64wg +
+//! 63` and its warp `w` rows `64wg + 16w .. + 15`, the rows of wgmma's
+//! accumulator fragments. The last warpgroup only copies key and value
 //! tiles into [`STAGES`] buffers each: it waits on a buffer's "empty"
-//! mbarrier (the 8 consumer warps arrive once their wgmma reading it is
+//! mbarrier (every consumer warp arrives once its wgmma reading it is
 //! done), issues its `cp.async` copies, and has them arrive on the buffer's
 //! "full" mbarrier as they land (`cp.async.mbarrier.arrive.noinc`); the
 //! consumers wait on "full" and fence the async proxy before their wgmma
@@ -57,17 +58,30 @@ use crate::ir::Graph;
 use petgraph::stable_graph::NodeIndex;
 use std::fmt::Write;
 
-/// Query rows per block (2 warpgroups of 64).
-pub const TILE_Q: u64 = 128;
-/// The two consumer warpgroups' threads.
-pub const CONSUMERS: u32 = 256;
+/// Query rows per block at head dim `d`, 64 per consumer warpgroup: three
+/// at D <= 64, so that each key and value tile serves 1.5x the queries (at
+/// D = 128 three would not fit in registers).
+pub fn tile_q(d: u64) -> u64 {
+    if d <= 64 {
+        192
+    } else {
+        128
+    }
+}
+
+/// The consumer warpgroups' threads at head dim `d`.
+pub fn consumers(d: u64) -> u32 {
+    (tile_q(d) / 64 * 128) as u32
+}
 
 /// Threads that copy key and value tiles into shared memory (a warpgroup):
 /// on an H100, one warp starved the consumers (150 TFLOP/s forward at D =
 /// 128, T = 8192) and two 199; a warpgroup gave 239 (docs/benchmarks.md).
 pub const PRODUCERS: u32 = 128;
-/// Threads per block.
-pub const THREADS: u32 = CONSUMERS + PRODUCERS;
+/// Threads per block at head dim `d`.
+pub fn threads(d: u64) -> u32 {
+    consumers(d) + PRODUCERS
+}
 /// Buffers of key tiles, and of value tiles: three ran the forward 4-9%
 /// faster than two on an H100.
 pub const STAGES: u64 = 3;
@@ -76,10 +90,10 @@ pub const STAGES: u64 = 3;
 /// faster than 128 at D = 64 and the same at D = 128 (docs/benchmarks.md).
 pub const TILE_K: u64 = 64;
 
-/// Shared memory of the kernel at head dim `d`: Q, two K and V tiles, and
-/// their 8 mbarriers.
+/// Shared memory of the kernel at head dim `d`: Q, the K and V buffers, and
+/// their mbarriers.
 pub fn smem_bytes(d: u64) -> u64 {
-    (TILE_Q + 2 * STAGES * TILE_K) * d * 2 + 4 * STAGES * 8
+    (tile_q(d) + 2 * STAGES * TILE_K) * d * 2 + 4 * STAGES * 8
 }
 
 pub(crate) fn emit(
@@ -97,9 +111,9 @@ pub(crate) fn emit(
     let mut text = String::new();
     body(&mut text, g, c, n, &cfg);
     let shape = ForwardShape {
-        tile_q: TILE_Q,
-        block: THREADS,
-        bounds: format!("{THREADS}, 1"),
+        tile_q: tile_q(d),
+        block: threads(d),
+        bounds: format!("{}, 1", threads(d)),
         static_smem: 0,
         dynamic_smem: smem_bytes(d),
     };
@@ -350,14 +364,14 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     let _ = write!(
         s,
         r#"    // FlashAttention-2 forward on Hopper tensor cores (wgmma, f32 accumulation).
-    // Block (blockIdx.x, blockIdx.y, blockIdx.z) = (tile of {TILE_Q} queries, query head, batch):
-    // two consumer warpgroups (wg owns the tile's rows 64wg .. 64wg + 63, its warp w
+    // Block (blockIdx.x, blockIdx.y, blockIdx.z) = (tile of {tq} queries, query head, batch):
+    // consumer warpgroups (wg owns the tile's rows 64wg .. 64wg + 63, its warp w
     // rows 64wg + 16w .. + 15) and a producer warpgroup that copies key and value
     // tiles of {tk} into STAGES buffers each, handed over by mbarriers. Each
     // consumer warpgroup issues tile t's scores together with tile t - 1's
     // O += P V, so that its softmax runs while the tensor cores do the product.
-    constexpr int TILE_Q = {TILE_Q}, TILE_K = {tk}, HEAD_DIM = {d};
-    constexpr int CONSUMERS = {CONSUMERS}, PRODUCERS = {PRODUCERS}, BLOCK = CONSUMERS + PRODUCERS;
+    constexpr int TILE_Q = {tq}, TILE_K = {tk}, HEAD_DIM = {d};
+    constexpr int CONSUMERS = {consumers}, PRODUCERS = {PRODUCERS}, BLOCK = CONSUMERS + PRODUCERS;
     constexpr int STAGES = {STAGES};  // buffers of key tiles, and of value tiles
     constexpr int CHUNKS = HEAD_DIM / 8;         // 16-byte chunks per row
     // Tiles in wgmma's core-matrix layout (see emit/flash_sm90.rs): core matrices
@@ -376,8 +390,8 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     {ty}* const k_tiles = q_tile + TILE_Q * HEAD_DIM;              // STAGES x [TILE_K][HEAD_DIM]
     {ty}* const v_tiles = k_tiles + STAGES * TILE_K * HEAD_DIM;    // STAGES x [TILE_K][HEAD_DIM]
     // Buffer b's k_full[b] / v_full[b] complete when its copies have landed (each
-    // producer thread arrives), k_empty[b] / v_empty[b] when the 8 consumer warps
-    // are done reading it.
+    // producer thread arrives), k_empty[b] / v_empty[b] when every consumer warp
+    // is done reading it.
     fs_mbar* const k_full = reinterpret_cast<fs_mbar*>(v_tiles + STAGES * TILE_K * HEAD_DIM);
     fs_mbar* const v_full = k_full + STAGES;
     fs_mbar* const k_empty = k_full + 2 * STAGES;
@@ -394,7 +408,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     }}
     if (threadIdx.x == 0) {{
         for (int i = 0; i < 2 * STAGES; ++i) fs_mbar_init(&k_full[i], PRODUCERS);
-        for (int i = 2 * STAGES; i < 4 * STAGES; ++i) fs_mbar_init(&k_full[i], 8);
+        for (int i = 2 * STAGES; i < 4 * STAGES; ++i) fs_mbar_init(&k_full[i], CONSUMERS / 32);
     }}
     fs_copy_async_commit();
     fs_copy_async_wait_all();
@@ -518,6 +532,8 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         causal = cfg.causal,
         scale_log2 = float_lit(cfg.scale * std::f64::consts::LOG2_E),
         smem = smem_bytes(d),
+        tq = tile_q(d),
+        consumers = consumers(d),
         qp = q.ptr,
         kp = k.ptr,
         vp = v.ptr,
