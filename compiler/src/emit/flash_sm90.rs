@@ -75,14 +75,16 @@ pub fn consumers(d: u64) -> u32 {
 }
 
 /// Threads that copy key and value tiles into shared memory (a warpgroup):
-/// on an H100, one warp starved the consumers (150 TFLOP/s forward at D =
-/// 128, T = 8192) and two 199; a warpgroup gave 239 (docs/benchmarks.md).
+/// the copies bind the forward. On an H100 at D = 128, T = 8192, one warp
+/// (two buffers) ran it at 150 TFLOP/s, two warps (three buffers) at 199,
+/// a warpgroup at 239 with two buffers and 254 with three
+/// (docs/benchmarks.md).
 pub const PRODUCERS: u32 = 128;
 /// Threads per block at head dim `d`.
 pub fn threads(d: u64) -> u32 {
     consumers(d) + PRODUCERS
 }
-/// Buffers of key tiles, and of value tiles: three ran the forward 4-9%
+/// Buffers of key tiles, and of value tiles: three ran the forward 4-10%
 /// faster than two on an H100.
 pub const STAGES: u64 = 3;
 
