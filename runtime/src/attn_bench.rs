@@ -170,7 +170,7 @@ pub fn run(
             Ok(ptr)
         };
     let mut forward = "simple";
-    let arch = gpu.flash_arch().filter(|_| flash);
+    let arch = gpu.flash_arch()?.filter(|_| flash);
     let fwd_launch = {
         let args: Vec<u64> = fwd
             .inputs

@@ -31,14 +31,11 @@ impl Gpu {
     /// The tensor-core attention kernels to use: the best family for this
     /// GPU (wgmma on Hopper, mma.sync on sm_80 and newer), `None` before
     /// sm_80. `FUSEC_ATTENTION=simple` turns them off (`None`), and
-    /// `FUSEC_ATTENTION=mma` keeps the mma.sync family on Hopper.
-    pub fn flash_arch(&self) -> Option<FlashArch> {
-        let best = FlashArch::for_capability(self.capability)?;
-        match std::env::var("FUSEC_ATTENTION").as_deref() {
-            Ok("simple") => None,
-            Ok("mma") => Some(FlashArch::Sm80),
-            _ => Some(best),
-        }
+    /// `FUSEC_ATTENTION=mma` keeps the mma.sync family on Hopper; any other
+    /// value is an error (a typo would otherwise run the default silently).
+    pub fn flash_arch(&self) -> Result<Option<FlashArch>, RuntimeError> {
+        let best = FlashArch::for_capability(self.capability);
+        attention_choice(std::env::var("FUSEC_ATTENTION").ok().as_deref(), best)
     }
 
     pub fn free_bytes(&self) -> Result<u64, RuntimeError> {
@@ -47,6 +44,22 @@ impl Gpu {
             .mem_get_info()
             .map_err(|e| RuntimeError::driver("querying free memory", e))?;
         Ok(free as u64)
+    }
+}
+
+/// The attention kernels `FUSEC_ATTENTION` (`value`) asks for, where `best`
+/// is the GPU's tensor-core family.
+fn attention_choice(
+    value: Option<&str>,
+    best: Option<FlashArch>,
+) -> Result<Option<FlashArch>, RuntimeError> {
+    match value {
+        None | Some("") => Ok(best),
+        Some("simple") => Ok(None),
+        Some("mma") => Ok(best.map(|_| FlashArch::Sm80)),
+        Some(other) => Err(RuntimeError::Unsupported(format!(
+            "FUSEC_ATTENTION={other}: expected `simple` (the simple attention kernels) or `mma` (the mma.sync ones on Hopper); unset it for the default"
+        ))),
     }
 }
 
@@ -95,4 +108,25 @@ pub fn open(ordinal: usize) -> Result<Gpu, RuntimeError> {
         capability,
         total_bytes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fusec_attention_picks_the_kernels_or_names_the_typo() {
+        let hopper = Some(FlashArch::Sm90a);
+        assert_eq!(attention_choice(None, hopper).unwrap(), hopper);
+        assert_eq!(attention_choice(Some(""), hopper).unwrap(), hopper);
+        assert_eq!(attention_choice(Some("simple"), hopper).unwrap(), None);
+        assert_eq!(
+            attention_choice(Some("mma"), hopper).unwrap(),
+            Some(FlashArch::Sm80)
+        );
+        // Before sm_80 there are no tensor-core kernels to keep.
+        assert_eq!(attention_choice(Some("mma"), None).unwrap(), None);
+        let e = attention_choice(Some("simpel"), hopper).unwrap_err();
+        assert!(e.to_string().contains("FUSEC_ATTENTION=simpel"), "{e}");
+    }
 }

@@ -96,7 +96,7 @@ impl Session {
         // CPU-checked reference.
         let mut multi: HashMap<String, Vec<MultiLaunch>> = HashMap::new();
         let mut scratch_bytes = 0u64;
-        if let Some(arch) = gpu.flash_arch() {
+        if let Some(arch) = gpu.flash_arch()? {
             let env = |s: &str| dims.get(s).copied();
             for k in &program.kernels {
                 let Body::Op(n) = k.body else { continue };
