@@ -370,8 +370,10 @@ fn flash_cross_attention_matches_the_reference() {
 }
 
 /// The Hopper (wgmma) forward, `emit/flash_sm90.rs`, on the same variants
-/// and sizes (its 128-query, 64-key tiles: T = 130 takes two query tiles and
-/// three key tiles, the last partial).
+/// and sizes: 64-key tiles in three buffers, so T = 130 takes three key
+/// tiles (the last partial) and reuses a buffer; query blocks of 128 rows at
+/// D = 128 (T = 130 takes two) and 192 at D = 64 (the cross runs' T = 200
+/// take two, causal and not).
 #[test]
 fn hopper_flash_attention_matches_the_reference_on_the_host() {
     if !host::have_cxx() {

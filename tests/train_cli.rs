@@ -29,8 +29,18 @@ const SMALL: &[&str] = &[
     "--cpu",
 ];
 
+/// The shipped training text.
+const TEXT: &str = "dsl-examples/data/founding-texts.txt";
+
 fn run(extra: &[&str]) -> (i32, String, String) {
-    run_on("dsl-examples/data/founding-texts.txt", extra)
+    run_on(TEXT, extra)
+}
+
+/// `fusec train model --cpu --data TEXT extra..`.
+fn train_cpu(model: &Path, extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec!["train", model.to_str().unwrap(), "--cpu", "--data", TEXT];
+    args.extend_from_slice(extra);
+    fusec(&args)
 }
 
 fn run_on(data: &str, extra: &[&str]) -> (i32, String, String) {
@@ -200,19 +210,7 @@ fn without_a_gpu_train_says_so() {
 #[test]
 fn token_data_follows_the_tokens_input_shape() {
     let model = bigram("nl.dsl", "N, L", "");
-    let (code, _, err) = fusec(&[
-        "train",
-        model.to_str().unwrap(),
-        "--cpu",
-        "--data",
-        "dsl-examples/data/founding-texts.txt",
-        "--dim",
-        "N=2",
-        "--dim",
-        "L=8",
-        "--steps",
-        "2",
-    ]);
+    let (code, _, err) = train_cpu(&model, &["--dim", "N=2", "--dim", "L=8", "--steps", "2"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("step     2/2"), "{err}");
 }
@@ -232,21 +230,19 @@ fn fp16_with_micro_batches_trains() {
     assert_ne!(scaled, text);
     std::fs::write(&model, scaled).unwrap();
     let log = tmp("fp16-micro.jsonl");
-    let (code, _, err) = fusec(&[
-        "train",
-        model.to_str().unwrap(),
-        "--cpu",
-        "--data",
-        "dsl-examples/data/founding-texts.txt",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--steps",
-        "30",
-        "--log",
-        log.to_str().unwrap(),
-    ]);
+    let (code, _, err) = train_cpu(
+        &model,
+        &[
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "30",
+            "--log",
+            log.to_str().unwrap(),
+        ],
+    );
     assert_eq!(code, 0, "{err}");
     assert!(
         err.contains("gradients overflowed, step skipped; loss scale now 32768"),
@@ -280,17 +276,7 @@ fn token_data_needs_i32_tokens() {
          train {\n loss = cross_entropy(embedding(emb, targets) @ w + mean(tokens), targets)\n optimizer = adamw(lr = 1e-2)\n}\n",
     )
     .unwrap();
-    let (code, _, err) = fusec(&[
-        "train",
-        model.to_str().unwrap(),
-        "--cpu",
-        "--data",
-        "dsl-examples/data/founding-texts.txt",
-        "--batch",
-        "2",
-        "--seq",
-        "8",
-    ]);
+    let (code, _, err) = train_cpu(&model, &["--batch", "2", "--seq", "8"]);
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("declares as f32[B, T]") && err.contains("declare it as i32"),
@@ -310,19 +296,7 @@ fn token_data_needs_targets_shaped_as_tokens() {
          train {\n loss = cross_entropy(embedding(emb, targets) @ w, targets) + mean(embedding(emb, tokens))\n optimizer = adamw(lr = 1e-2)\n}\n",
     )
     .unwrap();
-    let (code, _, err) = fusec(&[
-        "train",
-        model.to_str().unwrap(),
-        "--cpu",
-        "--data",
-        "dsl-examples/data/founding-texts.txt",
-        "--dim",
-        "B=2",
-        "--dim",
-        "T=8",
-        "--dim",
-        "S=3",
-    ]);
+    let (code, _, err) = train_cpu(&model, &["--dim", "B=2", "--dim", "T=8", "--dim", "S=3"]);
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("`targets` has shape [2, 3]") && err.contains("same shape"),

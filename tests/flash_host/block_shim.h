@@ -36,10 +36,6 @@ static inline void fs_emu_mbar_init(fs_emu_mbar* m, unsigned count) {
 static inline void fs_emu_mbar_arrive(fs_emu_mbar* m) {
     std::atomic_ref<unsigned> state(m->state);
     const unsigned old = state.fetch_sub(1, std::memory_order_acq_rel);
-    if ((old & 0xFFFFu) == 0) {
-        fprintf(stderr, "mbarrier: more arrivals than its count\n");
-        abort();
-    }
     if ((old & 0xFFFFu) == 1) {
         state.store((old & 0xFFFF0000u) | (old >> 16), std::memory_order_relaxed);
         std::atomic_ref<unsigned> phase(m->phase);

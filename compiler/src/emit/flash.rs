@@ -457,10 +457,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     let q = Access::input(g, c, n, 0);
     let k = Access::input(g, c, n, 1);
     let v = Access::input(g, c, n, 2);
-    let (elem, ty) = match cfg.dt {
-        DType::F16 => ("f16", "fs_f16"),
-        _ => ("bf16", "fs_bf16"),
-    };
+    let (elem, ty) = elem_names(cfg.dt);
     let mma = format!("fs_mma_16816_{elem}");
     let pack = format!("fs_pack_{elem}");
     // K^T's fragments by ldmatrix at D = 64; at D = 128 in 32-bit loads
@@ -655,6 +652,16 @@ pub(crate) fn masks_and_softmax(first_row: &str, rescale_now: bool) -> String {
 
 "#
     )
+}
+
+/// The 16-bit element's PTX name (`bf16`, `f16`, as in `fs_pack_<elem>`
+/// and the mma / wgmma type suffixes) and its C type (`fs_bf16`, `fs_f16`):
+/// f16 for f16, bf16 otherwise.
+pub(crate) fn elem_names(dt: DType) -> (&'static str, &'static str) {
+    match dt {
+        DType::F16 => ("f16", "fs_f16"),
+        _ => ("bf16", "fs_bf16"),
+    }
 }
 
 /// Step 7 of both forwards: the row sums over each row's 4 threads, then O

@@ -80,10 +80,9 @@
 use super::attention::Access;
 use super::cuda::NEG_INF;
 use super::cuda::{float_lit, header, load, store};
-use super::flash::{grid_c_of, grid_of, Config, FlashArch, HELPERS, PAD};
+use super::flash::{elem_names, grid_c_of, grid_of, Config, FlashArch, HELPERS, PAD};
 use super::flash_bwd_sm90 as sm90;
 use super::templates::Ctx;
-use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::kernel::{Kernel, Program};
 use crate::ops::Op;
@@ -413,10 +412,7 @@ pub(crate) fn common_subs(
     deterministic: bool,
 ) -> Vec<(&'static str, String)> {
     let [q, k, v, o, lse, dout] = [0, 1, 2, 3, 4, 5].map(|i| Access::input(g, c, n, i));
-    let (elem, ty) = match cfg.dt {
-        DType::F16 => ("f16", "fs_f16"),
-        _ => ("bf16", "fs_bf16"),
-    };
+    let (elem, ty) = elem_names(cfg.dt);
     vec![
         ("D", cfg.head_dim.to_string()),
         ("PAD", PAD.to_string()),
@@ -475,6 +471,7 @@ pub(crate) fn common_subs(
 
 fn delta_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, deterministic: bool) -> String {
     let mut subs = common_subs(g, c, n, cfg, deterministic);
+    subs.extend(p_masked_subs(12));
     subs.push(("ROWS", DELTA_ROWS.to_string()));
     subs.push((
         "CLEAR_DQ_SUM",
@@ -565,6 +562,7 @@ fn dkdv_body(
     dynamic: u64,
 ) -> String {
     let mut subs = common_subs(g, c, n, cfg, deterministic);
+    subs.extend(p_masked_subs(12));
     let (title, tiles, store_ds, dq_sum) = if deterministic {
         ("kernel 2 of 3: dK and dV", STATIC_TILES, "", "")
     } else {
@@ -590,6 +588,32 @@ fn dkdv_body(
 }
 
 /// How the key-major kernels store dK (scaled) and dV from their
+/// `$EDGE`, whether a key-major tile can need masks, and `$P_MASKED`, P^T
+/// of the accumulator element `s[n][e]` (query column `qc`) with them, in
+/// place: one mask rule for both key-major kernels, indented `indent` (the
+/// edge line) and `indent + 8` spaces.
+pub(crate) fn p_masked_subs(indent: usize) -> [(&'static str, String); 2] {
+    let pad = |text: &str, by: usize| {
+        text.lines()
+            .map(|l| format!("{:by$}{l}", ""))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    [
+        ("EDGE", pad(EDGE, indent)),
+        ("P_MASKED", pad(P_MASKED, indent + 8)),
+    ]
+}
+
+const EDGE: &str = "const bool edge = i0 + TILE_Q > q_len || (causal && i0 < k0 + TILE_K);";
+const P_MASKED: &str = "const int qc = n * 8 + frag_col + (e & 1);
+float p = fs_exp2(s[n][e] * scale_log2 - lse_tile[qc]);
+if (edge) {
+    const fs_i64 i = i0 + qc, j = k0 + key_row + 8 * (e >> 1);
+    if (i >= q_len || (causal && j > i)) p = 0.0f;
+}
+s[n][e] = p;";
+
 /// accumulators: `$STORE_DKDV`, the last step of both dK/dV kernels (each
 /// thread's key rows `key_row` and `key_row + 8` of the block's `k0 ..`),
 /// filled from `$DK_AT`/`$DV_AT` (row `j` of kv head `kv_h`) and the four
@@ -840,18 +864,12 @@ $TILES
             // 4. P^T = exp2(S^T * scale_log2 - lse_log2), masked (queries past q_len;
             //    causal: keys after the query) only on tiles that can need it;
             //    dS^T = P^T * (dP^T - delta), in place of dp.
-            const bool edge = i0 + TILE_Q > q_len || (causal && i0 < k0 + TILE_K);
+$EDGE
 #pragma unroll
             for (int n = 0; n < TILE_Q / 8; ++n) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int qc = n * 8 + frag_col + (e & 1);
-                    float p = fs_exp2(s[n][e] * scale_log2 - lse_tile[qc]);
-                    if (edge) {
-                        const fs_i64 i = i0 + qc, j = k0 + key_row + 8 * (e >> 1);
-                        if (i >= q_len || (causal && j > i)) p = 0.0f;
-                    }
-                    s[n][e] = p;
+$P_MASKED
                     dp[n][e] = p * (dp[n][e] - delta_tile[qc]);
                 }
             }

@@ -33,11 +33,10 @@
 //! are skipped; only tiles crossing the diagonal or the sequence ends are
 //! masked. P and dS are rounded to the input's 16-bit type as operands.
 
-use super::flash::Config;
-use super::flash_bwd::{common_subs, dkdv_store_subs, fill};
+use super::flash::{elem_names, Config};
+use super::flash_bwd::{common_subs, dkdv_store_subs, fill, p_masked_subs};
 use super::flash_sm90::{wgmma_helpers, wgmma_name, Operand};
 use super::templates::Ctx;
-use crate::ir::types::DType;
 use crate::ir::Graph;
 use petgraph::stable_graph::NodeIndex;
 
@@ -70,10 +69,8 @@ fn shapes(d: u64) -> [(Operand, Operand, u64); 3] {
 pub(crate) fn dkdvdq_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, smem: u64) -> String {
     let mut subs = common_subs(g, c, n, cfg, false);
     subs.extend(dkdv_store_subs(g, c, n));
-    let elem = match cfg.dt {
-        DType::F16 => "f16",
-        _ => "bf16",
-    };
+    subs.extend(p_masked_subs(8));
+    let (elem, _) = elem_names(cfg.dt);
     let [st, acc, dq] = shapes(cfg.head_dim).map(|(a, b, n)| wgmma_name(a, b, n, elem));
     subs.push(("ST_MMA", st));
     subs.push(("ACC_MMA", acc));
@@ -183,8 +180,8 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
         fs_copy_async_commit();
         const $TY* const qt = q_tiles + buf * TILE_Q * HEAD_DIM;
         const $TY* const dot = do_tiles + buf * TILE_Q * HEAD_DIM;
-        const float* const lse_t = lse_tiles + buf * TILE_Q;
-        const float* const delta_t = delta_tiles + buf * TILE_Q;
+        const float* const lse_tile = lse_tiles + buf * TILE_Q;
+        const float* const delta_tile = delta_tiles + buf * TILE_Q;
 
         // 3. S^T = K Q^T and dP^T = V dO^T for the warpgroup's 64 keys: s[n][e],
         //    dp[n][e] = key key_row + 8 * (e / 2), query i0 + 8n + frag_col + e % 2.
@@ -205,18 +202,12 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
         //    dP^T is still being computed; then dS^T = P^T * (dP^T - delta) in dp.
         fs_wgmma_wait_all_but_1();
         fs_wgmma_hold(s);
-        const bool edge = i0 + TILE_Q > q_len || (causal && i0 < k0 + TILE_K);
+$EDGE
 #pragma unroll
         for (int n = 0; n < TILE_Q / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int qc = n * 8 + frag_col + (e & 1);
-                float p = fs_exp2(s[n][e] * scale_log2 - lse_t[qc]);
-                if (edge) {
-                    const fs_i64 i = i0 + qc, j = k0 + key_row + 8 * (e >> 1);
-                    if (i >= q_len || (causal && j > i)) p = 0.0f;
-                }
-                s[n][e] = p;
+$P_MASKED
             }
         }
         fs_wgmma_wait_all();
@@ -224,7 +215,7 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
 #pragma unroll
         for (int n = 0; n < TILE_Q / 8; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_t[n * 8 + frag_col + (e & 1)]);
+            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);
         }
 
         // 5. P^T and dS^T as 16-bit A fragments (queries 16kk .. 16kk + 15), dS^T

@@ -50,10 +50,9 @@
 use super::attention::Access;
 use super::cuda::{float_lit, NEG_INF};
 use super::flash::{
-    epilogue, forward_kernel, masks_and_softmax, Config, FlashLaunch, ForwardShape,
+    elem_names, epilogue, forward_kernel, masks_and_softmax, Config, FlashLaunch, ForwardShape,
 };
 use super::templates::Ctx;
-use crate::ir::types::DType;
 use crate::ir::Graph;
 use petgraph::stable_graph::NodeIndex;
 use std::fmt::Write;
@@ -333,10 +332,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     let q = Access::input(g, c, n, 0);
     let k = Access::input(g, c, n, 1);
     let v = Access::input(g, c, n, 2);
-    let (elem, ty) = match cfg.dt {
-        DType::F16 => ("f16", "fs_f16"),
-        _ => ("bf16", "fs_bf16"),
-    };
+    let (elem, ty) = elem_names(cfg.dt);
     let d = cfg.head_dim;
     let tk = TILE_K;
     let softmax = masks_and_softmax("q0 + wg * 64 + warp * 16", false);
