@@ -8,6 +8,7 @@
 #include <atomic>
 #include <barrier>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -22,6 +23,22 @@ static std::barrier<>* fs_warp_barrier[32];
 static thread_local unsigned fs_warp_ops;
 
 static inline void __syncthreads() { fs_block_barrier->arrive_and_wait(); }
+// __syncwarp() for the calling thread's warp.
+static inline void fs_emu_syncwarp() { fs_warp_barrier[threadIdx.x >> 5]->arrive_and_wait(); }
+
+// Named barriers (bar.sync id, count): the first thread to reach barrier
+// `id` in a block creates it for `count` threads.
+static std::mutex fs_named_mutex;
+static std::unique_ptr<std::barrier<>> fs_named_barrier[16];
+static inline void fs_emu_bar_sync(unsigned id, unsigned count) {
+    std::barrier<>* bar;
+    {
+        std::lock_guard<std::mutex> lock(fs_named_mutex);
+        if (!fs_named_barrier[id]) fs_named_barrier[id] = std::make_unique<std::barrier<>>(count);
+        bar = fs_named_barrier[id].get();
+    }
+    bar->arrive_and_wait();
+}
 
 // An mbarrier in (host) shared memory: the arrivals still missing from the
 // current phase (low 16 bits) and the count (high 16 bits), and the number of
@@ -79,5 +96,6 @@ static void fs_launch(fs_dim3 grid, unsigned block, F f) {
                         f();
                     });
                 for (auto& t : threads) t.join();
+                for (auto& named : fs_named_barrier) named.reset();
             }
 }

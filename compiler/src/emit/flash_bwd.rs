@@ -29,7 +29,7 @@
 //! grid `(ceil(T / 64), Hq, B)`), all in static shared memory.
 //!
 //! Every kernel is launched with `block = (FlashBwdLaunch::block, 1, 1)`
-//! (128 threads; 256 for Hopper's `_dkdvdq`, `flash_bwd_sm90.rs`, which
+//! (128 threads; 384 for Hopper's `_dkdvdq`, `flash_bwd_sm90.rs`, which
 //! `FlashArch::Sm90a` puts in the atomic scheme with its own grid and
 //! shared memory) and the dynamic shared memory its launch names (0 but for
 //! `_dkdvdq`). Each is compiled like every generated kernel (the prelude

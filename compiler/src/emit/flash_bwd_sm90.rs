@@ -6,17 +6,31 @@
 //!
 //! # Launch contract
 //!
-//! Compile for `sm_90a`; `grid = (ceil(S / 128), Hkv, B)`, `block = (256, 1,
-//! 1)`, dynamic shared memory [`smem_bytes`] (over 48 KiB: raise the
-//! function's limit first). Everything else as `flash_bwd.rs` says.
+//! Compile for `sm_90a`; `grid = (ceil(S / 128), Hkv, B)`, `block = (384, 1,
+//! 1)` with `__launch_bounds__(384, 1)`, dynamic shared memory
+//! [`smem_bytes`] (over 48 KiB: raise the function's limit first).
+//! Everything else as `flash_bwd.rs` says.
 //!
 //! # Design
 //!
-//! One block of two warpgroups owns 128 keys of one (batch, kv head);
-//! warpgroup `wg` owns keys `64wg .. 64wg + 63`. K and V are loaded once; the
-//! queries of every head of the group stream through shared memory 64 at a
-//! time (Q, dO, their lse and delta), one tile ahead by `cp.async`. Per
-//! query tile, each warpgroup:
+//! One block owns 128 keys of one (batch, kv head): two consumer warpgroups
+//! (`wg` owns keys `64wg .. 64wg + 63`) and a memory warpgroup. K and V are
+//! loaded once by all; then the queries of every head of the group stream
+//! through shared memory 64 at a time. The memory warpgroup gives up its
+//! registers to the consumers (`setmaxnreg`) and splits in two:
+//!
+//! - two loader warps copy each query tile (Q, dO by `cp.async`, lse and
+//!   delta) into one of [`stages`] buffers, handed over by mbarriers as in
+//!   the forward (`flash_sm90.rs`): "full" as the copies land, "empty" when
+//!   every consumer warp is done with the tile;
+//! - two writer warps take each tile's dQ from one of two f32 tiles in
+//!   shared memory and add it into the f32 sum with 16-byte reductions
+//!   (`red.global.add.v4.f32`), whole rows at a time.
+//!
+//! So the consumers' chain per tile holds only tensor-core work and the
+//! element-wise step between: without the copies' and the reductions'
+//! instructions it ran at about twice the speed on an H100
+//! (`docs/benchmarks.md`). Per query tile, each consumer warpgroup:
 //!
 //! 1. `S^T = K Q^T` and `dP^T = V dO^T` (both operands in shared memory,
 //!    K-major), so that `P^T = exp2(S^T scale_log2 - lse)` and `dS^T = P^T
@@ -24,14 +38,16 @@
 //!    register A layout;
 //! 2. `dV += P^T dO` and `dK += dS^T Q` (A in registers, B = the dO / Q
 //!    tile read MN-major), accumulators kept across all tiles;
-//! 3. writes dS^T to shared memory (`[key][query]` in core matrices); after
-//!    a barrier, the tile's `dQ = dS K` over the block's 128 keys (A = dS
-//!    read MN-major, B = the key tile MN-major), each warpgroup half the
-//!    features, added into the f32 sum with `red.global.add.v2.f32`.
+//! 3. writes dS^T to shared memory (`[key][query]` in core matrices); once
+//!    both warpgroups have (a named barrier), the tile's `dQ = dS K` over
+//!    the block's 128 keys (A = dS read MN-major, B = the key tile
+//!    MN-major), each warpgroup half the features, goes to the writers.
 //!
-//! Causal: query tiles before the first that can see the block's first key
-//! are skipped; only tiles crossing the diagonal or the sequence ends are
-//! masked. P and dS are rounded to the input's 16-bit type as operands.
+//! A second named barrier keeps a warpgroup from overwriting dS^T while the
+//! other's dQ product still reads it. Causal: query tiles before the first
+//! that can see the block's first key are skipped; only tiles crossing the
+//! diagonal or the sequence ends are masked. P and dS are rounded to the
+//! input's 16-bit type as operands.
 
 use super::flash::{elem_names, Config};
 use super::flash_bwd::{common_subs, dkdv_store_subs, fill, p_masked_subs};
@@ -44,18 +60,55 @@ use petgraph::stable_graph::NodeIndex;
 pub const TILE_KEYS: u64 = 128;
 /// Queries per streamed tile (wgmma's M for dQ).
 pub const TILE_QUERIES: u64 = 64;
+/// Consumer threads (two warpgroups).
+const CONSUMERS: u32 = 256;
+/// Loader and writer threads of the memory warpgroup.
+const LOADERS: u32 = 64;
+const WRITERS: u32 = 64;
 /// Threads per block.
-pub const THREADS: u32 = 256;
-
-/// Dynamic shared memory at head dim `d`: K and V, two Q and dO tiles, dS^T,
-/// and two tiles' lse and delta.
-pub fn smem_bytes(d: u64) -> u64 {
-    (2 * TILE_KEYS + 4 * TILE_QUERIES) * d * 2 + TILE_KEYS * TILE_QUERIES * 2 + 4 * TILE_QUERIES * 4
+pub const THREADS: u32 = CONSUMERS + LOADERS + WRITERS;
+/// Shared memory a block may have on sm_90 (227 KiB).
+const SMEM_LIMIT: u64 = 227 * 1024;
+/// Registers per thread after the hand-over at head dim `d`, consumers
+/// and producers: 256 x c + 128 x p is the 384 x 168 the block starts
+/// with. The consumers' accumulators grow with `d`; below 232 at D = 128
+/// ptxas serializes their wgmma.
+fn regs(d: u64) -> (u32, u32) {
+    if d <= 64 {
+        (208, 88)
+    } else {
+        (232, 40)
+    }
 }
 
-/// The wgmma wrappers the kernel calls at head dim `d`.
+/// Query tile buffers at head dim `d`: three where they fit, else two.
+fn stages(d: u64) -> u64 {
+    if smem_with(d, 3) <= SMEM_LIMIT {
+        3
+    } else {
+        2
+    }
+}
+
+/// Dynamic shared memory at head dim `d`: K and V, [`stages`] Q and dO
+/// tiles, dS^T, two f32 dQ tiles (rows padded by 4), the buffers' lse and
+/// delta, and the mbarriers.
+pub fn smem_bytes(d: u64) -> u64 {
+    smem_with(d, stages(d))
+}
+
+fn smem_with(d: u64, stages: u64) -> u64 {
+    (2 * TILE_KEYS + 2 * stages * TILE_QUERIES) * d * 2
+        + TILE_KEYS * TILE_QUERIES * 2
+        + 2 * TILE_QUERIES * (d + 4) * 4
+        + 2 * stages * TILE_QUERIES * 4
+        + (2 * stages + 4) * 8
+}
+
+/// The wgmma wrappers and warp-specialization helpers the kernel calls at
+/// head dim `d`.
 pub(crate) fn helpers(d: u64) -> String {
-    wgmma_helpers(&shapes(d))
+    wgmma_helpers(&shapes(d)) + WS_HELPERS
 }
 
 fn shapes(d: u64) -> [(Operand, Operand, u64); 3] {
@@ -65,6 +118,44 @@ fn shapes(d: u64) -> [(Operand, Operand, u64); 3] {
         (Operand::MnMajor, Operand::MnMajor, d / 2),
     ]
 }
+
+const WS_HELPERS: &str = r#"#ifndef FS_WS_HELPERS
+#define FS_WS_HELPERS
+#ifdef __CUDA_ARCH__
+// Registers handed between warpgroups (the whole warpgroup executes it).
+template <unsigned N>
+__device__ __forceinline__ void fs_setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+template <unsigned N>
+__device__ __forceinline__ void fs_setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+// Barrier `id` (1 .. 15; 0 is __syncthreads) for `count` threads.
+__device__ __forceinline__ void fs_bar_sync(unsigned id, unsigned count) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ void fs_syncwarp() { __syncwarp(); }
+// p[0 .. 3] += s[0 .. 3] in global memory, atomically (both 16-byte aligned, s in shared memory).
+__device__ __forceinline__ void fs_atomic_add4(float* p, const float* s) {
+    const float4 v = *reinterpret_cast<const float4*>(s);
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+// p[0], p[1] = a, b (p 8-byte aligned).
+__device__ __forceinline__ void fs_st_f32x2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+#else
+template <unsigned N>
+inline void fs_setmaxnreg_inc() {}
+template <unsigned N>
+inline void fs_setmaxnreg_dec() {}
+inline void fs_bar_sync(unsigned id, unsigned count) { fs_emu_bar_sync(id, count); }
+inline void fs_syncwarp() { fs_emu_syncwarp(); }
+// A plain sum, as fs_atomic_add2's host version says.
+inline void fs_atomic_add4(float* p, const float* s) {
+    for (int i = 0; i < 4; ++i) p[i] += s[i];
+}
+inline void fs_st_f32x2(float* p, float a, float b) {
+    p[0] = a;
+    p[1] = b;
+}
+#endif
+#endif
+
+"#;
 
 pub(crate) fn dkdvdq_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, smem: u64) -> String {
     let mut subs = common_subs(g, c, n, cfg, false);
@@ -78,20 +169,31 @@ pub(crate) fn dkdvdq_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, smem: 
     subs.push(("SMEM_BYTES", smem.to_string()));
     subs.push(("TILE_K", TILE_KEYS.to_string()));
     subs.push(("TILE_Q", TILE_QUERIES.to_string()));
-    subs.push(("WG_THREADS", THREADS.to_string()));
+    subs.push(("BLOCK_THREADS", THREADS.to_string()));
+    subs.push(("N_CONSUMERS", CONSUMERS.to_string()));
+    subs.push(("N_LOADERS", LOADERS.to_string()));
+    subs.push(("N_WRITERS", WRITERS.to_string()));
+    subs.push(("N_STAGES", stages(cfg.head_dim).to_string()));
+    let (consumer_regs, producer_regs) = regs(cfg.head_dim);
+    subs.push(("CONSUMER_REGS", consumer_regs.to_string()));
+    subs.push(("PRODUCER_REGS", producer_regs.to_string()));
     fill(BODY, &subs)
 }
 
 const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, kernel 2 of 3: dK, dV and
-    // dQ (wgmma, f32 accumulation). Block = (tile of $TILE_K keys, kv head, batch);
-    // warpgroup wg owns keys 64wg .. 64wg + 63 and computes S^T = K Q^T and
-    // dP^T = V dO^T, so that P^T and dS^T come out in the accumulator layout,
-    // wgmma's register A layout for dV += P^T dO and dK += dS^T Q. dS^T then goes
-    // to shared memory, and the tile's dQ += dS K (features split between the
-    // warpgroups) is added into the f32 sum by atomics. Queries of every head of
-    // the group stream through shared memory $TILE_Q at a time, one tile ahead.
-    constexpr int TILE_K = $TILE_K, TILE_Q = $TILE_Q, HEAD_DIM = $D;
+    // dQ (wgmma, f32 accumulation). Block = (tile of $TILE_K keys, kv head, batch):
+    // two consumer warpgroups, warpgroup wg owning keys 64wg .. 64wg + 63, and a
+    // memory warpgroup of loader and writer warps. Per query tile the consumers
+    // compute S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T come out in the
+    // accumulator layout, wgmma's register A layout for dV += P^T dO and dK +=
+    // dS^T Q; dS^T then goes to shared memory for the tile's dQ += dS K (features
+    // split between the warpgroups), which the writers add into the f32 sum.
+    // Queries of every head of the group stream through shared memory $TILE_Q at
+    // a time, copied ahead by the loaders.
+    constexpr int TILE_K = $TILE_K, TILE_Q = $TILE_Q, HEAD_DIM = $D, STAGES = $N_STAGES;
+    constexpr int CONSUMERS = $N_CONSUMERS, LOADERS = $N_LOADERS, WRITERS = $N_WRITERS;
     constexpr int CHUNKS = HEAD_DIM / 8;   // 16-byte chunks per row
+    constexpr int DQ_ROW = HEAD_DIM + 4;   // f32 dQ tile row pitch (fewer bank conflicts)
     // [rows][HEAD_DIM] tiles in core matrices (emit/flash_sm90.rs): CORE bytes
     // apart along the features, ROW8 along the rows. dS^T [key][query] likewise,
     // its core matrices DS_ROW8 bytes apart along the keys.
@@ -100,22 +202,29 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
     const bool causal = $CAUSAL;  // if so, keys j > query i are masked
     const float scale = $SCALE, scale_log2 = $SCALE_LOG2;  // exp(x * scale) = exp2(x * scale_log2)
     const fs_i64 k0 = (fs_i64)blockIdx.x * TILE_K, kv_h = blockIdx.y, b = blockIdx.z;
-    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
-    const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
+    const int lane = threadIdx.x & 31;
     FS_DYNAMIC_SMEM(smem, $SMEM_BYTES);
     $TY* const k_tile = reinterpret_cast<$TY*>(smem);      // [TILE_K][HEAD_DIM]
     $TY* const v_tile = k_tile + TILE_K * HEAD_DIM;         // [TILE_K][HEAD_DIM]
-    $TY* const q_tiles = v_tile + TILE_K * HEAD_DIM;        // 2 x [TILE_Q][HEAD_DIM]
-    $TY* const do_tiles = q_tiles + 2 * TILE_Q * HEAD_DIM;  // 2 x [TILE_Q][HEAD_DIM]
-    $TY* const ds_tile = do_tiles + 2 * TILE_Q * HEAD_DIM;  // dS^T: [TILE_K][TILE_Q]
-    float* const lse_tiles = reinterpret_cast<float*>(ds_tile + TILE_K * TILE_Q);  // 2 x TILE_Q: lse * log2(e)
-    float* const delta_tiles = lse_tiles + 2 * TILE_Q;                               // 2 x TILE_Q
+    $TY* const q_tiles = v_tile + TILE_K * HEAD_DIM;        // STAGES x [TILE_Q][HEAD_DIM]
+    $TY* const do_tiles = q_tiles + STAGES * TILE_Q * HEAD_DIM;  // STAGES x [TILE_Q][HEAD_DIM]
+    $TY* const ds_tile = do_tiles + STAGES * TILE_Q * HEAD_DIM;  // dS^T: [TILE_K][TILE_Q]
+    float* const dq_tiles = reinterpret_cast<float*>(ds_tile + TILE_K * TILE_Q);  // 2 x [TILE_Q][DQ_ROW]
+    float* const lse_tiles = dq_tiles + 2 * TILE_Q * DQ_ROW;  // STAGES x TILE_Q: lse * log2(e)
+    float* const delta_tiles = lse_tiles + STAGES * TILE_Q;   // STAGES x TILE_Q
+    // Query buffer s is full (q_full[s]: the loaders' copies and stores are in)
+    // and empty (q_empty[s]: every consumer warp is done with it); dQ tile u
+    // likewise (dq_full[u]: every consumer warp has stored its part; dq_empty[u]:
+    // the writer warps have read it).
+    fs_mbar* const q_full = reinterpret_cast<fs_mbar*>(delta_tiles + STAGES * TILE_Q);
+    fs_mbar* const q_empty = q_full + STAGES;
+    fs_mbar* const dq_full = q_empty + STAGES;
+    fs_mbar* const dq_empty = dq_full + 2;
 
-    // 1. The block's keys and values (rows past kv_len zero; their dK, dV are
-    //    never stored). Chunk c is row (c / (8 * CHUNKS)) * 8 + c % 8, features
-    //    ((c / 8) % CHUNKS) * 8 .., stored at element 8c.
-    for (int c = threadIdx.x; c < TILE_K * CHUNKS; c += $WG_THREADS) {
+    // 1. The block's keys and values, by every thread (rows past kv_len zero;
+    //    their dK, dV are never stored). Chunk c is row (c / (8 * CHUNKS)) * 8 +
+    //    c % 8, features ((c / 8) % CHUNKS) * 8 .., stored at element 8c.
+    for (int c = threadIdx.x; c < TILE_K * CHUNKS; c += $BLOCK_THREADS) {
         const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;
         const fs_i64 j = k0 + r;
         if (j < kv_len) {
@@ -126,33 +235,85 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
             fs_zero16(&v_tile[c * 8]);
         }
     }
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            fs_mbar_init(&q_full[s], 2 * LOADERS);  // each loader: its copies, then its stores
+            fs_mbar_init(&q_empty[s], CONSUMERS / 32);
+        }
+        for (int u = 0; u < 2; ++u) {
+            fs_mbar_init(&dq_full[u], CONSUMERS / 32);
+            fs_mbar_init(&dq_empty[u], WRITERS / 32);
+        }
+    }
+    fs_copy_async_commit();
+    fs_copy_async_wait_all();
+    fs_fence_async_smem();
+    __syncthreads();
     // Query tiles t = 0 .. tiles - 1: head kv_h * group + t / per_head, rows
     // i_first + (t % per_head) * TILE_Q; causal: from the first tile that can see key k0.
     const fs_i64 i_first = causal ? (k0 / TILE_Q) * TILE_Q : 0;
     const fs_i64 per_head = q_len > i_first ? (q_len - i_first + TILE_Q - 1) / TILE_Q : 0;
     const fs_i64 tiles = group * per_head;
-    // 2. Query tile t into buffer buf: Q and dO (rows past q_len zero), lse (log2 units), delta.
-    auto load_queries = [&](int buf, fs_i64 t) {
-        const fs_i64 h = kv_h * group + t / per_head, i0 = i_first + (t % per_head) * TILE_Q;
-        $TY* const qt = q_tiles + buf * TILE_Q * HEAD_DIM;
-        $TY* const dot = do_tiles + buf * TILE_Q * HEAD_DIM;
-        for (int c = threadIdx.x; c < TILE_Q * CHUNKS; c += $WG_THREADS) {
-            const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;
-            const fs_i64 i = i0 + r;
-            if (i < q_len) {
-                fs_copy16_async(&qt[c * 8], &$QP[$Q_AT + e]);
-                fs_copy16_async(&dot[c * 8], &$DOP[$DO_AT + e]);
-            } else {
-                fs_zero16(&qt[c * 8]);
-                fs_zero16(&dot[c * 8]);
+
+    if (threadIdx.x >= CONSUMERS) {
+        fs_setmaxnreg_dec<$PRODUCER_REGS>();
+        const int p = threadIdx.x - CONSUMERS;
+        fs_i64 h = kv_h * group, i0 = i_first;  // tile t's head and first row
+        if (p < LOADERS) {
+            // 2. The loaders: query tile t into buffer t % STAGES once the
+            //    consumers are done with tile t - STAGES: Q and dO (rows past q_len
+            //    zero), lse in log2 units, delta (rows past q_len zero).
+            for (fs_i64 t = 0; t < tiles; ++t) {
+                const int buf = t % STAGES;
+                if (t >= STAGES) fs_mbar_wait(&q_empty[buf], (t / STAGES + 1) & 1);
+                $TY* const qt = q_tiles + buf * TILE_Q * HEAD_DIM;
+                $TY* const dot = do_tiles + buf * TILE_Q * HEAD_DIM;
+                const int rows = q_len - i0 < TILE_Q ? (int)(q_len - i0) : TILE_Q;
+                for (int c = p; c < TILE_Q * CHUNKS; c += LOADERS) {
+                    const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;
+                    const fs_i64 i = i0 + r;
+                    fs_copy16_async_or_zero(&qt[c * 8], r < rows ? &$QP[$Q_AT + e] : $QP, r < rows);
+                    fs_copy16_async_or_zero(&dot[c * 8], r < rows ? &$DOP[$DO_AT + e] : $DOP, r < rows);
+                }
+                fs_mbar_arrive_on_copies(&q_full[buf]);
+                for (int r = p; r < TILE_Q; r += LOADERS) {
+                    const fs_i64 i = i0 + r;
+                    lse_tiles[buf * TILE_Q + r] = r < rows ? $LSE * 1.4426950408889634f : 0.0f;
+                    delta_tiles[buf * TILE_Q + r] = r < rows ? $DELTA[(b * $HQ + h) * q_len + i] : 0.0f;
+                }
+                fs_mbar_arrive(&q_full[buf]);
+                i0 += TILE_Q;
+                if (i0 >= q_len) i0 = i_first, ++h;
+            }
+            fs_copy_async_wait_all();
+        } else {
+            // 3. The writers: tile t's dQ (dq_tiles[t % 2]) into the f32 sum in
+            //    the scratch ([B, Hq, T, D]), a row per warp instruction at D = 128.
+            const int w = p - LOADERS;
+            for (fs_i64 t = 0; t < tiles; ++t) {
+                const int u = t & 1;
+                fs_mbar_wait(&dq_full[u], (t >> 1) & 1);
+                const float* const dqt = dq_tiles + u * TILE_Q * DQ_ROW;
+                float* const sum = &scratch[((b * $HQ + h) * q_len + i0) * HEAD_DIM];  // row i0
+                const int rows = q_len - i0 < TILE_Q ? (int)(q_len - i0) : TILE_Q;
+                for (int c = w; c < rows * (HEAD_DIM / 4); c += WRITERS) {
+                    const int r = c / (HEAD_DIM / 4), e = (c % (HEAD_DIM / 4)) * 4;
+                    fs_atomic_add4(&sum[r * HEAD_DIM + e], &dqt[r * DQ_ROW + e]);
+                }
+                fs_syncwarp();
+                if (lane == 0) fs_mbar_arrive(&dq_empty[u]);
+                i0 += TILE_Q;
+                if (i0 >= q_len) i0 = i_first, ++h;
             }
         }
-        if (threadIdx.x < TILE_Q) {
-            const fs_i64 i = i0 + threadIdx.x;
-            lse_tiles[buf * TILE_Q + threadIdx.x] = i < q_len ? $LSE * 1.4426950408889634f : 0.0f;
-            delta_tiles[buf * TILE_Q + threadIdx.x] = i < q_len ? $DELTA[(b * $HQ + h) * q_len + i] : 0.0f;
-        }
-    };
+        return;
+    }
+
+    // 4. The consumers.
+    fs_setmaxnreg_inc<$CONSUMER_REGS>();
+    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3;
+    // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
+    const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
     // Element (key kr, query qc) of dS^T.
     auto ds_at = [](int kr, int qc) { return ((kr >> 3) * (TILE_Q / 8) + (qc >> 3)) * 64 + (kr & 7) * 8 + (qc & 7); };
 
@@ -166,24 +327,17 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
     }
     const $TY* const k_wg = k_tile + wg * 64 * HEAD_DIM;
     const $TY* const v_wg = v_tile + wg * 64 * HEAD_DIM;
-    if (tiles > 0) load_queries(0, 0);
-    fs_copy_async_commit();
+    fs_i64 i0 = i_first;  // tile t's first row
     for (fs_i64 t = 0; t < tiles; ++t) {
-        const fs_i64 h = kv_h * group + t / per_head, i0 = i_first + (t % per_head) * TILE_Q;
-        const int buf = t & 1;
-        // Tile t has landed and every warp is done with tile t - 1 (its buffer,
-        // and dS^T), so the other buffer takes tile t + 1 meanwhile.
-        fs_copy_async_wait_all();
+        const int buf = t % STAGES, u = t & 1;
+        fs_mbar_wait(&q_full[buf], (t / STAGES) & 1);
         fs_fence_async_smem();
-        __syncthreads();
-        if (t + 1 < tiles) load_queries(buf ^ 1, t + 1);
-        fs_copy_async_commit();
         const $TY* const qt = q_tiles + buf * TILE_Q * HEAD_DIM;
         const $TY* const dot = do_tiles + buf * TILE_Q * HEAD_DIM;
         const float* const lse_tile = lse_tiles + buf * TILE_Q;
         const float* const delta_tile = delta_tiles + buf * TILE_Q;
 
-        // 3. S^T = K Q^T and dP^T = V dO^T for the warpgroup's 64 keys: s[n][e],
+        // 5. S^T = K Q^T and dP^T = V dO^T for the warpgroup's 64 keys: s[n][e],
         //    dp[n][e] = key key_row + 8 * (e / 2), query i0 + 8n + frag_col + e % 2.
         //    Features 16kk .. 16kk + 15 start at element 128kk of a row group.
         float s[TILE_Q / 8][4], dp[TILE_Q / 8][4];
@@ -197,7 +351,7 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
             $ST_MMA(dp, fs_make_desc(v_wg + kk * 128, CORE, ROW8), fs_make_desc(dot + kk * 128, CORE, ROW8), kk);
         fs_wgmma_commit();
 
-        // 4. P^T = exp2(S^T * scale_log2 - lse_log2), masked (queries past q_len;
+        // 6. P^T = exp2(S^T * scale_log2 - lse_log2), masked (queries past q_len;
         //    causal: keys after the query) only on tiles that can need it, while
         //    dP^T is still being computed; then dS^T = P^T * (dP^T - delta) in dp.
         fs_wgmma_wait_all_but_1();
@@ -218,9 +372,11 @@ $P_MASKED
             for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);
         }
 
-        // 5. P^T and dS^T as 16-bit A fragments (queries 16kk .. 16kk + 15), dS^T
-        //    also into shared memory for dQ; then dV += P^T dO and dK += dS^T Q,
-        //    B = the dO / Q tile read MN-major (queries 16kk .. at row group 2kk).
+        // 7. P^T and dS^T as 16-bit A fragments (queries 16kk .. 16kk + 15), dS^T
+        //    also into shared memory for dQ once the other warpgroup's dQ of tile
+        //    t - 1 has read it; then dV += P^T dO and dK += dS^T Q, B = the dO / Q
+        //    tile read MN-major (queries 16kk .. at row group 2kk).
+        fs_bar_sync(1, CONSUMERS);
         unsigned p_frag[TILE_Q / 16][4], ds_frag[TILE_Q / 16][4];
 #pragma unroll
         for (int kk = 0; kk < TILE_Q / 16; ++kk) {
@@ -246,13 +402,13 @@ $P_MASKED
             $ACC_MMA(dk_acc, ds_frag[kk], fs_make_desc(qt + kk * 16 * HEAD_DIM, ROW8, CORE), 1);
         fs_wgmma_commit();
 
-        // 6. dQ = dS K for the tile's queries and the block's keys: A = dS read
-        //    MN-major from dS^T (keys 16kk .. at row group 2kk), B = the key tile
-        //    MN-major, warpgroup wg taking features wg * HEAD_DIM / 2 ..; added into
-        //    the f32 sum in the scratch ([B, Hq, T, D]) by atomics. dq[n][e] = query
-        //    i0 + 16 * warp + frag_row + 8 * (e / 2), feature wg * HEAD_DIM / 2 + 8n + frag_col + e % 2.
+        // 8. dQ = dS K for the tile's queries and the block's keys, once both
+        //    warpgroups' dS^T is in: A = dS read MN-major from dS^T (keys 16kk ..
+        //    at row group 2kk), B = the key tile MN-major, warpgroup wg taking
+        //    features wg * HEAD_DIM / 2 ... dq[n][e] = query i0 + 16 * warp +
+        //    frag_row + 8 * (e / 2), feature wg * HEAD_DIM / 2 + 8n + frag_col + e % 2.
         fs_fence_async_smem();
-        __syncthreads();  // dS^T is complete
+        fs_bar_sync(2, CONSUMERS);
         float dq[HEAD_DIM / 16][4];
         fs_wgmma_fence();
 #pragma unroll
@@ -264,18 +420,21 @@ $P_MASKED
         fs_wgmma_hold(dq);
         fs_wgmma_hold(dk_acc);
         fs_wgmma_hold(dv_acc);
-        // (16-byte reductions, lanes trading pairs so that each holds 4 adjacent
-        // features, ran this kernel 1-2% slower on an H100: docs/benchmarks.md.)
+        // Every product of tile t has landed: its query buffer is free. dQ goes
+        // to the writers once they are done with tile t - 2's.
+        if (lane == 0) fs_mbar_arrive(&q_empty[buf]);
+        if (t >= 2) fs_mbar_wait(&dq_empty[u], ((t >> 1) + 1) & 1);
+        float* const dqt = dq_tiles + u * TILE_Q * DQ_ROW;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const fs_i64 i = i0 + warp * 16 + frag_row + 8 * r;
-            if (i < q_len) {
-                float* sum = &scratch[((b * $HQ + h) * q_len + i) * HEAD_DIM + wg * (HEAD_DIM / 2) + frag_col];
+            float* const row = &dqt[(warp * 16 + frag_row + 8 * r) * DQ_ROW + wg * (HEAD_DIM / 2) + frag_col];
 #pragma unroll
-                for (int n = 0; n < HEAD_DIM / 16; ++n) fs_atomic_add2(sum + n * 8, dq[n][2 * r], dq[n][2 * r + 1]);
-            }
+            for (int n = 0; n < HEAD_DIM / 16; ++n) fs_st_f32x2(row + n * 8, dq[n][2 * r], dq[n][2 * r + 1]);
         }
+        fs_syncwarp();
+        if (lane == 0) fs_mbar_arrive(&dq_full[u]);
+        i0 += TILE_Q;
+        if (i0 >= q_len) i0 = i_first;
     }
-    fs_copy_async_wait_all();
 
 $STORE_DKDV"#;
