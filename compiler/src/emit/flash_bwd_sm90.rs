@@ -69,16 +69,19 @@ const WRITERS: u32 = 64;
 pub const THREADS: u32 = CONSUMERS + LOADERS + WRITERS;
 /// Shared memory a block may have on sm_90 (227 KiB).
 const SMEM_LIMIT: u64 = 227 * 1024;
-/// Registers per thread after the hand-over at head dim `d`, consumers
-/// and producers: 256 x c + 128 x p is the 384 x 168 the block starts
-/// with. The consumers' accumulators grow with `d`; below 232 at D = 128
-/// ptxas serializes their wgmma.
+/// Registers per thread the block starts with: the 64K register file over
+/// [`THREADS`] (`__launch_bounds__(THREADS, 1)`), in ptxas's steps of 8.
+const START_REGS: u32 = 65536 / THREADS / 8 * 8;
+
+/// Registers per thread after the hand-over at head dim `d`, consumers and
+/// producers: the producers take what the consumers leave of the block's
+/// START_REGS x THREADS. The consumers' accumulators grow with `d`; below
+/// 232 at D = 128 ptxas serializes their wgmma (and at D = 64, 208 leaves
+/// the producers 88, where they spill nothing).
 fn regs(d: u64) -> (u32, u32) {
-    if d <= 64 {
-        (208, 88)
-    } else {
-        (232, 40)
-    }
+    let consumers = if d <= 64 { 208 } else { 232 };
+    let producers = (START_REGS * THREADS - consumers * CONSUMERS) / (THREADS - CONSUMERS);
+    (consumers, producers)
 }
 
 /// Query tile buffers at head dim `d`: three where they fit, else two.
