@@ -606,7 +606,7 @@ fn a_broken_hopper_backward_is_caught() {
             .unwrap()
     };
     let (causal, plain) = (find(true), find(false));
-    let mutations: [(Mutation, usize); 5] = [
+    let mutations: [(Mutation, usize); 7] = [
         // dQ's A (dS, MN-major) read with its strides exchanged.
         (
             (
@@ -615,11 +615,27 @@ fn a_broken_hopper_backward_is_caught() {
             ),
             plain,
         ),
-        // dV's B (dO, MN-major) likewise.
+        // dV's B (the swizzled dO tile, MN-major) stepping 8 queries, not 16.
         (
             (
-                "fs_make_desc(dot + kk * 16 * HEAD_DIM, ROW8, CORE)",
-                "fs_make_desc(dot + kk * 16 * HEAD_DIM, CORE, ROW8)",
+                "fs_make_desc_sw128_mn(dot + (kk) * 1024, 8192)",
+                "fs_make_desc_sw128_mn(dot + (kk) * 512, 8192)",
+            ),
+            plain,
+        ),
+        // S^T's B (the swizzled Q tile, K-major) stepping 8 features, not 16.
+        (
+            (
+                "fs_make_desc_sw128(qt + (kk) / 4 * 4096 + (kk) % 4 * 16)",
+                "fs_make_desc_sw128(qt + (kk) / 4 * 4096 + (kk) % 4 * 8)",
+            ),
+            causal,
+        ),
+        // The dO tiles copied from the next query on.
+        (
+            (
+                "tm_do, a * 64, (int)h, (int)i0, (int)b",
+                "tm_do, a * 64, (int)h, (int)i0 + 1, (int)b",
             ),
             plain,
         ),

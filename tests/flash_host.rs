@@ -396,41 +396,70 @@ fn hopper_flash_attention_matches_the_reference_on_the_host() {
     println!("hopper cross: {checked} flash kernel runs matched the reference");
 }
 
-/// The Hopper kernel's own layouts: shared tiles in core matrices, the
-/// descriptors' strides, the emulator's reading of them, P as wgmma's
-/// register fragment, and the warpgroups' causal masks.
+/// The Hopper kernel's own layouts: the query tile in core matrices, the
+/// swizzled key and value tiles and their copies, the descriptors' strides,
+/// the emulator's reading of them, P as wgmma's register fragment, and the
+/// warpgroups' causal masks.
 #[test]
 fn a_broken_wgmma_layout_is_caught() {
     if !host::have_cxx() {
         return;
     }
-    let mutations: [(Mutation, bool); 7] = [
-        // V's descriptor with its two strides exchanged (read K-major-wise).
+    let mutations: [(Mutation, bool); 10] = [
+        // V's descriptor stepping 8 keys at a time instead of 16.
         (
             (
                 "kernel",
-                "fs_make_desc(vt + kk * 16 * HEAD_DIM, ROW8, CORE)",
-                "fs_make_desc(vt + kk * 16 * HEAD_DIM, CORE, ROW8)",
+                "fs_make_desc_sw128_mn(vt + (kk) * 1024, 8192)",
+                "fs_make_desc_sw128_mn(vt + (kk) * 512, 8192)",
             ),
             false,
         ),
-        // K's descriptor likewise.
+        // K's descriptor stepping 8 features within a swizzled row instead of 16.
         (
             (
                 "kernel",
-                "fs_make_desc(kt + kk * 128, CORE, ROW8)",
-                "fs_make_desc(kt + kk * 128, ROW8, CORE)",
+                "fs_make_desc_sw128(kt + (kk) / 4 * 4096 + (kk) % 4 * 16)",
+                "fs_make_desc_sw128(kt + (kk) / 4 * 4096 + (kk) % 4 * 8)",
             ),
             true,
         ),
-        // The copy stores rows row-major instead of in core matrices.
+        // The query copy stores rows row-major instead of in core matrices.
         (
             (
                 "kernel",
-                "const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;\n                const fs_i64 j",
-                "const int r = c / CHUNKS, e = (c % CHUNKS) * 8;\n                const fs_i64 j",
+                "const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;\n        const fs_i64 i",
+                "const int r = c / CHUNKS, e = (c % CHUNKS) * 8;\n        const fs_i64 i",
             ),
             false,
+        ),
+        // The key tiles copied from the next row on.
+        (
+            (
+                "kernel",
+                "fs_tma_load(kt + a * TILE_K * 64, tm_k, a * 64, (int)kv_h, k0,",
+                "fs_tma_load(kt + a * TILE_K * 64, tm_k, a * 64, (int)kv_h, k0 + 1,",
+            ),
+            true,
+        ),
+        // The host copy writes rows unswizzled (the emulated wgmma still
+        // reads them swizzled).
+        (
+            (
+                "kernel",
+                "memcpy(fs_swizzle128(out + r * 128 + e * 2), &v, 2)",
+                "memcpy(out + r * 128 + e * 2, &v, 2)",
+            ),
+            false,
+        ),
+        // The emulator reads swizzled tiles without the swizzle.
+        (
+            (
+                "mma_emu.h",
+                "at = reinterpret_cast<const unsigned char*>(a ^ (((a >> 7) & 7) << 4));",
+                "at = reinterpret_cast<const unsigned char*>(a);",
+            ),
+            true,
         ),
         // P's register fragment: registers 1 and 2 swapped.
         (
@@ -450,12 +479,12 @@ fn a_broken_wgmma_layout_is_caught() {
             ),
             true,
         ),
-        // The emulator reads MN-major core matrices K-major.
+        // The emulator reads swizzled MN-major rows K-major.
         (
             (
                 "mma_emu.h",
-                "(mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2)",
-                "((mn % 8) * 16 + (k % 8) * 2)",
+                "(mn_major ? (mn / 64) * lbo + (mn % 64) * 2 + (k % 8) * 128 + (k / 8) * sbo",
+                "(!mn_major ? (mn / 64) * lbo + (mn % 64) * 2 + (k % 8) * 128 + (k / 8) * sbo",
             ),
             false,
         ),

@@ -6,6 +6,7 @@
 
 use crate::device::Gpu;
 use crate::exec::encode;
+use crate::tensor_map::{encode_all, EncodedMap};
 use crate::RuntimeError;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use fusec_compiler::driver::compile;
@@ -94,6 +95,8 @@ struct Launch {
     extra: Option<u64>,
     /// Dynamic shared memory, bytes.
     smem: u32,
+    /// Tensor maps passed last.
+    maps: Vec<EncodedMap>,
 }
 
 fn load(gpu: &Gpu, name: &str, src: &str) -> Result<CudaFunction, RuntimeError> {
@@ -188,6 +191,7 @@ pub fn run(
                 let smem = launch.dynamic_smem_bytes as u32;
                 crate::exec::allow_dynamic_smem(&func, &fwd.name, smem, gpu, "--simple")?;
                 let [x, y, z] = launch.grid(&|_| None).ok_or_else(|| err("no flash grid"))?;
+                let maps = encode_all(&launch.tensor_maps, &args, &|_| None, &fwd.name)?;
                 Launch {
                     name: fwd.name.clone(),
                     func,
@@ -196,6 +200,7 @@ pub fn run(
                     args,
                     extra: None,
                     smem,
+                    maps,
                 }
             }
             None => {
@@ -215,6 +220,7 @@ pub fn run(
                     args,
                     extra: None,
                     smem: 0,
+                    maps: Vec::new(),
                 }
             }
         }
@@ -248,6 +254,7 @@ pub fn run(
                     let func = load(gpu, &l.name, &l.source)?;
                     let smem = l.dynamic_smem_bytes as u32;
                     crate::exec::allow_dynamic_smem(&func, &l.name, smem, gpu, "--simple")?;
+                    let maps = encode_all(&l.tensor_maps, &args, &|_| None, &l.name)?;
                     out.push(Launch {
                         name: l.name.clone(),
                         func,
@@ -256,6 +263,7 @@ pub fn run(
                         args: args.clone(),
                         extra: Some(sp),
                         smem,
+                        maps,
                     });
                 }
                 out
@@ -277,6 +285,7 @@ pub fn run(
                     args,
                     extra: None,
                     smem: 0,
+                    maps: Vec::new(),
                 }]
             }
         }
@@ -290,13 +299,17 @@ pub fn run(
         if let Some(x) = &l.extra {
             a.arg(x);
         }
+        for m in &l.maps {
+            a.arg(m);
+        }
         let cfg = LaunchConfig {
             grid_dim: l.grid,
             block_dim: (l.block, 1, 1),
             shared_mem_bytes: l.smem,
         };
         // SAFETY: arguments as the kernel's signature lists them (no
-        // symbolic sizes: the model's sizes are constants).
+        // symbolic sizes: the model's sizes are constants; the tensor maps
+        // point into the buffers, which outlive every launch).
         unsafe { a.launch(cfg) }.map_err(|e| RuntimeError::driver("launching attention", e))?;
         Ok(())
     };

@@ -6,8 +6,10 @@
 use crate::device::Gpu;
 use crate::gemm::{Elem, EpiloguePtrs, Gemm, GemmSpec};
 use crate::stage::{HostBuf, Stager};
+use crate::tensor_map::{encode_all, EncodedMap};
 use crate::RuntimeError;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use fusec_compiler::emit::tma::TensorMap;
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::ir::{Dim, Graph};
@@ -26,6 +28,8 @@ enum Step {
         extra: Option<u64>,
         /// Dynamic shared memory, bytes.
         smem: u32,
+        /// Tensor maps passed last, by value.
+        maps: Vec<EncodedMap>,
     },
     /// Several kernels doing one op, in order (the tensor-core attention
     /// backward's three).
@@ -341,9 +345,11 @@ impl Executor {
                     let args: Vec<u64> =
                         k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
                     let mut steps = Vec::new();
+                    let env = |s: &str| plan.dims.get(s).copied();
                     for m in &multi[&k.name] {
                         let func = function(m.source, &m.name)?;
                         allow_dynamic_smem(&func, &m.name, m.smem, &gpu, "FUSEC_ATTENTION=simple")?;
+                        let maps = encode_all(&m.maps, &args, &env, &m.name)?;
                         steps.push(Step::Kernel {
                             func,
                             grid: m.grid,
@@ -351,6 +357,7 @@ impl Executor {
                             args: args.clone(),
                             extra: if m.scratch { scratch_ptr } else { None },
                             smem: m.smem,
+                            maps,
                         });
                     }
                     match steps.len() {
@@ -368,6 +375,7 @@ impl Executor {
                         args,
                         extra: None,
                         smem: 0,
+                        maps: Vec::new(),
                     }
                 }
                 (_, None) => {
@@ -672,6 +680,7 @@ fn run(
             args,
             extra,
             smem,
+            maps,
         } => {
             let mut b = gpu.stream.launch_builder(func);
             for a in args {
@@ -683,6 +692,9 @@ fn run(
             if let Some(x) = extra {
                 b.arg(x);
             }
+            for m in maps {
+                b.arg(m);
+            }
             let cfg = LaunchConfig {
                 grid_dim: *grid,
                 block_dim: (*block, 1, 1),
@@ -690,8 +702,9 @@ fn run(
             };
             // SAFETY: the arguments match the kernel's signature (inputs,
             // outputs, then every symbolic size, as the emitter writes it,
-            // then the scratch where it takes one) and every pointer lies
-            // inside the arena or the scratch.
+            // then the scratch where it takes one, then its tensor maps) and
+            // every pointer (the maps' too) lies inside the arena or the
+            // scratch.
             unsafe { b.launch(cfg) }
                 .map_err(|e| RuntimeError::driver(&format!("launching {name}"), e))?;
         }
@@ -729,8 +742,10 @@ pub struct MultiLaunch {
     pub block: u32,
     /// Dynamic shared memory, bytes.
     pub smem: u32,
-    /// Whether it takes the scratch as its last argument.
+    /// Whether it takes the scratch after its sizes.
     pub scratch: bool,
+    /// Tensor maps it takes last (`emit/tma.rs`).
+    pub maps: Vec<TensorMap>,
 }
 
 /// Lets `func` launch with `bytes` of dynamic shared memory (over 48 KiB

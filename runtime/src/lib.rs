@@ -14,6 +14,7 @@ pub mod nvrtc;
 pub mod scaler;
 pub mod session;
 pub mod stage;
+pub mod tensor_map;
 
 use cudarc::driver::DriverError;
 

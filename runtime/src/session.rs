@@ -124,6 +124,7 @@ impl Session {
                             block: l.block,
                             smem: l.dynamic_smem_bytes as u32,
                             scratch: true,
+                            maps: l.tensor_maps,
                         });
                     }
                     if !steps.is_empty() {
@@ -150,6 +151,7 @@ impl Session {
                         block: launch.block,
                         smem: launch.dynamic_smem_bytes as u32,
                         scratch: false,
+                        maps: launch.tensor_maps,
                     };
                     multi.insert(k.name.clone(), vec![step]);
                 }

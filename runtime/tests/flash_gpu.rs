@@ -23,6 +23,7 @@ use fusec_compiler::kernel::{Body, Kernel, Program};
 use fusec_compiler::ops::Op;
 use fusec_runtime::device::Gpu;
 use fusec_runtime::exec::{decode, encode};
+use fusec_runtime::tensor_map::{encode_all, EncodedMap};
 use petgraph::stable_graph::NodeIndex;
 use std::collections::HashMap;
 
@@ -134,7 +135,7 @@ fn load(gpu: &Gpu, name: &str, source: &str) -> (CudaFunction, Option<u32>) {
 }
 
 /// Launches with the generated kernels' arguments: buffers, sizes, then
-/// `extra` (the backward's scratch) where given.
+/// `extra` (the backward's scratch) where given, then the tensor maps.
 #[allow(clippy::too_many_arguments)]
 fn launch(
     gpu: &Gpu,
@@ -145,6 +146,7 @@ fn launch(
     grid: [u64; 3],
     block: u32,
     smem: u32,
+    maps: &[EncodedMap],
 ) {
     let mut l = gpu.stream.launch_builder(f);
     for p in ptrs {
@@ -155,6 +157,9 @@ fn launch(
     }
     if let Some(x) = &extra {
         l.arg(x);
+    }
+    for m in maps {
+        l.arg(m);
     }
     let cfg = LaunchConfig {
         grid_dim: (grid[0] as u32, grid[1] as u32, grid[2] as u32),
@@ -199,7 +204,12 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
         let ptrs: Vec<u64> = bufs.iter().map(|s| s.device_ptr(&gpu.stream).0).collect();
         let sizes: Vec<i64> = g.dims.iter().map(|d| case.dims[d]).collect();
         let grid = fl.grid(&case.env()).expect("a grid");
-        let run = || launch(&gpu, &func, &ptrs, &sizes, None, grid, fl.block, smem);
+        let maps = encode_all(&fl.tensor_maps, &ptrs, &case.env(), "forward").unwrap();
+        let run = || {
+            launch(
+                &gpu, &func, &ptrs, &sizes, None, grid, fl.block, smem, &maps,
+            )
+        };
         run();
         gpu.stream.synchronize().unwrap();
         for slot in 0..2 {
@@ -281,6 +291,7 @@ fn flash_backward_matches_the_interpreter() {
             let (func, _) = load(&gpu, &l.name, &l.source);
             let smem = l.dynamic_smem_bytes as u32;
             fusec_runtime::exec::allow_dynamic_smem(&func, &l.name, smem, &gpu, "").unwrap();
+            let maps = encode_all(&l.tensor_maps, &ptrs, &env, &l.name).unwrap();
             launch(
                 &gpu,
                 &func,
@@ -290,6 +301,7 @@ fn flash_backward_matches_the_interpreter() {
                 l.grid(&env).expect("a grid"),
                 l.block,
                 smem,
+                &maps,
             );
         }
         gpu.stream.synchronize().unwrap();

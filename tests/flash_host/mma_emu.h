@@ -196,8 +196,29 @@ static void fs_emu_ldsm_x4(unsigned (&r)[4], const unsigned short* row, bool tra
 // contiguous bytes; core matrices are `lbo` bytes apart along K and `sbo`
 // bytes apart along M or N. K-major: a core matrix's rows are 8 values of
 // M/N, its 16 bytes 8 values of K; MN-major the other way round.
-static float fs_emu_desc_elem(const unsigned char* p, unsigned lbo, unsigned sbo, int mn, int k, bool mn_major, bool bf16) {
-    const unsigned char* at = p + (mn / 8) * sbo + (k / 8) * lbo + (mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2);
+//
+// With the 128-byte swizzle (`sw` = 128; the PTX ISA's layout type 1) rows
+// are 128 bytes: K-major, row mn % 8 of an 8-row group at byte 128 (mn % 8),
+// groups `sbo` apart, K contiguous within the row (a start 32 bytes further
+// per 16 of K); MN-major, row k % 8 at 128 (k % 8), groups of 8 k `sbo`
+// apart, 64 MN-values contiguous within the row and the next 64 `lbo` bytes
+// further. The byte address then has its 16-byte chunk bits (4..6) XORed
+// with its row bits (7..9), as the TMA copy wrote it.
+static float fs_emu_desc_elem(const unsigned char* p, unsigned lbo, unsigned sbo, unsigned sw, int mn, int k, bool mn_major,
+                              bool bf16) {
+    const unsigned char* at;
+    if (sw == 0) {
+        at = p + (mn / 8) * sbo + (k / 8) * lbo + (mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2);
+    } else {
+        if (sw != 128 || (reinterpret_cast<uintptr_t>(p) >> 7) % 8 != 0) {
+            fprintf(stderr, "wgmma: a swizzled descriptor's matrix does not start on an 8-row boundary\n");
+            exit(5);
+        }
+        const uintptr_t a = reinterpret_cast<uintptr_t>(p) +
+                            (mn_major ? (mn / 64) * lbo + (mn % 64) * 2 + (k % 8) * 128 + (k / 8) * sbo
+                                      : (mn % 8) * 128 + (mn / 8) * sbo + k * 2);
+        at = reinterpret_cast<const unsigned char*>(a ^ (((a >> 7) & 7) << 4));
+    }
     unsigned short bits;
     memcpy(&bits, at, 2);
     return fs_emu_elem(bits, 0, bf16);
@@ -219,8 +240,8 @@ static inline void fs_emu_wgmma_wait() { fs_warp_barrier[threadIdx.x >> 5]->arri
 // asynchronously; here it completes at once, which a correct kernel (one
 // that waits before reading d or reusing the operands) cannot tell apart.
 static void fs_emu_wgmma(float* d, int n, const unsigned* a_regs, const unsigned char* a_p, unsigned a_lbo, unsigned a_sbo,
-                         bool a_mn_major, const unsigned char* b_p, unsigned b_lbo, unsigned b_sbo, bool b_mn_major, bool acc,
-                         bool bf16) {
+                         unsigned a_sw, bool a_mn_major, const unsigned char* b_p, unsigned b_lbo, unsigned b_sbo, unsigned b_sw,
+                         bool b_mn_major, bool acc, bool bf16) {
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     for (const unsigned char* p : {a_regs ? b_p : a_p, b_p})
         if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
@@ -244,14 +265,14 @@ static void fs_emu_wgmma(float* d, int n, const unsigned* a_regs, const unsigned
             }
     } else {
         for (int r = 0; r < 16; ++r)
-            for (int k = 0; k < 16; ++k) A[r][k] = fs_emu_desc_elem(a_p, a_lbo, a_sbo, 16 * warp + r, k, a_mn_major, bf16);
+            for (int k = 0; k < 16; ++k) A[r][k] = fs_emu_desc_elem(a_p, a_lbo, a_sbo, a_sw, 16 * warp + r, k, a_mn_major, bf16);
     }
     for (int i = 0; i < n / 2; ++i) {
         int r, c;
         fs_emu_c_coord(lane, i % 4, r, c);
         const int col = 8 * (i / 4) + c;
         float sum = acc ? d[i] : 0.0f;
-        for (int k = 0; k < 16; ++k) sum += A[r][k] * fs_emu_desc_elem(b_p, b_lbo, b_sbo, col, k, b_mn_major, bf16);
+        for (int k = 0; k < 16; ++k) sum += A[r][k] * fs_emu_desc_elem(b_p, b_lbo, b_sbo, b_sw, col, k, b_mn_major, bf16);
         d[i] = sum;
     }
 }

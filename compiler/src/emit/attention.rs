@@ -66,6 +66,16 @@ impl Access {
         }
     }
 
+    /// The view's strides, in elements, one per axis.
+    pub(crate) fn strides(&self) -> &[Dim] {
+        &self.strides
+    }
+
+    /// The view's first element within the buffer.
+    pub(crate) fn offset(&self) -> &Dim {
+        &self.offset
+    }
+
     /// The C offset of the element at `coords` (one C expression per axis;
     /// `"0"` drops the axis).
     pub(crate) fn at(&self, coords: &[&str]) -> String {

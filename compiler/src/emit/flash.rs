@@ -54,6 +54,7 @@
 use super::attention::Access;
 use super::cuda::{float_lit, header, store, NEG_INF};
 use super::templates::Ctx;
+use super::tma::{self, TensorMap};
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::kernel::{Kernel, Program};
@@ -86,8 +87,11 @@ pub struct FlashLaunch {
     pub block: u32,
     /// Static shared memory the kernel declares.
     pub static_smem_bytes: u64,
-    /// Dynamic shared memory to pass at launch (always 0).
+    /// Dynamic shared memory to pass at launch.
     pub dynamic_smem_bytes: u64,
+    /// Tensor maps to pass by value after the kernel's other arguments, in
+    /// order (Hopper's bulk tensor copies).
+    pub tensor_maps: Vec<TensorMap>,
 }
 
 impl FlashLaunch {
@@ -266,6 +270,7 @@ fn emit(g: &Graph, c: &Ctx, n: NodeIndex, source: Option<&str>) -> Option<(Strin
         bounds: THREADS.to_string(),
         static_smem: smem,
         dynamic_smem: 0,
+        maps: Vec::new(),
     };
     forward_kernel(g, c, source, "", &text, &cfg, shape)
 }
@@ -278,6 +283,8 @@ pub(crate) struct ForwardShape {
     pub(crate) bounds: String,
     pub(crate) static_smem: u64,
     pub(crate) dynamic_smem: u64,
+    /// Tensor maps the kernel takes after its other parameters.
+    pub(crate) maps: Vec<TensorMap>,
 }
 
 /// A forward kernel's whole text (the plan kernel's header, `HELPERS`, then
@@ -292,7 +299,7 @@ pub(crate) fn forward_kernel(
     cfg: &Config,
     shape: ForwardShape,
 ) -> Option<(String, FlashLaunch)> {
-    let head = header(g, c.p, c.k, source);
+    let head = tma::params(&header(g, c.p, c.k, source), &shape.maps)?;
     let sig = "extern \"C\" __global__ void ";
     let at = head.find(sig)?;
     let mut s = String::new();
@@ -315,6 +322,7 @@ pub(crate) fn forward_kernel(
         block: shape.block,
         static_smem_bytes: shape.static_smem,
         dynamic_smem_bytes: shape.dynamic_smem,
+        tensor_maps: shape.maps,
     };
     Some((s, launch))
 }

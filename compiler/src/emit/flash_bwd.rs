@@ -83,6 +83,7 @@ use super::cuda::{float_lit, header, load, store};
 use super::flash::{elem_names, grid_c_of, grid_of, Config, FlashArch, HELPERS, PAD};
 use super::flash_bwd_sm90 as sm90;
 use super::templates::Ctx;
+use super::tma::{self, TensorMap};
 use crate::ir::{Dim, Graph};
 use crate::kernel::{Kernel, Program};
 use crate::ops::Op;
@@ -139,7 +140,10 @@ pub struct FlashBwdLaunch {
     /// Input slots (`inN`) it reads and output slots (`outN`) it writes.
     pub reads: Vec<usize>,
     pub writes: Vec<usize>,
-    /// Elements of the f32 scratch buffer passed as the last argument
+    /// Tensor maps to pass by value after the scratch, in order (Hopper's
+    /// bulk tensor copies).
+    pub tensor_maps: Vec<TensorMap>,
+    /// Elements of the f32 scratch buffer passed after the sizes
     /// (`B * Hq * T`, times `D + 1` in the atomic scheme; the same for every
     /// launch of the set).
     pub scratch_f32_elems: Dim,
@@ -281,20 +285,25 @@ pub fn flash_backward(
         // Two blocks per SM: up to 255 registers each.
         let mut bounds = format!("{THREADS}, 2");
         let mut helpers = String::new();
+        let mut maps = Vec::new();
         let body = match stage {
             Stage::Delta => delta_body(g, &c, n, &cfg, deterministic),
             Stage::DkDvDq if hopper => {
                 block = sm90::THREADS;
                 bounds = format!("{block}, 1");
                 helpers = sm90::helpers(d);
-                sm90::dkdvdq_body(g, &c, n, &cfg, dynamic)
+                maps = sm90::tensor_maps(g, &c, n)?;
+                tma::host_maps(&maps) + &sm90::dkdvdq_body(g, &c, n, &cfg, dynamic)
             }
             Stage::DkDv | Stage::DkDvDq => dkdv_body(g, &c, n, &cfg, deterministic, dynamic),
             Stage::Dq => dq_body(g, &c, n, &cfg),
             Stage::DqStore => dq_store_body(g, &c, n, &cfg),
         };
         let name = format!("{}_{suffix}", k.name);
-        let mut s = kernel_head(&head, &k.name, &name, deterministic, &bounds)?;
+        let mut s = tma::params(
+            &kernel_head(&head, &k.name, &name, deterministic, &bounds)?,
+            &maps,
+        )?;
         if let Some(at) = s.find("extern \"C\" __global__") {
             s.insert_str(at, &helpers);
         }
@@ -313,6 +322,7 @@ pub fn flash_backward(
             reads,
             writes,
             scratch_f32_elems: scratch.clone(),
+            tensor_maps: maps,
         });
     }
     Some(out)

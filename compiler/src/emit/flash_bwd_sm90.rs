@@ -53,6 +53,7 @@ use super::flash::{elem_names, Config};
 use super::flash_bwd::{common_subs, dkdv_store_subs, fill, p_masked_subs};
 use super::flash_sm90::{wgmma_helpers, wgmma_name, Operand};
 use super::templates::Ctx;
+use super::tma::{self, TensorMap};
 use crate::ir::Graph;
 use petgraph::stable_graph::NodeIndex;
 
@@ -95,7 +96,7 @@ fn stages(d: u64) -> u64 {
 
 /// Dynamic shared memory at head dim `d`: K and V, [`stages`] Q and dO
 /// tiles, dS^T, two f32 dQ tiles (rows padded by 4), the buffers' lse and
-/// delta, and the mbarriers.
+/// delta, the mbarriers, and room to align the tiles for the swizzle.
 pub fn smem_bytes(d: u64) -> u64 {
     smem_with(d, stages(d))
 }
@@ -106,12 +107,21 @@ fn smem_with(d: u64, stages: u64) -> u64 {
         + 2 * TILE_QUERIES * (d + 4) * 4
         + 2 * stages * TILE_QUERIES * 4
         + (2 * stages + 4) * 8
+        + tma::ALIGN
+}
+
+/// The kernel's tensor maps: query and dO tiles of [`TILE_QUERIES`] rows.
+pub(crate) fn tensor_maps(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<Vec<TensorMap>> {
+    Some(vec![
+        TensorMap::of_input(g, c, n, 0, "tm_q", TILE_QUERIES)?,
+        TensorMap::of_input(g, c, n, 5, "tm_do", TILE_QUERIES)?,
+    ])
 }
 
 /// The wgmma wrappers and warp-specialization helpers the kernel calls at
 /// head dim `d`.
 pub(crate) fn helpers(d: u64) -> String {
-    wgmma_helpers(&shapes(d)) + WS_HELPERS
+    wgmma_helpers(&shapes(d)) + tma::HELPERS + WS_HELPERS
 }
 
 fn shapes(d: u64) -> [(Operand, Operand, u64); 3] {
@@ -170,6 +180,11 @@ pub(crate) fn dkdvdq_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, smem: 
     subs.push(("ACC_MMA", acc));
     subs.push(("DQ_MMA", dq));
     subs.push(("SMEM_BYTES", smem.to_string()));
+    let tq = TILE_QUERIES;
+    subs.push(("Q_KMAJOR", tma::desc_kmajor("qt", tq, "kk")));
+    subs.push(("DO_KMAJOR", tma::desc_kmajor("dot", tq, "kk")));
+    subs.push(("Q_MNMAJOR", tma::desc_mnmajor("qt", tq, "kk")));
+    subs.push(("DO_MNMAJOR", tma::desc_mnmajor("dot", tq, "kk")));
     subs.push(("TILE_K", TILE_KEYS.to_string()));
     subs.push(("TILE_Q", TILE_QUERIES.to_string()));
     subs.push(("BLOCK_THREADS", THREADS.to_string()));
@@ -206,16 +221,18 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
     const float scale = $SCALE, scale_log2 = $SCALE_LOG2;  // exp(x * scale) = exp2(x * scale_log2)
     const fs_i64 k0 = (fs_i64)blockIdx.x * TILE_K, kv_h = blockIdx.y, b = blockIdx.z;
     const int lane = threadIdx.x & 31;
-    FS_DYNAMIC_SMEM(smem, $SMEM_BYTES);
+    FS_DYNAMIC_SMEM(smem_raw, $SMEM_BYTES);
+    unsigned char* const smem = fs_align1024(smem_raw);  // for the swizzle
     $TY* const k_tile = reinterpret_cast<$TY*>(smem);      // [TILE_K][HEAD_DIM]
     $TY* const v_tile = k_tile + TILE_K * HEAD_DIM;         // [TILE_K][HEAD_DIM]
+    // Query and dO tiles: 64-feature boxes of 128-byte swizzled rows (emit/tma.rs).
     $TY* const q_tiles = v_tile + TILE_K * HEAD_DIM;        // STAGES x [TILE_Q][HEAD_DIM]
     $TY* const do_tiles = q_tiles + STAGES * TILE_Q * HEAD_DIM;  // STAGES x [TILE_Q][HEAD_DIM]
     $TY* const ds_tile = do_tiles + STAGES * TILE_Q * HEAD_DIM;  // dS^T: [TILE_K][TILE_Q]
     float* const dq_tiles = reinterpret_cast<float*>(ds_tile + TILE_K * TILE_Q);  // 2 x [TILE_Q][DQ_ROW]
     float* const lse_tiles = dq_tiles + 2 * TILE_Q * DQ_ROW;  // STAGES x TILE_Q: lse * log2(e)
     float* const delta_tiles = lse_tiles + STAGES * TILE_Q;   // STAGES x TILE_Q
-    // Query buffer s is full (q_full[s]: the loaders' copies and stores are in)
+    // Query buffer s is full (q_full[s]: the copies' bytes and the loaders' stores are in)
     // and empty (q_empty[s]: every consumer warp is done with it); dQ tile u
     // likewise (dq_full[u]: every consumer warp has stored its part; dq_empty[u]:
     // the writer warps have read it).
@@ -240,7 +257,7 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
     }
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            fs_mbar_init(&q_full[s], 2 * LOADERS);  // each loader: its copies, then its stores
+            fs_mbar_init(&q_full[s], 1 + LOADERS);  // the copies' issuer, then each loader's stores
             fs_mbar_init(&q_empty[s], CONSUMERS / 32);
         }
         for (int u = 0; u < 2; ++u) {
@@ -264,21 +281,24 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
         fs_i64 h = kv_h * group, i0 = i_first;  // tile t's head and first row
         if (p < LOADERS) {
             // 2. The loaders: query tile t into buffer t % STAGES once the
-            //    consumers are done with tile t - STAGES: Q and dO (rows past q_len
-            //    zero), lse in log2 units, delta (rows past q_len zero).
+            //    consumers are done with tile t - STAGES: Q and dO as HEAD_DIM / 64
+            //    boxes each from the first loader (rows past q_len zero), lse in
+            //    log2 units and delta (rows past q_len zero) from all.
             for (fs_i64 t = 0; t < tiles; ++t) {
                 const int buf = t % STAGES;
                 if (t >= STAGES) fs_mbar_wait(&q_empty[buf], (t / STAGES + 1) & 1);
                 $TY* const qt = q_tiles + buf * TILE_Q * HEAD_DIM;
                 $TY* const dot = do_tiles + buf * TILE_Q * HEAD_DIM;
                 const int rows = q_len - i0 < TILE_Q ? (int)(q_len - i0) : TILE_Q;
-                for (int c = p; c < TILE_Q * CHUNKS; c += LOADERS) {
-                    const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;
-                    const fs_i64 i = i0 + r;
-                    fs_copy16_async_or_zero(&qt[c * 8], r < rows ? &$QP[$Q_AT + e] : $QP, r < rows);
-                    fs_copy16_async_or_zero(&dot[c * 8], r < rows ? &$DOP[$DO_AT + e] : $DOP, r < rows);
+                if (p == 0) {
+                    fs_mbar_expect_tx(&q_full[buf], 2 * TILE_Q * HEAD_DIM * 2);
+#pragma unroll
+                    for (int a = 0; a < HEAD_DIM / 64; ++a) {
+                        fs_tma_load(qt + a * TILE_Q * 64, tm_q, a * 64, (int)h, (int)i0, (int)b, &q_full[buf]);
+                        fs_tma_load(dot + a * TILE_Q * 64, tm_do, a * 64, (int)h, (int)i0, (int)b, &q_full[buf]);
+                    }
+                    fs_mbar_tma_issued(&q_full[buf]);
                 }
-                fs_mbar_arrive_on_copies(&q_full[buf]);
                 for (int r = p; r < TILE_Q; r += LOADERS) {
                     const fs_i64 i = i0 + r;
                     lse_tiles[buf * TILE_Q + r] = r < rows ? $LSE * 1.4426950408889634f : 0.0f;
@@ -288,7 +308,6 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
                 i0 += TILE_Q;
                 if (i0 >= q_len) i0 = i_first, ++h;
             }
-            fs_copy_async_wait_all();
         } else {
             // 3. The writers: tile t's dQ (dq_tiles[t % 2]) into the f32 sum in
             //    the scratch ([B, Hq, T, D]), a row per warp instruction at D = 128.
@@ -342,16 +361,16 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
 
         // 5. S^T = K Q^T and dP^T = V dO^T for the warpgroup's 64 keys: s[n][e],
         //    dp[n][e] = key key_row + 8 * (e / 2), query i0 + 8n + frag_col + e % 2.
-        //    Features 16kk .. 16kk + 15 start at element 128kk of a row group.
+        //    Features 16kk .. 16kk + 15 start at element 128kk of a K row group.
         float s[TILE_Q / 8][4], dp[TILE_Q / 8][4];
         fs_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            $ST_MMA(s, fs_make_desc(k_wg + kk * 128, CORE, ROW8), fs_make_desc(qt + kk * 128, CORE, ROW8), kk);
+            $ST_MMA(s, fs_make_desc(k_wg + kk * 128, CORE, ROW8), $Q_KMAJOR, kk);
         fs_wgmma_commit();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            $ST_MMA(dp, fs_make_desc(v_wg + kk * 128, CORE, ROW8), fs_make_desc(dot + kk * 128, CORE, ROW8), kk);
+            $ST_MMA(dp, fs_make_desc(v_wg + kk * 128, CORE, ROW8), $DO_KMAJOR, kk);
         fs_wgmma_commit();
 
         // 6. P^T = exp2(S^T * scale_log2 - lse_log2), masked (queries past q_len;
@@ -378,7 +397,7 @@ $P_MASKED
         // 7. P^T and dS^T as 16-bit A fragments (queries 16kk .. 16kk + 15), dS^T
         //    also into shared memory for dQ once the other warpgroup's dQ of tile
         //    t - 1 has read it; then dV += P^T dO and dK += dS^T Q, B = the dO / Q
-        //    tile read MN-major (queries 16kk .. at row group 2kk).
+        //    tile read MN-major (queries 16kk ..).
         fs_bar_sync(1, CONSUMERS);
         unsigned p_frag[TILE_Q / 16][4], ds_frag[TILE_Q / 16][4];
 #pragma unroll
@@ -399,10 +418,10 @@ $P_MASKED
         fs_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < TILE_Q / 16; ++kk)
-            $ACC_MMA(dv_acc, p_frag[kk], fs_make_desc(dot + kk * 16 * HEAD_DIM, ROW8, CORE), 1);
+            $ACC_MMA(dv_acc, p_frag[kk], $DO_MNMAJOR, 1);
 #pragma unroll
         for (int kk = 0; kk < TILE_Q / 16; ++kk)
-            $ACC_MMA(dk_acc, ds_frag[kk], fs_make_desc(qt + kk * 16 * HEAD_DIM, ROW8, CORE), 1);
+            $ACC_MMA(dk_acc, ds_frag[kk], $Q_MNMAJOR, 1);
         fs_wgmma_commit();
 
         // 8. dQ = dS K for the tile's queries and the block's keys, once both

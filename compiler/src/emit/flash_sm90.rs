@@ -1,38 +1,39 @@
 //! CUDA C for the Hopper (sm_90a) FlashAttention forward: the same
 //! algorithm as `flash.rs`, on warpgroup tensor-core instructions
 //! (`wgmma.mma_async`) fed from shared memory by descriptors, with the key
-//! and value tiles copied asynchronously (`cp.async`) by a producer
-//! warpgroup and handed over by shared-memory barriers (`mbarrier`).
+//! and value tiles copied by bulk tensor copies (TMA, `tma.rs`) from one
+//! producer thread and handed over by shared-memory barriers (`mbarrier`).
 //!
 //! # Launch contract
 //!
 //! As `flash.rs`'s (same arguments, outputs and alignment rules), except:
 //! compile for `sm_90a` (wgmma exists only there); `grid = (ceil(T /
-//! tile_q(D)), Hq, B)`, `block = (threads(D), 1, 1)` (192 rows and 512
-//! threads at D <= 64, 128 and 384 above); and pass [`FlashLaunch::dynamic_smem_bytes`]
+//! tile_q(D)), Hq, B)`, `block = (threads(D), 1, 1)` (192 rows and 416
+//! threads at D <= 64, 128 and 288 above); pass [`FlashLaunch::dynamic_smem_bytes`]
 //! of dynamic shared memory (above 48 KiB, so the kernel's limit must be
-//! raised first).
+//! raised first); and after the other arguments the tensor maps of K and V
+//! that [`FlashLaunch::tensor_maps`] describes, by value.
 //!
 //! # Design
 //!
 //! One block owns [`tile_q`] query rows of one (batch, query head). Its
 //! consumer warpgroups compute: warpgroup `wg` owns rows `64wg .. 64wg +
 //! 63` and its warp `w` rows `64wg + 16w .. + 15`, the rows of wgmma's
-//! accumulator fragments. The last warpgroup only copies key and value
-//! tiles into [`STAGES`] buffers each: it waits on a buffer's "empty"
-//! mbarrier (every consumer warp arrives once its wgmma reading it is
-//! done), issues its `cp.async` copies, and has them arrive on the buffer's
-//! "full" mbarrier as they land (`cp.async.mbarrier.arrive.noinc`); the
-//! consumers wait on "full" and fence the async proxy before their wgmma
-//! read it. Q, and the K and V buffers, live in shared memory in wgmma's canonical
-//! layout without swizzling: the tile is cut into *core matrices* of 8 rows
-//! by 8 features (128 contiguous bytes), stored row-group by row-group, so
-//! element `(r, c)` of a `[rows][D]` tile sits at
-//! `((r / 8) * (D / 8) + c / 8) * 64 + (r % 8) * 8 + c % 8`. The copy's
+//! accumulator fragments. The last warp only copies key and value tiles
+//! into [`STAGES`] buffers each, from its first thread: it waits on a
+//! buffer's "empty" mbarrier (every consumer warp arrives once its wgmma
+//! reading it is done), arrives on its "full" mbarrier expecting the tile's
+//! bytes, and issues the tile's bulk tensor copies, which complete "full"
+//! as they land; the consumers wait on "full" before their wgmma read it.
+//!
+//! Q lives in shared memory in wgmma's canonical layout without swizzling
+//! (every thread copies it once, with `cp.async`): the tile is cut into
+//! *core matrices* of 8 rows by 8 features (128 contiguous bytes), stored
+//! row-group by row-group, so element `(r, c)` of a `[rows][D]` tile sits
+//! at `((r / 8) * (D / 8) + c / 8) * 64 + (r % 8) * 8 + c % 8`; the copy's
 //! 16-byte chunk number `t` is then exactly the byte offset `16 t`, so every
-//! store is conflict-free; K (as B of S = Q K^T) and Q read it K-major
-//! (core matrices 128 bytes apart along the features, `16 D` bytes along the
-//! rows), V (as B of O = P V) MN-major (the same two strides, roles swapped).
+//! store is conflict-free. K and V tiles are in `tma.rs`'s swizzled layout:
+//! K (as B of S = Q K^T) read K-major, V (as B of O = P V) MN-major.
 //!
 //! Per key tile t: S = Q K^T by `D / 16` wgmma (the first one overwrites
 //! the accumulator) issued together with tile t - 1's O += P V (`TILE_K /
@@ -53,6 +54,7 @@ use super::flash::{
     elem_names, epilogue, forward_kernel, masks_and_softmax, Config, FlashLaunch, ForwardShape,
 };
 use super::templates::Ctx;
+use super::tma::{self, TensorMap};
 use crate::ir::Graph;
 use petgraph::stable_graph::NodeIndex;
 use std::fmt::Write;
@@ -73,12 +75,11 @@ pub fn consumers(d: u64) -> u32 {
     (tile_q(d) / 64 * 128) as u32
 }
 
-/// Threads that copy key and value tiles into shared memory (a warpgroup):
-/// the copies bind the forward. On an H100 at D = 128, T = 8192, one warp
-/// (two buffers) ran it at 150 TFLOP/s, two warps (three buffers) at 199,
-/// a warpgroup at 239 with two buffers and 254 with three
-/// (docs/benchmarks.md).
-pub const PRODUCERS: u32 = 128;
+/// The producer: one warp, whose first thread issues every key and value
+/// tile's bulk tensor copies (`tma.rs`). With per-thread `cp.async` copies
+/// instead, the copies bound the forward: on an H100 at D = 128, T = 8192,
+/// one warp ran it at 150 TFLOP/s, a warpgroup at 254 (docs/benchmarks.md).
+pub const PRODUCERS: u32 = 32;
 /// Threads per block at head dim `d`.
 pub fn threads(d: u64) -> u32 {
     consumers(d) + PRODUCERS
@@ -91,10 +92,18 @@ pub const STAGES: u64 = 3;
 /// faster than 128 at D = 64 and the same at D = 128 (docs/benchmarks.md).
 pub const TILE_K: u64 = 64;
 
-/// Shared memory of the kernel at head dim `d`: Q, the K and V buffers, and
-/// their mbarriers.
+/// Shared memory of the kernel at head dim `d`: Q, the K and V buffers,
+/// their mbarriers, and room to align the tiles for the swizzle.
 pub fn smem_bytes(d: u64) -> u64 {
-    (tile_q(d) + 2 * STAGES * TILE_K) * d * 2 + 4 * STAGES * 8
+    (tile_q(d) + 2 * STAGES * TILE_K) * d * 2 + 4 * STAGES * 8 + tma::ALIGN
+}
+
+/// The forward's tensor maps: key and value tiles of [`TILE_K`] rows.
+fn tensor_maps(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<Vec<TensorMap>> {
+    Some(vec![
+        TensorMap::of_input(g, c, n, 1, "tm_k", TILE_K)?,
+        TensorMap::of_input(g, c, n, 2, "tm_v", TILE_K)?,
+    ])
 }
 
 pub(crate) fn emit(
@@ -108,8 +117,9 @@ pub(crate) fn emit(
     let helpers = wgmma_helpers(&[
         (Operand::KMajor, Operand::KMajor, TILE_K),
         (Operand::Regs, Operand::MnMajor, d),
-    ]);
-    let mut text = String::new();
+    ]) + tma::HELPERS;
+    let maps = tensor_maps(g, c, n)?;
+    let mut text = tma::host_maps(&maps);
     body(&mut text, g, c, n, &cfg);
     let shape = ForwardShape {
         tile_q: tile_q(d),
@@ -117,6 +127,7 @@ pub(crate) fn emit(
         bounds: format!("{}, 1", threads(d)),
         static_smem: 0,
         dynamic_smem: smem_bytes(d),
+        maps,
     };
     forward_kernel(g, c, source, &helpers, &text, &cfg, shape)
 }
@@ -181,12 +192,12 @@ fn wgmma_fn(a: Operand, b: Operand, n: u64, elem: &str, cuda: bool) -> String {
         wgmma_asm(&sig, a, b, n, elem)
     } else {
         let a_args = if a == Operand::Regs {
-            "a, nullptr, 0, 0".to_string()
+            "a, nullptr, 0, 0, 0".to_string()
         } else {
-            "nullptr, a.p, a.lbo, a.sbo".to_string()
+            "nullptr, a.p, a.lbo, a.sbo, a.sw".to_string()
         };
         format!(
-            "inline {sig} {{ fs_emu_wgmma(&d[0][0], {n}, {a_args}, {}, b.p, b.lbo, b.sbo, {}, acc != 0, {}); }}\n",
+            "inline {sig} {{ fs_emu_wgmma(&d[0][0], {n}, {a_args}, {}, b.p, b.lbo, b.sbo, b.sw, {}, acc != 0, {}); }}\n",
             a == Operand::MnMajor,
             b == Operand::MnMajor,
             elem == "bf16"
@@ -296,11 +307,12 @@ __device__ __forceinline__ void fs_mbar_wait(fs_mbar* m, unsigned parity) {
                  "@!done bra FS_MBAR_WAIT; }" ::"r"(fs_smem_addr(m)), "r"(parity) : "memory");
 }
 #else
+// `sw`: the swizzle's bytes per row (0: none).
 struct fs_desc {
     const unsigned char* p;
-    unsigned lbo, sbo;
+    unsigned lbo, sbo, sw;
 };
-inline fs_desc fs_make_desc(const void* p, unsigned lbo, unsigned sbo) { return {static_cast<const unsigned char*>(p), lbo, sbo}; }
+inline fs_desc fs_make_desc(const void* p, unsigned lbo, unsigned sbo) { return {static_cast<const unsigned char*>(p), lbo, sbo, 0}; }
 inline void fs_wgmma_fence() {}
 inline void fs_wgmma_commit() {}
 // A wait is where a warp's lanes have all read their operands (each lane's
@@ -330,8 +342,6 @@ inline void fs_mbar_wait(fs_mbar* m, unsigned parity) { fs_emu_mbar_wait(m, pari
 
 fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     let q = Access::input(g, c, n, 0);
-    let k = Access::input(g, c, n, 1);
-    let v = Access::input(g, c, n, 2);
     let (elem, ty) = elem_names(cfg.dt);
     let d = cfg.head_dim;
     let tk = TILE_K;
@@ -340,11 +350,13 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     let o_mma = wgmma_name(Operand::Regs, Operand::MnMajor, d, elem);
     let issue_s = format!(
         "        fs_wgmma_fence();\n#pragma unroll\n        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)\n            \
-         {s_mma}(s, fs_make_desc(q_wg + kk * 128, CORE, ROW8), fs_make_desc(kt + kk * 128, CORE, ROW8), kk);\n"
+         {s_mma}(s, fs_make_desc(q_wg + kk * 128, CORE, ROW8), {}, kk);\n",
+        tma::desc_kmajor("kt", tk, "kk")
     );
     let issue_pv = format!(
         "#pragma unroll\n        for (int kk = 0; kk < TILE_K / 16; ++kk)\n            \
-         {o_mma}(o_acc, p_frag[kk], fs_make_desc(vt + kk * 16 * HEAD_DIM, ROW8, CORE), 1);\n"
+         {o_mma}(o_acc, p_frag[kk], {}, 1);\n",
+        tma::desc_mnmajor("vt", tk, "kk")
     );
     let scale = "#pragma unroll\n        for (int n = 0; n < TILE_K / 8; ++n) {\n#pragma unroll\n            \
                  for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;\n        }\n\n";
@@ -364,17 +376,19 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         r#"    // FlashAttention-2 forward on Hopper tensor cores (wgmma, f32 accumulation).
     // Block (blockIdx.x, blockIdx.y, blockIdx.z) = (tile of {tq} queries, query head, batch):
     // consumer warpgroups (wg owns the tile's rows 64wg .. 64wg + 63, its warp w
-    // rows 64wg + 16w .. + 15) and a producer warpgroup that copies key and value
-    // tiles of {tk} into STAGES buffers each, handed over by mbarriers. Each
+    // rows 64wg + 16w .. + 15) and a producer warp whose first thread copies key
+    // and value tiles of {tk} into STAGES buffers each (bulk tensor copies with the
+    // 128-byte swizzle, emit/tma.rs), handed over by mbarriers. Each
     // consumer warpgroup issues tile t's scores together with tile t - 1's
     // O += P V, so that its softmax runs while the tensor cores do the product.
     constexpr int TILE_Q = {tq}, TILE_K = {tk}, HEAD_DIM = {d};
     constexpr int CONSUMERS = {consumers}, PRODUCERS = {PRODUCERS}, BLOCK = CONSUMERS + PRODUCERS;
     constexpr int STAGES = {STAGES};  // buffers of key tiles, and of value tiles
     constexpr int CHUNKS = HEAD_DIM / 8;         // 16-byte chunks per row
-    // Tiles in wgmma's core-matrix layout (see emit/flash_sm90.rs): core matrices
-    // (8 rows x 16 bytes) are CORE bytes apart along the features, ROW8 bytes
-    // apart along the rows.
+    // The query tile in wgmma's core-matrix layout (see emit/flash_sm90.rs): core
+    // matrices (8 rows x 16 bytes) are CORE bytes apart along the features, ROW8
+    // bytes apart along the rows. Key and value tiles: 64-feature boxes of
+    // 128-byte swizzled rows (emit/tma.rs).
     constexpr unsigned CORE = 128, ROW8 = CHUNKS * CORE;
     const fs_i64 q_len = {t}, kv_len = {s_len}, group = {group};
     const bool causal = {causal};  // if so, keys j > query i are masked
@@ -383,13 +397,13 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     const fs_i64 q0 = (fs_i64)(causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * TILE_Q;
     const fs_i64 h = blockIdx.y, b = blockIdx.z, kv_h = h / group;
     const int lane = threadIdx.x & 31;
-    FS_DYNAMIC_SMEM(smem, {smem});
+    FS_DYNAMIC_SMEM(smem_raw, {smem});
+    unsigned char* const smem = fs_align1024(smem_raw);  // for the swizzle
     {ty}* const q_tile = reinterpret_cast<{ty}*>(smem);      // [TILE_Q][HEAD_DIM]
     {ty}* const k_tiles = q_tile + TILE_Q * HEAD_DIM;              // STAGES x [TILE_K][HEAD_DIM]
     {ty}* const v_tiles = k_tiles + STAGES * TILE_K * HEAD_DIM;    // STAGES x [TILE_K][HEAD_DIM]
-    // Buffer b's k_full[b] / v_full[b] complete when its copies have landed (each
-    // producer thread arrives), k_empty[b] / v_empty[b] when every consumer warp
-    // is done reading it.
+    // Buffer b's k_full[b] / v_full[b] complete when its copies' bytes have landed,
+    // k_empty[b] / v_empty[b] when every consumer warp is done reading it.
     fs_mbar* const k_full = reinterpret_cast<fs_mbar*>(v_tiles + STAGES * TILE_K * HEAD_DIM);
     fs_mbar* const v_full = k_full + STAGES;
     fs_mbar* const k_empty = k_full + 2 * STAGES;
@@ -405,7 +419,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         else fs_zero16(&q_tile[c * 8]);
     }}
     if (threadIdx.x == 0) {{
-        for (int i = 0; i < 2 * STAGES; ++i) fs_mbar_init(&k_full[i], PRODUCERS);
+        for (int i = 0; i < 2 * STAGES; ++i) fs_mbar_init(&k_full[i], 1);
         for (int i = 2 * STAGES; i < 4 * STAGES; ++i) fs_mbar_init(&k_full[i], CONSUMERS / 32);
     }}
     fs_copy_async_commit();
@@ -417,32 +431,28 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     const fs_i64 tiles = (kv_end + TILE_K - 1) / TILE_K;
 
     if (threadIdx.x >= CONSUMERS) {{
-        // 2. The producers: key tile t into buffer t % STAGES once the consumers
-        //    are done with tile t - STAGES, then its value tile likewise (rows past
-        //    kv_len zero).
-        const int p = threadIdx.x - CONSUMERS;
+        // 2. The producer: key tile t into buffer t % STAGES once the consumers
+        //    are done with tile t - STAGES, then its value tile likewise, each as
+        //    HEAD_DIM / 64 boxes of TILE_K rows (rows past kv_len zero).
+        if (threadIdx.x != CONSUMERS) return;
+        constexpr unsigned TILE_BYTES = TILE_K * HEAD_DIM * 2;
         for (fs_i64 t = 0; t < tiles; ++t) {{
             const int buf = t % STAGES;
             const unsigned released = (t / STAGES + 1) & 1;  // parity of tile t - STAGES's release
-            const fs_i64 k0 = t * TILE_K;
+            const int k0 = t * TILE_K;
             {ty}* const kt = k_tiles + buf * TILE_K * HEAD_DIM;
             {ty}* const vt = v_tiles + buf * TILE_K * HEAD_DIM;
             if (t >= STAGES) fs_mbar_wait(&k_empty[buf], released);
-            for (int c = p; c < TILE_K * CHUNKS; c += PRODUCERS) {{
-                const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;
-                const fs_i64 j = k0 + r;
-                fs_copy16_async_or_zero(&kt[c * 8], j < kv_len ? &{kp}[{k_at} + e] : {kp}, j < kv_len);
-            }}
-            fs_mbar_arrive_on_copies(&k_full[buf]);
+            fs_mbar_expect_tx(&k_full[buf], TILE_BYTES);
+#pragma unroll
+            for (int a = 0; a < HEAD_DIM / 64; ++a) fs_tma_load(kt + a * TILE_K * 64, tm_k, a * 64, (int)kv_h, k0, (int)b, &k_full[buf]);
+            fs_mbar_tma_issued(&k_full[buf]);
             if (t >= STAGES) fs_mbar_wait(&v_empty[buf], released);
-            for (int c = p; c < TILE_K * CHUNKS; c += PRODUCERS) {{
-                const int r = (c / (8 * CHUNKS)) * 8 + (c & 7), e = ((c >> 3) % CHUNKS) * 8;
-                const fs_i64 j = k0 + r;
-                fs_copy16_async_or_zero(&vt[c * 8], j < kv_len ? &{vp}[{v_at} + e] : {vp}, j < kv_len);
-            }}
-            fs_mbar_arrive_on_copies(&v_full[buf]);
+            fs_mbar_expect_tx(&v_full[buf], TILE_BYTES);
+#pragma unroll
+            for (int a = 0; a < HEAD_DIM / 64; ++a) fs_tma_load(vt + a * TILE_K * 64, tm_v, a * 64, (int)kv_h, k0, (int)b, &v_full[buf]);
+            fs_mbar_tma_issued(&v_full[buf]);
         }}
-        fs_copy_async_wait_all();
         return;
     }}
 
@@ -533,11 +543,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         tq = tile_q(d),
         consumers = consumers(d),
         qp = q.ptr,
-        kp = k.ptr,
-        vp = v.ptr,
         q_at = q.at(&["b", "i", "h", "0"]),
-        k_at = k.at(&["b", "j", "kv_h", "0"]),
-        v_at = v.at(&["b", "j", "kv_h", "0"]),
         epilogue = epilogue(g, c, n),
     );
 }

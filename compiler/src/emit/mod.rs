@@ -9,6 +9,7 @@ pub mod flash_sm90;
 pub mod group;
 pub mod multi;
 pub mod templates;
+pub mod tma;
 
 /// The shared device functions every generated kernel includes.
 pub const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
