@@ -370,10 +370,11 @@ fn flash_cross_attention_matches_the_reference() {
 }
 
 /// The Hopper (wgmma) forward, `emit/flash_sm90.rs`, on the same variants
-/// and sizes: 64-key tiles in three buffers, so T = 130 takes three key
-/// tiles (the last partial) and reuses a buffer; query blocks of 128 rows at
-/// D = 128 (T = 130 takes two) and 192 at D = 64 (the cross runs' T = 200
-/// take two, causal and not).
+/// and sizes and T = 300: 128-key tiles in two buffers at D = 128 (T = 300
+/// takes three key tiles, the last partial, and reuses a buffer) and three
+/// at D = 64 (the cross run's S = 520 takes five); query blocks of 128 rows
+/// at D = 128 (T = 130 takes two) and 192 at D = 64 (the cross runs' T =
+/// 200 take two, causal and not).
 #[test]
 fn hopper_flash_attention_matches_the_reference_on_the_host() {
     if !host::have_cxx() {
@@ -381,7 +382,12 @@ fn hopper_flash_attention_matches_the_reference_on_the_host() {
     }
     let b = build(MODEL, "bf16", FlashArch::Sm90a);
     assert_eq!(b.flash.len(), 16, "one flash kernel per attention op");
-    let checked = check_all("hopper-bf16", &b, RUNS);
+    let runs: Vec<&[(&str, i64)]> = RUNS
+        .iter()
+        .copied()
+        .chain([&[("B", 1), ("T", 300)][..]])
+        .collect();
+    let checked = check_all("hopper-bf16", &b, &runs);
     println!("hopper bf16: {checked} flash kernel runs matched the reference");
     let b = build(MODEL, "f16", FlashArch::Sm90a);
     let checked = check_all("hopper-f16", &b, &[&[("B", 1), ("T", 100)]]);
@@ -390,7 +396,7 @@ fn hopper_flash_attention_matches_the_reference_on_the_host() {
     let runs: &[&[(&str, i64)]] = &[
         &[("B", 2), ("T", 17), ("S", 130)],
         &[("B", 1), ("T", 130), ("S", 17)],
-        &[("B", 1), ("T", 200), ("S", 300)],
+        &[("B", 1), ("T", 200), ("S", 520)],
     ];
     let checked = check_all("hopper-cross", &b, runs);
     println!("hopper cross: {checked} flash kernel runs matched the reference");
@@ -410,8 +416,8 @@ fn a_broken_wgmma_layout_is_caught() {
         (
             (
                 "kernel",
-                "fs_make_desc_sw128_mn(vt + (kk) * 1024, 8192)",
-                "fs_make_desc_sw128_mn(vt + (kk) * 512, 8192)",
+                "fs_make_desc_sw128_mn(vt + (kk) * 1024, 16384)",
+                "fs_make_desc_sw128_mn(vt + (kk) * 512, 16384)",
             ),
             false,
         ),
@@ -419,8 +425,8 @@ fn a_broken_wgmma_layout_is_caught() {
         (
             (
                 "kernel",
-                "fs_make_desc_sw128(kt + (kk) / 4 * 4096 + (kk) % 4 * 16)",
-                "fs_make_desc_sw128(kt + (kk) / 4 * 4096 + (kk) % 4 * 8)",
+                "fs_make_desc_sw128(kt + (kk) / 4 * 8192 + (kk) % 4 * 16)",
+                "fs_make_desc_sw128(kt + (kk) / 4 * 8192 + (kk) % 4 * 8)",
             ),
             true,
         ),

@@ -132,7 +132,7 @@ fn shapes(d: u64) -> [(Operand, Operand, u64); 3] {
     ]
 }
 
-const WS_HELPERS: &str = r#"#ifndef FS_WS_HELPERS
+pub(crate) const WS_HELPERS: &str = r#"#ifndef FS_WS_HELPERS
 #define FS_WS_HELPERS
 #ifdef __CUDA_ARCH__
 // Registers handed between warpgroups (the whole warpgroup executes it).

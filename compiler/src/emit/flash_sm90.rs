@@ -20,7 +20,7 @@
 //! consumer warpgroups compute: warpgroup `wg` owns rows `64wg .. 64wg +
 //! 63` and its warp `w` rows `64wg + 16w .. + 15`, the rows of wgmma's
 //! accumulator fragments. The last warp only copies key and value tiles
-//! into [`STAGES`] buffers each, from its first thread: it waits on a
+//! into [`stages`] buffers each, from its first thread: it waits on a
 //! buffer's "empty" mbarrier (every consumer warp arrives once its wgmma
 //! reading it is done), arrives on its "full" mbarrier expecting the tile's
 //! bytes, and issues the tile's bulk tensor copies, which complete "full"
@@ -53,6 +53,7 @@ use super::cuda::{float_lit, NEG_INF};
 use super::flash::{
     elem_names, epilogue, forward_kernel, masks_and_softmax, Config, FlashLaunch, ForwardShape,
 };
+use super::flash_bwd_sm90::WS_HELPERS;
 use super::templates::Ctx;
 use super::tma::{self, TensorMap};
 use crate::ir::Graph;
@@ -75,27 +76,54 @@ pub fn consumers(d: u64) -> u32 {
     (tile_q(d) / 64 * 128) as u32
 }
 
-/// The producer: one warp, whose first thread issues every key and value
-/// tile's bulk tensor copies (`tma.rs`). With per-thread `cp.async` copies
-/// instead, the copies bound the forward: on an H100 at D = 128, T = 8192,
-/// one warp ran it at 150 TFLOP/s, a warpgroup at 254 (docs/benchmarks.md).
-pub const PRODUCERS: u32 = 32;
+/// The producer: a warpgroup (`setmaxnreg` hands registers over by whole
+/// warpgroups, and ptxas budgets a wgmma kernel's block in warpgroups
+/// anyway), whose first thread issues every key and value tile's bulk
+/// tensor copies (`tma.rs`). With per-thread `cp.async` copies instead, the
+/// copies bound the forward: on an H100 at D = 128, T = 8192, one warp ran
+/// it at 150 TFLOP/s, a warpgroup at 254 (docs/benchmarks.md).
+pub const PRODUCERS: u32 = 128;
+/// Registers the producer warpgroup keeps (`setmaxnreg`'s least).
+const PRODUCER_REGS: u32 = 24;
+
+/// Registers per consumer thread at head dim `d`: what the producer leaves
+/// of the block's register file (65536 over the block, in steps of 8).
+fn consumer_regs(d: u64) -> u32 {
+    let start = 65536 / threads(d) / 8 * 8;
+    (start * threads(d) - PRODUCER_REGS * PRODUCERS) / consumers(d) / 8 * 8
+}
 /// Threads per block at head dim `d`.
 pub fn threads(d: u64) -> u32 {
     consumers(d) + PRODUCERS
 }
-/// Buffers of key tiles, and of value tiles: three ran the forward 4-10%
-/// faster than two on an H100.
-pub const STAGES: u64 = 3;
+/// Buffers of key tiles, and of value tiles, at head dim `d`: three where
+/// they fit (with 64-key tiles three ran the forward 4-10% faster than two
+/// on an H100), else two.
+pub fn stages(d: u64) -> u64 {
+    if smem_with(d, 3) <= SMEM_LIMIT {
+        3
+    } else {
+        2
+    }
+}
 
-/// Keys per shared-memory tile. On an H100, 64 keys ran the forward 15-17%
-/// faster than 128 at D = 64 and the same at D = 128 (docs/benchmarks.md).
-pub const TILE_K: u64 = 64;
+/// Shared memory a block may have on sm_90 (227 KiB).
+const SMEM_LIMIT: u64 = 227 * 1024;
+
+/// Keys per shared-memory tile. On an H100, with bulk tensor copies and
+/// `setmaxnreg`, 128 keys ran the forward 7-15% faster than 64 (fewer,
+/// wider wgmma per key; docs/benchmarks.md). With per-thread copies 64 had
+/// been faster at D = 64.
+pub const TILE_K: u64 = 128;
 
 /// Shared memory of the kernel at head dim `d`: Q, the K and V buffers,
 /// their mbarriers, and room to align the tiles for the swizzle.
 pub fn smem_bytes(d: u64) -> u64 {
-    (tile_q(d) + 2 * STAGES * TILE_K) * d * 2 + 4 * STAGES * 8 + tma::ALIGN
+    smem_with(d, stages(d))
+}
+
+fn smem_with(d: u64, stages: u64) -> u64 {
+    (tile_q(d) + 2 * stages * TILE_K) * d * 2 + 4 * stages * 8 + tma::ALIGN
 }
 
 /// The forward's tensor maps: key and value tiles of [`TILE_K`] rows.
@@ -117,7 +145,8 @@ pub(crate) fn emit(
     let helpers = wgmma_helpers(&[
         (Operand::KMajor, Operand::KMajor, TILE_K),
         (Operand::Regs, Operand::MnMajor, d),
-    ]) + tma::HELPERS;
+    ]) + tma::HELPERS
+        + WS_HELPERS;
     let maps = tensor_maps(g, c, n)?;
     let mut text = tma::host_maps(&maps);
     body(&mut text, g, c, n, &cfg);
@@ -383,7 +412,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     // O += P V, so that its softmax runs while the tensor cores do the product.
     constexpr int TILE_Q = {tq}, TILE_K = {tk}, HEAD_DIM = {d};
     constexpr int CONSUMERS = {consumers}, PRODUCERS = {PRODUCERS}, BLOCK = CONSUMERS + PRODUCERS;
-    constexpr int STAGES = {STAGES};  // buffers of key tiles, and of value tiles
+    constexpr int STAGES = {stages};  // buffers of key tiles, and of value tiles
     constexpr int CHUNKS = HEAD_DIM / 8;         // 16-byte chunks per row
     // The query tile in wgmma's core-matrix layout (see emit/flash_sm90.rs): core
     // matrices (8 rows x 16 bytes) are CORE bytes apart along the features, ROW8
@@ -434,6 +463,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         // 2. The producer: key tile t into buffer t % STAGES once the consumers
         //    are done with tile t - STAGES, then its value tile likewise, each as
         //    HEAD_DIM / 64 boxes of TILE_K rows (rows past kv_len zero).
+        fs_setmaxnreg_dec<{producer_regs}>();
         if (threadIdx.x != CONSUMERS) return;
         constexpr unsigned TILE_BYTES = TILE_K * HEAD_DIM * 2;
         for (fs_i64 t = 0; t < tiles; ++t) {{
@@ -456,6 +486,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         return;
     }}
 
+    fs_setmaxnreg_inc<{consumer_regs}>();
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3;
     // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
     const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
@@ -542,6 +573,9 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         smem = smem_bytes(d),
         tq = tile_q(d),
         consumers = consumers(d),
+        stages = stages(d),
+        producer_regs = PRODUCER_REGS,
+        consumer_regs = consumer_regs(d),
         qp = q.ptr,
         q_at = q.at(&["b", "i", "h", "0"]),
         epilogue = epilogue(g, c, n),
