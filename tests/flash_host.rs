@@ -370,9 +370,9 @@ fn flash_cross_attention_matches_the_reference() {
 }
 
 /// The Hopper (wgmma) forward, `emit/flash_sm90.rs`, on the same variants
-/// and sizes and T = 300: 128-key tiles in two buffers at D = 128 (T = 300
-/// takes three key tiles, the last partial, and reuses a buffer) and three
-/// at D = 64 (the cross run's S = 520 takes five); query blocks of 128 rows
+/// and sizes and T = 300: 128-key tiles in two buffers (T = 300 takes three
+/// key tiles, the last partial, and reuses a buffer, as the cross run's S =
+/// 520 does with five); query blocks of 128 rows
 /// at D = 128 (T = 130 takes two) and 192 at D = 64 (the cross runs' T =
 /// 200 take two, causal and not).
 #[test]

@@ -20,7 +20,7 @@
 //! consumer warpgroups compute: warpgroup `wg` owns rows `64wg .. 64wg +
 //! 63` and its warp `w` rows `64wg + 16w .. + 15`, the rows of wgmma's
 //! accumulator fragments. The last warp only copies key and value tiles
-//! into [`stages`] buffers each, from its first thread: it waits on a
+//! into [`STAGES`] buffers each, from its first thread: it waits on a
 //! buffer's "empty" mbarrier (every consumer warp arrives once its wgmma
 //! reading it is done), arrives on its "full" mbarrier expecting the tile's
 //! bytes, and issues the tile's bulk tensor copies, which complete "full"
@@ -96,19 +96,11 @@ fn consumer_regs(d: u64) -> u32 {
 pub fn threads(d: u64) -> u32 {
     consumers(d) + PRODUCERS
 }
-/// Buffers of key tiles, and of value tiles, at head dim `d`: three where
-/// they fit (with 64-key tiles three ran the forward 4-10% faster than two
-/// on an H100), else two.
-pub fn stages(d: u64) -> u64 {
-    if smem_with(d, 3) <= SMEM_LIMIT {
-        3
-    } else {
-        2
-    }
-}
-
-/// Shared memory a block may have on sm_90 (227 KiB).
-const SMEM_LIMIT: u64 = 227 * 1024;
+/// Buffers of key tiles, and of value tiles. With 128-key tiles on an
+/// H100, two ran the forward 3-5% faster than three at D = 64 (three do not
+/// fit at D = 128); with 64-key tiles and per-thread copies three had been
+/// 4-10% faster (docs/benchmarks.md).
+pub const STAGES: u64 = 2;
 
 /// Keys per shared-memory tile. On an H100, with bulk tensor copies and
 /// `setmaxnreg`, 128 keys ran the forward 7-15% faster than 64 (fewer,
@@ -119,11 +111,7 @@ pub const TILE_K: u64 = 128;
 /// Shared memory of the kernel at head dim `d`: Q, the K and V buffers,
 /// their mbarriers, and room to align the tiles for the swizzle.
 pub fn smem_bytes(d: u64) -> u64 {
-    smem_with(d, stages(d))
-}
-
-fn smem_with(d: u64, stages: u64) -> u64 {
-    (tile_q(d) + 2 * stages * TILE_K) * d * 2 + 4 * stages * 8 + tma::ALIGN
+    (tile_q(d) + 2 * STAGES * TILE_K) * d * 2 + 4 * STAGES * 8 + tma::ALIGN
 }
 
 /// The forward's tensor maps: key and value tiles of [`TILE_K`] rows.
@@ -412,7 +400,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     // O += P V, so that its softmax runs while the tensor cores do the product.
     constexpr int TILE_Q = {tq}, TILE_K = {tk}, HEAD_DIM = {d};
     constexpr int CONSUMERS = {consumers}, PRODUCERS = {PRODUCERS}, BLOCK = CONSUMERS + PRODUCERS;
-    constexpr int STAGES = {stages};  // buffers of key tiles, and of value tiles
+    constexpr int STAGES = {STAGES};  // buffers of key tiles, and of value tiles
     constexpr int CHUNKS = HEAD_DIM / 8;         // 16-byte chunks per row
     // The query tile in wgmma's core-matrix layout (see emit/flash_sm90.rs): core
     // matrices (8 rows x 16 bytes) are CORE bytes apart along the features, ROW8
@@ -573,7 +561,6 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         smem = smem_bytes(d),
         tq = tile_q(d),
         consumers = consumers(d),
-        stages = stages(d),
         producer_regs = PRODUCER_REGS,
         consumer_regs = consumer_regs(d),
         qp = q.ptr,
