@@ -23,7 +23,7 @@ mod common;
 use common::host;
 
 use fusec_compiler::emit::flash::FlashArch;
-use fusec_compiler::emit::flash_bwd::{flash_backward, FlashBwdLaunch, Stage, THREADS};
+use fusec_compiler::emit::flash_bwd::{flash_backward, FlashBwdLaunch, THREADS};
 use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
 use fusec_compiler::interp::tensor::Tensor;
 use fusec_compiler::ir::Graph;
@@ -701,21 +701,10 @@ fn flash_backward_compiles_with_nvrtc_without_spills() {
                                 failures
                                     .push(format!("{} {} ({arch}): {}", l.name, set.what, c.log));
                             }
-                            // Hopper's dK/dV/dQ kernel hands its memory warpgroup
-                            // 40 registers a thread at D = 128 (the consumers need
-                            // 232), where ptxas spills a few bytes; with 56 left to
-                            // it (consumers at 224, whose wgmma ptxas then
-                            // serializes) and at D = 64 (88) it spills nothing.
-                            // More than 16 bytes would be the consumers'.
-                            let allowed = if family == FlashArch::Sm90a
-                                && l.stage == Stage::DkDvDq
-                                && set.what.contains("D=128")
-                            {
-                                16
-                            } else {
-                                0
-                            };
-                            if c.spill_store_bytes > allowed || c.spill_load_bytes > allowed {
+                            // Hopper's dK/dV/dQ kernel leaves its memory warpgroup
+                            // 40 registers a thread at D = 128; since its copies are
+                            // one thread's bulk tensor copies it spills nothing there.
+                            if c.spill_store_bytes > 0 || c.spill_load_bytes > 0 {
                                 failures.push(format!(
                                     "{} {} ({arch}): spills\n{}",
                                     l.name, set.what, c.log
