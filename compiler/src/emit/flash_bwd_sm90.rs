@@ -51,7 +51,7 @@
 
 use super::flash::{elem_names, Config};
 use super::flash_bwd::{common_subs, dkdv_store_subs, fill, p_masked_subs};
-use super::flash_sm90::{wgmma_helpers, wgmma_name, Operand};
+use super::flash_sm90::{wgmma_helpers, wgmma_name, Operand, WS_HELPERS};
 use super::templates::Ctx;
 use super::tma::{self, TensorMap};
 use crate::ir::Graph;
@@ -131,44 +131,6 @@ fn shapes(d: u64) -> [(Operand, Operand, u64); 3] {
         (Operand::MnMajor, Operand::MnMajor, d / 2),
     ]
 }
-
-pub(crate) const WS_HELPERS: &str = r#"#ifndef FS_WS_HELPERS
-#define FS_WS_HELPERS
-#ifdef __CUDA_ARCH__
-// Registers handed between warpgroups (the whole warpgroup executes it).
-template <unsigned N>
-__device__ __forceinline__ void fs_setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
-template <unsigned N>
-__device__ __forceinline__ void fs_setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
-// Barrier `id` (1 .. 15; 0 is __syncthreads) for `count` threads.
-__device__ __forceinline__ void fs_bar_sync(unsigned id, unsigned count) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory"); }
-__device__ __forceinline__ void fs_syncwarp() { __syncwarp(); }
-// p[0 .. 3] += s[0 .. 3] in global memory, atomically (both 16-byte aligned, s in shared memory).
-__device__ __forceinline__ void fs_atomic_add4(float* p, const float* s) {
-    const float4 v = *reinterpret_cast<const float4*>(s);
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
-}
-// p[0], p[1] = a, b (p 8-byte aligned).
-__device__ __forceinline__ void fs_st_f32x2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
-#else
-template <unsigned N>
-inline void fs_setmaxnreg_inc() {}
-template <unsigned N>
-inline void fs_setmaxnreg_dec() {}
-inline void fs_bar_sync(unsigned id, unsigned count) { fs_emu_bar_sync(id, count); }
-inline void fs_syncwarp() { fs_emu_syncwarp(); }
-// A plain sum, as fs_atomic_add2's host version says.
-inline void fs_atomic_add4(float* p, const float* s) {
-    for (int i = 0; i < 4; ++i) p[i] += s[i];
-}
-inline void fs_st_f32x2(float* p, float a, float b) {
-    p[0] = a;
-    p[1] = b;
-}
-#endif
-#endif
-
-"#;
 
 pub(crate) fn dkdvdq_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, smem: u64) -> String {
     let mut subs = common_subs(g, c, n, cfg, false);

@@ -53,7 +53,6 @@ use super::cuda::{float_lit, NEG_INF};
 use super::flash::{
     elem_names, epilogue, forward_kernel, masks_and_softmax, Config, FlashLaunch, ForwardShape,
 };
-use super::flash_bwd_sm90::WS_HELPERS;
 use super::templates::Ctx;
 use super::tma::{self, TensorMap};
 use crate::ir::Graph;
@@ -261,6 +260,47 @@ fn wgmma_asm(sig: &str, a: Operand, b: Operand, n: u64, elem: &str) -> String {
         imm_in = imm_in.join(", "),
     )
 }
+
+/// Warp-specialization building blocks both Hopper kernels use: register
+/// hand-over, named barriers, `__syncwarp`, 16-byte reductions; their host
+/// versions.
+pub(crate) const WS_HELPERS: &str = r#"#ifndef FS_WS_HELPERS
+#define FS_WS_HELPERS
+#ifdef __CUDA_ARCH__
+// Registers handed between warpgroups (the whole warpgroup executes it).
+template <unsigned N>
+__device__ __forceinline__ void fs_setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+template <unsigned N>
+__device__ __forceinline__ void fs_setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+// Barrier `id` (1 .. 15; 0 is __syncthreads) for `count` threads.
+__device__ __forceinline__ void fs_bar_sync(unsigned id, unsigned count) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ void fs_syncwarp() { __syncwarp(); }
+// p[0 .. 3] += s[0 .. 3] in global memory, atomically (both 16-byte aligned, s in shared memory).
+__device__ __forceinline__ void fs_atomic_add4(float* p, const float* s) {
+    const float4 v = *reinterpret_cast<const float4*>(s);
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+// p[0], p[1] = a, b (p 8-byte aligned).
+__device__ __forceinline__ void fs_st_f32x2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+#else
+template <unsigned N>
+inline void fs_setmaxnreg_inc() {}
+template <unsigned N>
+inline void fs_setmaxnreg_dec() {}
+inline void fs_bar_sync(unsigned id, unsigned count) { fs_emu_bar_sync(id, count); }
+inline void fs_syncwarp() { fs_emu_syncwarp(); }
+// A plain sum, as fs_atomic_add2's host version says.
+inline void fs_atomic_add4(float* p, const float* s) {
+    for (int i = 0; i < 4; ++i) p[i] += s[i];
+}
+inline void fs_st_f32x2(float* p, float a, float b) {
+    p[0] = a;
+    p[1] = b;
+}
+#endif
+#endif
+
+"#;
 
 const WGMMA_COMMON: &str = r#"// wgmma (sm_90a) building blocks; a host build emulates them (fs_emu_wgmma)
 // and makes the fences and asynchronous copies plain or empty.
