@@ -191,7 +191,8 @@ pub fn run(
                 let smem = launch.dynamic_smem_bytes as u32;
                 crate::exec::allow_dynamic_smem(&func, &fwd.name, smem, gpu, "--simple")?;
                 let [x, y, z] = launch.grid(&|_| None).ok_or_else(|| err("no flash grid"))?;
-                let maps = encode_all(&launch.tensor_maps, &args, &|_| None, &fwd.name)?;
+                let maps =
+                    encode_all(&launch.tensor_maps, &args, &|_| None, &fwd.name, "--simple")?;
                 Launch {
                     name: fwd.name.clone(),
                     func,
@@ -254,7 +255,7 @@ pub fn run(
                     let func = load(gpu, &l.name, &l.source)?;
                     let smem = l.dynamic_smem_bytes as u32;
                     crate::exec::allow_dynamic_smem(&func, &l.name, smem, gpu, "--simple")?;
-                    let maps = encode_all(&l.tensor_maps, &args, &|_| None, &l.name)?;
+                    let maps = encode_all(&l.tensor_maps, &args, &|_| None, &l.name, "--simple")?;
                     out.push(Launch {
                         name: l.name.clone(),
                         func,

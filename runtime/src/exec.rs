@@ -349,7 +349,8 @@ impl Executor {
                     for m in &multi[&k.name] {
                         let func = function(m.source, &m.name)?;
                         allow_dynamic_smem(&func, &m.name, m.smem, &gpu, "FUSEC_ATTENTION=simple")?;
-                        let maps = encode_all(&m.maps, &args, &env, &m.name)?;
+                        let maps =
+                            encode_all(&m.maps, &args, &env, &m.name, "FUSEC_ATTENTION=simple")?;
                         steps.push(Step::Kernel {
                             func,
                             grid: m.grid,

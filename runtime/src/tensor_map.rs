@@ -16,16 +16,18 @@ pub struct EncodedMap([u64; 16]);
 unsafe impl cudarc::driver::DeviceRepr for EncodedMap {}
 
 /// Encodes `map` of kernel `kernel`, whose arguments point at `args` (inputs,
-/// then outputs), for the sizes `env` binds.
+/// then outputs), for the sizes `env` binds; an error names `without`, what
+/// runs without the kernel.
 pub fn encode(
     map: &TensorMap,
     args: &[u64],
     env: &dyn Fn(&str) -> Option<i64>,
     kernel: &str,
+    without: &str,
 ) -> Result<EncodedMap, RuntimeError> {
     let fail = |why: String| {
         RuntimeError::Unsupported(format!(
-            "kernel {kernel}: cannot describe its input {} to the GPU's tensor copies: {why}; run with FUSEC_ATTENTION=simple",
+            "kernel {kernel}: cannot describe its input {} to the GPU's tensor copies: {why}; run with {without}",
             map.name
         ))
     };
@@ -85,6 +87,9 @@ pub fn encode_all(
     args: &[u64],
     env: &dyn Fn(&str) -> Option<i64>,
     kernel: &str,
+    without: &str,
 ) -> Result<Vec<EncodedMap>, RuntimeError> {
-    maps.iter().map(|m| encode(m, args, env, kernel)).collect()
+    maps.iter()
+        .map(|m| encode(m, args, env, kernel, without))
+        .collect()
 }

@@ -204,7 +204,7 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
         let ptrs: Vec<u64> = bufs.iter().map(|s| s.device_ptr(&gpu.stream).0).collect();
         let sizes: Vec<i64> = g.dims.iter().map(|d| case.dims[d]).collect();
         let grid = fl.grid(&case.env()).expect("a grid");
-        let maps = encode_all(&fl.tensor_maps, &ptrs, &case.env(), "forward").unwrap();
+        let maps = encode_all(&fl.tensor_maps, &ptrs, &case.env(), "forward", "-").unwrap();
         let run = || {
             launch(
                 &gpu, &func, &ptrs, &sizes, None, grid, fl.block, smem, &maps,
@@ -291,7 +291,7 @@ fn flash_backward_matches_the_interpreter() {
             let (func, _) = load(&gpu, &l.name, &l.source);
             let smem = l.dynamic_smem_bytes as u32;
             fusec_runtime::exec::allow_dynamic_smem(&func, &l.name, smem, &gpu, "").unwrap();
-            let maps = encode_all(&l.tensor_maps, &ptrs, &env, &l.name).unwrap();
+            let maps = encode_all(&l.tensor_maps, &ptrs, &env, &l.name, "-").unwrap();
             launch(
                 &gpu,
                 &func,

@@ -1,15 +1,18 @@
 //! CUDA C for the Hopper (sm_90a) dK/dV/dQ kernel of the attention
 //! backward's atomic scheme (`flash_bwd.rs`'s `_dkdvdq`, same arguments,
 //! scratch and neighbours `_delta` and `_dqstore`), on warpgroup tensor-core
-//! instructions (`wgmma.mma_async`) fed from shared memory in the forward's
-//! core-matrix layout (`flash_sm90.rs`).
+//! instructions (`wgmma.mma_async`) fed from shared memory: K, V and dS^T
+//! in the forward's core-matrix layout (`flash_sm90.rs`), Q and dO tiles as
+//! bulk tensor copies land them, 128-byte swizzled (`tma.rs`).
 //!
 //! # Launch contract
 //!
 //! Compile for `sm_90a`; `grid = (ceil(S / 128), Hkv, B)`, `block = (384, 1,
 //! 1)` with `__launch_bounds__(384, 1)`, dynamic shared memory
-//! [`smem_bytes`] (over 48 KiB: raise the function's limit first).
-//! Everything else as `flash_bwd.rs` says.
+//! [`smem_bytes`] (over 48 KiB: raise the function's limit first); after
+//! the scratch, the tensor maps of Q and dO that
+//! `FlashBwdLaunch::tensor_maps` describes, by value. Everything else as
+//! `flash_bwd.rs` says.
 //!
 //! # Design
 //!
@@ -19,18 +22,19 @@
 //! through shared memory 64 at a time. The memory warpgroup gives up its
 //! registers to the consumers (`setmaxnreg`) and splits in two:
 //!
-//! - two loader warps copy each query tile (Q, dO by `cp.async`, lse and
-//!   delta) into one of [`stages`] buffers, handed over by mbarriers as in
-//!   the forward (`flash_sm90.rs`): "full" as the copies land, "empty" when
-//!   every consumer warp is done with the tile;
+//! - two loader warps fill each query tile into one of [`stages`] buffers
+//!   (Q and dO by the first loader's bulk tensor copies, lse and delta by
+//!   all), handed over by mbarriers as in the forward (`flash_sm90.rs`):
+//!   "full" as the copies' bytes and the stores are in, "empty" when every
+//!   consumer warp is done with the tile;
 //! - two writer warps take each tile's dQ from one of two f32 tiles in
 //!   shared memory and add it into the f32 sum with 16-byte reductions
 //!   (`red.global.add.v4.f32`), whole rows at a time.
 //!
 //! So the consumers' chain per tile holds only tensor-core work and the
-//! element-wise step between: without the copies' and the reductions'
-//! instructions it ran at about twice the speed on an H100
-//! (`docs/benchmarks.md`). Per query tile, each consumer warpgroup:
+//! element-wise step between: without the (then per-thread `cp.async`)
+//! copies' and the reductions' instructions it ran at about twice the
+//! speed on an H100 (`docs/benchmarks.md`). Per query tile, each consumer warpgroup:
 //!
 //! 1. `S^T = K Q^T` and `dP^T = V dO^T` (both operands in shared memory,
 //!    K-major), so that `P^T = exp2(S^T scale_log2 - lse)` and `dS^T = P^T
@@ -51,7 +55,7 @@
 
 use super::flash::{elem_names, Config};
 use super::flash_bwd::{common_subs, dkdv_store_subs, fill, p_masked_subs};
-use super::flash_sm90::{wgmma_helpers, wgmma_name, Operand, WS_HELPERS};
+use super::flash_sm90::{regs_left, wgmma_helpers, wgmma_name, Operand, WS_HELPERS};
 use super::templates::Ctx;
 use super::tma::{self, TensorMap};
 use crate::ir::Graph;
@@ -70,19 +74,15 @@ const WRITERS: u32 = 64;
 pub const THREADS: u32 = CONSUMERS + LOADERS + WRITERS;
 /// Shared memory a block may have on sm_90 (227 KiB).
 const SMEM_LIMIT: u64 = 227 * 1024;
-/// Registers per thread the block starts with: the 64K register file over
-/// [`THREADS`] (`__launch_bounds__(THREADS, 1)`), in ptxas's steps of 8.
-const START_REGS: u32 = 65536 / THREADS / 8 * 8;
 
 /// Registers per thread after the hand-over at head dim `d`, consumers and
-/// producers: the producers take what the consumers leave of the block's
-/// START_REGS x THREADS. The consumers' accumulators grow with `d`; below
+/// producers: the producers take what the consumers leave
+/// ([`regs_left`]). The consumers' accumulators grow with `d`; below
 /// 232 at D = 128 ptxas serializes their wgmma (and at D = 64, 208 leaves
 /// the producers 88, where they spill nothing).
 fn regs(d: u64) -> (u32, u32) {
     let consumers = if d <= 64 { 208 } else { 232 };
-    let producers = (START_REGS * THREADS - consumers * CONSUMERS) / (THREADS - CONSUMERS);
-    (consumers, producers)
+    (consumers, regs_left(THREADS, CONSUMERS, consumers))
 }
 
 /// Query tile buffers at head dim `d`: three where they fit, else two.

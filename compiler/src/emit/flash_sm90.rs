@@ -8,8 +8,8 @@
 //!
 //! As `flash.rs`'s (same arguments, outputs and alignment rules), except:
 //! compile for `sm_90a` (wgmma exists only there); `grid = (ceil(T /
-//! tile_q(D)), Hq, B)`, `block = (threads(D), 1, 1)` (192 rows and 416
-//! threads at D <= 64, 128 and 288 above); pass [`FlashLaunch::dynamic_smem_bytes`]
+//! tile_q(D)), Hq, B)`, `block = (threads(D), 1, 1)` (192 rows and 512
+//! threads at D <= 64, 128 and 384 above); pass [`FlashLaunch::dynamic_smem_bytes`]
 //! of dynamic shared memory (above 48 KiB, so the kernel's limit must be
 //! raised first); and after the other arguments the tensor maps of K and V
 //! that [`FlashLaunch::tensor_maps`] describes, by value.
@@ -19,8 +19,9 @@
 //! One block owns [`tile_q`] query rows of one (batch, query head). Its
 //! consumer warpgroups compute: warpgroup `wg` owns rows `64wg .. 64wg +
 //! 63` and its warp `w` rows `64wg + 16w .. + 15`, the rows of wgmma's
-//! accumulator fragments. The last warp only copies key and value tiles
-//! into [`STAGES`] buffers each, from its first thread: it waits on a
+//! accumulator fragments. The last warpgroup gives its registers to the
+//! consumers (`setmaxnreg`) and only copies key and value tiles into
+//! [`STAGES`] buffers each, from its first thread: it waits on a
 //! buffer's "empty" mbarrier (every consumer warp arrives once its wgmma
 //! reading it is done), arrives on its "full" mbarrier expecting the tile's
 //! bytes, and issues the tile's bulk tensor copies, which complete "full"
@@ -85,11 +86,18 @@ pub const PRODUCERS: u32 = 128;
 /// Registers the producer warpgroup keeps (`setmaxnreg`'s least).
 const PRODUCER_REGS: u32 = 24;
 
-/// Registers per consumer thread at head dim `d`: what the producer leaves
-/// of the block's register file (65536 over the block, in steps of 8).
+/// Registers per consumer thread at head dim `d`: what the producer leaves.
 fn consumer_regs(d: u64) -> u32 {
-    let start = 65536 / threads(d) / 8 * 8;
-    (start * threads(d) - PRODUCER_REGS * PRODUCERS) / consumers(d) / 8 * 8
+    regs_left(threads(d), PRODUCERS, PRODUCER_REGS)
+}
+
+/// Registers per thread that `setmaxnreg` can give the other threads of a
+/// block of `block` (launched with `__launch_bounds__(block, 1)`: the 64K
+/// register file over the block, in ptxas's steps of 8) once `fixed`
+/// threads set theirs to `fixed_regs`; in `setmaxnreg`'s steps of 8.
+pub(crate) fn regs_left(block: u32, fixed: u32, fixed_regs: u32) -> u32 {
+    let start = 65536 / block / 8 * 8;
+    (start * block - fixed * fixed_regs) / (block - fixed) / 8 * 8
 }
 /// Threads per block at head dim `d`.
 pub fn threads(d: u64) -> u32 {
@@ -340,10 +348,6 @@ __device__ __forceinline__ void fs_copy16_async(unsigned short* dst, const unsig
 }
 __device__ __forceinline__ void fs_copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void fs_copy_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-// 16 bytes from src, or 16 zero bytes if !valid (src is then not read).
-__device__ __forceinline__ void fs_copy16_async_or_zero(unsigned short* dst, const unsigned short* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fs_smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
 // Shared-memory barriers (mbarrier) with phases: a phase completes when its
 // count of arrivals is in; waiting names the parity of the phase awaited.
 typedef unsigned long long fs_mbar;
@@ -352,11 +356,6 @@ __device__ __forceinline__ void fs_mbar_init(fs_mbar* m, unsigned count) {
 }
 __device__ __forceinline__ void fs_mbar_arrive(fs_mbar* m) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(fs_smem_addr(m)) : "memory");
-}
-// Arrives once this thread's cp.async copies so far have landed (the count
-// given at init includes these arrivals).
-__device__ __forceinline__ void fs_mbar_arrive_on_copies(fs_mbar* m) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(fs_smem_addr(m)) : "memory");
 }
 __device__ __forceinline__ void fs_mbar_wait(fs_mbar* m, unsigned parity) {
     asm volatile("{ .reg .pred done;\nFS_MBAR_WAIT:\n"
@@ -383,15 +382,9 @@ inline void fs_fence_async_smem() {}
 inline void fs_copy16_async(unsigned short* dst, const unsigned short* src) { memcpy(dst, src, 16); }
 inline void fs_copy_async_commit() {}
 inline void fs_copy_async_wait_all() {}
-inline void fs_copy16_async_or_zero(unsigned short* dst, const unsigned short* src, bool valid) {
-    if (valid) memcpy(dst, src, 16);
-    else memset(dst, 0, 16);
-}
 typedef fs_emu_mbar fs_mbar;
 inline void fs_mbar_init(fs_mbar* m, unsigned count) { fs_emu_mbar_init(m, count); }
 inline void fs_mbar_arrive(fs_mbar* m) { fs_emu_mbar_arrive(m); }
-// Host copies land at once.
-inline void fs_mbar_arrive_on_copies(fs_mbar* m) { fs_emu_mbar_arrive(m); }
 inline void fs_mbar_wait(fs_mbar* m, unsigned parity) { fs_emu_mbar_wait(m, parity); }
 #endif
 #endif
@@ -433,7 +426,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         r#"    // FlashAttention-2 forward on Hopper tensor cores (wgmma, f32 accumulation).
     // Block (blockIdx.x, blockIdx.y, blockIdx.z) = (tile of {tq} queries, query head, batch):
     // consumer warpgroups (wg owns the tile's rows 64wg .. 64wg + 63, its warp w
-    // rows 64wg + 16w .. + 15) and a producer warp whose first thread copies key
+    // rows 64wg + 16w .. + 15) and a producer warpgroup whose first thread copies key
     // and value tiles of {tk} into STAGES buffers each (bulk tensor copies with the
     // 128-byte swizzle, emit/tma.rs), handed over by mbarriers. Each
     // consumer warpgroup issues tile t's scores together with tile t - 1's

@@ -178,10 +178,12 @@ pub(crate) fn host_maps(maps: &[TensorMap]) -> String {
 
 /// A wgmma descriptor for a swizzled tile read K-major (the features are
 /// K): `tile` the tile (C expression of a 16-bit pointer), `rows` its rows,
-/// `kk` (C) the 16-feature step.
+/// `kk` (C) the 16-feature step: box `16 kk / ATOM`, 16 features further
+/// along the box's rows per step within it.
 pub(crate) fn desc_kmajor(tile: &str, rows: u64, kk: &str) -> String {
     format!(
-        "fs_make_desc_sw128({tile} + ({kk}) / 4 * {box_elems} + ({kk}) % 4 * 16)",
+        "fs_make_desc_sw128({tile} + ({kk}) / {steps} * {box_elems} + ({kk}) % {steps} * 16)",
+        steps = ATOM / 16,
         box_elems = rows * ATOM
     )
 }
