@@ -30,14 +30,16 @@ static inline void fs_emu_syncwarp() { fs_warp_barrier[threadIdx.x >> 5]->arrive
 // `id` in a block creates it for `count` threads.
 static std::mutex fs_named_mutex;
 static std::unique_ptr<std::barrier<>> fs_named_barrier[16];
-static inline void fs_emu_bar_sync(unsigned id, unsigned count) {
-    std::barrier<>* bar;
-    {
-        std::lock_guard<std::mutex> lock(fs_named_mutex);
-        if (!fs_named_barrier[id]) fs_named_barrier[id] = std::make_unique<std::barrier<>>(count);
-        bar = fs_named_barrier[id].get();
-    }
-    bar->arrive_and_wait();
+static inline std::barrier<>* fs_emu_named(unsigned id, unsigned count) {
+    std::lock_guard<std::mutex> lock(fs_named_mutex);
+    if (!fs_named_barrier[id]) fs_named_barrier[id] = std::make_unique<std::barrier<>>(count);
+    return fs_named_barrier[id].get();
+}
+static inline void fs_emu_bar_sync(unsigned id, unsigned count) { fs_emu_named(id, count)->arrive_and_wait(); }
+// bar.arrive: counts towards the barrier's current phase without waiting.
+static inline void fs_emu_bar_arrive(unsigned id, unsigned count) {
+    auto token = fs_emu_named(id, count)->arrive();
+    (void)token;
 }
 
 // An mbarrier in (host) shared memory: the arrivals still missing from the

@@ -282,6 +282,8 @@ template <unsigned N>
 __device__ __forceinline__ void fs_setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
 // Barrier `id` (1 .. 15; 0 is __syncthreads) for `count` threads.
 __device__ __forceinline__ void fs_bar_sync(unsigned id, unsigned count) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory"); }
+// Counts the calling threads towards barrier `id` without waiting for it.
+__device__ __forceinline__ void fs_bar_arrive(unsigned id, unsigned count) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void fs_syncwarp() { __syncwarp(); }
 // p[0 .. 3] += s[0 .. 3] in global memory, atomically (both 16-byte aligned, s in shared memory).
 __device__ __forceinline__ void fs_atomic_add4(float* p, const float* s) {
@@ -296,6 +298,7 @@ inline void fs_setmaxnreg_inc() {}
 template <unsigned N>
 inline void fs_setmaxnreg_dec() {}
 inline void fs_bar_sync(unsigned id, unsigned count) { fs_emu_bar_sync(id, count); }
+inline void fs_bar_arrive(unsigned id, unsigned count) { fs_emu_bar_arrive(id, count); }
 inline void fs_syncwarp() { fs_emu_syncwarp(); }
 // A plain sum, as fs_atomic_add2's host version says.
 inline void fs_atomic_add4(float* p, const float* s) {
@@ -430,7 +433,9 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     // and value tiles of {tk} into STAGES buffers each (bulk tensor copies with the
     // 128-byte swizzle, emit/tma.rs), handed over by mbarriers. Each
     // consumer warpgroup issues tile t's scores together with tile t - 1's
-    // O += P V, so that its softmax runs while the tensor cores do the product.
+    // O += P V, so that its softmax runs while the tensor cores do the product,
+    // and the warpgroups take turns issuing them (FlashAttention-3's ping-pong),
+    // so that one's softmax also runs while the others' products do.
     constexpr int TILE_Q = {tq}, TILE_K = {tk}, HEAD_DIM = {d};
     constexpr int CONSUMERS = {consumers}, PRODUCERS = {PRODUCERS}, BLOCK = CONSUMERS + PRODUCERS;
     constexpr int STAGES = {STAGES};  // buffers of key tiles, and of value tiles
@@ -528,6 +533,14 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     // p_frag: tile t - 1's P as wgmma's register A fragments (keys 16kk .. 16kk + 15).
     float s[TILE_K / 8][4];
     unsigned p_frag[TILE_K / 16][4];
+    // Turns at the tensor cores: warpgroup wg issues its products once it has
+    // passed named barrier 1 + wg, to which the warpgroup before it (cyclically)
+    // arrives once it has issued its own; the last warpgroup lets the first
+    // start. Every warpgroup issues tiles + 1 times, the last one's final
+    // arrival left out so that no barrier is left half-passed.
+    constexpr int WGS = CONSUMERS / 128;
+    const int next_wg = wg + 1 == WGS ? 0 : wg + 1;
+    if (tiles > 0 && wg == WGS - 1) fs_bar_arrive(1, 256);
     // 3. Tile 0's scores alone (no P V yet): S = Q K^T
     //    of its 64 rows and the tile's keys (features 16kk .. 16kk + 15 start at
     //    element 128kk of a row group); steps 4 and 5 as in the loop below.
@@ -536,7 +549,9 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         const {ty}* const kt = k_tiles;
         fs_mbar_wait(&k_full[0], 0);
         fs_fence_async_smem();
+        fs_bar_sync(1 + wg, 256);
 {issue_s}        fs_wgmma_commit();
+        fs_bar_arrive(1 + next_wg, 256);
         fs_wgmma_wait_all();
         fs_wgmma_hold(s);
         if (lane == 0) fs_mbar_arrive(&k_empty[0]);
@@ -553,8 +568,10 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         // 3. Tile t's scores, then O += P V for tile t - 1
         //    (P's register fragments; V as B read MN-major, keys 16kk .. at row
         //    group 2kk), as two commit groups.
+        fs_bar_sync(1 + wg, 256);
 {issue_s}        fs_wgmma_commit();
 {issue_pv}        fs_wgmma_commit();
+        fs_bar_arrive(1 + next_wg, 256);
 
         //    The scores land first (O += P V may still run): key tile t is free.
         fs_wgmma_wait_all_but_1();
@@ -579,8 +596,10 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         fs_mbar_wait(&v_full[t % STAGES], (t / STAGES) & 1);
         fs_fence_async_smem();
         const {ty}* const vt = v_tiles + (t % STAGES) * TILE_K * HEAD_DIM;
+        fs_bar_sync(1 + wg, 256);
         fs_wgmma_fence();
 {issue_pv}        fs_wgmma_commit();
+        if (wg + 1 < WGS) fs_bar_arrive(1 + next_wg, 256);
         fs_wgmma_wait_all();
         fs_wgmma_hold(o_acc);
     }}
