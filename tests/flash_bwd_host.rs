@@ -398,7 +398,8 @@ fn flash_backward_cross_attention_matches_the_reference() {
 /// The atomic scheme with Hopper's dK/dV/dQ kernel (wgmma, 128 keys and
 /// 64-query tiles): T = 100 on four query heads a kv head gives each block
 /// eight query tiles, so every query buffer and both dQ tiles are reused;
-/// the cross runs' S = 200 takes two key blocks.
+/// the cross runs' S = 200 takes two key blocks, and T = S = 300 three,
+/// each causal block's tiles starting at its diagonal.
 #[test]
 fn hopper_flash_backward_matches_the_reference_on_the_host() {
     if !host::have_cxx() {
@@ -415,6 +416,7 @@ fn hopper_flash_backward_matches_the_reference_on_the_host() {
     let runs: &[&[(&str, i64)]] = &[
         &[("B", 2), ("T", 17), ("S", 200)],
         &[("B", 1), ("T", 200), ("S", 17)],
+        &[("B", 1), ("T", 300), ("S", 300)],
     ];
     let checked = check_all("hopper-cross", &b, runs);
     println!("hopper cross: {checked} kernel-set runs matched the reference");
