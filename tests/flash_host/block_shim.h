@@ -7,6 +7,10 @@
 #include "host_cuda.h"
 #include <atomic>
 #include <barrier>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -27,12 +31,20 @@ static inline void __syncthreads() { fs_block_barrier->arrive_and_wait(); }
 static inline void fs_emu_syncwarp() { fs_warp_barrier[threadIdx.x >> 5]->arrive_and_wait(); }
 
 // Named barriers (bar.sync id, count): the first thread to reach barrier
-// `id` in a block creates it for `count` threads.
+// `id` in a block creates it for `count` threads; a later use with another
+// count ends the run, as it would be undefined on the GPU.
 static std::mutex fs_named_mutex;
 static std::unique_ptr<std::barrier<>> fs_named_barrier[16];
+static unsigned fs_named_count[16];
 static inline std::barrier<>* fs_emu_named(unsigned id, unsigned count) {
     std::lock_guard<std::mutex> lock(fs_named_mutex);
-    if (!fs_named_barrier[id]) fs_named_barrier[id] = std::make_unique<std::barrier<>>(count);
+    if (!fs_named_barrier[id]) {
+        fs_named_barrier[id] = std::make_unique<std::barrier<>>(count);
+        fs_named_count[id] = count;
+    } else if (fs_named_count[id] != count) {
+        fprintf(stderr, "named barrier %u used for %u threads and for %u\n", id, fs_named_count[id], count);
+        std::_Exit(3);
+    }
     return fs_named_barrier[id].get();
 }
 static inline void fs_emu_bar_sync(unsigned id, unsigned count) { fs_emu_named(id, count)->arrive_and_wait(); }
@@ -69,6 +81,13 @@ static inline void fs_emu_mbar_wait(fs_emu_mbar* m, unsigned parity) {
         phase.wait(p, std::memory_order_acquire);
 }
 
+// A block that has not finished after this long waits on a barrier or an
+// mbarrier that never completes: the run ends with a message instead of
+// hanging the test.
+#ifndef FS_BLOCK_TIMEOUT_S
+#define FS_BLOCK_TIMEOUT_S 300
+#endif
+
 // Runs `f` as the kernel body for every block of `grid` (x fastest), with
 // `block` threads per block (a multiple of 32, at most 1024).
 template <class F>
@@ -89,6 +108,17 @@ static void fs_launch(fs_dim3 grid, unsigned block, F f) {
                     warps.push_back(std::make_unique<std::barrier<>>(32));
                     fs_warp_barrier[w] = warps.back().get();
                 }
+                std::mutex done_mutex;
+                std::condition_variable done_cv;
+                bool done = false;
+                std::thread watchdog([&, x, y, z] {
+                    std::unique_lock<std::mutex> lock(done_mutex);
+                    if (!done_cv.wait_for(lock, std::chrono::seconds(FS_BLOCK_TIMEOUT_S), [&] { return done; })) {
+                        fprintf(stderr, "block (%u, %u, %u) did not finish in %d s: a barrier or mbarrier it waits on never completes\n",
+                                x, y, z, FS_BLOCK_TIMEOUT_S);
+                        std::_Exit(3);
+                    }
+                });
                 std::vector<std::thread> threads;
                 for (unsigned t = 0; t < block; ++t)
                     threads.emplace_back([&, x, y, z, t] {
@@ -98,6 +128,12 @@ static void fs_launch(fs_dim3 grid, unsigned block, F f) {
                         f();
                     });
                 for (auto& t : threads) t.join();
+                {
+                    std::lock_guard<std::mutex> lock(done_mutex);
+                    done = true;
+                }
+                done_cv.notify_all();
+                watchdog.join();
                 for (auto& named : fs_named_barrier) named.reset();
             }
 }

@@ -539,8 +539,9 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     // start. Every warpgroup issues tiles + 1 times, the last one's final
     // arrival left out so that no barrier is left half-passed.
     constexpr int WGS = CONSUMERS / 128;
+    constexpr int TURN = 2 * 128;  // a turn barrier's threads: the warpgroup waiting, the one arriving
     const int next_wg = wg + 1 == WGS ? 0 : wg + 1;
-    if (tiles > 0 && wg == WGS - 1) fs_bar_arrive(1, 256);
+    if (tiles > 0 && wg == WGS - 1) fs_bar_arrive(1, TURN);
     // 3. Tile 0's scores alone (no P V yet): S = Q K^T
     //    of its 64 rows and the tile's keys (features 16kk .. 16kk + 15 start at
     //    element 128kk of a row group); steps 4 and 5 as in the loop below.
@@ -549,9 +550,9 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         const {ty}* const kt = k_tiles;
         fs_mbar_wait(&k_full[0], 0);
         fs_fence_async_smem();
-        fs_bar_sync(1 + wg, 256);
+        fs_bar_sync(1 + wg, TURN);
 {issue_s}        fs_wgmma_commit();
-        fs_bar_arrive(1 + next_wg, 256);
+        fs_bar_arrive(1 + next_wg, TURN);
         fs_wgmma_wait_all();
         fs_wgmma_hold(s);
         if (lane == 0) fs_mbar_arrive(&k_empty[0]);
@@ -568,10 +569,10 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         // 3. Tile t's scores, then O += P V for tile t - 1
         //    (P's register fragments; V as B read MN-major, keys 16kk .. at row
         //    group 2kk), as two commit groups.
-        fs_bar_sync(1 + wg, 256);
+        fs_bar_sync(1 + wg, TURN);
 {issue_s}        fs_wgmma_commit();
 {issue_pv}        fs_wgmma_commit();
-        fs_bar_arrive(1 + next_wg, 256);
+        fs_bar_arrive(1 + next_wg, TURN);
 
         //    The scores land first (O += P V may still run): key tile t is free.
         fs_wgmma_wait_all_but_1();
@@ -596,10 +597,10 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         fs_mbar_wait(&v_full[t % STAGES], (t / STAGES) & 1);
         fs_fence_async_smem();
         const {ty}* const vt = v_tiles + (t % STAGES) * TILE_K * HEAD_DIM;
-        fs_bar_sync(1 + wg, 256);
+        fs_bar_sync(1 + wg, TURN);
         fs_wgmma_fence();
 {issue_pv}        fs_wgmma_commit();
-        if (wg + 1 < WGS) fs_bar_arrive(1 + next_wg, 256);
+        if (wg + 1 < WGS) fs_bar_arrive(1 + next_wg, TURN);
         fs_wgmma_wait_all();
         fs_wgmma_hold(o_acc);
     }}
