@@ -608,28 +608,28 @@ fn a_broken_hopper_backward_is_caught() {
             .unwrap()
     };
     let (causal, plain) = (find(true), find(false));
-    let mutations: [(Mutation, usize); 7] = [
+    let mutations: [(Mutation, usize); 9] = [
         // dQ's A (dS, MN-major) read with its strides exchanged.
         (
             (
-                "fs_make_desc(ds_tile + kk * 16 * TILE_Q, DS_ROW8, CORE)",
-                "fs_make_desc(ds_tile + kk * 16 * TILE_Q, CORE, DS_ROW8)",
+                "fs_make_desc(ds_tile, DS_ROW8, CORE)",
+                "fs_make_desc(ds_tile, CORE, DS_ROW8)",
             ),
             plain,
         ),
         // dV's B (the swizzled dO tile, MN-major) stepping 8 queries, not 16.
         (
             (
-                "fs_make_desc_sw128_mn(dot + (kk) * 1024, 8192)",
-                "fs_make_desc_sw128_mn(dot + (kk) * 512, 8192)",
+                "fs_desc_at(dom_desc, (kk) * 2048)",
+                "fs_desc_at(dom_desc, (kk) * 1024)",
             ),
             plain,
         ),
         // S^T's B (the swizzled Q tile, K-major) stepping 8 features, not 16.
         (
             (
-                "fs_make_desc_sw128(qt + (kk) / 4 * 4096 + (kk) % 4 * 16)",
-                "fs_make_desc_sw128(qt + (kk) / 4 * 4096 + (kk) % 4 * 8)",
+                "fs_desc_at(qk_desc, (kk) / 4 * 8192 + (kk) % 4 * 32)",
+                "fs_desc_at(qk_desc, (kk) / 4 * 8192 + (kk) % 4 * 16)",
             ),
             causal,
         ),
@@ -657,10 +657,26 @@ fn a_broken_hopper_backward_is_caught() {
         // The causal mask off by one.
         (
             (
-                "if (i >= q_len || (causal && j > i)) p = 0.0f;",
-                "if (i >= q_len || (causal && j > i + 1)) p = 0.0f;",
+                "kr > qc + diag) ? 0.0f : p;",
+                "kr > qc + diag + 1) ? 0.0f : p;",
             ),
             causal,
+        ),
+        // Diagonal tiles taken for unmasked ones.
+        (
+            (
+                "if (rows < TILE_Q || (causal && i0 < k0 + TILE_K)) {",
+                "if (rows < TILE_Q) {",
+            ),
+            causal,
+        ),
+        // The writer adding all rows of a tile but the last.
+        (
+            (
+                "for (int r = lane; r < rows; r += 32) fs_bulk_add_f32(",
+                "for (int r = lane; r < rows - 1; r += 32) fs_bulk_add_f32(",
+            ),
+            plain,
         ),
     ];
     expect_caught(&b, "hopper-mutations", &[causal, plain], &mutations);
@@ -689,6 +705,18 @@ fn flash_backward_compiles_with_nvrtc_without_spills() {
                 for &arch in archs {
                     match nvrtc::compile(&l.name, &l.source, arch) {
                         Ok(c) => {
+                            // A place to read the machine code from
+                            // (`nvdisasm`), when tuning the kernels.
+                            if let Some(dir) = std::env::var_os("FUSEC_CUBIN_DIR") {
+                                let what: String = set
+                                    .what
+                                    .chars()
+                                    .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                                    .collect();
+                                let file = format!("{}_{precision}_{arch}_{what}.cubin", l.name);
+                                std::fs::write(std::path::Path::new(&dir).join(file), &c.image)
+                                    .unwrap();
+                            }
                             println!(
                                 "{precision} {} {:?} {arch}: {} registers, spills {}/{} bytes, {} bytes static shared, {} dynamic",
                                 set.what,

@@ -416,8 +416,8 @@ fn a_broken_wgmma_layout_is_caught() {
         (
             (
                 "kernel",
-                "fs_make_desc_sw128_mn(vt + (kk) * 1024, 16384)",
-                "fs_make_desc_sw128_mn(vt + (kk) * 512, 16384)",
+                "fs_desc_at(vt_desc, (kk) * 2048)",
+                "fs_desc_at(vt_desc, (kk) * 1024)",
             ),
             false,
         ),
@@ -425,8 +425,8 @@ fn a_broken_wgmma_layout_is_caught() {
         (
             (
                 "kernel",
-                "fs_make_desc_sw128(kt + (kk) / 4 * 8192 + (kk) % 4 * 16)",
-                "fs_make_desc_sw128(kt + (kk) / 4 * 8192 + (kk) % 4 * 8)",
+                "fs_desc_at(kt_desc, (kk) / 4 * 16384 + (kk) % 4 * 32)",
+                "fs_desc_at(kt_desc, (kk) / 4 * 16384 + (kk) % 4 * 16)",
             ),
             true,
         ),

@@ -54,7 +54,7 @@
 //! input's 16-bit type as operands.
 
 use super::flash::{elem_names, Config};
-use super::flash_bwd::{common_subs, dkdv_store_subs, fill, p_masked_subs};
+use super::flash_bwd::{common_subs, dkdv_store_subs, fill};
 use super::flash_sm90::{regs_left, wgmma_helpers, wgmma_name, Operand, WS_HELPERS};
 use super::templates::Ctx;
 use super::tma::{self, TensorMap};
@@ -67,11 +67,12 @@ pub const TILE_KEYS: u64 = 128;
 pub const TILE_QUERIES: u64 = 64;
 /// Consumer threads (two warpgroups).
 const CONSUMERS: u32 = 256;
-/// Loader and writer threads of the memory warpgroup.
+/// Loader and writer threads of the memory warpgroup (its fourth warp
+/// only hands its registers over).
 const LOADERS: u32 = 64;
-const WRITERS: u32 = 64;
-/// Threads per block.
-pub const THREADS: u32 = CONSUMERS + LOADERS + WRITERS;
+const WRITERS: u32 = 32;
+/// Threads per block: the consumers and the memory warpgroup.
+pub const THREADS: u32 = CONSUMERS + 128;
 /// Shared memory a block may have on sm_90 (227 KiB).
 const SMEM_LIMIT: u64 = 227 * 1024;
 
@@ -135,7 +136,6 @@ fn shapes(d: u64) -> [(Operand, Operand, u64); 3] {
 pub(crate) fn dkdvdq_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, smem: u64) -> String {
     let mut subs = common_subs(g, c, n, cfg, false);
     subs.extend(dkdv_store_subs(g, c, n));
-    subs.extend(p_masked_subs(8));
     let (elem, _) = elem_names(cfg.dt);
     let [st, acc, dq] = shapes(cfg.head_dim).map(|(a, b, n)| wgmma_name(a, b, n, elem));
     subs.push(("ST_MMA", st));
@@ -143,10 +143,12 @@ pub(crate) fn dkdvdq_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, smem: 
     subs.push(("DQ_MMA", dq));
     subs.push(("SMEM_BYTES", smem.to_string()));
     let tq = TILE_QUERIES;
-    subs.push(("Q_KMAJOR", tma::desc_kmajor("qt", tq, "kk")));
-    subs.push(("DO_KMAJOR", tma::desc_kmajor("dot", tq, "kk")));
-    subs.push(("Q_MNMAJOR", tma::desc_mnmajor("qt", tq, "kk")));
-    subs.push(("DO_MNMAJOR", tma::desc_mnmajor("dot", tq, "kk")));
+    subs.push(("Q_KMAJOR", tma::desc_kmajor("qk_desc", tq, "kk")));
+    subs.push(("DO_KMAJOR", tma::desc_kmajor("dok_desc", tq, "kk")));
+    subs.push(("Q_MNMAJOR", tma::desc_mnmajor("qm_desc", "kk")));
+    subs.push(("DO_MNMAJOR", tma::desc_mnmajor("dom_desc", "kk")));
+    subs.push(("Q_MN_BASE", tma::mnmajor_base("q_tiles", tq)));
+    subs.push(("DO_MN_BASE", tma::mnmajor_base("do_tiles", tq)));
     subs.push(("TILE_K", TILE_KEYS.to_string()));
     subs.push(("TILE_Q", TILE_QUERIES.to_string()));
     subs.push(("BLOCK_THREADS", THREADS.to_string()));
@@ -174,6 +176,7 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
     constexpr int CONSUMERS = $N_CONSUMERS, LOADERS = $N_LOADERS, WRITERS = $N_WRITERS;
     constexpr int CHUNKS = HEAD_DIM / 8;   // 16-byte chunks per row
     constexpr int DQ_ROW = HEAD_DIM + 4;   // f32 dQ tile row pitch (fewer bank conflicts)
+    constexpr unsigned STAGE_BYTES = TILE_Q * HEAD_DIM * 2;  // a query or dO tile
     // [rows][HEAD_DIM] tiles in core matrices (emit/flash_sm90.rs): CORE bytes
     // apart along the features, ROW8 along the rows. dS^T [key][query] likewise,
     // its core matrices DS_ROW8 bytes apart along the keys.
@@ -235,7 +238,7 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
     // i_first + (t % per_head) * TILE_Q; causal: from the first tile that can see key k0.
     const fs_i64 i_first = causal ? (k0 / TILE_Q) * TILE_Q : 0;
     const fs_i64 per_head = q_len > i_first ? (q_len - i_first + TILE_Q - 1) / TILE_Q : 0;
-    const fs_i64 tiles = group * per_head;
+    const int tiles = (int)(group * per_head);
 
     if (threadIdx.x >= CONSUMERS) {
         fs_setmaxnreg_dec<$PRODUCER_REGS>();
@@ -246,9 +249,10 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
             //    consumers are done with tile t - STAGES: Q and dO as HEAD_DIM / 64
             //    boxes each from the first loader (rows past q_len zero), lse in
             //    log2 units and delta (rows past q_len zero) from all.
-            for (fs_i64 t = 0; t < tiles; ++t) {
-                const int buf = t % STAGES;
-                if (t >= STAGES) fs_mbar_wait(&q_empty[buf], (t / STAGES + 1) & 1);
+            int buf = 0;         // t % STAGES
+            unsigned phase = 0;  // (t / STAGES) & 1
+            for (int t = 0; t < tiles; ++t) {
+                if (t >= STAGES) fs_mbar_wait(&q_empty[buf], phase ^ 1);
                 $TY* const qt = q_tiles + buf * TILE_Q * HEAD_DIM;
                 $TY* const dot = do_tiles + buf * TILE_Q * HEAD_DIM;
                 const int rows = q_len - i0 < TILE_Q ? (int)(q_len - i0) : TILE_Q;
@@ -269,26 +273,27 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
                 fs_mbar_arrive(&q_full[buf]);
                 i0 += TILE_Q;
                 if (i0 >= q_len) i0 = i_first, ++h;
+                if (++buf == STAGES) buf = 0, phase ^= 1;
             }
-        } else {
-            // 3. The writers: tile t's dQ (dq_tiles[t % 2]) into the f32 sum in
-            //    the scratch ([B, Hq, T, D]), a row per warp instruction at D = 128.
-            const int w = p - LOADERS;
-            for (fs_i64 t = 0; t < tiles; ++t) {
+        } else if (p < LOADERS + WRITERS) {
+            // 3. The writer warp: tile t's dQ (dq_tiles[t % 2]) added into the f32
+            //    sum in the scratch ([B, Hq, T, D]) by bulk reductions, a row per
+            //    lane and instruction; the tile is free once they have read it.
+            for (int t = 0; t < tiles; ++t) {
                 const int u = t & 1;
                 fs_mbar_wait(&dq_full[u], (t >> 1) & 1);
                 const float* const dqt = dq_tiles + u * TILE_Q * DQ_ROW;
                 float* const sum = &scratch[((b * $HQ + h) * q_len + i0) * HEAD_DIM];  // row i0
                 const int rows = q_len - i0 < TILE_Q ? (int)(q_len - i0) : TILE_Q;
-                for (int c = w; c < rows * (HEAD_DIM / 4); c += WRITERS) {
-                    const int r = c / (HEAD_DIM / 4), e = (c % (HEAD_DIM / 4)) * 4;
-                    fs_atomic_add4(&sum[r * HEAD_DIM + e], &dqt[r * DQ_ROW + e]);
-                }
+                for (int r = lane; r < rows; r += 32) fs_bulk_add_f32(&sum[r * HEAD_DIM], &dqt[r * DQ_ROW], HEAD_DIM * 4);
+                fs_bulk_commit();
+                fs_bulk_wait_read();
                 fs_syncwarp();
                 if (lane == 0) fs_mbar_arrive(&dq_empty[u]);
                 i0 += TILE_Q;
                 if (i0 >= q_len) i0 = i_first, ++h;
             }
+            fs_bulk_wait();
         }
         return;
     }
@@ -309,15 +314,23 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.0f;
     }
-    const $TY* const k_wg = k_tile + wg * 64 * HEAD_DIM;
-    const $TY* const v_wg = v_tile + wg * 64 * HEAD_DIM;
+    // wgmma descriptors of the warpgroup's keys and values, of dS^T, of the
+    // key tile for dQ, and of the first query buffer (read K-major and
+    // MN-major); a buffer's and a step's are these moved on (fs_desc_at).
+    const fs_desc k_desc = fs_make_desc(k_tile + wg * 64 * HEAD_DIM, CORE, ROW8);
+    const fs_desc v_desc = fs_make_desc(v_tile + wg * 64 * HEAD_DIM, CORE, ROW8);
+    const fs_desc ds_desc = fs_make_desc(ds_tile, DS_ROW8, CORE);
+    const fs_desc kdq_desc = fs_make_desc(k_tile + wg * 4 * HEAD_DIM, ROW8, CORE);
+    const fs_desc q_kdesc = fs_make_desc_sw128(q_tiles), do_kdesc = fs_make_desc_sw128(do_tiles);
+    const fs_desc q_mdesc = $Q_MN_BASE, do_mdesc = $DO_MN_BASE;
     fs_i64 i0 = i_first;  // tile t's first row
-    for (fs_i64 t = 0; t < tiles; ++t) {
-        const int buf = t % STAGES, u = t & 1;
-        fs_mbar_wait(&q_full[buf], (t / STAGES) & 1);
-        fs_fence_async_smem();
-        const $TY* const qt = q_tiles + buf * TILE_Q * HEAD_DIM;
-        const $TY* const dot = do_tiles + buf * TILE_Q * HEAD_DIM;
+    int buf = 0;          // t % STAGES
+    unsigned phase = 0;   // (t / STAGES) & 1
+    for (int t = 0; t < tiles; ++t) {
+        const int u = t & 1;
+        fs_mbar_wait(&q_full[buf], phase);
+        const fs_desc qk_desc = fs_desc_at(q_kdesc, buf * STAGE_BYTES), dok_desc = fs_desc_at(do_kdesc, buf * STAGE_BYTES);
+        const fs_desc qm_desc = fs_desc_at(q_mdesc, buf * STAGE_BYTES), dom_desc = fs_desc_at(do_mdesc, buf * STAGE_BYTES);
         const float* const lse_tile = lse_tiles + buf * TILE_Q;
         const float* const delta_tile = delta_tiles + buf * TILE_Q;
 
@@ -328,24 +341,37 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
         fs_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            $ST_MMA(s, fs_make_desc(k_wg + kk * 128, CORE, ROW8), $Q_KMAJOR, kk);
+            $ST_MMA(s, fs_desc_at(k_desc, kk * 256), $Q_KMAJOR, kk);
         fs_wgmma_commit();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            $ST_MMA(dp, fs_make_desc(v_wg + kk * 128, CORE, ROW8), $DO_KMAJOR, kk);
+            $ST_MMA(dp, fs_desc_at(v_desc, kk * 256), $DO_KMAJOR, kk);
         fs_wgmma_commit();
 
-        // 6. P^T = exp2(S^T * scale_log2 - lse_log2), masked (queries past q_len;
-        //    causal: keys after the query) only on tiles that can need it, while
-        //    dP^T is still being computed; then dS^T = P^T * (dP^T - delta) in dp.
+        // 6. P^T = exp2(S^T * scale_log2 - lse_log2) while dP^T is still being
+        //    computed, masked (queries past q_len; causal: keys after the query)
+        //    in a loop of its own on the tiles that can need it, so that the
+        //    others carry no index arithmetic; then dS^T = P^T * (dP^T - delta) in dp.
         fs_wgmma_wait_all_but_1();
         fs_wgmma_hold(s);
-$EDGE
+        const int rows = q_len - i0 < TILE_Q ? (int)(q_len - i0) : TILE_Q;  // queries in the tile
+        if (rows < TILE_Q || (causal && i0 < k0 + TILE_K)) {
+            // Key row kr (of the block) comes after query column qc (of the tile) if kr > qc + diag.
+            const int diag = (int)(i0 - k0);
 #pragma unroll
-        for (int n = 0; n < TILE_Q / 8; ++n) {
+            for (int n = 0; n < TILE_Q / 8; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-$P_MASKED
+                for (int e = 0; e < 4; ++e) {
+                    const int qc = n * 8 + frag_col + (e & 1), kr = key_row + 8 * (e >> 1);
+                    const float p = fs_exp2(s[n][e] * scale_log2 - lse_tile[qc]);
+                    s[n][e] = qc >= rows || (causal && kr > qc + diag) ? 0.0f : p;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < TILE_Q / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[n][e] = fs_exp2(s[n][e] * scale_log2 - lse_tile[n * 8 + frag_col + (e & 1)]);
             }
         }
         fs_wgmma_wait_all();
@@ -397,8 +423,7 @@ $P_MASKED
         fs_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < TILE_K / 16; ++kk)
-            $DQ_MMA(dq, fs_make_desc(ds_tile + kk * 16 * TILE_Q, DS_ROW8, CORE),
-                    fs_make_desc(k_tile + kk * 16 * HEAD_DIM + wg * 4 * HEAD_DIM, ROW8, CORE), kk);
+            $DQ_MMA(dq, fs_desc_at(ds_desc, kk * 16 * TILE_Q * 2), fs_desc_at(kdq_desc, kk * 16 * HEAD_DIM * 2), kk);
         fs_wgmma_commit();
         fs_wgmma_wait_all();
         fs_wgmma_hold(dq);
@@ -415,10 +440,12 @@ $P_MASKED
 #pragma unroll
             for (int n = 0; n < HEAD_DIM / 16; ++n) fs_st_f32x2(row + n * 8, dq[n][2 * r], dq[n][2 * r + 1]);
         }
+        fs_fence_async_smem();  // for the writer's bulk reductions
         fs_syncwarp();
         if (lane == 0) fs_mbar_arrive(&dq_full[u]);
         i0 += TILE_Q;
         if (i0 >= q_len) i0 = i_first;
+        if (++buf == STAGES) buf = 0, phase ^= 1;
     }
 
 $STORE_DKDV"#;

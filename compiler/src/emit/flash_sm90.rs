@@ -285,11 +285,6 @@ __device__ __forceinline__ void fs_bar_sync(unsigned id, unsigned count) { asm v
 // Counts the calling threads towards barrier `id` without waiting for it.
 __device__ __forceinline__ void fs_bar_arrive(unsigned id, unsigned count) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void fs_syncwarp() { __syncwarp(); }
-// p[0 .. 3] += s[0 .. 3] in global memory, atomically (both 16-byte aligned, s in shared memory).
-__device__ __forceinline__ void fs_atomic_add4(float* p, const float* s) {
-    const float4 v = *reinterpret_cast<const float4*>(s);
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
-}
 // p[0], p[1] = a, b (p 8-byte aligned).
 __device__ __forceinline__ void fs_st_f32x2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
 #else
@@ -300,10 +295,6 @@ inline void fs_setmaxnreg_dec() {}
 inline void fs_bar_sync(unsigned id, unsigned count) { fs_emu_bar_sync(id, count); }
 inline void fs_bar_arrive(unsigned id, unsigned count) { fs_emu_bar_arrive(id, count); }
 inline void fs_syncwarp() { fs_emu_syncwarp(); }
-// A plain sum, as fs_atomic_add2's host version says.
-inline void fs_atomic_add4(float* p, const float* s) {
-    for (int i = 0; i < 4; ++i) p[i] += s[i];
-}
 inline void fs_st_f32x2(float* p, float a, float b) {
     p[0] = a;
     p[1] = b;
@@ -329,6 +320,11 @@ __device__ __forceinline__ unsigned fs_smem_addr(const void* p) {
 // along K, `sbo` along M or N.
 __device__ __forceinline__ fs_desc fs_make_desc(const void* p, unsigned lbo, unsigned sbo) {
     return (fs_desc)((fs_smem_addr(p) & 0x3FFFFu) >> 4) | ((fs_desc)(lbo >> 4) << 16) | ((fs_desc)(sbo >> 4) << 32);
+}
+// `d` moved `bytes` (a multiple of 16) further: one add to the address field
+// in the low word (shared addresses stay below 2^18, so it cannot carry out).
+__device__ __forceinline__ fs_desc fs_desc_at(fs_desc d, unsigned bytes) {
+    return (d & 0xFFFFFFFF00000000ull) | (unsigned)((unsigned)d + (bytes >> 4));
 }
 // Orders register writes before the next wgmma reads them.
 __device__ __forceinline__ void fs_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -372,6 +368,10 @@ struct fs_desc {
     unsigned lbo, sbo, sw;
 };
 inline fs_desc fs_make_desc(const void* p, unsigned lbo, unsigned sbo) { return {static_cast<const unsigned char*>(p), lbo, sbo, 0}; }
+inline fs_desc fs_desc_at(fs_desc d, unsigned bytes) {
+    d.p += bytes;
+    return d;
+}
 inline void fs_wgmma_fence() {}
 inline void fs_wgmma_commit() {}
 // A wait is where a warp's lanes have all read their operands (each lane's
@@ -403,13 +403,13 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     let o_mma = wgmma_name(Operand::Regs, Operand::MnMajor, d, elem);
     let issue_s = format!(
         "        fs_wgmma_fence();\n#pragma unroll\n        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)\n            \
-         {s_mma}(s, fs_make_desc(q_wg + kk * 128, CORE, ROW8), {}, kk);\n",
-        tma::desc_kmajor("kt", tk, "kk")
+         {s_mma}(s, fs_desc_at(q_desc, kk * 256), {}, kk);\n",
+        tma::desc_kmajor("kt_desc", tk, "kk")
     );
     let issue_pv = format!(
         "#pragma unroll\n        for (int kk = 0; kk < TILE_K / 16; ++kk)\n            \
          {o_mma}(o_acc, p_frag[kk], {}, 1);\n",
-        tma::desc_mnmajor("vt", tk, "kk")
+        tma::desc_mnmajor("vt_desc", "kk")
     );
     let scale = "#pragma unroll\n        for (int n = 0; n < TILE_K / 8; ++n) {\n#pragma unroll\n            \
                  for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;\n        }\n\n";
@@ -440,6 +440,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     constexpr int CONSUMERS = {consumers}, PRODUCERS = {PRODUCERS}, BLOCK = CONSUMERS + PRODUCERS;
     constexpr int STAGES = {STAGES};  // buffers of key tiles, and of value tiles
     constexpr int CHUNKS = HEAD_DIM / 8;         // 16-byte chunks per row
+    constexpr unsigned TILE_BYTES = TILE_K * HEAD_DIM * 2;  // a key or value tile
     // The query tile in wgmma's core-matrix layout (see emit/flash_sm90.rs): core
     // matrices (8 rows x 16 bytes) are CORE bytes apart along the features, ROW8
     // bytes apart along the rows. Key and value tiles: 64-feature boxes of
@@ -491,7 +492,6 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         //    HEAD_DIM / 64 boxes of TILE_K rows (rows past kv_len zero).
         fs_setmaxnreg_dec<{producer_regs}>();
         if (threadIdx.x != CONSUMERS) return;
-        constexpr unsigned TILE_BYTES = TILE_K * HEAD_DIM * 2;
         for (fs_i64 t = 0; t < tiles; ++t) {{
             const int buf = t % STAGES;
             const unsigned released = (t / STAGES + 1) & 1;  // parity of tile t - STAGES's release
@@ -528,7 +528,10 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         for (int e = 0; e < 4; ++e) o_acc[n][e] = 0.0f;
     }}
     const fs_i64 i_lo = q0 + q_row, i_hi = i_lo + 8;
-    const {ty}* const q_wg = q_tile + wg * 64 * HEAD_DIM;
+    // wgmma descriptors of the warpgroup's queries and of the first key and
+    // value buffers; a buffer's and a step's are these moved on (fs_desc_at).
+    const fs_desc q_desc = fs_make_desc(q_tile + wg * 64 * HEAD_DIM, CORE, ROW8);
+    const fs_desc k_desc = fs_make_desc_sw128(k_tiles), v_desc = {v_base};
     // s[n][e]: tile t's scores, row q_row + 8 * (e / 2), key k0 + 8n + frag_col + e % 2;
     // p_frag: tile t - 1's P as wgmma's register A fragments (keys 16kk .. 16kk + 15).
     float s[TILE_K / 8][4];
@@ -547,9 +550,8 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     //    element 128kk of a row group); steps 4 and 5 as in the loop below.
     if (tiles > 0) {{
         const fs_i64 k0 = 0;
-        const {ty}* const kt = k_tiles;
+        const fs_desc kt_desc = k_desc;
         fs_mbar_wait(&k_full[0], 0);
-        fs_fence_async_smem();
         fs_bar_sync(1 + wg, TURN);
 {issue_s}        fs_wgmma_commit();
         fs_bar_arrive(1 + next_wg, TURN);
@@ -560,11 +562,10 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     for (fs_i64 t = 1; t < tiles; ++t) {{
         const int buf = t % STAGES, prev = (t - 1) % STAGES;
         const fs_i64 k0 = t * TILE_K;
-        const {ty}* const kt = k_tiles + buf * TILE_K * HEAD_DIM;
-        const {ty}* const vt = v_tiles + prev * TILE_K * HEAD_DIM;  // tile t - 1
+        const fs_desc kt_desc = fs_desc_at(k_desc, buf * TILE_BYTES);
+        const fs_desc vt_desc = fs_desc_at(v_desc, prev * TILE_BYTES);  // tile t - 1
         fs_mbar_wait(&k_full[buf], (t / STAGES) & 1);
         fs_mbar_wait(&v_full[prev], ((t - 1) / STAGES) & 1);
-        fs_fence_async_smem();
 
         // 3. Tile t's scores, then O += P V for tile t - 1
         //    (P's register fragments; V as B read MN-major, keys 16kk .. at row
@@ -595,8 +596,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     if (tiles > 0) {{
         const fs_i64 t = tiles - 1;
         fs_mbar_wait(&v_full[t % STAGES], (t / STAGES) & 1);
-        fs_fence_async_smem();
-        const {ty}* const vt = v_tiles + (t % STAGES) * TILE_K * HEAD_DIM;
+        const fs_desc vt_desc = fs_desc_at(v_desc, (t % STAGES) * TILE_BYTES);
         fs_bar_sync(1 + wg, TURN);
         fs_wgmma_fence();
 {issue_pv}        fs_wgmma_commit();
@@ -619,5 +619,6 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         qp = q.ptr,
         q_at = q.at(&["b", "i", "h", "0"]),
         epilogue = epilogue(g, c, n),
+        v_base = tma::mnmajor_base("v_tiles", tk),
     );
 }

@@ -24,7 +24,7 @@
 //! 8)`: the 128-byte swizzle, a function of the address bits (chunk bits
 //! 4..6 XOR row bits 7..9), so every tile starts 1024-byte aligned. wgmma
 //! reads it through swizzled descriptors ([`desc_kmajor`],
-//! [`desc_mnmajor`]).
+//! [`mnmajor_base`], [`desc_mnmajor`]).
 //!
 //! In a host build a tensor map is a plain struct built inside the kernel
 //! from its pointer arguments ([`host_maps`]), a copy a loop that writes the
@@ -176,25 +176,35 @@ pub(crate) fn host_maps(maps: &[TensorMap]) -> String {
     format!("#ifndef __CUDA_ARCH__\n{defs}#endif\n")
 }
 
-/// A wgmma descriptor for a swizzled tile read K-major (the features are
-/// K): `tile` the tile (C expression of a 16-bit pointer), `rows` its rows,
-/// `kk` (C) the 16-feature step: box `16 kk / ATOM`, 16 features further
-/// along the box's rows per step within it.
-pub(crate) fn desc_kmajor(tile: &str, rows: u64, kk: &str) -> String {
+/// The wgmma descriptor of a swizzled tile of `rows` rows read K-major
+/// (the features are K) at the 16-feature step `kk` (C): `desc` the
+/// tile's descriptor (C, `fs_make_desc_sw128(tile)`), stepped to box `16 kk
+/// / ATOM` and 16 features further along the box's rows per step within
+/// it. Stepping a descriptor is one add to its address field
+/// (`fs_desc_at`), where making one from a pointer took about eight
+/// instructions per wgmma.
+pub(crate) fn desc_kmajor(desc: &str, rows: u64, kk: &str) -> String {
     format!(
-        "fs_make_desc_sw128({tile} + ({kk}) / {steps} * {box_elems} + ({kk}) % {steps} * 16)",
+        "fs_desc_at({desc}, ({kk}) / {steps} * {box_bytes} + ({kk}) % {steps} * 32)",
         steps = ATOM / 16,
-        box_elems = rows * ATOM
+        box_bytes = rows * SWIZZLE_BYTES
     )
 }
 
-/// A wgmma descriptor for a swizzled tile of `rows` rows read MN-major (the
-/// features are N, the rows K), from row `16 kk` (C).
-pub(crate) fn desc_mnmajor(tile: &str, rows: u64, kk: &str) -> String {
+/// The descriptor (C) of a swizzled tile of `rows` rows read MN-major (the
+/// features are N, the rows K): 64-feature boxes `rows * 128` bytes apart.
+pub(crate) fn mnmajor_base(tile: &str, rows: u64) -> String {
     format!(
-        "fs_make_desc_sw128_mn({tile} + ({kk}) * {step}, {lbo})",
-        step = 16 * ATOM,
+        "fs_make_desc_sw128_mn({tile}, {lbo})",
         lbo = rows * SWIZZLE_BYTES
+    )
+}
+
+/// [`mnmajor_base`]'s descriptor `desc` (C) stepped to row `16 kk` (C).
+pub(crate) fn desc_mnmajor(desc: &str, kk: &str) -> String {
+    format!(
+        "fs_desc_at({desc}, ({kk}) * {step})",
+        step = 16 * SWIZZLE_BYTES
     )
 }
 
@@ -226,6 +236,18 @@ __device__ __forceinline__ void fs_mbar_expect_tx(fs_mbar* m, unsigned bytes) {
 }
 // After a thread's copies: the GPU counts their bytes (nothing to do).
 __device__ __forceinline__ void fs_mbar_tma_issued(fs_mbar*) {}
+// Adds `bytes` (a multiple of 16) of f32 from shared memory into global
+// memory (both 16-byte aligned) as one bulk reduction, in this thread's
+// current bulk group; the writes to shared memory it reads must be fenced
+// for the async proxy (fs_fence_async_smem) before it is issued.
+__device__ __forceinline__ void fs_bulk_add_f32(float* dst, const float* src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 ::"l"(dst), "r"(fs_smem_addr(src)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void fs_bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until this thread's bulk groups have read their sources / are complete.
+__device__ __forceinline__ void fs_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void fs_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 // Descriptors of a 128-byte-swizzled tile (layout type 1): K-major, 8-row
 // groups 1024 bytes apart; MN-major, also 64-feature boxes `lbo` bytes apart.
 __device__ __forceinline__ fs_desc fs_make_desc_sw128(const void* p) { return fs_make_desc(p, 16, 1024) | (1ull << 62); }
@@ -263,6 +285,17 @@ inline void fs_tma_load(void* dst, const fs_tmap& m, int c0, int c1, int c2, int
 // thread arrives after them.
 inline void fs_mbar_expect_tx(fs_mbar*, unsigned) {}
 inline void fs_mbar_tma_issued(fs_mbar* m) { fs_emu_mbar_arrive(m); }
+// A plain sum (the host runs one block at a time), checked as the GPU would.
+inline void fs_bulk_add_f32(float* dst, const float* src, unsigned bytes) {
+    if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+        fprintf(stderr, "bulk reduction: %u bytes, or an address, not a multiple of 16\n", bytes);
+        exit(5);
+    }
+    for (unsigned i = 0; i < bytes / 4; ++i) dst[i] += src[i];
+}
+inline void fs_bulk_commit() {}
+inline void fs_bulk_wait_read() {}
+inline void fs_bulk_wait() {}
 inline fs_desc fs_make_desc_sw128(const void* p) { return {static_cast<const unsigned char*>(p), 16, 1024, 128}; }
 inline fs_desc fs_make_desc_sw128_mn(const void* p, unsigned lbo) { return {static_cast<const unsigned char*>(p), lbo, 1024, 128}; }
 inline unsigned char* fs_align1024(unsigned char* p) { return p + ((1024 - reinterpret_cast<uintptr_t>(p) % 1024) % 1024); }
