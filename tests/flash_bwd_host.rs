@@ -670,11 +670,11 @@ fn a_broken_hopper_backward_is_caught() {
             ),
             causal,
         ),
-        // The writer adding all rows of a tile but the last.
+        // The writers adding all rows of a tile but the last.
         (
             (
-                "for (int r = lane; r < rows; r += 32) fs_bulk_add_f32(",
-                "for (int r = lane; r < rows - 1; r += 32) fs_bulk_add_f32(",
+                "for (int r = w / CPR; r < rows; r += RSTEP)",
+                "for (int r = w / CPR; r < rows - 1; r += RSTEP)",
             ),
             plain,
         ),

@@ -67,12 +67,11 @@ pub const TILE_KEYS: u64 = 128;
 pub const TILE_QUERIES: u64 = 64;
 /// Consumer threads (two warpgroups).
 const CONSUMERS: u32 = 256;
-/// Loader and writer threads of the memory warpgroup (its fourth warp
-/// only hands its registers over).
+/// Loader and writer threads of the memory warpgroup.
 const LOADERS: u32 = 64;
-const WRITERS: u32 = 32;
-/// Threads per block: the consumers and the memory warpgroup.
-pub const THREADS: u32 = CONSUMERS + 128;
+const WRITERS: u32 = 64;
+/// Threads per block.
+pub const THREADS: u32 = CONSUMERS + LOADERS + WRITERS;
 /// Shared memory a block may have on sm_90 (227 KiB).
 const SMEM_LIMIT: u64 = 227 * 1024;
 
@@ -275,25 +274,24 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
                 if (i0 >= q_len) i0 = i_first, ++h;
                 if (++buf == STAGES) buf = 0, phase ^= 1;
             }
-        } else if (p < LOADERS + WRITERS) {
-            // 3. The writer warp: tile t's dQ (dq_tiles[t % 2]) added into the f32
-            //    sum in the scratch ([B, Hq, T, D]) by bulk reductions, a row per
-            //    lane and instruction; the tile is free once they have read it.
+        } else {
+            // 3. The writers: tile t's dQ (dq_tiles[t % 2]) into the f32 sum in
+            //    the scratch ([B, Hq, T, D]), a row per warp instruction at D = 128.
             for (int t = 0; t < tiles; ++t) {
                 const int u = t & 1;
                 fs_mbar_wait(&dq_full[u], (t >> 1) & 1);
                 const float* const dqt = dq_tiles + u * TILE_Q * DQ_ROW;
                 float* const sum = &scratch[((b * $HQ + h) * q_len + i0) * HEAD_DIM];  // row i0
                 const int rows = q_len - i0 < TILE_Q ? (int)(q_len - i0) : TILE_Q;
-                for (int r = lane; r < rows; r += 32) fs_bulk_add_f32(&sum[r * HEAD_DIM], &dqt[r * DQ_ROW], HEAD_DIM * 4);
-                fs_bulk_commit();
-                fs_bulk_wait_read();
+                // Writer w adds features e .. e + 3 of rows w / CPR, + RSTEP, ...
+                constexpr int CPR = HEAD_DIM / 4, RSTEP = WRITERS / CPR;
+                const int w = p - LOADERS, e = (w % CPR) * 4;
+                for (int r = w / CPR; r < rows; r += RSTEP) fs_atomic_add4(&sum[r * HEAD_DIM + e], &dqt[r * DQ_ROW + e]);
                 fs_syncwarp();
                 if (lane == 0) fs_mbar_arrive(&dq_empty[u]);
                 i0 += TILE_Q;
                 if (i0 >= q_len) i0 = i_first, ++h;
             }
-            fs_bulk_wait();
         }
         return;
     }
@@ -440,7 +438,6 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
 #pragma unroll
             for (int n = 0; n < HEAD_DIM / 16; ++n) fs_st_f32x2(row + n * 8, dq[n][2 * r], dq[n][2 * r + 1]);
         }
-        fs_fence_async_smem();  // for the writer's bulk reductions
         fs_syncwarp();
         if (lane == 0) fs_mbar_arrive(&dq_full[u]);
         i0 += TILE_Q;

@@ -285,6 +285,11 @@ __device__ __forceinline__ void fs_bar_sync(unsigned id, unsigned count) { asm v
 // Counts the calling threads towards barrier `id` without waiting for it.
 __device__ __forceinline__ void fs_bar_arrive(unsigned id, unsigned count) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void fs_syncwarp() { __syncwarp(); }
+// p[0 .. 3] += s[0 .. 3] in global memory, atomically (both 16-byte aligned, s in shared memory).
+__device__ __forceinline__ void fs_atomic_add4(float* p, const float* s) {
+    const float4 v = *reinterpret_cast<const float4*>(s);
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
 // p[0], p[1] = a, b (p 8-byte aligned).
 __device__ __forceinline__ void fs_st_f32x2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
 #else
@@ -295,6 +300,10 @@ inline void fs_setmaxnreg_dec() {}
 inline void fs_bar_sync(unsigned id, unsigned count) { fs_emu_bar_sync(id, count); }
 inline void fs_bar_arrive(unsigned id, unsigned count) { fs_emu_bar_arrive(id, count); }
 inline void fs_syncwarp() { fs_emu_syncwarp(); }
+// A plain sum, as fs_atomic_add2's host version says.
+inline void fs_atomic_add4(float* p, const float* s) {
+    for (int i = 0; i < 4; ++i) p[i] += s[i];
+}
 inline void fs_st_f32x2(float* p, float a, float b) {
     p[0] = a;
     p[1] = b;

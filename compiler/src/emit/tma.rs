@@ -236,18 +236,6 @@ __device__ __forceinline__ void fs_mbar_expect_tx(fs_mbar* m, unsigned bytes) {
 }
 // After a thread's copies: the GPU counts their bytes (nothing to do).
 __device__ __forceinline__ void fs_mbar_tma_issued(fs_mbar*) {}
-// Adds `bytes` (a multiple of 16) of f32 from shared memory into global
-// memory (both 16-byte aligned) as one bulk reduction, in this thread's
-// current bulk group; the writes to shared memory it reads must be fenced
-// for the async proxy (fs_fence_async_smem) before it is issued.
-__device__ __forceinline__ void fs_bulk_add_f32(float* dst, const float* src, unsigned bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                 ::"l"(dst), "r"(fs_smem_addr(src)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void fs_bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Until this thread's bulk groups have read their sources / are complete.
-__device__ __forceinline__ void fs_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-__device__ __forceinline__ void fs_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 // Descriptors of a 128-byte-swizzled tile (layout type 1): K-major, 8-row
 // groups 1024 bytes apart; MN-major, also 64-feature boxes `lbo` bytes apart.
 __device__ __forceinline__ fs_desc fs_make_desc_sw128(const void* p) { return fs_make_desc(p, 16, 1024) | (1ull << 62); }
@@ -285,17 +273,6 @@ inline void fs_tma_load(void* dst, const fs_tmap& m, int c0, int c1, int c2, int
 // thread arrives after them.
 inline void fs_mbar_expect_tx(fs_mbar*, unsigned) {}
 inline void fs_mbar_tma_issued(fs_mbar* m) { fs_emu_mbar_arrive(m); }
-// A plain sum (the host runs one block at a time), checked as the GPU would.
-inline void fs_bulk_add_f32(float* dst, const float* src, unsigned bytes) {
-    if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
-        fprintf(stderr, "bulk reduction: %u bytes, or an address, not a multiple of 16\n", bytes);
-        exit(5);
-    }
-    for (unsigned i = 0; i < bytes / 4; ++i) dst[i] += src[i];
-}
-inline void fs_bulk_commit() {}
-inline void fs_bulk_wait_read() {}
-inline void fs_bulk_wait() {}
 inline fs_desc fs_make_desc_sw128(const void* p) { return {static_cast<const unsigned char*>(p), 16, 1024, 128}; }
 inline fs_desc fs_make_desc_sw128_mn(const void* p, unsigned lbo) { return {static_cast<const unsigned char*>(p), lbo, 1024, 128}; }
 inline unsigned char* fs_align1024(unsigned char* p) { return p + ((1024 - reinterpret_cast<uintptr_t>(p) % 1024) % 1024); }
