@@ -705,18 +705,11 @@ fn flash_backward_compiles_with_nvrtc_without_spills() {
                 for &arch in archs {
                     match nvrtc::compile(&l.name, &l.source, arch) {
                         Ok(c) => {
-                            // A place to read the machine code from
-                            // (`nvdisasm`), when tuning the kernels.
-                            if let Some(dir) = std::env::var_os("FUSEC_CUBIN_DIR") {
-                                let what: String = set
-                                    .what
-                                    .chars()
-                                    .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-                                    .collect();
-                                let file = format!("{}_{precision}_{arch}_{what}.cubin", l.name);
-                                std::fs::write(std::path::Path::new(&dir).join(file), &c.image)
-                                    .unwrap();
-                            }
+                            common::keep_cubin(
+                                &l.name,
+                                &format!("{precision} {arch} {}", set.what),
+                                &c.image,
+                            );
                             println!(
                                 "{precision} {} {:?} {arch}: {} registers, spills {}/{} bytes, {} bytes static shared, {} dynamic",
                                 set.what,

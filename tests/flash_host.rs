@@ -37,7 +37,8 @@ use std::path::{Path, PathBuf};
 /// Every supported variant: head dims 64 and 128; fused projections read as
 /// strided views (ratio 1: 2 heads each; ratio 4: 4 query heads on 1) and
 /// separate projections with contiguous heads (ratio 1: 2 on 2; ratio 4: 8
-/// on 2); each causal and not.
+/// on 2); each causal and not; one with a negative scale (which the
+/// kernels apply before the row max instead of in the exponent).
 const MODEL: &str = "
 const d = 32
 dim B, T
@@ -70,7 +71,7 @@ let y04 = merge_heads(attention(heads(q2, 4), heads(k2, 1), heads(v2, 1)))
 let y05 = merge_heads(attention(heads(x @ q64a, 2), heads(x @ k64a, 2), heads(x @ v64a, 2), causal = true))
 let y06 = merge_heads(attention(heads(x @ q64a, 2), heads(x @ k64a, 2), heads(x @ v64a, 2)))
 let y07 = merge_heads(attention(heads(x @ q64b, 8), heads(x @ k64b, 2), heads(x @ v64b, 2), causal = true))
-let y08 = merge_heads(attention(heads(x @ q64b, 8), heads(x @ k64b, 2), heads(x @ v64b, 2)))
+let y08 = merge_heads(attention(heads(x @ q64b, 8), heads(x @ k64b, 2), heads(x @ v64b, 2), scale = -0.125))
 let y09 = merge_heads(attention(heads(q3, 2), heads(k3, 2), heads(v3, 2), causal = true))
 let y10 = merge_heads(attention(heads(q3, 2), heads(k3, 2), heads(v3, 2)))
 let y11 = merge_heads(attention(heads(q4, 4), heads(k4, 1), heads(v4, 1), causal = true))
@@ -642,6 +643,11 @@ fn flash_attention_compiles_with_nvrtc_without_spills() {
                 for &arch in archs {
                     match nvrtc::compile(name, &f.source, arch) {
                         Ok(c) => {
+                            common::keep_cubin(
+                                name,
+                                &format!("{precision} {arch} {}", f.what),
+                                &c.image,
+                            );
                             println!(
                             "{precision} {} {arch}: {} registers, spills {}/{} bytes, {} bytes shared",
                             f.what,

@@ -6,7 +6,7 @@ mod nvrtc_ready;
 mod tiny;
 
 #[allow(unused_imports)]
-pub use nvrtc_ready::nvrtc_ready;
+pub use nvrtc_ready::{keep_cubin, nvrtc_ready};
 
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;

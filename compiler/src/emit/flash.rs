@@ -560,11 +560,6 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
 {s_products}
             }}
         }}
-#pragma unroll
-        for (int n = 0; n < TILE_K / 8; ++n) {{
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
-        }}
 
 {softmax}        // 6. O += P V. The accumulators of keys 16kk .. 16kk + 15 (s[2kk], s[2kk + 1])
         //    are exactly P's A fragment; the B fragments of features 8n .. 8n + 15
@@ -596,7 +591,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         q_at = q.at(&["b", "i", "h", "0"]),
         k_at = k.at(&["b", "j", "kv_h", "0"]),
         v_at = v.at(&["b", "j", "kv_h", "0"]),
-        softmax = masks_and_softmax("q0 + warp * 16", true),
+        softmax = masks_and_softmax("q0 + warp * 16", true, cfg.scale),
         epilogue = epilogue(g, c, n),
     );
 }
@@ -604,8 +599,21 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
 /// Steps 4 and 5 of both forwards: the masks (keys past kv_len, and when
 /// causal keys after the query, only in tiles where the warp whose first
 /// row is `first_row` can meet one), then the online softmax over
-/// `s[TILE_K / 8][4]` in the accumulator layout of m16n8 (and of wgmma).
-pub(crate) fn masks_and_softmax(first_row: &str, rescale_now: bool) -> String {
+/// `s[TILE_K / 8][4]` in the accumulator layout of m16n8 (and of wgmma),
+/// the raw scores. With a positive `scale` the row max is taken before
+/// scaling and the scale goes into the exponent (`exp2(s * scale_log2 -
+/// max)`, one fused multiply-add an element where a multiply and a
+/// subtraction were); otherwise the scores are scaled first.
+pub(crate) fn masks_and_softmax(first_row: &str, rescale_now: bool, scale: f64) -> String {
+    let (prescale, scaled) = if scale > 0.0 {
+        ("", " * scale_log2")
+    } else {
+        (
+            "#pragma unroll\n        for (int n = 0; n < TILE_K / 8; ++n) {\n#pragma unroll\n            \
+             for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;\n        }\n\n",
+            "",
+        )
+    };
     // The Hopper forward's O += P V of the previous tile is still in flight
     // here, so it keeps the factor and rescales O once that lands.
     let rescale_o = if rescale_now {
@@ -618,7 +626,7 @@ pub(crate) fn masks_and_softmax(first_row: &str, rescale_now: bool) -> String {
         "            o_rescale[r] = rescale;"
     };
     format!(
-        r#"        // 4. Masks, only where a key can be invisible: keys past kv_len (the
+        r#"{prescale}        // 4. Masks, only where a key can be invisible: keys past kv_len (the
         //    last tile) and, when causal, keys after the query (diagonal tiles).
         if (k0 + TILE_K > kv_len || (causal && k0 + TILE_K - 1 > {first_row})) {{
 #pragma unroll
@@ -640,7 +648,7 @@ pub(crate) fn masks_and_softmax(first_row: &str, rescale_now: bool) -> String {
             for (int n = 0; n < TILE_K / 8; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
             tile_max = fmaxf(tile_max, fs_shfl_xor(tile_max, 1));
             tile_max = fmaxf(tile_max, fs_shfl_xor(tile_max, 2));
-            const float new_max = fmaxf(row_max[r], tile_max);
+            const float new_max = fmaxf(row_max[r], tile_max{scaled});
             // No visible key yet: subtract 0, not -inf, so masked scores give 0 and not NaN.
             const float base = new_max == {NEG_INF} ? 0.0f : new_max;
             const float rescale = fs_exp2(row_max[r] - base);
@@ -650,7 +658,7 @@ pub(crate) fn masks_and_softmax(first_row: &str, rescale_now: bool) -> String {
             for (int n = 0; n < TILE_K / 8; ++n) {{
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; ++e) {{
-                    s[n][e] = fs_exp2(s[n][e] - base);
+                    s[n][e] = fs_exp2(s[n][e]{scaled} - base);
                     tile_sum += s[n][e];
                 }}
             }}

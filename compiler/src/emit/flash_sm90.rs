@@ -407,7 +407,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
     let (elem, ty) = elem_names(cfg.dt);
     let d = cfg.head_dim;
     let tk = TILE_K;
-    let softmax = masks_and_softmax("q0 + wg * 64 + warp * 16", false);
+    let softmax = masks_and_softmax("q0 + wg * 64 + warp * 16", false, cfg.scale);
     let s_mma = wgmma_name(Operand::KMajor, Operand::KMajor, tk, elem);
     let o_mma = wgmma_name(Operand::Regs, Operand::MnMajor, d, elem);
     let issue_s = format!(
@@ -420,8 +420,6 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
          {o_mma}(o_acc, p_frag[kk], {}, 1);\n",
         tma::desc_mnmajor("vt_desc", "kk")
     );
-    let scale = "#pragma unroll\n        for (int n = 0; n < TILE_K / 8; ++n) {\n#pragma unroll\n            \
-                 for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;\n        }\n\n";
     let pack = format!(
         "#pragma unroll\n        for (int kk = 0; kk < TILE_K / 16; ++kk) {{\n{}        }}\n",
         (0..4)
@@ -567,7 +565,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         fs_wgmma_wait_all();
         fs_wgmma_hold(s);
         if (lane == 0) fs_mbar_arrive(&k_empty[0]);
-{scale}{softmax}{pack}    }}
+{softmax}{pack}    }}
     for (fs_i64 t = 1; t < tiles; ++t) {{
         const int buf = t % STAGES, prev = (t - 1) % STAGES;
         const fs_i64 k0 = t * TILE_K;
@@ -588,7 +586,7 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         fs_wgmma_wait_all_but_1();
         fs_wgmma_hold(s);
         if (lane == 0) fs_mbar_arrive(&k_empty[buf]);
-{scale}{softmax}        // 6. O += P V of tile t - 1 has landed (value tile t - 1 is free): O takes
+{softmax}        // 6. O += P V of tile t - 1 has landed (value tile t - 1 is free): O takes
         //    this tile's rescale, and P becomes the next product's A fragments.
         fs_wgmma_wait_all();
         fs_wgmma_hold(o_acc);
