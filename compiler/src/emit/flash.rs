@@ -544,8 +544,8 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
         }}
         __syncthreads();
 
-        // 3. Scores S = Q K^T of the warp's 16 rows and the tile's keys, in log2
-        //    units: s[n][e] = row q_row + 8 * (e / 2), key k0 + 8n + frag_col + e % 2.
+        // 3. Scores S = Q K^T of the warp's 16 rows and the tile's keys (not yet
+        //    scaled): s[n][e] = row q_row + 8 * (e / 2), key k0 + 8n + frag_col + e % 2.
         //    The B fragments (K^T) of keys 8n .. 8n + 15 in one ldmatrix.
         float s[TILE_K / 8][4];
 #pragma unroll
@@ -605,7 +605,9 @@ fn body(s: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config) {
 /// max)`, one fused multiply-add an element where a multiply and a
 /// subtraction were); otherwise the scores are scaled first.
 pub(crate) fn masks_and_softmax(first_row: &str, rescale_now: bool, scale: f64) -> String {
-    let (prescale, scaled) = if scale > 0.0 {
+    // The test is on the f32 factor the kernel uses: one that rounds to 0
+    // would make a masked score's -inf * 0 a NaN.
+    let (prescale, scaled) = if (scale * std::f64::consts::LOG2_E) as f32 > 0.0 {
         ("", " * scale_log2")
     } else {
         (
@@ -640,7 +642,8 @@ pub(crate) fn masks_and_softmax(first_row: &str, rescale_now: bool, scale: f64) 
         }}
 
         // 5. Online softmax per row: the new max (over the row's 4 threads),
-        //    the old sum and accumulator rescaled, s becomes P = exp2(s - max).
+        //    the old sum and accumulator rescaled, s becomes P = exp2(s{scaled} - max),
+        //    the max in log2 units.
 #pragma unroll
         for (int r = 0; r < 2; ++r) {{
             float tile_max = {NEG_INF};

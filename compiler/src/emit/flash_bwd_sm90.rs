@@ -285,6 +285,7 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
                 const int rows = q_len - i0 < TILE_Q ? (int)(q_len - i0) : TILE_Q;
                 // Writer w adds features e .. e + 3 of rows w / CPR, + RSTEP, ...
                 constexpr int CPR = HEAD_DIM / 4, RSTEP = WRITERS / CPR;
+                static_assert(WRITERS % CPR == 0, "every writer takes whole row chunks");
                 const int w = p - LOADERS, e = (w % CPR) * 4;
                 for (int r = w / CPR; r < rows; r += RSTEP) fs_atomic_add4(&sum[r * HEAD_DIM + e], &dqt[r * DQ_ROW + e]);
                 fs_syncwarp();
