@@ -456,8 +456,8 @@ fn deliberate_breakages_are_caught() {
         // dK/dV: the causal bound off by one.
         (
             (
-                "if (i >= q_len || (causal && j > i)) p = 0.0f;",
-                "if (i >= q_len || (causal && j > i + 1)) p = 0.0f;",
+                "kr > qc + diag) ? 0.0f : p;",
+                "kr > qc + diag + 1) ? 0.0f : p;",
             ),
             causal,
         ),
@@ -477,8 +477,8 @@ fn deliberate_breakages_are_caught() {
         // dK: the delta term dropped.
         (
             (
-                "dp[n][e] = p * (dp[n][e] - delta_tile[qc]);",
-                "dp[n][e] = p * dp[n][e];",
+                "dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);",
+                "dp[n][e] = s[n][e] * dp[n][e];",
             ),
             plain,
         ),

@@ -481,7 +481,6 @@ pub(crate) fn common_subs(
 
 fn delta_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, deterministic: bool) -> String {
     let mut subs = common_subs(g, c, n, cfg, deterministic);
-    subs.extend(p_masked_subs(12));
     subs.push(("ROWS", DELTA_ROWS.to_string()));
     subs.push((
         "CLEAR_DQ_SUM",
@@ -572,7 +571,7 @@ fn dkdv_body(
     dynamic: u64,
 ) -> String {
     let mut subs = common_subs(g, c, n, cfg, deterministic);
-    subs.extend(p_masked_subs(12));
+    subs.push(p_subs(12));
     let (title, tiles, store_ds, dq_sum) = if deterministic {
         ("kernel 2 of 3: dK and dV", STATIC_TILES, "", "")
     } else {
@@ -597,33 +596,52 @@ fn dkdv_body(
     fill(DKDV, &subs)
 }
 
+/// `$P_OF_S`: P^T = exp2(S^T * scale_log2 - lse) in place of the
+/// accumulators `s[n][e]` (key row `key_row + 8 * (e / 2)` of the block's
+/// `k0 ..`, query column `8n + frag_col + e % 2` of the tile's `i0 ..`),
+/// masked (queries past q_len; causal: keys after the query) in a loop of
+/// its own on the tiles that can need it, so that the others carry no index
+/// arithmetic: one mask rule for the key-major kernels (mma.sync and
+/// wgmma), indented `indent` spaces. Written as one loop with a per-element
+/// `if (edge)`, ptxas made it 64-bit compares on every tile
+/// (`docs/benchmarks.md`).
+pub(crate) fn p_subs(indent: usize) -> (&'static str, String) {
+    let text = P_OF_S
+        .lines()
+        .map(|l| {
+            if l.starts_with('#') || l.is_empty() {
+                l.to_string()
+            } else {
+                format!("{:indent$}{l}", "")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    ("P_OF_S", text)
+}
+
+const P_OF_S: &str = "const int rows = q_len - i0 < TILE_Q ? (int)(q_len - i0) : TILE_Q;  // queries in the tile
+if (rows < TILE_Q || (causal && i0 < k0 + TILE_K)) {
+    // Key row kr (of the block) comes after query column qc (of the tile) if kr > qc + diag.
+    const int diag = (int)(i0 - k0);
+#pragma unroll
+    for (int n = 0; n < TILE_Q / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qc = n * 8 + frag_col + (e & 1), kr = key_row + 8 * (e >> 1);
+            const float p = fs_exp2(s[n][e] * scale_log2 - lse_tile[qc]);
+            s[n][e] = qc >= rows || (causal && kr > qc + diag) ? 0.0f : p;
+        }
+    }
+} else {
+#pragma unroll
+    for (int n = 0; n < TILE_Q / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = fs_exp2(s[n][e] * scale_log2 - lse_tile[n * 8 + frag_col + (e & 1)]);
+    }
+}";
+
 /// How the key-major kernels store dK (scaled) and dV from their
-/// `$EDGE`, whether a key-major tile can need masks, and `$P_MASKED`, P^T
-/// of the accumulator element `s[n][e]` (query column `qc`) with them, in
-/// place: one mask rule for both key-major kernels, indented `indent` (the
-/// edge line) and `indent + 8` spaces.
-pub(crate) fn p_masked_subs(indent: usize) -> [(&'static str, String); 2] {
-    let pad = |text: &str, by: usize| {
-        text.lines()
-            .map(|l| format!("{:by$}{l}", ""))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    [
-        ("EDGE", pad(EDGE, indent)),
-        ("P_MASKED", pad(P_MASKED, indent + 8)),
-    ]
-}
-
-const EDGE: &str = "const bool edge = i0 + TILE_Q > q_len || (causal && i0 < k0 + TILE_K);";
-const P_MASKED: &str = "const int qc = n * 8 + frag_col + (e & 1);
-float p = fs_exp2(s[n][e] * scale_log2 - lse_tile[qc]);
-if (edge) {
-    const fs_i64 i = i0 + qc, j = k0 + key_row + 8 * (e >> 1);
-    if (i >= q_len || (causal && j > i)) p = 0.0f;
-}
-s[n][e] = p;";
-
 /// accumulators: `$STORE_DKDV`, the last step of both dK/dV kernels (each
 /// thread's key rows `key_row` and `key_row + 8` of the block's `k0 ..`),
 /// filled from `$DK_AT`/`$DV_AT` (row `j` of kv head `kv_h`) and the four
@@ -874,14 +892,11 @@ $TILES
             // 4. P^T = exp2(S^T * scale_log2 - lse_log2), masked (queries past q_len;
             //    causal: keys after the query) only on tiles that can need it;
             //    dS^T = P^T * (dP^T - delta), in place of dp.
-$EDGE
+$P_OF_S
 #pragma unroll
             for (int n = 0; n < TILE_Q / 8; ++n) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-$P_MASKED
-                    dp[n][e] = p * (dp[n][e] - delta_tile[qc]);
-                }
+                for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);
             }
 
             // 5. dV += P^T dO and dK += dS^T Q. The accumulators of queries

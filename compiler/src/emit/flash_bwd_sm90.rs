@@ -54,7 +54,7 @@
 //! input's 16-bit type as operands.
 
 use super::flash::{elem_names, Config};
-use super::flash_bwd::{common_subs, dkdv_store_subs, fill};
+use super::flash_bwd::{common_subs, dkdv_store_subs, fill, p_subs};
 use super::flash_sm90::{regs_left, wgmma_helpers, wgmma_name, Operand, WS_HELPERS};
 use super::templates::Ctx;
 use super::tma::{self, TensorMap};
@@ -135,6 +135,7 @@ fn shapes(d: u64) -> [(Operand, Operand, u64); 3] {
 pub(crate) fn dkdvdq_body(g: &Graph, c: &Ctx, n: NodeIndex, cfg: &Config, smem: u64) -> String {
     let mut subs = common_subs(g, c, n, cfg, false);
     subs.extend(dkdv_store_subs(g, c, n));
+    subs.push(p_subs(8));
     let (elem, _) = elem_names(cfg.dt);
     let [st, acc, dq] = shapes(cfg.head_dim).map(|(a, b, n)| wgmma_name(a, b, n, elem));
     subs.push(("ST_MMA", st));
@@ -349,30 +350,10 @@ const BODY: &str = r#"    // FlashAttention-2 backward on Hopper tensor cores, k
 
         // 6. P^T = exp2(S^T * scale_log2 - lse_log2) while dP^T is still being
         //    computed, masked (queries past q_len; causal: keys after the query)
-        //    in a loop of its own on the tiles that can need it, so that the
-        //    others carry no index arithmetic; then dS^T = P^T * (dP^T - delta) in dp.
+        //    only on the tiles that can need it; then dS^T = P^T * (dP^T - delta) in dp.
         fs_wgmma_wait_all_but_1();
         fs_wgmma_hold(s);
-        const int rows = q_len - i0 < TILE_Q ? (int)(q_len - i0) : TILE_Q;  // queries in the tile
-        if (rows < TILE_Q || (causal && i0 < k0 + TILE_K)) {
-            // Key row kr (of the block) comes after query column qc (of the tile) if kr > qc + diag.
-            const int diag = (int)(i0 - k0);
-#pragma unroll
-            for (int n = 0; n < TILE_Q / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int qc = n * 8 + frag_col + (e & 1), kr = key_row + 8 * (e >> 1);
-                    const float p = fs_exp2(s[n][e] * scale_log2 - lse_tile[qc]);
-                    s[n][e] = qc >= rows || (causal && kr > qc + diag) ? 0.0f : p;
-                }
-            }
-        } else {
-#pragma unroll
-            for (int n = 0; n < TILE_Q / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] = fs_exp2(s[n][e] * scale_log2 - lse_tile[n * 8 + frag_col + (e & 1)]);
-            }
-        }
+$P_OF_S
         fs_wgmma_wait_all();
         fs_wgmma_hold(dp);
 #pragma unroll
