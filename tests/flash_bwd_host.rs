@@ -1,38 +1,41 @@
-//! The tensor-core FlashAttention-2 backward (compiler/src/emit/flash_bwd.rs),
-//! verified without a GPU:
+//! The tensor-core attention backward (kernels/attention/backward.cuh,
+//! backward_sm80.cuh and backward_sm90.cuh, instantiated by
+//! compiler/src/emit/flash/), verified without a GPU:
 //!
-//! - its three kernels' exact text runs on the host, in order, 128 OS threads
-//!   per block with real barriers (tests/flash_host/block_shim.h), the
-//!   warp-level PTX emulated with the PTX ISA's fragment layouts
-//!   (tests/flash_host/mma_emu.h), and dQ, dK, dV must match what the
-//!   kernel-IR interpreter computes for the `attention_grad` op: head dims
-//!   64 and 128, T = S in {1, 17, 64, 100}, causal and not, grouped-query
-//!   ratios 1 and 4, q/k/v as strided slices of a fused projection (and as
-//!   contiguous heads), bf16 (f16 on one size), and cross-attention S != T;
-//!   each output within 3e-2 of its max |ref|;
-//! - deliberate breakages (causal bounds, dropped delta terms, fragment
-//!   halves swapped, a dropped scale) fail that comparison;
-//! - NVRTC compiles every kernel for sm_80 and sm_90 without spills (skipped,
-//!   saying so, where libnvrtc is missing);
-//! - one kernel set's text is held in a snapshot.
+//! - each scheme's three kernels run on the host in order (every thread an
+//!   OS thread with real barriers, the warp-level PTX emulated with the PTX
+//!   ISA's layouts), and dQ, dK, dV must match what the kernel-IR
+//!   interpreter computes for the `attention_grad` op: head dims 64 and 128,
+//!   T = S in {1, 17, 64, 100}, causal and not, grouped-query ratios 1 and
+//!   4, q/k/v as strided slices of a fused projection (and as contiguous
+//!   heads), bf16 (f16 on one size), cross-attention S != T, and every
+//!   other head dim the kernels take (8 to 256, Dv != D); each output
+//!   within 3e-2 of its max |ref|; both schemes on mma.sync, the atomic
+//!   one on Hopper (wgmma up to 128 features, mma.sync above);
+//! - deliberate breakages of the templates and the emulator (causal bounds,
+//!   dropped delta terms, fragment halves swapped, a dropped scale, wrong
+//!   descriptor strides) fail that comparison;
+//! - NVRTC compiles every instantiation for sm_80 and sm_90, or sm_90a,
+//!   without spills or serialized wgmma (skipped, saying so, where libnvrtc
+//!   is missing);
+//! - the wrappers' text is held in snapshots.
 //!
 //! The host runs are skipped, with a message, where no `c++` compiler exists.
 
 mod common;
 
+use common::flash::{
+    build, build_harness, compile_all, head_dims_model, reference, run_set, Built, Mutation, Which,
+    HEAD_DIMS,
+};
 use common::host;
-
-use fusec_compiler::emit::flash::FlashArch;
-use fusec_compiler::emit::flash_bwd::{flash_backward, FlashBwdLaunch, THREADS};
-use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
-use fusec_compiler::interp::tensor::Tensor;
-use fusec_compiler::ir::Graph;
+use fusec_compiler::emit::flash::{flash_backward, FlashArch};
 use fusec_compiler::kernel::fuse::fuse;
-use fusec_compiler::kernel::{Body, Kernel, Program};
+use fusec_compiler::kernel::Body;
 use fusec_compiler::ops::Op;
 use std::collections::HashMap;
 use std::fmt::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Head dims 64 and 128 x ratios 1 and 4 x causal or not. D = 64 and the
 /// D = 128 ratio-1 pair read q/k/v as strided slices of a fused projection;
@@ -65,7 +68,7 @@ train {
 }
 ";
 
-/// The kernel set the snapshot holds (and the mutation test breaks): fused
+/// The kernel set the snapshots hold (and the mutation tests break): fused
 /// projection, 4 query heads on 1, D = 64, causal (and a non-causal twin).
 const SNAPSHOT_MODEL: &str = "
 const d = 16
@@ -106,188 +109,34 @@ train {
 }
 ";
 
-struct Set {
-    /// Index into `Program::kernels`.
-    kernel: usize,
-    /// The scheme: dQ without atomics, or summed by them.
-    deterministic: bool,
-    launches: Vec<FlashBwdLaunch>,
-    /// (head dim, group ratio, causal, strided) for messages and coverage.
-    what: String,
+/// Both schemes on mma.sync; the atomic one alone (whose dK/dV/dQ kernel
+/// is Hopper's own where it fits) on Hopper.
+fn backward(src: &str, precision: &str, arch: FlashArch) -> Built {
+    let which = match arch {
+        FlashArch::Sm80 => Which::Backward {
+            atomic: true,
+            deterministic: true,
+        },
+        FlashArch::Sm90a => Which::Backward {
+            atomic: true,
+            deterministic: false,
+        },
+    };
+    build(src, precision, arch, which)
 }
 
-struct Built {
-    g: Graph,
-    program: Program,
-    sets: Vec<Set>,
-}
-
-fn is_grad(g: &Graph, k: &Kernel) -> bool {
-    matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::AttentionGrad(_)))
-}
-
-fn build(src: &str, precision: &str) -> Built {
-    build_for(src, precision, FlashArch::Sm80)
-}
-
-/// Both schemes for `FlashArch::Sm80`; the atomic one alone (whose dK/dV/dQ
-/// kernel is Hopper's own) for `FlashArch::Sm90a`.
-fn build_for(src: &str, precision: &str, arch: FlashArch) -> Built {
-    let src = src.replace("PRECISION", precision);
-    let c = common::compile_with(&src, "flash_bwd.dsl", &[]);
-    let g = c.optimized;
-    let program = fuse(&g);
-    let mut sets = Vec::new();
-    for (i, k) in program.kernels.iter().enumerate() {
-        let Body::Op(n) = k.body else {
-            continue;
-        };
-        if !is_grad(&g, k) {
-            continue;
-        }
-        let schemes: &[bool] = match arch {
-            FlashArch::Sm80 => &[false, true],
-            FlashArch::Sm90a => &[false],
-        };
-        for &deterministic in schemes {
-            let launches = flash_backward(&g, &program, k, n, None, deterministic, arch)
-                .unwrap_or_else(|| {
-                    panic!("{}: no flash backward for a supported attention", k.name)
-                });
-            let ins = g.inputs(n);
-            let (q, kk) = (g.ty(ins[0]), g.ty(ins[1]));
-            let causal = matches!(&g.g[n].op, Op::AttentionGrad(a) if a.causal);
-            let strided = k.input_views[..3].iter().any(|v| v.is_some());
-            let what = format!(
-                "D={} ratio={} causal={causal} {} {}",
-                q.shape[3],
-                q.shape[2].as_const().unwrap() / kk.shape[2].as_const().unwrap(),
-                if strided { "strided" } else { "contiguous" },
-                if deterministic {
-                    "deterministic"
-                } else {
-                    "atomic"
-                }
-            );
-            sets.push(Set {
-                kernel: i,
-                deterministic,
-                launches,
-                what,
-            });
-        }
-    }
-    Built { g, program, sets }
-}
-
-fn work_dir(label: &str) -> PathBuf {
-    host::work_dir(&format!("flash-bwd-{label}"))
-}
-
-/// A broken copy of one of the kernels' lines: (pattern, replacement).
-type Mutation = (&'static str, &'static str);
-
-/// A launch's function name in the harness: both schemes of one op share
-/// names (`_delta`), so each set's copies are told apart by its index.
-fn host_name(l: &FlashBwdLaunch, set: usize) -> String {
-    format!("{}_s{set}", l.name)
-}
-
-/// One C++ program holding the kernel sets `sets` (indices into `b.sets`)
-/// and a `main` that runs the set named on its command line (the op's
-/// kernel and the scheme, the last argument), its three kernels in order,
-/// on the files in a folder.
-fn harness(b: &Built, sets: &[usize], mutation: Option<Mutation>) -> String {
-    let mut s = String::from("#include \"block_shim.h\"\n#include \"mma_emu.h\"\n");
-    s.push_str(PRELUDE);
-    for &f in sets {
-        for l in &b.sets[f].launches {
-            let mut text = l
-                .source
-                .replace(&format!("#include \"{PRELUDE_NAME}\""), "")
-                .replace(&format!(" {}(", l.name), &format!(" {}(", host_name(l, f)));
-            if let Some((from, to)) = mutation {
-                text = text.replace(from, to);
-            }
-            s.push_str(&text);
-        }
-    }
-    s.push_str(host::FILE_IO);
-    // argv: set name, folder, 3 x 3 grid extents, 3 blocks, the sizes, the scheme.
-    s.push_str(
-        "int main(int argc, char** argv) {\n  const char* dir = argv[2];\n\
-         \x20 fs_dim3 grids[3];\n\
-         \x20 for (int l = 0; l < 3; ++l) grids[l] = {(unsigned)atoi(argv[3 + 3 * l]), (unsigned)atoi(argv[4 + 3 * l]), (unsigned)atoi(argv[5 + 3 * l])};\n\
-         \x20 unsigned blocks[3];\n\
-         \x20 for (int l = 0; l < 3; ++l) blocks[l] = atoi(argv[12 + l]);\n",
-    );
-    for (i, d) in b.g.dims.iter().enumerate() {
-        let _ = writeln!(s, "  const fs_i64 {d} = atoll(argv[{}]);", i + 15);
-    }
-    let _ = writeln!(
-        s,
-        "  const int deterministic = atoi(argv[{}]);",
-        15 + b.g.dims.len()
-    );
-    for &f in sets {
-        let set = &b.sets[f];
-        let k = &b.program.kernels[set.kernel];
-        let _ = writeln!(
-            s,
-            "  if (!strcmp(argv[1], \"{}\") && deterministic == {}) {{",
-            k.name, set.deterministic as u8
-        );
-        // Unwritten outputs read back as NaN.
-        let (mut args, writes) = host::kernel_buffers(&mut s, &b.program, k, &b.g.dims, true);
-        // The scratch buffer starts as NaN: the delta kernel must write it all.
-        let scratch = set.launches[0].scratch_f32_elems.to_c();
-        let _ = writeln!(
-            s,
-            "    float* scratch = (float*)malloc((size_t)({scratch}) * 4 + 16); memset(scratch, 0xff, (size_t)({scratch}) * 4);"
-        );
-        args.push("scratch".into());
-        for (l, launch) in set.launches.iter().enumerate() {
-            let _ = writeln!(
-                s,
-                "    fs_launch(grids[{l}], blocks[{l}], [&] {{ {}({}); }});",
-                host_name(launch, f),
-                args.join(", ")
-            );
-        }
-        s.push_str(&writes);
-        let _ = writeln!(s, "    return 0;\n  }}");
-    }
-    s.push_str("  fprintf(stderr, \"unknown kernel %s\\n\", argv[1]);\n  return 2;\n}\n");
-    s
-}
-
-/// The interpreter's buffers at the sizes `dims`.
-fn reference(b: &Built, dims: &HashMap<String, i64>) -> Vec<Tensor> {
-    host::program_values(&b.g, &b.program, dims, 11)
-}
-
-/// Runs kernel set `f` on the interpreter's inputs and compares dQ, dK, dV
-/// with the interpreter's: the largest error of each relative to its max
-/// |ref|, or where they differ.
+/// Runs set `f` and compares dQ, dK, dV with the interpreter's: the largest
+/// error of each relative to its max |ref|, or where they differ.
 fn run_and_compare(
     exe: &Path,
     dir: &Path,
     b: &Built,
     f: usize,
-    bufs: &[Tensor],
+    bufs: &[fusec_compiler::interp::tensor::Tensor],
     dims: &HashMap<String, i64>,
 ) -> Result<[f64; 3], String> {
-    let set = &b.sets[f];
-    let k = &b.program.kernels[set.kernel];
-    let mut args = Vec::new();
-    for l in &set.launches {
-        let grid = l.grid(&|s: &str| dims.get(s).copied()).expect("grid");
-        args.extend(grid.iter().map(|x| x.to_string()));
-    }
-    args.extend(set.launches.iter().map(|l| l.block.to_string()));
-    args.extend(b.g.dims.iter().map(|d| dims[d].to_string()));
-    args.push((set.deterministic as u8).to_string());
-    let written = host::run_kernel(exe, dir, &b.program, k, bufs, &args)?;
+    let k = &b.program.kernels[b.sets[f].kernel];
+    let written = run_set(exe, dir, b, f, bufs, dims)?;
     let mut outs = Vec::new();
     for (slot, got) in written.into_iter().enumerate() {
         let want = &bufs[k.outputs[slot]].data;
@@ -318,26 +167,25 @@ fn run_and_compare(
     Ok(errs)
 }
 
-/// Every kernel set of `b` at every size in `runs`: the number checked.
+/// Every set of `b` at every size in `runs`: the number checked.
 fn check_all(label: &str, b: &Built, runs: &[&[(&str, i64)]]) -> usize {
-    let work = work_dir(label);
+    let work = host::work_dir(&format!("flash-bwd-{label}"));
     let all: Vec<usize> = (0..b.sets.len()).collect();
-    let exe = host::build(&work, "flash_bwd", &harness(b, &all, None));
+    let exe = build_harness(b, &all, &work, "flash_bwd", None);
     let mut checked = 0;
     let mut worst = [0.0f64; 3];
     for (r, sizes) in runs.iter().enumerate() {
         let dims = common::dims(sizes);
         let bufs = reference(b, &dims);
         for (f, set) in b.sets.iter().enumerate() {
-            let name = &b.program.kernels[set.kernel].name;
-            let dir = work.join(format!("{name}-{r}"));
+            let dir = work.join(format!("{f}-{r}"));
             match run_and_compare(&exe, &dir, b, f, &bufs, &dims) {
                 Ok(e) => {
                     for (w, e) in worst.iter_mut().zip(e) {
                         *w = w.max(e);
                     }
                 }
-                Err(e) => panic!("{label} {name} ({}) at {sizes:?}: {e}", set.what),
+                Err(e) => panic!("{label} {} at {sizes:?}: {e}", set.what),
             }
             checked += 1;
         }
@@ -355,7 +203,7 @@ fn flash_backward_matches_the_reference_on_the_host() {
     if !host::have_cxx() {
         return;
     }
-    let b = build(MODEL, "bf16");
+    let b = backward(MODEL, "bf16", FlashArch::Sm80);
     assert_eq!(
         b.sets.len(),
         16,
@@ -367,15 +215,7 @@ fn flash_backward_matches_the_reference_on_the_host() {
     assert_eq!(kinds.len(), 16, "every variant once: {kinds:?}");
     let checked = check_all("bf16", &b, RUNS);
     println!("bf16: {checked} kernel-set runs matched the reference ({kinds:?})");
-}
-
-#[test]
-fn flash_backward_matches_the_reference_in_f16() {
-    if !host::have_cxx() {
-        return;
-    }
-    let b = build(MODEL, "f16");
-    assert_eq!(b.sets.len(), 16);
+    let b = backward(MODEL, "f16", FlashArch::Sm80);
     let checked = check_all("f16", &b, &[&[("B", 1), ("T", 100)]]);
     println!("f16: {checked} kernel-set runs matched the reference");
 }
@@ -385,7 +225,7 @@ fn flash_backward_cross_attention_matches_the_reference() {
     if !host::have_cxx() {
         return;
     }
-    let b = build(CROSS_MODEL, "bf16");
+    let b = backward(CROSS_MODEL, "bf16", FlashArch::Sm80);
     assert_eq!(b.sets.len(), 4);
     let runs: &[&[(&str, i64)]] = &[
         &[("B", 2), ("T", 17), ("S", 100)],
@@ -393,6 +233,29 @@ fn flash_backward_cross_attention_matches_the_reference() {
     ];
     let checked = check_all("cross", &b, runs);
     println!("cross: {checked} kernel-set runs matched the reference");
+}
+
+/// Every head dim of `HEAD_DIMS`, both schemes on mma.sync (the widest in
+/// two feature parts a key tile) and the atomic one on Hopper, at T = 17
+/// and T = 130 (two or three key blocks, several query tiles each), bf16;
+/// f16 at T = 130.
+#[test]
+fn every_head_dim_matches_the_reference_on_the_host() {
+    if !host::have_cxx() {
+        return;
+    }
+    let src = head_dims_model(HEAD_DIMS);
+    let runs: &[&[(&str, i64)]] = &[&[("B", 2), ("T", 17)], &[("B", 1), ("T", 130)]];
+    for arch in [FlashArch::Sm80, FlashArch::Sm90a] {
+        let b = backward(&src, "bf16", arch);
+        let checked = check_all(&format!("dims-{arch:?}"), &b, runs);
+        println!(
+            "{arch:?} bf16: {checked} kernel-set runs of every head dim matched the reference"
+        );
+        let b = backward(&src, "f16", arch);
+        let checked = check_all(&format!("dims-f16-{arch:?}"), &b, &runs[1..]);
+        println!("{arch:?} f16: {checked} kernel-set runs matched the reference");
+    }
 }
 
 /// The atomic scheme with Hopper's dK/dV/dQ kernel (wgmma, 128 keys and
@@ -405,14 +268,14 @@ fn hopper_flash_backward_matches_the_reference_on_the_host() {
     if !host::have_cxx() {
         return;
     }
-    let b = build_for(MODEL, "bf16", FlashArch::Sm90a);
+    let b = backward(MODEL, "bf16", FlashArch::Sm90a);
     assert_eq!(b.sets.len(), 8, "one kernel set per attention_grad op");
     let checked = check_all("hopper-bf16", &b, RUNS);
     println!("hopper bf16: {checked} kernel-set runs matched the reference");
-    let b = build_for(MODEL, "f16", FlashArch::Sm90a);
+    let b = backward(MODEL, "f16", FlashArch::Sm90a);
     let checked = check_all("hopper-f16", &b, &[&[("B", 1), ("T", 100)]]);
     println!("hopper f16: {checked} kernel-set runs matched the reference");
-    let b = build_for(CROSS_MODEL, "bf16", FlashArch::Sm90a);
+    let b = backward(CROSS_MODEL, "bf16", FlashArch::Sm90a);
     let runs: &[&[(&str, i64)]] = &[
         &[("B", 2), ("T", 17), ("S", 200)],
         &[("B", 1), ("T", 200), ("S", 17)],
@@ -432,6 +295,20 @@ fn twin_model() -> String {
         .replace("loss = mean(y * y)", "loss = mean(y * y) + mean(y2 * y2)")
 }
 
+/// The set of `b` that is causal or not, in the deterministic scheme or not.
+fn find(b: &Built, causal: bool, deterministic: bool) -> usize {
+    b.sets
+        .iter()
+        .position(|f| {
+            f.what.contains(&format!("causal={causal}")) && f.deterministic == deterministic
+        })
+        .unwrap()
+}
+
+const SM80: &str = "attention/backward_sm80.cuh";
+const BWD: &str = "attention/backward.cuh";
+const COMMON: &str = "attention/common.cuh";
+
 /// Plain logic bugs of either scheme's kernels, and wrong fragment halves,
 /// must make the comparison fail (else the host runs prove little). Each
 /// mutation names the set it breaks: causal or not, deterministic or
@@ -441,84 +318,53 @@ fn deliberate_breakages_are_caught() {
     if !host::have_cxx() {
         return;
     }
-    let b = build(&twin_model(), "bf16");
-    let find = |causal: bool, deterministic: bool| {
-        b.sets
-            .iter()
-            .position(|f| {
-                f.what.contains(&format!("causal={causal}")) && f.deterministic == deterministic
-            })
-            .unwrap()
-    };
-    let (causal, plain) = (find(true, true), find(false, true));
-    let (causal_atomic, plain_atomic) = (find(true, false), find(false, false));
+    let b = backward(&twin_model(), "bf16", FlashArch::Sm80);
+    let (causal, plain) = (find(&b, true, true), find(&b, false, true));
+    let (causal_atomic, plain_atomic) = (find(&b, true, false), find(&b, false, false));
     let mutations: [(Mutation, usize); 15] = [
         // dK/dV: the causal bound off by one.
-        (
-            (
-                "kr > qc + diag) ? 0.0f : p;",
-                "kr > qc + diag + 1) ? 0.0f : p;",
-            ),
-            causal,
-        ),
+        ((COMMON, "kr > qc + diag) ? 0.0f : p;", "kr > qc + diag + 1) ? 0.0f : p;"), causal),
         // dK/dV: query tiles start one tile too late.
-        (
-            ("(k0 / TILE_Q) * TILE_Q", "(k0 / TILE_Q + 1) * TILE_Q"),
-            causal,
-        ),
+        ((SM80, "(k0 / TILE_Q) * TILE_Q", "(k0 / TILE_Q + 1) * TILE_Q"), causal),
         // dQ: the causal bound off by one.
         (
             (
-                "if (j >= kv_len || (causal && j > i)) p = 0.0f;",
-                "if (j >= kv_len || (causal && j >= i)) p = 0.0f;",
+                SM80,
+                "if (j >= kv_len || (CAUSAL && j > i)) p = 0.0f;",
+                "if (j >= kv_len || (CAUSAL && j >= i)) p = 0.0f;",
             ),
             causal,
         ),
         // dK: the delta term dropped.
         (
             (
+                SM80,
                 "dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);",
                 "dp[n][e] = s[n][e] * dp[n][e];",
             ),
             plain,
         ),
         // dQ: the delta term dropped.
-        (
-            (
-                "dp[n][e] = p * (dp[n][e] - delta[r]);",
-                "dp[n][e] = p * dp[n][e];",
-            ),
-            plain,
-        ),
+        ((SM80, "dp[n][e] = p * (dp[n][e] - dlt[r]);", "dp[n][e] = p * dp[n][e];"), plain),
         // dQ: K^T's B fragment halves swapped.
-        (
-            (
-                "s[n], q_frag[kk], bk[0], bk[1]",
-                "s[n], q_frag[kk], bk[1], bk[0]",
-            ),
-            plain,
-        ),
+        ((SM80, "E::mma(acc[n], fa, bk[0], bk[1]);", "E::mma(acc[n], fa, bk[1], bk[0]);"), plain),
         // dV: dO's B fragments (rows 0-7 and 8-15 of the query tile) swapped.
-        (
-            (
-                "dv_acc[n], p_frag, bo[0], bo[1]",
-                "dv_acc[n], p_frag, bo[1], bo[0]",
-            ),
-            plain,
-        ),
+        ((SM80, "E::mma(dv_acc[n], p_frag, bo[0], bo[1]);", "E::mma(dv_acc[n], p_frag, bo[1], bo[0]);"), plain),
         // ldmatrix.trans: lanes 8-15 and 16-23 give each other's rows.
         (
             (
-                "at + ((lane & 7) + ((lane >> 3) & 1) * 8) * row + (lane >> 4) * 8",
-                "at + ((lane & 7) + (lane >> 4) * 8) * row + ((lane >> 3) & 1) * 8",
+                COMMON,
+                "fs_ldsm_x4_t(b, at + ((lane & 7) + ((lane >> 3) & 1) * 8) * row + (lane >> 4) * 8);",
+                "fs_ldsm_x4_t(b, at + ((lane & 7) + (lane >> 4) * 8) * row + ((lane >> 3) & 1) * 8);",
             ),
             plain,
         ),
         // dK: the scale dropped.
-        (("dk_acc[n][2 * r] * scale", "dk_acc[n][2 * r]"), plain),
+        ((COMMON, "dk_acc[n][2 * r] * a.scale", "dk_acc[n][2 * r]"), plain),
         // Atomic scheme: dS^T's quarters stored in each other's place.
         (
             (
+                SM80,
                 "(key_row + 8) * DS_ROW + kk * 16 + frag_col], ds_frag[1]",
                 "(key_row + 8) * DS_ROW + kk * 16 + frag_col], ds_frag[2]",
             ),
@@ -527,31 +373,27 @@ fn deliberate_breakages_are_caught() {
         // Atomic scheme: dS read back with a wrong lane-to-row mapping.
         (
             (
+                COMMON,
                 "fs_ldsm_x4_t(a, at + ((lane & 7) + (lane >> 4) * 8) * row + ((lane >> 3) & 1) * 8)",
                 "fs_ldsm_x4_t(a, at + ((lane & 7) + ((lane >> 3) & 1) * 8) * row + (lane >> 4) * 8)",
             ),
             plain_atomic,
         ),
         // Atomic scheme: the dQ sum not cleared (the scratch starts as NaN).
-        (
-            ("if (i < q_len) fs_zero16(", "if (i < 0) fs_zero16("),
-            plain_atomic,
-        ),
+        ((BWD, "if (i < q_len) fs_zero16(", "if (i < 0) fs_zero16("), plain_atomic),
         // Atomic scheme: dQ added into the next row.
         (
             (
+                SM80,
                 "const fs_i64 i = i0 + m0 + frag_row + 8 * r;",
                 "const fs_i64 i = i0 + m0 + frag_row + 8 * r + 1;",
             ),
             causal_atomic,
         ),
         // Atomic scheme: dQ's scale dropped when stored.
-        (("sum[e] * scale", "sum[e]"), plain_atomic),
+        ((BWD, "sum[e] * a.scale", "sum[e]"), plain_atomic),
         // Atomic scheme: query tiles start one tile too late (dQ and dK lose them).
-        (
-            ("(k0 / TILE_Q) * TILE_Q", "(k0 / TILE_Q + 1) * TILE_Q"),
-            causal_atomic,
-        ),
+        ((SM80, "(k0 / TILE_Q) * TILE_Q", "(k0 / TILE_Q + 1) * TILE_Q"), causal_atomic),
     ];
     expect_caught(
         &b,
@@ -566,28 +408,18 @@ fn deliberate_breakages_are_caught() {
 fn expect_caught(b: &Built, label: &str, all: &[usize], mutations: &[(Mutation, usize)]) {
     let dims = common::dims(&[("B", 1), ("T", 100)]);
     let bufs = reference(b, &dims);
-    let work = work_dir(label);
+    let work = host::work_dir(&format!("flash-bwd-{label}"));
     // The unbroken build passes, so each failure below is the mutation's.
-    let exe = host::build(&work, "good", &harness(b, all, None));
+    let exe = build_harness(b, all, &work, "good", None);
     for &f in all {
         run_and_compare(&exe, &work.join(format!("good-{f}")), b, f, &bufs, &dims)
             .expect("the unbroken kernels");
     }
-    for (i, &((from, to), f)) in mutations.iter().enumerate() {
-        let text: String = b.sets[f]
-            .launches
-            .iter()
-            .map(|l| l.source.as_str())
-            .collect();
-        assert!(
-            text.contains(from),
-            "mutation {i}: the kernels have no `{from}`"
-        );
+    for (i, &(m, f)) in mutations.iter().enumerate() {
         let stem = format!("broken{i}");
-        let cpp = harness(b, &[f], Some((from, to)));
-        let exe = host::build(&work, &stem, &cpp);
+        let exe = build_harness(b, &[f], &work, &stem, Some(m));
         let got = run_and_compare(&exe, &work.join(format!("{stem}-run")), b, f, &bufs, &dims);
-        let e = got.expect_err(&format!("mutation {i} (`{from}`) went unnoticed"));
+        let e = got.expect_err(&format!("mutation {i} ({}: `{}`) went unnoticed", m.0, m.1));
         println!("mutation {i} caught: {e}");
     }
     let _ = std::fs::remove_dir_all(&work);
@@ -600,72 +432,44 @@ fn a_broken_hopper_backward_is_caught() {
     if !host::have_cxx() {
         return;
     }
-    let b = build_for(&twin_model(), "bf16", FlashArch::Sm90a);
-    let find = |causal: bool| {
-        b.sets
-            .iter()
-            .position(|f| f.what.contains(&format!("causal={causal}")))
-            .unwrap()
-    };
-    let (causal, plain) = (find(true), find(false));
+    const SM90: &str = "attention/backward_sm90.cuh";
+    const TILES: &str = "attention/sm90.cuh";
+    let b = backward(&twin_model(), "bf16", FlashArch::Sm90a);
+    let (causal, plain) = (find(&b, true, false), find(&b, false, false));
     let mutations: [(Mutation, usize); 9] = [
-        // dQ's A (dS, MN-major) read with its strides exchanged.
+        // dQ's A (dS, MN-major core matrices) read with its strides exchanged.
         (
             (
-                "fs_make_desc(ds_tile, DS_ROW8, CORE)",
-                "fs_make_desc(ds_tile, CORE, DS_ROW8)",
+                TILES,
+                "mnmajor(const void* tile) { return fs_make_desc(tile, ROW8, CORE, 0); }",
+                "mnmajor(const void* tile) { return fs_make_desc(tile, CORE, ROW8, 0); }",
             ),
             plain,
         ),
         // dV's B (the swizzled dO tile, MN-major) stepping 8 queries, not 16.
-        (
-            (
-                "fs_desc_at(dom_desc, (kk) * 2048)",
-                "fs_desc_at(dom_desc, (kk) * 1024)",
-            ),
-            plain,
-        ),
+        ((TILES, "return kk * 16 * SW; }", "return kk * 8 * SW; }"), plain),
         // S^T's B (the swizzled Q tile, K-major) stepping 8 features, not 16.
-        (
-            (
-                "fs_desc_at(qk_desc, (kk) / 4 * 8192 + (kk) % 4 * 32)",
-                "fs_desc_at(qk_desc, (kk) / 4 * 8192 + (kk) % 4 * 16)",
-            ),
-            causal,
-        ),
+        ((TILES, "(kk * 16) % ATOM * 2; }", "(kk * 16) % ATOM * 1; }"), causal),
         // The dO tiles copied from the next query on.
-        (
-            (
-                "tm_do, a * 64, (int)h, (int)i0, (int)b",
-                "tm_do, a * 64, (int)h, (int)i0 + 1, (int)b",
-            ),
-            plain,
-        ),
+        ((SM90, "x * DOT::ATOM, h, i0, (int)b", "x * DOT::ATOM, h, i0 + 1, (int)b"), plain),
         // dS^T stored with its key halves swapped.
         (
             (
-                "fs_st32(&ds_tile[ds_at(key_row, 16 * kk + frag_col)], ds_frag[kk][0]);\n            fs_st32(&ds_tile[ds_at(key_row + 8, 16 * kk + frag_col)], ds_frag[kk][1]);",
-                "fs_st32(&ds_tile[ds_at(key_row + 8, 16 * kk + frag_col)], ds_frag[kk][0]);\n            fs_st32(&ds_tile[ds_at(key_row, 16 * kk + frag_col)], ds_frag[kk][1]);",
+                SM90,
+                "fs_st32(&ds_tile[DST::at(key_row, 16 * kk + frag_col)], ds_frag[kk][0]);\n                fs_st32(&ds_tile[DST::at(key_row + 8, 16 * kk + frag_col)], ds_frag[kk][1]);",
+                "fs_st32(&ds_tile[DST::at(key_row + 8, 16 * kk + frag_col)], ds_frag[kk][0]);\n                fs_st32(&ds_tile[DST::at(key_row, 16 * kk + frag_col)], ds_frag[kk][1]);",
             ),
             plain,
         ),
         // Both warpgroups take the first half of dQ's features.
-        (
-            ("+ wg * 4 * HEAD_DIM, ROW8, CORE)", ", ROW8, CORE)"),
-            plain,
-        ),
+        ((SM90, "KT::mnmajor_n(wg * (DP / 2))", "KT::mnmajor_n(0 * (DP / 2))"), plain),
         // The causal mask off by one.
-        (
-            (
-                "kr > qc + diag) ? 0.0f : p;",
-                "kr > qc + diag + 1) ? 0.0f : p;",
-            ),
-            causal,
-        ),
+        ((COMMON, "kr > qc + diag) ? 0.0f : p;", "kr > qc + diag + 1) ? 0.0f : p;"), causal),
         // Diagonal tiles taken for unmasked ones.
         (
             (
-                "if (rows < TILE_Q || (causal && i0 < k0 + TILE_K)) {",
+                COMMON,
+                "if (rows < TILE_Q || (CAUSAL && i0 < k0 + TILE_K)) {",
                 "if (rows < TILE_Q) {",
             ),
             causal,
@@ -673,6 +477,7 @@ fn a_broken_hopper_backward_is_caught() {
         // The writers adding all rows of a tile but the last.
         (
             (
+                SM90,
                 "for (int r = w / CPR; r < rows; r += RSTEP)",
                 "for (int r = w / CPR; r < rows - 1; r += RSTEP)",
             ),
@@ -680,108 +485,99 @@ fn a_broken_hopper_backward_is_caught() {
         ),
     ];
     expect_caught(&b, "hopper-mutations", &[causal, plain], &mutations);
+    // D = 80 (the 32-byte swizzle, writers walking whole rows of 20 chunks).
+    let d80 = backward(
+        &head_dims_model(&[(80, 80, 2, 1, true, true), (80, 80, 2, 1, false, true)]),
+        "bf16",
+        FlashArch::Sm90a,
+    );
+    let (causal, plain) = (find(&d80, true, false), find(&d80, false, false));
+    let d80_mutations: [(Mutation, usize); 2] = [
+        // The writers skip each row's last 16-byte chunk.
+        (
+            (
+                SM90,
+                "const int r = idx / CPR, e = (idx % CPR) * 4;\n                            fs_atomic_add4(",
+                "const int r = idx / CPR, e = (idx % CPR) * 4;\n                            if (e + 4 < D) fs_atomic_add4(",
+            ),
+            causal,
+        ),
+        // dQ's second part (N = 40 as 32 + 8) read from the first core matrix.
+        ((TILES, "return n0 / 8 * CORE; }", "return 0 * CORE; }"), plain),
+    ];
+    expect_caught(
+        &d80,
+        "hopper-mutations-d80",
+        &[causal, plain],
+        &d80_mutations,
+    );
 }
 
 #[test]
 fn flash_backward_compiles_with_nvrtc_without_spills() {
-    use fusec_runtime::nvrtc;
     if !common::nvrtc_ready() {
         return;
     }
-    let mut failures = Vec::new();
-    for (precision, family) in [
-        ("bf16", FlashArch::Sm80),
-        ("f16", FlashArch::Sm80),
-        ("bf16", FlashArch::Sm90a),
-        ("f16", FlashArch::Sm90a),
-    ] {
-        let b = build_for(MODEL, precision, family);
-        let archs: &[&str] = match family {
-            FlashArch::Sm80 => &["sm_80", "sm_90"],
-            FlashArch::Sm90a => &["sm_90a"],
-        };
-        for set in &b.sets {
-            for l in &set.launches {
-                for &arch in archs {
-                    match nvrtc::compile(&l.name, &l.source, arch) {
-                        Ok(c) => {
-                            common::keep_cubin(
-                                &l.name,
-                                &format!("{precision} {arch} {}", set.what),
-                                &c.image,
-                            );
-                            println!(
-                                "{precision} {} {:?} {arch}: {} registers, spills {}/{} bytes, {} bytes static shared, {} dynamic",
-                                set.what,
-                                l.stage,
-                                c.registers.unwrap_or(0),
-                                c.spill_store_bytes,
-                                c.spill_load_bytes,
-                                l.static_smem_bytes,
-                                l.dynamic_smem_bytes
-                            );
-                            if c.log.contains("Performance Loss") {
-                                failures
-                                    .push(format!("{} {} ({arch}): {}", l.name, set.what, c.log));
-                            }
-                            // Hopper's dK/dV/dQ kernel leaves its memory warpgroup
-                            // 40 registers a thread at D = 128; since its copies are
-                            // one thread's bulk tensor copies it spills nothing there.
-                            if c.spill_store_bytes > 0 || c.spill_load_bytes > 0 {
-                                failures.push(format!(
-                                    "{} {} ({arch}): spills\n{}",
-                                    l.name, set.what, c.log
-                                ));
-                            }
+    let models = [MODEL.to_string(), head_dims_model(HEAD_DIMS)];
+    let mut jobs = Vec::new();
+    for src in &models {
+        for precision in ["bf16", "f16"] {
+            for (family, archs) in [
+                (FlashArch::Sm80, &["sm_80", "sm_90"][..]),
+                (FlashArch::Sm90a, &["sm_90a"][..]),
+            ] {
+                let b = backward(src, precision, family);
+                for set in b.sets {
+                    for k in set.kernels {
+                        for &arch in archs {
+                            jobs.push((precision, arch, set.what.clone(), k.launch.clone()));
                         }
-                        Err(e) => failures.push(format!(
-                            "{e}\n--- source ---\n{}",
-                            nvrtc::with_prelude(&l.source)
-                        )),
                     }
                 }
             }
         }
     }
+    // Distinct instantiations once each (the wrapper text differs by views only).
+    jobs.sort_by(|a, b| (a.1, &a.3.template).cmp(&(b.1, &b.3.template)));
+    jobs.dedup_by(|a, b| a.1 == b.1 && a.3.template == b.3.template);
+    let failures = compile_all(&jobs);
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
 #[test]
 fn flash_backward_kernel_text() {
-    let b = build(SNAPSHOT_MODEL, "bf16");
+    let b = backward(SNAPSHOT_MODEL, "bf16", FlashArch::Sm80);
     assert_eq!(b.sets.len(), 2);
     for set in &b.sets {
         snapshot_set(&b, set);
     }
-    let b = build_for(SNAPSHOT_MODEL, "bf16", FlashArch::Sm90a);
+    let b = backward(SNAPSHOT_MODEL, "bf16", FlashArch::Sm90a);
     assert_eq!(b.sets.len(), 1);
     snapshot_set(&b, &b.sets[0]);
 }
 
 /// One kernel set's launches and texts in a snapshot (the deterministic
 /// scheme under the older name).
-fn snapshot_set(b: &Built, set: &Set) {
+fn snapshot_set(b: &Built, set: &common::flash::Set) {
     let name = &b.program.kernels[set.kernel].name;
     let mut text = String::new();
-    for l in &set.launches {
+    for k in &set.kernels {
+        let l = &k.launch;
+        let g = l.grid_c();
         let _ = writeln!(
             text,
-            "// launch {:?}: grid ({}, {}, {}), block {}, shared {} bytes static, {} dynamic, reads in{:?}, writes out{:?}, scratch f32[{}] ({})",
-            l.stage,
-            l.grid_c[0],
-            l.grid_c[1],
-            l.grid_c[2],
+            "// launch {:?}: grid ({}, {}, {}), block {}, {} bytes dynamic shared, scratch f32[{}]",
+            k.stage,
+            g[0],
+            g[1],
+            g[2],
             l.block,
-            l.static_smem_bytes,
             l.dynamic_smem_bytes,
-            l.reads,
-            l.writes,
-            l.scratch_f32_elems.to_c(),
-            if l.writes_scratch() { "written" } else { "read" }
+            l.scratch_f32.as_ref().unwrap().to_c(),
         );
         text.push_str(&l.source.replace(name.as_str(), "KERNEL"));
     }
-    if set.launches[1].block != THREADS {
+    if set.kernels[1].launch.arch_specific {
         insta::assert_snapshot!("flash_backward_sm90a_d64_gqa4_causal_bf16_atomic", text);
     } else if set.deterministic {
         insta::assert_snapshot!("flash_backward_d64_gqa4_causal_bf16", text);
@@ -790,38 +586,34 @@ fn snapshot_set(b: &Built, set: &Set) {
     }
 }
 
-/// f32, head dims other than 64 and 128 get no flash backward.
+/// f32, and head dims that are not multiples of 8 or are over 256, get no
+/// tensor-core backward.
 #[test]
 fn unsupported_attention_gets_no_flash_backward() {
     let cases = [
         SNAPSHOT_MODEL.replace("precision = bf16", "precision = f32"),
-        SNAPSHOT_MODEL
-            .replace("[d, 384]", "[d, 192]")
-            .replace("[256, 64, 64]", "[128, 32, 32]"),
+        head_dims_model(&[(36, 36, 2, 1, true, false)]).replace("PRECISION", "bf16"),
+        head_dims_model(&[(264, 264, 2, 1, true, false)]).replace("PRECISION", "bf16"),
     ];
     for src in &cases {
         let c = common::compile_with(src, "flash_bwd.dsl", &[]);
         let program = fuse(&c.optimized);
         let mut seen = 0;
         for k in &program.kernels {
-            if let (true, Body::Op(n)) = (is_grad(&c.optimized, k), &k.body) {
-                seen += 1;
-                for (deterministic, arch) in [
-                    (false, FlashArch::Sm80),
-                    (true, FlashArch::Sm80),
-                    (false, FlashArch::Sm90a),
-                ] {
-                    assert!(flash_backward(
-                        &c.optimized,
-                        &program,
-                        k,
-                        *n,
-                        None,
-                        deterministic,
-                        arch
-                    )
-                    .is_none());
-                }
+            let Body::Op(n) = k.body else { continue };
+            if !matches!(c.optimized.g[n].op, Op::AttentionGrad(_)) {
+                continue;
+            }
+            seen += 1;
+            for (deterministic, arch) in [
+                (false, FlashArch::Sm80),
+                (true, FlashArch::Sm80),
+                (false, FlashArch::Sm90a),
+            ] {
+                assert!(
+                    flash_backward(&c.optimized, &program, k, n, None, deterministic, arch)
+                        .is_none()
+                );
             }
         }
         assert_eq!(seen, 1);

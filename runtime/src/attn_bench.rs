@@ -12,8 +12,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKerne
 use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::emit::cuda::emit_program;
-use fusec_compiler::emit::flash::{flash_kernel, FlashArch};
-use fusec_compiler::emit::flash_bwd::flash_backward;
+use fusec_compiler::emit::flash::{flash_backward, flash_forward};
 use fusec_compiler::emit::templates::{grid, shape_of, BLOCK};
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::kernel::{Body, Kernel, Program};
@@ -181,13 +180,15 @@ pub fn run(
             .chain(&fwd.outputs)
             .map(|&b2| ptr_of(b2, &mut device))
             .collect::<Result<_, _>>()?;
-        match arch.and_then(|a| flash_kernel(g, &p, fwd, nf, None, a)) {
-            Some((text, launch)) => {
-                forward = match arch {
-                    Some(FlashArch::Sm90a) => "flash-wgmma",
-                    _ => "flash",
+        match arch.and_then(|a| flash_forward(g, &p, fwd, nf, None, a)) {
+            Some(f) => {
+                let launch = f.launch;
+                forward = if launch.arch_specific {
+                    "flash-wgmma"
+                } else {
+                    "flash"
                 };
-                let func = load(gpu, &fwd.name, &text)?;
+                let func = load(gpu, &fwd.name, &launch.source)?;
                 let smem = launch.dynamic_smem_bytes as u32;
                 crate::exec::allow_dynamic_smem(&func, &fwd.name, smem, gpu, "--simple")?;
                 let [x, y, z] = launch.grid(&|_| None).ok_or_else(|| err("no flash grid"))?;
@@ -237,12 +238,18 @@ pub fn run(
             .collect::<Result<_, _>>()?;
         match arch.and_then(|a| flash_backward(g, &p, bwd, nb, None, deterministic, a)) {
             Some(ls) => {
-                backward = match (deterministic, arch) {
+                let ls: Vec<_> = ls.into_iter().map(|f| f.launch).collect();
+                backward = match (deterministic, ls.iter().any(|l| l.arch_specific)) {
                     (true, _) => "flash-deterministic",
-                    (false, Some(FlashArch::Sm90a)) => "flash-wgmma",
+                    (false, true) => "flash-wgmma",
                     _ => "flash",
                 };
-                let elems = ls[0].scratch_f32_elems.eval(&|_| None).unwrap_or(0).max(1) as usize;
+                let elems = ls[0]
+                    .scratch_f32
+                    .as_ref()
+                    .and_then(|e| e.eval(&|_| None))
+                    .unwrap_or(0)
+                    .max(1) as usize;
                 let s = gpu
                     .stream
                     .alloc_zeros::<u8>(4 * elems)

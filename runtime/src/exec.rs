@@ -9,7 +9,7 @@ use crate::stage::{HostBuf, Stager};
 use crate::tensor_map::{encode_all, EncodedMap};
 use crate::RuntimeError;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
-use fusec_compiler::emit::tma::TensorMap;
+use fusec_compiler::emit::flash::tma::TensorMap;
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::ir::{Dim, Graph};

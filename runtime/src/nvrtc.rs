@@ -3,7 +3,7 @@
 //! install on the loader path), so everything builds without CUDA.
 
 use cudarc::nvrtc::{result, sys};
-use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
+use fusec_compiler::emit::expand_includes;
 use std::ffi::CString;
 
 /// Whether libnvrtc can be loaded.
@@ -51,9 +51,10 @@ impl std::fmt::Display for CompileError {
 
 impl std::error::Error for CompileError {}
 
-/// The source NVRTC sees: the prelude pasted in place of its include.
+/// The source NVRTC sees: the prelude and the `kernels/` headers pasted in
+/// place of their includes.
 pub fn with_prelude(source: &str) -> String {
-    source.replace(&format!("#include \"{PRELUDE_NAME}\""), PRELUDE)
+    expand_includes(source)
 }
 
 fn number_before(log: &str, suffix: &str) -> Option<u32> {

@@ -9,8 +9,7 @@ use crate::stage::HostBuf;
 use crate::RuntimeError;
 use fusec_compiler::autodiff::{LR_INPUT, STEP_INPUT};
 use fusec_compiler::emit::cuda::emit_program;
-use fusec_compiler::emit::flash::flash_kernel;
-use fusec_compiler::emit::flash_bwd::flash_backward;
+use fusec_compiler::emit::flash::{flash_backward, flash_forward};
 use fusec_compiler::ir::Graph;
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::kernel::{Body, Program};
@@ -90,7 +89,7 @@ impl Session {
             plan(graph, &program, dims).map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
         let mut sources = emit_program(graph, &program, None);
         // The tensor-core (FlashAttention) kernels, forward and backward,
-        // where they apply (bf16/f16, head dim 64 or 128, mma.sync needs
+        // where they apply (bf16/f16, head dims multiples of 8 up to 256,
         // sm_80 or newer), each with its own geometry; FUSEC_ATTENTION=simple
         // keeps the plan's simple kernels (one thread per query row), as the
         // CPU-checked reference.
@@ -100,60 +99,53 @@ impl Session {
             let env = |s: &str| dims.get(s).copied();
             for k in &program.kernels {
                 let Body::Op(n) = k.body else { continue };
-                if matches!(graph.g[n].op, Op::AttentionGrad(_)) {
-                    // The backward as three kernels sharing one scratch.
-                    let Some(ls) =
+                let chosen = match graph.g[n].op {
+                    Op::AttentionGrad(_) => {
                         flash_backward(graph, &program, k, n, None, options.deterministic, arch)
-                    else {
-                        continue;
+                    }
+                    Op::Attention(_) => {
+                        flash_forward(graph, &program, k, n, None, arch).map(|f| vec![f])
+                    }
+                    _ => None,
+                };
+                let Some(chosen) = chosen else { continue };
+                let mut steps = Vec::new();
+                for f in chosen {
+                    let l = f.launch;
+                    let Some([x, y, z]) = l.grid(&env) else {
+                        steps.clear();
+                        break;
                     };
-                    let mut steps = Vec::new();
-                    for l in ls {
-                        let (Some([x, y, z]), Some(elems)) =
-                            (l.grid(&env), l.scratch_f32_elems.eval(&env))
-                        else {
+                    if let Some(elems) = &l.scratch_f32 {
+                        let Some(elems) = elems.eval(&env) else {
                             steps.clear();
                             break;
                         };
                         scratch_bytes = scratch_bytes.max(4 * elems.max(0) as u64);
-                        sources.push((l.name.clone(), l.source));
-                        steps.push(MultiLaunch {
-                            name: l.name,
-                            source: sources.len() - 1,
-                            grid: (x as u32, y as u32, z as u32),
-                            block: l.block,
-                            smem: l.dynamic_smem_bytes as u32,
-                            scratch: true,
-                            maps: l.tensor_maps,
-                        });
                     }
-                    if !steps.is_empty() {
-                        multi.insert(k.name.clone(), steps);
-                    }
-                    continue;
-                }
-                if !matches!(graph.g[n].op, Op::Attention(_)) {
-                    continue;
-                }
-                let Some((text, launch)) = flash_kernel(graph, &program, k, n, None, arch) else {
-                    continue;
-                };
-                let Some([x, y, z]) = launch.grid(&env) else {
-                    continue;
-                };
-                // In place of the plan's kernel, under its name.
-                if let Some(si) = sources.iter().position(|(name, _)| *name == k.name) {
-                    sources[si].1 = text;
-                    let step = MultiLaunch {
-                        name: k.name.clone(),
-                        source: si,
-                        grid: (x as u32, y as u32, z as u32),
-                        block: launch.block,
-                        smem: launch.dynamic_smem_bytes as u32,
-                        scratch: false,
-                        maps: launch.tensor_maps,
+                    // The forward runs in place of the plan's kernel, under its name.
+                    let source = match sources.iter().position(|(name, _)| *name == l.name) {
+                        Some(si) => {
+                            sources[si].1 = l.source;
+                            si
+                        }
+                        None => {
+                            sources.push((l.name.clone(), l.source));
+                            sources.len() - 1
+                        }
                     };
-                    multi.insert(k.name.clone(), vec![step]);
+                    steps.push(MultiLaunch {
+                        name: l.name,
+                        source,
+                        grid: (x as u32, y as u32, z as u32),
+                        block: l.block,
+                        smem: l.dynamic_smem_bytes as u32,
+                        scratch: l.scratch_f32.is_some(),
+                        maps: l.tensor_maps,
+                    });
+                }
+                if !steps.is_empty() {
+                    multi.insert(k.name.clone(), steps);
                 }
             }
         }

@@ -1,10 +1,10 @@
-//! The Hopper attention kernels' tensor maps (`emit/tma.rs`), encoded by
+//! The Hopper attention kernels' tensor maps (`emit/flash/tma.rs`), encoded by
 //! the driver for one launch's buffers and sizes and passed by value after
 //! the kernel's other arguments.
 
 use crate::RuntimeError;
 use cudarc::driver::sys;
-use fusec_compiler::emit::tma::{TensorMap, SWIZZLE_BYTES};
+use fusec_compiler::emit::flash::tma::TensorMap;
 
 /// A `CUtensorMap` as the kernel parameter takes it (128 bytes, 64-byte
 /// aligned).
@@ -51,7 +51,16 @@ pub fn encode(
             sizes.dims
         )));
     }
-    debug_assert_eq!(sizes.boxes[0] as u64 * 2, SWIZZLE_BYTES);
+    let swizzle = match map.swizzle {
+        128 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        64 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+        32 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_32B,
+        other => {
+            return Err(fail(format!(
+                "a swizzle of {other} bytes is not one the copies have"
+            )))
+        }
+    };
     let mut out = sys::CUtensorMap { opaque: [0; 16] };
     let element_strides = [1u32; 4];
     // SAFETY: every array holds the rank's entries (strides one fewer), and
@@ -67,7 +76,7 @@ pub fn encode(
             sizes.boxes.as_ptr(),
             element_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )

@@ -1,7 +1,7 @@
-//! The tensor-core FlashAttention kernels (`emit/flash.rs`,
-//! `emit/flash_bwd.rs`) on a real GPU against the kernel-IR interpreter:
+//! The tensor-core attention kernels (`kernels/attention/`, instantiated by
+//! `emit/flash/`) launched alone on a real GPU against the kernel-IR interpreter:
 //! the forward's O and log-sum-exp, the backward's dq, dk, dv, for head
-//! dims 64 and 128, lengths that are not tile multiples, causal and not,
+//! dims 40 to 256, lengths that are not tile multiples, causal and not,
 //! grouped query heads, q/k/v read from a fused projection; the forward is
 //! also timed at T = 1023. Skipped, with the reason, where there is no GPU
 //! (FUSEC_REQUIRE_GPU makes that a failure).
@@ -12,8 +12,7 @@ use common::{attention_model, gpu};
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;
-use fusec_compiler::emit::flash::{flash_kernel, FlashArch};
-use fusec_compiler::emit::flash_bwd::flash_backward;
+use fusec_compiler::emit::flash::{flash_backward, flash_forward, FlashArch};
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::tensor::Tensor;
 use fusec_compiler::interp::Precision;
@@ -166,7 +165,7 @@ fn launch(
         block_dim: (block, 1, 1),
         shared_mem_bytes: smem,
     };
-    // SAFETY: the arguments follow flash.rs's and flash_bwd.rs's launch contracts.
+    // SAFETY: the arguments follow emit/flash's launch contract.
     unsafe { l.launch(cfg) }.unwrap();
 }
 
@@ -175,7 +174,7 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
     let Some(gpu) = gpu() else { return };
     let mut failures = Vec::new();
     let mut cases = Vec::new();
-    for d in [64usize, 128] {
+    for d in [64usize, 80, 128, 256] {
         for (heads, ratio) in [(2usize, 1usize), (4, 4)] {
             for causal in [true, false] {
                 for t in [1i64, 17, 1000, 1023] {
@@ -195,9 +194,10 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
     {
         let case = Case::new(cfg, false, 5);
         let g = &case.c.optimized;
-        let (text, fl) = flash_kernel(g, &case.p, case.k(), case.node, None, arch)
-            .expect("a supported attention");
-        let (func, registers) = load(&gpu, &case.k().name, &text);
+        let fl = flash_forward(g, &case.p, case.k(), case.node, None, arch)
+            .expect("a supported attention")
+            .launch;
+        let (func, registers) = load(&gpu, &case.k().name, &fl.source);
         let smem = fl.dynamic_smem_bytes as u32;
         fusec_runtime::exec::allow_dynamic_smem(&func, &case.k().name, smem, &gpu, "-").unwrap();
         let bufs = case.upload(&gpu);
@@ -262,6 +262,9 @@ fn flash_backward_matches_the_interpreter() {
         ((128, 4, 4, true, 100), false, FlashArch::Sm80),
         ((64, 2, 1, true, 1000), true, FlashArch::Sm80),
         ((128, 4, 4, true, 100), true, FlashArch::Sm80),
+        ((96, 4, 4, true, 1000), false, FlashArch::Sm80),
+        ((256, 2, 1, true, 1000), false, FlashArch::Sm80),
+        ((256, 2, 1, false, 300), true, FlashArch::Sm80),
     ];
     if hopper {
         for cfg in [
@@ -271,6 +274,9 @@ fn flash_backward_matches_the_interpreter() {
             (128, 2, 1, false, 1023),
             (128, 4, 4, true, 100),
             (128, 2, 1, true, 1000),
+            (80, 8, 8, true, 1000),
+            (96, 2, 1, false, 1023),
+            (40, 4, 4, true, 300),
         ] {
             cases.push((cfg, false, FlashArch::Sm90a));
         }
@@ -278,11 +284,21 @@ fn flash_backward_matches_the_interpreter() {
     for (cfg, deterministic, arch) in cases {
         let case = Case::new(cfg, true, 6);
         let g = &case.c.optimized;
-        let launches = flash_backward(g, &case.p, case.k(), case.node, None, deterministic, arch)
-            .expect("a supported backward");
+        let launches: Vec<_> =
+            flash_backward(g, &case.p, case.k(), case.node, None, deterministic, arch)
+                .expect("a supported backward")
+                .into_iter()
+                .map(|f| f.launch)
+                .collect();
         let env = case.env();
         let bufs = case.upload(&gpu);
-        let elems = launches[0].scratch_f32_elems.eval(&env).unwrap().max(1) as usize;
+        let elems = launches[0]
+            .scratch_f32
+            .as_ref()
+            .unwrap()
+            .eval(&env)
+            .unwrap()
+            .max(1) as usize;
         let scratch = gpu.stream.clone_htod(&vec![0xffu8; 4 * elems]).unwrap();
         let ptrs: Vec<u64> = bufs.iter().map(|s| s.device_ptr(&gpu.stream).0).collect();
         let sizes: Vec<i64> = g.dims.iter().map(|d| case.dims[d]).collect();

@@ -87,12 +87,13 @@ pub fn kernel_buffers(
 
 /// The host compiler's command for one harness (C++20, threads, light
 /// optimisation, no warnings: generated code is not written for a host).
-/// The shims are found in tests/cuda_host and tests/flash_host, after the
-/// harness's own folder (where a test may put a changed copy).
+/// The shims are found in tests/cuda_host and tests/flash_host and the
+/// templates in kernels/, after the harness's own folder (where a test may
+/// put a changed copy).
 pub fn cxx(src: &Path, exe: &Path) -> Command {
     let mut c = Command::new("c++");
     c.args(["-std=c++20", "-pthread", "-O1", "-w"]);
-    for dir in ["tests/cuda_host", "tests/flash_host"] {
+    for dir in ["tests/cuda_host", "tests/flash_host", "kernels"] {
         c.arg("-I").arg(super::root().join(dir));
     }
     c.arg("-o").arg(exe).arg(src);

@@ -1,6 +1,7 @@
 //! Helpers shared by the end-to-end tests.
 #![allow(dead_code)]
 
+pub mod flash;
 pub mod host;
 mod nvrtc_ready;
 mod tiny;

@@ -197,27 +197,30 @@ static void fs_emu_ldsm_x4(unsigned (&r)[4], const unsigned short* row, bool tra
 // bytes apart along M or N. K-major: a core matrix's rows are 8 values of
 // M/N, its 16 bytes 8 values of K; MN-major the other way round.
 //
-// With the 128-byte swizzle (`sw` = 128; the PTX ISA's layout type 1) rows
-// are 128 bytes: K-major, row mn % 8 of an 8-row group at byte 128 (mn % 8),
-// groups `sbo` apart, K contiguous within the row (a start 32 bytes further
-// per 16 of K); MN-major, row k % 8 at 128 (k % 8), groups of 8 k `sbo`
-// apart, 64 MN-values contiguous within the row and the next 64 `lbo` bytes
-// further. The byte address then has its 16-byte chunk bits (4..6) XORed
-// with its row bits (7..9), as the TMA copy wrote it.
+// With a swizzle (`sw` = 128, 64 or 32 bytes a row: the PTX ISA's layout
+// types 1, 2 and 3) rows are `sw` bytes: K-major, row mn % 8 of an 8-row
+// group at byte sw * (mn % 8), groups `sbo` apart, K contiguous within the
+// row (a start 32 bytes further per 16 of K); MN-major, row k % 8 at
+// sw * (k % 8), groups of 8 k `sbo` apart, sw / 2 MN-values contiguous
+// within the row and the next sw / 2 `lbo` bytes further. The byte address
+// then has its 16-byte chunk bits (4 and up) XORed with its row bits (7 and
+// up), over log2(sw / 16) bits, as the TMA copy wrote it.
 static float fs_emu_desc_elem(const unsigned char* p, unsigned lbo, unsigned sbo, unsigned sw, int mn, int k, bool mn_major,
                               bool bf16) {
     const unsigned char* at;
     if (sw == 0) {
         at = p + (mn / 8) * sbo + (k / 8) * lbo + (mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2);
     } else {
-        if (sw != 128 || (reinterpret_cast<uintptr_t>(p) >> 7) % 8 != 0) {
+        if ((sw != 128 && sw != 64 && sw != 32) || (reinterpret_cast<uintptr_t>(p) / sw) % 8 != 0) {
             fprintf(stderr, "wgmma: a swizzled descriptor's matrix does not start on an 8-row boundary\n");
             exit(5);
         }
+        const int atom = sw / 2;
         const uintptr_t a = reinterpret_cast<uintptr_t>(p) +
-                            (mn_major ? (mn / 64) * lbo + (mn % 64) * 2 + (k % 8) * 128 + (k / 8) * sbo
-                                      : (mn % 8) * 128 + (mn / 8) * sbo + k * 2);
-        at = reinterpret_cast<const unsigned char*>(a ^ (((a >> 7) & 7) << 4));
+                            (mn_major ? (mn / atom) * lbo + (mn % atom) * 2 + (k % 8) * sw + (k / 8) * sbo
+                                      : (mn % 8) * sw + (mn / 8) * sbo + k * 2);
+        const uintptr_t mask = sw == 128 ? 7 : sw == 64 ? 3 : 1;
+        at = reinterpret_cast<const unsigned char*>(a ^ (((a >> 7) & mask) << 4));
     }
     unsigned short bits;
     memcpy(&bits, at, 2);

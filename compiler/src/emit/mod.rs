@@ -3,15 +3,120 @@ pub mod attention;
 pub mod conv;
 pub mod cuda;
 pub mod flash;
-pub mod flash_bwd;
-pub mod flash_bwd_sm90;
-pub mod flash_sm90;
 pub mod group;
+pub mod launch;
 pub mod multi;
 pub mod templates;
-pub mod tma;
 
 /// The shared device functions every generated kernel includes.
 pub const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
 /// The name generated sources include the prelude by.
 pub const PRELUDE_NAME: &str = "fusec_prelude.cuh";
+
+/// The hand-written templates under `kernels/` that generated sources
+/// include, by their path there.
+pub const HEADERS: &[(&str, &str)] = &[
+    (
+        "attention/common.cuh",
+        include_str!("../../../kernels/attention/common.cuh"),
+    ),
+    (
+        "attention/sm90.cuh",
+        include_str!("../../../kernels/attention/sm90.cuh"),
+    ),
+    (
+        "attention/wgmma_ops.cuh",
+        include_str!("../../../kernels/attention/wgmma_ops.cuh"),
+    ),
+    (
+        "attention/forward_sm80.cuh",
+        include_str!("../../../kernels/attention/forward_sm80.cuh"),
+    ),
+    (
+        "attention/forward_sm90.cuh",
+        include_str!("../../../kernels/attention/forward_sm90.cuh"),
+    ),
+    (
+        "attention/backward.cuh",
+        include_str!("../../../kernels/attention/backward.cuh"),
+    ),
+    (
+        "attention/backward_sm80.cuh",
+        include_str!("../../../kernels/attention/backward_sm80.cuh"),
+    ),
+    (
+        "attention/backward_sm90.cuh",
+        include_str!("../../../kernels/attention/backward_sm90.cuh"),
+    ),
+];
+
+/// `source` as one translation unit: every `#include "..."` of the prelude
+/// or of a header in [`HEADERS`] (by its path, or relative to the including
+/// header's folder) replaced by its text, each once; what NVRTC compiles and
+/// what the kernel cache keys on, so a change to a template recompiles
+/// every kernel that includes it.
+pub fn expand_includes(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut seen: Vec<&str> = Vec::new();
+    expand(source, "", &mut seen, &mut out);
+    out
+}
+
+fn expand(text: &str, dir: &str, seen: &mut Vec<&str>, out: &mut String) {
+    for line in text.split_inclusive('\n') {
+        let name = line
+            .trim()
+            .strip_prefix("#include \"")
+            .and_then(|r| r.strip_suffix('"'));
+        let Some(name) = name else {
+            out.push_str(line);
+            continue;
+        };
+        if name == PRELUDE_NAME {
+            if !seen.contains(&PRELUDE_NAME) {
+                seen.push(PRELUDE_NAME);
+                out.push_str(PRELUDE);
+                out.push('\n');
+            }
+            continue;
+        }
+        let relative = format!("{dir}{name}");
+        match HEADERS
+            .iter()
+            .find(|(path, _)| *path == name || *path == relative)
+        {
+            Some((path, text)) => {
+                if !seen.contains(path) {
+                    seen.push(path);
+                    let dir = path.rfind('/').map_or("", |i| &path[..=i]);
+                    expand(text, dir, seen, out);
+                    if !out.ends_with('\n') {
+                        out.push('\n');
+                    }
+                }
+            }
+            None => out.push_str(line),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn includes_are_pasted_once_each() {
+        let src = "#include \"fusec_prelude.cuh\"\n#include \"attention/forward_sm80.cuh\"\n#include \"attention/backward_sm80.cuh\"\nint x;\n";
+        let out = expand_includes(src);
+        assert!(!out.contains("#include \""), "{out}");
+        assert_eq!(out.matches("#define FS_ATTENTION_COMMON").count(), 1);
+        assert_eq!(out.matches("typedef long long fs_i64;").count(), 1);
+        assert!(out.ends_with("int x;\n"));
+    }
+
+    #[test]
+    fn an_unknown_include_stays() {
+        let out = expand_includes("#include \"nowhere.cuh\"\n");
+        assert_eq!(out, "#include \"nowhere.cuh\"\n");
+    }
+}

@@ -6,6 +6,7 @@
 
 use super::*;
 use crate::ir::print::num;
+use rayon::prelude::*;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Attention {
@@ -140,28 +141,34 @@ impl OpDef for Attention {
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
         let m = Dims::of(q, k, v);
-        let mut out = vec![0.0; m.b * m.t * m.hq * m.dv];
-        let mut lse = vec![0.0; m.b * m.hq * m.t];
-        for b in 0..m.b {
-            for h in 0..m.hq {
-                for i in 0..m.t {
-                    let s = scores(self, &m, q, k, b, i, h);
-                    let mx = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    let sum: f64 = s.iter().map(|x| (x - mx).exp()).sum();
-                    lse[(b * m.hq + h) * m.t + i] = mx + sum.ln();
-                    let o = m.o(b, i, h);
-                    for (j, sj) in s.iter().enumerate() {
-                        let p = (sj - mx).exp() / sum;
-                        if p == 0.0 {
-                            continue;
-                        }
-                        let vr = m.v(b, j, h);
-                        for c in 0..m.dv {
-                            out[o + c] += p * v.data[vr + c];
-                        }
+        // Every (batch, head, query) row on its own, on every core.
+        let rows: Vec<(Vec<f64>, f64)> = (0..m.b * m.hq * m.t)
+            .into_par_iter()
+            .map(|r| {
+                let (b, h, i) = (r / (m.hq * m.t), r / m.t % m.hq, r % m.t);
+                let s = scores(self, &m, q, k, b, i, h);
+                let mx = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+                let mut o = vec![0.0; m.dv];
+                for (j, sj) in s.iter().enumerate() {
+                    let p = (sj - mx).exp() / sum;
+                    if p == 0.0 {
+                        continue;
+                    }
+                    let vr = m.v(b, j, h);
+                    for (c, x) in o.iter_mut().enumerate() {
+                        *x += p * v.data[vr + c];
                     }
                 }
-            }
+                (o, mx + sum.ln())
+            })
+            .collect();
+        let mut out = vec![0.0; m.b * m.t * m.hq * m.dv];
+        let mut lse = vec![0.0; m.b * m.hq * m.t];
+        for (r, (o, l)) in rows.into_iter().enumerate() {
+            let (b, h, i) = (r / (m.hq * m.t), r / m.t % m.hq, r % m.t);
+            lse[r] = l;
+            out[m.o(b, i, h)..m.o(b, i, h) + m.dv].copy_from_slice(&o);
         }
         vec![
             Tensor::new(vec![m.b, m.t, m.hq, m.dv], out),
@@ -217,37 +224,86 @@ impl OpDef for AttentionGrad {
             causal: self.causal,
             scale: self.scale,
         };
-        let mut dq = vec![0.0; q.len()];
-        let mut dk = vec![0.0; k.len()];
-        let mut dv = vec![0.0; v.len()];
-        for b in 0..m.b {
-            for h in 0..m.hq {
-                for i in 0..m.t {
-                    let s = scores(&fwd, &m, q, k, b, i, h);
-                    let l = lse.data[(b * m.hq + h) * m.t + i];
-                    let oi = m.o(b, i, h);
-                    let d_o = &dout.data[oi..oi + m.dv];
-                    // D_i = rowsum(dO * O), the FlashAttention-2 shortcut.
-                    let di = dot(d_o, &o.data[oi..oi + m.dv]);
-                    let qi = m.q(b, i, h);
-                    for (j, sj) in s.iter().enumerate() {
-                        let p = (sj - l).exp();
+        // With P = exp(S - lse), delta_i = rowsum(dO_i * O_i) (the
+        // FlashAttention-2 shortcut) and dS = P (dO V^T - delta) scale: dQ row
+        // by row over the keys, then dK and dV row by row over the queries of
+        // the key's group, each row on its own, on every core.
+        let delta: Vec<f64> = (0..m.b * m.hq * m.t)
+            .into_par_iter()
+            .map(|r| {
+                let (b, h, i) = (r / (m.hq * m.t), r / m.t % m.hq, r % m.t);
+                let oi = m.o(b, i, h);
+                dot(&dout.data[oi..oi + m.dv], &o.data[oi..oi + m.dv])
+            })
+            .collect();
+        let row = |b: usize, h: usize, i: usize| (b * m.hq + h) * m.t + i;
+        // (p, ds) of query i of head h and key j.
+        let p_ds = |b: usize, h: usize, i: usize, j: usize, s: f64| -> (f64, f64) {
+            let p = (s - lse.data[row(b, h, i)]).exp();
+            let oi = m.o(b, i, h);
+            let vj = m.v(b, j, h);
+            let dp = dot(&dout.data[oi..oi + m.dv], &v.data[vj..vj + m.dv]);
+            (p, p * (dp - delta[row(b, h, i)]) * self.scale)
+        };
+        let dq_rows: Vec<Vec<f64>> = (0..m.b * m.hq * m.t)
+            .into_par_iter()
+            .map(|r| {
+                let (b, h, i) = (r / (m.hq * m.t), r / m.t % m.hq, r % m.t);
+                let mut dqi = vec![0.0; m.d];
+                for (j, sj) in scores(&fwd, &m, q, k, b, i, h).into_iter().enumerate() {
+                    let (p, ds) = p_ds(b, h, i, j, sj);
+                    if p == 0.0 {
+                        continue;
+                    }
+                    let kj = m.k(b, j, h);
+                    for (c, x) in dqi.iter_mut().enumerate() {
+                        *x += ds * k.data[kj + c];
+                    }
+                }
+                dqi
+            })
+            .collect();
+        let group = m.hq / m.hk;
+        let kv_rows: Vec<(Vec<f64>, Vec<f64>)> = (0..m.b * m.hk * m.s)
+            .into_par_iter()
+            .map(|r| {
+                let (b, hk, j) = (r / (m.hk * m.s), r / m.s % m.hk, r % m.s);
+                let (mut dkj, mut dvj) = (vec![0.0; m.d], vec![0.0; m.dv]);
+                for h in hk * group..(hk + 1) * group {
+                    let kj = m.k(b, j, h);
+                    for i in 0..m.t {
+                        if self.causal && j > i {
+                            continue;
+                        }
+                        let qi = m.q(b, i, h);
+                        let s = self.scale * dot(&q.data[qi..qi + m.d], &k.data[kj..kj + m.d]);
+                        let (p, ds) = p_ds(b, h, i, j, s);
                         if p == 0.0 {
                             continue;
                         }
-                        let (kj, vj) = (m.k(b, j, h), m.v(b, j, h));
-                        for c in 0..m.dv {
-                            dv[vj + c] += p * d_o[c];
+                        let oi = m.o(b, i, h);
+                        for (c, x) in dvj.iter_mut().enumerate() {
+                            *x += p * dout.data[oi + c];
                         }
-                        let dp = dot(d_o, &v.data[vj..vj + m.dv]);
-                        let ds = p * (dp - di) * self.scale;
-                        for c in 0..m.d {
-                            dq[qi + c] += ds * k.data[kj + c];
-                            dk[kj + c] += ds * q.data[qi + c];
+                        for (c, x) in dkj.iter_mut().enumerate() {
+                            *x += ds * q.data[qi + c];
                         }
                     }
                 }
-            }
+                (dkj, dvj)
+            })
+            .collect();
+        let mut dq = vec![0.0; q.len()];
+        for (r, x) in dq_rows.into_iter().enumerate() {
+            let (b, h, i) = (r / (m.hq * m.t), r / m.t % m.hq, r % m.t);
+            dq[m.q(b, i, h)..m.q(b, i, h) + m.d].copy_from_slice(&x);
+        }
+        let (mut dk, mut dv) = (vec![0.0; k.len()], vec![0.0; v.len()]);
+        for (r, (x, y)) in kv_rows.into_iter().enumerate() {
+            let (b, hk, j) = (r / (m.hk * m.s), r / m.s % m.hk, r % m.s);
+            let (kj, vj) = (m.k(b, j, hk * group), m.v(b, j, hk * group));
+            dk[kj..kj + m.d].copy_from_slice(&x);
+            dv[vj..vj + m.dv].copy_from_slice(&y);
         }
         vec![
             Tensor::new(q.shape.clone(), dq),

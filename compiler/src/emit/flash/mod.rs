@@ -1,0 +1,470 @@
+//! The tensor-core attention: which `kernels/attention/` template runs each
+//! `attention` and `attention_grad` op on an architecture, with which
+//! parameters, and how it is launched. The algorithms live in the templates
+//! (CUDA C++ a person can read and compile on their own); what is written
+//! here is the choice and a small `extern "C"` wrapper per op
+//! (`wrapper.rs`) that fills the template's arguments from the op's views.
+//!
+//! Any bf16 or f16 attention whose head dims (of q and k, and of v) are
+//! multiples of 8 up to 256, with constant head counts and 16-byte aligned
+//! contiguous rows, runs on tensor cores; the head dims are padded to whole
+//! tensor-core steps inside the tiles. Anything else keeps the plan's simple
+//! kernels (`emit/attention.rs`), and the build report names it.
+//!
+//! - Forward: `ForwardSm90` (wgmma, TMA, warp-specialized) on sm_90a where
+//!   q, k and v can be described to the tensor copies, else `ForwardSm80`
+//!   (mma.sync).
+//! - Backward, atomic scheme (the default): `Delta` (which also clears an
+//!   f32 dQ sum), the dK/dV kernel adding each tile's dS K into that sum by
+//!   atomics (`DkDvDqSm90` on sm_90a up to 128 padded features, else
+//!   `DkDvSm80<ATOMIC>`), then `DqStore`. Deterministic scheme: `Delta`,
+//!   `DkDvSm80`, `DqSm80`, no atomics.
+//!
+//! # Launch contract
+//!
+//! Every kernel takes the plan kernel's arguments (its inputs and outputs
+//! as arena addresses, the kernel applying the views itself, then every
+//! symbolic size as `long long`); backward kernels then one `float*`
+//! scratch of [`KernelLaunch::scratch_f32`] elements, the same buffer for
+//! the three launches of one op (its contents on entry irrelevant: the
+//! first writes what the others read); Hopper kernels last their tensor
+//! maps by value. Grid, block and dynamic shared memory are the launch's.
+//! Every buffer is 16-byte aligned (the arena aligns to 256).
+
+pub mod templates;
+pub mod tma;
+mod wrapper;
+
+use super::attention::Access;
+use super::launch::{GridAxis, KernelLaunch};
+use super::templates::Ctx;
+use crate::ir::types::DType;
+use crate::ir::{Dim, Graph};
+use crate::kernel::{Kernel, Program};
+use crate::ops::Op;
+use petgraph::stable_graph::NodeIndex;
+use templates::Instance;
+use tma::TensorMap;
+use wrapper::{fill_sizes, Fill};
+
+/// Which tensor-core instructions the attention kernels are written with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashArch {
+    /// `mma.sync.m16n8k16` and `ldmatrix`: sm_80 and newer.
+    Sm80,
+    /// `wgmma.mma_async` from shared-memory descriptors and bulk tensor
+    /// copies: sm_90a only, compiled for `sm_90a`.
+    Sm90a,
+}
+
+impl FlashArch {
+    /// The best kernel family for a GPU of compute capability `cap`; `None`
+    /// before sm_80 (no bf16 mma).
+    pub fn for_capability(cap: (i32, i32)) -> Option<FlashArch> {
+        match cap {
+            (9, 0) => Some(FlashArch::Sm90a),
+            c if c >= (8, 0) => Some(FlashArch::Sm80),
+            _ => None,
+        }
+    }
+}
+
+/// Which job a launch does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// O and the log-sum-exp.
+    Forward,
+    /// delta = rowsum(dO * O) into the scratch (and, atomic scheme, the dQ
+    /// sum cleared).
+    Delta,
+    /// dK and dV.
+    DkDv,
+    /// dQ (deterministic scheme).
+    Dq,
+    /// dK and dV, and dQ summed with atomics into the scratch.
+    DkDvDq,
+    /// dQ = scale * the scratch's sum, in dQ's type.
+    DqStore,
+}
+
+impl Stage {
+    /// The suffix of a backward launch's kernel name.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Stage::Forward => "",
+            Stage::Delta => "delta",
+            Stage::DkDv => "dkdv",
+            Stage::Dq => "dq",
+            Stage::DkDvDq => "dkdvdq",
+            Stage::DqStore => "dqstore",
+        }
+    }
+}
+
+/// One tensor-core attention kernel and its launch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FlashKernel {
+    pub stage: Stage,
+    pub launch: KernelLaunch,
+}
+
+/// An attention op's sizes when the tensor-core kernels support it.
+pub(crate) struct Config {
+    pub(crate) batch: Dim,
+    pub(crate) q_len: Dim,
+    pub(crate) kv_len: Dim,
+    pub(crate) q_heads: Dim,
+    pub(crate) kv_heads: Dim,
+    pub(crate) d: u64,
+    pub(crate) dv: u64,
+    pub(crate) group: i64,
+    pub(crate) causal: bool,
+    pub(crate) scale: f64,
+    pub(crate) dt: DType,
+}
+
+/// The largest head dim on tensor cores.
+pub const MAX_HEAD_DIM: u64 = 256;
+
+impl Config {
+    /// For op `n` with q, k, v its inputs 0..3: `None` unless they are bf16
+    /// or f16 with head dims that are multiples of 8 up to 256, the head
+    /// counts are constants, the inputs in `tiled` have 16-byte aligned
+    /// contiguous rows, the inputs and outputs listed as f32 are f32 and
+    /// every other one has q's dtype.
+    fn of(
+        g: &Graph,
+        c: &Ctx,
+        n: NodeIndex,
+        (causal, scale): (bool, f64),
+        tiled: &[usize],
+        f32_in: &[usize],
+        f32_out: &[usize],
+    ) -> Option<Config> {
+        let ins = g.inputs(n);
+        if c.ins.len() != ins.len() || c.outs.len() != g.g[n].outputs.len() {
+            return None;
+        }
+        let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
+        let dt = q.dtype;
+        let want = |f32: bool| if f32 { DType::F32 } else { dt };
+        if !matches!(dt, DType::BF16 | DType::F16)
+            || (0..ins.len()).any(|i| c.in_dt(i) != want(f32_in.contains(&i)))
+            || (0..c.outs.len()).any(|o| c.out_dt(o) != want(f32_out.contains(&o)))
+        {
+            return None;
+        }
+        let d = u64::try_from(q.shape[3].as_const()?).ok()?;
+        let dv = u64::try_from(v.shape[3].as_const()?).ok()?;
+        let fits = |x: u64| x > 0 && x.is_multiple_of(8) && x <= MAX_HEAD_DIM;
+        if !fits(d) || !fits(dv) || k.shape[3].as_const()? != d as i64 {
+            return None;
+        }
+        let group = q.shape[2].as_const()? / k.shape[2].as_const().filter(|&h| h > 0)?;
+        if group < 1
+            || !tiled
+                .iter()
+                .all(|&i| Access::input(g, c, n, i).rows_aligned())
+        {
+            return None;
+        }
+        Some(Config {
+            batch: q.shape[0].clone(),
+            q_len: q.shape[1].clone(),
+            kv_len: k.shape[1].clone(),
+            q_heads: q.shape[2].clone(),
+            kv_heads: k.shape[2].clone(),
+            d,
+            dv,
+            group,
+            causal,
+            scale,
+            dt,
+        })
+    }
+
+    /// Whether the scale can go into the exponent after the row max: the
+    /// test is on the f32 factor the kernel uses, as one that rounds to 0
+    /// would make a masked score's -inf * 0 a NaN.
+    fn scale_in_exp(&self) -> bool {
+        (self.scale * std::f64::consts::LOG2_E) as f32 > 0.0
+    }
+
+    fn elem_name(&self) -> &'static str {
+        if self.dt == DType::F16 {
+            "f16"
+        } else {
+            "bf16"
+        }
+    }
+
+    /// One line on what the kernel computes, for its source's comment.
+    fn about(&self) -> String {
+        format!(
+            "{}, head dims {} (q, k) and {} (v), {}, {} query head{} per key/value head",
+            self.elem_name(),
+            self.d,
+            self.dv,
+            if self.causal { "causal" } else { "not causal" },
+            self.group,
+            if self.group == 1 { "" } else { "s" }
+        )
+    }
+}
+
+/// The forward's kernel for attention op `n` in plan kernel `k` (its inputs
+/// q, k, v and outputs O, lse in op order) on `arch`, under the plan
+/// kernel's name; `None` when the op is not supported (see the module docs).
+pub fn flash_forward(
+    g: &Graph,
+    p: &Program,
+    k: &Kernel,
+    n: NodeIndex,
+    source: Option<&str>,
+    arch: FlashArch,
+) -> Option<FlashKernel> {
+    let c = Ctx::for_op(g, p, k, n);
+    let Op::Attention(op) = &g.g[n].op else {
+        return None;
+    };
+    let cfg = Config::of(g, &c, n, (op.causal, op.scale), &[0, 1, 2], &[], &[1])?;
+    let (dt, d, dv, causal, fold) = (cfg.dt, cfg.d, cfg.dv, cfg.causal, cfg.scale_in_exp());
+    let mut f = Fill::new();
+    f.heads("q", &Access::input(g, &c, n, 0));
+    f.heads("k", &Access::input(g, &c, n, 1));
+    f.heads("v", &Access::input(g, &c, n, 2));
+    f.heads("o", &Access::output(g, &c, n, 0));
+    f.rows("lse", &Access::output(g, &c, n, 1));
+    fill_sizes(&mut f, &cfg);
+    let hopper = if arch == FlashArch::Sm90a {
+        let (inst, tile_k) = templates::forward_sm90(dt, d, dv, causal, fold);
+        let maps = [
+            (1, "tm_k", templates::pad16(d)),
+            (2, "tm_v", templates::pad16(dv)),
+        ]
+        .into_iter()
+        .map(|(i, name, padded)| TensorMap::of_input(g, &c, n, i, name, tile_k, padded))
+        .collect::<Option<Vec<_>>>();
+        maps.map(|m| (inst, m))
+    } else {
+        None
+    };
+    let (inst, maps, about) = match hopper {
+        Some((inst, maps)) => (
+            inst,
+            maps,
+            "FlashAttention forward on Hopper tensor cores (kernels/attention/forward_sm90.cuh)",
+        ),
+        None => (
+            templates::forward_sm80(dt, d, dv, causal, fold),
+            Vec::new(),
+            "FlashAttention-2 forward on tensor cores (kernels/attention/forward_sm80.cuh)",
+        ),
+    };
+    let about = format!("{about}:\n{}.", cfg.about());
+    let grid = [
+        GridAxis::new(cfg.q_len.clone(), inst.tile),
+        GridAxis::new(cfg.q_heads.clone(), 1),
+        GridAxis::new(cfg.batch.clone(), 1),
+    ];
+    let source = wrapper::kernel(
+        g,
+        &c,
+        source,
+        &k.name,
+        &about,
+        &inst,
+        "ForwardArgs",
+        &f,
+        false,
+        &maps,
+    );
+    Some(FlashKernel {
+        stage: Stage::Forward,
+        launch: launch(&k.name, source, &inst, grid, None, maps),
+    })
+}
+
+/// One backward kernel chosen: its job, the template instance, its grid,
+/// the tensor maps it takes and what it does (for its source's comment).
+struct Planned(Stage, Instance, [GridAxis; 3], Vec<TensorMap>, &'static str);
+
+fn launch(
+    name: &str,
+    source: String,
+    inst: &Instance,
+    mut grid: [GridAxis; 3],
+    scratch: Option<Dim>,
+    maps: Vec<TensorMap>,
+) -> KernelLaunch {
+    grid[0].copies = inst.parts;
+    KernelLaunch {
+        name: name.to_string(),
+        source,
+        template: Some(inst.ty.clone()),
+        arch_specific: inst.sm90,
+        grid,
+        block: inst.threads,
+        dynamic_smem_bytes: inst.smem,
+        scratch_f32: scratch,
+        tensor_maps: maps,
+    }
+}
+
+/// The backward's kernels for `attention_grad` op `n` in plan kernel `k`
+/// (its inputs q, k, v, o, lse, dO and outputs dq, dk, dv in op order), in
+/// launch order, on `arch`; `None` when the op is not supported (see the
+/// module docs). `deterministic` picks the scheme: delta, dK/dV and dQ
+/// (every product recomputed where it is needed: 7 tile products, no
+/// atomics, bit-identical from run to run), or delta (which also clears an
+/// f32 dQ sum), dK/dV with dQ added into that sum by atomics, and a pass
+/// that stores dQ (5 tile products, as FlashAttention-2 does; the order of
+/// the additions, so dQ's last bits, vary between runs).
+pub fn flash_backward(
+    g: &Graph,
+    p: &Program,
+    k: &Kernel,
+    n: NodeIndex,
+    source: Option<&str>,
+    deterministic: bool,
+    arch: FlashArch,
+) -> Option<Vec<FlashKernel>> {
+    let c = Ctx::for_op(g, p, k, n);
+    let Op::AttentionGrad(op) = &g.g[n].op else {
+        return None;
+    };
+    // q, k, v, o and dO are read in 16-byte tiles; lse is f32.
+    let cfg = Config::of(g, &c, n, (op.causal, op.scale), &[0, 1, 2, 3, 5], &[4], &[])?;
+    let (dt, d, dv, causal) = (cfg.dt, cfg.d, cfg.dv, cfg.causal);
+    let mut f = Fill::new();
+    for (i, field) in ["q", "k", "v", "o", "dout"].into_iter().enumerate() {
+        f.heads(field, &Access::input(g, &c, n, if i == 4 { 5 } else { i }));
+    }
+    f.rows("lse", &Access::input(g, &c, n, 4));
+    for (o, field) in ["dq", "dk", "dv"].into_iter().enumerate() {
+        f.heads(field, &Access::output(g, &c, n, o));
+    }
+    f.set("batch", cfg.batch.to_c());
+    f.set("q_heads", cfg.q_heads.to_c());
+    fill_sizes(&mut f, &cfg);
+    f.set("scale", crate::emit::cuda::float_lit(cfg.scale));
+    let rows = cfg
+        .batch
+        .checked_mul(&cfg.q_heads)?
+        .checked_mul(&cfg.q_len)?;
+    // Deterministic: delta [B, Hq, T]. Atomic: the dQ sum [B, Hq, T, D]
+    // first (16-byte aligned rows for the vector reductions), then delta.
+    let scratch = if deterministic {
+        rows
+    } else {
+        rows.checked_mul(&Dim::constant(d as i64 + 1))?
+    };
+    let q_grid = |tile: u64| {
+        [
+            GridAxis::new(cfg.q_len.clone(), tile),
+            GridAxis::new(cfg.q_heads.clone(), 1),
+            GridAxis::new(cfg.batch.clone(), 1),
+        ]
+    };
+    let kv_grid = |tile: u64| {
+        [
+            GridAxis::new(cfg.kv_len.clone(), tile),
+            GridAxis::new(cfg.kv_heads.clone(), 1),
+            GridAxis::new(cfg.batch.clone(), 1),
+        ]
+    };
+    let hopper_maps = || {
+        [
+            (0, "tm_q", templates::pad16(d)),
+            (5, "tm_do", templates::pad16(dv)),
+        ]
+        .into_iter()
+        .map(|(i, name, padded)| TensorMap::of_input(g, &c, n, i, name, 64, padded))
+        .collect::<Option<Vec<_>>>()
+    };
+    let mut stages: Vec<Planned> = Vec::new();
+    let delta = templates::delta(dt, d, dv, !deterministic);
+    stages.push(Planned(
+        Stage::Delta,
+        delta.clone(),
+        q_grid(delta.tile),
+        Vec::new(),
+        "FlashAttention-2 backward, kernel 1 of 3: delta = rowsum(dO * O) (kernels/attention/backward.cuh)",
+    ));
+    if deterministic {
+        let dkdv = templates::dkdv_sm80(dt, d, dv, causal, false);
+        stages.push(Planned(
+            Stage::DkDv,
+            dkdv.clone(),
+            kv_grid(dkdv.tile),
+            Vec::new(),
+            "FlashAttention-2 backward, kernel 2 of 3: dK and dV on tensor cores (kernels/attention/backward_sm80.cuh)",
+        ));
+        let dq = templates::dq_sm80(dt, d, dv, causal);
+        stages.push(Planned(
+            Stage::Dq,
+            dq.clone(),
+            q_grid(dq.tile),
+            Vec::new(),
+            "FlashAttention-2 backward, kernel 3 of 3: dQ on tensor cores (kernels/attention/backward_sm80.cuh)",
+        ));
+    } else {
+        let hopper = (arch == FlashArch::Sm90a && templates::dkdvdq_sm90_fits(d, dv))
+            .then(hopper_maps)
+            .flatten();
+        match hopper {
+            Some(maps) => {
+                let inst = templates::dkdvdq_sm90(dt, d, dv, causal);
+                stages.push(Planned(
+                    Stage::DkDvDq,
+                    inst.clone(),
+                    kv_grid(inst.tile),
+                    maps,
+                    "FlashAttention backward on Hopper tensor cores, kernel 2 of 3: dK, dV and dQ (kernels/attention/backward_sm90.cuh)",
+                ));
+            }
+            None => {
+                let inst = templates::dkdv_sm80(dt, d, dv, causal, true);
+                stages.push(Planned(
+                    Stage::DkDvDq,
+                    inst.clone(),
+                    kv_grid(inst.tile),
+                    Vec::new(),
+                    "FlashAttention-2 backward, kernel 2 of 3: dK, dV and dQ by atomics on tensor cores (kernels/attention/backward_sm80.cuh)",
+                ));
+            }
+        }
+        let store = templates::dq_store(dt, d);
+        stages.push(Planned(
+            Stage::DqStore,
+            store.clone(),
+            q_grid(store.tile),
+            Vec::new(),
+            "FlashAttention-2 backward, kernel 3 of 3: dQ = scale * the f32 sum (kernels/attention/backward.cuh)",
+        ));
+    }
+    let out = stages
+        .into_iter()
+        .map(|Planned(stage, inst, grid, maps, about)| {
+            let name = format!("{}_{}", k.name, stage.suffix());
+            let about = format!("{about}:\n{}.", cfg.about());
+            let source = wrapper::kernel(
+                g,
+                &c,
+                source,
+                &name,
+                &about,
+                &inst,
+                "BackwardArgs",
+                &f,
+                true,
+                &maps,
+            );
+            FlashKernel {
+                stage,
+                launch: launch(&name, source, &inst, grid, Some(scratch.clone()), maps),
+            }
+        })
+        .collect();
+    Some(out)
+}

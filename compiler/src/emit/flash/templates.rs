@@ -1,0 +1,271 @@
+//! The `kernels/attention/` templates as the emitter instantiates them:
+//! for each, the C++ type, the header that defines it, and the launch
+//! constants it exposes (threads, rows per block, dynamic shared memory),
+//! worked out here as the template works them out. The wrapper
+//! `static_assert`s every one of them against the template's own, so a
+//! change on one side that the other misses fails to compile.
+
+use crate::ir::types::DType;
+
+/// `x` rounded up to a multiple of `m` (`fs_attn::round_up`).
+pub(crate) fn round_up(x: u64, m: u64) -> u64 {
+    x.div_ceil(m) * m
+}
+
+/// Head dims are padded to whole tensor-core steps inside the tiles.
+pub(crate) fn pad16(d: u64) -> u64 {
+    round_up(d, 16)
+}
+
+/// Shared memory a block may have on sm_90 (227 KiB).
+pub(crate) const SM90_SMEM_LIMIT: u64 = 227 * 1024;
+
+/// One template instantiated: what the wrapper and the launch need.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Instance {
+    /// The header under `kernels/` that defines it.
+    pub header: &'static str,
+    /// The C++ type: `fs_attn::ForwardSm80<fs_attn::Bf16, 64, 64, true, true>`.
+    pub ty: String,
+    pub threads: u32,
+    /// `__launch_bounds__`'s arguments.
+    pub bounds: String,
+    /// Rows (queries or keys) per block along grid x, and blocks per such
+    /// tile (feature parts).
+    pub tile: u64,
+    pub parts: u64,
+    pub smem: u64,
+    /// Needs sm_90a.
+    pub sm90: bool,
+    /// The constants the wrapper checks against the template's:
+    /// `(name, value)`.
+    pub checks: Vec<(&'static str, u64)>,
+}
+
+fn elem(dt: DType) -> &'static str {
+    match dt {
+        DType::F16 => "fs_attn::F16",
+        _ => "fs_attn::Bf16",
+    }
+}
+
+/// The template arguments shared by every attention template: element
+/// type, then head dims.
+fn args(dt: DType, d: u64, dv: u64) -> String {
+    format!("{}, {d}, {dv}", elem(dt))
+}
+
+/// `forward_sm80.cuh`'s `ForwardSm80`.
+pub(crate) fn forward_sm80(
+    dt: DType,
+    d: u64,
+    dv: u64,
+    causal: bool,
+    scale_in_exp: bool,
+) -> Instance {
+    let (dp, dvp) = (pad16(d), pad16(dv));
+    let q_in_regs = dp <= 128 && dvp <= 128;
+    let tile_k = if q_in_regs { 64 } else { 32 };
+    let (row, row_v) = (dp + 8, dvp + 8);
+    let smem = (tile_k * row + tile_k * row_v + if q_in_regs { 0 } else { 64 * row }) * 2;
+    Instance {
+        header: "attention/forward_sm80.cuh",
+        ty: format!(
+            "fs_attn::ForwardSm80<{}, {causal}, {scale_in_exp}>",
+            args(dt, d, dv)
+        ),
+        threads: 128,
+        // Two blocks an SM, up to 255 registers a thread: with the bound
+        // alone ptxas held one variant to 128 and spilled.
+        bounds: "128, 2".into(),
+        tile: 64,
+        parts: 1,
+        smem,
+        sm90: false,
+        checks: vec![
+            ("THREADS", 128),
+            ("TILE_Q", 64),
+            ("TILE_K", tile_k),
+            ("SMEM_BYTES", smem),
+        ],
+    }
+}
+
+/// `forward_sm90.cuh`'s `ForwardSm90`, and its key/value tile rows.
+pub(crate) fn forward_sm90(
+    dt: DType,
+    d: u64,
+    dv: u64,
+    causal: bool,
+    scale_in_exp: bool,
+) -> (Instance, u64) {
+    let (dp, dvp) = (pad16(d), pad16(dv));
+    let wgs = if dp <= 64 && dvp <= 64 { 3 } else { 2 };
+    let tile_q = 64 * wgs;
+    let tile_k = if dp <= 128 && dvp <= 128 { 128 } else { 64 };
+    let threads = (128 * wgs + 128) as u32;
+    let smem = tile_q * dp * 2 + 2 * (tile_k * dp * 2 + tile_k * dvp * 2) + 4 * 2 * 8 + 1024;
+    let inst = Instance {
+        header: "attention/forward_sm90.cuh",
+        ty: format!(
+            "fs_attn::ForwardSm90<{}, {causal}, {scale_in_exp}>",
+            args(dt, d, dv)
+        ),
+        threads,
+        bounds: format!("{threads}, 1"),
+        tile: tile_q,
+        parts: 1,
+        smem,
+        sm90: true,
+        checks: vec![
+            ("THREADS", threads as u64),
+            ("TILE_Q", tile_q),
+            ("TILE_K", tile_k),
+            ("SMEM_BYTES", smem),
+        ],
+    };
+    (inst, tile_k)
+}
+
+/// `backward.cuh`'s `Delta`: rows per block 128.
+pub(crate) fn delta(dt: DType, d: u64, dv: u64, dq_sum: bool) -> Instance {
+    Instance {
+        header: "attention/backward.cuh",
+        ty: format!("fs_attn::Delta<{}, {dq_sum}>", args(dt, d, dv)),
+        threads: 128,
+        bounds: "128, 2".into(),
+        tile: 128,
+        parts: 1,
+        smem: 0,
+        sm90: false,
+        checks: vec![("THREADS", 128), ("ROWS", 128), ("SMEM_BYTES", 0)],
+    }
+}
+
+/// `backward.cuh`'s `DqStore`.
+pub(crate) fn dq_store(dt: DType, d: u64) -> Instance {
+    Instance {
+        header: "attention/backward.cuh",
+        ty: format!("fs_attn::DqStore<{}, {d}>", elem(dt)),
+        threads: 128,
+        bounds: "128, 2".into(),
+        tile: 128,
+        parts: 1,
+        smem: 0,
+        sm90: false,
+        checks: vec![("THREADS", 128), ("ROWS", 128), ("SMEM_BYTES", 0)],
+    }
+}
+
+/// `backward_sm80.cuh`'s `DkDvSm80`: 64 keys a block, in one or two
+/// feature parts.
+pub(crate) fn dkdv_sm80(dt: DType, d: u64, dv: u64, causal: bool, atomic: bool) -> Instance {
+    let parts = if pad16(d) + pad16(dv) > 256 { 2 } else { 1 };
+    let (dp, dvp) = (round_up(d, 16 * parts), round_up(dv, 16 * parts));
+    let tile_q = if parts > 1 {
+        16
+    } else if dp <= 64 && dvp <= 64 {
+        64
+    } else if atomic {
+        32
+    } else {
+        16
+    };
+    let (row, row_v, ds_row) = (dp + 8, dvp + 8, tile_q + 8);
+    let smem = (64 * (row + row_v) + tile_q * (row + row_v) + if atomic { 64 * ds_row } else { 0 })
+        * 2
+        + 2 * tile_q * 4;
+    Instance {
+        header: "attention/backward_sm80.cuh",
+        ty: format!("fs_attn::DkDvSm80<{}, {causal}, {atomic}>", args(dt, d, dv)),
+        threads: 128,
+        bounds: "128, 2".into(),
+        tile: 64,
+        parts,
+        smem,
+        sm90: false,
+        checks: vec![
+            ("THREADS", 128),
+            ("TILE_K", 64),
+            ("TILE_Q", tile_q),
+            ("PARTS", parts),
+            ("SMEM_BYTES", smem),
+        ],
+    }
+}
+
+/// `backward_sm80.cuh`'s `DqSm80`: 64 queries a block.
+pub(crate) fn dq_sm80(dt: DType, d: u64, dv: u64, causal: bool) -> Instance {
+    let (dp, dvp) = (pad16(d), pad16(dv));
+    let in_regs = dp <= 128 && dvp <= 128;
+    let tile_k = if dp <= 64 && dvp <= 64 {
+        64
+    } else if dp <= 192 {
+        32
+    } else {
+        16
+    };
+    let (row, row_v) = (dp + 8, dvp + 8);
+    let (kv, qd) = (tile_k * (row + row_v), 64 * (row + row_v));
+    let smem = if in_regs { kv.max(qd) } else { kv + qd } * 2;
+    Instance {
+        header: "attention/backward_sm80.cuh",
+        ty: format!("fs_attn::DqSm80<{}, {causal}>", args(dt, d, dv)),
+        threads: 128,
+        bounds: "128, 2".into(),
+        tile: 64,
+        parts: 1,
+        smem,
+        sm90: false,
+        checks: vec![
+            ("THREADS", 128),
+            ("TILE_Q", 64),
+            ("TILE_K", tile_k),
+            ("SMEM_BYTES", smem),
+        ],
+    }
+}
+
+/// Whether `backward_sm90.cuh`'s `DkDvDqSm90` holds head dims `d`, `dv`:
+/// dK and dV accumulators for up to 128 padded features each.
+pub(crate) fn dkdvdq_sm90_fits(d: u64, dv: u64) -> bool {
+    pad16(d) <= 128 && pad16(dv) <= 128
+}
+
+/// `backward_sm90.cuh`'s `DkDvDqSm90`: 128 keys a block; its query tiles
+/// are 64 rows.
+pub(crate) fn dkdvdq_sm90(dt: DType, d: u64, dv: u64, causal: bool) -> Instance {
+    let (dp, dvp) = (pad16(d), pad16(dv));
+    let smem_with = |stages: u64| {
+        128 * (dp + dvp) * 2
+            + stages * (64 * dp * 2 + 64 * dvp * 2)
+            + 128 * 64 * 2
+            + 2 * 64 * (dp + 4) * 4
+            + 2 * stages * 64 * 4
+            + (2 * stages + 4) * 8
+            + 1024
+    };
+    let stages = if smem_with(3) <= SM90_SMEM_LIMIT {
+        3
+    } else {
+        2
+    };
+    let smem = smem_with(stages);
+    Instance {
+        header: "attention/backward_sm90.cuh",
+        ty: format!("fs_attn::DkDvDqSm90<{}, {causal}>", args(dt, d, dv)),
+        threads: 384,
+        bounds: "384, 1".into(),
+        tile: 128,
+        parts: 1,
+        smem,
+        sm90: true,
+        checks: vec![
+            ("THREADS", 384),
+            ("TILE_K", 128),
+            ("TILE_Q", 64),
+            ("STAGES", stages),
+            ("SMEM_BYTES", smem),
+        ],
+    }
+}

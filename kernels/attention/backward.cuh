@@ -1,0 +1,91 @@
+// The FlashAttention-2 backward's small kernels, shared by both tensor-core
+// families: delta (first) and, where dQ is summed by atomics, the pass that
+// stores it (last). The products sit in backward_sm80.cuh / backward_sm90.cuh.
+//
+// With P = exp2(S * scale_log2 - lse * log2 e) recomputed from the forward's
+// log-sum-exp, dP = dO V^T and delta = rowsum(dO * O), dS = P * (dP - delta);
+// dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K.
+#ifndef FS_ATTENTION_BACKWARD
+#define FS_ATTENTION_BACKWARD
+#include "common.cuh"
+
+namespace fs_attn {
+
+// Where delta lies in the scratch: after the f32 dQ sum [B, Hq, T, D], if the
+// backward adds dQ up by atomics.
+template <int D, bool DQ_SUM>
+__device__ __forceinline__ float* delta_of(const BackwardArgs& a) {
+    return DQ_SUM ? a.scratch + a.batch * a.q_heads * a.q_len * D : a.scratch;
+}
+
+// delta[b, h, i] = sum_e dO[b, i, h, e] * O[b, i, h, e] into the scratch, and
+// with DQ_SUM the same rows of the f32 dQ sum set to zero for the atomics.
+// The block's ROWS rows are cut into chunks of 8 features; consecutive
+// threads take consecutive chunks (coalesced reads), then one thread per row
+// adds its chunks' partial sums in order (deterministic).
+// Launch: grid (ceil(T / ROWS), Hq, B), THREADS threads, no dynamic shared memory.
+template <class E, int D, int DV, bool DQ_SUM>
+struct Delta {
+    static constexpr int ROWS = 128, THREADS = 128, SMEM_BYTES = 0;
+    static constexpr int CHUNKS = DV / 8;
+    static_assert(D % 8 == 0 && DV % 8 == 0, "rows of whole 16-byte chunks");
+
+    static __device__ __forceinline__ void run(const BackwardArgs& a) {
+        const fs_i64 q_len = a.q_len, h = blockIdx.y, b = blockIdx.z;
+        __shared__ float part[ROWS * CHUNKS];
+        for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+            const fs_i64 i = (fs_i64)blockIdx.x * ROWS + idx / CHUNKS;
+            float acc = 0.0f;
+            if (i < q_len) {
+                const int e0 = (idx % CHUNKS) * 8;
+                const unsigned short* const o = a.o.row(b, i, h) + e0;
+                const unsigned short* const dout = a.dout.row(b, i, h) + e0;
+                for (int e = 0; e < 8; ++e) acc += E::to_float(dout + e) * E::to_float(o + e);
+            }
+            part[idx] = acc;
+        }
+        __syncthreads();
+        const fs_i64 i = (fs_i64)blockIdx.x * ROWS + threadIdx.x;
+        if (threadIdx.x < ROWS && i < q_len) {
+            float acc = 0.0f;
+            for (int c = 0; c < CHUNKS; ++c) acc += part[threadIdx.x * CHUNKS + c];
+            delta_of<D, DQ_SUM>(a)[(b * a.q_heads + h) * q_len + i] = acc;
+        }
+        if (DQ_SUM) {
+            // 4 floats per store.
+            for (int idx = threadIdx.x; idx < ROWS * (D / 4); idx += THREADS) {
+                const fs_i64 i = (fs_i64)blockIdx.x * ROWS + idx / (D / 4);
+                if (i < q_len) fs_zero16((unsigned short*)&a.scratch[((b * a.q_heads + h) * q_len + i) * D + (idx % (D / 4)) * 4]);
+            }
+        }
+    }
+};
+
+// dQ = scale * the f32 sum the dK/dV/dQ kernel added up (scratch [B, Hq, T, D]),
+// in dQ's type. The block's ROWS rows are cut into chunks of 8 features, one
+// per thread at a time (16- and 32-byte accesses).
+// Launch: grid (ceil(T / ROWS), Hq, B), THREADS threads, no dynamic shared memory.
+template <class E, int D>
+struct DqStore {
+    static constexpr int ROWS = 128, THREADS = 128, SMEM_BYTES = 0;
+    static constexpr int CHUNKS = D / 8;
+
+    static __device__ __forceinline__ void run(const BackwardArgs& a) {
+        const fs_i64 q_len = a.q_len, h = blockIdx.y, b = blockIdx.z;
+        for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+            const fs_i64 i = (fs_i64)blockIdx.x * ROWS + idx / CHUNKS;
+            if (i >= q_len) continue;
+            const int e0 = (idx % CHUNKS) * 8;
+            float sum[8];
+            fs_vload(sum, &a.scratch[((b * a.q_heads + h) * q_len + i) * D + e0]);
+            unsigned short out[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) out[e] = E::from_float(sum[e] * a.scale);
+            fs_vstore(a.dq.row(b, i, h) + e0, out);
+        }
+    }
+};
+
+}  // namespace fs_attn
+
+#endif

@@ -1,0 +1,311 @@
+// Hopper (sm_90a) building blocks of the attention kernels: wgmma and its
+// shared-memory descriptors, bulk tensor copies (TMA) with their swizzles,
+// mbarriers, and the warp-specialization helpers (register hand-over, named
+// barriers, 16-byte reductions). A host build makes the fences and copies
+// plain and calls the emulation (tests/flash_host/mma_emu.h, block_shim.h)
+// for the rest, so the same kernels run on the host.
+#ifndef FS_ATTENTION_SM90
+#define FS_ATTENTION_SM90
+#include "common.cuh"
+
+#ifdef __CUDA_ARCH__
+typedef unsigned long long fs_desc;
+__device__ __forceinline__ unsigned fs_smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 a64; cvta.to.shared.u64 a64, %1; cvt.u32.u64 %0, a64; }" : "=r"(a) : "l"(p));
+    return a;
+}
+// A shared-memory matrix descriptor: `p` at the first core matrix, `lbo` and
+// `sbo` its leading and stride byte offsets, `sw` the swizzle's bytes per row
+// (0: none; 32, 64, 128: layout types 3, 2, 1).
+__device__ __forceinline__ fs_desc fs_make_desc(const void* p, unsigned lbo, unsigned sbo, unsigned sw) {
+    const unsigned long long type = sw == 128 ? 1 : sw == 64 ? 2 : sw == 32 ? 3 : 0;
+    return (fs_desc)((fs_smem_addr(p) & 0x3FFFFu) >> 4) | ((fs_desc)(lbo >> 4) << 16) | ((fs_desc)(sbo >> 4) << 32) |
+           (type << 62);
+}
+// `d` moved `bytes` (a multiple of 16) further: one add to the address field
+// in the low word (shared addresses stay below 2^18, so it cannot carry out).
+__device__ __forceinline__ fs_desc fs_desc_at(fs_desc d, unsigned bytes) {
+    return (d & 0xFFFFFFFF00000000ull) | (unsigned)((unsigned)d + (bytes >> 4));
+}
+// Orders register writes before the next wgmma reads them.
+__device__ __forceinline__ void fs_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void fs_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void fs_wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Waits for all but the newest committed group.
+__device__ __forceinline__ void fs_wgmma_wait_all_but_1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+// Keeps the compiler from touching accumulators across an asynchronous wgmma.
+template <int N>
+__device__ __forceinline__ void fs_wgmma_hold(float (&d)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        asm volatile("" : "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])::"memory");
+}
+// Makes this thread's shared-memory writes visible to wgmma (the async proxy).
+__device__ __forceinline__ void fs_fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// 16 bytes from global to shared memory, asynchronously (both 16-byte aligned).
+__device__ __forceinline__ void fs_copy16_async(unsigned short* dst, const unsigned short* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(fs_smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void fs_copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void fs_copy_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// Shared-memory barriers (mbarrier) with phases: a phase completes when its
+// count of arrivals is in; waiting names the parity of the phase awaited.
+typedef unsigned long long fs_mbar;
+__device__ __forceinline__ void fs_mbar_init(fs_mbar* m, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(fs_smem_addr(m)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fs_mbar_arrive(fs_mbar* m) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(fs_smem_addr(m)) : "memory");
+}
+__device__ __forceinline__ void fs_mbar_wait(fs_mbar* m, unsigned parity) {
+    asm volatile("{ .reg .pred done;\nFS_MBAR_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra FS_MBAR_WAIT; }" ::"r"(fs_smem_addr(m)), "r"(parity) : "memory");
+}
+// The driver's CUtensorMap: 128 opaque bytes, passed by value.
+struct alignas(64) fs_tmap {
+    unsigned long long opaque[16];
+};
+#define FS_TMAP_PARAM(name) , const __grid_constant__ fs_tmap name
+#define FS_TMAP_HOST(...)
+// The box at coordinates (feature, head, row, batch) into dst (1024-byte
+// aligned); its bytes complete a transaction of mbarrier `bar`.
+__device__ __forceinline__ void fs_tma_load(void* dst, const fs_tmap& map, int c0, int c1, int c2, int c3, fs_mbar* bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
+                 ::"r"(fs_smem_addr(dst)), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                 "r"(fs_smem_addr(bar))
+                 : "memory");
+}
+// Arrives on `m` and expects `bytes` more of copies before its phase completes.
+__device__ __forceinline__ void fs_mbar_expect_tx(fs_mbar* m, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(fs_smem_addr(m)), "r"(bytes) : "memory");
+}
+// After a thread's copies: the GPU counts their bytes (nothing to do).
+__device__ __forceinline__ void fs_mbar_tma_issued(fs_mbar*) {}
+__device__ __forceinline__ unsigned char* fs_align1024(unsigned char* p) { return p + ((1024u - (fs_smem_addr(p) & 1023u)) & 1023u); }
+// Registers handed between warpgroups (the whole warpgroup executes it).
+template <unsigned N>
+__device__ __forceinline__ void fs_setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+template <unsigned N>
+__device__ __forceinline__ void fs_setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+// Barrier `id` (1 .. 15; 0 is __syncthreads) for `count` threads.
+__device__ __forceinline__ void fs_bar_sync(unsigned id, unsigned count) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory"); }
+// Counts the calling threads towards barrier `id` without waiting for it.
+__device__ __forceinline__ void fs_bar_arrive(unsigned id, unsigned count) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ void fs_syncwarp() { __syncwarp(); }
+// p[0 .. 3] += s[0 .. 3] in global memory, atomically (both 16-byte aligned, s in shared memory).
+__device__ __forceinline__ void fs_atomic_add4(float* p, const float* s) {
+    const float4 v = *reinterpret_cast<const float4*>(s);
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+// p[0], p[1] = a, b (p 8-byte aligned).
+__device__ __forceinline__ void fs_st_f32x2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+#else
+// `sw`: the swizzle's bytes per row (0: none).
+struct fs_desc {
+    const unsigned char* p;
+    unsigned lbo, sbo, sw;
+};
+inline fs_desc fs_make_desc(const void* p, unsigned lbo, unsigned sbo, unsigned sw) {
+    return {static_cast<const unsigned char*>(p), lbo, sbo, sw};
+}
+inline fs_desc fs_desc_at(fs_desc d, unsigned bytes) {
+    d.p += bytes;
+    return d;
+}
+inline void fs_wgmma_fence() {}
+inline void fs_wgmma_commit() {}
+// A wait is where a warp's lanes have all read their operands (each lane's
+// emulated wgmma reads them itself), so that one lane may then hand the
+// operands' buffer on.
+inline void fs_wgmma_wait_all() { fs_emu_wgmma_wait(); }
+inline void fs_wgmma_wait_all_but_1() { fs_emu_wgmma_wait(); }
+template <int N>
+inline void fs_wgmma_hold(float (&)[N][4]) {}
+inline void fs_fence_async_smem() {}
+inline void fs_copy16_async(unsigned short* dst, const unsigned short* src) { memcpy(dst, src, 16); }
+inline void fs_copy_async_commit() {}
+inline void fs_copy_async_wait_all() {}
+typedef fs_emu_mbar fs_mbar;
+inline void fs_mbar_init(fs_mbar* m, unsigned count) { fs_emu_mbar_init(m, count); }
+inline void fs_mbar_arrive(fs_mbar* m) { fs_emu_mbar_arrive(m); }
+inline void fs_mbar_wait(fs_mbar* m, unsigned parity) { fs_emu_mbar_wait(m, parity); }
+// A tensor map on the host: the view it copies from, and the box.
+struct fs_tmap {
+    const unsigned short* base;
+    fs_i64 dim[4], stride[3];
+    int box_feats, box_rows, swizzle;
+};
+#define FS_TMAP_PARAM(name)
+#define FS_TMAP_HOST(name, base, d0, d1, d2, d3, s1, s2, s3, feats, rows, sw) \
+    const fs_tmap name = {base, {d0, d1, d2, d3}, {s1, s2, s3}, feats, rows, sw}
+// The byte a swizzled tile keeps the byte at `p` in: the 16-byte chunk bits
+// (4 and up) XOR the row bits (7 and up), over log2(sw / 16) bits.
+inline unsigned char* fs_swizzle(unsigned char* p, int sw) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t mask = sw == 128 ? 7 : sw == 64 ? 3 : 1;
+    return reinterpret_cast<unsigned char*>(a ^ (((a >> 7) & mask) << 4));
+}
+inline void fs_tma_load(void* dst, const fs_tmap& m, int c0, int c1, int c2, int c3, fs_mbar*) {
+    unsigned char* const out = static_cast<unsigned char*>(dst);
+    if (reinterpret_cast<uintptr_t>(out) % 1024 != 0) {
+        fprintf(stderr, "tma: a swizzled box does not start 1024-byte aligned\n");
+        exit(5);
+    }
+    for (int r = 0; r < m.box_rows; ++r)
+        for (int e = 0; e < m.box_feats; ++e) {
+            const fs_i64 x[4] = {(fs_i64)c0 + e, c1, (fs_i64)c2 + r, c3};
+            unsigned short v = 0;
+            bool in = true;
+            for (int i = 0; i < 4; ++i) in = in && x[i] >= 0 && x[i] < m.dim[i];
+            if (in) v = m.base[x[0] + x[1] * m.stride[0] + x[2] * m.stride[1] + x[3] * m.stride[2]];
+            memcpy(fs_swizzle(out + r * m.box_feats * 2 + e * 2, m.swizzle), &v, 2);
+        }
+}
+// Host copies land at once: the expected bytes are in when the issuing
+// thread arrives after them.
+inline void fs_mbar_expect_tx(fs_mbar*, unsigned) {}
+inline void fs_mbar_tma_issued(fs_mbar* m) { fs_emu_mbar_arrive(m); }
+inline unsigned char* fs_align1024(unsigned char* p) { return p + ((1024 - reinterpret_cast<uintptr_t>(p) % 1024) % 1024); }
+template <unsigned N>
+inline void fs_setmaxnreg_inc() {}
+template <unsigned N>
+inline void fs_setmaxnreg_dec() {}
+inline void fs_bar_sync(unsigned id, unsigned count) { fs_emu_bar_sync(id, count); }
+inline void fs_bar_arrive(unsigned id, unsigned count) { fs_emu_bar_arrive(id, count); }
+inline void fs_syncwarp() { fs_emu_syncwarp(); }
+// A plain sum, as fs_atomic_add2's host version says.
+inline void fs_atomic_add4(float* p, const float* s) {
+    for (int i = 0; i < 4; ++i) p[i] += s[i];
+}
+inline void fs_st_f32x2(float* p, float a, float b) {
+    p[0] = a;
+    p[1] = b;
+}
+#endif
+
+#include "wgmma_ops.cuh"
+
+namespace fs_attn {
+
+// The swizzle of a TMA-copied tile whose rows hold `feats` 16-bit features:
+// the widest of 128, 64 and 32 bytes whose box (SW / 2 features) divides them.
+constexpr int swizzle_for(int feats) { return feats % 64 == 0 ? 128 : feats % 32 == 0 ? 64 : 32; }
+
+// A [ROWS][FEATS] tile as bulk tensor copies land it: FEATS / ATOM boxes of
+// ATOM features, box a at byte a * BOX, row r at byte SW * r of its box, the
+// 16-byte chunk c of a row stored at chunk c ^ (r % (SW / 16)) (the swizzle is
+// a function of the address bits, so the tile starts 1024-byte aligned).
+template <int ROWS, int FEATS>
+struct SwizzledTile {
+    static constexpr int SW = swizzle_for(FEATS), ATOM = SW / 2;
+    static constexpr unsigned BOX = ROWS * SW, BYTES = ROWS * FEATS * 2;
+    static_assert(FEATS % 16 == 0 && ROWS % 8 == 0, "whole core matrices");
+    // Read K-major (the features are K, the rows M or N): 8-row groups 8 * SW
+    // bytes apart; features 16kk .. 16kk + 15 at box 16kk / ATOM, 32 bytes
+    // further per 16 features within it.
+    static __device__ __forceinline__ fs_desc kmajor(const void* tile) { return fs_make_desc(tile, 16, 8 * SW, SW); }
+    static constexpr unsigned k_step(int kk) { return (kk * 16) / ATOM * BOX + (kk * 16) % ATOM * 2; }
+    static constexpr unsigned kmajor_n(int n0) { return n0 * SW; }
+    // Read MN-major (the features are N, the rows K): ATOM features
+    // contiguous in a row, the next ATOM a box further (LBO), groups of 8
+    // rows 8 * SW bytes apart (SBO); rows 16kk .. at 16kk * SW bytes.
+    static __device__ __forceinline__ fs_desc mnmajor(const void* tile) { return fs_make_desc(tile, BOX, 8 * SW, SW); }
+    static constexpr unsigned mn_k_step(int kk) { return kk * 16 * SW; }
+    static constexpr unsigned mnmajor_n(int n0) { return n0 / ATOM * BOX; }
+};
+
+// A [rows][FEATS] tile written by threads in wgmma's canonical layout without
+// swizzling: core matrices of 8 rows by 8 features (128 contiguous bytes),
+// row group by row group, so element (r, c) sits at element
+// ((r / 8) * (FEATS / 8) + c / 8) * 64 + (r % 8) * 8 + c % 8. A copy's
+// 16-byte chunk number t is then its byte offset 16 t (see `chunk`), so every
+// store is free of bank conflicts.
+template <int FEATS>
+struct CoreTile {
+    static constexpr unsigned CORE = 128, ROW8 = FEATS / 8 * CORE;  // bytes between core matrices along c, along r
+    static_assert(FEATS % 8 == 0, "whole core matrices");
+    static __device__ __forceinline__ int at(int r, int c) { return ((r >> 3) * (FEATS / 8) + (c >> 3)) * 64 + (r & 7) * 8 + (c & 7); }
+    // The row and first feature of 16-byte chunk t.
+    static __device__ __forceinline__ void chunk(int t, int& r, int& c) {
+        r = (t / (8 * (FEATS / 8))) * 8 + (t & 7);
+        c = ((t >> 3) % (FEATS / 8)) * 8;
+    }
+    // K-major (the features are K): 16 features a step, two core matrices.
+    static __device__ __forceinline__ fs_desc kmajor(const void* tile) { return fs_make_desc(tile, CORE, ROW8, 0); }
+    static constexpr unsigned k_step(int kk) { return kk * 2 * CORE; }
+    static constexpr unsigned kmajor_n(int n0) { return n0 / 8 * ROW8; }
+    // MN-major (the features are N, the rows K): 16 rows a step.
+    static __device__ __forceinline__ fs_desc mnmajor(const void* tile) { return fs_make_desc(tile, ROW8, CORE, 0); }
+    static constexpr unsigned mn_k_step(int kk) { return kk * 2 * ROW8; }
+    static constexpr unsigned mnmajor_n(int n0) { return n0 / 8 * CORE; }
+};
+
+// Copies rows row0 .. row0 + ROWS - 1 of head h of `x` into a CoreTile<PADDED>
+// with cp.async, 16 bytes per thread and step (rows at or past `len` and
+// features past WIDTH zero); the caller commits and waits.
+template <int ROWS, int WIDTH, int PADDED, int THREADS>
+__device__ __forceinline__ void load_core_rows(unsigned short* tile, const In& x, fs_i64 b, fs_i64 row0, fs_i64 h, fs_i64 len) {
+    for (int t = threadIdx.x; t < ROWS * (PADDED / 8); t += THREADS) {
+        int r, c;
+        CoreTile<PADDED>::chunk(t, r, c);
+        const fs_i64 i = row0 + r;
+        if (i < len && c < WIDTH) fs_copy16_async(&tile[t * 8], x.row(b, i, h) + c);
+        else fs_zero16(&tile[t * 8]);
+    }
+}
+
+// The widest power of two from 8 to 256 that is at most n.
+constexpr int wgmma_width(int n) { return n >= 256 ? 256 : n >= 128 ? 128 : n >= 64 ? 64 : n >= 32 ? 32 : n >= 16 ? 16 : 8; }
+
+// d[N / 8][4] (+)= A (64 x 16) B (16 x N) for the warpgroup, N any multiple of
+// 8 up to 256: one wgmma where N is a power of two, else issued as wgmma of
+// power-of-two widths, B's descriptor moved BL::n(n0) bytes for the columns
+// from n0 (BL: the tile layout's kmajor_n or mnmajor_n, through B_MN). A
+// through a descriptor (ss) or from registers (rs).
+template <class E, int A_MN, int B_MN, int NN>
+__device__ __forceinline__ void wgmma_ss_op(float (&d)[NN][4], fs_desc a, fs_desc b, int acc) {
+    if constexpr (E::IS_F16) fs_wgmma_ss_f16<A_MN, B_MN>(d, a, b, acc);
+    else fs_wgmma_ss_bf16<A_MN, B_MN>(d, a, b, acc);
+}
+template <class E, int B_MN, int NN>
+__device__ __forceinline__ void wgmma_rs_op(float (&d)[NN][4], const unsigned (&a)[4], fs_desc b, int acc) {
+    if constexpr (E::IS_F16) fs_wgmma_rs_f16<B_MN>(d, a, b, acc);
+    else fs_wgmma_rs_bf16<B_MN>(d, a, b, acc);
+}
+template <class E, class BL, bool B_MN, int N, int A_MN, int N0 = 0, int NN>
+__device__ __forceinline__ void wgmma_ss(float (&d)[NN][4], fs_desc a, fs_desc b, int acc) {
+    constexpr int W = wgmma_width(N);
+    static_assert(N % 8 == 0 && N0 / 8 + N / 8 <= NN, "columns within the accumulator");
+    if constexpr (N0 == 0 && W == N && N / 8 == NN) {
+        wgmma_ss_op<E, A_MN, B_MN>(d, a, b, acc);
+    } else {
+        wgmma_ss_op<E, A_MN, B_MN>(*reinterpret_cast<float(*)[W / 8][4]>(&d[N0 / 8][0]), a,
+                                   fs_desc_at(b, B_MN ? BL::mnmajor_n(N0) : BL::kmajor_n(N0)), acc);
+        if constexpr (N > W) wgmma_ss<E, BL, B_MN, N - W, A_MN, N0 + W>(d, a, b, acc);
+    }
+}
+template <class E, class BL, bool B_MN, int N, int N0 = 0, int NN>
+__device__ __forceinline__ void wgmma_rs(float (&d)[NN][4], const unsigned (&a)[4], fs_desc b, int acc) {
+    constexpr int W = wgmma_width(N);
+    static_assert(N % 8 == 0 && N0 / 8 + N / 8 <= NN, "columns within the accumulator");
+    if constexpr (N0 == 0 && W == N && N / 8 == NN) {
+        wgmma_rs_op<E, B_MN>(d, a, b, acc);
+    } else {
+        wgmma_rs_op<E, B_MN>(*reinterpret_cast<float(*)[W / 8][4]>(&d[N0 / 8][0]), a,
+                             fs_desc_at(b, B_MN ? BL::mnmajor_n(N0) : BL::kmajor_n(N0)), acc);
+        if constexpr (N > W) wgmma_rs<E, BL, B_MN, N - W, N0 + W>(d, a, b, acc);
+    }
+}
+
+// The register count a block's threads can be given by setmaxnreg once FIXED
+// of its BLOCK threads (launched with __launch_bounds__(BLOCK, 1): the 64K
+// register file over the block, in ptxas's steps of 8) keep FIXED_REGS.
+constexpr unsigned regs_left(unsigned block, unsigned fixed, unsigned fixed_regs) {
+    return ((65536 / block / 8 * 8) * block - fixed * fixed_regs) / (block - fixed) / 8 * 8;
+}
+
+}  // namespace fs_attn
+
+#endif
