@@ -111,8 +111,16 @@ fn build_writes_kernels_plan_and_report_for_given_sizes() {
                 .is_some_and(|x| x == "cu")
         })
         .count();
-    let generated = launches.iter().filter(|l| l["kind"] == "generated").count();
-    assert_eq!(cu, generated, "one .cu file per generated kernel");
+    // One .cu file per kernel the plan launches (no other).
+    let steps: Vec<&str> = launches
+        .iter()
+        .flat_map(|l| l["steps"].as_array().into_iter().flatten())
+        .map(|s| s["function"].as_str().unwrap())
+        .collect();
+    assert_eq!(cu, steps.len(), "one .cu file per launched kernel");
+    for f in &steps {
+        assert!(dir.join(format!("kernels/{f}.cu")).exists(), "{f}.cu");
+    }
     assert!(std::fs::read_to_string(dir.join("report.txt"))
         .unwrap()
         .contains("kernels in launch order"));
@@ -212,6 +220,125 @@ fn dump_prints_one_stage() {
     ]);
     assert_eq!(code, 2);
     assert!(err.contains("no Graphviz form"), "{err}");
+}
+
+/// `fusec build --device` writes the kernels that run on that device: on
+/// an H100 the Hopper attention templates' instances (and the headers they
+/// include, so each .cu compiles on its own), on an A100 the mma.sync ones;
+/// the plan launches exactly those files, and `--dump-after select` says
+/// what runs each kernel.
+#[test]
+fn build_for_a_device_writes_the_kernels_that_run_there() {
+    use fusec_compiler::emit::HEADERS;
+    let dir = std::env::temp_dir().join(format!("fusec-cli-device-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    for (model, device, template, head_dim) in [
+        (
+            "dsl-examples/gpt2-small.dsl",
+            "h100",
+            "attention/forward_sm90.cuh",
+            64,
+        ),
+        (
+            "tests/models/llama-hd80.dsl",
+            "h100",
+            "attention/forward_sm90.cuh",
+            80,
+        ),
+        (
+            "tests/models/llama-hd80.dsl",
+            "a100",
+            "attention/forward_sm80.cuh",
+            80,
+        ),
+    ] {
+        let (code, out, err) = fusec(&[
+            "build", model, "-o", d, "--device", device, "--batch", "2", "--seq", "256",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("tensor-core attention"), "{out}");
+        let kernels = dir.join("kernels");
+        for (path, text) in HEADERS {
+            assert_eq!(
+                &std::fs::read_to_string(kernels.join(path)).unwrap(),
+                text,
+                "{path}"
+            );
+        }
+        let plan: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+        let forward = plan["launches"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["ops"][0] == "attention")
+            .expect("an attention launch");
+        assert_eq!(forward["kind"], "template", "{forward}");
+        let f = forward["steps"][0]["function"].as_str().unwrap();
+        let text = std::fs::read_to_string(kernels.join(format!("{f}.cu"))).unwrap();
+        assert!(
+            text.contains(&format!("#include \"{template}\""))
+                && text.contains(&format!(", {head_dim}, {head_dim}, true, true>")),
+            "{model} {device}: {text}"
+        );
+        let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+        assert!(
+            report.contains("template instances") && !report.contains("runs the simple attention"),
+            "{report}"
+        );
+        if common::nvrtc_ready() {
+            let arch = if device == "h100" { "sm_90a" } else { "sm_80" };
+            fusec_runtime::nvrtc::compile(f, &text, arch).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+    // A head dim that is no multiple of 8 stays on the simple kernels, and
+    // the report says so.
+    let src = dir.join("hd36.dsl");
+    std::fs::write(
+        &src,
+        "dim B, T\ninput x: bf16[B, T, 72]\nparam w: [72, 216] = normal(0.02)\nlet q, k, v = split(x @ w, 3)\nlet y = attention(heads(q, 2), heads(k, 2), heads(v, 2), causal = true)\ntrain {\n loss = mean(y * y)\n precision = bf16\n}\n",
+    )
+    .unwrap();
+    let (code, _, err) = fusec(&[
+        "build",
+        src.to_str().unwrap(),
+        "-o",
+        d,
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+    assert!(
+        report.contains("runs the simple attention kernels")
+            && report.contains("the head dim of q and k is 36"),
+        "{report}"
+    );
+    let (code, out, err) = fusec(&[
+        "build",
+        "tests/models/llama-hd80.dsl",
+        "--dump-after",
+        "select",
+        "--set",
+        "layers=1",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.starts_with("# kernels for tensor-core attention for sm_90a")
+            && out.contains("fs_attn::ForwardSm90<fs_attn::Bf16, 80, 80, true, true>")
+            && out.contains("fs_attn::DkDvDqSm90<fs_attn::Bf16, 80, 80, true>")
+            && out.contains(": cuBLASLt"),
+        "{out}"
+    );
+    let (code, _, err) = fusec(&["build", "dsl-examples/mlp.dsl", "--device", "v100"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("unknown device `v100`") && err.contains("h100"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]

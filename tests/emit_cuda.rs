@@ -1,14 +1,16 @@
 //! The CUDA C that fusec generates for every shipped model, held in
 //! snapshots. Layers repeat, so each distinct kernel appears once, headed by
 //! the names of every launch that runs it; the text is byte-identical
-//! across runs. The build report of GPT-2 small at B=8, T=1024 is held too.
+//! across runs. The build report of GPT-2 small at B=8, T=1024 for an H100
+//! (with its tensor-core attention kernels) is held too.
 
 mod common;
 
 use fusec_compiler::emit::cuda::emit_program;
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::plan::roofline::device;
-use fusec_compiler::plan::{plan, report::report};
+use fusec_compiler::plan::{plan_with, report::report};
+use fusec_compiler::select::{select, Target};
 use std::collections::BTreeMap;
 
 const MODELS: &[&str] = &[
@@ -68,7 +70,10 @@ fn build_report_of_gpt2_small() {
     let c = common::compile_with(&src, &name, &[]);
     let program = fuse(&c.optimized);
     let dims = BTreeMap::from([("B".to_string(), 8), ("T".to_string(), 1024)]);
-    let p = plan(&c.optimized, &program, &dims).unwrap();
+    // As `fusec build --device h100` reports it: the Hopper attention kernels.
+    let target = Target::for_device("h100", false).unwrap();
+    let selection = select(&c.optimized, &program, &target, None);
+    let p = plan_with(&c.optimized, &program, Some(&selection), &dims).unwrap();
     insta::assert_snapshot!(
         "gpt2-small.report",
         report(

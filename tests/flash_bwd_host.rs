@@ -511,6 +511,46 @@ fn a_broken_hopper_backward_is_caught() {
         &[causal, plain],
         &d80_mutations,
     );
+    // D = 160, the wide kernel: 64 keys a block, the warpgroups splitting the
+    // queries of S^T and dP^T and the features of dK, dV and dQ.
+    const WIDE: &str = "attention/backward_sm90_wide.cuh";
+    let d160 = backward(
+        &head_dims_model(&[
+            (160, 160, 2, 1, true, false),
+            (160, 160, 2, 1, false, false),
+        ]),
+        "bf16",
+        FlashArch::Sm90a,
+    );
+    let (causal, plain) = (find(&d160, true, false), find(&d160, false, false));
+    let wide_mutations: [(Mutation, usize); 3] = [
+        // Both warpgroups take the first half of dV's features.
+        ((WIDE, "DOT::mnmajor_n(fv0))", "DOT::mnmajor_n(0))"), plain),
+        // The second warpgroup's S^T from the first half of the queries.
+        (
+            (
+                WIDE,
+                "QT::kmajor_n(wg * HALF_Q))",
+                "QT::kmajor_n(0 * HALF_Q))",
+            ),
+            causal,
+        ),
+        // P^T stored without the warpgroup's query offset.
+        (
+            (
+                WIDE,
+                "const int qc = wg * HALF_Q + 16 * kk + frag_col;",
+                "const int qc = 16 * kk + frag_col;",
+            ),
+            plain,
+        ),
+    ];
+    expect_caught(
+        &d160,
+        "hopper-mutations-d160",
+        &[causal, plain],
+        &wide_mutations,
+    );
 }
 
 #[test]

@@ -13,3 +13,4 @@ pub mod model;
 pub mod ops;
 pub mod passes;
 pub mod plan;
+pub mod select;

@@ -28,6 +28,15 @@ __device__ __forceinline__ fs_desc fs_make_desc(const void* p, unsigned lbo, uns
 __device__ __forceinline__ fs_desc fs_desc_at(fs_desc d, unsigned bytes) {
     return (d & 0xFFFFFFFF00000000ull) | (unsigned)((unsigned)d + (bytes >> 4));
 }
+// `d` as a value the compiler cannot see through: a kernel takes its
+// descriptors through it once a tile, so that every step's descriptor is
+// made from it where it is used rather than all of them kept live across
+// the loop (at 256 features that cost the registers of 16 steps).
+__device__ __forceinline__ fs_desc fs_desc_opaque(fs_desc d) {
+    fs_desc r;
+    asm volatile("mov.b64 %0, %1;" : "=l"(r) : "l"(d));
+    return r;
+}
 // Orders register writes before the next wgmma reads them.
 __device__ __forceinline__ void fs_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void fs_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -114,6 +123,7 @@ inline fs_desc fs_desc_at(fs_desc d, unsigned bytes) {
     d.p += bytes;
     return d;
 }
+inline fs_desc fs_desc_opaque(fs_desc d) { return d; }
 inline void fs_wgmma_fence() {}
 inline void fs_wgmma_commit() {}
 // A wait is where a warp's lanes have all read their operands (each lane's
@@ -194,12 +204,15 @@ namespace fs_attn {
 constexpr int swizzle_for(int feats) { return feats % 64 == 0 ? 128 : feats % 32 == 0 ? 64 : 32; }
 
 // A [ROWS][FEATS] tile as bulk tensor copies land it: FEATS / ATOM boxes of
-// ATOM features, box a at byte a * BOX, row r at byte SW * r of its box, the
-// 16-byte chunk c of a row stored at chunk c ^ (r % (SW / 16)) (the swizzle is
-// a function of the address bits, so the tile starts 1024-byte aligned).
-template <int ROWS, int FEATS>
+// ATOM features, box a at byte a * BOX, row r at byte SW_ * r of its box, the
+// 16-byte chunk c of a row stored at chunk c ^ (r % (SW_ / 16)) (the swizzle
+// is a function of the address bits, so the tile starts 1024-byte aligned).
+// The swizzle is the widest whose box divides FEATS, unless a kernel that
+// reads parts of the tile asks for a narrower one.
+template <int ROWS, int FEATS, int SW_ = swizzle_for(FEATS)>
 struct SwizzledTile {
-    static constexpr int SW = swizzle_for(FEATS), ATOM = SW / 2;
+    static constexpr int SW = SW_, ATOM = SW / 2;
+    static_assert(FEATS % ATOM == 0, "whole boxes");
     static constexpr unsigned BOX = ROWS * SW, BYTES = ROWS * FEATS * 2;
     static_assert(FEATS % 16 == 0 && ROWS % 8 == 0, "whole core matrices");
     // Read K-major (the features are K, the rows M or N): 8-row groups 8 * SW

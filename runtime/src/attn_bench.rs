@@ -5,20 +5,20 @@
 //! backward as 3.5 times that.
 
 use crate::device::Gpu;
-use crate::exec::encode;
-use crate::tensor_map::{encode_all, EncodedMap};
+use crate::exec::{encode, KernelCall};
+use crate::tensor_map::encode_sizes;
 use crate::RuntimeError;
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr};
 use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
-use fusec_compiler::emit::cuda::emit_program;
-use fusec_compiler::emit::flash::{flash_backward, flash_forward};
-use fusec_compiler::emit::templates::{grid, shape_of, BLOCK};
 use fusec_compiler::kernel::fuse::fuse;
-use fusec_compiler::kernel::{Body, Kernel, Program};
+use fusec_compiler::kernel::{Body, Program};
 use fusec_compiler::ops::Op;
+use fusec_compiler::plan::plan_with;
+use fusec_compiler::select::{select, Target};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeMap;
 
 #[derive(Clone, Debug)]
 pub struct AttnResult {
@@ -84,20 +84,7 @@ fn model(b: usize, t: usize, h: usize, d: usize, causal: bool) -> String {
     )
 }
 
-struct Launch {
-    name: String,
-    func: CudaFunction,
-    grid: (u32, u32, u32),
-    block: u32,
-    args: Vec<u64>,
-    /// Passed after the arguments (the backward's scratch).
-    extra: Option<u64>,
-    /// Dynamic shared memory, bytes.
-    smem: u32,
-    /// Tensor maps passed last.
-    maps: Vec<EncodedMap>,
-}
-
+/// Compiles `name`'s `source` for this GPU and finds the function.
 fn load(gpu: &Gpu, name: &str, src: &str) -> Result<CudaFunction, RuntimeError> {
     let cubin = crate::nvrtc::compile(name, src, &gpu.arch())
         .map_err(|e| RuntimeError::Compile(e.to_string()))?;
@@ -109,8 +96,8 @@ fn load(gpu: &Gpu, name: &str, src: &str) -> Result<CudaFunction, RuntimeError> 
         .map_err(|e| RuntimeError::driver("finding an attention kernel", e))
 }
 
-fn find<'a>(g: &fusec_compiler::ir::Graph, p: &'a Program, grad: bool) -> Option<&'a Kernel> {
-    p.kernels.iter().find(|k| {
+fn find(g: &fusec_compiler::ir::Graph, p: &Program, grad: bool) -> Option<usize> {
+    p.kernels.iter().position(|k| {
         matches!(k.body, Body::Op(n) if matches!(
             (&g.g[n].op, grad),
             (Op::Attention(_), false) | (Op::AttentionGrad(_), true)
@@ -120,7 +107,9 @@ fn find<'a>(g: &fusec_compiler::ir::Graph, p: &'a Program, grad: bool) -> Option
 
 /// Times one configuration (`batch` sequences, by default 16384 / T);
 /// `flash` asks for the tensor-core kernels where they apply, and
-/// `deterministic` for their backward without atomics.
+/// `deterministic` for their backward without atomics. The kernels are the
+/// ones a training step of the model would run: chosen by the selection
+/// stage, launched as the plan says.
 pub fn run(
     gpu: &Gpu,
     d: usize,
@@ -136,13 +125,15 @@ pub fn run(
         .map_err(|f| err(f.render("attention.dsl", &src)))?;
     let g = &c.optimized;
     let p = fuse(g);
-    let sources = emit_program(g, &p, None);
+    let target = Target {
+        arch: if flash { gpu.flash_arch()? } else { None },
+        deterministic,
+    };
+    let selection = select(g, &p, &target, None);
+    let plan =
+        plan_with(g, &p, Some(&selection), &BTreeMap::new()).map_err(|e| err(e.to_string()))?;
     let fwd = find(g, &p, false).ok_or_else(|| err("no attention kernel"))?;
     let bwd = find(g, &p, true).ok_or_else(|| err("no attention_grad kernel"))?;
-    let (&Body::Op(nf), &Body::Op(nb)) = (&fwd.body, &bwd.body) else {
-        unreachable!()
-    };
-    // Buffers: the forward's inputs and outputs, then the backward's dO and outputs.
     let numel = |buf: usize| -> usize {
         p.buffers[buf]
             .ty
@@ -153,176 +144,98 @@ pub fn run(
     };
     let before = gpu.free_bytes()?;
     let mut rng = ChaCha8Rng::seed_from_u64(1);
+    // Device buffers of the two kernels alone (random values), by plan buffer.
     let mut device: Vec<(usize, CudaSlice<u8>)> = Vec::new();
     let mut ptr_of =
         |buf: usize, device: &mut Vec<(usize, CudaSlice<u8>)>| -> Result<u64, RuntimeError> {
             if let Some((_, s)) = device.iter().find(|(b2, _)| *b2 == buf) {
                 return Ok(s.device_ptr(&gpu.stream).0);
             }
-            let dt = p.buffers[buf].ty.dtype;
-            let vals: Vec<f64> = (0..numel(buf))
-                .map(|_| rng.random_range(-1.0..1.0))
-                .collect();
+            let bytes = if buf < p.buffers.len() {
+                let vals: Vec<f64> = (0..numel(buf))
+                    .map(|_| rng.random_range(-1.0..1.0))
+                    .collect();
+                encode(p.buffers[buf].ty.dtype, &vals)
+            } else {
+                vec![0u8; plan.buffers[buf].bytes.max(4) as usize]
+            };
             let s = gpu
                 .stream
-                .clone_htod(&encode(dt, &vals))
+                .clone_htod(&bytes)
                 .map_err(|e| RuntimeError::driver("allocating attention buffers", e))?;
             let ptr = s.device_ptr(&gpu.stream).0;
             device.push((buf, s));
             Ok(ptr)
         };
-    let mut forward = "simple";
-    let arch = gpu.flash_arch()?.filter(|_| flash);
-    let fwd_launch = {
-        let args: Vec<u64> = fwd
+    // The plan's launches of kernel `ki`, ready to run on these buffers.
+    let mut calls = |ki: usize,
+                     device: &mut Vec<(usize, CudaSlice<u8>)>|
+     -> Result<Vec<KernelCall>, RuntimeError> {
+        let k = &p.kernels[ki];
+        let args: Vec<u64> = k
             .inputs
             .iter()
-            .chain(&fwd.outputs)
-            .map(|&b2| ptr_of(b2, &mut device))
+            .chain(&k.outputs)
+            .map(|&b2| ptr_of(b2, device))
             .collect::<Result<_, _>>()?;
-        match arch.and_then(|a| flash_forward(g, &p, fwd, nf, None, a)) {
-            Some(f) => {
-                let launch = f.launch;
-                forward = if launch.arch_specific {
-                    "flash-wgmma"
-                } else {
-                    "flash"
-                };
-                let func = load(gpu, &fwd.name, &launch.source)?;
-                let smem = launch.dynamic_smem_bytes as u32;
-                crate::exec::allow_dynamic_smem(&func, &fwd.name, smem, gpu, "--simple")?;
-                let [x, y, z] = launch.grid(&|_| None).ok_or_else(|| err("no flash grid"))?;
-                let maps =
-                    encode_all(&launch.tensor_maps, &args, &|_| None, &fwd.name, "--simple")?;
-                Launch {
-                    name: fwd.name.clone(),
-                    func,
-                    grid: (x as u32, y as u32, z as u32),
-                    block: launch.block,
-                    args,
-                    extra: None,
-                    smem,
-                    maps,
-                }
-            }
-            None => {
-                let text = &sources
-                    .iter()
-                    .find(|(n2, _)| *n2 == fwd.name)
-                    .ok_or_else(|| err("no source"))?
-                    .1;
-                let blocks = shape_of(g, nf)
-                    .and_then(|s| grid(&s, &|_| None))
-                    .unwrap_or(1);
-                Launch {
-                    name: fwd.name.clone(),
-                    func: load(gpu, &fwd.name, text)?,
-                    grid: (blocks as u32, 1, 1),
-                    block: BLOCK as u32,
-                    args,
-                    extra: None,
-                    smem: 0,
-                    maps: Vec::new(),
-                }
-            }
+        let mut out = Vec::new();
+        for st in &plan.launches[ki].steps {
+            let text = &selection
+                .sources
+                .iter()
+                .find(|(n2, _)| *n2 == st.function)
+                .ok_or_else(|| err("no source"))?
+                .1;
+            let func = load(gpu, &st.function, text)?;
+            let smem = st.dynamic_smem_bytes as u32;
+            crate::exec::allow_dynamic_smem(&func, &st.function, smem, gpu, "--simple")?;
+            let maps = st
+                .tensor_maps
+                .iter()
+                .map(|m| {
+                    encode_sizes(
+                        &m.name,
+                        m.arg,
+                        &m.sizes,
+                        m.swizzle,
+                        &args,
+                        &st.function,
+                        "--simple",
+                    )
+                })
+                .collect::<Result<_, _>>()?;
+            let extra = match st.scratch {
+                Some(s) => Some(ptr_of(s, device)?),
+                None => None,
+            };
+            out.push(KernelCall {
+                func,
+                name: st.function.clone(),
+                grid: (st.grid[0] as u32, st.grid[1] as u32, st.grid[2] as u32),
+                block: st.block as u32,
+                args: args.clone(),
+                extra,
+                smem,
+                maps,
+            });
         }
+        Ok(out)
     };
-    let mut backward = "simple";
-    let mut scratch: Option<CudaSlice<u8>> = None;
-    let bwd_launches: Vec<Launch> = {
-        let args: Vec<u64> = bwd
-            .inputs
-            .iter()
-            .chain(&bwd.outputs)
-            .map(|&b2| ptr_of(b2, &mut device))
-            .collect::<Result<_, _>>()?;
-        match arch.and_then(|a| flash_backward(g, &p, bwd, nb, None, deterministic, a)) {
-            Some(ls) => {
-                let ls: Vec<_> = ls.into_iter().map(|f| f.launch).collect();
-                backward = match (deterministic, ls.iter().any(|l| l.arch_specific)) {
-                    (true, _) => "flash-deterministic",
-                    (false, true) => "flash-wgmma",
-                    _ => "flash",
-                };
-                let elems = ls[0]
-                    .scratch_f32
-                    .as_ref()
-                    .and_then(|e| e.eval(&|_| None))
-                    .unwrap_or(0)
-                    .max(1) as usize;
-                let s = gpu
-                    .stream
-                    .alloc_zeros::<u8>(4 * elems)
-                    .map_err(|e| RuntimeError::driver("allocating attention scratch", e))?;
-                let sp = s.device_ptr(&gpu.stream).0;
-                scratch = Some(s);
-                let mut out = Vec::new();
-                for l in ls {
-                    let [x, y, z] = l.grid(&|_| None).ok_or_else(|| err("no flash grid"))?;
-                    let func = load(gpu, &l.name, &l.source)?;
-                    let smem = l.dynamic_smem_bytes as u32;
-                    crate::exec::allow_dynamic_smem(&func, &l.name, smem, gpu, "--simple")?;
-                    let maps = encode_all(&l.tensor_maps, &args, &|_| None, &l.name, "--simple")?;
-                    out.push(Launch {
-                        name: l.name.clone(),
-                        func,
-                        grid: (x as u32, y as u32, z as u32),
-                        block: l.block,
-                        args: args.clone(),
-                        extra: Some(sp),
-                        smem,
-                        maps,
-                    });
-                }
-                out
-            }
-            None => {
-                let text = &sources
-                    .iter()
-                    .find(|(n2, _)| *n2 == bwd.name)
-                    .ok_or_else(|| err("no source"))?
-                    .1;
-                let blocks = shape_of(g, nb)
-                    .and_then(|s| grid(&s, &|_| None))
-                    .unwrap_or(1);
-                vec![Launch {
-                    name: bwd.name.clone(),
-                    func: load(gpu, &bwd.name, text)?,
-                    grid: (blocks as u32, 1, 1),
-                    block: BLOCK as u32,
-                    args,
-                    extra: None,
-                    smem: 0,
-                    maps: Vec::new(),
-                }]
-            }
+    let fwd_calls = calls(fwd, &mut device)?;
+    let bwd_calls = calls(bwd, &mut device)?;
+    let family = |ki: usize| match &plan.launches[ki].steps[..] {
+        [] => "none",
+        s if s.iter().any(|x| x.arch_specific) => "flash-wgmma",
+        s if s.iter().any(|x| x.template.is_some()) && deterministic && ki == bwd => {
+            "flash-deterministic"
         }
+        s if s.iter().any(|x| x.template.is_some()) => "flash",
+        _ => "simple",
     };
+    let (forward, backward) = (family(fwd), family(bwd));
     let buffer_bytes = before.saturating_sub(gpu.free_bytes()?);
-    let launch = |l: &Launch| -> Result<(), RuntimeError> {
-        let mut a = gpu.stream.launch_builder(&l.func);
-        for x in &l.args {
-            a.arg(x);
-        }
-        if let Some(x) = &l.extra {
-            a.arg(x);
-        }
-        for m in &l.maps {
-            a.arg(m);
-        }
-        let cfg = LaunchConfig {
-            grid_dim: l.grid,
-            block_dim: (l.block, 1, 1),
-            shared_mem_bytes: l.smem,
-        };
-        // SAFETY: arguments as the kernel's signature lists them (no
-        // symbolic sizes: the model's sizes are constants; the tensor maps
-        // point into the buffers, which outlive every launch).
-        unsafe { a.launch(cfg) }.map_err(|e| RuntimeError::driver("launching attention", e))?;
-        Ok(())
-    };
     // The median of 10 timed runs (after 3 warm-up runs) of `ls` in order.
-    let median_ms = |ls: &[&Launch]| -> Result<f64, RuntimeError> {
+    let median_ms = |ls: &[&KernelCall]| -> Result<f64, RuntimeError> {
         use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
         let mut times = Vec::new();
         for rep in 0..13 {
@@ -331,7 +244,8 @@ pub fn run(
                 .record_event(Some(CU_EVENT_DEFAULT))
                 .map_err(|e| RuntimeError::driver("timing", e))?;
             for l in ls {
-                launch(l)?;
+                // No size parameters: the model's sizes are constants.
+                l.launch(gpu, &[])?;
             }
             let e1 = gpu
                 .stream
@@ -347,14 +261,15 @@ pub fn run(
         times.sort_by(f64::total_cmp);
         Ok(times[times.len() / 2])
     };
-    let fwd_ms = median_ms(&[&fwd_launch])?;
-    let all: Vec<&Launch> = std::iter::once(&fwd_launch).chain(&bwd_launches).collect();
+    let fwd_only: Vec<&KernelCall> = fwd_calls.iter().collect();
+    let fwd_ms = median_ms(&fwd_only)?;
+    let all: Vec<&KernelCall> = fwd_calls.iter().chain(&bwd_calls).collect();
     let fwd_bwd_ms = median_ms(&all)?;
     // Each backward kernel after the forward and the kernels before it (so
     // it reads what they wrote), timed alone.
     let mut bwd_parts = Vec::new();
-    for (i, l) in bwd_launches.iter().enumerate() {
-        median_ms(&all[..i + 2])?;
+    for (i, l) in bwd_calls.iter().enumerate() {
+        median_ms(&all[..fwd_calls.len() + i + 1])?;
         let ms = median_ms(&[l])?;
         let part = l.name.rsplit('_').next().unwrap_or("backward").to_string();
         bwd_parts.push((part, ms));
@@ -362,7 +277,6 @@ pub fn run(
     let full = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64;
     let fl = if causal { full / 2.0 } else { full };
     drop(device);
-    drop(scratch);
     Ok(AttnResult {
         head_dim: d,
         seq: t,

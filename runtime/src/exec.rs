@@ -6,10 +6,9 @@
 use crate::device::Gpu;
 use crate::gemm::{Elem, EpiloguePtrs, Gemm, GemmSpec};
 use crate::stage::{HostBuf, Stager};
-use crate::tensor_map::{encode_all, EncodedMap};
+use crate::tensor_map::{encode_sizes, EncodedMap};
 use crate::RuntimeError;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
-use fusec_compiler::emit::flash::tma::TensorMap;
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::ir::{Dim, Graph};
@@ -18,19 +17,59 @@ use fusec_compiler::ops::Op;
 use fusec_compiler::plan::Plan;
 use std::collections::{BTreeMap, HashMap};
 
+/// One kernel launch, ready: the function, its geometry and its arguments
+/// in the order every fusec kernel takes them (buffers, then the size
+/// parameters given at launch, then the scratch where it takes one, then
+/// its tensor maps by value). The executor, `fusec bench-attention` and the
+/// GPU tests all launch through it.
+pub struct KernelCall {
+    pub func: CudaFunction,
+    pub name: String,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    /// Buffer addresses: the kernel's inputs, then its outputs.
+    pub args: Vec<u64>,
+    /// A pointer passed after the sizes (the attention backward's scratch).
+    pub extra: Option<u64>,
+    /// Dynamic shared memory, bytes.
+    pub smem: u32,
+    /// Tensor maps passed last, by value.
+    pub maps: Vec<EncodedMap>,
+}
+
+impl KernelCall {
+    /// Launches it on `gpu`'s stream with the size parameters `dims`.
+    pub fn launch(&self, gpu: &Gpu, dims: &[i64]) -> Result<(), RuntimeError> {
+        let mut b = gpu.stream.launch_builder(&self.func);
+        for a in &self.args {
+            b.arg(a);
+        }
+        for d in dims {
+            b.arg(d);
+        }
+        if let Some(x) = &self.extra {
+            b.arg(x);
+        }
+        for m in &self.maps {
+            b.arg(m);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: self.grid,
+            block_dim: (self.block, 1, 1),
+            shared_mem_bytes: self.smem,
+        };
+        // SAFETY: the arguments match the kernel's signature (inputs,
+        // outputs, then every symbolic size, as the emitter writes it, then
+        // the scratch where it takes one, then its tensor maps), and the
+        // caller's pointers (the maps' too) lie inside live device buffers.
+        unsafe { b.launch(cfg) }
+            .map_err(|e| RuntimeError::driver(&format!("launching {}", self.name), e))?;
+        Ok(())
+    }
+}
+
 enum Step {
-    Kernel {
-        func: CudaFunction,
-        grid: (u32, u32, u32),
-        block: u32,
-        args: Vec<u64>,
-        /// A pointer passed after the sizes (the attention backward's scratch).
-        extra: Option<u64>,
-        /// Dynamic shared memory, bytes.
-        smem: u32,
-        /// Tensor maps passed last, by value.
-        maps: Vec<EncodedMap>,
-    },
+    Kernel(KernelCall),
     /// Several kernels doing one op, in order (the tensor-core attention
     /// backward's three).
     Sequence(Vec<Step>),
@@ -93,8 +132,6 @@ pub struct Executor {
     pub arena_bytes: u64,
     /// The whole step captured once and replayed (see `capture`).
     graph: Option<cudarc::driver::CudaGraph>,
-    /// Scratch memory some kernels take (kept alive for their pointers).
-    _scratch: Option<CudaSlice<u8>>,
     /// Inputs copied in on a second stream (see `stage`).
     stager: Option<Stager>,
 }
@@ -213,9 +250,7 @@ impl Executor {
         plan: &Plan,
         sources: &[(String, String)],
         cubins: Vec<Vec<u8>>,
-        overrides: &Overrides,
     ) -> Result<Executor, RuntimeError> {
-        let (multi, scratch_bytes) = (&overrides.multi, overrides.scratch_bytes);
         let free = gpu.free_bytes()?;
         // cuBLASLt's workspace and the context need some room too.
         let need = plan.arena_bytes + (64 << 20);
@@ -298,94 +333,96 @@ impl Executor {
                 .load_function(name)
                 .map_err(|e| RuntimeError::driver(&format!("finding kernel {name}"), e))
         };
-        let scratch = if scratch_bytes > 0 {
-            Some(
-                gpu.stream
-                    .alloc_zeros::<u8>(scratch_bytes as usize)
-                    .map_err(|e| RuntimeError::driver("allocating attention scratch", e))?,
-            )
-        } else {
-            None
-        };
-        let scratch_ptr = scratch.as_ref().map(|s| s.device_ptr(&gpu.stream).0);
         let ptr = |b: usize| base + slots[b].offset;
         let mut launches = Vec::with_capacity(p.kernels.len());
         let mut gemm = None;
         for (ki, k) in p.kernels.iter().enumerate() {
             let l = &plan.launches[ki];
-            let step = match (&k.body, by_name.get(k.name.as_str())) {
-                (Body::Gemm(n, _), _) | (Body::Op(n), None)
-                    if matches!(g.g[*n].op, Op::MatMul(_)) =>
-                {
-                    let spec = gemm_spec(g, p, k, *n, &plan.dims)?;
-                    let mut ep = EpiloguePtrs::default();
-                    if let Body::Gemm(_, e) = &k.body {
-                        ep.bias = e.bias.map(|s| ptr(k.inputs[s]));
-                        ep.residual = e.residual.map(|s| ptr(k.inputs[s]));
-                        ep.dgelu_aux_in = e.dgelu.map(|s| ptr(k.inputs[s]));
-                        if e.gelu {
-                            ep.gelu_aux_out = Some(ptr(k.outputs[1]));
+            let args: Vec<u64> = k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
+            let step = if !l.steps.is_empty() {
+                // The kernels the plan launches: the generated one, or the
+                // template instances chosen in its place.
+                let mut steps = Vec::new();
+                for st in &l.steps {
+                    let si = *by_name.get(st.function.as_str()).ok_or_else(|| {
+                        RuntimeError::Unsupported(format!(
+                            "kernel {} has no compiled source",
+                            st.function
+                        ))
+                    })?;
+                    let func = function(si, &st.function)?;
+                    let smem = st.dynamic_smem_bytes as u32;
+                    allow_dynamic_smem(&func, &st.function, smem, &gpu, "FUSEC_ATTENTION=simple")?;
+                    let maps = st
+                        .tensor_maps
+                        .iter()
+                        .map(|m| {
+                            encode_sizes(
+                                &m.name,
+                                m.arg,
+                                &m.sizes,
+                                m.swizzle,
+                                &args,
+                                &st.function,
+                                "FUSEC_ATTENTION=simple",
+                            )
+                        })
+                        .collect::<Result<_, _>>()?;
+                    let [x, y, z] = st.grid;
+                    steps.push(Step::Kernel(KernelCall {
+                        func,
+                        name: st.function.clone(),
+                        grid: (
+                            x.clamp(1, u32::MAX as u64) as u32,
+                            y.clamp(1, 65535) as u32,
+                            z.clamp(1, 65535) as u32,
+                        ),
+                        block: st.block as u32,
+                        args: args.clone(),
+                        extra: st.scratch.map(|b| base + plan.buffers[b].offset),
+                        smem,
+                        maps,
+                    }));
+                }
+                match steps.len() {
+                    1 => steps.remove(0),
+                    _ => Step::Sequence(steps),
+                }
+            } else {
+                match &k.body {
+                    Body::Gemm(n, _) | Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) => {
+                        let spec = gemm_spec(g, p, k, *n, &plan.dims)?;
+                        let mut ep = EpiloguePtrs::default();
+                        if let Body::Gemm(_, e) = &k.body {
+                            ep.bias = e.bias.map(|s| ptr(k.inputs[s]));
+                            ep.residual = e.residual.map(|s| ptr(k.inputs[s]));
+                            ep.dgelu_aux_in = e.dgelu.map(|s| ptr(k.inputs[s]));
+                            if e.gelu {
+                                ep.gelu_aux_out = Some(ptr(k.outputs[1]));
+                            }
+                        }
+                        if gemm.is_none() {
+                            gemm = Some(
+                                Gemm::new(&gpu.stream)
+                                    .map_err(|e| RuntimeError::Gemm(e.to_string()))?,
+                            );
+                        }
+                        Step::Gemm {
+                            spec,
+                            a: ptr(k.inputs[0]),
+                            b: ptr(k.inputs[1]),
+                            d: ptr(k.outputs[0]),
+                            ep,
                         }
                     }
-                    if gemm.is_none() {
-                        gemm = Some(
-                            Gemm::new(&gpu.stream)
-                                .map_err(|e| RuntimeError::Gemm(e.to_string()))?,
-                        );
+                    _ => {
+                        let what: Vec<&str> = k.nodes.iter().map(|&n| g.g[n].op.name()).collect();
+                        return Err(RuntimeError::Unsupported(format!(
+                            "kernel {} ({}) has no generated code and no library call yet",
+                            k.name,
+                            what.join(" + ")
+                        )));
                     }
-                    Step::Gemm {
-                        spec,
-                        a: ptr(k.inputs[0]),
-                        b: ptr(k.inputs[1]),
-                        d: ptr(k.outputs[0]),
-                        ep,
-                    }
-                }
-                (_, _) if multi.contains_key(&k.name) => {
-                    let args: Vec<u64> =
-                        k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
-                    let mut steps = Vec::new();
-                    let env = |s: &str| plan.dims.get(s).copied();
-                    for m in &multi[&k.name] {
-                        let func = function(m.source, &m.name)?;
-                        allow_dynamic_smem(&func, &m.name, m.smem, &gpu, "FUSEC_ATTENTION=simple")?;
-                        let maps =
-                            encode_all(&m.maps, &args, &env, &m.name, "FUSEC_ATTENTION=simple")?;
-                        steps.push(Step::Kernel {
-                            func,
-                            grid: m.grid,
-                            block: m.block,
-                            args: args.clone(),
-                            extra: if m.scratch { scratch_ptr } else { None },
-                            smem: m.smem,
-                            maps,
-                        });
-                    }
-                    match steps.len() {
-                        1 => steps.remove(0),
-                        _ => Step::Sequence(steps),
-                    }
-                }
-                (_, Some(&si)) => {
-                    let func = function(si, &k.name)?;
-                    let args = k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
-                    Step::Kernel {
-                        func,
-                        grid: (l.grid.unwrap_or(1).clamp(1, u32::MAX as u64) as u32, 1, 1),
-                        block: l.block.unwrap_or(256) as u32,
-                        args,
-                        extra: None,
-                        smem: 0,
-                        maps: Vec::new(),
-                    }
-                }
-                (_, None) => {
-                    let what: Vec<&str> = k.nodes.iter().map(|&n| g.g[n].op.name()).collect();
-                    return Err(RuntimeError::Unsupported(format!(
-                        "kernel {} ({}) has no generated code and no library call yet",
-                        k.name,
-                        what.join(" + ")
-                    )));
                 }
             };
             launches.push(Launch {
@@ -408,7 +445,6 @@ impl Executor {
             grad_norm: find(&Role::GradNorm),
             arena_bytes: plan.arena_bytes,
             graph: None,
-            _scratch: scratch,
             stager: None,
         })
     }
@@ -674,41 +710,7 @@ fn run(
     gemm: &mut Option<Gemm>,
 ) -> Result<(), RuntimeError> {
     match step {
-        Step::Kernel {
-            func,
-            grid,
-            block,
-            args,
-            extra,
-            smem,
-            maps,
-        } => {
-            let mut b = gpu.stream.launch_builder(func);
-            for a in args {
-                b.arg(a);
-            }
-            for d in dims {
-                b.arg(d);
-            }
-            if let Some(x) = extra {
-                b.arg(x);
-            }
-            for m in maps {
-                b.arg(m);
-            }
-            let cfg = LaunchConfig {
-                grid_dim: *grid,
-                block_dim: (*block, 1, 1),
-                shared_mem_bytes: *smem,
-            };
-            // SAFETY: the arguments match the kernel's signature (inputs,
-            // outputs, then every symbolic size, as the emitter writes it,
-            // then the scratch where it takes one, then its tensor maps) and
-            // every pointer (the maps' too) lies inside the arena or the
-            // scratch.
-            unsafe { b.launch(cfg) }
-                .map_err(|e| RuntimeError::driver(&format!("launching {name}"), e))?;
-        }
+        Step::Kernel(call) => call.launch(gpu, dims)?,
         Step::Sequence(steps) => {
             for s in steps {
                 run(s, name, gpu, dims, gemm)?;
@@ -721,32 +723,6 @@ fn run(
         }
     }
     Ok(())
-}
-
-/// Kernels launched otherwise than the plan says (the tensor-core
-/// attention): each with its own geometry, one or several for one op, some
-/// sharing an f32 scratch.
-#[derive(Clone, Debug, Default)]
-pub struct Overrides {
-    /// Kernel name -> the kernels that do its op instead, in order.
-    pub multi: HashMap<String, Vec<MultiLaunch>>,
-    pub scratch_bytes: u64,
-}
-
-/// One kernel that does (part of) an op in place of the plan's kernel.
-#[derive(Clone, Debug)]
-pub struct MultiLaunch {
-    pub name: String,
-    /// Index of its source among the executor's sources.
-    pub source: usize,
-    pub grid: (u32, u32, u32),
-    pub block: u32,
-    /// Dynamic shared memory, bytes.
-    pub smem: u32,
-    /// Whether it takes the scratch after its sizes.
-    pub scratch: bool,
-    /// Tensor maps it takes last (`emit/tma.rs`).
-    pub maps: Vec<TensorMap>,
 }
 
 /// Lets `func` launch with `bytes` of dynamic shared memory (over 48 KiB

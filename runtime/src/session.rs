@@ -4,19 +4,16 @@
 
 use crate::cache::{self, CacheStats};
 use crate::device::Gpu;
-use crate::exec::{decode, encode, Executor, MultiLaunch, Overrides};
+use crate::exec::{decode, encode, Executor};
 use crate::stage::HostBuf;
 use crate::RuntimeError;
 use fusec_compiler::autodiff::{LR_INPUT, STEP_INPUT};
-use fusec_compiler::emit::cuda::emit_program;
-use fusec_compiler::emit::flash::{flash_backward, flash_forward};
 use fusec_compiler::ir::Graph;
 use fusec_compiler::kernel::fuse::fuse;
-use fusec_compiler::kernel::{Body, Program};
-use fusec_compiler::ops::Op;
-use fusec_compiler::plan::{plan, Plan};
+use fusec_compiler::kernel::Program;
+use fusec_compiler::plan::{plan_with, Plan};
+use fusec_compiler::select::{select, Target};
 use std::collections::BTreeMap;
-use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
@@ -85,82 +82,30 @@ impl Session {
         options: SessionOptions,
     ) -> Result<Session, RuntimeError> {
         let program = fuse(graph);
-        let plan =
-            plan(graph, &program, dims).map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
-        let mut sources = emit_program(graph, &program, None);
-        // The tensor-core (FlashAttention) kernels, forward and backward,
-        // where they apply (bf16/f16, head dims multiples of 8 up to 256,
-        // sm_80 or newer), each with its own geometry; FUSEC_ATTENTION=simple
-        // keeps the plan's simple kernels (one thread per query row), as the
-        // CPU-checked reference.
-        let mut multi: HashMap<String, Vec<MultiLaunch>> = HashMap::new();
-        let mut scratch_bytes = 0u64;
-        if let Some(arch) = gpu.flash_arch()? {
-            let env = |s: &str| dims.get(s).copied();
-            for k in &program.kernels {
-                let Body::Op(n) = k.body else { continue };
-                let chosen = match graph.g[n].op {
-                    Op::AttentionGrad(_) => {
-                        flash_backward(graph, &program, k, n, None, options.deterministic, arch)
-                    }
-                    Op::Attention(_) => {
-                        flash_forward(graph, &program, k, n, None, arch).map(|f| vec![f])
-                    }
-                    _ => None,
-                };
-                let Some(chosen) = chosen else { continue };
-                let mut steps = Vec::new();
-                for f in chosen {
-                    let l = f.launch;
-                    let Some([x, y, z]) = l.grid(&env) else {
-                        steps.clear();
-                        break;
-                    };
-                    if let Some(elems) = &l.scratch_f32 {
-                        let Some(elems) = elems.eval(&env) else {
-                            steps.clear();
-                            break;
-                        };
-                        scratch_bytes = scratch_bytes.max(4 * elems.max(0) as u64);
-                    }
-                    // The forward runs in place of the plan's kernel, under its name.
-                    let source = match sources.iter().position(|(name, _)| *name == l.name) {
-                        Some(si) => {
-                            sources[si].1 = l.source;
-                            si
-                        }
-                        None => {
-                            sources.push((l.name.clone(), l.source));
-                            sources.len() - 1
-                        }
-                    };
-                    steps.push(MultiLaunch {
-                        name: l.name,
-                        source,
-                        grid: (x as u32, y as u32, z as u32),
-                        block: l.block,
-                        smem: l.dynamic_smem_bytes as u32,
-                        scratch: l.scratch_f32.is_some(),
-                        maps: l.tensor_maps,
-                    });
-                }
-                if !steps.is_empty() {
-                    multi.insert(k.name.clone(), steps);
-                }
-            }
-        }
+        // The kernels for this GPU: the tensor-core attention family its
+        // architecture runs (FUSEC_ATTENTION=simple keeps the simple kernels,
+        // the CPU-checked reference), in the scheme asked for.
+        let target = Target {
+            arch: gpu.flash_arch()?,
+            deterministic: options.deterministic,
+        };
+        let selection = select(graph, &program, &target, None);
+        let plan = plan_with(graph, &program, Some(&selection), dims)
+            .map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
+        let sources = selection.sources;
         let t0 = Instant::now();
         let (cubins, stats) = cache::cubins(&sources, &gpu.arch(), cache_dir, progress)?;
         let compile_seconds = t0.elapsed().as_secs_f64();
-        let replaced = multi
+        let replaced = plan
+            .launches
             .iter()
-            .map(|(k, ls)| (k.clone(), ls.iter().map(|l| l.name.clone()).collect()))
+            .filter(|l| l.kind == "template")
+            .map(|l| {
+                let names = l.steps.iter().map(|s| s.function.clone()).collect();
+                (l.kernel.clone(), names)
+            })
             .collect();
-        let overrides = Overrides {
-            multi,
-            scratch_bytes,
-        };
-        let exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins, &overrides)?;
+        let exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins)?;
         Ok(Session {
             exec,
             graph: graph.clone(),

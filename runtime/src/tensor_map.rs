@@ -4,7 +4,7 @@
 
 use crate::RuntimeError;
 use cudarc::driver::sys;
-use fusec_compiler::emit::flash::tma::TensorMap;
+use fusec_compiler::emit::flash::tma::{TensorMap, TensorMapSizes};
 
 /// A `CUtensorMap` as the kernel parameter takes it (128 bytes, 64-byte
 /// aligned).
@@ -25,21 +25,52 @@ pub fn encode(
     kernel: &str,
     without: &str,
 ) -> Result<EncodedMap, RuntimeError> {
-    let fail = |why: String| {
+    let sizes = map.sizes(env).ok_or_else(|| {
         RuntimeError::Unsupported(format!(
-            "kernel {kernel}: cannot describe its input {} to the GPU's tensor copies: {why}; run with {without}",
+            "kernel {kernel}: a size of its input {}'s tensor map is not set; run with {without}",
             map.name
         ))
+    })?;
+    encode_sizes(
+        &map.name,
+        map.arg,
+        &sizes,
+        map.swizzle,
+        args,
+        kernel,
+        without,
+    )
+}
+
+/// Encodes tensor map `name` of kernel `kernel` with its sizes bound (as
+/// the plan holds it): argument `arg` of `args` (inputs, then outputs), a
+/// `swizzle`-byte swizzle; an error names `without`, what runs without the
+/// kernel.
+pub fn encode_sizes(
+    name: &str,
+    arg: usize,
+    sizes: &TensorMapSizes,
+    swizzle: u32,
+    args: &[u64],
+    kernel: &str,
+    without: &str,
+) -> Result<EncodedMap, RuntimeError> {
+    let fail = |why: String| {
+        RuntimeError::Unsupported(format!(
+            "kernel {kernel}: cannot describe its input {name} to the GPU's tensor copies: {why}; run with {without}"
+        ))
     };
-    let sizes = map
-        .sizes(env)
-        .ok_or_else(|| fail("a size is not set".into()))?;
     let base = args
-        .get(map.arg)
-        .ok_or_else(|| fail(format!("it has no argument {}", map.arg)))?
+        .get(arg)
+        .ok_or_else(|| fail(format!("it has no argument {arg}")))?
         + sizes.offset_bytes;
     // The driver's own checks, said in words: 16-byte aligned base and strides.
-    if base % 16 != 0 || sizes.strides_bytes.iter().any(|s| s % 16 != 0 || *s == 0) {
+    if !base.is_multiple_of(16)
+        || sizes
+            .strides_bytes
+            .iter()
+            .any(|s| !s.is_multiple_of(16) || *s == 0)
+    {
         return Err(fail(format!(
             "its base {base:#x} or strides {:?} (bytes) are not positive multiples of 16",
             sizes.strides_bytes
@@ -51,7 +82,7 @@ pub fn encode(
             sizes.dims
         )));
     }
-    let swizzle = match map.swizzle {
+    let swizzle = match swizzle {
         128 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
         64 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
         32 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_32B,

@@ -9,10 +9,11 @@
 mod common;
 
 use common::{attention_model, gpu};
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr};
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::emit::flash::{flash_backward, flash_forward, FlashArch};
+use fusec_compiler::emit::launch::KernelLaunch;
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::tensor::Tensor;
 use fusec_compiler::interp::Precision;
@@ -21,8 +22,8 @@ use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::kernel::{Body, Kernel, Program};
 use fusec_compiler::ops::Op;
 use fusec_runtime::device::Gpu;
-use fusec_runtime::exec::{decode, encode};
-use fusec_runtime::tensor_map::{encode_all, EncodedMap};
+use fusec_runtime::exec::{decode, encode, KernelCall};
+use fusec_runtime::tensor_map::encode_all;
 use petgraph::stable_graph::NodeIndex;
 use std::collections::HashMap;
 
@@ -133,40 +134,27 @@ fn load(gpu: &Gpu, name: &str, source: &str) -> (CudaFunction, Option<u32>) {
     (module.load_function(name).unwrap(), cubin.registers)
 }
 
-/// Launches with the generated kernels' arguments: buffers, sizes, then
-/// `extra` (the backward's scratch) where given, then the tensor maps.
-#[allow(clippy::too_many_arguments)]
-fn launch(
-    gpu: &Gpu,
-    f: &CudaFunction,
+/// The runtime's one kernel launch (`exec::KernelCall`) for `l` on these
+/// buffers: its arguments, then the sizes at launch, `extra` (the
+/// backward's scratch) where given, then the tensor maps.
+fn call(
+    func: CudaFunction,
+    l: &KernelLaunch,
     ptrs: &[u64],
-    sizes: &[i64],
     extra: Option<u64>,
-    grid: [u64; 3],
-    block: u32,
-    smem: u32,
-    maps: &[EncodedMap],
-) {
-    let mut l = gpu.stream.launch_builder(f);
-    for p in ptrs {
-        l.arg(p);
+    env: &dyn Fn(&str) -> Option<i64>,
+) -> KernelCall {
+    let grid = l.grid(env).expect("a grid");
+    KernelCall {
+        func,
+        name: l.name.clone(),
+        grid: (grid[0] as u32, grid[1] as u32, grid[2] as u32),
+        block: l.block,
+        args: ptrs.to_vec(),
+        extra,
+        smem: l.dynamic_smem_bytes as u32,
+        maps: encode_all(&l.tensor_maps, ptrs, env, &l.name, "-").unwrap(),
     }
-    for s in sizes {
-        l.arg(s);
-    }
-    if let Some(x) = &extra {
-        l.arg(x);
-    }
-    for m in maps {
-        l.arg(m);
-    }
-    let cfg = LaunchConfig {
-        grid_dim: (grid[0] as u32, grid[1] as u32, grid[2] as u32),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    // SAFETY: the arguments follow emit/flash's launch contract.
-    unsafe { l.launch(cfg) }.unwrap();
 }
 
 #[test]
@@ -203,13 +191,8 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
         let bufs = case.upload(&gpu);
         let ptrs: Vec<u64> = bufs.iter().map(|s| s.device_ptr(&gpu.stream).0).collect();
         let sizes: Vec<i64> = g.dims.iter().map(|d| case.dims[d]).collect();
-        let grid = fl.grid(&case.env()).expect("a grid");
-        let maps = encode_all(&fl.tensor_maps, &ptrs, &case.env(), "forward", "-").unwrap();
-        let run = || {
-            launch(
-                &gpu, &func, &ptrs, &sizes, None, grid, fl.block, smem, &maps,
-            )
-        };
+        let kc = call(func, &fl, &ptrs, None, &case.env());
+        let run = || kc.launch(&gpu, &sizes).unwrap();
         run();
         gpu.stream.synchronize().unwrap();
         for slot in 0..2 {
@@ -277,6 +260,9 @@ fn flash_backward_matches_the_interpreter() {
             (80, 8, 8, true, 1000),
             (96, 2, 1, false, 1023),
             (40, 4, 4, true, 300),
+            (256, 2, 1, true, 1000),
+            (192, 4, 4, false, 300),
+            (160, 2, 2, true, 17),
         ] {
             cases.push((cfg, false, FlashArch::Sm90a));
         }
@@ -307,18 +293,9 @@ fn flash_backward_matches_the_interpreter() {
             let (func, _) = load(&gpu, &l.name, &l.source);
             let smem = l.dynamic_smem_bytes as u32;
             fusec_runtime::exec::allow_dynamic_smem(&func, &l.name, smem, &gpu, "").unwrap();
-            let maps = encode_all(&l.tensor_maps, &ptrs, &env, &l.name, "-").unwrap();
-            launch(
-                &gpu,
-                &func,
-                &ptrs,
-                &sizes,
-                Some(sp),
-                l.grid(&env).expect("a grid"),
-                l.block,
-                smem,
-                &maps,
-            );
+            call(func, l, &ptrs, Some(sp), &env)
+                .launch(&gpu, &sizes)
+                .unwrap();
         }
         gpu.stream.synchronize().unwrap();
         let errors: Vec<(f64, f64)> = (0..3).map(|slot| case.error(&gpu, &bufs, slot)).collect();

@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{attention_model, gpu, model, model_edited, sizes, TinyModel};
+use common::{attention_model_dv, gpu, model, model_edited, sizes, TinyModel};
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::graph::Role;
@@ -143,6 +143,18 @@ fn kernels_against_the_interpreter(
     dims: &[(&str, i64)],
     options: SessionOptions,
 ) -> (String, Vec<String>, Vec<String>) {
+    kernels_against_the_interpreter_floor(label, g, dims, options, 1e-3)
+}
+
+/// [`kernels_against_the_interpreter`] judging an output that is pure
+/// cancellation against `floor` of its kernel's largest output.
+fn kernels_against_the_interpreter_floor(
+    label: &str,
+    g: &fusec_compiler::ir::Graph,
+    dims: &[(&str, i64)],
+    options: SessionOptions,
+    floor_of_largest: f64,
+) -> (String, Vec<String>, Vec<String>) {
     let (dmap, bdims) = sizes(dims);
     let feeds = random_feeds(g, &dmap, 7).unwrap();
     let gpu = gpu().unwrap();
@@ -157,7 +169,7 @@ fn kernels_against_the_interpreter(
         // cancellation (attention over one key: dq = dk = 0 exactly, the
         // reference's rounding noise alone): it is judged against 1e-3 of
         // the kernel's largest output instead of its own noise.
-        let floor = 1e-3
+        let floor = floor_of_largest
             * k.outputs
                 .iter()
                 .flat_map(|&b| reference[b].data.iter())
@@ -217,52 +229,65 @@ fn every_kernel_matches_the_interpreter() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// Attention as the step runs it (tensor-core kernels at head dims 64 and
-/// 128, the simple ones at 32, 80 and 96), forward and backward with every
-/// kernel around them, against the interpreter: every head dim the
-/// language's attention takes here, lengths that are not tile multiples
-/// and T = 8192, causal and not, grouped-query ratios 1, 4 and 8, bf16 and
-/// fp16. The tensor-core backward sums dQ with atomics; the deterministic
-/// scheme runs at T = 1023 and 8192 too.
+/// Attention as the step runs it (the tensor-core kernels at every head
+/// dim the language's attention takes on them, the simple ones at a head
+/// dim that is not a multiple of 8), forward and backward with every kernel
+/// around them, against the interpreter: T in {1, 17, 300, 1000, 4096}
+/// (and 8192), causal and not, grouped-query ratios 1, 4 and 8, bf16 and
+/// fp16, both backward schemes (the atomic one sums dQ with atomics, the
+/// deterministic one recomputes it), and a Dv != D.
 #[test]
 fn attention_at_every_head_dim_matches_the_interpreter() {
     let Some(_) = gpu() else { return };
+    // (D, Dv, heads, ratio, causal, precision, T, deterministic)
     let mut runs = Vec::new();
-    for d in [32usize, 64, 80, 96, 128] {
-        for causal in [true, false] {
-            for (heads, ratio) in [(2usize, 1usize), (8, 8)] {
-                runs.push((d, heads, ratio, causal, "bf16", 1000i64, false));
-            }
-        }
-        runs.push((d, 2, 1, true, "bf16", 17, false));
-        runs.push((d, 4, 4, true, "fp16", 1023, false));
-        runs.push((d, 4, 4, false, "fp16", 1, false));
+    for d in [32usize, 40, 48, 64, 80, 96, 112, 128, 160, 192, 256] {
+        runs.push((d, d, 2usize, 1usize, true, "bf16", 1000i64, false));
+        runs.push((d, d, 8, 8, false, "bf16", 300, false));
+        runs.push((d, d, 4, 4, true, "bf16", 17, true));
+        runs.push((d, d, 4, 4, true, "fp16", 1023, false));
+        runs.push((d, d, 2, 1, false, "fp16", 1, true));
+    }
+    for d in [80, 96, 256] {
+        runs.push((d, d, 1, 1, true, "bf16", 4096, false));
+        runs.push((d, d, 2, 2, false, "bf16", 4096, true));
     }
     for d in [64, 128] {
-        runs.push((d, 4, 4, true, "fp16", 1023, true));
         for deterministic in [false, true] {
-            runs.push((d, 1, 1, true, "bf16", 8192, deterministic));
+            runs.push((d, d, 1, 1, true, "bf16", 8192, deterministic));
         }
     }
+    runs.push((64, 128, 4, 4, true, "bf16", 1000, false));
+    runs.push((128, 64, 2, 1, false, "bf16", 300, true));
+    runs.push((36, 36, 2, 1, true, "bf16", 100, false));
     let mut failures = Vec::new();
-    for (d, heads, ratio, causal, precision, t, deterministic) in runs {
-        let src = attention_model(d, heads, ratio, causal, precision);
+    for (d, dv, heads, ratio, causal, precision, t, deterministic) in runs {
+        let src = attention_model_dv(d, dv, heads, ratio, causal, precision);
         let c = fusec_compiler::driver::compile(&src, "attention", &Default::default())
             .unwrap_or_else(|f| panic!("{}", f.render("attention.dsl", &src)));
         let label = format!(
-            "D={d} heads={heads} ratio={ratio} causal={causal} {precision} T={t} deterministic={deterministic}"
+            "D={d} Dv={dv} heads={heads} ratio={ratio} causal={causal} {precision} T={t} deterministic={deterministic}"
         );
-        let (report, mut f, ran) = kernels_against_the_interpreter(
+        let t0 = std::time::Instant::now();
+        // Over one key (T = 1) dQ and dK are exactly zero, and what the GPU
+        // writes is the tensor cores' f32 rounding in dO V^T - delta over
+        // Dv products: in fp16 at D = 256 up to 6e-7, 5e-5 of |dV| (the host
+        // emulation's sequential f32 sums give 2e-7). They are judged
+        // against 1e-2 of |dV| there; any layout or mask error is of order
+        // |dV| itself.
+        let floor = if t == 1 { 1e-2 } else { 1e-3 };
+        let (report, mut f, ran) = kernels_against_the_interpreter_floor(
             &label,
             &c.optimized,
             &[("B", 1), ("T", t)],
             SessionOptions { deterministic },
+            floor,
         );
-        // Head dims 64 and 128 run the tensor-core kernels, in the scheme
-        // asked for; the others the plan's simple ones.
-        let want: &[&str] = match (d, deterministic) {
-            (64 | 128, false) => &["attention", "delta", "dkdvdq", "dqstore"],
-            (64 | 128, true) => &["attention", "delta", "dkdv", "dq"],
+        // Head dims that are multiples of 8 run the tensor-core kernels, in
+        // the scheme asked for; others the plan's simple ones.
+        let want: &[&str] = match (d % 8 == 0 && dv % 8 == 0, deterministic) {
+            (true, false) => &["attention", "delta", "dkdvdq", "dqstore"],
+            (true, true) => &["attention", "delta", "dkdv", "dq"],
             _ => &[],
         };
         let mut got: Vec<&str> = ran.iter().map(|n| n.rsplit('_').next().unwrap()).collect();
@@ -274,7 +299,7 @@ fn attention_at_every_head_dim_matches_the_interpreter() {
                 "{label}: ran {ran:?} in place of the plan's kernels, not {want:?}"
             ));
         }
-        println!("{report}");
+        println!("{report} ({:.1} s)", t0.elapsed().as_secs_f64());
         failures.append(&mut f);
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

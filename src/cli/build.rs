@@ -4,11 +4,11 @@ use super::common::{load, ModelArgs, SizeArgs};
 use super::CliError;
 use clap::{Args, ValueEnum};
 use fusec_compiler::driver::{Compiled, STAGES};
-use fusec_compiler::emit::cuda::emit_program;
-use fusec_compiler::emit::{PRELUDE, PRELUDE_NAME};
+use fusec_compiler::emit::{HEADERS, PRELUDE, PRELUDE_NAME};
 use fusec_compiler::ir::{dot::to_dot, print::print_graph};
 use fusec_compiler::kernel::fuse::fuse;
-use fusec_compiler::plan::{plan, report::report};
+use fusec_compiler::plan::{plan_with, report::report};
+use fusec_compiler::select::{select, Target};
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -34,9 +34,15 @@ pub struct BuildArgs {
     /// Sizes, for the memory plan
     #[command(flatten)]
     pub sizes: SizeArgs,
-    /// Device for the report's roofline estimate: h100, h200 or a100
+    /// Device to build for: which kernels run (h100 and h200: sm_90a, with
+    /// the Hopper tensor-core attention; a100: sm_80, mma.sync) and the
+    /// report's roofline estimate
     #[arg(long, value_name = "NAME", default_value = "h100", value_parser = device_name)]
     pub device: String,
+    /// The attention backward without atomics (as `fusec train
+    /// --deterministic` runs it)
+    #[arg(long)]
+    pub deterministic: bool,
     /// Format of --dump and --dump-after: readable text or Graphviz dot
     #[arg(long, value_enum, default_value = "text")]
     pub format: Format,
@@ -123,10 +129,15 @@ fn write(path: &Path, text: &str) -> Result<(), CliError> {
         .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))
 }
 
-/// `--dump-after layout|fuse|plan`: the stages on kernels.
+/// The target `--device` and `--deterministic` name.
+fn target(args: &BuildArgs) -> Target {
+    Target::for_device(&args.device, args.deterministic).expect("checked by clap")
+}
+
+/// `--dump-after layout|fuse|select|plan`: the stages on kernels.
 fn kernel_stage(c: &Compiled, stage: &str, args: &BuildArgs) -> Result<Option<String>, CliError> {
     use fusec_compiler::kernel::print::{print_layouts, print_program};
-    if !matches!(stage, "layout" | "fuse" | "plan") {
+    if !matches!(stage, "layout" | "fuse" | "select" | "plan") {
         return Ok(None);
     }
     if matches!(args.format, Format::Dot) {
@@ -144,9 +155,13 @@ fn kernel_stage(c: &Compiled, stage: &str, args: &BuildArgs) -> Result<Option<St
     Ok(Some(match stage {
         "layout" => print_layouts(&c.optimized, &program),
         "fuse" => print_program(&c.optimized, &program),
+        "select" => {
+            select(&c.optimized, &program, &target(args), None).print(&c.optimized, &program)
+        }
         _ => {
             let dims = args.sizes.resolve(&c.optimized.dims)?;
-            let plan = plan(&c.optimized, &program, &dims).map_err(|e| {
+            let selection = select(&c.optimized, &program, &target(args), None);
+            let plan = plan_with(&c.optimized, &program, Some(&selection), &dims).map_err(|e| {
                 CliError::usage(format!(
                     "error: {e} (give sizes with --batch, --seq or --dim)"
                 ))
@@ -205,17 +220,40 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     let _ = std::fs::remove_dir_all(&kdir);
     std::fs::create_dir_all(&kdir)
         .map_err(|e| CliError::usage(format!("error: cannot create {}: {e}", kdir.display())))?;
+    // What runs on the device built for, and the headers its kernels
+    // include: each .cu compiles on its own (nvcc -I out/kernels).
     write(&kdir.join(PRELUDE_NAME), PRELUDE)?;
-    let kernels = emit_program(&c.optimized, &program, Some(&loaded.source));
-    for (name, text) in &kernels {
+    for (path, text) in HEADERS {
+        let p = kdir.join(path);
+        if let Some(dir) = p.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                CliError::usage(format!("error: cannot create {}: {e}", dir.display()))
+            })?;
+        }
+        write(&p, text)?;
+    }
+    let selection = select(&c.optimized, &program, &target(args), Some(&loaded.source));
+    for (name, text) in &selection.sources {
         write(&kdir.join(format!("{name}.cu")), text)?;
     }
-    written.push(kdir.join(format!("*.cu ({} kernels)", kernels.len())));
+    let templates = selection
+        .choices
+        .iter()
+        .filter_map(|c| match c {
+            fusec_compiler::select::Choice::Templates(ks) => Some(ks.len()),
+            _ => None,
+        })
+        .sum::<usize>();
+    written.push(kdir.join(format!(
+        "*.cu ({} kernels for {}: {templates} of them tensor-core attention, kernels/attention/ templates)",
+        selection.sources.len(),
+        args.device
+    )));
 
     let dims = args.sizes.resolve(&c.optimized.dims)?;
     let missing = super::common::missing(&dims, &c.optimized.dims);
     let plan_note = if missing.is_empty() {
-        let plan = plan(&c.optimized, &program, &dims)
+        let plan = plan_with(&c.optimized, &program, Some(&selection), &dims)
             .map_err(|e| CliError::usage(format!("error: {e}")))?;
         let p = args.out.join("plan.json");
         write(&p, &plan.to_json())?;

@@ -25,9 +25,10 @@ use std::path::{Path, PathBuf};
 type Variant = (u32, u32, u32, u32, bool, bool);
 
 /// Every other head dim the tensor-core kernels take, each once: the
-/// padded ones (8, 24, 40: not multiples of 16), the 32- and 64-byte
-/// swizzles on Hopper (80, 96, 112, 160), the wide heads that take smaller
-/// tiles (192, 256), Dv != D both ways, ratios 1 to 8.
+/// padded ones (8, 24, 40: not multiples of 16; 144 for the wide Hopper
+/// backward, which pads to 32), the 32- and 64-byte swizzles on Hopper (80,
+/// 96, 112, 160), the wide heads that take smaller tiles and the wide
+/// Hopper backward (144 to 256), Dv != D both ways, ratios 1 to 8.
 pub const HEAD_DIMS: &[Variant] = &[
     (8, 8, 2, 1, true, false),
     (24, 24, 3, 1, false, false),
@@ -37,9 +38,11 @@ pub const HEAD_DIMS: &[Variant] = &[
     (80, 80, 8, 1, true, true),
     (96, 96, 2, 2, false, true),
     (112, 112, 4, 2, true, false),
+    (144, 144, 2, 2, true, false),
     (160, 160, 2, 1, false, false),
     (192, 192, 2, 2, true, false),
     (256, 256, 2, 1, true, false),
+    (256, 128, 4, 1, true, false),
     (64, 128, 2, 1, true, false),
     (128, 64, 4, 2, false, false),
     (96, 64, 2, 2, true, false),

@@ -48,6 +48,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         "attention/backward_sm90.cuh",
         include_str!("../../../kernels/attention/backward_sm90.cuh"),
     ),
+    (
+        "attention/backward_sm90_wide.cuh",
+        include_str!("../../../kernels/attention/backward_sm90_wide.cuh"),
+    ),
 ];
 
 /// `source` as one translation unit: every `#include "..."` of the prelude

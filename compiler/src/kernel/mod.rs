@@ -32,8 +32,12 @@ pub const STAGES: &[(&str, &str)] = &[
         "elementwise chains, GEMM epilogues (bias, residual, GELU and its backward), casts stored by their producer, multi-tensor groups (--dump kernels)",
     ),
     (
+        "select",
+        "what runs each kernel on the device built for (--device): cuBLASLt, the generated kernel, or kernels/ template instances (the tensor-core attention)",
+    ),
+    (
         "plan",
-        "one arena: offsets from liveness, in-place updates and kernels (plan.json, report.txt)",
+        "one arena: offsets from liveness, in-place updates, every launch with its grid (plan.json, report.txt)",
     ),
 ];
 

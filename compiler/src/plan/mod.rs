@@ -8,11 +8,13 @@
 //! lives do not overlap share memory. The optimizer writes new parameters
 //! and state in place.
 
+use crate::emit::flash::tma::TensorMapSizes;
 use crate::emit::templates::{grid, shape_of, Shape, BLOCK};
 use crate::ir::graph::{Graph, Role};
 use crate::ir::Dim;
 use crate::kernel::{Body, BufKind, Program};
 use crate::ops::Op;
+use crate::select::{Choice, Selection};
 use serde::Serialize;
 
 pub mod report;
@@ -83,11 +85,44 @@ pub struct Launch {
     /// the product.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub epilogue: Option<GemmEpilogue>,
-    /// Blocks and threads per block of a generated kernel.
+    /// The kernels launched for it, in order: the generated kernel, or the
+    /// template instances chosen in its place (none for a library call).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<LaunchStep>,
+}
+
+/// One kernel launch of a step.
+#[derive(Clone, Debug, Serialize)]
+pub struct LaunchStep {
+    /// The `extern "C"` function (and the name of its source).
+    pub function: String,
+    /// The `kernels/` template it instantiates, as C++.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub grid: Option<u64>,
+    pub template: Option<String>,
+    /// Compiled for the `a` variant of the architecture (sm_90a).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub arch_specific: bool,
+    pub grid: [u64; 3],
+    pub block: u64,
+    pub dynamic_smem_bytes: u64,
+    /// The planned f32 buffer passed after the size parameters.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub block: Option<u64>,
+    pub scratch: Option<usize>,
+    /// Tensor maps passed by value last, in order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tensor_maps: Vec<PlannedMap>,
+}
+
+/// A tensor map of a launch with the plan's sizes bound.
+#[derive(Clone, Debug, Serialize)]
+pub struct PlannedMap {
+    /// The kernel parameter's name.
+    pub name: String,
+    /// The buffer's position among the launch's arguments (inputs, then outputs).
+    pub arg: usize,
+    pub sizes: TensorMapSizes,
+    /// Bytes per swizzled box row: 128, 64 or 32.
+    pub swizzle: u32,
 }
 
 /// Slots refer to the launch's `inputs` and `outputs`; the product's
@@ -117,6 +152,12 @@ pub struct Plan {
     pub bytes_by_kind: BTreeMap<MemKind, u64>,
     pub buffers: Vec<PlannedBuffer>,
     pub launches: Vec<Launch>,
+    /// What the kernels were chosen for (`select::Target::describe`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+    /// Attention kernels left on the simple kernels: (kernel, why).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub fallbacks: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -136,7 +177,22 @@ fn align(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
 }
 
+/// The plan of program `p` with the generated kernels only (the simple
+/// attention kernels, no tensor-core templates): [`plan_with`] without a
+/// selection.
 pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan, PlanError> {
+    plan_with(g, p, None, dims)
+}
+
+/// The plan of program `p` for the kernels `selection` chose (its template
+/// launches, with their scratch buffers placed in the arena), at the sizes
+/// `dims`.
+pub fn plan_with(
+    g: &Graph,
+    p: &Program,
+    selection: Option<&Selection>,
+    dims: &BTreeMap<String, i64>,
+) -> Result<Plan, PlanError> {
     let missing: Vec<&str> = g
         .dims
         .iter()
@@ -224,6 +280,38 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
             shares_with: None,
             live: None,
         });
+    }
+    // The f32 scratch each template set shares (the attention backward's),
+    // alive for its kernel alone.
+    let mut scratch_of: HashMap<usize, usize> = HashMap::new();
+    if let Some(sel) = selection {
+        for (k, c) in sel.choices.iter().enumerate() {
+            let Choice::Templates(ks) = c else { continue };
+            let Some(elems) = ks.iter().find_map(|f| f.launch.scratch_f32.as_ref()) else {
+                continue;
+            };
+            let n = elems
+                .eval(&env)
+                .and_then(|n| u64::try_from(n).ok())
+                .filter(|n| *n <= MAX_BYTES / 4)
+                .ok_or_else(|| {
+                    PlanError(format!("the scratch of {} has no size", p.kernels[k].name))
+                })?;
+            scratch_of.insert(k, out.len());
+            out.push(PlannedBuffer {
+                id: out.len(),
+                name: format!("f32[{n}] (scratch of {})", p.kernels[k].name),
+                dtype: "f32".into(),
+                shape: vec![n as i64],
+                bytes: 4 * n,
+                pitch: None,
+                offset: 0,
+                kind: MemKind::Activation,
+                alias_of: None,
+                shares_with: None,
+                live: Some((k, k)),
+            });
+        }
     }
     // Lifetimes of temporaries, in kernel positions.
     let last = p.kernels.len();
@@ -394,28 +482,25 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
                     }),
                     _ => None,
                 },
-                grid: match (&k.body, &shape) {
-                    // A block per chunk of a member (see emit::group).
-                    (Body::Group(members), Some(_)) => members
-                        .iter()
-                        .map(|m| {
-                            g.g[m.node].outputs[0].numel().eval(&env).map(|n| {
-                                (n.max(0) as u64).div_ceil(crate::emit::group::GROUP_CHUNK as u64)
-                            })
-                        })
-                        .sum::<Option<u64>>()
-                        .map(|n| n.clamp(1, 1 << 20)),
-                    // Each thread takes a 16-byte vector of elements.
-                    (Body::Pointwise(pw), Some(Shape::Elements(n))) => n.eval(&env).map(|n| {
-                        let vec = crate::emit::cuda::vector_width(p, k, pw);
-                        ((n as u64).div_ceil(vec).div_ceil(BLOCK)).clamp(1, 1 << 20)
-                    }),
-                    _ => shape.as_ref().and_then(|s| grid(s, &env)),
-                },
-                block: shape.map(|_| BLOCK),
+                steps: Vec::new(),
             }
         })
-        .collect();
+        .collect::<Vec<Launch>>();
+    let mut launches = launches;
+    for (ki, (k, l)) in p.kernels.iter().zip(launches.iter_mut()).enumerate() {
+        let choice = selection.map(|s| &s.choices[ki]);
+        l.steps = match choice {
+            Some(Choice::Templates(ks)) => {
+                l.kind = "template".into();
+                ks.iter()
+                    .map(|f| template_step(&f.launch, scratch_of.get(&ki).copied(), &env))
+                    .collect::<Result<_, _>>()?
+            }
+            Some(Choice::Library | Choice::Missing) => Vec::new(),
+            _ if l.kind == "generated" => vec![generated_step(g, p, k, &env)],
+            _ => Vec::new(),
+        };
+    }
     Ok(Plan {
         model: g.name.clone(),
         dims: dims.clone(),
@@ -423,6 +508,94 @@ pub fn plan(g: &Graph, p: &Program, dims: &BTreeMap<String, i64>) -> Result<Plan
         bytes_by_kind,
         buffers: out,
         launches,
+        target: selection.map(|s| s.target.describe()),
+        fallbacks: selection.map_or(Vec::new(), |s| s.fallbacks.clone()),
+    })
+}
+
+/// The launch of generated kernel `k`: one dimension of blocks of `BLOCK`
+/// threads, at most 2^20 blocks (the kernels loop over the rest).
+fn generated_step(
+    g: &Graph,
+    p: &Program,
+    k: &crate::kernel::Kernel,
+    env: &dyn Fn(&str) -> Option<i64>,
+) -> LaunchStep {
+    let shape = match &k.body {
+        Body::Pointwise(pw) => Some(Shape::Elements(pw.n.clone())),
+        Body::Op(n) => shape_of(g, *n),
+        _ => None,
+    };
+    let blocks = match (&k.body, &shape) {
+        // A block per chunk of a member (see emit::group).
+        (Body::Group(members), _) => members
+            .iter()
+            .map(|m| {
+                g.g[m.node].outputs[0]
+                    .numel()
+                    .eval(env)
+                    .map(|n| (n.max(0) as u64).div_ceil(crate::emit::group::GROUP_CHUNK as u64))
+            })
+            .sum::<Option<u64>>()
+            .map(|n| n.clamp(1, 1 << 20)),
+        // Each thread takes a 16-byte vector of elements.
+        (Body::Pointwise(pw), Some(Shape::Elements(n))) => n.eval(env).map(|n| {
+            let vec = crate::emit::cuda::vector_width(p, k, pw);
+            ((n.max(0) as u64).div_ceil(vec).div_ceil(BLOCK)).clamp(1, 1 << 20)
+        }),
+        _ => shape.as_ref().and_then(|s| grid(s, env)),
+    };
+    LaunchStep {
+        function: k.name.clone(),
+        template: None,
+        arch_specific: false,
+        grid: [blocks.unwrap_or(1), 1, 1],
+        block: BLOCK,
+        dynamic_smem_bytes: 0,
+        scratch: None,
+        tensor_maps: Vec::new(),
+    }
+}
+
+/// The launch of a template instance at the plan's sizes.
+fn template_step(
+    l: &crate::emit::launch::KernelLaunch,
+    scratch: Option<usize>,
+    env: &dyn Fn(&str) -> Option<i64>,
+) -> Result<LaunchStep, PlanError> {
+    let grid = l.grid(env).ok_or_else(|| {
+        PlanError(format!(
+            "kernel {}: its grid ({}) does not fit the GPU's limits (at most 65535 blocks along y and z)",
+            l.name,
+            l.grid_c().join(", ")
+        ))
+    })?;
+    let tensor_maps = l
+        .tensor_maps
+        .iter()
+        .map(|m| {
+            Ok(PlannedMap {
+                name: m.name.clone(),
+                arg: m.arg,
+                sizes: m.sizes(env).ok_or_else(|| {
+                    PlanError(format!(
+                        "kernel {}: tensor map {} has no size",
+                        l.name, m.name
+                    ))
+                })?,
+                swizzle: m.swizzle,
+            })
+        })
+        .collect::<Result<_, PlanError>>()?;
+    Ok(LaunchStep {
+        function: l.name.clone(),
+        template: l.template.clone(),
+        arch_specific: l.arch_specific,
+        grid,
+        block: l.block as u64,
+        dynamic_smem_bytes: l.dynamic_smem_bytes,
+        scratch: l.scratch_f32.as_ref().and(scratch),
+        tensor_maps,
     })
 }
 

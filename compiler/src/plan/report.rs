@@ -29,20 +29,40 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
             dims.join(", ")
         }
     );
-    let generated = plan
+    let count = |kind: &str| {
+        plan.launches
+            .iter()
+            .filter(|l| l.kind == kind)
+            .map(|l| l.steps.len())
+            .sum::<usize>()
+    };
+    let (generated, templates) = (count("generated"), count("template"));
+    let others_n = plan
         .launches
         .iter()
-        .filter(|l| l.kind == "generated")
+        .filter(|l| l.kind != "generated" && l.kind != "template")
         .count();
     let _ = writeln!(
         s,
-        "\none step launches {} kernels: {generated} generated, {} other ({} ops in the step graph before fusion)",
-        plan.launches.len(),
-        plan.launches.len() - generated,
+        "\none step launches {} kernels: {generated} generated, {templates} template instances, {others_n} other ({} ops in the step graph before fusion)",
+        generated + templates + others_n,
         ops_before
     );
+    if let Some(t) = &plan.target {
+        let _ = writeln!(s, "attention: {t}");
+    }
+    for (k, why) in &plan.fallbacks {
+        let _ = writeln!(
+            s,
+            "  {k} runs the simple attention kernels (one thread a query row, no tensor cores): {why}"
+        );
+    }
     let mut others: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
-    for l in plan.launches.iter().filter(|l| l.kind != "generated") {
+    for l in plan
+        .launches
+        .iter()
+        .filter(|l| l.kind != "generated" && l.kind != "template")
+    {
         *others.entry(l.kind.as_str()).or_default() += 1;
     }
     if !others.is_empty() {
@@ -118,6 +138,14 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
         let what = match (&l.epilogue, l.kind.as_str()) {
             (Some(e), kind) => format!("[{kind}, epilogue {}]", e.name),
             (None, "generated") => crate::kernel::print::op_runs(&l.ops, 3),
+            (None, "template") => {
+                let ts: Vec<String> = l
+                    .steps
+                    .iter()
+                    .map(|t| t.template.clone().unwrap_or_else(|| t.function.clone()))
+                    .collect();
+                format!("[{}]", ts.join(", "))
+            }
             (None, kind) => format!("[{kind}]"),
         };
         let _ = writeln!(

@@ -82,14 +82,26 @@ pub fn attention_model(
     causal: bool,
     precision: &str,
 ) -> String {
+    attention_model_dv(d, d, heads, ratio, causal, precision)
+}
+
+/// [`attention_model`] with values of head dim `dv`.
+pub fn attention_model_dv(
+    d: usize,
+    dv: usize,
+    heads: usize,
+    ratio: usize,
+    causal: bool,
+    precision: &str,
+) -> String {
     let kv = heads / ratio;
-    let (q, k) = (heads * d, kv * d);
+    let (q, k, v) = (heads * d, kv * d, kv * dv);
     format!(
         "dim B, T\ninput x: f32[B, T, 32]\nparam w: [32, {}] = normal(0.3)\n\
-         let q, k, v = split(x @ w, [{q}, {k}, {k}])\n\
+         let q, k, v = split(x @ w, [{q}, {k}, {v}])\n\
          let y = attention(heads(q, {heads}), heads(k, {kv}), heads(v, {kv}), causal = {causal})\n\
          train {{\n loss = mean(y * y)\n precision = {precision}\n}}\n",
-        q + 2 * k
+        q + k + v
     )
 }
 

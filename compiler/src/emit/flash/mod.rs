@@ -127,11 +127,11 @@ pub(crate) struct Config {
 pub const MAX_HEAD_DIM: u64 = 256;
 
 impl Config {
-    /// For op `n` with q, k, v its inputs 0..3: `None` unless they are bf16
-    /// or f16 with head dims that are multiples of 8 up to 256, the head
-    /// counts are constants, the inputs in `tiled` have 16-byte aligned
-    /// contiguous rows, the inputs and outputs listed as f32 are f32 and
-    /// every other one has q's dtype.
+    /// For op `n` with q, k, v its inputs 0..3, or why the tensor-core
+    /// kernels do not take it: they need bf16 or f16 with head dims that are
+    /// multiples of 8 up to 256, constant head counts, the inputs in `tiled`
+    /// in 16-byte aligned contiguous rows, the inputs and outputs listed as
+    /// f32 in f32 and every other one in q's dtype.
     fn of(
         g: &Graph,
         c: &Ctx,
@@ -140,35 +140,59 @@ impl Config {
         tiled: &[usize],
         f32_in: &[usize],
         f32_out: &[usize],
-    ) -> Option<Config> {
+    ) -> Result<Config, String> {
         let ins = g.inputs(n);
         if c.ins.len() != ins.len() || c.outs.len() != g.g[n].outputs.len() {
-            return None;
+            return Err("it shares its kernel with other ops".into());
         }
         let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
         let dt = q.dtype;
+        if !matches!(dt, DType::BF16 | DType::F16) {
+            return Err(format!(
+                "it computes in {} (tensor cores take bf16 or f16)",
+                dt.name()
+            ));
+        }
         let want = |f32: bool| if f32 { DType::F32 } else { dt };
-        if !matches!(dt, DType::BF16 | DType::F16)
-            || (0..ins.len()).any(|i| c.in_dt(i) != want(f32_in.contains(&i)))
+        if (0..ins.len()).any(|i| c.in_dt(i) != want(f32_in.contains(&i)))
             || (0..c.outs.len()).any(|o| c.out_dt(o) != want(f32_out.contains(&o)))
         {
-            return None;
+            return Err(
+                "an input or output is stored in another type (a cast fused into its kernel)"
+                    .into(),
+            );
         }
-        let d = u64::try_from(q.shape[3].as_const()?).ok()?;
-        let dv = u64::try_from(v.shape[3].as_const()?).ok()?;
-        let fits = |x: u64| x > 0 && x.is_multiple_of(8) && x <= MAX_HEAD_DIM;
-        if !fits(d) || !fits(dv) || k.shape[3].as_const()? != d as i64 {
-            return None;
+        let size = |t: &crate::ir::TensorType, what: &str| {
+            t.shape[3]
+                .as_const()
+                .and_then(|x| u64::try_from(x).ok())
+                .ok_or_else(|| format!("the head dim of {what} is not a constant"))
+        };
+        let (d, dv) = (size(q, "q")?, size(v, "v")?);
+        for (x, what) in [(d, "q and k"), (dv, "v")] {
+            if x == 0 || !x.is_multiple_of(8) || x > MAX_HEAD_DIM {
+                return Err(format!(
+                    "the head dim of {what} is {x} (the tensor-core kernels take multiples of 8 up to {MAX_HEAD_DIM})"
+                ));
+            }
         }
-        let group = q.shape[2].as_const()? / k.shape[2].as_const().filter(|&h| h > 0)?;
-        if group < 1
-            || !tiled
-                .iter()
-                .all(|&i| Access::input(g, c, n, i).rows_aligned())
+        if k.shape[3].as_const() != Some(d as i64) {
+            return Err("the head dims of q and k differ".into());
+        }
+        let heads = |t: &crate::ir::TensorType| t.shape[2].as_const().filter(|&h| h > 0);
+        let (Some(hq), Some(hk)) = (heads(q), heads(k)) else {
+            return Err("its head counts are not constants".into());
+        };
+        if let Some(&i) = tiled
+            .iter()
+            .find(|&&i| !Access::input(g, c, n, i).rows_aligned())
         {
-            return None;
+            return Err(format!(
+                "input {} is not read in contiguous rows starting 16-byte aligned",
+                i + 1
+            ));
         }
-        Some(Config {
+        Ok(Config {
             batch: q.shape[0].clone(),
             q_len: q.shape[1].clone(),
             kv_len: k.shape[1].clone(),
@@ -176,7 +200,7 @@ impl Config {
             kv_heads: k.shape[2].clone(),
             d,
             dv,
-            group,
+            group: hq / hk,
             causal,
             scale,
             dt,
@@ -212,6 +236,33 @@ impl Config {
     }
 }
 
+fn forward_config(g: &Graph, c: &Ctx, n: NodeIndex) -> Result<Config, String> {
+    let Op::Attention(op) = &g.g[n].op else {
+        return Err("it is not an attention".into());
+    };
+    Config::of(g, c, n, (op.causal, op.scale), &[0, 1, 2], &[], &[1])
+}
+
+fn backward_config(g: &Graph, c: &Ctx, n: NodeIndex) -> Result<Config, String> {
+    let Op::AttentionGrad(op) = &g.g[n].op else {
+        return Err("it is not an attention gradient".into());
+    };
+    // q, k, v, o and dO are read in 16-byte tiles; lse is f32.
+    Config::of(g, c, n, (op.causal, op.scale), &[0, 1, 2, 3, 5], &[4], &[])
+}
+
+/// Why attention (or attention gradient) op `n` in plan kernel `k` does
+/// not run on the tensor-core kernels; `None` when it does (or is no
+/// attention).
+pub fn why_not(g: &Graph, p: &Program, k: &Kernel, n: NodeIndex) -> Option<String> {
+    let c = Ctx::for_op(g, p, k, n);
+    match &g.g[n].op {
+        Op::Attention(_) => forward_config(g, &c, n).err(),
+        Op::AttentionGrad(_) => backward_config(g, &c, n).err(),
+        _ => None,
+    }
+}
+
 /// The forward's kernel for attention op `n` in plan kernel `k` (its inputs
 /// q, k, v and outputs O, lse in op order) on `arch`, under the plan
 /// kernel's name; `None` when the op is not supported (see the module docs).
@@ -224,10 +275,7 @@ pub fn flash_forward(
     arch: FlashArch,
 ) -> Option<FlashKernel> {
     let c = Ctx::for_op(g, p, k, n);
-    let Op::Attention(op) = &g.g[n].op else {
-        return None;
-    };
-    let cfg = Config::of(g, &c, n, (op.causal, op.scale), &[0, 1, 2], &[], &[1])?;
+    let cfg = forward_config(g, &c, n).ok()?;
     let (dt, d, dv, causal, fold) = (cfg.dt, cfg.d, cfg.dv, cfg.causal, cfg.scale_in_exp());
     let mut f = Fill::new();
     f.heads("q", &Access::input(g, &c, n, 0));
@@ -330,11 +378,7 @@ pub fn flash_backward(
     arch: FlashArch,
 ) -> Option<Vec<FlashKernel>> {
     let c = Ctx::for_op(g, p, k, n);
-    let Op::AttentionGrad(op) = &g.g[n].op else {
-        return None;
-    };
-    // q, k, v, o and dO are read in 16-byte tiles; lse is f32.
-    let cfg = Config::of(g, &c, n, (op.causal, op.scale), &[0, 1, 2, 3, 5], &[4], &[])?;
+    let cfg = backward_config(g, &c, n).ok()?;
     let (dt, d, dv, causal) = (cfg.dt, cfg.d, cfg.dv, cfg.causal);
     let mut f = Fill::new();
     for (i, field) in ["q", "k", "v", "o", "dout"].into_iter().enumerate() {
@@ -373,14 +417,13 @@ pub fn flash_backward(
             GridAxis::new(cfg.batch.clone(), 1),
         ]
     };
-    let hopper_maps = || {
-        [
-            (0, "tm_q", templates::pad16(d)),
-            (5, "tm_do", templates::pad16(dv)),
-        ]
-        .into_iter()
-        .map(|(i, name, padded)| TensorMap::of_input(g, &c, n, i, name, 64, padded))
-        .collect::<Option<Vec<_>>>()
+    // The tensor maps of Q and dO, boxes of the widest swizzle that divides
+    // `q_feats` and `do_feats` features.
+    let hopper_maps = |q_feats: u64, do_feats: u64| {
+        [(0, "tm_q", q_feats), (5, "tm_do", do_feats)]
+            .into_iter()
+            .map(|(i, name, feats)| TensorMap::of_input(g, &c, n, i, name, 64, feats))
+            .collect::<Option<Vec<_>>>()
     };
     let mut stages: Vec<Planned> = Vec::new();
     let delta = templates::delta(dt, d, dv, !deterministic);
@@ -409,18 +452,38 @@ pub fn flash_backward(
             "FlashAttention-2 backward, kernel 3 of 3: dQ on tensor cores (kernels/attention/backward_sm80.cuh)",
         ));
     } else {
-        let hopper = (arch == FlashArch::Sm90a && templates::dkdvdq_sm90_fits(d, dv))
-            .then(hopper_maps)
-            .flatten();
+        // Hopper's own dK/dV/dQ kernel: the narrow one up to 128 padded
+        // features, the wide one (64 keys a block, features split between the
+        // warpgroups) above; the tiles of Q and dO copied by TMA, whose boxes
+        // divide what each warpgroup reads.
+        let hopper = if arch != FlashArch::Sm90a {
+            None
+        } else if templates::dkdvdq_sm90_fits(d, dv) {
+            hopper_maps(templates::pad16(d), templates::pad16(dv)).map(|maps| {
+                (
+                    templates::dkdvdq_sm90(dt, d, dv, causal),
+                    maps,
+                    "FlashAttention backward on Hopper tensor cores, kernel 2 of 3: dK, dV and dQ (kernels/attention/backward_sm90.cuh)",
+                )
+            })
+        } else {
+            let (inst, q_half, do_half) = templates::dkdvdq_sm90_wide(dt, d, dv, causal);
+            hopper_maps(q_half, do_half).map(|maps| {
+                (
+                    inst,
+                    maps,
+                    "FlashAttention backward on Hopper tensor cores for wide heads, kernel 2 of 3: dK, dV and dQ (kernels/attention/backward_sm90_wide.cuh)",
+                )
+            })
+        };
         match hopper {
-            Some(maps) => {
-                let inst = templates::dkdvdq_sm90(dt, d, dv, causal);
+            Some((inst, maps, about)) => {
                 stages.push(Planned(
                     Stage::DkDvDq,
                     inst.clone(),
                     kv_grid(inst.tile),
                     maps,
-                    "FlashAttention backward on Hopper tensor cores, kernel 2 of 3: dK, dV and dQ (kernels/attention/backward_sm90.cuh)",
+                    about,
                 ));
             }
             None => {

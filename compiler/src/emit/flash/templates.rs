@@ -269,3 +269,43 @@ pub(crate) fn dkdvdq_sm90(dt: DType, d: u64, dv: u64, causal: bool) -> Instance 
         ],
     }
 }
+
+/// `backward_sm90_wide.cuh`'s `DkDvDqSm90Wide` (head dims over 128 padded
+/// features): 64 keys a block, 64-query tiles; its head dims padded to a
+/// multiple of 32 (each warpgroup takes half the features), and the padded
+/// widths whose halves its query and dO tiles' swizzle divides.
+pub(crate) fn dkdvdq_sm90_wide(dt: DType, d: u64, dv: u64, causal: bool) -> (Instance, u64, u64) {
+    let (dp, dvp) = (round_up(d, 32), round_up(dv, 32));
+    let smem_with = |stages: u64| {
+        64 * (dp + dvp) * 2
+            + stages * (64 * dp * 2 + 64 * dvp * 2)
+            + 2 * 64 * 64 * 2
+            + 2 * stages * 64 * 4
+            + 2 * stages * 8
+            + 1024
+    };
+    let stages = if smem_with(3) <= SM90_SMEM_LIMIT {
+        3
+    } else {
+        2
+    };
+    let smem = smem_with(stages);
+    let inst = Instance {
+        header: "attention/backward_sm90_wide.cuh",
+        ty: format!("fs_attn::DkDvDqSm90Wide<{}, {causal}>", args(dt, d, dv)),
+        threads: 384,
+        bounds: "384, 1".into(),
+        tile: 64,
+        parts: 1,
+        smem,
+        sm90: true,
+        checks: vec![
+            ("THREADS", 384),
+            ("TILE_K", 64),
+            ("TILE_Q", 64),
+            ("STAGES", stages),
+            ("SMEM_BYTES", smem),
+        ],
+    };
+    (inst, dp / 2, dvp / 2)
+}

@@ -62,7 +62,7 @@ pub struct TensorMap {
 }
 
 /// A [`TensorMap`] with sizes bound: what `cuTensorMapEncodeTiled` takes.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct TensorMapSizes {
     pub offset_bytes: u64,
     pub dims: [u64; 4],

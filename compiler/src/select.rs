@@ -1,0 +1,227 @@
+//! Kernel selection: the stage between fusion and the memory plan. For a
+//! target (the GPU architecture compiled for, and whether runs must repeat
+//! bit for bit) it decides what runs each kernel of the program: a cuBLASLt
+//! call, the kernel generated for it, or instances of the hand-written
+//! templates in `kernels/` with launches of their own (the tensor-core
+//! attention). The memory plan carries the result, launch by launch
+//! (`plan::plan_with`), and the runtime launches what the plan says;
+//! `fusec build --device` writes exactly these kernels.
+
+use crate::emit::cuda::emit_program;
+use crate::emit::flash::{self, FlashArch, FlashKernel};
+use crate::ir::Graph;
+use crate::kernel::{Body, Program};
+use crate::ops::Op;
+use std::fmt::Write;
+
+/// What the kernels are chosen for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// The architecture the build compiles for (`sm_90a`, `sm_80`), and the
+    /// tensor-core attention family it runs; `None`: the simple attention
+    /// kernels only.
+    pub arch: Option<FlashArch>,
+    /// The attention backward without atomics (bit-identical runs).
+    pub deterministic: bool,
+}
+
+/// Device names `fusec build --device` takes, the architecture each
+/// compiles for, and the attention family it runs.
+pub const DEVICES: &[(&str, &str, Option<FlashArch>)] = &[
+    ("h100", "sm_90a", Some(FlashArch::Sm90a)),
+    ("h200", "sm_90a", Some(FlashArch::Sm90a)),
+    ("a100", "sm_80", Some(FlashArch::Sm80)),
+];
+
+impl Target {
+    /// The target of a device in [`DEVICES`].
+    pub fn for_device(name: &str, deterministic: bool) -> Option<Target> {
+        DEVICES.iter().find(|d| d.0 == name).map(|d| Target {
+            arch: d.2,
+            deterministic,
+        })
+    }
+
+    /// The simple kernels only (what runs without tensor cores).
+    pub fn simple() -> Target {
+        Target {
+            arch: None,
+            deterministic: false,
+        }
+    }
+
+    /// One line for reports: the attention kernels this target runs.
+    pub fn describe(&self) -> String {
+        let family = match self.arch {
+            Some(FlashArch::Sm90a) => "tensor-core attention for sm_90a (wgmma, TMA)",
+            Some(FlashArch::Sm80) => "tensor-core attention for sm_80 (mma.sync)",
+            None => "the simple attention kernels (no tensor cores)",
+        };
+        let scheme = if self.deterministic {
+            ", deterministic backward"
+        } else {
+            ""
+        };
+        format!("{family}{scheme}")
+    }
+}
+
+/// What runs one kernel of the program.
+#[derive(Clone, Debug)]
+pub enum Choice {
+    /// A cuBLASLt call (a GEMM and its epilogue).
+    Library,
+    /// The kernel generated for it, under the program kernel's name; the
+    /// plan works out its grid.
+    Generated,
+    /// Instances of `kernels/` templates, launched in this order, each with
+    /// its own grid, block, shared memory and tensor maps.
+    Templates(Vec<FlashKernel>),
+    /// Nothing runs it yet (an error when a step is started).
+    Missing,
+}
+
+/// The selection for a whole program.
+#[derive(Clone, Debug)]
+pub struct Selection {
+    pub target: Target,
+    /// One per kernel of the program, in its order.
+    pub choices: Vec<Choice>,
+    /// Every kernel to compile: (function name, CUDA source), generated
+    /// kernels and template instances alike.
+    pub sources: Vec<(String, String)>,
+    /// Attention kernels left on the simple kernels on a target that has
+    /// tensor-core ones: (program kernel, why).
+    pub fallbacks: Vec<(String, String)>,
+}
+
+/// Chooses the kernels of program `p` (of graph `g`) for `target`; `source`
+/// is the model file, for the kernels' comments.
+pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> Selection {
+    let mut generated = emit_program(g, p, source);
+    let mut choices = Vec::with_capacity(p.kernels.len());
+    let mut fallbacks = Vec::new();
+    let mut templates = Vec::new();
+    for k in &p.kernels {
+        let has_source = generated.iter().any(|(name, _)| *name == k.name);
+        let choice = match &k.body {
+            Body::Gemm(..) => Choice::Library,
+            Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) && !has_source => Choice::Library,
+            Body::Op(n) if matches!(g.g[*n].op, Op::Attention(_) | Op::AttentionGrad(_)) => {
+                let chosen = target.arch.and_then(|arch| match g.g[*n].op {
+                    Op::Attention(_) => {
+                        flash::flash_forward(g, p, k, *n, source, arch).map(|f| vec![f])
+                    }
+                    _ => flash::flash_backward(g, p, k, *n, source, target.deterministic, arch),
+                });
+                match chosen {
+                    Some(kernels) => {
+                        templates.extend(
+                            kernels
+                                .iter()
+                                .map(|f| (f.launch.name.clone(), f.launch.source.clone())),
+                        );
+                        Choice::Templates(kernels)
+                    }
+                    None => {
+                        if target.arch.is_some() {
+                            let why = flash::why_not(g, p, k, *n)
+                                .unwrap_or_else(|| "its sizes do not fit a launch".into());
+                            fallbacks.push((k.name.clone(), why));
+                        }
+                        if has_source {
+                            Choice::Generated
+                        } else {
+                            Choice::Missing
+                        }
+                    }
+                }
+            }
+            _ if has_source => Choice::Generated,
+            _ => Choice::Missing,
+        };
+        choices.push(choice);
+    }
+    // What runs, and only that: a kernel a template replaces is not compiled.
+    let replaced: Vec<&str> = p
+        .kernels
+        .iter()
+        .zip(&choices)
+        .filter(|(_, c)| matches!(c, Choice::Templates(_)))
+        .map(|(k, _)| k.name.as_str())
+        .collect();
+    generated.retain(|(name, _)| !replaced.contains(&name.as_str()));
+    generated.extend(templates);
+    Selection {
+        target: target.clone(),
+        choices,
+        sources: generated,
+        fallbacks,
+    }
+}
+
+impl Selection {
+    /// The program kernels that run template instances: kernel name -> the
+    /// functions launched in its place, in order.
+    pub fn replaced(&self, p: &Program) -> Vec<(String, Vec<String>)> {
+        p.kernels
+            .iter()
+            .zip(&self.choices)
+            .filter_map(|(k, c)| match c {
+                Choice::Templates(ks) => Some((
+                    k.name.clone(),
+                    ks.iter().map(|f| f.launch.name.clone()).collect(),
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The text `--dump-after select` prints: what runs each kernel.
+    pub fn print(&self, g: &Graph, p: &Program) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "# kernels for {}", self.target.describe());
+        for (k, c) in p.kernels.iter().zip(&self.choices) {
+            let ops: Vec<&str> = k.nodes.iter().map(|&n| g.g[n].op.name()).collect();
+            let what = match c {
+                Choice::Library => "cuBLASLt".to_string(),
+                Choice::Generated => "generated".to_string(),
+                Choice::Missing => "nothing yet".to_string(),
+                Choice::Templates(ks) => {
+                    let mut t = String::from("templates:");
+                    for f in ks {
+                        let l = &f.launch;
+                        let g = l.grid_c();
+                        let _ = write!(
+                            t,
+                            "\n    {} = {}\n      grid ({}, {}, {}), block {}, {} bytes dynamic shared{}{}",
+                            l.name,
+                            l.template.as_deref().unwrap_or("?"),
+                            g[0],
+                            g[1],
+                            g[2],
+                            l.block,
+                            l.dynamic_smem_bytes,
+                            l.scratch_f32
+                                .as_ref()
+                                .map_or(String::new(), |e| format!(", f32 scratch [{e}]")),
+                            if l.tensor_maps.is_empty() {
+                                String::new()
+                            } else {
+                                let names: Vec<&str> =
+                                    l.tensor_maps.iter().map(|m| m.name.as_str()).collect();
+                                format!(", tensor maps {}", names.join(", "))
+                            }
+                        );
+                    }
+                    t
+                }
+            };
+            let _ = writeln!(s, "{} ({}): {what}", k.name, ops.join(" + "));
+        }
+        for (k, why) in &self.fallbacks {
+            let _ = writeln!(s, "# {k} runs the simple attention kernels: {why}");
+        }
+        s
+    }
+}
