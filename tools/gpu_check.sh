@@ -7,6 +7,8 @@
 #   tools/gpu_check.sh parity    per-step losses against PyTorch, fp32 and bf16
 #   tools/gpu_check.sh bench     GPT-2 small: cold and warm start, fusec bench, PyTorch
 #   tools/gpu_check.sh attention the attention sweep, fusec (tensor-core and simple) and PyTorch
+#                                (HEAD_DIMS picks the head dims, default 64,80,96,128,160,192,256)
+#   tools/gpu_check.sh llama     tests/models/llama-hd80.dsl beside torch.compile of its twin
 #   tools/gpu_check.sh memory    attention's device memory at B = 1, T = 1024 .. 32768 (one process each)
 #   tools/gpu_check.sh feed      fusec train on text (batches staged while the step runs) beside fusec bench
 # TORCH_MODES picks torch_reference.py's modes (default: all three).
@@ -74,13 +76,19 @@ if [ "$what" = memory ] || [ "$what" = all ]; then
   done
 fi
 if [ "$what" = attention ] || [ "$what" = all ]; then
-  run "fusec bench-attention (tensor-core forward)"
-  timeout 400 "$BIN/fusec" bench-attention 2>&1 | tee "$LOGS/attention-flash.jsonl"
+  DIMS=${HEAD_DIMS:-64,80,96,128,160,192,256}
+  run "fusec bench-attention (tensor-core kernels) at head dims $DIMS"
+  timeout 400 "$BIN/fusec" bench-attention --head-dims "$DIMS" 2>&1 | tee "$LOGS/attention-flash.jsonl"
   run "fusec bench-attention --simple"
   timeout 400 "$BIN/fusec" bench-attention --simple --seqs 1024,2048 2>&1 | tee "$LOGS/attention-simple.jsonl"
   if [ -f "$BIN/torch_reference.py" ]; then
     run "PyTorch --attn-sweep"
-    # The sweep alone (the script's command line would also run its models).
-    timeout 400 python3 -c "import sys, torch; sys.path.insert(0, '$BIN'); import torch_reference as r; r.attn_sweep(torch.bfloat16)" 2>&1 | tail -20 | tee "$LOGS/attention-torch.jsonl"
+    timeout 400 python3 "$BIN/torch_reference.py" --models "" --no-ceilings --attn-sweep --attn-head-dims "$DIMS" --attn-no-naive 2>&1 | tail -40 | tee "$LOGS/attention-torch.jsonl"
   fi
+fi
+if [ "$what" = llama ] || [ "$what" = all ]; then
+  run "fusec bench tests/models/llama-hd80.dsl B=8 T=1024"
+  timeout 300 "$BIN/fusec" bench tests/models/llama-hd80.dsl --batch 8 --seq 1024 --steps 20 2>&1 | tail -1 | tee "$LOGS/llama-fusec.jsonl"
+  run "its PyTorch twin under torch.compile"
+  timeout 400 python3 tools/bench_llama.py --batch 8 --seq 1024 --modes compiled 2>&1 | tail -1 | tee "$LOGS/llama-torch.jsonl"
 fi

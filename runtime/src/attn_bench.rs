@@ -1,8 +1,9 @@
 //! `fusec bench-attention`: the attention kernels alone, timed the way
 //! `torch_reference.py --attn-sweep` times PyTorch's: B = 16384 / T
-//! sequences of H = 2048 / D heads, forward and forward + backward, the
-//! forward counted as 4·B·H·T²·D FLOPs (halved when causal) and forward +
-//! backward as 3.5 times that.
+//! sequences of H = 2048 / D heads (and S keys, and H / group key/value
+//! heads), forward and forward + backward, the forward counted as 4·D FLOPs
+//! per visible (query, key) pair and head (4·B·H·T²·D / 2 causal at S = T)
+//! and forward + backward as 3.5 times that.
 
 use crate::device::Gpu;
 use crate::exec::{encode, KernelCall};
@@ -24,8 +25,12 @@ use std::collections::BTreeMap;
 pub struct AttnResult {
     pub head_dim: usize,
     pub seq: usize,
+    /// Keys per sequence (S; T for self-attention).
+    pub kv_seq: usize,
     pub batch: usize,
     pub heads: usize,
+    /// Query heads per key/value head.
+    pub group: usize,
     pub causal: bool,
     /// Which forward kernel ran: "flash" (mma.sync tensor cores),
     /// "flash-wgmma" (Hopper's) or "simple".
@@ -46,13 +51,15 @@ pub struct AttnResult {
 impl AttnResult {
     pub fn json(&self) -> String {
         format!(
-            "{{\"bench\":\"attention\",\"impl\":\"fusec-{}-fwd-{}-bwd\",\"head_dim\":{},\"seq\":{},\"batch\":{},\"heads\":{},\"causal\":{},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.1},\"fwd_bwd_ms\":{:.3},\"fwd_bwd_tflops\":{:.1},\"bwd_ms\":{{{}}},\"buffer_mib\":{:.1}}}",
+            "{{\"bench\":\"attention\",\"impl\":\"fusec-{}-fwd-{}-bwd\",\"head_dim\":{},\"seq\":{},\"kv_seq\":{},\"batch\":{},\"heads\":{},\"group\":{},\"causal\":{},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.1},\"fwd_bwd_ms\":{:.3},\"fwd_bwd_tflops\":{:.1},\"bwd_ms\":{{{}}},\"buffer_mib\":{:.1}}}",
             self.forward,
             self.backward,
             self.head_dim,
             self.seq,
+            self.kv_seq,
             self.batch,
             self.heads,
+            self.group,
             self.causal,
             self.fwd_ms,
             self.fwd_tflops,
@@ -72,16 +79,71 @@ fn err(m: impl Into<String>) -> RuntimeError {
     RuntimeError::Unsupported(m.into())
 }
 
-/// The model: one attention over bf16 activations q, k, v [B, T, H, D]. q, k and v are sums of parameters
-/// (not the parameters themselves) so that the attention's gradients are
-/// bf16 activations as in a model, not fused with the casts into the f32
+/// The model: one attention over bf16 activations q [B, T, H, D] and k, v
+/// [B, S, H / group, D]. q, k and v are sums of parameters (not the
+/// parameters themselves) so that the attention's gradients are bf16
+/// activations as in a model, not fused with the casts into the f32
 /// parameter gradients (which the tensor-core backward does not write).
-fn model(b: usize, t: usize, h: usize, d: usize, causal: bool) -> String {
+fn model(c: &Config) -> String {
+    let (b, t, s, h, d) = (c.batch, c.seq, c.kv_seq, c.heads, c.head_dim);
+    let kv = h / c.group;
     format!(
-        "const B = {b}\nconst T = {t}\nparam q: [B, T, {h}, {d}] = normal(1.0)\nparam k: [B, T, {h}, {d}] = normal(1.0)\n\
-         param v: [B, T, {h}, {d}] = normal(1.0)\nlet y = attention(q + q, k + k, v + v, causal = {causal})\n\
-         train {{\n loss = mean(y * y)\n precision = bf16\n}}\n"
+        "const B = {b}\nconst T = {t}\nconst S = {s}\nparam q: [B, T, {h}, {d}] = normal(1.0)\nparam k: [B, S, {kv}, {d}] = normal(1.0)\n\
+         param v: [B, S, {kv}, {d}] = normal(1.0)\nlet y = attention(q + q, k + k, v + v, causal = {})\n\
+         train {{\n loss = mean(y * y)\n precision = bf16\n}}\n",
+        c.causal
     )
+}
+
+/// One configuration of the benchmark.
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    pub head_dim: usize,
+    pub seq: usize,
+    pub kv_seq: usize,
+    pub batch: usize,
+    pub heads: usize,
+    pub group: usize,
+    pub causal: bool,
+}
+
+impl Config {
+    /// The sweep's sizes, as `torch_reference.py --attn-sweep` takes them:
+    /// B = 16384 / T sequences (or `batch`), H = 2048 / D heads rounded down
+    /// to a multiple of `group`, S = `kv_seq` or T.
+    pub fn sweep(
+        d: usize,
+        t: usize,
+        kv_seq: Option<usize>,
+        batch: Option<usize>,
+        group: usize,
+        causal: bool,
+    ) -> Config {
+        let group = group.max(1);
+        let heads = ((2048 / d.max(1)) / group * group).max(group);
+        Config {
+            head_dim: d,
+            seq: t,
+            kv_seq: kv_seq.unwrap_or(t),
+            batch: batch.unwrap_or((16384 / t.max(1)).max(1)),
+            heads,
+            group,
+            causal,
+        }
+    }
+
+    /// FLOPs of the forward: 4 D per visible (query, key) pair and head.
+    pub fn forward_flops(&self) -> f64 {
+        let (t, s) = (self.seq as f64, self.kv_seq as f64);
+        let pairs = if self.causal {
+            // Query i sees keys 0 ..= i (those that exist).
+            let full = (self.seq.min(self.kv_seq)) as f64;
+            full * (full + 1.0) / 2.0 + (t - full).max(0.0) * s
+        } else {
+            t * s
+        };
+        4.0 * (self.batch * self.heads) as f64 * pairs * self.head_dim as f64
+    }
 }
 
 /// Compiles `name`'s `source` for this GPU and finds the function.
@@ -112,15 +174,11 @@ fn find(g: &fusec_compiler::ir::Graph, p: &Program, grad: bool) -> Option<usize>
 /// stage, launched as the plan says.
 pub fn run(
     gpu: &Gpu,
-    d: usize,
-    t: usize,
-    batch: Option<usize>,
-    causal: bool,
+    cfg: Config,
     flash: bool,
     deterministic: bool,
 ) -> Result<AttnResult, RuntimeError> {
-    let (b, h) = (batch.unwrap_or((16384 / t).max(1)), (2048 / d).max(1));
-    let src = model(b, t, h, d, causal);
+    let src = model(&cfg);
     let c = compile(&src, "attention", &Options::default())
         .map_err(|f| err(f.render("attention.dsl", &src)))?;
     let g = &c.optimized;
@@ -274,15 +332,16 @@ pub fn run(
         let part = l.name.rsplit('_').next().unwrap_or("backward").to_string();
         bwd_parts.push((part, ms));
     }
-    let full = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64;
-    let fl = if causal { full / 2.0 } else { full };
+    let fl = cfg.forward_flops();
     drop(device);
     Ok(AttnResult {
-        head_dim: d,
-        seq: t,
-        batch: b,
-        heads: h,
-        causal,
+        head_dim: cfg.head_dim,
+        seq: cfg.seq,
+        kv_seq: cfg.kv_seq,
+        batch: cfg.batch,
+        heads: cfg.heads,
+        group: cfg.group,
+        causal: cfg.causal,
         forward,
         backward,
         fwd_ms,

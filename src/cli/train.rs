@@ -91,7 +91,7 @@ pub struct BenchArgs {
 #[derive(Args, Debug)]
 pub struct BenchAttentionArgs {
     /// Head dimensions to sweep
-    #[arg(long, value_delimiter = ',', default_value = "64,128")]
+    #[arg(long, value_delimiter = ',', default_value = "64,80,96,128,256")]
     pub head_dims: Vec<usize>,
     /// Sequence lengths to sweep (B = 16384 / T, H = 2048 / D, as torch_reference.py --attn-sweep)
     #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096,8192")]
@@ -99,6 +99,13 @@ pub struct BenchAttentionArgs {
     /// Sequences per batch (default 16384 / T, so every T moves the same tokens)
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Keys per sequence, S (default T): cross-attention where it differs
+    #[arg(long)]
+    pub kv_seq: Option<usize>,
+    /// Query heads per key/value head (grouped-query attention; the heads
+    /// are rounded down to a multiple of it)
+    #[arg(long, default_value_t = 1)]
+    pub group: usize,
     /// Also run without the causal mask
     #[arg(long)]
     pub non_causal: bool,
@@ -115,6 +122,17 @@ pub struct BenchAttentionArgs {
 
 /// One JSON line per configuration, as torch_reference.py --attn-sweep prints.
 pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
+    // The sizes first: a mistake is a usage error with or without a GPU.
+    if args.head_dims.contains(&0)
+        || args.seqs.contains(&0)
+        || args.batch == Some(0)
+        || args.kv_seq == Some(0)
+        || args.group == 0
+    {
+        return Err(CliError::usage(
+            "error: head dims, sequence lengths, the batch and the group must be positive",
+        ));
+    }
     let gpu = device::open(args.gpu).map_err(runtime_err)?;
     let causal: &[bool] = if args.non_causal {
         &[true, false]
@@ -123,22 +141,17 @@ pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
     };
     for &d in &args.head_dims {
         for &t in &args.seqs {
-            if d == 0 || t == 0 || args.batch == Some(0) {
-                return Err(CliError::usage(
-                    "error: head dims, sequence lengths and the batch must be positive",
-                ));
-            }
             for &c in causal {
-                let r = fusec_runtime::attn_bench::run(
-                    &gpu,
+                let cfg = fusec_runtime::attn_bench::Config::sweep(
                     d,
                     t,
+                    args.kv_seq,
                     args.batch,
+                    args.group,
                     c,
-                    !args.simple,
-                    args.deterministic,
-                )
-                .map_err(runtime_err)?;
+                );
+                let r = fusec_runtime::attn_bench::run(&gpu, cfg, !args.simple, args.deterministic)
+                    .map_err(runtime_err)?;
                 println!("{}", r.json());
             }
         }

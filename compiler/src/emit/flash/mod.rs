@@ -333,9 +333,40 @@ pub fn flash_forward(
     })
 }
 
-/// One backward kernel chosen: its job, the template instance, its grid,
-/// the tensor maps it takes and what it does (for its source's comment).
-struct Planned(Stage, Instance, [GridAxis; 3], Vec<TensorMap>, &'static str);
+// What each backward kernel does, for its source's comment.
+const ABOUT_DELTA: &str =
+    "FlashAttention-2 backward, kernel 1 of 3: delta = rowsum(dO * O) (kernels/attention/backward.cuh)";
+const ABOUT_DK_DV: &str =
+    "FlashAttention-2 backward, kernel 2 of 3: dK and dV on tensor cores (kernels/attention/backward_sm80.cuh)";
+const ABOUT_DQ: &str =
+    "FlashAttention-2 backward, kernel 3 of 3: dQ on tensor cores (kernels/attention/backward_sm80.cuh)";
+const ABOUT_DKDVDQ_SM80: &str =
+    "FlashAttention-2 backward, kernel 2 of 3: dK, dV and dQ by atomics on tensor cores (kernels/attention/backward_sm80.cuh)";
+const ABOUT_DQ_STORE: &str =
+    "FlashAttention-2 backward, kernel 3 of 3: dQ = scale * the f32 sum (kernels/attention/backward.cuh)";
+
+/// One backward kernel chosen.
+struct Planned {
+    stage: Stage,
+    instance: Instance,
+    grid: [GridAxis; 3],
+    tensor_maps: Vec<TensorMap>,
+    /// What it does, for its source's comment.
+    about: &'static str,
+}
+
+impl Planned {
+    /// A kernel that takes no tensor maps, its grid from its tile.
+    fn new(stage: Stage, instance: Instance, grid: [GridAxis; 3], about: &'static str) -> Self {
+        Planned {
+            stage,
+            instance,
+            grid,
+            tensor_maps: Vec::new(),
+            about,
+        }
+    }
+}
 
 fn launch(
     name: &str,
@@ -427,29 +458,26 @@ pub fn flash_backward(
     };
     let mut stages: Vec<Planned> = Vec::new();
     let delta = templates::delta(dt, d, dv, !deterministic);
-    stages.push(Planned(
+    stages.push(Planned::new(
         Stage::Delta,
         delta.clone(),
         q_grid(delta.tile),
-        Vec::new(),
-        "FlashAttention-2 backward, kernel 1 of 3: delta = rowsum(dO * O) (kernels/attention/backward.cuh)",
+        ABOUT_DELTA,
     ));
     if deterministic {
         let dkdv = templates::dkdv_sm80(dt, d, dv, causal, false);
-        stages.push(Planned(
+        stages.push(Planned::new(
             Stage::DkDv,
             dkdv.clone(),
             kv_grid(dkdv.tile),
-            Vec::new(),
-            "FlashAttention-2 backward, kernel 2 of 3: dK and dV on tensor cores (kernels/attention/backward_sm80.cuh)",
+            ABOUT_DK_DV,
         ));
         let dq = templates::dq_sm80(dt, d, dv, causal);
-        stages.push(Planned(
+        stages.push(Planned::new(
             Stage::Dq,
             dq.clone(),
             q_grid(dq.tile),
-            Vec::new(),
-            "FlashAttention-2 backward, kernel 3 of 3: dQ on tensor cores (kernels/attention/backward_sm80.cuh)",
+            ABOUT_DQ,
         ));
     } else {
         // Hopper's own dK/dV/dQ kernel: the narrow one up to 128 padded
@@ -478,56 +506,62 @@ pub fn flash_backward(
         };
         match hopper {
             Some((inst, maps, about)) => {
-                stages.push(Planned(
-                    Stage::DkDvDq,
-                    inst.clone(),
-                    kv_grid(inst.tile),
-                    maps,
+                stages.push(Planned {
+                    stage: Stage::DkDvDq,
+                    instance: inst.clone(),
+                    grid: kv_grid(inst.tile),
+                    tensor_maps: maps,
                     about,
-                ));
+                });
             }
             None => {
                 let inst = templates::dkdv_sm80(dt, d, dv, causal, true);
-                stages.push(Planned(
+                stages.push(Planned::new(
                     Stage::DkDvDq,
                     inst.clone(),
                     kv_grid(inst.tile),
-                    Vec::new(),
-                    "FlashAttention-2 backward, kernel 2 of 3: dK, dV and dQ by atomics on tensor cores (kernels/attention/backward_sm80.cuh)",
+                    ABOUT_DKDVDQ_SM80,
                 ));
             }
         }
         let store = templates::dq_store(dt, d);
-        stages.push(Planned(
+        stages.push(Planned::new(
             Stage::DqStore,
             store.clone(),
             q_grid(store.tile),
-            Vec::new(),
-            "FlashAttention-2 backward, kernel 3 of 3: dQ = scale * the f32 sum (kernels/attention/backward.cuh)",
+            ABOUT_DQ_STORE,
         ));
     }
     let out = stages
         .into_iter()
-        .map(|Planned(stage, inst, grid, maps, about)| {
-            let name = format!("{}_{}", k.name, stage.suffix());
-            let about = format!("{about}:\n{}.", cfg.about());
-            let source = wrapper::kernel(
-                g,
-                &c,
-                source,
-                &name,
-                &about,
-                &inst,
-                "BackwardArgs",
-                &f,
-                true,
-                &maps,
-            );
-            FlashKernel {
-                stage,
-                launch: launch(&name, source, &inst, grid, Some(scratch.clone()), maps),
-            }
-        })
+        .map(
+            |Planned {
+                 stage,
+                 instance: inst,
+                 grid,
+                 tensor_maps: maps,
+                 about,
+             }| {
+                let name = format!("{}_{}", k.name, stage.suffix());
+                let about = format!("{about}:\n{}.", cfg.about());
+                let source = wrapper::kernel(
+                    g,
+                    &c,
+                    source,
+                    &name,
+                    &about,
+                    &inst,
+                    "BackwardArgs",
+                    &f,
+                    true,
+                    &maps,
+                );
+                FlashKernel {
+                    stage,
+                    launch: launch(&name, source, &inst, grid, Some(scratch.clone()), maps),
+                }
+            },
+        )
         .collect();
     Some(out)
 }
