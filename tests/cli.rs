@@ -395,3 +395,25 @@ fn missing_and_non_utf8_files() {
     assert!(err.contains("is not UTF-8 text"), "{err}");
     let _ = std::fs::remove_file(p);
 }
+
+#[test]
+fn bench_attention_rejects_bad_sizes_before_looking_for_a_gpu() {
+    // Each is a usage error (exit 2) on any machine, GPU or not.
+    for (args, says) in [
+        (vec!["--group", "0"], "must be positive"),
+        (vec!["--kv-seq", "0"], "must be positive"),
+        (vec!["--head-dims", "64,0"], "must be positive"),
+        (vec!["--masks", "sideways"], "possible values: causal, none"),
+    ] {
+        let mut all = vec!["bench-attention"];
+        all.extend(args.iter().copied());
+        let (code, _, err) = fusec(&all);
+        assert_eq!(code, 2, "{all:?}: {err}");
+        assert!(err.contains(says), "{all:?}: {err}");
+    }
+    let (code, out, _) = fusec(&["bench-attention", "--help"]);
+    assert_eq!(code, 0);
+    for flag in ["--kv-seq", "--group", "--masks", "--deterministic"] {
+        assert!(out.contains(flag), "{flag} missing from:\n{out}");
+    }
+}

@@ -8,6 +8,7 @@
 #   tools/gpu_check.sh bench     GPT-2 small: cold and warm start, fusec bench, PyTorch
 #   tools/gpu_check.sh attention the attention sweep, fusec (tensor-core and simple) and PyTorch
 #                                (HEAD_DIMS picks the head dims, default 64,80,96,128,160,192,256)
+#   tools/gpu_check.sh shapes    grouped queries (4, 8, 16 on 1) and cross-attention (S != T), fusec beside SDPA
 #   tools/gpu_check.sh llama     tests/models/llama-hd80.dsl beside torch.compile of its twin
 #   tools/gpu_check.sh memory    attention's device memory at B = 1, T = 1024 .. 32768 (one process each)
 #   tools/gpu_check.sh feed      fusec train on text (batches staged while the step runs) beside fusec bench
@@ -85,6 +86,21 @@ if [ "$what" = attention ] || [ "$what" = all ]; then
     run "PyTorch --attn-sweep"
     timeout 400 python3 "$BIN/torch_reference.py" --models "" --no-ceilings --attn-sweep --attn-head-dims "$DIMS" --attn-no-naive 2>&1 | tail -40 | tee "$LOGS/attention-torch.jsonl"
   fi
+fi
+if [ "$what" = shapes ] || [ "$what" = all ]; then
+  # Grouped queries and cross-attention (S != T, no mask), fusec beside SDPA
+  # at the same sizes and FLOP count (tools/sdpa_shapes.py).
+  for g in 4 8 16; do
+    run "grouped queries, $g query heads a key/value head"
+    timeout 300 "$BIN/fusec" bench-attention --head-dims 64,80,128 --seqs 1024,4096 --group $g 2>&1 | tee -a "$LOGS/shapes-fusec.jsonl"
+    timeout 300 python3 tools/sdpa_shapes.py --head-dims 64,80,128 --seqs 1024,4096 --group $g 2>&1 | tee -a "$LOGS/shapes-sdpa.jsonl"
+  done
+  for ts in 1024:4096 4096:512; do
+    t=${ts%:*} s=${ts#*:}
+    run "cross-attention, T = $t queries on S = $s keys, no mask"
+    timeout 300 "$BIN/fusec" bench-attention --head-dims 64,80,128 --seqs $t --kv-seq $s --masks none 2>&1 | tee -a "$LOGS/shapes-fusec.jsonl"
+    timeout 300 python3 tools/sdpa_shapes.py --head-dims 64,80,128 --seqs $t --kv-seq $s --masks none 2>&1 | tee -a "$LOGS/shapes-sdpa.jsonl"
+  done
 fi
 if [ "$what" = llama ] || [ "$what" = all ]; then
   run "fusec bench tests/models/llama-hd80.dsl B=8 T=1024"

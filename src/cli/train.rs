@@ -106,9 +106,9 @@ pub struct BenchAttentionArgs {
     /// are rounded down to a multiple of it)
     #[arg(long, default_value_t = 1)]
     pub group: usize,
-    /// Also run without the causal mask
-    #[arg(long)]
-    pub non_causal: bool,
+    /// The masks to time: causal, none, or both (`causal,none`)
+    #[arg(long, value_delimiter = ',', default_value = "causal")]
+    pub masks: Vec<MaskArg>,
     /// The simple attention forward instead of the tensor-core one
     #[arg(long)]
     pub simple: bool,
@@ -118,6 +118,13 @@ pub struct BenchAttentionArgs {
     pub deterministic: bool,
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
+}
+
+/// An attention mask `fusec bench-attention` times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MaskArg {
+    Causal,
+    None,
 }
 
 /// One JSON line per configuration, as torch_reference.py --attn-sweep prints.
@@ -134,14 +141,10 @@ pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
         ));
     }
     let gpu = device::open(args.gpu).map_err(runtime_err)?;
-    let causal: &[bool] = if args.non_causal {
-        &[true, false]
-    } else {
-        &[true]
-    };
+    let causal: Vec<bool> = args.masks.iter().map(|m| *m == MaskArg::Causal).collect();
     for &d in &args.head_dims {
         for &t in &args.seqs {
-            for &c in causal {
+            for &c in &causal {
                 let cfg = fusec_runtime::attn_bench::Config::sweep(
                     d,
                     t,
