@@ -328,7 +328,9 @@ fn build_for_a_device_writes_the_kernels_that_run_there() {
     assert!(
         out.starts_with("# kernels for tensor-core attention for sm_90a")
             && out.contains("fs_attn::ForwardSm90<fs_attn::Bf16, 80, 80, true, true>")
-            && out.contains("fs_attn::DkDvDqSm90<fs_attn::Bf16, 80, 80, true>")
+            // 8 query heads a key/value head: two blocks a key tile.
+            && out.contains("fs_attn::DkDvDqSm90<fs_attn::Bf16, 80, 80, true, 2>")
+            && out.contains("fs_attn::DkvStore<fs_attn::Bf16, 80, 80, 2>")
             && out.contains(": cuBLASLt"),
         "{out}"
     );

@@ -511,6 +511,35 @@ fn a_broken_hopper_backward_is_caught() {
         &[causal, plain],
         &d80_mutations,
     );
+    // 8 query heads a key/value head: two blocks a key tile, each taking
+    // 4 of the group's heads and leaving its dK/dV part for DkvStore.
+    let gqa = backward(
+        &head_dims_model(&[(64, 64, 16, 2, true, false)]),
+        "bf16",
+        FlashArch::Sm90a,
+    );
+    let split = find(&gqa, true, false);
+    let split_mutations: [(Mutation, usize); 2] = [
+        // Both blocks take the group's first heads.
+        (
+            (
+                "attention/backward_sm90.cuh",
+                "int h = (int)(kv_h * a.group + part * heads)",
+                "int h = (int)(kv_h * a.group + 0 * heads)",
+            ),
+            split,
+        ),
+        // The store sums only the first part.
+        (
+            (
+                "attention/backward.cuh",
+                "for (int s = 1; s < SPLIT; ++s) {",
+                "for (int s = 1; s < 1; ++s) {",
+            ),
+            split,
+        ),
+    ];
+    expect_caught(&gqa, "hopper-mutations-split", &[split], &split_mutations);
     // D = 160, the wide kernel: 64 keys a block, the warpgroups splitting the
     // queries of S^T and dP^T and the features of dK, dV and dQ.
     const WIDE: &str = "attention/backward_sm90_wide.cuh";

@@ -1,6 +1,8 @@
 // The FlashAttention-2 backward's small kernels, shared by both tensor-core
 // families: delta (first) and, where dQ is summed by atomics, the pass that
-// stores it (last). The products sit in backward_sm80.cuh / backward_sm90.cuh.
+// stores it (last), and the pass that sums the dK/dV parts of a Hopper
+// dK/dV/dQ kernel split over a group's query heads. The products sit in
+// backward_sm80.cuh / backward_sm90.cuh.
 //
 // With P = exp2(S * scale_log2 - lse * log2 e) recomputed from the forward's
 // log-sum-exp, dP = dO V^T and delta = rowsum(dO * O), dS = P * (dP - delta);
@@ -17,6 +19,52 @@ template <int D, bool DQ_SUM>
 __device__ __forceinline__ float* delta_of(const BackwardArgs& a) {
     return DQ_SUM ? a.scratch + a.batch * a.q_heads * a.q_len * D : a.scratch;
 }
+
+// Where the split dK/dV kernels leave their parts (after the dQ sum and
+// delta, 16-byte aligned): [B, S, Hkv, SPLIT, D + DV] f32.
+template <int D>
+__device__ __forceinline__ float* dkv_parts_of(const BackwardArgs& a) {
+    const fs_i64 rows = a.batch * a.q_heads * a.q_len;
+    return a.scratch + (rows * (D + 1) + 3) / 4 * 4;
+}
+
+// dK = scale * the sum of the SPLIT parts, dV = their sum, in their types.
+// The block's ROWS key rows are cut into chunks of 8 features (D and DV are
+// multiples of 8), one per thread at a time; the parts are added in order
+// (deterministic).
+// Launch: grid (ceil(S / ROWS), Hkv, B), THREADS threads, no dynamic shared memory.
+template <class E, int D, int DV, int SPLIT>
+struct DkvStore {
+    static constexpr int ROWS = 128, THREADS = 128, SMEM_BYTES = 0;
+    static constexpr int CHUNKS = (D + DV) / 8;
+
+    static __device__ __forceinline__ void run(const BackwardArgs& a) {
+        const fs_i64 kv_len = a.kv_len, kv_heads = a.q_heads / a.group, kv_h = blockIdx.y, b = blockIdx.z;
+        for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+            const fs_i64 j = (fs_i64)blockIdx.x * ROWS + idx / CHUNKS;
+            if (j >= kv_len) continue;
+            const int e0 = (idx % CHUNKS) * 8;
+            const float* const slots = dkv_parts_of<D>(a) + ((b * kv_len + j) * kv_heads + kv_h) * SPLIT * (D + DV) + e0;
+            float sum[8], x[8];
+            fs_vload(sum, slots);
+            for (int s = 1; s < SPLIT; ++s) {
+                fs_vload(x, slots + s * (D + DV));
+#pragma unroll
+                for (int e = 0; e < 8; ++e) sum[e] += x[e];
+            }
+            unsigned short out[8];
+            if (e0 < D) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) out[e] = E::from_float(sum[e] * a.scale);
+                fs_vstore(a.dk.row(b, j, kv_h) + e0, out);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) out[e] = E::from_float(sum[e]);
+                fs_vstore(a.dv.row(b, j, kv_h) + e0 - D, out);
+            }
+        }
+    }
+};
 
 // delta[b, h, i] = sum_e dO[b, i, h, e] * O[b, i, h, e] into the scratch, and
 // with DQ_SUM the same rows of the f32 dQ sum set to zero for the atomics.

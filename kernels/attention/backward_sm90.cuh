@@ -36,7 +36,13 @@
 // diagonal or the sequence ends are masked. dK and dV take (D + Dv) / 2
 // accumulators a thread: up to 128 padded features each.
 //
-// Launch: grid (ceil(S / 128), Hkv, B), 384 threads (__launch_bounds__(384,
+// Grouped queries at high ratios give few blocks (one per key tile and
+// key/value head), unequal under the causal mask; SPLIT > 1 shares a key
+// tile between SPLIT blocks, each taking group / SPLIT of its query heads
+// and leaving its dK, dV in an f32 slot of the scratch that DkvStore
+// (backward.cuh) sums.
+//
+// Launch: grid (ceil(S / 128), Hkv * SPLIT, B), 384 threads (__launch_bounds__(384,
 // 1)), SMEM_BYTES of dynamic shared memory, after the scratch the tensor maps
 // of Q and dO (boxes of QT::ATOM / DOT::ATOM features by 64 rows), by value.
 #ifndef FS_ATTENTION_BACKWARD_SM90
@@ -46,7 +52,28 @@
 
 namespace fs_attn {
 
-template <class E, int D, int DV, bool CAUSAL>
+// A block's part of dK (unscaled) and dV, from the accumulator layout of
+// store_dk_dv, into slot `part` of its key rows.
+template <int D, int DV, int SPLIT, int NK, int NV>
+__device__ __forceinline__ void store_dkv_part(const BackwardArgs& a, const float (&dk_acc)[NK][4], const float (&dv_acc)[NV][4],
+                                               fs_i64 b, fs_i64 kv_h, fs_i64 part, fs_i64 k0, int key_row, int frag_col) {
+    const fs_i64 kv_heads = a.q_heads / a.group;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const fs_i64 j = k0 + key_row + 8 * r;
+        if (j < a.kv_len) {
+            float* const slot = dkv_parts_of<D>(a) + (((b * a.kv_len + j) * kv_heads + kv_h) * SPLIT + part) * (D + DV);
+#pragma unroll
+            for (int n = 0; n < NK; ++n)
+                if (n * 8 < D) fs_st_f32x2(slot + n * 8 + frag_col, dk_acc[n][2 * r], dk_acc[n][2 * r + 1]);
+#pragma unroll
+            for (int n = 0; n < NV; ++n)
+                if (n * 8 < DV) fs_st_f32x2(slot + D + n * 8 + frag_col, dv_acc[n][2 * r], dv_acc[n][2 * r + 1]);
+        }
+    }
+}
+
+template <class E, int D, int DV, bool CAUSAL, int SPLIT = 1>
 struct DkDvDqSm90 {
     static constexpr int DP = round_up(D, 16), DVP = round_up(DV, 16);
     static_assert(DP <= 128 && DVP <= 128, "dK and dV accumulators for up to 128 features each");
@@ -72,7 +99,10 @@ struct DkDvDqSm90 {
     static constexpr unsigned SMEM_BYTES = smem_with(STAGES);
 
     static __device__ __forceinline__ void run(const BackwardArgs& a, const fs_tmap& tm_q, const fs_tmap& tm_do) {
-        const fs_i64 k0 = (fs_i64)blockIdx.x * TILE_K, kv_h = blockIdx.y, b = blockIdx.z;
+        // SPLIT blocks share a key tile: part `part` takes group / SPLIT of
+        // the group's query heads.
+        const fs_i64 k0 = (fs_i64)blockIdx.x * TILE_K, kv_h = blockIdx.y / SPLIT, b = blockIdx.z;
+        const fs_i64 part = blockIdx.y % SPLIT, heads = a.group / SPLIT;
         const fs_i64 q_len = a.q_len, q_heads = a.q_heads;
         const int lane = threadIdx.x & 31;
         FS_DYNAMIC_SMEM(smem_raw, SMEM_BYTES);
@@ -130,11 +160,11 @@ struct DkDvDqSm90 {
         fs_copy_async_wait_all();
         fs_fence_async_smem();
         __syncthreads();
-        // Query tiles t = 0 .. tiles - 1: head kv_h * group + t / per_head, rows
+        // Query tiles t = 0 .. tiles - 1: head kv_h * group + part * heads + t / per_head, rows
         // i_first + (t % per_head) * TILE_Q; causal: from the first tile that can see key k0.
         const fs_i64 i_first = CAUSAL ? (k0 / TILE_Q) * TILE_Q : 0;
         const fs_i64 per_head = q_len > i_first ? (q_len - i_first + TILE_Q - 1) / TILE_Q : 0;
-        const int tiles = (int)(a.group * per_head);
+        const int tiles = (int)(heads * per_head);
 
         if (threadIdx.x >= CONSUMERS) {
             // The memory warpgroup runs on the 40-odd registers the consumers
@@ -142,7 +172,7 @@ struct DkDvDqSm90 {
             fs_setmaxnreg_dec<PRODUCER_REGS>();
             const int p = threadIdx.x - CONSUMERS;
             const int len = (int)q_len;
-            int h = (int)(kv_h * a.group), i0 = (int)i_first;  // tile t's head and first row
+            int h = (int)(kv_h * a.group + part * heads), i0 = (int)i_first;  // tile t's head and first row
             if (p < LOADERS) {
                 // 2. The loaders: query tile t into buffer t % STAGES once the
                 //    consumers are done with tile t - STAGES: Q and dO as boxes
@@ -335,8 +365,10 @@ struct DkDvDqSm90 {
             if (++buf == STAGES) buf = 0, phase ^= 1;
         }
 
-        // Last, each key row once: dK = scale * acc, dV = acc.
-        store_dk_dv<E, D, DV>(a, dk_acc, dv_acc, b, kv_h, k0, key_row, frag_col, 0, 0);
+        // Last, each key row once: dK = scale * acc, dV = acc; split, the
+        // block's part of them into its f32 slot, for DkvStore to sum.
+        if constexpr (SPLIT == 1) store_dk_dv<E, D, DV>(a, dk_acc, dv_acc, b, kv_h, k0, key_row, frag_col, 0, 0);
+        else store_dkv_part<D, DV, SPLIT>(a, dk_acc, dv_acc, b, kv_h, part, k0, key_row, frag_col);
     }
 };
 

@@ -46,6 +46,9 @@ pub const HEAD_DIMS: &[Variant] = &[
     (64, 128, 2, 1, true, false),
     (128, 64, 4, 2, false, false),
     (96, 64, 2, 2, true, false),
+    // 16 query heads a key/value head, two of those: the Hopper backward
+    // splits each group over 4 blocks.
+    (64, 64, 32, 2, true, false),
 ];
 
 /// A model holding one attention per variant.

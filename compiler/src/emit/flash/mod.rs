@@ -16,9 +16,11 @@
 //!   (mma.sync).
 //! - Backward, atomic scheme (the default): `Delta` (which also clears an
 //!   f32 dQ sum), the dK/dV kernel adding each tile's dS K into that sum by
-//!   atomics (`DkDvDqSm90` on sm_90a up to 128 padded features, else
-//!   `DkDvSm80<ATOMIC>`), then `DqStore`. Deterministic scheme: `Delta`,
-//!   `DkDvSm80`, `DqSm80`, no atomics.
+//!   atomics (on sm_90a `DkDvDqSm90` up to 128 padded features, split
+//!   over blocks with `DkvStore` after it for groups of more than 4 query
+//!   heads, and `DkDvDqSm90Wide` above; else `DkDvSm80<ATOMIC>`), then
+//!   `DqStore`. Deterministic scheme: `Delta`, `DkDvSm80`, `DqSm80`, no
+//!   atomics.
 //!
 //! # Launch contract
 //!
@@ -26,7 +28,7 @@
 //! as arena addresses, the kernel applying the views itself, then every
 //! symbolic size as `long long`); backward kernels then one `float*`
 //! scratch of [`KernelLaunch::scratch_f32`] elements, the same buffer for
-//! the three launches of one op (its contents on entry irrelevant: the
+//! the launches of one op (its contents on entry irrelevant: the
 //! first writes what the others read); Hopper kernels last their tensor
 //! maps by value. Grid, block and dynamic shared memory are the launch's.
 //! Every buffer is 16-byte aligned (the arena aligns to 256).
@@ -85,6 +87,8 @@ pub enum Stage {
     DkDvDq,
     /// dQ = scale * the scratch's sum, in dQ's type.
     DqStore,
+    /// dK and dV from the parts of a split dK/dV/dQ kernel.
+    DkvStore,
 }
 
 impl Stage {
@@ -97,6 +101,7 @@ impl Stage {
             Stage::Dq => "dq",
             Stage::DkDvDq => "dkdvdq",
             Stage::DqStore => "dqstore",
+            Stage::DkvStore => "dkvstore",
         }
     }
 }
@@ -342,6 +347,8 @@ const ABOUT_DQ: &str =
     "FlashAttention-2 backward, kernel 3 of 3: dQ on tensor cores (kernels/attention/backward_sm80.cuh)";
 const ABOUT_DKDVDQ_SM80: &str =
     "FlashAttention-2 backward, kernel 2 of 3: dK, dV and dQ by atomics on tensor cores (kernels/attention/backward_sm80.cuh)";
+const ABOUT_DKV_STORE: &str =
+    "FlashAttention backward on Hopper, grouped queries split over blocks: dK and dV = the sum of the blocks' parts (kernels/attention/backward.cuh)";
 const ABOUT_DQ_STORE: &str =
     "FlashAttention-2 backward, kernel 3 of 3: dQ = scale * the f32 sum (kernels/attention/backward.cuh)";
 
@@ -427,10 +434,29 @@ pub fn flash_backward(
         .batch
         .checked_mul(&cfg.q_heads)?
         .checked_mul(&cfg.q_len)?;
+    // The Hopper dK/dV/dQ kernel's blocks a key tile (grouped queries at
+    // high ratios).
+    let split = if !deterministic && arch == FlashArch::Sm90a && templates::dkdvdq_sm90_fits(d, dv)
+    {
+        templates::dkdvdq_split(cfg.group)
+    } else {
+        1
+    };
     // Deterministic: delta [B, Hq, T]. Atomic: the dQ sum [B, Hq, T, D]
-    // first (16-byte aligned rows for the vector reductions), then delta.
+    // first (16-byte aligned rows for the vector reductions), then delta;
+    // split, then from the next 16-byte boundary the dK/dV parts
+    // [B, S, Hkv, split, D + Dv] (backward.cuh's `dkv_parts_of`).
     let scratch = if deterministic {
         rows
+    } else if split > 1 {
+        let parts = cfg
+            .batch
+            .checked_mul(&cfg.kv_len)?
+            .checked_mul(&cfg.kv_heads)?
+            .checked_mul(&Dim::constant((split * (d + dv)) as i64))?;
+        rows.checked_mul(&Dim::constant(d as i64 + 1))?
+            .checked_add(&Dim::constant(3))?
+            .checked_add(&parts)?
     } else {
         rows.checked_mul(&Dim::constant(d as i64 + 1))?
     };
@@ -448,6 +474,7 @@ pub fn flash_backward(
             GridAxis::new(cfg.batch.clone(), 1),
         ]
     };
+    let kv_heads_split = cfg.kv_heads.checked_mul(&Dim::constant(split as i64))?;
     // The tensor maps of Q and dO, boxes of the widest swizzle that divides
     // `q_feats` and `do_feats` features.
     let hopper_maps = |q_feats: u64, do_feats: u64| {
@@ -489,7 +516,7 @@ pub fn flash_backward(
         } else if templates::dkdvdq_sm90_fits(d, dv) {
             hopper_maps(templates::pad16(d), templates::pad16(dv)).map(|maps| {
                 (
-                    templates::dkdvdq_sm90(dt, d, dv, causal),
+                    templates::dkdvdq_sm90(dt, d, dv, causal, split),
                     maps,
                     "FlashAttention backward on Hopper tensor cores, kernel 2 of 3: dK, dV and dQ (kernels/attention/backward_sm90.cuh)",
                 )
@@ -506,13 +533,24 @@ pub fn flash_backward(
         };
         match hopper {
             Some((inst, maps, about)) => {
+                let mut grid = kv_grid(inst.tile);
+                grid[1] = GridAxis::new(kv_heads_split.clone(), 1);
                 stages.push(Planned {
                     stage: Stage::DkDvDq,
                     instance: inst.clone(),
-                    grid: kv_grid(inst.tile),
+                    grid,
                     tensor_maps: maps,
                     about,
                 });
+                if split > 1 {
+                    let store = templates::dkv_store(dt, d, dv, split);
+                    stages.push(Planned::new(
+                        Stage::DkvStore,
+                        store.clone(),
+                        kv_grid(store.tile),
+                        ABOUT_DKV_STORE,
+                    ));
+                }
             }
             None => {
                 let inst = templates::dkdv_sm80(dt, d, dv, causal, true);

@@ -157,6 +157,34 @@ pub(crate) fn dq_store(dt: DType, d: u64) -> Instance {
     }
 }
 
+/// `backward.cuh`'s `DkvStore`: dK and dV from the parts of a split
+/// `DkDvDqSm90`.
+pub(crate) fn dkv_store(dt: DType, d: u64, dv: u64, split: u64) -> Instance {
+    Instance {
+        header: "attention/backward.cuh",
+        ty: format!("fs_attn::DkvStore<{}, {split}>", args(dt, d, dv)),
+        threads: 128,
+        bounds: "128, 2".into(),
+        tile: 128,
+        parts: 1,
+        smem: 0,
+        sm90: false,
+        checks: vec![("THREADS", 128), ("ROWS", 128), ("SMEM_BYTES", 0)],
+    }
+}
+
+/// How many blocks share a key tile of the Hopper dK/dV/dQ kernel at a
+/// group ratio: one up to 4 query heads a key/value head; above, enough
+/// that each block takes 4 of them (16 on 1: 4 blocks), for more blocks
+/// where grouped queries leave few, and less causal imbalance among them.
+pub(crate) fn dkdvdq_split(group: i64) -> u64 {
+    if group > 4 && group % 4 == 0 {
+        (group / 4) as u64
+    } else {
+        1
+    }
+}
+
 /// `backward_sm80.cuh`'s `DkDvSm80`: 64 keys a block, in one or two
 /// feature parts.
 pub(crate) fn dkdv_sm80(dt: DType, d: u64, dv: u64, causal: bool, atomic: bool) -> Instance {
@@ -233,8 +261,9 @@ pub(crate) fn dkdvdq_sm90_fits(d: u64, dv: u64) -> bool {
 }
 
 /// `backward_sm90.cuh`'s `DkDvDqSm90`: 128 keys a block; its query tiles
-/// are 64 rows.
-pub(crate) fn dkdvdq_sm90(dt: DType, d: u64, dv: u64, causal: bool) -> Instance {
+/// are 64 rows; `split` blocks a key tile (each a share of the group's
+/// query heads, its dK/dV part summed by [`dkv_store`]).
+pub(crate) fn dkdvdq_sm90(dt: DType, d: u64, dv: u64, causal: bool, split: u64) -> Instance {
     let (dp, dvp) = (pad16(d), pad16(dv));
     let smem_with = |stages: u64| {
         128 * (dp + dvp) * 2
@@ -253,7 +282,14 @@ pub(crate) fn dkdvdq_sm90(dt: DType, d: u64, dv: u64, causal: bool) -> Instance 
     let smem = smem_with(stages);
     Instance {
         header: "attention/backward_sm90.cuh",
-        ty: format!("fs_attn::DkDvDqSm90<{}, {causal}>", args(dt, d, dv)),
+        ty: if split > 1 {
+            format!(
+                "fs_attn::DkDvDqSm90<{}, {causal}, {split}>",
+                args(dt, d, dv)
+            )
+        } else {
+            format!("fs_attn::DkDvDqSm90<{}, {causal}>", args(dt, d, dv))
+        },
         threads: 384,
         bounds: "384, 1".into(),
         tile: 128,
