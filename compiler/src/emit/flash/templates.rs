@@ -127,11 +127,12 @@ pub(crate) fn forward_sm90(
     (inst, tile_k)
 }
 
-/// `backward.cuh`'s `Delta`: rows per block 128.
-pub(crate) fn delta(dt: DType, d: u64, dv: u64, dq_sum: bool) -> Instance {
+/// One of `backward.cuh`'s row kernels (`Delta`, `DqStore`, `DkvStore`):
+/// 128 threads over 128 rows a block, no dynamic shared memory.
+fn row_kernel(ty: String) -> Instance {
     Instance {
         header: "attention/backward.cuh",
-        ty: format!("fs_attn::Delta<{}, {dq_sum}>", args(dt, d, dv)),
+        ty,
         threads: 128,
         bounds: "128, 2".into(),
         tile: 128,
@@ -142,35 +143,20 @@ pub(crate) fn delta(dt: DType, d: u64, dv: u64, dq_sum: bool) -> Instance {
     }
 }
 
+/// `backward.cuh`'s `Delta`.
+pub(crate) fn delta(dt: DType, d: u64, dv: u64, dq_sum: bool) -> Instance {
+    row_kernel(format!("fs_attn::Delta<{}, {dq_sum}>", args(dt, d, dv)))
+}
+
 /// `backward.cuh`'s `DqStore`.
 pub(crate) fn dq_store(dt: DType, d: u64) -> Instance {
-    Instance {
-        header: "attention/backward.cuh",
-        ty: format!("fs_attn::DqStore<{}, {d}>", elem(dt)),
-        threads: 128,
-        bounds: "128, 2".into(),
-        tile: 128,
-        parts: 1,
-        smem: 0,
-        sm90: false,
-        checks: vec![("THREADS", 128), ("ROWS", 128), ("SMEM_BYTES", 0)],
-    }
+    row_kernel(format!("fs_attn::DqStore<{}, {d}>", elem(dt)))
 }
 
 /// `backward.cuh`'s `DkvStore`: dK and dV from the parts of a split
 /// `DkDvDqSm90`.
 pub(crate) fn dkv_store(dt: DType, d: u64, dv: u64, split: u64) -> Instance {
-    Instance {
-        header: "attention/backward.cuh",
-        ty: format!("fs_attn::DkvStore<{}, {split}>", args(dt, d, dv)),
-        threads: 128,
-        bounds: "128, 2".into(),
-        tile: 128,
-        parts: 1,
-        smem: 0,
-        sm90: false,
-        checks: vec![("THREADS", 128), ("ROWS", 128), ("SMEM_BYTES", 0)],
-    }
+    row_kernel(format!("fs_attn::DkvStore<{}, {split}>", args(dt, d, dv)))
 }
 
 /// How many blocks share a key tile of the Hopper dK/dV/dQ kernel at a
