@@ -552,7 +552,7 @@ fn a_broken_hopper_backward_is_caught() {
         FlashArch::Sm90a,
     );
     let (causal, plain) = (find(&d160, true, false), find(&d160, false, false));
-    let wide_mutations: [(Mutation, usize); 3] = [
+    let wide_mutations: [(Mutation, usize); 4] = [
         // Both warpgroups take the first half of dV's features.
         ((WIDE, "DOT::mnmajor_n(fv0))", "DOT::mnmajor_n(0))"), plain),
         // The second warpgroup's S^T from the first half of the queries.
@@ -572,6 +572,15 @@ fn a_broken_hopper_backward_is_caught() {
                 "const int qc = 16 * kk + frag_col;",
             ),
             plain,
+        ),
+        // dQ's staged rows read back without the swizzle they were stored with.
+        (
+            (
+                WIDE,
+                "&stage[row * SW + (c ^ (row % CPR)) * 4]",
+                "&stage[row * SW + c * 4]",
+            ),
+            causal,
         ),
     ];
     expect_caught(

@@ -17,11 +17,16 @@
 // 3. the warpgroup's half of the features: dV += P^T dO and dK += dS^T Q
 //    (A = P^T / dS^T read K-major, B = the dO / Q tile read MN-major, from
 //    the warpgroup's first feature), and dQ = dS K (A = dS read MN-major
-//    from dS^T, B = the key tile MN-major), added into the f32 dQ sum with
-//    vector reductions from registers.
+//    from dS^T, B = the key tile MN-major), added into the f32 dQ sum: each
+//    warpgroup stages SW features of its dQ at a time in shared memory
+//    (swizzled) and reads them back a row at a time, so that each 16-byte
+//    reduction of a warp covers whole rows of the sum.
 //
 // So each thread holds half of dK's and dV's accumulators (at D = Dv = 256,
-// 64 each) and a half of dQ's. The memory warpgroup gives its registers to
+// 64 each) and a half of dQ's. The dQ sum takes as many bytes as the step's
+// tensor work at D = 256 (64 KiB a 64 x 64 tile) and the reductions were the
+// kernel's limit: from the accumulators' fragments each warp reduction
+// touched 8 rows of 32 bytes, staged a warp's covers 4 whole 128-byte rows. The memory warpgroup gives its registers to
 // the consumers (setmaxnreg) and loads each query tile into
 // one of STAGES buffers (Q and dO by the first thread's bulk tensor copies,
 // lse and delta by all), handed over by mbarriers as in the forward.
@@ -48,6 +53,10 @@ struct DkDvDqSm90Wide {
     static constexpr int FK = DP / 2, FV = DVP / 2;                     // each warpgroup's features
     // dQ's features a product at a time: a power of two that divides FK, at most 64.
     static constexpr int QC = FK % 64 == 0 ? 64 : FK % 32 == 0 ? 32 : 16;
+    // dQ's features staged at a time (a 64 x SW f32 tile a warpgroup, rows of
+    // SW / 4 16-byte chunks, chunk c of row r stored at c ^ (r % CPR) so that
+    // both the fragments' stores and the rows' loads spread over the banks).
+    static constexpr int SW = QC < 32 ? QC : 32, CPR = SW / 4;
     static_assert(DP <= 256 && DVP <= 256, "up to 256 features");
     static constexpr int TILE_K = 64, TILE_Q = 64, HALF_Q = TILE_Q / 2;
     // The whole memory warpgroup loads (as two warps, with the rest returning,
@@ -62,7 +71,7 @@ struct DkDvDqSm90Wide {
     typedef SwizzledTile<TILE_Q, DP, swizzle_for(DP / 2)> QT;
     typedef SwizzledTile<TILE_Q, DVP, swizzle_for(DVP / 2)> DOT;
     static constexpr unsigned smem_with(int stages) {
-        return TILE_K * (DP + DVP) * 2 + stages * (QT::BYTES + DOT::BYTES) + 2 * TILE_K * TILE_Q * 2 +
+        return TILE_K * (DP + DVP) * 2 + stages * (QT::BYTES + DOT::BYTES) + 2 * TILE_K * TILE_Q * 2 + 2 * TILE_Q * SW * 4 +
                2 * stages * TILE_Q * 4 + 2 * stages * 8 + 1024;
     }
     // Query tile buffers: three where they fit in a block's 227 KiB, else two.
@@ -81,7 +90,8 @@ struct DkDvDqSm90Wide {
         unsigned char* const do_tiles = q_tiles + STAGES * QT::BYTES;                             // STAGES x DOT
         unsigned short* const pt_tile = reinterpret_cast<unsigned short*>(do_tiles + STAGES * DOT::BYTES);  // P^T
         unsigned short* const dst_tile = pt_tile + TILE_K * TILE_Q;                                         // dS^T
-        float* const lse_tiles = reinterpret_cast<float*>(dst_tile + TILE_K * TILE_Q);  // STAGES x TILE_Q: lse * log2(e)
+        float* const dq_stages = reinterpret_cast<float*>(dst_tile + TILE_K * TILE_Q);  // 2 x [TILE_Q][SW], swizzled
+        float* const lse_tiles = dq_stages + 2 * TILE_Q * SW;                           // STAGES x TILE_Q: lse * log2(e)
         float* const delta_tiles = lse_tiles + STAGES * TILE_Q;                       // STAGES x TILE_Q
         // Query buffer s is full (q_full[s]: the copies' bytes and the loaders'
         // stores are in) and empty (q_empty[s]: every consumer warp is done with it).
@@ -276,14 +286,29 @@ struct DkDvDqSm90Wide {
                     fs_wgmma_hold(dv_acc);
                     if (lane == 0) fs_mbar_arrive(&q_empty[buf]);
                 }
+                // SW features at a time through the warpgroup's staging tile
+                // (barrier 3 + wg: its 128 threads), then into the sum a row
+                // of SW features from CPR threads.
+                float* const stage = dq_stages + wg * TILE_Q * SW;
+                float* const sum = a.scratch + ((b * q_heads + h) * q_len + i0) * D + fk0 + c0;  // row i0
+                const int rows = q_len - i0 < TILE_Q ? (int)(q_len - i0) : TILE_Q;
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const fs_i64 i = i0 + warp * 16 + frag_row + 8 * r;
-                    if (i < q_len) {
-                        float* const sum = &a.scratch[((b * q_heads + h) * q_len + i) * D + fk0 + c0 + frag_col];
+                for (int f0 = 0; f0 < QC; f0 += SW) {
+                    fs_bar_sync(3 + wg, 128);  // the tile's previous rows are read
 #pragma unroll
-                        for (int n = 0; n < QC / 8; ++n)
-                            if (fk0 + c0 + n * 8 < D) fs_atomic_add2(sum + n * 8, dq[n][2 * r], dq[n][2 * r + 1]);
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = warp * 16 + frag_row + 8 * r;
+#pragma unroll
+                        for (int n = 0; n < SW / 8; ++n) {
+                            const int c = (2 * n + (frag_col >> 2)) ^ (row % CPR);
+                            fs_st_f32x2(&stage[row * SW + c * 4 + (frag_col & 3)], dq[f0 / 8 + n][2 * r], dq[f0 / 8 + n][2 * r + 1]);
+                        }
+                    }
+                    fs_bar_sync(3 + wg, 128);
+                    for (int idx = threadIdx.x & 127; idx < rows * CPR; idx += 128) {
+                        const int row = idx / CPR, c = idx % CPR;
+                        if (fk0 + c0 + f0 + 4 * c < D)
+                            fs_atomic_add4(&sum[(fs_i64)row * D + f0 + 4 * c], &stage[row * SW + (c ^ (row % CPR)) * 4]);
                     }
                 }
             }

@@ -160,14 +160,45 @@ pub(crate) fn dkv_store(dt: DType, d: u64, dv: u64, split: u64) -> Instance {
 }
 
 /// How many blocks share a key tile of the Hopper dK/dV/dQ kernel at a
-/// group ratio: one up to 4 query heads a key/value head; above, enough
-/// that each block takes 4 of them (16 on 1: 4 blocks), for more blocks
-/// where grouped queries leave few, and less causal imbalance among them.
+/// group ratio: one up to 4 query heads a key/value head; above, the fewest
+/// that divide the group into blocks of at most 4 heads (16 on 1: 4 blocks
+/// of 4, 6 on 1: 2 of 3, 5 on 1: 5 of 1), for more blocks where grouped
+/// queries leave few, and less causal imbalance among them.
 pub(crate) fn dkdvdq_split(group: i64) -> u64 {
-    if group > 4 && group % 4 == 0 {
-        (group / 4) as u64
-    } else {
-        1
+    let group = group.max(1) as u64;
+    (1..=group)
+        .find(|s| group % s == 0 && group / s <= 4)
+        .unwrap_or(group)
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::dkdvdq_split;
+
+    #[test]
+    fn groups_split_into_blocks_of_at_most_four_heads() {
+        let got: Vec<(i64, u64)> = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32]
+            .iter()
+            .map(|&g| (g, dkdvdq_split(g)))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (1, 1),
+                (2, 1),
+                (3, 1),
+                (4, 1),
+                (5, 5),
+                (6, 2),
+                (7, 7),
+                (8, 2),
+                (9, 3),
+                (12, 3),
+                (16, 4),
+                (24, 6),
+                (32, 8)
+            ]
+        );
     }
 }
 
@@ -293,15 +324,28 @@ pub(crate) fn dkdvdq_sm90(dt: DType, d: u64, dv: u64, causal: bool, split: u64) 
 }
 
 /// `backward_sm90_wide.cuh`'s `DkDvDqSm90Wide` (head dims over 128 padded
-/// features): 64 keys a block, 64-query tiles; its head dims padded to a
+/// features): 64 keys a block, 64-query tiles, a staging tile of dQ for
+/// each warpgroup; its head dims padded to a
 /// multiple of 32 (each warpgroup takes half the features), and the padded
 /// widths whose halves its query and dO tiles' swizzle divides.
 pub(crate) fn dkdvdq_sm90_wide(dt: DType, d: u64, dv: u64, causal: bool) -> (Instance, u64, u64) {
     let (dp, dvp) = (round_up(d, 32), round_up(dv, 32));
+    // dQ's chunk (a power of two dividing half of dp, at most 64) and the
+    // features of it staged at a time, at most 32.
+    let fk = dp / 2;
+    let qc = if fk % 64 == 0 {
+        64
+    } else if fk % 32 == 0 {
+        32
+    } else {
+        16
+    };
+    let staged = qc.min(32);
     let smem_with = |stages: u64| {
         64 * (dp + dvp) * 2
             + stages * (64 * dp * 2 + 64 * dvp * 2)
             + 2 * 64 * 64 * 2
+            + 2 * 64 * staged * 4
             + 2 * stages * 64 * 4
             + 2 * stages * 8
             + 1024
