@@ -167,39 +167,8 @@ pub(crate) fn dkv_store(dt: DType, d: u64, dv: u64, split: u64) -> Instance {
 pub(crate) fn dkdvdq_split(group: i64) -> u64 {
     let group = group.max(1) as u64;
     (1..=group)
-        .find(|s| group % s == 0 && group / s <= 4)
+        .find(|s| group.is_multiple_of(*s) && group / s <= 4)
         .unwrap_or(group)
-}
-
-#[cfg(test)]
-mod split_tests {
-    use super::dkdvdq_split;
-
-    #[test]
-    fn groups_split_into_blocks_of_at_most_four_heads() {
-        let got: Vec<(i64, u64)> = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32]
-            .iter()
-            .map(|&g| (g, dkdvdq_split(g)))
-            .collect();
-        assert_eq!(
-            got,
-            [
-                (1, 1),
-                (2, 1),
-                (3, 1),
-                (4, 1),
-                (5, 5),
-                (6, 2),
-                (7, 7),
-                (8, 2),
-                (9, 3),
-                (12, 3),
-                (16, 4),
-                (24, 6),
-                (32, 8)
-            ]
-        );
-    }
 }
 
 /// `backward_sm80.cuh`'s `DkDvSm80`: 64 keys a block, in one or two
@@ -374,4 +343,35 @@ pub(crate) fn dkdvdq_sm90_wide(dt: DType, d: u64, dv: u64, causal: bool) -> (Ins
         ],
     };
     (inst, dp / 2, dvp / 2)
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::dkdvdq_split;
+
+    #[test]
+    fn groups_split_into_blocks_of_at_most_four_heads() {
+        let got: Vec<(i64, u64)> = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32]
+            .iter()
+            .map(|&g| (g, dkdvdq_split(g)))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (1, 1),
+                (2, 1),
+                (3, 1),
+                (4, 1),
+                (5, 5),
+                (6, 2),
+                (7, 7),
+                (8, 2),
+                (9, 3),
+                (12, 3),
+                (16, 4),
+                (24, 6),
+                (32, 8)
+            ]
+        );
+    }
 }
