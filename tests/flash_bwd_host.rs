@@ -478,8 +478,8 @@ fn a_broken_hopper_backward_is_caught() {
         (
             (
                 SM90,
-                "for (int r = w / CPR; r < rows; r += RSTEP)",
-                "for (int r = w / CPR; r < rows - 1; r += RSTEP)",
+                "for (int r = r_first, c = c_first; r < rows;)",
+                "for (int r = r_first, c = c_first; r < rows - 1;)",
             ),
             plain,
         ),
@@ -497,13 +497,16 @@ fn a_broken_hopper_backward_is_caught() {
         (
             (
                 SM90,
-                "const int r = idx / CPR, e = (idx % CPR) * 4;\n                            fs_atomic_add4(",
-                "const int r = idx / CPR, e = (idx % CPR) * 4;\n                            if (e + 4 < D) fs_atomic_add4(",
+                "fs_atomic_add4(&sum[r * D + c * 4], &dqt[r * DQ_ROW + c * 4]);",
+                "if (c + 1 < CPR) fs_atomic_add4(&sum[r * D + c * 4], &dqt[r * DQ_ROW + c * 4]);",
             ),
             causal,
         ),
         // dQ's second part (N = 40 as 32 + 8) read from the first core matrix.
-        ((TILES, "return n0 / 8 * CORE; }", "return 0 * CORE; }"), plain),
+        (
+            (TILES, "return n0 / 8 * CORE; }", "return 0 * CORE; }"),
+            plain,
+        ),
     ];
     expect_caught(
         &d80,
