@@ -243,7 +243,7 @@ fn attention_at_every_head_dim_matches_the_interpreter() {
     drop(gpu);
     // (D, Dv, heads, ratio, causal, precision, T, deterministic)
     let mut runs = Vec::new();
-    for d in [32usize, 40, 48, 64, 80, 96, 112, 128, 160, 192, 256] {
+    for d in [32usize, 40, 48, 64, 80, 96, 112, 128, 160, 192, 240, 256] {
         runs.push((d, d, 2usize, 1usize, true, "bf16", 1000i64, false));
         runs.push((d, d, 8, 8, false, "bf16", 300, false));
         runs.push((d, d, 4, 4, true, "bf16", 17, true));
