@@ -202,6 +202,16 @@ namespace fs_attn {
 // The swizzle of a TMA-copied tile whose rows hold `feats` 16-bit features:
 // the widest of 128, 64 and 32 bytes whose box (SW / 2 features) divides them.
 constexpr int swizzle_for(int feats) { return feats % 64 == 0 ? 128 : feats % 32 == 0 ? 64 : 32; }
+// The Hopper forward's padded head dim (templates::swizzle_pad on the
+// emitter's side): to a multiple of 16, or of 64 where 16 would leave the
+// 32-byte swizzle and 64 costs at most a seventh more work (112 -> 128, 176
+// -> 192, 240 -> 256). At D = 112 the 32-byte swizzle's tiles ran the
+// forward at 0.68-0.81x SDPA's speed on an H100, 128's at 0.78-1.03x. (The
+// narrow backward padded so ran slower at 112: 3.43-3.51 -> 3.70-3.79 ms at
+// T = 8192, its 128-feature configuration's two dQ writers.)
+constexpr int swizzle_pad(int d) {
+    return round_up(d, 16) % 32 != 0 && round_up(d, 64) * 7 <= d * 8 ? round_up(d, 64) : round_up(d, 16);
+}
 
 // A [ROWS][FEATS] tile as bulk tensor copies land it: FEATS / ATOM boxes of
 // ATOM features, box a at byte a * BOX, row r at byte SW_ * r of its box, the

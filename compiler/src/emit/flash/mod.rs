@@ -292,8 +292,8 @@ pub fn flash_forward(
     let hopper = if arch == FlashArch::Sm90a {
         let (inst, tile_k) = templates::forward_sm90(dt, d, dv, causal, fold);
         let maps = [
-            (1, "tm_k", templates::forward_pad(d)),
-            (2, "tm_v", templates::forward_pad(dv)),
+            (1, "tm_k", templates::swizzle_pad(d)),
+            (2, "tm_v", templates::swizzle_pad(dv)),
         ]
         .into_iter()
         .map(|(i, name, padded)| TensorMap::of_input(g, &c, n, i, name, tile_k, padded))

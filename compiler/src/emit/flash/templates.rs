@@ -17,11 +17,11 @@ pub(crate) fn pad16(d: u64) -> u64 {
     round_up(d, 16)
 }
 
-/// The Hopper forward's padded head dims (`forward_sm90.cuh`'s
-/// `forward_pad`): whole 16-feature steps, or the next multiple of 64 where
+/// The Hopper forward's padded head dims (`sm90.cuh`'s `swizzle_pad`):
+/// whole 16-feature steps, or the next multiple of 64 where
 /// 16 would leave the tiles the 32-byte swizzle and 64 costs at most a
 /// seventh more tensor work (112 -> 128, 176 -> 192, 240 -> 256).
-pub(crate) fn forward_pad(d: u64) -> u64 {
+pub(crate) fn swizzle_pad(d: u64) -> u64 {
     let (p16, p64) = (pad16(d), round_up(d, 64));
     if !p16.is_multiple_of(32) && p64 * 7 <= d * 8 {
         p64
@@ -112,7 +112,7 @@ pub(crate) fn forward_sm90(
     causal: bool,
     scale_in_exp: bool,
 ) -> (Instance, u64) {
-    let (dp, dvp) = (forward_pad(d), forward_pad(dv));
+    let (dp, dvp) = (swizzle_pad(d), swizzle_pad(dv));
     let wgs = if dp <= 64 && dvp <= 64 { 3 } else { 2 };
     let tile_q = 64 * wgs;
     let tile_k = if dp <= 128 && dvp <= 128 { 128 } else { 64 };
@@ -391,15 +391,15 @@ mod split_tests {
 
 #[cfg(test)]
 mod pad_tests {
-    use super::forward_pad;
+    use super::swizzle_pad;
 
     #[test]
-    fn the_forward_pads_to_64_only_where_16_leaves_the_narrowest_swizzle() {
+    fn the_hopper_forward_pads_to_64_only_where_16_leaves_the_narrowest_swizzle() {
         let got: Vec<(u64, u64)> = [
             8, 48, 64, 80, 96, 104, 112, 120, 144, 176, 208, 224, 240, 256,
         ]
         .iter()
-        .map(|&d| (d, forward_pad(d)))
+        .map(|&d| (d, swizzle_pad(d)))
         .collect();
         assert_eq!(
             got,
