@@ -27,7 +27,7 @@
 // read K-major (as B of S = Q K^T), V MN-major (as B of O = P V). Head dims
 // are padded inside the tiles (the copies read features past D as zeros) to
 // a multiple of 16, or of 64 where 16 would leave the 32-byte swizzle and 64
-// costs at most a seventh more work (forward_pad: 112 -> 128); the swizzle is
+// costs at most a seventh more work (swizzle_pad: 112 -> 128); the swizzle is
 // the widest whose box divides them.
 //
 // Launch: grid (ceil(T / TILE_Q), Hq, B), THREADS threads, SMEM_BYTES of
@@ -40,16 +40,9 @@
 
 namespace fs_attn {
 
-// The padded head dim (templates::forward_pad on the emitter's side). At D =
-// 112 the 32-byte swizzle's tiles ran the forward at 0.61-0.80x SDPA's speed
-// on an H100, where 128 takes the 128-byte one.
-constexpr int forward_pad(int d) {
-    return round_up(d, 16) % 32 != 0 && round_up(d, 64) * 7 <= d * 8 ? round_up(d, 64) : round_up(d, 16);
-}
-
 template <class E, int D, int DV, bool CAUSAL, bool SCALE_IN_EXP>
 struct ForwardSm90 {
-    static constexpr int DP = forward_pad(D), DVP = forward_pad(DV);
+    static constexpr int DP = swizzle_pad(D), DVP = swizzle_pad(DV);
     // Three consumer warpgroups (192 query rows) where their registers allow,
     // so that each key and value tile serves 1.5x the queries; two above 64
     // features.
