@@ -592,6 +592,31 @@ fn a_broken_hopper_backward_is_caught() {
         &[causal, plain],
         &wide_mutations,
     );
+    // The wide kernel split: 6 query heads a key/value head in two blocks
+    // of 3 a key tile, their dK/dV parts summed by DkvStore.
+    let wide_gqa = backward(
+        &head_dims_model(&[(160, 160, 12, 2, true, false)]),
+        "bf16",
+        FlashArch::Sm90a,
+    );
+    let split = find(&wide_gqa, true, false);
+    let wide_split_mutations: [(Mutation, usize); 1] = [
+        // The loader of both blocks copies the group's first heads.
+        (
+            (
+                WIDE,
+                "int h = (int)(kv_h * a.group + part * heads)",
+                "int h = (int)(kv_h * a.group + 0 * heads)",
+            ),
+            split,
+        ),
+    ];
+    expect_caught(
+        &wide_gqa,
+        "hopper-mutations-wide-split",
+        &[split],
+        &wide_split_mutations,
+    );
 }
 
 #[test]

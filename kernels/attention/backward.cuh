@@ -28,6 +28,37 @@ __device__ __forceinline__ float* dkv_parts_of(const BackwardArgs& a) {
     return a.scratch + (rows * (D + 1) + 3) / 4 * 4;
 }
 
+// A split block's part of dK (unscaled) and dV, from the accumulator layout
+// of store_dk_dv (features fk0 + 8n + frag_col (+ 1) below D, fv0 + ... below
+// DV), into slot `part` of its key rows.
+template <int D, int DV, int SPLIT, int NK, int NV>
+__device__ __forceinline__ void store_dkv_part(const BackwardArgs& a, const float (&dk_acc)[NK][4], const float (&dv_acc)[NV][4],
+                                               fs_i64 b, fs_i64 kv_h, fs_i64 part, fs_i64 k0, int key_row, int frag_col, int fk0,
+                                               int fv0) {
+    const fs_i64 kv_heads = a.q_heads / a.group;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const fs_i64 j = k0 + key_row + 8 * r;
+        if (j < a.kv_len) {
+            float* const slot = dkv_parts_of<D>(a) + (((b * a.kv_len + j) * kv_heads + kv_h) * SPLIT + part) * (D + DV);
+#pragma unroll
+            for (int n = 0; n < NK; ++n) {
+                if (fk0 + n * 8 < D) {
+                    slot[fk0 + n * 8 + frag_col] = dk_acc[n][2 * r];
+                    slot[fk0 + n * 8 + frag_col + 1] = dk_acc[n][2 * r + 1];
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < NV; ++n) {
+                if (fv0 + n * 8 < DV) {
+                    slot[D + fv0 + n * 8 + frag_col] = dv_acc[n][2 * r];
+                    slot[D + fv0 + n * 8 + frag_col + 1] = dv_acc[n][2 * r + 1];
+                }
+            }
+        }
+    }
+}
+
 // dK = scale * the sum of the SPLIT parts, dV = their sum, in their types.
 // The block's ROWS key rows are cut into chunks of 8 features (D and DV are
 // multiples of 8), one per thread at a time; the parts are added in order

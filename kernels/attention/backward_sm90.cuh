@@ -54,27 +54,6 @@
 
 namespace fs_attn {
 
-// A block's part of dK (unscaled) and dV, from the accumulator layout of
-// store_dk_dv, into slot `part` of its key rows.
-template <int D, int DV, int SPLIT, int NK, int NV>
-__device__ __forceinline__ void store_dkv_part(const BackwardArgs& a, const float (&dk_acc)[NK][4], const float (&dv_acc)[NV][4],
-                                               fs_i64 b, fs_i64 kv_h, fs_i64 part, fs_i64 k0, int key_row, int frag_col) {
-    const fs_i64 kv_heads = a.q_heads / a.group;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const fs_i64 j = k0 + key_row + 8 * r;
-        if (j < a.kv_len) {
-            float* const slot = dkv_parts_of<D>(a) + (((b * a.kv_len + j) * kv_heads + kv_h) * SPLIT + part) * (D + DV);
-#pragma unroll
-            for (int n = 0; n < NK; ++n)
-                if (n * 8 < D) fs_st_f32x2(slot + n * 8 + frag_col, dk_acc[n][2 * r], dk_acc[n][2 * r + 1]);
-#pragma unroll
-            for (int n = 0; n < NV; ++n)
-                if (n * 8 < DV) fs_st_f32x2(slot + D + n * 8 + frag_col, dv_acc[n][2 * r], dv_acc[n][2 * r + 1]);
-        }
-    }
-}
-
 template <class E, int D, int DV, bool CAUSAL, int SPLIT = 1>
 struct DkDvDqSm90 {
     static constexpr int DP = round_up(D, 16), DVP = round_up(DV, 16);
@@ -375,7 +354,7 @@ struct DkDvDqSm90 {
         // Last, each key row once: dK = scale * acc, dV = acc; split, the
         // block's part of them into its f32 slot, for DkvStore to sum.
         if constexpr (SPLIT == 1) store_dk_dv<E, D, DV>(a, dk_acc, dv_acc, b, kv_h, k0, key_row, frag_col, 0, 0);
-        else store_dkv_part<D, DV, SPLIT>(a, dk_acc, dv_acc, b, kv_h, part, k0, key_row, frag_col);
+        else store_dkv_part<D, DV, SPLIT>(a, dk_acc, dv_acc, b, kv_h, part, k0, key_row, frag_col, 0, 0);
     }
 };
 

@@ -37,7 +37,11 @@
 // number of 16-feature steps), and the query and dO tiles take the widest
 // swizzle whose box divides a half (a half starts on a box).
 //
-// Launch: grid (ceil(S / 64), Hkv, B), 384 threads (__launch_bounds__(384,
+// Grouped queries at high ratios: SPLIT > 1 shares a key tile between SPLIT
+// blocks, each taking group / SPLIT of its query heads and leaving its dK,
+// dV in an f32 slot that DkvStore (backward.cuh) sums, as backward_sm90.cuh.
+//
+// Launch: grid (ceil(S / 64), Hkv * SPLIT, B), 384 threads (__launch_bounds__(384,
 // 1)), SMEM_BYTES of dynamic shared memory, after the scratch the tensor maps
 // of Q and dO (boxes of QT::ATOM / DOT::ATOM features by 64 rows), by value.
 #ifndef FS_ATTENTION_BACKWARD_SM90_WIDE
@@ -47,7 +51,7 @@
 
 namespace fs_attn {
 
-template <class E, int D, int DV, bool CAUSAL>
+template <class E, int D, int DV, bool CAUSAL, int SPLIT = 1>
 struct DkDvDqSm90Wide {
     static constexpr int DP = round_up(D, 32), DVP = round_up(DV, 32);  // padded head dims
     static constexpr int FK = DP / 2, FV = DVP / 2;                     // each warpgroup's features
@@ -79,7 +83,8 @@ struct DkDvDqSm90Wide {
     static constexpr unsigned SMEM_BYTES = smem_with(STAGES);
 
     static __device__ __forceinline__ void run(const BackwardArgs& a, const fs_tmap& tm_q, const fs_tmap& tm_do) {
-        const fs_i64 k0 = (fs_i64)blockIdx.x * TILE_K, kv_h = blockIdx.y, b = blockIdx.z;
+        const fs_i64 k0 = (fs_i64)blockIdx.x * TILE_K, kv_h = blockIdx.y / SPLIT, b = blockIdx.z;
+        const fs_i64 part = blockIdx.y % SPLIT, heads = a.group / SPLIT;  // this block's share of the group
         const fs_i64 q_len = a.q_len, q_heads = a.q_heads;
         const int lane = threadIdx.x & 31;
         FS_DYNAMIC_SMEM(smem_raw, SMEM_BYTES);
@@ -112,11 +117,11 @@ struct DkDvDqSm90Wide {
         fs_copy_async_wait_all();
         fs_fence_async_smem();
         __syncthreads();
-        // Query tiles t = 0 .. tiles - 1: head kv_h * group + t / per_head, rows
+        // Query tiles t = 0 .. tiles - 1: head kv_h * group + part * heads + t / per_head, rows
         // i_first + (t % per_head) * TILE_Q; causal: from the first tile that can see key k0.
         const fs_i64 i_first = CAUSAL ? (k0 / TILE_Q) * TILE_Q : 0;
         const fs_i64 per_head = q_len > i_first ? (q_len - i_first + TILE_Q - 1) / TILE_Q : 0;
-        const int tiles = (int)(a.group * per_head);
+        const int tiles = (int)(heads * per_head);
 
         if (threadIdx.x >= CONSUMERS) {
             // 2. The loaders (the memory warpgroup): query tile
@@ -126,7 +131,7 @@ struct DkDvDqSm90Wide {
             fs_setmaxnreg_dec<PRODUCER_REGS>();
             const int p = threadIdx.x - CONSUMERS;
             const int len = (int)q_len;
-            int h = (int)(kv_h * a.group), i0 = (int)i_first;  // tile t's head and first row
+            int h = (int)(kv_h * a.group + part * heads), i0 = (int)i_first;  // tile t's head and first row
             const float* const lse_b = &a.lse.at(b, 0, 0);
             const float* const delta_b = delta_of<D, true>(a) + b * q_heads * q_len;
             int buf = 0;         // t % STAGES
@@ -193,7 +198,7 @@ struct DkDvDqSm90Wide {
         const fs_desc do_kdesc = fs_desc_at(DOT::kmajor(do_tiles), DOT::kmajor_n(wg * HALF_Q));
         const fs_desc q_mdesc = fs_desc_at(QT::mnmajor(q_tiles), QT::mnmajor_n(fk0));
         const fs_desc do_mdesc = fs_desc_at(DOT::mnmajor(do_tiles), DOT::mnmajor_n(fv0));
-        fs_i64 i0 = i_first, h = kv_h * a.group;  // tile t's first row and head
+        fs_i64 i0 = i_first, h = kv_h * a.group + part * heads;  // tile t's first row and head
         int buf = 0;                              // t % STAGES
         unsigned phase = 0;                       // (t / STAGES) & 1
         for (int t = 0; t < tiles; ++t) {
@@ -317,8 +322,10 @@ struct DkDvDqSm90Wide {
             if (++buf == STAGES) buf = 0, phase ^= 1;
         }
 
-        // Last, each key row once: dK = scale * acc, dV = acc.
-        store_dk_dv<E, D, DV>(a, dk_acc, dv_acc, b, kv_h, k0, key_row, frag_col, fk0, fv0);
+        // Last, each key row once: dK = scale * acc, dV = acc; split, the
+        // block's part of them into its f32 slot, for DkvStore to sum.
+        if constexpr (SPLIT == 1) store_dk_dv<E, D, DV>(a, dk_acc, dv_acc, b, kv_h, k0, key_row, frag_col, fk0, fv0);
+        else store_dkv_part<D, DV, SPLIT>(a, dk_acc, dv_acc, b, kv_h, part, k0, key_row, frag_col, fk0, fv0);
     }
 };
 

@@ -49,8 +49,9 @@ pub const HEAD_DIMS: &[Variant] = &[
     // 16 query heads a key/value head, two of those: the Hopper backward
     // splits each group over 4 blocks.
     (64, 64, 32, 2, true, false),
-    // 6 on 1: two blocks of 3 heads.
+    // 6 on 1: two blocks of 3 heads, in the narrow and the wide kernel.
     (32, 32, 6, 1, false, false),
+    (144, 144, 6, 1, true, false),
 ];
 
 /// A model holding one attention per variant.

@@ -16,9 +16,9 @@
 //!   (mma.sync).
 //! - Backward, atomic scheme (the default): `Delta` (which also clears an
 //!   f32 dQ sum), the dK/dV kernel adding each tile's dS K into that sum by
-//!   atomics (on sm_90a `DkDvDqSm90` up to 128 padded features, split
-//!   over blocks with `DkvStore` after it for groups of more than 4 query
-//!   heads, and `DkDvDqSm90Wide` above; else `DkDvSm80<ATOMIC>`), then
+//!   atomics (on sm_90a `DkDvDqSm90` up to 128 padded features and
+//!   `DkDvDqSm90Wide` above, both split over blocks with `DkvStore` after
+//!   them for groups of more than 4 query heads; else `DkDvSm80<ATOMIC>`), then
 //!   `DqStore`. Deterministic scheme: `Delta`, `DkDvSm80`, `DqSm80`, no
 //!   atomics.
 //!
@@ -436,8 +436,7 @@ pub fn flash_backward(
         .checked_mul(&cfg.q_len)?;
     // The Hopper dK/dV/dQ kernel's blocks a key tile (grouped queries at
     // high ratios).
-    let split = if !deterministic && arch == FlashArch::Sm90a && templates::dkdvdq_sm90_fits(d, dv)
-    {
+    let split = if !deterministic && arch == FlashArch::Sm90a {
         templates::dkdvdq_split(cfg.group)
     } else {
         1
@@ -522,7 +521,7 @@ pub fn flash_backward(
                 )
             })
         } else {
-            let (inst, q_half, do_half) = templates::dkdvdq_sm90_wide(dt, d, dv, causal);
+            let (inst, q_half, do_half) = templates::dkdvdq_sm90_wide(dt, d, dv, causal, split);
             hopper_maps(q_half, do_half).map(|maps| {
                 (
                     inst,

@@ -172,7 +172,7 @@ pub(crate) fn dkv_store(dt: DType, d: u64, dv: u64, split: u64) -> Instance {
     row_kernel(format!("fs_attn::DkvStore<{}, {split}>", args(dt, d, dv)))
 }
 
-/// How many blocks share a key tile of the Hopper dK/dV/dQ kernel at a
+/// How many blocks share a key tile of the Hopper dK/dV/dQ kernels at a
 /// group ratio: one up to 4 query heads a key/value head; above, the fewest
 /// that divide the group into blocks of at most 4 heads (16 on 1: 4 blocks
 /// of 4, 6 on 1: 2 of 3, 5 on 1: 5 of 1), for more blocks where grouped
@@ -310,7 +310,13 @@ pub(crate) fn dkdvdq_sm90(dt: DType, d: u64, dv: u64, causal: bool, split: u64) 
 /// each warpgroup; its head dims padded to a
 /// multiple of 32 (each warpgroup takes half the features), and the padded
 /// widths whose halves its query and dO tiles' swizzle divides.
-pub(crate) fn dkdvdq_sm90_wide(dt: DType, d: u64, dv: u64, causal: bool) -> (Instance, u64, u64) {
+pub(crate) fn dkdvdq_sm90_wide(
+    dt: DType,
+    d: u64,
+    dv: u64,
+    causal: bool,
+    split: u64,
+) -> (Instance, u64, u64) {
     let (dp, dvp) = (round_up(d, 32), round_up(dv, 32));
     // dQ's chunk (a power of two dividing half of dp, at most 64) and the
     // features of it staged at a time, at most 32.
@@ -340,7 +346,14 @@ pub(crate) fn dkdvdq_sm90_wide(dt: DType, d: u64, dv: u64, causal: bool) -> (Ins
     let smem = smem_with(stages);
     let inst = Instance {
         header: "attention/backward_sm90_wide.cuh",
-        ty: format!("fs_attn::DkDvDqSm90Wide<{}, {causal}>", args(dt, d, dv)),
+        ty: if split > 1 {
+            format!(
+                "fs_attn::DkDvDqSm90Wide<{}, {causal}, {split}>",
+                args(dt, d, dv)
+            )
+        } else {
+            format!("fs_attn::DkDvDqSm90Wide<{}, {causal}>", args(dt, d, dv))
+        },
         threads: 384,
         bounds: "384, 1".into(),
         tile: 64,
