@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod flash;
+pub mod flash_bwd;
 pub mod host;
 mod nvrtc_ready;
 mod tiny;

@@ -1,0 +1,81 @@
+//! The attention backward's host runs, shared by `flash_bwd_host.rs` and
+//! `flash_bwd_mutations.rs`: the kernel sets of a model, and one set's run
+//! compared with the interpreter.
+
+use super::flash::{build, run_set, Built, Which};
+use fusec_compiler::emit::flash::FlashArch;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// The kernel set the snapshots hold (and the mutation tests break): fused
+/// projection, 4 query heads on 1, D = 64, causal (and a non-causal twin).
+pub const SNAPSHOT_MODEL: &str = "
+const d = 16
+dim B, T
+input x: f32[B, T, d]
+param w: [d, 384] = normal(0.3)
+let q, k, v = split(x @ w, [256, 64, 64])
+let y = merge_heads(attention(heads(q, 4), heads(k, 1), heads(v, 1), causal = true))
+train {
+    loss = mean(y * y)
+    precision = bf16
+}
+";
+
+/// Both schemes on mma.sync; the atomic one alone (whose dK/dV/dQ kernel
+/// is Hopper's own where it fits) on Hopper.
+pub fn backward(src: &str, precision: &str, arch: FlashArch) -> Built {
+    let which = match arch {
+        FlashArch::Sm80 => Which::Backward {
+            atomic: true,
+            deterministic: true,
+        },
+        FlashArch::Sm90a => Which::Backward {
+            atomic: true,
+            deterministic: false,
+        },
+    };
+    build(src, precision, arch, which)
+}
+
+/// Runs set `f` and compares dQ, dK, dV with the interpreter's: the largest
+/// error of each relative to its max |ref|, or where they differ.
+pub fn run_and_compare(
+    exe: &Path,
+    dir: &Path,
+    b: &Built,
+    f: usize,
+    bufs: &[fusec_compiler::interp::tensor::Tensor],
+    dims: &HashMap<String, i64>,
+) -> Result<[f64; 3], String> {
+    let k = &b.program.kernels[b.sets[f].kernel];
+    let written = run_set(exe, dir, b, f, bufs, dims)?;
+    let mut outs = Vec::new();
+    for (slot, got) in written.into_iter().enumerate() {
+        let want = &bufs[k.outputs[slot]].data;
+        assert_eq!(got.len(), want.len());
+        let max = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        outs.push((got, want, max));
+    }
+    // With one visible key per query (S = 1), dQ and dK are exactly zero
+    // (P = 1, dP = delta): their errors are then measured against max |dV|.
+    let largest = outs.iter().fold(0.0f64, |m, o| m.max(o.2));
+    if largest == 0.0 {
+        return Err("every reference output is all zero: the case tests nothing".into());
+    }
+    let mut errs = [0.0f64; 3];
+    for (slot, (got, want, max)) in outs.iter().enumerate() {
+        let name = ["dQ", "dK", "dV"][slot];
+        let max = if *max > 0.0 { *max } else { largest };
+        for (i, (x, y)) in want.iter().zip(got).enumerate() {
+            let err = (x - y).abs() / max;
+            if err.is_nan() || err > 3e-2 {
+                return Err(format!(
+                    "{name} element {i}: reference {x}, kernel {y} (max |{name}| {max})"
+                ));
+            }
+            errs[slot] = errs[slot].max(err);
+        }
+    }
+    Ok(errs)
+}
