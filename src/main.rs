@@ -34,6 +34,9 @@ enum Command {
     Bench(cli::train::BenchArgs),
     /// Time the attention kernels alone over head dims and lengths (JSON lines)
     BenchAttention(cli::train::BenchAttentionArgs),
+    /// Write the model as a standalone PyTorch module (its twin), with the
+    /// training step of its `train` section
+    ExportTorch(cli::export::ExportArgs),
 }
 
 fn main() -> ExitCode {
@@ -44,6 +47,7 @@ fn main() -> ExitCode {
         Command::Train(a) => cli::train::train(&a),
         Command::Bench(a) => cli::train::bench(&a),
         Command::BenchAttention(a) => cli::train::bench_attention(&a),
+        Command::ExportTorch(a) => cli::export::run(&a),
         Command::Passes => {
             let passes = fusec_compiler::passes::forward_pipeline()
                 .into_iter()

@@ -108,6 +108,16 @@ fn check_overrides(ast: &Module, opts: &Options) -> Result<(), Failure> {
     Ok(())
 }
 
+/// The model as elaboration made it, before any pass: what the file says, op
+/// for op (`fusec export-torch` writes its twin from this).
+pub fn elaborate_only(source: &str, model_name: &str, opts: &Options) -> Result<Model, Failure> {
+    let ast = dsl::parse(source).map_err(Failure::Model)?;
+    check_overrides(&ast, opts)?;
+    let model = elaborate::elaborate(&ast, model_name, opts).map_err(Failure::Model)?;
+    check_verified(&model.graph, "elaboration")?;
+    Ok(model)
+}
+
 pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compiled, Failure> {
     let ast = dsl::parse(source).map_err(Failure::Model)?;
     check_overrides(&ast, opts)?;

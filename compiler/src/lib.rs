@@ -5,6 +5,7 @@ pub mod driver;
 pub mod dsl;
 pub mod elaborate;
 pub mod emit;
+pub mod export;
 pub mod gradcheck;
 pub mod interp;
 pub mod ir;

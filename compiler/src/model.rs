@@ -80,6 +80,8 @@ pub struct Model {
     pub train: TrainConfig,
     /// Top-level constants with their final values (after `--set`), in file order.
     pub consts: Vec<(String, String)>,
+    /// Block calls, `repeat`s and `let` names, for writing the model back out.
+    pub structure: crate::elaborate::structure::Structure,
 }
 
 impl Model {

@@ -4,6 +4,7 @@
 pub mod build;
 pub mod check;
 mod common;
+pub mod export;
 pub mod train;
 
 /// A failure to report: the rendered message and the exit status.

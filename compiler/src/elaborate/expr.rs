@@ -362,6 +362,7 @@ impl<'m> Elab<'m> {
             .with_help("write `repeat N block(x)`"));
         }
         let base = self.instance_name(&func.name);
+        let first = self.graph.g.node_count();
         let mut pos = a.pos;
         for i in 0..n {
             let out = self.call_block(func, pos.clone(), format!("{base}.{i}"), span)?;
@@ -397,6 +398,14 @@ impl<'m> Elab<'m> {
             }
             pos[0].0 = out;
         }
+        let path = format!("{}{base}", self.frame().prefix);
+        self.structure.repeats.push(super::structure::RepeatRecord {
+            block: func.name.clone(),
+            path,
+            count: n as usize,
+            first,
+            end: self.graph.g.node_count(),
+        });
         Ok(pos.swap_remove(0).0)
     }
 

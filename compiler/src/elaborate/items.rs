@@ -90,7 +90,9 @@ impl<'m> Elab<'m> {
             } => self.param(name, dtype.as_ref(), dims, init, *span),
             Item::Let { names, value, span } => {
                 let val = self.eval(value)?;
+                let scope = self.frame().prefix.trim_end_matches('.').to_string();
                 if names.len() == 1 {
+                    self.structure.name(&scope, &val, &names[0].name);
                     return self.bind(&names[0], val, Kind::Let);
                 }
                 let items = match val {
@@ -109,6 +111,7 @@ impl<'m> Elab<'m> {
                     }
                 };
                 for (n, (v, _)) in names.iter().zip(items) {
+                    self.structure.name(&scope, &v, &n.name);
                     self.bind(n, v, Kind::Let)?;
                 }
                 Ok(())

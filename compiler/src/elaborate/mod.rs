@@ -7,6 +7,7 @@ mod args;
 pub mod builtins;
 mod expr;
 mod items;
+pub mod structure;
 mod train;
 pub mod values;
 
@@ -83,6 +84,7 @@ pub(crate) struct Elab<'m> {
     calls: Vec<String>,
     /// Expressions being evaluated, counted across block calls.
     depth: usize,
+    pub(crate) structure: structure::Structure,
 }
 
 pub fn elaborate(module: &Module, name: &str, opts: &Options) -> Result<Model, Errors> {
@@ -104,6 +106,7 @@ pub fn elaborate(module: &Module, name: &str, opts: &Options) -> Result<Model, E
         consts_out: Vec::new(),
         calls: Vec::new(),
         depth: 0,
+        structure: structure::Structure::default(),
     };
     e.run(module).map_err(Errors::from)
 }
@@ -180,6 +183,7 @@ impl<'m> Elab<'m> {
             graph: std::mem::replace(&mut self.graph, Graph::new("")),
             train: config,
             consts: std::mem::take(&mut self.consts_out),
+            structure: std::mem::take(&mut self.structure),
         })
     }
 
@@ -374,9 +378,16 @@ impl<'m> Elab<'m> {
             ));
         }
         let prefix = format!("{}{}.", self.frame().prefix, instance);
+        let first = self.graph.g.node_count();
+        let record_args: Vec<(String, Val)> = b
+            .params
+            .iter()
+            .zip(&args)
+            .map(|(p, (v, _))| (p.name.clone(), v.clone()))
+            .collect();
         self.frames.push(Frame {
             vars: HashMap::new(),
-            prefix,
+            prefix: prefix.clone(),
             block: Some(func.name.clone()),
         });
         self.calls.push(func.name.clone());
@@ -391,6 +402,16 @@ impl<'m> Elab<'m> {
         })();
         self.calls.pop();
         self.frames.pop();
+        if let Ok(val) = &result {
+            self.structure.calls.push(structure::CallRecord {
+                block: func.name.clone(),
+                path: prefix.trim_end_matches('.').to_string(),
+                args: record_args,
+                result: val.clone(),
+                first,
+                end: self.graph.g.node_count(),
+            });
+        }
         result.map_err(|d| {
             // The innermost calls explain the error; past a few, the notes are noise.
             if d.secondary.len() >= MAX_CALL_NOTES {

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Checks a PyTorch twin (`fusec export-torch`) against fusec's CPU reference.
+
+    python3 tools/twin_check.py twin.py case.json
+
+case.json holds what the reference interpreter computed in f64 at tiny sizes:
+the inputs, the parameters, the loss and every parameter's gradient (as the
+step graph gives it, already scaled by 1/micro_batches). The twin runs the
+same loss in float64 on the CPU; each gradient must agree to `--rtol`
+relative to the largest entry of the reference gradient, the loss to `--rtol`
+relative. Prints one line per model; exits 1 on a mismatch.
+"""
+
+import argparse
+import importlib.util
+import json
+import sys
+
+import torch
+
+
+def load_twin(path):
+    spec = importlib.util.spec_from_file_location("twin", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("twin")
+    ap.add_argument("case")
+    ap.add_argument("--rtol", type=float, default=1e-9)
+    args = ap.parse_args()
+    twin = load_twin(args.twin)
+    with open(args.case) as f:
+        case = json.load(f)
+    model = twin.MODEL().double()
+    state = model.state_dict()
+    missing = [n for n in state if n not in case["params"]]
+    extra = [n for n in case["params"] if n not in state]
+    if missing or extra:
+        print(f"FAIL {args.twin}: parameter names differ: twin only {missing}, fusec only {extra}")
+        return 1
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            t = case["params"][name]
+            p.copy_(torch.tensor(t["data"], dtype=torch.float64).reshape(t["shape"]))
+    inputs = {}
+    for name, t in case["inputs"].items():
+        dtype = torch.int32 if t["dtype"] == "i32" else torch.float64
+        inputs[name] = torch.tensor(t["data"], dtype=dtype).reshape(t["shape"])
+    loss = model(**inputs)
+    (loss * case["grad_scale"]).backward()
+    worst = abs(loss.item() - case["loss"]) / max(abs(case["loss"]), 1e-300)
+    where = "loss"
+    failures = []
+    if worst > args.rtol:
+        failures.append(f"loss: twin {loss.item()!r}, fusec {case['loss']!r}")
+    for name, p in model.named_parameters():
+        ref = case["grads"][name]
+        want = torch.tensor(ref["data"], dtype=torch.float64).reshape(ref["shape"])
+        got = p.grad if p.grad is not None else torch.zeros_like(want)
+        scale = want.abs().max().item()
+        err = (got - want).abs().max().item() / max(scale, 1e-300)
+        if err > worst:
+            worst, where = err, name
+        if not err <= args.rtol:
+            failures.append(f"grad {name}: max error {err:.3e} relative to its largest entry")
+    status = "FAIL" if failures else "ok"
+    print(f"{status} {case['model']}: loss {loss.item():.12g}, worst relative error {worst:.2e} ({where})")
+    for f in failures[:10]:
+        print("   ", f)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
