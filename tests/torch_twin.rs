@@ -2,7 +2,9 @@
 //! snapshots, and where PyTorch can be imported (not in CI: its wheel needs
 //! gigabytes of CUDA libraries) each twin, run in float64 on the CPU, gives
 //! the reference interpreter's loss and every parameter gradient within
-//! 1e-9 relative (each gradient to its largest entry), at tiny sizes.
+//! 1e-9 relative (each gradient to its largest entry), at tiny sizes, and
+//! two steps of its `train_step` (optimizer, weight-decay groups, clipping,
+//! micro-batches) the training graph's losses, norms and updates likewise.
 
 mod common;
 
@@ -10,9 +12,12 @@ use fusec_compiler::driver::elaborate_only;
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::export::torch::twin;
 use fusec_compiler::interp::random::random_feeds;
+use fusec_compiler::interp::step::train_step;
+use fusec_compiler::interp::tensor::Tensor;
 use fusec_compiler::interp::{run, Precision};
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::DType;
+use fusec_compiler::ops::Op;
 use serde_json::{json, Value as Json};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -95,7 +100,47 @@ fn reference_case(file: &str, sets: &[(String, String)], dims: &[(&str, i64)]) -
             json!({"shape": t.shape, "dtype": ty.dtype.name(), "data": data}),
         );
     }
+    // Two optimizer steps of the whole training graph (every micro-batch
+    // on the same batch), for the twin's `train_step` to repeat.
+    let mut train = feeds.clone();
+    for n in c.training.g.node_indices() {
+        if let Op::State(st) = &c.training.g[n].op {
+            let shape: Vec<usize> = st
+                .ty
+                .shape
+                .iter()
+                .map(|d| d.as_const().unwrap() as usize)
+                .collect();
+            train.state.insert(st.name.clone(), Tensor::zeros(&shape));
+        }
+    }
+    let lr = c.model.train.optimizer.lr();
+    let micro = c.model.train.micro_batches;
+    let mut steps = Vec::new();
+    for step in 1..=2u64 {
+        let mut losses = 0.0;
+        let mut norm = None;
+        for m in 0..micro {
+            let apply = if m + 1 == micro { 1.0 } else { 0.0 };
+            train.inputs.insert(
+                fusec_compiler::autodiff::APPLY_INPUT.into(),
+                Tensor::scalar(apply),
+            );
+            let r = train_step(&c.training, &mut train, lr, step, Precision::F64).expect("steps");
+            losses += r.loss;
+            norm = r.grad_norm;
+        }
+        steps.push(json!({"loss": losses / micro as f64, "grad_norm": norm}));
+    }
+    let mut after = serde_json::Map::new();
+    for p in &backward.params {
+        let t = &train.params[&p.name];
+        after.insert(p.name.clone(), json!({"shape": t.shape, "data": t.data}));
+    }
     json!({
+        "lr": lr,
+        "steps": steps,
+        "params_after": after,
         "model": file,
         "loss": loss,
         "grad_scale": 1.0 / c.model.train.micro_batches as f64,

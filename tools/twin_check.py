@@ -26,6 +26,52 @@ def load_twin(path):
     return mod
 
 
+def tensor(t):
+    return torch.tensor(t["data"], dtype=torch.float64).reshape(t["shape"])
+
+
+def check_steps(twin, case, rtol):
+    """Two optimizer steps of the twin's `train_step` in float64 from the same
+    weights: the losses, gradient norms and the change of every parameter
+    against fusec's training graph run by the reference interpreter."""
+    model = twin.MODEL().double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(tensor(case["params"][name]))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    inputs = {}
+    for name, t in case["inputs"].items():
+        dtype = torch.int32 if t["dtype"] == "i32" else torch.float64
+        inputs[name] = torch.tensor(t["data"], dtype=dtype).reshape(t["shape"])
+    opt = twin.make_optimizer(model, case["lr"])
+    failures, worst, where = [], 0.0, "-"
+    for i, want in enumerate(case["steps"]):
+        loss, norm = twin.train_step(model, opt, [inputs] * twin.MICRO_BATCHES, lr=case["lr"], precision="fp64")
+        checks = [("loss", loss, want["loss"])]
+        if want["grad_norm"] is not None:
+            checks.append(("grad norm", norm, want["grad_norm"]))
+        for what, got, ref in checks:
+            err = abs(got - ref) / max(abs(ref), 1e-300)
+            if err > worst:
+                worst, where = err, f"step {i + 1} {what}"
+            if not err <= rtol:
+                failures.append(f"step {i + 1} {what}: twin {got!r}, fusec {ref!r}")
+    for name, p in model.named_parameters():
+        want = tensor(case["params_after"][name]) - before[name]
+        got = p.detach() - before[name]
+        scale = want.abs().max().item()
+        err = (got - want).abs().max().item() / max(scale, 1e-300)
+        if scale == 0.0:
+            err = got.abs().max().item()
+        if err > worst:
+            worst, where = err, f"update of {name}"
+        if not err <= rtol:
+            failures.append(f"update of {name}: max error {err:.3e} relative to its largest change")
+    status = "FAIL" if failures else "ok"
+    print(f"{status} {case['model']}: 2 training steps, worst relative error {worst:.2e} ({where})")
+    return failures
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("twin")
@@ -69,7 +115,9 @@ def main():
             failures.append(f"grad {name}: max error {err:.3e} relative to its largest entry")
     status = "FAIL" if failures else "ok"
     print(f"{status} {case['model']}: loss {loss.item():.12g}, worst relative error {worst:.2e} ({where})")
-    for f in failures[:10]:
+    if "steps" in case:
+        failures += check_steps(twin, case, args.rtol)
+    for f in failures[:20]:
         print("   ", f)
     return 1 if failures else 0
 
