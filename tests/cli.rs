@@ -419,3 +419,60 @@ fn bench_attention_rejects_bad_sizes_before_looking_for_a_gpu() {
         assert!(out.contains(flag), "{flag} missing from:\n{out}");
     }
 }
+
+#[test]
+fn export_torch_writes_a_twin_and_explains_what_it_cannot_write() {
+    let dir = std::env::temp_dir().join(format!("fusec-export-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("gpt2.py");
+    let (code, stdout, err) = fusec(&[
+        "export-torch",
+        "dsl-examples/gpt2-small.dsl",
+        "--set",
+        "layers=2",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        stdout.contains("wrote ") && stdout.contains("smoke run"),
+        "{stdout}"
+    );
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(text.contains("class Gpt2Small(nn.Module):"), "{text}");
+    assert!(
+        text.contains("self.h = nn.ModuleList([H() for _ in range(2)])"),
+        "{text}"
+    );
+    assert!(text.contains("PRECISION = \"bf16\""), "{text}");
+    // `-o -` writes to standard output.
+    let (code, stdout, err) = fusec(&["export-torch", "dsl-examples/mlp.dsl", "-o", "-"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.contains("class Mlp(nn.Module):"), "{stdout}");
+
+    // A parameter PyTorch cannot hold under its name: an error at the parameter.
+    let model = dir.join("clash.dsl");
+    std::fs::write(
+        &model,
+        "dim B\ninput x: f32[B, 4]\nparam to: [4, 4] = normal(0.1)\ntrain { loss = mean(x @ to) }\n",
+    )
+    .unwrap();
+    let (code, _, err) = fusec(&["export-torch", model.to_str().unwrap(), "-o", "-"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("error: no PyTorch twin: `to` cannot be a PyTorch attribute"),
+        "{err}"
+    );
+    assert!(err.contains("clash.dsl:3:"), "{err}");
+    assert!(err.contains("rename `to`"), "{err}");
+    // A model fusec rejects gets fusec's own error.
+    std::fs::write(
+        &model,
+        "dim B\ninput x: f32[B, 4]\ntrain { loss = mean(x @ x) }\n",
+    )
+    .unwrap();
+    let (code, _, err) = fusec(&["export-torch", model.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("error:"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -303,3 +303,43 @@ fn token_data_needs_targets_shaped_as_tokens() {
         "{err}"
     );
 }
+
+#[test]
+fn init_from_starts_from_saved_weights_and_names_a_missing_one() {
+    let (init, a, b) = (tmp("init.safetensors"), tmp("a.jsonl"), tmp("b.jsonl"));
+    // A run that saves its initial weights, then a run with another seed
+    // that starts from them: the same first loss, to the bit.
+    let (code, _, err) = run(&[
+        "--steps",
+        "1",
+        "--save-init",
+        init.to_str().unwrap(),
+        "--log",
+        a.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = run(&[
+        "--steps",
+        "1",
+        "--seed",
+        "99",
+        "--init-from",
+        init.to_str().unwrap(),
+        "--log",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("weights from"), "{err}");
+    assert_eq!(losses(&a), losses(&b));
+    // Weights of another model: exit 3, naming the tensor.
+    let (code, _, err) = run(&[
+        "--steps",
+        "1",
+        "--set",
+        "layers=2",
+        "--init-from",
+        init.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("has no tensor `h.1."), "{err}");
+}

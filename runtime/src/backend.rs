@@ -157,6 +157,26 @@ pub fn needed(b: &dyn Backend) -> Vec<(String, Vec<usize>)> {
         .collect()
 }
 
+/// The parameters alone, by name with their shapes (what `--init-from` needs).
+pub fn needed_params(b: &dyn Backend) -> Vec<(String, Vec<usize>)> {
+    let g = b.graph();
+    g.params
+        .iter()
+        .filter_map(|p| b.shapes().get(&p.name).map(|s| (p.name.clone(), s.clone())))
+        .collect()
+}
+
+/// Writes the parameters of a weights file (checked against `needed_params`);
+/// the optimizer state stays as a fresh run has it.
+pub fn restore_params(b: &mut dyn Backend, ck: &Checkpoint) -> Result<(), RuntimeError> {
+    for (name, _) in needed_params(b) {
+        let t = ck.get(&name).expect("checked against the run");
+        let v: Vec<f64> = t.data.iter().map(|&x| x as f64).collect();
+        b.set(&name, &v)?;
+    }
+    Ok(())
+}
+
 /// Writes a checkpoint's tensors back (checked with `checkpoint::check_against` first).
 pub fn restore(b: &mut dyn Backend, ck: &Checkpoint) -> Result<(), RuntimeError> {
     for (name, _) in needed(b) {

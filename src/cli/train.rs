@@ -55,8 +55,13 @@ pub struct TrainArgs {
     pub save_init: Option<PathBuf>,
     /// Continue from a checkpoint: weights, optimizer state, step count and
     /// data position, as if the run had not stopped
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "init_from")]
     pub resume: Option<PathBuf>,
+    /// Start from these weights (a `--save-init` file, a checkpoint, or what
+    /// a PyTorch twin's `save_fusec` wrote): the parameters only, with fresh
+    /// optimizer state, from step 1
+    #[arg(long, value_name = "FILE")]
+    pub init_from: Option<PathBuf>,
     /// Bit-for-bit repeatable runs: the attention backward recomputes its
     /// tiles for dQ instead of summing dQ with atomics (slower). Every other
     /// kernel is deterministic anyway (no atomics; each GEMM keeps the
@@ -272,6 +277,18 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         first = ck.step + 1;
         eprintln!("resuming {} after step {}", path.display(), ck.step);
         resumed = Some(ck);
+    }
+    if let Some(path) = &args.init_from {
+        let ck = checkpoint::load(path).map_err(|e| CliError {
+            message: format!("error: {e}"),
+            code: 3,
+        })?;
+        checkpoint::check_against(&ck, path, &backend::needed_params(b)).map_err(|e| CliError {
+            message: format!("error: {e}"),
+            code: 3,
+        })?;
+        backend::restore_params(b, &ck).map_err(runtime_err)?;
+        eprintln!("weights from {}", path.display());
     }
     if let Some(path) = &args.save_init {
         save(b, path, 0, &Default::default())?;

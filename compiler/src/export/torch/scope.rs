@@ -544,8 +544,8 @@ impl Body {
                     .strip_prefix(&format!("{}.", self.path))
                     .unwrap_or(&p.name)
                     .to_string();
-                attr_ok(&local, &p.name)?;
                 let info = g.params.iter().find(|i| i.name == p.name);
+                attr_ok(&local, &p.name).map_err(|e| e.with_span(info.map(|i| i.span)))?;
                 let shape: Vec<String> = p.ty.shape.iter().map(|d| d.to_string()).collect();
                 let shape = if shape.is_empty() {
                     "()".to_string()
