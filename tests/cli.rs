@@ -476,3 +476,33 @@ fn export_torch_writes_a_twin_and_explains_what_it_cannot_write() {
     assert!(err.contains("error:"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn export_torch_names_what_python_cannot_hold() {
+    let dir = std::env::temp_dir().join(format!("fusec-export-names-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("names.dsl");
+    let cases = [
+        // An input is a keyword argument of `forward`: it keeps its name.
+        (
+            "dim B\ninput F: f32[B, 4]\nparam w: [4, 4] = normal(0.1)\ntrain { loss = mean(F @ w) }\n",
+            "the input `F` cannot keep its name in Python",
+            "names.dsl:2:",
+        ),
+        // A parameter and a block instance of one name in one module.
+        (
+            "dim B\ninput x: f32[B, 4]\nblock mlp(x) {\n param w: [4, 4] = normal(0.1)\n return x @ w\n}\n\
+             param mlp: [4] = zeros\ntrain { loss = mean(mlp(x) + mlp) }\n",
+            "`mlp` is both a parameter and a block instance",
+            "= rename the parameter `mlp`",
+        ),
+    ];
+    for (src, message, place) in cases {
+        std::fs::write(&model, src).unwrap();
+        let (code, _, err) = fusec(&["export-torch", model.to_str().unwrap(), "-o", "-"]);
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains(message), "{err}");
+        assert!(err.contains(place), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

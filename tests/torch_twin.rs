@@ -54,6 +54,7 @@ const TWIN_MODELS: &[(&str, &[(&str, i64)])] = &[
     ("blocks.dsl", &[("B", 2), ("T", 3)]),
     ("slicing.dsl", &[("B", 2), ("T", 4)]),
     ("wide-mlp.dsl", &[("B", 3)]),
+    ("repeat-shared.dsl", &[("B", 3)]),
 ];
 
 fn export(file: &str, sets: &[(String, String)]) -> String {

@@ -111,18 +111,20 @@ fn check_overrides(ast: &Module, opts: &Options) -> Result<(), Failure> {
 /// The model as elaboration made it, before any pass: what the file says, op
 /// for op (`fusec export-torch` writes its twin from this).
 pub fn elaborate_only(source: &str, model_name: &str, opts: &Options) -> Result<Model, Failure> {
+    Ok(front(source, model_name, opts)?.1)
+}
+
+/// Parse, check `--set` and elaborate: the syntax tree and the verified model.
+fn front(source: &str, model_name: &str, opts: &Options) -> Result<(Module, Model), Failure> {
     let ast = dsl::parse(source).map_err(Failure::Model)?;
     check_overrides(&ast, opts)?;
     let model = elaborate::elaborate(&ast, model_name, opts).map_err(Failure::Model)?;
     check_verified(&model.graph, "elaboration")?;
-    Ok(model)
+    Ok((ast, model))
 }
 
 pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compiled, Failure> {
-    let ast = dsl::parse(source).map_err(Failure::Model)?;
-    check_overrides(&ast, opts)?;
-    let mut model = elaborate::elaborate(&ast, model_name, opts).map_err(Failure::Model)?;
-    check_verified(&model.graph, "elaboration")?;
+    let (ast, mut model) = front(source, model_name, opts)?;
     let internal = |e: crate::passes::PassError| {
         Failure::Model(
             crate::diag::Diagnostic::new(e.to_string(), crate::dsl::ast::Span::default(), "")

@@ -28,8 +28,11 @@ impl Optimizer {
     }
 }
 
-impl std::fmt::Display for Optimizer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl Optimizer {
+    /// The optimizer's name and its settings as `key=value` words with
+    /// round-tripping numbers (`betas=(0.9, 0.95)`): what `fusec check`
+    /// prints and what the PyTorch twin passes to `torch.optim`.
+    pub fn settings(&self) -> (&'static str, Vec<String>) {
         match self {
             Optimizer::AdamW {
                 lr,
@@ -37,27 +40,35 @@ impl std::fmt::Display for Optimizer {
                 beta2,
                 eps,
                 weight_decay,
-            } => write!(
-                f,
-                "adamw(lr={}, betas=({}, {}), eps={}, weight_decay={})",
-                num(*lr),
-                num(*beta1),
-                num(*beta2),
-                num(*eps),
-                num(*weight_decay)
+            } => (
+                "adamw",
+                vec![
+                    format!("lr={}", num(*lr)),
+                    format!("betas=({}, {})", num(*beta1), num(*beta2)),
+                    format!("eps={}", num(*eps)),
+                    format!("weight_decay={}", num(*weight_decay)),
+                ],
             ),
             Optimizer::Sgd {
                 lr,
                 momentum,
                 weight_decay,
-            } => write!(
-                f,
-                "sgd(lr={}, momentum={}, weight_decay={})",
-                num(*lr),
-                num(*momentum),
-                num(*weight_decay)
+            } => (
+                "sgd",
+                vec![
+                    format!("lr={}", num(*lr)),
+                    format!("momentum={}", num(*momentum)),
+                    format!("weight_decay={}", num(*weight_decay)),
+                ],
             ),
         }
+    }
+}
+
+impl std::fmt::Display for Optimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (name, settings) = self.settings();
+        write!(f, "{name}({})", settings.join(", "))
     }
 }
 

@@ -169,17 +169,22 @@ pub fn needed_params(b: &dyn Backend) -> Vec<(String, Vec<usize>)> {
 /// Writes the parameters of a weights file (checked against `needed_params`);
 /// the optimizer state stays as a fresh run has it.
 pub fn restore_params(b: &mut dyn Backend, ck: &Checkpoint) -> Result<(), RuntimeError> {
-    for (name, _) in needed_params(b) {
-        let t = ck.get(&name).expect("checked against the run");
-        let v: Vec<f64> = t.data.iter().map(|&x| x as f64).collect();
-        b.set(&name, &v)?;
-    }
-    Ok(())
+    let names = needed_params(b);
+    write_back(b, ck, names)
 }
 
 /// Writes a checkpoint's tensors back (checked with `checkpoint::check_against` first).
 pub fn restore(b: &mut dyn Backend, ck: &Checkpoint) -> Result<(), RuntimeError> {
-    for (name, _) in needed(b) {
+    let names = needed(b);
+    write_back(b, ck, names)
+}
+
+fn write_back(
+    b: &mut dyn Backend,
+    ck: &Checkpoint,
+    names: Vec<(String, Vec<usize>)>,
+) -> Result<(), RuntimeError> {
+    for (name, _) in names {
         let t = ck.get(&name).expect("checked against the run");
         let v: Vec<f64> = t.data.iter().map(|&x| x as f64).collect();
         b.set(&name, &v)?;

@@ -265,28 +265,14 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     let mut first = 1;
     let mut resumed = None;
     if let Some(path) = &args.resume {
-        let ck = checkpoint::load(path).map_err(|e| CliError {
-            message: format!("error: {e}"),
-            code: 3,
-        })?;
-        checkpoint::check_against(&ck, path, &backend::needed(b)).map_err(|e| CliError {
-            message: format!("error: {e}"),
-            code: 3,
-        })?;
+        let ck = load_checked(path, &backend::needed(b))?;
         backend::restore(b, &ck).map_err(runtime_err)?;
         first = ck.step + 1;
         eprintln!("resuming {} after step {}", path.display(), ck.step);
         resumed = Some(ck);
     }
     if let Some(path) = &args.init_from {
-        let ck = checkpoint::load(path).map_err(|e| CliError {
-            message: format!("error: {e}"),
-            code: 3,
-        })?;
-        checkpoint::check_against(&ck, path, &backend::needed_params(b)).map_err(|e| CliError {
-            message: format!("error: {e}"),
-            code: 3,
-        })?;
+        let ck = load_checked(path, &backend::needed_params(b))?;
         backend::restore_params(b, &ck).map_err(runtime_err)?;
         eprintln!("weights from {}", path.display());
     }
@@ -656,4 +642,19 @@ fn datasheet_peak(name: &str) -> Option<f64> {
     } else {
         None
     }
+}
+
+/// A checkpoint or weights file, checked to hold `needed` by name and shape;
+/// a problem is exit status 3 with the file and the tensor named.
+fn load_checked(
+    path: &std::path::Path,
+    needed: &[(String, Vec<usize>)],
+) -> Result<checkpoint::Checkpoint, CliError> {
+    let err = |e: checkpoint::CheckpointError| CliError {
+        message: format!("error: {e}"),
+        code: 3,
+    };
+    let ck = checkpoint::load(path).map_err(err)?;
+    checkpoint::check_against(&ck, path, needed).map_err(err)?;
+    Ok(ck)
 }

@@ -36,6 +36,15 @@ impl PyExpr {
             top: None,
         }
     }
+    /// Text that reads no local name: a literal, `self.w`.
+    pub fn bare(text: String, prec: Prec) -> PyExpr {
+        PyExpr {
+            text,
+            prec,
+            reads: vec![],
+            top: None,
+        }
+    }
     fn new(text: String, prec: Prec, parts: &[&PyExpr]) -> PyExpr {
         PyExpr {
             text,
@@ -97,10 +106,8 @@ pub fn dim(d: &Dim) -> PyExpr {
         Prec::Atom
     };
     PyExpr {
-        text,
-        prec,
         reads,
-        top: None,
+        ..PyExpr::bare(text, prec)
     }
 }
 
@@ -153,12 +160,7 @@ pub fn op_expr(node: &Node, ins: &[PyExpr], in_shapes: &[Vec<Dim>]) -> Result<Py
             } else {
                 Prec::Atom
             };
-            PyExpr {
-                text,
-                prec,
-                reads: vec![],
-                top: None,
-            }
+            PyExpr::bare(text, prec)
         }
         Op::DimValue(d) => dim(&d.dim),
         Op::Unary(u) => {

@@ -14,8 +14,9 @@ mod expr;
 mod scope;
 
 use crate::dsl::ast::Span;
+use crate::interp::random::index_bound;
 use crate::ir::{DType, Graph, Value};
-use crate::model::{Model, Optimizer};
+use crate::model::Model;
 use crate::ops::Op;
 use expr::float;
 use std::collections::HashMap;
@@ -58,7 +59,7 @@ pub fn twin(model: &Model, source_name: &str) -> Result<String, ExportError> {
         .find(|(r, _)| *r == crate::ir::Role::Loss)
         .map(|(_, v)| *v)
         .ok_or_else(|| ExportError::new("the graph has no loss", None))?;
-    gen.root(&root_class, loss)?;
+    let root_class = gen.root(&root_class, loss)?;
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -121,6 +122,11 @@ fn train_config(model: &Model, root: &str) -> String {
         "# ---- the model file's `train` section and inputs ----\n"
     );
     let _ = writeln!(s, "MODEL = {root}");
+    let _ = writeln!(
+        s,
+        "FUSEC_MODEL = \"{}\"  # the name fusec's checkpoints carry",
+        g.name
+    );
     let dims: Vec<String> = g.dims.iter().map(|d| format!("\"{d}\"")).collect();
     let _ = writeln!(s, "DIMS = [{}]", dims.join(", "));
     let _ = writeln!(
@@ -150,32 +156,8 @@ fn train_config(model: &Model, root: &str) -> String {
         );
     }
     let _ = writeln!(s, "}}");
-    let opt = match &t.optimizer {
-        Optimizer::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        } => format!(
-            "dict(kind=\"adamw\", lr={}, betas=({}, {}), eps={}, weight_decay={})",
-            float(*lr),
-            float(*beta1),
-            float(*beta2),
-            float(*eps),
-            float(*weight_decay)
-        ),
-        Optimizer::Sgd {
-            lr,
-            momentum,
-            weight_decay,
-        } => format!(
-            "dict(kind=\"sgd\", lr={}, momentum={}, weight_decay={})",
-            float(*lr),
-            float(*momentum),
-            float(*weight_decay)
-        ),
-    };
+    let (kind, settings) = t.optimizer.settings();
+    let opt = format!("dict(kind=\"{kind}\", {})", settings.join(", "));
     let _ = writeln!(s, "OPTIMIZER = {opt}");
     let _ = writeln!(
         s,
@@ -187,45 +169,16 @@ fn train_config(model: &Model, root: &str) -> String {
     s
 }
 
-/// Each input with its type and, for `i32` inputs, the smallest table or
-/// class count among the ops that read it.
+/// Each input with its type and, for `i32` inputs, the bound its readers
+/// give it (as `fusec train --data random` draws them).
 fn inputs(g: &Graph) -> Vec<(String, crate::ir::TensorType, Option<i64>)> {
     let mut out = Vec::new();
     for n in g.topo_order() {
         let Op::Input(i) = &g.g[n].op else { continue };
-        let mut high: Option<i64> = None;
-        if i.ty.dtype == DType::I32 {
-            let v = Value { node: n, port: 0 };
-            for (user, slot) in g.users(v) {
-                let ins = g.inputs(user);
-                let bound = match (&g.g[user].op, slot) {
-                    (Op::Embedding(_), 1) => g.ty(ins[0]).shape[0].as_const(),
-                    (Op::CrossEntropy(_), 1) => {
-                        g.ty(ins[0]).shape.last().and_then(|d| d.as_const())
-                    }
-                    _ => None,
-                };
-                if let Some(b) = bound {
-                    high = Some(high.map_or(b, |h| h.min(b)));
-                }
-            }
-        }
+        let high = (i.ty.dtype == DType::I32)
+            .then(|| index_bound(g, Value { node: n, port: 0 }, &HashMap::new()))
+            .flatten();
         out.push((i.name.clone(), i.ty.clone(), high));
     }
     out
-}
-
-/// Value -> the value it is a precision copy of (`cast` nodes are the
-/// compute-dtype copies of parameters and inputs; the twin leaves dtypes to
-/// autocast, so a copy is the value itself).
-pub(crate) fn cast_sources(g: &Graph) -> HashMap<Value, Value> {
-    let mut alias = HashMap::new();
-    for n in g.topo_order() {
-        if let Op::Cast(_) = g.g[n].op {
-            let src = g.inputs(n)[0];
-            let src = *alias.get(&src).unwrap_or(&src);
-            alias.insert(Value { node: n, port: 0 }, src);
-        }
-    }
-    alias
 }

@@ -3,7 +3,8 @@
 //! its calls as calls of submodules.
 
 use super::expr::{mean_cross_entropy, op_expr, Prec, PyExpr};
-use super::{cast_sources, class_name, ExportError};
+use super::{class_name, ExportError};
+use crate::dsl::ast::Span;
 use crate::elaborate::structure::Structure;
 use crate::elaborate::values::Val;
 use crate::ir::graph::Init;
@@ -90,6 +91,39 @@ const MODULE_ATTRS: &[&str] = &[
     "set_extra_state",
     "get_extra_state",
     "to_empty",
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_non_persistent_buffers_set",
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+    "_version",
+    "_apply",
+    "_call_impl",
+    "_get_name",
+    "_named_members",
+    "_save_to_state_dict",
+    "_load_from_state_dict",
+];
+
+/// Names the twin's file defines at the top level, which no class may take
+/// (a block `f` would otherwise become a class `F` over `torch.nn.functional`).
+const FILE_NAMES: &[&str] = &[
+    "F",
+    "MODEL",
+    "FUSEC_MODEL",
+    "DIMS",
+    "INPUTS",
+    "OPTIMIZER",
+    "CLIP_GRAD_NORM",
+    "PRECISION",
+    "MICRO_BATCHES",
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -118,10 +152,9 @@ pub struct Gen<'a> {
     g: &'a Graph,
     st: &'a Structure,
     alias: HashMap<Value, Value>,
-    /// Class text (with `CLASS` for its name) -> the name given.
+    /// (block and class text with `CLASS` for its name, the name given, the text).
     classes: Vec<(String, String, String)>,
     names_taken: HashSet<String>,
-    tree: Tree,
 }
 
 fn leaves(v: &Val, out: &mut Vec<Value>) {
@@ -147,12 +180,22 @@ fn err(msg: impl Into<String>) -> ExportError {
 
 impl<'a> Gen<'a> {
     pub fn new(g: &'a Graph, st: &'a Structure) -> Gen<'a> {
-        let alias = cast_sources(g);
+        Gen {
+            g,
+            st,
+            alias: cast_sources(g),
+            classes: Vec::new(),
+            names_taken: FILE_NAMES.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    /// The block calls and `repeat`s as a tree, the whole model at its root.
+    fn tree(&self) -> Tree {
         let mut items: Vec<(usize, usize, String, Item)> = Vec::new();
-        for (i, c) in st.calls.iter().enumerate() {
+        for (i, c) in self.st.calls.iter().enumerate() {
             items.push((c.first, c.end, c.path.clone(), Item::Call(i)));
         }
-        for (i, r) in st.repeats.iter().enumerate() {
+        for (i, r) in self.st.repeats.iter().enumerate() {
             items.push((r.first, r.end, r.path.clone(), Item::Repeat(i)));
         }
         // Parents before children: by start, then the shorter path.
@@ -161,7 +204,7 @@ impl<'a> Gen<'a> {
             item: None,
             path: String::new(),
             first: 0,
-            end: g.g.node_count(),
+            end: self.g.g.node_count(),
             children: Vec::new(),
         };
         for (first, end, path, item) in items {
@@ -176,14 +219,7 @@ impl<'a> Gen<'a> {
                 },
             );
         }
-        Gen {
-            g,
-            st,
-            alias,
-            classes: Vec::new(),
-            names_taken: HashSet::new(),
-            tree,
-        }
+        tree
     }
 
     fn canon(&self, v: Value) -> Value {
@@ -194,26 +230,22 @@ impl<'a> Gen<'a> {
         self.classes.iter().map(|(_, _, t)| t.clone()).collect()
     }
 
-    /// The model's class; every block class it uses is generated first.
-    pub fn root(&mut self, name: &str, loss: Value) -> Result<(), ExportError> {
-        let tree = std::mem::replace(
-            &mut self.tree,
-            Tree {
-                item: None,
-                path: String::new(),
-                first: 0,
-                end: 0,
-                children: Vec::new(),
-            },
-        );
+    /// The model's class, under the name it was given (`name`, unless a
+    /// block took it); every block class it uses is written first.
+    pub fn root(&mut self, name: &str, loss: Value) -> Result<String, ExportError> {
+        for d in &self.g.dims {
+            python_name(d, "dimension", None)?;
+        }
         let mut inputs = Vec::new();
         for n in self.g.topo_order() {
             if let Op::Input(i) = &self.g.g[n].op {
+                // Inputs are keyword arguments of `forward`, named as in the file.
+                python_name(&i.name, "input", self.g.g[n].span)?;
                 inputs.push((i.name.clone(), Value { node: n, port: 0 }));
             }
         }
         let loss = self.canon(loss);
-        let info = self.class(&tree, None, &inputs, &[loss], Some(name))?;
+        let info = self.class(&self.tree(), None, &inputs, &[loss], Some(name))?;
         if !info.dims.is_empty() {
             return Err(err(format!(
                 "no input has an axis of exactly {}, so the twin cannot read {} from its inputs",
@@ -222,8 +254,7 @@ impl<'a> Gen<'a> {
             ))
             .help("give some input an axis of that dimension alone"));
         }
-        self.tree = tree;
-        Ok(())
+        Ok(info.name)
     }
 
     /// Writes (or reuses) the class for one scope. `args` are the tensors
@@ -236,13 +267,12 @@ impl<'a> Gen<'a> {
         result: &[Value],
         fixed_name: Option<&str>,
     ) -> Result<ClassInfo, ExportError> {
-        let mut body = Body::new(self, tree, args, result)?;
+        let mut body = Body::new(self, tree, args, result);
         body.run(self, tree)?;
         let Body {
             init,
             lines,
             dims_used,
-            params,
             ..
         } = body;
         // Dimensions come from the shapes of tensor arguments where one
@@ -285,12 +315,7 @@ impl<'a> Gen<'a> {
             let _ = writeln!(text);
         }
         let mut sig: Vec<String> = vec!["self".into()];
-        let mut seen = HashSet::new();
-        for (n, _) in args {
-            if seen.insert(n.clone()) {
-                sig.push(n.clone());
-            }
-        }
+        sig.extend(args.iter().map(|(n, _)| n.clone()));
         if !extra.is_empty() {
             sig.push("*".into());
             sig.extend(extra.iter().cloned());
@@ -299,7 +324,6 @@ impl<'a> Gen<'a> {
         for l in head.iter().chain(lines.iter()) {
             let _ = writeln!(text, "{l}");
         }
-        let _ = params;
         let base = fixed_name
             .map(|s| s.to_string())
             .unwrap_or_else(|| class_name(block.unwrap_or("block"), "Block"));
@@ -350,19 +374,15 @@ struct Body {
     init: Vec<String>,
     lines: Vec<String>,
     dims_used: BTreeSet<String>,
-    params: usize,
+    /// Attributes `__init__` has set: parameters and submodules.
+    attrs: HashSet<String>,
     temps: usize,
     /// Per cross-entropy value: its logits, targets and the logits' rank.
     ce: HashMap<Value, (PyExpr, PyExpr, usize)>,
 }
 
 impl Body {
-    fn new(
-        gen: &Gen,
-        tree: &Tree,
-        args: &[(String, Value)],
-        result: &[Value],
-    ) -> Result<Body, ExportError> {
+    fn new(gen: &Gen, tree: &Tree, args: &[(String, Value)], result: &[Value]) -> Body {
         let mut own: BTreeSet<usize> = (tree.first..tree.end).collect();
         for c in &tree.children {
             for i in c.first..c.end {
@@ -381,7 +401,7 @@ impl Body {
             init: Vec::new(),
             lines: Vec::new(),
             dims_used: BTreeSet::new(),
-            params: 0,
+            attrs: HashSet::new(),
             temps: 0,
             ce: HashMap::new(),
         };
@@ -411,7 +431,23 @@ impl Body {
         for v in result {
             b.uses.entry(*v).or_default().push(usize::MAX);
         }
-        Ok(b)
+        b
+    }
+
+    /// Records an attribute `__init__` sets; a parameter and a block
+    /// instance of one name cannot both be attributes of one module.
+    fn attr(&mut self, attr: &str, full: &str, span: Option<Span>) -> Result<(), ExportError> {
+        attr_ok(attr, full).map_err(|e| e.with_span(span))?;
+        if !self.attrs.insert(attr.to_string()) {
+            return Err(err(format!(
+                "`{full}` is both a parameter and a block instance of one module"
+            ))
+            .with_span(span)
+            .help(format!(
+                "rename the parameter `{attr}` or the block it shares its name with"
+            )));
+        }
+        Ok(())
     }
 
     fn used_after(&self, v: Value, pos: usize) -> bool {
@@ -423,6 +459,11 @@ impl Body {
     /// A name for `v` at `pos`: its `let` name, unless that name holds a
     /// value still needed (then `name_2`, ...).
     fn fresh(&mut self, gen: &Gen, v: Value, pos: usize) -> String {
+        self.fresh_avoiding(gen, v, pos, &[])
+    }
+
+    /// As `fresh`, also avoiding the names `avoid` reads.
+    fn fresh_avoiding(&mut self, gen: &Gen, v: Value, pos: usize, avoid: &[PyExpr]) -> String {
         let base = match gen.st.names.get(&(self.path.clone(), v)) {
             Some(n) => local(n, &self.dims),
             None => {
@@ -437,7 +478,11 @@ impl Body {
                 None => false,
                 Some(None) => true,
                 Some(Some(u)) => *u != v && self.used_after(*u, pos),
-            } || self.pending.values().any(|e| e.reads.contains(&name));
+            } || self
+                .pending
+                .values()
+                .chain(avoid)
+                .any(|e| e.reads.contains(&name));
             if !busy {
                 break;
             }
@@ -545,7 +590,7 @@ impl Body {
                     .unwrap_or(&p.name)
                     .to_string();
                 let info = g.params.iter().find(|i| i.name == p.name);
-                attr_ok(&local, &p.name).map_err(|e| e.with_span(info.map(|i| i.span)))?;
+                self.attr(&local, &p.name, info.map(|i| i.span))?;
                 let shape: Vec<String> = p.ty.shape.iter().map(|d| d.to_string()).collect();
                 let shape = if shape.is_empty() {
                     "()".to_string()
@@ -576,16 +621,8 @@ impl Body {
                 };
                 self.init
                     .push(format!("self.{local} = nn.Parameter({init})"));
-                self.params += 1;
-                self.bound.insert(
-                    v,
-                    PyExpr {
-                        text: format!("self.{local}"),
-                        prec: Prec::Atom,
-                        reads: vec![],
-                        top: None,
-                    },
-                );
+                self.bound
+                    .insert(v, PyExpr::bare(format!("self.{local}"), Prec::Atom));
                 return Ok(());
             }
             _ => {}
@@ -637,7 +674,7 @@ impl Body {
 
     fn child(&mut self, gen: &mut Gen, c: &Tree) -> Result<(), ExportError> {
         let attr = c.path.rsplit('.').next().unwrap_or(&c.path).to_string();
-        attr_ok(&attr, &c.path)?;
+        self.attr(&attr, &c.path, None)?;
         match c.item {
             Some(Item::Call(i)) => {
                 let rec = gen.st.calls[i].clone();
@@ -645,12 +682,8 @@ impl Body {
                 let info = gen.class(c, Some(&rec.block), &args, &result, None)?;
                 self.init.push(format!("self.{attr} = {}()", info.name));
                 let mut texts = Vec::new();
-                let mut seen = HashSet::new();
-                for (n, v) in &args {
-                    if seen.insert(n.clone()) {
-                        let e = self.take(gen, *v)?;
-                        texts.push(e);
-                    }
+                for (_, v) in &args {
+                    texts.push(self.take(gen, *v)?);
                 }
                 let call = self.call_text(&format!("self.{attr}"), &texts, &info.dims);
                 self.bind_results(gen, c, call, &result)
@@ -668,14 +701,14 @@ impl Body {
                 self.dims_used.insert(d.clone());
             }
         }
-        let mut e = PyExpr {
-            text: format!("{f}({})", parts.join(", ")),
-            prec: Prec::Atom,
-            reads: args.iter().flat_map(|a| a.reads.clone()).collect(),
-            top: None,
-        };
-        e.reads.extend(dims.iter().cloned());
-        e
+        PyExpr {
+            reads: args
+                .iter()
+                .flat_map(|a| a.reads.iter().cloned())
+                .chain(dims.iter().cloned())
+                .collect(),
+            ..PyExpr::bare(format!("{f}({})", parts.join(", ")), Prec::Atom)
+        }
     }
 
     /// The values a call returns, bound in this scope.
@@ -754,12 +787,7 @@ impl Body {
         leaves(&first_rec.args[0].1, &mut firsts);
         let x0 = gen.canon(firsts[0]);
         let mut others = Vec::new();
-        let mut seen: HashSet<String> = HashSet::new();
-        seen.insert(first_args[0].0.clone());
-        for (name, v) in first_args.iter().skip(1) {
-            if !seen.insert(name.clone()) {
-                continue;
-            }
+        for (_, v) in first_args.iter().skip(1) {
             let e = self.take(gen, *v)?;
             let e = if e.prec == Prec::Atom
                 && e.text
@@ -778,7 +806,9 @@ impl Body {
         let out = last_result[0];
         let init = self.take(gen, x0)?;
         self.note_dims(&init);
-        let name = self.fresh(gen, out, c.first);
+        // The loop rebinds `name` each layer: no other argument may read it
+        // (`repeat 2 f(x, x)` passes the first `x` to every layer).
+        let name = self.fresh_avoiding(gen, out, c.first, &others);
         if init.text != name {
             self.lines.push(format!("        {name} = {}", init.text));
         }
@@ -826,11 +856,8 @@ impl Gen<'_> {
             None => return vec![],
         };
         let mut out = Vec::new();
-        let mut seen = HashSet::new();
-        for (name, v) in &rec.args {
-            if seen.insert(name.clone()) {
-                leaves(v, &mut out);
-            }
+        for (_, v) in &rec.args {
+            leaves(v, &mut out);
         }
         out
     }
@@ -846,9 +873,38 @@ fn attr_ok(attr: &str, full: &str) -> Result<(), ExportError> {
     Ok(())
 }
 
+/// Inputs and dimensions keep their model-file names in the twin (inputs
+/// are `forward`'s keyword arguments, `INPUTS` and `DIMS` name them), so a
+/// name Python or the twin's own code needs is an error, not a rename.
+fn python_name(name: &str, what: &str, span: Option<Span>) -> Result<(), ExportError> {
+    if KEYWORDS.contains(&name) || RESERVED.contains(&name) || FILE_NAMES.contains(&name) {
+        return Err(err(format!(
+            "the {what} `{name}` cannot keep its name in Python: the twin's code uses `{name}`"
+        ))
+        .with_span(span)
+        .help(format!("rename the {what} `{name}` in the model file")));
+    }
+    Ok(())
+}
+
 impl ExportError {
-    fn with_span(mut self, s: Option<crate::dsl::ast::Span>) -> ExportError {
+    fn with_span(mut self, s: Option<Span>) -> ExportError {
         self.span = s;
         self
     }
+}
+
+/// Value -> the value it is a precision copy of (`cast` nodes are the
+/// compute-dtype copies of parameters and inputs; the twin leaves dtypes to
+/// autocast, so a copy is the value itself).
+pub(crate) fn cast_sources(g: &Graph) -> HashMap<Value, Value> {
+    let mut alias = HashMap::new();
+    for n in g.topo_order() {
+        if let Op::Cast(_) = g.g[n].op {
+            let src = g.inputs(n)[0];
+            let src = *alias.get(&src).unwrap_or(&src);
+            alias.insert(Value { node: n, port: 0 }, src);
+        }
+    }
+    alias
 }

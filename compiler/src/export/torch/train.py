@@ -145,7 +145,7 @@ def load_fusec(model, path):
 
 def save_fusec(model, path):
     """The parameters as f32 safetensors under fusec's names (`fusec train --resume` reads them)."""
-    write_safetensors(path, dict(model.state_dict()), {"format": "fusec", "model": MODEL.__name__})
+    write_safetensors(path, dict(model.state_dict()), {"format": "fusec", "model": FUSEC_MODEL})
 
 
 def main():
