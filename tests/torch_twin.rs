@@ -4,7 +4,9 @@
 //! the reference interpreter's loss and every parameter gradient within
 //! 1e-9 relative (each gradient to its largest entry), at tiny sizes, and
 //! two steps of its `train_step` (optimizer, weight-decay groups, clipping,
-//! micro-batches) the training graph's losses, norms and updates likewise.
+//! micro-batches) the training graph's losses, norms and updates likewise;
+//! and a twin's saved weights start `fusec train --init-from`, which writes
+//! them back unchanged.
 
 mod common;
 
@@ -158,8 +160,9 @@ fn python_has_torch() -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-fn scratch() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("fusec-twins-{}", std::process::id()));
+/// A folder of this test's own (tests run in parallel in one process).
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("fusec-twins-{}-{test}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
@@ -179,7 +182,7 @@ fn py_compile(path: &Path) -> Result<(), String> {
 
 #[test]
 fn every_twin_compiles_and_matches_the_reference_in_f64() {
-    let dir = scratch();
+    let dir = scratch("f64");
     let torch = python_has_torch();
     if !torch {
         println!("PyTorch cannot be imported by python3: each twin is byte-compiled only (set PYTHONPATH to a PyTorch install to compare in f64)");
@@ -238,4 +241,98 @@ fn twin_snapshots() {
         export("dsl-examples/llama-small.dsl", &sets)
     );
     insta::assert_snapshot!("twin_blocks", export("tests/models/twins/blocks.dsl", &[]));
+}
+
+/// Weights both ways: a twin's `save_fusec` file starts `fusec train
+/// --init-from`, and the `--save-init` that run writes holds the same
+/// numbers, which the twin's `load_fusec` reads back.
+#[test]
+fn a_twins_weights_start_fusec_train() {
+    if !python_has_torch() {
+        println!("PyTorch cannot be imported by python3: skipped");
+        return;
+    }
+    let dir = scratch("weights");
+    let sets = [
+        ("layers", "2"),
+        ("d", "16"),
+        ("n_heads", "2"),
+        ("vocab", "23"),
+        ("ctx", "8"),
+    ];
+    let owned: Vec<(String, String)> = sets
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let twin_py = dir.join("twin.py");
+    std::fs::write(&twin_py, export("dsl-examples/gpt2-small.dsl", &owned)).unwrap();
+    let (from_twin, from_fusec) = (dir.join("twin.safetensors"), dir.join("fusec.safetensors"));
+    let script = format!(
+        "import importlib.util, torch\n\
+         spec = importlib.util.spec_from_file_location('twin', {twin:?}); t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t)\n\
+         torch.manual_seed(3); m = t.MODEL(); t.save_fusec(m, {a:?})\n",
+        twin = twin_py.to_str().unwrap(),
+        a = from_twin.to_str().unwrap()
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut args: Vec<String> = [
+        "train",
+        "dsl-examples/gpt2-small.dsl",
+        "--cpu",
+        "--data",
+        "random",
+        "--batch",
+        "2",
+        "--seq",
+        "5",
+        "--steps",
+        "1",
+    ]
+    .map(String::from)
+    .to_vec();
+    for (k, v) in &sets {
+        args.extend(["--set".to_string(), format!("{k}={v}")]);
+    }
+    args.extend([
+        "--init-from".to_string(),
+        from_twin.display().to_string(),
+        "--save-init".to_string(),
+        from_fusec.display().to_string(),
+    ]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, _, err) = common::fusec(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("weights from"), "{err}");
+    let check = format!(
+        "import importlib.util, torch\n\
+         spec = importlib.util.spec_from_file_location('twin', {twin:?}); t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t)\n\
+         a = t.MODEL(); t.load_fusec(a, {a:?}); b = t.MODEL(); t.load_fusec(b, {b:?})\n\
+         sa, sb = a.state_dict(), b.state_dict()\n\
+         assert sa.keys() == sb.keys()\n\
+         bad = [k for k in sa if not torch.equal(sa[k], sb[k])]\n\
+         assert not bad, bad\n\
+         print(len(sa), 'tensors equal')\n",
+        twin = twin_py.to_str().unwrap(),
+        a = from_twin.to_str().unwrap(),
+        b = from_fusec.to_str().unwrap()
+    );
+    let out = Command::new("python3")
+        .args(["-c", &check])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    let _ = std::fs::remove_dir_all(&dir);
 }
