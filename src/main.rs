@@ -31,9 +31,9 @@ enum Command {
     /// Train a model on a GPU: compile, load, and run steps
     Train(cli::train::TrainArgs),
     /// Time the compiled step on a GPU and print one JSON line
-    Bench(cli::train::BenchArgs),
+    Bench(cli::bench::BenchArgs),
     /// Time the attention kernels alone over head dims and lengths (JSON lines)
-    BenchAttention(cli::train::BenchAttentionArgs),
+    BenchAttention(cli::bench::BenchAttentionArgs),
     /// Write the model as a standalone PyTorch module (its twin), with the
     /// training step of its `train` section
     ExportTorch(cli::export::ExportArgs),
@@ -45,8 +45,8 @@ fn main() -> ExitCode {
         Command::Check(a) => cli::check::run(&a),
         Command::Build(a) => cli::build::run(&a),
         Command::Train(a) => cli::train::train(&a),
-        Command::Bench(a) => cli::train::bench(&a),
-        Command::BenchAttention(a) => cli::train::bench_attention(&a),
+        Command::Bench(a) => cli::bench::bench(&a),
+        Command::BenchAttention(a) => cli::bench::bench_attention(&a),
         Command::ExportTorch(a) => cli::export::run(&a),
         Command::Passes => {
             let passes = fusec_compiler::passes::forward_pipeline()

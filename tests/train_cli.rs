@@ -343,3 +343,140 @@ fn init_from_starts_from_saved_weights_and_names_a_missing_one() {
     assert_eq!(code, 3, "{err}");
     assert!(err.contains("has no tensor `h.1."), "{err}");
 }
+
+/// A token file feeds `tokens` and `targets` only: a model with another
+/// input is told so instead of training on whatever that input holds.
+#[test]
+fn token_data_with_another_input_is_an_error() {
+    let model = tmp("extra-input.dsl");
+    std::fs::write(
+        &model,
+        "dim B, T\ninput tokens: i32[B, T]\ninput targets: i32[B, T]\ninput bias: f32[B, T, 16]\n\
+         param emb: [256, 16] = normal(0.1)\nparam w: [16, 256] = normal(0.1)\n\
+         train {\n loss = cross_entropy((embedding(emb, tokens) + bias) @ w, targets)\n optimizer = adamw(lr = 1e-2)\n}\n",
+    )
+    .unwrap();
+    let (code, _, err) = train_cpu(&model, &["--batch", "2", "--seq", "8"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("also has the input `bias`") && err.contains("--data random"),
+        "{err}"
+    );
+}
+
+/// The f32 values of a safetensors tensor, and its shape and dtype.
+fn tensor(path: &Path, name: &str) -> (String, Vec<usize>, Vec<f64>) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(name).unwrap();
+    let values = t
+        .data()
+        .chunks_exact(4)
+        .map(|c| match t.dtype() {
+            safetensors::Dtype::I32 => i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64,
+            _ => f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64,
+        })
+        .collect();
+    (format!("{:?}", t.dtype()), t.shape().to_vec(), values)
+}
+
+/// `--save-data` writes every window a run fed, in order: consecutive
+/// windows of T + 1 bytes of the text, targets one ahead of the tokens,
+/// micro-batches included.
+#[test]
+fn save_data_holds_the_windows_fed() {
+    let model = bigram("windows.dsl", "B, T", " micro_batches = 2\n");
+    let data = tmp("windows.safetensors");
+    let (code, _, err) = train_cpu(
+        &model,
+        &[
+            "--batch",
+            "2",
+            "--seq",
+            "5",
+            "--steps",
+            "3",
+            "--save-data",
+            data.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("saved the batches fed"), "{err}");
+    let text = std::fs::read(common::root().join(TEXT)).unwrap();
+    let (dtype, shape, tokens) = tensor(&data, "tokens");
+    assert_eq!((dtype.as_str(), shape.as_slice()), ("I32", &[6, 2, 5][..]));
+    let (_, _, targets) = tensor(&data, "targets");
+    // Window w (row r of batch k, w = 2k + r) starts at byte 5w.
+    for w in 0..12 {
+        for i in 0..5 {
+            assert_eq!(tokens[w * 5 + i], text[w * 5 + i] as f64, "window {w}");
+            assert_eq!(targets[w * 5 + i], text[w * 5 + i + 1] as f64, "window {w}");
+        }
+    }
+}
+
+/// With `--data random` the one batch is written once, as the step reads
+/// it: a bf16 input rounded to bf16.
+#[test]
+fn save_data_holds_the_random_batch_as_read() {
+    let model = tmp("random-batch.dsl");
+    std::fs::write(
+        &model,
+        "dim B\ninput x: bf16[B, 4]\ninput y: i32[B]\nparam w: [4, 3] = normal(0.1)\n\
+         train {\n loss = cross_entropy(x @ w, y)\n optimizer = sgd(lr = 0.1)\n}\n",
+    )
+    .unwrap();
+    let data = tmp("random-batch.safetensors");
+    let (code, _, err) = fusec(&[
+        "train",
+        model.to_str().unwrap(),
+        "--cpu",
+        "--data",
+        "random",
+        "--batch",
+        "5",
+        "--steps",
+        "2",
+        "--save-data",
+        data.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (dtype, shape, x) = tensor(&data, "x");
+    assert_eq!((dtype.as_str(), shape.as_slice()), ("F32", &[1, 5, 4][..]));
+    assert!(x.iter().any(|v| *v != 0.0));
+    for v in &x {
+        assert_eq!(
+            half::bf16::from_f64(*v).to_f64(),
+            *v,
+            "{v} is not a bf16 value"
+        );
+    }
+    let (dtype, shape, y) = tensor(&data, "y");
+    assert_eq!((dtype.as_str(), shape.as_slice()), ("I32", &[1, 5][..]));
+    assert!(y.iter().all(|v| (0.0..3.0).contains(v)), "{y:?}");
+}
+
+/// `--precision` replaces the train section's: the report says so, and a
+/// misspelling is a usage error naming the choices.
+#[test]
+fn precision_on_the_command_line_replaces_the_models() {
+    let (code, out, err) = fusec(&["check", "dsl-examples/gpt2-block.dsl"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("bf16 compute"), "{out}");
+    let (code, out, err) = fusec(&[
+        "check",
+        "dsl-examples/gpt2-block.dsl",
+        "--precision",
+        "fp32",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("f32 compute"), "{out}");
+    let (code, _, err) = fusec(&[
+        "check",
+        "dsl-examples/gpt2-block.dsl",
+        "--precision",
+        "half",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("expected fp32, bf16 or fp16"), "{err}");
+}

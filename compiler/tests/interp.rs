@@ -169,6 +169,7 @@ fn training_steps_reduce_the_loss() {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            ..Options::default()
         };
         let c = compile(&src, file, &opts).unwrap_or_else(|f| panic!("{}", f.render(file, &src)));
         let dims: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
@@ -212,6 +213,7 @@ fn micro_batches_accumulate_into_one_update() {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
+        ..Options::default()
     };
     let two = compile(&src, "llama", &opts).unwrap().training;
     let one = compile(&single, "llama", &opts).unwrap().training;

@@ -4,6 +4,7 @@
 
 pub mod attn_bench;
 pub mod backend;
+pub mod batch_log;
 pub mod cache;
 pub mod checkpoint;
 pub mod data;

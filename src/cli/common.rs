@@ -4,6 +4,7 @@ use super::CliError;
 use clap::Args;
 use fusec_compiler::driver::{self, Compiled};
 use fusec_compiler::elaborate::Options;
+use fusec_compiler::ir::DType;
 use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
@@ -13,6 +14,21 @@ pub struct ModelArgs {
     /// Replace a top-level constant, e.g. --set layers=2 (repeatable)
     #[arg(long = "set", value_name = "NAME=VALUE")]
     pub set: Vec<String>,
+    /// Replace the train section's precision (fp32, bf16 or fp16), e.g. to
+    /// compare a bf16 model's run with an fp32 one
+    #[arg(long, value_name = "DTYPE", value_parser = parse_precision)]
+    pub precision: Option<DType>,
+}
+
+fn parse_precision(s: &str) -> Result<DType, String> {
+    match s {
+        "fp32" | "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        "fp16" | "f16" => Ok(DType::F16),
+        other => Err(format!(
+            "`{other}` is not a precision; expected fp32, bf16 or fp16"
+        )),
+    }
 }
 
 /// `--batch`, `--seq` and `--dim`: the sizes of a model's symbolic dimensions.
@@ -78,7 +94,8 @@ pub fn read_source(path: &Path) -> Result<String, CliError> {
     })
 }
 
-pub fn options(set: &[String]) -> Result<Options, CliError> {
+pub fn options(args: &ModelArgs) -> Result<Options, CliError> {
+    let set = &args.set;
     let mut overrides = Vec::new();
     for s in set {
         let Some((k, v)) = s.split_once('=') else {
@@ -88,12 +105,15 @@ pub fn options(set: &[String]) -> Result<Options, CliError> {
         };
         overrides.push((k.trim().to_string(), v.trim().to_string()));
     }
-    Ok(Options { overrides })
+    Ok(Options {
+        overrides,
+        precision: args.precision,
+    })
 }
 
 pub fn load(args: &ModelArgs) -> Result<Loaded, CliError> {
     let source = read_source(&args.model)?;
-    let opts = options(&args.set)?;
+    let opts = options(args)?;
     let name = driver::model_name(&args.model);
     let compiled = driver::compile(&source, &name, &opts).map_err(|f| {
         let text = f.render(&args.model.display().to_string(), &source);

@@ -24,7 +24,7 @@ pub fn run(args: &ExportArgs) -> Result<(), CliError> {
     let loaded = load(&args.model)?;
     let name = driver::model_name(&args.model.model);
     let file = args.model.model.display().to_string();
-    let opts = options(&args.model.set)?;
+    let opts = options(&args.model)?;
     let model = driver::elaborate_only(&loaded.source, &name, &opts)
         .map_err(|f| CliError::model(f.render(&file, &loaded.source)))?;
     let shown = args

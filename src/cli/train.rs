@@ -1,10 +1,12 @@
-//! `fusec train` and `fusec bench`: the compiled step on a GPU.
+//! `fusec train`: the compiled step run over the data, on a GPU or the CPU reference.
 
 use super::common::{load, Loaded, ModelArgs, SizeArgs};
 use super::CliError;
 use clap::Args;
-use fusec_compiler::interp::Precision;
+use fusec_compiler::interp::{round_to, Precision};
+use fusec_compiler::ir::DType;
 use fusec_runtime::backend::{self, Backend};
+use fusec_runtime::batch_log::BatchLog;
 use fusec_runtime::checkpoint;
 use fusec_runtime::data::{load_tokens, Batches, Prefetch};
 use fusec_runtime::device;
@@ -68,106 +70,16 @@ pub struct TrainArgs {
     /// cuBLASLt algorithm chosen for it)
     #[arg(long)]
     pub deterministic: bool,
-}
-
-#[derive(Args, Debug)]
-pub struct BenchArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub sizes: SizeArgs,
-    /// Timed steps (after three warm-up steps)
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
-    pub steps: u64,
-    /// Also time every kernel of one step and print the costliest (and
-    /// write all of them, as JSON lines, to this file)
+    /// Write the batches the run feeds to this safetensors file, each data
+    /// input with a leading axis over the batches in the order fed (the one
+    /// fixed batch of `--data random`; every micro-batch's windows of a
+    /// token file), so that another implementation can train on exactly
+    /// the same data
     #[arg(long, value_name = "FILE")]
-    pub profile: Option<PathBuf>,
-    /// Peak dense bf16 rate for MFU, in TFLOP/s (default: the GPU's datasheet figure when known)
-    #[arg(long)]
-    pub peak_tflops: Option<f64>,
-    /// Time the deterministic step (as `fusec train --deterministic` runs it)
-    #[arg(long)]
-    pub deterministic: bool,
-    #[arg(long, default_value_t = 0)]
-    pub gpu: usize,
+    pub save_data: Option<PathBuf>,
 }
 
-#[derive(Args, Debug)]
-pub struct BenchAttentionArgs {
-    /// Head dimensions to sweep
-    #[arg(long, value_delimiter = ',', default_value = "64,80,96,128,256")]
-    pub head_dims: Vec<usize>,
-    /// Sequence lengths to sweep (B = 16384 / T, H = 2048 / D, as torch_reference.py --attn-sweep)
-    #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096,8192")]
-    pub seqs: Vec<usize>,
-    /// Sequences per batch (default 16384 / T, so every T moves the same tokens)
-    #[arg(long)]
-    pub batch: Option<usize>,
-    /// Keys per sequence, S (default T): cross-attention where it differs
-    #[arg(long)]
-    pub kv_seq: Option<usize>,
-    /// Query heads per key/value head (grouped-query attention; the heads
-    /// are rounded down to a multiple of it)
-    #[arg(long, default_value_t = 1)]
-    pub group: usize,
-    /// The masks to time: causal, none, or both (`causal,none`)
-    #[arg(long, value_delimiter = ',', default_value = "causal")]
-    pub masks: Vec<MaskArg>,
-    /// The simple attention forward instead of the tensor-core one
-    #[arg(long)]
-    pub simple: bool,
-    /// The tensor-core backward without atomics (as `fusec train
-    /// --deterministic` runs it)
-    #[arg(long)]
-    pub deterministic: bool,
-    #[arg(long, default_value_t = 0)]
-    pub gpu: usize,
-}
-
-/// An attention mask `fusec bench-attention` times.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum MaskArg {
-    Causal,
-    None,
-}
-
-/// One JSON line per configuration, as torch_reference.py --attn-sweep prints.
-pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
-    // The sizes first: a mistake is a usage error with or without a GPU.
-    if args.head_dims.contains(&0)
-        || args.seqs.contains(&0)
-        || args.batch == Some(0)
-        || args.kv_seq == Some(0)
-        || args.group == 0
-    {
-        return Err(CliError::usage(
-            "error: head dims, sequence lengths, the batch and the group must be positive",
-        ));
-    }
-    let gpu = device::open(args.gpu).map_err(runtime_err)?;
-    let causal: Vec<bool> = args.masks.iter().map(|m| *m == MaskArg::Causal).collect();
-    for &d in &args.head_dims {
-        for &t in &args.seqs {
-            for &c in &causal {
-                let cfg = fusec_runtime::attn_bench::Config::sweep(
-                    d,
-                    t,
-                    args.kv_seq,
-                    args.batch,
-                    args.group,
-                    c,
-                );
-                let r = fusec_runtime::attn_bench::run(&gpu, cfg, !args.simple, args.deterministic)
-                    .map_err(runtime_err)?;
-                println!("{}", r.json());
-            }
-        }
-    }
-    Ok(())
-}
-
-fn runtime_err(e: RuntimeError) -> CliError {
+pub(super) fn runtime_err(e: RuntimeError) -> CliError {
     CliError {
         message: format!("error: {e}"),
         code: 3,
@@ -175,7 +87,7 @@ fn runtime_err(e: RuntimeError) -> CliError {
 }
 
 /// Plans and loads the compiled step on the GPU, saying what it does.
-fn start(
+pub(super) fn start(
     loaded: &Loaded,
     dims: &BTreeMap<String, i64>,
     gpu: usize,
@@ -287,12 +199,40 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         * micro as i64;
     // Data: a token file feeds `tokens` and `targets`; `random` feeds every input once.
     let mut batches = None;
+    let mut record = args.save_data.as_ref().map(|_| {
+        let mut log = BatchLog::default();
+        log.note("data", &args.data);
+        log.note("micro_batches", micro);
+        log.note("first_step", first);
+        log
+    });
     if args.data == "random" {
+        if let Some(log) = &mut record {
+            log.note(
+                "reuse",
+                "every micro-batch of every step reads this one batch",
+            );
+        }
         let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
         let feeds = fusec_compiler::interp::random::random_feeds(b.graph(), &dmap, args.seed)
             .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
         for name in &data_inputs {
-            b.set(name, &feeds.inputs[name].data).map_err(runtime_err)?;
+            let values = &feeds.inputs[name].data;
+            b.set(name, values).map_err(runtime_err)?;
+            if let Some(log) = &mut record {
+                let shape = b.shapes()[name].clone();
+                let shape = &shape;
+                let dtype = input_type(b.graph(), name).map_or(DType::F32, |t| t.dtype);
+                let pushed = if dtype == DType::I32 {
+                    let ids: Vec<i32> = values.iter().map(|&x| x as i32).collect();
+                    log.push_i32(name, shape, &ids)
+                } else {
+                    // As the step reads it: rounded to the input's dtype.
+                    let stored: Vec<f64> = values.iter().map(|&x| round_to(dtype, x)).collect();
+                    log.push_f32(name, shape, &stored)
+                };
+                pushed.map_err(|e| CliError::usage(format!("error: --save-data: {e}")))?;
+            }
         }
     } else {
         for need in ["tokens", "targets"] {
@@ -305,13 +245,27 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             }
             // Token ids are copied to the GPU as they are read: i32.
             if let Some(ty) = input_type(b.graph(), need) {
-                if ty.dtype != fusec_compiler::ir::DType::I32 {
+                if ty.dtype != DType::I32 {
                     return Err(CliError::usage(format!(
                         "error: --data {} feeds token ids into `{need}`, which this model declares as {ty}; declare it as i32 (e.g. `input {need}: i32[B, T]`) or use --data random",
                         args.data
                     )));
                 }
             }
+        }
+        // A token file has nothing for any other input to read.
+        let others: Vec<&str> = data_inputs
+            .iter()
+            .map(String::as_str)
+            .filter(|n| *n != "tokens" && *n != "targets")
+            .collect();
+        if !others.is_empty() {
+            return Err(CliError::usage(format!(
+                "error: --data {} feeds only `tokens` and `targets`, and this model also has the input{} {}; use --data random (random values for every input)",
+                args.data,
+                if others.len() == 1 { "" } else { "s" },
+                others.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
+            )));
         }
         // Windows of the data, shaped as the model's `tokens` input.
         let (bsz, t) = match tokens_shape.as_deref() {
@@ -361,17 +315,28 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     }
     // The next batch into `tokens` and `targets`: copied to the GPU while
     // the current step computes, in place when the next one launches.
-    let stage_next = |b: &mut dyn Backend, pf: &Prefetch| -> Result<(), CliError> {
+    let window = tokens_shape.clone().unwrap_or_default();
+    let stage_next = |b: &mut dyn Backend,
+                      pf: &Prefetch,
+                      record: &mut Option<BatchLog>|
+     -> Result<(), CliError> {
         let buf = pf.next().map_err(|e| CliError {
             message: format!("error: {e}"),
             code: 3,
         })?;
+        if let Some(log) = record {
+            let ids = buf.read().map_err(runtime_err)?;
+            let (tokens, targets) = ids.split_at(ids.len() / 2);
+            log.push_i32("tokens", &window, tokens)
+                .and_then(|_| log.push_i32("targets", &window, targets))
+                .map_err(|e| CliError::usage(format!("error: --save-data: {e}")))?;
+        }
         b.stage(&["tokens", "targets"], &buf).map_err(runtime_err)?;
         pf.give_back(buf);
         Ok(())
     };
     if let Some(pf) = &batches {
-        stage_next(b, pf)?;
+        stage_next(b, pf, &mut record)?;
     }
     let mut log = match &args.log {
         Some(p) => Some(
@@ -420,7 +385,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             b.launch(lr, opt_step + 1).map_err(runtime_err)?;
             if let Some(pf) = &batches {
                 if step < last || mb + 1 < micro {
-                    stage_next(b, pf)?;
+                    stage_next(b, pf, &mut record)?;
                 }
             }
             let one = b.finish().map_err(runtime_err)?;
@@ -477,6 +442,13 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     if let Some(path) = &args.save {
         save(b, path, last, &run_state(&scaler, opt_step, fp16))?;
         eprintln!("saved {} (step {last})", path.display());
+    }
+    if let (Some(path), Some(log)) = (&args.save_data, &record) {
+        log.save(path).map_err(|e| CliError {
+            message: format!("error: --save-data: {e}"),
+            code: 3,
+        })?;
+        eprintln!("saved the batches fed to {}", path.display());
     }
     Ok(())
 }
@@ -539,108 +511,6 @@ fn json_num(x: f64) -> String {
         format!("{x}")
     } else {
         "null".into()
-    }
-}
-
-pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
-    let loaded = load(&args.model)?;
-    let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
-    let options = SessionOptions {
-        deterministic: args.deterministic,
-    };
-    let (s, about) = start(&loaded, &dims, args.gpu, options)?;
-    let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
-    let feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, 1)
-        .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
-    let mut b = backend::Gpu::new(s, &dims).map_err(runtime_err)?;
-    backend::init_params(&mut b, 1).map_err(runtime_err)?;
-    let names: Vec<String> = b
-        .session
-        .exec
-        .inputs
-        .keys()
-        .filter(|k| !k.starts_with("update."))
-        .cloned()
-        .collect();
-    for name in &names {
-        b.set(name, &feeds.inputs[name].data).map_err(runtime_err)?;
-    }
-    for step in 1..=3 {
-        b.step(1e-4, step).map_err(runtime_err)?;
-    }
-    let s = &mut b.session;
-    let t0 = Instant::now();
-    for _ in 0..args.steps {
-        s.exec.run_step().map_err(runtime_err)?;
-    }
-    s.exec.synchronize().map_err(runtime_err)?;
-    let ms = t0.elapsed().as_secs_f64() * 1e3 / args.steps as f64;
-    let tokens = dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1);
-    let flops = s.flops();
-    let tflops = flops / (ms / 1e3) / 1e12;
-    let peak = args
-        .peak_tflops
-        .or_else(|| datasheet_peak(&s.exec.gpu.name));
-    let used = s.exec.gpu.total_bytes - s.exec.gpu.free_bytes().map_err(runtime_err)?;
-    println!(
-        "{{\"model\":\"{}\",\"device\":\"{}\",\"dims\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tflops\":{tflops:.1},\"mfu\":{},\"peak_memory_gib\":{:.3},\"plan_arena_gib\":{:.3},\"cuda_graph\":{}}}",
-        s.graph.name,
-        about,
-        serde_like(&dims),
-        tokens as f64 / (ms / 1e3),
-        peak.map_or("null".into(), |p| format!("{:.3}", tflops / p)),
-        used as f64 / (1u64 << 30) as f64,
-        s.plan.arena_bytes as f64 / (1u64 << 30) as f64,
-        s.exec.has_graph(),
-    );
-    if let Some(note) = &s.graph_note {
-        eprintln!("note: {note}");
-    }
-    if let Some(path) = &args.profile {
-        let times = s.exec.profile_step().map_err(runtime_err)?;
-        let total: f64 = times.iter().map(|t| t.1).sum();
-        let mut by_kind: BTreeMap<String, (usize, f64)> = BTreeMap::new();
-        let mut lines = String::new();
-        for (name, ms) in &times {
-            // `k12_matmul_add` -> `matmul_add`
-            let kind = name
-                .split_once('_')
-                .map_or(name.as_str(), |(_, k)| k)
-                .to_string();
-            let e = by_kind.entry(kind).or_default();
-            e.0 += 1;
-            e.1 += ms;
-            lines.push_str(&format!("{{\"kernel\":\"{name}\",\"ms\":{ms:.4}}}\n"));
-        }
-        std::fs::write(path, lines)
-            .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))?;
-        let mut kinds: Vec<_> = by_kind.into_iter().collect();
-        kinds.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
-        eprintln!("one step launch by launch: {total:.2} ms; by kind (count, ms, share):");
-        for (kind, (n, ms)) in kinds.iter().take(15) {
-            eprintln!(
-                "  {kind:<32} {n:>4}  {ms:>9.3}  {:>5.1}%",
-                100.0 * ms / total
-            );
-        }
-    }
-    Ok(())
-}
-
-fn serde_like(dims: &BTreeMap<String, i64>) -> String {
-    let parts: Vec<String> = dims.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
-    format!("{{{}}}", parts.join(","))
-}
-
-/// Dense bf16 tensor-core TFLOP/s from datasheets, for MFU.
-fn datasheet_peak(name: &str) -> Option<f64> {
-    let n = name.to_ascii_uppercase();
-    if n.contains("H100") || n.contains("H200") {
-        Some(989.0)
-    } else if n.contains("A100") {
-        Some(312.0)
-    } else {
-        None
     }
 }
 

@@ -33,6 +33,7 @@ pub fn compile_with(source: &str, name: &str, sets: &[(&str, &str)]) -> Compiled
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
+        ..Options::default()
     };
     match compile(source, &model_name, &opts) {
         Ok(c) => c,

@@ -47,6 +47,8 @@ const MAX_CALL_NOTES: usize = 8;
 pub struct Options {
     /// `--set name=value`: replaces a top-level constant.
     pub overrides: Vec<(String, String)>,
+    /// `--precision`: replaces the train section's `precision`.
+    pub precision: Option<DType>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,6 +78,7 @@ struct Frame {
 pub(crate) struct Elab<'m> {
     pub graph: Graph,
     pub precision: DType,
+    precision_override: Option<DType>,
     blocks: HashMap<String, &'m BlockDef>,
     frames: Vec<Frame>,
     overrides: HashMap<String, (String, bool)>,
@@ -91,6 +94,7 @@ pub fn elaborate(module: &Module, name: &str, opts: &Options) -> Result<Model, E
     let mut e = Elab {
         graph: Graph::new(name),
         precision: DType::F32,
+        precision_override: opts.precision,
         blocks: HashMap::new(),
         frames: vec![Frame {
             vars: HashMap::new(),
@@ -159,7 +163,9 @@ impl<'m> Elab<'m> {
             .with_note(section.span, "first section here"));
         }
         // Precision decides how parameters are read, so it is settled before any item.
-        self.precision = train::precision(section)?;
+        // The section's own setting is checked even where `--precision` replaces it.
+        let written = train::precision(section)?;
+        self.precision = self.precision_override.unwrap_or(written);
         let mut config = None;
         for item in &module.items {
             match item {

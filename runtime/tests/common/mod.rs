@@ -66,6 +66,7 @@ pub fn model_edited(
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
+        ..Options::default()
     };
     match compile(&src, file.trim_end_matches(".dsl"), &opts) {
         Ok(c) => c,

@@ -1,0 +1,212 @@
+//! `fusec bench` and `fusec bench-attention`: the compiled step and the
+//! attention kernels timed on a GPU.
+
+use super::common::{load, ModelArgs, SizeArgs};
+use super::train::{runtime_err, start};
+use super::CliError;
+use clap::Args;
+use fusec_runtime::backend::{self, Backend};
+use fusec_runtime::device;
+use fusec_runtime::session::SessionOptions;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sizes: SizeArgs,
+    /// Timed steps (after three warm-up steps)
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    pub steps: u64,
+    /// Also time every kernel of one step and print the costliest (and
+    /// write all of them, as JSON lines, to this file)
+    #[arg(long, value_name = "FILE")]
+    pub profile: Option<PathBuf>,
+    /// Peak dense bf16 rate for MFU, in TFLOP/s (default: the GPU's datasheet figure when known)
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
+    /// Time the deterministic step (as `fusec train --deterministic` runs it)
+    #[arg(long)]
+    pub deterministic: bool,
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchAttentionArgs {
+    /// Head dimensions to sweep
+    #[arg(long, value_delimiter = ',', default_value = "64,80,96,128,256")]
+    pub head_dims: Vec<usize>,
+    /// Sequence lengths to sweep (B = 16384 / T, H = 2048 / D, as torch_reference.py --attn-sweep)
+    #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096,8192")]
+    pub seqs: Vec<usize>,
+    /// Sequences per batch (default 16384 / T, so every T moves the same tokens)
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Keys per sequence, S (default T): cross-attention where it differs
+    #[arg(long)]
+    pub kv_seq: Option<usize>,
+    /// Query heads per key/value head (grouped-query attention; the heads
+    /// are rounded down to a multiple of it)
+    #[arg(long, default_value_t = 1)]
+    pub group: usize,
+    /// The masks to time: causal, none, or both (`causal,none`)
+    #[arg(long, value_delimiter = ',', default_value = "causal")]
+    pub masks: Vec<MaskArg>,
+    /// The simple attention forward instead of the tensor-core one
+    #[arg(long)]
+    pub simple: bool,
+    /// The tensor-core backward without atomics (as `fusec train
+    /// --deterministic` runs it)
+    #[arg(long)]
+    pub deterministic: bool,
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+}
+
+/// An attention mask `fusec bench-attention` times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MaskArg {
+    Causal,
+    None,
+}
+
+/// One JSON line per configuration, as torch_reference.py --attn-sweep prints.
+pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
+    // The sizes first: a mistake is a usage error with or without a GPU.
+    if args.head_dims.contains(&0)
+        || args.seqs.contains(&0)
+        || args.batch == Some(0)
+        || args.kv_seq == Some(0)
+        || args.group == 0
+    {
+        return Err(CliError::usage(
+            "error: head dims, sequence lengths, the batch and the group must be positive",
+        ));
+    }
+    let gpu = device::open(args.gpu).map_err(runtime_err)?;
+    let causal: Vec<bool> = args.masks.iter().map(|m| *m == MaskArg::Causal).collect();
+    for &d in &args.head_dims {
+        for &t in &args.seqs {
+            for &c in &causal {
+                let cfg = fusec_runtime::attn_bench::Config::sweep(
+                    d,
+                    t,
+                    args.kv_seq,
+                    args.batch,
+                    args.group,
+                    c,
+                );
+                let r = fusec_runtime::attn_bench::run(&gpu, cfg, !args.simple, args.deterministic)
+                    .map_err(runtime_err)?;
+                println!("{}", r.json());
+            }
+        }
+    }
+    Ok(())
+}
+
+pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
+    let loaded = load(&args.model)?;
+    let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
+    let options = SessionOptions {
+        deterministic: args.deterministic,
+    };
+    let (s, about) = start(&loaded, &dims, args.gpu, options)?;
+    let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, 1)
+        .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
+    let mut b = backend::Gpu::new(s, &dims).map_err(runtime_err)?;
+    backend::init_params(&mut b, 1).map_err(runtime_err)?;
+    let names: Vec<String> = b
+        .session
+        .exec
+        .inputs
+        .keys()
+        .filter(|k| !k.starts_with("update."))
+        .cloned()
+        .collect();
+    for name in &names {
+        b.set(name, &feeds.inputs[name].data).map_err(runtime_err)?;
+    }
+    for step in 1..=3 {
+        b.step(1e-4, step).map_err(runtime_err)?;
+    }
+    let s = &mut b.session;
+    let t0 = Instant::now();
+    for _ in 0..args.steps {
+        s.exec.run_step().map_err(runtime_err)?;
+    }
+    s.exec.synchronize().map_err(runtime_err)?;
+    let ms = t0.elapsed().as_secs_f64() * 1e3 / args.steps as f64;
+    let tokens = dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1);
+    let flops = s.flops();
+    let tflops = flops / (ms / 1e3) / 1e12;
+    let peak = args
+        .peak_tflops
+        .or_else(|| datasheet_peak(&s.exec.gpu.name));
+    let used = s.exec.gpu.total_bytes - s.exec.gpu.free_bytes().map_err(runtime_err)?;
+    println!(
+        "{{\"model\":\"{}\",\"device\":\"{}\",\"dims\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tflops\":{tflops:.1},\"mfu\":{},\"peak_memory_gib\":{:.3},\"plan_arena_gib\":{:.3},\"cuda_graph\":{}}}",
+        s.graph.name,
+        about,
+        serde_like(&dims),
+        tokens as f64 / (ms / 1e3),
+        peak.map_or("null".into(), |p| format!("{:.3}", tflops / p)),
+        used as f64 / (1u64 << 30) as f64,
+        s.plan.arena_bytes as f64 / (1u64 << 30) as f64,
+        s.exec.has_graph(),
+    );
+    if let Some(note) = &s.graph_note {
+        eprintln!("note: {note}");
+    }
+    if let Some(path) = &args.profile {
+        let times = s.exec.profile_step().map_err(runtime_err)?;
+        let total: f64 = times.iter().map(|t| t.1).sum();
+        let mut by_kind: BTreeMap<String, (usize, f64)> = BTreeMap::new();
+        let mut lines = String::new();
+        for (name, ms) in &times {
+            // `k12_matmul_add` -> `matmul_add`
+            let kind = name
+                .split_once('_')
+                .map_or(name.as_str(), |(_, k)| k)
+                .to_string();
+            let e = by_kind.entry(kind).or_default();
+            e.0 += 1;
+            e.1 += ms;
+            lines.push_str(&format!("{{\"kernel\":\"{name}\",\"ms\":{ms:.4}}}\n"));
+        }
+        std::fs::write(path, lines)
+            .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))?;
+        let mut kinds: Vec<_> = by_kind.into_iter().collect();
+        kinds.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        eprintln!("one step launch by launch: {total:.2} ms; by kind (count, ms, share):");
+        for (kind, (n, ms)) in kinds.iter().take(15) {
+            eprintln!(
+                "  {kind:<32} {n:>4}  {ms:>9.3}  {:>5.1}%",
+                100.0 * ms / total
+            );
+        }
+    }
+    Ok(())
+}
+
+fn serde_like(dims: &BTreeMap<String, i64>) -> String {
+    let parts: Vec<String> = dims.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+    format!("{{{}}}", parts.join(","))
+}
+
+/// Dense bf16 tensor-core TFLOP/s from datasheets, for MFU.
+fn datasheet_peak(name: &str) -> Option<f64> {
+    let n = name.to_ascii_uppercase();
+    if n.contains("H100") || n.contains("H200") {
+        Some(989.0)
+    } else if n.contains("A100") {
+        Some(312.0)
+    } else {
+        None
+    }
+}

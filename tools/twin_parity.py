@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""Per-step parity between fusec and the PyTorch twin of any model file.
+
+    python3 tools/twin_parity.py MODEL.dsl [--cpu] [--data random|FILE] [--steps 50]
+        [--set NAME=VALUE ...] [--batch N] [--seq N] [--dim NAME=N ...]
+        [--precision both|own|fp32|bf16|fp16] [--lr X] [--seed S]
+
+For each precision asked for, fusec trains the model (on the GPU, or with
+--cpu on its CPU reference interpreter) and writes its initial weights
+(--save-init), the batches it fed (--save-data) and its per-step loss and
+gradient norm (--log). `fusec export-torch` writes the model's twin, which
+then trains the same steps from the same weights on the same batches twice:
+in float64 (the judge) and in the same precision as fusec (fp32, or bf16/fp16
+autocast over f32 weights, with fusec's loss scaling for fp16).
+
+Training is chaotic: rounding differences grow step by step, so no fixed
+tolerance separates a correct implementation from a wrong one over many
+steps. The rule is therefore relative to PyTorch's own error: at every step
+fusec's distance from the float64 twin (relative, for the loss and the
+gradient norm) must stay within 3x the same-precision twin's distance from
+it, or within the precision's floor (1e-5 in fp32, 2e-2 in bf16 and fp16),
+whichever is larger. A step fusec skipped for an fp16 overflow is skipped by
+the float64 twin too (an overflow is a fact about fp16's range, not about
+the arithmetic judged); a skip the fp16 twin disagrees with is reported.
+
+For a token file the script also cuts the windows itself, as fusec's reader
+is documented to (consecutive windows of T + 1 tokens, wrapping around), and
+checks they are the batches fusec fed.
+
+Exit status 0 when every step of every precision passes, 1 otherwise.
+"""
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+FLOOR = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
+SLACK = 3.0
+
+
+def run(cmd, quiet=False):
+    print("$", " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.stderr.write(r.stdout + r.stderr)
+        raise SystemExit(f"error: {cmd[0]} {cmd[1]} failed (exit {r.returncode})")
+    if not quiet:
+        tail = [l for l in r.stderr.splitlines() if l.startswith("step")][-1:]
+        for line in tail:
+            print("  " + line.strip())
+    return r
+
+
+def load_twin(path):
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def read_header(path):
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n])
+
+
+def model_args(args):
+    out = []
+    for s in args.set:
+        out += ["--set", s]
+    return out
+
+
+def size_args(args):
+    out = []
+    if args.batch is not None:
+        out += ["--batch", str(args.batch)]
+    if args.seq is not None:
+        out += ["--seq", str(args.seq)]
+    for d in args.dim:
+        out += ["--dim", d]
+    return out
+
+
+def export(args, work, precision):
+    path = os.path.join(work, f"twin_{precision or 'own'}.py")
+    cmd = [args.fusec, "export-torch", args.model, "-o", path] + model_args(args)
+    if precision:
+        cmd += ["--precision", precision]
+    run(cmd, quiet=True)
+    return load_twin(path)
+
+
+def fusec_train(args, work, precision):
+    init = os.path.join(work, f"init_{precision}.safetensors")
+    data = os.path.join(work, f"data_{precision}.safetensors")
+    log = os.path.join(work, f"fusec_{precision}.jsonl")
+    cmd = [args.fusec, "train", args.model, "--precision", precision, "--data", args.data,
+           "--steps", str(args.steps), "--seed", str(args.seed),
+           "--save-init", init, "--save-data", data, "--log", log]
+    cmd += model_args(args) + size_args(args)
+    if args.lr is not None:
+        cmd += ["--lr", str(args.lr)]
+    if args.cpu:
+        cmd.append("--cpu")
+    run(cmd)
+    steps = [json.loads(line) for line in open(log)]
+    return init, data, steps
+
+
+# ---- the batches ----
+
+
+def token_file(path):
+    """Every token of a data file, as fusec's reader takes them (runtime/src/data.rs)."""
+    raw = open(path, "rb").read()
+    if path.endswith(".bin"):
+        header = struct.unpack("<256i", raw[:1024])
+        count = header[2]
+        return list(struct.unpack(f"<{count}H", raw[1024 : 1024 + 2 * count]))
+    return list(raw)
+
+
+def windows(tokens, b, t, count):
+    """`count` batches of B consecutive windows of T + 1 tokens, wrapping at the end."""
+    pos, out = 0, []
+    for _ in range(count):
+        xs, ys = [], []
+        for _ in range(b):
+            if pos + t + 1 > len(tokens):
+                pos = 0
+            w = tokens[pos : pos + t + 1]
+            xs.append(w[:-1])
+            ys.append(w[1:])
+            pos += t
+        out.append((torch.tensor(xs, dtype=torch.int32), torch.tensor(ys, dtype=torch.int32)))
+    return out
+
+
+def fed_batches(twin, path, args):
+    """The batches fusec fed, one {input: tensor} per micro-batch in order."""
+    stacked = twin.read_safetensors(path)
+    meta = read_header(path).get("__metadata__", {})
+    n = {t.shape[0] for t in stacked.values()}
+    if len(n) != 1:
+        raise SystemExit(f"error: {path}: the inputs hold different numbers of batches {sorted(n)}")
+    n = n.pop()
+    batches = [{k: v[i].clone() for k, v in stacked.items()} for i in range(n)]
+    if args.data != "random":
+        tokens = stacked["tokens"]
+        ours = windows(token_file(args.data), tokens.shape[1], tokens.shape[2], n)
+        for i, (x, y) in enumerate(ours):
+            if not (torch.equal(x, batches[i]["tokens"]) and torch.equal(y, batches[i]["targets"])):
+                raise SystemExit(f"error: batch {i + 1}: fusec fed other windows of {args.data} than its documented reader cuts")
+        print(f"  {n} batches of {args.data}: the windows fusec fed are the documented ones")
+    return batches, int(meta.get("micro_batches", "1"))
+
+
+def step_batches(batches, micro, step):
+    """The micro-batches of step `step` (1-based); `--data random` repeats its one batch."""
+    return [batches[((step - 1) * micro + m) % len(batches)] for m in range(micro)]
+
+
+# ---- the twin's runs ----
+
+
+def twin_train(twin, init, batches, micro, args, precision, skip=None):
+    """Trains the twin; `precision` is fp64 for the judge. Returns one dict per step."""
+    dev = args.device
+    model = twin.MODEL()
+    twin.load_fusec(model, init)
+    wide = precision == "fp64"
+    model = model.to(dev, torch.float64 if wide else torch.float32)
+    opt = twin.make_optimizer(model, args.lr)
+    scaler = None if wide else twin.make_scaler(dev)
+    out = []
+    for step in range(1, args.steps + 1):
+        inputs = []
+        for b in step_batches(batches, micro, step):
+            inputs.append({k: v.to(dev) if not v.is_floating_point() else v.to(dev, torch.float64 if wide else torch.float32)
+                           for k, v in b.items()})
+        if skip and step in skip:
+            loss = fp64_loss_only(model, inputs)
+            out.append({"loss": loss, "grad_norm": None, "skipped": True})
+            continue
+        before = scaler.get_scale() if scaler is not None else None
+        loss, norm = twin.train_step(model, opt, inputs, lr=args.lr, scaler=scaler, precision=precision)
+        skipped = scaler is not None and scaler.get_scale() < before
+        out.append({"loss": loss, "grad_norm": norm, "skipped": skipped})
+    return out
+
+
+def fp64_loss_only(model, inputs):
+    with torch.no_grad():
+        return sum(model(**i).item() for i in inputs) / len(inputs)
+
+
+# ---- judging ----
+
+
+def rel(a, b):
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return None
+    return abs(a - b) / max(abs(b), 1e-300)
+
+
+def judge(ours, same, wide, precision, fp16_skips_differ):
+    """One row per step: fusec's and the same-precision twin's distances from
+    the float64 twin, the allowance, and whether fusec is within it."""
+    floor = FLOOR[precision]
+    rows, ok = [], True
+    for i, (f, s, w) in enumerate(zip(ours, same, wide), 1):
+        row = {"step": i, "fusec_loss": f["loss"], "twin_loss": s["loss"], "f64_loss": w["loss"]}
+        for q in ("loss", "grad_norm"):
+            if f.get(q) is None and q == "grad_norm":
+                continue
+            if w[q] is None:
+                continue
+            d_f, d_t = rel(f[q], w[q]), rel(s[q], w[q])
+            allowed = max(SLACK * (d_t or 0.0), floor)
+            good = d_f is not None and d_f <= allowed
+            row[q] = {"fusec": d_f, "twin": d_t, "allowed": allowed, "ok": good}
+            ok &= good
+        rows.append(row)
+    if fp16_skips_differ:
+        print(f"  note: the fp16 twin skipped steps {fp16_skips_differ[1]}, fusec {fp16_skips_differ[0]}")
+    return rows, ok
+
+
+def show(rows, precision):
+    def fmt(x):
+        return "-" if x is None else f"{x:.1e}"
+    print(f"  {'step':>4} {'fusec loss':>12} {'f64 twin':>12}   {'loss: fusec':>11} {'twin':>8} {'allowed':>8}"
+          f"   {'norm: fusec':>11} {'twin':>8} {'allowed':>8}")
+    for r in rows:
+        bad = any(not r[q]["ok"] for q in ("loss", "grad_norm") if q in r)
+        if r["step"] <= 3 or r["step"] % 10 == 0 or bad or r["step"] == len(rows):
+            cells = []
+            for q in ("loss", "grad_norm"):
+                c = r.get(q)
+                cells.append("  ".join([f"{fmt(c['fusec']) if c else '-':>11}", f"{fmt(c['twin']) if c else '-':>8}",
+                                        f"{fmt(c['allowed']) if c else '-':>8}"]))
+            print(f"  {r['step']:>4} {r['fusec_loss']:>12.6f} {r['f64_loss']:>12.6f}   {cells[0]}   {cells[1]}"
+                  + ("   << outside" if bad else ""))
+
+
+def parity(args, work, precision):
+    print(f"== {os.path.basename(args.model)} in {precision}")
+    twin = export(args, work, precision)
+    init, data, ours = fusec_train(args, work, precision)
+    if len(ours) != args.steps:
+        raise SystemExit(f"error: fusec logged {len(ours)} steps of {args.steps}")
+    batches, micro = fed_batches(twin, data, args)
+    if micro != twin.MICRO_BATCHES:
+        raise SystemExit(f"error: fusec ran {micro} micro-batches a step, the twin {twin.MICRO_BATCHES}")
+    fusec_skips = {i for i, s in enumerate(ours, 1) if s["grad_norm"] is None} if precision == "fp16" else set()
+    same = twin_train(twin, init, batches, micro, args, precision)
+    wide = twin_train(twin, init, batches, micro, args, "fp64", skip=fusec_skips)
+    twin_skips = {i for i, s in enumerate(same, 1) if s["skipped"]}
+    differ = (sorted(fusec_skips), sorted(twin_skips)) if twin_skips != fusec_skips else None
+    rows, ok = judge(ours, same, wide, precision, differ)
+    show(rows, precision)
+    worst = max((r[q]["fusec"] / r[q]["allowed"] for r in rows for q in ("loss", "grad_norm")
+                 if q in r and r[q]["fusec"] is not None), default=0.0)
+    print(f"  {precision}: {args.steps} steps, fusec's largest distance from the f64 twin is "
+          f"{worst:.2f} of its allowance: {'PASS' if ok else 'FAIL'}")
+    return {"precision": precision, "ok": ok, "worst_share": worst, "rows": rows,
+            "fusec_skips": sorted(fusec_skips), "twin_skips": sorted(twin_skips)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="the model file (.dsl)")
+    ap.add_argument("--fusec", default="target/release/fusec")
+    ap.add_argument("--data", default="random", help="random (the default), a text file or an llm.c .bin shard")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--dim", action="append", default=[], metavar="NAME=N")
+    ap.add_argument("--precision", default="both",
+                    help="both (fp32 and the model's own; the default), own, fp32, bf16 or fp16")
+    ap.add_argument("--lr", type=float, help="learning rate (default: the model file's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu", action="store_true", help="fusec on its CPU reference interpreter (small sizes)")
+    ap.add_argument("--device", default=None, help="where the twins run (default: cuda when there is one, else cpu)")
+    ap.add_argument("--keep", metavar="DIR", help="keep the twins, weights, batches and logs here")
+    ap.add_argument("--out", metavar="FILE", help="write every step's figures here (JSON)")
+    args = ap.parse_args()
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda":
+        # PyTorch's fp32 reference must not round products to TF32 (fusec does not).
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    if not os.path.exists(args.fusec):
+        raise SystemExit(f"error: no fusec binary at {args.fusec}; build it (cargo build --release) or pass --fusec")
+    work = args.keep or tempfile.mkdtemp(prefix="twin-parity-")
+    os.makedirs(work, exist_ok=True)
+    own = export(args, work, None).PRECISION
+    wanted = {"both": ["fp32", own], "own": [own]}.get(args.precision, [args.precision])
+    wanted = list(dict.fromkeys(wanted))
+    for p in wanted:
+        if p not in FLOOR:
+            raise SystemExit(f"error: --precision {p}: expected both, own, fp32, bf16 or fp16")
+    results = [parity(args, work, p) for p in wanted]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "data": args.data, "steps": args.steps, "results": results}, f, indent=1)
+    if not args.keep:
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
+    ok = all(r["ok"] for r in results)
+    print(f"{os.path.basename(args.model)}: {' '.join(r['precision'] + (' PASS' if r['ok'] else ' FAIL') for r in results)}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
