@@ -12,6 +12,11 @@
 #   tools/gpu_check.sh llama     tests/models/llama-hd80.dsl beside torch.compile of its twin
 #   tools/gpu_check.sh memory    attention's device memory at B = 1, T = 1024 .. 32768 (one process each)
 #   tools/gpu_check.sh feed      fusec train on text (batches staged while the step runs) beside fusec bench
+#   tools/gpu_check.sh twins     50 steps of every shipped and twin-test model against its PyTorch twin
+#                                (tools/twin_parity.py: fp32 and the model's own precision, f64 as judge;
+#                                TWIN_STEPS=2 TWIN_EXTRA=--cpu BIN=target/release tries the cases here)
+#   tools/gpu_check.sh suite     fusec bench beside torch.compile of each shipped transformer's twin
+#                                (tools/bench_twins.py, B = 8 and 32)
 # TORCH_MODES picks torch_reference.py's modes (default: all three).
 #   tools/gpu_check.sh all
 # Logs go to out/gpu-logs, or, when $OUT is set by the device tool, to
@@ -107,4 +112,40 @@ if [ "$what" = llama ] || [ "$what" = all ]; then
   timeout 300 "$BIN/fusec" bench tests/models/llama-hd80.dsl --batch 8 --seq 1024 --steps 20 2>&1 | tail -1 | tee "$LOGS/llama-fusec.jsonl"
   run "its PyTorch twin under torch.compile"
   timeout 400 python3 tools/bench_llama.py --batch 8 --seq 1024 --modes compiled 2>&1 | tail -1 | tee "$LOGS/llama-torch.jsonl"
+fi
+if [ "$what" = twins ] || [ "$what" = all ]; then
+  # Token models train on the project's own sources and docs (several
+  # hundred KB: 50 steps never see a window twice); the others on one
+  # fixed random batch, at sizes where 50 steps do not fit it to zero.
+  CORPUS=/tmp/twin-corpus.txt
+  find . -path ./out -prune -o -path ./target -prune -o \( -name '*.rs' -o -name '*.md' \) -type f -print | sort | xargs cat > $CORPUS
+  TEXT="--data $CORPUS"
+  while read -r model rest; do
+    [ -z "$model" ] && continue
+    log="$LOGS/twin-$(basename "$model" .dsl)"
+    run "twin parity $model $rest"
+    timeout 500 python3 tools/twin_parity.py "$model" --fusec "$BIN/fusec" ${TWIN_STEPS:+--steps $TWIN_STEPS} ${TWIN_EXTRA:-} $rest \
+      --out "$log.json" > "$log.log" 2>&1
+    echo "exit $?"; grep -E "PASS|FAIL|outside|note|error" "$log.log" | head -12
+  done <<CASES
+dsl-examples/gpt2-small.dsl --set layers=4 --set d=256 --set n_heads=4 --set vocab=256 --set ctx=256 --batch 8 --seq 256 $TEXT
+dsl-examples/llama-small.dsl --set layers=4 --set d=256 --set n_heads=4 --set n_kv_heads=2 --set ffn=688 --set vocab=256 --batch 8 --seq 256 $TEXT
+tests/models/twins/gqa-hd80.dsl --batch 8 --seq 256 $TEXT
+tests/models/twins/hd40-by-hand.dsl --set vocab=256 --batch 8 --seq 128 $TEXT
+tests/models/twins/blocks.dsl --set vocab=256 --batch 8 --seq 64 $TEXT
+dsl-examples/bert-encoder.dsl --set layers=2 --set d=128 --set n_heads=2 --set vocab=1000 --set ctx=128 --batch 32 --seq 128
+dsl-examples/vit-tiny.dsl --set layers=2 --batch 64
+dsl-examples/gpt2-block.dsl --set d=256 --set n_heads=4 --batch 8 --seq 128
+dsl-examples/mlp.dsl --batch 256
+tests/models/twins/hd96-fp16.dsl --batch 64 --seq 16
+tests/models/twins/cross-attention.dsl --batch 16 --seq 32 --dim S=48
+tests/models/twins/conv-sgd.dsl --batch 128
+tests/models/twins/slicing.dsl --batch 64 --seq 8
+tests/models/twins/wide-mlp.dsl --batch 256
+tests/models/twins/repeat-shared.dsl --batch 256
+CASES
+fi
+if [ "$what" = suite ] || [ "$what" = all ]; then
+  run "fusec bench beside torch.compile of each twin"
+  timeout 1500 python3 tools/bench_twins.py --fusec "$BIN/fusec" ${SUITE_MODES:+--modes $SUITE_MODES} --out "$LOGS/suite.jsonl" 2>&1 | tee "$LOGS/suite.log" | tail -16
 fi
