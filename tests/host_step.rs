@@ -92,7 +92,8 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
     let work = host::work_dir("host-step");
     let mut report = Vec::new();
     // GPT-2 again with 1029 bf16 logits a row: not a multiple of 16 bytes,
-    // so the logits are stored with padded rows (kernel::pitch).
+    // so the logits are stored with rows padded to 1088 and the products
+    // around them run at 1088 (kernel::pitch).
     let padded = (
         "gpt2-small.dsl",
         vec![
@@ -104,13 +105,15 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
         ],
         vec![("B", 2), ("T", 3)],
     );
-    let mut pitches = 0;
+    let (mut pitches, mut zero_rows, mut pads) = (0, 0, Vec::new());
     for (file, sets, dims) in common::tiny_models().into_iter().chain([padded]) {
         let (name, src) = common::example(file);
         let c = common::compile_with(&src, &name, &sets);
         let g = &c.optimized;
         let program = fuse(g);
         pitches += program.buffers.iter().filter(|b| b.pitch.is_some()).count();
+        zero_rows += program.buffers.iter().filter(|b| b.zero_rows > 0).count();
+        pads.extend(program.gemm_pads.values().copied());
         let dmap = common::dims(&dims);
         let bdims: BTreeMap<String, i64> = dmap.iter().map(|(k, v)| (k.clone(), *v)).collect();
         let pl = plan(g, &program, &bdims).unwrap();
@@ -118,8 +121,16 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
         let reference = run_program(g, &program, &feeds, Precision::AsStored).unwrap();
         let kernels = emit_program(g, &program, None);
 
-        // The arena as the runtime fills it before a step.
+        // The arena as the runtime fills it before a step. Padded buffers
+        // start as NaN (what an earlier step may leave there): their
+        // writers must write the padding a padded GEMM reads.
         let mut arena = vec![0u8; pl.arena_bytes.max(256) as usize];
+        for (i, b) in program.buffers.iter().enumerate() {
+            if b.pitch.is_some() || b.zero_rows > 0 {
+                let at = pl.buffers[i].offset as usize;
+                arena[at..at + pl.buffers[i].bytes as usize].fill(0xff);
+            }
+        }
         for (i, b) in program.buffers.iter().enumerate() {
             let t = match (&g.g[b.value.node].op, b.kind) {
                 (Op::Input(x), _) => feeds.inputs.get(&x.name),
@@ -284,5 +295,22 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
         pitches, 2,
         "the padded GPT-2 should store its logits with padded rows"
     );
+    // The output projection at n = 1088 and its input gradient at k = 1088,
+    // over the bf16 table with 59 zero rows after its last.
+    assert_eq!(
+        zero_rows, 1,
+        "the padded GPT-2's table copy should end in zero rows"
+    );
+    let want = [
+        fusec_compiler::kernel::GemmPad {
+            n: Some(1088),
+            k: None,
+        },
+        fusec_compiler::kernel::GemmPad {
+            n: None,
+            k: Some(1088),
+        },
+    ];
+    assert_eq!(pads, want, "the padded GPT-2's products should run at 1088");
     let _ = std::fs::remove_dir_all(&work);
 }

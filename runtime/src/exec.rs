@@ -170,8 +170,23 @@ pub fn gemm_spec(
     let r = out.shape.len();
     let (ra, rb) = (ta.rank(), tb.rank());
     let m = eval(&out.shape[r - 2], dims)?;
-    let nn = eval(&out.shape[r - 1], dims)?;
-    let kk = eval(&ta.shape[ra - 1], dims)?;
+    // An awkward n or k runs rounded up where the operands' padding is
+    // zero (kernel::pitch::pad_gemm_sizes).
+    let pad = p
+        .kernels
+        .iter()
+        .position(|x| x.name == k.name)
+        .and_then(|i| p.gemm_pads.get(&i))
+        .copied()
+        .unwrap_or_default();
+    let nn = match pad.n {
+        Some(n) => n as u64,
+        None => eval(&out.shape[r - 1], dims)?,
+    };
+    let kk = match pad.k {
+        Some(k) => k as u64,
+        None => eval(&ta.shape[ra - 1], dims)?,
+    };
     let numel = |s: &[Dim]| -> Result<u64, RuntimeError> {
         s.iter().try_fold(1u64, |acc, d| Ok(acc * eval(d, dims)?))
     };
@@ -573,6 +588,13 @@ impl Executor {
                 padded = out;
                 &padded[..]
             }
+            // Zero rows after the last (kernel::pitch::pad_gemm_sizes).
+            _ if (bytes.len() as u64) < s.bytes => {
+                let mut out = vec![0u8; s.bytes as usize];
+                out[..bytes.len()].copy_from_slice(bytes);
+                padded = out;
+                &padded[..]
+            }
             _ => bytes,
         };
         let mut view = self.arena.slice_mut(lo..hi);
@@ -683,6 +705,7 @@ impl Executor {
             }
             return Ok(packed);
         }
+        out.truncate(s.packed_bytes() as usize);
         Ok(out)
     }
 

@@ -35,11 +35,21 @@ pub fn group_kernel(
     };
     // Updates of f32 parameters call the prelude's one copy of the update,
     // so compile time stays flat in the number of parameters.
-    let calls: Option<Vec<String>> = if members.iter().all(f32_only) {
-        members.iter().map(|m| update_call(g, m)).collect()
-    } else {
-        None
+    // Zeros a member writes after its output's last row (a table a padded
+    // GEMM reads past its end, kernel::pitch), as more elements of its own.
+    let tail = |m: &crate::kernel::Member| -> i64 {
+        m.outputs.first().map_or(0, |&o| {
+            let b = &p.buffers[k.outputs[o]];
+            let cols = b.ty.shape.last().and_then(|d| d.as_const()).unwrap_or(0);
+            b.zero_rows * cols
+        })
     };
+    let calls: Option<Vec<String>> =
+        if members.iter().all(f32_only) && members.iter().all(|m| tail(m) == 0) {
+            members.iter().map(|m| update_call(g, m)).collect()
+        } else {
+            None
+        };
     let _ = writeln!(
         s,
         "    for (fs_i64 chunk = blockIdx.x; ; chunk += gridDim.x) {{\n        fs_i64 b = chunk;"
@@ -62,10 +72,24 @@ pub fn group_kernel(
                     .lines()
                     .map(|l| format!("            {l}\n"))
                     .collect();
-                format!(
-                    "                for (fs_i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {{\n{body}                }}\n"
-                )
+                let zeros = tail(m);
+                if zeros == 0 {
+                    format!(
+                        "                for (fs_i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {{\n{body}                }}\n"
+                    )
+                } else {
+                    let logical = g.g[m.node].outputs[0].numel().to_c();
+                    let zero = c.st(0, "i", "0.0f");
+                    let body: String = body.lines().map(|l| format!("    {l}\n")).collect();
+                    format!(
+                        "                for (fs_i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {{\n                    if (i < {logical}) {{\n{body}                    }} else {{\n                        {zero}  // the zero rows after the last\n                    }}\n                }}\n"
+                    )
+                }
             }
+        };
+        let n = match tail(m) {
+            0 => n,
+            zeros => format!("{n} + {zeros}LL"),
         };
         let _ = write!(
             s,

@@ -192,6 +192,15 @@ fn cross_entropy_row(b: &mut String, c: &Ctx, loss: Option<usize>, grad: Option<
             "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
             c.st(o, "grow + j", &v)
         );
+        // Zeros in the padded columns: a GEMM run at the padded k reads
+        // them (kernel::pitch::pad_gemm_sizes).
+        if let Some(p) = c.p.buffers[c.k.outputs[c.outs[o]]].pitch {
+            let _ = writeln!(
+                b,
+                "        for (fs_i64 j = C + threadIdx.x; j < {p}LL; j += blockDim.x) {}",
+                c.st(o, "grow + j", "0.0f")
+            );
+        }
     }
 }
 

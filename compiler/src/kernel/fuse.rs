@@ -163,6 +163,7 @@ impl<'g> Fuser<'g> {
             ty: self.g.ty(v).clone(),
             kind,
             pitch: None,
+            zero_rows: 0,
         });
         self.buffer_of.insert(v, self.buffers.len() - 1);
         self.buffers.len() - 1
@@ -454,8 +455,10 @@ pub fn fuse(g: &Graph) -> Program {
     let mut program = Program {
         buffers: f.buffers,
         kernels,
+        gemm_pads: Default::default(),
     };
     super::pitch::pad_rows(g, &mut program);
+    super::pitch::pad_gemm_sizes(g, &mut program);
     debug_assert_eq!(program.verify(), Ok(()), "fusion broke the program");
     program
 }

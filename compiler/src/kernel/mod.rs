@@ -59,6 +59,19 @@ pub struct Buffer {
     /// Elements from one row (last axis) to the next where rows are padded
     /// for aligned GEMMs (see `pitch`); `None` when packed.
     pub pitch: Option<i64>,
+    /// Rows of zeros stored after the last row, which a GEMM run at a
+    /// padded size reads (see `pitch::pad_gemm_sizes`); its writer zeroes
+    /// them every step. 0 for none.
+    pub zero_rows: i64,
+}
+
+/// The sizes a GEMM kernel runs at where they differ from its op's: an
+/// awkward `n` or `k` (GPT-2's 50257) rounded up, over operands whose
+/// padding holds zeros (see `pitch::pad_gemm_sizes`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GemmPad {
+    pub n: Option<i64>,
+    pub k: Option<i64>,
 }
 
 /// One expression of a pointwise kernel; operands are earlier expressions
@@ -175,6 +188,8 @@ pub struct Kernel {
 pub struct Program {
     pub buffers: Vec<Buffer>,
     pub kernels: Vec<Kernel>,
+    /// GEMM kernels (by index) run at padded sizes.
+    pub gemm_pads: std::collections::BTreeMap<usize, GemmPad>,
 }
 
 impl Program {

@@ -1,18 +1,29 @@
-//! Padded rows. A [rows, N] matrix of 16-bit values whose rows are not a
-//! multiple of 16 bytes (GPT-2's 50257-entry vocabulary) makes cuBLASLt
-//! fall back to its slow unaligned kernels: on an H100 the three products
-//! of the output projection ran at about 100 TFLOP/s instead of 600. A
-//! buffer that only GEMMs and the cross-entropy row kernel touch is stored
-//! with its rows padded to 16 bytes (the row pitch, in elements); those
-//! kernels take the pitch as the leading dimension, nothing else ever sees
-//! the padding.
+//! Padded rows and padded GEMM sizes. A [rows, N] matrix of 16-bit values
+//! whose rows are not a multiple of 16 bytes (GPT-2's 50257-entry
+//! vocabulary) makes cuBLASLt fall back to its slow unaligned kernels, and
+//! an odd `n` or `k` keeps it slow even with aligned rows: on an H100 the
+//! products of the output projection ran at 96 and 134 TFLOP/s where the
+//! same products at 50304 run several times faster. So a buffer that only
+//! GEMMs and the cross-entropy row kernel touch is stored with its rows
+//! padded to a multiple of 64 elements (the row pitch; those kernels take
+//! it as the leading dimension and nothing else sees it), and the GEMMs
+//! over it run at the padded size where the padding they read is zero: the
+//! table they multiply (a cast copy of a parameter) gets zero rows after its
+//! last, which its cast writes every step, and the cross-entropy gradient
+//! writes zeros into its padded columns. Zero rows give zero products, so
+//! every value the model defines is unchanged; the parameters, checkpoints
+//! and losses keep the model file's sizes.
 
-use super::{Body, BufKind, Program};
+use super::{Body, BufKind, GemmPad, Kernel, Program};
 use crate::ir::Graph;
 use crate::ops::Op;
 
-/// Bytes a padded row is a multiple of.
+/// Bytes a row must be a multiple of for cuBLASLt's aligned kernels.
 const ROW_ALIGN: i64 = 16;
+
+/// Elements a padded row (and a padded GEMM size) is a multiple of: the
+/// sizes at which cuBLASLt's tiles divide the product (50257 becomes 50304).
+const PAD_TO: i64 = 64;
 
 /// Only rows at least this long are padded (the waste stays under 1%).
 const MIN_ROW: i64 = 1024;
@@ -56,8 +67,7 @@ pub fn pad_rows(g: &Graph, p: &mut Program) {
                 }
         });
         if honours {
-            let per_row = ROW_ALIGN / size.max(1);
-            p.buffers[b].pitch = n.checked_add(per_row - 1).map(|x| x / per_row * per_row);
+            p.buffers[b].pitch = round_up(n);
         }
     }
     // The fused cross-entropy writes its gradient over its logits: where
@@ -74,4 +84,105 @@ pub fn pad_rows(g: &Graph, p: &mut Program) {
             p.buffers[dx].pitch = None;
         }
     }
+}
+
+fn round_up(n: i64) -> Option<i64> {
+    n.checked_add(PAD_TO - 1).map(|x| x / PAD_TO * PAD_TO)
+}
+
+/// Runs the products of an awkward size at the padded one where their
+/// padding reads as zero: `n` where the product's rows are as long as the
+/// pitch and its `B` is a table read transposed (`x @ wte^T`), `k` where
+/// `A` is a cross-entropy gradient (zero past its last column) and `B` the
+/// table (`dlogits @ wte`). The table is a parameter's cast copy, computed
+/// each step, whose cast writes the zero rows after it.
+pub fn pad_gemm_sizes(g: &Graph, p: &mut Program) {
+    for ki in 0..p.kernels.len() {
+        let k = &p.kernels[ki];
+        let Body::Op(op) = k.body else { continue };
+        if !matches!(g.g[op].op, Op::MatMul(_)) || k.residual.is_some() || k.inputs.len() != 2 {
+            continue;
+        }
+        let (a, b, d) = (k.inputs[0], k.inputs[1], k.outputs[0]);
+        let b_transposed = k.input_views.get(1).is_some_and(|v| v.is_some());
+        let a_transposed = k.input_views.first().is_some_and(|v| v.is_some());
+        let Some(table_rows) = cast_table_rows(g, p, b) else {
+            continue;
+        };
+        let Some(padded) = round_up(table_rows).filter(|&x| x != table_rows) else {
+            continue;
+        };
+        let out_cols = p.buffers[d].ty.shape.last().and_then(|x| x.as_const());
+        let a_cols = p.buffers[a].ty.shape.last().and_then(|x| x.as_const());
+        let pad =
+            if b_transposed && out_cols == Some(table_rows) && p.buffers[d].pitch == Some(padded) {
+                // n: the padded columns of the product are x . 0 = 0.
+                GemmPad {
+                    n: Some(padded),
+                    k: None,
+                }
+            } else if !b_transposed
+                && !a_transposed
+                && a_cols == Some(table_rows)
+                && p.buffers[a].pitch == Some(padded)
+                && zero_past_columns(g, p, a)
+            {
+                GemmPad {
+                    n: None,
+                    k: Some(padded),
+                }
+            } else {
+                continue;
+            };
+        p.buffers[b].zero_rows = padded - table_rows;
+        p.gemm_pads.insert(ki, pad);
+    }
+}
+
+/// The rows of a [rows, cols] buffer that a cast in the parameter-cast group
+/// writes and nothing else does: one whose rows past the last can be zeroed
+/// each step by its writer.
+fn cast_table_rows(g: &Graph, p: &Program, b: usize) -> Option<i64> {
+    let buf = &p.buffers[b];
+    if buf.kind != BufKind::Temp
+        || buf.ty.shape.len() != 2
+        || g.outputs.iter().any(|(_, v)| *v == buf.value)
+    {
+        return None;
+    }
+    let writers: Vec<&Kernel> = p
+        .kernels
+        .iter()
+        .filter(|k| k.outputs.contains(&b))
+        .collect();
+    let [writer] = writers.as_slice() else {
+        return None;
+    };
+    let Body::Group(members) = &writer.body else {
+        return None;
+    };
+    let by_cast = members.iter().any(|m| {
+        matches!(g.g[m.node].op, Op::Cast(_))
+            && m.outputs.len() == 1
+            && writer.outputs[m.outputs[0]] == b
+    });
+    if !by_cast {
+        return None;
+    }
+    buf.ty.shape[0].as_const().filter(|&r| r >= MIN_ROW)
+}
+
+/// Whether every writer of `a` leaves zeros in its padded columns: the
+/// cross-entropy gradient, which writes them.
+fn zero_past_columns(g: &Graph, p: &Program, a: usize) -> bool {
+    let writers: Vec<&Kernel> = p
+        .kernels
+        .iter()
+        .filter(|k| k.outputs.contains(&a))
+        .collect();
+    !writers.is_empty()
+        && writers.iter().all(|k| {
+            matches!(k.body, Body::Op(op) if matches!(g.g[op].op, Op::CrossEntropyWithGrad(_)))
+                && k.outputs.first() == Some(&a)
+        })
 }

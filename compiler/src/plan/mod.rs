@@ -57,6 +57,9 @@ pub struct PlannedBuffer {
     /// Elements between rows where the rows are padded (kernel::pitch).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pitch: Option<i64>,
+    /// Rows of zeros stored after the last (kernel::pitch::pad_gemm_sizes).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub zero_rows: i64,
     pub offset: u64,
     pub kind: MemKind,
     /// Written in place over this buffer (an optimizer update).
@@ -259,7 +262,7 @@ pub fn plan_with(
             Op::State(x) => x.name.clone(),
             _ => format!("{} ({})", b.ty, g.g[b.value.node].op.name()),
         };
-        let bytes = padded(n as u64, &shape, b.pitch)
+        let bytes = padded(n as u64, &shape, b.pitch, b.zero_rows)
             .and_then(|e| e.checked_mul(b.ty.dtype.size_bytes() as u64))
             .filter(|&x| x <= MAX_BYTES)
             .ok_or_else(|| {
@@ -274,6 +277,7 @@ pub fn plan_with(
             shape,
             bytes,
             pitch: b.pitch,
+            zero_rows: b.zero_rows,
             offset: 0,
             kind,
             alias_of: alias.get(&id).copied(),
@@ -305,6 +309,7 @@ pub fn plan_with(
                 shape: vec![n as i64],
                 bytes: 4 * n,
                 pitch: None,
+                zero_rows: 0,
                 offset: 0,
                 kind: MemKind::Activation,
                 alias_of: None,
@@ -700,10 +705,15 @@ impl Plan {
 }
 
 /// Elements a buffer of `n` values of `shape` takes with its rows `pitch`
-/// apart.
-fn padded(n: u64, shape: &[i64], pitch: Option<i64>) -> Option<u64> {
-    match (pitch, shape.last()) {
-        (Some(p), Some(&last)) if last > 0 => (n / last as u64).checked_mul(p as u64),
-        _ => Some(n),
-    }
+/// apart and `zero_rows` more rows after the last.
+fn padded(n: u64, shape: &[i64], pitch: Option<i64>, zero_rows: i64) -> Option<u64> {
+    let Some(&last) = shape.last().filter(|&&l| l > 0) else {
+        return Some(n);
+    };
+    let rows = (n / last as u64).checked_add(zero_rows as u64)?;
+    rows.checked_mul(pitch.unwrap_or(last) as u64)
+}
+
+fn is_zero(x: &i64) -> bool {
+    *x == 0
 }

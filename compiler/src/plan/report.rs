@@ -106,6 +106,7 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
         .copied()
         .unwrap_or(0);
     let _ = writeln!(s, "  (parameters are {} in f32)", gib(params));
+    padding(&mut s, p, plan);
     let compute: f64 = est
         .kernels
         .iter()
@@ -164,4 +165,53 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
         );
     }
     s
+}
+
+/// What kernel::pitch padded, what it costs in memory, and the GEMMs that
+/// run at padded sizes.
+fn padding(s: &mut String, p: &Program, plan: &Plan) {
+    let mut lines = Vec::new();
+    let mut extra = 0u64;
+    for (b, pb) in plan.buffers.iter().enumerate().take(p.buffers.len()) {
+        let buf = &p.buffers[b];
+        if buf.pitch.is_none() && buf.zero_rows == 0 {
+            continue;
+        }
+        let packed =
+            pb.shape.iter().product::<i64>().max(0) as u64 * buf.ty.dtype.size_bytes() as u64;
+        let cost = pb.bytes.saturating_sub(packed);
+        extra += cost;
+        let what = match (buf.pitch, buf.zero_rows) {
+            (Some(pitch), 0) => format!("rows padded to {pitch}"),
+            (None, z) => format!("{z} zero rows after the last"),
+            (Some(pitch), z) => format!("rows padded to {pitch}, {z} zero rows after the last"),
+        };
+        lines.push(format!("  {:<44} {what} (+{})", pb.name, kib(cost)));
+    }
+    if lines.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "padding for aligned and padded GEMMs (kernel::pitch): +{} in all",
+        kib(extra)
+    );
+    for l in lines {
+        let _ = writeln!(s, "{l}");
+    }
+    for (k, pad) in &p.gemm_pads {
+        let sizes: Vec<String> = [("n", pad.n), ("k", pad.k)]
+            .iter()
+            .filter_map(|(x, v)| v.map(|v| format!("{x} = {v}")))
+            .collect();
+        let _ = writeln!(s, "  {} runs at {}", p.kernels[*k].name, sizes.join(", "));
+    }
+}
+
+fn kib(b: u64) -> String {
+    if b >= 1 << 20 {
+        mib(b)
+    } else {
+        format!("{:.1} KiB", b as f64 / 1024.0)
+    }
 }
