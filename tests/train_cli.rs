@@ -480,3 +480,155 @@ fn precision_on_the_command_line_replaces_the_models() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("expected fp32, bf16 or fp16"), "{err}");
 }
+
+/// `(step, lr, loss)` of every line of a metrics log.
+fn rates(log: &Path) -> Vec<(u64, f64, String)> {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                v["step"].as_u64().unwrap(),
+                v["lr"].as_f64().unwrap(),
+                v["loss"].to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Warmup then cosine decay, from the command line: each step's rate in
+/// the log is the formula's; runs stopped in the middle of the warmup and
+/// in the middle of the decay and resumed repeat the unbroken run's rates
+/// and losses exactly (the decay's end, the run's last step, travels in
+/// the checkpoint).
+#[test]
+fn a_schedule_follows_its_formula_and_resumes_exactly() {
+    let sched = ["--schedule", "cosine", "--warmup", "3", "--min-lr", "1e-4"];
+    let (whole, ck) = (tmp("sched-whole.jsonl"), tmp("sched.safetensors"));
+    let mut args = vec!["--steps", "10", "--log", whole.to_str().unwrap()];
+    args.extend_from_slice(&sched);
+    let (code, _, err) = run(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("learning rate: cosine(warmup=3"), "{err}");
+    let want = rates(&whole);
+    assert_eq!(want.len(), 10);
+    for (step, lr, _) in &want {
+        let f = if *step <= 3 {
+            3e-3 * *step as f64 / 3.0
+        } else {
+            let r = (*step - 4) as f64 / 6.0;
+            1e-4 + 0.5 * (1.0 + (std::f64::consts::PI * r).cos()) * (3e-3 - 1e-4)
+        };
+        assert!((lr - f).abs() <= 1e-15, "step {step}: lr {lr}, formula {f}");
+    }
+    // Stopped after step 2 (warmup) and after step 6 (decay), resumed to 10.
+    for stop in [2u64, 6] {
+        let log = tmp(&format!("sched-{stop}.jsonl"));
+        let stop_s = stop.to_string();
+        let mut a = vec![
+            "--steps",
+            stop_s.as_str(),
+            "--save",
+            ck.to_str().unwrap(),
+            "--log",
+            log.to_str().unwrap(),
+        ];
+        a.extend_from_slice(&sched);
+        // The first run alone does not know the whole run's end: it decays
+        // to its own. Give the end explicitly, as a user resuming would.
+        a.extend_from_slice(&["--decay-steps", "10"]);
+        let (code, _, err) = run(&a);
+        assert_eq!(code, 0, "{err}");
+        let rest = (10 - stop).to_string();
+        let mut b = vec![
+            "--steps",
+            rest.as_str(),
+            "--resume",
+            ck.to_str().unwrap(),
+            "--log",
+            log.to_str().unwrap(),
+        ];
+        b.extend_from_slice(&sched);
+        b.extend_from_slice(&["--decay-steps", "10"]);
+        let (code, _, err) = run(&b);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(rates(&log), want, "stopped after step {stop}");
+    }
+}
+
+/// Without `--decay-steps` the decay ends at the first run's last step,
+/// and a resumed run keeps that end from the checkpoint.
+#[test]
+fn a_resumed_run_keeps_the_first_runs_decay_end() {
+    let (log, ck) = (tmp("sched-end.jsonl"), tmp("sched-end.safetensors"));
+    let sched = ["--schedule", "linear"];
+    let mut a = vec![
+        "--steps",
+        "4",
+        "--save",
+        ck.to_str().unwrap(),
+        "--log",
+        log.to_str().unwrap(),
+    ];
+    a.extend_from_slice(&sched);
+    let (code, _, err) = run(&a);
+    assert_eq!(code, 0, "{err}");
+    let mut b = vec![
+        "--steps",
+        "2",
+        "--resume",
+        ck.to_str().unwrap(),
+        "--log",
+        log.to_str().unwrap(),
+    ];
+    b.extend_from_slice(&sched);
+    let (code, _, err) = run(&b);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("ending at step 4"), "{err}");
+    let lrs: Vec<f64> = rates(&log).iter().map(|r| r.1).collect();
+    // 3e-3 (SMALL's) at step 1, then down a third a step to 0 at step 4.
+    let want = [3e-3, 2e-3, 1e-3, 0.0, 0.0, 0.0];
+    assert_eq!(lrs.len(), 6);
+    for (got, want) in lrs.iter().zip(want) {
+        assert!((got - want).abs() <= 1e-15, "{lrs:?}");
+    }
+}
+
+/// A schedule in the model file's `train` section: `fusec check` shows it
+/// and `fusec train` follows it (warmup to the peak, then a linear decay
+/// from the peak to `min_lr` at `steps`, `min_lr` after).
+#[test]
+fn the_model_files_schedule_is_followed() {
+    let model = bigram(
+        "scheduled.dsl",
+        "B, T",
+        " schedule = linear(warmup = 2, steps = 5, min_lr = 1e-3)\n",
+    );
+    let (code, out, err) = fusec(&["check", model.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("learning rate: linear(warmup=2, steps=5, min_lr=0.001)"),
+        "{out}"
+    );
+    let log = tmp("scheduled.jsonl");
+    let (code, _, err) = train_cpu(
+        &model,
+        &[
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--steps",
+            "6",
+            "--log",
+            log.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let lrs: Vec<f64> = rates(&log).iter().map(|r| r.1).collect();
+    let want = [5e-3, 1e-2, 1e-2, 5.5e-3, 1e-3, 1e-3];
+    for (got, want) in lrs.iter().zip(want) {
+        assert!((got - want).abs() <= 1e-15, "{lrs:?}");
+    }
+}

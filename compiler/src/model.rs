@@ -72,9 +72,86 @@ impl std::fmt::Display for Optimizer {
     }
 }
 
+/// How the rate falls after warmup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decay {
+    Constant,
+    Cosine,
+    Linear,
+}
+
+/// The learning rate over the steps (counted from 1): a linear warmup from
+/// lr/warmup to lr at step `warmup`, then constant, or a cosine or linear
+/// decay from lr at step warmup + 1 to `min_lr` at step `steps` (nanoGPT's
+/// and llm.c's schedule), `min_lr` after it. The rate is an
+/// input of the step graph, so a schedule changes no kernel.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Schedule {
+    pub decay: Decay,
+    pub warmup: u64,
+    /// The step the decay ends at; `None`: the run's last step.
+    pub steps: Option<u64>,
+    pub min_lr: f64,
+}
+
+impl Default for Schedule {
+    fn default() -> Self {
+        Schedule {
+            decay: Decay::Constant,
+            warmup: 0,
+            steps: None,
+            min_lr: 0.0,
+        }
+    }
+}
+
+impl Schedule {
+    /// The rate of step `step` (counted from 1) for the peak rate `lr`,
+    /// where the decay ends at `horizon` unless the schedule names a step.
+    pub fn rate(&self, lr: f64, step: u64, horizon: u64) -> f64 {
+        if step <= self.warmup {
+            return lr * step as f64 / self.warmup as f64;
+        }
+        let end = self.steps.unwrap_or(horizon);
+        if self.decay == Decay::Constant {
+            return lr;
+        }
+        if step >= end {
+            return self.min_lr;
+        }
+        // The first step after the warmup is at the peak, `end` at min_lr.
+        let ratio = (step - self.warmup - 1) as f64 / (end - self.warmup - 1) as f64;
+        let coeff = match self.decay {
+            Decay::Cosine => 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos()),
+            _ => 1.0 - ratio,
+        };
+        self.min_lr + coeff * (lr - self.min_lr)
+    }
+
+    /// `cosine(warmup=100, steps=5000, min_lr=6e-05)`, as the model file writes it.
+    pub fn describe(&self) -> String {
+        let name = match self.decay {
+            Decay::Constant => "constant",
+            Decay::Cosine => "cosine",
+            Decay::Linear => "linear",
+        };
+        let mut parts = vec![format!("warmup={}", self.warmup)];
+        if self.decay != Decay::Constant {
+            parts.push(match self.steps {
+                Some(s) => format!("steps={s}"),
+                None => "steps=the run's last".into(),
+            });
+            parts.push(format!("min_lr={}", num(self.min_lr)));
+        }
+        format!("{name}({})", parts.join(", "))
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainConfig {
     pub optimizer: Optimizer,
+    /// The learning rate over the steps.
+    pub schedule: Schedule,
     /// Clip gradients to this global L2 norm before the update.
     pub clip_grad_norm: Option<f64>,
     /// Compute dtype: f32, or bf16/f16 with f32 master weights and optimizer state.
@@ -105,5 +182,54 @@ impl Model {
                 _ => None,
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-15 * b.abs().max(1e-300)
+    }
+
+    #[test]
+    fn warmup_then_cosine_linear_or_constant() {
+        let lr = 6e-4;
+        let cos = Schedule {
+            decay: Decay::Cosine,
+            warmup: 10,
+            steps: Some(111),
+            min_lr: 6e-5,
+        };
+        // Warmup: lr * step / warmup, reaching lr at the last warmup step.
+        assert!(close(cos.rate(lr, 1, 0), 6e-5));
+        assert!(close(cos.rate(lr, 10, 0), lr));
+        // The decay starts at the peak after the warmup; halfway through,
+        // the cosine is at the midpoint.
+        assert!(close(cos.rate(lr, 11, 0), lr));
+        assert!(close(cos.rate(lr, 61, 0), (lr + 6e-5) / 2.0));
+        assert!(close(
+            cos.rate(lr, 36, 0),
+            6e-5 + 0.5 * (1.0 + (std::f64::consts::PI * 0.25).cos()) * (lr - 6e-5)
+        ));
+        // The end and after it: min_lr.
+        assert!(close(cos.rate(lr, 111, 0), 6e-5));
+        assert!(close(cos.rate(lr, 500, 0), 6e-5));
+        let lin = Schedule {
+            decay: Decay::Linear,
+            steps: None,
+            ..cos
+        };
+        // Without `steps` the decay ends at the horizon given.
+        assert!(close(lin.rate(lr, 36, 61), lr - 0.5 * (lr - 6e-5)));
+        assert!(close(lin.rate(lr, 61, 61), 6e-5));
+        let constant = Schedule {
+            decay: Decay::Constant,
+            ..cos
+        };
+        assert!(close(constant.rate(lr, 5, 0), lr / 2.0));
+        assert!(close(constant.rate(lr, 1000, 0), lr));
+        assert_eq!(Schedule::default().rate(lr, 1, 1), lr);
     }
 }

@@ -93,6 +93,9 @@ pub fn summary(c: &fusec_compiler::driver::Compiled, path: &str) -> String {
         "training: {}, {clip}, {} compute, {mb}",
         t.optimizer, t.precision
     );
+    if t.schedule != Default::default() {
+        let _ = writeln!(out, "learning rate: {}", t.schedule.describe());
+    }
     let count = |p: Phase| c.training.g.node_weights().filter(|n| n.phase == p).count();
     let _ = writeln!(
         out,

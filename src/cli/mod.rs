@@ -6,6 +6,7 @@ pub mod build;
 pub mod check;
 mod common;
 pub mod export;
+mod schedule;
 pub mod train;
 
 /// A failure to report: the rendered message and the exit status.

@@ -1,6 +1,7 @@
 //! `fusec train`: the compiled step run over the data, on a GPU or the CPU reference.
 
 use super::common::{load, Loaded, ModelArgs, SizeArgs};
+use super::schedule::ScheduleArgs;
 use super::CliError;
 use clap::Args;
 use fusec_compiler::interp::{round_to, Precision};
@@ -33,10 +34,12 @@ pub struct TrainArgs {
     /// Learning rate (the model file's optimizer settings are used otherwise)
     #[arg(long)]
     pub lr: Option<f64>,
+    #[command(flatten)]
+    pub schedule: ScheduleArgs,
     /// Seed for the initial weights (and the random batch)
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Append one JSON line per step (step, loss, grad_norm, ms, tokens_per_s)
+    /// Append one JSON line per step (step, lr, loss, grad_norm, ms, tokens_per_s)
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,
     /// GPU to use
@@ -366,7 +369,37 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         }
     }
     let last = first + args.steps - 1;
+    // The decay ends at the model's or the command line's step, else at
+    // the run's last; a resumed run keeps the first run's end.
+    let schedule = args
+        .schedule
+        .resolve(loaded.compiled.model.train.schedule, lr)?;
+    let horizon = resumed
+        .as_ref()
+        .and_then(|ck| ck.extra.get("schedule_end"))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(last);
+    let scheduled = schedule != Default::default();
+    if scheduled {
+        eprintln!(
+            "learning rate: {} from {lr}{}",
+            schedule.describe(),
+            if ends_with_the_run(&schedule) {
+                format!(", ending at step {horizon}")
+            } else {
+                String::new()
+            }
+        );
+    }
+    let state = |scaler: &fusec_runtime::scaler::LossScaler, opt_step: u64| {
+        let mut m = run_state(scaler, opt_step, fp16);
+        if ends_with_the_run(&schedule) {
+            m.insert("schedule_end".into(), horizon.to_string());
+        }
+        m
+    };
     for step in first..=last {
+        let rate = schedule.rate(lr, step, horizon);
         if fp16 {
             b.set(fusec_compiler::autodiff::LOSS_SCALE_INPUT, &[scaler.scale])
                 .map_err(runtime_err)?;
@@ -382,7 +415,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
                 b.set(fusec_compiler::autodiff::APPLY_INPUT, &[apply])
                     .map_err(runtime_err)?;
             }
-            b.launch(lr, opt_step + 1).map_err(runtime_err)?;
+            b.launch(rate, opt_step + 1).map_err(runtime_err)?;
             if let Some(pf) = &batches {
                 if step < last || mb + 1 < micro {
                     stage_next(b, pf, &mut record)?;
@@ -410,7 +443,12 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         }
         let tps = tokens_per_step as f64 / (ms / 1e3);
         eprintln!(
-            "step {step:>5}/{last}  loss {:.4}  {}{ms:.1} ms  {:.0} tok/s",
+            "step {step:>5}/{last}  {}loss {:.4}  {}{ms:.1} ms  {:.0} tok/s",
+            if scheduled {
+                format!("lr {rate:.3e}  ")
+            } else {
+                String::new()
+            },
             st.loss,
             st.grad_norm
                 .map_or(String::new(), |n| format!("norm {n:.3}  ")),
@@ -419,7 +457,8 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         if let Some(f) = &mut log {
             let _ = writeln!(
                 f,
-                "{{\"step\":{step},\"loss\":{},\"grad_norm\":{},\"ms\":{ms:.3},\"tokens_per_s\":{tps:.1}}}",
+                "{{\"step\":{step},\"lr\":{},\"loss\":{},\"grad_norm\":{},\"ms\":{ms:.3},\"tokens_per_s\":{tps:.1}}}",
+                json_num(rate),
                 json_num(st.loss),
                 st.grad_norm.map_or("null".into(), json_num)
             );
@@ -435,12 +474,12 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         }
         if let (Some(path), Some(every)) = (&args.save, args.save_every) {
             if step % every == 0 && step != last {
-                save(b, path, step, &run_state(&scaler, opt_step, fp16))?;
+                save(b, path, step, &state(&scaler, opt_step))?;
             }
         }
     }
     if let Some(path) = &args.save {
-        save(b, path, last, &run_state(&scaler, opt_step, fp16))?;
+        save(b, path, last, &state(&scaler, opt_step))?;
         eprintln!("saved {} (step {last})", path.display());
     }
     if let (Some(path), Some(log)) = (&args.save_data, &record) {
@@ -451,6 +490,11 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         eprintln!("saved the batches fed to {}", path.display());
     }
     Ok(())
+}
+
+/// Whether the schedule's end is the run's (and so recorded for a resume).
+fn ends_with_the_run(s: &fusec_compiler::model::Schedule) -> bool {
+    s.steps.is_none() && s.decay != fusec_compiler::model::Decay::Constant
 }
 
 /// What a checkpoint records beyond the tensors.

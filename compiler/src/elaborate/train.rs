@@ -1,12 +1,12 @@
 //! The `train { ... }` section: which value is the loss, the optimizer,
-//! clipping, precision and micro-batches.
+//! the learning-rate schedule, clipping, precision and micro-batches.
 
 use super::values::Val;
 use super::Elab;
 use crate::diag::Diagnostic;
 use crate::dsl::ast::{Expr, ExprKind, TrainSection};
 use crate::ir::DType;
-use crate::model::{Optimizer, TrainConfig};
+use crate::model::{Decay, Optimizer, Schedule, TrainConfig};
 
 const KEYS: &[&str] = &[
     "loss",
@@ -14,6 +14,7 @@ const KEYS: &[&str] = &[
     "clip_grad_norm",
     "precision",
     "micro_batches",
+    "schedule",
 ];
 
 fn entry<'a>(t: &'a TrainSection, key: &str) -> Option<&'a Expr> {
@@ -155,8 +156,13 @@ pub fn section(e: &mut Elab, t: &TrainSection) -> Result<TrainConfig, Diagnostic
             }
         }
     };
+    let schedule = match entry(t, "schedule") {
+        None => Schedule::default(),
+        Some(x) => schedule(e, x, optimizer.lr())?,
+    };
     Ok(TrainConfig {
         optimizer,
+        schedule,
         clip_grad_norm,
         precision: e.precision,
         micro_batches,
@@ -315,4 +321,112 @@ fn optimizer(e: &mut Elab, o: &Expr) -> Result<Optimizer, Diagnostic> {
         eps,
         weight_decay,
     })
+}
+
+/// `schedule = cosine(warmup = 100, steps = 5000, min_lr = 6e-5)`,
+/// `linear(...)` or `constant(warmup = 100)`.
+fn schedule(e: &mut Elab, x: &Expr, lr: f64) -> Result<Schedule, Diagnostic> {
+    let example = "e.g. `schedule = cosine(warmup = 100, steps = 5000, min_lr = 6e-5)`";
+    let ExprKind::Call { func, args } = &x.kind else {
+        return Err(Diagnostic::new(
+            "expected a learning-rate schedule",
+            x.span,
+            "not `cosine(...)`, `linear(...)` or `constant(...)`",
+        )
+        .with_help(example));
+    };
+    let (decay, allowed): (Decay, &[&str]) = match func.name.as_str() {
+        "cosine" => (Decay::Cosine, &["warmup", "steps", "min_lr"]),
+        "linear" => (Decay::Linear, &["warmup", "steps", "min_lr"]),
+        "constant" => (Decay::Constant, &["warmup"]),
+        other => {
+            let d = Diagnostic::new(
+                format!("unknown schedule `{other}`"),
+                func.span,
+                "expected `cosine`, `linear` or `constant`",
+            );
+            return Err(
+                match super::suggest(other, ["cosine", "linear", "constant"].into_iter()) {
+                    Some(s) => d.with_help(format!("did you mean `{s}`?")),
+                    None => d.with_help(example),
+                },
+            );
+        }
+    };
+    let mut out = Schedule {
+        decay,
+        ..Schedule::default()
+    };
+    let mut seen: Vec<&str> = Vec::new();
+    let mut steps_span = None;
+    for a in args {
+        let Some(n) = &a.name else {
+            return Err(Diagnostic::new(
+                "schedule settings are given by name",
+                a.value.span,
+                "expected `name = value`, found a value by position",
+            )
+            .with_help(format!("`{}` takes: {}", func.name, allowed.join(", "))));
+        };
+        if !allowed.contains(&n.name.as_str()) {
+            let mut d = Diagnostic::new(
+                format!("`{}` has no setting `{}`", func.name, n.name),
+                n.span,
+                "unknown setting",
+            );
+            if let Some(s) = super::suggest(&n.name, allowed.iter().copied()) {
+                d = d.with_help(format!("did you mean `{s}`?"));
+            }
+            return Err(d.with_help(format!("`{}` takes: {}", func.name, allowed.join(", "))));
+        }
+        if seen.contains(&n.name.as_str()) {
+            return Err(Diagnostic::new(
+                format!("`{}` is given twice", n.name),
+                n.span,
+                "given again",
+            ));
+        }
+        seen.push(n.name.as_str());
+        let v = e.eval(&a.value)?;
+        match n.name.as_str() {
+            "min_lr" => match v.as_f64() {
+                Some(f) if f >= 0.0 && f <= lr => out.min_lr = f,
+                _ => {
+                    return Err(Diagnostic::new(
+                        format!("`min_lr` must be a number from 0 to the optimizer's lr ({lr})"),
+                        a.value.span,
+                        format!("found {}", v.describe(&e.graph)),
+                    ))
+                }
+            },
+            key => match v.as_i64() {
+                Some(k) if k >= 0 && (key == "warmup" || k >= 1) => {
+                    if key == "warmup" {
+                        out.warmup = k as u64;
+                    } else {
+                        out.steps = Some(k as u64);
+                        steps_span = Some(a.value.span);
+                    }
+                }
+                _ => {
+                    return Err(Diagnostic::new(
+                        format!("`{key}` must be a whole number of steps"),
+                        a.value.span,
+                        format!("found {}", v.describe(&e.graph)),
+                    ))
+                }
+            },
+        }
+    }
+    if let (Some(steps), Some(span)) = (out.steps, steps_span) {
+        if steps <= out.warmup {
+            return Err(Diagnostic::new(
+                "the decay must end after the warmup",
+                span,
+                format!("`steps = {steps}` is not after `warmup = {}`", out.warmup),
+            )
+            .with_help("`steps` is the step the decay ends at, counted from the first step, warmup included"));
+        }
+    }
+    Ok(out)
 }
