@@ -192,7 +192,8 @@ def twin_train(twin, init, batches, micro, args, precision, skip=None):
             out.append({"loss": loss, "grad_norm": None, "skipped": True})
             continue
         before = scaler.get_scale() if scaler is not None else None
-        loss, norm = twin.train_step(model, opt, inputs, lr=args.lr, scaler=scaler, precision=precision)
+        rate = twin.learning_rate(step, args.steps, args.lr)
+        loss, norm = twin.train_step(model, opt, inputs, lr=rate, scaler=scaler, precision=precision)
         skipped = scaler is not None and scaler.get_scale() < before
         out.append({"loss": loss, "grad_norm": norm, "skipped": skipped})
     return out

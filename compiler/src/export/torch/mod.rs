@@ -166,6 +166,19 @@ fn train_config(model: &Model, root: &str) -> String {
     );
     let _ = writeln!(s, "PRECISION = \"{}\"", dtype_word(t.precision));
     let _ = writeln!(s, "MICRO_BATCHES = {}", t.micro_batches);
+    let sc = &t.schedule;
+    let kind = match sc.decay {
+        crate::model::Decay::Constant => "constant",
+        crate::model::Decay::Cosine => "cosine",
+        crate::model::Decay::Linear => "linear",
+    };
+    let _ = writeln!(
+        s,
+        "SCHEDULE = dict(kind=\"{kind}\", warmup={}, steps={}, min_lr={})",
+        sc.warmup,
+        sc.steps.map_or("None".to_string(), |n| n.to_string()),
+        float(sc.min_lr)
+    );
     s
 }
 

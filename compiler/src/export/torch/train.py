@@ -23,6 +23,25 @@ def make_optimizer(model, lr=None):
     return torch.optim.SGD(groups, lr=lr, momentum=o["momentum"], weight_decay=o["weight_decay"])
 
 
+def learning_rate(step, last_step, lr=None):
+    """The rate of step `step` (counted from 1) as fusec's schedule gives it:
+    a linear warmup to lr at step `warmup`, then lr (constant), or a cosine
+    or linear decay from lr at the next step to `min_lr` at step `steps`
+    (the run's `last_step` when the model file names none)."""
+    s = SCHEDULE
+    lr = OPTIMIZER["lr"] if lr is None else lr
+    if step <= s["warmup"]:
+        return lr * step / s["warmup"]
+    if s["kind"] == "constant":
+        return lr
+    end = s["steps"] or last_step
+    if step >= end:
+        return s["min_lr"]
+    ratio = (step - s["warmup"] - 1) / (end - s["warmup"] - 1)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio)) if s["kind"] == "cosine" else 1.0 - ratio
+    return s["min_lr"] + coeff * (lr - s["min_lr"])
+
+
 def make_scaler(device):
     """fp16's dynamic loss scale, as fusec keeps it: 65,536 to start, halved on
     an overflow (the step is skipped), doubled after 2,000 good steps."""
@@ -170,7 +189,7 @@ def main():
     scaler = make_scaler(args.device)
     for step in range(1, args.steps + 1):
         batches = [random_inputs(sizes, args.device) for _ in range(MICRO_BATCHES)]
-        loss, norm = train_step(model, opt, batches, scaler=scaler)
+        loss, norm = train_step(model, opt, batches, lr=learning_rate(step, args.steps), scaler=scaler)
         print(f"step {step}: loss {loss:.6f}, grad norm {norm:.4f}")
 
 
