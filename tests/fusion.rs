@@ -97,3 +97,62 @@ fn the_program_verifier_catches_broken_programs() {
     let e = twice.verify().unwrap_err().join("\n");
     assert!(e.contains("written 2 times"), "{e}");
 }
+
+/// Padded GEMM sizes at vocabularies nobody chose for the examples: a tied
+/// GPT-2 head of 5003 or 50257 entries runs its two products over the table
+/// at the size rounded up to 64, with that many zero rows after the table's
+/// last; a vocabulary already a multiple of 64 pads nothing; an untied
+/// `[d, vocab]` head (LLaMA's) is not padded yet.
+#[test]
+fn awkward_vocabularies_run_their_products_padded() {
+    use fusec_compiler::kernel::GemmPad;
+    let pads = |file: &str, sets: &[(&str, &str)]| {
+        let (name, src) = common::example(file);
+        let c = common::compile_with(&src, &name, sets);
+        let p = fuse(&c.optimized);
+        let zero_rows: Vec<i64> = p
+            .buffers
+            .iter()
+            .map(|b| b.zero_rows)
+            .filter(|&z| z > 0)
+            .collect();
+        (p.gemm_pads.values().copied().collect::<Vec<_>>(), zero_rows)
+    };
+    let gpt2 = |v: &'static str| {
+        [
+            ("vocab", v),
+            ("ctx", "8"),
+            ("d", "16"),
+            ("n_heads", "2"),
+            ("layers", "1"),
+        ]
+    };
+    for (vocab, padded) in [("5003", 5056), ("50257", 50304)] {
+        let want = vec![
+            GemmPad {
+                n: Some(padded),
+                k: None,
+            },
+            GemmPad {
+                n: None,
+                k: Some(padded),
+            },
+        ];
+        let vocab_n: i64 = vocab.parse().unwrap();
+        assert_eq!(
+            pads("gpt2-small.dsl", &gpt2(vocab)),
+            (want, vec![padded - vocab_n]),
+            "vocab {vocab}"
+        );
+    }
+    assert_eq!(pads("gpt2-small.dsl", &gpt2("5056")), (vec![], vec![]));
+    let llama = [
+        ("vocab", "5003"),
+        ("d", "16"),
+        ("n_heads", "4"),
+        ("n_kv_heads", "2"),
+        ("ffn", "24"),
+        ("layers", "1"),
+    ];
+    assert_eq!(pads("llama-small.dsl", &llama), (vec![], vec![]));
+}

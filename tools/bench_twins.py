@@ -62,23 +62,11 @@ def torch_one(twin_path, sizes, mode, steps, device):
     run = torch.compile(model) if mode == "compiled" else model
     inputs = twin.random_inputs(sizes, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    cast = twin.autocast_dtype(twin.PRECISION)
-    params = list(model.parameters())
+    batch = [inputs]
 
     def step():
-        with torch.autocast(device, dtype=cast or torch.float32, enabled=cast is not None):
-            loss = run(**inputs)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        if scaler is not None:
-            scaler.unscale_(opt)
-        if twin.CLIP_GRAD_NORM is not None:
-            torch.nn.utils.clip_grad_norm_(params, twin.CLIP_GRAD_NORM)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        # The twin's own step, without reading the loss back (no wait).
+        twin.train_step_tensors(run, opt, batch, scaler=scaler, norm=False)
 
     t0 = time.perf_counter()
     for _ in range(3):

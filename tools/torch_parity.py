@@ -29,6 +29,9 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from twin_parity import token_file, windows  # noqa: E402  (fusec's reader, once)
+
 
 def load_file(path):
     """A safetensors file as {name: float32 tensor} (f32 only, as fusec writes)."""
@@ -95,21 +98,6 @@ def corpus(root, path):
     return path
 
 
-def batches(data, b, t):
-    tokens = list(open(data, "rb").read())
-    pos = 0
-    while True:
-        xs, ys = [], []
-        for _ in range(b):
-            if pos + t + 1 > len(tokens):
-                pos = 0
-            w = tokens[pos:pos + t + 1]
-            xs.append(w[:-1])
-            ys.append(w[1:])
-            pos += t
-        yield torch.tensor(xs), torch.tensor(ys)
-
-
 def forward(p, tokens, targets, layers, heads):
     B, T = tokens.shape
     x = p["wte"][tokens] + p["wpe"][:T]
@@ -128,7 +116,7 @@ def forward(p, tokens, targets, layers, heads):
         x = x + (m @ p[h + "mlp.c_proj_w"] + p[h + "mlp.c_proj_b"])
     x = F.layer_norm(x, (d,), p["ln_f_w"], p["ln_f_b"], 1e-5)
     logits = x @ p["wte"].t()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1).long())
 
 
 def torch_run(args, init):
@@ -144,7 +132,7 @@ def torch_run(args, init):
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     losses = []
-    data = batches(args.data, args.batch, args.seq)
+    data = iter(windows(token_file(args.data), args.batch, args.seq, args.steps))
     for _ in range(args.steps):
         x, y = next(data)
         x, y = x.to(dev), y.to(dev)

@@ -220,11 +220,9 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         let feeds = fusec_compiler::interp::random::random_feeds(b.graph(), &dmap, args.seed)
             .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
         for name in &data_inputs {
-            let values = &feeds.inputs[name].data;
+            let (values, shape) = (&feeds.inputs[name].data, &feeds.inputs[name].shape);
             b.set(name, values).map_err(runtime_err)?;
             if let Some(log) = &mut record {
-                let shape = b.shapes()[name].clone();
-                let shape = &shape;
                 let dtype = input_type(b.graph(), name).map_or(DType::F32, |t| t.dtype);
                 let pushed = if dtype == DType::I32 {
                     let ids: Vec<i32> = values.iter().map(|&x| x as i32).collect();

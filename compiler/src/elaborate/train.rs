@@ -4,7 +4,7 @@
 use super::values::Val;
 use super::Elab;
 use crate::diag::Diagnostic;
-use crate::dsl::ast::{Expr, ExprKind, TrainSection};
+use crate::dsl::ast::{Arg, Expr, ExprKind, Ident, TrainSection};
 use crate::ir::DType;
 use crate::model::{Decay, Optimizer, Schedule, TrainConfig};
 
@@ -205,37 +205,11 @@ fn optimizer(e: &mut Elab, o: &Expr) -> Result<Optimizer, Diagnostic> {
             });
         }
     };
-    let mut vals = std::collections::HashMap::new();
-    for a in args {
-        let Some(n) = &a.name else {
-            return Err(Diagnostic::new(
-                "optimizer settings are given by name",
-                a.value.span,
-                "expected `name = value`, found a value by position",
-            )
-            .with_help(format!("e.g. `{}({} = ...)`", func.name, allowed[0]))
-            .with_help(format!("`{}` takes: {}", func.name, allowed.join(", "))));
-        };
-        if !allowed.contains(&n.name.as_str()) {
-            let mut d = Diagnostic::new(
-                format!("`{}` has no setting `{}`", func.name, n.name),
-                n.span,
-                "unknown setting",
-            );
-            if let Some(s) = super::suggest(&n.name, allowed.iter().copied()) {
-                d = d.with_help(format!("did you mean `{s}`?"));
-            }
-            return Err(d.with_help(format!("`{}` takes: {}", func.name, allowed.join(", "))));
-        }
-        if vals.contains_key(n.name.as_str()) {
-            return Err(Diagnostic::new(
-                format!("`{}` is given twice", n.name),
-                n.span,
-                "given again",
-            ));
-        }
-        vals.insert(n.name.as_str(), &a.value);
-    }
+    let vals: std::collections::HashMap<&str, &Expr> =
+        named_settings(func, args, allowed, "optimizer")?
+            .into_iter()
+            .map(|(n, v)| (n.name.as_str(), v))
+            .collect();
     let mut num = |key: &str, default: f64, lo: f64, hi: f64| -> Result<f64, Diagnostic> {
         let Some(x) = vals.get(key) else {
             return Ok(default);
@@ -357,44 +331,16 @@ fn schedule(e: &mut Elab, x: &Expr, lr: f64) -> Result<Schedule, Diagnostic> {
         decay,
         ..Schedule::default()
     };
-    let mut seen: Vec<&str> = Vec::new();
     let mut steps_span = None;
-    for a in args {
-        let Some(n) = &a.name else {
-            return Err(Diagnostic::new(
-                "schedule settings are given by name",
-                a.value.span,
-                "expected `name = value`, found a value by position",
-            )
-            .with_help(format!("`{}` takes: {}", func.name, allowed.join(", "))));
-        };
-        if !allowed.contains(&n.name.as_str()) {
-            let mut d = Diagnostic::new(
-                format!("`{}` has no setting `{}`", func.name, n.name),
-                n.span,
-                "unknown setting",
-            );
-            if let Some(s) = super::suggest(&n.name, allowed.iter().copied()) {
-                d = d.with_help(format!("did you mean `{s}`?"));
-            }
-            return Err(d.with_help(format!("`{}` takes: {}", func.name, allowed.join(", "))));
-        }
-        if seen.contains(&n.name.as_str()) {
-            return Err(Diagnostic::new(
-                format!("`{}` is given twice", n.name),
-                n.span,
-                "given again",
-            ));
-        }
-        seen.push(n.name.as_str());
-        let v = e.eval(&a.value)?;
+    for (n, value) in named_settings(func, args, allowed, "schedule")? {
+        let v = e.eval(value)?;
         match n.name.as_str() {
             "min_lr" => match v.as_f64() {
                 Some(f) if f >= 0.0 && f <= lr => out.min_lr = f,
                 _ => {
                     return Err(Diagnostic::new(
                         format!("`min_lr` must be a number from 0 to the optimizer's lr ({lr})"),
-                        a.value.span,
+                        value.span,
                         format!("found {}", v.describe(&e.graph)),
                     ))
                 }
@@ -405,13 +351,13 @@ fn schedule(e: &mut Elab, x: &Expr, lr: f64) -> Result<Schedule, Diagnostic> {
                         out.warmup = k as u64;
                     } else {
                         out.steps = Some(k as u64);
-                        steps_span = Some(a.value.span);
+                        steps_span = Some(value.span);
                     }
                 }
                 _ => {
                     return Err(Diagnostic::new(
                         format!("`{key}` must be a whole number of steps"),
-                        a.value.span,
+                        value.span,
                         format!("found {}", v.describe(&e.graph)),
                     ))
                 }
@@ -427,6 +373,49 @@ fn schedule(e: &mut Elab, x: &Expr, lr: f64) -> Result<Schedule, Diagnostic> {
             )
             .with_help("`steps` is the step the decay ends at, counted from the first step, warmup included"));
         }
+    }
+    Ok(out)
+}
+
+/// The `name = value` settings of an optimizer or schedule call, in order,
+/// each named, known (`allowed`) and given once.
+fn named_settings<'a>(
+    func: &Ident,
+    args: &'a [Arg],
+    allowed: &[&str],
+    what: &str,
+) -> Result<Vec<(&'a Ident, &'a Expr)>, Diagnostic> {
+    let takes = || format!("`{}` takes: {}", func.name, allowed.join(", "));
+    let mut out: Vec<(&Ident, &Expr)> = Vec::new();
+    for a in args {
+        let Some(n) = &a.name else {
+            return Err(Diagnostic::new(
+                format!("{what} settings are given by name"),
+                a.value.span,
+                "expected `name = value`, found a value by position",
+            )
+            .with_help(format!("e.g. `{}({} = ...)`", func.name, allowed[0]))
+            .with_help(takes()));
+        };
+        if !allowed.contains(&n.name.as_str()) {
+            let mut d = Diagnostic::new(
+                format!("`{}` has no setting `{}`", func.name, n.name),
+                n.span,
+                "unknown setting",
+            );
+            if let Some(s) = super::suggest(&n.name, allowed.iter().copied()) {
+                d = d.with_help(format!("did you mean `{s}`?"));
+            }
+            return Err(d.with_help(takes()));
+        }
+        if out.iter().any(|(m, _)| m.name == n.name) {
+            return Err(Diagnostic::new(
+                format!("`{}` is given twice", n.name),
+                n.span,
+                "given again",
+            ));
+        }
+        out.push((n, &a.value));
     }
     Ok(out)
 }

@@ -61,6 +61,14 @@ def autocast_dtype(dtype):
 def train_step(model, opt, micro_batches, lr=None, scaler=None, precision=None):
     """One optimizer step over MICRO_BATCHES micro-batches (a list of input
     dicts). Returns (mean loss, gradient norm before clipping) as floats."""
+    loss, norm = train_step_tensors(model, opt, micro_batches, lr, scaler, precision)
+    return loss.item(), norm.item()
+
+
+def train_step_tensors(model, opt, micro_batches, lr=None, scaler=None, precision=None, norm=True):
+    """`train_step` with the loss and norm left on the device as tensors, so
+    that a timed loop waits for nothing between steps. With `norm=False` and
+    no clipping the norm is not computed (None), as fusec does not."""
     precision = precision or PRECISION
     if lr is not None:
         for g in opt.param_groups:
@@ -74,18 +82,20 @@ def train_step(model, opt, micro_batches, lr=None, scaler=None, precision=None):
         # fusec scales each gradient by 1/N, which is the gradient of the mean loss.
         scaled = loss / len(micro_batches)
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        total += loss.item()
+        total = total + loss.detach()
     if scaler is not None:
         scaler.unscale_(opt)
-    max_norm = CLIP_GRAD_NORM if CLIP_GRAD_NORM is not None else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    total_norm = None
+    if norm or CLIP_GRAD_NORM is not None:
+        max_norm = CLIP_GRAD_NORM if CLIP_GRAD_NORM is not None else float("inf")
+        total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if scaler is not None:
         scaler.step(opt)
         scaler.update()
     else:
         opt.step()
     opt.zero_grad(set_to_none=True)
-    return total / len(micro_batches), norm.item()
+    return total / len(micro_batches), total_norm
 
 
 # ---- inputs and weights ----
