@@ -158,6 +158,9 @@ pub struct TrainConfig {
     pub precision: DType,
     /// Micro-batches whose gradients are accumulated before one update.
     pub micro_batches: u32,
+    /// Data-parallel ranks the step is built for (`--gpus`, never the model
+    /// file): above 1, gradients and the loss are averaged over the ranks.
+    pub ranks: u32,
     /// Where the loss was written, for errors about it.
     pub loss_span: Span,
 }

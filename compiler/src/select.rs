@@ -77,6 +77,9 @@ pub enum Choice {
     /// Instances of `kernels/` templates, launched in this order, each with
     /// its own grid, block, shared memory and tensor maps.
     Templates(Vec<FlashKernel>),
+    /// A bucket of gradients averaged over the data-parallel ranks: NCCL
+    /// calls on the communication stream (kernel::buckets).
+    Collective,
     /// Nothing runs it yet (an error when a step is started).
     Missing,
 }
@@ -105,6 +108,7 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
     for k in &p.kernels {
         let has_source = generated.iter().any(|(name, _)| *name == k.name);
         let choice = match &k.body {
+            _ if crate::kernel::buckets::is_collective(g, k) => Choice::Collective,
             Body::Gemm(..) => Choice::Library,
             Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) && !has_source => Choice::Library,
             Body::Op(n) if matches!(g.g[*n].op, Op::Attention(_) | Op::AttentionGrad(_)) => {
@@ -187,6 +191,9 @@ impl Selection {
                 Choice::Library => "cuBLASLt".to_string(),
                 Choice::Generated => "generated".to_string(),
                 Choice::Missing => "nothing yet".to_string(),
+                Choice::Collective => {
+                    "NCCL all-reduce (mean over the ranks), on the communication stream".to_string()
+                }
                 Choice::Templates(ks) => {
                     let mut t = String::from("templates:");
                     for f in ks {

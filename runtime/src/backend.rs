@@ -294,6 +294,14 @@ impl Cpu {
     }
 }
 
+impl Cpu {
+    /// Makes this the rank of a data-parallel group that `peers` names:
+    /// its `all_reduce`s meet the other ranks' (see `interp::peers`).
+    pub fn join(&mut self, peers: fusec_compiler::interp::peers::Peers) {
+        self.feeds.peers = Some(peers);
+    }
+}
+
 impl Backend for Cpu {
     fn graph(&self) -> &Graph {
         &self.graph

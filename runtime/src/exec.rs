@@ -5,6 +5,7 @@
 
 use crate::device::Gpu;
 use crate::gemm::{Elem, EpiloguePtrs, Gemm, GemmSpec};
+use crate::nccl;
 use crate::stage::{HostBuf, Stager};
 use crate::tensor_map::{encode_sizes, EncodedMap};
 use crate::RuntimeError;
@@ -80,6 +81,53 @@ enum Step {
         d: u64,
         ep: EpiloguePtrs,
     },
+    /// A gradient bucket averaged over the ranks, on the communication
+    /// stream (see `DataParallel`).
+    Collective(Vec<nccl::Tensor>),
+}
+
+/// A rank's share of data parallelism: its communicator and the stream
+/// the buckets' collectives run on. A collective starts once the compute
+/// stream has finished what it averages; the launch that first reads a
+/// result (the plan's `join`) waits for every collective issued so far.
+pub struct DataParallel {
+    pub comm: nccl::Comm,
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    /// Issued and not yet waited for by the compute stream.
+    outstanding: bool,
+}
+
+impl DataParallel {
+    pub fn new(gpu: &Gpu, comm: nccl::Comm) -> Result<DataParallel, RuntimeError> {
+        let stream = gpu
+            .ctx
+            .new_stream()
+            .map_err(|e| RuntimeError::driver("creating the communication stream", e))?;
+        Ok(DataParallel {
+            comm,
+            stream,
+            outstanding: false,
+        })
+    }
+
+    fn issue(&mut self, gpu: &Gpu, tensors: &[nccl::Tensor]) -> Result<(), RuntimeError> {
+        self.stream
+            .join(&gpu.stream)
+            .map_err(|e| RuntimeError::driver("ordering a collective after its gradients", e))?;
+        self.comm.all_reduce_mean(&self.stream, tensors)?;
+        self.outstanding = true;
+        Ok(())
+    }
+
+    fn wait(&mut self, gpu: &Gpu) -> Result<(), RuntimeError> {
+        if self.outstanding {
+            gpu.stream
+                .join(&self.stream)
+                .map_err(|e| RuntimeError::driver("waiting for the averaged gradients", e))?;
+            self.outstanding = false;
+        }
+        Ok(())
+    }
 }
 
 struct Launch {
@@ -130,8 +178,18 @@ pub struct Executor {
     pub loss: Option<usize>,
     pub grad_norm: Option<usize>,
     pub arena_bytes: u64,
-    /// The whole step captured once and replayed (see `capture`).
-    graph: Option<cudarc::driver::CudaGraph>,
+    /// The whole step captured once and replayed (see `capture`): with
+    /// the collectives (index 1) and without (index 0, the micro-batches
+    /// that only accumulate).
+    graphs: [Option<cudarc::driver::CudaGraph>; 2],
+    /// Whether each of those two forms has run launch by launch yet.
+    ran: [bool; 2],
+    /// Whether this step runs its collectives (see `set_collectives`).
+    collectives_on: bool,
+    /// Launch positions the compute stream waits for the collectives at.
+    joins: Vec<bool>,
+    /// The communicator, for a step built for several ranks.
+    dp: Option<DataParallel>,
     /// Inputs copied in on a second stream (see `stage`).
     stager: Option<Stager>,
 }
@@ -354,7 +412,24 @@ impl Executor {
         for (ki, k) in p.kernels.iter().enumerate() {
             let l = &plan.launches[ki];
             let args: Vec<u64> = k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
-            let step = if !l.steps.is_empty() {
+            let step = if l.kind == "all_reduce" {
+                let tensors = k
+                    .inputs
+                    .iter()
+                    .zip(&k.outputs)
+                    .map(|(&i, &o)| {
+                        let s = &slots[i];
+                        nccl::Tensor {
+                            input: ptr(i),
+                            output: ptr(o),
+                            // Padded rows and all: the padding averages to itself.
+                            count: (s.bytes / s.dtype.size_bytes() as u64) as usize,
+                            dtype: s.dtype,
+                        }
+                    })
+                    .collect();
+                Step::Collective(tensors)
+            } else if !l.steps.is_empty() {
                 // The kernels the plan launches: the generated one, or the
                 // template instances chosen in its place.
                 let mut steps = Vec::new();
@@ -459,7 +534,17 @@ impl Executor {
             loss: find(&Role::Loss),
             grad_norm: find(&Role::GradNorm),
             arena_bytes: plan.arena_bytes,
-            graph: None,
+            graphs: [None, None],
+            ran: [false, false],
+            collectives_on: true,
+            joins: {
+                let mut j = vec![false; p.kernels.len() + 1];
+                for c in &plan.collectives {
+                    j[c.join.min(p.kernels.len())] = true;
+                }
+                j
+            },
+            dp: None,
             stager: None,
         })
     }
@@ -472,7 +557,8 @@ impl Executor {
         &self.launches[i].name
     }
 
-    /// Launches kernel `i` (asynchronously, on the executor's stream).
+    /// Launches kernel `i` (asynchronously, on the executor's stream; a
+    /// collective on the communication stream).
     pub fn launch(&mut self, i: usize) -> Result<(), RuntimeError> {
         let name = self.launches[i].name.clone();
         let Executor {
@@ -480,24 +566,76 @@ impl Executor {
             gpu,
             dims,
             gemm,
+            dp,
+            joins,
+            collectives_on,
             ..
         } = self;
-        run(&launches[i].step, &name, gpu, dims, gemm)
+        if joins[i] {
+            if let Some(dp) = dp.as_mut() {
+                dp.wait(gpu)?;
+            }
+        }
+        match (&launches[i].step, dp.as_mut()) {
+            (Step::Collective(_), _) if !*collectives_on => Ok(()),
+            (Step::Collective(tensors), Some(dp)) => dp.issue(gpu, tensors),
+            (Step::Collective(_), None) => Err(RuntimeError::Unsupported(format!(
+                "kernel {name} averages gradients over several ranks, and this step has no communicator: run it with --gpus or under a launcher"
+            ))),
+            (step, _) => run(step, &name, gpu, dims, gemm),
+        }
+    }
+
+    /// Every launch of the step in order, then the wait for the last
+    /// collectives.
+    fn launch_all(&mut self) -> Result<(), RuntimeError> {
+        for i in 0..self.launches.len() {
+            self.launch(i)?;
+        }
+        if let Some(dp) = self.dp.as_mut() {
+            dp.wait(&self.gpu)?;
+        }
+        Ok(())
+    }
+
+    /// Joins a communicator: the step's collectives run through it.
+    pub fn attach(&mut self, dp: DataParallel) {
+        self.dp = Some(dp);
+    }
+
+    /// Whether the step has collectives to run (it was built for several ranks).
+    pub fn has_collectives(&self) -> bool {
+        self.launches
+            .iter()
+            .any(|l| matches!(l.step, Step::Collective(_)))
+    }
+
+    /// Whether the next steps run their collectives: off for micro-batches
+    /// that only accumulate (no communication until the one that updates).
+    pub fn set_collectives(&mut self, on: bool) {
+        self.collectives_on = on;
     }
 
     /// Every kernel of the step, in plan order: the captured graph where
     /// there is one, else launch by launch.
     pub fn run_step(&mut self) -> Result<(), RuntimeError> {
         self.copy_staged()?;
-        if let Some(g) = &self.graph {
+        let mode = usize::from(self.collectives_on);
+        if let Some(g) = &self.graphs[mode] {
             return g
                 .launch()
                 .map_err(|e| RuntimeError::driver("replaying the step's CUDA graph", e));
         }
-        for i in 0..self.launches.len() {
-            self.launch(i)?;
-        }
+        self.launch_all()?;
+        self.ran[mode] = true;
         Ok(())
+    }
+
+    /// Whether the step in its current form has run launch by launch and
+    /// has no graph yet: the moment to capture one.
+    pub fn ready_to_capture(&self) -> bool {
+        let mode = usize::from(self.collectives_on);
+        self.ran[mode] && self.graphs[mode].is_none()
     }
 
     /// Captures the whole step as a CUDA graph, replayed by every later
@@ -511,25 +649,19 @@ impl Executor {
             .stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| RuntimeError::driver("starting a CUDA graph capture", e))?;
-        let mut launched = Ok(());
-        for i in 0..self.launches.len() {
-            launched = self.launch(i);
-            if launched.is_err() {
-                break;
-            }
-        }
+        let launched = self.launch_all();
         let graph = self
             .gpu
             .stream
             .end_capture(sys::CUgraphInstantiate_flags(0))
             .map_err(|e| RuntimeError::driver("finishing the CUDA graph capture", e));
         launched?;
-        self.graph = graph?;
+        self.graphs[usize::from(self.collectives_on)] = graph?;
         Ok(())
     }
 
     pub fn has_graph(&self) -> bool {
-        self.graph.is_some()
+        self.graphs[usize::from(self.collectives_on)].is_some()
     }
 
     /// One step launch by launch with a timing event between launches:
@@ -547,6 +679,9 @@ impl Executor {
         for i in 0..self.launches.len() {
             self.launch(i)?;
             marks.push(ev(self)?);
+        }
+        if let Some(dp) = self.dp.as_mut() {
+            dp.wait(&self.gpu)?;
         }
         self.synchronize()?;
         let mut out = Vec::with_capacity(self.launches.len());
@@ -744,6 +879,7 @@ fn run(
             gemm.run(spec, *a, *b, *d, ep)
                 .map_err(|e| RuntimeError::Gemm(format!("kernel {name}: {e}")))?;
         }
+        Step::Collective(_) => unreachable!("the executor runs collectives itself"),
     }
     Ok(())
 }

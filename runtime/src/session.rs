@@ -7,7 +7,7 @@ use crate::device::Gpu;
 use crate::exec::{decode, encode, Executor};
 use crate::stage::HostBuf;
 use crate::RuntimeError;
-use fusec_compiler::autodiff::{LR_INPUT, STEP_INPUT};
+use fusec_compiler::autodiff::{APPLY_INPUT, LR_INPUT, STEP_INPUT};
 use fusec_compiler::ir::Graph;
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::kernel::Program;
@@ -147,7 +147,25 @@ impl Session {
             )));
         }
         let bytes = encode(slot.dtype, values);
+        // A micro-batch that only accumulates runs no collective.
+        if name == APPLY_INPUT && self.exec.has_collectives() {
+            self.exec.set_collectives(values.iter().any(|&v| v != 0.0));
+        }
         self.exec.write(b, &bytes)
+    }
+
+    /// Joins the data-parallel communicator this rank's collectives run
+    /// through; the step must have been built for `comm.ranks` ranks.
+    pub fn attach(&mut self, comm: crate::nccl::Comm) -> Result<(), RuntimeError> {
+        if !self.exec.has_collectives() {
+            return Err(RuntimeError::Unsupported(format!(
+                "rank {} of {}: the step was built for one rank (it averages nothing); build it with --gpus {}",
+                comm.rank, comm.ranks, comm.ranks
+            )));
+        }
+        let dp = crate::exec::DataParallel::new(&self.exec.gpu, comm)?;
+        self.exec.attach(dp);
+        Ok(())
     }
 
     /// Fills the named buffer from `fill(start, out)` (values
@@ -206,9 +224,11 @@ impl Session {
         }
         self.exec.run_step()?;
         self.steps_run += 1;
-        // After the first (eager) step, the step becomes one CUDA graph;
-        // a step that cannot be captured keeps running launch by launch.
-        if self.steps_run == 1 && self.use_graph && !self.exec.has_graph() {
+        // After the first (eager) step, the step becomes one CUDA graph (one
+        // for the micro-batches that accumulate and one for the step that
+        // updates, where they differ in their collectives); a step that
+        // cannot be captured keeps running launch by launch.
+        if self.use_graph && self.graph_note.is_none() && self.exec.ready_to_capture() {
             if let Err(e) = self.exec.capture() {
                 self.graph_note = Some(format!(
                     "CUDA graph capture failed, launching kernel by kernel: {e}"

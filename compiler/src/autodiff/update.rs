@@ -6,7 +6,7 @@ use crate::ir::graph::{Graph, Phase, Role, Value};
 use crate::ir::types::{DType, TensorType};
 use crate::model::{Optimizer, TrainConfig};
 use crate::ops::{
-    AdamW, Builder, ClipCoef, Input, OpError, Sgd, State, SumSquares, UnaryKind, Unscale,
+    AdamW, AllReduce, Builder, ClipCoef, Input, OpError, Sgd, State, SumSquares, UnaryKind, Unscale,
 };
 
 /// The learning rate and the step number (from 1) enter the update as
@@ -97,6 +97,28 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     } else {
         grads
     };
+
+    // Data parallel: each rank's gradient is of its own slice of the batch;
+    // the update (and the norm, and fp16's overflow check) reads their mean
+    // over the ranks, which is the gradient of the whole batch, so every
+    // rank applies the same update. The loss is averaged the same way, for
+    // the log. After the micro-batches' sum: one all-reduce per step.
+    let grads = if train.ranks > 1 {
+        let mean = AllReduce { ranks: train.ranks };
+        let mut reduced = Vec::with_capacity(grads.len());
+        for (i, gv) in grads {
+            reduced.push((i, b.op1(mean.clone(), &[gv])?));
+        }
+        reduced
+    } else {
+        grads
+    };
+    let mut loss_mean = None;
+    if train.ranks > 1 {
+        if let Some(&(_, lv)) = b.graph.outputs.iter().find(|(r, _)| *r == Role::Loss) {
+            loss_mean = Some(b.op1(AllReduce { ranks: train.ranks }, &[lv])?);
+        }
+    }
 
     // Squared global norm and the clip coefficient, which the optimizer ops
     // apply to the gradients as they read them (1 without clipping).
@@ -244,6 +266,13 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                 )?;
                 new_outputs.push((Role::NewParam(i), r[0]));
                 new_outputs.push((Role::NewState(bn), r[1]));
+            }
+        }
+    }
+    if let Some(mean) = loss_mean {
+        for (role, v) in g.outputs.iter_mut() {
+            if *role == Role::Loss {
+                *v = mean;
             }
         }
     }

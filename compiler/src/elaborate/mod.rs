@@ -49,6 +49,9 @@ pub struct Options {
     pub overrides: Vec<(String, String)>,
     /// `--precision`: replaces the train section's `precision`.
     pub precision: Option<DType>,
+    /// Data-parallel ranks the step is built for (`--gpus`): above 1, the
+    /// update averages gradients and the loss over them. 0 means 1.
+    pub ranks: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,6 +82,8 @@ pub(crate) struct Elab<'m> {
     pub graph: Graph,
     pub precision: DType,
     precision_override: Option<DType>,
+    /// `Options::ranks`, at least 1.
+    pub ranks: u32,
     blocks: HashMap<String, &'m BlockDef>,
     frames: Vec<Frame>,
     overrides: HashMap<String, (String, bool)>,
@@ -95,6 +100,7 @@ pub fn elaborate(module: &Module, name: &str, opts: &Options) -> Result<Model, E
         graph: Graph::new(name),
         precision: DType::F32,
         precision_override: opts.precision,
+        ranks: opts.ranks.max(1),
         blocks: HashMap::new(),
         frames: vec![Frame {
             vars: HashMap::new(),

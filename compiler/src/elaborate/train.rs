@@ -166,6 +166,7 @@ pub fn section(e: &mut Elab, t: &TrainSection) -> Result<TrainConfig, Diagnostic
         clip_grad_norm,
         precision: e.precision,
         micro_batches,
+        ranks: e.ranks,
         loss_span: loss_expr.span,
     })
 }

@@ -136,6 +136,7 @@ fn binary(k: BinaryKind, a: &str, b: &str) -> String {
 pub fn emit_program(g: &Graph, p: &Program, source: Option<&str>) -> Vec<(String, String)> {
     p.kernels
         .iter()
+        .filter(|k| !crate::kernel::buckets::is_collective(g, k))
         .filter_map(|k| match &k.body {
             Body::Pointwise(pw) => Some((k.name.clone(), pointwise(g, p, k, pw, source))),
             Body::Op(n) => {

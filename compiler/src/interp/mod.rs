@@ -3,6 +3,7 @@
 //! dtype (f32, bf16, f16) as a GPU would store it. It is the oracle that
 //! autodiff, passes and GPU kernels are checked against.
 
+pub mod peers;
 pub mod random;
 pub mod step;
 pub mod tensor;
@@ -29,6 +30,9 @@ pub struct Feeds {
     pub inputs: HashMap<String, Tensor>,
     pub params: HashMap<String, Tensor>,
     pub state: HashMap<String, Tensor>,
+    /// The other ranks of a data-parallel step (`all_reduce` meets them);
+    /// `None` runs the step as the only rank.
+    pub peers: Option<peers::Peers>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -131,7 +135,10 @@ pub fn run(
                     out_shapes: &out_shapes,
                     dim: &dim_env,
                 };
-                op.eval(&args, &ctx)
+                match (op, &feeds.peers) {
+                    (Op::AllReduce(_), Some(peers)) => vec![peers.mean(args[0])],
+                    _ => op.eval(&args, &ctx),
+                }
             }
         };
         for (port, mut t) in outs.into_iter().enumerate() {

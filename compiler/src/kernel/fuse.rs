@@ -451,7 +451,8 @@ pub fn fuse(g: &Graph) -> Program {
         }
     }
     let kernels = group_param_casts(g, &f.buffers, kernels);
-    let kernels = number(group_optimizer_updates(g, kernels));
+    let kernels = group_optimizer_updates(g, kernels);
+    let kernels = number(super::buckets::bucket_collectives(g, &f.buffers, kernels));
     let mut program = Program {
         buffers: f.buffers,
         kernels,

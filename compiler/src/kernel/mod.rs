@@ -8,6 +8,7 @@
 //! The IR has its own CPU interpreter (`interp`), and the tests check every
 //! kernel program against the unfused graph.
 
+pub mod buckets;
 pub mod fuse;
 pub mod interp;
 pub mod pitch;

@@ -5,6 +5,7 @@
 
 mod attention;
 mod builder;
+mod collective;
 mod conv;
 mod elementwise;
 mod linalg;
@@ -15,6 +16,7 @@ mod source;
 
 pub use attention::{Attention, AttentionGrad};
 pub use builder::Builder;
+pub use collective::AllReduce;
 pub use conv::{Conv2d, Conv2dGradInput, Conv2dGradWeight};
 pub use elementwise::{
     Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unary, UnaryGrad, UnaryKind, Unscale,
@@ -166,6 +168,7 @@ ops!(
     AdamW,
     Sgd,
     SumSquares,
+    AllReduce,
 );
 
 impl Op {

@@ -12,11 +12,13 @@ use crate::emit::flash::tma::TensorMapSizes;
 use crate::emit::templates::{grid, shape_of, Shape, BLOCK};
 use crate::ir::graph::{Graph, Role};
 use crate::ir::Dim;
+use crate::kernel::buckets::is_collective;
 use crate::kernel::{Body, BufKind, Program};
 use crate::ops::Op;
 use crate::select::{Choice, Selection};
 use serde::Serialize;
 
+pub mod collectives;
 pub mod report;
 pub mod roofline;
 use std::collections::{BTreeMap, HashMap};
@@ -161,6 +163,9 @@ pub struct Plan {
     /// Attention kernels left on the simple kernels: (kernel, why).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub fallbacks: Vec<(String, String)>,
+    /// The data-parallel gradient buckets, in launch order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub collectives: Vec<collectives::PlannedCollective>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -337,6 +342,8 @@ pub fn plan_with(
             l.1 = last;
         }
     }
+    let buckets = collectives::collectives(g, p, &out);
+    collectives::place(&buckets, &mut out);
     // Whole-run buffers first, in a fixed order of kinds.
     let mut cursor = 0u64;
     // Every offset below is at most the sum of all sizes.
@@ -463,6 +470,7 @@ pub fn plan_with(
             Launch {
                 kernel: k.name.clone(),
                 kind: match (&k.body, &shape) {
+                    _ if is_collective(g, k) => "all_reduce".into(),
                     (_, Some(_)) => "generated".into(),
                     (Body::Op(n) | Body::Gemm(n, _), None) => g.g[*n].op.name().to_string(),
                     (_, None) => "group".to_string(),
@@ -501,7 +509,7 @@ pub fn plan_with(
                     .map(|f| template_step(&f.launch, scratch_of.get(&ki).copied(), &env))
                     .collect::<Result<_, _>>()?
             }
-            Some(Choice::Library | Choice::Missing) => Vec::new(),
+            Some(Choice::Library | Choice::Missing | Choice::Collective) => Vec::new(),
             _ if l.kind == "generated" => vec![generated_step(g, p, k, &env)],
             _ => Vec::new(),
         };
@@ -515,6 +523,7 @@ pub fn plan_with(
         launches,
         target: selection.map(|s| s.target.describe()),
         fallbacks: selection.map_or(Vec::new(), |s| s.fallbacks.clone()),
+        collectives: buckets,
     })
 }
 

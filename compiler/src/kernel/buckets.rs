@@ -1,0 +1,134 @@
+//! Gradient buckets for data parallelism: the `all_reduce` of each
+//! gradient, one op kernel each after fusion, become group kernels of about
+//! [`BUCKET_BYTES`] each, in the order the backward pass finishes their
+//! gradients, each placed right after the kernel that finishes its last
+//! gradient. The runtime issues a bucket's collective on a second stream
+//! there, so it runs while the rest of the backward pass computes; the
+//! first kernel that reads a reduced gradient waits for it.
+
+use super::{Body, Buffer, Kernel, Member};
+use crate::ir::Graph;
+use crate::ops::Op;
+use std::collections::HashMap;
+
+/// A bucket closes once it holds at least this many bytes (PyTorch DDP's default):
+/// large enough that each collective runs near link speed, small enough
+/// that the first starts early in the backward pass.
+pub const BUCKET_BYTES: u64 = 25 << 20;
+
+/// Most tensors in one bucket (one NCCL group call each).
+const BUCKET_MAX: usize = 256;
+
+pub fn is_collective(g: &Graph, k: &Kernel) -> bool {
+    match &k.body {
+        Body::Op(n) => matches!(g.g[*n].op, Op::AllReduce(_)),
+        Body::Group(ms) => ms
+            .iter()
+            .all(|m| matches!(g.g[m.node].op, Op::AllReduce(_))),
+        _ => false,
+    }
+}
+
+/// Bytes of a buffer at its constant size (`None` when it has a symbolic one).
+fn bytes(b: &Buffer) -> Option<u64> {
+    let mut n: u64 = 1;
+    for d in &b.ty.shape {
+        n = n.checked_mul(u64::try_from(d.eval(&|_| None)?).ok()?)?;
+    }
+    n.checked_mul(b.ty.dtype.size_bytes() as u64)
+}
+
+/// `kernels` with every all-reduce op kernel gathered into buckets.
+pub fn bucket_collectives(g: &Graph, buffers: &[Buffer], kernels: Vec<Kernel>) -> Vec<Kernel> {
+    if !kernels.iter().any(|k| is_collective(g, k)) {
+        return kernels;
+    }
+    let (collectives, rest): (Vec<Kernel>, Vec<Kernel>) =
+        kernels.into_iter().partition(|k| is_collective(g, k));
+    // Positions among the other kernels: after which one each gradient is
+    // ready, and before which one its mean is first needed.
+    let mut writer: HashMap<usize, usize> = HashMap::new();
+    let mut first_reader: HashMap<usize, usize> = HashMap::new();
+    for (i, k) in rest.iter().enumerate() {
+        for &b in &k.outputs {
+            writer.insert(b, i);
+        }
+        for &b in &k.inputs {
+            first_reader.entry(b).or_insert(i);
+        }
+    }
+    // (ready after, needed before, kernel), in the order gradients finish.
+    let mut order: Vec<(Option<usize>, usize, Kernel)> = collectives
+        .into_iter()
+        .map(|k| {
+            let ready = writer.get(&k.inputs[0]).copied();
+            let needed = k
+                .outputs
+                .iter()
+                .filter_map(|b| first_reader.get(b))
+                .min()
+                .copied()
+                .unwrap_or(rest.len());
+            (ready, needed, k)
+        })
+        .collect();
+    order.sort_by_key(|(ready, _, _)| *ready);
+    // Cut into buckets; a bucket also closes where waiting for its next
+    // gradient would hold up a kernel that needs one already in it.
+    let mut buckets: Vec<(Option<usize>, usize, u64, Vec<Kernel>)> = Vec::new();
+    for (ready, needed, k) in order {
+        let size = bytes(&buffers[k.inputs[0]]).unwrap_or(BUCKET_BYTES);
+        let fits = buckets.last().is_some_and(|(_, need, total, ks)| {
+            ks.len() < BUCKET_MAX && *total < BUCKET_BYTES && ready.map_or(0, |r| r + 1) <= *need
+        });
+        if fits {
+            let b = buckets.last_mut().expect("a bucket");
+            b.0 = b.0.max(ready);
+            b.1 = b.1.min(needed);
+            b.2 += size;
+            b.3.push(k);
+        } else {
+            buckets.push((ready, needed, size, vec![k]));
+        }
+    }
+    let mut out = Vec::with_capacity(rest.len() + buckets.len());
+    let mut pending = buckets.into_iter().peekable();
+    let mut place = |after: Option<usize>, out: &mut Vec<Kernel>| {
+        while let Some((ready, ..)) = pending.peek() {
+            if *ready != after {
+                break;
+            }
+            let (_, _, _, ks) = pending.next().expect("peeked");
+            out.push(group(ks));
+        }
+    };
+    place(None, &mut out);
+    for (i, k) in rest.into_iter().enumerate() {
+        out.push(k);
+        place(Some(i), &mut out);
+    }
+    out
+}
+
+/// One bucket's kernels as a group kernel (its members keep their order).
+fn group(ks: Vec<Kernel>) -> Kernel {
+    let (mut inputs, mut outputs, mut members) = (Vec::new(), Vec::new(), Vec::new());
+    for k in ks {
+        members.push(Member {
+            node: k.nodes[0],
+            inputs: vec![inputs.len()],
+            outputs: vec![outputs.len()],
+        });
+        inputs.push(k.inputs[0]);
+        outputs.push(k.outputs[0]);
+    }
+    Kernel {
+        name: format!("all_reduce_x{}", members.len()),
+        nodes: members.iter().map(|m| m.node).collect(),
+        inputs,
+        outputs,
+        input_views: Vec::new(),
+        residual: None,
+        body: Body::Group(members),
+    }
+}

@@ -1,0 +1,87 @@
+//! The data-parallel collectives in the memory plan: each bucket's
+//! all-reduce (kernel::buckets) runs on a second stream from its launch
+//! until the first launch that reads one of its results, which waits for it.
+//! Over that span the compute stream keeps going, so the bucket's buffers
+//! must stay where they are until the wait: their lives stretch to it.
+
+use super::{MemKind, PlannedBuffer};
+use crate::ir::Graph;
+use crate::kernel::buckets::is_collective;
+use crate::kernel::Program;
+use serde::Serialize;
+
+/// One bucket's collective, as the plan runs it.
+#[derive(Clone, Debug, Serialize)]
+pub struct PlannedCollective {
+    /// Its launch (by position): issued when the compute stream reaches it.
+    pub launch: usize,
+    /// The launch the compute stream waits for it before (`launches.len()`:
+    /// the end of the step).
+    pub join: usize,
+    /// Bytes it averages over the ranks.
+    pub bytes: u64,
+    /// (input buffer, output buffer) of each tensor, in order.
+    pub tensors: Vec<(usize, usize)>,
+}
+
+/// The collectives of program `p`, with the launch each one's results are
+/// first read by.
+pub fn collectives(g: &Graph, p: &Program, buffers: &[PlannedBuffer]) -> Vec<PlannedCollective> {
+    let mut out = Vec::new();
+    for (c, k) in p.kernels.iter().enumerate() {
+        if !is_collective(g, k) {
+            continue;
+        }
+        let join = p.kernels[c + 1..]
+            .iter()
+            .position(|r| r.inputs.iter().any(|b| k.outputs.contains(b)))
+            .map_or(p.kernels.len(), |i| c + 1 + i);
+        let tensors: Vec<(usize, usize)> = k
+            .inputs
+            .iter()
+            .copied()
+            .zip(k.outputs.iter().copied())
+            .collect();
+        out.push(PlannedCollective {
+            launch: c,
+            join,
+            bytes: tensors.iter().map(|&(i, _)| buffers[i].bytes).sum(),
+            tensors,
+        });
+    }
+    out
+}
+
+/// Lives of what the collectives read and write, stretched over the span
+/// they run beside the compute stream; and each result stored over its
+/// input (NCCL reduces in place) where nothing else reads that input
+/// later: a whole-run gradient, or a temporary whose last reader this is.
+pub fn place(collectives: &[PlannedCollective], out: &mut [PlannedBuffer]) {
+    for c in collectives {
+        for &(i, o) in &c.tensors {
+            let last_use = out[i].live.map(|l| l.1);
+            if out[i].kind == MemKind::Grad && out[i].alias_of.is_none() {
+                out[o].alias_of = Some(i);
+                continue;
+            }
+            if out[i].kind == MemKind::Activation
+                && out[i].alias_of.is_none()
+                && out[i].shares_with.is_none()
+                && last_use == Some(c.launch)
+                && out[i].bytes == out[o].bytes
+            {
+                let end = out[o].live.map_or(c.join, |l| l.1.max(c.join));
+                if let Some(l) = out[i].live.as_mut() {
+                    l.1 = end;
+                }
+                out[o].shares_with = Some(i);
+                continue;
+            }
+            for b in [i, o] {
+                if let Some(l) = out[b].live.as_mut() {
+                    l.1 = l.1.max(c.join);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! NCCL, as data parallelism uses it: one communicator per rank (a GPU),
+//! joined through a unique id that one rank makes and hands to the others
+//! (over a channel in one process, over TCP across processes; see
+//! `rendezvous`), and the gradient buckets averaged in place on the
+//! communication stream.
+
+use crate::device::Gpu;
+use crate::RuntimeError;
+use cudarc::driver::CudaStream;
+use cudarc::nccl::{result, sys};
+use fusec_compiler::ir::types::DType;
+
+/// The id ranks join a communicator by (`ncclUniqueId`).
+pub type UniqueId = [u8; 128];
+
+pub struct Comm {
+    raw: sys::ncclComm_t,
+    pub rank: usize,
+    pub ranks: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one at a time;
+// `Comm` is owned by the one thread that steps its rank.
+unsafe impl Send for Comm {}
+
+fn nccl_error(what: &str, e: result::NcclError) -> RuntimeError {
+    RuntimeError::Driver {
+        what: what.to_string(),
+        detail: format!("NCCL error {:?} (NCCL_DEBUG=INFO says more)", e.0),
+    }
+}
+
+/// Whether libnccl can be loaded.
+pub fn present() -> bool {
+    // SAFETY: only probes the dynamic loader.
+    unsafe { sys::is_culib_present() }
+}
+
+fn need_nccl() -> Result<(), RuntimeError> {
+    if present() {
+        Ok(())
+    } else {
+        Err(RuntimeError::NoGpu(
+            "training on several GPUs needs NCCL (libnccl.so.2), which is not on the loader path; install it (e.g. pip's nvidia-nccl-cu13) or add its folder to LD_LIBRARY_PATH".into(),
+        ))
+    }
+}
+
+/// A fresh unique id, made by one rank (rank 0) for all.
+pub fn unique_id() -> Result<UniqueId, RuntimeError> {
+    need_nccl()?;
+    let id = result::get_uniqueid().map_err(|e| nccl_error("making an NCCL unique id", e))?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+fn dtype(dt: DType) -> Result<sys::ncclDataType_t, RuntimeError> {
+    Ok(match dt {
+        DType::F32 => sys::ncclDataType_t::ncclFloat32,
+        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        DType::F16 => sys::ncclDataType_t::ncclFloat16,
+        DType::I32 => sys::ncclDataType_t::ncclInt32,
+    })
+}
+
+/// One tensor of a bucket: device addresses in and out (equal: in place),
+/// elements, dtype.
+#[derive(Clone, Copy, Debug)]
+pub struct Tensor {
+    pub input: u64,
+    pub output: u64,
+    pub count: usize,
+    pub dtype: DType,
+}
+
+impl Comm {
+    /// Joins the communicator of `ranks` ranks as `rank`, on `gpu`. Blocks
+    /// until every rank has joined.
+    pub fn join(gpu: &Gpu, id: &UniqueId, rank: usize, ranks: usize) -> Result<Comm, RuntimeError> {
+        need_nccl()?;
+        gpu.ctx
+            .bind_to_thread()
+            .map_err(|e| RuntimeError::driver("binding the GPU to its rank's thread", e))?;
+        let id = sys::ncclUniqueId {
+            internal: id.map(|b| b as ::core::ffi::c_char),
+        };
+        let mut raw = std::mem::MaybeUninit::uninit();
+        // SAFETY: `raw` is written by NCCL before it is read; the rank and
+        // size are in range (checked by the callers).
+        let raw = unsafe {
+            result::comm_init_rank(raw.as_mut_ptr(), ranks as i32, id, rank as i32)
+                .map_err(|e| nccl_error(&format!("rank {rank} joining {ranks} ranks"), e))?;
+            raw.assume_init()
+        };
+        Ok(Comm { raw, rank, ranks })
+    }
+
+    /// Averages each tensor over the ranks, as one NCCL group, queued on
+    /// `stream`.
+    pub fn all_reduce_mean(
+        &self,
+        stream: &CudaStream,
+        tensors: &[Tensor],
+    ) -> Result<(), RuntimeError> {
+        let what = |e| nccl_error("averaging gradients over the ranks", e);
+        result::group_start().map_err(what)?;
+        for t in tensors {
+            // SAFETY: the addresses lie in this rank's arena, `count`
+            // elements of `dtype` each, and stay valid until the stream
+            // passes this call (the plan keeps them alive to the join).
+            unsafe {
+                result::all_reduce(
+                    t.input as *const ::core::ffi::c_void,
+                    t.output as *mut ::core::ffi::c_void,
+                    t.count,
+                    dtype(t.dtype)?,
+                    sys::ncclRedOp_t::ncclAvg,
+                    self.raw,
+                    stream.cu_stream() as sys::cudaStream_t,
+                )
+            }
+            .map_err(what)?;
+        }
+        result::group_end().map_err(what)?;
+        Ok(())
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // SAFETY: the communicator is live and no call on it is in flight
+        // (the owner synchronised its streams or is unwinding an error).
+        unsafe {
+            let _ = result::comm_destroy(self.raw);
+        }
+    }
+}

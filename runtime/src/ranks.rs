@@ -1,0 +1,344 @@
+//! Data-parallel training as one backend: the ranks this process runs
+//! (every GPU of `fusec train --gpus N`, or the one rank a launcher gave it),
+//! each on a thread of its own that owns its backend, stepped together.
+//!
+//! Callers see the whole batch: an input whose first axis is the batch `B`
+//! has `ranks` times the rows of one rank's, and rank `r` gets rows
+//! `r * B .. (r + 1) * B` of it. So N ranks with batch B read the batches
+//! one rank with batch N x B would, and their averaged gradients are that
+//! rank's. Parameters and state are the same on every rank (the same
+//! initialisation, the same averaged updates): they are written to all and
+//! read from the first.
+
+use crate::backend::Backend;
+use crate::session::StepStats;
+use crate::stage::HostBuf;
+use crate::RuntimeError;
+use fusec_compiler::ir::Graph;
+use fusec_compiler::ops::Op;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+type Job = Box<dyn FnOnce(&mut dyn Backend) + Send>;
+
+/// Builds one rank's backend, on that rank's thread.
+pub type Build = Box<dyn FnOnce() -> Result<Box<dyn Backend>, RuntimeError> + Send>;
+
+struct Worker {
+    rank: usize,
+    jobs: Option<Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+pub struct Ranks {
+    workers: Vec<Worker>,
+    /// Ranks in the whole job (in every process).
+    world: usize,
+    graph: Graph,
+    /// Shapes as callers see them: batch inputs with the whole batch.
+    shapes: BTreeMap<String, Vec<usize>>,
+    /// Inputs split across the ranks along their first axis.
+    batched: BTreeSet<String>,
+}
+
+fn lost(rank: usize) -> RuntimeError {
+    RuntimeError::Unsupported(format!(
+        "rank {rank} stopped (its thread ended early; the error above, if any, says why)"
+    ))
+}
+
+impl Ranks {
+    /// Starts one thread per entry of `builds` ((global rank, builder)), in
+    /// order, each building its backend before the next starts (the first
+    /// compiles the kernels, the others find them in the cache). `world`
+    /// counts the ranks of every process.
+    pub fn new(builds: Vec<(usize, Build)>, world: usize) -> Result<Ranks, RuntimeError> {
+        let mut workers = Vec::with_capacity(builds.len());
+        let mut first: Option<(Graph, BTreeMap<String, Vec<usize>>)> = None;
+        for (rank, build) in builds {
+            let (jobs, inbox) = channel::<Job>();
+            let (ready, built) = channel();
+            let thread = std::thread::Builder::new()
+                .name(format!("fusec-rank-{rank}"))
+                .spawn(move || {
+                    let mut backend = match build() {
+                        Ok(b) => {
+                            let _ = ready.send(Ok((b.graph().clone(), b.shapes().clone())));
+                            b
+                        }
+                        Err(e) => {
+                            let _ = ready.send(Err(e));
+                            return;
+                        }
+                    };
+                    for job in inbox {
+                        job(backend.as_mut());
+                    }
+                })
+                .map_err(|e| {
+                    RuntimeError::Unsupported(format!(
+                        "cannot start the thread of rank {rank}: {e}"
+                    ))
+                })?;
+            let result = built.recv().map_err(|_| lost(rank))?;
+            workers.push(Worker {
+                rank,
+                jobs: Some(jobs),
+                thread: Some(thread),
+            });
+            let (graph, shapes) = result.map_err(|e| match e {
+                RuntimeError::Unsupported(m) => {
+                    RuntimeError::Unsupported(format!("rank {rank}: {m}"))
+                }
+                other => other,
+            })?;
+            first.get_or_insert((graph, shapes));
+        }
+        let (graph, mut shapes) = first.ok_or_else(|| {
+            RuntimeError::Unsupported("data parallelism with no ranks in this process".into())
+        })?;
+        let batched = batch_inputs(&graph);
+        for name in &batched {
+            if let Some(s) = shapes.get_mut(name) {
+                if let Some(rows) = s.first_mut() {
+                    *rows *= world;
+                }
+            }
+        }
+        Ok(Ranks {
+            workers,
+            world,
+            graph,
+            shapes,
+            batched,
+        })
+    }
+
+    /// Runs `f` on every rank at once (rank, its backend); the results in
+    /// rank order.
+    pub fn each<R: Send + 'static>(
+        &self,
+        f: impl Fn(usize, &mut dyn Backend) -> R + Send + Sync + 'static,
+    ) -> Result<Vec<R>, RuntimeError> {
+        let f = Arc::new(f);
+        let mut replies = Vec::with_capacity(self.workers.len());
+        for w in &self.workers {
+            let (tx, rx) = channel();
+            let f = Arc::clone(&f);
+            let rank = w.rank;
+            let job: Job = Box::new(move |b| {
+                let _ = tx.send(f(rank, b));
+            });
+            w.jobs
+                .as_ref()
+                .and_then(|j| j.send(job).ok())
+                .ok_or_else(|| lost(rank))?;
+            replies.push((rank, rx));
+        }
+        replies
+            .into_iter()
+            .map(|(rank, rx)| rx.recv().map_err(|_| lost(rank)))
+            .collect()
+    }
+
+    /// [`Ranks::each`] for calls that can fail: the first error, naming its rank.
+    fn try_each<R: Send + 'static>(
+        &self,
+        f: impl Fn(usize, &mut dyn Backend) -> Result<R, RuntimeError> + Send + Sync + 'static,
+    ) -> Result<Vec<R>, RuntimeError> {
+        let world = self.world;
+        self.each(f)?
+            .into_iter()
+            .zip(self.workers.iter().map(|w| w.rank))
+            .map(|(r, rank)| r.map_err(|e| name_rank(e, rank, world)))
+            .collect()
+    }
+
+    /// Ranks in the whole job.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The global ranks this process runs.
+    pub fn local_ranks(&self) -> Vec<usize> {
+        self.workers.iter().map(|w| w.rank).collect()
+    }
+
+    /// Rank `rank`'s rows of a whole-batch tensor (`values` in order).
+    fn part(&self, values: &[f64], rank: usize) -> Vec<f64> {
+        let n = values.len() / self.world;
+        values[rank * n..(rank + 1) * n].to_vec()
+    }
+}
+
+/// `e` with the rank it happened on, when the job has several.
+fn name_rank(e: RuntimeError, rank: usize, world: usize) -> RuntimeError {
+    if world < 2 {
+        return e;
+    }
+    match e {
+        RuntimeError::Unsupported(m) => RuntimeError::Unsupported(format!("rank {rank}: {m}")),
+        RuntimeError::Driver { what, detail } => RuntimeError::Driver {
+            what: format!("{what} (rank {rank})"),
+            detail,
+        },
+        RuntimeError::Compile(m) => RuntimeError::Compile(format!("rank {rank}: {m}")),
+        RuntimeError::Gemm(m) => RuntimeError::Gemm(format!("rank {rank}: {m}")),
+        other => other,
+    }
+}
+
+/// The model's inputs whose first axis is the batch `B`.
+pub fn batch_inputs(g: &Graph) -> BTreeSet<String> {
+    g.g.node_indices()
+        .filter_map(|n| match &g.g[n].op {
+            Op::Input(i) if i.ty.shape.first().is_some_and(|d| d.to_string() == "B") => {
+                Some(i.name.clone())
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            w.jobs = None;
+        }
+        for w in &mut self.workers {
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Backend for Ranks {
+    fn graph(&self) -> &Graph {
+        &self.graph
+    }
+    fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
+        let whole = self.numel(name);
+        if whole != values.len() {
+            return Err(RuntimeError::Unsupported(format!(
+                "`{name}` holds {whole} values (all ranks), given {}",
+                values.len()
+            )));
+        }
+        let name = name.to_string();
+        if self.batched.contains(&name) {
+            let parts: Arc<Vec<Vec<f64>>> =
+                Arc::new((0..self.world).map(|r| self.part(values, r)).collect());
+            self.try_each(move |rank, b| b.set(&name, &parts[rank]))?;
+        } else {
+            let values = Arc::new(values.to_vec());
+            self.try_each(move |_, b| b.set(&name, &values))?;
+        }
+        Ok(())
+    }
+    fn zero(&mut self, name: &str) -> Result<(), RuntimeError> {
+        let name = name.to_string();
+        self.try_each(move |_, b| b.zero(&name))?;
+        Ok(())
+    }
+    fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        let n = name.to_string();
+        let parts = if self.batched.contains(name) {
+            // Only this process's rows: another process holds the rest.
+            self.try_each(move |_, b| b.get(&n))?
+        } else {
+            vec![self.workers_first(move |b| b.get(&n))?]
+        };
+        Ok(parts.concat())
+    }
+    fn init(
+        &mut self,
+        name: &str,
+        fill: &(dyn Fn(usize, &mut [f64]) + Sync),
+    ) -> Result<(), RuntimeError> {
+        use rayon::prelude::*;
+        const CHUNK: usize = 1 << 20;
+        let n = self.numel(name);
+        let mut data = vec![0.0; n];
+        data.par_chunks_mut(CHUNK)
+            .enumerate()
+            .for_each(|(k, out)| fill(k * CHUNK, out));
+        self.set(name, &data)
+    }
+    fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
+        self.try_each(move |_, b| b.launch(lr, step))?;
+        Ok(())
+    }
+    fn finish(&mut self) -> Result<StepStats, RuntimeError> {
+        // The loss and the norm are averaged over the ranks: any rank's will do.
+        let stats = self.try_each(|_, b| b.finish())?;
+        stats
+            .into_iter()
+            .next()
+            .ok_or_else(|| RuntimeError::Unsupported("no ranks".into()))
+    }
+    fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError> {
+        let values = buf.read()?;
+        let mut at = 0;
+        // Rank r's values: its rows of each input, the inputs in order.
+        let mut parts: Vec<Vec<i32>> = vec![Vec::new(); self.world];
+        for name in names {
+            let n = self.numel(name);
+            let whole = values.get(at..at + n).ok_or_else(|| {
+                RuntimeError::Unsupported(format!(
+                    "a staged batch holds {} values; {} take more",
+                    values.len(),
+                    names.join(" and ")
+                ))
+            })?;
+            let split = self.batched.contains(*name);
+            for (r, part) in parts.iter_mut().enumerate() {
+                if split {
+                    let k = n / self.world;
+                    part.extend_from_slice(&whole[r * k..(r + 1) * k]);
+                } else {
+                    part.extend_from_slice(whole);
+                }
+            }
+            at += n;
+        }
+        if at != values.len() {
+            return Err(RuntimeError::Unsupported(format!(
+                "a staged batch holds {} values; {} take {at}",
+                values.len(),
+                names.join(" and ")
+            )));
+        }
+        let parts = Arc::new(parts);
+        let names: Arc<Vec<String>> = Arc::new(names.iter().map(|s| s.to_string()).collect());
+        self.try_each(move |rank, b| {
+            let names: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+            b.stage(&names, &HostBuf::Plain(parts[rank].clone()))
+        })?;
+        Ok(())
+    }
+    fn shapes(&self) -> &BTreeMap<String, Vec<usize>> {
+        &self.shapes
+    }
+}
+
+impl Ranks {
+    /// `f` on this process's first rank alone.
+    fn workers_first<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut dyn Backend) -> Result<R, RuntimeError> + Send + 'static,
+    ) -> Result<R, RuntimeError> {
+        let w = self.workers.first().ok_or_else(|| lost(0))?;
+        let (tx, rx) = channel();
+        let job: Job = Box::new(move |b| {
+            let _ = tx.send(f(b));
+        });
+        w.jobs
+            .as_ref()
+            .and_then(|j| j.send(job).ok())
+            .ok_or_else(|| lost(w.rank))?;
+        rx.recv().map_err(|_| lost(w.rank))?
+    }
+}

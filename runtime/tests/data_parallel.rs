@@ -1,0 +1,198 @@
+//! Data parallelism on the CPU reference: N ranks, each a thread with its
+//! own interpreter and its slice of the batch, meeting at every all-reduce,
+//! against one rank with the whole batch. In f64 the two agree to rounding
+//! (1e-12 relative: only the order of the batch sums differs), and the
+//! ranks' weights stay bit for bit the same.
+
+mod common;
+
+use common::sizes;
+use fusec_compiler::driver::compile;
+use fusec_compiler::elaborate::Options;
+use fusec_compiler::interp::peers::Peers;
+use fusec_compiler::interp::Precision;
+use fusec_runtime::backend::{init_params, Backend, Cpu};
+use fusec_runtime::ranks::{Build, Ranks};
+
+const SETS: &[(&str, &str)] = &[
+    ("layers", "1"),
+    ("d", "32"),
+    ("n_heads", "2"),
+    ("vocab", "61"),
+    ("ctx", "16"),
+];
+
+fn compiled(ranks: u32, edit: &dyn Fn(String) -> String) -> fusec_compiler::driver::Compiled {
+    let path = common::root().join("dsl-examples/gpt2-small.dsl");
+    let src = edit(std::fs::read_to_string(path).unwrap());
+    let opts = Options {
+        overrides: SETS
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ranks,
+        ..Options::default()
+    };
+    compile(&src, "gpt2-small", &opts).unwrap_or_else(|f| panic!("{}", f.render("gpt2", &src)))
+}
+
+/// Tokens of step `s` for a whole batch of `rows` rows of `t`.
+fn batch(s: u64, rows: usize, t: usize, vocab: u64) -> (Vec<f64>, Vec<f64>) {
+    let mut x = s.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % vocab) as f64
+    };
+    let tokens: Vec<f64> = (0..rows * t).map(|_| next()).collect();
+    let targets: Vec<f64> = (0..rows * t).map(|_| next()).collect();
+    (tokens, targets)
+}
+
+struct Run {
+    losses: Vec<f64>,
+    norms: Vec<Option<f64>>,
+    weights: Vec<f64>,
+}
+
+fn train(b: &mut dyn Backend, rows: usize, t: usize, steps: u64, micro: u64) -> Run {
+    init_params(b, 7).unwrap();
+    let (mut losses, mut norms) = (Vec::new(), Vec::new());
+    for s in 1..=steps {
+        for m in 0..micro {
+            let (tokens, targets) = batch(s * 10 + m, rows, t, 61);
+            b.set("tokens", &tokens).unwrap();
+            b.set("targets", &targets).unwrap();
+            if micro > 1 {
+                let apply = if m + 1 == micro { 1.0 } else { 0.0 };
+                b.set(fusec_compiler::autodiff::APPLY_INPUT, &[apply])
+                    .unwrap();
+            }
+            let st = b.step(1e-2, s).unwrap();
+            if m + 1 == micro {
+                losses.push(st.loss);
+                norms.push(st.grad_norm);
+            }
+        }
+    }
+    let weights = b.get("wte").unwrap();
+    Run {
+        losses,
+        norms,
+        weights,
+    }
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-30)
+}
+
+fn check(ranks: usize, micro: u32) {
+    let (b, t) = (2usize, 8usize);
+    let edit = move |src: String| {
+        if micro > 1 {
+            src.replace(
+                "clip_grad_norm = 1.0",
+                &format!("clip_grad_norm = 1.0\n    micro_batches = {micro}"),
+            )
+        } else {
+            src
+        }
+    };
+    let one = compiled(1, &edit);
+    let (_, dims_one) = sizes(&[("B", (ranks * b) as i64), ("T", t as i64)]);
+    let mut single = Cpu::new(&one.optimized, &dims_one, Precision::F64).unwrap();
+    let reference = train(&mut single, ranks * b, t, 4, micro as u64);
+
+    let many = compiled(ranks as u32, &edit);
+    let (_, dims) = sizes(&[("B", b as i64), ("T", t as i64)]);
+    let builds: Vec<(usize, Build)> = Peers::group(ranks)
+        .into_iter()
+        .enumerate()
+        .map(|(r, peers)| {
+            let g = many.optimized.clone();
+            let dims = dims.clone();
+            let build: Build = Box::new(move || {
+                let mut cpu = Cpu::new(&g, &dims, Precision::F64)?;
+                cpu.join(peers);
+                Ok(Box::new(cpu) as Box<dyn Backend>)
+            });
+            (r, build)
+        })
+        .collect();
+    let mut group = Ranks::new(builds, ranks).unwrap();
+    assert_eq!(group.shapes()["tokens"], vec![ranks * b, t]);
+    let run = train(&mut group, ranks * b, t, 4, micro as u64);
+
+    for (s, (a, r)) in run.losses.iter().zip(&reference.losses).enumerate() {
+        assert!(
+            rel(*a, *r) < 1e-12,
+            "{ranks} ranks, step {}: loss {a} against {r}",
+            s + 1
+        );
+    }
+    for (a, r) in run.norms.iter().zip(&reference.norms) {
+        let (a, r) = (a.expect("a norm"), r.expect("a norm"));
+        assert!(
+            rel(a, r) < 1e-12,
+            "{ranks} ranks: grad norm {a} against {r}"
+        );
+    }
+    let worst = run
+        .weights
+        .iter()
+        .zip(&reference.weights)
+        .map(|(a, r)| (a - r).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-12, "{ranks} ranks: weights differ by {worst}");
+    // Every rank holds the same weights, bit for bit.
+    let per_rank = group.each(|_, b| b.get("wte").unwrap()).unwrap();
+    for w in &per_rank[1..] {
+        assert!(w == &per_rank[0], "the ranks' weights drifted apart");
+    }
+    println!(
+        "{ranks} ranks x B={b}, micro-batches {micro}: losses {:?}, worst weight difference {worst:.1e}",
+        run.losses
+    );
+}
+
+#[test]
+fn two_simulated_ranks_reproduce_one_rank_with_the_whole_batch() {
+    check(2, 1);
+}
+
+#[test]
+fn four_simulated_ranks_with_micro_batches_reproduce_one_rank() {
+    check(4, 2);
+}
+
+#[test]
+fn the_whole_batch_splits_by_rows_and_a_wrong_size_is_refused() {
+    let many = compiled(2, &|s| s);
+    let (_, dims) = sizes(&[("B", 1), ("T", 4)]);
+    let builds: Vec<(usize, Build)> = Peers::group(2)
+        .into_iter()
+        .enumerate()
+        .map(|(r, peers)| {
+            let g = many.optimized.clone();
+            let dims = dims.clone();
+            let build: Build = Box::new(move || {
+                let mut cpu = Cpu::new(&g, &dims, Precision::F64)?;
+                cpu.join(peers);
+                Ok(Box::new(cpu) as Box<dyn Backend>)
+            });
+            (r, build)
+        })
+        .collect();
+    let mut group = Ranks::new(builds, 2).unwrap();
+    let rows: Vec<f64> = (0..8).map(f64::from).collect();
+    group.set("tokens", &rows).unwrap();
+    let parts = group.each(|_, b| b.get("tokens").unwrap()).unwrap();
+    assert_eq!(
+        parts,
+        vec![vec![0.0, 1.0, 2.0, 3.0], vec![4.0, 5.0, 6.0, 7.0]]
+    );
+    let e = group.set("tokens", &rows[..4]).unwrap_err().to_string();
+    assert!(e.contains("holds 8 values (all ranks), given 4"), "{e}");
+}
