@@ -85,3 +85,58 @@ fn build_report_of_gpt2_small() {
         )
     );
 }
+
+/// Every kernel of every model file in the repository has something to run
+/// it on a GPU (generated code, cuBLASLt, a template or a collective), for
+/// both kernel families and in fp32 as well as the file's own precision: a
+/// kernel with nothing would stop `fusec train` at its first step.
+#[test]
+fn every_kernel_of_every_model_file_has_code_to_run_it() {
+    use fusec_compiler::emit::flash::FlashArch;
+    use fusec_compiler::select::Choice;
+    let root = common::root();
+    let mut files: Vec<std::path::PathBuf> = Vec::new();
+    for dir in ["dsl-examples", "tests/models", "tests/models/twins"] {
+        for e in std::fs::read_dir(root.join(dir)).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "dsl") {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    let mut checked = 0;
+    for path in &files {
+        let src = std::fs::read_to_string(path).unwrap();
+        for precision in [None, Some(fusec_compiler::ir::DType::F32)] {
+            let name = path.display().to_string();
+            let opts = fusec_compiler::elaborate::Options {
+                precision,
+                ..Default::default()
+            };
+            let c = fusec_compiler::driver::compile(&src, "m", &opts)
+                .unwrap_or_else(|f| panic!("{}", f.render(&name, &src)));
+            let program = fuse(&c.optimized);
+            for arch in [None, Some(FlashArch::Sm80), Some(FlashArch::Sm90a)] {
+                let target = Target {
+                    arch,
+                    deterministic: false,
+                };
+                let s = select(&c.optimized, &program, &target, None);
+                for (k, choice) in program.kernels.iter().zip(&s.choices) {
+                    assert!(
+                        !matches!(choice, Choice::Missing),
+                        "{name} ({precision:?}, {arch:?}): kernel {} has nothing to run it",
+                        k.name
+                    );
+                }
+                checked += 1;
+            }
+        }
+    }
+    println!(
+        "{} model files, {checked} selections: every kernel runs",
+        files.len()
+    );
+    assert!(files.len() >= 15);
+}

@@ -236,6 +236,23 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     for (name, text) in &selection.sources {
         write(&kdir.join(format!("{name}.cu")), text)?;
     }
+    let unrunnable: Vec<String> = program
+        .kernels
+        .iter()
+        .zip(&selection.choices)
+        .filter(|(_, c)| matches!(c, fusec_compiler::select::Choice::Missing))
+        .map(|(k, _)| k.name.clone())
+        .collect();
+    if !unrunnable.is_empty() {
+        eprintln!(
+            "warning: {} kernel{} ha{} no GPU code yet, and `fusec train` on a GPU stops at {}: {} (`fusec train --cpu` runs the model on the CPU reference)",
+            unrunnable.len(),
+            if unrunnable.len() == 1 { "" } else { "s" },
+            if unrunnable.len() == 1 { "s" } else { "ve" },
+            if unrunnable.len() == 1 { "it" } else { "them" },
+            unrunnable.join(", ")
+        );
+    }
     let templates = selection
         .choices
         .iter()

@@ -108,6 +108,7 @@ pub fn options(args: &ModelArgs) -> Result<Options, CliError> {
     Ok(Options {
         overrides,
         precision: args.precision,
+        ranks: 1,
     })
 }
 

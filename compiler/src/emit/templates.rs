@@ -304,7 +304,9 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
         Op::Reduce(_) if super::multi::column_tiles(g, n).is_some() => {
             return super::multi::shape_of(g, n)
         }
-        Op::Reduce(r) if r.axes.iter().enumerate().all(|(i, &a)| i == a) => {
+        // One run of adjacent axes (leading, or between kept ones: a mean
+        // over the sequence of [B, T, C]): a loop per output element.
+        Op::Reduce(r) if !r.axes.is_empty() && r.axes.windows(2).all(|w| w[1] == w[0] + 1) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
         Op::SliceGrad(_) | Op::Concat(_) | Op::ClipCoef(_) | Op::Unscale(_) => {
@@ -448,18 +450,22 @@ pub(crate) fn op_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             let _ = writeln!(b, "        {}", c.st(0, "i", "v"));
         }
         Op::Reduce(r) => {
-            // Sum over leading axes: column j of a [rows, C] matrix.
+            // Sum over the adjacent axes a0..a1 of the input, seen as
+            // [outer, rows, inner]: output element i is (i / inner, i % inner).
             let sh = in_shape(0);
-            let rows = numel(&sh[..r.axes.len()]);
+            let (a0, a1) = (r.axes[0], r.axes[r.axes.len() - 1] + 1);
+            let rows = numel(&sh[a0..a1]);
+            let inner = numel(&sh[a1..]);
             let _ = writeln!(
                 b,
-                "        const fs_i64 rows = {};\n        float acc = 0.0f;",
-                rows.to_c()
+                "        const fs_i64 rows = {}, inner = {};\n        const fs_i64 base = (i / inner) * rows * inner + i % inner;\n        float acc = 0.0f;",
+                rows.to_c(),
+                inner.to_c()
             );
             let _ = writeln!(
                 b,
                 "        for (fs_i64 r = 0; r < rows; ++r) acc += {};",
-                c.ld(0, "r * n + i")
+                c.ld(0, "base + r * inner")
             );
             let v = if r.kind == ReduceKind::Mean {
                 "acc / (float)rows"
