@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Per-step parity between fusec and the PyTorch twin of any model file.
 
-    python3 tools/twin_parity.py MODEL.dsl [--cpu] [--data random|FILE] [--steps 50]
+    python3 tools/twin_parity.py MODEL.dsl [--cpu] [--data random-stream|random|FILE] [--steps 50]
         [--set NAME=VALUE ...] [--batch N] [--seq N] [--dim NAME=N ...]
         [--precision both|own|fp32|bf16|fp16] [--lr X] [--seed S]
 
@@ -154,7 +154,7 @@ def fed_batches(twin, path, args):
         raise SystemExit(f"error: {path}: the inputs hold different numbers of batches {sorted(n)}")
     n = n.pop()
     batches = [{k: v[i].clone() for k, v in stacked.items()} for i in range(n)]
-    if args.data != "random":
+    if not args.data.startswith("random"):
         tokens = stacked["tokens"]
         ours = windows(token_file(args.data), tokens.shape[1], tokens.shape[2], n)
         for i, (x, y) in enumerate(ours):
@@ -281,7 +281,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="the model file (.dsl)")
     ap.add_argument("--fusec", default="target/release/fusec")
-    ap.add_argument("--data", default="random", help="random (the default), a text file or an llm.c .bin shard")
+    ap.add_argument("--data", default="random-stream", help="random-stream (the default: a fresh random batch each step, nothing to memorize), random (one fixed batch), a text file or an llm.c .bin shard")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--batch", type=int)

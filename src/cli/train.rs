@@ -23,7 +23,9 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Training data: an llm.c token shard (.bin), any other file as bytes
-    /// (one token per byte), or `random` (one fixed random batch)
+    /// (one token per byte), `random` (one fixed random batch) or
+    /// `random-stream` (a fresh random batch every micro-batch: nothing to
+    /// memorize)
     #[arg(long, value_name = "FILE")]
     pub data: String,
     /// Steps to run
@@ -209,31 +211,20 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         log.note("first_step", first);
         log
     });
-    if args.data == "random" {
+    let stream = args.data == RANDOM_STREAM;
+    if args.data == "random" || stream {
         if let Some(log) = &mut record {
             log.note(
                 "reuse",
-                "every micro-batch of every step reads this one batch",
+                if stream {
+                    "a fresh random batch for every micro-batch"
+                } else {
+                    "every micro-batch of every step reads this one batch"
+                },
             );
         }
-        let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
-        let feeds = fusec_compiler::interp::random::random_feeds(b.graph(), &dmap, args.seed)
-            .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
-        for name in &data_inputs {
-            let (values, shape) = (&feeds.inputs[name].data, &feeds.inputs[name].shape);
-            b.set(name, values).map_err(runtime_err)?;
-            if let Some(log) = &mut record {
-                let dtype = input_type(b.graph(), name).map_or(DType::F32, |t| t.dtype);
-                let pushed = if dtype == DType::I32 {
-                    let ids: Vec<i32> = values.iter().map(|&x| x as i32).collect();
-                    log.push_i32(name, shape, &ids)
-                } else {
-                    // As the step reads it: rounded to the input's dtype.
-                    let stored: Vec<f64> = values.iter().map(|&x| round_to(dtype, x)).collect();
-                    log.push_f32(name, shape, &stored)
-                };
-                pushed.map_err(|e| CliError::usage(format!("error: --save-data: {e}")))?;
-            }
+        if !stream {
+            feed_random(b, &data_inputs, &dims, args.seed, 0, &mut record)?;
         }
     } else {
         for need in ["tokens", "targets"] {
@@ -413,6 +404,10 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
                 b.set(fusec_compiler::autodiff::APPLY_INPUT, &[apply])
                     .map_err(runtime_err)?;
             }
+            if stream {
+                let k = (step - 1) * micro + mb;
+                feed_random(b, &data_inputs, &dims, args.seed, k, &mut record)?;
+            }
             b.launch(rate, opt_step + 1).map_err(runtime_err)?;
             if let Some(pf) = &batches {
                 if step < last || mb + 1 < micro {
@@ -569,4 +564,39 @@ fn load_checked(
     let ck = checkpoint::load(path).map_err(err)?;
     checkpoint::check_against(&ck, path, needed).map_err(err)?;
     Ok(ck)
+}
+
+/// `--data random-stream`: a new random batch for every micro-batch.
+const RANDOM_STREAM: &str = "random-stream";
+
+/// Random values for every data input, batch `batch` of `seed` (batch 0 is
+/// `--data random`'s one batch), written to the step and to `--save-data`.
+fn feed_random(
+    b: &mut dyn Backend,
+    data_inputs: &[String],
+    dims: &BTreeMap<String, i64>,
+    seed: u64,
+    batch: u64,
+    record: &mut Option<BatchLog>,
+) -> Result<(), CliError> {
+    let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let feeds = fusec_compiler::interp::random::random_inputs(b.graph(), &dmap, seed, batch)
+        .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
+    for name in data_inputs {
+        let (values, shape) = (&feeds.inputs[name].data, &feeds.inputs[name].shape);
+        b.set(name, values).map_err(runtime_err)?;
+        if let Some(log) = record {
+            let dtype = input_type(b.graph(), name).map_or(DType::F32, |t| t.dtype);
+            let pushed = if dtype == DType::I32 {
+                let ids: Vec<i32> = values.iter().map(|&x| x as i32).collect();
+                log.push_i32(name, shape, &ids)
+            } else {
+                // As the step reads it: rounded to the input's dtype.
+                let stored: Vec<f64> = values.iter().map(|&x| round_to(dtype, x)).collect();
+                log.push_f32(name, shape, &stored)
+            };
+            pushed.map_err(|e| CliError::usage(format!("error: --save-data: {e}")))?;
+        }
+    }
+    Ok(())
 }

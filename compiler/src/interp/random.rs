@@ -108,9 +108,37 @@ pub fn random_feeds(
             .params
             .insert(p.name.clone(), init_param(&p.init, &shape, seed, i as u64));
     }
-    // Data inputs draw from a stream of their own, after every parameter's.
+    random_inputs_into(g, dims, seed, 0, &mut feeds)?;
+    Ok(feeds)
+}
+
+/// The data inputs alone (and zero optimizer state), batch number `batch`
+/// of `seed`: batch 0 is the one [`random_feeds`] draws, and each later
+/// batch comes from a stream of its own (a fresh batch every step).
+pub fn random_inputs(
+    g: &Graph,
+    dims: &HashMap<String, i64>,
+    seed: u64,
+    batch: u64,
+) -> Result<Feeds, InterpError> {
+    let mut feeds = Feeds {
+        dims: dims.clone(),
+        ..Feeds::default()
+    };
+    random_inputs_into(g, dims, seed, batch, &mut feeds)?;
+    Ok(feeds)
+}
+
+fn random_inputs_into(
+    g: &Graph,
+    dims: &HashMap<String, i64>,
+    seed: u64,
+    batch: u64,
+    feeds: &mut Feeds,
+) -> Result<(), InterpError> {
+    // Data inputs draw from streams of their own, after every parameter's.
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    rng.set_stream(u64::MAX);
+    rng.set_stream(u64::MAX - batch);
     for n in g.topo_order() {
         let node = &g.g[n];
         match &node.op {
@@ -145,5 +173,5 @@ pub fn random_feeds(
             _ => {}
         }
     }
-    Ok(feeds)
+    Ok(())
 }
