@@ -17,6 +17,10 @@
 #                                TWIN_STEPS=2 TWIN_EXTRA=--cpu BIN=target/release tries the cases here)
 #   tools/gpu_check.sh suite     fusec bench beside torch.compile of each shipped transformer's twin
 #                                (tools/bench_twins.py, B = 8 and 32)
+#   tools/gpu_check.sh dp        data parallel on every GPU of the machine: the dp_gpu test, --gpus N
+#                                against one GPU with N x B on text, a two-process launch as a second
+#                                machine would join, fusec bench --gpus 1..N beside torch_ddp.py
+#                                (DP_BATCH per GPU, default 16)
 # TORCH_MODES picks torch_reference.py's modes (default: all three).
 #   tools/gpu_check.sh all
 # Logs go to out/gpu-logs, or, when $OUT is set by the device tool, to
@@ -144,6 +148,60 @@ tests/models/twins/slicing.dsl --batch 64 --seq 8
 tests/models/twins/wide-mlp.dsl --batch 256
 tests/models/twins/repeat-shared.dsl --batch 256
 CASES
+fi
+if [ "$what" = dp ]; then
+  export NCCL_NVLS_ENABLE=0
+  N=$(nvidia-smi -L | wc -l)
+  run "dp_gpu test ($N GPUs)"
+  FUSEC_REQUIRE_GPUS=1 timeout 300 "$BIN/dp_gpu" --nocapture --test-threads=1 > "$LOGS/dp_gpu.log" 2>&1
+  echo "exit $?"; grep -E "^test |test result|GPUs x|panicked|skipped" "$LOGS/dp_gpu.log" | head -20
+  T=dsl-examples/data/founding-texts.txt
+  SMALL="--set layers=4 --set d=256 --set n_heads=4 --set vocab=256 --set ctx=256 --seq 256 --data $T --steps 20"
+  run "fusec train --gpus 2 --batch 4 against one GPU with --batch 8 (text, bf16, 20 steps)"
+  timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --batch 8 --log "$LOGS/dp-one.jsonl" > "$LOGS/dp-one.log" 2>&1; echo "exit $?"
+  timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --batch 4 --gpus 2 --log "$LOGS/dp-two.jsonl" > "$LOGS/dp-two.log" 2>&1; echo "exit $?"
+  grep -E "error|data parallel" "$LOGS/dp-two.log" | head -5
+  run "the same as two processes, started as a launcher would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
+  for r in 1 0; do
+    WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --batch 4 --log "$LOGS/dp-proc$r.jsonl" > "$LOGS/dp-proc$r.log" 2>&1 &
+  done
+  wait; tail -2 "$LOGS/dp-proc0.log"; grep -E "error" "$LOGS/dp-proc1.log" | head -3
+  python3 - "$LOGS" <<'PY'
+import json, sys
+d = sys.argv[1]
+def rows(n):
+    try:
+        return [json.loads(l) for l in open(f"{d}/{n}.jsonl")]
+    except OSError:
+        return []
+one, two, proc = rows("dp-one"), rows("dp-two"), rows("dp-proc0")
+for name, other in (("--gpus 2", two), ("two processes", proc)):
+    if len(other) != len(one) or not one:
+        print(f"{name}: {len(other)} steps logged against {len(one)}: FAIL"); continue
+    worst = max(max(abs(a["loss"] - b["loss"]) / abs(b["loss"]), abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"])) for a, b in zip(other, one))
+    print(f"{name} x B=4 against 1 GPU x B=8, bf16, 20 steps on text: worst relative difference {worst:.2e} (allowed 1e-2): {'PASS' if worst <= 1e-2 else 'FAIL'}")
+if two and proc:
+    same = all(a["loss"] == b["loss"] for a, b in zip(two, proc))
+    print(f"two processes and --gpus 2 give the same losses bit for bit: {same}")
+PY
+  B=${DP_BATCH:-16}
+  for g in $(seq 1 $N); do
+    case $g in 1|2|4|8) ;; *) continue ;; esac
+    run "fusec bench gpt2-small --gpus $g --batch $B --seq 1024"
+    if [ $g = 1 ]; then
+      timeout 200 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch $B --seq 1024 --steps 30 2>&1 | tail -1 | tee -a "$LOGS/dp-bench.jsonl"
+    else
+      timeout 200 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --gpus $g --batch $B --seq 1024 --steps 30 2>&1 | tail -1 | tee -a "$LOGS/dp-bench.jsonl"
+    fi
+  done
+  if [ -f "$BIN/torch_ddp.py" ]; then
+    TORCHRUN=$(command -v torchrun || echo /opt/torch/.venv/bin/torchrun)
+    for g in $(seq 1 $N); do
+      case $g in 1|2|4|8) ;; *) continue ;; esac
+      run "torch_ddp.py (DDP + torch.compile) on $g GPUs, batch $B per GPU"
+      (cd "$BIN" && timeout 300 "$TORCHRUN" --standalone --nproc_per_node $g torch_ddp.py --batch $B --seq 1024 2>&1 | grep "^{" | tail -1 | tee -a "$LOGS/dp-torch.jsonl")
+    done
+  fi
 fi
 if [ "$what" = suite ] || [ "$what" = all ]; then
   run "fusec bench beside torch.compile of each twin"

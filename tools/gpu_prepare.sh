@@ -6,10 +6,12 @@ cd "$(dirname "$0")/.."
 cargo build --release
 rm -rf out/device && mkdir -p out/device
 cp target/release/fusec out/device/
-for t in gemm_gpu step_gpu flash_gpu; do
+for t in gemm_gpu step_gpu flash_gpu dp_gpu; do
   exe=$(cargo test --release -p fusec-runtime --test "$t" --no-run --message-format=json 2>/dev/null \
     | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)
   cp "$exe" "out/device/$t"
 done
-if [ -f ../shared/bench/torch_reference.py ]; then cp ../shared/bench/torch_reference.py out/device/; fi
+for f in torch_reference.py torch_ddp.py; do
+  if [ -f ../shared/bench/$f ]; then cp ../shared/bench/$f out/device/; fi
+done
 du -sh out/device

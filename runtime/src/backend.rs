@@ -67,6 +67,31 @@ pub trait Backend {
     fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError>;
     /// The shape of every named source, with sizes bound.
     fn shapes(&self) -> &BTreeMap<String, Vec<usize>>;
+    /// Joins the data-parallel communicator `id` as `rank` of `ranks`.
+    fn join_comm(
+        &mut self,
+        _id: &crate::nccl::UniqueId,
+        rank: usize,
+        ranks: usize,
+    ) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Unsupported(format!(
+            "rank {rank} of {ranks}: NCCL communicators are for GPU ranks; the CPU reference's ranks meet in one process (--cpu --gpus N)"
+        )))
+    }
+    /// Runs `steps` steps back to back on the inputs as they are and returns
+    /// the milliseconds per step (what `fusec bench` reports).
+    fn time_steps(&mut self, steps: u64) -> Result<f64, RuntimeError> {
+        let t0 = std::time::Instant::now();
+        for s in 1..=steps {
+            self.launch(1e-4, s)?;
+            self.finish()?;
+        }
+        Ok(t0.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64)
+    }
+    /// Device memory in use, bytes (`None` off a GPU).
+    fn memory_used(&self) -> Result<Option<u64>, RuntimeError> {
+        Ok(None)
+    }
 }
 
 /// Names and shapes of the graph's inputs, parameters and state.
@@ -240,6 +265,29 @@ impl Backend for Gpu {
     }
     fn batch_buffers(&self, count: usize, len: usize) -> Result<Vec<HostBuf>, RuntimeError> {
         crate::stage::pinned(&self.session.exec.gpu, count, len)
+    }
+    fn join_comm(
+        &mut self,
+        id: &crate::nccl::UniqueId,
+        rank: usize,
+        ranks: usize,
+    ) -> Result<(), RuntimeError> {
+        let comm = crate::nccl::Comm::join(&self.session.exec.gpu, id, rank, ranks)?;
+        self.session.attach(comm)
+    }
+    fn time_steps(&mut self, steps: u64) -> Result<f64, RuntimeError> {
+        // Replays back to back (the CUDA graph where there is one), one wait at the end.
+        let exec = &mut self.session.exec;
+        let t0 = std::time::Instant::now();
+        for _ in 0..steps {
+            exec.run_step()?;
+        }
+        exec.synchronize()?;
+        Ok(t0.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64)
+    }
+    fn memory_used(&self) -> Result<Option<u64>, RuntimeError> {
+        let gpu = &self.session.exec.gpu;
+        Ok(Some(gpu.total_bytes - gpu.free_bytes()?))
     }
     fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError> {
         self.session.stage(names, buf)

@@ -14,6 +14,7 @@ pub mod gemm;
 pub mod nccl;
 pub mod nvrtc;
 pub mod ranks;
+pub mod rendezvous;
 pub mod scaler;
 pub mod session;
 pub mod stage;

@@ -46,6 +46,17 @@ fn need_nccl() -> Result<(), RuntimeError> {
     }
 }
 
+/// `2.27.7`, or why not.
+pub fn version() -> String {
+    if !present() {
+        return "not installed".into();
+    }
+    match result::get_nccl_version() {
+        Ok(v) => format!("{}.{}.{}", v / 10000, (v / 100) % 100, v % 100),
+        Err(_) => "version unknown".into(),
+    }
+}
+
 /// A fresh unique id, made by one rank (rank 0) for all.
 pub fn unique_id() -> Result<UniqueId, RuntimeError> {
     need_nccl()?;

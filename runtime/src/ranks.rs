@@ -342,3 +342,52 @@ impl Ranks {
         rx.recv().map_err(|_| lost(w.rank))?
     }
 }
+
+/// Told about each GPU rank once its session is ready: (rank, GPU ordinal,
+/// the session).
+pub type Ready = Arc<dyn Fn(usize, usize, &crate::session::Session) + Send + Sync>;
+
+/// GPU ranks `here` ((global rank, GPU ordinal)) of a job of `world` ranks
+/// as one backend: each rank's session built on its thread (one after
+/// another: the first compiles the kernels, the rest find them in the
+/// cache), then every rank joins communicator `id` at once.
+#[allow(clippy::too_many_arguments)]
+pub fn start_gpus(
+    graph: &Graph,
+    dims: &BTreeMap<String, i64>,
+    here: &[(usize, usize)],
+    world: usize,
+    id: crate::nccl::UniqueId,
+    options: crate::session::SessionOptions,
+    cache_dir: Option<std::path::PathBuf>,
+    ready: Ready,
+) -> Result<Ranks, RuntimeError> {
+    let builds: Vec<(usize, Build)> = here
+        .iter()
+        .map(|&(rank, ordinal)| {
+            let (g, dims, cache_dir, ready) = (
+                graph.clone(),
+                dims.clone(),
+                cache_dir.clone(),
+                Arc::clone(&ready),
+            );
+            let build: Build = Box::new(move || {
+                let gpu = crate::device::open(ordinal)?;
+                let s = crate::session::Session::with_options(
+                    gpu,
+                    &g,
+                    &dims,
+                    cache_dir.as_deref(),
+                    &|_, _| {},
+                    options,
+                )?;
+                ready(rank, ordinal, &s);
+                Ok(Box::new(crate::backend::Gpu::new(s, &dims)?) as Box<dyn Backend>)
+            });
+            (rank, build)
+        })
+        .collect();
+    let ranks = Ranks::new(builds, world)?;
+    ranks.try_each(move |rank, b| b.join_comm(&id, rank, world))?;
+    Ok(ranks)
+}

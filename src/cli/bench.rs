@@ -1,7 +1,7 @@
 //! `fusec bench` and `fusec bench-attention`: the compiled step and the
 //! attention kernels timed on a GPU.
 
-use super::common::{load, ModelArgs, SizeArgs};
+use super::common::{load, load_ranks, ModelArgs, SizeArgs};
 use super::train::{runtime_err, start};
 use super::CliError;
 use clap::Args;
@@ -33,6 +33,8 @@ pub struct BenchArgs {
     pub deterministic: bool,
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
+    #[command(flatten)]
+    pub parallel: super::parallel::ParallelArgs,
 }
 
 #[derive(Args, Debug)]
@@ -110,6 +112,10 @@ pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
+    let job = super::parallel::job(&args.parallel)?;
+    if job.world() > 1 {
+        return bench_ranks(args, &job);
+    }
     let loaded = load(&args.model)?;
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     let options = SessionOptions {
@@ -186,6 +192,67 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
                 100.0 * ms / total
             );
         }
+    }
+    Ok(())
+}
+
+/// `fusec bench --gpus N` (or under a launcher): every rank steps at once;
+/// the step time is the slowest rank's, the tokens every rank's together.
+fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliError> {
+    use super::parallel;
+    let world = job.world();
+    let loaded = load_ranks(&args.model, world as u32)?;
+    let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
+    let options = SessionOptions {
+        deterministic: args.deterministic,
+    };
+    let mut ranks = parallel::start(&loaded, &dims, job, args.gpu, false, options, "random")?;
+    let whole = parallel::whole_batch(&dims, world);
+    let dmap = whole.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let feeds = fusec_compiler::interp::random::random_inputs(ranks.graph(), &dmap, 1, 0)
+        .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
+    backend::init_params(&mut ranks, 1).map_err(runtime_err)?;
+    let names: Vec<String> = feeds
+        .inputs
+        .keys()
+        .filter(|n| ranks.shapes().contains_key(*n))
+        .cloned()
+        .collect();
+    for name in &names {
+        ranks
+            .set(name, &feeds.inputs[name].data)
+            .map_err(runtime_err)?;
+    }
+    for step in 1..=3 {
+        ranks.step(1e-4, step).map_err(runtime_err)?;
+    }
+    let steps = args.steps;
+    let times = ranks
+        .each(move |_, b| b.time_steps(steps))
+        .map_err(runtime_err)?
+        .into_iter()
+        .collect::<Result<Vec<f64>, _>>()
+        .map_err(runtime_err)?;
+    let ms = times.iter().copied().fold(0.0, f64::max);
+    let memory = ranks
+        .each(|_, b| b.memory_used())
+        .map_err(runtime_err)?
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(runtime_err)?;
+    let peak = memory.iter().flatten().copied().max().unwrap_or(0);
+    let tokens = whole.get("B").copied().unwrap_or(1) * whole.get("T").copied().unwrap_or(1);
+    if job.writes() {
+        println!(
+            "{{\"model\":\"{}\",\"gpus\":{world},\"ranks_here\":{},\"dims_per_gpu\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tokens_per_s_per_gpu\":{:.0},\"peak_memory_gib_per_gpu\":{:.3},\"rank_ms\":[{}]}}",
+            ranks.graph().name,
+            ranks.local_ranks().len(),
+            serde_like(&dims),
+            tokens as f64 / (ms / 1e3),
+            tokens as f64 / (ms / 1e3) / world as f64,
+            peak as f64 / (1u64 << 30) as f64,
+            times.iter().map(|t| format!("{t:.3}")).collect::<Vec<_>>().join(","),
+        );
     }
     Ok(())
 }

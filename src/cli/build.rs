@@ -1,6 +1,6 @@
 //! `fusec build`: compile a model and write every stage to a folder.
 
-use super::common::{load, ModelArgs, SizeArgs};
+use super::common::{load_ranks, ModelArgs, SizeArgs};
 use super::CliError;
 use clap::{Args, ValueEnum};
 use fusec_compiler::driver::{Compiled, STAGES};
@@ -34,6 +34,10 @@ pub struct BuildArgs {
     /// Sizes, for the memory plan
     #[command(flatten)]
     pub sizes: SizeArgs,
+    /// Build the step for data parallelism over N GPUs: gradients averaged
+    /// in buckets (shown in report.txt) while the backward pass runs
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub gpus: Option<u32>,
     /// Device to build for: which kernels run (h100 and h200: sm_90a, with
     /// the Hopper tensor-core attention; a100: sm_80, mma.sync) and the
     /// report's roofline estimate
@@ -179,7 +183,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
             )));
         }
     }
-    let loaded = load(&args.model)?;
+    let loaded = load_ranks(&args.model, args.gpus.unwrap_or(1))?;
     let c = &loaded.compiled;
     if let Some(stage) = args.dump_after.as_deref() {
         if let Some(text) = kernel_stage(c, stage, args)? {

@@ -7,7 +7,7 @@ use fusec_compiler::elaborate::Options;
 use fusec_compiler::ir::DType;
 use std::path::{Path, PathBuf};
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// The model file (.dsl)
     pub model: PathBuf,
@@ -32,7 +32,7 @@ fn parse_precision(s: &str) -> Result<DType, String> {
 }
 
 /// `--batch`, `--seq` and `--dim`: the sizes of a model's symbolic dimensions.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct SizeArgs {
     /// Size of the batch dimension B
     #[arg(long, value_name = "N")]
@@ -113,8 +113,16 @@ pub fn options(args: &ModelArgs) -> Result<Options, CliError> {
 }
 
 pub fn load(args: &ModelArgs) -> Result<Loaded, CliError> {
+    load_ranks(args, 1)
+}
+
+/// [`load`] for a step built for `ranks` data-parallel ranks.
+pub fn load_ranks(args: &ModelArgs, ranks: u32) -> Result<Loaded, CliError> {
     let source = read_source(&args.model)?;
-    let opts = options(args)?;
+    let opts = Options {
+        ranks,
+        ..options(args)?
+    };
     let name = driver::model_name(&args.model);
     let compiled = driver::compile(&source, &name, &opts).map_err(|f| {
         let text = f.render(&args.model.display().to_string(), &source);

@@ -6,6 +6,7 @@ pub mod build;
 pub mod check;
 mod common;
 pub mod export;
+pub mod parallel;
 mod schedule;
 pub mod train;
 

@@ -5,7 +5,7 @@ use super::CliError;
 use clap::Args;
 use fusec_compiler::model::{Decay, Schedule};
 
-#[derive(Args, Debug, Default)]
+#[derive(Args, Debug, Default, Clone)]
 pub struct ScheduleArgs {
     /// Learning-rate schedule after the warmup: constant, cosine or linear
     /// decay to --min-lr (default: the model file's `schedule`, or constant)

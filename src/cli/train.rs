@@ -1,6 +1,7 @@
 //! `fusec train`: the compiled step run over the data, on a GPU or the CPU reference.
 
-use super::common::{load, Loaded, ModelArgs, SizeArgs};
+use super::common::{load_ranks, Loaded, ModelArgs, SizeArgs};
+use super::parallel;
 use super::schedule::ScheduleArgs;
 use super::CliError;
 use clap::Args;
@@ -18,7 +19,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct TrainArgs {
     #[command(flatten)]
     pub model: ModelArgs,
@@ -82,6 +83,8 @@ pub struct TrainArgs {
     /// the same data
     #[arg(long, value_name = "FILE")]
     pub save_data: Option<PathBuf>,
+    #[command(flatten)]
+    pub parallel: super::parallel::ParallelArgs,
 }
 
 pub(super) fn runtime_err(e: RuntimeError) -> CliError {
@@ -140,12 +143,36 @@ pub(super) fn start(
 }
 
 pub fn train(args: &TrainArgs) -> Result<(), CliError> {
-    let loaded = load(&args.model)?;
+    let job = parallel::job(&args.parallel)?;
+    let world = job.world();
+    let loaded = load_ranks(&args.model, world as u32)?;
     let lr = args
         .lr
         .unwrap_or(loaded.compiled.model.train.optimizer.lr());
+    // Each rank's sizes; the data is fed for all of them together.
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
-    let mut backend: Box<dyn Backend> = if args.cpu {
+    let data_dims = parallel::whole_batch(&dims, world);
+    // Only rank 0 of a launched job writes files and progress.
+    let quiet = !job.writes();
+    let mut args_here;
+    let args = if quiet {
+        args_here = args.clone();
+        args_here.save = None;
+        args_here.save_init = None;
+        args_here.save_data = None;
+        args_here.log = None;
+        &args_here
+    } else {
+        args
+    };
+    let mut backend: Box<dyn Backend> = if world > 1 {
+        let options = SessionOptions {
+            deterministic: args.deterministic,
+        };
+        Box::new(parallel::start(
+            &loaded, &dims, &job, args.gpu, args.cpu, options, &args.data,
+        )?)
+    } else if args.cpu {
         eprintln!("CPU reference interpreter (values rounded to their dtypes as stored): slow, for small models");
         let g = &loaded.compiled.optimized;
         Box::new(backend::Cpu::new(g, &dims, Precision::AsStored).map_err(runtime_err)?)
@@ -224,7 +251,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             );
         }
         if !stream {
-            feed_random(b, &data_inputs, &dims, args.seed, 0, &mut record)?;
+            feed_random(b, &data_inputs, &data_dims, args.seed, 0, &mut record)?;
         }
     } else {
         for need in ["tokens", "targets"] {
@@ -406,7 +433,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             }
             if stream {
                 let k = (step - 1) * micro + mb;
-                feed_random(b, &data_inputs, &dims, args.seed, k, &mut record)?;
+                feed_random(b, &data_inputs, &data_dims, args.seed, k, &mut record)?;
             }
             b.launch(rate, opt_step + 1).map_err(runtime_err)?;
             if let Some(pf) = &batches {
@@ -435,18 +462,20 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             );
         }
         let tps = tokens_per_step as f64 / (ms / 1e3);
-        eprintln!(
-            "step {step:>5}/{last}  {}loss {:.4}  {}{ms:.1} ms  {:.0} tok/s",
-            if scheduled {
-                format!("lr {rate:.3e}  ")
-            } else {
-                String::new()
-            },
-            st.loss,
-            st.grad_norm
-                .map_or(String::new(), |n| format!("norm {n:.3}  ")),
-            tps
-        );
+        if !quiet {
+            eprintln!(
+                "step {step:>5}/{last}  {}loss {:.4}  {}{ms:.1} ms  {:.0} tok/s",
+                if scheduled {
+                    format!("lr {rate:.3e}  ")
+                } else {
+                    String::new()
+                },
+                st.loss,
+                st.grad_norm
+                    .map_or(String::new(), |n| format!("norm {n:.3}  ")),
+                tps
+            );
+        }
         if let Some(f) = &mut log {
             let _ = writeln!(
                 f,

@@ -107,6 +107,7 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
         .unwrap_or(0);
     let _ = writeln!(s, "  (parameters are {} in f32)", gib(params));
     padding(&mut s, p, plan);
+    buckets(&mut s, g, p, plan);
     let compute: f64 = est
         .kernels
         .iter()
@@ -205,6 +206,64 @@ fn padding(s: &mut String, p: &Program, plan: &Plan) {
             .filter_map(|(x, v)| v.map(|v| format!("{x} = {v}")))
             .collect();
         let _ = writeln!(s, "  {} runs at {}", p.kernels[*k].name, sizes.join(", "));
+    }
+}
+
+/// The data-parallel gradient buckets: what each averages, after which
+/// kernel it starts (on the communication stream) and before which the
+/// compute stream waits for it.
+fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
+    if plan.collectives.is_empty() {
+        return;
+    }
+    let ranks = p
+        .kernels
+        .iter()
+        .flat_map(|k| &k.nodes)
+        .find_map(|&n| match &g.g[n].op {
+            crate::ops::Op::AllReduce(a) => Some(a.ranks),
+            _ => None,
+        })
+        .unwrap_or(1);
+    let total: u64 = plan.collectives.iter().map(|c| c.bytes).sum();
+    let _ = writeln!(
+        s,
+        "data parallel over {ranks} ranks: {} all-reduce buckets (mean, NCCL) of {} in all; each starts after the kernel that finishes its last gradient and runs while the backward pass goes on",
+        plan.collectives.len(),
+        kib(total)
+    );
+    let name = |i: usize| {
+        plan.launches
+            .get(i)
+            .map_or("the end of the step".to_string(), |l| l.kernel.clone())
+    };
+    for c in &plan.collectives {
+        let mut tensors: Vec<String> = c
+            .tensors
+            .iter()
+            .map(|&(i, _)| plan.buffers[i].name.clone())
+            .collect();
+        let shown = tensors.len().min(4);
+        let more = tensors.len() - shown;
+        tensors.truncate(shown);
+        let after = match c.launch {
+            0 => "the start".to_string(),
+            k => name(k - 1),
+        };
+        let _ = writeln!(
+            s,
+            "  {:<24} {:>10}  after {:<28} joined before {}: {}{}",
+            name(c.launch),
+            kib(c.bytes),
+            after,
+            name(c.join),
+            tensors.join(", "),
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            }
+        );
     }
 }
 

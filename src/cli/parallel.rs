@@ -1,0 +1,203 @@
+//! Data parallelism on the command line: `--gpus N` (every GPU of this
+//! machine, one process), a launcher's environment (one process per rank:
+//! torchrun, Slurm, mpirun with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
+//! and MASTER_PORT set), or `--cpu --gpus N` (N ranks of the CPU reference,
+//! for checking). `--batch` is each rank's: N ranks with batch B train on
+//! the batches one rank with N x B would.
+
+use super::common::Loaded;
+use super::train::runtime_err;
+use super::CliError;
+use clap::Args;
+use fusec_compiler::interp::peers::Peers;
+use fusec_compiler::interp::Precision;
+use fusec_runtime::backend::{self, Backend};
+use fusec_runtime::nccl;
+use fusec_runtime::ranks::{Build, Ranks};
+use fusec_runtime::rendezvous::{self, Rendezvous};
+use fusec_runtime::session::SessionOptions;
+use std::collections::BTreeMap;
+use std::hash::{Hash, Hasher};
+
+#[derive(Args, Debug, Default, Clone)]
+pub struct ParallelArgs {
+    /// Data parallel over N GPUs of this machine (--gpu and the next N - 1),
+    /// one thread each, gradients averaged by NCCL as the backward pass
+    /// runs; --batch is each GPU's. With --cpu: N ranks of the CPU reference
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub gpus: Option<u32>,
+}
+
+/// Which ranks this process runs.
+pub enum Job {
+    /// One rank: the step as always.
+    Single,
+    /// Every rank, in this process (`--gpus N`).
+    Local(usize),
+    /// One rank of a job a launcher started: (where to meet, the GPU).
+    Launched(Rendezvous, usize),
+}
+
+impl Job {
+    /// Ranks in the whole job.
+    pub fn world(&self) -> usize {
+        match self {
+            Job::Single => 1,
+            Job::Local(n) => *n,
+            Job::Launched(rv, _) => rv.world,
+        }
+    }
+
+    /// Whether this process writes logs, checkpoints and the progress
+    /// lines (rank 0's does; the others stay quiet).
+    pub fn writes(&self) -> bool {
+        match self {
+            Job::Launched(rv, _) => rv.rank == 0,
+            _ => true,
+        }
+    }
+}
+
+/// The job from `--gpus` and the launcher's variables.
+pub fn job(args: &ParallelArgs) -> Result<Job, CliError> {
+    let launched = rendezvous::from_env(|k| std::env::var(k).ok())
+        .map_err(|e| CliError::usage(format!("error: {e}")))?;
+    match (launched, args.gpus) {
+        (Some((rv, _)), Some(n)) if n > 1 => Err(CliError::usage(format!(
+            "error: --gpus {n} and a launcher's WORLD_SIZE={} both ask for ranks: under torchrun, Slurm or mpirun, start one process per GPU without --gpus",
+            rv.world
+        ))),
+        (Some((rv, local)), _) => Ok(Job::Launched(rv, local)),
+        (None, Some(n)) if n > 1 => Ok(Job::Local(n as usize)),
+        (None, _) => Ok(Job::Single),
+    }
+}
+
+/// `dims` with the batch of every rank together (what callers of a
+/// data-parallel backend feed).
+pub fn whole_batch(dims: &BTreeMap<String, i64>, world: usize) -> BTreeMap<String, i64> {
+    let mut d = dims.clone();
+    if let Some(b) = d.get_mut("B") {
+        *b *= world as i64;
+    }
+    d
+}
+
+/// What every rank must agree on: the plan (model, sizes, precision, the
+/// ranks it was built for) and the data it reads.
+pub fn plan_hash(loaded: &Loaded, dims: &BTreeMap<String, i64>, data: &str) -> u64 {
+    let g = &loaded.compiled.optimized;
+    let program = fusec_compiler::kernel::fuse::fuse(g);
+    let mut h = std::hash::DefaultHasher::new();
+    match fusec_compiler::plan::plan(g, &program, dims) {
+        Ok(p) => p.to_json().hash(&mut h),
+        Err(e) => e.to_string().hash(&mut h),
+    }
+    data.hash(&mut h);
+    // A token file: its size and its first and last MiB.
+    if let Ok(bytes) = std::fs::metadata(data).map(|m| m.len()) {
+        bytes.hash(&mut h);
+        if let Ok(mut f) = std::fs::File::open(data) {
+            use std::io::{Read, Seek, SeekFrom};
+            let mut buf = vec![0u8; 1 << 20];
+            let n = f.read(&mut buf).unwrap_or(0);
+            buf[..n].hash(&mut h);
+            if bytes > 1 << 20 && f.seek(SeekFrom::End(-(1 << 20))).is_ok() {
+                let n = f.read(&mut buf).unwrap_or(0);
+                buf[..n].hash(&mut h);
+            }
+        }
+    }
+    h.finish()
+}
+
+/// The ranks of `job` as one backend, ready to step: sessions built (the
+/// first compiles, the rest read the cache), communicators joined.
+#[allow(clippy::too_many_arguments)]
+pub fn start(
+    loaded: &Loaded,
+    dims: &BTreeMap<String, i64>,
+    job: &Job,
+    first_gpu: usize,
+    cpu: bool,
+    options: SessionOptions,
+    data: &str,
+) -> Result<Ranks, CliError> {
+    let world = job.world();
+    let g = loaded.compiled.optimized.clone();
+    let usage = |m: String| CliError::usage(format!("error: {m}"));
+    if cpu {
+        let Job::Local(n) = job else {
+            return Err(usage(
+                "--cpu runs its ranks in one process: use --cpu --gpus N, not a launcher".into(),
+            ));
+        };
+        eprintln!("CPU reference interpreter, {n} ranks meeting at each all-reduce: slow, for small models");
+        let builds = Peers::group(*n)
+            .into_iter()
+            .enumerate()
+            .map(|(r, peers)| {
+                let (g, dims) = (g.clone(), dims.clone());
+                let build: Build = Box::new(move || {
+                    let mut cpu = backend::Cpu::new(&g, &dims, Precision::AsStored)?;
+                    cpu.join(peers);
+                    Ok(Box::new(cpu) as Box<dyn Backend>)
+                });
+                (r, build)
+            })
+            .collect();
+        return Ranks::new(builds, *n).map_err(runtime_err);
+    }
+    if !nccl::present() {
+        return Err(runtime_err(nccl::unique_id().expect_err("no NCCL")));
+    }
+    // (global rank, GPU ordinal) of each rank here.
+    let here: Vec<(usize, usize)> = match job {
+        Job::Single => vec![(0, first_gpu)],
+        Job::Local(n) => (0..*n).map(|r| (r, first_gpu + r)).collect(),
+        Job::Launched(rv, local) => vec![(rv.rank, *local)],
+    };
+    // A launched job meets before the GPUs are set up, so a mismatch or a
+    // missing rank is reported before minutes of compiling.
+    let id = match job {
+        Job::Launched(rv, _) => {
+            if rv.rank == 0 {
+                eprintln!(
+                    "rank 0 of {world}: waiting for the other ranks on port {}",
+                    rv.port
+                );
+            }
+            rv.exchange(plan_hash(loaded, dims, data), nccl::unique_id)
+                .map_err(runtime_err)?
+        }
+        _ => nccl::unique_id().map_err(runtime_err)?,
+    };
+    let name = loaded.compiled.model.graph.name.clone();
+    let ready: fusec_runtime::ranks::Ready = std::sync::Arc::new(move |rank, ordinal, s| {
+        eprintln!(
+            "  rank {rank} on GPU {ordinal}, {} ({}): {} kernels of {name} ready ({} from the cache); arena {:.2} GiB",
+            s.exec.gpu.name,
+            s.exec.gpu.arch(),
+            s.kernels_generated,
+            s.cache.hits,
+            s.plan.arena_bytes as f64 / (1u64 << 30) as f64
+        );
+    });
+    let ranks = fusec_runtime::ranks::start_gpus(
+        &g,
+        dims,
+        &here,
+        world,
+        id,
+        options,
+        Some(fusec_runtime::cache::default_dir()),
+        ready,
+    )
+    .map_err(runtime_err)?;
+    eprintln!(
+        "data parallel: {world} ranks joined (NCCL {}), {} of them in this process",
+        nccl::version(),
+        here.len()
+    );
+    Ok(ranks)
+}
