@@ -1,0 +1,180 @@
+//! The data-parallel step as the compiler builds it, checked without a GPU:
+//! where the gradient buckets sit in the launch order, what they hold, how
+//! the memory plan treats them, and that one rank's program computes what
+//! the single-GPU program does. The buckets of GPT-2 small on 4 GPUs are a
+//! snapshot a reviewer can read.
+
+mod common;
+
+use fusec_compiler::driver::{compile, Compiled};
+use fusec_compiler::elaborate::Options;
+use fusec_compiler::ir::graph::Role;
+use fusec_compiler::kernel::buckets::{is_collective, BUCKET_BYTES};
+use fusec_compiler::kernel::fuse::fuse;
+use fusec_compiler::ops::Op;
+use fusec_compiler::plan::plan;
+use fusec_compiler::plan::report::report;
+use fusec_compiler::plan::roofline::device;
+use std::collections::BTreeMap;
+
+fn build(
+    file: &str,
+    sets: &[(&str, &str)],
+    ranks: u32,
+    edit: &dyn Fn(String) -> String,
+) -> Compiled {
+    let (name, src) = common::example(file);
+    let src = edit(src);
+    let opts = Options {
+        overrides: sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ranks,
+        ..Options::default()
+    };
+    compile(&src, &name, &opts).unwrap_or_else(|f| panic!("{}", f.render(&name, &src)))
+}
+
+fn sizes(b: i64, t: i64) -> BTreeMap<String, i64> {
+    [("B".to_string(), b), ("T".to_string(), t)].into()
+}
+
+#[test]
+fn gpt2_small_on_four_gpus_buckets_its_gradients_as_the_backward_pass_finishes_them() {
+    let c = build("gpt2-small.dsl", &[], 4, &|s| s);
+    let g = &c.optimized;
+    let p = fuse(g);
+    let dims = sizes(8, 1024);
+    let pl = plan(g, &p, &dims).unwrap();
+    // Every parameter's gradient, and the loss, averaged exactly once.
+    let reduced: Vec<_> = p
+        .kernels
+        .iter()
+        .filter(|k| is_collective(g, k))
+        .flat_map(|k| k.nodes.iter().copied())
+        .collect();
+    assert_eq!(reduced.len(), g.params.len() + 1);
+    for &n in &reduced {
+        assert!(matches!(g.g[n].op, Op::AllReduce(ref a) if a.ranks == 4));
+    }
+    // Each bucket launches right after the kernel that writes its last
+    // input, and is waited for no later than the first reader of a result.
+    for c in &pl.collectives {
+        let k = &p.kernels[c.launch];
+        let ready = k
+            .inputs
+            .iter()
+            .filter_map(|b| {
+                p.kernels[..c.launch]
+                    .iter()
+                    .rposition(|w| w.outputs.contains(b))
+            })
+            .max()
+            .unwrap();
+        assert_eq!(ready + 1, c.launch, "{} starts late", k.name);
+        let first_read = p.kernels[c.launch + 1..]
+            .iter()
+            .position(|r| r.inputs.iter().any(|b| k.outputs.contains(b)))
+            .map(|i| c.launch + 1 + i);
+        assert_eq!(Some(c.join), first_read, "{}", k.name);
+    }
+    // Buckets close at 25 MiB (only the last may be smaller, and one whose
+    // next gradient is needed sooner).
+    let small = pl
+        .collectives
+        .iter()
+        .filter(|c| c.bytes < BUCKET_BYTES)
+        .count();
+    assert!(small <= 2, "{small} buckets under 25 MiB");
+    // Averaged in place: the arena is the one-GPU arena.
+    let one = build("gpt2-small.dsl", &[], 1, &|s| s);
+    let one_plan = plan(&one.optimized, &fuse(&one.optimized), &dims).unwrap();
+    assert_eq!(pl.arena_bytes, one_plan.arena_bytes);
+    let text = report(
+        g,
+        &p,
+        &pl,
+        c.training.g.node_count(),
+        device("h100").unwrap(),
+    );
+    let section: String = text
+        .lines()
+        .skip_while(|l| !l.starts_with("data parallel"))
+        .take_while(|l| !l.is_empty())
+        .map(|l| format!("{l}\n"))
+        .collect();
+    insta::assert_snapshot!("gpt2_small_buckets_on_4_gpus", section);
+}
+
+#[test]
+fn micro_batches_average_the_accumulated_sum_once_per_step() {
+    let edit = |s: String| {
+        s.replace(
+            "clip_grad_norm = 1.0",
+            "clip_grad_norm = 1.0\n    micro_batches = 2",
+        )
+    };
+    let sets = [
+        ("layers", "1"),
+        ("d", "32"),
+        ("n_heads", "2"),
+        ("vocab", "61"),
+        ("ctx", "16"),
+    ];
+    let c = build("gpt2-small.dsl", &sets, 2, &edit);
+    let g = &c.optimized;
+    // The all-reduce reads the f32 accumulator's sum, not the micro-batch's gradient.
+    for n in g.g.node_indices() {
+        if let Op::AllReduce(_) = g.g[n].op {
+            let x = g.inputs(n)[0];
+            let is_loss = g
+                .outputs
+                .iter()
+                .any(|(r, v)| *r == Role::Loss && g.inputs(v.node).first() == Some(&x));
+            if !is_loss {
+                assert_eq!(g.ty(x).dtype, fusec_compiler::ir::DType::F32);
+                assert!(
+                    matches!(g.g[x.node].op, Op::Binary(_)),
+                    "reads {}",
+                    g.g[x.node].op.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn one_ranks_program_computes_what_the_single_gpu_program_does() {
+    use fusec_compiler::interp::random::random_feeds;
+    use fusec_compiler::interp::Precision;
+    use fusec_compiler::kernel::interp::run_program;
+    let sets = [
+        ("layers", "1"),
+        ("d", "16"),
+        ("n_heads", "2"),
+        ("vocab", "23"),
+        ("ctx", "8"),
+    ];
+    let one = build("gpt2-small.dsl", &sets, 1, &|s| s);
+    let two = build("gpt2-small.dsl", &sets, 2, &|s| s);
+    let dims = common::dims(&[("B", 2), ("T", 5)]);
+    let feeds = random_feeds(&one.optimized, &dims, 5).unwrap();
+    let run = |c: &Compiled| {
+        let p = fuse(&c.optimized);
+        let bufs = run_program(&c.optimized, &p, &feeds, Precision::F64).unwrap();
+        let pick = |role: Role| {
+            let v = c
+                .optimized
+                .outputs
+                .iter()
+                .find(|(r, _)| *r == role)
+                .unwrap()
+                .1;
+            bufs[p.buffer_of(v).unwrap()].data.clone()
+        };
+        (pick(Role::Loss), pick(Role::GradNorm))
+    };
+    // Alone, a rank's mean over the ranks is its own value: same outputs.
+    assert_eq!(run(&one), run(&two));
+}
