@@ -632,3 +632,141 @@ fn the_model_files_schedule_is_followed() {
         assert!((got - want).abs() <= 1e-15, "{lrs:?}");
     }
 }
+
+/// `--gpus N --cpu`: N ranks of the CPU reference, each with B rows,
+/// follow one rank with N x B rows; a checkpoint of one rank resumes on two
+/// at the same window of the text.
+#[test]
+fn simulated_ranks_follow_one_rank_and_resume_across_rank_counts() {
+    let train = |extra: &[&str]| {
+        let mut a = vec![
+            "train",
+            "dsl-examples/gpt2-small.dsl",
+            "--data",
+            TEXT,
+            "--cpu",
+            "--precision",
+            "fp32",
+            "--seq",
+            "8",
+        ];
+        a.extend_from_slice(&SMALL[..10]);
+        a.extend_from_slice(extra);
+        let (code, _, err) = fusec(&a);
+        assert_eq!(code, 0, "{err}");
+        err
+    };
+    let (full, ck, two, res) = (
+        tmp("dp-full.jsonl"),
+        tmp("dp-ck.safetensors"),
+        tmp("dp-two.jsonl"),
+        tmp("dp-res.jsonl"),
+    );
+    train(&[
+        "--batch",
+        "4",
+        "--steps",
+        "4",
+        "--log",
+        full.to_str().unwrap(),
+    ]);
+    let err = train(&[
+        "--batch",
+        "2",
+        "--gpus",
+        "2",
+        "--steps",
+        "4",
+        "--log",
+        two.to_str().unwrap(),
+    ]);
+    assert!(err.contains("2 ranks meeting at each all-reduce"), "{err}");
+    train(&[
+        "--batch",
+        "4",
+        "--steps",
+        "2",
+        "--save",
+        ck.to_str().unwrap(),
+    ]);
+    train(&[
+        "--batch",
+        "2",
+        "--gpus",
+        "2",
+        "--steps",
+        "2",
+        "--resume",
+        ck.to_str().unwrap(),
+        "--log",
+        res.to_str().unwrap(),
+    ]);
+    let close = |a: &[String], b: &[String]| {
+        a.len() == b.len()
+            && a.iter().zip(b).all(|(x, y)| {
+                let (x, y) = (loss(x), loss(y));
+                (x - y).abs() <= 1e-6 * y.abs()
+            })
+    };
+    let full = losses(&full);
+    assert_eq!(full.len(), 4);
+    assert!(
+        close(&losses(&two), &full),
+        "{:?} against {full:?}",
+        losses(&two)
+    );
+    assert!(
+        close(&losses(&res), &full[2..]),
+        "{:?} against {full:?}",
+        losses(&res)
+    );
+}
+
+#[test]
+fn rank_settings_that_cannot_work_are_named() {
+    // --gpus under a launcher, a launcher without RANK.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"))
+        .args([
+            "train",
+            "dsl-examples/gpt2-small.dsl",
+            "--data",
+            TEXT,
+            "--gpus",
+            "2",
+        ])
+        .args(SMALL)
+        .env("WORLD_SIZE", "2")
+        .env("RANK", "0")
+        .current_dir(common::root())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--gpus 2 and a launcher's WORLD_SIZE=2"),
+        "{err}"
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"))
+        .args(["train", "dsl-examples/gpt2-small.dsl", "--data", TEXT])
+        .args(SMALL)
+        .env("WORLD_SIZE", "2")
+        .env_remove("RANK")
+        .current_dir(common::root())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("RANK is not"), "{err}");
+    // The CPU's ranks live in one process.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"))
+        .args(["train", "dsl-examples/gpt2-small.dsl", "--data", TEXT])
+        .args(SMALL)
+        .env("WORLD_SIZE", "2")
+        .env("RANK", "1")
+        .current_dir(common::root())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--cpu runs its ranks in one process"), "{err}");
+}

@@ -169,6 +169,26 @@ impl Batches {
         }
     }
 
+    /// Moves past `n` windows, as `n / B` batches would (any `n`: a run
+    /// resumed with another batch or number of GPUs reads on from the same
+    /// window).
+    pub fn skip_windows(&mut self, n: u64) {
+        let t = self.t;
+        // Windows repeat with the data's period: skip whole laps at once.
+        let per_lap = (self.tokens.len() - 1) / t;
+        let n = if self.pos == 0 && per_lap > 0 {
+            n % per_lap as u64
+        } else {
+            n
+        };
+        for _ in 0..n {
+            if self.pos + t + 1 > self.tokens.len() {
+                self.pos = 0;
+            }
+            self.pos += t;
+        }
+    }
+
     /// Values in one batch buffer: inputs and targets.
     pub fn buffer_len(&self) -> usize {
         2 * self.b * self.t
@@ -268,6 +288,23 @@ mod tests {
             .unwrap()
             .0;
         assert!(e.contains("token 300 at position 1"), "{e}");
+    }
+
+    #[test]
+    fn skipping_windows_lands_where_reading_them_would() {
+        let tokens: Vec<u32> = (0..103).map(|x| x % 50).collect();
+        for skip in [0u64, 1, 5, 7, 33, 34, 1000] {
+            // One batch of 1 row per window read, against one skip.
+            let mut read = Batches::new(tokens.clone(), 1, 3, None).unwrap();
+            for _ in 0..skip {
+                read.next_batch();
+            }
+            let mut jumped = Batches::new(tokens.clone(), 2, 3, None).unwrap();
+            jumped.skip_windows(skip);
+            let a = read.next_batch();
+            let b = jumped.next_batch();
+            assert_eq!(a.inputs[..], b.inputs[..3], "after {skip} windows");
+        }
     }
 
     #[test]

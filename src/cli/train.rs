@@ -324,8 +324,19 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             code: 3,
         })?;
         // A resumed run reads on from where the first run stopped.
-        for _ in 0..(first - 1) * micro {
-            src.next_batch();
+        // (By windows where the checkpoint counts them: the first run may
+        // have had another batch or number of GPUs.)
+        match resumed
+            .as_ref()
+            .and_then(|ck| ck.extra.get(WINDOWS_READ))
+            .and_then(|v| v.parse().ok())
+        {
+            Some(windows) => src.skip_windows(windows),
+            None => {
+                for _ in 0..(first - 1) * micro {
+                    src.next_batch();
+                }
+            }
         }
         // Three page-locked buffers: one being copied to the GPU, two
         // filled ahead by the data thread.
@@ -407,8 +418,24 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             }
         );
     }
-    let state = |scaler: &fusec_runtime::scaler::LossScaler, opt_step: u64| {
+    // Windows of the token file read by the end of each step (all ranks').
+    let resumed_windows: Option<u64> = resumed
+        .as_ref()
+        .and_then(|ck| ck.extra.get(WINDOWS_READ))
+        .and_then(|v| v.parse().ok());
+    let rows = tokens_shape
+        .as_ref()
+        .and_then(|s| s.first().copied())
+        .unwrap_or(0) as u64;
+    let windows_at = |step: u64| match resumed_windows {
+        Some(w) => w + (step + 1 - first) * micro * rows,
+        None => step * micro * rows,
+    };
+    let state = |scaler: &fusec_runtime::scaler::LossScaler, opt_step: u64, step: u64| {
         let mut m = run_state(scaler, opt_step, fp16);
+        if batches.is_some() {
+            m.insert(WINDOWS_READ.into(), windows_at(step).to_string());
+        }
         if ends_with_the_run(&schedule) {
             m.insert("schedule_end".into(), horizon.to_string());
         }
@@ -496,12 +523,12 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         }
         if let (Some(path), Some(every)) = (&args.save, args.save_every) {
             if step % every == 0 && step != last {
-                save(b, path, step, &state(&scaler, opt_step))?;
+                save(b, path, step, &state(&scaler, opt_step, step))?;
             }
         }
     }
     if let Some(path) = &args.save {
-        save(b, path, last, &state(&scaler, opt_step))?;
+        save(b, path, last, &state(&scaler, opt_step, last))?;
         eprintln!("saved {} (step {last})", path.display());
     }
     if let (Some(path), Some(log)) = (&args.save_data, &record) {
@@ -594,6 +621,9 @@ fn load_checked(
     checkpoint::check_against(&ck, path, needed).map_err(err)?;
     Ok(ck)
 }
+
+/// The checkpoint entry counting the token file's windows read so far.
+const WINDOWS_READ: &str = "windows_read";
 
 /// `--data random-stream`: a new random batch for every micro-batch.
 const RANDOM_STREAM: &str = "random-stream";
