@@ -14,7 +14,8 @@
 #   tools/gpu_check.sh feed      fusec train on text (batches staged while the step runs) beside fusec bench
 #   tools/gpu_check.sh twins     50 steps of every shipped and twin-test model against its PyTorch twin
 #                                (tools/twin_parity.py: fp32 and the model's own precision, f64 as judge;
-#                                TWIN_STEPS=2 TWIN_EXTRA=--cpu BIN=target/release tries the cases here)
+#                                TWIN_STEPS=2 TWIN_EXTRA=--cpu BIN=target/release tries the cases here;
+#                                TWIN_ONLY=REGEX picks models)
 #   tools/gpu_check.sh suite     fusec bench beside torch.compile of each shipped transformer's twin
 #                                (tools/bench_twins.py, B = 8 and 32)
 #   tools/gpu_check.sh dp        data parallel on every GPU of the machine: the dp_gpu test, --gpus N
@@ -126,6 +127,7 @@ if [ "$what" = twins ] || [ "$what" = all ]; then
   TEXT="--data $CORPUS"
   while read -r model rest; do
     [ -z "$model" ] && continue
+    if [ -n "${TWIN_ONLY:-}" ] && ! echo "$model" | grep -Eq "$TWIN_ONLY"; then continue; fi
     log="$LOGS/twin-$(basename "$model" .dsl)"
     run "twin parity $model $rest"
     timeout 500 python3 tools/twin_parity.py "$model" --fusec "$BIN/fusec" ${TWIN_STEPS:+--steps $TWIN_STEPS} ${TWIN_EXTRA:-} $rest \
@@ -157,33 +159,37 @@ if [ "$what" = dp ]; then
   echo "exit $?"; grep -E "^test |test result|GPUs x|panicked|skipped" "$LOGS/dp_gpu.log" | head -20
   T=dsl-examples/data/founding-texts.txt
   SMALL="--set layers=4 --set d=256 --set n_heads=4 --set vocab=256 --set ctx=256 --seq 256 --data $T --steps 20"
-  run "fusec train --gpus 2 --batch 4 against one GPU with --batch 8 (text, bf16, 20 steps)"
-  timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --batch 8 --log "$LOGS/dp-one.jsonl" > "$LOGS/dp-one.log" 2>&1; echo "exit $?"
-  timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --batch 4 --gpus 2 --log "$LOGS/dp-two.jsonl" > "$LOGS/dp-two.log" 2>&1; echo "exit $?"
-  grep -E "error|data parallel" "$LOGS/dp-two.log" | head -5
-  run "the same as two processes, started as a launcher would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
-  for r in 1 0; do
-    WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --batch 4 --log "$LOGS/dp-proc$r.jsonl" > "$LOGS/dp-proc$r.log" 2>&1 &
-  done
-  wait; tail -2 "$LOGS/dp-proc0.log"; grep -E "error" "$LOGS/dp-proc1.log" | head -3
-  python3 - "$LOGS" <<'PY'
+  for prec in fp32 bf16; do
+    run "fusec train --gpus 2 --batch 4 against one GPU with --batch 8 (text, $prec, 20 steps)"
+    timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 8 --log "$LOGS/dp-one-$prec.jsonl" > "$LOGS/dp-one-$prec.log" 2>&1; echo "exit $?"
+    timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 4 --gpus 2 --log "$LOGS/dp-two-$prec.jsonl" > "$LOGS/dp-two-$prec.log" 2>&1; echo "exit $?"
+    grep -E "error" "$LOGS/dp-two-$prec.log" | head -5
+    run "the same as two processes, started as a launcher would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
+    for r in 1 0; do
+      WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 4 --log "$LOGS/dp-proc-$prec.jsonl" > "$LOGS/dp-proc$r-$prec.log" 2>&1 &
+    done
+    wait; grep -E "error" "$LOGS/dp-proc0-$prec.log" "$LOGS/dp-proc1-$prec.log" | head -3
+    python3 - "$LOGS" "$prec" <<'PY'
 import json, sys
-d = sys.argv[1]
+d, prec = sys.argv[1], sys.argv[2]
 def rows(n):
     try:
-        return [json.loads(l) for l in open(f"{d}/{n}.jsonl")]
+        return [json.loads(l) for l in open(f"{d}/{n}-{prec}.jsonl")]
     except OSError:
         return []
-one, two, proc = rows("dp-one"), rows("dp-two"), rows("dp-proc0")
+one, two, proc = rows("dp-one"), rows("dp-two"), rows("dp-proc")
+tol = 1e-5 if prec == "fp32" else 1e-2
 for name, other in (("--gpus 2", two), ("two processes", proc)):
     if len(other) != len(one) or not one:
         print(f"{name}: {len(other)} steps logged against {len(one)}: FAIL"); continue
-    worst = max(max(abs(a["loss"] - b["loss"]) / abs(b["loss"]), abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"])) for a, b in zip(other, one))
-    print(f"{name} x B=4 against 1 GPU x B=8, bf16, 20 steps on text: worst relative difference {worst:.2e} (allowed 1e-2): {'PASS' if worst <= 1e-2 else 'FAIL'}")
+    dl = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(other, one))
+    dn = max(abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]) for a, b in zip(other, one))
+    print(f"{name} x B=4 against 1 GPU x B=8, {prec}, 20 steps on text: worst relative difference loss {dl:.2e}, grad norm {dn:.2e} (allowed {tol:.0e}): {'PASS' if max(dl, dn) <= tol else 'FAIL'}")
 if two and proc:
     same = all(a["loss"] == b["loss"] for a, b in zip(two, proc))
     print(f"two processes and --gpus 2 give the same losses bit for bit: {same}")
 PY
+  done
   B=${DP_BATCH:-16}
   for g in $(seq 1 $N); do
     case $g in 1|2|4|8) ;; *) continue ;; esac

@@ -81,9 +81,10 @@ enum Step {
         d: u64,
         ep: EpiloguePtrs,
     },
-    /// A gradient bucket averaged over the ranks, on the communication
-    /// stream (see `DataParallel`).
-    Collective(Vec<nccl::Tensor>),
+    /// A bucket averaged over the ranks, on the communication stream (see
+    /// `DataParallel`); `true` where it runs on every micro-batch (the
+    /// loss), not only on the one that updates.
+    Collective(Vec<nccl::Tensor>, bool),
 }
 
 /// A rank's share of data parallelism: its communicator and the stream
@@ -428,7 +429,11 @@ impl Executor {
                         }
                     })
                     .collect();
-                Step::Collective(tensors)
+                let every = plan
+                    .collectives
+                    .iter()
+                    .any(|c| c.launch == ki && c.every_micro_batch);
+                Step::Collective(tensors, every)
             } else if !l.steps.is_empty() {
                 // The kernels the plan launches: the generated one, or the
                 // template instances chosen in its place.
@@ -577,9 +582,9 @@ impl Executor {
             }
         }
         match (&launches[i].step, dp.as_mut()) {
-            (Step::Collective(_), _) if !*collectives_on => Ok(()),
-            (Step::Collective(tensors), Some(dp)) => dp.issue(gpu, tensors),
-            (Step::Collective(_), None) => Err(RuntimeError::Unsupported(format!(
+            (Step::Collective(_, every), _) if !*collectives_on && !every => Ok(()),
+            (Step::Collective(tensors, _), Some(dp)) => dp.issue(gpu, tensors),
+            (Step::Collective(..), None) => Err(RuntimeError::Unsupported(format!(
                 "kernel {name} averages gradients over several ranks, and this step has no communicator: run it with --gpus or under a launcher"
             ))),
             (step, _) => run(step, &name, gpu, dims, gemm),
@@ -607,7 +612,7 @@ impl Executor {
     pub fn has_collectives(&self) -> bool {
         self.launches
             .iter()
-            .any(|l| matches!(l.step, Step::Collective(_)))
+            .any(|l| matches!(l.step, Step::Collective(..)))
     }
 
     /// Whether the next steps run their collectives: off for micro-batches
@@ -879,7 +884,7 @@ fn run(
             gemm.run(spec, *a, *b, *d, ep)
                 .map_err(|e| RuntimeError::Gemm(format!("kernel {name}: {e}")))?;
         }
-        Step::Collective(_) => unreachable!("the executor runs collectives itself"),
+        Step::Collective(..) => unreachable!("the executor runs collectives itself"),
     }
     Ok(())
 }

@@ -104,7 +104,10 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     // rank applies the same update. The loss is averaged the same way, for
     // the log. After the micro-batches' sum: one all-reduce per step.
     let grads = if train.ranks > 1 {
-        let mean = AllReduce { ranks: train.ranks };
+        let mean = AllReduce {
+            ranks: train.ranks,
+            every_micro_batch: false,
+        };
         let mut reduced = Vec::with_capacity(grads.len());
         for (i, gv) in grads {
             reduced.push((i, b.op1(mean.clone(), &[gv])?));
@@ -116,7 +119,12 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let mut loss_mean = None;
     if train.ranks > 1 {
         if let Some(&(_, lv)) = b.graph.outputs.iter().find(|(r, _)| *r == Role::Loss) {
-            loss_mean = Some(b.op1(AllReduce { ranks: train.ranks }, &[lv])?);
+            // Each micro-batch reports its loss: a 4-byte collective each.
+            let mean = AllReduce {
+                ranks: train.ranks,
+                every_micro_batch: true,
+            };
+            loss_mean = Some(b.op1(mean, &[lv])?);
         }
     }
 

@@ -19,6 +19,14 @@ pub const BUCKET_BYTES: u64 = 25 << 20;
 /// Most tensors in one bucket (one NCCL group call each).
 const BUCKET_MAX: usize = 256;
 
+/// Whether collective kernel `k` runs on every micro-batch (see
+/// `AllReduce::every_micro_batch`); a bucket never mixes the two kinds.
+pub fn every_micro_batch(g: &Graph, k: &Kernel) -> bool {
+    k.nodes
+        .iter()
+        .any(|&n| matches!(g.g[n].op, Op::AllReduce(ref a) if a.every_micro_batch))
+}
+
 pub fn is_collective(g: &Graph, k: &Kernel) -> bool {
     match &k.body {
         Body::Op(n) => matches!(g.g[*n].op, Op::AllReduce(_)),
@@ -75,22 +83,34 @@ pub fn bucket_collectives(g: &Graph, buffers: &[Buffer], kernels: Vec<Kernel>) -
     order.sort_by_key(|(ready, _, _)| *ready);
     // Cut into buckets; a bucket also closes where waiting for its next
     // gradient would hold up a kernel that needs one already in it.
+    // Open buckets: one for the gradients, one for what every micro-batch
+    // averages (the loss); a tensor of a bucket's size or more goes alone,
+    // so the gradients before it do not wait for it.
     let mut buckets: Vec<(Option<usize>, usize, u64, Vec<Kernel>)> = Vec::new();
+    let mut open: [Option<usize>; 2] = [None, None];
     for (ready, needed, k) in order {
         let size = bytes(&buffers[k.inputs[0]]).unwrap_or(BUCKET_BYTES);
-        let fits = buckets.last().is_some_and(|(_, need, total, ks)| {
-            ks.len() < BUCKET_MAX && *total < BUCKET_BYTES && ready.map_or(0, |r| r + 1) <= *need
+        let kind = usize::from(every_micro_batch(g, &k));
+        let fits = open[kind].is_some_and(|i| {
+            let (_, need, total, ks) = &buckets[i];
+            ks.len() < BUCKET_MAX
+                && *total < BUCKET_BYTES
+                && size < BUCKET_BYTES
+                && ready.map_or(0, |r| r + 1) <= *need
         });
         if fits {
-            let b = buckets.last_mut().expect("a bucket");
+            let b = &mut buckets[open[kind].expect("an open bucket")];
             b.0 = b.0.max(ready);
             b.1 = b.1.min(needed);
             b.2 += size;
             b.3.push(k);
         } else {
+            open[kind] = (size < BUCKET_BYTES).then_some(buckets.len());
             buckets.push((ready, needed, size, vec![k]));
         }
     }
+    // Launched in the order they become ready.
+    buckets.sort_by_key(|b| b.0);
     let mut out = Vec::with_capacity(rest.len() + buckets.len());
     let mut pending = buckets.into_iter().peekable();
     let mut place = |after: Option<usize>, out: &mut Vec<Kernel>| {

@@ -11,6 +11,9 @@ use super::*;
 pub struct AllReduce {
     /// Ranks taking part (the mean divides by it).
     pub ranks: u32,
+    /// Run on every micro-batch (the loss, which each one reports), not
+    /// only on the one that ends the step (the gradients' sums).
+    pub every_micro_batch: bool,
 }
 
 impl OpDef for AllReduce {
@@ -18,7 +21,11 @@ impl OpDef for AllReduce {
         "all_reduce"
     }
     fn attrs(&self) -> Vec<String> {
-        vec!["op=mean".into(), format!("ranks={}", self.ranks)]
+        let mut a = vec!["op=mean".into(), format!("ranks={}", self.ranks)];
+        if self.every_micro_batch {
+            a.push("every_micro_batch".into());
+        }
+        a
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("all_reduce", inputs, 1)?;

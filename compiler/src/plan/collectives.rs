@@ -6,7 +6,7 @@
 
 use super::{MemKind, PlannedBuffer};
 use crate::ir::Graph;
-use crate::kernel::buckets::is_collective;
+use crate::kernel::buckets::{every_micro_batch, is_collective};
 use crate::kernel::Program;
 use serde::Serialize;
 
@@ -22,6 +22,8 @@ pub struct PlannedCollective {
     pub bytes: u64,
     /// (input buffer, output buffer) of each tensor, in order.
     pub tensors: Vec<(usize, usize)>,
+    /// Runs on every micro-batch (the loss), not only on the last.
+    pub every_micro_batch: bool,
 }
 
 /// The collectives of program `p`, with the launch each one's results are
@@ -47,6 +49,7 @@ pub fn collectives(g: &Graph, p: &Program, buffers: &[PlannedBuffer]) -> Vec<Pla
             join,
             bytes: tensors.iter().map(|&(i, _)| buffers[i].bytes).sum(),
             tensors,
+            every_micro_batch: every_micro_batch(g, k),
         });
     }
     out
