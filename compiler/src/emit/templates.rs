@@ -160,6 +160,10 @@ fn cross_entropy_row(b: &mut String, c: &Ctx, loss: Option<usize>, grad: Option<
             pitch(c.k.outputs[c.outs[o]])
         );
     }
+    if let (Some(o), Some(v)) = (grad, vector_rows(c, grad)) {
+        cross_entropy_row_vector(b, c, loss, o, &v);
+        return;
+    }
     let x = c.ld(0, "xrow + j");
     max_sumexp(b, &x, "        ");
     let _ = writeln!(b, "        const fs_i64 t = in1[row];");
@@ -202,6 +206,120 @@ fn cross_entropy_row(b: &mut String, c: &Ctx, loss: Option<usize>, grad: Option<
             );
         }
     }
+}
+
+/// How a cross-entropy kernel with a gradient reads and writes its rows
+/// eight 16-bit values at a time.
+struct VectorRows {
+    /// `fs_bf16` or `fs_f16`.
+    elem: &'static str,
+    load: &'static str,
+    store: &'static str,
+    /// Elements from one gradient row to the next (padding included): the
+    /// vector loop writes them all, zeros past the classes.
+    out_row: i64,
+}
+
+/// The 16-byte path, where both the logits and the gradient are 16-bit
+/// with rows a constant multiple of 8 apart (every row then starts 16-byte
+/// aligned, and a row's last vector stays inside its padded row).
+fn vector_rows(c: &Ctx, grad: Option<usize>) -> Option<VectorRows> {
+    let o = grad?;
+    let (elem, load, store) = match c.in_dt(0) {
+        DType::BF16 => ("fs_bf16", "fs_load_bf16", "fs_to_bf16"),
+        DType::F16 => ("fs_f16", "fs_load_f16", "fs_to_f16"),
+        _ => return None,
+    };
+    if c.out_dt(o) != c.in_dt(0) || c.k.input_views.get(c.ins[0]).is_some_and(|v| v.is_some()) {
+        return None;
+    }
+    let row = |buf: usize| -> Option<i64> {
+        let b = &c.p.buffers[buf];
+        b.pitch
+            .or_else(|| b.ty.shape.last()?.as_const())
+            .filter(|r| r % 8 == 0)
+    };
+    let (in_row, out_row) = (row(c.k.inputs[c.ins[0]])?, row(c.k.outputs[c.outs[o]])?);
+    (in_row >= out_row).then_some(VectorRows {
+        elem,
+        load,
+        store,
+        out_row,
+    })
+}
+
+/// Cross-entropy with its gradient in two passes over the row instead of
+/// three, eight logits per 16-byte load: first the running maximum and
+/// sum of exponentials together (the sum rescaled when the maximum grows),
+/// then the gradient, stored eight at a time with the padded columns' zeros.
+fn cross_entropy_row_vector(
+    b: &mut String,
+    c: &Ctx,
+    loss: Option<usize>,
+    o: usize,
+    v: &VectorRows,
+) {
+    let (elem, ld, st) = (v.elem, v.load, v.store);
+    let x = format!("in{}", c.ins[0]);
+    let _ = write!(
+        b,
+        "        float m = {NEG_INF}, sum = 0.0f;
+        for (fs_i64 j0 = (fs_i64)threadIdx.x * 8; j0 < C; j0 += (fs_i64)blockDim.x * 8) {{
+            {elem} v[8];
+            fs_vload(v, &{x}[xrow + j0]);
+            float x8[8], vm = {NEG_INF};
+            for (int e = 0; e < 8; ++e) {{
+                x8[e] = j0 + e < C ? {ld}(&v[e]) : {NEG_INF};
+                vm = fmaxf(vm, x8[e]);
+            }}
+            if (vm > m) {{
+                sum *= expf(m - vm);
+                m = vm;
+            }}
+            for (int e = 0; e < 8; ++e) sum += expf(x8[e] - m);
+        }}
+        {{
+            const float bm = fs_block_max(m);
+            sum = fs_block_sum(m == {NEG_INF} ? 0.0f : sum * expf(m - bm));
+            m = bm;
+        }}
+        const fs_i64 t = in{t}[row];
+        const float scale = {scale};
+",
+        t = c.ins[1],
+        scale = c.ld(2, "row")
+    );
+    if let Some(lo) = loss {
+        let picked = c.ld(0, "xrow + t");
+        let _ = writeln!(
+            b,
+            "        if (threadIdx.x == 0) {}
+        __syncthreads();",
+            c.st(
+                lo,
+                "row",
+                &format!(
+                    "(t >= 0 && t < C) ? m + logf(sum) - {picked} : __int_as_float(0x7fc00000)"
+                )
+            )
+        );
+    }
+    let out = format!("out{}", c.outs[o]);
+    let _ = write!(
+        b,
+        "        const float inv = 1.0f / sum;
+        for (fs_i64 j0 = (fs_i64)threadIdx.x * 8; j0 < {row}LL; j0 += (fs_i64)blockDim.x * 8) {{
+            {elem} v[8], g[8];
+            if (j0 < C) fs_vload(v, &{x}[xrow + j0]);
+            for (int e = 0; e < 8; ++e) {{
+                const fs_i64 j = j0 + e;
+                g[e] = {st}(j < C ? (expf({ld}(&v[e]) - m) * inv - (j == t ? 1.0f : 0.0f)) * scale : 0.0f);
+            }}
+            fs_vstore(&{out}[grow + j0], g);
+        }}
+",
+        row = v.out_row
+    );
 }
 
 /// Closes the row loop and opens the parameter-gradient phase of a norm
