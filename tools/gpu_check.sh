@@ -21,7 +21,8 @@
 #   tools/gpu_check.sh dp        data parallel on every GPU of the machine: the dp_gpu test, --gpus N
 #                                against one GPU with N x B on text, a two-process launch as a second
 #                                machine would join, fusec bench --gpus 1..N beside torch_ddp.py
-#                                (DP_BATCH per GPU, default 16)
+#                                (DP_BATCH per GPU, default 16; DP_TORCH_GPUS picks the DDP runs)
+#   tools/gpu_check.sh dpbench   the throughput part of dp alone
 # TORCH_MODES picks torch_reference.py's modes (default: all three).
 #   tools/gpu_check.sh all
 # Logs go to out/gpu-logs, or, when $OUT is set by the device tool, to
@@ -190,6 +191,10 @@ if two and proc:
     print(f"two processes and --gpus 2 give the same losses bit for bit: {same}")
 PY
   done
+fi
+if [ "$what" = dp ] || [ "$what" = dpbench ]; then
+  export NCCL_NVLS_ENABLE=0
+  N=$(nvidia-smi -L | wc -l)
   B=${DP_BATCH:-16}
   for g in $(seq 1 $N); do
     case $g in 1|2|4|8) ;; *) continue ;; esac
@@ -202,7 +207,7 @@ PY
   done
   if [ -f "$BIN/torch_ddp.py" ]; then
     TORCHRUN=$(command -v torchrun || echo /opt/torch/.venv/bin/torchrun)
-    for g in $(seq 1 $N); do
+    for g in ${DP_TORCH_GPUS:-$(seq 1 $N)}; do
       case $g in 1|2|4|8) ;; *) continue ;; esac
       run "torch_ddp.py (DDP + torch.compile) on $g GPUs, batch $B per GPU"
       (cd "$BIN" && timeout 300 "$TORCHRUN" --standalone --nproc_per_node $g torch_ddp.py --batch $B --seq 1024 2>&1 | grep "^{" | tail -1 | tee -a "$LOGS/dp-torch.jsonl")
