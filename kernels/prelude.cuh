@@ -97,6 +97,14 @@ __device__ __forceinline__ float fs_silu_grad(float x) {
     return s + x * s * (1.0f - s);
 }
 
+// Threads that share a row in the one-warp-a-row kernels (norm_rows.rs):
+// a warp on the GPU, the one thread of a block on the host (tests).
+#ifdef __CUDA_ARCH__
+#define FS_WARP 32
+#else
+#define FS_WARP 1
+#endif
+
 // Sums and maxima across a thread block (blockDim.x a multiple of 32, at
 // most 1024); every thread gets the result. On the host (tests) a block is
 // one thread, so the value is already the total.
@@ -151,6 +159,7 @@ __device__ __forceinline__ int fs_block_scan(int v, int* total) {
     return before + x - v;
 }
 #else
+inline float fs_warp_sum(float v) { return v; }
 inline float fs_block_sum(float v) { return v; }
 inline float fs_block_max(float v) { return v; }
 inline int fs_block_scan(int v, int* total) { *total = v; return 0; }

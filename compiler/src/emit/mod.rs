@@ -6,6 +6,7 @@ pub mod flash;
 pub mod group;
 pub mod launch;
 pub mod multi;
+pub mod norm_rows;
 pub mod templates;
 
 /// The shared device functions every generated kernel includes.

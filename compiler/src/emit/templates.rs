@@ -400,6 +400,12 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
     Some(match &g.g[n].op {
         Op::Softmax(s) if s.axis + 1 == t(0).len() => Shape::Rows(rows_of(&t(0))),
         Op::SoftmaxGrad(s) if s.axis + 1 == t(0).len() => Shape::Rows(rows_of(&t(0))),
+        Op::LayerNormGrad(_) | Op::RmsNormGrad(_) if super::norm_rows::applies(g, n).is_some() => {
+            Shape::Rows(Dim::constant(crate::ops::NORM_GROUPS as i64))
+        }
+        Op::LayerNorm(_) | Op::RmsNorm(_) if super::norm_rows::forward_applies(g, n).is_some() => {
+            Shape::Rows(Dim::constant(super::norm_rows::FORWARD_BLOCKS))
+        }
         Op::LayerNorm(_)
         | Op::RmsNorm(_)
         | Op::CrossEntropy(_)
@@ -457,7 +463,9 @@ pub fn op_kernel(
     // structure.
     let body = super::attention::kernel_body(g, &c, n)
         .or_else(|| super::conv::kernel_body(g, &c, n))
-        .or_else(|| super::multi::kernel_body(g, &c, n));
+        .or_else(|| super::multi::kernel_body(g, &c, n))
+        .or_else(|| super::norm_rows::kernel_body(g, &c, n))
+        .or_else(|| super::norm_rows::forward_body(g, &c, n));
     let body = match body {
         Some(b) => b,
         None => op_loop(g, &c, n)?,
