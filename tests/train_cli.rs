@@ -708,7 +708,31 @@ fn simulated_ranks_follow_one_rank_and_resume_across_rank_counts() {
                 (x - y).abs() <= 1e-6 * y.abs()
             })
     };
+    // ZeRO stage 1: the same losses, and a checkpoint with every rank's state.
+    let (zl, zck) = (tmp("dp-zero.jsonl"), tmp("dp-zero.safetensors"));
+    let err = train(&[
+        "--batch",
+        "2",
+        "--gpus",
+        "2",
+        "--zero",
+        "1",
+        "--steps",
+        "4",
+        "--log",
+        zl.to_str().unwrap(),
+        "--save",
+        zck.to_str().unwrap(),
+    ]);
+    assert!(err.contains("saved"), "{err}");
+    let (_, moments, _) = tensor(&zck, "wte.adam_m");
+    assert_eq!(moments, vec![256, 32]);
     let full = losses(&full);
+    assert!(
+        close(&losses(&zl), &full),
+        "{:?} against {full:?}",
+        losses(&zl)
+    );
     assert_eq!(full.len(), 4);
     assert!(
         close(&losses(&two), &full),
@@ -769,4 +793,17 @@ fn rank_settings_that_cannot_work_are_named() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--cpu runs its ranks in one process"), "{err}");
+    // ZeRO needs ranks.
+    let mut a = vec![
+        "train",
+        "dsl-examples/gpt2-small.dsl",
+        "--data",
+        TEXT,
+        "--zero",
+        "1",
+    ];
+    a.extend_from_slice(SMALL);
+    let (code, _, err) = fusec(&a);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--zero 1 splits the optimizer state"), "{err}");
 }

@@ -161,6 +161,9 @@ pub struct TrainConfig {
     /// Data-parallel ranks the step is built for (`--gpus`, never the model
     /// file): above 1, gradients and the loss are averaged over the ranks.
     pub ranks: u32,
+    /// ZeRO stage 1 (`--zero 1`): this rank keeps and updates only the
+    /// parameters it owns (`autodiff::zero::owners`); `None` without.
+    pub zero_rank: Option<u32>,
     /// Where the loss was written, for errors about it.
     pub loss_span: Span,
 }

@@ -67,12 +67,15 @@ pub trait Backend {
     fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError>;
     /// The shape of every named source, with sizes bound.
     fn shapes(&self) -> &BTreeMap<String, Vec<usize>>;
-    /// Joins the data-parallel communicator `id` as `rank` of `ranks`.
+    /// Joins the data-parallel communicator `id` as `rank` of `ranks`;
+    /// `zero`: the step updates only this rank's parameters (ZeRO stage 1)
+    /// and the others arrive from their owners after it.
     fn join_comm(
         &mut self,
         _id: &crate::nccl::UniqueId,
         rank: usize,
         ranks: usize,
+        _zero: bool,
     ) -> Result<(), RuntimeError> {
         Err(RuntimeError::Unsupported(format!(
             "rank {rank} of {ranks}: NCCL communicators are for GPU ranks; the CPU reference's ranks meet in one process (--cpu --gpus N)"
@@ -87,6 +90,11 @@ pub trait Backend {
             self.finish()?;
         }
         Ok(t0.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64)
+    }
+    /// The optimizer state's names (every rank's, for data parallelism
+    /// with the state split over the ranks).
+    fn state_names(&self) -> Vec<String> {
+        state_names(self.graph())
     }
     /// Device memory in use, bytes (`None` off a GPU).
     fn memory_used(&self) -> Result<Option<u64>, RuntimeError> {
@@ -127,14 +135,14 @@ pub fn init_params(b: &mut dyn Backend, seed: u64) -> Result<(), RuntimeError> {
             init_values(&p.init, seed, i as u64, start, out)
         })?;
     }
-    let states: Vec<String> = state_names(b.graph());
+    let states: Vec<String> = b.state_names();
     for s in states {
         b.zero(&s)?;
     }
     Ok(())
 }
 
-fn state_names(g: &Graph) -> Vec<String> {
+pub fn state_names(g: &Graph) -> Vec<String> {
     let mut v: Vec<String> =
         g.g.node_indices()
             .filter_map(|n| match &g.g[n].op {
@@ -150,7 +158,7 @@ fn state_names(g: &Graph) -> Vec<String> {
 pub fn checkpoint(b: &dyn Backend, step: u64) -> Result<Checkpoint, RuntimeError> {
     let g = b.graph();
     let mut names: Vec<String> = g.params.iter().map(|p| p.name.clone()).collect();
-    names.extend(state_names(g));
+    names.extend(b.state_names());
     let mut tensors = Vec::new();
     for name in names {
         let Some(shape) = b.shapes().get(&name) else {
@@ -175,7 +183,7 @@ pub fn checkpoint(b: &dyn Backend, step: u64) -> Result<Checkpoint, RuntimeError
 pub fn needed(b: &dyn Backend) -> Vec<(String, Vec<usize>)> {
     let g = b.graph();
     let mut names: Vec<String> = g.params.iter().map(|p| p.name.clone()).collect();
-    names.extend(state_names(g));
+    names.extend(b.state_names());
     names
         .into_iter()
         .filter_map(|n| b.shapes().get(&n).map(|s| (n, s.clone())))
@@ -271,9 +279,10 @@ impl Backend for Gpu {
         id: &crate::nccl::UniqueId,
         rank: usize,
         ranks: usize,
+        zero: bool,
     ) -> Result<(), RuntimeError> {
         let comm = crate::nccl::Comm::join(&self.session.exec.gpu, id, rank, ranks)?;
-        self.session.attach(comm)
+        self.session.attach(comm, zero)
     }
     fn time_steps(&mut self, steps: u64) -> Result<f64, RuntimeError> {
         // Replays back to back (the CUDA graph where there is one), one wait at the end.
@@ -308,6 +317,9 @@ pub struct Cpu {
     staged: Vec<(String, Vec<f64>)>,
     /// The launched step's result.
     done: Option<StepStats>,
+    /// ZeRO stage 1: each parameter's owner rank, whose updated values the
+    /// other ranks take after every step.
+    owners: Option<Vec<u32>>,
 }
 
 impl Cpu {
@@ -338,6 +350,7 @@ impl Cpu {
             precision,
             staged: Vec::new(),
             done: None,
+            owners: None,
         })
     }
 }
@@ -347,6 +360,15 @@ impl Cpu {
     /// its `all_reduce`s meet the other ranks' (see `interp::peers`).
     pub fn join(&mut self, peers: fusec_compiler::interp::peers::Peers) {
         self.feeds.peers = Some(peers);
+    }
+
+    /// ZeRO stage 1: after each step, every parameter takes its owner's
+    /// values (the step updated only this rank's own).
+    pub fn share_updates(&mut self, ranks: u32) {
+        self.owners = Some(fusec_compiler::autodiff::zero::owners(
+            &self.graph.params,
+            ranks,
+        ));
     }
 }
 
@@ -399,6 +421,14 @@ impl Backend for Cpu {
         }
         let r = train_step(&self.graph, &mut self.feeds, lr, step, self.precision)
             .map_err(|e| RuntimeError::Unsupported(format!("the CPU reference failed: {}", e.0)))?;
+        if let (Some(owners), Some(peers)) = (&self.owners, &self.feeds.peers) {
+            for (p, &root) in self.graph.params.iter().zip(owners) {
+                if let Some(t) = self.feeds.params.get(&p.name) {
+                    let shared = peers.share(root as usize, t);
+                    self.feeds.params.insert(p.name.clone(), shared);
+                }
+            }
+        }
         self.done = Some(StepStats {
             loss: r.loss,
             grad_norm: r.grad_norm,

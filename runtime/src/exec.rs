@@ -96,6 +96,9 @@ pub struct DataParallel {
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
     /// Issued and not yet waited for by the compute stream.
     outstanding: bool,
+    /// ZeRO stage 1: every parameter buffer and its owner rank, sent from
+    /// the owner after the update.
+    pub shares: Vec<(nccl::Tensor, usize)>,
 }
 
 impl DataParallel {
@@ -108,7 +111,22 @@ impl DataParallel {
             comm,
             stream,
             outstanding: false,
+            shares: Vec::new(),
         })
+    }
+
+    /// The owners' updated parameters to every rank, once the compute
+    /// stream has run the update.
+    fn share(&mut self, gpu: &Gpu) -> Result<(), RuntimeError> {
+        if self.shares.is_empty() {
+            return Ok(());
+        }
+        self.stream.join(&gpu.stream).map_err(|e| {
+            RuntimeError::driver("ordering the parameters' broadcast after the update", e)
+        })?;
+        self.comm.broadcast(&self.stream, &self.shares)?;
+        self.outstanding = true;
+        Ok(())
     }
 
     fn issue(&mut self, gpu: &Gpu, tensors: &[nccl::Tensor]) -> Result<(), RuntimeError> {
@@ -598,9 +616,33 @@ impl Executor {
             self.launch(i)?;
         }
         if let Some(dp) = self.dp.as_mut() {
+            // An accumulating micro-batch changed no parameter.
+            if self.collectives_on {
+                dp.share(&self.gpu)?;
+            }
             dp.wait(&self.gpu)?;
         }
         Ok(())
+    }
+
+    /// The buffer address and elements of every named parameter.
+    pub fn param_tensors(&self) -> Vec<(String, nccl::Tensor)> {
+        self.params
+            .iter()
+            .map(|(name, &b)| {
+                let s = &self.slots[b];
+                let at = self.base + s.offset;
+                (
+                    name.clone(),
+                    nccl::Tensor {
+                        input: at,
+                        output: at,
+                        count: (s.bytes / s.dtype.size_bytes() as u64) as usize,
+                        dtype: s.dtype,
+                    },
+                )
+            })
+            .collect()
     }
 
     /// Joins a communicator: the step's collectives run through it.

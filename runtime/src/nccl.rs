@@ -136,6 +136,37 @@ impl Comm {
     }
 }
 
+impl Comm {
+    /// Each tensor from its root rank to every rank (ZeRO's updated
+    /// parameters from their owners), in place, as one NCCL group queued
+    /// on `stream`.
+    pub fn broadcast(
+        &self,
+        stream: &CudaStream,
+        tensors: &[(Tensor, usize)],
+    ) -> Result<(), RuntimeError> {
+        let what = |e| nccl_error("sending the updated parameters from their owners", e);
+        result::group_start().map_err(what)?;
+        for (t, root) in tensors {
+            // SAFETY: as in `all_reduce_mean`; in place (input = output).
+            unsafe {
+                result::broadcast(
+                    t.input as *const ::core::ffi::c_void,
+                    t.output as *mut ::core::ffi::c_void,
+                    t.count,
+                    dtype(t.dtype)?,
+                    *root as ::core::ffi::c_int,
+                    self.raw,
+                    stream.cu_stream() as sys::cudaStream_t,
+                )
+            }
+            .map_err(what)?;
+        }
+        result::group_end().map_err(what)?;
+        Ok(())
+    }
+}
+
 impl Drop for Comm {
     fn drop(&mut self) {
         // SAFETY: the communicator is live and no call on it is in flight

@@ -28,6 +28,8 @@ pub type Build = Box<dyn FnOnce() -> Result<Box<dyn Backend>, RuntimeError> + Se
 
 struct Worker {
     rank: usize,
+    /// The tensors this rank holds (with ZeRO, only its own optimizer state).
+    names: BTreeSet<String>,
     jobs: Option<Sender<Job>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -41,6 +43,8 @@ pub struct Ranks {
     shapes: BTreeMap<String, Vec<usize>>,
     /// Inputs split across the ranks along their first axis.
     batched: BTreeSet<String>,
+    /// Every local rank's optimizer state names.
+    states: Vec<String>,
 }
 
 fn lost(rank: usize) -> RuntimeError {
@@ -56,7 +60,9 @@ impl Ranks {
     /// counts the ranks of every process.
     pub fn new(builds: Vec<(usize, Build)>, world: usize) -> Result<Ranks, RuntimeError> {
         let mut workers = Vec::with_capacity(builds.len());
-        let mut first: Option<(Graph, BTreeMap<String, Vec<usize>>)> = None;
+        let mut first: Option<Graph> = None;
+        let mut shapes: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        let mut states: BTreeSet<String> = BTreeSet::new();
         for (rank, build) in builds {
             let (jobs, inbox) = channel::<Job>();
             let (ready, built) = channel();
@@ -65,7 +71,11 @@ impl Ranks {
                 .spawn(move || {
                     let mut backend = match build() {
                         Ok(b) => {
-                            let _ = ready.send(Ok((b.graph().clone(), b.shapes().clone())));
+                            let _ = ready.send(Ok((
+                                b.graph().clone(),
+                                b.shapes().clone(),
+                                b.state_names(),
+                            )));
                             b
                         }
                         Err(e) => {
@@ -83,20 +93,23 @@ impl Ranks {
                     ))
                 })?;
             let result = built.recv().map_err(|_| lost(rank))?;
-            workers.push(Worker {
-                rank,
-                jobs: Some(jobs),
-                thread: Some(thread),
-            });
-            let (graph, shapes) = result.map_err(|e| match e {
+            let (graph, rank_shapes, rank_states) = result.map_err(|e| match e {
                 RuntimeError::Unsupported(m) => {
                     RuntimeError::Unsupported(format!("rank {rank}: {m}"))
                 }
                 other => other,
             })?;
-            first.get_or_insert((graph, shapes));
+            workers.push(Worker {
+                rank,
+                names: rank_shapes.keys().cloned().collect(),
+                jobs: Some(jobs),
+                thread: Some(thread),
+            });
+            shapes.extend(rank_shapes);
+            states.extend(rank_states);
+            first.get_or_insert(graph);
         }
-        let (graph, mut shapes) = first.ok_or_else(|| {
+        let graph = first.ok_or_else(|| {
             RuntimeError::Unsupported("data parallelism with no ranks in this process".into())
         })?;
         let batched = batch_inputs(&graph);
@@ -113,6 +126,7 @@ impl Ranks {
             graph,
             shapes,
             batched,
+            states: states.into_iter().collect(),
         })
     }
 
@@ -141,6 +155,28 @@ impl Ranks {
             .into_iter()
             .map(|(rank, rx)| rx.recv().map_err(|_| lost(rank)))
             .collect()
+    }
+
+    /// [`Ranks::try_each`] on the ranks that hold tensor `name` only.
+    fn try_holding<R: Send + 'static>(
+        &self,
+        name: &str,
+        f: impl Fn(usize, &mut dyn Backend) -> Result<R, RuntimeError> + Send + Sync + 'static,
+    ) -> Result<Vec<R>, RuntimeError> {
+        let holders: BTreeSet<usize> = self
+            .workers
+            .iter()
+            .filter(|w| w.names.contains(name))
+            .map(|w| w.rank)
+            .collect();
+        let out = self.try_each(move |rank, b| {
+            if holders.contains(&rank) {
+                f(rank, b).map(Some)
+            } else {
+                Ok(None)
+            }
+        })?;
+        Ok(out.into_iter().flatten().collect())
     }
 
     /// [`Ranks::each`] for calls that can fail: the first error, naming its rank.
@@ -234,14 +270,18 @@ impl Backend for Ranks {
             self.try_each(move |rank, b| b.set(&name, &parts[rank]))?;
         } else {
             let values = Arc::new(values.to_vec());
-            self.try_each(move |_, b| b.set(&name, &values))?;
+            let held = name.clone();
+            self.try_holding(&held, move |_, b| b.set(&name, &values))?;
         }
         Ok(())
     }
     fn zero(&mut self, name: &str) -> Result<(), RuntimeError> {
-        let name = name.to_string();
-        self.try_each(move |_, b| b.zero(&name))?;
+        let n = name.to_string();
+        self.try_holding(name, move |_, b| b.zero(&n))?;
         Ok(())
+    }
+    fn state_names(&self) -> Vec<String> {
+        self.states.clone()
     }
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         let n = name.to_string();
@@ -249,7 +289,14 @@ impl Backend for Ranks {
             // Only this process's rows: another process holds the rest.
             self.try_each(move |_, b| b.get(&n))?
         } else {
-            vec![self.workers_first(move |b| b.get(&n))?]
+            // The first rank holding it (with ZeRO, a state's owner).
+            let mut held = self.try_holding(name, move |_, b| b.get(&n))?;
+            if held.is_empty() {
+                return Err(RuntimeError::Unsupported(format!(
+                    "no rank in this process holds `{name}`"
+                )));
+            }
+            vec![held.swap_remove(0)]
         };
         Ok(parts.concat())
     }
@@ -324,36 +371,18 @@ impl Backend for Ranks {
     }
 }
 
-impl Ranks {
-    /// `f` on this process's first rank alone.
-    fn workers_first<R: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut dyn Backend) -> Result<R, RuntimeError> + Send + 'static,
-    ) -> Result<R, RuntimeError> {
-        let w = self.workers.first().ok_or_else(|| lost(0))?;
-        let (tx, rx) = channel();
-        let job: Job = Box::new(move |b| {
-            let _ = tx.send(f(b));
-        });
-        w.jobs
-            .as_ref()
-            .and_then(|j| j.send(job).ok())
-            .ok_or_else(|| lost(w.rank))?;
-        rx.recv().map_err(|_| lost(w.rank))?
-    }
-}
-
 /// Told about each GPU rank once its session is ready: (rank, GPU ordinal,
 /// the session).
 pub type Ready = Arc<dyn Fn(usize, usize, &crate::session::Session) + Send + Sync>;
 
-/// GPU ranks `here` ((global rank, GPU ordinal)) of a job of `world` ranks
-/// as one backend: each rank's session built on its thread (one after
+/// GPU ranks `here` ((global rank, GPU ordinal)), running `graphs` (one
+/// each: with ZeRO (`zero`), each rank's own update), of a job of `world`
+/// ranks as one backend: each rank's session built on its thread (one after
 /// another: the first compiles the kernels, the rest find them in the
 /// cache), then every rank joins communicator `id` at once.
 #[allow(clippy::too_many_arguments)]
 pub fn start_gpus(
-    graph: &Graph,
+    graphs: Vec<Graph>,
     dims: &BTreeMap<String, i64>,
     here: &[(usize, usize)],
     world: usize,
@@ -361,16 +390,13 @@ pub fn start_gpus(
     options: crate::session::SessionOptions,
     cache_dir: Option<std::path::PathBuf>,
     ready: Ready,
+    zero: bool,
 ) -> Result<Ranks, RuntimeError> {
     let builds: Vec<(usize, Build)> = here
         .iter()
-        .map(|&(rank, ordinal)| {
-            let (g, dims, cache_dir, ready) = (
-                graph.clone(),
-                dims.clone(),
-                cache_dir.clone(),
-                Arc::clone(&ready),
-            );
+        .zip(graphs)
+        .map(|(&(rank, ordinal), g)| {
+            let (dims, cache_dir, ready) = (dims.clone(), cache_dir.clone(), Arc::clone(&ready));
             let build: Build = Box::new(move || {
                 let gpu = crate::device::open(ordinal)?;
                 let s = crate::session::Session::with_options(
@@ -388,6 +414,6 @@ pub fn start_gpus(
         })
         .collect();
     let ranks = Ranks::new(builds, world)?;
-    ranks.try_each(move |rank, b| b.join_comm(&id, rank, world))?;
+    ranks.try_each(move |rank, b| b.join_comm(&id, rank, world, zero))?;
     Ok(ranks)
 }

@@ -156,14 +156,26 @@ impl Session {
 
     /// Joins the data-parallel communicator this rank's collectives run
     /// through; the step must have been built for `comm.ranks` ranks.
-    pub fn attach(&mut self, comm: crate::nccl::Comm) -> Result<(), RuntimeError> {
+    pub fn attach(&mut self, comm: crate::nccl::Comm, zero: bool) -> Result<(), RuntimeError> {
         if !self.exec.has_collectives() {
             return Err(RuntimeError::Unsupported(format!(
                 "rank {} of {}: the step was built for one rank (it averages nothing); build it with --gpus {}",
                 comm.rank, comm.ranks, comm.ranks
             )));
         }
-        let dp = crate::exec::DataParallel::new(&self.exec.gpu, comm)?;
+        let ranks = comm.ranks as u32;
+        let mut dp = crate::exec::DataParallel::new(&self.exec.gpu, comm)?;
+        if zero {
+            // Every parameter from its owner, after the owner's update.
+            let owners = fusec_compiler::autodiff::zero::owners(&self.graph.params, ranks);
+            let tensors: BTreeMap<String, crate::nccl::Tensor> =
+                self.exec.param_tensors().into_iter().collect();
+            for (p, &root) in self.graph.params.iter().zip(&owners) {
+                if let Some(t) = tensors.get(&p.name) {
+                    dp.shares.push((*t, root as usize));
+                }
+            }
+        }
         self.exec.attach(dp);
         Ok(())
     }

@@ -23,6 +23,16 @@ const SETS: &[(&str, &str)] = &[
 ];
 
 fn compiled(ranks: u32, edit: &dyn Fn(String) -> String) -> fusec_compiler::driver::Compiled {
+    compiled_for(ranks, None, edit)
+}
+
+/// The step of rank `zero_rank` of a ZeRO stage 1 job, or (`None`) of
+/// every rank.
+fn compiled_for(
+    ranks: u32,
+    zero_rank: Option<u32>,
+    edit: &dyn Fn(String) -> String,
+) -> fusec_compiler::driver::Compiled {
     let path = common::root().join("dsl-examples/gpt2-small.dsl");
     let src = edit(std::fs::read_to_string(path).unwrap());
     let opts = Options {
@@ -31,6 +41,7 @@ fn compiled(ranks: u32, edit: &dyn Fn(String) -> String) -> fusec_compiler::driv
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
         ranks,
+        zero_rank,
         ..Options::default()
     };
     compile(&src, "gpt2-small", &opts).unwrap_or_else(|f| panic!("{}", f.render("gpt2", &src)))
@@ -89,6 +100,10 @@ fn rel(a: f64, b: f64) -> f64 {
 }
 
 fn check(ranks: usize, micro: u32) {
+    check_with(ranks, micro, false)
+}
+
+fn check_with(ranks: usize, micro: u32, zero: bool) {
     let (b, t) = (2usize, 8usize);
     let edit = move |src: String| {
         if micro > 1 {
@@ -105,17 +120,20 @@ fn check(ranks: usize, micro: u32) {
     let mut single = Cpu::new(&one.optimized, &dims_one, Precision::F64).unwrap();
     let reference = train(&mut single, ranks * b, t, 4, micro as u64);
 
-    let many = compiled(ranks as u32, &edit);
     let (_, dims) = sizes(&[("B", b as i64), ("T", t as i64)]);
     let builds: Vec<(usize, Build)> = Peers::group(ranks)
         .into_iter()
         .enumerate()
         .map(|(r, peers)| {
-            let g = many.optimized.clone();
+            let many = compiled_for(ranks as u32, zero.then_some(r as u32), &edit);
+            let g = many.optimized;
             let dims = dims.clone();
             let build: Build = Box::new(move || {
                 let mut cpu = Cpu::new(&g, &dims, Precision::F64)?;
                 cpu.join(peers);
+                if zero {
+                    cpu.share_updates(ranks as u32);
+                }
                 Ok(Box::new(cpu) as Box<dyn Backend>)
             });
             (r, build)
@@ -165,6 +183,31 @@ fn two_simulated_ranks_reproduce_one_rank_with_the_whole_batch() {
 #[test]
 fn four_simulated_ranks_with_micro_batches_reproduce_one_rank() {
     check(4, 2);
+}
+
+/// ZeRO stage 1: each rank keeps and updates its own parameters' optimizer
+/// state and hands the new values on; the run is the one-rank run.
+#[test]
+fn zero_stage_one_reproduces_one_rank_with_the_state_split() {
+    check_with(2, 1, true);
+    check_with(4, 2, true);
+    // Each parameter's state lives on its owner alone, and the ranks'
+    // states together are the one-rank state.
+    let one = compiled(1, &|s| s);
+    let full: Vec<String> = fusec_runtime::backend::state_names(&one.optimized);
+    let mut seen = Vec::new();
+    let mut sizes_per_rank = Vec::new();
+    for r in 0..4u32 {
+        let c = compiled_for(4, Some(r), &|s| s);
+        let names = fusec_runtime::backend::state_names(&c.optimized);
+        sizes_per_rank.push(names.len());
+        seen.extend(names);
+    }
+    seen.sort();
+    let mut full_sorted = full.clone();
+    full_sorted.sort();
+    assert_eq!(seen, full_sorted, "every state on exactly one rank");
+    assert!(sizes_per_rank.iter().all(|&n| n > 0), "{sizes_per_rank:?}");
 }
 
 #[test]

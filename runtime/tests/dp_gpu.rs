@@ -39,6 +39,15 @@ fn gpus() -> Option<usize> {
 }
 
 fn compiled(ranks: u32, precision: &str, micro: u32) -> fusec_compiler::driver::Compiled {
+    compiled_for(ranks, None, precision, micro)
+}
+
+fn compiled_for(
+    ranks: u32,
+    zero_rank: Option<u32>,
+    precision: &str,
+    micro: u32,
+) -> fusec_compiler::driver::Compiled {
     let path = common::root().join("dsl-examples/gpt2-small.dsl");
     let src = std::fs::read_to_string(path).unwrap().replace(
         "precision = bf16",
@@ -56,6 +65,7 @@ fn compiled(ranks: u32, precision: &str, micro: u32) -> fusec_compiler::driver::
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect(),
         ranks,
+        zero_rank,
         ..Options::default()
     };
     compile(&src, "gpt2-small", &opts).unwrap_or_else(|f| panic!("{}", f.render("gpt2", &src)))
@@ -100,6 +110,10 @@ fn train(b: &mut dyn Backend, rows: usize, t: usize, micro: u64) -> Vec<(f64, f6
 }
 
 fn check(n: usize, precision: &str, micro: u32, tol: f64) {
+    check_with(n, precision, micro, tol, false)
+}
+
+fn check_with(n: usize, precision: &str, micro: u32, tol: f64, zero: bool) {
     let (b, t) = (2usize, 64usize);
     let one = compiled(1, precision, micro);
     let (_, dims_one) = sizes(&[("B", (n * b) as i64), ("T", t as i64)]);
@@ -115,12 +129,14 @@ fn check(n: usize, precision: &str, micro: u32, tol: f64) {
     let reference = train(&mut single, n * b, t, micro as u64);
     drop(single);
 
-    let many = compiled(n as u32, precision, micro);
+    let graphs: Vec<_> = (0..n)
+        .map(|r| compiled_for(n as u32, zero.then_some(r as u32), precision, micro).optimized)
+        .collect();
     let (_, dims) = sizes(&[("B", b as i64), ("T", t as i64)]);
     let here: Vec<(usize, usize)> = (0..n).map(|r| (r, r)).collect();
     let id = nccl::unique_id().unwrap();
     let mut group = ranks::start_gpus(
-        &many.optimized,
+        graphs,
         &dims,
         &here,
         n,
@@ -128,6 +144,7 @@ fn check(n: usize, precision: &str, micro: u32, tol: f64) {
         SessionOptions::default(),
         None,
         Arc::new(|_, _, _| {}),
+        zero,
     )
     .unwrap();
     let run = train(&mut group, n * b, t, micro as u64);
@@ -148,9 +165,18 @@ fn check(n: usize, precision: &str, micro: u32, tol: f64) {
         w.iter().all(|x| x == &w[0]),
         "the ranks' weights drifted apart"
     );
+    if zero {
+        // Every state tensor once, on its owner; the checkpoint gathers them.
+        let states = group.state_names();
+        assert_eq!(
+            states.len(),
+            fusec_runtime::backend::state_names(&one.optimized).len()
+        );
+    }
     println!(
-        "{n} GPUs x B={b} against 1 x B={}: {precision}, micro-batches {micro}: worst relative difference over 20 steps {worst:.2e} (allowed {tol:.0e}); last loss {:.5}",
+        "{n} GPUs x B={b} against 1 x B={}{}: {precision}, micro-batches {micro}: worst relative difference over 20 steps {worst:.2e} (allowed {tol:.0e}); last loss {:.5}",
         n * b,
+        if zero { ", ZeRO stage 1" } else { "" },
         run[19].0
     );
 }
@@ -167,6 +193,8 @@ fn n_gpus_with_batch_b_train_as_one_gpu_with_n_times_b() {
         check(n, "bf16", 1, 1e-2);
         check(n, "fp32", 2, 1e-5);
         check(n, "bf16", 2, 1e-2);
+        check_with(n, "fp32", 1, 1e-5, true);
+        check_with(n, "bf16", 2, 1e-2, true);
     }
 }
 

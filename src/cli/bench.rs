@@ -206,7 +206,10 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     let options = SessionOptions {
         deterministic: args.deterministic,
     };
-    let mut ranks = parallel::start(&loaded, &dims, job, args.gpu, false, options, "random")?;
+    let zero = args.parallel.zero == 1;
+    let mut ranks = parallel::start(
+        &loaded, &dims, job, args.gpu, false, options, "random", zero,
+    )?;
     let whole = parallel::whole_batch(&dims, world);
     let dmap = whole.iter().map(|(k, v)| (k.clone(), *v)).collect();
     let feeds = fusec_compiler::interp::random::random_inputs(ranks.graph(), &dmap, 1, 0)
@@ -244,8 +247,9 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     let tokens = whole.get("B").copied().unwrap_or(1) * whole.get("T").copied().unwrap_or(1);
     if job.writes() {
         println!(
-            "{{\"model\":\"{}\",\"gpus\":{world},\"ranks_here\":{},\"dims_per_gpu\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tokens_per_s_per_gpu\":{:.0},\"peak_memory_gib_per_gpu\":{:.3},\"rank_ms\":[{}]}}",
+            "{{\"model\":\"{}\",\"gpus\":{world},\"zero\":{},\"ranks_here\":{},\"dims_per_gpu\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tokens_per_s_per_gpu\":{:.0},\"peak_memory_gib_per_gpu\":{:.3},\"rank_ms\":[{}]}}",
             ranks.graph().name,
+            u8::from(zero),
             ranks.local_ranks().len(),
             serde_like(&dims),
             tokens as f64 / (ms / 1e3),

@@ -1,6 +1,6 @@
 //! `fusec build`: compile a model and write every stage to a folder.
 
-use super::common::{load_ranks, ModelArgs, SizeArgs};
+use super::common::{load_rank, ModelArgs, SizeArgs};
 use super::CliError;
 use clap::{Args, ValueEnum};
 use fusec_compiler::driver::{Compiled, STAGES};
@@ -38,6 +38,13 @@ pub struct BuildArgs {
     /// in buckets (shown in report.txt) while the backward pass runs
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub gpus: Option<u32>,
+    /// With --gpus: ZeRO stage 1, the optimizer state split over the ranks;
+    /// the plan and report are those of rank --rank
+    #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1), requires = "gpus")]
+    pub zero: u8,
+    /// The rank whose plan a --zero 1 build writes
+    #[arg(long, value_name = "R", default_value_t = 0, requires = "zero")]
+    pub rank: u32,
     /// Device to build for: which kernels run (h100 and h200: sm_90a, with
     /// the Hopper tensor-core attention; a100: sm_80, mma.sync) and the
     /// report's roofline estimate
@@ -183,7 +190,14 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
             )));
         }
     }
-    let loaded = load_ranks(&args.model, args.gpus.unwrap_or(1))?;
+    let ranks = args.gpus.unwrap_or(1);
+    if args.zero == 1 && (ranks < 2 || args.rank >= ranks) {
+        return Err(CliError::usage(format!(
+            "error: --zero 1 needs --gpus 2 or more and --rank below it (given --gpus {ranks} --rank {})",
+            args.rank
+        )));
+    }
+    let loaded = load_rank(&args.model, ranks, (args.zero == 1).then_some(args.rank))?;
     let c = &loaded.compiled;
     if let Some(stage) = args.dump_after.as_deref() {
         if let Some(text) = kernel_stage(c, stage, args)? {

@@ -74,6 +74,10 @@ impl SizeArgs {
 
 pub struct Loaded {
     pub path: PathBuf,
+    /// `--set` and `--precision` as given, to compile the model again
+    /// (each rank's own step, with ZeRO).
+    pub sets: Vec<String>,
+    pub precision: Option<DType>,
     pub source: String,
     pub compiled: Compiled,
 }
@@ -109,6 +113,7 @@ pub fn options(args: &ModelArgs) -> Result<Options, CliError> {
         overrides,
         precision: args.precision,
         ranks: 1,
+        zero_rank: None,
     })
 }
 
@@ -118,9 +123,16 @@ pub fn load(args: &ModelArgs) -> Result<Loaded, CliError> {
 
 /// [`load`] for a step built for `ranks` data-parallel ranks.
 pub fn load_ranks(args: &ModelArgs, ranks: u32) -> Result<Loaded, CliError> {
+    load_rank(args, ranks, None)
+}
+
+/// [`load_ranks`] for rank `zero_rank` of a ZeRO stage 1 job (the step
+/// updates only the parameters that rank owns).
+pub fn load_rank(args: &ModelArgs, ranks: u32, zero_rank: Option<u32>) -> Result<Loaded, CliError> {
     let source = read_source(&args.model)?;
     let opts = Options {
         ranks,
+        zero_rank,
         ..options(args)?
     };
     let name = driver::model_name(&args.model);
@@ -134,6 +146,8 @@ pub fn load_ranks(args: &ModelArgs, ranks: u32) -> Result<Loaded, CliError> {
     })?;
     Ok(Loaded {
         path: args.model.clone(),
+        sets: args.set.clone(),
+        precision: args.precision,
         source,
         compiled,
     })

@@ -5,7 +5,7 @@
 //! for checking). `--batch` is each rank's: N ranks with batch B train on
 //! the batches one rank with N x B would.
 
-use super::common::Loaded;
+use super::common::{load_rank, Loaded, ModelArgs};
 use super::train::runtime_err;
 use super::CliError;
 use clap::Args;
@@ -26,6 +26,11 @@ pub struct ParallelArgs {
     /// runs; --batch is each GPU's. With --cpu: N ranks of the CPU reference
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub gpus: Option<u32>,
+    /// ZeRO stage: 1 splits the optimizer state over the ranks (each keeps
+    /// and updates the state of the parameters it owns, then sends the new
+    /// values to the others); 0, the default, keeps it whole on every rank
+    #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub zero: u8,
 }
 
 /// Which ranks this process runs.
@@ -62,6 +67,11 @@ impl Job {
 pub fn job(args: &ParallelArgs) -> Result<Job, CliError> {
     let launched = rendezvous::from_env(|k| std::env::var(k).ok())
         .map_err(|e| CliError::usage(format!("error: {e}")))?;
+    if args.zero == 1 && launched.is_none() && args.gpus.unwrap_or(1) < 2 {
+        return Err(CliError::usage(
+            "error: --zero 1 splits the optimizer state over data-parallel ranks: give --gpus N (N >= 2) or start the ranks with a launcher".to_string(),
+        ));
+    }
     match (launched, args.gpus) {
         (Some((rv, _)), Some(n)) if n > 1 => Err(CliError::usage(format!(
             "error: --gpus {n} and a launcher's WORLD_SIZE={} both ask for ranks: under torchrun, Slurm or mpirun, start one process per GPU without --gpus",
@@ -122,9 +132,24 @@ pub fn start(
     cpu: bool,
     options: SessionOptions,
     data: &str,
+    zero: bool,
 ) -> Result<Ranks, CliError> {
     let world = job.world();
     let g = loaded.compiled.optimized.clone();
+    // With ZeRO, each rank's step updates its own parameters only.
+    let graph_for = |rank: usize| -> Result<fusec_compiler::ir::Graph, CliError> {
+        if !zero {
+            return Ok(g.clone());
+        }
+        let args = ModelArgs {
+            model: loaded.path.clone(),
+            set: loaded.sets.clone(),
+            precision: loaded.precision,
+        };
+        Ok(load_rank(&args, world as u32, Some(rank as u32))?
+            .compiled
+            .optimized)
+    };
     let usage = |m: String| CliError::usage(format!("error: {m}"));
     if cpu {
         let Job::Local(n) = job else {
@@ -133,19 +158,23 @@ pub fn start(
             ));
         };
         eprintln!("CPU reference interpreter, {n} ranks meeting at each all-reduce: slow, for small models");
+        let ranks = *n as u32;
         let builds = Peers::group(*n)
             .into_iter()
             .enumerate()
             .map(|(r, peers)| {
-                let (g, dims) = (g.clone(), dims.clone());
+                let (g, dims) = (graph_for(r)?, dims.clone());
                 let build: Build = Box::new(move || {
                     let mut cpu = backend::Cpu::new(&g, &dims, Precision::AsStored)?;
                     cpu.join(peers);
+                    if zero {
+                        cpu.share_updates(ranks);
+                    }
                     Ok(Box::new(cpu) as Box<dyn Backend>)
                 });
-                (r, build)
+                Ok((r, build))
             })
-            .collect();
+            .collect::<Result<Vec<_>, CliError>>()?;
         return Ranks::new(builds, *n).map_err(runtime_err);
     }
     if !nccl::present() {
@@ -183,8 +212,12 @@ pub fn start(
             s.plan.arena_bytes as f64 / (1u64 << 30) as f64
         );
     });
+    let graphs = here
+        .iter()
+        .map(|&(rank, _)| graph_for(rank))
+        .collect::<Result<Vec<_>, CliError>>()?;
     let ranks = fusec_runtime::ranks::start_gpus(
-        &g,
+        graphs,
         dims,
         &here,
         world,
@@ -192,6 +225,7 @@ pub fn start(
         options,
         Some(fusec_runtime::cache::default_dir()),
         ready,
+        zero,
     )
     .map_err(runtime_err)?;
     eprintln!(

@@ -169,8 +169,14 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         let options = SessionOptions {
             deterministic: args.deterministic,
         };
+        let zero = args.parallel.zero == 1;
+        if zero && matches!(job, parallel::Job::Launched(..)) && args.save.is_some() {
+            return Err(CliError::usage(
+                "error: --zero 1 under a launcher keeps each rank's optimizer state in its own process, and gathering it for a checkpoint across processes is not built yet; save from a --gpus N run, or train without --zero".to_string(),
+            ));
+        }
         Box::new(parallel::start(
-            &loaded, &dims, &job, args.gpu, args.cpu, options, &args.data,
+            &loaded, &dims, &job, args.gpu, args.cpu, options, &args.data, zero,
         )?)
     } else if args.cpu {
         eprintln!("CPU reference interpreter (values rounded to their dtypes as stored): slow, for small models");

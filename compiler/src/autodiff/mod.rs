@@ -18,6 +18,7 @@ use petgraph::stable_graph::NodeIndex;
 use petgraph::Direction;
 use std::collections::{HashMap, HashSet};
 
+pub mod zero;
 pub use update::{add_update, APPLY_INPUT, LOSS_SCALE_INPUT, LR_INPUT, STEP_INPUT};
 
 /// Forward and backward: the loss and every parameter's gradient (f32).

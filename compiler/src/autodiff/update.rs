@@ -210,7 +210,17 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         Some(s) => s,
         None => b.constant(1.0, DType::F32)?,
     };
+    // ZeRO stage 1: the parameters another rank owns get no update here
+    // (nor optimizer state); their owner's new values arrive after the step.
+    let owned = |i: usize| match train.zero_rank {
+        Some(r) => super::zero::owners(&b.graph.params, train.ranks)[i] == r,
+        None => true,
+    };
+    let owned: Vec<bool> = (0..params.len()).map(owned).collect();
     for (i, gv) in grads {
+        if !owned[i] {
+            continue;
+        }
         let (name, ty, decay, pv) = &params[i];
         let wd = |w: f64| if *decay { w } else { 0.0 };
         match train.optimizer {

@@ -52,6 +52,9 @@ pub struct Options {
     /// Data-parallel ranks the step is built for (`--gpus`): above 1, the
     /// update averages gradients and the loss over them. 0 means 1.
     pub ranks: u32,
+    /// ZeRO stage 1: the rank this step is built for, which updates only
+    /// the parameters it owns.
+    pub zero_rank: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,6 +87,7 @@ pub(crate) struct Elab<'m> {
     precision_override: Option<DType>,
     /// `Options::ranks`, at least 1.
     pub ranks: u32,
+    pub zero_rank: Option<u32>,
     blocks: HashMap<String, &'m BlockDef>,
     frames: Vec<Frame>,
     overrides: HashMap<String, (String, bool)>,
@@ -101,6 +105,7 @@ pub fn elaborate(module: &Module, name: &str, opts: &Options) -> Result<Model, E
         precision: DType::F32,
         precision_override: opts.precision,
         ranks: opts.ranks.max(1),
+        zero_rank: opts.zero_rank.filter(|_| opts.ranks > 1),
         blocks: HashMap::new(),
         frames: vec![Frame {
             vars: HashMap::new(),

@@ -167,6 +167,7 @@ pub fn section(e: &mut Elab, t: &TrainSection) -> Result<TrainConfig, Diagnostic
         precision: e.precision,
         micro_batches,
         ranks: e.ranks,
+        zero_rank: e.zero_rank,
         loss_span: loss_expr.span,
     })
 }

@@ -76,6 +76,23 @@ impl Peers {
     }
 }
 
+impl Peers {
+    /// Rank `root`'s `t`, on every rank (ZeRO's broadcast of the updated
+    /// parameters from their owner). Blocks until every rank has called it.
+    pub fn share(&self, root: usize, t: &Tensor) -> Tensor {
+        let g = &self.group;
+        if self.rank == root {
+            g.slots.lock().expect("a rank panicked")[root] = Some(t.data.clone());
+        }
+        g.barrier.wait();
+        let data = g.slots.lock().expect("a rank panicked")[root]
+            .clone()
+            .expect("the root has written its part");
+        g.barrier.wait();
+        Tensor::new(t.shape.clone(), data)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
