@@ -56,6 +56,16 @@ fn check_model(
     dims: &[(&str, i64)],
 ) -> usize {
     let c = common::compile_with(src, name, sets);
+    check_compiled(work, name, &c, dims)
+}
+
+/// [`check_model`] for a model compiled already.
+fn check_compiled(
+    work: &std::path::Path,
+    name: &str,
+    c: &fusec_compiler::driver::Compiled,
+    dims: &[(&str, i64)],
+) -> usize {
     let g = &c.optimized;
     let program = fuse(g);
     let dims_map = common::dims(dims);
@@ -172,6 +182,29 @@ fn kernels_of_the_twin_test_models_compute_what_the_interpreter_computes() {
         let renamed = name.replace("gpt2-small", &format!("gpt2-vocab{vocab}"));
         checked += check_model(&work, &renamed, &src, &sets, &[("B", 2), ("T", 5)]);
     }
+    // ZeRO stage 1: the updates of rank 1's pieces of GPT-2's parameters
+    // (the group kernel from each piece's start, the state the piece alone).
+    let opts = fusec_compiler::elaborate::Options {
+        overrides: [
+            ("vocab", "61"),
+            ("ctx", "8"),
+            ("d", "16"),
+            ("n_heads", "2"),
+            ("layers", "1"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect(),
+        ranks: 3,
+        zero_rank: Some(1),
+        ..Default::default()
+    };
+    let zero = fusec_compiler::driver::compile(&src, "gpt2-small", &opts).unwrap();
+    let ranged = zero.optimized.g.node_indices().any(|n| {
+        matches!(&zero.optimized.g[n].op, fusec_compiler::ops::Op::AdamW(a) if a.range.is_some())
+    });
+    assert!(ranged, "rank 1 of 3 updates pieces of parameters");
+    checked += check_compiled(&work, "gpt2-zero-rank1", &zero, &[("B", 2), ("T", 5)]);
     let _ = std::fs::remove_dir_all(&work);
     println!("{checked} generated kernels of the twin test models matched the interpreter");
     assert!(checked > 0);

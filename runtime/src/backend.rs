@@ -317,9 +317,9 @@ pub struct Cpu {
     staged: Vec<(String, Vec<f64>)>,
     /// The launched step's result.
     done: Option<StepStats>,
-    /// ZeRO stage 1: each parameter's owner rank, whose updated values the
-    /// other ranks take after every step.
-    owners: Option<Vec<u32>>,
+    /// ZeRO stage 1: each parameter's pieces and their owner ranks, whose
+    /// updated values the other ranks take after every step.
+    pieces: Option<Vec<Vec<fusec_compiler::autodiff::zero::Piece>>>,
 }
 
 impl Cpu {
@@ -350,7 +350,7 @@ impl Cpu {
             precision,
             staged: Vec::new(),
             done: None,
-            owners: None,
+            pieces: None,
         })
     }
 }
@@ -365,7 +365,7 @@ impl Cpu {
     /// ZeRO stage 1: after each step, every parameter takes its owner's
     /// values (the step updated only this rank's own).
     pub fn share_updates(&mut self, ranks: u32) {
-        self.owners = Some(fusec_compiler::autodiff::zero::owners(
+        self.pieces = Some(fusec_compiler::autodiff::zero::pieces(
             &self.graph.params,
             ranks,
         ));
@@ -421,11 +421,15 @@ impl Backend for Cpu {
         }
         let r = train_step(&self.graph, &mut self.feeds, lr, step, self.precision)
             .map_err(|e| RuntimeError::Unsupported(format!("the CPU reference failed: {}", e.0)))?;
-        if let (Some(owners), Some(peers)) = (&self.owners, &self.feeds.peers) {
-            for (p, &root) in self.graph.params.iter().zip(owners) {
-                if let Some(t) = self.feeds.params.get(&p.name) {
-                    let shared = peers.share(root as usize, t);
-                    self.feeds.params.insert(p.name.clone(), shared);
+        if let (Some(pieces), Some(peers)) = (&self.pieces, &self.feeds.peers) {
+            for (p, pieces) in self.graph.params.iter().zip(pieces) {
+                let Some(t) = self.feeds.params.get_mut(&p.name) else {
+                    continue;
+                };
+                for pc in pieces {
+                    let from = peers.share(pc.rank as usize, t);
+                    let (lo, hi) = (pc.lo as usize, pc.hi as usize);
+                    t.data[lo..hi].copy_from_slice(&from.data[lo..hi]);
                 }
             }
         }

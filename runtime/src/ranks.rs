@@ -30,6 +30,8 @@ struct Worker {
     rank: usize,
     /// The tensors this rank holds (with ZeRO, only its own optimizer state).
     names: BTreeSet<String>,
+    /// Elements of each tensor it holds.
+    sizes: BTreeMap<String, usize>,
     jobs: Option<Sender<Job>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -45,6 +47,8 @@ pub struct Ranks {
     batched: BTreeSet<String>,
     /// Every local rank's optimizer state names.
     states: Vec<String>,
+    /// ZeRO: the states held in pieces, with their parameter's index.
+    split: BTreeMap<String, usize>,
 }
 
 fn lost(rank: usize) -> RuntimeError {
@@ -102,6 +106,10 @@ impl Ranks {
             workers.push(Worker {
                 rank,
                 names: rank_shapes.keys().cloned().collect(),
+                sizes: rank_shapes
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.iter().product()))
+                    .collect(),
                 jobs: Some(jobs),
                 thread: Some(thread),
             });
@@ -112,6 +120,28 @@ impl Ranks {
         let graph = first.ok_or_else(|| {
             RuntimeError::Unsupported("data parallelism with no ranks in this process".into())
         })?;
+        // ZeRO: a state of which the ranks hold pieces (flat) is shown, set
+        // and read whole, in its parameter's shape.
+        let mut split = BTreeMap::new();
+        for name in &states {
+            let Some((param, _)) = name.rsplit_once('.') else {
+                continue;
+            };
+            let Some(i) = graph.params.iter().position(|p| p.name == param) else {
+                continue;
+            };
+            let Some(full) = shapes.get(param).cloned() else {
+                continue;
+            };
+            let n: usize = full.iter().product();
+            let pieces = workers
+                .iter()
+                .any(|w| w.sizes.get(name).is_some_and(|&k| k != n));
+            if pieces {
+                split.insert(name.clone(), i);
+                shapes.insert(name.clone(), full);
+            }
+        }
         let batched = batch_inputs(&graph);
         for name in &batched {
             if let Some(s) = shapes.get_mut(name) {
@@ -127,6 +157,7 @@ impl Ranks {
             shapes,
             batched,
             states: states.into_iter().collect(),
+            split,
         })
     }
 
@@ -268,6 +299,27 @@ impl Backend for Ranks {
             let parts: Arc<Vec<Vec<f64>>> =
                 Arc::new((0..self.world).map(|r| self.part(values, r)).collect());
             self.try_each(move |rank, b| b.set(&name, &parts[rank]))?;
+        } else if let Some(&i) = self.split.get(&name) {
+            // Each holder its own piece of the whole.
+            let pieces =
+                fusec_compiler::autodiff::zero::pieces(&self.graph.params, self.world as u32)
+                    .swap_remove(i);
+            let parts: Arc<BTreeMap<usize, Vec<f64>>> = Arc::new(
+                pieces
+                    .iter()
+                    .map(|pc| {
+                        (
+                            pc.rank as usize,
+                            values[pc.lo as usize..pc.hi as usize].to_vec(),
+                        )
+                    })
+                    .collect(),
+            );
+            let held = name.clone();
+            self.try_holding(&held, move |rank, b| match parts.get(&rank) {
+                Some(v) => b.set(&name, v),
+                None => Ok(()),
+            })?;
         } else {
             let values = Arc::new(values.to_vec());
             let held = name.clone();
@@ -288,6 +340,17 @@ impl Backend for Ranks {
         let parts = if self.batched.contains(name) {
             // Only this process's rows: another process holds the rest.
             self.try_each(move |_, b| b.get(&n))?
+        } else if self.split.contains_key(name) {
+            // The pieces in rank order make the whole, where every rank
+            // holding one is in this process.
+            let parts = self.try_holding(name, move |_, b| b.get(&n))?;
+            let whole: Vec<f64> = parts.concat();
+            if whole.len() != self.numel(name) {
+                return Err(RuntimeError::Unsupported(format!(
+                    "`{name}` is split over ranks in other processes (ZeRO); it cannot be read whole here"
+                )));
+            }
+            vec![whole]
         } else {
             // The first rank holding it (with ZeRO, a state's owner).
             let mut held = self.try_holding(name, move |_, b| b.get(&n))?;

@@ -166,13 +166,25 @@ impl Session {
         let ranks = comm.ranks as u32;
         let mut dp = crate::exec::DataParallel::new(&self.exec.gpu, comm)?;
         if zero {
-            // Every parameter from its owner, after the owner's update.
-            let owners = fusec_compiler::autodiff::zero::owners(&self.graph.params, ranks);
+            // Every piece of every parameter from its owner, after the
+            // owner's update.
+            let pieces = fusec_compiler::autodiff::zero::pieces(&self.graph.params, ranks);
             let tensors: BTreeMap<String, crate::nccl::Tensor> =
                 self.exec.param_tensors().into_iter().collect();
-            for (p, &root) in self.graph.params.iter().zip(&owners) {
-                if let Some(t) = tensors.get(&p.name) {
-                    dp.shares.push((*t, root as usize));
+            for (p, pieces) in self.graph.params.iter().zip(&pieces) {
+                let Some(t) = tensors.get(&p.name) else {
+                    continue;
+                };
+                let size = t.dtype.size_bytes() as u64;
+                for pc in pieces {
+                    let at = t.input + pc.lo * size;
+                    let piece = crate::nccl::Tensor {
+                        input: at,
+                        output: at,
+                        count: (pc.hi - pc.lo) as usize,
+                        dtype: t.dtype,
+                    };
+                    dp.shares.push((piece, pc.rank as usize));
                 }
             }
         }

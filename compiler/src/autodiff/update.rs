@@ -210,18 +210,29 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         Some(s) => s,
         None => b.constant(1.0, DType::F32)?,
     };
-    // ZeRO stage 1: the parameters another rank owns get no update here
-    // (nor optimizer state); their owner's new values arrive after the step.
-    let owned = |i: usize| match train.zero_rank {
-        Some(r) => super::zero::owners(&b.graph.params, train.ranks)[i] == r,
-        None => true,
-    };
-    let owned: Vec<bool> = (0..params.len()).map(owned).collect();
+    // ZeRO stage 1: this rank updates (and keeps the state of) its own
+    // piece of each parameter alone; the other pieces' new values arrive
+    // from their owners after the step.
+    let pieces: Vec<Option<Option<(i64, i64)>>> = (0..params.len())
+        .map(|i| match train.zero_rank {
+            None => Some(None),
+            Some(r) => {
+                let all = &b.graph.params;
+                super::zero::piece(all, train.ranks, r, i).map(|pc| {
+                    (!super::zero::whole(&all[i], pc)).then_some((pc.lo as i64, pc.hi as i64))
+                })
+            }
+        })
+        .collect();
     for (i, gv) in grads {
-        if !owned[i] {
+        let Some(range) = pieces[i] else {
             continue;
-        }
+        };
         let (name, ty, decay, pv) = &params[i];
+        let state_ty = match range {
+            Some((lo, hi)) => TensorType::new(ty.dtype, vec![crate::ir::Dim::constant(hi - lo)]),
+            None => ty.clone(),
+        };
         let wd = |w: f64| if *decay { w } else { 0.0 };
         match train.optimizer {
             Optimizer::AdamW {
@@ -235,14 +246,14 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                 let m = b.op1(
                     State {
                         name: mn.clone(),
-                        ty: ty.clone(),
+                        ty: state_ty.clone(),
                     },
                     &[],
                 )?;
                 let v = b.op1(
                     State {
                         name: vn.clone(),
-                        ty: ty.clone(),
+                        ty: state_ty.clone(),
                     },
                     &[],
                 )?;
@@ -251,6 +262,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                     beta2,
                     eps,
                     weight_decay: wd(weight_decay),
+                    range,
                 };
                 let step = step.expect("AdamW has a step input");
                 let mut ins = vec![*pv, gv, m, v, lr, step, scale];
@@ -269,7 +281,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                 let buf = b.op1(
                     State {
                         name: bn.clone(),
-                        ty: ty.clone(),
+                        ty: state_ty.clone(),
                     },
                     &[],
                 )?;
@@ -279,6 +291,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                     Sgd {
                         momentum,
                         weight_decay: wd(weight_decay),
+                        range,
                     },
                     &ins,
                 )?;

@@ -55,7 +55,10 @@ pub fn group_kernel(
         "    for (fs_i64 chunk = blockIdx.x; ; chunk += gridDim.x) {{\n        fs_i64 b = chunk;"
     );
     for (i, m) in members.iter().enumerate() {
-        let n = g.g[m.node].outputs[0].numel().to_c();
+        let n = match super::templates::update_range(&g.g[m.node].op) {
+            Some((lo, hi)) => format!("{}LL", hi - lo),
+            None => g.g[m.node].outputs[0].numel().to_c(),
+        };
         let work = match &calls {
             Some(calls) => format!("                {}", calls[i].trim_start()),
             None => {
@@ -108,9 +111,29 @@ fn apply(slot: Option<&usize>) -> String {
 /// `fs_adamw(...)` or `fs_sgd(...)` for one member; `None` for other ops.
 fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
     let (i, o) = (&m.inputs, &m.outputs);
-    Some(match &g.g[m.node].op {
+    // A ZeRO piece: the parameter and its gradient from the piece's start,
+    // so element k of the piece is element k of the state.
+    let range = super::templates::update_range(&g.g[m.node].op);
+    let at = match range {
+        Some((lo, _)) => format!(" + {lo}LL"),
+        None => String::new(),
+    };
+    // The rest of the parameter passes through where the update is not in
+    // place (the plan always updates in place; the first chunk copies it).
+    let rest = match range {
+        Some((lo, hi)) => {
+            let n = g.g[m.node].outputs[0].numel().to_c();
+            format!(
+                "                if (lo == 0 && (const void*)out{o0} != (const void*)in{i0}) {{\n                    for (fs_i64 k = threadIdx.x; k < {lo}LL; k += blockDim.x) out{o0}[k] = in{i0}[k];\n                    for (fs_i64 k = {hi}LL + threadIdx.x; k < {n}; k += blockDim.x) out{o0}[k] = in{i0}[k];\n                }}\n",
+                o0 = o[0],
+                i0 = i[0]
+            )
+        }
+        None => String::new(),
+    };
+    let call = match &g.g[m.node].op {
         Op::AdamW(a) => format!(
-            "fs_adamw(out{}, out{}, out{}, in{}, in{}, in{}, in{}, *in{}, *in{}, *in{}, {}, lo, hi, {}, {}, {}, {});\n",
+            "fs_adamw(out{}{at}, out{}, out{}, in{}{at}, in{}{at}, in{}, in{}, *in{}, *in{}, *in{}, {}, lo, hi, {}, {}, {}, {});\n",
             o[0],
             o[1],
             o[2],
@@ -128,7 +151,7 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
             float_lit(a.weight_decay)
         ),
         Op::Sgd(sg) => format!(
-            "fs_sgd(out{}, out{}, in{}, in{}, in{}, *in{}, *in{}, {}, lo, hi, {}, {});\n",
+            "fs_sgd(out{}{at}, out{}, in{}{at}, in{}{at}, in{}, *in{}, *in{}, {}, lo, hi, {}, {});\n",
             o[0],
             o[1],
             i[0],
@@ -141,5 +164,6 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
             float_lit(sg.weight_decay)
         ),
         _ => return None,
-    })
+    };
+    Some(format!("{call}{rest}"))
 }

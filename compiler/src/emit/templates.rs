@@ -424,7 +424,10 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
         Op::Embedding(_) | Op::CausalMask(_) | Op::Rope(_) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
-        Op::AdamW(_) | Op::Sgd(_) | Op::Cast(_) => Shape::Elements(g.g[n].outputs[0].numel()),
+        Op::AdamW(_) | Op::Sgd(_) | Op::Cast(_) => match update_range(&g.g[n].op) {
+            Some((lo, hi)) => Shape::Elements(Dim::constant(hi - lo)),
+            None => Shape::Elements(g.g[n].outputs[0].numel()),
+        },
         Op::Reduce(_) if super::multi::column_tiles(g, n).is_some() => {
             return super::multi::shape_of(g, n)
         }
@@ -442,6 +445,29 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
                 .or_else(|| super::multi::shape_of(g, n))
         }
     })
+}
+
+/// A ZeRO update not in place: the parameter's elements outside the piece
+/// copied through, by the thread of the piece's first element (the plan
+/// always updates in place, where this does nothing).
+fn pass_through(b: &mut String, c: &Ctx, g: &Graph, n: NodeIndex, range: Option<(i64, i64)>) {
+    if let Some((lo, hi)) = range {
+        let total = g.g[n].outputs[0].numel().to_c();
+        let (o, x) = (c.outs[0], c.ins[0]);
+        let _ = writeln!(
+            b,
+            "        if (i == 0 && (const void*)out{o} != (const void*)in{x}) {{ for (fs_i64 k = 0; k < {lo}LL; ++k) out{o}[k] = in{x}[k]; for (fs_i64 k = {hi}LL; k < {total}; ++k) out{o}[k] = in{x}[k]; }}"
+        );
+    }
+}
+
+/// The piece of its parameter a ZeRO update runs on (`None`: all of it).
+pub(crate) fn update_range(op: &Op) -> Option<(i64, i64)> {
+    match op {
+        Op::AdamW(a) => a.range,
+        Op::Sgd(s) => s.range,
+        _ => None,
+    }
 }
 
 pub fn op_kernel(
@@ -601,13 +627,20 @@ pub(crate) fn op_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             let _ = writeln!(b, "        {}", c.st(0, "i", v));
         }
         Op::AdamW(a) => {
+            // The parameter's element: `i` itself, or past the start of
+            // this rank's piece (ZeRO; the state holds the piece alone).
+            let pi = a
+                .range
+                .map_or("i".to_string(), |(lo, _)| format!("{lo}LL + i"));
+            let pi = pi.as_str();
+            pass_through(b, c, g, n, a.range);
             if g.inputs(n).len() == 8 {
                 // A micro-batch that only accumulates: the state stays.
                 let _ = writeln!(
                     b,
                     "        if ({} == 0.0f) {{ {} {} {} continue; }}",
                     c.ld(7, "0"),
-                    c.st(0, "i", &c.ld(0, "i")),
+                    c.st(0, pi, &c.ld(0, pi)),
                     c.st(1, "i", &c.ld(2, "i")),
                     c.st(2, "i", &c.ld(3, "i"))
                 );
@@ -615,7 +648,7 @@ pub(crate) fn op_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             let _ = writeln!(
                 b,
                 "        const float g = {} * {}, lr = {}, t = {};",
-                c.ld(1, "i"),
+                c.ld(1, pi),
                 c.ld(6, "0"),
                 c.ld(4, "0"),
                 c.ld(5, "0")
@@ -643,32 +676,37 @@ pub(crate) fn op_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             let _ = writeln!(
                 b,
                 "        const float p = {} * (1.0f - lr * {}) - lr * (m / bc1) / (sqrtf(v / bc2) + {});",
-                c.ld(0, "i"),
+                c.ld(0, pi),
                 float_lit(a.weight_decay),
                 float_lit(a.eps)
             );
             let _ = writeln!(
                 b,
                 "        {}\n        {}\n        {}",
-                c.st(0, "i", "p"),
+                c.st(0, pi, "p"),
                 c.st(1, "i", "m"),
                 c.st(2, "i", "v")
             );
         }
         Op::Sgd(o) => {
+            let pi = o
+                .range
+                .map_or("i".to_string(), |(lo, _)| format!("{lo}LL + i"));
+            let pi = pi.as_str();
+            pass_through(b, c, g, n, o.range);
             if g.inputs(n).len() == 6 {
                 let _ = writeln!(
                     b,
                     "        if ({} == 0.0f) {{ {} {} continue; }}",
                     c.ld(5, "0"),
-                    c.st(0, "i", &c.ld(0, "i")),
+                    c.st(0, pi, &c.ld(0, pi)),
                     c.st(1, "i", &c.ld(2, "i"))
                 );
             }
             let _ = writeln!(
                 b,
                 "        const float p = {}, lr = {};",
-                c.ld(0, "i"),
+                c.ld(0, pi),
                 c.ld(3, "0")
             );
             let _ = writeln!(
@@ -676,14 +714,14 @@ pub(crate) fn op_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 "        const float buf = {} * {} + {} * {} + {} * p;",
                 float_lit(o.momentum),
                 c.ld(2, "i"),
-                c.ld(1, "i"),
+                c.ld(1, pi),
                 c.ld(4, "0"),
                 float_lit(o.weight_decay)
             );
             let _ = writeln!(
                 b,
                 "        {}\n        {}",
-                c.st(0, "i", "p - lr * buf"),
+                c.st(0, pi, "p - lr * buf"),
                 c.st(1, "i", "buf")
             );
         }

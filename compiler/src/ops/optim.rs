@@ -11,6 +11,35 @@ pub struct AdamW {
     pub beta2: f64,
     pub eps: f64,
     pub weight_decay: f64,
+    /// ZeRO stage 1: only elements [lo, hi) of the parameter are updated
+    /// (this rank's piece), and the state holds just those, flat.
+    pub range: Option<(i64, i64)>,
+}
+
+/// The state's shape for parameter type `p` under `range`.
+fn state_type(p: &TensorType, range: Option<(i64, i64)>) -> TensorType {
+    match range {
+        Some((lo, hi)) => TensorType::new(p.dtype, vec![Dim::constant(hi - lo)]),
+        None => p.clone(),
+    }
+}
+
+/// Checks a ranged update's piece against the parameter's size.
+fn check_range(op: &str, p: &TensorType, range: Option<(i64, i64)>) -> Result<(), OpError> {
+    if let Some((lo, hi)) = range {
+        let n = p.numel().as_const();
+        if lo < 0 || hi <= lo || n.is_some_and(|n| hi > n) {
+            return Err(OpError::new(
+                format!("`{op}`'s range is outside its parameter"),
+                format!("{lo}..{hi} of {p}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn range_attr(range: Option<(i64, i64)>) -> Option<String> {
+    range.map(|(lo, hi)| format!("range={lo}..{hi}"))
 }
 
 impl OpDef for AdamW {
@@ -23,6 +52,9 @@ impl OpDef for AdamW {
             format!("eps={}", num(self.eps)),
             format!("wd={}", num(self.weight_decay)),
         ]
+        .into_iter()
+        .chain(range_attr(self.range))
+        .collect()
     }
     /// (param, grad, m, v, lr, step, grad scale[, apply]) -> (param', m',
     /// v'); `step` counts from 1; the gradient is multiplied by the scale
@@ -33,11 +65,13 @@ impl OpDef for AdamW {
             expect_arity("adamw", inputs, 7)?;
         }
         let p = &inputs[0];
-        for t in &inputs[1..4] {
-            if t.shape != p.shape {
+        check_range("adamw", p, self.range)?;
+        let state = state_type(p, self.range);
+        for (t, want) in inputs[1..4].iter().zip([p, &state, &state]) {
+            if t.shape != want.shape {
                 return Err(OpError::new(
                     "shape mismatch in `adamw`",
-                    format!("{p} and {t}"),
+                    format!("{want} and {t}"),
                 ));
             }
         }
@@ -51,19 +85,22 @@ impl OpDef for AdamW {
         let (lr, t, scale) = (inputs[4].data[0], inputs[5].data[0], inputs[6].data[0]);
         let bc1 = 1.0 - self.beta1.powf(t);
         let bc2 = 1.0 - self.beta2.powf(t);
-        let n = p.len();
-        let (mut po, mut mo, mut vo) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-        for i in 0..n {
+        let (lo, hi) = self
+            .range
+            .map_or((0, p.len()), |(a, b)| (a as usize, b as usize));
+        let mut po = p.data.clone();
+        let (mut mo, mut vo) = (vec![0.0; hi - lo], vec![0.0; hi - lo]);
+        for (k, i) in (lo..hi).enumerate() {
             let gi = g.data[i] * scale;
-            mo[i] = self.beta1 * m.data[i] + (1.0 - self.beta1) * gi;
-            vo[i] = self.beta2 * v.data[i] + (1.0 - self.beta2) * gi * gi;
+            mo[k] = self.beta1 * m.data[k] + (1.0 - self.beta1) * gi;
+            vo[k] = self.beta2 * v.data[k] + (1.0 - self.beta2) * gi * gi;
             let decayed = p.data[i] * (1.0 - lr * self.weight_decay);
-            po[i] = decayed - lr * (mo[i] / bc1) / ((vo[i] / bc2).sqrt() + self.eps);
+            po[i] = decayed - lr * (mo[k] / bc1) / ((vo[k] / bc2).sqrt() + self.eps);
         }
         vec![
             Tensor::new(p.shape.clone(), po),
-            Tensor::new(p.shape.clone(), mo),
-            Tensor::new(p.shape.clone(), vo),
+            Tensor::new(m.shape.clone(), mo),
+            Tensor::new(v.shape.clone(), vo),
         ]
     }
 }
@@ -72,6 +109,8 @@ impl OpDef for AdamW {
 pub struct Sgd {
     pub momentum: f64,
     pub weight_decay: f64,
+    /// As `AdamW::range`.
+    pub range: Option<(i64, i64)>,
 }
 
 impl OpDef for Sgd {
@@ -83,6 +122,9 @@ impl OpDef for Sgd {
             format!("momentum={}", num(self.momentum)),
             format!("wd={}", num(self.weight_decay)),
         ]
+        .into_iter()
+        .chain(range_attr(self.range))
+        .collect()
     }
     /// (param, grad, momentum buffer, lr, grad scale[, apply]) -> (param',
     /// buffer'); with `apply` 0 the outputs are the inputs.
@@ -91,11 +133,13 @@ impl OpDef for Sgd {
             expect_arity("sgd", inputs, 5)?;
         }
         let p = &inputs[0];
-        for t in &inputs[1..3] {
-            if t.shape != p.shape {
+        check_range("sgd", p, self.range)?;
+        let state = state_type(p, self.range);
+        for (t, want) in inputs[1..3].iter().zip([p, &state]) {
+            if t.shape != want.shape {
                 return Err(OpError::new(
                     "shape mismatch in `sgd`",
-                    format!("{p} and {t}"),
+                    format!("{want} and {t}"),
                 ));
             }
         }
@@ -112,16 +156,19 @@ impl OpDef for Sgd {
             inputs[3].data[0],
             inputs[4].data[0],
         );
-        let n = p.len();
-        let (mut po, mut bo) = (vec![0.0; n], vec![0.0; n]);
-        for i in 0..n {
+        let (lo, hi) = self
+            .range
+            .map_or((0, p.len()), |(a, b)| (a as usize, b as usize));
+        let mut po = p.data.clone();
+        let mut bo = vec![0.0; hi - lo];
+        for (k, i) in (lo..hi).enumerate() {
             let gi = g.data[i] * scale + self.weight_decay * p.data[i];
-            bo[i] = self.momentum * buf.data[i] + gi;
-            po[i] = p.data[i] - lr * bo[i];
+            bo[k] = self.momentum * buf.data[k] + gi;
+            po[i] = p.data[i] - lr * bo[k];
         }
         vec![
             Tensor::new(p.shape.clone(), po),
-            Tensor::new(p.shape.clone(), bo),
+            Tensor::new(buf.shape.clone(), bo),
         ]
     }
 }
