@@ -29,7 +29,7 @@ enum Command {
     /// List the graph passes in the order `fusec build` runs them
     Passes,
     /// Train a model on a GPU: compile, load, and run steps
-    Train(cli::train::TrainArgs),
+    Train(Box<cli::train::TrainArgs>),
     /// Time the compiled step on a GPU and print one JSON line
     Bench(cli::bench::BenchArgs),
     /// Time the attention kernels alone over head dims and lengths (JSON lines)
@@ -37,6 +37,9 @@ enum Command {
     /// Write the model as a standalone PyTorch module (its twin), with the
     /// training step of its `train` section
     ExportTorch(cli::export::ExportArgs),
+    /// Turn text files into llm.c token shards with a Hugging Face
+    /// tokenizer.json (train and validation)
+    Tokenize(cli::tokenize::TokenizeArgs),
 }
 
 fn main() -> ExitCode {
@@ -48,6 +51,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => cli::bench::bench(&a),
         Command::BenchAttention(a) => cli::bench::bench_attention(&a),
         Command::ExportTorch(a) => cli::export::run(&a),
+        Command::Tokenize(a) => cli::tokenize::run(&a),
         Command::Passes => {
             let passes = fusec_compiler::passes::forward_pipeline()
                 .into_iter()

@@ -8,6 +8,7 @@ mod common;
 pub mod export;
 pub mod parallel;
 mod schedule;
+pub mod tokenize;
 pub mod train;
 
 /// A failure to report: the rendered message and the exit status.

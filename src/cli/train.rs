@@ -85,6 +85,10 @@ pub struct TrainArgs {
     pub save_data: Option<PathBuf>,
     #[command(flatten)]
     pub parallel: super::parallel::ParallelArgs,
+    /// Tokenize the text of --data with this Hugging Face tokenizer.json
+    /// (`fusec tokenize` writes shards once instead)
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
 }
 
 pub(super) fn runtime_err(e: RuntimeError) -> CliError {
@@ -245,6 +249,12 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         log
     });
     let stream = args.data == RANDOM_STREAM;
+    if args.tokenizer.is_some() && (args.data == "random" || stream) {
+        return Err(CliError::usage(format!(
+            "error: --tokenizer tokenizes the text of --data; --data {} has none",
+            args.data
+        )));
+    }
     if args.data == "random" || stream {
         if let Some(log) = &mut record {
             log.note(
@@ -313,12 +323,19 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
                 targets_shape.as_deref().unwrap_or(&[])
             )));
         }
-        let tokens = load_tokens(std::path::Path::new(&args.data)).map_err(|e| CliError {
-            message: format!("error: {e}"),
-            code: 3,
-        })?;
+        let tokens = match &args.tokenizer {
+            Some(t) => {
+                let tok = super::tokenize::load(t)?;
+                let sep = super::tokenize::separator(&tok, None)?;
+                super::tokenize::encode_file(&tok, std::path::Path::new(&args.data), sep)?
+            }
+            None => load_tokens(std::path::Path::new(&args.data)).map_err(|e| CliError {
+                message: format!("error: {e}"),
+                code: 3,
+            })?,
+        };
         let vocab = token_bound(b.graph(), &dims);
-        let text = !args.data.ends_with(".bin");
+        let text = args.tokenizer.is_none() && !args.data.ends_with(".bin");
         let mut src = Batches::new(tokens, bsz, t, vocab).map_err(|e| CliError {
             message: match vocab {
                 Some(v) if text && v < 256 => format!(
