@@ -166,6 +166,51 @@ pub fn check_against(
     Ok(())
 }
 
+/// Weights for a model (`--init-from`): every tensor the model needs,
+/// none it lacks a place for, each of its shape; all the problems listed
+/// by name at once.
+pub fn check_weights(
+    ck: &Checkpoint,
+    path: &Path,
+    needed: &[(String, Vec<usize>)],
+) -> Result<(), CheckpointError> {
+    let mut problems = Vec::new();
+    for (name, shape) in needed {
+        match ck.get(name) {
+            None => problems.push(format!("missing `{name}` {shape:?}")),
+            Some(t) if &t.shape != shape => problems.push(format!(
+                "`{name}` has shape {:?}, the model needs {shape:?}",
+                t.shape
+            )),
+            Some(_) => {}
+        }
+    }
+    for t in &ck.tensors {
+        if !needed.iter().any(|(n, _)| *n == t.name) {
+            problems.push(format!(
+                "`{}` {:?} is not a parameter of the model",
+                t.name, t.shape
+            ));
+        }
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    let shown = problems.len().min(100);
+    Err(CheckpointError(format!(
+        "{} does not fit the model ({} problem{}):\n  {}{}\n(a name map, --name-map, renames, transposes and drops another program's tensors)",
+        path.display(),
+        problems.len(),
+        if problems.len() == 1 { "" } else { "s" },
+        problems[..shown].join("\n  "),
+        if problems.len() > shown {
+            format!("\n  and {} more", problems.len() - shown)
+        } else {
+            String::new()
+        }
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -85,6 +85,11 @@ pub struct TrainArgs {
     pub save_data: Option<PathBuf>,
     #[command(flatten)]
     pub parallel: super::parallel::ParallelArgs,
+    /// With --init-from: a name map (JSON: rename rules, tensors to
+    /// transpose, tensors to drop) from another program's names to the
+    /// model's, e.g. dsl-examples/maps/hf-gpt2.json
+    #[arg(long, value_name = "MAP", requires = "init_from")]
+    pub name_map: Option<PathBuf>,
     /// Tokenize the text of --data with this Hugging Face tokenizer.json
     /// (`fusec tokenize` writes shards once instead)
     #[arg(long, value_name = "FILE")]
@@ -226,9 +231,25 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         resumed = Some(ck);
     }
     if let Some(path) = &args.init_from {
-        let ck = load_checked(path, &backend::needed_params(b))?;
+        let err = |e: checkpoint::CheckpointError| CliError {
+            message: format!("error: {e}"),
+            code: 3,
+        };
+        let mut ck = checkpoint::load(path).map_err(err)?;
+        if let Some(map) = &args.name_map {
+            ck = fusec_runtime::name_map::load(map)
+                .and_then(|m| m.apply(ck))
+                .map_err(err)?;
+        }
+        checkpoint::check_weights(&ck, path, &backend::needed_params(b)).map_err(err)?;
         backend::restore_params(b, &ck).map_err(runtime_err)?;
-        eprintln!("weights from {}", path.display());
+        eprintln!(
+            "weights from {}{}",
+            path.display(),
+            args.name_map
+                .as_ref()
+                .map_or(String::new(), |m| format!(" through {}", m.display()))
+        );
     }
     if let Some(path) = &args.save_init {
         save(b, path, 0, &Default::default())?;
