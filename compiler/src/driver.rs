@@ -160,6 +160,15 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
     })
 }
 
+/// The forward pass alone, from the inputs to the loss, after the same
+/// passes as the training step: what a validation loss runs (no
+/// gradients, no optimizer state; its parameters are the step's).
+pub fn forward_graph(c: &Compiled) -> Result<Graph, String> {
+    let mut g = c.model.graph.clone();
+    run_pipeline(&mut g, &default_pipeline(), |_, _| {}).map_err(|e| e.to_string())?;
+    Ok(g)
+}
+
 /// The verifier guards the compiler's own invariants: a failure is a bug in
 /// fusec, never in the model file, and is reported as such.
 fn check_verified(g: &Graph, after: &str) -> Result<(), Failure> {

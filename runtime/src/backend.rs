@@ -91,6 +91,22 @@ pub trait Backend {
         }
         Ok(t0.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64)
     }
+    /// Takes every parameter's values from `other` (a step of the same
+    /// model: a forward-only step from the training one).
+    fn copy_params_from(&mut self, other: &dyn Backend) -> Result<(), RuntimeError> {
+        let names: Vec<String> = self.graph().params.iter().map(|p| p.name.clone()).collect();
+        for name in names {
+            if self.shapes().contains_key(&name) {
+                let v = other.get(&name)?;
+                self.set(&name, &v)?;
+            }
+        }
+        Ok(())
+    }
+    /// This backend as a GPU session, where it is one.
+    fn as_gpu(&self) -> Option<&Gpu> {
+        None
+    }
     /// The optimizer state's names (every rank's, for data parallelism
     /// with the state split over the ranks).
     fn state_names(&self) -> Vec<String> {
@@ -273,6 +289,32 @@ impl Backend for Gpu {
     }
     fn batch_buffers(&self, count: usize, len: usize) -> Result<Vec<HostBuf>, RuntimeError> {
         crate::stage::pinned(&self.session.exec.gpu, count, len)
+    }
+    fn as_gpu(&self) -> Option<&Gpu> {
+        Some(self)
+    }
+    fn copy_params_from(&mut self, other: &dyn Backend) -> Result<(), RuntimeError> {
+        // Device to device where both are sessions on this GPU.
+        let Some(src) = other.as_gpu() else {
+            let names: Vec<String> = self.graph().params.iter().map(|p| p.name.clone()).collect();
+            for name in names {
+                let v = other.get(&name)?;
+                self.set(&name, &v)?;
+            }
+            return Ok(());
+        };
+        let from = &src.session.exec;
+        let pairs: Vec<(usize, usize)> = self
+            .session
+            .exec
+            .params
+            .iter()
+            .filter_map(|(name, &dst)| from.params.get(name).map(|&s| (s, dst)))
+            .collect();
+        for (s, d) in pairs {
+            self.session.exec.copy_from(from, s, d)?;
+        }
+        Ok(())
     }
     fn join_comm(
         &mut self,

@@ -856,6 +856,35 @@ impl Executor {
         Ok(())
     }
 
+    /// Copies buffer `src` of `other` (an executor on the same GPU) into
+    /// buffer `dst` of this one, device to device; both hold the same
+    /// bytes (unpadded, one dtype and shape).
+    pub fn copy_from(
+        &mut self,
+        other: &Executor,
+        src: usize,
+        dst: usize,
+    ) -> Result<(), RuntimeError> {
+        let (a, b) = (&other.slots[src], &self.slots[dst]);
+        if a.bytes != b.bytes || a.dtype != b.dtype {
+            return Err(RuntimeError::Unsupported(format!(
+                "cannot copy a buffer of {} bytes ({:?}) into one of {} ({:?})",
+                a.bytes, a.dtype, b.bytes, b.dtype
+            )));
+        }
+        let from = other
+            .arena
+            .slice(a.offset as usize..(a.offset + a.bytes) as usize);
+        let mut to = self
+            .arena
+            .slice_mut(b.offset as usize..(b.offset + b.bytes) as usize);
+        // The source's stream has finished its step (`finish` waited).
+        self.gpu
+            .stream
+            .memcpy_dtod(&from, &mut to)
+            .map_err(|e| RuntimeError::driver("copying the weights for validation", e))
+    }
+
     /// Sets every byte of buffer `b` to zero, on the device.
     pub fn zero(&mut self, b: usize) -> Result<(), RuntimeError> {
         let s = &self.slots[b];

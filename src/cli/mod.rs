@@ -10,6 +10,7 @@ pub mod parallel;
 mod schedule;
 pub mod tokenize;
 pub mod train;
+pub mod validate;
 
 /// A failure to report: the rendered message and the exit status.
 pub struct CliError {

@@ -85,6 +85,8 @@ pub struct TrainArgs {
     pub save_data: Option<PathBuf>,
     #[command(flatten)]
     pub parallel: super::parallel::ParallelArgs,
+    #[command(flatten)]
+    pub validation: super::validate::ValidationArgs,
     /// With --init-from: a name map (JSON: rename rules, tensors to
     /// transpose, tensors to drop) from another program's names to the
     /// model's, e.g. dsl-examples/maps/hf-gpt2.json
@@ -110,7 +112,23 @@ pub(super) fn start(
     gpu: usize,
     options: SessionOptions,
 ) -> Result<(Session, String), CliError> {
-    let g = &loaded.compiled.optimized;
+    start_graph(
+        &loaded.compiled.optimized,
+        &loaded.compiled.model.graph.name,
+        dims,
+        gpu,
+        options,
+    )
+}
+
+/// [`start`] for any graph of the model (`what` names it in the messages).
+pub(super) fn start_graph(
+    g: &fusec_compiler::ir::Graph,
+    what: &str,
+    dims: &BTreeMap<String, i64>,
+    gpu: usize,
+    options: SessionOptions,
+) -> Result<(Session, String), CliError> {
     let t_open = Instant::now();
     let gpu = device::open(gpu).map_err(runtime_err)?;
     let about = format!(
@@ -122,7 +140,7 @@ pub(super) fn start(
     eprintln!(
         "{about}, opened in {:.1} s: compiling the kernels of {}",
         t_open.elapsed().as_secs_f64(),
-        loaded.compiled.model.graph.name
+        what
     );
     let t0 = Instant::now();
     let progress = |done: usize, total: usize| {
@@ -199,6 +217,16 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         Box::new(backend::Gpu::new(s, &dims).map_err(runtime_err)?)
     };
     let b = backend.as_mut();
+    let mut validation = super::validate::prepare(
+        &args.validation,
+        &loaded,
+        &dims,
+        args.tokenizer.as_deref(),
+        args.cpu,
+        args.gpu,
+        world,
+        token_bound(b.graph(), &dims),
+    )?;
     let data_inputs: Vec<String> = b
         .shapes()
         .keys()
@@ -564,6 +592,19 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
                 ),
                 code: 3,
             });
+        }
+        if let Some(v) = validation.as_mut().filter(|v| v.due(step, last)) {
+            let val = v.loss(b)?;
+            if !quiet {
+                eprintln!(
+                    "step {step:>5}/{last}  val loss {val:.4}  ({} batches, {} tokens)",
+                    v.batches(),
+                    v.tokens
+                );
+            }
+            if let Some(f) = &mut log {
+                let _ = writeln!(f, "{{\"step\":{step},\"val_loss\":{}}}", json_num(val));
+            }
         }
         if let (Some(path), Some(every)) = (&args.save, args.save_every) {
             if step % every == 0 && step != last {
