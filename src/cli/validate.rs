@@ -41,7 +41,7 @@ pub struct Validation {
 impl Validation {
     /// Whether to evaluate after step `step` of a run ending at `last`.
     pub fn due(&self, step: u64, last: u64) -> bool {
-        step == last || (self.every > 0 && step % self.every == 0)
+        step == last || (self.every > 0 && step.is_multiple_of(self.every))
     }
 
     pub fn batches(&self) -> usize {
