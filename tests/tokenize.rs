@@ -322,3 +322,33 @@ fn train_reads_text_through_a_tokenizer_and_bad_input_is_named() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--data random has none"), "{err}");
 }
+
+/// The shipped tokenizer (docs/walkthrough.md) reads and round-trips the
+/// shipped text.
+#[test]
+fn the_shipped_tokenizer_round_trips_the_shipped_text() {
+    let out = tmp("shipped");
+    let (code, stdout, err) = fusec(&[
+        "tokenize",
+        "--tokenizer",
+        "dsl-examples/data/tokenizer-512.json",
+        "dsl-examples/data/founding-texts.txt",
+        "-o",
+        out.to_str().unwrap(),
+        "--val-fraction",
+        "0.1",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.contains("vocabulary 512"), "{stdout}");
+    let tok =
+        Tokenizer::from_file(common::root().join("dsl-examples/data/tokenizer-512.json")).unwrap();
+    let mut ids = shard_ids(&out.join("val_000000.bin"));
+    ids.extend(shard_ids(&out.join("train_000000.bin")));
+    assert_eq!(ids[0], tok.token_to_id("<|endoftext|>").unwrap());
+    let text = tok.decode(&ids[1..], false).unwrap();
+    assert_eq!(
+        text,
+        std::fs::read_to_string(common::root().join("dsl-examples/data/founding-texts.txt"))
+            .unwrap()
+    );
+}
