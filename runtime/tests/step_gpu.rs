@@ -686,3 +686,54 @@ fn fp16_micro_batches_follow_the_cpu_reference_and_survive_an_overflow() {
         }
     }
 }
+
+/// Validation's forward-only step (`driver::forward_graph`, its own
+/// session and arena) takes the training step's weights device to device
+/// after three steps and gives the CPU reference's loss for them, within
+/// the dtype's tolerance (the small GPT-2 is bf16).
+#[test]
+fn the_forward_only_step_takes_the_training_weights() {
+    let Some(gpu) = gpu() else { return };
+    let case = small_gpt2(13);
+    let (g, bdims, feeds) = (&case.compiled.optimized, &case.bdims, &case.feeds);
+    let mut train = on_gpu(gpu, g, bdims, feeds, 13);
+    for i in 1..=3 {
+        train.step(1e-3, i).unwrap();
+    }
+    let forward = fusec_compiler::driver::forward_graph(&case.compiled).unwrap();
+    let s = Session::new(gpu_again(), &forward, bdims, Some(&cache_dir()), &|_, _| {}).unwrap();
+    let mut eval = backend::Gpu::new(s, bdims).unwrap();
+    for (name, t) in &feeds.inputs {
+        if eval.shapes().contains_key(name) {
+            eval.set(name, &t.data).unwrap();
+        }
+    }
+    eval.copy_params_from(&train).unwrap();
+    let on_gpu_loss = eval.step(0.0, 1).unwrap().loss;
+    // The same weights and batch through the CPU reference.
+    let mut cpu = backend::Cpu::new(&forward, bdims, Precision::AsStored).unwrap();
+    for (name, t) in &feeds.inputs {
+        if cpu.shapes().contains_key(name) {
+            cpu.set(name, &t.data).unwrap();
+        }
+    }
+    cpu.copy_params_from(&train).unwrap();
+    let want = cpu.step(0.0, 1).unwrap().loss;
+    println!("forward-only loss: GPU {on_gpu_loss:.5}, CPU reference {want:.5}");
+    assert!(
+        (on_gpu_loss - want).abs() <= 2e-2 * want.abs(),
+        "GPU {on_gpu_loss}, CPU {want}"
+    );
+    // Not the initial weights' loss: the copy took the trained ones.
+    let mut fresh = backend::Cpu::new(&forward, bdims, Precision::AsStored).unwrap();
+    ready(&mut fresh, feeds, 13);
+    let untrained = fresh.step(0.0, 1).unwrap().loss;
+    assert!(
+        (untrained - want).abs() > 1e-4 * want.abs(),
+        "{untrained} {want}"
+    );
+}
+
+fn gpu_again() -> fusec_runtime::device::Gpu {
+    fusec_runtime::device::open(0).unwrap()
+}
