@@ -37,6 +37,9 @@ enum Command {
     /// Write the model as a standalone PyTorch module (its twin), with the
     /// training step of its `train` section
     ExportTorch(cli::export::ExportArgs),
+    /// What a line of the model file (or a parameter) became: its ops,
+    /// the kernels holding them, their bytes and time
+    Explain(cli::explain::ExplainArgs),
     /// Turn text files into llm.c token shards with a Hugging Face
     /// tokenizer.json (train and validation)
     Tokenize(cli::tokenize::TokenizeArgs),
@@ -52,6 +55,7 @@ fn main() -> ExitCode {
         Command::BenchAttention(a) => cli::bench::bench_attention(&a),
         Command::ExportTorch(a) => cli::export::run(&a),
         Command::Tokenize(a) => cli::tokenize::run(&a),
+        Command::Explain(a) => cli::explain::run(&a),
         Command::Passes => {
             let passes = fusec_compiler::passes::forward_pipeline()
                 .into_iter()

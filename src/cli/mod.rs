@@ -5,6 +5,7 @@ pub mod bench;
 pub mod build;
 pub mod check;
 mod common;
+pub mod explain;
 pub mod export;
 pub mod parallel;
 mod schedule;

@@ -1,0 +1,67 @@
+//! `fusec explain`: from a line of the model file (or a parameter) to its
+//! ops, the kernels holding them, and their bytes and time. Snapshots of
+//! gpt2-block's MLP line and of one parameter; a profile file's times are
+//! read beside the estimate; wrong lines and names are named.
+
+mod common;
+
+use common::fusec;
+
+#[test]
+fn explain_a_line_and_a_parameter_of_gpt2_block() {
+    let (code, line, err) = fusec(&[
+        "explain",
+        "dsl-examples/gpt2-block.dsl",
+        "--line",
+        "32",
+        "--batch",
+        "8",
+        "--seq",
+        "1024",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    insta::assert_snapshot!("explain_gpt2_block_line_32", line);
+    let (code, param, err) = fusec(&["explain", "dsl-examples/gpt2-block.dsl", "--name", "c_fc_w"]);
+    assert_eq!(code, 0, "{err}");
+    insta::assert_snapshot!("explain_gpt2_block_c_fc_w", param);
+}
+
+#[test]
+fn profile_times_are_read_and_mistakes_are_named() {
+    let dir = common::host::work_dir("explain");
+    let profile = dir.join("profile.jsonl");
+    std::fs::write(
+        &profile,
+        "{\"kernel\":\"k8_matmul_add_gelu\",\"ms\":0.5000}\n{\"kernel\":\"k7_layernorm\",\"ms\":0.0250}\n",
+    )
+    .unwrap();
+    let (code, out, err) = fusec(&[
+        "explain",
+        "dsl-examples/gpt2-block.dsl",
+        "--line",
+        "32",
+        "--profile",
+        profile.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("k8_matmul_add_gelu           3 of its 3 ops; measured 0.500 ms"),
+        "{out}"
+    );
+    assert!(out.contains("0.525 ms measured"), "{out}");
+    let (code, _, err) = fusec(&["explain", "dsl-examples/gpt2-block.dsl", "--line", "99"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("has 40 lines; --line 99 is past the end"),
+        "{err}"
+    );
+    let (code, _, err) = fusec(&["explain", "dsl-examples/gpt2-block.dsl", "--name", "nope"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("has no parameter `nope`"), "{err}");
+    let (code, out, _) = fusec(&["explain", "dsl-examples/gpt2-block.dsl", "--line", "31"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("no op of the training step comes from it"),
+        "{out}"
+    );
+}
