@@ -303,6 +303,16 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         );
         write(&p, &text)?;
         written.push(p);
+        let p = args.out.join("memory.html");
+        let page = fusec_compiler::plan::picture::memory_html(
+            &c.optimized,
+            &program,
+            &plan,
+            Some(&loaded.source),
+            &loaded.path.display().to_string(),
+        );
+        write(&p, &page)?;
+        written.push(p);
         let head: Vec<&str> = text
             .lines()
             .take_while(|l| !l.starts_with("kernels in launch order"))
@@ -310,7 +320,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         head.join("\n").trim_end().to_string()
     } else {
         format!(
-            "no memory plan: give the size of {} (--batch, --seq or --dim NAME=N) for plan.json and report.txt",
+            "no memory plan: give the size of {} (--batch, --seq or --dim NAME=N) for plan.json, report.txt and memory.html",
             missing.join(", ")
         )
     };

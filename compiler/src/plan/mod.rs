@@ -19,6 +19,7 @@ use crate::select::{Choice, Selection};
 use serde::Serialize;
 
 pub mod collectives;
+pub mod picture;
 pub mod report;
 pub mod roofline;
 use std::collections::{BTreeMap, HashMap};
