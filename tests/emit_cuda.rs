@@ -8,8 +8,8 @@ mod common;
 
 use fusec_compiler::emit::cuda::emit_program;
 use fusec_compiler::kernel::fuse::fuse;
+use fusec_compiler::plan::plan_with;
 use fusec_compiler::plan::roofline::device;
-use fusec_compiler::plan::{plan_with, report::report};
 use fusec_compiler::select::{select, Target};
 use std::collections::BTreeMap;
 
@@ -76,14 +76,46 @@ fn build_report_of_gpt2_small() {
     let p = plan_with(&c.optimized, &program, Some(&selection), &dims).unwrap();
     insta::assert_snapshot!(
         "gpt2-small.report",
-        report(
+        fusec_compiler::plan::report::report_with_source(
             &c.optimized,
             &program,
             &p,
             c.training.g.node_count(),
-            device("h100").unwrap()
+            device("h100").unwrap(),
+            Some((&name, &src)),
         )
     );
+}
+
+/// Every kernel in the report of every shipped model names the lines of the
+/// model file its ops come from.
+#[test]
+fn every_kernel_in_every_shipped_report_names_its_source_lines() {
+    for (file, sets, dims) in common::tiny_models() {
+        let (name, src) = common::example(file);
+        let c = common::compile_with(&src, &name, &sets);
+        let program = fuse(&c.optimized);
+        let dims: BTreeMap<String, i64> = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        let p = plan_with(&c.optimized, &program, None, &dims).unwrap();
+        let text = fusec_compiler::plan::report::report_with_source(
+            &c.optimized,
+            &program,
+            &p,
+            c.training.g.node_count(),
+            device("h100").unwrap(),
+            Some((&name, &src)),
+        );
+        let rows: Vec<&str> = text
+            .lines()
+            .skip_while(|l| !l.starts_with("kernels in launch order"))
+            .skip(1)
+            .filter(|l| l.starts_with("  k"))
+            .collect();
+        assert_eq!(rows.len(), program.kernels.len(), "{file}");
+        for r in rows {
+            assert!(r.contains(&format!("@{file}:")), "{file}: {r}");
+        }
+    }
 }
 
 /// Every kernel of every model file in the repository has something to run

@@ -7,7 +7,7 @@ use fusec_compiler::driver::{Compiled, STAGES};
 use fusec_compiler::emit::{HEADERS, PRELUDE, PRELUDE_NAME};
 use fusec_compiler::ir::{dot::to_dot, print::print_graph};
 use fusec_compiler::kernel::fuse::fuse;
-use fusec_compiler::plan::{plan_with, report::report};
+use fusec_compiler::plan::plan_with;
 use fusec_compiler::select::{select, Target};
 use std::path::{Path, PathBuf};
 
@@ -294,12 +294,14 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         write(&p, &plan.to_json())?;
         written.push(p);
         let p = args.out.join("report.txt");
-        let text = report(
+        let file = loaded.path.display().to_string();
+        let text = fusec_compiler::plan::report::report_with_source(
             &c.optimized,
             &program,
             &plan,
             c.training.g.node_count(),
             fusec_compiler::plan::roofline::device(&args.device).expect("checked by clap"),
+            Some((&file, &loaded.source)),
         );
         write(&p, &text)?;
         written.push(p);

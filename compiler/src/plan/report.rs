@@ -16,6 +16,71 @@ fn mib(b: u64) -> String {
 }
 
 pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: Device) -> String {
+    report_with_source(g, p, plan, ops_before, device, None)
+}
+
+/// The lines of the model file a kernel's ops come from (an op without a
+/// place of its own, such as an optimizer update, by the places of the
+/// nearest ops it reads), as `file:26, 32`.
+fn source_lines(g: &Graph, k: &crate::kernel::Kernel, file: &str, text: &str) -> Option<String> {
+    let mut lines = std::collections::BTreeSet::new();
+    for &n in &k.nodes {
+        match g.g[n].span {
+            Some(sp) => {
+                lines.insert(crate::ir::print::line_col(text, sp.start).0);
+            }
+            None => {
+                // The nearest ops before it with a place (the clip's norm
+                // from the gradients, an update from its parameter).
+                let mut front = vec![n];
+                for _ in 0..8 {
+                    let next: Vec<_> = front
+                        .iter()
+                        .flat_map(|&m| g.inputs(m))
+                        .map(|v| v.node)
+                        .collect();
+                    for &m in &next {
+                        if let Some(sp) = g.g[m].span {
+                            lines.insert(crate::ir::print::line_col(text, sp.start).0);
+                        }
+                    }
+                    if !lines.is_empty() {
+                        break;
+                    }
+                    front = next;
+                }
+            }
+        }
+    }
+    // What has no place at all (a constant the step writes out) serves the
+    // train section: the loss's line.
+    if lines.is_empty() {
+        let loss = g.output(&crate::ir::graph::Role::Loss)?;
+        let sp = g.g[loss.node].span?;
+        lines.insert(crate::ir::print::line_col(text, sp.start).0);
+    }
+    let shown: Vec<String> = lines.iter().take(4).map(|l| l.to_string()).collect();
+    let more = if lines.len() > 4 {
+        format!(" and {} more", lines.len() - 4)
+    } else {
+        String::new()
+    };
+    let name = std::path::Path::new(file)
+        .file_name()
+        .map_or(file.to_string(), |f| f.to_string_lossy().to_string());
+    Some(format!("{name}:{}{more}", shown.join(", ")))
+}
+
+/// [`report`], each kernel with the lines of the model file (`file`, its
+/// `text`) its ops come from.
+pub fn report_with_source(
+    g: &Graph,
+    p: &Program,
+    plan: &Plan,
+    ops_before: usize,
+    device: Device,
+    source: Option<(&str, &str)>,
+) -> String {
     let est = estimate(g, p, plan, device);
     let mut s = String::new();
     let dims: Vec<String> = plan.dims.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -134,7 +199,7 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
         .map(|l| l.kernel.len())
         .max()
         .unwrap_or(8);
-    for (l, cost) in plan.launches.iter().zip(&est.kernels) {
+    for ((l, cost), k) in plan.launches.iter().zip(&est.kernels).zip(&p.kernels) {
         let read: u64 = l.inputs.iter().map(|&b| plan.buffers[b].bytes).sum();
         let written: u64 = l.outputs.iter().map(|&b| plan.buffers[b].bytes).sum();
         let what = match (&l.epilogue, l.kind.as_str()) {
@@ -150,9 +215,12 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
             }
             (None, kind) => format!("[{kind}]"),
         };
+        let at = source
+            .and_then(|(file, text)| source_lines(g, k, file, text))
+            .map_or(String::new(), |at| format!("  @{at}"));
         let _ = writeln!(
             s,
-            "  {:<width$}  {:>11} / {:>11}  {:>9.3}  {:>8.1} us  {}  {what}",
+            "  {:<width$}  {:>11} / {:>11}  {:>9.3}  {:>8.1} us  {}  {what}{at}",
             l.kernel,
             mib(read),
             mib(written),
