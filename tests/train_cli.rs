@@ -341,7 +341,7 @@ fn init_from_starts_from_saved_weights_and_names_a_missing_one() {
         init.to_str().unwrap(),
     ]);
     assert_eq!(code, 3, "{err}");
-    assert!(err.contains("has no tensor `h.1."), "{err}");
+    assert!(err.contains("missing `h.1."), "{err}");
 }
 
 /// A token file feeds `tokens` and `targets` only: a model with another

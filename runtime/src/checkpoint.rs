@@ -185,8 +185,14 @@ pub fn check_weights(
             Some(_) => {}
         }
     }
+    // A checkpoint's optimizer state rides along (`<param>.adam_m` and
+    // the like): fresh state is used, so it is passed over.
+    let state_of_a_param = |name: &str| {
+        name.rsplit_once('.')
+            .is_some_and(|(p, _)| needed.iter().any(|(n, _)| n == p))
+    };
     for t in &ck.tensors {
-        if !needed.iter().any(|(n, _)| *n == t.name) {
+        if !needed.iter().any(|(n, _)| *n == t.name) && !state_of_a_param(&t.name) {
             problems.push(format!(
                 "`{}` {:?} is not a parameter of the model",
                 t.name, t.shape
