@@ -22,6 +22,7 @@ pub mod collectives;
 pub mod picture;
 pub mod report;
 pub mod roofline;
+pub mod unfused;
 use std::collections::{BTreeMap, HashMap};
 
 /// Offsets are multiples of this (cuBLASLt and 16-byte vector loads want it).
