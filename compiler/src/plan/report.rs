@@ -173,7 +173,6 @@ pub fn report_with_source(
     let _ = writeln!(s, "  (parameters are {} in f32)", gib(params));
     padding(&mut s, p, plan);
     buckets(&mut s, g, p, plan);
-    super::unfused::section(&mut s, g, p, plan);
     let compute: f64 = est
         .kernels
         .iter()
@@ -234,6 +233,7 @@ pub fn report_with_source(
             }
         );
     }
+    super::unfused::section(&mut s, g, p, plan);
     s
 }
 

@@ -54,6 +54,12 @@ pub fn section(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
             readers.entry(b).or_default().push(k);
         }
     }
+    let grads: std::collections::BTreeSet<usize> = g
+        .outputs
+        .iter()
+        .filter(|(role, _)| matches!(role, crate::ir::graph::Role::Grad(_)))
+        .filter_map(|(_, v)| p.buffer_of(*v))
+        .collect();
     // (bytes, buffer, writer, reader, reason)
     let mut edges = Vec::new();
     for (&b, rs) in &readers {
@@ -64,7 +70,11 @@ pub fn section(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
         let mut distinct = rs.clone();
         distinct.dedup();
         for &r in &distinct {
-            let why = reason(g, &p.kernels[w], &p.kernels[r], distinct.len());
+            let why = if grads.contains(&b) {
+                "a gradient: the optimizer update reads it after the backward pass (with clipping, after the norm of them all)"
+            } else {
+                reason(g, &p.kernels[w], &p.kernels[r], distinct.len())
+            };
             edges.push((plan.buffers[b].bytes, b, w, r, why));
         }
     }
