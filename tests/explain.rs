@@ -55,6 +55,9 @@ fn profile_times_are_read_and_mistakes_are_named() {
         err.contains("has 40 lines; --line 99 is past the end"),
         "{err}"
     );
+    let (code, _, err) = fusec(&["explain", "dsl-examples/gpt2-block.dsl", "--line", "0"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--line counts from 1"), "{err}");
     let (code, _, err) = fusec(&["explain", "dsl-examples/gpt2-block.dsl", "--name", "nope"]);
     assert_eq!(code, 2);
     assert!(err.contains("has no parameter `nope`"), "{err}");

@@ -142,11 +142,9 @@ fn hugging_face_gpt2_and_llama_load_through_the_shipped_maps() {
     println!("first losses equal transformers': GPT-2 {gpt2:.6}, LLaMA {got:.6}");
 }
 
-#[test]
-fn weights_that_do_not_fit_are_listed_by_name_before_anything_runs() {
-    // LLaMA's weights offered to GPT-2: every missing and extra name listed.
-    let llama = tmp("llama-init.safetensors");
-    let (code, _, err) = fusec(&[
+/// `fusec train` of a one-layer llama-small for one step on the text, with `extra`.
+fn small_llama(extra: &[&str]) -> (i32, String, String) {
+    let mut a = vec![
         "train",
         "dsl-examples/llama-small.dsl",
         "--cpu",
@@ -170,9 +168,16 @@ fn weights_that_do_not_fit_are_listed_by_name_before_anything_runs() {
         "1",
         "--data",
         TEXT,
-        "--save-init",
-        llama.to_str().unwrap(),
-    ]);
+    ];
+    a.extend_from_slice(extra);
+    fusec(&a)
+}
+
+#[test]
+fn weights_that_do_not_fit_are_listed_by_name_before_anything_runs() {
+    // LLaMA's weights offered to GPT-2: every missing and extra name listed.
+    let llama = tmp("llama-init.safetensors");
+    let (code, _, err) = small_llama(&["--save-init", llama.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
     let (code, _, err) = fusec(&[
         "train",
@@ -212,30 +217,7 @@ fn weights_that_do_not_fit_are_listed_by_name_before_anything_runs() {
     // A bad map is named.
     let map = tmp("bad-map.json");
     std::fs::write(&map, r#"{"rename": [["a.{i}", "b.{j}"]]}"#).unwrap();
-    let (code, _, err) = fusec(&[
-        "train",
-        "dsl-examples/llama-small.dsl",
-        "--cpu",
-        "--set",
-        "layers=1",
-        "--set",
-        "d=32",
-        "--set",
-        "n_heads=2",
-        "--set",
-        "n_kv_heads=1",
-        "--set",
-        "ffn=64",
-        "--set",
-        "vocab=256",
-        "--batch",
-        "1",
-        "--seq",
-        "8",
-        "--steps",
-        "1",
-        "--data",
-        TEXT,
+    let (code, _, err) = small_llama(&[
         "--init-from",
         llama.to_str().unwrap(),
         "--name-map",

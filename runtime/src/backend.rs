@@ -94,14 +94,7 @@ pub trait Backend {
     /// Takes every parameter's values from `other` (a step of the same
     /// model: a forward-only step from the training one).
     fn copy_params_from(&mut self, other: &dyn Backend) -> Result<(), RuntimeError> {
-        let names: Vec<String> = self.graph().params.iter().map(|p| p.name.clone()).collect();
-        for name in names {
-            if self.shapes().contains_key(&name) {
-                let v = other.get(&name)?;
-                self.set(&name, &v)?;
-            }
-        }
-        Ok(())
+        copy_params_by_value(self, other)
     }
     /// This backend as a GPU session, where it is one.
     fn as_gpu(&self) -> Option<&Gpu> {
@@ -116,6 +109,21 @@ pub trait Backend {
     fn memory_used(&self) -> Result<Option<u64>, RuntimeError> {
         Ok(None)
     }
+}
+
+/// Every parameter of `to` from `from`, through the host.
+fn copy_params_by_value<B: Backend + ?Sized>(
+    to: &mut B,
+    from: &dyn Backend,
+) -> Result<(), RuntimeError> {
+    let names: Vec<String> = to.graph().params.iter().map(|p| p.name.clone()).collect();
+    for name in names {
+        if to.shapes().contains_key(&name) {
+            let v = from.get(&name)?;
+            to.set(&name, &v)?;
+        }
+    }
+    Ok(())
 }
 
 /// Names and shapes of the graph's inputs, parameters and state.
@@ -296,12 +304,7 @@ impl Backend for Gpu {
     fn copy_params_from(&mut self, other: &dyn Backend) -> Result<(), RuntimeError> {
         // Device to device where both are sessions on this GPU.
         let Some(src) = other.as_gpu() else {
-            let names: Vec<String> = self.graph().params.iter().map(|p| p.name.clone()).collect();
-            for name in names {
-                let v = other.get(&name)?;
-                self.set(&name, &v)?;
-            }
-            return Ok(());
+            return copy_params_by_value(self, other);
         };
         let from = &src.session.exec;
         let pairs: Vec<(usize, usize)> = self

@@ -36,7 +36,7 @@ pub fn present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-fn need_nccl() -> Result<(), RuntimeError> {
+pub fn need_nccl() -> Result<(), RuntimeError> {
     if present() {
         Ok(())
     } else {

@@ -363,20 +363,6 @@ impl Backend for Ranks {
         };
         Ok(parts.concat())
     }
-    fn init(
-        &mut self,
-        name: &str,
-        fill: &(dyn Fn(usize, &mut [f64]) + Sync),
-    ) -> Result<(), RuntimeError> {
-        use rayon::prelude::*;
-        const CHUNK: usize = 1 << 20;
-        let n = self.numel(name);
-        let mut data = vec![0.0; n];
-        data.par_chunks_mut(CHUNK)
-            .enumerate()
-            .for_each(|(k, out)| fill(k * CHUNK, out));
-        self.set(name, &data)
-    }
     fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
         self.try_each(move |_, b| b.launch(lr, step))?;
         Ok(())

@@ -52,6 +52,7 @@ fn explain(args: &ExplainArgs, loaded: &super::common::Loaded) -> Result<String,
         |node: &fusec_compiler::ir::graph::Node| node.span.map(|s| line_col(src, s.start).0);
     // The ops asked about.
     let (what, picked): (String, BTreeSet<_>) = match (&args.line, &args.name) {
+        (Some(0), _) => return Err(CliError::usage("error: --line counts from 1".to_string())),
         (Some(l), _) => {
             let lines: Vec<&str> = src.lines().collect();
             let text = lines.get(l.wrapping_sub(1)).ok_or_else(|| {

@@ -177,9 +177,7 @@ pub fn start(
             .collect::<Result<Vec<_>, CliError>>()?;
         return Ranks::new(builds, *n).map_err(runtime_err);
     }
-    if !nccl::present() {
-        return Err(runtime_err(nccl::unique_id().expect_err("no NCCL")));
-    }
+    nccl::need_nccl().map_err(runtime_err)?;
     // (global rank, GPU ordinal) of each rank here.
     let here: Vec<(usize, usize)> = match job {
         Job::Single => vec![(0, first_gpu)],

@@ -87,6 +87,22 @@ pub fn encode_file(tok: &Tokenizer, path: &Path, sep: Option<u32>) -> Result<Vec
     Ok(ids)
 }
 
+/// The tokens of a data file as `fusec train` reads it: an llm.c shard,
+/// any other file as bytes, or (with `tokenizer`) text through it.
+pub fn read_tokens(path: &Path, tokenizer: Option<&Path>) -> Result<Vec<u32>, CliError> {
+    match tokenizer {
+        Some(t) => {
+            let tok = load(t)?;
+            let sep = separator(&tok, None)?;
+            encode_file(&tok, path, sep)
+        }
+        None => fusec_runtime::data::load_tokens(path).map_err(|e| CliError {
+            message: format!("error: {e}"),
+            code: 3,
+        }),
+    }
+}
+
 /// Ids as the 16-bit tokens of an llm.c shard, or which one does not fit.
 fn narrow(ids: &[u32], vocab: usize) -> Result<Vec<u16>, CliError> {
     ids.iter()

@@ -10,7 +10,7 @@ use fusec_compiler::ir::DType;
 use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::batch_log::BatchLog;
 use fusec_runtime::checkpoint;
-use fusec_runtime::data::{load_tokens, Batches, Prefetch};
+use fusec_runtime::data::{Batches, Prefetch};
 use fusec_runtime::device;
 use fusec_runtime::session::{Session, SessionOptions};
 use fusec_runtime::RuntimeError;
@@ -372,17 +372,10 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
                 targets_shape.as_deref().unwrap_or(&[])
             )));
         }
-        let tokens = match &args.tokenizer {
-            Some(t) => {
-                let tok = super::tokenize::load(t)?;
-                let sep = super::tokenize::separator(&tok, None)?;
-                super::tokenize::encode_file(&tok, std::path::Path::new(&args.data), sep)?
-            }
-            None => load_tokens(std::path::Path::new(&args.data)).map_err(|e| CliError {
-                message: format!("error: {e}"),
-                code: 3,
-            })?,
-        };
+        let tokens = super::tokenize::read_tokens(
+            std::path::Path::new(&args.data),
+            args.tokenizer.as_deref(),
+        )?;
         let vocab = token_bound(b.graph(), &dims);
         let text = args.tokenizer.is_none() && !args.data.ends_with(".bin");
         let mut src = Batches::new(tokens, bsz, t, vocab).map_err(|e| CliError {

@@ -11,7 +11,7 @@ use super::CliError;
 use clap::Args;
 use fusec_compiler::interp::Precision;
 use fusec_runtime::backend::{self, Backend};
-use fusec_runtime::data::{load_tokens, Batches};
+use fusec_runtime::data::Batches;
 use fusec_runtime::session::SessionOptions;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -86,17 +86,7 @@ pub fn prepare(
             "internal error building the forward-only step: {e}\nthis is a bug in fusec; please report it with the model file"
         ))
     })?;
-    let tokens = match tokenizer {
-        Some(t) => {
-            let tok = super::tokenize::load(t)?;
-            let sep = super::tokenize::separator(&tok, None)?;
-            super::tokenize::encode_file(&tok, path, sep)?
-        }
-        None => load_tokens(path).map_err(|e| CliError {
-            message: format!("error: {e}"),
-            code: 3,
-        })?,
-    };
+    let tokens = super::tokenize::read_tokens(path, tokenizer)?;
     let (b, t) = (
         dims.get("B").copied().unwrap_or(1) as usize,
         dims.get("T").copied().unwrap_or(1) as usize,
