@@ -151,6 +151,7 @@ def main():
     ap.add_argument("--modes", default="compiled", help="compiled, eager or both (comma-separated)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds for each measurement")
     ap.add_argument("--out", help="append every measurement here as JSON lines")
+    ap.add_argument("--only", metavar="REGEX", help="of the shipped models, those whose file name matches")
     ap.add_argument("--torch-one", help=argparse.SUPPRESS)
     ap.add_argument("--sizes", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
@@ -162,6 +163,9 @@ def main():
     if not os.path.exists(args.fusec):
         raise SystemExit(f"error: no fusec binary at {args.fusec}; build it (cargo build --release) or pass --fusec")
     models = [(m, args.seq) for m in args.models] or SHIPPED
+    if args.only:
+        import re
+        models = [m for m in models if re.search(args.only, os.path.basename(m[0]))]
     modes = args.modes.split(",")
     work = tempfile.mkdtemp(prefix="bench-twins-")
     rows = []

@@ -17,12 +17,16 @@
 #                                TWIN_STEPS=2 TWIN_EXTRA=--cpu BIN=target/release tries the cases here;
 #                                TWIN_ONLY=REGEX picks models)
 #   tools/gpu_check.sh suite     fusec bench beside torch.compile of each shipped transformer's twin
-#                                (tools/bench_twins.py, B = 8 and 32)
+#                                (tools/bench_twins.py, B = 8 and 32; SUITE_ONLY=REGEX picks models)
 #   tools/gpu_check.sh dp        data parallel on every GPU of the machine: the dp_gpu test, --gpus N
 #                                against one GPU with N x B on text, a two-process launch as a second
 #                                machine would join, fusec bench --gpus 1..N beside torch_ddp.py
 #                                (DP_BATCH per GPU, default 16; DP_TORCH_GPUS picks the DDP runs)
 #   tools/gpu_check.sh dpbench   the throughput part of dp alone
+#   tools/gpu_check.sh weights   Hugging Face GPT-2 and LLaMA weights through the shipped maps, fusec's
+#                                token ids beside the Python tokenizers package, validation on the GPU
+#                                beside the CPU reference (tools/import_check.py)
+#   tools/gpu_check.sh tools     which profilers the machine has (nsys, ncu) and their versions
 # TORCH_MODES picks torch_reference.py's modes (default: all three).
 #   tools/gpu_check.sh all
 # Logs go to out/gpu-logs, or, when $OUT is set by the device tool, to
@@ -214,7 +218,19 @@ if [ "$what" = dp ] || [ "$what" = dpbench ]; then
     done
   fi
 fi
+if [ "$what" = weights ] || [ "$what" = all ]; then
+  run "pretrained weights, tokenizer and validation (tools/import_check.py)"
+  timeout 500 python3 tools/import_check.py --fusec "$BIN/fusec" --work /tmp/import-check 2>&1 | tee "$LOGS/import-check.log" | tail -30
+fi
+if [ "$what" = tools ]; then
+  for t in nsys ncu; do
+    p=$(command -v $t || ls /usr/local/cuda/bin/$t /opt/nvidia/*/bin/$t /usr/local/cuda/*/bin/$t 2>/dev/null | head -1)
+    echo "$t: ${p:-not found}"; [ -n "$p" ] && "$p" --version 2>&1 | head -2
+  done
+  ls /usr/local/cuda/lib64 | grep -i -E "nvtx|nvToolsExt" | head
+  python3 -c "import transformers, tokenizers, torch; print('transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'torch', torch.__version__)"
+fi
 if [ "$what" = suite ] || [ "$what" = all ]; then
   run "fusec bench beside torch.compile of each twin"
-  timeout 1500 python3 tools/bench_twins.py --fusec "$BIN/fusec" ${SUITE_MODES:+--modes $SUITE_MODES} --out "$LOGS/suite.jsonl" 2>&1 | tee "$LOGS/suite.log" | tail -16
+  timeout 1500 python3 tools/bench_twins.py --fusec "$BIN/fusec" ${SUITE_ONLY:+--only $SUITE_ONLY} ${SUITE_MODES:+--modes $SUITE_MODES} --out "$LOGS/suite.jsonl" 2>&1 | tee "$LOGS/suite.log" | tail -16
 fi
