@@ -182,6 +182,15 @@ impl Slot {
     }
 }
 
+/// When one launch of a profiled step ran (`Executor::profile_step`).
+#[derive(Clone, Debug)]
+pub struct LaunchTime {
+    pub name: String,
+    /// Milliseconds after the step's first event.
+    pub start_ms: f64,
+    pub ms: f64,
+}
+
 pub struct Executor {
     pub gpu: Gpu,
     arena: CudaSlice<u8>,
@@ -711,10 +720,11 @@ impl Executor {
         self.graphs[usize::from(self.collectives_on)].is_some()
     }
 
-    /// One step launch by launch with a timing event between launches:
-    /// (kernel name, milliseconds) in launch order. Events cost a little,
-    /// so the sum is slightly above a replayed step.
-    pub fn profile_step(&mut self) -> Result<Vec<(String, f64)>, RuntimeError> {
+    /// One step launch by launch with a timing event between launches,
+    /// in launch order: each launch's start (milliseconds after the first
+    /// event) and duration. Events cost a little, so the sum is slightly
+    /// above a replayed step.
+    pub fn profile_step(&mut self) -> Result<Vec<LaunchTime>, RuntimeError> {
         use cudarc::driver::sys::CUevent_flags;
         let ev = |s: &Self| {
             s.gpu
@@ -731,12 +741,18 @@ impl Executor {
             dp.wait(&self.gpu)?;
         }
         self.synchronize()?;
+        let read = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| {
+            a.elapsed_ms(b)
+                .map(f64::from)
+                .map_err(|e| RuntimeError::driver("reading a timing event", e))
+        };
         let mut out = Vec::with_capacity(self.launches.len());
         for (i, l) in self.launches.iter().enumerate() {
-            let ms = marks[i]
-                .elapsed_ms(&marks[i + 1])
-                .map_err(|e| RuntimeError::driver("reading a timing event", e))?;
-            out.push((l.name.clone(), ms as f64));
+            out.push(LaunchTime {
+                name: l.name.clone(),
+                start_ms: read(&marks[0], &marks[i])?,
+                ms: read(&marks[i], &marks[i + 1])?,
+            });
         }
         Ok(out)
     }

@@ -5,7 +5,10 @@ use super::common::{load, load_ranks, ModelArgs, SizeArgs};
 use super::train::{runtime_err, start};
 use super::CliError;
 use clap::Args;
+use fusec_compiler::plan::roofline::{device, estimate, Device};
+use fusec_compiler::plan::trace::Timing;
 use fusec_runtime::backend::{self, Backend};
+use fusec_runtime::exec::LaunchTime;
 use fusec_runtime::device;
 use fusec_runtime::session::SessionOptions;
 use std::collections::BTreeMap;
@@ -25,6 +28,11 @@ pub struct BenchArgs {
     /// write all of them, as JSON lines, to this file)
     #[arg(long, value_name = "FILE")]
     pub profile: Option<PathBuf>,
+    /// Also write one step as a Chrome trace (open it in
+    /// https://ui.perfetto.dev or chrome://tracing): phases and every
+    /// launch with its source lines, bytes, FLOPs and achieved rate
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
     /// Peak dense bf16 rate for MFU, in TFLOP/s (default: the GPU's datasheet figure when known)
     #[arg(long)]
     pub peak_tflops: Option<f64>,
@@ -114,6 +122,11 @@ pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
 pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
     let job = super::parallel::job(&args.parallel)?;
     if job.world() > 1 {
+        if args.profile.is_some() || args.trace.is_some() {
+            return Err(CliError::usage(
+                "error: --profile and --trace time one GPU's step launch by launch; run them without --gpus (or a launcher)",
+            ));
+        }
         return bench_ranks(args, &job);
     }
     let loaded = load(&args.model)?;
@@ -165,31 +178,45 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
     if let Some(note) = &s.graph_note {
         eprintln!("note: {note}");
     }
-    if let Some(path) = &args.profile {
+    if args.profile.is_some() || args.trace.is_some() {
         let times = s.exec.profile_step().map_err(runtime_err)?;
-        let total: f64 = times.iter().map(|t| t.1).sum();
-        let mut by_kind: BTreeMap<String, (usize, f64)> = BTreeMap::new();
-        let mut lines = String::new();
-        for (name, ms) in &times {
-            // `k12_matmul_add` -> `matmul_add`
-            let kind = name
-                .split_once('_')
-                .map_or(name.as_str(), |(_, k)| k)
-                .to_string();
-            let e = by_kind.entry(kind).or_default();
-            e.0 += 1;
-            e.1 += ms;
-            lines.push_str(&format!("{{\"kernel\":\"{name}\",\"ms\":{ms:.4}}}\n"));
+        let source = Some((loaded.path.to_str().unwrap_or("model"), loaded.source.as_str()));
+        let labels = fusec_compiler::plan::trace::labels(&s.graph, &s.program, source);
+        if let Some(path) = &args.profile {
+            write_profile(path, &times, &labels)?;
         }
-        std::fs::write(path, lines)
-            .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))?;
-        let mut kinds: Vec<_> = by_kind.into_iter().collect();
-        kinds.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
-        eprintln!("one step launch by launch: {total:.2} ms; by kind (count, ms, share):");
-        for (kind, (n, ms)) in kinds.iter().take(15) {
+        if let Some(path) = &args.trace {
+            let est = estimate(
+                &s.graph,
+                &s.program,
+                &s.plan,
+                roofline_device(&s.exec.gpu.name),
+            );
+            let timings: Vec<Timing> = times
+                .iter()
+                .map(|t| Timing {
+                    start_ms: t.start_ms,
+                    ms: t.ms,
+                })
+                .collect();
+            let title = format!("fusec bench {} {} on {about}", s.graph.name, serde_like(&dims));
+            let trace = fusec_compiler::plan::trace::chrome_trace(
+                &s.graph, &s.program, &s.plan, &est, source, &timings, &title,
+            );
+            let picture = path.with_extension("svg");
+            for (to, text) in [
+                (path.as_path(), trace.to_string()),
+                (picture.as_path(), fusec_compiler::plan::trace::svg(&trace)),
+            ] {
+                std::fs::write(to, text).map_err(|e| {
+                    CliError::usage(format!("error: cannot write {}: {e}", to.display()))
+                })?;
+            }
             eprintln!(
-                "  {kind:<32} {n:>4}  {ms:>9.3}  {:>5.1}%",
-                100.0 * ms / total
+                "wrote {} ({} launches; open it in https://ui.perfetto.dev or chrome://tracing) and its picture {}",
+                path.display(),
+                times.len(),
+                picture.display()
             );
         }
     }
@@ -259,6 +286,58 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
         );
     }
     Ok(())
+}
+
+/// `--profile`: one JSON line a launch (its kernel, phase, source lines and
+/// milliseconds, the last), and the costliest kinds on the terminal.
+fn write_profile(
+    path: &std::path::Path,
+    times: &[LaunchTime],
+    labels: &[(fusec_compiler::ir::graph::Phase, String)],
+) -> Result<(), CliError> {
+    let total: f64 = times.iter().map(|t| t.ms).sum();
+    let mut by_kind: BTreeMap<String, (usize, f64)> = BTreeMap::new();
+    let mut lines = String::new();
+    for (i, t) in times.iter().enumerate() {
+        let name = &t.name;
+        // `k12_matmul_add` -> `matmul_add`
+        let kind = name
+            .split_once('_')
+            .map_or(name.as_str(), |(_, k)| k)
+            .to_string();
+        let e = by_kind.entry(kind).or_default();
+        e.0 += 1;
+        e.1 += t.ms;
+        let (phase, label) = labels
+            .get(i)
+            .map_or(("", ""), |(p, l)| (p.name(), l.as_str()));
+        let source = label.strip_prefix(name.as_str()).unwrap_or("").trim();
+        lines.push_str(&format!(
+            "{{\"kernel\":\"{name}\",\"phase\":\"{phase}\",\"source\":{},\"start_ms\":{:.4},\"ms\":{:.4}}}\n",
+            serde_json::Value::from(source),
+            t.start_ms,
+            t.ms
+        ));
+    }
+    std::fs::write(path, lines)
+        .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))?;
+    let mut kinds: Vec<_> = by_kind.into_iter().collect();
+    kinds.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+    eprintln!("one step launch by launch: {total:.2} ms; by kind (count, ms, share):");
+    for (kind, (n, ms)) in kinds.iter().take(15) {
+        eprintln!(
+            "  {kind:<32} {n:>4}  {ms:>9.3}  {:>5.1}%",
+            100.0 * ms / total
+        );
+    }
+    Ok(())
+}
+
+/// The roofline's figures for the GPU by its name (an H100's where unknown).
+fn roofline_device(name: &str) -> Device {
+    let n = name.to_ascii_lowercase();
+    let key = ["h200", "a100"].into_iter().find(|k| n.contains(k)).unwrap_or("h100");
+    device(key).expect("a known device")
 }
 
 fn serde_like(dims: &BTreeMap<String, i64>) -> String {

@@ -22,6 +22,7 @@ pub mod collectives;
 pub mod picture;
 pub mod report;
 pub mod roofline;
+pub mod trace;
 pub mod unfused;
 use std::collections::{BTreeMap, HashMap};
 
