@@ -25,7 +25,15 @@ fn traced(file: &str, sets: &[(&str, &str)], dims: &[(&str, i64)]) -> (Value, Pl
     let est = estimate(g, &program, &p, device("h100").unwrap());
     let times = predicted(&est);
     let source = Some((name.as_str(), src.as_str()));
-    let trace = chrome_trace(g, &program, &p, &est, source, &times, &format!("{file} predicted"));
+    let trace = chrome_trace(
+        g,
+        &program,
+        &p,
+        &est,
+        source,
+        &times,
+        &format!("{file} predicted"),
+    );
     let names = labels(g, &program, source)
         .into_iter()
         .map(|(phase, l)| format!("{} {l}", phase.name()))
@@ -68,7 +76,8 @@ fn every_shipped_models_trace_is_well_formed_and_names_its_lines() {
             let src = e["args"]["source"].as_str().unwrap_or("");
             let stem = file.trim_end_matches(".dsl");
             assert!(
-                src.starts_with(&format!("{stem}.dsl:")) && src[stem.len() + 5..].starts_with(|c: char| c.is_ascii_digit()),
+                src.starts_with(&format!("{stem}.dsl:"))
+                    && src[stem.len() + 5..].starts_with(|c: char| c.is_ascii_digit()),
                 "{file}: {} has no source line ({src:?})",
                 l.kernel
             );
@@ -79,21 +88,35 @@ fn every_shipped_models_trace_is_well_formed_and_names_its_lines() {
         // Launches back to back, in order.
         for w in launches.windows(2) {
             let end = num(w[0], "ts") + num(w[0], "dur");
-            assert!((num(w[1], "ts") - end).abs() < 2e-3, "{file}: {} then {}", w[0], w[1]);
+            assert!(
+                (num(w[1], "ts") - end).abs() < 2e-3,
+                "{file}: {} then {}",
+                w[0],
+                w[1]
+            );
         }
         // Phases: forward first, update last, never overlapping, covering every launch.
         let phases: Vec<&Value> = events.iter().filter(|e| e["cat"] == "phase").collect();
         let names: Vec<&str> = phases.iter().map(|e| e["name"].as_str().unwrap()).collect();
         assert_eq!(names.first(), Some(&"forward"), "{file}: {names:?}");
         assert_eq!(names.last(), Some(&"update"), "{file}: {names:?}");
-        let covered: u64 = phases.iter().map(|e| e["args"]["launches"].as_u64().unwrap()).sum();
+        let covered: u64 = phases
+            .iter()
+            .map(|e| e["args"]["launches"].as_u64().unwrap())
+            .sum();
         assert_eq!(covered as usize, p.launches.len(), "{file}");
         for w in phases.windows(2) {
-            assert!(num(w[1], "ts") + 2e-3 >= num(w[0], "ts") + num(w[0], "dur"), "{file}");
+            assert!(
+                num(w[1], "ts") + 2e-3 >= num(w[0], "ts") + num(w[0], "dur"),
+                "{file}"
+            );
         }
         // The labels profilers get (NVTX ranges, --profile) name the lines too.
         assert_eq!(labels.len(), p.launches.len());
-        assert!(labels.iter().all(|l| l.contains(".dsl:")), "{file}: {labels:?}");
+        assert!(
+            labels.iter().all(|l| l.contains(".dsl:")),
+            "{file}: {labels:?}"
+        );
     }
 }
 
@@ -105,9 +128,19 @@ fn the_trace_picture_draws_every_launch_and_renders() {
         &[("B", 2), ("T", 64)],
     );
     let picture = svg(&trace);
-    assert_eq!(picture.matches("class=\"launch\"").count(), p.launches.len());
-    assert_eq!(picture.matches("class=\"phase\"").count(), 3, "forward, backward, update");
-    assert!(picture.contains("gpt2-block.dsl:"), "a launch names its line");
+    assert_eq!(
+        picture.matches("class=\"launch\"").count(),
+        p.launches.len()
+    );
+    assert_eq!(
+        picture.matches("class=\"phase\"").count(),
+        3,
+        "forward, backward, update"
+    );
+    assert!(
+        picture.contains("gpt2-block.dsl:"),
+        "a launch names its line"
+    );
     let dir = common::host::work_dir("trace-picture");
     let path = dir.join("step.svg");
     std::fs::write(&path, &picture).unwrap();
@@ -120,7 +153,9 @@ fn the_trace_picture_draws_every_launch_and_renders() {
                 .is_ok_and(|o| o.status.success())
         });
     let Some(browser) = browser else {
-        println!("skipped the rendering: no Chromium on this machine (Debian: apt-get install chromium)");
+        println!(
+            "skipped the rendering: no Chromium on this machine (Debian: apt-get install chromium)"
+        );
         return;
     };
     let shot = dir.join("step.png");
@@ -136,7 +171,11 @@ fn the_trace_picture_draws_every_launch_and_renders() {
         .arg(format!("file://{}", path.display()))
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&shot).unwrap()));
     let mut reader = decoder.read_info().unwrap();
     let mut buf = vec![0; reader.output_buffer_size()];

@@ -27,6 +27,8 @@
 #                                token ids beside the Python tokenizers package, validation on the GPU
 #                                beside the CPU reference (tools/import_check.py)
 #   tools/gpu_check.sh tools     which profilers the machine has (nsys, ncu) and their versions
+#   tools/gpu_check.sh trace     fusec bench --trace of gpt2-small (B = 8, T = 1024), then fusec train
+#                                under nsys and ncu where they are installed: the NVTX ranges they saw
 # TORCH_MODES picks torch_reference.py's modes (default: all three).
 #   tools/gpu_check.sh all
 # Logs go to out/gpu-logs, or, when $OUT is set by the device tool, to
@@ -229,6 +231,30 @@ if [ "$what" = tools ]; then
   done
   ls /usr/local/cuda/lib64 | grep -i -E "nvtx|nvToolsExt" | head
   python3 -c "import transformers, tokenizers, torch; print('transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'torch', torch.__version__)"
+fi
+if [ "$what" = trace ] || [ "$what" = all ]; then
+  run "fusec bench --trace gpt2-small B=8 T=1024"
+  timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch 8 --seq 1024 --steps 20 --trace "$LOGS/trace-gpt2-small.json" --profile "$LOGS/profile-trace.jsonl" 2>&1 | tr "\r" "\n" | grep -v "^  kernels [0-9]" | tail -8
+  ls -la "$LOGS"/trace-gpt2-small.*
+  T=dsl-examples/data/founding-texts.txt
+  SMALL="--set layers=2 --set d=256 --set n_heads=4 --set vocab=256 --set ctx=256 --batch 4 --seq 256 --data $T"
+  NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+  if [ -n "$NSYS" ]; then
+    run "fusec train under nsys: the NVTX ranges"
+    timeout 300 "$NSYS" profile -t cuda,nvtx -o /tmp/fusec-nvtx --force-overwrite true "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --steps 3 > "$LOGS/nsys.log" 2>&1; echo "exit $?"
+    grep -E "NVTX|error" "$LOGS/nsys.log" | head -5
+    timeout 200 "$NSYS" stats --report nvtx_sum --format csv /tmp/fusec-nvtx.nsys-rep 2>&1 | tee "$LOGS/nsys-nvtx.csv" | head -24
+  else
+    echo "nsys: not installed here"
+  fi
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ -n "$NCU" ]; then
+    run "fusec train under ncu, kernels renamed by their NVTX range"
+    timeout 300 "$NCU" --nvtx --print-nvtx-rename kernel --launch-skip 40 --launch-count 6 --section LaunchStats "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --steps 2 > "$LOGS/ncu.log" 2>&1; echo "exit $?"
+    grep -E "dsl:|==PROF==|==ERROR==|error" "$LOGS/ncu.log" | head -20
+  else
+    echo "ncu: not installed here"
+  fi
 fi
 if [ "$what" = suite ] || [ "$what" = all ]; then
   run "fusec bench beside torch.compile of each twin"

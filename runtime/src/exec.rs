@@ -220,6 +220,8 @@ pub struct Executor {
     dp: Option<DataParallel>,
     /// Inputs copied in on a second stream (see `stage`).
     stager: Option<Stager>,
+    /// NVTX ranges to mark each launch with (a profiler is attached).
+    marks: Option<crate::marks::StepMarks>,
 }
 
 fn elem(dt: DType) -> Result<Elem, RuntimeError> {
@@ -578,6 +580,7 @@ impl Executor {
             },
             dp: None,
             stager: None,
+            marks: None,
         })
     }
 
@@ -621,8 +624,17 @@ impl Executor {
     /// Every launch of the step in order, then the wait for the last
     /// collectives.
     fn launch_all(&mut self) -> Result<(), RuntimeError> {
-        for i in 0..self.launches.len() {
-            self.launch(i)?;
+        match self.marks.take() {
+            Some(marks) => {
+                let done = self.launch_marked(&marks);
+                self.marks = Some(marks);
+                done?;
+            }
+            None => {
+                for i in 0..self.launches.len() {
+                    self.launch(i)?;
+                }
+            }
         }
         if let Some(dp) = self.dp.as_mut() {
             // An accumulating micro-batch changed no parameter.
@@ -632,6 +644,42 @@ impl Executor {
             dp.wait(&self.gpu)?;
         }
         Ok(())
+    }
+
+    /// The launches inside NVTX ranges: the step, each run of one phase,
+    /// each launch.
+    fn launch_marked(&mut self, marks: &crate::marks::StepMarks) -> Result<(), RuntimeError> {
+        use crate::marks::Range;
+        let _step = Range::new("fusec step");
+        let mut phase: Option<(&str, Range)> = None;
+        for i in 0..self.launches.len() {
+            let (ph, label) = marks
+                .launches
+                .get(i)
+                .map_or(("step", self.launches[i].name.as_str()), |(p, l)| {
+                    (*p, l.as_str())
+                });
+            if phase.as_ref().map(|p| p.0) != Some(ph) {
+                // The last phase's range closes before the next opens
+                // (NVTX pops the innermost range).
+                drop(phase.take());
+                phase = Some((ph, Range::new(ph)));
+            }
+            let _launch = Range::new(label);
+            self.launch(i)?;
+        }
+        Ok(())
+    }
+
+    /// Marks every later step with NVTX ranges (and runs it launch by
+    /// launch: a replayed graph is one launch to a profiler).
+    pub fn set_marks(&mut self, marks: crate::marks::StepMarks) {
+        self.marks = Some(marks);
+        self.graphs = [None, None];
+    }
+
+    pub fn marked(&self) -> bool {
+        self.marks.is_some()
     }
 
     /// The buffer address and elements of every named parameter.
@@ -691,7 +739,7 @@ impl Executor {
     /// has no graph yet: the moment to capture one.
     pub fn ready_to_capture(&self) -> bool {
         let mode = usize::from(self.collectives_on);
-        self.ran[mode] && self.graphs[mode].is_none()
+        self.ran[mode] && self.graphs[mode].is_none() && self.marks.is_none()
     }
 
     /// Captures the whole step as a CUDA graph, replayed by every later

@@ -11,6 +11,7 @@ pub mod data;
 pub mod device;
 pub mod exec;
 pub mod gemm;
+pub mod marks;
 pub mod name_map;
 pub mod nccl;
 pub mod nvrtc;

@@ -8,8 +8,8 @@ use clap::Args;
 use fusec_compiler::plan::roofline::{device, estimate, Device};
 use fusec_compiler::plan::trace::Timing;
 use fusec_runtime::backend::{self, Backend};
-use fusec_runtime::exec::LaunchTime;
 use fusec_runtime::device;
+use fusec_runtime::exec::LaunchTime;
 use fusec_runtime::session::SessionOptions;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -180,7 +180,10 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
     }
     if args.profile.is_some() || args.trace.is_some() {
         let times = s.exec.profile_step().map_err(runtime_err)?;
-        let source = Some((loaded.path.to_str().unwrap_or("model"), loaded.source.as_str()));
+        let source = Some((
+            loaded.path.to_str().unwrap_or("model"),
+            loaded.source.as_str(),
+        ));
         let labels = fusec_compiler::plan::trace::labels(&s.graph, &s.program, source);
         if let Some(path) = &args.profile {
             write_profile(path, &times, &labels)?;
@@ -199,7 +202,11 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
                     ms: t.ms,
                 })
                 .collect();
-            let title = format!("fusec bench {} {} on {about}", s.graph.name, serde_like(&dims));
+            let title = format!(
+                "fusec bench {} {} on {about}",
+                s.graph.name,
+                serde_like(&dims)
+            );
             let trace = fusec_compiler::plan::trace::chrome_trace(
                 &s.graph, &s.program, &s.plan, &est, source, &timings, &title,
             );
@@ -336,7 +343,10 @@ fn write_profile(
 /// The roofline's figures for the GPU by its name (an H100's where unknown).
 fn roofline_device(name: &str) -> Device {
     let n = name.to_ascii_lowercase();
-    let key = ["h200", "a100"].into_iter().find(|k| n.contains(k)).unwrap_or("h100");
+    let key = ["h200", "a100"]
+        .into_iter()
+        .find(|k| n.contains(k))
+        .unwrap_or("h100");
     device(key).expect("a known device")
 }
 

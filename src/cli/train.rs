@@ -118,6 +118,7 @@ pub(super) fn start(
         dims,
         gpu,
         options,
+        Some((&loaded.path.display().to_string(), &loaded.source)),
     )
 }
 
@@ -128,6 +129,7 @@ pub(super) fn start_graph(
     dims: &BTreeMap<String, i64>,
     gpu: usize,
     options: SessionOptions,
+    source: Option<(&str, &str)>,
 ) -> Result<(Session, String), CliError> {
     let t_open = Instant::now();
     let gpu = device::open(gpu).map_err(runtime_err)?;
@@ -166,6 +168,19 @@ pub(super) fn start_graph(
         s.cache.compiled,
         s.plan.arena_bytes as f64 / (1u64 << 30) as f64
     );
+    let mut s = s;
+    if fusec_runtime::marks::wanted() {
+        let launches = fusec_compiler::plan::trace::labels(&s.graph, &s.program, source)
+            .into_iter()
+            .map(|(phase, label)| (phase.name(), label))
+            .collect();
+        s.exec
+            .set_marks(fusec_runtime::marks::StepMarks { launches });
+        s.use_graph = false;
+        eprintln!(
+            "  NVTX ranges on (a profiler is attached, or FUSEC_NVTX=1): each step, phase and kernel is a range, and the step runs launch by launch instead of as a CUDA graph"
+        );
+    }
     Ok((s, about))
 }
 

@@ -109,7 +109,16 @@ pub fn prepare(
             "{} (validation, forward only)",
             loaded.compiled.model.graph.name
         );
-        let (s, _) = start_graph(&forward, &what, dims, gpu, SessionOptions::default())?;
+        let path = loaded.path.display().to_string();
+        let source = Some((path.as_str(), loaded.source.as_str()));
+        let (s, _) = start_graph(
+            &forward,
+            &what,
+            dims,
+            gpu,
+            SessionOptions::default(),
+            source,
+        )?;
         Box::new(backend::Gpu::new(s, dims).map_err(runtime_err)?)
     };
     Ok(Some(Validation {

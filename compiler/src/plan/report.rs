@@ -22,7 +22,12 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
 /// The lines of the model file a kernel's ops come from (an op without a
 /// place of its own, such as an optimizer update, by the places of the
 /// nearest ops it reads), as `file:26, 32`.
-pub(crate) fn source_lines(g: &Graph, k: &crate::kernel::Kernel, file: &str, text: &str) -> Option<String> {
+pub(crate) fn source_lines(
+    g: &Graph,
+    k: &crate::kernel::Kernel,
+    file: &str,
+    text: &str,
+) -> Option<String> {
     let mut lines = std::collections::BTreeSet::new();
     for &n in &k.nodes {
         match g.g[n].span {

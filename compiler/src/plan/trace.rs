@@ -120,7 +120,11 @@ pub fn chrome_trace(
         );
         args.insert(
             "bound by".into(),
-            json!(if cost.compute_bound { "compute" } else { "memory" }),
+            json!(if cost.compute_bound {
+                "compute"
+            } else {
+                "memory"
+            }),
         );
         for st in &l.steps {
             if let Some(t) = &st.template {
@@ -285,7 +289,10 @@ pub fn svg(trace: &Value) -> String {
     }
     let mut kinds: Vec<(&str, &str)> = Vec::new();
     for e in &spans {
-        let (ts, dur) = (e["ts"].as_f64().unwrap_or(0.0), e["dur"].as_f64().unwrap_or(0.0));
+        let (ts, dur) = (
+            e["ts"].as_f64().unwrap_or(0.0),
+            e["dur"].as_f64().unwrap_or(0.0),
+        );
         let name = e["name"].as_str().unwrap_or("");
         let y = y_of(e["tid"].as_u64().unwrap_or(0));
         let w = (x(ts + dur) - x(ts)).max(0.6);
@@ -335,9 +342,8 @@ pub fn svg(trace: &Value) -> String {
     }
     // A time axis in round steps.
     let axis_y = top + tracks.len() as f64 * (row + gap) + 8.0;
-    let step = [1.0, 2.0, 5.0]
-        .iter()
-        .flat_map(|m| (-3..8).map(move |p| m * 10f64.powi(p)))
+    let step = (-3..8)
+        .flat_map(|p| [1.0, 2.0, 5.0].map(|m| m * 10f64.powi(p)))
         .find(|st| end_us / st <= 12.0)
         .unwrap_or(end_us);
     let _ = writeln!(
