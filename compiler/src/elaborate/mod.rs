@@ -79,6 +79,8 @@ struct Frame {
     /// Dotted prefix for parameter names declared in this frame.
     prefix: String,
     block: Option<String>,
+    /// The block call this frame elaborates (`Span::call`; 0 at the top).
+    call: u32,
 }
 
 pub(crate) struct Elab<'m> {
@@ -111,6 +113,7 @@ pub fn elaborate(module: &Module, name: &str, opts: &Options) -> Result<Model, E
             vars: HashMap::new(),
             prefix: String::new(),
             block: None,
+            call: 0,
         }],
         overrides: opts
             .overrides
@@ -315,7 +318,10 @@ impl<'m> Elab<'m> {
             )
             .with_help("a transformer layer is about 50 ops; check the `repeat` counts"));
         }
-        let outs = match self.graph.add(op, inputs, Some(span), Phase::Forward) {
+        // The node's place carries the block call it is made in; the
+        // diagnostics below keep the plain place.
+        let place = span.in_call(self.frame().call);
+        let outs = match self.graph.add(op, inputs, Some(place), Phase::Forward) {
             Ok(outs) => outs,
             Err(e) => {
                 // A failed add leaves the graph as it was; the types are only needed here.
@@ -402,10 +408,18 @@ impl<'m> Elab<'m> {
             .zip(&args)
             .map(|(p, (v, _))| (p.name.clone(), v.clone()))
             .collect();
+        let outer = self.frame().call;
+        self.graph.calls.push(crate::ir::graph::CallSite {
+            block: func.name.clone(),
+            path: prefix.trim_end_matches('.').to_string(),
+            site: span.in_call(outer),
+        });
+        let call = self.graph.calls.len() as u32;
         self.frames.push(Frame {
             vars: HashMap::new(),
             prefix: prefix.clone(),
             block: Some(func.name.clone()),
+            call,
         });
         self.calls.push(func.name.clone());
         let result = (|| {

@@ -106,6 +106,18 @@ impl std::fmt::Display for Role {
     }
 }
 
+/// One block call of the model file (a layer of a `repeat` is one too):
+/// nodes elaborated inside it carry `Span::call` = 1 + its index in
+/// `Graph::calls`.
+#[derive(Clone, Debug)]
+pub struct CallSite {
+    pub block: String,
+    /// The instance path, as parameter names spell it: `h.3.attn`.
+    pub path: String,
+    /// The call's place (itself inside the call that made it, if any).
+    pub site: Span,
+}
+
 #[derive(Clone, Debug)]
 pub struct Graph {
     pub name: String,
@@ -114,6 +126,8 @@ pub struct Graph {
     pub dims: Vec<String>,
     pub params: Vec<ParamInfo>,
     pub outputs: Vec<(Role, Value)>,
+    /// The block calls nodes were elaborated in (see `Span::call`).
+    pub calls: Vec<CallSite>,
 }
 
 impl Graph {
@@ -124,7 +138,24 @@ impl Graph {
             dims: Vec::new(),
             params: Vec::new(),
             outputs: Vec::new(),
+            calls: Vec::new(),
         }
+    }
+
+    /// The block calls a place was elaborated in, innermost first.
+    pub fn call_stack(&self, span: Span) -> Vec<&CallSite> {
+        let mut out = Vec::new();
+        let mut at = span.call;
+        // Each call's site lies in an earlier call, so this ends; the bound
+        // guards a graph built by hand.
+        while at > 0 && out.len() <= self.calls.len() {
+            let Some(c) = self.calls.get(at as usize - 1) else {
+                break;
+            };
+            out.push(c);
+            at = c.site.call;
+        }
+        out
     }
 
     pub fn ty(&self, v: Value) -> &TensorType {

@@ -21,19 +21,18 @@ pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: De
 
 /// The lines of the model file a kernel's ops come from (an op without a
 /// place of its own, such as an optimizer update, by the places of the
-/// nearest ops it reads), as `file:26, 32`.
+/// nearest ops it reads), as `file:26, 32`, and the block calls they were
+/// made in, as instance paths: `file:26, 32 in h.3.mlp`.
 pub(crate) fn source_lines(
     g: &Graph,
     k: &crate::kernel::Kernel,
     file: &str,
     text: &str,
 ) -> Option<String> {
-    let mut lines = std::collections::BTreeSet::new();
+    let mut spans = Vec::new();
     for &n in &k.nodes {
         match g.g[n].span {
-            Some(sp) => {
-                lines.insert(crate::ir::print::line_col(text, sp.start).0);
-            }
+            Some(sp) => spans.push(sp),
             None => {
                 // The nearest ops before it with a place (the clip's norm
                 // from the gradients, an update from its parameter).
@@ -44,12 +43,9 @@ pub(crate) fn source_lines(
                         .flat_map(|&m| g.inputs(m))
                         .map(|v| v.node)
                         .collect();
-                    for &m in &next {
-                        if let Some(sp) = g.g[m].span {
-                            lines.insert(crate::ir::print::line_col(text, sp.start).0);
-                        }
-                    }
-                    if !lines.is_empty() {
+                    let before = spans.len();
+                    spans.extend(next.iter().filter_map(|&m| g.g[m].span));
+                    if spans.len() > before {
                         break;
                     }
                     front = next;
@@ -59,10 +55,21 @@ pub(crate) fn source_lines(
     }
     // What has no place at all (a constant the step writes out) serves the
     // train section: the loss's line.
-    if lines.is_empty() {
+    if spans.is_empty() {
         let loss = g.output(&crate::ir::graph::Role::Loss)?;
-        let sp = g.g[loss.node].span?;
-        lines.insert(crate::ir::print::line_col(text, sp.start).0);
+        spans.push(g.g[loss.node].span?);
+    }
+    let lines: std::collections::BTreeSet<usize> = spans
+        .iter()
+        .map(|sp| crate::ir::print::line_col(text, sp.start).0)
+        .collect();
+    let mut paths: Vec<&str> = Vec::new();
+    for sp in &spans {
+        if let Some(c) = g.call_stack(*sp).first() {
+            if !paths.contains(&c.path.as_str()) {
+                paths.push(&c.path);
+            }
+        }
     }
     let shown: Vec<String> = lines.iter().take(4).map(|l| l.to_string()).collect();
     let more = if lines.len() > 4 {
@@ -70,10 +77,35 @@ pub(crate) fn source_lines(
     } else {
         String::new()
     };
+    let within = match paths.len() {
+        0 => String::new(),
+        1 | 2 => format!(" in {}", paths.join(", ")),
+        n => format!(" in {}, {} and {} more", paths[0], paths[1], n - 2),
+    };
     let name = std::path::Path::new(file)
         .file_name()
         .map_or(file.to_string(), |f| f.to_string_lossy().to_string());
-    Some(format!("{name}:{}{more}", shown.join(", ")))
+    Some(format!("{name}:{}{more}{within}", shown.join(", ")))
+}
+
+/// The call stack of a place, outermost last, for a reader:
+/// `gpt2-small.dsl:27 linear`, `:58 mlp as h.3.mlp`, `:71 repeat as h.3`.
+pub fn call_stack_lines(
+    g: &Graph,
+    span: crate::dsl::ast::Span,
+    what: &str,
+    file: &str,
+    text: &str,
+) -> Vec<String> {
+    let name = std::path::Path::new(file)
+        .file_name()
+        .map_or(file.to_string(), |f| f.to_string_lossy().to_string());
+    let line = |sp: crate::dsl::ast::Span| crate::ir::print::line_col(text, sp.start).0;
+    let mut out = vec![format!("{name}:{} {what}", line(span))];
+    for c in g.call_stack(span) {
+        out.push(format!("{name}:{} {} as {}", line(c.site), c.block, c.path));
+    }
+    out
 }
 
 /// [`report`], each kernel with the lines of the model file (`file`, its

@@ -7,7 +7,7 @@
 //! The times come from whoever ran the step (`fusec bench --trace` on a GPU);
 //! this module only lays them out, so the layout is tested without one.
 
-use super::report::source_lines;
+use super::report::{call_stack_lines, source_lines};
 use super::roofline::Estimate;
 use super::Plan;
 use crate::ir::graph::Phase;
@@ -99,8 +99,16 @@ pub fn chrome_trace(
         }
         let cost = &est.kernels[i];
         let mut args = serde_json::Map::new();
-        if let Some(lines) = source.and_then(|(file, text)| source_lines(g, k, file, text)) {
-            args.insert("source".into(), json!(lines));
+        if let Some((file, text)) = source {
+            if let Some(lines) = source_lines(g, k, file, text) {
+                args.insert("source".into(), json!(lines));
+            }
+            // The call stack of its first op with a place of its own.
+            if let Some(&n) = k.nodes.iter().find(|&&n| g.g[n].span.is_some()) {
+                let node = &g.g[n];
+                let stack = call_stack_lines(g, node.span.unwrap(), node.op.name(), file, text);
+                args.insert("stack".into(), json!(stack));
+            }
         }
         args.insert("phase".into(), json!(phase.name()));
         args.insert("kind".into(), json!(l.kind));
