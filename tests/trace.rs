@@ -207,3 +207,49 @@ fn the_trace_picture_draws_every_launch_and_renders() {
         pixels.len()
     );
 }
+
+#[test]
+fn a_launch_inside_a_repeated_block_names_its_call_stack() {
+    let (trace, _, _) = traced(
+        "gpt2-small.dsl",
+        &[
+            ("vocab", "64"),
+            ("ctx", "16"),
+            ("d", "32"),
+            ("n_heads", "2"),
+            ("layers", "3"),
+        ],
+        &[("B", 2), ("T", 16)],
+    );
+    let stacks: Vec<Vec<String>> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["tid"] == 1)
+        .map(|e| {
+            e["args"]["stack"]
+                .as_array()
+                .map(|s| s.iter().map(|f| f.as_str().unwrap().to_string()).collect())
+                .unwrap_or_default()
+        })
+        .collect();
+    // The MLP's first GEMM of the third layer: the line of the product, the
+    // mlp call inside the layer, the layer the repeat made.
+    let deep = stacks
+        .iter()
+        .find(|s| s.len() == 3 && s[1].ends_with(" as h.2.mlp"))
+        .unwrap_or_else(|| panic!("no launch in h.2.mlp: {stacks:?}"));
+    assert!(deep[0].starts_with("gpt2-small.dsl:"), "{deep:?}");
+    assert!(deep[2].ends_with(" as h.2"), "{deep:?}");
+    // Every layer's launches say which layer they are.
+    for layer in 0..3 {
+        let inside = stacks
+            .iter()
+            .filter(|s| {
+                s.last()
+                    .is_some_and(|f| f.ends_with(&format!(" as h.{layer}")))
+            })
+            .count();
+        assert!(inside >= 8, "layer {layer}: {inside} launches");
+    }
+}
