@@ -6,6 +6,7 @@ pub mod attn_bench;
 pub mod backend;
 pub mod batch_log;
 pub mod cache;
+pub mod ceilings;
 pub mod checkpoint;
 pub mod data;
 pub mod device;

@@ -9,7 +9,6 @@ use fusec_compiler::plan::roofline::{device, estimate, Device};
 use fusec_compiler::plan::trace::Timing;
 use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::device;
-use fusec_runtime::exec::LaunchTime;
 use fusec_runtime::session::SessionOptions;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -185,16 +184,17 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
             loaded.source.as_str(),
         ));
         let labels = fusec_compiler::plan::trace::labels(&s.graph, &s.program, source);
+        let est = estimate(
+            &s.graph,
+            &s.program,
+            &s.plan,
+            roofline_device(&s.exec.gpu.name),
+        );
         if let Some(path) = &args.profile {
-            write_profile(path, &times, &labels)?;
+            let ceilings = fusec_runtime::ceilings::measure(&s.exec.gpu).map_err(runtime_err)?;
+            super::profile::write(path, &times, &labels, &est, ceilings)?;
         }
         if let Some(path) = &args.trace {
-            let est = estimate(
-                &s.graph,
-                &s.program,
-                &s.plan,
-                roofline_device(&s.exec.gpu.name),
-            );
             let timings: Vec<Timing> = times
                 .iter()
                 .map(|t| Timing {
@@ -290,51 +290,6 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
             tokens as f64 / (ms / 1e3) / world as f64,
             peak as f64 / (1u64 << 30) as f64,
             times.iter().map(|t| format!("{t:.3}")).collect::<Vec<_>>().join(","),
-        );
-    }
-    Ok(())
-}
-
-/// `--profile`: one JSON line a launch (its kernel, phase, source lines and
-/// milliseconds, the last), and the costliest kinds on the terminal.
-fn write_profile(
-    path: &std::path::Path,
-    times: &[LaunchTime],
-    labels: &[(fusec_compiler::ir::graph::Phase, String)],
-) -> Result<(), CliError> {
-    let total: f64 = times.iter().map(|t| t.ms).sum();
-    let mut by_kind: BTreeMap<String, (usize, f64)> = BTreeMap::new();
-    let mut lines = String::new();
-    for (i, t) in times.iter().enumerate() {
-        let name = &t.name;
-        // `k12_matmul_add` -> `matmul_add`
-        let kind = name
-            .split_once('_')
-            .map_or(name.as_str(), |(_, k)| k)
-            .to_string();
-        let e = by_kind.entry(kind).or_default();
-        e.0 += 1;
-        e.1 += t.ms;
-        let (phase, label) = labels
-            .get(i)
-            .map_or(("", ""), |(p, l)| (p.name(), l.as_str()));
-        let source = label.strip_prefix(name.as_str()).unwrap_or("").trim();
-        lines.push_str(&format!(
-            "{{\"kernel\":\"{name}\",\"phase\":\"{phase}\",\"source\":{},\"start_ms\":{:.4},\"ms\":{:.4}}}\n",
-            serde_json::Value::from(source),
-            t.start_ms,
-            t.ms
-        ));
-    }
-    std::fs::write(path, lines)
-        .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))?;
-    let mut kinds: Vec<_> = by_kind.into_iter().collect();
-    kinds.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
-    eprintln!("one step launch by launch: {total:.2} ms; by kind (count, ms, share):");
-    for (kind, (n, ms)) in kinds.iter().take(15) {
-        eprintln!(
-            "  {kind:<32} {n:>4}  {ms:>9.3}  {:>5.1}%",
-            100.0 * ms / total
         );
     }
     Ok(())

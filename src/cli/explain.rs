@@ -140,15 +140,8 @@ fn explain(args: &ExplainArgs, loaded: &super::common::Loaded) -> Result<String,
             .map_err(|e| CliError::usage(format!("error: cannot read {}: {e}", p.display())))?
             .lines()
             .filter_map(|l| {
-                let kernel = l.split("\"kernel\":\"").nth(1)?.split('"').next()?;
-                let ms = l
-                    .split("\"ms\":")
-                    .nth(1)?
-                    .trim_end_matches('}')
-                    .trim()
-                    .parse()
-                    .ok()?;
-                Some((kernel.to_string(), ms))
+                let v: serde_json::Value = serde_json::from_str(l).ok()?;
+                Some((v["kernel"].as_str()?.to_string(), v["ms"].as_f64()?))
             })
             .collect(),
         None => BTreeMap::new(),

@@ -8,6 +8,7 @@ mod common;
 pub mod explain;
 pub mod export;
 pub mod parallel;
+mod profile;
 mod schedule;
 pub mod tokenize;
 pub mod train;
