@@ -27,6 +27,8 @@
 #                                token ids beside the Python tokenizers package, validation on the GPU
 #                                beside the CPU reference (tools/import_check.py)
 #   tools/gpu_check.sh tools     which profilers the machine has (nsys, ncu) and their versions
+#   tools/gpu_check.sh startup   cold and warm start of fusec train gpt2-small to the end of step 1
+#   tools/gpu_check.sh profiles  fusec bench --profile of PROFILE_CASES ("model:B:T ..."): the per-kernel tables
 #   tools/gpu_check.sh trace     fusec bench --trace of gpt2-small (B = 8, T = 1024), then fusec train
 #                                under nsys and ncu where they are installed: the NVTX ranges they saw
 # TORCH_MODES picks torch_reference.py's modes (default: all three).
@@ -225,12 +227,31 @@ if [ "$what" = weights ] || [ "$what" = all ]; then
   timeout 500 python3 tools/import_check.py --fusec "$BIN/fusec" --work /tmp/import-check 2>&1 | tee "$LOGS/import-check.log" | tail -30
 fi
 if [ "$what" = tools ]; then
-  for t in nsys ncu; do
-    p=$(command -v $t || ls /usr/local/cuda/bin/$t /opt/nvidia/*/bin/$t /usr/local/cuda/*/bin/$t 2>/dev/null | head -1)
-    echo "$t: ${p:-not found}"; [ -n "$p" ] && "$p" --version 2>&1 | head -2
+  {
+    for t in nsys ncu; do
+      p=$(command -v $t || ls /usr/local/cuda/bin/$t /opt/nvidia/*/bin/$t /opt/nvidia/*/*/bin/$t /usr/local/cuda/*/bin/$t 2>/dev/null | head -1)
+      echo "$t: ${p:-not found}"; [ -n "$p" ] && "$p" --version 2>&1 | head -2
+    done
+    ls /usr/local/cuda/lib64 | grep -i -E "nvtx|nvToolsExt" | head
+    python3 -c "import transformers, tokenizers, torch; print('transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'torch', torch.__version__)"
+  } 2>&1 | tee "$LOGS/tools.txt"
+fi
+if [ "$what" = startup ]; then
+  T=dsl-examples/data/founding-texts.txt
+  rm -rf "$FUSEC_CACHE_DIR"
+  for start in cold warm warm; do
+    run "$start start: fusec train gpt2-small to the end of step 1"
+    /usr/bin/time -f "%e s wall" "$BIN/fusec" train dsl-examples/gpt2-small.dsl --data $T --batch 4 --seq 128 --steps 1 2>&1 | tr "\r" "\n" | grep -E "opened|ready|step +1/|wall|weights" | tee -a "$LOGS/startup.txt"
   done
-  ls /usr/local/cuda/lib64 | grep -i -E "nvtx|nvToolsExt" | head
-  python3 -c "import transformers, tokenizers, torch; print('transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'torch', torch.__version__)"
+fi
+if [ "$what" = profiles ]; then
+  # PROFILE_CASES: "model:B:T" separated by spaces
+  for c in ${PROFILE_CASES:-dsl-examples/gpt2-small.dsl:32:1024}; do
+    IFS=: read -r m b t <<< "$c"
+    n=$(basename "$m" .dsl)-b$b
+    run "fusec bench --profile $m B=$b T=$t"
+    timeout 300 "$BIN/fusec" bench "$m" --batch "$b" --seq "$t" --steps 20 --profile "$LOGS/profile-$n.jsonl" 2>&1 | tr "\r" "\n" | grep -v "^  kernels [0-9]" | tee "$LOGS/profile-$n.txt" | tail -40
+  done
 fi
 if [ "$what" = trace ] || [ "$what" = all ]; then
   run "fusec bench --trace gpt2-small B=8 T=1024"
