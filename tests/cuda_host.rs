@@ -91,8 +91,13 @@ fn check_compiled(
             let dt = program.buffers[b].ty.dtype;
             let want = &bufs[b].data;
             assert_eq!(got.len(), want.len(), "{name} {}", k.name);
+            // A gradient norm's partials are f32 sums of squares over
+            // chunks of up to a whole table (a 9000-row embedding is 144K
+            // terms, summed by one thread in the host emulation): 1e-4.
             let tol = if matches!(dt, DType::BF16 | DType::F16) {
                 1e-2
+            } else if k.name.contains("sum_squares") {
+                1e-4
             } else {
                 1e-5
             };
@@ -169,9 +174,11 @@ fn kernels_of_the_twin_test_models_compute_what_the_interpreter_computes() {
         );
     }
     // GPT-2's cross-entropy with its gradient on the 16-byte path: a
-    // vocabulary padded to 64 (61 classes) and one already a multiple of 8.
+    // vocabulary padded to 64 (61 classes) and one already a multiple of 8;
+    // and a table of rows enough that the embedding's backward gives each
+    // group of rows one block over all the tokens (9000 rows: 563 groups).
     let (name, src) = common::example("gpt2-small.dsl");
-    for vocab in ["61", "64"] {
+    for vocab in ["61", "64", "9000"] {
         let sets = [
             ("vocab", vocab),
             ("ctx", "8"),

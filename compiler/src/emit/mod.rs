@@ -2,6 +2,7 @@
 pub mod attention;
 pub mod conv;
 pub mod cuda;
+pub mod embedding_grad;
 pub mod flash;
 pub mod group;
 pub mod launch;

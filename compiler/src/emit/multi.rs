@@ -15,23 +15,31 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
     }
 }
 
-/// Columns per tile of a leading-axis sum: a warp's worth, so each row of
-/// a tile is one coalesced load.
-const TILE: i64 = 32;
+/// Lanes (threads across columns) of a leading-axis sum's tile: a warp, so
+/// each row of a tile is one coalesced load.
+const LANES: i64 = 32;
 
 /// Most row runs per column tile: each tile's rows are cut into runs, each
 /// a block's work, so a bias gradient over B*T rows and a few hundred
 /// columns still fills the GPU.
 const SPLITS: i64 = 64;
 
+/// Blocks a column sum aims for where its tiles are few (a mean of a whole
+/// tensor is one tile): runs are added until the GPU is full several times.
+const BLOCKS: i64 = 1024;
+
 /// Most f32 partials a column sum keeps in its own device memory (4 MiB):
 /// wide sums (a 50257-entry bias) take fewer runs per tile.
 const PARTIALS: i64 = 1 << 20;
 
 /// The work of a sum over leading axes with a known number of outputs
-/// (every bias gradient): column tiles, and runs of rows per tile.
+/// (every bias gradient): `vec` columns a lane (one 16-byte load where the
+/// rows allow it), `lanes` lanes a tile, column tiles, and runs of rows per
+/// tile.
 struct ColumnSum {
     cols: i64,
+    vec: i64,
+    lanes: i64,
     tiles: i64,
     splits: i64,
 }
@@ -42,12 +50,29 @@ fn column_sum_of(g: &Graph, n: NodeIndex) -> Option<ColumnSum> {
     };
     let leading = r.axes.iter().enumerate().all(|(i, &a)| i == a);
     let cols = g.g[n].outputs[0].numel().as_const()?;
-    (leading && matches!(r.kind, ReduceKind::Sum | ReduceKind::Mean) && cols > 0).then(|| {
-        ColumnSum {
-            cols,
-            tiles: (cols + TILE - 1) / TILE,
-            splits: (PARTIALS / cols).clamp(1, SPLITS),
-        }
+    if !(leading && matches!(r.kind, ReduceKind::Sum | ReduceKind::Mean) && cols > 0) {
+        return None;
+    }
+    // 16 bytes a lane where every row starts 16-byte aligned (the arena
+    // aligns each buffer to 256).
+    let size = g.ty(g.inputs(n)[0]).dtype.size_bytes() as i64;
+    let vec = if cols % (16 / size) == 0 {
+        16 / size
+    } else {
+        1
+    };
+    // A sum of few columns (a mean of a whole tensor has one) gives its
+    // threads to more rows instead of idle lanes.
+    let lanes = ((cols + vec - 1) / vec).min(LANES) as u64;
+    let lanes = lanes.next_power_of_two() as i64;
+    let tiles = (cols + lanes * vec - 1) / (lanes * vec);
+    let splits = (PARTIALS / cols).clamp(1, SPLITS.max(BLOCKS / tiles));
+    Some(ColumnSum {
+        cols,
+        vec,
+        lanes,
+        tiles,
+        splits,
     })
 }
 
@@ -72,18 +97,25 @@ pub(crate) fn file_scope(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     ))
 }
 
-/// A sum over leading axes, [rows, C] -> [C]. Work item w is a tile of 32
-/// columns and one of `splits` runs of the rows; a block's threads split into
-/// 32 lanes (columns) by blockDim/32 row slices, each thread sums every
-/// slices-th row of its run and column, the slices add up in a fixed order
-/// into the run's partial, and the last run of a tile to finish (counted
-/// with an atomic) adds the tile's partials in run order. Coalesced, and
+/// A sum over leading axes, [rows, C] -> [C]. Work item w is a tile of
+/// columns and one of `splits` runs of the rows; a block's threads split
+/// into lanes (V columns each, read as one 16-byte load where the rows
+/// allow) by blockDim/lanes row slices, each thread sums every slices-th
+/// row of its run and columns, the slices add up in a fixed order into the
+/// run's partial, and the last run of a tile to finish (counted with an
+/// atomic) adds the tile's partials in run order. Coalesced, and
 /// deterministic: the atomic only counts.
 fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let Op::Reduce(r) = &g.g[n].op else {
         return None;
     };
-    let ColumnSum { tiles, splits, .. } = column_sum_of(g, n)?;
+    let ColumnSum {
+        vec,
+        lanes,
+        tiles,
+        splits,
+        ..
+    } = column_sum_of(g, n)?;
     let ins = g.inputs(n);
     let sh = &g.ty(ins[0]).shape;
     let rows = sh[..r.axes.len()]
@@ -91,10 +123,11 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         .try_fold(crate::ir::Dim::constant(1), |a, d| a.checked_mul(d))?;
     let cols = g.g[n].outputs[0].numel();
     let k = &c.k.name;
+    let width = lanes * vec;
     let mut b = String::new();
     let _ = writeln!(
         b,
-        "    // Sum over the leading axes: column j of a [rows, C] matrix, by tiles of columns and runs of rows."
+        "    // Sum over the leading axes: column j of a [rows, C] matrix, by tiles of {width} columns ({lanes} lanes of {vec}) and runs of rows."
     );
     let _ = writeln!(
         b,
@@ -102,14 +135,20 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         rows.to_c(),
         cols.to_c()
     );
-    let _ = writeln!(b, "    const int lanes = blockDim.x < {TILE} ? blockDim.x : {TILE}, slices = blockDim.x / lanes;");
     let _ = writeln!(
         b,
-        "    const int lane = threadIdx.x % lanes, slice = threadIdx.x / lanes;"
+        "    constexpr int V = {vec}, LANES = {lanes}, WIDTH = {width};"
     );
+    // A block narrower than the lanes (the host emulation's one thread)
+    // takes the lanes in turns.
     let _ = writeln!(
         b,
-        "    __shared__ float part[256];\n    __shared__ bool last;"
+        "    const int step = (int)blockDim.x < LANES ? (int)blockDim.x : LANES, slices = (int)blockDim.x / step;"
+    );
+    let _ = writeln!(b, "    const int slice = threadIdx.x / step;");
+    let _ = writeln!(
+        b,
+        "    __shared__ float part[256 * V];\n    __shared__ bool last;"
     );
     let _ = writeln!(
         b,
@@ -123,25 +162,63 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         b,
         "        const fs_i64 r0 = run * rows / splits, r1 = (run + 1) * rows / splits;"
     );
-    let _ = writeln!(b, "        for (fs_i64 j0 = tile * {TILE}; j0 < tile * {TILE} + {TILE} && j0 < C; j0 += lanes) {{");
-    let _ = writeln!(b, "            const fs_i64 j = j0 + lane;");
-    let _ = writeln!(b, "            float acc = 0.0f;");
     let _ = writeln!(
         b,
-        "            if (j < C && slice < slices) for (fs_i64 r = r0 + slice; r < r1; r += slices) acc += {};",
-        c.ld(0, "r * C + j")
+        "        for (int lane = threadIdx.x % step; lane < LANES; lane += step) {{"
     );
-    let _ = writeln!(b, "            part[threadIdx.x] = acc;");
-    let _ = writeln!(b, "            __syncthreads();");
-    let _ = writeln!(b, "            if (slice == 0 && j < C) {{");
+    let _ = writeln!(b, "            const fs_i64 j = tile * WIDTH + lane * V;");
+    let _ = writeln!(b, "            float acc[V];");
+    let _ = writeln!(b, "            for (int q = 0; q < V; ++q) acc[q] = 0.0f;");
+    let _ = writeln!(b, "            if (j < C) {{");
+    if vec > 1 {
+        let ty = match c.in_dt(0) {
+            crate::ir::DType::F32 => "float",
+            _ => "fs_bf16",
+        };
+        let _ = writeln!(b, "#pragma unroll 4");
+        let _ = writeln!(
+            b,
+            "                for (fs_i64 r = r0 + slice; r < r1; r += slices) {{"
+        );
+        let _ = writeln!(b, "                    {ty} v[V];");
+        let _ = writeln!(
+            b,
+            "                    fs_vload(v, &in{}[r * C + j]);",
+            c.ins[0]
+        );
+        let one = super::cuda::load(c.in_dt(0), "v[q]");
+        let _ = writeln!(
+            b,
+            "                    for (int q = 0; q < V; ++q) acc[q] += {one};"
+        );
+        let _ = writeln!(b, "                }}");
+    } else {
+        let _ = writeln!(
+            b,
+            "                for (fs_i64 r = r0 + slice; r < r1; r += slices) acc[0] += {};",
+            c.ld(0, "r * C + j")
+        );
+    }
+    let _ = writeln!(b, "            }}");
+    let _ = writeln!(
+        b,
+        "            for (int q = 0; q < V; ++q) part[(slice * LANES + lane) * V + q] = acc[q];"
+    );
+    let _ = writeln!(b, "        }}");
+    let _ = writeln!(b, "        __syncthreads();");
+    let _ = writeln!(
+        b,
+        "        if (slice == 0) for (int lane = threadIdx.x % step; lane < LANES; lane += step) {{"
+    );
+    let _ = writeln!(b, "            const fs_i64 j = tile * WIDTH + lane * V;");
+    let _ = writeln!(b, "            for (int q = 0; q < V && j < C; ++q) {{");
     let _ = writeln!(b, "                float total = 0.0f;");
     let _ = writeln!(
         b,
-        "                for (int s = 0; s < slices; ++s) total += part[s * lanes + lane];"
+        "                for (int s = 0; s < slices; ++s) total += part[(s * LANES + lane) * V + q];"
     );
-    let _ = writeln!(b, "                {k}_part[run * C + j] = total;");
+    let _ = writeln!(b, "                {k}_part[run * C + j + q] = total;");
     let _ = writeln!(b, "            }}");
-    let _ = writeln!(b, "            __syncthreads();");
     let _ = writeln!(b, "        }}");
     let _ = writeln!(
         b,
@@ -152,7 +229,7 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let _ = writeln!(b, "        __syncthreads();");
     let _ = writeln!(b, "        if (last) {{");
     let _ = writeln!(b, "            __threadfence();");
-    let _ = writeln!(b, "            for (fs_i64 j = tile * {TILE} + threadIdx.x; j < tile * {TILE} + {TILE} && j < C; j += blockDim.x) {{");
+    let _ = writeln!(b, "            for (fs_i64 j = tile * WIDTH + threadIdx.x; j < tile * WIDTH + WIDTH && j < C; j += blockDim.x) {{");
     let _ = writeln!(b, "                float total = 0.0f;");
     let _ = writeln!(b, "                for (fs_i64 s = 0; s < splits; ++s) total += ((volatile float*){k}_part)[s * C + j];");
     let v = if r.kind == ReduceKind::Mean {

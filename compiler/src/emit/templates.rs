@@ -375,9 +375,6 @@ fn close_row_groups(b: &mut String) {
     let _ = writeln!(b, "        }}");
 }
 
-/// Most columns of an embedding gradient row kept in shared memory (48 KiB).
-const EMBED_SHARED: i64 = 12288;
-
 /// Threads per block of every generated kernel.
 pub const BLOCK: u64 = 256;
 
@@ -413,13 +410,10 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
         | Op::CrossEntropyWithGrad(_)
         | Op::LayerNormGrad(_)
         | Op::RmsNormGrad(_) => Shape::Rows(rows_of(&t(0))),
-        // One block per table row, with that row's gradient in shared memory.
-        Op::EmbeddingGrad(_)
-            if g.g[n].outputs[0].shape[1]
-                .as_const()
-                .is_some_and(|c| c <= EMBED_SHARED) =>
-        {
-            Shape::Rows(g.g[n].outputs[0].shape[0].clone())
+        // Groups of table rows with their sums in shared memory, times
+        // runs of the tokens (emit/embedding_grad.rs).
+        Op::EmbeddingGrad(_) if super::embedding_grad::blocks(g, n).is_some() => {
+            Shape::Rows(super::embedding_grad::blocks(g, n)?)
         }
         Op::Embedding(_) | Op::CausalMask(_) | Op::Rope(_) => {
             Shape::Elements(g.g[n].outputs[0].numel())
@@ -481,7 +475,9 @@ pub fn op_kernel(
     let mut s = header(g, p, k, source);
     // Device-global storage some templates keep between their blocks goes
     // before the kernel (after the prelude's include).
-    if let Some(decls) = super::multi::file_scope(g, &c, n) {
+    if let Some(decls) =
+        super::multi::file_scope(g, &c, n).or_else(|| super::embedding_grad::file_scope(g, &c, n))
+    {
         let at = s.find("extern \"C\"")?;
         s.insert_str(at, &decls);
     }
@@ -490,6 +486,7 @@ pub fn op_kernel(
     let body = super::attention::kernel_body(g, &c, n)
         .or_else(|| super::conv::kernel_body(g, &c, n))
         .or_else(|| super::multi::kernel_body(g, &c, n))
+        .or_else(|| super::embedding_grad::kernel_body(g, &c, n))
         .or_else(|| super::norm_rows::kernel_body(g, &c, n))
         .or_else(|| super::norm_rows::forward_body(g, &c, n));
     let body = match body {
@@ -820,50 +817,6 @@ pub(crate) fn op_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             let _ = writeln!(b, "            }}");
             close_row_groups(b);
         }
-        Op::EmbeddingGrad(_) => {
-            // Tokens are scanned in order, a tile of 4 per thread at a
-            // time: each thread counts the tokens of its four that pick
-            // this row, a block scan turns the counts into places in a
-            // shared list (in token order), then every thread adds the
-            // listed tokens' gradients to the columns it owns. Same order
-            // every run: deterministic.
-            let c_cols = g.g[n].outputs[0].shape[1].as_const().unwrap_or(1);
-            let tokens = numel(&in_shape(0)).to_c();
-            let _ = writeln!(
-                b,
-                "        __shared__ float acc[{c_cols}];\n        __shared__ int list[4096];"
-            );
-            let _ = writeln!(
-                b,
-                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) acc[j] = 0.0f;"
-            );
-            let _ = writeln!(b, "        const fs_i64 tokens = {tokens};");
-            let _ = writeln!(
-                b,
-                "        for (fs_i64 t0 = 0; t0 < tokens; t0 += 4 * (fs_i64)blockDim.x) {{"
-            );
-            let _ = writeln!(
-                b,
-                "            const fs_i64 t = t0 + 4 * (fs_i64)threadIdx.x;"
-            );
-            let _ = writeln!(b, "            bool hit[4];\n            int mine = 0;");
-            let _ = writeln!(b, "            for (int s = 0; s < 4; ++s) {{ hit[s] = t + s < tokens && in0[t + s] == row; mine += hit[s]; }}");
-            let _ = writeln!(
-                b,
-                "            int count;\n            int at = fs_block_scan(mine, &count);"
-            );
-            let _ = writeln!(b, "            for (int s = 0; s < 4; ++s) if (hit[s]) list[at++] = (int)(t + s - t0);");
-            let _ = writeln!(b, "            __syncthreads();");
-            let dy = c.ld(1, "tk * C + j");
-            let _ = writeln!(b, "            for (int k = 0; k < count; ++k) {{\n                const fs_i64 tk = t0 + list[k];");
-            let _ = writeln!(b, "                for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) acc[j] += {dy};");
-            let _ = writeln!(b, "            }}\n        }}");
-            let _ = writeln!(
-                b,
-                "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
-                c.st(0, "row * C + j", "acc[j]")
-            );
-        }
         Op::SliceGrad(sg) => {
             let out = &g.g[n].outputs[0].shape;
             let inner = numel(&out[sg.axis + 1..]).to_c();
@@ -978,11 +931,7 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     match shape {
         Shape::Rows(rows) => {
             let _ = writeln!(s, "    const fs_i64 rows = {};", rows.to_c());
-            // Row length: of the input, or of the gradient table for embedding_grad.
-            let cols = match &g.g[n].op {
-                Op::EmbeddingGrad(_) => last(&g.g[n].outputs[0].shape),
-                _ => last(&in_shape(0)),
-            };
+            let cols = last(&in_shape(0));
             let _ = writeln!(s, "    const fs_i64 C = {};", cols.to_c());
             let _ = writeln!(
                 s,
