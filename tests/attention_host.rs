@@ -188,7 +188,7 @@ fn harness(g: &Graph, p: &Program, kernels: &[(String, String)], threads: bool) 
          \x20 const unsigned grid = atoi(argv[3]), block = atoi(argv[4]);\n",
     );
     for (i, d) in g.dims.iter().enumerate() {
-        let _ = writeln!(s, "  const fs_i64 {d} = atoll(argv[{}]);", i + 5);
+        let _ = writeln!(s, "  const fs_i64 dim_{d} = atoll(argv[{}]);", i + 5);
     }
     for k in p
         .kernels

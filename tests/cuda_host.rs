@@ -30,7 +30,7 @@ fn harness(g: &fusec_compiler::ir::Graph, p: &Program, kernels: &[(String, Strin
     s.push_str(host::FILE_IO);
     s.push_str("int main(int argc, char** argv) {\n  const char* dir = argv[2];\n");
     for (i, d) in g.dims.iter().enumerate() {
-        let _ = writeln!(s, "  const fs_i64 {d} = atoll(argv[{}]);", i + 3);
+        let _ = writeln!(s, "  const fs_i64 dim_{d} = atoll(argv[{}]);", i + 3);
     }
     for k in &p.kernels {
         if !kernels.iter().any(|(n, _)| *n == k.name) {
@@ -189,6 +189,15 @@ fn kernels_of_the_twin_test_models_compute_what_the_interpreter_computes() {
         let renamed = name.replace("gpt2-small", &format!("gpt2-vocab{vocab}"));
         checked += check_model(&work, &renamed, &src, &sets, &[("B", 2), ("T", 5)]);
     }
+    // Sizes named as the kernels name their own variables (C, S, n, rows).
+    let names = std::fs::read_to_string(common::root().join("tests/models/dim-names.dsl")).unwrap();
+    checked += check_model(
+        &work,
+        "tests/models/dim-names.dsl",
+        &names,
+        &[],
+        &[("C", 3), ("S", 5), ("n", 2), ("rows", 7)],
+    );
     // ZeRO stage 1: the updates of rank 1's pieces of GPT-2's parameters
     // (the group kernel from each piece's start, the state the piece alone).
     let opts = fusec_compiler::elaborate::Options {

@@ -155,4 +155,29 @@ fn awkward_vocabularies_run_their_products_padded() {
         ("layers", "1"),
     ];
     assert_eq!(pads("llama-small.dsl", &llama), (vec![], vec![]));
+    // BERT's head, `h @ transpose(wte) + bias`: the bias epilogue runs at
+    // the padded n over a bias with zeros after its end.
+    let bert = [
+        ("vocab", "30522"),
+        ("ctx", "8"),
+        ("d", "16"),
+        ("n_heads", "2"),
+        ("layers", "1"),
+    ];
+    assert_eq!(
+        pads("bert-encoder.dsl", &bert),
+        (
+            vec![
+                GemmPad {
+                    n: Some(30528),
+                    k: None
+                },
+                GemmPad {
+                    n: None,
+                    k: Some(30528)
+                }
+            ],
+            vec![6, 6]
+        )
+    );
 }

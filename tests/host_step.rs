@@ -105,8 +105,21 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
         ],
         vec![("B", 2), ("T", 3)],
     );
+    // BERT's head adds a bias in the GEMM's epilogue, and sums the padded
+    // logits' gradient for the bias's gradient.
+    let bert = (
+        "bert-encoder.dsl",
+        vec![
+            ("vocab", "1029"),
+            ("ctx", "8"),
+            ("d", "16"),
+            ("n_heads", "2"),
+            ("layers", "1"),
+        ],
+        vec![("B", 2), ("T", 3)],
+    );
     let (mut pitches, mut zero_rows, mut pads) = (0, 0, Vec::new());
-    for (file, sets, dims) in common::tiny_models().into_iter().chain([padded]) {
+    for (file, sets, dims) in common::tiny_models().into_iter().chain([padded, bert]) {
         let (name, src) = common::example(file);
         let c = common::compile_with(&src, &name, &sets);
         let g = &c.optimized;
@@ -158,7 +171,7 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
         let _ = writeln!(s, "  char* arena = (char*)aligned_alloc(256, bytes);");
         let _ = writeln!(s, "  FILE* f = fopen(argv[1], \"rb\"); if (!f || fread(arena, 1, bytes, f) != bytes) return 2; fclose(f);");
         for d in &g.dims {
-            let _ = writeln!(s, "  const fs_i64 {d} = {};", dmap[d]);
+            let _ = writeln!(s, "  const fs_i64 dim_{d} = {};", dmap[d]);
         }
         let ptr = |b: usize| format!("(arena + {})", pl.buffers[b].offset);
         for k in &program.kernels {
@@ -218,7 +231,7 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
             );
             let mut args: Vec<String> = k.inputs.iter().map(|&b| typed(b, false)).collect();
             args.extend(k.outputs.iter().map(|&b| typed(b, true)));
-            args.extend(g.dims.iter().cloned());
+            args.extend(g.dims.iter().map(|d| format!("dim_{d}")));
             let _ = writeln!(s, "  {}({});", k.name, args.join(", "));
         }
         let _ = writeln!(
@@ -290,16 +303,17 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
     for r in report {
         println!("{r}");
     }
-    // The logits and their gradient (one storage, written in place).
+    // The logits and their gradient, in GPT-2 and in BERT.
     assert_eq!(
-        pitches, 2,
-        "the padded GPT-2 should store its logits with padded rows"
+        pitches, 4,
+        "the padded GPT-2 and BERT should store their logits with padded rows"
     );
     // The output projection at n = 1088 and its input gradient at k = 1088,
-    // over the bf16 table with 59 zero rows after its last.
+    // over the bf16 table with 59 zero rows after its last (and BERT's bias
+    // with 59 zeros after its end).
     assert_eq!(
-        zero_rows, 1,
-        "the padded GPT-2's table copy should end in zero rows"
+        zero_rows, 3,
+        "the padded GPT-2's and BERT's table copies and BERT's bias should end in zeros"
     );
     let want = [
         fusec_compiler::kernel::GemmPad {
@@ -311,6 +325,10 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
             k: Some(1088),
         },
     ];
-    assert_eq!(pads, want, "the padded GPT-2's products should run at 1088");
+    let want: Vec<_> = want.iter().chain(&want).copied().collect();
+    assert_eq!(
+        pads, want,
+        "the padded GPT-2's and BERT's products should run at 1088"
+    );
     let _ = std::fs::remove_dir_all(&work);
 }

@@ -53,8 +53,10 @@ fn cases() -> Vec<TinyModel> {
         ),
         (
             "llama-small.dsl",
+            // 9001 table rows: the embedding's backward gives each group of
+            // rows one block over all the tokens.
             vec![
-                ("vocab", "301"),
+                ("vocab", "9001"),
                 ("d", "64"),
                 ("n_heads", "4"),
                 ("n_kv_heads", "2"),
@@ -65,8 +67,11 @@ fn cases() -> Vec<TinyModel> {
         ),
         (
             "bert-encoder.dsl",
+            // As GPT-2's, with the head's bias in the GEMM's epilogue and its
+            // gradient summed over the padded rows; two token types: the
+            // embedding's backward cuts the tokens into runs.
             vec![
-                ("vocab", "301"),
+                ("vocab", "1029"),
                 ("ctx", "64"),
                 ("d", "64"),
                 ("n_heads", "2"),

@@ -232,7 +232,11 @@ pub fn harness(b: &Built, sets: &[usize], kernel_mutation: Option<(&str, &str)>)
     let first_size = 3 + per * most;
     s.push_str("int main(int argc, char** argv) {\n  const int set = atoi(argv[1]);\n  const char* dir = argv[2];\n");
     for (i, d) in b.g.dims.iter().enumerate() {
-        let _ = writeln!(s, "  const fs_i64 {d} = atoll(argv[{}]);", first_size + i);
+        let _ = writeln!(
+            s,
+            "  const fs_i64 dim_{d} = atoll(argv[{}]);",
+            first_size + i
+        );
     }
     s.push_str("  auto grid = [&](int l) { return fs_dim3{(unsigned)atoi(argv[3 + 4 * l]), (unsigned)atoi(argv[4 + 4 * l]), (unsigned)atoi(argv[5 + 4 * l])}; };\n");
     s.push_str("  auto block = [&](int l) { return (unsigned)atoi(argv[6 + 4 * l]); };\n");

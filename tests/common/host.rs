@@ -81,7 +81,7 @@ pub fn kernel_buffers(
         };
         args.push(name);
     }
-    args.extend(sizes.iter().cloned());
+    args.extend(sizes.iter().map(|d| format!("dim_{d}")));
     (args, writes)
 }
 

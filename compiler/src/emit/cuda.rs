@@ -207,7 +207,7 @@ pub(crate) fn signature(
         ));
     }
     for d in &g.dims {
-        params.push(format!("fs_i64 {d}"));
+        params.push(format!("fs_i64 dim_{d}"));
     }
     let bounds = bounds.map_or(String::new(), |b| format!("__launch_bounds__({b}) "));
     format!(

@@ -40,7 +40,11 @@ pub fn group_kernel(
     let tail = |m: &crate::kernel::Member| -> i64 {
         m.outputs.first().map_or(0, |&o| {
             let b = &p.buffers[k.outputs[o]];
-            let cols = b.ty.shape.last().and_then(|d| d.as_const()).unwrap_or(0);
+            // A row's elements (a vector's rows are its elements).
+            let cols = b.ty.shape[1.min(b.ty.shape.len())..]
+                .iter()
+                .try_fold(1i64, |a, d| d.as_const().map(|x| a * x))
+                .unwrap_or(0);
             b.zero_rows * cols
         })
     };

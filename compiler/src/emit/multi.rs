@@ -129,9 +129,14 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         b,
         "    // Sum over the leading axes: column j of a [rows, C] matrix, by tiles of {width} columns ({lanes} lanes of {vec}) and runs of rows."
     );
+    // Rows `row_stride` apart: the input's pitch where its rows are padded for the
+    // GEMMs that share it (kernel::pitch), else C.
+    let stride = c.p.buffers[c.k.inputs[c.ins[0]]]
+        .pitch
+        .map_or_else(|| cols.to_c(), |x| format!("{x}LL"));
     let _ = writeln!(
         b,
-        "    const fs_i64 rows = {}, C = {}, tiles = {tiles}, splits = {splits};",
+        "    const fs_i64 rows = {}, C = {}, row_stride = {stride}, tiles = {tiles}, splits = {splits};",
         rows.to_c(),
         cols.to_c()
     );
@@ -183,7 +188,7 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let _ = writeln!(b, "                    {ty} v[V];");
         let _ = writeln!(
             b,
-            "                    fs_vload(v, &in{}[r * C + j]);",
+            "                    fs_vload(v, &in{}[r * row_stride + j]);",
             c.ins[0]
         );
         let one = super::cuda::load(c.in_dt(0), "v[q]");
@@ -196,7 +201,7 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let _ = writeln!(
             b,
             "                for (fs_i64 r = r0 + slice; r < r1; r += slices) acc[0] += {};",
-            c.ld(0, "r * C + j")
+            c.ld(0, "r * row_stride + j")
         );
     }
     let _ = writeln!(b, "            }}");

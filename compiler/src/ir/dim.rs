@@ -170,7 +170,9 @@ impl Dim {
             if a != 1 || m.is_empty() {
                 factors.push(format!("{a}LL"));
             }
-            factors.extend(m.iter().cloned());
+            // Kernel parameters are the dimensions under `dim_`, apart from
+            // the names kernels use for themselves (a dimension `C` or `S`).
+            factors.extend(m.iter().map(|x| format!("dim_{x}")));
             out.push_str(&factors.join("*"));
         }
         // Parenthesised unless a single factor, so it can stand anywhere in
@@ -265,14 +267,14 @@ mod tests {
             .unwrap()
             .checked_mul(&Dim::constant(768))
             .unwrap();
-        assert_eq!(bt.to_c(), "(768LL*B*T)");
+        assert_eq!(bt.to_c(), "(768LL*dim_B*dim_T)");
         assert_eq!(
             t().checked_add(&Dim::constant(1)).unwrap().to_c(),
-            "(T + 1LL)"
+            "(dim_T + 1LL)"
         );
         assert_eq!(Dim::constant(0).to_c(), "0LL");
         assert_eq!(Dim::constant(-3).to_c(), "-3LL");
-        assert_eq!(t().to_c(), "T");
+        assert_eq!(t().to_c(), "dim_T");
     }
 
     #[test]

@@ -51,6 +51,14 @@ pub fn pad_rows(g: &Graph, p: &mut Program) {
                 || match k.body {
                     Body::Gemm(..) => true,
                     Body::Op(op) if matches!(g.g[op].op, Op::MatMul(_)) => true,
+                    // A sum over the leading axes (a bias gradient) reading
+                    // it as its one input, rows at the pitch.
+                    Body::Op(op)
+                        if matches!(g.g[op].op, Op::Reduce(_))
+                            && crate::emit::multi::column_tiles(g, op).is_some() =>
+                    {
+                        k.inputs == [b] && !k.outputs.contains(&b)
+                    }
                     // The logits (input 0) of either cross-entropy, and
                     // the gradient (output 0) of the fused one.
                     Body::Op(op) => {
@@ -99,8 +107,23 @@ fn round_up(n: i64) -> Option<i64> {
 pub fn pad_gemm_sizes(g: &Graph, p: &mut Program) {
     for ki in 0..p.kernels.len() {
         let k = &p.kernels[ki];
-        let Body::Op(op) = k.body else { continue };
-        if !matches!(g.g[op].op, Op::MatMul(_)) || k.residual.is_some() || k.inputs.len() != 2 {
+        // A plain product, or one whose epilogue adds a bias alone (BERT's
+        // `h @ transpose(wte) + bias`): the bias, a cast copy too, gets
+        // zeros after its last element, so the padded columns stay zero.
+        let (op, bias) = match &k.body {
+            Body::Op(op) if k.inputs.len() == 2 => (*op, None),
+            Body::Gemm(op, e)
+                if e.bias.is_some()
+                    && e.residual.is_none()
+                    && !e.gelu
+                    && e.dgelu.is_none()
+                    && k.inputs.len() == 3 =>
+            {
+                (*op, e.bias.map(|slot| k.inputs[slot]))
+            }
+            _ => continue,
+        };
+        if !matches!(g.g[op].op, Op::MatMul(_)) || k.residual.is_some() {
             continue;
         }
         let (a, b, d) = (k.inputs[0], k.inputs[1], k.outputs[0]);
@@ -116,12 +139,13 @@ pub fn pad_gemm_sizes(g: &Graph, p: &mut Program) {
         let a_cols = p.buffers[a].ty.shape.last().and_then(|x| x.as_const());
         let pad =
             if b_transposed && out_cols == Some(table_rows) && p.buffers[d].pitch == Some(padded) {
-                // n: the padded columns of the product are x . 0 = 0.
+                // n: the padded columns of the product are x . 0 (+ 0) = 0.
                 GemmPad {
                     n: Some(padded),
                     k: None,
                 }
-            } else if !b_transposed
+            } else if bias.is_none()
+                && !b_transposed
                 && !a_transposed
                 && a_cols == Some(table_rows)
                 && p.buffers[a].pitch == Some(padded)
@@ -134,21 +158,23 @@ pub fn pad_gemm_sizes(g: &Graph, p: &mut Program) {
             } else {
                 continue;
             };
+        if let Some(bias) = bias {
+            if cast_vector_len(g, p, bias) != Some(table_rows) {
+                continue;
+            }
+            p.buffers[bias].zero_rows = padded - table_rows;
+        }
         p.buffers[b].zero_rows = padded - table_rows;
         p.gemm_pads.insert(ki, pad);
     }
 }
 
-/// The rows of a [rows, cols] buffer that a cast in the parameter-cast group
-/// writes and nothing else does: one whose rows past the last can be zeroed
-/// each step by its writer.
-fn cast_table_rows(g: &Graph, p: &Program, b: usize) -> Option<i64> {
+/// The one writer of `b`, where it is the parameter-cast group and one of
+/// its casts writes `b` (so it can write zeros after `b`'s end each step).
+fn cast_writer(g: &Graph, p: &Program, b: usize) -> bool {
     let buf = &p.buffers[b];
-    if buf.kind != BufKind::Temp
-        || buf.ty.shape.len() != 2
-        || g.outputs.iter().any(|(_, v)| *v == buf.value)
-    {
-        return None;
+    if buf.kind != BufKind::Temp || g.outputs.iter().any(|(_, v)| *v == buf.value) {
+        return false;
     }
     let writers: Vec<&Kernel> = p
         .kernels
@@ -156,17 +182,34 @@ fn cast_table_rows(g: &Graph, p: &Program, b: usize) -> Option<i64> {
         .filter(|k| k.outputs.contains(&b))
         .collect();
     let [writer] = writers.as_slice() else {
-        return None;
+        return false;
     };
     let Body::Group(members) = &writer.body else {
-        return None;
+        return false;
     };
-    let by_cast = members.iter().any(|m| {
+    members.iter().any(|m| {
         matches!(g.g[m.node].op, Op::Cast(_))
             && m.outputs.len() == 1
             && writer.outputs[m.outputs[0]] == b
-    });
-    if !by_cast {
+    })
+}
+
+/// The length of a [len] vector that a cast in the parameter-cast group
+/// writes and nothing else does.
+fn cast_vector_len(g: &Graph, p: &Program, b: usize) -> Option<i64> {
+    let shape = &p.buffers[b].ty.shape;
+    if shape.len() != 1 || !cast_writer(g, p, b) {
+        return None;
+    }
+    shape[0].as_const()
+}
+
+/// The rows of a [rows, cols] buffer that a cast in the parameter-cast group
+/// writes and nothing else does: one whose rows past the last can be zeroed
+/// each step by its writer.
+fn cast_table_rows(g: &Graph, p: &Program, b: usize) -> Option<i64> {
+    let buf = &p.buffers[b];
+    if buf.ty.shape.len() != 2 || !cast_writer(g, p, b) {
         return None;
     }
     buf.ty.shape[0].as_const().filter(|&r| r >= MIN_ROW)

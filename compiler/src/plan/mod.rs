@@ -717,8 +717,12 @@ impl Plan {
 }
 
 /// Elements a buffer of `n` values of `shape` takes with its rows `pitch`
-/// apart and `zero_rows` more rows after the last.
+/// apart and `zero_rows` more rows after the last (a vector's rows are its
+/// elements).
 fn padded(n: u64, shape: &[i64], pitch: Option<i64>, zero_rows: i64) -> Option<u64> {
+    if shape.len() == 1 {
+        return n.checked_add(zero_rows as u64);
+    }
     let Some(&last) = shape.last().filter(|&&l| l > 0) else {
         return Some(n);
     };

@@ -290,6 +290,7 @@ fn padding(s: &mut String, p: &Program, plan: &Plan) {
         extra += cost;
         let what = match (buf.pitch, buf.zero_rows) {
             (Some(pitch), 0) => format!("rows padded to {pitch}"),
+            (None, z) if buf.ty.shape.len() == 1 => format!("{z} zero elements after the last"),
             (None, z) => format!("{z} zero rows after the last"),
             (Some(pitch), z) => format!("rows padded to {pitch}, {z} zero rows after the last"),
         };
