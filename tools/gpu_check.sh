@@ -255,8 +255,8 @@ if [ "$what" = profiles ]; then
 fi
 if [ "$what" = trace ] || [ "$what" = all ]; then
   run "fusec bench --trace gpt2-small B=8 T=1024"
-  timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch 8 --seq 1024 --steps 20 --trace "$LOGS/trace-gpt2-small.json" --profile "$LOGS/profile-trace.jsonl" 2>&1 | tr "\r" "\n" | grep -v "^  kernels [0-9]" | tail -8
-  ls -la "$LOGS"/trace-gpt2-small.*
+  timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch 8 --seq 1024 --steps 20 --trace "$LOGS/trace-gpt2-small.json" --profile "$LOGS/profile-trace.jsonl" 2>&1 | tr "\r" "\n" | grep -v "^  kernels [0-9]" | tee "$LOGS/trace.txt" | tail -8
+  ls -la "$LOGS"/trace-gpt2-small.* | tee -a "$LOGS/trace.txt"
   T=dsl-examples/data/founding-texts.txt
   SMALL="--set layers=2 --set d=256 --set n_heads=4 --set vocab=256 --set ctx=256 --batch 4 --seq 256 --data $T"
   NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
