@@ -127,21 +127,29 @@ fn awkward_vocabularies_run_their_products_padded() {
             ("layers", "1"),
         ]
     };
-    for (vocab, padded) in [("5003", 5056), ("50257", 50304)] {
-        let want = vec![
+    // The logits at n, their input gradient at k, the table's gradient
+    // (`dlogits^T @ x`) at m into rows of zeros after its last.
+    let three = |padded: i64| {
+        vec![
             GemmPad {
                 n: Some(padded),
-                k: None,
+                ..GemmPad::default()
             },
             GemmPad {
-                n: None,
                 k: Some(padded),
+                ..GemmPad::default()
             },
-        ];
+            GemmPad {
+                m: Some(padded),
+                ..GemmPad::default()
+            },
+        ]
+    };
+    for (vocab, padded) in [("5003", 5056), ("50257", 50304)] {
         let vocab_n: i64 = vocab.parse().unwrap();
         assert_eq!(
             pads("gpt2-small.dsl", &gpt2(vocab)),
-            (want, vec![padded - vocab_n]),
+            (three(padded), vec![padded - vocab_n, padded - vocab_n]),
             "vocab {vocab}"
         );
     }
@@ -166,18 +174,6 @@ fn awkward_vocabularies_run_their_products_padded() {
     ];
     assert_eq!(
         pads("bert-encoder.dsl", &bert),
-        (
-            vec![
-                GemmPad {
-                    n: Some(30528),
-                    k: None
-                },
-                GemmPad {
-                    n: None,
-                    k: Some(30528)
-                }
-            ],
-            vec![6, 6]
-        )
+        (three(30528), vec![6, 6, 6])
     );
 }

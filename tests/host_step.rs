@@ -310,19 +310,23 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
     );
     // The output projection at n = 1088 and its input gradient at k = 1088,
     // over the bf16 table with 59 zero rows after its last (and BERT's bias
-    // with 59 zeros after its end).
+    // with 59 zeros after its end), and the table's gradient at m = 1088.
     assert_eq!(
-        zero_rows, 3,
-        "the padded GPT-2's and BERT's table copies and BERT's bias should end in zeros"
+        zero_rows, 5,
+        "the padded GPT-2's and BERT's table copies and tables' gradients, and BERT's bias, should end in zeros"
     );
     let want = [
         fusec_compiler::kernel::GemmPad {
             n: Some(1088),
-            k: None,
+            ..Default::default()
         },
         fusec_compiler::kernel::GemmPad {
-            n: None,
             k: Some(1088),
+            ..Default::default()
+        },
+        fusec_compiler::kernel::GemmPad {
+            m: Some(1088),
+            ..Default::default()
         },
     ];
     let want: Vec<_> = want.iter().chain(&want).copied().collect();

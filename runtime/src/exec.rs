@@ -257,8 +257,7 @@ pub fn gemm_spec(
     let out = &g.g[n].outputs[0];
     let r = out.shape.len();
     let (ra, rb) = (ta.rank(), tb.rank());
-    let m = eval(&out.shape[r - 2], dims)?;
-    // An awkward n or k runs rounded up where the operands' padding is
+    // An awkward m, n or k runs rounded up where the operands' padding is
     // zero (kernel::pitch::pad_gemm_sizes).
     let pad = p
         .kernels
@@ -267,6 +266,10 @@ pub fn gemm_spec(
         .and_then(|i| p.gemm_pads.get(&i))
         .copied()
         .unwrap_or_default();
+    let m = match pad.m {
+        Some(m) => m as u64,
+        None => eval(&out.shape[r - 2], dims)?,
+    };
     let nn = match pad.n {
         Some(n) => n as u64,
         None => eval(&out.shape[r - 1], dims)?,

@@ -67,12 +67,13 @@ pub struct Buffer {
 }
 
 /// The sizes a GEMM kernel runs at where they differ from its op's: an
-/// awkward `n` or `k` (GPT-2's 50257) rounded up, over operands whose
+/// awkward `m`, `n` or `k` (GPT-2's 50257) rounded up, over operands whose
 /// padding holds zeros (see `pitch::pad_gemm_sizes`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GemmPad {
     pub n: Option<i64>,
     pub k: Option<i64>,
+    pub m: Option<i64>,
 }
 
 /// One expression of a pointwise kernel; operands are earlier expressions

@@ -129,6 +129,21 @@ pub fn pad_gemm_sizes(g: &Graph, p: &mut Program) {
         let (a, b, d) = (k.inputs[0], k.inputs[1], k.outputs[0]);
         let b_transposed = k.input_views.get(1).is_some_and(|v| v.is_some());
         let a_transposed = k.input_views.first().is_some_and(|v| v.is_some());
+        // The table's gradient, `dlogits^T @ x`: m over the logits' padded
+        // columns (zeros), into rows of zeros after the gradient's last.
+        if bias.is_none() && a_transposed && !b_transposed {
+            if let Some(pad) = weight_gradient_rows(g, p, a, d) {
+                p.buffers[d].zero_rows = pad - p.buffers[d].ty.shape[0].as_const().unwrap_or(pad);
+                p.gemm_pads.insert(
+                    ki,
+                    GemmPad {
+                        m: Some(pad),
+                        ..GemmPad::default()
+                    },
+                );
+            }
+            continue;
+        }
         let Some(table_rows) = cast_table_rows(g, p, b) else {
             continue;
         };
@@ -142,7 +157,7 @@ pub fn pad_gemm_sizes(g: &Graph, p: &mut Program) {
                 // n: the padded columns of the product are x . 0 (+ 0) = 0.
                 GemmPad {
                     n: Some(padded),
-                    k: None,
+                    ..GemmPad::default()
                 }
             } else if bias.is_none()
                 && !b_transposed
@@ -152,8 +167,8 @@ pub fn pad_gemm_sizes(g: &Graph, p: &mut Program) {
                 && zero_past_columns(g, p, a)
             {
                 GemmPad {
-                    n: None,
                     k: Some(padded),
+                    ..GemmPad::default()
                 }
             } else {
                 continue;
@@ -167,6 +182,26 @@ pub fn pad_gemm_sizes(g: &Graph, p: &mut Program) {
         p.buffers[b].zero_rows = padded - table_rows;
         p.gemm_pads.insert(ki, pad);
     }
+}
+
+/// The padded rows of a product `a^T @ x` into `d` ([rows, cols]) where `a`
+/// is a cross-entropy gradient with padded columns that hold zeros, one per
+/// row of `d`, and `d` a temporary that only this kernel writes: the
+/// product's extra rows are zeros, stored after `d`'s last.
+fn weight_gradient_rows(g: &Graph, p: &Program, a: usize, d: usize) -> Option<i64> {
+    let (ab, db) = (&p.buffers[a], &p.buffers[d]);
+    let rows = db.ty.shape.first()?.as_const()?;
+    let pitch = ab.pitch?;
+    let writers = p.kernels.iter().filter(|k| k.outputs.contains(&d)).count();
+    (db.ty.shape.len() == 2
+        && db.kind == BufKind::Temp
+        && db.pitch.is_none()
+        && writers == 1
+        && !g.outputs.iter().any(|(_, v)| *v == db.value)
+        && ab.ty.shape.last()?.as_const()? == rows
+        && round_up(rows) == Some(pitch)
+        && zero_past_columns(g, p, a))
+    .then_some(pitch)
 }
 
 /// The one writer of `b`, where it is the parameter-cast group and one of

@@ -308,7 +308,7 @@ fn padding(s: &mut String, p: &Program, plan: &Plan) {
         let _ = writeln!(s, "{l}");
     }
     for (k, pad) in &p.gemm_pads {
-        let sizes: Vec<String> = [("n", pad.n), ("k", pad.k)]
+        let sizes: Vec<String> = [("m", pad.m), ("n", pad.n), ("k", pad.k)]
             .iter()
             .filter_map(|(x, v)| v.map(|v| format!("{x} = {v}")))
             .collect();
