@@ -87,6 +87,29 @@ fn build_report_of_gpt2_small() {
     );
 }
 
+/// The report a person reads for gpt2-block, each kernel with its lines.
+#[test]
+fn build_report_of_gpt2_block() {
+    let (name, src) = common::example("gpt2-block.dsl");
+    let c = common::compile_with(&src, &name, &[]);
+    let program = fuse(&c.optimized);
+    let dims = BTreeMap::from([("B".to_string(), 8), ("T".to_string(), 1024)]);
+    let target = Target::for_device("h100", false).unwrap();
+    let selection = select(&c.optimized, &program, &target, None);
+    let p = plan_with(&c.optimized, &program, Some(&selection), &dims).unwrap();
+    insta::assert_snapshot!(
+        "gpt2-block.report",
+        fusec_compiler::plan::report::report_with_source(
+            &c.optimized,
+            &program,
+            &p,
+            c.training.g.node_count(),
+            device("h100").unwrap(),
+            Some((&name, &src)),
+        )
+    );
+}
+
 /// Every kernel in the report of every shipped model names the lines of the
 /// model file its ops come from.
 #[test]

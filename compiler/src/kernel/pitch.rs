@@ -51,10 +51,10 @@ pub fn pad_rows(g: &Graph, p: &mut Program) {
                 || match k.body {
                     Body::Gemm(..) => true,
                     Body::Op(op) if matches!(g.g[op].op, Op::MatMul(_)) => true,
-                    // A sum over the leading axes (a bias gradient) reading
-                    // it as its one input, rows at the pitch.
+                    // A sum over every axis but the last (a bias gradient)
+                    // reading it as its one input, rows at the pitch.
                     Body::Op(op)
-                        if matches!(g.g[op].op, Op::Reduce(_))
+                        if matches!(&g.g[op].op, Op::Reduce(r) if r.axes.len() + 1 == buf.ty.shape.len())
                             && crate::emit::multi::column_tiles(g, op).is_some() =>
                     {
                         k.inputs == [b] && !k.outputs.contains(&b)

@@ -31,7 +31,8 @@ pub fn phase_of(g: &Graph, k: &Kernel) -> Phase {
         count[g.g[n].phase as usize] += 1;
     }
     let phases = [Phase::Forward, Phase::Backward, Phase::Update];
-    let best = (0..3).rev().max_by_key(|&i| count[i]).unwrap_or(0);
+    // `max_by_key` keeps the last of equal keys: the later phase.
+    let best = (0..3).max_by_key(|&i| count[i]).unwrap_or(0);
     if count.iter().all(|&c| c == 0) {
         Phase::Forward
     } else {
