@@ -301,3 +301,81 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let _ = writeln!(b, "    }}");
     Some(b)
 }
+
+/// A concatenation whose parts each start and end on a 16-byte boundary of
+/// every output row (the QKV gradient from dQ, dK and dV: three runs of 768
+/// bf16 a row), copied 16 bytes a thread and step: chunk `q` of the output
+/// lies wholly in one part, contiguous there. The scalar copy (one element a
+/// thread, 2-byte loads) ran at a quarter of the bandwidth. `None` where a
+/// run is not a constant multiple of 16 bytes, a part is read through a view
+/// or converted, or rows are padded: the element loop then does it.
+pub(crate) fn concat_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+    let Op::Concat(cat) = &g.g[n].op else {
+        return None;
+    };
+    let ins = g.inputs(n);
+    let out = &g.g[n].outputs[0];
+    let dt = c.out_dt(0);
+    let size = dt.size_bytes() as i64;
+    let vec = 16 / size;
+    let inner = out.shape[cat.axis + 1..]
+        .iter()
+        .try_fold(1i64, |a, d| d.as_const().map(|x| a * x))?;
+    let plain = |b: usize| c.p.buffers[b].pitch.is_none() && c.p.buffers[b].zero_rows == 0;
+    let same = (0..ins.len()).all(|k| c.in_dt(k) == dt)
+        && c.k.input_views.iter().all(|v| v.is_none())
+        && c.k.inputs.iter().chain(&c.k.outputs).all(|&b| plain(b));
+    let lens: Vec<i64> = ins
+        .iter()
+        .map(|&x| g.ty(x).shape[cat.axis].as_const())
+        .collect::<Option<_>>()?;
+    if !same || lens.iter().any(|l| (l * inner) % vec != 0) {
+        return None;
+    }
+    let total: i64 = lens.iter().sum();
+    let numel = out.numel().to_c();
+    let ty = super::cuda::c_type(dt);
+    let mut b = String::new();
+    let _ = writeln!(
+        b,
+        "    // Concatenation along axis {}: {vec} elements a thread and step, each chunk from one part.",
+        cat.axis
+    );
+    let _ = writeln!(
+        b,
+        "    const fs_i64 inner = {inner}LL, total = {total}LL, chunks = {numel} / {vec};"
+    );
+    let _ = writeln!(
+        b,
+        "    for (fs_i64 q = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; q < chunks; q += (fs_i64)gridDim.x * blockDim.x) {{"
+    );
+    let _ = writeln!(b, "        const fs_i64 i = q * {vec};");
+    let _ = writeln!(
+        b,
+        "        const fs_i64 a = (i / inner) % total, outer = i / (inner * total), j = i % inner;"
+    );
+    let _ = writeln!(b, "        const {ty}* from;");
+    let mut start = 0i64;
+    for (k, len) in lens.iter().enumerate() {
+        let cond = if k + 1 == lens.len() {
+            "else".to_string()
+        } else {
+            format!(
+                "{}if (a < {}LL)",
+                if k == 0 { "" } else { "else " },
+                start + len
+            )
+        };
+        let _ = writeln!(
+            b,
+            "        {cond} from = &in{}[(outer * {len}LL + a - {start}LL) * inner + j];",
+            c.ins[k]
+        );
+        start += len;
+    }
+    let _ = writeln!(b, "        {ty} v[{vec}];");
+    let _ = writeln!(b, "        fs_vload(v, from);");
+    let _ = writeln!(b, "        fs_vstore(&out{}[i], v);", c.outs[0]);
+    let _ = writeln!(b, "    }}");
+    Some(b)
+}

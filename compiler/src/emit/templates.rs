@@ -486,6 +486,7 @@ pub fn op_kernel(
     let body = super::attention::kernel_body(g, &c, n)
         .or_else(|| super::conv::kernel_body(g, &c, n))
         .or_else(|| super::multi::kernel_body(g, &c, n))
+        .or_else(|| super::multi::concat_body(g, &c, n))
         .or_else(|| super::embedding_grad::kernel_body(g, &c, n))
         .or_else(|| super::norm_rows::kernel_body(g, &c, n))
         .or_else(|| super::norm_rows::forward_body(g, &c, n));
