@@ -309,6 +309,28 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
 /// thread, 2-byte loads) ran at a quarter of the bandwidth. `None` where a
 /// run is not a constant multiple of 16 bytes, a part is read through a view
 /// or converted, or rows are padded: the element loop then does it.
+/// Elements a thread of a concatenation copies at once (16 bytes), where
+/// every part is a constant run of whole 16-byte chunks of each output row:
+/// the launch then has a thread per chunk.
+pub(crate) fn concat_chunk(g: &Graph, n: NodeIndex) -> Option<i64> {
+    let Op::Concat(cat) = &g.g[n].op else {
+        return None;
+    };
+    let out = &g.g[n].outputs[0];
+    let vec = 16 / out.dtype.size_bytes() as i64;
+    let inner = out.shape[cat.axis + 1..]
+        .iter()
+        .try_fold(1i64, |a, d| d.as_const().map(|x| a * x))?;
+    g.inputs(n)
+        .iter()
+        .all(|&x| {
+            g.ty(x).shape[cat.axis]
+                .as_const()
+                .is_some_and(|l| (l * inner) % vec == 0)
+        })
+        .then_some(vec)
+}
+
 pub(crate) fn concat_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let Op::Concat(cat) = &g.g[n].op else {
         return None;
@@ -316,8 +338,7 @@ pub(crate) fn concat_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let ins = g.inputs(n);
     let out = &g.g[n].outputs[0];
     let dt = c.out_dt(0);
-    let size = dt.size_bytes() as i64;
-    let vec = 16 / size;
+    let vec = concat_chunk(g, n).filter(|&v| v == 16 / dt.size_bytes() as i64)?;
     let inner = out.shape[cat.axis + 1..]
         .iter()
         .try_fold(1i64, |a, d| d.as_const().map(|x| a * x))?;
@@ -329,7 +350,7 @@ pub(crate) fn concat_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         .iter()
         .map(|&x| g.ty(x).shape[cat.axis].as_const())
         .collect::<Option<_>>()?;
-    if !same || lens.iter().any(|l| (l * inner) % vec != 0) {
+    if !same {
         return None;
     }
     let total: i64 = lens.iter().sum();

@@ -389,6 +389,12 @@ pub fn grid(shape: &Shape, env: &dyn Fn(&str) -> Option<i64>) -> Option<u64> {
     })
 }
 
+/// A concatenation's 16-byte chunks, where it copies in them.
+fn concat_chunks(g: &Graph, n: NodeIndex) -> Option<Dim> {
+    let vec = super::multi::concat_chunk(g, n)?;
+    g.g[n].outputs[0].numel().checked_div(&Dim::constant(vec))
+}
+
 /// The kernel's launch shape, for ops that have a template.
 pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
     let ins = g.inputs(n);
@@ -430,6 +436,9 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
         Op::Reduce(r) if !r.axes.is_empty() && r.axes.windows(2).all(|w| w[1] == w[0] + 1) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
+        // A thread per 16-byte chunk where the parts allow (multi::concat_body;
+        // the element loop strides over the rest).
+        Op::Concat(_) if concat_chunks(g, n).is_some() => Shape::Elements(concat_chunks(g, n)?),
         Op::SliceGrad(_) | Op::Concat(_) | Op::ClipCoef(_) | Op::Unscale(_) => {
             Shape::Elements(g.g[n].outputs[0].numel())
         }
