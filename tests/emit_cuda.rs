@@ -64,50 +64,35 @@ fn generated_cuda_of_every_shipped_model() {
     }
 }
 
-#[test]
-fn build_report_of_gpt2_small() {
-    let (name, src) = common::example("gpt2-small.dsl");
+/// The build report of a shipped model at B = 8, T = 1024, as `fusec build
+/// --device h100` writes it (the Hopper attention kernels), each kernel with
+/// the lines of the model file its ops come from.
+fn attributed_report(file: &str) -> String {
+    let (name, src) = common::example(file);
     let c = common::compile_with(&src, &name, &[]);
     let program = fuse(&c.optimized);
     let dims = BTreeMap::from([("B".to_string(), 8), ("T".to_string(), 1024)]);
-    // As `fusec build --device h100` reports it: the Hopper attention kernels.
     let target = Target::for_device("h100", false).unwrap();
     let selection = select(&c.optimized, &program, &target, None);
     let p = plan_with(&c.optimized, &program, Some(&selection), &dims).unwrap();
-    insta::assert_snapshot!(
-        "gpt2-small.report",
-        fusec_compiler::plan::report::report_with_source(
-            &c.optimized,
-            &program,
-            &p,
-            c.training.g.node_count(),
-            device("h100").unwrap(),
-            Some((&name, &src)),
-        )
-    );
+    fusec_compiler::plan::report::report_with_source(
+        &c.optimized,
+        &program,
+        &p,
+        c.training.g.node_count(),
+        device("h100").unwrap(),
+        Some((&name, &src)),
+    )
 }
 
-/// The report a person reads for gpt2-block, each kernel with its lines.
+#[test]
+fn build_report_of_gpt2_small() {
+    insta::assert_snapshot!("gpt2-small.report", attributed_report("gpt2-small.dsl"));
+}
+
 #[test]
 fn build_report_of_gpt2_block() {
-    let (name, src) = common::example("gpt2-block.dsl");
-    let c = common::compile_with(&src, &name, &[]);
-    let program = fuse(&c.optimized);
-    let dims = BTreeMap::from([("B".to_string(), 8), ("T".to_string(), 1024)]);
-    let target = Target::for_device("h100", false).unwrap();
-    let selection = select(&c.optimized, &program, &target, None);
-    let p = plan_with(&c.optimized, &program, Some(&selection), &dims).unwrap();
-    insta::assert_snapshot!(
-        "gpt2-block.report",
-        fusec_compiler::plan::report::report_with_source(
-            &c.optimized,
-            &program,
-            &p,
-            c.training.g.node_count(),
-            device("h100").unwrap(),
-            Some((&name, &src)),
-        )
-    );
+    insta::assert_snapshot!("gpt2-block.report", attributed_report("gpt2-block.dsl"));
 }
 
 /// Every kernel in the report of every shipped model names the lines of the

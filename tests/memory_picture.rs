@@ -46,65 +46,21 @@ fn memory_picture_draws_every_buffer_and_renders() {
         "a buffer names its line"
     );
     // Rendered, where a browser is.
-    let browser = ["chromium", "chromium-browser", "google-chrome"]
-        .into_iter()
-        .find(|b| {
-            std::process::Command::new(b)
-                .arg("--version")
-                .output()
-                .is_ok_and(|o| o.status.success())
-        });
-    let Some(browser) = browser else {
-        println!(
-            "skipped the rendering: no Chromium on this machine (Debian: apt-get install chromium)"
-        );
+    let Some((pixels, browser)) = common::browser::screenshot(&out.join("memory.html"), 1280, 760)
+    else {
         return;
     };
-    let shot = out.join("memory.png");
-    let status = std::process::Command::new(browser)
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--hide-scrollbars",
-            "--window-size=1280,760",
-        ])
-        .arg(format!("--screenshot={}", shot.display()))
-        .arg(format!("file://{}", out.join("memory.html").display()))
-        .output()
-        .unwrap();
-    assert!(
-        status.status.success(),
-        "{}",
-        String::from_utf8_lossy(&status.stderr)
+    let drawn = common::browser::assert_drawn(
+        &pixels,
+        &[
+            ("weights", [0x4c, 0x78, 0xa8]),
+            ("gradients", [0xf5, 0x85, 0x18]),
+            ("optimizer state", [0xb2, 0x79, 0xa2]),
+            ("activations kept for backward", [0x54, 0xa2, 0x4b]),
+        ],
     );
-    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&shot).unwrap()));
-    let mut reader = decoder.read_info().unwrap();
-    let mut buf = vec![0; reader.output_buffer_size()];
-    let info = reader.next_frame(&mut buf).unwrap();
-    let px = match info.color_type {
-        png::ColorType::Rgba => 4,
-        png::ColorType::Rgb => 3,
-        other => panic!("a screenshot in {other:?}"),
-    };
-    let pixels: Vec<[u8; 3]> = buf[..info.buffer_size()]
-        .chunks(px)
-        .map(|c| [c[0], c[1], c[2]])
-        .collect();
-    let white = pixels.iter().filter(|p| **p == [255, 255, 255]).count();
-    assert!(white < pixels.len() * 95 / 100, "the screenshot is blank");
-    for (what, rgb) in [
-        ("weights", [0x4c, 0x78, 0xa8]),
-        ("gradients", [0xf5, 0x85, 0x18]),
-        ("optimizer state", [0xb2, 0x79, 0xa2]),
-        ("activations kept for backward", [0x54, 0xa2, 0x4b]),
-    ] {
-        let n = pixels.iter().filter(|p| **p == rgb).count();
-        assert!(n > 50, "{what}: {n} pixels of its colour");
-    }
     println!(
-        "rendered with {browser}: {own} buffers, {} of {} pixels not white",
-        pixels.len() - white,
+        "rendered with {browser}: {own} buffers, {drawn} of {} pixels not white",
         pixels.len()
     );
 }

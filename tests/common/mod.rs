@@ -1,6 +1,7 @@
 //! Helpers shared by the end-to-end tests.
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod flash;
 pub mod flash_bwd;
 pub mod host;
