@@ -118,11 +118,29 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
         ],
         vec![("B", 2), ("T", 3)],
     );
-    let (mut pitches, mut zero_rows, mut pads) = (0, 0, Vec::new());
-    for (file, sets, dims) in common::tiny_models().into_iter().chain([padded, bert]) {
+    // LLaMA-style with an MLP width of 131 and an untied head of 1003
+    // classes: the pad-dims pass reads the weights padded to 136 and 1008
+    // (zero columns and rows), the cross-entropy told its classes.
+    let awkward = (
+        "../tests/models/twins/gqa-hd80.dsl",
+        vec![
+            ("vocab", "1003"),
+            ("ffn", "131"),
+            ("n_heads", "2"),
+            ("n_kv_heads", "1"),
+            ("head_dim", "8"),
+        ],
+        vec![("B", 2), ("T", 3)],
+    );
+    let (mut pitches, mut zero_rows, mut pads, mut padded_sizes) = (0, 0, Vec::new(), Vec::new());
+    for (file, sets, dims) in common::tiny_models()
+        .into_iter()
+        .chain([padded, bert, awkward])
+    {
         let (name, src) = common::example(file);
         let c = common::compile_with(&src, &name, &sets);
         let g = &c.optimized;
+        padded_sizes.extend(g.padded.iter().map(|p| (p.size, p.to)));
         let program = fuse(g);
         pitches += program.buffers.iter().filter(|b| b.pitch.is_some()).count();
         zero_rows += program.buffers.iter().filter(|b| b.zero_rows > 0).count();
@@ -238,7 +256,11 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
             s,
             "  f = fopen(argv[2], \"wb\"); fwrite(arena, 1, bytes, f); fclose(f);\n  return 0;\n}}"
         );
-        let stem = file.trim_end_matches(".dsl");
+        let stem = file
+            .rsplit('/')
+            .next()
+            .unwrap_or(file)
+            .trim_end_matches(".dsl");
         let exe = host::build(&work, stem, &s);
         let after = work.join(format!("{stem}.out"));
         let run = Command::new(&exe)
@@ -303,6 +325,11 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
     for r in report {
         println!("{r}");
     }
+    assert_eq!(
+        padded_sizes,
+        [(131, 136), (1003, 1008)],
+        "pad-dims should pad the awkward model's MLP width and untied head, and nothing in the shipped models"
+    );
     // The logits and their gradient, in GPT-2 and in BERT.
     assert_eq!(
         pitches, 4,

@@ -117,3 +117,99 @@ fn spelled_out_attention_becomes_one_op() {
         "p is read twice"
     );
 }
+
+/// Compiles a model with or without the passes named.
+fn compile_without(file: &str, sets: &[(&str, &str)], disabled: &[&str]) -> Graph {
+    let (name, src) = common::example(file);
+    let opts = fusec_compiler::elaborate::Options {
+        overrides: sets
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        disabled_passes: disabled.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    };
+    let stem = fusec_compiler::driver::model_name(std::path::Path::new(&name));
+    fusec_compiler::driver::compile(&src, &stem, &opts)
+        .unwrap_or_else(|f| panic!("{}", f.render(&name, &src)))
+        .training
+}
+
+/// Padding awkward sizes changes no result: the training step (loss,
+/// gradients, updated parameters and optimizer state) of models whose MLP
+/// width and untied head are awkward is the same with and without the
+/// `pad-dims` pass, in f64 on the same random inputs, to 1e-12 relative;
+/// the parameters and gradients keep the model file's shapes.
+#[test]
+fn padding_awkward_sizes_changes_no_result() {
+    // (sizes, the sizes padded): an MLP width of 1713 (a multiple of 64
+    // from 1024 up) and of 131, an untied head of 1003 classes.
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [(i64, i64)]);
+    let cases: [Case; 3] = [
+        (
+            &[("vocab", "1003"), ("ffn", "131")],
+            &[(131, 136), (1003, 1008)],
+        ),
+        (&[("vocab", "96"), ("ffn", "1713")], &[(1713, 1728)]),
+        // Sizes already multiples of 8, and a vocabulary under 128.
+        (&[("vocab", "101"), ("ffn", "136")], &[]),
+    ];
+    let file = "../tests/models/twins/gqa-hd80.dsl";
+    let small = [("n_heads", "2"), ("n_kv_heads", "1"), ("head_dim", "8")];
+    for (sets, want) in cases {
+        let sets: Vec<(&str, &str)> = sets.iter().chain(&small).copied().collect();
+        let plain = compile_without(file, &sets, &["pad-dims"]);
+        let padded = compile_without(file, &sets, &[]);
+        let got: Vec<(i64, i64)> = padded.padded.iter().map(|p| (p.size, p.to)).collect();
+        assert_eq!(got, want, "{sets:?}: sizes padded");
+        assert!(plain.padded.is_empty());
+        let feeds = random_feeds(&plain, &common::dims(&[("B", 2), ("T", 3)]), 7).unwrap();
+        assert_same(
+            &format!("{sets:?}"),
+            &outputs(&plain, &feeds),
+            &outputs(&padded, &feeds),
+        );
+        for (r, v) in &padded.outputs {
+            let before = plain.outputs.iter().find(|(r2, _)| r2 == r).unwrap().1;
+            assert_eq!(padded.ty(*v), plain.ty(before), "{r} keeps its type");
+        }
+    }
+}
+
+/// Where a norm reads the awkward size, the padded tensor is sliced back
+/// for it (a view), and the step is still the same.
+#[test]
+fn padding_slices_back_for_a_norm_over_the_padded_size() {
+    let src = "dim B, T
+input x: f32[B, T, 16]
+param w1: [16, 131] = normal(0.3)
+param g: [131] = ones
+param beta: [131] = zeros
+param w2: [131, 16] = normal(0.3)
+let h = layernorm(gelu(x @ w1), g, beta, eps = 1e-5)
+let y = h @ w2
+train {
+    loss = mean(y * y)
+}
+";
+    let compile = |disabled: Vec<String>| {
+        let opts = fusec_compiler::elaborate::Options {
+            disabled_passes: disabled,
+            ..Default::default()
+        };
+        fusec_compiler::driver::compile(src, "norm", &opts)
+            .unwrap_or_else(|f| panic!("{}", f.render("norm.dsl", src)))
+            .training
+    };
+    let plain = compile(vec!["pad-dims".into()]);
+    let padded = compile(vec![]);
+    assert_eq!(padded.padded.len(), 1);
+    let forward_slices = padded
+        .g
+        .node_weights()
+        .filter(|n| n.op.name() == "slice" && n.phase == fusec_compiler::ir::graph::Phase::Forward)
+        .count();
+    assert_eq!(forward_slices, 1, "the norm reads a slice");
+    let feeds = random_feeds(&plain, &common::dims(&[("B", 2), ("T", 3)]), 9).unwrap();
+    assert_same("norm", &outputs(&plain, &feeds), &outputs(&padded, &feeds));
+}

@@ -105,6 +105,15 @@ fn check_overrides(ast: &Module, opts: &Options) -> Result<(), Failure> {
             )));
         }
     }
+    let names = crate::passes::pass_names();
+    for d in &opts.disabled_passes {
+        if !names.contains(&d.as_str()) {
+            return Err(Failure::Usage(format!(
+                "--disable-pass {d}: there is no pass `{d}`; the passes are: {}",
+                names.join(", ")
+            )));
+        }
+    }
     Ok(())
 }
 
@@ -132,8 +141,14 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
                 .into(),
         )
     };
-    let mut pass_stats =
-        run_pipeline(&mut model.graph, &forward_pipeline(), |_, _| {}).map_err(internal)?;
+    let enabled = |passes: Vec<Box<dyn crate::passes::Pass>>| -> Vec<Box<dyn crate::passes::Pass>> {
+        passes
+            .into_iter()
+            .filter(|p| !opts.disabled_passes.iter().any(|d| d == p.name()))
+            .collect()
+    };
+    let mut pass_stats = run_pipeline(&mut model.graph, &enabled(forward_pipeline()), |_, _| {})
+        .map_err(internal)?;
     let backward = autodiff::add_backward(&model).map_err(Failure::Model)?;
     check_verified(&backward, "autodiff")?;
     let mut training = backward;
@@ -149,8 +164,9 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
     })?;
     check_verified(&training, "the optimizer update")?;
     let mut optimized = training.clone();
-    pass_stats
-        .extend(run_pipeline(&mut optimized, &default_pipeline(), |_, _| {}).map_err(internal)?);
+    pass_stats.extend(
+        run_pipeline(&mut optimized, &enabled(default_pipeline()), |_, _| {}).map_err(internal)?,
+    );
     Ok(Compiled {
         ast,
         model,

@@ -80,6 +80,20 @@ fn cases() -> Vec<TinyModel> {
             vec![("B", 2), ("T", 33)],
         ),
         (
+            // An MLP width of 131 and an untied head of 5003 classes: read
+            // padded to 136 and 5056 with zeros (pad-dims), the
+            // cross-entropy over 5003 of each row's 5056 logits.
+            "../tests/models/twins/gqa-hd80.dsl",
+            vec![
+                ("vocab", "5003"),
+                ("ffn", "131"),
+                ("n_heads", "2"),
+                ("n_kv_heads", "1"),
+                ("head_dim", "32"),
+            ],
+            vec![("B", 2), ("T", 33)],
+        ),
+        (
             "vit-tiny.dsl",
             vec![
                 ("image", "16"),

@@ -18,6 +18,11 @@ pub struct ModelArgs {
     /// compare a bf16 model's run with an fp32 one
     #[arg(long, value_name = "DTYPE", value_parser = parse_precision)]
     pub precision: Option<DType>,
+    /// Do not run this graph pass (`fusec passes` lists them), e.g.
+    /// --disable-pass pad-dims to see what padding awkward sizes gains, or to
+    /// bisect a wrong result (repeatable)
+    #[arg(long = "disable-pass", value_name = "PASS")]
+    pub disable_pass: Vec<String>,
 }
 
 fn parse_precision(s: &str) -> Result<DType, String> {
@@ -78,6 +83,7 @@ pub struct Loaded {
     /// (each rank's own step, with ZeRO).
     pub sets: Vec<String>,
     pub precision: Option<DType>,
+    pub disable_pass: Vec<String>,
     pub source: String,
     pub compiled: Compiled,
 }
@@ -114,6 +120,7 @@ pub fn options(args: &ModelArgs) -> Result<Options, CliError> {
         precision: args.precision,
         ranks: 1,
         zero_rank: None,
+        disabled_passes: args.disable_pass.clone(),
     })
 }
 
@@ -147,6 +154,7 @@ pub fn load_rank(args: &ModelArgs, ranks: u32, zero_rank: Option<u32>) -> Result
     Ok(Loaded {
         path: args.model.clone(),
         sets: args.set.clone(),
+        disable_pass: args.disable_pass.clone(),
         precision: args.precision,
         source,
         compiled,

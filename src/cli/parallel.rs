@@ -145,6 +145,7 @@ pub fn start(
             model: loaded.path.clone(),
             set: loaded.sets.clone(),
             precision: loaded.precision,
+            disable_pass: loaded.disable_pass.clone(),
         };
         Ok(load_rank(&args, world as u32, Some(rank as u32))?
             .compiled

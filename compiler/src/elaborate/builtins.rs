@@ -607,7 +607,7 @@ fn cross_entropy(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let logits = a.tensor(&e.graph, 0, "logits")?;
     let targets = a.tensor(&e.graph, 1, "targets")?;
     // Per-row losses (one block per row on the GPU), then their mean.
-    let rows = add1(e, CrossEntropy, &[logits, targets], a.span)?;
+    let rows = add1(e, CrossEntropy::default(), &[logits, targets], a.span)?;
     let rank = e.graph.ty(rows).rank();
     let mean = Reduce {
         kind: ReduceKind::Mean,

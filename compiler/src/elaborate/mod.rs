@@ -55,6 +55,9 @@ pub struct Options {
     /// ZeRO stage 1: the rank this step is built for, which updates only
     /// the parameters it owns.
     pub zero_rank: Option<u32>,
+    /// `--disable-pass`: graph passes not to run (`fusec passes` lists
+    /// them), to see what one changes or to bisect a miscompile.
+    pub disabled_passes: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

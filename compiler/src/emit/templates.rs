@@ -140,14 +140,37 @@ fn rms(b: &mut String, x: &str, eps: &str, indent: &str, var: &str, name: &str) 
 /// 1): the loss into output `loss`, and/or the gradient (softmax -
 /// onehot(t)) * dloss[row] (dloss input 2) into output `grad`, the
 /// probabilities never stored.
-fn cross_entropy_row(b: &mut String, c: &Ctx, loss: Option<usize>, grad: Option<usize>) {
-    // Rows of the logits and of the gradient are `pitch` apart where the
-    // buffer's rows are padded for the GEMMs around it (kernel::pitch).
-    let pitch = |buf: usize| {
-        c.p.buffers[buf]
-            .pitch
-            .map_or("C".to_string(), |p| format!("{p}LL"))
-    };
+/// The classes of a cross-entropy whose logits `pad-dims` padded.
+fn ce_classes(op: &Op) -> Option<i64> {
+    match op {
+        Op::CrossEntropy(ce) => ce.classes,
+        Op::CrossEntropyGrad(ce) => ce.classes,
+        Op::CrossEntropyWithGrad(ce) => ce.classes,
+        _ => None,
+    }
+}
+
+/// Elements from one row of a cross-entropy's logits (or gradient) to the
+/// next, where that is not its classes `C`: the buffer's pitch (rows padded
+/// for the GEMMs around it, kernel::pitch), or the padded row of logits
+/// with more columns than classes (pad-dims).
+fn ce_row_pitch(c: &Ctx, buf: usize, classes: Option<i64>) -> Option<i64> {
+    let b = &c.p.buffers[buf];
+    b.pitch.or_else(|| {
+        classes?;
+        b.ty.shape.last()?.as_const()
+    })
+}
+
+fn cross_entropy_row(
+    b: &mut String,
+    c: &Ctx,
+    loss: Option<usize>,
+    grad: Option<usize>,
+    classes: Option<i64>,
+) {
+    let pitch =
+        |buf: usize| ce_row_pitch(c, buf, classes).map_or("C".to_string(), |p| format!("{p}LL"));
     let _ = writeln!(
         b,
         "        const fs_i64 xrow = row * {};",
@@ -198,7 +221,7 @@ fn cross_entropy_row(b: &mut String, c: &Ctx, loss: Option<usize>, grad: Option<
         );
         // Zeros in the padded columns: a GEMM run at the padded k reads
         // them (kernel::pitch::pad_gemm_sizes).
-        if let Some(p) = c.p.buffers[c.k.outputs[c.outs[o]]].pitch {
+        if let Some(p) = ce_row_pitch(c, c.k.outputs[c.outs[o]], classes) {
             let _ = writeln!(
                 b,
                 "        for (fs_i64 j = C + threadIdx.x; j < {p}LL; j += blockDim.x) {}",
@@ -561,7 +584,7 @@ pub(crate) fn op_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 c.st(0, "row * C + j", &v)
             );
         }
-        Op::CrossEntropyGrad(_) => cross_entropy_row(b, c, None, Some(0)),
+        Op::CrossEntropyGrad(ce) => cross_entropy_row(b, c, None, Some(0), ce.classes),
         Op::Embedding(_) => {
             let (v, cc) = (in_shape(0)[0].to_c(), last(&in_shape(0)).to_c());
             let _ = writeln!(
@@ -923,9 +946,9 @@ pub(crate) fn op_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             );
         }
         // One pass over the logits: the row's loss and its gradient.
-        Op::CrossEntropyWithGrad(_) => cross_entropy_row(b, c, Some(1), Some(0)),
+        Op::CrossEntropyWithGrad(ce) => cross_entropy_row(b, c, Some(1), Some(0), ce.classes),
         // logsumexp(row) - row[target]; NaN for a target outside the row.
-        Op::CrossEntropy(_) => cross_entropy_row(b, c, Some(0), None),
+        Op::CrossEntropy(ce) => cross_entropy_row(b, c, Some(0), None, ce.classes),
         _ => return None,
     }
     Some(body)
@@ -941,7 +964,8 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     match shape {
         Shape::Rows(rows) => {
             let _ = writeln!(s, "    const fs_i64 rows = {};", rows.to_c());
-            let cols = last(&in_shape(0));
+            // A cross-entropy over padded logits counts its classes only.
+            let cols = ce_classes(&g.g[n].op).map_or_else(|| last(&in_shape(0)), Dim::constant);
             let _ = writeln!(s, "    const fs_i64 C = {};", cols.to_c());
             let _ = writeln!(
                 s,

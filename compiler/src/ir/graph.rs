@@ -128,6 +128,19 @@ pub struct Graph {
     pub outputs: Vec<(Role, Value)>,
     /// The block calls nodes were elaborated in (see `Span::call`).
     pub calls: Vec<CallSite>,
+    /// Sizes the `pad-dims` pass padded inside the step.
+    pub padded: Vec<PaddedSize>,
+}
+
+/// One awkward size read padded (`passes::pad_dims`): the parameters read
+/// with zeros after their last row or column, and how many tensors of the
+/// forward pass grew to the padded size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PaddedSize {
+    pub size: i64,
+    pub to: i64,
+    pub params: Vec<String>,
+    pub widened: usize,
 }
 
 impl Graph {
@@ -139,6 +152,7 @@ impl Graph {
             params: Vec::new(),
             outputs: Vec::new(),
             calls: Vec::new(),
+            padded: Vec::new(),
         }
     }
 

@@ -431,8 +431,31 @@ impl OpDef for EmbeddingGrad {
 /// Cross-entropy of each row of logits [..., V] against i32 targets [...]:
 /// f32 losses of the targets' shape (the `cross_entropy` builtin takes their
 /// mean). A target outside [0, V) gives NaN.
-#[derive(Clone, Debug, PartialEq)]
-pub struct CrossEntropy;
+///
+/// `classes`, where set, is V: the logits' rows are longer, padded by the
+/// `pad-dims` pass with columns that are not classes; they are left out of
+/// the softmax, and the gradient is zero there.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CrossEntropy {
+    pub classes: Option<i64>,
+}
+
+/// The attribute line of a cross-entropy op.
+fn classes_attr(classes: Option<i64>) -> Vec<String> {
+    classes
+        .map(|c| format!("classes={c}"))
+        .into_iter()
+        .collect()
+}
+
+/// A row's classes: all of it, or the first `classes` where the row is
+/// padded.
+fn classes_of(row: &[f64], classes: Option<i64>) -> &[f64] {
+    match classes {
+        Some(c) => &row[..(c.max(0) as usize).min(row.len())],
+        None => row,
+    }
+}
 
 fn check_ce(op: &str, logits: &TensorType, targets: &TensorType) -> Result<(), OpError> {
     expect_float(op, logits, 0)?;
@@ -457,6 +480,9 @@ impl OpDef for CrossEntropy {
     fn name(&self) -> &'static str {
         "cross_entropy"
     }
+    fn attrs(&self) -> Vec<String> {
+        classes_attr(self.classes)
+    }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("cross_entropy", inputs, 2)?;
         check_ce("cross_entropy", &inputs[0], &inputs[1])?;
@@ -466,6 +492,7 @@ impl OpDef for CrossEntropy {
         let (logits, targets) = (inputs[0], inputs[1]);
         let mut losses = Vec::with_capacity(targets.len());
         for (row, &t) in rows(logits).zip(&targets.data) {
+            let row = classes_of(row, self.classes);
             let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
             let picked = if t >= 0.0 && (t as usize) < row.len() {
@@ -488,7 +515,12 @@ impl OpDef for CrossEntropy {
             return Ok(vec![None, None]);
         };
         Ok(vec![
-            Some(b.op1(CrossEntropyGrad, &[inputs[0], inputs[1], dl])?),
+            Some(b.op1(
+                CrossEntropyGrad {
+                    classes: self.classes,
+                },
+                &[inputs[0], inputs[1], dl],
+            )?),
             None,
         ])
     }
@@ -496,12 +528,17 @@ impl OpDef for CrossEntropy {
 
 /// `(softmax(logits) - onehot(targets)) * dloss[row]`, never storing the
 /// probabilities.
-#[derive(Clone, Debug, PartialEq)]
-pub struct CrossEntropyGrad;
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CrossEntropyGrad {
+    pub classes: Option<i64>,
+}
 
 impl OpDef for CrossEntropyGrad {
     fn name(&self) -> &'static str {
         "cross_entropy_grad"
+    }
+    fn attrs(&self) -> Vec<String> {
+        classes_attr(self.classes)
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("cross_entropy_grad", inputs, 3)?;
@@ -511,7 +548,8 @@ impl OpDef for CrossEntropyGrad {
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (logits, targets, dl) = (inputs[0], inputs[1], inputs[2]);
         let mut out = Vec::with_capacity(logits.len());
-        for ((row, &t), &dl) in rows(logits).zip(&targets.data).zip(&dl.data) {
+        for ((full, &t), &dl) in rows(logits).zip(&targets.data).zip(&dl.data) {
+            let row = classes_of(full, self.classes);
             let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let s: f64 = row.iter().map(|v| (v - m).exp()).sum();
             for (j, v) in row.iter().enumerate() {
@@ -522,6 +560,8 @@ impl OpDef for CrossEntropyGrad {
                 };
                 out.push(((v - m).exp() / s - onehot) * dl);
             }
+            // Padded columns are no class: their gradient is zero.
+            out.extend(std::iter::repeat_n(0.0, full.len() - row.len()));
         }
         vec![Tensor::new(logits.shape.clone(), out)]
     }
@@ -531,12 +571,17 @@ impl OpDef for CrossEntropyGrad {
 /// autodiff (the `fuse-cross-entropy` pass): (logits, targets, dloss per
 /// row) -> (dlogits, loss per row). The logits are read once; the
 /// probabilities are never stored.
-#[derive(Clone, Debug, PartialEq)]
-pub struct CrossEntropyWithGrad;
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CrossEntropyWithGrad {
+    pub classes: Option<i64>,
+}
 
 impl OpDef for CrossEntropyWithGrad {
     fn name(&self) -> &'static str {
         "cross_entropy_with_grad"
+    }
+    fn attrs(&self) -> Vec<String> {
+        classes_attr(self.classes)
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("cross_entropy_with_grad", inputs, 3)?;
@@ -547,8 +592,9 @@ impl OpDef for CrossEntropyWithGrad {
         ])
     }
     fn eval(&self, inputs: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor> {
-        let grad = CrossEntropyGrad.eval(inputs, ctx);
-        let loss = CrossEntropy.eval(&inputs[..2], ctx);
+        let classes = self.classes;
+        let grad = CrossEntropyGrad { classes }.eval(inputs, ctx);
+        let loss = CrossEntropy { classes }.eval(&inputs[..2], ctx);
         vec![grad[0].clone(), loss[0].clone()]
     }
 }

@@ -340,16 +340,17 @@ impl OpDef for SliceGrad {
     fn vjp(
         &self,
         b: &mut Builder,
-        _: &[Value],
+        inputs: &[Value],
         _: &[Value],
         douts: &[Option<Value>],
     ) -> Result<Vec<Option<Value>>, OpError> {
         let Some(g) = douts[0] else {
             return Ok(vec![None]);
         };
+        // The input's extent along the axis, not the padded output's.
         let end = self
             .start
-            .checked_add(&b.ty(g).shape[self.axis])
+            .checked_add(&b.ty(inputs[0]).shape[self.axis])
             .unwrap_or_else(|| self.full.clone());
         let op = Slice {
             axis: self.axis,

@@ -46,17 +46,21 @@ impl Pass for FuseCrossEntropy {
         let mut rewrites = 0;
         for gn in grads {
             let gi = g.inputs(gn);
-            let fwd = g
-                .topo_order()
-                .into_iter()
-                .find(|&n| matches!(g.g[n].op, Op::CrossEntropy(_)) && g.inputs(n) == gi[..2]);
+            let Op::CrossEntropyGrad(ce) = &g.g[gn].op else {
+                continue;
+            };
+            let classes = ce.classes;
+            let fwd = g.topo_order().into_iter().find(|&n| {
+                matches!(&g.g[n].op, Op::CrossEntropy(f) if f.classes == classes)
+                    && g.inputs(n) == gi[..2]
+            });
             let Some(fwd) = fwd else { continue };
             // The gradient must not depend on the loss itself.
             if reaches(g, gi[2].node, fwd) {
                 continue;
             }
             let (span, phase) = (g.g[gn].span, g.g[gn].phase);
-            let Ok(out) = g.add(CrossEntropyWithGrad.into(), &gi, span, phase) else {
+            let Ok(out) = g.add(CrossEntropyWithGrad { classes }.into(), &gi, span, phase) else {
                 continue;
             };
             let loss = Value { node: fwd, port: 0 };

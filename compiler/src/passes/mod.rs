@@ -7,12 +7,14 @@ mod attention;
 mod cross_entropy;
 mod cse;
 mod dce;
+mod pad_dims;
 mod simplify;
 
 pub use attention::FoldAttention;
 pub use cross_entropy::FuseCrossEntropy;
 pub use cse::Cse;
 pub use dce::Dce;
+pub use pad_dims::{padded_size, PadDims};
 pub use simplify::Simplify;
 
 use crate::ir::verify::verify;
@@ -47,7 +49,7 @@ pub fn default_pipeline() -> Vec<Box<dyn Pass>> {
 /// Passes over the forward graph, before autodiff (so the backward pass is
 /// built from what they produce).
 pub fn forward_pipeline() -> Vec<Box<dyn Pass>> {
-    vec![Box::new(FoldAttention)]
+    vec![Box::new(FoldAttention), Box::new(PadDims)]
 }
 
 pub fn pass_names() -> Vec<&'static str> {

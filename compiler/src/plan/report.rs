@@ -208,6 +208,7 @@ pub fn report_with_source(
         .copied()
         .unwrap_or(0);
     let _ = writeln!(s, "  (parameters are {} in f32)", gib(params));
+    padded_sizes(&mut s, g);
     padding(&mut s, p, plan);
     buckets(&mut s, g, p, plan);
     let compute: f64 = est
@@ -272,6 +273,26 @@ pub fn report_with_source(
     }
     super::unfused::section(&mut s, g, p, plan);
     s
+}
+
+/// The awkward sizes the `pad-dims` pass padded: what reads them padded,
+/// and the cost (every tensor of that size grows by the same fraction).
+fn padded_sizes(s: &mut String, g: &Graph) {
+    for pd in &g.padded {
+        let _ = writeln!(
+            s,
+            "padded size {} -> {} (pad-dims): {} tensors of the forward pass {:.1}% larger, their products aligned",
+            pd.size,
+            pd.to,
+            pd.widened,
+            100.0 * (pd.to - pd.size) as f64 / pd.size as f64
+        );
+        let _ = writeln!(
+            s,
+            "  read with zeros after their last row or column: {}",
+            pd.params.join(", ")
+        );
+    }
 }
 
 /// What kernel::pitch padded, what it costs in memory, and the GEMMs that

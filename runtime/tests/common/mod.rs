@@ -68,7 +68,11 @@ pub fn model_edited(
             .collect(),
         ..Options::default()
     };
-    match compile(&src, file.trim_end_matches(".dsl"), &opts) {
+    let name = std::path::Path::new(file)
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or(file);
+    match compile(&src, name, &opts) {
         Ok(c) => c,
         Err(f) => panic!("{}", f.render(file, &src)),
     }
