@@ -444,9 +444,9 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
         Op::EmbeddingGrad(_) if super::embedding_grad::blocks(g, n).is_some() => {
             Shape::Rows(super::embedding_grad::blocks(g, n)?)
         }
-        Op::Embedding(_) | Op::CausalMask(_) | Op::Rope(_) => {
-            Shape::Elements(g.g[n].outputs[0].numel())
-        }
+        Op::Embedding(_) | Op::CausalMask(_) => Shape::Elements(g.g[n].outputs[0].numel()),
+        // A thread per rotated pair (i, i + D/2).
+        Op::Rope(_) => Shape::Elements(g.g[n].outputs[0].numel().checked_div(&Dim::constant(2))?),
         Op::AdamW(_) | Op::Sgd(_) | Op::Cast(_) => match update_range(&g.g[n].op) {
             Some((lo, hi)) => Shape::Elements(Dim::constant(hi - lo)),
             None => Shape::Elements(g.g[n].outputs[0].numel()),
@@ -612,24 +612,36 @@ pub(crate) fn op_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             let _ = writeln!(b, "        {}", c.st(0, "i", &val));
         }
         Op::Rope(r) => {
+            // One thread per pair: one angle, one sine and cosine for both
+            // of its elements (a thread per element computed them twice,
+            // with powf, and ran at a tenth of the memory bandwidth).
             let sh = in_shape(0);
             let rk = sh.len();
             let (t, h, d) = (sh[rk - 3].to_c(), sh[rk - 2].to_c(), sh[rk - 1].to_c());
-            let sign = if r.inverse { "-" } else { "" };
-            let _ = writeln!(b, "        const fs_i64 D = {d}, half = D / 2, dd = i % D, pos = (i / D / {h}) % {t}, f = dd % half;");
+            let _ = writeln!(b, "        const fs_i64 D = {d}, half = D / 2, pair = i / half, f = i % half, pos = (pair / {h}) % {t}, lo_at = pair * D + f;");
+            // theta^(-2f/D) as exp2(-2f/D * log2(theta)).
             let _ = writeln!(
                 b,
-                "        const float angle = (float)pos * powf({}, -2.0f * (float)f / (float)D);",
-                float_lit(r.theta)
+                "        const float angle = (float)pos * exp2f(-2.0f * (float)f / (float)D * {});",
+                float_lit(r.theta.log2())
             );
             let _ = writeln!(
                 b,
-                "        const float cs = cosf(angle), sn = {sign}sinf(angle);"
+                "        float sn, cs;\n        sincosf(angle, &sn, &cs);"
             );
-            let lo = c.ld(0, "i - dd + f");
-            let hi = c.ld(0, "i - dd + f + half");
-            let _ = writeln!(b, "        const float v = dd < half ? {lo} * cs - {hi} * sn : {lo} * sn + {hi} * cs;");
-            let _ = writeln!(b, "        {}", c.st(0, "i", "v"));
+            if r.inverse {
+                // The gradient rotates the other way.
+                let _ = writeln!(b, "        sn = -sn;");
+            }
+            let lo = c.ld(0, "lo_at");
+            let hi = c.ld(0, "lo_at + half");
+            let _ = writeln!(b, "        const float lo = {lo}, hi = {hi};");
+            let _ = writeln!(b, "        {}", c.st(0, "lo_at", "lo * cs - hi * sn"));
+            let _ = writeln!(
+                b,
+                "        {}",
+                c.st(0, "lo_at + half", "lo * sn + hi * cs")
+            );
         }
         Op::Reduce(r) => {
             // Sum over the adjacent axes a0..a1 of the input, seen as
