@@ -23,6 +23,10 @@
 #                                machine would join, fusec bench --gpus 1..N beside torch_ddp.py
 #                                (DP_BATCH per GPU, default 16; DP_TORCH_GPUS picks the DDP runs)
 #   tools/gpu_check.sh dpbench   the throughput part of dp alone
+#   tools/gpu_check.sh dpwhy     where a data-parallel step's extra time goes: one GPU alone, one
+#                                single-GPU bench on every GPU at once (no communication: what
+#                                sharing the host costs), --gpus N, and an all-reduce of the tied
+#                                table's 147 MiB gradient alone (torch.distributed)
 #   tools/gpu_check.sh weights   Hugging Face GPT-2 and LLaMA weights through the shipped maps, fusec's
 #                                token ids beside the Python tokenizers package, validation on the GPU
 #                                beside the CPU reference (tools/import_check.py)
@@ -221,6 +225,39 @@ if [ "$what" = dp ] || [ "$what" = dpbench ]; then
       (cd "$BIN" && timeout 300 "$TORCHRUN" --standalone --nproc_per_node $g torch_ddp.py --batch $B --seq 1024 2>&1 | grep "^{" | tail -1 | tee -a "$LOGS/dp-torch.jsonl")
     done
   fi
+fi
+if [ "$what" = dpwhy ]; then
+  export NCCL_NVLS_ENABLE=0
+  N=$(nvidia-smi -L | wc -l)
+  B=${DP_BATCH:-16}
+  ARGS="dsl-examples/gpt2-small.dsl --batch $B --seq 1024 --steps 30"
+  run "one GPU alone"
+  timeout 200 "$BIN/fusec" bench $ARGS 2>&1 | tail -1
+  run "a single-GPU bench on each of the $N GPUs at once"
+  for g in $(seq 0 $((N - 1))); do
+    CUDA_VISIBLE_DEVICES=$g timeout 200 "$BIN/fusec" bench $ARGS > "$LOGS/dpwhy-$g.log" 2>&1 &
+  done
+  wait
+  for g in $(seq 0 $((N - 1))); do tail -1 "$LOGS/dpwhy-$g.log"; done
+  run "--gpus $N"
+  timeout 200 "$BIN/fusec" bench $ARGS --gpus $N 2>&1 | tail -1
+  run "all-reduce (mean) of 147 MiB and of 27 MiB of f32 alone, $N ranks (torch.distributed, NCCL)"
+  TORCHRUN=$(command -v torchrun || echo /opt/torch/.venv/bin/torchrun)
+  cat > /tmp/allreduce.py <<'PY'
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("nccl")
+r = dist.get_rank(); torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", r)))
+for mib in (147.24, 27.04):
+    x = torch.ones(int(mib * 2**20 / 4), device="cuda")
+    for _ in range(5): dist.all_reduce(x)
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(20): dist.all_reduce(x)
+    torch.cuda.synchronize(); ms = (time.perf_counter() - t) / 20 * 1e3
+    n = dist.get_world_size()
+    if r == 0: print(f"all_reduce {mib} MiB f32 on {n} ranks: {ms:.3f} ms, bus bandwidth {2 * (n - 1) / n * mib * 2**20 / ms / 1e6:.0f} GB/s")
+dist.destroy_process_group()
+PY
+  timeout 200 "$TORCHRUN" --standalone --nproc_per_node $N /tmp/allreduce.py 2>&1 | grep all_reduce
 fi
 if [ "$what" = weights ] || [ "$what" = all ]; then
   run "pretrained weights, tokenizer and validation (tools/import_check.py)"
