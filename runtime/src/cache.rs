@@ -68,15 +68,41 @@ pub struct CacheStats {
     pub rebuilt: usize,
 }
 
-/// Cubins for every kernel, in order: from the cache where present, else
-/// compiled (in parallel) and stored. `progress` is called after each
-/// kernel with (done, total).
+/// The name every kernel's source is compiled under: kernels whose
+/// sources differ only in their names (GPT-2's twelve layers give the same
+/// layernorm, attention and bias-gradient kernels twelve times: 223
+/// kernels, 27 distinct) share one compilation, one cache entry and one
+/// loaded module.
+pub const SHARED_NAME: &str = "fusec_kernel";
+
+/// `source` with its kernel's name (and the names of its functions, which
+/// start with it) as [`SHARED_NAME`].
+pub fn shared_source(name: &str, source: &str) -> String {
+    source.replace(name, SHARED_NAME)
+}
+
+/// A function of kernel `kernel` as it is named in the shared compilation.
+pub fn shared_function(kernel: &str, function: &str) -> String {
+    function.replacen(kernel, SHARED_NAME, 1)
+}
+
+/// The compiled kernels: one image per distinct source, and which image
+/// each kernel (in order) runs from; functions are named as
+/// [`shared_function`] says.
+pub struct Cubins {
+    pub images: Vec<Vec<u8>>,
+    pub of_kernel: Vec<usize>,
+}
+
+/// Cubins for every kernel: from the cache where present, else compiled
+/// (in parallel, each distinct source once) and stored. `progress` is
+/// called after each distinct source with (done, total).
 pub fn cubins(
     kernels: &[(String, String)],
     arch: &str,
     dir: Option<&Path>,
     progress: &(dyn Fn(usize, usize) + Sync),
-) -> Result<(Vec<Vec<u8>>, CacheStats), RuntimeError> {
+) -> Result<(Cubins, CacheStats), RuntimeError> {
     let version = nvrtc::version()
         .map(|(a, b)| format!("{a}.{b}"))
         .ok_or_else(|| {
@@ -84,11 +110,31 @@ pub fn cubins(
                 "NVRTC (libnvrtc.so) cannot be loaded: install CUDA or PyPI's nvidia-cuda-nvrtc and put its lib folder on LD_LIBRARY_PATH".into(),
             )
         })?;
+    // Distinct sources, in first-seen order, with the first kernel of each
+    // (named in compile errors).
+    let mut distinct: Vec<(&str, String)> = Vec::new();
+    let mut index: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    let mut of_kernel = Vec::with_capacity(kernels.len());
+    for (name, src) in kernels {
+        let shared = shared_source(name, src);
+        let i = *index.entry(shared.clone()).or_insert_with(|| {
+            distinct.push((name.as_str(), shared));
+            distinct.len() - 1
+        });
+        of_kernel.push(i);
+    }
     let done = std::sync::atomic::AtomicUsize::new(0);
-    let total = kernels.len();
-    let results: Vec<Result<(Vec<u8>, u8), RuntimeError>> = kernels
+    let total = distinct.len();
+    // The longest sources first: the attention templates and the
+    // multi-tensor groups take the longest to compile, and started last
+    // they would finish alone.
+    let mut order: Vec<usize> = (0..total).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(distinct[i].1.len()));
+    let results: Vec<(usize, Result<(Vec<u8>, u8), RuntimeError>)> = order
         .par_iter()
-        .map(|(name, src)| {
+        .with_max_len(1)
+        .map(|&i| {
+            let (name, src) = (distinct[i].0, &distinct[i].1);
             let full = nvrtc::with_prelude(src);
             let path = dir.map(|d| d.join(format!("{}.cubin", key(&[&full, arch, &version]))));
             let mut state = 1u8; // compiled
@@ -97,29 +143,35 @@ pub fn cubins(
                     Ok(image) if looks_valid(&image) => {
                         let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
                         progress(n, total);
-                        return Ok((image, 0));
+                        return (i, Ok((image, 0)));
                     }
                     Ok(_) => state = 2, // present but corrupt
                     Err(_) => {}
                 }
             }
-            let cubin = nvrtc::compile(name, src, arch).map_err(|e| {
-                RuntimeError::Compile(format!(
-                    "{e}\n(`fusec build` writes the plan's kernels to kernels/{name}.cu; the tensor-core attention kernels are made at run time, and FUSEC_ATTENTION=simple runs without them)"
-                ))
-            })?;
+            let cubin = match nvrtc::compile(SHARED_NAME, src, arch) {
+                Ok(c) => c,
+                Err(e) => {
+                    return (
+                        i,
+                        Err(RuntimeError::Compile(format!(
+                            "{name}: {e}\n(`fusec build` writes the plan's kernels to kernels/{name}.cu; the tensor-core attention kernels are made at run time, and FUSEC_ATTENTION=simple runs without them)"
+                        ))),
+                    )
+                }
+            };
             if let Some(p) = &path {
                 // A cache that cannot be written only costs time next run.
                 let _ = write_atomic(p, &cubin.image);
             }
             let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             progress(n, total);
-            Ok((cubin.image, state))
+            (i, Ok((cubin.image, state)))
         })
         .collect();
     let mut stats = CacheStats::default();
-    let mut images = Vec::with_capacity(total);
-    for r in results {
+    let mut images = vec![Vec::new(); total];
+    for (i, r) in results {
         let (image, state) = r?;
         match state {
             0 => stats.hits += 1,
@@ -129,9 +181,9 @@ pub fn cubins(
             }
             _ => stats.compiled += 1,
         }
-        images.push(image);
+        images[i] = image;
     }
-    Ok((images, stats))
+    Ok((Cubins { images, of_kernel }, stats))
 }
 
 #[cfg(test)]
@@ -144,6 +196,38 @@ mod tests {
         assert_ne!(key(&["a", "sm_90"]), key(&["a", "sm_80"]));
         assert_ne!(key(&["ab", "c"]), key(&["a", "bc"]));
         assert_eq!(key(&["x"]).len(), 32);
+    }
+
+    /// Kernels that differ only in their names compile once, into one
+    /// cache entry, and each finds its function under the shared name.
+    #[test]
+    fn kernels_that_differ_only_in_name_compile_once() {
+        if !nvrtc::available() {
+            println!("NVRTC not on the loader path: skipped");
+            return;
+        }
+        let body = |name: &str, scale: &str| {
+            format!(
+                "// {name}\nextern \"C\" __global__ void {name}(float* x) {{ x[threadIdx.x] *= {scale}; }}\n"
+            )
+        };
+        let kernels = vec![
+            ("k3_scale".to_string(), body("k3_scale", "2.0f")),
+            ("k9_scale".to_string(), body("k9_scale", "2.0f")),
+            ("k12_scale".to_string(), body("k12_scale", "3.0f")),
+        ];
+        let dir = std::env::temp_dir().join(format!("fusec-cache-dedup-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (c, stats) = cubins(&kernels, "sm_80", Some(&dir), &|_, _| {}).unwrap();
+        assert_eq!(c.of_kernel, [0, 0, 1]);
+        assert_eq!(c.images.len(), 2);
+        assert_eq!((stats.compiled, stats.hits), (2, 0));
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
+        assert_eq!(shared_function("k9_scale", "k9_scale"), SHARED_NAME);
+        // A second run reads both from the cache.
+        let (_, again) = cubins(&kernels, "sm_80", Some(&dir), &|_, _| {}).unwrap();
+        assert_eq!((again.compiled, again.hits), (0, 2));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -355,7 +355,7 @@ impl Executor {
         p: &Program,
         plan: &Plan,
         sources: &[(String, String)],
-        cubins: Vec<Vec<u8>>,
+        cubins: crate::cache::Cubins,
     ) -> Result<Executor, RuntimeError> {
         let free = gpu.free_bytes()?;
         // cuBLASLt's workspace and the context need some room too.
@@ -423,20 +423,25 @@ impl Executor {
             .collect();
         let mut modules: HashMap<usize, std::sync::Arc<cudarc::driver::CudaModule>> =
             HashMap::new();
+        // One module per distinct source, shared by the kernels compiled
+        // from it (cache::SHARED_NAME).
         let mut function = |si: usize, name: &str| -> Result<CudaFunction, RuntimeError> {
-            let module = match modules.get(&si) {
+            let image = cubins.of_kernel[si];
+            let module = match modules.get(&image) {
                 Some(m) => std::sync::Arc::clone(m),
                 None => {
                     let m = gpu
                         .ctx
-                        .load_module(cudarc::nvrtc::Ptx::from_binary(cubins[si].clone()))
+                        .load_module(cudarc::nvrtc::Ptx::from_binary(
+                            cubins.images[image].clone(),
+                        ))
                         .map_err(|e| RuntimeError::driver(&format!("loading kernel {name}"), e))?;
-                    modules.insert(si, std::sync::Arc::clone(&m));
+                    modules.insert(image, std::sync::Arc::clone(&m));
                     m
                 }
             };
             module
-                .load_function(name)
+                .load_function(&crate::cache::shared_function(&sources[si].0, name))
                 .map_err(|e| RuntimeError::driver(&format!("finding kernel {name}"), e))
         };
         let ptr = |b: usize| base + slots[b].offset;

@@ -203,10 +203,11 @@ pub fn start(
     let name = loaded.compiled.model.graph.name.clone();
     let ready: fusec_runtime::ranks::Ready = std::sync::Arc::new(move |rank, ordinal, s| {
         eprintln!(
-            "  rank {rank} on GPU {ordinal}, {} ({}): {} kernels of {name} ready ({} from the cache); arena {:.2} GiB",
+            "  rank {rank} on GPU {ordinal}, {} ({}): {} kernels of {name} ready ({} distinct, {} from the cache); arena {:.2} GiB",
             s.exec.gpu.name,
             s.exec.gpu.arch(),
             s.kernels_generated,
+            s.cache.hits + s.cache.compiled,
             s.cache.hits,
             s.plan.arena_bytes as f64 / (1u64 << 30) as f64
         );

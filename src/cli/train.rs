@@ -161,9 +161,10 @@ pub(super) fn start_graph(
     )
     .map_err(runtime_err)?;
     eprintln!(
-        "\r  {} kernels ready in {:.1} s ({} from the cache, {} compiled); arena {:.2} GiB",
+        "\r  {} kernels ready in {:.1} s ({} distinct: {} from the cache, {} compiled); arena {:.2} GiB",
         s.kernels_generated,
         t0.elapsed().as_secs_f64(),
+        s.cache.hits + s.cache.compiled,
         s.cache.hits,
         s.cache.compiled,
         s.plan.arena_bytes as f64 / (1u64 << 30) as f64
