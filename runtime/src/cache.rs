@@ -130,7 +130,10 @@ pub fn cubins(
     // they would finish alone.
     let mut order: Vec<usize> = (0..total).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(distinct[i].1.len()));
-    let results: Vec<(usize, Result<(Vec<u8>, u8), RuntimeError>)> = order
+    // (distinct source, its image and whether it came from the cache (0),
+    // was compiled (1) or rebuilt over a corrupt entry (2)).
+    type Built = (usize, Result<(Vec<u8>, u8), RuntimeError>);
+    let results: Vec<Built> = order
         .par_iter()
         .with_max_len(1)
         .map(|&i| {
