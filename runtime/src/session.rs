@@ -218,6 +218,22 @@ impl Session {
         self.exec.write(b, &bytes)
     }
 
+    /// Writes the named buffer from values encoded as `dtype` (converted
+    /// where its buffer stores another type).
+    pub fn set_encoded(
+        &mut self,
+        name: &str,
+        dtype: fusec_compiler::ir::DType,
+        bytes: &[u8],
+    ) -> Result<(), RuntimeError> {
+        let b = self.buffer(name)?;
+        if self.exec.slots[b].dtype == dtype {
+            self.exec.write(b, bytes)
+        } else {
+            self.set(name, &decode(dtype, bytes))
+        }
+    }
+
     /// Zeros the named buffer (on the device: no host values to make).
     pub fn zero(&mut self, name: &str) -> Result<(), RuntimeError> {
         let b = self.buffer(name)?;

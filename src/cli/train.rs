@@ -208,6 +208,13 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     } else {
         args
     };
+    // One GPU: the initial weights are drawn on the host while the GPU
+    // opens and the kernels load.
+    let drawing = (world == 1 && !args.cpu).then(|| {
+        let g = loaded.compiled.optimized.clone();
+        let seed = args.seed;
+        std::thread::spawn(move || backend::draw_params(&g, seed))
+    });
     let mut backend: Box<dyn Backend> = if world > 1 {
         let options = SessionOptions {
             deterministic: args.deterministic,
@@ -255,7 +262,11 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         );
     }
     let t_init = Instant::now();
-    backend::init_params(b, args.seed).map_err(runtime_err)?;
+    match drawing.and_then(|h| h.join().ok().flatten()) {
+        Some(drawn) => backend::init_params_drawn(b, drawn),
+        None => backend::init_params(b, args.seed),
+    }
+    .map_err(runtime_err)?;
     if !args.cpu {
         eprintln!(
             "  weights initialized in {:.1} s",
