@@ -506,3 +506,49 @@ fn export_torch_names_what_python_cannot_hold() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An awkward MLP width and untied head are padded, the report says so,
+/// and `--disable-pass` leaves the pass out (an unknown name is an error
+/// that lists the passes).
+#[test]
+fn awkward_sizes_are_padded_and_a_pass_can_be_left_out() {
+    let dir = std::env::temp_dir().join(format!("fusec-cli-pad-{}", std::process::id()));
+    let model = "tests/models/twins/gqa-hd80.dsl";
+    let out_dir = dir.to_str().unwrap();
+    let args = ["build", model, "--batch", "2", "--seq", "16", "-o", out_dir];
+    let (code, _, err) = fusec(&args);
+    assert_eq!(code, 0, "{err}");
+    let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+    assert!(
+        report.contains("padded size 1713 -> 1728 (pad-dims)"),
+        "{report}"
+    );
+    assert!(
+        report.contains("padded size 5003 -> 5056 (pad-dims)"),
+        "{report}"
+    );
+    assert!(report.contains("layer.0.w_down"), "{report}");
+    let mut off = args.to_vec();
+    off.extend(["--disable-pass", "pad-dims"]);
+    let (code, _, err) = fusec(&off);
+    assert_eq!(code, 0, "{err}");
+    let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+    assert!(!report.contains("padded size"), "{report}");
+    let (code, _, err) = fusec(&["check", model, "--disable-pass", "nope"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("there is no pass `nope`") && err.contains("pad-dims"),
+        "{err}"
+    );
+    let (code, _, err) = fusec(&[
+        "build",
+        model,
+        "--disable-pass",
+        "cse",
+        "--dump-after",
+        "cse",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("left out by --disable-pass cse"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -44,6 +44,8 @@ pub struct Compiled {
     /// The step after the pass pipeline.
     pub optimized: Graph,
     pub pass_stats: Vec<(&'static str, PassStats)>,
+    /// The passes `--disable-pass` left out.
+    pub disabled_passes: Vec<String>,
 }
 
 impl Compiled {
@@ -53,7 +55,10 @@ impl Compiled {
         if forward_pipeline().iter().any(|p| p.name() == pass) {
             return Some(self.model.graph.clone());
         }
-        let passes = default_pipeline();
+        let passes: Vec<_> = default_pipeline()
+            .into_iter()
+            .filter(|p| !self.disabled_passes.iter().any(|d| d == p.name()))
+            .collect();
         let upto = passes.iter().position(|p| p.name() == pass)?;
         let mut g = self.training.clone();
         run_pipeline(&mut g, &passes[..=upto], |_, _| {}).ok()?;
@@ -173,6 +178,7 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
         training,
         optimized,
         pass_stats,
+        disabled_passes: opts.disabled_passes.clone(),
     })
 }
 

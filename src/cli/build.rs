@@ -206,6 +206,11 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         }
     }
     if let Some(pass) = &args.dump_after {
+        if c.disabled_passes.contains(pass) {
+            return Err(CliError::usage(format!(
+                "error: --dump-after {pass}: that pass is left out by --disable-pass {pass}"
+            )));
+        }
         let g = c
             .graph_after(pass)
             .ok_or_else(|| CliError::usage(format!("error: unknown pass `{pass}`")))?;
