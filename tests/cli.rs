@@ -552,3 +552,35 @@ fn awkward_sizes_are_padded_and_a_pass_can_be_left_out() {
     assert!(err.contains("left out by --disable-pass cse"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Sizes that make a slice run past its axis (BERT's 512 positions at
+/// `--seq 1024`) are an error at the slice's place in the model file, not
+/// a read past the table's end.
+#[test]
+fn a_sequence_longer_than_the_position_table_is_refused() {
+    let dir = std::env::temp_dir().join(format!("fusec-cli-slice-{}", std::process::id()));
+    let out_dir = dir.to_str().unwrap();
+    let bert = "dsl-examples/bert-encoder.dsl";
+    let (code, _, err) = fusec(&[
+        "build", bert, "--batch", "2", "--seq", "1024", "-o", out_dir,
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("this slice [0:1024] runs past the end of an axis of 512")
+            && err.contains("bert-encoder.dsl:49:46"),
+        "{err}"
+    );
+    let (code, _, err) = fusec(&["build", bert, "--batch", "2", "--seq", "512", "-o", out_dir]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = fusec(&[
+        "bench",
+        "dsl-examples/gpt2-small.dsl",
+        "--batch",
+        "1",
+        "--seq",
+        "2048",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("gpt2-small.dsl:48:34"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

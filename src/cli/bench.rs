@@ -130,6 +130,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
     }
     let loaded = load(&args.model)?;
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
+    super::common::check_sizes(&loaded, &dims)?;
     let options = SessionOptions {
         deterministic: args.deterministic,
     };
@@ -248,6 +249,7 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     let world = job.world();
     let loaded = load_ranks(&args.model, world as u32)?;
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
+    super::common::check_sizes(&loaded, &dims)?;
     let options = SessionOptions {
         deterministic: args.deterministic,
     };

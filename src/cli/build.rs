@@ -293,6 +293,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     let dims = args.sizes.resolve(&c.optimized.dims)?;
     let missing = super::common::missing(&dims, &c.optimized.dims);
     let plan_note = if missing.is_empty() {
+        super::common::check_sizes(&loaded, &dims)?;
         let plan = plan_with(&c.optimized, &program, Some(&selection), &dims)
             .map_err(|e| CliError::usage(format!("error: {e}")))?;
         let p = args.out.join("plan.json");

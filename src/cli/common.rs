@@ -77,6 +77,17 @@ impl SizeArgs {
     }
 }
 
+/// The model checked at the sizes given: a slice that runs past its axis
+/// at these sizes (BERT's `position_embeddings[0:T]` at `--seq 1024`, a
+/// table of 512 rows) is an error at its place in the model file.
+pub fn check_sizes(
+    loaded: &Loaded,
+    dims: &std::collections::BTreeMap<String, i64>,
+) -> Result<(), CliError> {
+    fusec_compiler::ir::sizes::check(&loaded.compiled.optimized, dims)
+        .map_err(|d| CliError::usage(d.render(&loaded.path.display().to_string(), &loaded.source)))
+}
+
 pub struct Loaded {
     pub path: PathBuf,
     /// `--set` and `--precision` as given, to compile the model again

@@ -194,6 +194,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         .unwrap_or(loaded.compiled.model.train.optimizer.lr());
     // Each rank's sizes; the data is fed for all of them together.
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
+    super::common::check_sizes(&loaded, &dims)?;
     let data_dims = parallel::whole_batch(&dims, world);
     // Only rank 0 of a launched job writes files and progress.
     let quiet = !job.writes();

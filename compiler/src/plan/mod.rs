@@ -216,6 +216,8 @@ pub fn plan_with(
             missing.join(", ")
         )));
     }
+    crate::ir::sizes::check(g, dims)
+        .map_err(|d| PlanError(format!("{} ({})", d.message, d.help.join("; "))))?;
     let env = |s: &str| dims.get(s).copied();
     let grads: HashMap<_, _> = g
         .outputs
