@@ -7,6 +7,7 @@ pub mod check;
 mod common;
 pub mod explain;
 pub mod export;
+mod feed;
 pub mod parallel;
 mod profile;
 mod schedule;
