@@ -39,3 +39,34 @@ pub fn check(g: &Graph, dims: &BTreeMap<String, i64>) -> Result<(), Diagnostic> 
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn graph() -> (Graph, String) {
+        let src = "dim B, T\ninput x: f32[B, T, 2]\nparam pos: [4, 2] = normal(0.1)\nlet y = x + pos[0:T]\ntrain {\n    loss = mean(y * y)\n}\n";
+        let ast = crate::dsl::parse(src).unwrap();
+        let model = crate::elaborate::elaborate(&ast, "pos", &Default::default()).unwrap();
+        (model.graph, src.to_string())
+    }
+
+    fn sizes(t: i64) -> BTreeMap<String, i64> {
+        [("B".to_string(), 2), ("T".to_string(), t)].into()
+    }
+
+    #[test]
+    fn a_slice_within_its_axis_passes_and_one_past_it_is_placed_in_the_file() {
+        let (g, src) = graph();
+        assert!(check(&g, &sizes(4)).is_ok());
+        assert!(check(&g, &sizes(1)).is_ok());
+        let d = check(&g, &sizes(5)).unwrap_err();
+        assert!(
+            d.message.contains("this slice [0:5] runs past the end of an axis of 4"),
+            "{}",
+            d.message
+        );
+        let text = d.render("pos.dsl", &src);
+        assert!(text.contains("pos.dsl:4:13"), "{text}");
+    }
+}
