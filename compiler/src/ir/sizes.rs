@@ -62,7 +62,8 @@ mod tests {
         assert!(check(&g, &sizes(1)).is_ok());
         let d = check(&g, &sizes(5)).unwrap_err();
         assert!(
-            d.message.contains("this slice [0:5] runs past the end of an axis of 4"),
+            d.message
+                .contains("this slice [0:5] runs past the end of an axis of 4"),
             "{}",
             d.message
         );
