@@ -208,7 +208,7 @@ pub fn report_with_source(
         .copied()
         .unwrap_or(0);
     let _ = writeln!(s, "  (parameters are {} in f32)", gib(params));
-    padded_sizes(&mut s, g);
+    padded_sizes(&mut s, g, p, plan);
     padding(&mut s, p, plan);
     buckets(&mut s, g, p, plan);
     let compute: f64 = est
@@ -276,16 +276,32 @@ pub fn report_with_source(
 }
 
 /// The awkward sizes the `pad-dims` pass padded: what reads them padded,
-/// and the cost (every tensor of that size grows by the same fraction).
-fn padded_sizes(s: &mut String, g: &Graph) {
+/// and the cost: the padded share of every planned buffer with an axis of
+/// the padded size (forward and backward tensors alike, each counted once
+/// whatever its lifetime).
+fn padded_sizes(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
     for pd in &g.padded {
+        let padded = crate::ir::Dim::constant(pd.to);
+        let extra: u64 = plan
+            .buffers
+            .iter()
+            .enumerate()
+            .take(p.buffers.len())
+            .filter(|(b, pb)| {
+                pb.alias_of.is_none()
+                    && pb.shares_with.is_none()
+                    && p.buffers[*b].ty.shape.contains(&padded)
+            })
+            .map(|(_, pb)| pb.bytes * (pd.to - pd.size) as u64 / pd.to as u64)
+            .sum();
         let _ = writeln!(
             s,
-            "padded size {} -> {} (pad-dims): {} tensors of the forward pass {:.1}% larger, their products aligned",
+            "padded size {} -> {} (pad-dims): {} tensors of the forward pass {:.1}% larger (+{} over the buffers of that size), their products aligned",
             pd.size,
             pd.to,
             pd.widened,
-            100.0 * (pd.to - pd.size) as f64 / pd.size as f64
+            100.0 * (pd.to - pd.size) as f64 / pd.size as f64,
+            kib(extra)
         );
         let _ = writeln!(
             s,
