@@ -132,10 +132,18 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
         ],
         vec![("B", 2), ("T", 3)],
     );
+    // In f32 with 131 classes: the bias and the last weight read padded to
+    // 136, the cross-entropy's scalar (not 16-byte) path over 131 of them.
+    let awkward_f32 = (
+        "mlp.dsl",
+        vec![("d_in", "37"), ("d_hidden", "64"), ("classes", "131")],
+        vec![("B", 5)],
+    );
     let (mut pitches, mut zero_rows, mut pads, mut padded_sizes) = (0, 0, Vec::new(), Vec::new());
-    for (file, sets, dims) in common::tiny_models()
-        .into_iter()
-        .chain([padded, bert, awkward])
+    for (file, sets, dims) in
+        common::tiny_models()
+            .into_iter()
+            .chain([padded, bert, awkward, awkward_f32])
     {
         let (name, src) = common::example(file);
         let c = common::compile_with(&src, &name, &sets);
@@ -327,8 +335,8 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
     }
     assert_eq!(
         padded_sizes,
-        [(131, 136), (1003, 1008)],
-        "pad-dims should pad the awkward model's MLP width and untied head, and nothing in the shipped models"
+        [(131, 136), (1003, 1008), (131, 136)],
+        "pad-dims should pad the awkward models' MLP width, untied head and classes, and nothing in the shipped models"
     );
     // The logits and their gradient, in GPT-2 and in BERT.
     assert_eq!(

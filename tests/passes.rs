@@ -213,3 +213,38 @@ train {
     let feeds = random_feeds(&plain, &common::dims(&[("B", 2), ("T", 3)]), 9).unwrap();
     assert_same("norm", &outputs(&plain, &feeds), &outputs(&padded, &feeds));
 }
+
+/// In f32 (weights read as parameters, no compute copy), with biases and
+/// relu: a padded hidden width (both layers' weights, the first bias), and
+/// padded classes (the last weight's columns and bias, a cross-entropy
+/// told its classes). A square awkward weight is read padded along one
+/// axis only. Every case's step is the same with and without padding.
+#[test]
+fn padding_an_f32_mlp_with_biases_changes_no_result() {
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str]);
+    let cases: [Case; 3] = [
+        (
+            &[("d_hidden", "131"), ("classes", "10")],
+            &["w1", "b1", "w2"],
+        ),
+        (&[("d_hidden", "64"), ("classes", "131")], &["w2", "b2"]),
+        (
+            &[("d_hidden", "131"), ("classes", "131")],
+            &["w1", "b1", "w2"],
+        ),
+    ];
+    for (sets, params) in cases {
+        let sets: Vec<(&str, &str)> = [("d_in", "37")].iter().chain(sets).copied().collect();
+        let plain = compile_without("mlp.dsl", &sets, &["pad-dims"]);
+        let padded = compile_without("mlp.dsl", &sets, &[]);
+        let got: Vec<(i64, i64)> = padded.padded.iter().map(|p| (p.size, p.to)).collect();
+        assert_eq!(got, [(131, 136)], "{sets:?}");
+        assert_eq!(padded.padded[0].params, params, "{sets:?}");
+        let feeds = random_feeds(&plain, &common::dims(&[("B", 5)]), 11).unwrap();
+        assert_same(
+            &format!("{sets:?}"),
+            &outputs(&plain, &feeds),
+            &outputs(&padded, &feeds),
+        );
+    }
+}

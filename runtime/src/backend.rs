@@ -182,7 +182,6 @@ pub fn init_params(b: &mut dyn Backend, seed: u64) -> Result<(), RuntimeError> {
 /// opening the GPU and loading the kernels. None if a parameter's size is
 /// not a constant.
 pub fn draw_params(g: &Graph, seed: u64) -> Option<Vec<(String, Vec<u8>)>> {
-    const CHUNK: usize = 1 << 16;
     let mut out = Vec::with_capacity(g.params.len());
     for (i, p) in g.params.iter().enumerate() {
         let n =
@@ -190,17 +189,9 @@ pub fn draw_params(g: &Graph, seed: u64) -> Option<Vec<(String, Vec<u8>)>> {
                 .iter()
                 .map(|d| d.as_const().and_then(|x| usize::try_from(x).ok()))
                 .product::<Option<usize>>()?;
-        let dt = p.ty.dtype;
-        let size = dt.size_bytes();
-        let mut bytes = vec![0u8; n * size];
-        bytes
-            .par_chunks_mut(CHUNK * size)
-            .enumerate()
-            .for_each(|(k, chunk)| {
-                let mut values = vec![0.0; chunk.len() / size];
-                init_values(&p.init, seed, i as u64, k * CHUNK, &mut values);
-                chunk.copy_from_slice(&crate::exec::encode(dt, &values));
-            });
+        let bytes = crate::exec::encode_filled(p.ty.dtype, n, &|start, values| {
+            init_values(&p.init, seed, i as u64, start, values)
+        });
         out.push((p.name.clone(), bytes));
     }
     Some(out)

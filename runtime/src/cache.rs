@@ -206,6 +206,10 @@ mod tests {
     #[test]
     fn kernels_that_differ_only_in_name_compile_once() {
         if !nvrtc::available() {
+            assert!(
+                std::env::var("FUSEC_REQUIRE_NVRTC").is_err(),
+                "FUSEC_REQUIRE_NVRTC is set but libnvrtc is not on the loader path"
+            );
             println!("NVRTC not on the loader path: skipped");
             return;
         }

@@ -1066,6 +1066,25 @@ pub fn allow_dynamic_smem(
 
 /// Host values as a buffer's bytes (in parallel chunks: a large parameter
 /// is tens of millions of values).
+/// `n` values encoded as `dt` stores them, drawn by `fill(start, out)`
+/// (values `start..start + out.len()`, any chunk, any order) in parallel
+/// chunks: how a parameter's initial values are made.
+pub fn encode_filled(dt: DType, n: usize, fill: &(dyn Fn(usize, &mut [f64]) + Sync)) -> Vec<u8> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    let size = dt.size_bytes();
+    let mut bytes = vec![0u8; n * size];
+    bytes
+        .par_chunks_mut(CHUNK * size)
+        .enumerate()
+        .for_each(|(k, out)| {
+            let mut values = vec![0.0; out.len() / size];
+            fill(k * CHUNK, &mut values);
+            out.copy_from_slice(&encode_serial(dt, &values));
+        });
+    bytes
+}
+
 pub fn encode(dt: DType, values: &[f64]) -> Vec<u8> {
     use rayon::prelude::*;
     const CHUNK: usize = 1 << 20;

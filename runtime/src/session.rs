@@ -200,21 +200,11 @@ impl Session {
         name: &str,
         fill: &(dyn Fn(usize, &mut [f64]) + Sync),
     ) -> Result<(), RuntimeError> {
-        use rayon::prelude::*;
-        const CHUNK: usize = 1 << 16;
         let b = self.buffer(name)?;
         let slot = &self.exec.slots[b];
         let dt = slot.dtype;
-        let size = dt.size_bytes();
-        let mut bytes = vec![0u8; slot.packed_bytes() as usize];
-        bytes
-            .par_chunks_mut(CHUNK * size)
-            .enumerate()
-            .for_each(|(k, out)| {
-                let mut values = vec![0.0; out.len() / size];
-                fill(k * CHUNK, &mut values);
-                out.copy_from_slice(&encode(dt, &values));
-            });
+        let n = slot.packed_bytes() as usize / dt.size_bytes();
+        let bytes = crate::exec::encode_filled(dt, n, fill);
         self.exec.write(b, &bytes)
     }
 

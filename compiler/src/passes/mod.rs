@@ -108,26 +108,36 @@ pub fn run_pipeline(
 
 /// Points every reader of `from` at `to` instead (and any graph output).
 pub(crate) fn replace_uses(g: &mut Graph, from: crate::ir::Value, to: crate::ir::Value) {
-    for (user, slot) in g.users(from) {
-        let e =
-            g.g.edges_connecting(from.node, user)
-                .find(|e| e.weight().src_port == from.port && e.weight().dst_slot == slot)
-                .map(|e| petgraph::visit::EdgeRef::id(&e));
-        if let Some(e) = e {
-            let w = g.g.remove_edge(e).expect("edge exists");
-            g.g.add_edge(
-                to.node,
-                user,
-                crate::ir::graph::Edge {
-                    src_port: to.port,
-                    dst_slot: w.dst_slot,
-                },
-            );
-        }
+    for reader in g.users(from) {
+        replace_use(g, from, to, reader);
     }
     for (_, v) in g.outputs.iter_mut() {
         if *v == from {
             *v = to;
         }
+    }
+}
+
+/// Points one reader (node, input slot) of `from` at `to` instead.
+pub(crate) fn replace_use(
+    g: &mut Graph,
+    from: crate::ir::Value,
+    to: crate::ir::Value,
+    (user, slot): (petgraph::stable_graph::NodeIndex, usize),
+) {
+    let e =
+        g.g.edges_connecting(from.node, user)
+            .find(|e| e.weight().src_port == from.port && e.weight().dst_slot == slot)
+            .map(|e| petgraph::visit::EdgeRef::id(&e));
+    if let Some(e) = e {
+        let w = g.g.remove_edge(e).expect("edge exists");
+        g.g.add_edge(
+            to.node,
+            user,
+            crate::ir::graph::Edge {
+                src_port: to.port,
+                dst_slot: w.dst_slot,
+            },
+        );
     }
 }

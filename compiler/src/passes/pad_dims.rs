@@ -29,7 +29,7 @@
 //! are built at the padded sizes too.
 
 use super::Pass;
-use crate::ir::graph::{Edge, PaddedSize, Phase};
+use crate::ir::graph::{PaddedSize, Phase};
 use crate::ir::{Dim, Graph, Value};
 use crate::ops::{BinaryKind, Op, Slice, SliceGrad, UnaryKind};
 use petgraph::stable_graph::NodeIndex;
@@ -236,44 +236,28 @@ fn region(g: &Graph, n: i64, order: &[NodeIndex]) -> Option<Region> {
     (!r.pads.is_empty() && !outputs).then_some(r)
 }
 
-/// Points reader (user, slot) of `from` at `to`.
-fn rewire(g: &mut Graph, from: Value, to: Value, (user, slot): (NodeIndex, usize)) {
-    let e =
-        g.g.edges_connecting(from.node, user)
-            .find(|e| e.weight().src_port == from.port && e.weight().dst_slot == slot)
-            .map(|e| petgraph::visit::EdgeRef::id(&e))
-            .expect("the reader's edge");
-    g.g.remove_edge(e);
-    g.g.add_edge(
-        to.node,
-        user,
-        Edge {
-            src_port: to.port,
-            dst_slot: slot,
-        },
-    );
+/// Adds `op` on `v` in the forward pass and points `readers` at it.
+fn insert_for(g: &mut Graph, v: Value, op: Op, readers: &[(NodeIndex, usize)]) {
+    let span = g.g[v.node].span;
+    let what = op.name();
+    let out = g
+        .add(op, &[v], span, Phase::Forward)
+        .unwrap_or_else(|e| panic!("internal: {what} of a padded tensor: {e:?}"))[0];
+    for &at in readers {
+        super::replace_use(g, v, out, at);
+    }
 }
 
 /// Reads the region's weights padded, widens its tensors and slices them
 /// back for the readers that need the model's size.
 fn apply(g: &mut Graph, r: &Region, to: i64) {
     for (&(w, axis), readers) in &r.pads {
-        let span = g.g[w.node].span;
-        let pad = g
-            .add(
-                Op::SliceGrad(SliceGrad {
-                    axis,
-                    start: Dim::constant(0),
-                    full: Dim::constant(to),
-                }),
-                &[w],
-                span,
-                Phase::Forward,
-            )
-            .expect("zero-padding a weight along one of its axes")[0];
-        for &at in readers {
-            rewire(g, w, pad, at);
-        }
+        let pad = SliceGrad {
+            axis,
+            start: Dim::constant(0),
+            full: Dim::constant(to),
+        };
+        insert_for(g, w, Op::SliceGrad(pad), readers);
     }
     // Each widened node's types again, producers first.
     for node in g.topo_order() {
@@ -293,23 +277,12 @@ fn apply(g: &mut Graph, r: &Region, to: i64) {
         }
     }
     for (&v, readers) in &r.slices {
-        let axis = r.widened[&v];
-        let span = g.g[v.node].span;
-        let back = g
-            .add(
-                Op::Slice(Slice {
-                    axis,
-                    start: Dim::constant(0),
-                    end: Dim::constant(r.n),
-                }),
-                &[v],
-                span,
-                Phase::Forward,
-            )
-            .expect("slicing a widened tensor back")[0];
-        for &at in readers {
-            rewire(g, v, back, at);
-        }
+        let back = Slice {
+            axis: r.widened[&v],
+            start: Dim::constant(0),
+            end: Dim::constant(r.n),
+        };
+        insert_for(g, v, Op::Slice(back), readers);
     }
 }
 
