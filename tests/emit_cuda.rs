@@ -161,6 +161,7 @@ fn every_kernel_of_every_model_file_has_code_to_run_it() {
                 let target = Target {
                     arch,
                     deterministic: false,
+                    multiprocessors: 132,
                 };
                 let s = select(&c.optimized, &program, &target, None);
                 for (k, choice) in program.kernels.iter().zip(&s.choices) {

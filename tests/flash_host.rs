@@ -424,7 +424,7 @@ fn a_broken_wgmma_layout_is_caught() {
             false,
         ),
         // The key tiles copied from the next row on.
-        ((FWD, "x * KT::ATOM, (int)kv_h, k0, (int)b", "x * KT::ATOM, (int)kv_h, k0 + 1, (int)b"), true),
+        ((FWD, "x * KT::ATOM, kv_h, k0, (int)b", "x * KT::ATOM, kv_h, k0 + 1, (int)b"), true),
         // The host copy writes rows unswizzled (the emulated wgmma still reads them swizzled).
         (
             (
@@ -506,6 +506,69 @@ fn a_broken_wgmma_layout_is_caught() {
     check_mutations("hopper-mutations-d80", &d80, &swizzle32);
 }
 
+/// The persistent Hopper forward's order (`ForwardSchedule`), compiled on
+/// the host: over query tiles, heads, batches, grouped-query ratios and key
+/// lengths, some whose keys and values fill L2 several times over (so that
+/// the heads fall into sections, the last one short), every (query tile,
+/// head, batch) item is visited exactly once, the sections' heads in order,
+/// and causal items come longest first within each section.
+#[test]
+fn the_persistent_forward_visits_every_item_once() {
+    if !host::have_cxx() {
+        return;
+    }
+    let cpp = String::from("#include \"block_shim.h\"\n#include \"mma_emu.h\"\n")
+        + fusec_compiler::emit::PRELUDE
+        + r#"
+#include "attention/forward_sm90.cuh"
+#include <cstdio>
+#include <vector>
+int main() {
+    const long long lens[] = {1, 100, 1024, 8192, 100000};
+    int checked = 0;
+    for (long long q_len : {1LL, 17LL, 192LL, 1000LL, 4096LL})
+        for (long long kv_len : lens)
+            for (long long heads : {1LL, 3LL, 8LL, 25LL})
+                for (long long group : {1LL, 2LL, 8LL})
+                    for (long long batch : {1LL, 2LL, 5LL}) {
+                        if (heads % group) continue;
+                        fs_attn::ForwardArgs a{};
+                        a.batch = batch, a.q_heads = heads, a.q_len = q_len, a.kv_len = kv_len, a.group = group;
+                        const int tile_q = 192;
+                        const fs_attn::ForwardSchedule s(a, tile_q, 256);
+                        const long long tiles_q = (q_len + tile_q - 1) / tile_q;
+                        if (s.items != tiles_q * heads * batch) { printf("items %d\n", s.items); return 1; }
+                        std::vector<int> seen(s.items, 0);
+                        long long last_hb = -1, last_rank_q0 = 0, last_section = -1;
+                        for (long long i = 0; i < s.items; ++i) {
+                            int q0, h, b;
+                            s.at<true>(i, tile_q, q0, h, b);
+                            if (q0 < 0 || q0 >= q_len || q0 % tile_q || h < 0 || h >= heads || b < 0 || b >= batch) {
+                                printf("item %lld out of range: q0 %d h %d b %d\n", i, q0, h, b);
+                                return 1;
+                            }
+                            const long long section = (b * heads + h) / s.section;
+                            if (section < last_section) { printf("sections out of order at %lld\n", i); return 1; }
+                            if (section == last_section && q0 > last_rank_q0) { printf("a longer tile after a shorter at %lld\n", i); return 1; }
+                            last_section = section, last_rank_q0 = q0, last_hb = b * heads + h;
+                            if (seen[(q0 / tile_q * batch + b) * heads + h]++) { printf("item %lld twice\n", i); return 1; }
+                        }
+                        (void)last_hb;
+                        ++checked;
+                    }
+    printf("%d launches\n", checked);
+    return 0;
+}
+"#;
+    let work = host::work_dir("flash-schedule");
+    let exe = host::build(&work, "schedule", &cpp);
+    let out = std::process::Command::new(&exe).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    println!("{text}");
+    let _ = std::fs::remove_dir_all(&work);
+}
+
 #[test]
 fn flash_attention_compiles_with_nvrtc_without_spills() {
     if !common::nvrtc_ready() {
@@ -585,7 +648,7 @@ fn unsupported_attention_gets_no_flash_kernel() {
             }
             seen += 1;
             for arch in [FlashArch::Sm80, FlashArch::Sm90a] {
-                assert!(flash_forward(&c.optimized, &program, k, n, None, arch).is_none());
+                assert!(flash_forward(&c.optimized, &program, k, n, None, arch, 132).is_none());
             }
         }
         assert_eq!(seen, 1);

@@ -23,14 +23,17 @@ pub struct Target {
     pub arch: Option<FlashArch>,
     /// The attention backward without atomics (bit-identical runs).
     pub deterministic: bool,
+    /// Multiprocessors of the GPU, the persistent kernels' grid.
+    pub multiprocessors: u32,
 }
 
 /// Device names `fusec build --device` takes, the architecture each
-/// compiles for, and the attention family it runs.
-pub const DEVICES: &[(&str, &str, Option<FlashArch>)] = &[
-    ("h100", "sm_90a", Some(FlashArch::Sm90a)),
-    ("h200", "sm_90a", Some(FlashArch::Sm90a)),
-    ("a100", "sm_80", Some(FlashArch::Sm80)),
+/// compiles for, the attention family it runs and its multiprocessors
+/// (the SXM parts'; the runtime uses the count of the GPU it runs on).
+pub const DEVICES: &[(&str, &str, Option<FlashArch>, u32)] = &[
+    ("h100", "sm_90a", Some(FlashArch::Sm90a), 132),
+    ("h200", "sm_90a", Some(FlashArch::Sm90a), 132),
+    ("a100", "sm_80", Some(FlashArch::Sm80), 108),
 ];
 
 impl Target {
@@ -39,6 +42,7 @@ impl Target {
         DEVICES.iter().find(|d| d.0 == name).map(|d| Target {
             arch: d.2,
             deterministic,
+            multiprocessors: d.3,
         })
     }
 
@@ -47,6 +51,7 @@ impl Target {
         Target {
             arch: None,
             deterministic: false,
+            multiprocessors: 1,
         }
     }
 
@@ -114,7 +119,8 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
             Body::Op(n) if matches!(g.g[*n].op, Op::Attention(_) | Op::AttentionGrad(_)) => {
                 let chosen = target.arch.and_then(|arch| match g.g[*n].op {
                     Op::Attention(_) => {
-                        flash::flash_forward(g, p, k, *n, source, arch).map(|f| vec![f])
+                        flash::flash_forward(g, p, k, *n, source, arch, target.multiprocessors)
+                            .map(|f| vec![f])
                     }
                     _ => flash::flash_backward(g, p, k, *n, source, target.deterministic, arch),
                 });

@@ -130,8 +130,8 @@ struct DkDvDqSm90 {
                 }
             }
         } else {
-            load_core_rows<TILE_K, D, DP, THREADS>(k_tile, a.k, b, k0, kv_h, a.kv_len);
-            load_core_rows<TILE_K, DV, DVP, THREADS>(v_tile, a.v, b, k0, kv_h, a.kv_len);
+            load_core_rows<TILE_K, D, DP, THREADS>(k_tile, a.k, b, k0, kv_h, a.kv_len, threadIdx.x);
+            load_core_rows<TILE_K, DV, DVP, THREADS>(v_tile, a.v, b, k0, kv_h, a.kv_len, threadIdx.x);
         }
         if (threadIdx.x == 0) {
             for (int s = 0; s < STAGES; ++s) {

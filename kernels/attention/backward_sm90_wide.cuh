@@ -105,8 +105,8 @@ struct DkDvDqSm90Wide {
 
         // 1. The block's keys and values, by every thread (rows past kv_len zero;
         //    their dK, dV are never stored).
-        load_core_rows<TILE_K, D, DP, THREADS>(k_tile, a.k, b, k0, kv_h, a.kv_len);
-        load_core_rows<TILE_K, DV, DVP, THREADS>(v_tile, a.v, b, k0, kv_h, a.kv_len);
+        load_core_rows<TILE_K, D, DP, THREADS>(k_tile, a.k, b, k0, kv_h, a.kv_len, threadIdx.x);
+        load_core_rows<TILE_K, DV, DVP, THREADS>(v_tile, a.v, b, k0, kv_h, a.kv_len, threadIdx.x);
         if (threadIdx.x == 0) {
             for (int s = 0; s < STAGES; ++s) {
                 fs_mbar_init(&q_full[s], 1 + LOADERS);  // the copies' issuer, then each loader's stores

@@ -195,7 +195,7 @@ struct ForwardArgs {
     In q, k, v;
     Out o;
     Rows<float> lse;
-    fs_i64 q_len, kv_len, group;
+    fs_i64 batch, q_heads, q_len, kv_len, group;
     float scale_log2;  // scale * log2(e): exp(x * scale) = exp2(x * scale_log2)
 };
 

@@ -110,6 +110,10 @@ __device__ __forceinline__ void fs_atomic_add4(float* p, const float* s) {
 }
 // p[0], p[1] = a, b (p 8-byte aligned).
 __device__ __forceinline__ void fs_st_f32x2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+// *p += 1 in global memory, atomically; the value before.
+__device__ __forceinline__ unsigned fs_atomic_inc(unsigned* p) { return atomicAdd(p, 1u); }
+__device__ __forceinline__ void fs_atomic_clear(unsigned* p) { atomicExch(p, 0u); }
+__device__ __forceinline__ void fs_threadfence() { __threadfence(); }
 #else
 // `sw`: the swizzle's bytes per row (0: none).
 struct fs_desc {
@@ -193,6 +197,9 @@ inline void fs_st_f32x2(float* p, float a, float b) {
     p[0] = a;
     p[1] = b;
 }
+inline unsigned fs_atomic_inc(unsigned* p) { return std::atomic_ref<unsigned>(*p).fetch_add(1); }
+inline void fs_atomic_clear(unsigned* p) { std::atomic_ref<unsigned>(*p).store(0); }
+inline void fs_threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 #endif
 
 #include "wgmma_ops.cuh"
@@ -266,11 +273,13 @@ struct CoreTile {
 };
 
 // Copies rows row0 .. row0 + ROWS - 1 of head h of `x` into a CoreTile<PADDED>
-// with cp.async, 16 bytes per thread and step (rows at or past `len` and
-// features past WIDTH zero); the caller commits and waits.
+// with cp.async, 16 bytes per thread and step, by the THREADS threads whose
+// index among them is `tid` (rows at or past `len` and features past WIDTH
+// zero); the caller commits and waits.
 template <int ROWS, int WIDTH, int PADDED, int THREADS>
-__device__ __forceinline__ void load_core_rows(unsigned short* tile, const In& x, fs_i64 b, fs_i64 row0, fs_i64 h, fs_i64 len) {
-    for (int t = threadIdx.x; t < ROWS * (PADDED / 8); t += THREADS) {
+__device__ __forceinline__ void load_core_rows(unsigned short* tile, const In& x, fs_i64 b, fs_i64 row0, fs_i64 h, fs_i64 len,
+                                               int tid) {
+    for (int t = tid; t < ROWS * (PADDED / 8); t += THREADS) {
         int r, c;
         CoreTile<PADDED>::chunk(t, r, c);
         const fs_i64 i = row0 + r;

@@ -186,6 +186,7 @@ pub fn run(
     let target = Target {
         arch: if flash { gpu.flash_arch()? } else { None },
         deterministic,
+        multiprocessors: gpu.multiprocessors,
     };
     let selection = select(g, &p, &target, None);
     let plan =

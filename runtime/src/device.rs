@@ -14,6 +14,8 @@ pub struct Gpu {
     /// Compute capability, e.g. (9, 0).
     pub capability: (i32, i32),
     pub total_bytes: u64,
+    /// Streaming multiprocessors (132 on an H100 SXM, 114 on the PCIe part).
+    pub multiprocessors: u32,
 }
 
 impl Gpu {
@@ -97,6 +99,12 @@ pub fn open(ordinal: usize) -> Result<Gpu, RuntimeError> {
     let total_bytes =
         ctx.total_mem()
             .map_err(|e| RuntimeError::driver("reading the memory size", e))? as u64;
+    let multiprocessors = ctx
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+        .map_err(|e| RuntimeError::driver("reading the multiprocessor count", e))?
+        .max(1) as u32;
     let stream = ctx
         .new_stream()
         .map_err(|e| RuntimeError::driver("creating a stream", e))?;
@@ -107,6 +115,7 @@ pub fn open(ordinal: usize) -> Result<Gpu, RuntimeError> {
         name,
         capability,
         total_bytes,
+        multiprocessors,
     })
 }
 

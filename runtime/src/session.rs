@@ -88,6 +88,7 @@ impl Session {
         let target = Target {
             arch: gpu.flash_arch()?,
             deterministic: options.deterministic,
+            multiprocessors: gpu.multiprocessors,
         };
         let selection = select(graph, &program, &target, None);
         let plan = plan_with(graph, &program, Some(&selection), dims)

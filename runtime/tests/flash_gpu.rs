@@ -182,17 +182,25 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
     {
         let case = Case::new(cfg, false, 5);
         let g = &case.c.optimized;
-        let fl = flash_forward(g, &case.p, case.k(), case.node, None, arch)
+        let fl = flash_forward(g, &case.p, case.k(), case.node, None, arch, gpu.multiprocessors)
             .expect("a supported attention")
             .launch;
         let (func, registers) = load(&gpu, &case.k().name, &fl.source);
         let smem = fl.dynamic_smem_bytes as u32;
         fusec_runtime::exec::allow_dynamic_smem(&func, &case.k().name, smem, &gpu, "-").unwrap();
-        let bufs = case.upload(&gpu);
+        let mut bufs = case.upload(&gpu);
         let ptrs: Vec<u64> = bufs.iter().map(|s| s.device_ptr(&gpu.stream).0).collect();
         let sizes: Vec<i64> = g.dims.iter().map(|d| case.dims[d]).collect();
         let kc = call(func, &fl, &ptrs, None, &case.env());
         let run = || kc.launch(&gpu, &sizes).unwrap();
+        // The second launch is checked, its outputs NaN before it: the
+        // persistent Hopper forward's work counter must be back at zero
+        // after the first.
+        run();
+        for out in &mut bufs[case.k().inputs.len()..] {
+            let nan = vec![0xffu8; out.len()];
+            gpu.stream.memcpy_htod(&nan, out).unwrap();
+        }
         run();
         gpu.stream.synchronize().unwrap();
         for slot in 0..2 {

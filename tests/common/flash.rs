@@ -54,6 +54,10 @@ pub const HEAD_DIMS: &[Variant] = &[
     (144, 144, 6, 1, true, false),
 ];
 
+/// The multiprocessors the host runs launch the persistent forward for:
+/// few, so that every block walks several work items.
+pub const HOST_MULTIPROCESSORS: u32 = 3;
+
 /// A model holding one attention per variant.
 pub fn head_dims_model(variants: &[Variant]) -> String {
     let mut s = String::from("const d = 16\ndim B, T\ninput x: f32[B, T, d]\n");
@@ -162,7 +166,7 @@ pub fn build(src: &str, precision: &str, arch: FlashArch, which: Which) -> Built
         };
         for deterministic in schemes {
             let kernels = if forward {
-                flash_forward(&g, &program, k, n, None, arch).map(|f| vec![f])
+                flash_forward(&g, &program, k, n, None, arch, HOST_MULTIPROCESSORS).map(|f| vec![f])
             } else {
                 flash_backward(&g, &program, k, n, None, deterministic, arch)
             }

@@ -7,13 +7,18 @@
 use super::flash::tma::TensorMap;
 use crate::ir::Dim;
 
-/// One grid axis: `ceil(extent / per_block) * copies` blocks (copies: blocks
-/// that split one tile's work, such as feature halves).
+/// One grid axis: `ceil(extent / per_block) * copies * times` blocks
+/// (copies: blocks that split one tile's work, such as feature halves;
+/// times: further work items folded onto the axis), at most `cap` (a
+/// persistent kernel's one block a multiprocessor, which walks the items
+/// itself).
 #[derive(Clone, Debug, PartialEq)]
 pub struct GridAxis {
     pub extent: Dim,
     pub per_block: u64,
     pub copies: u64,
+    pub times: Dim,
+    pub cap: Option<u64>,
 }
 
 impl GridAxis {
@@ -22,12 +27,24 @@ impl GridAxis {
             extent,
             per_block,
             copies: 1,
+            times: Dim::constant(1),
+            cap: None,
+        }
+    }
+
+    /// One block per work item (`ceil(extent / per_block) * times` of
+    /// them), at most `cap`.
+    pub fn persistent(extent: Dim, per_block: u64, times: Dim, cap: u64) -> GridAxis {
+        GridAxis {
+            times,
+            cap: Some(cap.max(1)),
+            ..GridAxis::new(extent, per_block)
         }
     }
 
     /// The axis as a C expression of the kernel's size parameters.
     pub fn to_c(&self) -> String {
-        let tiles = if self.per_block == 1 {
+        let mut blocks = if self.per_block == 1 {
             self.extent.to_c()
         } else {
             format!(
@@ -37,10 +54,15 @@ impl GridAxis {
                 self.per_block
             )
         };
-        if self.copies == 1 {
-            tiles
-        } else {
-            format!("{tiles} * {}", self.copies)
+        if self.copies != 1 {
+            blocks = format!("{blocks} * {}", self.copies);
+        }
+        if !self.times.is_one() {
+            blocks = format!("{blocks} * {}", self.times.to_c());
+        }
+        match self.cap {
+            Some(cap) => format!("min({blocks}, {cap})"),
+            None => blocks,
         }
     }
 
@@ -48,7 +70,9 @@ impl GridAxis {
     /// negative size. An empty extent still launches one block.
     pub fn blocks(&self, env: &dyn Fn(&str) -> Option<i64>) -> Option<u64> {
         let n = u64::try_from(self.extent.eval(env)?).ok()?;
-        Some(n.div_ceil(self.per_block).max(1) * self.copies)
+        let times = u64::try_from(self.times.eval(env)?).ok()?.max(1);
+        let blocks = n.div_ceil(self.per_block).max(1) * self.copies * times;
+        Some(self.cap.map_or(blocks, |cap| blocks.min(cap)))
     }
 }
 

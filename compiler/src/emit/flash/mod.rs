@@ -271,6 +271,9 @@ pub fn why_not(g: &Graph, p: &Program, k: &Kernel, n: NodeIndex) -> Option<Strin
 /// The forward's kernel for attention op `n` in plan kernel `k` (its inputs
 /// q, k, v and outputs O, lse in op order) on `arch`, under the plan
 /// kernel's name; `None` when the op is not supported (see the module docs).
+/// `multiprocessors`: the GPU's, which bound the persistent Hopper
+/// forward's grid (any count is correct; the GPU's own keeps every
+/// multiprocessor busy with one block).
 pub fn flash_forward(
     g: &Graph,
     p: &Program,
@@ -278,6 +281,7 @@ pub fn flash_forward(
     n: NodeIndex,
     source: Option<&str>,
     arch: FlashArch,
+    multiprocessors: u32,
 ) -> Option<FlashKernel> {
     let c = Ctx::for_op(g, p, k, n);
     let cfg = forward_config(g, &c, n).ok()?;
@@ -290,7 +294,7 @@ pub fn flash_forward(
     f.rows("lse", &Access::output(g, &c, n, 1));
     fill_sizes(&mut f, &cfg);
     let hopper = if arch == FlashArch::Sm90a {
-        let (inst, tile_k) = templates::forward_sm90(dt, d, dv, causal, fold);
+        let (inst, tile_k, persistent) = templates::forward_sm90(dt, d, dv, causal, fold);
         let maps = [
             (1, "tm_k", templates::swizzle_pad(d)),
             (2, "tm_v", templates::swizzle_pad(dv)),
@@ -298,12 +302,13 @@ pub fn flash_forward(
         .into_iter()
         .map(|(i, name, padded)| TensorMap::of_input(g, &c, n, i, name, tile_k, padded))
         .collect::<Option<Vec<_>>>();
-        maps.map(|m| (inst, m))
+        maps.map(|m| (inst, m, persistent))
     } else {
         None
     };
+    let persistent = matches!(hopper, Some((_, _, true)));
     let (inst, maps, about) = match hopper {
-        Some((inst, maps)) => (
+        Some((inst, maps, _)) => (
             inst,
             maps,
             "FlashAttention forward on Hopper tensor cores (kernels/attention/forward_sm90.cuh)",
@@ -315,11 +320,23 @@ pub fn flash_forward(
         ),
     };
     let about = format!("{about}:\n{}.", cfg.about());
-    let grid = [
-        GridAxis::new(cfg.q_len.clone(), inst.tile),
-        GridAxis::new(cfg.q_heads.clone(), 1),
-        GridAxis::new(cfg.batch.clone(), 1),
-    ];
+    let grid = if persistent {
+        // Persistent: a block a multiprocessor walks the (query tile, head,
+        // batch) items in the template's order.
+        let rows = cfg.q_heads.checked_mul(&cfg.batch)?;
+        let one = || GridAxis::new(Dim::constant(1), 1);
+        [
+            GridAxis::persistent(cfg.q_len.clone(), inst.tile, rows, multiprocessors as u64),
+            one(),
+            one(),
+        ]
+    } else {
+        [
+            GridAxis::new(cfg.q_len.clone(), inst.tile),
+            GridAxis::new(cfg.q_heads.clone(), 1),
+            GridAxis::new(cfg.batch.clone(), 1),
+        ]
+    };
     let source = wrapper::kernel(
         g,
         &c,
@@ -426,8 +443,6 @@ pub fn flash_backward(
     for (o, field) in ["dq", "dk", "dv"].into_iter().enumerate() {
         f.heads(field, &Access::output(g, &c, n, o));
     }
-    f.set("batch", cfg.batch.to_c());
-    f.set("q_heads", cfg.q_heads.to_c());
     fill_sizes(&mut f, &cfg);
     f.set("scale", crate::emit::cuda::float_lit(cfg.scale));
     let rows = cfg

@@ -104,20 +104,25 @@ pub(crate) fn forward_sm80(
     }
 }
 
-/// `forward_sm90.cuh`'s `ForwardSm90`, and its key/value tile rows.
+/// `forward_sm90.cuh`'s `ForwardSm90`, its key/value tile rows, and
+/// whether it is persistent (three consumer warpgroups: a block a
+/// multiprocessor walking the work items; else a block a query tile).
 pub(crate) fn forward_sm90(
     dt: DType,
     d: u64,
     dv: u64,
     causal: bool,
     scale_in_exp: bool,
-) -> (Instance, u64) {
+) -> (Instance, u64, bool) {
     let (dp, dvp) = (swizzle_pad(d), swizzle_pad(dv));
     let wgs = if dp <= 64 && dvp <= 64 { 3 } else { 2 };
+    let persistent = wgs == 3;
     let tile_q = 64 * wgs;
     let tile_k = if dp <= 128 && dvp <= 128 { 128 } else { 64 };
     let threads = (128 * wgs + 128) as u32;
-    let smem = tile_q * dp * 2 + 2 * (tile_k * dp * 2 + tile_k * dvp * 2) + 4 * 2 * 8 + 1024;
+    // As the template's SMEM_BYTES: the tiles, the buffers' mbarriers, the
+    // item ring's mbarriers and indices, room for alignment.
+    let smem = tile_q * dp * 2 + 2 * (tile_k * dp * 2 + tile_k * dvp * 2) + 4 * 2 * 8 + 2 * 2 * 8 + 2 * 16 + 1024;
     let inst = Instance {
         header: "attention/forward_sm90.cuh",
         ty: format!(
@@ -135,9 +140,10 @@ pub(crate) fn forward_sm90(
             ("TILE_Q", tile_q),
             ("TILE_K", tile_k),
             ("SMEM_BYTES", smem),
+            ("PERSISTENT", persistent as u64),
         ],
     };
-    (inst, tile_k)
+    (inst, tile_k, persistent)
 }
 
 /// One of `backward.cuh`'s row kernels (`Delta`, `DqStore`, `DkvStore`):

@@ -63,6 +63,8 @@ fn pointer(a: &Access) -> String {
 
 /// The sizes and flags every attention template's arguments share.
 pub(crate) fn fill_sizes(f: &mut Fill, cfg: &Config) {
+    f.set("batch", cfg.batch.to_c());
+    f.set("q_heads", cfg.q_heads.to_c());
     f.set("q_len", cfg.q_len.to_c());
     f.set("kv_len", cfg.kv_len.to_c());
     f.set("group", cfg.group.to_string());
