@@ -407,7 +407,7 @@ fn a_broken_wgmma_layout_is_caught() {
     if !host::have_cxx() {
         return;
     }
-    const FWD: &str = "attention/forward_sm90.cuh";
+    const FWD: &str = "attention/forward_sm90_persistent.cuh";
     const SM90: &str = "attention/sm90.cuh";
     let mutations: [(Mutation, bool); 10] = [
         // V's descriptor stepping 8 keys at a time instead of 16.
@@ -520,7 +520,7 @@ fn the_persistent_forward_visits_every_item_once() {
     let cpp = String::from("#include \"block_shim.h\"\n#include \"mma_emu.h\"\n")
         + fusec_compiler::emit::PRELUDE
         + r#"
-#include "attention/forward_sm90.cuh"
+#include "attention/forward_sm90_persistent.cuh"
 #include <cstdio>
 #include <vector>
 int main() {

@@ -182,9 +182,17 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
     {
         let case = Case::new(cfg, false, 5);
         let g = &case.c.optimized;
-        let fl = flash_forward(g, &case.p, case.k(), case.node, None, arch, gpu.multiprocessors)
-            .expect("a supported attention")
-            .launch;
+        let fl = flash_forward(
+            g,
+            &case.p,
+            case.k(),
+            case.node,
+            None,
+            arch,
+            gpu.multiprocessors,
+        )
+        .expect("a supported attention")
+        .launch;
         let (func, registers) = load(&gpu, &case.k().name, &fl.source);
         let smem = fl.dynamic_smem_bytes as u32;
         fusec_runtime::exec::allow_dynamic_smem(&func, &case.k().name, smem, &gpu, "-").unwrap();

@@ -39,6 +39,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../../../kernels/attention/forward_sm90.cuh"),
     ),
     (
+        "attention/forward_sm90_persistent.cuh",
+        include_str!("../../../kernels/attention/forward_sm90_persistent.cuh"),
+    ),
+    (
         "attention/backward.cuh",
         include_str!("../../../kernels/attention/backward.cuh"),
     ),

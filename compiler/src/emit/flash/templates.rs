@@ -104,9 +104,10 @@ pub(crate) fn forward_sm80(
     }
 }
 
-/// `forward_sm90.cuh`'s `ForwardSm90`, its key/value tile rows, and
-/// whether it is persistent (three consumer warpgroups: a block a
-/// multiprocessor walking the work items; else a block a query tile).
+/// `forward_sm90.cuh`'s `ForwardSm90` (a block a query tile), or up to 64
+/// padded features `forward_sm90_persistent.cuh`'s `ForwardSm90Persistent`
+/// (a block a multiprocessor walking the work items); its key/value tile
+/// rows, and whether it is the persistent one.
 pub(crate) fn forward_sm90(
     dt: DType,
     d: u64,
@@ -122,11 +123,17 @@ pub(crate) fn forward_sm90(
     let threads = (128 * wgs + 128) as u32;
     // As the template's SMEM_BYTES: the tiles, the buffers' mbarriers, the
     // item ring's mbarriers and indices, room for alignment.
-    let smem = tile_q * dp * 2 + 2 * (tile_k * dp * 2 + tile_k * dvp * 2) + 4 * 2 * 8 + 2 * 2 * 8 + 2 * 16 + 1024;
+    let ring = if persistent { 2 * 2 * 8 + 2 * 16 } else { 0 };
+    let smem = tile_q * dp * 2 + 2 * (tile_k * dp * 2 + tile_k * dvp * 2) + 4 * 2 * 8 + ring + 1024;
     let inst = Instance {
-        header: "attention/forward_sm90.cuh",
+        header: if persistent {
+            "attention/forward_sm90_persistent.cuh"
+        } else {
+            "attention/forward_sm90.cuh"
+        },
         ty: format!(
-            "fs_attn::ForwardSm90<{}, {causal}, {scale_in_exp}>",
+            "fs_attn::ForwardSm90{}<{}, {causal}, {scale_in_exp}>",
+            if persistent { "Persistent" } else { "" },
             args(dt, d, dv)
         ),
         threads,
@@ -140,7 +147,6 @@ pub(crate) fn forward_sm90(
             ("TILE_Q", tile_q),
             ("TILE_K", tile_k),
             ("SMEM_BYTES", smem),
-            ("PERSISTENT", persistent as u64),
         ],
     };
     (inst, tile_k, persistent)
