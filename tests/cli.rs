@@ -236,7 +236,7 @@ fn build_for_a_device_writes_the_kernels_that_run_there() {
         (
             "dsl-examples/gpt2-small.dsl",
             "h100",
-            "attention/forward_sm90.cuh",
+            "attention/forward_sm90_persistent.cuh",
             64,
         ),
         (

@@ -311,7 +311,11 @@ pub fn flash_forward(
         Some((inst, maps, _)) => (
             inst,
             maps,
-            "FlashAttention forward on Hopper tensor cores (kernels/attention/forward_sm90.cuh)",
+            if persistent {
+                "FlashAttention forward on Hopper tensor cores, persistent (kernels/attention/forward_sm90_persistent.cuh)"
+            } else {
+                "FlashAttention forward on Hopper tensor cores (kernels/attention/forward_sm90.cuh)"
+            },
         ),
         None => (
             templates::forward_sm80(dt, d, dv, causal, fold),
