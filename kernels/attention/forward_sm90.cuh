@@ -74,8 +74,8 @@ struct ForwardSm90Tiles {
 
     // The key tiles of the query tile from row q0 (causal: key tiles after
     // its last row are never visited).
-    static __device__ __forceinline__ int key_tiles(const ForwardArgs& a, fs_i64 q0) {
-        const fs_i64 kv_end = CAUSAL && q0 + TILE_Q < a.kv_len ? q0 + TILE_Q : a.kv_len;
+    static __device__ __forceinline__ int key_tiles(fs_i64 kv_len, fs_i64 q0) {
+        const fs_i64 kv_end = CAUSAL && q0 + TILE_Q < kv_len ? q0 + TILE_Q : kv_len;
         return (int)((kv_end + TILE_K - 1) / TILE_K);
     }
 
@@ -274,7 +274,7 @@ struct ForwardSm90 : ForwardSm90Tiles<E, D, DV, CAUSAL, SCALE_IN_EXP> {
         fs_copy_async_wait_all();
         fs_fence_async_smem();
         __syncthreads();
-        const int tiles = T::key_tiles(a, q0);
+        const int tiles = T::key_tiles(a.kv_len, q0);
 
         if (threadIdx.x >= CONSUMERS) {
             // The producer: the key and value tiles, from its first thread.

@@ -85,11 +85,13 @@ struct ForwardSm90Persistent : ForwardSm90Tiles<E, D, DV, CAUSAL, SCALE_IN_EXP> 
     // registers are then allocated apart from the consumers', which need
     // nearly all of theirs (inlined, ptxas spilled 4-40 bytes in every
     // instance).
-    static __device__ __noinline__ void produce(const ForwardArgs& a, const fs_tmap& tm_k, const fs_tmap& tm_v,
-                                                unsigned char* k_tiles, unsigned char* v_tiles, fs_mbar* k_full, Work* items) {
+    // It takes the sizes by value: a reference to the arguments would keep
+    // them in local memory for the consumers too.
+    static __device__ __noinline__ void produce(const ForwardSchedule sched, fs_i64 kv_len, int group, const fs_tmap& tm_k,
+                                                const fs_tmap& tm_v, unsigned char* k_tiles, unsigned char* v_tiles,
+                                                fs_mbar* k_full, Work* items) {
         fs_mbar* const item_full = k_full + 4 * T::STAGES;
         fs_mbar* const item_empty = item_full + 2;
-        const ForwardSchedule sched(a, T::TILE_Q, (D + DV) * 2);
         unsigned copied = 0, posted = 0;  // key tiles copied, items handed over (each slot n % 2, phase (n / 2) & 1)
         // The item after this one is claimed as this one starts, so that the
         // counter's round trip is over before the consumers ask for it.
@@ -105,7 +107,7 @@ struct ForwardSm90Persistent : ForwardSm90Tiles<E, D, DV, CAUSAL, SCALE_IN_EXP> 
             fs_mbar_arrive(&item_full[slot]);
             ++posted;
             if (q0 < 0) break;
-            const int kv_h = (int)(h / a.group), tiles = T::key_tiles(a, q0);
+            const int kv_h = h / group, tiles = T::key_tiles(kv_len, q0);
             for (int t = 0; t < tiles; ++t) T::load_tile(tm_k, tm_v, k_tiles, v_tiles, k_full, copied++, kv_h, t * T::TILE_K, b);
             item = upcoming;
             if (item < sched.items) upcoming = claim();
@@ -147,7 +149,8 @@ struct ForwardSm90Persistent : ForwardSm90Tiles<E, D, DV, CAUSAL, SCALE_IN_EXP> 
             // 1. The producer: items, and their key and value tiles.
             fs_setmaxnreg_dec<T::PRODUCER_REGS>();
             if (threadIdx.x != CONSUMERS) return;
-            produce(a, tm_k, tm_v, k_tiles, v_tiles, k_full, items);
+            produce(ForwardSchedule(a, T::TILE_Q, (D + DV) * 2), a.kv_len, (int)a.group, tm_k, tm_v, k_tiles, v_tiles, k_full,
+                    items);
             return;
         }
 
@@ -194,7 +197,7 @@ struct ForwardSm90Persistent : ForwardSm90Tiles<E, D, DV, CAUSAL, SCALE_IN_EXP> 
             const int q0 = item->q0;
             volatile Work* next = nullptr;
             float o_acc[T::DVP / 8][4], row_max[2], row_sum[2];
-            T::consume(a, q_desc, k_desc, v_desc, k_full, passed, T::key_tiles(a, q0), q0, o_acc, row_max, row_sum, [&] {
+            T::consume(a, q_desc, k_desc, v_desc, k_full, passed, T::key_tiles(a.kv_len, q0), q0, o_acc, row_max, row_sum, [&] {
                 // Every product reading the queries has landed: the next item's
                 // rows copy in under the last O += P V and the output's stores,
                 // once every warp of the warpgroup is past its wait (a warp's
