@@ -407,8 +407,7 @@ fn a_broken_wgmma_layout_is_caught() {
     if !host::have_cxx() {
         return;
     }
-    // The persistent forward (D = 64) runs forward_sm90.cuh's tiles.
-    const FWD: &str = "attention/forward_sm90.cuh";
+    const FWD: &str = "attention/forward_sm90_persistent.cuh";
     const SM90: &str = "attention/sm90.cuh";
     let mutations: [(Mutation, bool); 10] = [
         // V's descriptor stepping 8 keys at a time instead of 16.
@@ -425,7 +424,7 @@ fn a_broken_wgmma_layout_is_caught() {
             false,
         ),
         // The key tiles copied from the next row on.
-        ((FWD, "x * KT::ATOM, kv_h, k0, b", "x * KT::ATOM, kv_h, k0 + 1, b"), true),
+        ((FWD, "x * KT::ATOM, kv_h, k0, (int)b", "x * KT::ATOM, kv_h, k0 + 1, (int)b"), true),
         // The host copy writes rows unswizzled (the emulated wgmma still reads them swizzled).
         (
             (

@@ -30,10 +30,6 @@
 // costs at most a seventh more work (swizzle_pad: 112 -> 128); the swizzle is
 // the widest whose box divides them.
 //
-// ForwardSm90Tiles holds what this kernel and the persistent one
-// (forward_sm90_persistent.cuh) share: the tile shapes, one key/value tile's
-// copies (load_tile) and one query tile's products and softmax (consume).
-//
 // Launch: grid (ceil(T / TILE_Q), Hq, B), THREADS threads, SMEM_BYTES of
 // dynamic shared memory, after the other arguments the tensor maps of K and V
 // (boxes of KT::ATOM / VT::ATOM features by TILE_K rows, swizzled KT::SW /
@@ -45,7 +41,7 @@
 namespace fs_attn {
 
 template <class E, int D, int DV, bool CAUSAL, bool SCALE_IN_EXP>
-struct ForwardSm90Tiles {
+struct ForwardSm90 {
     static constexpr int DP = swizzle_pad(D), DVP = swizzle_pad(DV);
     // Three consumer warpgroups (192 query rows) where their registers allow,
     // so that each key and value tile serves 1.5x the queries; two above 64
@@ -56,10 +52,7 @@ struct ForwardSm90Tiles {
     // fewer, wider wgmma); 64 above, where the output accumulators take half
     // the registers and the tiles most of shared memory.
     static constexpr int TILE_K = DP <= 128 && DVP <= 128 ? 128 : 64;
-    // Buffers of key tiles, and of value tiles: the n-th tile a block copies
-    // sits in buffer n % 2, and its mbarriers' phase is (n / 2) & 1, both
-    // bits of one counter.
-    static constexpr int STAGES = 2;
+    static constexpr int STAGES = 2;  // buffers of key tiles, and of value tiles
     static constexpr int CONSUMERS = 128 * WGS, PRODUCERS = 128, THREADS = CONSUMERS + PRODUCERS;
     // The producer keeps setmaxnreg's least; the consumers take the rest.
     static constexpr unsigned PRODUCER_REGS = 24, CONSUMER_REGS = regs_left(THREADS, PRODUCERS, PRODUCER_REGS);
@@ -67,91 +60,103 @@ struct ForwardSm90Tiles {
     typedef SwizzledTile<TILE_K, DP> KT;
     typedef SwizzledTile<TILE_K, DVP> VT;
     static constexpr unsigned Q_BYTES = TILE_Q * DP * 2;
-    // The query tile, the key and value buffers and their mbarriers
-    // (k_full, v_full, k_empty, v_empty: STAGES each, in that order).
-    static constexpr unsigned TILES_BYTES = Q_BYTES + STAGES * (KT::BYTES + VT::BYTES) + 4 * STAGES * 8;
+    static constexpr unsigned SMEM_BYTES = Q_BYTES + STAGES * (KT::BYTES + VT::BYTES) + 4 * STAGES * 8 + 1024;
     static_assert(Q_BYTES % 1024 == 0 && KT::BYTES % 1024 == 0 && VT::BYTES % 1024 == 0, "swizzled tiles start 1024-byte aligned");
 
-    // The key tiles of the query tile from row q0 (causal: key tiles after
-    // its last row are never visited).
-    static __device__ __forceinline__ int key_tiles(fs_i64 kv_len, fs_i64 q0) {
-        const fs_i64 kv_end = CAUSAL && q0 + TILE_Q < kv_len ? q0 + TILE_Q : kv_len;
-        return (int)((kv_end + TILE_K - 1) / TILE_K);
-    }
-
-    // The producer's part of the block's n-th key tile (keys k0 .. of key/value
-    // head kv_h, batch b): the key tile into buffer n % STAGES once the
-    // consumers are done with tile n - STAGES, then its value tile likewise,
-    // each as boxes of TILE_K rows (rows past kv_len zero).
-    static __device__ __forceinline__ void load_tile(const fs_tmap& tm_k, const fs_tmap& tm_v, unsigned char* k_tiles,
-                                                     unsigned char* v_tiles, fs_mbar* k_full, unsigned n, int kv_h, int k0,
-                                                     int b) {
+    static __device__ __forceinline__ void run(const ForwardArgs& a, const fs_tmap& tm_k, const fs_tmap& tm_v) {
+        // Causal blocks take the longest query tiles first.
+        const fs_i64 q0 = (fs_i64)(CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * TILE_Q;
+        const fs_i64 h = blockIdx.y, b = blockIdx.z, kv_h = h / a.group;
+        const int lane = threadIdx.x & 31;
+        FS_DYNAMIC_SMEM(smem_raw, SMEM_BYTES);
+        unsigned char* const smem = fs_align1024(smem_raw);  // for the swizzle
+        unsigned short* const q_tile = reinterpret_cast<unsigned short*>(smem);  // [TILE_Q][DP], core matrices
+        unsigned char* const k_tiles = smem + Q_BYTES;                          // STAGES x KT
+        unsigned char* const v_tiles = k_tiles + STAGES * KT::BYTES;             // STAGES x VT
+        // Buffer s's k_full[s] / v_full[s] complete when its copies' bytes have
+        // landed, k_empty[s] / v_empty[s] when every consumer warp is done reading it.
+        fs_mbar* const k_full = reinterpret_cast<fs_mbar*>(v_tiles + STAGES * VT::BYTES);
         fs_mbar* const v_full = k_full + STAGES;
         fs_mbar* const k_empty = k_full + 2 * STAGES;
         fs_mbar* const v_empty = k_full + 3 * STAGES;
-        const int buf = n & 1;
-        const unsigned phase = (n >> 1) & 1;
-        if (n >= STAGES) fs_mbar_wait(&k_empty[buf], phase ^ 1);
-        fs_mbar_expect_tx(&k_full[buf], KT::BYTES);
-        unsigned char* const kt = k_tiles + buf * KT::BYTES;
-#pragma unroll
-        for (int x = 0; x < DP / KT::ATOM; ++x) fs_tma_load(kt + x * KT::BOX, tm_k, x * KT::ATOM, kv_h, k0, b, &k_full[buf]);
-        fs_mbar_tma_issued(&k_full[buf]);
-        if (n >= STAGES) fs_mbar_wait(&v_empty[buf], phase ^ 1);
-        fs_mbar_expect_tx(&v_full[buf], VT::BYTES);
-        unsigned char* const vt = v_tiles + buf * VT::BYTES;
-#pragma unroll
-        for (int x = 0; x < DVP / VT::ATOM; ++x) fs_tma_load(vt + x * VT::BOX, tm_v, x * VT::ATOM, kv_h, k0, b, &v_full[buf]);
-        fs_mbar_tma_issued(&v_full[buf]);
-    }
 
-    // One consumer warpgroup's work on a query tile from row q0, over its
-    // `tiles` key tiles, the block's tiles passed .. passed + tiles - 1
-    // (`passed` moves on by `tiles`): O, the row max and the row sum for
-    // store_output. `before_last()` runs once every product reading the
-    // queries has landed, before the last O += P V; it returns whether the
-    // warpgroups take further turns after this tile (another item), else the
-    // last warpgroup's final arrival is left out, so that no turn barrier is
-    // left half-passed.
-    //
-    // Turns at the tensor cores: warpgroup wg issues its products once it
-    // has passed named barrier 1 + wg, to which the warpgroup before it
-    // (cyclically) arrives once it has issued its own; the caller's last
-    // warpgroup lets the first start (fs_bar_arrive(1, TURN)) before the
-    // block's first tile.
-    static constexpr int TURN = 2 * 128;  // a turn barrier's threads: the warpgroup waiting, the one arriving
-    template <class BeforeLast>
-    static __device__ __forceinline__ void consume(const ForwardArgs& a, fs_desc q_desc, fs_desc k_desc, fs_desc v_desc,
-                                                   fs_mbar* k_full, unsigned& passed, int tiles, int q0,
-                                                   float (&o_acc)[DVP / 8][4], float (&row_max)[2], float (&row_sum)[2],
-                                                   BeforeLast before_last) {
-        fs_mbar* const v_full = k_full + STAGES;
-        fs_mbar* const k_empty = k_full + 2 * STAGES;
-        fs_mbar* const v_empty = k_full + 3 * STAGES;
-        const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3;
-        const int next_wg = wg + 1 == WGS ? 0 : wg + 1;
+        // 1. The tile's queries, by every thread (rows past q_len zero).
+        load_core_rows<TILE_Q, D, DP, THREADS>(q_tile, a.q, b, q0, h, a.q_len, threadIdx.x);
+        if (threadIdx.x == 0) {
+            for (int i = 0; i < 2 * STAGES; ++i) fs_mbar_init(&k_full[i], 1);
+            for (int i = 2 * STAGES; i < 4 * STAGES; ++i) fs_mbar_init(&k_full[i], CONSUMERS / 32);
+        }
+        fs_copy_async_commit();
+        fs_copy_async_wait_all();
+        fs_fence_async_smem();
+        __syncthreads();
+        // Causal: key tiles after the query tile's last row are never visited.
+        const fs_i64 kv_end = CAUSAL && q0 + TILE_Q < a.kv_len ? q0 + TILE_Q : a.kv_len;
+        const int tiles = (int)((kv_end + TILE_K - 1) / TILE_K);
+
+        if (threadIdx.x >= CONSUMERS) {
+            // 2. The producer: key tile t into buffer t % STAGES once the
+            //    consumers are done with tile t - STAGES, then its value tile
+            //    likewise, each as boxes of TILE_K rows (rows past kv_len zero).
+            fs_setmaxnreg_dec<PRODUCER_REGS>();
+            if (threadIdx.x != CONSUMERS) return;
+            int buf = 0;         // t % STAGES
+            unsigned phase = 0;  // (t / STAGES) & 1
+            for (int t = 0; t < tiles; ++t) {
+                const int k0 = t * TILE_K;
+                if (t >= STAGES) fs_mbar_wait(&k_empty[buf], phase ^ 1);
+                fs_mbar_expect_tx(&k_full[buf], KT::BYTES);
+                unsigned char* const kt = k_tiles + buf * KT::BYTES;
+#pragma unroll
+                for (int x = 0; x < DP / KT::ATOM; ++x)
+                    fs_tma_load(kt + x * KT::BOX, tm_k, x * KT::ATOM, (int)kv_h, k0, (int)b, &k_full[buf]);
+                fs_mbar_tma_issued(&k_full[buf]);
+                if (t >= STAGES) fs_mbar_wait(&v_empty[buf], phase ^ 1);
+                fs_mbar_expect_tx(&v_full[buf], VT::BYTES);
+                unsigned char* const vt = v_tiles + buf * VT::BYTES;
+#pragma unroll
+                for (int x = 0; x < DVP / VT::ATOM; ++x)
+                    fs_tma_load(vt + x * VT::BOX, tm_v, x * VT::ATOM, (int)kv_h, k0, (int)b, &v_full[buf]);
+                fs_mbar_tma_issued(&v_full[buf]);
+                if (++buf == STAGES) buf = 0, phase ^= 1;
+            }
+            return;
+        }
+
+        fs_setmaxnreg_inc<CONSUMER_REGS>();
+        const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3;
         // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
-        const int frag_col = (lane & 3) * 2;
-        // This thread's rows: i_lo (index 0) and i_hi (index 1).
-        const int q_row = wg * 64 + warp * 16 + (lane >> 2), first_row = q0 + wg * 64 + warp * 16;
-        const int i_lo = q0 + q_row, i_hi = i_lo + 8;
-        // Running state of this thread's rows: the max score in log2 units,
-        // this thread's part of the row sum, and o_acc[n][e] = row
-        // q_row + 8 * (e / 2), feature 8n + frag_col + e % 2.
-        float o_rescale[2];
-        row_max[0] = row_max[1] = FS_NEG_INF;
-        row_sum[0] = row_sum[1] = 0.0f;
+        const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
+        // Running state of this thread's rows q_row (index 0) and q_row + 8
+        // (index 1): the max score in log2 units, this thread's part of the row
+        // sum, and o_acc[n][e] = row q_row + 8 * (e / 2), feature 8n + frag_col + e % 2.
+        const int q_row = wg * 64 + warp * 16 + frag_row;
+        float row_max[2] = {FS_NEG_INF, FS_NEG_INF}, row_sum[2] = {0.0f, 0.0f}, o_rescale[2];
+        float o_acc[DVP / 8][4];
 #pragma unroll
         for (int n = 0; n < DVP / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) o_acc[n][e] = 0.0f;
         }
+        const fs_i64 i_lo = q0 + q_row, i_hi = i_lo + 8, first_row = q0 + wg * 64 + warp * 16;
+        // wgmma descriptors of the warpgroup's queries and of the first key and
+        // value buffers; a buffer's and a step's are these moved on (fs_desc_at).
+        const fs_desc q_desc = QT::kmajor(q_tile + wg * 64 * DP);
+        const fs_desc k_desc = KT::kmajor(k_tiles), v_desc = VT::mnmajor(v_tiles);
         // s[n][e]: tile t's scores, row q_row + 8 * (e / 2), key k0 + 8n + frag_col + e % 2;
         // p_frag: tile t - 1's P as wgmma's register A fragments (keys 16kk .. 16kk + 15).
         float s[TILE_K / 8][4];
         unsigned p_frag[TILE_K / 16][4];
+        // Turns at the tensor cores: warpgroup wg issues its products once it has
+        // passed named barrier 1 + wg, to which the warpgroup before it
+        // (cyclically) arrives once it has issued its own; the last warpgroup
+        // lets the first start. Every warpgroup issues tiles + 1 times, the last
+        // one's final arrival left out so that no barrier is left half-passed.
+        constexpr int TURN = 2 * 128;  // a turn barrier's threads: the warpgroup waiting, the one arriving
+        const int next_wg = wg + 1 == WGS ? 0 : wg + 1;
+        if (tiles > 0 && wg == WGS - 1) fs_bar_arrive(1, TURN);
 
-        // 2. S = Q K^T of the warpgroup's 64 rows and the tile's keys (K-major:
+        // 3. S = Q K^T of the warpgroup's 64 rows and the tile's keys (K-major:
         //    features 16kk .. from each descriptor's k step).
         auto issue_s = [&](fs_desc kt_desc) {
             fs_wgmma_fence();
@@ -159,14 +164,13 @@ struct ForwardSm90Tiles {
             for (int kk = 0; kk < DP / 16; ++kk)
                 wgmma_ss<E, KT, false, TILE_K, 0>(s, fs_desc_at(q_desc, QT::k_step(kk)), fs_desc_at(kt_desc, KT::k_step(kk)), kk);
         };
-        // 5. O += P V of a tile (P's register fragments; V as B read MN-major,
+        // 6. O += P V of a tile (P's register fragments; V as B read MN-major,
         //    keys 16kk .. at its k step).
         auto issue_pv = [&](fs_desc vt_desc) {
 #pragma unroll
-            for (int kk = 0; kk < TILE_K / 16; ++kk)
-                wgmma_rs<E, VT, true, DVP>(o_acc, p_frag[kk], fs_desc_at(vt_desc, VT::mn_k_step(kk)), 1);
+            for (int kk = 0; kk < TILE_K / 16; ++kk) wgmma_rs<E, VT, true, DVP>(o_acc, p_frag[kk], fs_desc_at(vt_desc, VT::mn_k_step(kk)), 1);
         };
-        // 3, 4. The masks and the online softmax of the scores, then P as the next
+        // 4, 5. The masks and the online softmax of the scores, then P as the next
         //    product's A fragments.
         auto softmax = [&](fs_i64 k0) {
             mask_and_softmax<TILE_K, CAUSAL, SCALE_IN_EXP>(s, row_max, row_sum, o_rescale, k0, a.kv_len, first_row, i_lo, i_hi,
@@ -179,24 +183,24 @@ struct ForwardSm90Tiles {
 
         // Tile 0's scores alone (no P V yet).
         if (tiles > 0) {
-            const int buf = passed & 1;
-            fs_mbar_wait(&k_full[buf], (passed >> 1) & 1);
+            fs_mbar_wait(&k_full[0], 0);
             fs_bar_sync(1 + wg, TURN);
-            issue_s(fs_desc_at(k_desc, buf * KT::BYTES));
+            issue_s(k_desc);
             fs_wgmma_commit();
             fs_bar_arrive(1 + next_wg, TURN);
             fs_wgmma_wait_all();
             fs_wgmma_hold(s);
-            if (lane == 0) fs_mbar_arrive(&k_empty[buf]);
+            if (lane == 0) fs_mbar_arrive(&k_empty[0]);
             softmax(0);
             pack();
         }
+        int buf = 0, prev = 0;  // t % STAGES, (t - 1) % STAGES
+        unsigned phase = 0, prev_phase = 0;
         for (int t = 1; t < tiles; ++t) {
-            const int prev = passed & 1, buf = prev ^ 1;
-            const unsigned prev_phase = (passed >> 1) & 1;
-            ++passed;
+            prev = buf, prev_phase = phase;
+            if (++buf == STAGES) buf = 0, phase ^= 1;
             const fs_i64 k0 = (fs_i64)t * TILE_K;
-            fs_mbar_wait(&k_full[buf], (passed >> 1) & 1);
+            fs_mbar_wait(&k_full[buf], phase);
             fs_mbar_wait(&v_full[prev], prev_phase);
 
             // Tile t's scores, then O += P V for tile t - 1, as two commit groups.
@@ -226,78 +230,20 @@ struct ForwardSm90Tiles {
             }
             pack();
         }
-        const bool more = before_last();
         // The last tile's O += P V.
         if (tiles > 0) {
-            const int buf = passed & 1;
-            fs_mbar_wait(&v_full[buf], (passed >> 1) & 1);
+            fs_mbar_wait(&v_full[buf], phase);
             fs_bar_sync(1 + wg, TURN);
             fs_wgmma_fence();
             issue_pv(fs_desc_at(v_desc, buf * VT::BYTES));
             fs_wgmma_commit();
-            if (more || wg + 1 < WGS) fs_bar_arrive(1 + next_wg, TURN);
+            if (wg + 1 < WGS) fs_bar_arrive(1 + next_wg, TURN);
             fs_wgmma_wait_all();
             fs_wgmma_hold(o_acc);
-            if (lane == 0) fs_mbar_arrive(&v_empty[buf]);
-            ++passed;
-        }
-    }
-};
-
-template <class E, int D, int DV, bool CAUSAL, bool SCALE_IN_EXP>
-struct ForwardSm90 : ForwardSm90Tiles<E, D, DV, CAUSAL, SCALE_IN_EXP> {
-    typedef ForwardSm90Tiles<E, D, DV, CAUSAL, SCALE_IN_EXP> T;
-    static constexpr unsigned SMEM_BYTES = T::TILES_BYTES + 1024;  // and room for the alignment
-
-    static __device__ __forceinline__ void run(const ForwardArgs& a, const fs_tmap& tm_k, const fs_tmap& tm_v) {
-        constexpr int TILE_Q = T::TILE_Q, WGS = T::WGS, STAGES = T::STAGES, CONSUMERS = T::CONSUMERS;
-        // Causal blocks take the longest query tiles first.
-        const fs_i64 q0 = (fs_i64)(CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * TILE_Q;
-        const fs_i64 h = blockIdx.y, b = blockIdx.z, kv_h = h / a.group;
-        const int lane = threadIdx.x & 31;
-        FS_DYNAMIC_SMEM(smem_raw, SMEM_BYTES);
-        unsigned char* const smem = fs_align1024(smem_raw);  // for the swizzle
-        unsigned short* const q_tile = reinterpret_cast<unsigned short*>(smem);  // [TILE_Q][DP], core matrices
-        unsigned char* const k_tiles = smem + T::Q_BYTES;                       // STAGES x KT
-        unsigned char* const v_tiles = k_tiles + STAGES * T::KT::BYTES;          // STAGES x VT
-        // Buffer s's k_full[s] / v_full[s] complete when its copies' bytes have
-        // landed, k_empty[s] / v_empty[s] when every consumer warp is done reading it.
-        fs_mbar* const k_full = reinterpret_cast<fs_mbar*>(v_tiles + STAGES * T::VT::BYTES);
-
-        // 1. The tile's queries, by every thread (rows past q_len zero).
-        load_core_rows<TILE_Q, D, T::DP, T::THREADS>(q_tile, a.q, b, q0, h, a.q_len, threadIdx.x);
-        if (threadIdx.x == 0) {
-            for (int i = 0; i < 2 * STAGES; ++i) fs_mbar_init(&k_full[i], 1);
-            for (int i = 2 * STAGES; i < 4 * STAGES; ++i) fs_mbar_init(&k_full[i], CONSUMERS / 32);
-        }
-        fs_copy_async_commit();
-        fs_copy_async_wait_all();
-        fs_fence_async_smem();
-        __syncthreads();
-        const int tiles = T::key_tiles(a.kv_len, q0);
-
-        if (threadIdx.x >= CONSUMERS) {
-            // The producer: the key and value tiles, from its first thread.
-            fs_setmaxnreg_dec<T::PRODUCER_REGS>();
-            if (threadIdx.x != CONSUMERS) return;
-            for (int t = 0; t < tiles; ++t) T::load_tile(tm_k, tm_v, k_tiles, v_tiles, k_full, t, (int)kv_h, t * T::TILE_K, (int)b);
-            return;
         }
 
-        fs_setmaxnreg_inc<T::CONSUMER_REGS>();
-        const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3;
-        // wgmma descriptors of the warpgroup's queries and of the first key and
-        // value buffers; a buffer's and a step's are these moved on (fs_desc_at).
-        const fs_desc q_desc = T::QT::kmajor(q_tile + wg * 64 * T::DP);
-        const fs_desc k_desc = T::KT::kmajor(k_tiles), v_desc = T::VT::mnmajor(v_tiles);
-        if (tiles > 0 && wg == WGS - 1) fs_bar_arrive(1, T::TURN);
-        float o_acc[T::DVP / 8][4], row_max[2], row_sum[2];
-        unsigned passed = 0;
-        T::consume(a, q_desc, k_desc, v_desc, k_full, passed, tiles, (int)q0, o_acc, row_max, row_sum, [] { return false; });
-
-        // 6. O and the log-sum-exp.
-        const int i_lo = (int)q0 + wg * 64 + warp * 16 + (lane >> 2);
-        store_output<E, DV>(a, o_acc, row_max, row_sum, b, h, i_lo, i_lo + 8, (lane & 3) * 2);
+        // 7. O and the log-sum-exp.
+        store_output<E, DV>(a, o_acc, row_max, row_sum, b, h, i_lo, i_hi, frag_col);
     }
 };
 
