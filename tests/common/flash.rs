@@ -54,8 +54,12 @@ pub const HEAD_DIMS: &[Variant] = &[
     (144, 144, 6, 1, true, false),
 ];
 
-/// The multiprocessors the host runs launch the persistent forward for:
-/// few, so that every block walks several work items.
+/// The multiprocessors the host runs launch the persistent forward for.
+/// The host runs blocks one after another, so block 0 takes item 0 and then
+/// every item the counter hands out, and blocks 1 and 2 their first items
+/// only: one block walks many items (the ring, the query prefetch, the
+/// turns from item to item). The counter's reset is checked on a GPU
+/// (runtime/tests/flash_gpu.rs checks a second launch).
 pub const HOST_MULTIPROCESSORS: u32 = 3;
 
 /// A model holding one attention per variant.
