@@ -15,7 +15,9 @@
 // 1024 to 8192; with two warpgroups (wider heads) the same scheme ran up to
 // 7% slower at T = 1024 than a block a query tile, so those stay there.
 //
-// Everything inside an item is forward_sm90.cuh's algorithm: S = Q K^T of
+// Everything inside an item is forward_sm90.cuh's algorithm, its loop kept
+// as a copy here (one loop shared by both measured 2-6% slower for this
+// kernel at T >= 4096 on an H100): S = Q K^T of
 // tile t under O += P V of tile t - 1, the masks and online softmax while
 // the tensor cores work, the warpgroups taking turns (ping-pong).
 //
@@ -36,7 +38,9 @@ struct Work {
 };
 
 // [0]: items handed out after each block's first; [1]: blocks done taking
-// items. Zero when no launch runs (a module's globals start at zero).
+// items. Zero when no launch runs (a module's globals start at zero, and
+// the last block of each launch clears them; a launch that faults midway
+// leaves them set, but such a fault also ends the CUDA context).
 __device__ unsigned fs_forward_sm90_work[2];
 
 // The order in which a persistent forward visits its work items: query
