@@ -144,6 +144,16 @@ pub fn run_kernel(
         let bytes = super::to_bytes(p.buffers[b].ty.dtype, &bufs[b].data);
         std::fs::write(dir.join(format!("in{slot}")), bytes).unwrap();
     }
+    // The command line beside the inputs, to rerun a failing case by hand.
+    let line: Vec<String> = [
+        exe.display().to_string(),
+        k.name.clone(),
+        dir.display().to_string(),
+    ]
+    .into_iter()
+    .chain(args.iter().cloned())
+    .collect();
+    std::fs::write(dir.join("run.sh"), line.join(" ") + "\n").unwrap();
     let run = Command::new(exe)
         .arg(&k.name)
         .arg(dir)
