@@ -227,23 +227,6 @@ __device__ __forceinline__ void load_rows(unsigned short* tile, const In& x, fs_
     }
 }
 
-// The key tiles a forward's `rows` query rows from q0 visit: none when
-// every row lies past q_len, and when causal none after the last row's key
-// (which lies before q_len and kv_len). A warpgroup of forward_sm90.cuh
-// counts its own 64 rows so and takes only its turns past them: with 64
-// keys a tile (over 128 features) the first warpgroup of a causal tile
-// skips its last, and a tile's rows past q_len skip all.
-template <int TILE_K, bool CAUSAL>
-__device__ __forceinline__ int key_tiles_of_rows(fs_i64 q0, int rows, fs_i64 q_len, fs_i64 kv_len) {
-    if (q0 >= q_len) return 0;
-    fs_i64 end = kv_len;
-    if (CAUSAL) {
-        const fs_i64 last = q0 + rows < q_len ? q0 + rows : q_len;
-        if (last < end) end = last;
-    }
-    return (int)((end + TILE_K - 1) / TILE_K);
-}
-
 // The masks and the online softmax of a forward, on one warp's scores
 // s[TILE_K / 8][4] in the accumulator layout of m16n8 (and of wgmma, which
 // repeats it): s[n][e] is row i_lo (e < 2) or i_hi = i_lo + 8, key

@@ -21,8 +21,6 @@
 // softmax's rescale once that lands. The warpgroups take turns issuing their
 // products (FlashAttention-3's ping-pong), so one's softmax also runs while
 // the others' products do. Causal blocks run the longest query tiles first.
-// A warpgroup whose rows end before the block's last key tile (causal, 64
-// keys a tile) or lie past q_len only takes its turns at the tiles past them.
 //
 // Q sits in shared memory in wgmma's core-matrix layout (CoreTile, copied once
 // by every thread); K and V tiles as the copies land them (SwizzledTile), K
@@ -157,16 +155,6 @@ struct ForwardSm90 {
         constexpr int TURN = 2 * 128;  // a turn barrier's threads: the warpgroup waiting, the one arriving
         const int next_wg = wg + 1 == WGS ? 0 : wg + 1;
         if (tiles > 0 && wg == WGS - 1) fs_bar_arrive(1, TURN);
-        // The tiles this warpgroup's own rows need (causal: fewer than the
-        // block's where its last row comes before the block's last tile; none
-        // where its rows lie past q_len). It takes its turns past them
-        // without products.
-        const int own = key_tiles_of_rows<TILE_K, CAUSAL>(q0 + wg * 64, 64, a.q_len, a.kv_len);
-        const int mine = own < tiles ? own : tiles;
-        auto pass_turn = [&](bool last) {
-            fs_bar_sync(1 + wg, TURN);
-            if (!last || wg + 1 < WGS) fs_bar_arrive(1 + next_wg, TURN);
-        };
 
         // 3. S = Q K^T of the warpgroup's 64 rows and the tile's keys (K-major:
         //    features 16kk .. from each descriptor's k step).
@@ -194,7 +182,7 @@ struct ForwardSm90 {
         };
 
         // Tile 0's scores alone (no P V yet).
-        if (mine > 0) {
+        if (tiles > 0) {
             fs_mbar_wait(&k_full[0], 0);
             fs_bar_sync(1 + wg, TURN);
             issue_s(k_desc);
@@ -208,7 +196,7 @@ struct ForwardSm90 {
         }
         int buf = 0, prev = 0;  // t % STAGES, (t - 1) % STAGES
         unsigned phase = 0, prev_phase = 0;
-        for (int t = 1; t < mine; ++t) {
+        for (int t = 1; t < tiles; ++t) {
             prev = buf, prev_phase = phase;
             if (++buf == STAGES) buf = 0, phase ^= 1;
             const fs_i64 k0 = (fs_i64)t * TILE_K;
@@ -243,34 +231,16 @@ struct ForwardSm90 {
             pack();
         }
         // The last tile's O += P V.
-        if (mine > 0) {
+        if (tiles > 0) {
             fs_mbar_wait(&v_full[buf], phase);
             fs_bar_sync(1 + wg, TURN);
             fs_wgmma_fence();
             issue_pv(fs_desc_at(v_desc, buf * VT::BYTES));
             fs_wgmma_commit();
-            if (mine < tiles || wg + 1 < WGS) fs_bar_arrive(1 + next_wg, TURN);
+            if (wg + 1 < WGS) fs_bar_arrive(1 + next_wg, TURN);
             fs_wgmma_wait_all();
             fs_wgmma_hold(o_acc);
         }
-        // The block's tiles past the warpgroup's rows: a turn each, and the
-        // buffers released once they have landed (released earlier, an
-        // arrival could count towards the buffer's previous phase), by one
-        // lane a warp, which alone waits: no lane is still waiting on a
-        // phase that the release lets the producer begin again.
-        for (int t = mine; t < tiles; ++t) {
-            const int b_t = t % STAGES;
-            const unsigned ph = (t / STAGES) & 1;
-            pass_turn(mine > 0 && t + 1 == tiles);
-            if (lane == 0) {
-                fs_mbar_wait(&k_full[b_t], ph);
-                fs_mbar_arrive(&k_empty[b_t]);
-                fs_mbar_wait(&v_full[b_t], ph);
-                fs_mbar_arrive(&v_empty[b_t]);
-            }
-            fs_syncwarp();
-        }
-        if (mine == 0 && tiles > 0) pass_turn(true);
 
         // 7. O and the log-sum-exp.
         store_output<E, DV>(a, o_acc, row_max, row_sum, b, h, i_lo, i_hi, frag_col);
