@@ -11,7 +11,11 @@ For each precision asked for, fusec trains the model (on the GPU, or with
 gradient norm (--log). `fusec export-torch` writes the model's twin, which
 then trains the same steps from the same weights on the same batches twice:
 in float64 (the judge) and in the same precision as fusec (fp32, or bf16/fp16
-autocast over f32 weights, with fusec's loss scaling for fp16).
+over f32 weights, with fusec's loss scaling for fp16). In bf16 and fp16 the
+twin by default rounds where fusec does (--casting compute: every activation
+in the compute dtype); --casting autocast runs it under torch.autocast, which
+keeps more in f32 (biases' and residual sums, norms) and so drifts less from
+the f64 run than any kernel of fusec's precision can.
 
 Training is chaotic: rounding differences grow step by step, so no fixed
 tolerance separates a correct implementation from a wrong one over many
@@ -193,7 +197,8 @@ def twin_train(twin, init, batches, micro, args, precision, skip=None):
             continue
         before = scaler.get_scale() if scaler is not None else None
         rate = twin.learning_rate(step, args.steps, args.lr)
-        loss, norm = twin.train_step(model, opt, inputs, lr=rate, scaler=scaler, precision=precision)
+        loss, norm = twin.train_step(model, opt, inputs, lr=rate, scaler=scaler, precision=precision,
+                                     casting=args.casting)
         skipped = scaler is not None and scaler.get_scale() < before
         out.append({"loss": loss, "grad_norm": norm, "skipped": skipped})
     return out
@@ -291,6 +296,10 @@ def main():
                     help="both (fp32 and the model's own; the default), own, fp32, bf16 or fp16")
     ap.add_argument("--lr", type=float, help="learning rate (default: the model file's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--casting", default="compute", choices=["compute", "autocast"],
+                    help="how the bf16/fp16 twin rounds its activations: compute (the default: every "
+                         "activation in the compute dtype, as fusec's precision is defined) or autocast "
+                         "(torch.autocast, which keeps biases' sums, residual sums and norms in f32)")
     ap.add_argument("--cpu", action="store_true", help="fusec on its CPU reference interpreter (small sizes)")
     ap.add_argument("--device", default=None, help="where the twins run (default: cuda when there is one, else cpu)")
     ap.add_argument("--keep", metavar="DIR", help="keep the twins, weights, batches and logs here")

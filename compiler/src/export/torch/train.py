@@ -58,18 +58,48 @@ def autocast_dtype(dtype):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 
 
-def train_step(model, opt, micro_batches, lr=None, scaler=None, precision=None):
+# How a bf16 or fp16 step rounds its activations:
+#   "autocast": torch.autocast over the f32 model, as PyTorch code is written
+#     (matmuls and attention in the compute dtype, but a bias added to a
+#     matmul's output, the residual sums and the norms in f32);
+#   "compute": every activation in the compute dtype, as fusec runs it: each
+#     parameter converted once where it is used, float inputs converted, and
+#     the cross-entropy reading the logits in the compute dtype and working
+#     in f32 (fusec's cross_entropy returns f32).
+CASTINGS = ("autocast", "compute")
+
+
+def _forward_in(model, inputs, cast):
+    """The loss with every parameter and float input in `cast` (the "compute" casting)."""
+    params = {name: p.to(cast) for name, p in model.named_parameters()}
+    inputs = {k: v.to(cast) if v.is_floating_point() else v for k, v in inputs.items()}
+    cross_entropy = F.cross_entropy
+
+    def f32_cross_entropy(x, *args, **kwargs):
+        return cross_entropy(x.float(), *args, **kwargs)
+
+    F.cross_entropy = f32_cross_entropy
+    try:
+        return torch.func.functional_call(model, params, args=(), kwargs=inputs)
+    finally:
+        F.cross_entropy = cross_entropy
+
+
+def train_step(model, opt, micro_batches, lr=None, scaler=None, precision=None, casting="autocast"):
     """One optimizer step over MICRO_BATCHES micro-batches (a list of input
     dicts). Returns (mean loss, gradient norm before clipping) as floats."""
-    loss, norm = train_step_tensors(model, opt, micro_batches, lr, scaler, precision)
+    loss, norm = train_step_tensors(model, opt, micro_batches, lr, scaler, precision, casting=casting)
     return loss.item(), norm.item()
 
 
-def train_step_tensors(model, opt, micro_batches, lr=None, scaler=None, precision=None, norm=True):
+def train_step_tensors(model, opt, micro_batches, lr=None, scaler=None, precision=None, norm=True, casting="autocast"):
     """`train_step` with the loss and norm left on the device as tensors, so
     that a timed loop waits for nothing between steps. With `norm=False` and
-    no clipping the norm is not computed (None), as fusec does not."""
+    no clipping the norm is not computed (None), as fusec does not. `casting`
+    is one of CASTINGS (it matters only in bf16 and fp16)."""
     precision = precision or PRECISION
+    if casting not in CASTINGS:
+        raise SystemExit(f"error: casting `{casting}`: expected one of {', '.join(CASTINGS)}")
     if lr is not None:
         for g in opt.param_groups:
             g["lr"] = lr
@@ -77,8 +107,11 @@ def train_step_tensors(model, opt, micro_batches, lr=None, scaler=None, precisio
     cast = autocast_dtype(precision)
     total = 0.0
     for inputs in micro_batches:
-        with torch.autocast(device, dtype=cast or torch.float32, enabled=cast is not None):
-            loss = model(**inputs)
+        if cast is not None and casting == "compute":
+            loss = _forward_in(model, inputs, cast)
+        else:
+            with torch.autocast(device, dtype=cast or torch.float32, enabled=cast is not None):
+                loss = model(**inputs)
         # fusec scales each gradient by 1/N, which is the gradient of the mean loss.
         scaled = loss / len(micro_batches)
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -184,6 +217,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--init", help="start from these weights (fusec --save-init or a checkpoint)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--casting", default="autocast", choices=CASTINGS,
+                    help="in bf16/fp16: autocast (PyTorch's usual mixed precision) or compute (every activation in the compute dtype, as fusec)")
     args = ap.parse_args()
     sizes = {d: 2 for d in DIMS}
     for kv in args.dim:
@@ -199,7 +234,7 @@ def main():
     scaler = make_scaler(args.device)
     for step in range(1, args.steps + 1):
         batches = [random_inputs(sizes, args.device) for _ in range(MICRO_BATCHES)]
-        loss, norm = train_step(model, opt, batches, lr=learning_rate(step, args.steps), scaler=scaler)
+        loss, norm = train_step(model, opt, batches, lr=learning_rate(step, args.steps), scaler=scaler, casting=args.casting)
         print(f"step {step}: loss {loss:.6f}, grad norm {norm:.4f}")
 
 
