@@ -1,8 +1,7 @@
 //! CUDA C for convolution and its gradients, NHWC (`ops/conv.rs`): one
 //! thread per output element, each summing over its taps in a fixed order
-//! in f32 (the weight gradient image by image, then the images' sums), so
-//! every result is deterministic and needs no atomics. Direct loops, not
-//! implicit GEMM: correct first, fast later.
+//! in f32, so every result is deterministic and needs no atomics. Direct
+//! loops, not implicit GEMM: correct first, fast later.
 
 use super::attention::Access;
 use super::templates::{Ctx, Shape};
@@ -128,23 +127,17 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         ),
         _ => format!(
             "        const fs_i64 co = i % c_out, ci = (i / c_out) % c_in, kx = (i / (c_out * c_in)) % k_w, ky = i / (c_out * c_in * k_w);
-        // A partial sum per image, then the images' sums: a sum of thousands
-        // of terms in one running total loses digits to rounding with every
-        // term (ViT's patch projection, 64 x 14 x 14 of them, drifted from an
-        // f64 run several times faster than PyTorch's f32 does).
         float acc = 0.0f;
         for (fs_i64 b = 0; b < batch; ++b) {{
-            float part = 0.0f;
             for (fs_i64 oy = 0; oy < out_h; ++oy) {{
                 const fs_i64 iy = oy * stride + ky - pad;
                 if (iy < 0 || iy >= in_h) continue;  // zero padding
                 for (fs_i64 ox = 0; ox < out_w; ++ox) {{
                     const fs_i64 ix = ox * stride + kx - pad;
                     if (ix < 0 || ix >= in_w) continue;
-                    part += {} * {};
+                    acc += {} * {};
                 }}
             }}
-            acc += part;
         }}
 ",
             input(0, x),
