@@ -460,7 +460,16 @@ pub fn fuse(g: &Graph) -> Program {
     };
     super::pitch::pad_rows(g, &mut program);
     super::pitch::pad_gemm_sizes(g, &mut program);
-    debug_assert_eq!(program.verify(), Ok(()), "fusion broke the program");
+    // Checked in every build, as the graph is after every pass: the check is
+    // linear in the kernels' slots, and a broken program would otherwise
+    // surface as a wrong result or a fault on the GPU.
+    if let Err(problems) = program.verify() {
+        panic!(
+            "internal error: the kernel program is invalid after fusion; this is a bug in fusec, \
+             please report it with the model file:\n{}",
+            problems.join("\n")
+        );
+    }
     program
 }
 
