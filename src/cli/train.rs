@@ -3,9 +3,9 @@
 use super::common::{load_ranks, Loaded, ModelArgs, SizeArgs};
 use super::parallel;
 use super::schedule::ScheduleArgs;
+use super::train_steps::{open_backend, open_log, set_weights, StepLine};
 use super::CliError;
 use clap::Args;
-use fusec_compiler::interp::Precision;
 use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::batch_log::BatchLog;
 use fusec_runtime::checkpoint;
@@ -215,30 +215,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         let seed = args.seed;
         std::thread::spawn(move || backend::draw_params(&g, seed))
     });
-    let mut backend: Box<dyn Backend> = if world > 1 {
-        let options = SessionOptions {
-            deterministic: args.deterministic,
-        };
-        let zero = args.parallel.zero == 1;
-        if zero && matches!(job, parallel::Job::Launched(..)) && args.save.is_some() {
-            return Err(CliError::usage(
-                "error: --zero 1 under a launcher keeps each rank's optimizer state in its own process, and gathering it for a checkpoint across processes is not built yet; save from a --gpus N run, or train without --zero".to_string(),
-            ));
-        }
-        Box::new(parallel::start(
-            &loaded, &dims, &job, args.gpu, args.cpu, options, &args.data, zero,
-        )?)
-    } else if args.cpu {
-        eprintln!("CPU reference interpreter (values rounded to their dtypes as stored): slow, for small models");
-        let g = &loaded.compiled.optimized;
-        Box::new(backend::Cpu::new(g, &dims, Precision::AsStored).map_err(runtime_err)?)
-    } else {
-        let options = SessionOptions {
-            deterministic: args.deterministic,
-        };
-        let (s, _) = start(&loaded, &dims, args.gpu, options)?;
-        Box::new(backend::Gpu::new(s, &dims).map_err(runtime_err)?)
-    };
+    let mut backend = open_backend(args, &loaded, &dims, &job)?;
     let b = backend.as_mut();
     let mut validation = super::validate::prepare(
         &args.validation,
@@ -261,54 +238,11 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             "deterministic: the attention backward runs without atomics and every other kernel is deterministic (GEMMs keep one cuBLASLt algorithm each), so a run repeats bit for bit on the same GPU and software"
         );
     }
-    let t_init = Instant::now();
-    match drawing.and_then(|h| h.join().ok().flatten()) {
-        Some(drawn) => backend::init_params_drawn(b, drawn),
-        None => backend::init_params(b, args.seed),
-    }
-    .map_err(runtime_err)?;
-    if !args.cpu {
-        eprintln!(
-            "  weights initialized in {:.1} s",
-            t_init.elapsed().as_secs_f64()
-        );
-    }
+    let resumed = set_weights(args, b, drawing)?;
+    let first = resumed.as_ref().map_or(1, |ck| ck.step + 1);
     // Each optimizer step runs `micro` micro-batches of B rows, adding up
     // their gradients, and applies the update on the last.
     let micro = loaded.compiled.model.train.micro_batches.max(1) as u64;
-    let mut first = 1;
-    let mut resumed = None;
-    if let Some(path) = &args.resume {
-        let ck = load_checked(path, &backend::needed(b))?;
-        backend::restore(b, &ck).map_err(runtime_err)?;
-        first = ck.step + 1;
-        eprintln!("resuming {} after step {}", path.display(), ck.step);
-        resumed = Some(ck);
-    }
-    if let Some(path) = &args.init_from {
-        let err = |e: checkpoint::CheckpointError| CliError {
-            message: format!("error: {e}"),
-            code: 3,
-        };
-        let mut ck = checkpoint::load(path).map_err(err)?;
-        if let Some(map) = &args.name_map {
-            ck = fusec_runtime::name_map::load(map)
-                .and_then(|m| m.apply(ck))
-                .map_err(err)?;
-        }
-        checkpoint::check_weights(&ck, path, &backend::needed_params(b)).map_err(err)?;
-        backend::restore_params(b, &ck).map_err(runtime_err)?;
-        eprintln!(
-            "weights from {}{}",
-            path.display(),
-            args.name_map
-                .as_ref()
-                .map_or(String::new(), |m| format!(" through {}", m.display()))
-        );
-    }
-    if let Some(path) = &args.save_init {
-        save(b, path, 0, &Default::default())?;
-    }
     // Tokens per step: the rows of `tokens` where the model reads them.
     let tokens_shape = b.shapes().get("tokens").cloned();
     let tokens_per_step = tokens_shape
@@ -357,20 +291,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     if let Some(pf) = &batches {
         stage_next(b, pf, &mut record)?;
     }
-    let mut log = match &args.log {
-        Some(p) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(args.resume.is_some())
-                .write(true)
-                .truncate(args.resume.is_none())
-                .open(p)
-                .map_err(|e| {
-                    CliError::usage(format!("error: cannot write {}: {e}", p.display()))
-                })?,
-        ),
-        None => None,
-    };
+    let mut log = open_log(args)?;
     // fp16: dynamic loss scaling. An overflowing step is skipped (the
     // optimizer's own step count does not advance) and the scale halves.
     let fp16 = is_input(b.graph(), fusec_compiler::autodiff::LOSS_SCALE_INPUT);
@@ -477,29 +398,21 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
                 scaler.scale
             );
         }
-        let tps = tokens_per_step as f64 / (ms / 1e3);
+        let line = StepLine {
+            step,
+            last,
+            rate,
+            scheduled,
+            loss: st.loss,
+            grad_norm: st.grad_norm,
+            ms,
+            tokens_per_s: tokens_per_step as f64 / (ms / 1e3),
+        };
         if !quiet {
-            eprintln!(
-                "step {step:>5}/{last}  {}loss {:.4}  {}{ms:.1} ms  {:.0} tok/s",
-                if scheduled {
-                    format!("lr {rate:.3e}  ")
-                } else {
-                    String::new()
-                },
-                st.loss,
-                st.grad_norm
-                    .map_or(String::new(), |n| format!("norm {n:.3}  ")),
-                tps
-            );
+            eprintln!("{}", line.progress());
         }
         if let Some(f) = &mut log {
-            let _ = writeln!(
-                f,
-                "{{\"step\":{step},\"lr\":{},\"loss\":{},\"grad_norm\":{},\"ms\":{ms:.3},\"tokens_per_s\":{tps:.1}}}",
-                json_num(rate),
-                json_num(st.loss),
-                st.grad_norm.map_or("null".into(), json_num)
-            );
+            let _ = writeln!(f, "{}", line.json());
         }
         if !st.loss.is_finite() {
             return Err(CliError {
@@ -561,7 +474,7 @@ fn run_state(
     m
 }
 
-fn save(
+pub(super) fn save(
     b: &dyn Backend,
     path: &std::path::Path,
     step: u64,
@@ -604,7 +517,7 @@ pub(super) fn token_bound(
         .map(|v| v as u32)
 }
 
-fn json_num(x: f64) -> String {
+pub(super) fn json_num(x: f64) -> String {
     if x.is_finite() {
         format!("{x}")
     } else {
@@ -614,7 +527,7 @@ fn json_num(x: f64) -> String {
 
 /// A checkpoint or weights file, checked to hold `needed` by name and shape;
 /// a problem is exit status 3 with the file and the tensor named.
-fn load_checked(
+pub(super) fn load_checked(
     path: &std::path::Path,
     needed: &[(String, Vec<usize>)],
 ) -> Result<checkpoint::Checkpoint, CliError> {

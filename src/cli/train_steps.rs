@@ -1,0 +1,165 @@
+//! The named steps of `fusec train` before and around its loop: opening the
+//! backend, setting the starting weights, the log file, and what each step
+//! reports.
+
+use super::common::Loaded;
+use super::parallel;
+use super::train::{json_num, load_checked, runtime_err, save, start, TrainArgs};
+use super::CliError;
+use fusec_compiler::interp::Precision;
+use fusec_runtime::backend::{self, Backend};
+use fusec_runtime::checkpoint;
+use fusec_runtime::session::SessionOptions;
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// Each parameter's bytes as `backend::draw_params` draws them, by name.
+pub(super) type DrawnParams = Vec<(String, Vec<u8>)>;
+
+/// The backend the step runs on: several GPUs (`--gpus N` or a launcher's
+/// ranks), the CPU reference interpreter, or one GPU.
+pub(super) fn open_backend(
+    args: &TrainArgs,
+    loaded: &Loaded,
+    dims: &BTreeMap<String, i64>,
+    job: &parallel::Job,
+) -> Result<Box<dyn Backend>, CliError> {
+    let options = SessionOptions {
+        deterministic: args.deterministic,
+    };
+    if job.world() > 1 {
+        let zero = args.parallel.zero == 1;
+        if zero && matches!(job, parallel::Job::Launched(..)) && args.save.is_some() {
+            return Err(CliError::usage(
+                "error: --zero 1 under a launcher keeps each rank's optimizer state in its own process, and gathering it for a checkpoint across processes is not built yet; save from a --gpus N run, or train without --zero".to_string(),
+            ));
+        }
+        Ok(Box::new(parallel::start(
+            loaded, dims, job, args.gpu, args.cpu, options, &args.data, zero,
+        )?))
+    } else if args.cpu {
+        eprintln!("CPU reference interpreter (values rounded to their dtypes as stored): slow, for small models");
+        let g = &loaded.compiled.optimized;
+        Ok(Box::new(
+            backend::Cpu::new(g, dims, Precision::AsStored).map_err(runtime_err)?,
+        ))
+    } else {
+        let (s, _) = start(loaded, dims, args.gpu, options)?;
+        Ok(Box::new(backend::Gpu::new(s, dims).map_err(runtime_err)?))
+    }
+}
+
+/// The weights the run starts from: drawn (on a thread while the GPU
+/// opened, or here from the seed), then a checkpoint's (`--resume`, which
+/// is returned) or another file's (`--init-from`, through `--name-map`);
+/// `--save-init` writes them.
+pub(super) fn set_weights(
+    args: &TrainArgs,
+    b: &mut dyn Backend,
+    drawing: Option<std::thread::JoinHandle<Option<DrawnParams>>>,
+) -> Result<Option<checkpoint::Checkpoint>, CliError> {
+    let t_init = Instant::now();
+    match drawing.and_then(|h| h.join().ok().flatten()) {
+        Some(drawn) => backend::init_params_drawn(b, drawn),
+        None => backend::init_params(b, args.seed),
+    }
+    .map_err(runtime_err)?;
+    if !args.cpu {
+        eprintln!(
+            "  weights initialized in {:.1} s",
+            t_init.elapsed().as_secs_f64()
+        );
+    }
+    let mut resumed = None;
+    if let Some(path) = &args.resume {
+        let ck = load_checked(path, &backend::needed(b))?;
+        backend::restore(b, &ck).map_err(runtime_err)?;
+        eprintln!("resuming {} after step {}", path.display(), ck.step);
+        resumed = Some(ck);
+    }
+    if let Some(path) = &args.init_from {
+        let err = |e: checkpoint::CheckpointError| CliError {
+            message: format!("error: {e}"),
+            code: 3,
+        };
+        let mut ck = checkpoint::load(path).map_err(err)?;
+        if let Some(map) = &args.name_map {
+            ck = fusec_runtime::name_map::load(map)
+                .and_then(|m| m.apply(ck))
+                .map_err(err)?;
+        }
+        checkpoint::check_weights(&ck, path, &backend::needed_params(b)).map_err(err)?;
+        backend::restore_params(b, &ck).map_err(runtime_err)?;
+        eprintln!(
+            "weights from {}{}",
+            path.display(),
+            args.name_map
+                .as_ref()
+                .map_or(String::new(), |m| format!(" through {}", m.display()))
+        );
+    }
+    if let Some(path) = &args.save_init {
+        save(b, path, 0, &Default::default())?;
+    }
+    Ok(resumed)
+}
+
+/// `--log`: one JSON line a step, appended to when resuming.
+pub(super) fn open_log(args: &TrainArgs) -> Result<Option<std::fs::File>, CliError> {
+    let Some(p) = &args.log else {
+        return Ok(None);
+    };
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(args.resume.is_some())
+        .write(true)
+        .truncate(args.resume.is_none())
+        .open(p)
+        .map(Some)
+        .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", p.display())))
+}
+
+/// What a step reports: a progress line on stderr and a `--log` line.
+pub(super) struct StepLine {
+    pub(super) step: u64,
+    pub(super) last: u64,
+    pub(super) rate: f64,
+    /// Whether the rate changes (then the progress line shows it).
+    pub(super) scheduled: bool,
+    pub(super) loss: f64,
+    pub(super) grad_norm: Option<f64>,
+    pub(super) ms: f64,
+    pub(super) tokens_per_s: f64,
+}
+
+impl StepLine {
+    pub(super) fn progress(&self) -> String {
+        format!(
+            "step {:>5}/{}  {}loss {:.4}  {}{:.1} ms  {:.0} tok/s",
+            self.step,
+            self.last,
+            if self.scheduled {
+                format!("lr {:.3e}  ", self.rate)
+            } else {
+                String::new()
+            },
+            self.loss,
+            self.grad_norm
+                .map_or(String::new(), |n| format!("norm {n:.3}  ")),
+            self.ms,
+            self.tokens_per_s
+        )
+    }
+
+    pub(super) fn json(&self) -> String {
+        format!(
+            "{{\"step\":{},\"lr\":{},\"loss\":{},\"grad_norm\":{},\"ms\":{:.3},\"tokens_per_s\":{:.1}}}",
+            self.step,
+            json_num(self.rate),
+            json_num(self.loss),
+            self.grad_norm.map_or("null".into(), json_num),
+            self.ms,
+            self.tokens_per_s
+        )
+    }
+}
