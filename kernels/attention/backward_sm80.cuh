@@ -299,7 +299,7 @@ struct DqSm80 {
             for (int e = 0; e < 4; ++e) dq_acc[n][e] = 0.0f;
         }
         // Causal: key tiles after the query tile's last row are never visited.
-        const fs_i64 kv_end = CAUSAL && q0 + TILE_Q < kv_len ? q0 + TILE_Q : kv_len;
+        const fs_i64 kv_end = visited_keys_end<TILE_Q, CAUSAL>(q0, kv_len);
         for (fs_i64 k0 = 0; k0 < kv_end; k0 += TILE_K) {
             // 2. Keys and values k0 .. k0 + TILE_K - 1 (rows past kv_len zero).
             __syncthreads();  // every warp is done with the previous tile (and the staging)

@@ -227,6 +227,13 @@ __device__ __forceinline__ void load_rows(unsigned short* tile, const In& x, fs_
     }
 }
 
+// The end of the keys a query tile from row q0 visits: kv_len, or when
+// causal no further than its last row (keys after it are all masked).
+template <int TILE_Q, bool CAUSAL>
+__device__ __forceinline__ fs_i64 visited_keys_end(fs_i64 q0, fs_i64 kv_len) {
+    return CAUSAL && q0 + TILE_Q < kv_len ? q0 + TILE_Q : kv_len;
+}
+
 // The masks and the online softmax of a forward, on one warp's scores
 // s[TILE_K / 8][4] in the accumulator layout of m16n8 (and of wgmma, which
 // repeats it): s[n][e] is row i_lo (e < 2) or i_hi = i_lo + 8, key

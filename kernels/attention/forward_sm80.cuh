@@ -77,7 +77,7 @@ struct ForwardSm80 {
         }
         const fs_i64 i_lo = q0 + q_row, i_hi = i_lo + 8;
         // Causal: key tiles after the query tile's last row are never visited.
-        const fs_i64 kv_end = CAUSAL && q0 + TILE_Q < a.kv_len ? q0 + TILE_Q : a.kv_len;
+        const fs_i64 kv_end = visited_keys_end<TILE_Q, CAUSAL>(q0, a.kv_len);
         for (fs_i64 k0 = 0; k0 < kv_end; k0 += TILE_K) {
             // 2. Keys and values k0 .. k0 + TILE_K - 1 into shared memory (rows past kv_len zero).
             __syncthreads();  // every warp is done with the previous tile (and the queries)

@@ -91,7 +91,7 @@ struct ForwardSm90 {
         fs_fence_async_smem();
         __syncthreads();
         // Causal: key tiles after the query tile's last row are never visited.
-        const fs_i64 kv_end = CAUSAL && q0 + TILE_Q < a.kv_len ? q0 + TILE_Q : a.kv_len;
+        const fs_i64 kv_end = visited_keys_end<TILE_Q, CAUSAL>(q0, a.kv_len);
         const int tiles = (int)((kv_end + TILE_K - 1) / TILE_K);
 
         if (threadIdx.x >= CONSUMERS) {

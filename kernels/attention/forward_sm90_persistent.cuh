@@ -105,8 +105,7 @@ struct ForwardSm90Persistent {
     // The key tiles of the query tile from row q0 (causal: key tiles after
     // its last row are never visited).
     static __device__ __forceinline__ int key_tiles(fs_i64 kv_len, fs_i64 q0) {
-        const fs_i64 kv_end = CAUSAL && q0 + TILE_Q < kv_len ? q0 + TILE_Q : kv_len;
-        return (int)((kv_end + TILE_K - 1) / TILE_K);
+        return (int)((visited_keys_end<TILE_Q, CAUSAL>(q0, kv_len) + TILE_K - 1) / TILE_K);
     }
 
     // The producer's loop (one thread), a function of its own: its few
