@@ -14,4 +14,5 @@ pub mod model;
 pub mod ops;
 pub mod passes;
 pub mod plan;
+pub mod recompute;
 pub mod select;

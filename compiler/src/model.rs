@@ -158,6 +158,10 @@ pub struct TrainConfig {
     pub precision: DType,
     /// Micro-batches whose gradients are accumulated before one update.
     pub micro_batches: u32,
+    /// Bytes the step may take on the device (`memory_budget`, in GiB in
+    /// the file; `--memory-budget` replaces it): activations are recomputed
+    /// to fit (`recompute`).
+    pub memory_budget: Option<u64>,
     /// Data-parallel ranks the step is built for (`--gpus`, never the model
     /// file): above 1, gradients and the loss are averaged over the ranks.
     pub ranks: u32,

@@ -14,6 +14,10 @@ pub struct Gpu {
     /// Compute capability, e.g. (9, 0).
     pub capability: (i32, i32),
     pub total_bytes: u64,
+    /// Device memory in use once the context and its stream exist, before
+    /// this process allocates anything (other processes' included): what
+    /// the step's own memory is measured from.
+    pub used_at_open: u64,
     /// Streaming multiprocessors (132 on an H100 SXM, 114 on the PCIe part).
     pub multiprocessors: u32,
 }
@@ -108,6 +112,10 @@ pub fn open(ordinal: usize) -> Result<Gpu, RuntimeError> {
     let stream = ctx
         .new_stream()
         .map_err(|e| RuntimeError::driver("creating a stream", e))?;
+    let (free, _) = ctx
+        .mem_get_info()
+        .map_err(|e| RuntimeError::driver("querying free memory", e))?;
+    let used_at_open = total_bytes.saturating_sub(free as u64);
     Ok(Gpu {
         ctx,
         stream,
@@ -115,6 +123,7 @@ pub fn open(ordinal: usize) -> Result<Gpu, RuntimeError> {
         name,
         capability,
         total_bytes,
+        used_at_open,
         multiprocessors,
     })
 }

@@ -1,7 +1,7 @@
 //! `fusec bench` and `fusec bench-attention`: the compiled step and the
 //! attention kernels timed on a GPU.
 
-use super::common::{load, load_ranks, ModelArgs, SizeArgs};
+use super::common::{fit_memory, load, load_ranks, BudgetArgs, ModelArgs, SizeArgs};
 use super::train::{runtime_err, start};
 use super::CliError;
 use clap::Args;
@@ -20,6 +20,8 @@ pub struct BenchArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sizes: SizeArgs,
+    #[command(flatten)]
+    pub budget: BudgetArgs,
     /// Timed steps (after three warm-up steps)
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: u64,
@@ -128,9 +130,14 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
         }
         return bench_ranks(args, &job);
     }
-    let loaded = load(&args.model)?;
+    let mut loaded = load(&args.model)?;
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;
+    super::common::announce_budget(
+        fit_memory(&mut loaded, &args.budget, &dims, "h100", args.deterministic)?,
+        &loaded,
+    );
+    let loaded = loaded;
     let options = SessionOptions {
         deterministic: args.deterministic,
     };
@@ -165,13 +172,14 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
         .or_else(|| datasheet_peak(&s.exec.gpu.name));
     let used = s.exec.gpu.total_bytes - s.exec.gpu.free_bytes().map_err(runtime_err)?;
     println!(
-        "{{\"model\":\"{}\",\"device\":\"{}\",\"dims\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tflops\":{tflops:.1},\"mfu\":{},\"peak_memory_gib\":{:.3},\"plan_arena_gib\":{:.3},\"cuda_graph\":{}}}",
+        "{{\"model\":\"{}\",\"device\":\"{}\",\"dims\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tflops\":{tflops:.1},\"mfu\":{},\"peak_memory_gib\":{:.3},\"step_memory_gib\":{:.3},\"plan_arena_gib\":{:.3},\"cuda_graph\":{}}}",
         s.graph.name,
         about,
         serde_like(&dims),
         tokens as f64 / (ms / 1e3),
         peak.map_or("null".into(), |p| format!("{:.3}", tflops / p)),
         used as f64 / (1u64 << 30) as f64,
+        used.saturating_sub(s.exec.gpu.used_at_open) as f64 / (1u64 << 30) as f64,
         s.plan.arena_bytes as f64 / (1u64 << 30) as f64,
         s.exec.has_graph(),
     );
@@ -250,6 +258,11 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     let loaded = load_ranks(&args.model, world as u32)?;
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;
+    if args.budget.memory_budget.is_some() || loaded.compiled.model.train.memory_budget.is_some() {
+        return Err(CliError::usage(
+            "error: a memory budget is not applied over several GPUs yet; bench one GPU with it, or use --zero 1 to split the optimizer state",
+        ));
+    }
     let options = SessionOptions {
         deterministic: args.deterministic,
     };

@@ -1,6 +1,6 @@
 //! `fusec build`: compile a model and write every stage to a folder.
 
-use super::common::{load_rank, ModelArgs, SizeArgs};
+use super::common::{fit_memory, load_rank, BudgetArgs, ModelArgs, SizeArgs};
 use super::CliError;
 use clap::{Args, ValueEnum};
 use fusec_compiler::driver::{Compiled, STAGES};
@@ -34,6 +34,8 @@ pub struct BuildArgs {
     /// Sizes, for the memory plan
     #[command(flatten)]
     pub sizes: SizeArgs,
+    #[command(flatten)]
+    pub budget: BudgetArgs,
     /// Build the step for data parallelism over N GPUs: gradients averaged
     /// in buckets (shown in report.txt) while the backward pass runs
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -197,7 +199,16 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
             args.rank
         )));
     }
-    let loaded = load_rank(&args.model, ranks, (args.zero == 1).then_some(args.rank))?;
+    let mut loaded = load_rank(&args.model, ranks, (args.zero == 1).then_some(args.rank))?;
+    let dims = args.sizes.resolve(&loaded.compiled.optimized.dims)?;
+    let recomputed = fit_memory(
+        &mut loaded,
+        &args.budget,
+        &dims,
+        &args.device,
+        args.deterministic,
+    )?;
+    let loaded = loaded;
     let c = &loaded.compiled;
     if let Some(stage) = args.dump_after.as_deref() {
         if let Some(text) = kernel_stage(c, stage, args)? {
@@ -290,7 +301,6 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         args.device
     )));
 
-    let dims = args.sizes.resolve(&c.optimized.dims)?;
     let missing = super::common::missing(&dims, &c.optimized.dims);
     let plan_note = if missing.is_empty() {
         super::common::check_sizes(&loaded, &dims)?;
@@ -301,7 +311,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         written.push(p);
         let p = args.out.join("report.txt");
         let file = loaded.path.display().to_string();
-        let text = fusec_compiler::plan::report::report_with_source(
+        let mut text = fusec_compiler::plan::report::report_with_source(
             &c.optimized,
             &program,
             &plan,
@@ -309,6 +319,12 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
             fusec_compiler::plan::roofline::device(&args.device).expect("checked by clap"),
             Some((&file, &loaded.source)),
         );
+        if let Some(choice) = &recomputed {
+            // After the memory plan's paragraph, before the roofline's.
+            let para = choice.describe(&c.optimized, Some((&file, &loaded.source)));
+            let at = text.find("\nroofline estimate").unwrap_or(text.len());
+            text.insert_str(at, &format!("\n{}", para.trim_end()));
+        }
         write(&p, &text)?;
         written.push(p);
         let p = args.out.join("memory.html");

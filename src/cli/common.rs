@@ -248,3 +248,71 @@ pub fn missing<'a>(
         .map(|s| s.as_str())
         .collect()
 }
+
+/// `--memory-budget`: recompute activations to fit the step in a size.
+#[derive(Args, Debug, Clone, Default)]
+pub struct BudgetArgs {
+    /// Fit the step in this much device memory by recomputing activations
+    /// in the backward pass (e.g. 12GiB, 9000MiB; a bare number is GiB);
+    /// replaces the train section's `memory_budget`. The report says what
+    /// is recomputed and what it costs
+    #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
+    pub memory_budget: Option<u64>,
+}
+
+fn parse_budget(s: &str) -> Result<u64, String> {
+    fusec_compiler::recompute::parse_size(s)
+}
+
+/// Applies the memory budget (`--memory-budget`, else the train
+/// section's) to the step at sizes `dims`: the step graph is rewritten to
+/// recompute what the choice drops. `None` when there is no budget or the
+/// step fits without recomputing.
+pub fn fit_memory(
+    loaded: &mut Loaded,
+    budget: &BudgetArgs,
+    dims: &std::collections::BTreeMap<String, i64>,
+    device: &str,
+    deterministic: bool,
+) -> Result<Option<fusec_compiler::recompute::Choice>, CliError> {
+    use fusec_compiler::recompute;
+    let Some(bytes) = budget
+        .memory_budget
+        .or(loaded.compiled.model.train.memory_budget)
+    else {
+        return Ok(None);
+    };
+    let missing = missing(dims, &loaded.compiled.optimized.dims);
+    if !missing.is_empty() {
+        return Err(CliError::usage(format!(
+            "error: a memory budget is met at the sizes the step runs at: give the size of {} (--batch, --seq or --dim NAME=N)",
+            missing.join(", ")
+        )));
+    }
+    let target = fusec_compiler::select::Target::for_device(device, deterministic)
+        .unwrap_or_else(fusec_compiler::select::Target::simple);
+    let roof = fusec_compiler::plan::roofline::device(device)
+        .or_else(|| fusec_compiler::plan::roofline::device("h100"))
+        .expect("the roofline knows the h100");
+    recompute::fit_budget(&mut loaded.compiled.optimized, dims, bytes, &target, roof).map_err(|e| {
+        CliError::usage(format!(
+            "error: {e}\n  (model {}, sizes {})",
+            loaded.path.display(),
+            dims.iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    })
+}
+
+/// Says on standard error what a budget made the step recompute.
+pub fn announce_budget(choice: Option<fusec_compiler::recompute::Choice>, loaded: &Loaded) {
+    if let Some(c) = choice {
+        let file = loaded.path.display().to_string();
+        eprint!(
+            "{}",
+            c.describe(&loaded.compiled.optimized, Some((&file, &loaded.source)))
+        );
+    }
+}

@@ -1,6 +1,6 @@
 //! `fusec train`: the compiled step run over the data, on a GPU or the CPU reference.
 
-use super::common::{load_ranks, Loaded, ModelArgs, SizeArgs};
+use super::common::{fit_memory, load_ranks, BudgetArgs, Loaded, ModelArgs, SizeArgs};
 use super::parallel;
 use super::schedule::ScheduleArgs;
 use super::train_steps::{open_backend, open_log, set_weights, StepLine};
@@ -33,6 +33,8 @@ pub struct TrainArgs {
     pub steps: u64,
     #[command(flatten)]
     pub sizes: SizeArgs,
+    #[command(flatten)]
+    pub budget: BudgetArgs,
     /// Learning rate (the model file's optimizer settings are used otherwise)
     #[arg(long)]
     pub lr: Option<f64>,
@@ -187,13 +189,26 @@ pub(super) fn start_graph(
 pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     let job = parallel::job(&args.parallel)?;
     let world = job.world();
-    let loaded = load_ranks(&args.model, world as u32)?;
+    let mut loaded = load_ranks(&args.model, world as u32)?;
     let lr = args
         .lr
         .unwrap_or(loaded.compiled.model.train.optimizer.lr());
     // Each rank's sizes; the data is fed for all of them together.
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;
+    if world > 1
+        && (args.budget.memory_budget.is_some()
+            || loaded.compiled.model.train.memory_budget.is_some())
+    {
+        return Err(CliError::usage(
+            "error: a memory budget is not applied over several GPUs yet; train on one GPU with it, or use --zero 1 to split the optimizer state",
+        ));
+    }
+    super::common::announce_budget(
+        fit_memory(&mut loaded, &args.budget, &dims, "h100", args.deterministic)?,
+        &loaded,
+    );
+    let loaded = loaded;
     let data_dims = parallel::whole_batch(&dims, world);
     // Only rank 0 of a launched job writes files and progress.
     let quiet = !job.writes();

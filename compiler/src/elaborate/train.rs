@@ -15,6 +15,7 @@ const KEYS: &[&str] = &[
     "precision",
     "micro_batches",
     "schedule",
+    "memory_budget",
 ];
 
 fn entry<'a>(t: &'a TrainSection, key: &str) -> Option<&'a Expr> {
@@ -156,6 +157,21 @@ pub fn section(e: &mut Elab, t: &TrainSection) -> Result<TrainConfig, Diagnostic
             }
         }
     };
+    // In GiB: the language has no units; `--memory-budget` takes them.
+    let memory_budget = match entry(t, "memory_budget") {
+        None => None,
+        Some(x) => {
+            let gib = positive(e, x, "memory_budget")?;
+            if gib >= (1u64 << 30) as f64 {
+                return Err(Diagnostic::new(
+                    "`memory_budget` is too large",
+                    x.span,
+                    "a budget in GiB, e.g. `memory_budget = 12`",
+                ));
+            }
+            Some((gib * (1u64 << 30) as f64) as u64)
+        }
+    };
     let schedule = match entry(t, "schedule") {
         None => Schedule::default(),
         Some(x) => schedule(e, x, optimizer.lr())?,
@@ -166,6 +182,7 @@ pub fn section(e: &mut Elab, t: &TrainSection) -> Result<TrainConfig, Diagnostic
         clip_grad_norm,
         precision: e.precision,
         micro_batches,
+        memory_budget,
         ranks: e.ranks,
         zero_rank: e.zero_rank,
         loss_span: loss_expr.span,

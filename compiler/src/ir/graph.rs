@@ -44,6 +44,10 @@ pub struct Node {
     /// span of the forward op they differentiate).
     pub span: Option<Span>,
     pub phase: Phase,
+    /// A forward op run again in the backward pass (the `recompute` stage)
+    /// in place of a kept activation: scheduled just before the first node
+    /// that reads it, so its result lives no longer than it must.
+    pub recompute: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -196,6 +200,7 @@ impl Graph {
             outputs,
             span,
             phase,
+            recompute: false,
         });
         for (slot, v) in inputs.iter().enumerate() {
             self.g.add_edge(
@@ -244,7 +249,9 @@ impl Graph {
     /// Nodes in a deterministic topological order: among the ready nodes,
     /// forward before backward before update, then the one added first, so
     /// the order follows the model file. (Indices freed by removed nodes are
-    /// reused, so within a phase this is only mostly file order.)
+    /// reused, so within a phase this is only mostly file order.) Recomputed
+    /// nodes wait until a node that reads them is taken, and go just before
+    /// it.
     pub fn topo_order(&self) -> Vec<NodeIndex> {
         use std::cmp::Reverse;
         let key = |n: NodeIndex| Reverse((self.g[n].phase as u8, n));
@@ -253,23 +260,73 @@ impl Graph {
             .node_indices()
             .map(|n| (n, self.g.edges_directed(n, Direction::Incoming).count()))
             .collect();
-        let mut ready: BinaryHeap<Reverse<(u8, NodeIndex)>> = indeg
-            .iter()
-            .filter(|(_, d)| **d == 0)
-            .map(|(n, _)| key(*n))
-            .collect();
+        let mut ready = BinaryHeap::new();
+        // Recomputed nodes whose inputs are all placed, not placed themselves.
+        let mut waiting = std::collections::BTreeSet::new();
         let mut order = Vec::with_capacity(indeg.len());
-        while let Some(Reverse((_, n))) = ready.pop() {
-            order.push(n);
-            for e in self.g.edges_directed(n, Direction::Outgoing) {
-                let d = indeg.get_mut(&e.target()).expect("edge target is a node");
-                *d -= 1;
-                if *d == 0 {
-                    ready.push(key(e.target()));
+        // Counts `n` as placed for its readers: a recomputed node as soon as
+        // it could be, any other once it is in `order`.
+        let release = |n: NodeIndex,
+                       indeg: &mut std::collections::HashMap<NodeIndex, usize>,
+                       ready: &mut BinaryHeap<Reverse<(u8, NodeIndex)>>,
+                       waiting: &mut std::collections::BTreeSet<NodeIndex>| {
+            let mut stack = vec![n];
+            while let Some(n) = stack.pop() {
+                for e in self.g.edges_directed(n, Direction::Outgoing) {
+                    let t = e.target();
+                    let d = indeg.get_mut(&t).expect("edge target is a node");
+                    *d -= 1;
+                    if *d == 0 {
+                        if self.g[t].recompute {
+                            waiting.insert(t);
+                            stack.push(t);
+                        } else {
+                            ready.push(key(t));
+                        }
+                    }
                 }
             }
+        };
+        let sources: Vec<NodeIndex> = indeg
+            .iter()
+            .filter(|(_, d)| **d == 0)
+            .map(|(n, _)| *n)
+            .collect();
+        for n in sources {
+            if self.g[n].recompute {
+                waiting.insert(n);
+                release(n, &mut indeg, &mut ready, &mut waiting);
+            } else {
+                ready.push(key(n));
+            }
+        }
+        while let Some(Reverse((_, n))) = ready.pop() {
+            self.place_waiting_inputs(n, &mut waiting, &mut order);
+            order.push(n);
+            release(n, &mut indeg, &mut ready, &mut waiting);
+        }
+        // Recomputed nodes nothing reads (none after dead-code elimination).
+        while let Some(n) = waiting.pop_first() {
+            self.place_waiting_inputs(n, &mut waiting, &mut order);
+            order.push(n);
         }
         order
+    }
+
+    /// Places the recomputed nodes `n` reads that still wait, each after
+    /// the ones it reads itself.
+    fn place_waiting_inputs(
+        &self,
+        n: NodeIndex,
+        waiting: &mut std::collections::BTreeSet<NodeIndex>,
+        order: &mut Vec<NodeIndex>,
+    ) {
+        for v in self.inputs(n) {
+            if waiting.remove(&v.node) {
+                self.place_waiting_inputs(v.node, waiting, order);
+                order.push(v.node);
+            }
+        }
     }
 
     pub fn output(&self, role: &Role) -> Option<Value> {

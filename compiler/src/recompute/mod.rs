@@ -1,0 +1,340 @@
+//! Recomputation under a memory budget: the stage between the pass
+//! pipeline and fusion that trades the activations a step keeps for its
+//! backward pass against running their forward ops again.
+//!
+//! The choice is made on the plan itself, at the sizes the step runs at:
+//! the candidates are the kept forward values (never a value passed from
+//! one outermost block call to the next, so a recomputation reaches back
+//! no further than the start of its own layer, nor one only the first
+//! backward ops read, which would be recomputed at once), ordered by the predicted
+//! time their recomputation adds per byte they free (`cost`); the shortest
+//! prefix of that order whose plan fits the budget is taken (binary search
+//! over the prefix, each probe fused and planned as it would run). What it
+//! adds, and the peak before and after, come from those plans and the
+//! roofline estimate, so the report's figures are the plan's own.
+
+pub mod cost;
+pub mod rewrite;
+
+use crate::ir::graph::Value;
+use crate::ir::Graph;
+use crate::kernel::fuse::fuse;
+use crate::plan::roofline::{estimate, Device};
+use crate::plan::{plan_with, PlanError};
+use crate::select::{select, Target};
+use std::collections::{BTreeMap, HashSet};
+use std::fmt::Write;
+
+pub use rewrite::{checkpoints, drop_saved, saved_values, Kept};
+
+/// A step's plan as the budget sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Probe {
+    /// The arena: everything the step allocates on the device.
+    pub arena_bytes: u64,
+    /// The roofline estimate of one step.
+    pub seconds: f64,
+    pub flops: f64,
+}
+
+/// Fuses, selects kernels for and plans `g` as the step would run.
+pub fn probe(
+    g: &Graph,
+    dims: &BTreeMap<String, i64>,
+    target: &Target,
+    device: Device,
+) -> Result<Probe, PlanError> {
+    let program = fuse(g);
+    let selection = select(g, &program, target, None);
+    let plan = plan_with(g, &program, Some(&selection), dims)?;
+    let est = estimate(g, &program, &plan, device);
+    Ok(Probe {
+        arena_bytes: plan.arena_bytes,
+        seconds: est.seconds,
+        flops: est.flops,
+    })
+}
+
+/// One dropped activation.
+#[derive(Clone, Debug)]
+pub struct Dropped {
+    pub value: Value,
+    /// The op that makes it (`layernorm`, `matmul`, ...).
+    pub op: &'static str,
+    pub span: Option<crate::dsl::ast::Span>,
+    pub bytes: u64,
+}
+
+/// What the stage chose, for the report.
+#[derive(Clone, Debug)]
+pub struct Choice {
+    pub budget: u64,
+    pub dropped: Vec<Dropped>,
+    /// Ops added to the backward pass to recompute them.
+    pub ops_added: usize,
+    pub before: Probe,
+    pub after: Probe,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum BudgetError {
+    /// Even with every candidate recomputed the plan needs `floor` bytes.
+    BelowFloor {
+        budget: u64,
+        floor: u64,
+        peak: u64,
+    },
+    Plan(PlanError),
+}
+
+impl std::fmt::Display for BudgetError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BudgetError::BelowFloor {
+                budget,
+                floor,
+                peak,
+            } => write!(
+                f,
+                "the memory budget of {} cannot be met: recomputing every activation the backward pass keeps (all but each layer's input) still needs {} (without recomputation: {}); give a budget of at least {}, or a smaller batch",
+                gib(*budget),
+                gib(*floor),
+                gib(*peak),
+                size_in(*floor, true)
+            ),
+            BudgetError::Plan(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl From<PlanError> for BudgetError {
+    fn from(e: PlanError) -> Self {
+        BudgetError::Plan(e)
+    }
+}
+
+/// A size in the largest binary unit it reaches (GiB to 3 places, MiB
+/// and KiB to 1), rounded up when `up` (a budget to ask for).
+fn size_in(bytes: u64, up: bool) -> String {
+    let (unit, scale, places) = if bytes >= 1 << 30 {
+        ("GiB", (1u64 << 30) as f64, 1000.0)
+    } else if bytes >= 1 << 20 {
+        ("MiB", (1u64 << 20) as f64, 10.0)
+    } else {
+        ("KiB", 1024.0, 10.0)
+    };
+    let x = bytes as f64 / scale;
+    let x = if up { (x * places).ceil() / places } else { x };
+    if places == 1000.0 {
+        format!("{x:.3} {unit}")
+    } else {
+        format!("{x:.1} {unit}")
+    }
+}
+
+pub fn gib(bytes: u64) -> String {
+    size_in(bytes, false)
+}
+
+/// Parses a size as `--memory-budget` takes it: `12GiB`, `12G`, `9000MiB`,
+/// `512M`, `1.5TiB`, or a bare number of GiB.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let x: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size; write it as e.g. 12GiB, 9000MiB or 12 (GiB)"))?;
+    let scale = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "g" | "gb" | "gib" => 1u64 << 30,
+        "m" | "mb" | "mib" => 1 << 20,
+        "k" | "kb" | "kib" => 1 << 10,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => {
+            return Err(format!(
+                "`{other}` in `{s}` is not a unit of size; use KiB, MiB, GiB or TiB"
+            ))
+        }
+    };
+    let bytes = x * scale as f64;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < (1u64 << 60) as f64) {
+        return Err(format!("`{s}` is not a usable size"));
+    }
+    Ok(bytes as u64)
+}
+
+/// The candidates in the order they are dropped: least added time per
+/// byte freed first (ties in graph order, so the choice is reproducible).
+pub fn candidates(g: &Graph, dims: &BTreeMap<String, i64>, device: Device) -> Vec<Dropped> {
+    let env = |s: &str| dims.get(s).copied();
+    let fixed = checkpoints(g);
+    let mut scored: Vec<(f64, usize, Dropped)> = Vec::new();
+    for (i, v) in saved_values(g).into_iter().enumerate() {
+        if fixed.contains(&v) || rewrite::read_at_backward_start(g, v) {
+            continue;
+        }
+        let bytes = cost::value_bytes(g, v, &env);
+        if bytes == 0 {
+            continue;
+        }
+        let only = HashSet::from([v]);
+        let kept = Kept::new(g, &only);
+        let seconds: f64 = kept
+            .recipe(g, v)
+            .into_iter()
+            .map(|n| cost::node_seconds(g, n, &env, device))
+            .sum();
+        let node = &g.g[v.node];
+        scored.push((
+            seconds / bytes as f64,
+            i,
+            Dropped {
+                value: v,
+                op: node.op.name(),
+                span: node.span,
+                bytes,
+            },
+        ));
+    }
+    scored.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    scored.into_iter().map(|(_, _, d)| d).collect()
+}
+
+/// Chooses what to recompute for `budget` bytes and rewrites `g` so.
+/// Returns `None` if the step fits without recomputing anything.
+pub fn fit_budget(
+    g: &mut Graph,
+    dims: &BTreeMap<String, i64>,
+    budget: u64,
+    target: &Target,
+    device: Device,
+) -> Result<Option<Choice>, BudgetError> {
+    let before = probe(g, dims, target, device)?;
+    if before.arena_bytes <= budget {
+        return Ok(None);
+    }
+    let order = candidates(g, dims, device);
+    let with = |k: usize| -> Result<(Graph, usize, Probe), BudgetError> {
+        let mut h = g.clone();
+        let dropped: HashSet<Value> = order[..k].iter().map(|d| d.value).collect();
+        let added = drop_saved(&mut h, &dropped);
+        let p = probe(&h, dims, target, device)?;
+        Ok((h, added, p))
+    };
+    let all = with(order.len())?;
+    if all.2.arena_bytes > budget {
+        return Err(BudgetError::BelowFloor {
+            budget,
+            floor: all.2.arena_bytes,
+            peak: before.arena_bytes,
+        });
+    }
+    // The smallest prefix that fits: `lo` does not, `hi` does.
+    let (mut lo, mut hi, mut best) = (0usize, order.len(), all);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        let r = with(mid)?;
+        if r.2.arena_bytes <= budget {
+            hi = mid;
+            best = r;
+        } else {
+            lo = mid;
+        }
+    }
+    let (h, ops_added, after) = best;
+    *g = h;
+    Ok(Some(Choice {
+        budget,
+        dropped: order[..hi].to_vec(),
+        ops_added,
+        before,
+        after,
+    }))
+}
+
+/// The floor: the plan with every candidate recomputed.
+pub fn floor(
+    g: &Graph,
+    dims: &BTreeMap<String, i64>,
+    target: &Target,
+    device: Device,
+) -> Result<Probe, PlanError> {
+    let order = candidates(g, dims, device);
+    let mut h = g.clone();
+    drop_saved(&mut h, &order.iter().map(|d| d.value).collect());
+    probe(&h, dims, target, device)
+}
+
+impl Choice {
+    /// The report's paragraph: what is recomputed, grouped by the op and
+    /// line that makes it, the memory freed and the time added.
+    pub fn describe(&self, g: &Graph, source: Option<(&str, &str)>) -> String {
+        let mut s = String::new();
+        let saved: u64 = self.dropped.iter().map(|d| d.bytes).sum();
+        let _ = writeln!(
+            s,
+            "recompute for a memory budget of {}: {} activations dropped ({}), {} ops run again in the backward pass",
+            gib(self.budget),
+            self.dropped.len(),
+            gib(saved),
+            self.ops_added
+        );
+        let _ = writeln!(
+            s,
+            "  peak (the arena) {} -> {}; +{:.3} TFLOP and +{:.2} ms a step predicted ({:.2} -> {:.2} ms)",
+            gib(self.before.arena_bytes),
+            gib(self.after.arena_bytes),
+            (self.after.flops - self.before.flops) / 1e12,
+            (self.after.seconds - self.before.seconds) * 1e3,
+            self.before.seconds * 1e3,
+            self.after.seconds * 1e3
+        );
+        // Grouped by (op, line): a repeated layer's values are one line.
+        let mut groups: BTreeMap<(usize, &str), (Vec<String>, u64)> = BTreeMap::new();
+        for d in &self.dropped {
+            let (line, path) = match (d.span, source) {
+                (Some(sp), Some((_, text))) => (
+                    crate::ir::print::line_col(text, sp.start).0,
+                    g.call_stack(sp)
+                        .first()
+                        .map(|c| c.path.clone())
+                        .unwrap_or_default(),
+                ),
+                _ => (0, String::new()),
+            };
+            let e = groups.entry((line, d.op)).or_default();
+            e.0.push(path);
+            e.1 += d.bytes;
+        }
+        let file = source.map_or(String::new(), |(f, _)| {
+            std::path::Path::new(f)
+                .file_name()
+                .map_or(f.to_string(), |n| n.to_string_lossy().to_string())
+        });
+        for ((line, op), (paths, bytes)) in &groups {
+            let at = if *line > 0 {
+                format!(" @{file}:{line}")
+            } else {
+                String::new()
+            };
+            let within = paths.iter().filter(|p| !p.is_empty()).count();
+            let where_ = match (paths.first(), paths.last()) {
+                (Some(a), Some(b)) if within == paths.len() && a != b => {
+                    format!(" in {a} .. {b}")
+                }
+                (Some(a), _) if within == paths.len() => format!(" in {a}"),
+                _ => String::new(),
+            };
+            let _ = writeln!(
+                s,
+                "  {op}{at}{where_}: {} value{}, {}",
+                paths.len(),
+                if paths.len() == 1 { "" } else { "s" },
+                gib(*bytes)
+            );
+        }
+        s
+    }
+}
