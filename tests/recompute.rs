@@ -1,74 +1,274 @@
-//! Recomputation under a memory budget.
+//! Recomputation under a memory budget: results never change, the plan
+//! fits the budget, recomputed values live only in their own layer's
+//! backward pass, and the command line says what it chose.
 
 mod common;
 
-use fusec_compiler::recompute;
+use fusec_compiler::interp::random::random_feeds;
+use fusec_compiler::interp::{run, Feeds, Precision};
+use fusec_compiler::ir::verify::verify;
+use fusec_compiler::ir::Graph;
+use fusec_compiler::plan::roofline::{device, Device};
+use fusec_compiler::recompute::{self, parse_size, BudgetError};
+use fusec_compiler::select::Target;
 use std::collections::BTreeMap;
 
 fn bdims(pairs: &[(&str, i64)]) -> BTreeMap<String, i64> {
     pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
+fn h100() -> (Target, Device) {
+    (
+        Target::for_device("h100", false).unwrap(),
+        device("h100").unwrap(),
+    )
+}
+
+fn outputs(g: &Graph, feeds: &Feeds) -> Vec<(String, Vec<f64>)> {
+    let vals = run(g, feeds, Precision::F64).expect("evaluates");
+    g.outputs
+        .iter()
+        .map(|(r, v)| (r.to_string(), vals[v].data.clone()))
+        .collect()
+}
+
+/// Every shipped model, at budgets from just under its unbudgeted plan to
+/// its floor: the plan fits the budget, and the interpreter's loss,
+/// gradients and updated parameters and state (f64) are bit for bit the
+/// unbudgeted step's.
 #[test]
-fn debug_gpt2() {
+fn budgets_never_change_results() {
+    let (target, dev) = h100();
+    for (file, sets, dims) in common::tiny_models() {
+        let (name, src) = common::example(file);
+        let c = common::compile_with(&src, &name, &sets);
+        let g = &c.optimized;
+        let d = bdims(&dims);
+        let feeds = random_feeds(g, &common::dims(&dims), 11).expect("feeds");
+        let reference = outputs(g, &feeds);
+        let peak = recompute::probe(g, &d, &target, dev).unwrap().arena_bytes;
+        let floor = recompute::floor(g, &d, &target, dev).unwrap().arena_bytes;
+        println!("{file}: unbudgeted {peak} bytes, floor {floor}");
+        assert!(
+            floor <= peak,
+            "{file}: the floor {floor} is above the plan {peak}"
+        );
+        let mut budgets = vec![peak - 1, floor + (peak - floor) / 2, floor];
+        budgets.dedup();
+        let mut recomputed_any = false;
+        for budget in budgets {
+            let mut h = g.clone();
+            let choice = match recompute::fit_budget(&mut h, &d, budget, &target, dev) {
+                Ok(choice) => choice,
+                // Equal floor and plan: nothing can be dropped.
+                Err(BudgetError::BelowFloor { .. }) if floor == peak => continue,
+                Err(e) => panic!("{file} at {budget} bytes: {e}"),
+            };
+            verify(&h).unwrap_or_else(|p| panic!("{file}: {}", p.join("\n")));
+            let after = recompute::probe(&h, &d, &target, dev).unwrap().arena_bytes;
+            assert!(after <= budget, "{file}: plan {after} over budget {budget}");
+            if let Some(choice) = &choice {
+                assert_eq!(choice.after.arena_bytes, after, "{file}");
+                assert!(!choice.dropped.is_empty() && choice.ops_added > 0, "{file}");
+                recomputed_any = true;
+            }
+            let got = outputs(&h, &feeds);
+            assert_eq!(got.len(), reference.len());
+            for ((role, a), (_, b)) in reference.iter().zip(&got) {
+                assert!(
+                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{file} at a budget of {budget} bytes: {role} differs"
+                );
+            }
+        }
+        // A model of repeated layers always has activations to drop (the
+        // MLP and the single GPT-2 block need theirs at once in the
+        // backward pass, where their peak is).
+        if sets.iter().any(|(k, _)| *k == "layers") {
+            assert!(floor < peak, "{file}: the floor is the plan");
+            assert!(recomputed_any, "{file}: no budget recomputed anything");
+        }
+    }
+}
+
+/// GPT-2 small at the sizes: each budget is met, the predicted
+/// time grows as the budget shrinks, the cheapest recomputations (GELU,
+/// norms) come first, and a budget under the floor names the floor.
+#[test]
+fn gpt2_small_fits_12_10_and_8_gib_at_batch_32() {
+    let (target, dev) = h100();
     let (name, src) = common::example("gpt2-small.dsl");
     let c = common::compile_with(&src, &name, &[]);
-    let g = &c.optimized;
-    let saved = recompute::saved_values(g);
-    let cps = recompute::checkpoints(g);
-    println!("saved {} checkpoints {}", saved.len(), cps.len());
-    let dims = bdims(&[("B", 32), ("T", 1024)]);
-    let dev = fusec_compiler::plan::roofline::device("h100").unwrap();
-    let order = recompute::candidates(g, &dims, dev);
-    for d in order.iter().take(40) {
-        println!(
-            "{} {:?} {} {}",
-            d.op,
-            d.span
-                .map(|s| fusec_compiler::ir::print::line_col(&src, s.start).0),
-            d.bytes >> 20,
-            d.span.map_or(0, |s| s.call)
-        );
+    let d = bdims(&[("B", 32), ("T", 1024)]);
+    let mut last_seconds = 0.0;
+    for gib in [12u64, 10, 8] {
+        let mut g = c.optimized.clone();
+        let budget = gib << 30;
+        let choice = recompute::fit_budget(&mut g, &d, budget, &target, dev)
+            .unwrap()
+            .expect("gpt2-small at B = 32 needs 14.5 GiB");
+        assert!(choice.after.arena_bytes <= budget);
+        assert!(choice.before.arena_bytes > budget);
+        assert!(choice.after.seconds > last_seconds);
+        last_seconds = choice.after.seconds;
+        let ops: Vec<&str> = choice.dropped.iter().map(|x| x.op).collect();
+        assert!(ops.contains(&"gelu"), "{gib} GiB: {ops:?}");
+        if gib == 12 {
+            assert!(
+                ops.iter().all(|o| matches!(*o, "gelu" | "layernorm")),
+                "12 GiB needs only the cheap ones: {ops:?}"
+            );
+        }
     }
-    for v in cps.iter().take(10) {
-        println!(
-            "cp {} {:?}",
-            g.g[v.node].op.name(),
-            g.g[v.node]
+    let mut g = c.optimized.clone();
+    match recompute::fit_budget(&mut g, &d, 4 << 30, &target, dev) {
+        Err(e @ BudgetError::BelowFloor { floor, .. }) => {
+            assert!(floor > 4 << 30 && floor < 8 << 30, "{e}");
+            assert!(e.to_string().contains("give a budget of at least"), "{e}");
+        }
+        other => panic!("4 GiB should be under the floor: {other:?}"),
+    }
+}
+
+/// A recomputed value is made in the backward pass of its own layer: at
+/// the floor, every recomputed op comes after the forward pass, and is
+/// placed after the backward ops of every later layer that run before it.
+#[test]
+fn recomputed_ops_run_just_before_their_readers() {
+    let (_, dev) = h100();
+    let (name, src) = common::example("gpt2-small.dsl");
+    let c = common::compile_with(&src, &name, &[("layers", "4")]);
+    let d = bdims(&[("B", 4), ("T", 64)]);
+    let mut g = c.optimized.clone();
+    let all = recompute::candidates(&g, &d, dev)
+        .into_iter()
+        .map(|x| x.value)
+        .collect();
+    recompute::drop_saved(&mut g, &all);
+    let order = g.topo_order();
+    let pos: std::collections::HashMap<_, _> =
+        order.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let first_backward = order
+        .iter()
+        .position(|&n| g.g[n].phase != fusec_compiler::ir::graph::Phase::Forward)
+        .unwrap();
+    let mut recomputed = 0;
+    for &n in &order {
+        if !g.g[n].recompute {
+            continue;
+        }
+        recomputed += 1;
+        assert!(pos[&n] > first_backward);
+        let layer = g
+            .call_stack(g.g[n].span.unwrap())
+            .last()
+            .map(|c| c.path.clone());
+        // Between a recomputed op and its first reader lie only other
+        // recomputed ops, free views, and ops of the same layer.
+        let first_reader = (0..g.g[n].outputs.len())
+            .flat_map(|port| g.users(fusec_compiler::ir::graph::Value { node: n, port }))
+            .map(|(r, _)| pos[&r])
+            .min()
+            .unwrap();
+        for &m in &order[pos[&n] + 1..first_reader] {
+            let other = g.g[m]
                 .span
-                .map(|s| (fusec_compiler::ir::print::line_col(&src, s.start).0, s.call))
-        );
+                .and_then(|s| g.call_stack(s).last().map(|c| c.path.clone()));
+            assert!(
+                g.g[m].recompute || other == layer || other.is_none(),
+                "a recomputed op of {layer:?} waits across {other:?}"
+            );
+        }
+    }
+    assert!(recomputed > 0);
+}
+
+#[test]
+fn sizes_parse_with_binary_units() {
+    assert_eq!(parse_size("12GiB"), Ok(12 << 30));
+    assert_eq!(parse_size("12G"), Ok(12 << 30));
+    assert_eq!(parse_size("12"), Ok(12 << 30));
+    assert_eq!(parse_size("1.5 GiB"), Ok(3 << 29));
+    assert_eq!(parse_size("9000MiB"), Ok(9000 << 20));
+    assert_eq!(parse_size("512k"), Ok(512 << 10));
+    assert_eq!(parse_size("1TiB"), Ok(1 << 40));
+    for bad in ["", "GiB", "12 parsecs", "-3GiB", "0", "1e400"] {
+        assert!(parse_size(bad).is_err(), "{bad:?} parsed");
     }
 }
 
 #[test]
-fn debug_floor() {
-    let (name, src) = common::example("gpt2-small.dsl");
-    let c = common::compile_with(&src, &name, &[("layers", "2")]);
-    let mut g = c.optimized.clone();
-    let dims = bdims(&[("B", 32), ("T", 1024)]);
-    let dev = fusec_compiler::plan::roofline::device("h100").unwrap();
-    let order = recompute::candidates(&g, &dims, dev);
-    let before = g.g.node_count();
-    let added = recompute::drop_saved(&mut g, &order.iter().map(|d| d.value).collect());
-    println!("nodes {before} + {added}");
-    let p = fusec_compiler::kernel::fuse::fuse(&g);
-    let t = fusec_compiler::select::Target::for_device("h100", false).unwrap();
-    let sel = fusec_compiler::select::select(&g, &p, &t, None);
-    let plan = fusec_compiler::plan::plan_with(&g, &p, Some(&sel), &dims).unwrap();
-    println!("arena {}", plan.arena_bytes >> 20);
-    let mut bs: Vec<_> = plan.buffers.iter().filter(|b| b.live.is_some()).collect();
-    bs.sort_by_key(|b| std::cmp::Reverse(b.bytes));
-    for b in bs.iter().take(30) {
-        println!(
-            "{} {} MiB live {:?} off {}",
-            b.name,
-            b.bytes >> 20,
-            b.live,
-            b.offset >> 20
-        );
-    }
-    for (i, l) in plan.launches.iter().enumerate() {
-        println!("{i} {} {:?}", l.kernel, l.ops);
-    }
+fn build_reports_what_the_budget_recomputes() {
+    let out = std::env::temp_dir().join(format!("fusec-budget-{}", std::process::id()));
+    let out_s = out.to_str().unwrap();
+    let (code, stdout, stderr) = common::fusec(&[
+        "build",
+        "dsl-examples/gpt2-small.dsl",
+        "--batch",
+        "32",
+        "--seq",
+        "1024",
+        "--memory-budget",
+        "10GiB",
+        "-o",
+        out_s,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let report = std::fs::read_to_string(out.join("report.txt")).unwrap();
+    let para: String = report
+        .lines()
+        .skip_while(|l| !l.starts_with("recompute for a memory budget"))
+        .take_while(|l| !l.is_empty() && !l.starts_with("roofline"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(stdout.contains("recompute for a memory budget of 10.000 GiB"));
+    insta::assert_snapshot!(para);
+    let plan = std::fs::read_to_string(out.join("plan.json")).unwrap();
+    let arena: u64 = plan
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("\"arena_bytes\": "))
+        .and_then(|v| v.trim_end_matches(',').parse().ok())
+        .unwrap();
+    assert!(arena <= 10 << 30, "{arena}");
+    let _ = std::fs::remove_dir_all(&out);
+
+    let (code, _, stderr) = common::fusec(&[
+        "build",
+        "dsl-examples/gpt2-small.dsl",
+        "--batch",
+        "32",
+        "--seq",
+        "1024",
+        "--memory-budget",
+        "3GiB",
+        "-o",
+        out_s,
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("the memory budget of 3.000 GiB cannot be met")
+            && stderr.contains("give a budget of at least"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = common::fusec(&[
+        "build",
+        "dsl-examples/gpt2-small.dsl",
+        "--batch",
+        "32",
+        "--memory-budget",
+        "3GiB",
+        "-o",
+        out_s,
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("give the size of T"), "{stderr}");
+    let (code, _, stderr) = common::fusec(&[
+        "build",
+        "dsl-examples/gpt2-small.dsl",
+        "--memory-budget",
+        "lots",
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("`lots` is not a size"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&out);
 }

@@ -51,15 +51,44 @@ def load_twin(path):
 # ---- one measurement of the twin, in a process of its own ----
 
 
+def checkpoint_layers(model):
+    """Activation checkpointing, as PyTorch users write it: each layer of
+    every `repeat` (an nn.ModuleList of the twin) runs under
+    torch.utils.checkpoint, keeping only its input for the backward pass.
+    Returns how many layers it wrapped."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args):
+            return checkpoint(self.inner, *args, use_reentrant=False)
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList):
+            for i in range(len(m)):
+                m[i] = Checkpointed(m[i])
+                n += 1
+    return n
+
+
 def torch_one(twin_path, sizes, mode, steps, device):
+    """`mode`: compiled or eager, with `-ckpt` for activation checkpointing
+    of every layer."""
     import torch
 
     twin = load_twin(twin_path)
     torch.manual_seed(0)
     model = twin.MODEL().to(device)
+    base, _, ckpt = mode.partition("-")
+    wrapped = checkpoint_layers(model) if ckpt == "ckpt" else 0
     opt = twin.make_optimizer(model)
     scaler = twin.make_scaler(device)
-    run = torch.compile(model) if mode == "compiled" else model
+    run = torch.compile(model) if base == "compiled" else model
     inputs = twin.random_inputs(sizes, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     batch = [inputs]
@@ -80,9 +109,15 @@ def torch_one(twin_path, sizes, mode, steps, device):
         sync()
         times.append((time.perf_counter() - t) * 1e3)
     out = {"ms_per_step": statistics.median(times), "warmup_s": warm_s, "device": device}
+    if wrapped:
+        out["checkpointed_layers"] = wrapped
     if device == "cuda":
         free, total = torch.cuda.mem_get_info()
-        out.update(peak_memory_gib=(total - free) / 2**30, device=torch.cuda.get_device_name())
+        out.update(
+            peak_memory_gib=(total - free) / 2**30,
+            max_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+            device=torch.cuda.get_device_name(),
+        )
     return out
 
 
@@ -148,7 +183,7 @@ def main():
     ap.add_argument("--seq", type=int, default=1024, help="T for the models given (the shipped ones have their own)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="for every model given")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--modes", default="compiled", help="compiled, eager or both (comma-separated)")
+    ap.add_argument("--modes", default="compiled", help="compiled, eager, and either with -ckpt (every layer under torch.utils.checkpoint), comma-separated")
     ap.add_argument("--timeout", type=int, default=600, help="seconds for each measurement")
     ap.add_argument("--out", help="append every measurement here as JSON lines")
     ap.add_argument("--only", metavar="REGEX", help="of the shipped models, those whose file name matches")

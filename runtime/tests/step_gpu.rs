@@ -756,3 +756,72 @@ fn the_forward_only_step_takes_the_training_weights() {
 fn gpu_again() -> fusec_runtime::device::Gpu {
     fusec_runtime::device::open(0).unwrap()
 }
+
+/// `g` with every activation the recompute stage may drop recomputed:
+/// the memory floor's step.
+fn at_the_floor(
+    g: &fusec_compiler::ir::Graph,
+    bdims: &std::collections::BTreeMap<String, i64>,
+) -> fusec_compiler::ir::Graph {
+    use fusec_compiler::recompute;
+    let device = fusec_compiler::plan::roofline::device("h100").unwrap();
+    let mut h = g.clone();
+    let all = recompute::candidates(g, bdims, device)
+        .into_iter()
+        .map(|d| d.value)
+        .collect();
+    let added = recompute::drop_saved(&mut h, &all);
+    assert!(added > 0, "nothing to recompute in {}", g.name);
+    h
+}
+
+/// Recomputation changes no result on the GPU: every kernel of every
+/// shipped model's step at its memory floor (the recomputed ones, fused
+/// into their backward kernels where they fuse, included) against the
+/// interpreter, and five deterministic steps at the floor giving the
+/// unbudgeted run's losses and gradient norms bit for bit.
+#[test]
+fn recomputed_steps_match_the_interpreter_and_the_unbudgeted_run() {
+    let Some(_) = gpu() else { return };
+    let options = SessionOptions {
+        deterministic: true,
+    };
+    let mut failures = Vec::new();
+    for (file, sets, dims) in cases() {
+        let c = model(file, &sets);
+        let (dmap, bdims) = sizes(&dims);
+        let floor = at_the_floor(&c.optimized, &bdims);
+        let (report, mut f, _) = kernels_against_the_interpreter(
+            &format!("{file} at its memory floor"),
+            &floor,
+            &dims,
+            options,
+        );
+        println!("{report}");
+        failures.append(&mut f);
+        let feeds = random_feeds(&c.optimized, &dmap, 3).unwrap();
+        let mut runs = Vec::new();
+        for g in [&c.optimized, &floor] {
+            let mut b = on_gpu_with(gpu().unwrap(), g, &bdims, &feeds, 3, options);
+            let lr = if file == "mlp.dsl" { 0.05 } else { 1e-3 };
+            let steps: Vec<(f64, Option<f64>)> = (1..=5)
+                .map(|i| {
+                    let r = b.step(lr, i).unwrap();
+                    (r.loss, r.grad_norm)
+                })
+                .collect();
+            runs.push(steps);
+        }
+        println!(
+            "{file}: unbudgeted {:?}\n{file}: at the floor {:?}",
+            runs[0], runs[1]
+        );
+        if runs[0] != runs[1] {
+            failures.push(format!(
+                "{file}: the floor's steps differ: {:?} against {:?}",
+                runs[1], runs[0]
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

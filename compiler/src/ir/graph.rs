@@ -302,6 +302,15 @@ impl Graph {
         }
         while let Some(Reverse((_, n))) = ready.pop() {
             self.place_waiting_inputs(n, &mut waiting, &mut order);
+            // A product's epilogue reads what the op after it reads (the
+            // GELU backward's pre-activation): have it ready before.
+            if !waiting.is_empty() && matches!(self.g[n].op, crate::ops::Op::MatMul(_)) {
+                for e in self.g.edges_directed(n, Direction::Outgoing) {
+                    if matches!(self.g[e.target()].op, crate::ops::Op::UnaryGrad(_)) {
+                        self.place_waiting_inputs(e.target(), &mut waiting, &mut order);
+                    }
+                }
+            }
             order.push(n);
             release(n, &mut indeg, &mut ready, &mut waiting);
         }

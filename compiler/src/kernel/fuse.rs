@@ -760,9 +760,32 @@ impl Fuser<'_> {
             });
         }
         let (mut bias, mut residual, mut prev) = (None, None, y);
-        for &a in chain {
+        for (i, &a) in chain.iter().enumerate() {
             match &self.g.g[a].op {
                 Op::Binary(b) if b.kind == BinaryKind::Add => {}
+                // GELU ending the chain of the biased product (its input
+                // read by nothing else, as in a forward-only step or where
+                // the pre-activation is recomputed): the GELU epilogue,
+                // its pre-activation stored beside it and left unread.
+                Op::Unary(un)
+                    if un.kind == UnaryKind::Gelu
+                        && i + 1 == chain.len()
+                        && i > 0
+                        && bias.is_some()
+                        && residual.is_none()
+                        && aux_ok
+                        && self.g.inputs(a)[0] == prev
+                        && same_type(Value { node: a, port: 0 }) =>
+                {
+                    return Some(Fold {
+                        bias,
+                        residual,
+                        gelu: true,
+                        dgelu: None,
+                        chains: vec![ci],
+                        outs: vec![Value { node: a, port: 0 }, prev],
+                    });
+                }
                 _ => return None,
             }
             let ins = self.g.inputs(a);

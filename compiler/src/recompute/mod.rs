@@ -6,7 +6,8 @@
 //! the candidates are the kept forward values (never a value passed from
 //! one outermost block call to the next, so a recomputation reaches back
 //! no further than the start of its own layer, nor one only the first
-//! backward ops read, which would be recomputed at once), ordered by the predicted
+//! backward ops read, which would be recomputed at once, nor a vector),
+//! ordered by the predicted
 //! time their recomputation adds per byte they free (`cost`); the shortest
 //! prefix of that order whose plan fits the budget is taken (binary search
 //! over the prefix, each probe fused and planned as it would run). What it
@@ -172,7 +173,10 @@ pub fn candidates(g: &Graph, dims: &BTreeMap<String, i64>, device: Device) -> Ve
     let fixed = checkpoints(g);
     let mut scored: Vec<(f64, usize, Dropped)> = Vec::new();
     for (i, v) in saved_values(g).into_iter().enumerate() {
-        if fixed.contains(&v) || rewrite::read_at_backward_start(g, v) {
+        // Vectors (biases, norm weights, their casts) free next to nothing,
+        // and a recomputed bias would no longer be a buffer the GEMM's
+        // epilogue adds as it stores.
+        if fixed.contains(&v) || g.ty(v).rank() <= 1 || rewrite::read_at_backward_start(g, v) {
             continue;
         }
         let bytes = cost::value_bytes(g, v, &env);
@@ -320,12 +324,12 @@ impl Choice {
                 String::new()
             };
             let within = paths.iter().filter(|p| !p.is_empty()).count();
-            let where_ = match (paths.first(), paths.last()) {
-                (Some(a), Some(b)) if within == paths.len() && a != b => {
-                    format!(" in {a} .. {b}")
-                }
-                (Some(a), _) if within == paths.len() => format!(" in {a}"),
-                _ => String::new(),
+            let where_ = if within < paths.len() || paths.is_empty() {
+                String::new()
+            } else if paths.len() <= 3 {
+                format!(" in {}", paths.join(", "))
+            } else {
+                format!(" in {} .. {}", paths[0], paths[paths.len() - 1])
             };
             let _ = writeln!(
                 s,

@@ -177,7 +177,10 @@ impl Kept {
         } else if is_view(op) {
             self.needs_recompute(g, g.inputs(v.node)[0])
         } else {
-            !self.kept.contains(&v)
+            // A vector (a bias, or its cast) is read where it is: kept
+            // longer it costs next to nothing, and recomputed it would no
+            // longer be a buffer a GEMM's epilogue adds.
+            !self.kept.contains(&v) && g.ty(v).rank() > 1
         }
     }
 
