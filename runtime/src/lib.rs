@@ -35,7 +35,7 @@ pub enum RuntimeError {
     #[error("{0}")]
     Compile(String),
     #[error(
-        "out of memory: the step needs {need_gib:.2} GiB of device memory (the plan's arena) and the GPU has {free_gib:.2} GiB free; lower --batch or --seq, or use more micro_batches"
+        "out of memory: the step needs {need_gib:.2} GiB of device memory (the plan's arena) and the GPU has {free_gib:.2} GiB free; give a --memory-budget under that (activations are recomputed to fit), lower --batch or --seq, or use more micro_batches"
     )]
     OutOfMemory { need_gib: f64, free_gib: f64 },
     #[error("{0}")]

@@ -775,11 +775,37 @@ fn at_the_floor(
     h
 }
 
+/// Whether the kernel programs of `a` and `b`, evaluated with every value
+/// rounded as stored, give the same bits for every output: where dropping
+/// a value lets the forward pass fuse through it, that value stays in f32
+/// registers instead of being rounded as stored, and the step's rounding
+/// changes.
+fn same_rounding(
+    a: &fusec_compiler::ir::Graph,
+    b: &fusec_compiler::ir::Graph,
+    feeds: &fusec_compiler::interp::Feeds,
+) -> bool {
+    let outs = |g: &fusec_compiler::ir::Graph| -> Vec<Vec<u64>> {
+        let p = fusec_compiler::kernel::fuse::fuse(g);
+        let vals = run_program(g, &p, feeds, Precision::AsStored).unwrap();
+        g.outputs
+            .iter()
+            .map(|(_, v)| {
+                let i = p.buffers.iter().position(|x| x.value == *v).unwrap();
+                vals[i].data.iter().map(|x| x.to_bits()).collect()
+            })
+            .collect()
+    };
+    outs(a) == outs(b)
+}
+
 /// Recomputation changes no result on the GPU: every kernel of every
 /// shipped model's step at its memory floor (the recomputed ones, fused
 /// into their backward kernels where they fuse, included) against the
-/// interpreter, and five deterministic steps at the floor giving the
-/// unbudgeted run's losses and gradient norms bit for bit.
+/// interpreter, and five deterministic steps at the floor against the
+/// unbudgeted run: bit for bit where the CPU reference rounds both steps
+/// alike, and within 1e-4 (loss) and 2e-3 (gradient norm) where the floor's
+/// forward pass keeps a dropped value in registers.
 #[test]
 fn recomputed_steps_match_the_interpreter_and_the_unbudgeted_run() {
     let Some(_) = gpu() else { return };
@@ -800,25 +826,35 @@ fn recomputed_steps_match_the_interpreter_and_the_unbudgeted_run() {
         println!("{report}");
         failures.append(&mut f);
         let feeds = random_feeds(&c.optimized, &dmap, 3).unwrap();
+        let bitwise = same_rounding(&c.optimized, &floor, &feeds);
         let mut runs = Vec::new();
         for g in [&c.optimized, &floor] {
             let mut b = on_gpu_with(gpu().unwrap(), g, &bdims, &feeds, 3, options);
             let lr = if file == "mlp.dsl" { 0.05 } else { 1e-3 };
-            let steps: Vec<(f64, Option<f64>)> = (1..=5)
+            let steps: Vec<(f64, f64)> = (1..=5)
                 .map(|i| {
                     let r = b.step(lr, i).unwrap();
-                    (r.loss, r.grad_norm)
+                    (r.loss, r.grad_norm.unwrap_or(0.0))
                 })
                 .collect();
             runs.push(steps);
         }
+        let same = runs[0] == runs[1];
         println!(
-            "{file}: unbudgeted {:?}\n{file}: at the floor {:?}",
-            runs[0], runs[1]
+            "{file}: the floor's steps {} (the CPU reference rounds them {})",
+            if same {
+                "are bit for bit the unbudgeted ones"
+            } else {
+                "differ"
+            },
+            if bitwise { "alike" } else { "differently" }
         );
-        if runs[0] != runs[1] {
+        let close = runs[0].iter().zip(&runs[1]).all(|(a, b)| {
+            (a.0 - b.0).abs() <= 1e-4 * a.0.abs() && (a.1 - b.1).abs() <= 2e-3 * a.1.abs()
+        });
+        if (bitwise && !same) || !close {
             failures.push(format!(
-                "{file}: the floor's steps differ: {:?} against {:?}",
+                "{file}: the floor's steps {:?} against the unbudgeted {:?}",
                 runs[1], runs[0]
             ));
         }

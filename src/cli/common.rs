@@ -266,8 +266,9 @@ fn parse_budget(s: &str) -> Result<u64, String> {
 
 /// Applies the memory budget (`--memory-budget`, else the train
 /// section's) to the step at sizes `dims`: the step graph is rewritten to
-/// recompute what the choice drops. `None` when there is no budget or the
-/// step fits without recomputing.
+/// recompute what the choice drops. Without a budget, what is free to
+/// recompute (`recompute::free_drops`) where the sizes are known. `None`
+/// where nothing is recomputed.
 pub fn fit_memory(
     loaded: &mut Loaded,
     budget: &BudgetArgs,
@@ -276,24 +277,29 @@ pub fn fit_memory(
     deterministic: bool,
 ) -> Result<Option<fusec_compiler::recompute::Choice>, CliError> {
     use fusec_compiler::recompute;
+    let target = fusec_compiler::select::Target::for_device(device, deterministic)
+        .unwrap_or_else(fusec_compiler::select::Target::simple);
+    let roof = fusec_compiler::plan::roofline::device(device)
+        .or_else(|| fusec_compiler::plan::roofline::device("h100"))
+        .expect("the roofline knows the h100");
+    let missing = missing(dims, &loaded.compiled.optimized.dims);
     let Some(bytes) = budget
         .memory_budget
         .or(loaded.compiled.model.train.memory_budget)
     else {
-        return Ok(None);
+        // No budget: what is free to recompute, at sizes that are known.
+        if !missing.is_empty() {
+            return Ok(None);
+        }
+        return recompute::free_drops(&mut loaded.compiled.optimized, dims, &target, roof)
+            .map_err(|e| CliError::usage(format!("error: {e}")));
     };
-    let missing = missing(dims, &loaded.compiled.optimized.dims);
     if !missing.is_empty() {
         return Err(CliError::usage(format!(
             "error: a memory budget is met at the sizes the step runs at: give the size of {} (--batch, --seq or --dim NAME=N)",
             missing.join(", ")
         )));
     }
-    let target = fusec_compiler::select::Target::for_device(device, deterministic)
-        .unwrap_or_else(fusec_compiler::select::Target::simple);
-    let roof = fusec_compiler::plan::roofline::device(device)
-        .or_else(|| fusec_compiler::plan::roofline::device("h100"))
-        .expect("the roofline knows the h100");
     recompute::fit_budget(&mut loaded.compiled.optimized, dims, bytes, &target, roof).map_err(|e| {
         CliError::usage(format!(
             "error: {e}\n  (model {}, sizes {})",

@@ -197,9 +197,14 @@ pub fn report_with_source(
     if let Some(t) = super::textbook_bytes(g, &plan.dims) {
         let _ = writeln!(
             s,
-            "  textbook count {} (f32 weights and gradients, optimizer state, activations kept for backward): the plan is {:.2}x",
+            "  textbook count {} (f32 weights and gradients, optimizer state, activations kept for backward): the plan is {:.2}x{}",
             gib(t),
-            plan.arena_bytes as f64 / t as f64
+            plan.arena_bytes as f64 / t as f64,
+            if g.g.node_weights().any(|n| n.recompute) {
+                " (the recomputed values, alive during their own layer's backward ops, come on top of the count)"
+            } else {
+                ""
+            }
         );
     }
     let params: u64 = plan

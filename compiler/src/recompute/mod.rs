@@ -69,7 +69,8 @@ pub struct Dropped {
 /// What the stage chose, for the report.
 #[derive(Clone, Debug)]
 pub struct Choice {
-    pub budget: u64,
+    /// `None`: what is free to recompute, without a budget.
+    pub budget: Option<u64>,
     pub dropped: Vec<Dropped>,
     /// Ops added to the backward pass to recompute them.
     pub ops_added: usize,
@@ -250,8 +251,44 @@ pub fn fit_budget(
     let (h, ops_added, after) = best;
     *g = h;
     Ok(Some(Choice {
-        budget,
+        budget: Some(budget),
         dropped: order[..hi].to_vec(),
+        ops_added,
+        before,
+        after,
+    }))
+}
+
+/// Without a budget: drops the kept values whose recomputation is free,
+/// those made by elementwise ops from kept values and read in the backward
+/// pass only by elementwise ops, which the recomputation fuses into (a
+/// SwiGLU's `silu(gate)` beside the product's gradient), where the plan's
+/// peak falls and its predicted time does not rise. `None` where nothing
+/// qualifies or it would not pay.
+pub fn free_drops(
+    g: &mut Graph,
+    dims: &BTreeMap<String, i64>,
+    target: &Target,
+    device: Device,
+) -> Result<Option<Choice>, PlanError> {
+    let free: Vec<Dropped> = candidates(g, dims, device)
+        .into_iter()
+        .filter(|d| rewrite::recomputes_into_readers(g, d.value))
+        .collect();
+    if free.is_empty() {
+        return Ok(None);
+    }
+    let before = probe(g, dims, target, device)?;
+    let mut h = g.clone();
+    let ops_added = drop_saved(&mut h, &free.iter().map(|d| d.value).collect());
+    let after = probe(&h, dims, target, device)?;
+    if after.arena_bytes >= before.arena_bytes || after.seconds > before.seconds * (1.0 + 1e-9) {
+        return Ok(None);
+    }
+    *g = h;
+    Ok(Some(Choice {
+        budget: None,
+        dropped: free,
         ops_added,
         before,
         after,
@@ -277,17 +314,20 @@ impl Choice {
     pub fn describe(&self, g: &Graph, source: Option<(&str, &str)>) -> String {
         let mut s = String::new();
         let saved: u64 = self.dropped.iter().map(|d| d.bytes).sum();
+        let why = match self.budget {
+            Some(b) => format!("for a memory budget of {}", gib(b)),
+            None => "where it is free (fused into the backward kernels that read it)".to_string(),
+        };
         let _ = writeln!(
             s,
-            "recompute for a memory budget of {}: {} activations dropped ({}), {} ops run again in the backward pass",
-            gib(self.budget),
+            "recompute {why}: {} activations dropped ({}), {} ops run again in the backward pass",
             self.dropped.len(),
             gib(saved),
             self.ops_added
         );
         let _ = writeln!(
             s,
-            "  peak (the arena) {} -> {}; +{:.3} TFLOP and +{:.2} ms a step predicted ({:.2} -> {:.2} ms)",
+            "  peak (the arena) {} -> {}; {:+.3} TFLOP and {:+.2} ms a step predicted ({:.2} -> {:.2} ms)",
             gib(self.before.arena_bytes),
             gib(self.after.arena_bytes),
             (self.after.flops - self.before.flops) / 1e12,

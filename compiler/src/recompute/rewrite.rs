@@ -95,6 +95,28 @@ fn constant_like(g: &Graph, n: NodeIndex, memo: &mut HashMap<NodeIndex, bool>) -
     b
 }
 
+fn is_elementwise(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Unary(_) | Op::UnaryGrad(_) | Op::Binary(_) | Op::Cast(_)
+    )
+}
+
+/// Whether recomputing `v` costs no kernel of its own: an elementwise op
+/// of kept values (nothing else needs recomputing for it), read in the
+/// backward pass by elementwise ops alone, into whose kernels it fuses.
+pub fn recomputes_into_readers(g: &Graph, v: Value) -> bool {
+    let node = &g.g[v.node];
+    let dropped = HashSet::from([v]);
+    let kept = Kept::new(g, &dropped);
+    let mut readers = Vec::new();
+    backward_readers(g, v, &mut readers);
+    is_elementwise(&node.op)
+        && kept.recipe(g, v) == vec![v.node]
+        && !readers.is_empty()
+        && readers.iter().all(|&r| is_elementwise(&g.g[r].op))
+}
+
 /// The outermost block call a node was elaborated in (0: the top level).
 fn outer_call(g: &Graph, n: NodeIndex) -> u32 {
     let Some(span) = g.g[n].span else {
