@@ -283,32 +283,44 @@ pub fn fit_memory(
         .or_else(|| fusec_compiler::plan::roofline::device("h100"))
         .expect("the roofline knows the h100");
     let missing = missing(dims, &loaded.compiled.optimized.dims);
-    let Some(bytes) = budget
-        .memory_budget
-        .or(loaded.compiled.model.train.memory_budget)
-    else {
-        // No budget: what is free to recompute, at sizes that are known.
-        if !missing.is_empty() {
-            return Ok(None);
+    let budget = match (budget.memory_budget, loaded.compiled.model.train.memory_budget) {
+        (Some(b), _) if !missing.is_empty() => {
+            return Err(CliError::usage(format!(
+                "error: --memory-budget {}: a budget is met at the sizes the step runs at: give the size of {} (--batch, --seq or --dim NAME=N)",
+                recompute::gib(b),
+                missing.join(", ")
+            )))
         }
-        return recompute::free_drops(&mut loaded.compiled.optimized, dims, &target, roof)
-            .map_err(|e| CliError::usage(format!("error: {e}")));
+        // The file's budget, or none, waits for a build with sizes.
+        _ if !missing.is_empty() => return Ok(None),
+        (flag, file) => flag.or(file),
     };
-    if !missing.is_empty() {
-        return Err(CliError::usage(format!(
-            "error: a memory budget is met at the sizes the step runs at: give the size of {} (--batch, --seq or --dim NAME=N)",
-            missing.join(", ")
-        )));
-    }
-    recompute::fit_budget(&mut loaded.compiled.optimized, dims, bytes, &target, roof).map_err(|e| {
-        CliError::usage(format!(
-            "error: {e}\n  (model {}, sizes {})",
-            loaded.path.display(),
-            dims.iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ))
+    // What is free first; a budget then takes what it needs on top.
+    let free = recompute::free_drops(&mut loaded.compiled.optimized, dims, &target, roof)
+        .map_err(|e| CliError::usage(format!("error: {e}")))?;
+    let Some(bytes) = budget else {
+        return Ok(free);
+    };
+    let chosen = recompute::fit_budget(&mut loaded.compiled.optimized, dims, bytes, &target, roof)
+        .map_err(|e| {
+            CliError::usage(format!(
+                "error: {e}\n  (model {}, sizes {})",
+                loaded.path.display(),
+                dims.iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })?;
+    Ok(match (free, chosen) {
+        (Some(f), Some(c)) => Some(recompute::Choice {
+            budget: c.budget,
+            dropped: f.dropped.into_iter().chain(c.dropped).collect(),
+            ops_added: f.ops_added + c.ops_added,
+            before: f.before,
+            after: c.after,
+        }),
+        (f, c) => c.or(f),
     })
 }
 

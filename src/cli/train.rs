@@ -204,10 +204,13 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             "error: a memory budget is not applied over several GPUs yet; train on one GPU with it, or use --zero 1 to split the optimizer state",
         ));
     }
-    super::common::announce_budget(
-        fit_memory(&mut loaded, &args.budget, &dims, "h100", args.deterministic)?,
-        &loaded,
-    );
+    // Several ranks compile their own steps (`parallel`), unbudgeted.
+    if world == 1 {
+        super::common::announce_budget(
+            fit_memory(&mut loaded, &args.budget, &dims, "h100", args.deterministic)?,
+            &loaded,
+        );
+    }
     let loaded = loaded;
     let data_dims = parallel::whole_batch(&dims, world);
     // Only rank 0 of a launched job writes files and progress.

@@ -9,7 +9,6 @@ use crate::ops::{Op, OpError};
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
-use std::collections::BinaryHeap;
 
 /// One output of one node.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
@@ -246,96 +245,13 @@ impl Graph {
         u
     }
 
-    /// Nodes in a deterministic topological order: among the ready nodes,
-    /// forward before backward before update, then the one added first, so
-    /// the order follows the model file. (Indices freed by removed nodes are
-    /// reused, so within a phase this is only mostly file order.) Recomputed
-    /// nodes wait until a node that reads them is taken, and go just before
-    /// it.
+    /// Nodes in a deterministic topological order (`schedule::topo_order`):
+    /// among the ready nodes, forward before backward before update, then
+    /// the one added first, so the order follows the model file (indices
+    /// freed by removed nodes are reused, so within a phase this is only
+    /// mostly file order); recomputed nodes just before their readers.
     pub fn topo_order(&self) -> Vec<NodeIndex> {
-        use std::cmp::Reverse;
-        let key = |n: NodeIndex| Reverse((self.g[n].phase as u8, n));
-        let mut indeg: std::collections::HashMap<NodeIndex, usize> = self
-            .g
-            .node_indices()
-            .map(|n| (n, self.g.edges_directed(n, Direction::Incoming).count()))
-            .collect();
-        let mut ready = BinaryHeap::new();
-        // Recomputed nodes whose inputs are all placed, not placed themselves.
-        let mut waiting = std::collections::BTreeSet::new();
-        let mut order = Vec::with_capacity(indeg.len());
-        // Counts `n` as placed for its readers: a recomputed node as soon as
-        // it could be, any other once it is in `order`.
-        let release = |n: NodeIndex,
-                       indeg: &mut std::collections::HashMap<NodeIndex, usize>,
-                       ready: &mut BinaryHeap<Reverse<(u8, NodeIndex)>>,
-                       waiting: &mut std::collections::BTreeSet<NodeIndex>| {
-            let mut stack = vec![n];
-            while let Some(n) = stack.pop() {
-                for e in self.g.edges_directed(n, Direction::Outgoing) {
-                    let t = e.target();
-                    let d = indeg.get_mut(&t).expect("edge target is a node");
-                    *d -= 1;
-                    if *d == 0 {
-                        if self.g[t].recompute {
-                            waiting.insert(t);
-                            stack.push(t);
-                        } else {
-                            ready.push(key(t));
-                        }
-                    }
-                }
-            }
-        };
-        let sources: Vec<NodeIndex> = indeg
-            .iter()
-            .filter(|(_, d)| **d == 0)
-            .map(|(n, _)| *n)
-            .collect();
-        for n in sources {
-            if self.g[n].recompute {
-                waiting.insert(n);
-                release(n, &mut indeg, &mut ready, &mut waiting);
-            } else {
-                ready.push(key(n));
-            }
-        }
-        while let Some(Reverse((_, n))) = ready.pop() {
-            self.place_waiting_inputs(n, &mut waiting, &mut order);
-            // A product's epilogue reads what the op after it reads (the
-            // GELU backward's pre-activation): have it ready before.
-            if !waiting.is_empty() && matches!(self.g[n].op, crate::ops::Op::MatMul(_)) {
-                for e in self.g.edges_directed(n, Direction::Outgoing) {
-                    if matches!(self.g[e.target()].op, crate::ops::Op::UnaryGrad(_)) {
-                        self.place_waiting_inputs(e.target(), &mut waiting, &mut order);
-                    }
-                }
-            }
-            order.push(n);
-            release(n, &mut indeg, &mut ready, &mut waiting);
-        }
-        // Recomputed nodes nothing reads (none after dead-code elimination).
-        while let Some(n) = waiting.pop_first() {
-            self.place_waiting_inputs(n, &mut waiting, &mut order);
-            order.push(n);
-        }
-        order
-    }
-
-    /// Places the recomputed nodes `n` reads that still wait, each after
-    /// the ones it reads itself.
-    fn place_waiting_inputs(
-        &self,
-        n: NodeIndex,
-        waiting: &mut std::collections::BTreeSet<NodeIndex>,
-        order: &mut Vec<NodeIndex>,
-    ) {
-        for v in self.inputs(n) {
-            if waiting.remove(&v.node) {
-                self.place_waiting_inputs(v.node, waiting, order);
-                order.push(v.node);
-            }
-        }
+        super::schedule::topo_order(self)
     }
 
     pub fn output(&self, role: &Role) -> Option<Value> {

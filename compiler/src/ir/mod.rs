@@ -4,6 +4,7 @@ pub mod dim;
 pub mod dot;
 pub mod graph;
 pub mod print;
+pub mod schedule;
 pub mod sizes;
 pub mod types;
 pub mod verify;

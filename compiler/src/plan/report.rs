@@ -201,7 +201,7 @@ pub fn report_with_source(
             gib(t),
             plan.arena_bytes as f64 / t as f64,
             if g.g.node_weights().any(|n| n.recompute) {
-                " (the recomputed values, alive during their own layer's backward ops, come on top of the count)"
+                " (values recomputed in the backward pass come on top of the count)"
             } else {
                 ""
             }

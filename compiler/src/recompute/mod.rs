@@ -80,7 +80,7 @@ pub struct Choice {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum BudgetError {
-    /// Even with every candidate recomputed the plan needs `floor` bytes.
+    /// The least peak any probed choice gave is `floor` bytes.
     BelowFloor {
         budget: u64,
         floor: u64,
@@ -98,7 +98,7 @@ impl std::fmt::Display for BudgetError {
                 peak,
             } => write!(
                 f,
-                "the memory budget of {} cannot be met: recomputing every activation the backward pass keeps (all but each layer's input) still needs {} (without recomputation: {}); give a budget of at least {}, or a smaller batch",
+                "the memory budget of {} cannot be met: the least the step needs with activations recomputed is {} (without recomputation: {}; each layer's input, vectors and what the backward pass reads first are always kept); give a budget of at least {}, or a smaller batch",
                 gib(*budget),
                 gib(*floor),
                 gib(*peak),
@@ -172,21 +172,26 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 pub fn candidates(g: &Graph, dims: &BTreeMap<String, i64>, device: Device) -> Vec<Dropped> {
     let env = |s: &str| dims.get(s).copied();
     let fixed = checkpoints(g);
+    let all = Kept::everything(g);
     let mut scored: Vec<(f64, usize, Dropped)> = Vec::new();
     for (i, v) in saved_values(g).into_iter().enumerate() {
         // Vectors (biases, norm weights, their casts) free next to nothing,
         // and a recomputed bias would no longer be a buffer the GEMM's
-        // epilogue adds as it stores.
-        if fixed.contains(&v) || g.ty(v).rank() <= 1 || rewrite::read_at_backward_start(g, v) {
+        // epilogue adds as it stores; a weight's cast would be recomputed
+        // with the other casts at the start of the step, freeing nothing.
+        if fixed.contains(&v)
+            || g.ty(v).rank() <= 1
+            || rewrite::of_parameters(g, v.node)
+            || rewrite::read_at_backward_start(g, v)
+        {
             continue;
         }
         let bytes = cost::value_bytes(g, v, &env);
         if bytes == 0 {
             continue;
         }
-        let only = HashSet::from([v]);
-        let kept = Kept::new(g, &only);
-        let seconds: f64 = kept
+        let seconds: f64 = all
+            .without(&HashSet::from([v]))
             .recipe(g, v)
             .into_iter()
             .map(|n| cost::node_seconds(g, n, &env, device))
@@ -206,6 +211,11 @@ pub fn candidates(g: &Graph, dims: &BTreeMap<String, i64>, device: Device) -> Ve
     scored.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
     scored.into_iter().map(|(_, _, d)| d).collect()
 }
+
+/// Prefix lengths probed before the search narrows: the plan's peak does
+/// not always fall as more is dropped (a recomputed value read far apart
+/// lives between its readers), so the search starts from a scan.
+const SCAN: usize = 16;
 
 /// Chooses what to recompute for `budget` bytes and rewrites `g` so.
 /// Returns `None` if the step fits without recomputing anything.
@@ -228,16 +238,28 @@ pub fn fit_budget(
         let p = probe(&h, dims, target, device)?;
         Ok((h, added, p))
     };
-    let all = with(order.len())?;
-    if all.2.arena_bytes > budget {
+    // A scan of prefix lengths: the first that fits, and the one before.
+    let n = order.len();
+    let mut points: Vec<usize> = (1..=SCAN).map(|i| (n * i).div_ceil(SCAN)).collect();
+    points.dedup();
+    let (mut lo, mut found, mut floor) = (0usize, None, before.arena_bytes);
+    for &k in &points {
+        let r = with(k)?;
+        floor = floor.min(r.2.arena_bytes);
+        if r.2.arena_bytes <= budget {
+            found = Some((k, r));
+            break;
+        }
+        lo = k;
+    }
+    let Some((mut hi, mut best)) = found else {
         return Err(BudgetError::BelowFloor {
             budget,
-            floor: all.2.arena_bytes,
+            floor,
             peak: before.arena_bytes,
         });
-    }
-    // The smallest prefix that fits: `lo` does not, `hi` does.
-    let (mut lo, mut hi, mut best) = (0usize, order.len(), all);
+    };
+    // Then the shortest prefix between that fits (`lo` does not, `hi` does).
     while hi - lo > 1 {
         let mid = (lo + hi) / 2;
         let r = with(mid)?;
@@ -271,9 +293,10 @@ pub fn free_drops(
     target: &Target,
     device: Device,
 ) -> Result<Option<Choice>, PlanError> {
+    let all = Kept::everything(g);
     let free: Vec<Dropped> = candidates(g, dims, device)
         .into_iter()
-        .filter(|d| rewrite::recomputes_into_readers(g, d.value))
+        .filter(|d| rewrite::recomputes_into_readers(g, &all, d.value))
         .collect();
     if free.is_empty() {
         return Ok(None);
@@ -295,7 +318,7 @@ pub fn free_drops(
     }))
 }
 
-/// The floor: the plan with every candidate recomputed.
+/// The floor: the least peak over the prefixes `fit_budget` scans.
 pub fn floor(
     g: &Graph,
     dims: &BTreeMap<String, i64>,
@@ -303,9 +326,19 @@ pub fn floor(
     device: Device,
 ) -> Result<Probe, PlanError> {
     let order = candidates(g, dims, device);
-    let mut h = g.clone();
-    drop_saved(&mut h, &order.iter().map(|d| d.value).collect());
-    probe(&h, dims, target, device)
+    let n = order.len();
+    let mut best = probe(g, dims, target, device)?;
+    let mut points: Vec<usize> = (1..=SCAN).map(|i| (n * i).div_ceil(SCAN)).collect();
+    points.dedup();
+    for k in points {
+        let mut h = g.clone();
+        drop_saved(&mut h, &order[..k].iter().map(|d| d.value).collect());
+        let p = probe(&h, dims, target, device)?;
+        if p.arena_bytes < best.arena_bytes {
+            best = p;
+        }
+    }
+    Ok(best)
 }
 
 impl Choice {

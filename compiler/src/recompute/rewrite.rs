@@ -21,6 +21,15 @@ fn is_fixed(op: &Op) -> bool {
     op.is_source() || matches!(op, Op::Constant(_) | Op::DimValue(_))
 }
 
+/// Whether node `n` reads only parameters, state and constants (through
+/// views): a weight's cast to the compute dtype.
+pub fn of_parameters(g: &Graph, n: NodeIndex) -> bool {
+    g.inputs(n).iter().all(|x| {
+        let op = &g.g[x.node].op;
+        (is_fixed(op) && !matches!(op, Op::Input(_))) || (is_view(op) && of_parameters(g, x.node))
+    })
+}
+
 /// Whether a reader of `v` (through views) belongs to the backward pass.
 fn read_by_backward(g: &Graph, v: Value) -> bool {
     g.users(v).iter().any(|&(u, _)| {
@@ -105,16 +114,16 @@ fn is_elementwise(op: &Op) -> bool {
 /// Whether recomputing `v` costs no kernel of its own: an elementwise op
 /// of kept values (nothing else needs recomputing for it), read in the
 /// backward pass by elementwise ops alone, into whose kernels it fuses.
-pub fn recomputes_into_readers(g: &Graph, v: Value) -> bool {
+pub fn recomputes_into_readers(g: &Graph, all: &Kept, v: Value) -> bool {
     let node = &g.g[v.node];
-    let dropped = HashSet::from([v]);
-    let kept = Kept::new(g, &dropped);
+    if !is_elementwise(&node.op) {
+        return false;
+    }
     let mut readers = Vec::new();
     backward_readers(g, v, &mut readers);
-    is_elementwise(&node.op)
-        && kept.recipe(g, v) == vec![v.node]
-        && !readers.is_empty()
+    !readers.is_empty()
         && readers.iter().all(|&r| is_elementwise(&g.g[r].op))
+        && all.without(&HashSet::from([v])).recipe(g, v) == vec![v.node]
 }
 
 /// The outermost block call a node was elaborated in (0: the top level).
@@ -176,18 +185,39 @@ fn forward_readers(g: &Graph, v: Value) -> Vec<NodeIndex> {
 /// What stays stored for the backward pass once `dropped` is dropped: the
 /// other saved values and the checkpoints. Anything else a recomputation
 /// needs is recomputed too.
+#[derive(Clone)]
 pub struct Kept {
-    kept: HashSet<Value>,
+    /// Every saved value and checkpoint, shared between the sets made
+    /// from one graph.
+    all: std::rc::Rc<HashSet<Value>>,
+    dropped: HashSet<Value>,
 }
 
 impl Kept {
     pub fn new(g: &Graph, dropped: &HashSet<Value>) -> Kept {
-        let mut kept: HashSet<Value> = saved_values(g)
-            .into_iter()
-            .filter(|v| !dropped.contains(v))
-            .collect();
-        kept.extend(checkpoints(g));
-        Kept { kept }
+        Kept::everything(g).without(dropped)
+    }
+
+    /// Every saved value and checkpoint: what the step keeps unbudgeted.
+    pub fn everything(g: &Graph) -> Kept {
+        let mut all: HashSet<Value> = saved_values(g).into_iter().collect();
+        all.extend(checkpoints(g));
+        Kept {
+            all: std::rc::Rc::new(all),
+            dropped: HashSet::new(),
+        }
+    }
+
+    /// These kept values but `dropped` (which must not be checkpoints).
+    pub fn without(&self, dropped: &HashSet<Value>) -> Kept {
+        Kept {
+            all: self.all.clone(),
+            dropped: self.dropped.union(dropped).copied().collect(),
+        }
+    }
+
+    fn contains(&self, v: &Value) -> bool {
+        self.all.contains(v) && !self.dropped.contains(v)
     }
 
     /// Whether reading `v` in the backward pass needs its op run again.
@@ -201,8 +231,10 @@ impl Kept {
         } else {
             // A vector (a bias, or its cast) is read where it is: kept
             // longer it costs next to nothing, and recomputed it would no
-            // longer be a buffer a GEMM's epilogue adds.
-            !self.kept.contains(&v) && g.ty(v).rank() > 1
+            // longer be a buffer a GEMM's epilogue adds. A value of
+            // parameters alone (a weight's bf16 copy) is made with them at
+            // the start of the step, and so would its recomputation be.
+            !self.contains(&v) && g.ty(v).rank() > 1 && !of_parameters(g, v.node)
         }
     }
 
