@@ -63,6 +63,8 @@ fn main() -> ExitCode {
             for p in passes {
                 println!("{:<15} {}", p.name(), p.about());
             }
+            println!("\nthen, at the sizes given (--batch, --seq, --dim):");
+            println!("{:<15} {}", "recompute", fusec_compiler::recompute::ABOUT);
             println!("\nthen, on kernels (see --dump layout, --dump kernels, plan.json):");
             for (name, about) in fusec_compiler::kernel::STAGES {
                 println!("{name:<15} {about}");

@@ -348,7 +348,10 @@ fn passes_are_listed_and_dumped_after() {
     let (code, out, _) = fusec(&["passes"]);
     assert_eq!(code, 0);
     assert!(
-        out.starts_with("fold-attention") && out.contains("\nsimplify ") && out.contains("\ndce "),
+        out.starts_with("fold-attention")
+            && out.contains("\nsimplify ")
+            && out.contains("\ndce ")
+            && out.contains("\nrecompute "),
         "{out}"
     );
     let (code, out, err) = fusec(&[

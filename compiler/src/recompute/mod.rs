@@ -28,6 +28,9 @@ use std::fmt::Write;
 
 pub use rewrite::{checkpoints, drop_saved, saved_values, Kept};
 
+/// One line for `fusec passes`.
+pub const ABOUT: &str = "activations the backward pass keeps are dropped and their forward ops run again just before their readers: what fuses into a backward kernel at no cost always, and with --memory-budget (or memory_budget) the cheapest per byte until the plan fits (report.txt says what and what it costs)";
+
 /// A step's plan as the budget sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Probe {
