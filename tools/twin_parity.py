@@ -115,6 +115,7 @@ def fusec_train(args, work, precision):
         cmd += ["--lr", str(args.lr)]
     if args.cpu:
         cmd.append("--cpu")
+    cmd += args.fusec_arg
     run(cmd)
     steps = [json.loads(line) for line in open(log)]
     return init, data, steps
@@ -288,6 +289,8 @@ def main():
     ap.add_argument("--fusec", default="target/release/fusec")
     ap.add_argument("--data", default="random-stream", help="random-stream (the default: a fresh random batch each step, nothing to memorize), random (one fixed batch), a text file or an llm.c .bin shard")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--fusec-arg", action="append", default=[], metavar="ARG",
+                    help="passed to `fusec train` as it is (repeatable), e.g. --fusec-arg=--deterministic")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--batch", type=int)
     ap.add_argument("--seq", type=int)
