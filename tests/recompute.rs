@@ -367,3 +367,44 @@ fn llama_budgets_down_to_its_floor_are_met() {
         assert!(choice.after.arena_bytes <= budget);
     }
 }
+
+/// `--dump-after recompute` prints the step graph with its recomputed ops
+/// marked, in the backward pass; it needs the sizes.
+#[test]
+fn the_graph_after_recompute_is_dumped() {
+    let args = [
+        "build",
+        "dsl-examples/gpt2-small.dsl",
+        "--set",
+        "layers=2",
+        "--batch",
+        "32",
+        "--seq",
+        "1024",
+        "--memory-budget",
+        "5.5GiB",
+        "--dump-after",
+        "recompute",
+    ];
+    let (code, out, err) = common::fusec(&args);
+    assert_eq!(code, 0, "{err}");
+    let backward = out.find("\nbackward:").expect("a backward section");
+    let first = out.find("  recomputed").expect("recomputed ops");
+    assert!(
+        first > backward,
+        "a recomputed op outside the backward pass"
+    );
+    assert!(out.contains("= gelu(") && out.contains("gelu(%"), "{out}");
+    let (code, _, err) = common::fusec(
+        &args[..6]
+            .iter()
+            .chain(&args[10..])
+            .copied()
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--dump-after recompute") && err.contains("give the size of T"),
+        "{err}"
+    );
+}

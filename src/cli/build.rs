@@ -94,6 +94,7 @@ fn stage_name(s: &str) -> Result<String, String> {
 
 fn pass_name(s: &str) -> Result<String, String> {
     let mut names = fusec_compiler::passes::pass_names();
+    names.push("recompute");
     names.extend(fusec_compiler::kernel::STAGES.iter().map(|(n, _)| *n));
     if names.contains(&s) {
         Ok(s.to_string())
@@ -221,6 +222,17 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     };
     let loaded = loaded;
     let c = &loaded.compiled;
+    if args.dump_after.as_deref() == Some("recompute") {
+        let missing = super::common::missing(&dims, &c.optimized.dims);
+        if !missing.is_empty() {
+            return Err(CliError::usage(format!(
+                "error: --dump-after recompute: the stage runs at the step's sizes; give the size of {} (--batch, --seq or --dim NAME=N)",
+                missing.join(", ")
+            )));
+        }
+        print!("{}", graph_text(&c.optimized, &loaded.source, args.format));
+        return Ok(());
+    }
     if let Some(stage) = args.dump_after.as_deref() {
         if let Some(text) = kernel_stage(c, stage, args)? {
             print!("{text}");

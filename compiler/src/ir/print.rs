@@ -102,6 +102,9 @@ pub fn print_graph(g: &Graph, src: Option<&str>) -> String {
             line.push(' ');
             line.push_str(&a);
         }
+        if node.recompute {
+            line.push_str("  recomputed");
+        }
         if let (Some(src), Some(span)) = (src, node.span) {
             let (l, c) = line_col(src, span.start);
             let _ = write!(line, "  @{l}:{c}");
