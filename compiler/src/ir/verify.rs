@@ -1,6 +1,7 @@
 //! The verifier, run after every stage and pass: the graph is acyclic, every
 //! node's inputs fill its slots, every recorded type is what the op's shape
-//! rule gives, and the graph's outputs exist.
+//! rule gives, the graph's outputs exist, and a recomputed node belongs to
+//! the backward pass and is no graph output.
 
 use super::graph::Graph;
 use petgraph::visit::EdgeRef;
@@ -53,6 +54,19 @@ pub fn verify(g: &Graph) -> Result<(), Vec<String>> {
     for (role, v) in &g.outputs {
         if !g.g.contains_node(v.node) || v.port >= g.g[v.node].outputs.len() {
             problems.push(format!("output {role} refers to a missing value"));
+        } else if g.g[v.node].recompute {
+            problems.push(format!("output {role} is a recomputed value"));
+        }
+    }
+    for n in g.g.node_indices() {
+        let node = &g.g[n];
+        if node.recompute && node.phase != super::graph::Phase::Backward {
+            problems.push(format!(
+                "node {} ({}) is recomputed but in the {} phase",
+                n.index(),
+                node.op.name(),
+                node.phase.name()
+            ));
         }
     }
     for p in &g.params {
@@ -117,6 +131,19 @@ mod tests {
         g.g[n].outputs[0] = TensorType::new(DType::F32, vec![Dim::constant(4)]);
         let err = verify(&g).unwrap_err();
         assert!(err[0].contains("recorded types"), "{err:?}");
+    }
+
+    #[test]
+    fn a_recomputed_forward_node_is_caught() {
+        let mut g = small();
+        let n = g.topo_order()[1];
+        g.g[n].recompute = true;
+        let err = verify(&g).unwrap_err();
+        assert!(
+            err.iter()
+                .any(|e| e.contains("is recomputed but in the forward phase")),
+            "{err:?}"
+        );
     }
 
     #[test]

@@ -41,13 +41,20 @@ pub struct Probe {
     pub flops: f64,
 }
 
-/// Fuses, selects kernels for and plans `g` as the step would run.
+/// Fuses, selects kernels for and plans `g` as the step would run (after
+/// the graph verifier: a rewrite that broke the graph is a bug in fusec).
 pub fn probe(
     g: &Graph,
     dims: &BTreeMap<String, i64>,
     target: &Target,
     device: Device,
 ) -> Result<Probe, PlanError> {
+    crate::ir::verify::verify(g).map_err(|p| {
+        PlanError(format!(
+            "internal error: the graph is invalid after recomputation:\n  {}\nthis is a bug in fusec; please report it with the model file",
+            p.join("\n  ")
+        ))
+    })?;
     let program = fuse(g);
     let selection = select(g, &program, target, None);
     let plan = plan_with(g, &program, Some(&selection), dims)?;
