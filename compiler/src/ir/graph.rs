@@ -133,6 +133,9 @@ pub struct Graph {
     pub calls: Vec<CallSite>,
     /// Sizes the `pad-dims` pass padded inside the step.
     pub padded: Vec<PaddedSize>,
+    /// Order the nodes minding memory (`schedule::topo_order`): set by the
+    /// recompute stage where that plans a smaller step.
+    pub order_by_memory: bool,
 }
 
 /// One awkward size read padded (`passes::pad_dims`): the parameters read
@@ -156,6 +159,7 @@ impl Graph {
             outputs: Vec::new(),
             calls: Vec::new(),
             padded: Vec::new(),
+            order_by_memory: false,
         }
     }
 

@@ -108,7 +108,7 @@ impl std::fmt::Display for BudgetError {
                 peak,
             } => write!(
                 f,
-                "the memory budget of {} cannot be met: the least the step needs with activations recomputed is {} (without recomputation: {}; each layer's input, vectors and what the backward pass reads first are always kept); give a budget of at least {}, or a smaller batch",
+                "the memory budget of {} cannot be met: the least the step needs with activations recomputed is {} (without a budget: {}; each layer's input, vectors and what the backward pass reads first are always kept); give a budget of at least {}, or a smaller batch",
                 gib(*budget),
                 gib(*floor),
                 gib(*peak),
@@ -240,6 +240,48 @@ pub fn fit_budget(
     if before.arena_bytes <= budget {
         return Ok(None);
     }
+    // Both orders (`Graph::order_by_memory`): minding memory lowers the
+    // floor where products run late (llama-small), and can cost fusion
+    // elsewhere; the faster plan that fits is taken.
+    let mut best: Option<Choice> = None;
+    let mut floor = u64::MAX;
+    for by_memory in [false, true] {
+        let mut h = g.clone();
+        h.order_by_memory = by_memory;
+        match fit_in_order(&h, dims, budget, target, device, before) {
+            Ok((h, choice)) => {
+                if best
+                    .as_ref()
+                    .is_none_or(|b| choice.after.seconds < b.after.seconds)
+                {
+                    *g = h;
+                    best = Some(choice);
+                }
+            }
+            Err(BudgetError::BelowFloor { floor: f, .. }) => floor = floor.min(f),
+            Err(e) => return Err(e),
+        }
+    }
+    match best {
+        Some(c) => Ok(Some(c)),
+        None => Err(BudgetError::BelowFloor {
+            budget,
+            floor,
+            peak: before.arena_bytes,
+        }),
+    }
+}
+
+/// [`fit_budget`] in the order `g.order_by_memory` gives: the rewritten
+/// graph and the choice.
+fn fit_in_order(
+    g: &Graph,
+    dims: &BTreeMap<String, i64>,
+    budget: u64,
+    target: &Target,
+    device: Device,
+    before: Probe,
+) -> Result<(Graph, Choice), BudgetError> {
     let order = candidates(g, dims, device);
     let with = |k: usize| -> Result<(Graph, usize, Probe), BudgetError> {
         let mut h = g.clone();
@@ -281,14 +323,14 @@ pub fn fit_budget(
         }
     }
     let (h, ops_added, after) = best;
-    *g = h;
-    Ok(Some(Choice {
+    let choice = Choice {
         budget: Some(budget),
         dropped: order[..hi].to_vec(),
         ops_added,
         before,
         after,
-    }))
+    };
+    Ok((h, choice))
 }
 
 /// Without a budget: drops the kept values whose recomputation is free,
@@ -340,12 +382,15 @@ pub fn floor(
     let mut best = probe(g, dims, target, device)?;
     let mut points: Vec<usize> = (1..=SCAN).map(|i| (n * i).div_ceil(SCAN)).collect();
     points.dedup();
-    for k in points {
-        let mut h = g.clone();
-        drop_saved(&mut h, &order[..k].iter().map(|d| d.value).collect());
-        let p = probe(&h, dims, target, device)?;
-        if p.arena_bytes < best.arena_bytes {
-            best = p;
+    for by_memory in [false, true] {
+        for &k in &points {
+            let mut h = g.clone();
+            h.order_by_memory = by_memory;
+            drop_saved(&mut h, &order[..k].iter().map(|d| d.value).collect());
+            let p = probe(&h, dims, target, device)?;
+            if p.arena_bytes < best.arena_bytes {
+                best = p;
+            }
         }
     }
     Ok(best)
