@@ -115,9 +115,7 @@ fn is_view(op: &Op) -> bool {
 impl Order<'_> {
     fn key(&self, n: NodeIndex) -> Key {
         let node = &self.g.g[n];
-        let tier = if !self.by_memory {
-            0
-        } else if is_view(&node.op) {
+        let tier = if !self.by_memory || is_view(&node.op) {
             0
         } else if self.frees(n)
             || self
