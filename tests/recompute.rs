@@ -32,13 +32,64 @@ fn outputs(g: &Graph, feeds: &Feeds) -> Vec<(String, Vec<f64>)> {
         .collect()
 }
 
+/// One model at budgets from just under its unbudgeted plan to its floor:
+/// each plan fits, and the interpreter's loss, gradients and updated
+/// parameters and state (f64) are bit for bit the unbudgeted step's.
+/// Returns (unbudgeted peak, floor, whether any budget recomputed).
+fn check_budgets(
+    file: &str,
+    src: &str,
+    sets: &[(&str, &str)],
+    dims: &[(&str, i64)],
+) -> (u64, u64, bool) {
+    let (target, dev) = h100();
+    let c = common::compile_with(src, file, sets);
+    let g = &c.optimized;
+    let d = bdims(dims);
+    let feeds = random_feeds(g, &common::dims(dims), 11).expect("feeds");
+    let reference = outputs(g, &feeds);
+    let peak = recompute::probe(g, &d, &target, dev).unwrap().arena_bytes;
+    let floor = recompute::floor(g, &d, &target, dev).unwrap().arena_bytes;
+    println!("{file}: unbudgeted {peak} bytes, floor {floor}");
+    assert!(
+        floor <= peak,
+        "{file}: the floor {floor} is above the plan {peak}"
+    );
+    let mut budgets = vec![peak - 1, floor + (peak - floor) / 2, floor];
+    budgets.dedup();
+    let mut recomputed_any = false;
+    for budget in budgets {
+        let mut h = g.clone();
+        let choice = match recompute::fit_budget(&mut h, &d, budget, &target, dev) {
+            Ok(choice) => choice,
+            // Equal floor and plan: nothing can be dropped.
+            Err(BudgetError::BelowFloor { .. }) if floor == peak => continue,
+            Err(e) => panic!("{file} at {budget} bytes: {e}"),
+        };
+        verify(&h).unwrap_or_else(|p| panic!("{file}: {}", p.join("\n")));
+        let after = recompute::probe(&h, &d, &target, dev).unwrap().arena_bytes;
+        assert!(after <= budget, "{file}: plan {after} over budget {budget}");
+        if let Some(choice) = &choice {
+            assert_eq!(choice.after.arena_bytes, after, "{file}");
+            assert!(!choice.dropped.is_empty() && choice.ops_added > 0, "{file}");
+            recomputed_any = true;
+        }
+        let got = outputs(&h, &feeds);
+        assert_eq!(got.len(), reference.len());
+        for ((role, a), (_, b)) in reference.iter().zip(&got) {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{file} at a budget of {budget} bytes: {role} differs"
+            );
+        }
+    }
+    (peak, floor, recomputed_any)
+}
+
 /// Every shipped model, at budgets from just under its unbudgeted plan to
-/// its floor: the plan fits the budget, and the interpreter's loss,
-/// gradients and updated parameters and state (f64) are bit for bit the
-/// unbudgeted step's.
+/// its floor: the plan fits, and the results are the unbudgeted step's.
 #[test]
 fn budgets_never_change_results() {
-    let (target, dev) = h100();
     let mut models = common::tiny_models();
     // gpt2-xl is gpt2-small's file with larger constants.
     let small = models
@@ -49,52 +100,35 @@ fn budgets_never_change_results() {
     models.push(("gpt2-xl.dsl", small.1, small.2));
     for (file, sets, dims) in models {
         let (name, src) = common::example(file);
-        let c = common::compile_with(&src, &name, &sets);
-        let g = &c.optimized;
-        let d = bdims(&dims);
-        let feeds = random_feeds(g, &common::dims(&dims), 11).expect("feeds");
-        let reference = outputs(g, &feeds);
-        let peak = recompute::probe(g, &d, &target, dev).unwrap().arena_bytes;
-        let floor = recompute::floor(g, &d, &target, dev).unwrap().arena_bytes;
-        println!("{file}: unbudgeted {peak} bytes, floor {floor}");
-        assert!(
-            floor <= peak,
-            "{file}: the floor {floor} is above the plan {peak}"
-        );
-        let mut budgets = vec![peak - 1, floor + (peak - floor) / 2, floor];
-        budgets.dedup();
-        let mut recomputed_any = false;
-        for budget in budgets {
-            let mut h = g.clone();
-            let choice = match recompute::fit_budget(&mut h, &d, budget, &target, dev) {
-                Ok(choice) => choice,
-                // Equal floor and plan: nothing can be dropped.
-                Err(BudgetError::BelowFloor { .. }) if floor == peak => continue,
-                Err(e) => panic!("{file} at {budget} bytes: {e}"),
-            };
-            verify(&h).unwrap_or_else(|p| panic!("{file}: {}", p.join("\n")));
-            let after = recompute::probe(&h, &d, &target, dev).unwrap().arena_bytes;
-            assert!(after <= budget, "{file}: plan {after} over budget {budget}");
-            if let Some(choice) = &choice {
-                assert_eq!(choice.after.arena_bytes, after, "{file}");
-                assert!(!choice.dropped.is_empty() && choice.ops_added > 0, "{file}");
-                recomputed_any = true;
-            }
-            let got = outputs(&h, &feeds);
-            assert_eq!(got.len(), reference.len());
-            for ((role, a), (_, b)) in reference.iter().zip(&got) {
-                assert!(
-                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "{file} at a budget of {budget} bytes: {role} differs"
-                );
-            }
-        }
+        let (peak, floor, recomputed_any) = check_budgets(&name, &src, &sets, &dims);
         // A model of repeated layers always has activations to drop (the
         // MLP and the single GPT-2 block need theirs at once in the
         // backward pass, where their peak is).
         if sets.iter().any(|(k, _)| *k == "layers") {
             assert!(floor < peak, "{file}: the floor is the plan");
             assert!(recomputed_any, "{file}: no budget recomputed anything");
+        }
+    }
+}
+
+/// Shapes nobody chose for the examples: head dim 80 with 8 query heads a
+/// key/value head, an MLP width of 1713 and a vocabulary of 5003 (padded
+/// inside the step); cross-attention with S != T; a wide MLP with no
+/// blocks at all.
+#[test]
+fn odd_shapes_keep_their_results_under_budgets() {
+    let twins = common::root().join("tests/models/twins");
+    for (file, dims) in [
+        ("gqa-hd80.dsl", vec![("B", 2), ("T", 7)]),
+        ("cross-attention.dsl", vec![("B", 2), ("T", 5), ("S", 9)]),
+        ("wide-mlp.dsl", vec![("B", 6)]),
+    ] {
+        let src = std::fs::read_to_string(twins.join(file)).unwrap();
+        let (peak, floor, recomputed_any) =
+            check_budgets(&format!("tests/models/twins/{file}"), &src, &[], &dims);
+        println!("{file}: {peak} -> floor {floor}, recomputed: {recomputed_any}");
+        if file == "gqa-hd80.dsl" {
+            assert!(recomputed_any && floor < peak, "{file}: nothing recomputed");
         }
     }
 }
@@ -148,11 +182,7 @@ fn recomputed_ops_run_just_before_their_readers() {
     let c = common::compile_with(&src, &name, &[("layers", "4")]);
     let d = bdims(&[("B", 4), ("T", 64)]);
     let mut g = c.optimized.clone();
-    let all = recompute::candidates(&g, &d, dev)
-        .into_iter()
-        .map(|x| x.value)
-        .collect();
-    recompute::drop_saved(&mut g, &all);
+    recompute::drop_every_candidate(&mut g, &d, dev);
     let order = g.topo_order();
     let pos: std::collections::HashMap<_, _> =
         order.iter().enumerate().map(|(i, n)| (*n, i)).collect();
@@ -209,18 +239,14 @@ fn sizes_parse_with_binary_units() {
 fn build_reports_what_the_budget_recomputes() {
     let out = std::env::temp_dir().join(format!("fusec-budget-{}", std::process::id()));
     let out_s = out.to_str().unwrap();
-    let (code, stdout, stderr) = common::fusec(&[
-        "build",
-        "dsl-examples/gpt2-small.dsl",
-        "--batch",
-        "32",
-        "--seq",
-        "1024",
-        "--memory-budget",
-        "10GiB",
-        "-o",
-        out_s,
-    ]);
+    // `fusec build` of gpt2-small with `extra` arguments.
+    let build = |extra: &[&str]| {
+        let mut args = vec!["build", "dsl-examples/gpt2-small.dsl", "-o", out_s];
+        args.extend_from_slice(extra);
+        common::fusec(&args)
+    };
+    let at_32 = ["--batch", "32", "--seq", "1024"];
+    let (code, stdout, stderr) = build(&[&at_32[..], &["--memory-budget", "10GiB"]].concat());
     assert_eq!(code, 0, "{stderr}");
     let report = std::fs::read_to_string(out.join("report.txt")).unwrap();
     let para: String = report
@@ -238,46 +264,24 @@ fn build_reports_what_the_budget_recomputes() {
         .and_then(|v| v.trim_end_matches(',').parse().ok())
         .unwrap();
     assert!(arena <= 10 << 30, "{arena}");
-    let _ = std::fs::remove_dir_all(&out);
 
-    let (code, _, stderr) = common::fusec(&[
-        "build",
-        "dsl-examples/gpt2-small.dsl",
-        "--batch",
-        "32",
-        "--seq",
-        "1024",
-        "--memory-budget",
-        "3GiB",
-        "-o",
-        out_s,
-    ]);
+    let (code, _, stderr) = build(&[&at_32[..], &["--memory-budget", "3GiB"]].concat());
     assert_eq!(code, 2, "{stderr}");
     assert!(
         stderr.contains("the memory budget of 3.000 GiB cannot be met")
             && stderr.contains("give a budget of at least"),
         "{stderr}"
     );
-    let (code, _, stderr) = common::fusec(&[
-        "build",
-        "dsl-examples/gpt2-small.dsl",
-        "--batch",
-        "32",
-        "--memory-budget",
-        "3GiB",
-        "-o",
-        out_s,
-    ]);
+    let (code, _, stderr) = build(&["--batch", "32", "--memory-budget", "3GiB"]);
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("give the size of T"), "{stderr}");
-    let (code, _, stderr) = common::fusec(&[
-        "build",
-        "dsl-examples/gpt2-small.dsl",
-        "--memory-budget",
-        "lots",
-    ]);
+    let (code, _, stderr) = build(&["--memory-budget", "lots"]);
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("`lots` is not a size"), "{stderr}");
+    let (code, _, stderr) =
+        build(&[&at_32[..], &["--gpus", "2", "--memory-budget", "10GiB"]].concat());
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("not applied over several GPUs"), "{stderr}");
     let _ = std::fs::remove_dir_all(&out);
 }
 

@@ -757,20 +757,15 @@ fn gpu_again() -> fusec_runtime::device::Gpu {
     fusec_runtime::device::open(0).unwrap()
 }
 
-/// `g` with every activation the recompute stage may drop recomputed:
-/// the memory floor's step.
+/// `g` with every activation the recompute stage may drop recomputed (the
+/// most it recomputes; about the memory floor).
 fn at_the_floor(
     g: &fusec_compiler::ir::Graph,
     bdims: &std::collections::BTreeMap<String, i64>,
 ) -> fusec_compiler::ir::Graph {
-    use fusec_compiler::recompute;
     let device = fusec_compiler::plan::roofline::device("h100").unwrap();
     let mut h = g.clone();
-    let all = recompute::candidates(g, bdims, device)
-        .into_iter()
-        .map(|d| d.value)
-        .collect();
-    let added = recompute::drop_saved(&mut h, &all);
+    let added = fusec_compiler::recompute::drop_every_candidate(&mut h, bdims, device);
     assert!(added > 0, "nothing to recompute in {}", g.name);
     h
 }

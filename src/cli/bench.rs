@@ -134,7 +134,14 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;
     super::common::announce_budget(
-        fit_memory(&mut loaded, &args.budget, &dims, "h100", args.deterministic)?,
+        fit_memory(
+            &mut loaded,
+            &args.budget,
+            &dims,
+            1,
+            "h100",
+            args.deterministic,
+        )?,
         &loaded,
     );
     let loaded = loaded;
@@ -255,14 +262,19 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
 fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliError> {
     use super::parallel;
     let world = job.world();
-    let loaded = load_ranks(&args.model, world as u32)?;
+    let mut loaded = load_ranks(&args.model, world as u32)?;
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;
-    if args.budget.memory_budget.is_some() || loaded.compiled.model.train.memory_budget.is_some() {
-        return Err(CliError::usage(
-            "error: a memory budget is not applied over several GPUs yet; bench one GPU with it, or use --zero 1 to split the optimizer state",
-        ));
-    }
+    // Refuses a budget; each rank compiles its own step.
+    fit_memory(
+        &mut loaded,
+        &args.budget,
+        &dims,
+        world as u32,
+        "h100",
+        args.deterministic,
+    )?;
+    let loaded = loaded;
     let options = SessionOptions {
         deterministic: args.deterministic,
     };

@@ -202,24 +202,14 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     }
     let mut loaded = load_rank(&args.model, ranks, (args.zero == 1).then_some(args.rank))?;
     let dims = args.sizes.resolve(&loaded.compiled.optimized.dims)?;
-    let budgeted =
-        args.budget.memory_budget.is_some() || loaded.compiled.model.train.memory_budget.is_some();
-    if ranks > 1 && budgeted {
-        return Err(CliError::usage(
-            "error: a memory budget is not applied over several GPUs yet; build one GPU's step with it, or use --zero 1 to split the optimizer state",
-        ));
-    }
-    let recomputed = if ranks > 1 {
-        None
-    } else {
-        fit_memory(
-            &mut loaded,
-            &args.budget,
-            &dims,
-            &args.device,
-            args.deterministic,
-        )?
-    };
+    let recomputed = fit_memory(
+        &mut loaded,
+        &args.budget,
+        &dims,
+        ranks,
+        &args.device,
+        args.deterministic,
+    )?;
     let loaded = loaded;
     let c = &loaded.compiled;
     if args.dump_after.as_deref() == Some("recompute") {

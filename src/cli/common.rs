@@ -268,15 +268,25 @@ fn parse_budget(s: &str) -> Result<u64, String> {
 /// section's) to the step at sizes `dims`: the step graph is rewritten to
 /// recompute what the choice drops. Without a budget, what is free to
 /// recompute (`recompute::free_drops`) where the sizes are known. `None`
-/// where nothing is recomputed.
+/// where nothing is recomputed. A step of several ranks (`ranks` > 1, each
+/// compiling its own) is left as it is, and a budget for one is refused.
 pub fn fit_memory(
     loaded: &mut Loaded,
     budget: &BudgetArgs,
     dims: &std::collections::BTreeMap<String, i64>,
+    ranks: u32,
     device: &str,
     deterministic: bool,
 ) -> Result<Option<fusec_compiler::recompute::Choice>, CliError> {
     use fusec_compiler::recompute;
+    if ranks > 1 {
+        if budget.memory_budget.is_some() || loaded.compiled.model.train.memory_budget.is_some() {
+            return Err(CliError::usage(
+                "error: a memory budget is not applied over several GPUs yet; use it on one GPU, or use --zero 1 to split the optimizer state over the GPUs",
+            ));
+        }
+        return Ok(None);
+    }
     let target = fusec_compiler::select::Target::for_device(device, deterministic)
         .unwrap_or_else(fusec_compiler::select::Target::simple);
     let roof = fusec_compiler::plan::roofline::device(device)
@@ -287,7 +297,7 @@ pub fn fit_memory(
         (Some(b), _) if !missing.is_empty() => {
             return Err(CliError::usage(format!(
                 "error: --memory-budget {}: a budget is met at the sizes the step runs at: give the size of {} (--batch, --seq or --dim NAME=N)",
-                recompute::gib(b),
+                recompute::size(b),
                 missing.join(", ")
             )))
         }
@@ -313,18 +323,12 @@ pub fn fit_memory(
             ))
         })?;
     Ok(match (free, chosen) {
-        (Some(f), Some(c)) => Some(recompute::Choice {
-            budget: c.budget,
-            dropped: f.dropped.into_iter().chain(c.dropped).collect(),
-            ops_added: f.ops_added + c.ops_added,
-            before: f.before,
-            after: c.after,
-        }),
+        (Some(f), Some(c)) => Some(f.then(c)),
         (f, c) => c.or(f),
     })
 }
 
-/// Says on standard error what a budget made the step recompute.
+/// Says on standard error what the recompute stage chose.
 pub fn announce_budget(choice: Option<fusec_compiler::recompute::Choice>, loaded: &Loaded) {
     if let Some(c) = choice {
         let file = loaded.path.display().to_string();

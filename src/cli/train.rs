@@ -196,21 +196,17 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     // Each rank's sizes; the data is fed for all of them together.
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;
-    if world > 1
-        && (args.budget.memory_budget.is_some()
-            || loaded.compiled.model.train.memory_budget.is_some())
-    {
-        return Err(CliError::usage(
-            "error: a memory budget is not applied over several GPUs yet; train on one GPU with it, or use --zero 1 to split the optimizer state",
-        ));
-    }
-    // Several ranks compile their own steps (`parallel`), unbudgeted.
-    if world == 1 {
-        super::common::announce_budget(
-            fit_memory(&mut loaded, &args.budget, &dims, "h100", args.deterministic)?,
-            &loaded,
-        );
-    }
+    super::common::announce_budget(
+        fit_memory(
+            &mut loaded,
+            &args.budget,
+            &dims,
+            world as u32,
+            "h100",
+            args.deterministic,
+        )?,
+        &loaded,
+    );
     let loaded = loaded;
     let data_dims = parallel::whole_batch(&dims, world);
     // Only rank 0 of a launched job writes files and progress.

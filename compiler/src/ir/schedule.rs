@@ -11,7 +11,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet};
 
 /// (phase, tier, index): the smallest ready key runs first. Without
-/// recomputed nodes every tier is the same, and the order is the file's.
+/// `Graph::order_by_memory` every tier is 0, and the order is the file's.
 type Key = Reverse<(u8, u8, NodeIndex)>;
 
 struct Order<'g> {
@@ -60,7 +60,7 @@ pub fn topo_order(g: &Graph) -> Vec<NodeIndex> {
     };
     if o.by_memory {
         for n in g.g.node_indices() {
-            if !is_view(&g.g[n].op) {
+            if !g.g[n].op.is_view() {
                 for b in o.bases(n) {
                     *o.unread.entry(b).or_default() += 1;
                 }
@@ -105,17 +105,10 @@ pub fn topo_order(g: &Graph) -> Vec<NodeIndex> {
     o.order
 }
 
-fn is_view(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Reshape(_) | Op::Permute(_) | Op::Slice(_) | Op::Broadcast(_)
-    )
-}
-
 impl Order<'_> {
     fn key(&self, n: NodeIndex) -> Key {
         let node = &self.g.g[n];
-        let tier = if !self.by_memory || is_view(&node.op) {
+        let tier = if !self.by_memory || node.op.is_view() {
             0
         } else if self.frees(n)
             || self
@@ -138,7 +131,7 @@ impl Order<'_> {
             .into_iter()
             .map(|x| {
                 let mut b = x.node;
-                while is_view(&self.g.g[b].op) {
+                while self.g.g[b].op.is_view() {
                     b = self.g.inputs(b)[0].node;
                 }
                 b
@@ -149,7 +142,7 @@ impl Order<'_> {
     /// Whether `n` is the last reader of a value stored for it: placing it
     /// frees that value.
     fn frees(&self, n: NodeIndex) -> bool {
-        !is_view(&self.g.g[n].op)
+        !self.g.g[n].op.is_view()
             && self
                 .bases(n)
                 .iter()
@@ -159,7 +152,7 @@ impl Order<'_> {
     /// After `n` is placed: a value it read with one reader left raises that
     /// reader, if it is ready.
     fn count_reads(&mut self, n: NodeIndex) {
-        if !self.by_memory || is_view(&self.g.g[n].op) {
+        if self.g.g[n].op.is_view() {
             return;
         }
         for b in self.bases(n) {
@@ -173,9 +166,8 @@ impl Order<'_> {
             let mut stack = vec![b];
             let mut last = Vec::new();
             while let Some(x) = stack.pop() {
-                for e in self.g.g.edges_directed(x, Direction::Outgoing) {
-                    let t = e.target();
-                    if is_view(&self.g.g[t].op) {
+                for t in self.readers(x) {
+                    if self.g.g[t].op.is_view() {
                         stack.push(t);
                     } else if !self.placed.contains(&t) {
                         last.push(t);
@@ -197,7 +189,7 @@ impl Order<'_> {
         let node = &self.g.g[n];
         node.recompute
             && (self.placed.contains(&n)
-                || (is_view(&node.op)
+                || (node.op.is_view()
                     && self.waiting.contains(&n)
                     && self.g.inputs(n).iter().all(|x| self.made(x.node))))
     }
@@ -214,14 +206,17 @@ impl Order<'_> {
         }
     }
 
-    fn release(&mut self, n: NodeIndex) {
-        let targets: Vec<NodeIndex> = self
-            .g
+    /// The nodes that read `n` (once per edge).
+    fn readers(&self, n: NodeIndex) -> Vec<NodeIndex> {
+        self.g
             .g
             .edges_directed(n, Direction::Outgoing)
             .map(|e| e.target())
-            .collect();
-        for t in targets {
+            .collect()
+    }
+
+    fn release(&mut self, n: NodeIndex) {
+        for t in self.readers(n) {
             let d = self.indeg.get_mut(&t).expect("edge target is a node");
             *d -= 1;
             if *d == 0 {
@@ -233,24 +228,20 @@ impl Order<'_> {
     fn place(&mut self, n: NodeIndex) {
         self.order.push(n);
         self.placed.insert(n);
-        self.count_reads(n);
-        if self.g.g[n].recompute {
-            self.raise_readers(n);
+        if self.by_memory {
+            self.count_reads(n);
+            if self.g.g[n].recompute {
+                self.raise_readers(n);
+            }
         }
     }
 
     /// The ready readers of recomputed `n` (through views) go first.
     fn raise_readers(&mut self, n: NodeIndex) {
-        let readers: Vec<NodeIndex> = self
-            .g
-            .g
-            .edges_directed(n, Direction::Outgoing)
-            .map(|e| e.target())
-            .collect();
-        for t in readers {
+        for t in self.readers(n) {
             let node = &self.g.g[t];
             if node.recompute {
-                if is_view(&node.op) && self.waiting.contains(&t) {
+                if node.op.is_view() && self.waiting.contains(&t) {
                     self.raise_readers(t);
                 }
             } else if self.indeg[&t] == 0 && !self.placed.contains(&t) {

@@ -29,12 +29,16 @@ enum Class {
 }
 
 fn class(op: &Op) -> Class {
-    match op {
-        Op::Input(_) | Op::Param(_) | Op::State(_) => Class::Source,
-        Op::Constant(_) | Op::DimValue(_) => Class::Scalar,
-        Op::Reshape(_) | Op::Permute(_) | Op::Slice(_) | Op::Broadcast(_) => Class::View,
-        Op::Unary(_) | Op::UnaryGrad(_) | Op::Binary(_) | Op::Cast(_) => Class::Pointwise,
-        _ => Class::Other,
+    if op.is_source() {
+        Class::Source
+    } else if op.is_scalar() {
+        Class::Scalar
+    } else if op.is_view() {
+        Class::View
+    } else if op.is_elementwise() {
+        Class::Pointwise
+    } else {
+        Class::Other
     }
 }
 

@@ -27,19 +27,12 @@ pub enum Layout {
     Unused,
 }
 
-fn is_view(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Reshape(_) | Op::Permute(_) | Op::Slice(_) | Op::Broadcast(_)
-    )
-}
-
 /// `v` as a view of a stored buffer, following view ops back.
 fn view_of(g: &Graph, p: &Program, v: Value) -> Option<(usize, View)> {
     let mut chain = Vec::new();
     let mut at = v;
     while p.buffer_of(at).is_none() {
-        if !is_view(&g.g[at.node].op) {
+        if !g.g[at.node].op.is_view() {
             return None;
         }
         chain.push(at.node);
@@ -68,7 +61,7 @@ pub fn layouts(g: &Graph, p: &Program) -> Vec<(Value, Layout)> {
         for port in 0..g.g[n].outputs.len() {
             let v = Value { node: n, port };
             let mut base = v;
-            while is_view(&g.g[base.node].op) && p.buffer_of(base).is_none() {
+            while g.g[base.node].op.is_view() && p.buffer_of(base).is_none() {
                 base = g.inputs(base.node)[0];
             }
             let layout = if let Some(b) = p.buffer_of(v) {

@@ -196,6 +196,27 @@ impl Op {
     pub fn is_source(&self) -> bool {
         matches!(self, Op::Input(_) | Op::Param(_) | Op::State(_))
     }
+    /// A constant or a symbolic size: folded into the kernels that read it,
+    /// never stored.
+    pub fn is_scalar(&self) -> bool {
+        matches!(self, Op::Constant(_) | Op::DimValue(_))
+    }
+    /// Another way of reading its input's elements (read in place as a
+    /// strided view, no kernel of its own).
+    pub fn is_view(&self) -> bool {
+        matches!(
+            self,
+            Op::Reshape(_) | Op::Permute(_) | Op::Slice(_) | Op::Broadcast(_)
+        )
+    }
+    /// One output element from the same element of each input: fuses into
+    /// chains.
+    pub fn is_elementwise(&self) -> bool {
+        matches!(
+            self,
+            Op::Unary(_) | Op::UnaryGrad(_) | Op::Binary(_) | Op::Cast(_)
+        )
+    }
 }
 
 // ---- shared checks used by the shape rules ----

@@ -6,13 +6,14 @@
 //! the candidates are the kept forward values (never a value passed from
 //! one outermost block call to the next, so a recomputation reaches back
 //! no further than the start of its own layer, nor one only the first
-//! backward ops read, which would be recomputed at once, nor a vector),
-//! ordered by the predicted
-//! time their recomputation adds per byte they free (`cost`); the shortest
-//! prefix of that order whose plan fits the budget is taken (binary search
-//! over the prefix, each probe fused and planned as it would run). What it
-//! adds, and the peak before and after, come from those plans and the
-//! roofline estimate, so the report's figures are the plan's own.
+//! backward ops read, which would be recomputed at once, nor a vector or a
+//! weight's cast), ordered by the predicted time their recomputation adds
+//! per byte they free (`cost`). A scan of prefix lengths finds the first
+//! whose plan fits, a binary search below it the shortest, each probe
+//! fused and planned as it would run; this in the file's order and in one
+//! that minds memory (`Graph::order_by_memory`), the faster plan taken.
+//! What it adds, and the peak before and after, come from those plans and
+//! the roofline estimate, so the report's figures are the plan's own.
 
 pub mod cost;
 pub mod rewrite;
@@ -108,10 +109,10 @@ impl std::fmt::Display for BudgetError {
                 peak,
             } => write!(
                 f,
-                "the memory budget of {} cannot be met: the least the step needs with activations recomputed is {} (without a budget: {}; each layer's input, vectors and what the backward pass reads first are always kept); give a budget of at least {}, or a smaller batch",
-                gib(*budget),
-                gib(*floor),
-                gib(*peak),
+                "the memory budget of {} cannot be met: the least the step needs with activations recomputed is {} (without a budget: {}; each layer's input, vectors, weights' casts and what the backward pass reads first are always kept); give a budget of at least {}, or a smaller batch",
+                size(*budget),
+                size(*floor),
+                size(*peak),
                 size_in(*floor, true)
             ),
             BudgetError::Plan(e) => write!(f, "{e}"),
@@ -144,7 +145,9 @@ fn size_in(bytes: u64, up: bool) -> String {
     }
 }
 
-pub fn gib(bytes: u64) -> String {
+/// A size as the stage reports it: in the largest binary unit it reaches
+/// (`plan::report` gives the memory plan in GiB throughout).
+pub fn size(bytes: u64) -> String {
     size_in(bytes, false)
 }
 
@@ -172,7 +175,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     };
     let bytes = x * scale as f64;
     if !(bytes.is_finite() && bytes >= 1.0 && bytes < (1u64 << 60) as f64) {
-        return Err(format!("`{s}` is not a usable size"));
+        return Err(format!(
+            "`{s}` is not a usable size: give a positive size below 1 EiB, e.g. 12GiB"
+        ));
     }
     Ok(bytes as u64)
 }
@@ -226,6 +231,29 @@ pub fn candidates(g: &Graph, dims: &BTreeMap<String, i64>, device: Device) -> Ve
 /// not always fall as more is dropped (a recomputed value read far apart
 /// lives between its readers), so the search starts from a scan.
 const SCAN: usize = 16;
+
+/// The prefix lengths of `n` candidates the search probes first.
+fn scan_points(n: usize) -> Vec<usize> {
+    let mut points: Vec<usize> = (1..=SCAN).map(|i| (n * i).div_ceil(SCAN)).collect();
+    points.dedup();
+    points
+}
+
+/// `g` with the first `k` of `order` dropped, planned: the graph, the ops
+/// added and its probe.
+fn dropping(
+    g: &Graph,
+    order: &[Dropped],
+    k: usize,
+    dims: &BTreeMap<String, i64>,
+    target: &Target,
+    device: Device,
+) -> Result<(Graph, usize, Probe), PlanError> {
+    let mut h = g.clone();
+    let added = drop_saved(&mut h, &order[..k].iter().map(|d| d.value).collect());
+    let p = probe(&h, dims, target, device)?;
+    Ok((h, added, p))
+}
 
 /// Chooses what to recompute for `budget` bytes and rewrites `g` so.
 /// Returns `None` if the step fits without recomputing anything.
@@ -283,19 +311,10 @@ fn fit_in_order(
     before: Probe,
 ) -> Result<(Graph, Choice), BudgetError> {
     let order = candidates(g, dims, device);
-    let with = |k: usize| -> Result<(Graph, usize, Probe), BudgetError> {
-        let mut h = g.clone();
-        let dropped: HashSet<Value> = order[..k].iter().map(|d| d.value).collect();
-        let added = drop_saved(&mut h, &dropped);
-        let p = probe(&h, dims, target, device)?;
-        Ok((h, added, p))
-    };
+    let with = |k: usize| dropping(g, &order, k, dims, target, device);
     // A scan of prefix lengths: the first that fits, and the one before.
-    let n = order.len();
-    let mut points: Vec<usize> = (1..=SCAN).map(|i| (n * i).div_ceil(SCAN)).collect();
-    points.dedup();
     let (mut lo, mut found, mut floor) = (0usize, None, before.arena_bytes);
-    for &k in &points {
+    for k in scan_points(order.len()) {
         let r = with(k)?;
         floor = floor.min(r.2.arena_bytes);
         if r.2.arena_bytes <= budget {
@@ -354,9 +373,7 @@ pub fn free_drops(
         return Ok(None);
     }
     let before = probe(g, dims, target, device)?;
-    let mut h = g.clone();
-    let ops_added = drop_saved(&mut h, &free.iter().map(|d| d.value).collect());
-    let after = probe(&h, dims, target, device)?;
+    let (h, ops_added, after) = dropping(g, &free, free.len(), dims, target, device)?;
     if after.arena_bytes >= before.arena_bytes || after.seconds > before.seconds * (1.0 + 1e-9) {
         return Ok(None);
     }
@@ -370,6 +387,16 @@ pub fn free_drops(
     }))
 }
 
+/// Drops every candidate (the most the stage ever recomputes): what the
+/// tests run to exercise every recomputation at once. Returns the ops added.
+pub fn drop_every_candidate(g: &mut Graph, dims: &BTreeMap<String, i64>, device: Device) -> usize {
+    let all = candidates(g, dims, device)
+        .into_iter()
+        .map(|d| d.value)
+        .collect();
+    drop_saved(g, &all)
+}
+
 /// The floor: the least peak over the prefixes `fit_budget` scans.
 pub fn floor(
     g: &Graph,
@@ -378,16 +405,12 @@ pub fn floor(
     device: Device,
 ) -> Result<Probe, PlanError> {
     let order = candidates(g, dims, device);
-    let n = order.len();
     let mut best = probe(g, dims, target, device)?;
-    let mut points: Vec<usize> = (1..=SCAN).map(|i| (n * i).div_ceil(SCAN)).collect();
-    points.dedup();
     for by_memory in [false, true] {
-        for &k in &points {
-            let mut h = g.clone();
-            h.order_by_memory = by_memory;
-            drop_saved(&mut h, &order[..k].iter().map(|d| d.value).collect());
-            let p = probe(&h, dims, target, device)?;
+        let mut h = g.clone();
+        h.order_by_memory = by_memory;
+        for k in scan_points(order.len()) {
+            let (_, _, p) = dropping(&h, &order, k, dims, target, device)?;
             if p.arena_bytes < best.arena_bytes {
                 best = p;
             }
@@ -397,27 +420,47 @@ pub fn floor(
 }
 
 impl Choice {
+    /// `self` (what was free), then `next` (a budget's choice on top): one
+    /// choice from the first's peak to the second's.
+    pub fn then(self, next: Choice) -> Choice {
+        Choice {
+            budget: next.budget,
+            dropped: self.dropped.into_iter().chain(next.dropped).collect(),
+            ops_added: self.ops_added + next.ops_added,
+            before: self.before,
+            after: next.after,
+        }
+    }
+
     /// The report's paragraph: what is recomputed, grouped by the op and
     /// line that makes it, the memory freed and the time added.
     pub fn describe(&self, g: &Graph, source: Option<(&str, &str)>) -> String {
         let mut s = String::new();
         let saved: u64 = self.dropped.iter().map(|d| d.bytes).sum();
         let why = match self.budget {
-            Some(b) => format!("for a memory budget of {}", gib(b)),
+            Some(b) => format!("for a memory budget of {}", size(b)),
             None => "where it is free (fused into the backward kernels that read it)".to_string(),
         };
-        let _ = writeln!(
-            s,
-            "recompute {why}: {} activations dropped ({}), {} ops run again in the backward pass",
-            self.dropped.len(),
-            gib(saved),
-            self.ops_added
-        );
+        if self.dropped.is_empty() {
+            // The order that minds memory alone met the budget.
+            let _ = writeln!(
+                s,
+                "recompute {why}: nothing dropped, the step's ops reordered to free memory sooner"
+            );
+        } else {
+            let _ = writeln!(
+                s,
+                "recompute {why}: {} activations dropped ({}), {} ops run again in the backward pass",
+                self.dropped.len(),
+                size(saved),
+                self.ops_added
+            );
+        }
         let _ = writeln!(
             s,
             "  peak (the arena) {} -> {}; {:+.3} TFLOP and {:+.2} ms a step predicted ({:.2} -> {:.2} ms)",
-            gib(self.before.arena_bytes),
-            gib(self.after.arena_bytes),
+            size(self.before.arena_bytes),
+            size(self.after.arena_bytes),
             (self.after.flops - self.before.flops) / 1e12,
             (self.after.seconds - self.before.seconds) * 1e3,
             self.before.seconds * 1e3,
@@ -464,7 +507,7 @@ impl Choice {
                 "  {op}{at}{where_}: {} value{}, {}",
                 paths.len(),
                 if paths.len() == 1 { "" } else { "s" },
-                gib(*bytes)
+                size(*bytes)
             );
         }
         s

@@ -8,17 +8,10 @@ use crate::ops::Op;
 use petgraph::stable_graph::NodeIndex;
 use std::collections::{HashMap, HashSet};
 
-fn is_view(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Reshape(_) | Op::Permute(_) | Op::Slice(_) | Op::Broadcast(_)
-    )
-}
-
 /// Values that are never stored: parameters, inputs and state live for the
 /// whole run, constants and sizes fold into the kernels that read them.
 fn is_fixed(op: &Op) -> bool {
-    op.is_source() || matches!(op, Op::Constant(_) | Op::DimValue(_))
+    op.is_source() || op.is_scalar()
 }
 
 /// Whether node `n` reads only parameters, state and constants (through
@@ -26,7 +19,7 @@ fn is_fixed(op: &Op) -> bool {
 pub fn of_parameters(g: &Graph, n: NodeIndex) -> bool {
     g.inputs(n).iter().all(|x| {
         let op = &g.g[x.node].op;
-        (is_fixed(op) && !matches!(op, Op::Input(_))) || (is_view(op) && of_parameters(g, x.node))
+        (is_fixed(op) && !matches!(op, Op::Input(_))) || (op.is_view() && of_parameters(g, x.node))
     })
 }
 
@@ -36,7 +29,7 @@ fn read_by_backward(g: &Graph, v: Value) -> bool {
         let node = &g.g[u];
         if node.phase != Phase::Forward {
             true
-        } else if is_view(&node.op) {
+        } else if node.op.is_view() {
             read_by_backward(g, Value { node: u, port: 0 })
         } else {
             false
@@ -50,7 +43,7 @@ pub fn saved_values(g: &Graph) -> Vec<Value> {
     let mut out = Vec::new();
     for n in g.topo_order() {
         let node = &g.g[n];
-        if node.phase != Phase::Forward || is_fixed(&node.op) || is_view(&node.op) {
+        if node.phase != Phase::Forward || is_fixed(&node.op) || node.op.is_view() {
             continue;
         }
         for port in 0..node.outputs.len() {
@@ -82,7 +75,7 @@ pub fn read_at_backward_start(g: &Graph, v: Value) -> bool {
 fn backward_readers(g: &Graph, v: Value, out: &mut Vec<NodeIndex>) {
     for (u, _) in g.users(v) {
         let node = &g.g[u];
-        if is_view(&node.op) {
+        if node.op.is_view() {
             backward_readers(g, Value { node: u, port: 0 }, out);
         } else if node.phase != Phase::Forward {
             out.push(u);
@@ -104,25 +97,18 @@ fn constant_like(g: &Graph, n: NodeIndex, memo: &mut HashMap<NodeIndex, bool>) -
     b
 }
 
-fn is_elementwise(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Unary(_) | Op::UnaryGrad(_) | Op::Binary(_) | Op::Cast(_)
-    )
-}
-
 /// Whether recomputing `v` costs no kernel of its own: an elementwise op
 /// of kept values (nothing else needs recomputing for it), read in the
 /// backward pass by elementwise ops alone, into whose kernels it fuses.
 pub fn recomputes_into_readers(g: &Graph, all: &Kept, v: Value) -> bool {
     let node = &g.g[v.node];
-    if !is_elementwise(&node.op) {
+    if !node.op.is_elementwise() {
         return false;
     }
     let mut readers = Vec::new();
     backward_readers(g, v, &mut readers);
     !readers.is_empty()
-        && readers.iter().all(|&r| is_elementwise(&g.g[r].op))
+        && readers.iter().all(|&r| g.g[r].op.is_elementwise())
         && all.without(&HashSet::from([v])).recipe(g, v) == vec![v.node]
 }
 
@@ -150,7 +136,7 @@ pub fn checkpoints(g: &Graph) -> HashSet<Value> {
     let mut out = HashSet::new();
     for n in g.g.node_indices() {
         let node = &g.g[n];
-        if node.phase != Phase::Forward || is_fixed(&node.op) || is_view(&node.op) {
+        if node.phase != Phase::Forward || is_fixed(&node.op) || node.op.is_view() {
             continue;
         }
         let here = outer_call(g, n);
@@ -175,7 +161,7 @@ fn forward_readers(g: &Graph, v: Value) -> Vec<NodeIndex> {
             continue;
         }
         out.push(u);
-        if is_view(&g.g[u].op) {
+        if g.g[u].op.is_view() {
             out.extend(forward_readers(g, Value { node: u, port: 0 }));
         }
     }
@@ -226,7 +212,7 @@ impl Kept {
         let op = &node.op;
         if node.phase != Phase::Forward || is_fixed(op) {
             false
-        } else if is_view(op) {
+        } else if op.is_view() {
             self.needs_recompute(g, g.inputs(v.node)[0])
         } else {
             // A vector (a bias, or its cast) is read where it is: kept
@@ -292,25 +278,14 @@ pub fn drop_saved(g: &mut Graph, dropped: &HashSet<Value>) -> usize {
         // early, it would pull the recomputation to the start of the
         // backward pass.
         let mut view = reader;
-        while is_view(&g.g[view].op) && !g.g[view].recompute {
+        while g.g[view].op.is_view() && !g.g[view].recompute {
             g.g[view].recompute = true;
-            match g
-                .users(Value {
-                    node: view,
-                    port: 0,
-                })
-                .first()
+            match g.users(Value {
+                node: view,
+                port: 0,
+            })[..]
             {
-                Some(&(u, _))
-                    if g.users(Value {
-                        node: view,
-                        port: 0,
-                    })
-                    .len()
-                        == 1 =>
-                {
-                    view = u
-                }
+                [(only, _)] => view = only,
                 _ => break,
             }
         }
