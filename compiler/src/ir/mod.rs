@@ -1,8 +1,10 @@
 //! The intermediate representation: a petgraph graph of ops over typed
-//! tensors, its verifier and its text and Graphviz forms.
+//! tensors, its verifier, its text form (printed and parsed back) and its
+//! Graphviz form.
 pub mod dim;
 pub mod dot;
 pub mod graph;
+pub mod parse;
 pub mod print;
 pub mod schedule;
 pub mod sizes;

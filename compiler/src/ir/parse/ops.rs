@@ -1,0 +1,341 @@
+//! Each op back from its name and the attribute words its `OpDef::attrs`
+//! prints (in the same order). What `attrs` leaves out is in the line's
+//! result types: a source's type, a constant's dtype, a convolution
+//! gradient's spatial sizes.
+
+use super::lex::Cursor;
+use super::ParseError;
+use crate::ir::types::TensorType;
+use crate::ops::*;
+
+pub(super) const UNARY: [UnaryKind; 10] = [
+    UnaryKind::Neg,
+    UnaryKind::Exp,
+    UnaryKind::Log,
+    UnaryKind::Sqrt,
+    UnaryKind::Rsqrt,
+    UnaryKind::Tanh,
+    UnaryKind::Sigmoid,
+    UnaryKind::Gelu,
+    UnaryKind::Relu,
+    UnaryKind::Silu,
+];
+
+pub(super) const BINARY: [BinaryKind; 5] = [
+    BinaryKind::Add,
+    BinaryKind::Sub,
+    BinaryKind::Mul,
+    BinaryKind::Div,
+    BinaryKind::KeepIf,
+];
+
+/// The op `name` with its attributes read from `c`; `outs` are the types
+/// the line declares.
+pub(super) fn op(
+    c: &mut Cursor,
+    name: &str,
+    col: usize,
+    outs: &[TensorType],
+) -> Result<Op, ParseError> {
+    // The result type carries what the attributes leave out.
+    let result = |c: &Cursor, rank: Option<usize>| -> Result<TensorType, ParseError> {
+        match outs {
+            [t] if rank.map_or(true, |r| t.rank() == r) => Ok(t.clone()),
+            [_] => Err(c.error_at(
+                col,
+                format!("`{name}` gives a tensor of rank {}", rank.expect("checked")),
+            )),
+            _ => Err(c.error_at(col, format!("`{name}` gives one result"))),
+        }
+    };
+    let op: Op = match name {
+        "input" => Input {
+            name: c.string_lit("the input's name in quotes")?,
+            ty: result(c, None)?,
+        }
+        .into(),
+        "param" => Param {
+            name: c.string_lit("the parameter's name in quotes")?,
+            ty: result(c, None)?,
+        }
+        .into(),
+        "state" => State {
+            name: c.string_lit("the state's name in quotes")?,
+            ty: result(c, None)?,
+        }
+        .into(),
+        "const" => Constant {
+            value: c.float()?,
+            dtype: result(c, None)?.dtype,
+        }
+        .into(),
+        "dim_value" => DimValue {
+            dim: c.dim()?,
+            dtype: result(c, None)?.dtype,
+        }
+        .into(),
+        "cast" => {
+            c.key("to")?;
+            Cast { to: c.dtype()? }.into()
+        }
+        "clip_coef" => {
+            c.key("max_norm")?;
+            ClipCoef {
+                max_norm: c.float()?,
+            }
+            .into()
+        }
+        "unscale" => {
+            let max_norm = if c.peek()? == Some(super::Tok::Ident("max_norm")) {
+                c.key("max_norm")?;
+                Some(c.float()?)
+            } else {
+                None
+            };
+            Unscale { max_norm }.into()
+        }
+        "sum" | "mean" => {
+            c.key("axes")?;
+            let axes = c.usize_list()?;
+            let keepdim = c.flag("keepdim")?;
+            let kind = if name == "sum" {
+                ReduceKind::Sum
+            } else {
+                ReduceKind::Mean
+            };
+            Reduce {
+                kind,
+                axes,
+                keepdim,
+            }
+            .into()
+        }
+        "reshape" => Reshape { shape: c.shape()? }.into(),
+        "broadcast" => Broadcast { shape: c.shape()? }.into(),
+        "permute" => Permute {
+            perm: c.usize_list()?,
+        }
+        .into(),
+        "slice" => {
+            c.key("axis")?;
+            let axis = c.usize()?;
+            let start = c.dim()?;
+            c.punct(':')?;
+            Slice {
+                axis,
+                start,
+                end: c.dim()?,
+            }
+            .into()
+        }
+        "slice_grad" => {
+            c.key("axis")?;
+            let axis = c.usize()?;
+            c.key("at")?;
+            let start = c.dim()?;
+            c.key("full")?;
+            SliceGrad {
+                axis,
+                start,
+                full: c.dim()?,
+            }
+            .into()
+        }
+        "concat" => {
+            c.key("axis")?;
+            Concat { axis: c.usize()? }.into()
+        }
+        "matmul" => MatMul.into(),
+        "softmax" => {
+            c.key("axis")?;
+            Softmax { axis: c.usize()? }.into()
+        }
+        "softmax_grad" => {
+            c.key("axis")?;
+            SoftmaxGrad { axis: c.usize()? }.into()
+        }
+        "layernorm" | "layernorm_grad" | "rmsnorm" | "rmsnorm_grad" => {
+            c.key("eps")?;
+            let eps = c.float()?;
+            match name {
+                "layernorm" => LayerNorm { eps }.into(),
+                "layernorm_grad" => LayerNormGrad { eps }.into(),
+                "rmsnorm" => RmsNorm { eps }.into(),
+                _ => RmsNormGrad { eps }.into(),
+            }
+        }
+        "embedding" => Embedding.into(),
+        "embedding_grad" => {
+            c.key("rows")?;
+            EmbeddingGrad { rows: c.dim()? }.into()
+        }
+        "cross_entropy" | "cross_entropy_grad" | "cross_entropy_with_grad" => {
+            let classes = if c.peek()? == Some(super::Tok::Ident("classes")) {
+                c.key("classes")?;
+                Some(c.int()?)
+            } else {
+                None
+            };
+            match name {
+                "cross_entropy" => CrossEntropy { classes }.into(),
+                "cross_entropy_grad" => CrossEntropyGrad { classes }.into(),
+                _ => CrossEntropyWithGrad { classes }.into(),
+            }
+        }
+        "rope" => {
+            c.key("theta")?;
+            let theta = c.float()?;
+            Rope {
+                theta,
+                inverse: c.flag("inverse")?,
+            }
+            .into()
+        }
+        "causal_mask" => {
+            c.key("fill")?;
+            CausalMask { fill: c.float()? }.into()
+        }
+        "attention" | "attention_grad" => {
+            c.key("causal")?;
+            let causal = c.bool()?;
+            c.key("scale")?;
+            let scale = c.float()?;
+            if name == "attention" {
+                Attention { causal, scale }.into()
+            } else {
+                AttentionGrad { causal, scale }.into()
+            }
+        }
+        "conv2d" | "conv2d_grad_input" | "conv2d_grad_weight" => {
+            c.key("stride")?;
+            let stride = c.usize()?;
+            c.key("padding")?;
+            let padding = c.usize()?;
+            match name {
+                "conv2d" => Conv2d { stride, padding }.into(),
+                // dx [B, H, W, Cin]: the input's size is the result's.
+                "conv2d_grad_input" => {
+                    let t = result(c, Some(4))?;
+                    Conv2dGradInput {
+                        stride,
+                        padding,
+                        h: t.shape[1].clone(),
+                        w: t.shape[2].clone(),
+                    }
+                    .into()
+                }
+                // dw [KH, KW, Cin, Cout].
+                _ => {
+                    let t = result(c, Some(4))?;
+                    Conv2dGradWeight {
+                        stride,
+                        padding,
+                        kh: t.shape[0].clone(),
+                        kw: t.shape[1].clone(),
+                    }
+                    .into()
+                }
+            }
+        }
+        "adamw" => {
+            c.key("betas")?;
+            c.punct('(')?;
+            let beta1 = c.float()?;
+            c.punct(',')?;
+            let beta2 = c.float()?;
+            c.punct(')')?;
+            c.key("eps")?;
+            let eps = c.float()?;
+            c.key("wd")?;
+            AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay: c.float()?,
+                range: range(c)?,
+            }
+            .into()
+        }
+        "sgd" => {
+            c.key("momentum")?;
+            let momentum = c.float()?;
+            c.key("wd")?;
+            Sgd {
+                momentum,
+                weight_decay: c.float()?,
+                range: range(c)?,
+            }
+            .into()
+        }
+        "sum_squares" => {
+            c.key("chunk")?;
+            SumSquares { chunk: c.int()? }.into()
+        }
+        "all_reduce" => {
+            c.key("op")?;
+            c.word("mean")?;
+            c.key("ranks")?;
+            let ranks_col = c.col();
+            let ranks =
+                u32::try_from(c.usize()?).map_err(|_| c.error_at(ranks_col, "too many ranks"))?;
+            AllReduce {
+                ranks,
+                every_micro_batch: c.flag("every_micro_batch")?,
+            }
+            .into()
+        }
+        _ => {
+            if let Some(kind) = UNARY.into_iter().find(|k| k.name() == name) {
+                Unary { kind }.into()
+            } else if let Some(kind) = BINARY.into_iter().find(|k| k.name() == name) {
+                Binary { kind }.into()
+            } else if let Some(kind) = name
+                .strip_suffix("_grad")
+                .and_then(|base| UNARY.into_iter().find(|k| k.name() == base))
+            {
+                UnaryGrad { kind }.into()
+            } else {
+                return Err(c.error_at(col, format!("unknown op `{name}`")));
+            }
+        }
+    };
+    Ok(op)
+}
+
+/// An optimizer update's optional `range=LO..HI`.
+fn range(c: &mut Cursor) -> Result<Option<(i64, i64)>, ParseError> {
+    if c.peek()? != Some(super::Tok::Ident("range")) {
+        return Ok(None);
+    }
+    c.key("range")?;
+    let lo = c.int()?;
+    if c.peek()? != Some(super::Tok::DotDot) {
+        return Err(c.expected("`..` between the range's ends"));
+    }
+    c.next()?;
+    Ok(Some((lo, c.int()?)))
+}
+
+/// What a few shape rules take for granted because autodiff builds their
+/// ops from well-formed ones (they index axes without checking); a line
+/// written by hand is checked here first, so bad text gives an error, not
+/// a panic.
+pub(super) fn check_inputs(op: &Op, inputs: &[TensorType]) -> Result<(), String> {
+    let rank = |i: usize| inputs.get(i).map(TensorType::rank);
+    match op {
+        Op::SliceGrad(s) if rank(0).is_some_and(|r| s.axis >= r) => {
+            Err(format!("axis {} is out of range for {}", s.axis, inputs[0]))
+        }
+        Op::Conv2dGradInput(_) | Op::Conv2dGradWeight(_)
+            if inputs.len() != 2 || rank(0) != Some(4) || rank(1) != Some(4) =>
+        {
+            Err(format!("`{}` takes two tensors of rank 4", op.name()))
+        }
+        Op::Conv2d(Conv2d { stride: 0, .. })
+        | Op::Conv2dGradInput(Conv2dGradInput { stride: 0, .. })
+        | Op::Conv2dGradWeight(Conv2dGradWeight { stride: 0, .. }) => {
+            Err("the stride must be at least 1".into())
+        }
+        _ => Ok(()),
+    }
+}
