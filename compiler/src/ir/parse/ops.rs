@@ -40,7 +40,7 @@ pub(super) fn op(
     // The result type carries what the attributes leave out.
     let result = |c: &Cursor, rank: Option<usize>| -> Result<TensorType, ParseError> {
         match outs {
-            [t] if rank.map_or(true, |r| t.rank() == r) => Ok(t.clone()),
+            [t] if rank.is_none_or(|r| t.rank() == r) => Ok(t.clone()),
             [_] => Err(c.error_at(
                 col,
                 format!("`{name}` gives a tensor of rank {}", rank.expect("checked")),
