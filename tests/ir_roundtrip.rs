@@ -1,8 +1,8 @@
 //! The text form reads back: every shipped model's forward, training and
 //! optimized graphs, printed, parsed and printed again, give the same text
 //! (with or without the model-file positions, which parsing drops), and so
-//! does a step with recomputed ops. Malformed text is an error at its line
-//! and column.
+//! does a step with recomputed ops, in the file's order or the one that
+//! minds memory. Malformed text is an error at its line and column.
 
 mod common;
 
@@ -84,6 +84,10 @@ fn a_step_with_recomputed_ops_reads_back() {
         recomputed +=
             recompute::drop_every_candidate(&mut g, &dims, device("h100").expect("a device"));
         reads_back(&format!("{file} recomputed"), &g, &src);
+        // The order that minds memory is no flag in the text, but the
+        // parsed graph's nodes are numbered in it, which gives it back.
+        g.order_by_memory = true;
+        reads_back(&format!("{file} recomputed, ordered by memory"), &g, &src);
     }
     assert!(recomputed > 0, "no model recomputed anything");
 }

@@ -208,9 +208,9 @@ pub(super) fn op(
         }
         "conv2d" | "conv2d_grad_input" | "conv2d_grad_weight" => {
             c.key("stride")?;
-            let stride = c.usize()?;
+            let stride = small(c)?;
             c.key("padding")?;
-            let padding = c.usize()?;
+            let padding = small(c)?;
             match name {
                 "conv2d" => Conv2d { stride, padding }.into(),
                 // dx [B, H, W, Cin]: the input's size is the result's.
@@ -302,6 +302,17 @@ pub(super) fn op(
     Ok(op)
 }
 
+/// A convolution's stride or padding: bounded, as the shape rule computes
+/// with it in i64.
+fn small(c: &mut Cursor) -> Result<usize, ParseError> {
+    let col = c.col();
+    let n = c.usize()?;
+    if n > 1 << 20 {
+        return Err(c.error_at(col, format!("{n} is too large here")));
+    }
+    Ok(n)
+}
+
 /// An optimizer update's optional `range=LO..HI`.
 fn range(c: &mut Cursor) -> Result<Option<(i64, i64)>, ParseError> {
     if c.peek()? != Some(super::Tok::Ident("range")) {
@@ -317,7 +328,7 @@ fn range(c: &mut Cursor) -> Result<Option<(i64, i64)>, ParseError> {
 }
 
 /// What a few shape rules take for granted because autodiff builds their
-/// ops from well-formed ones (they index axes without checking); a line
+/// ops from well-formed ones (they index axes, or add sizes, unchecked); a line
 /// written by hand is checked here first, so bad text gives an error, not
 /// a panic.
 pub(super) fn check_inputs(op: &Op, inputs: &[TensorType]) -> Result<(), String> {
@@ -330,6 +341,15 @@ pub(super) fn check_inputs(op: &Op, inputs: &[TensorType]) -> Result<(), String>
             if inputs.len() != 2 || rank(0) != Some(4) || rank(1) != Some(4) =>
         {
             Err(format!("`{}` takes two tensors of rank 4", op.name()))
+        }
+        Op::SumSquares(s)
+            if inputs.iter().any(|t| {
+                t.numel()
+                    .as_const()
+                    .is_some_and(|n| n.checked_add(s.chunk).is_none())
+            }) =>
+        {
+            Err(format!("chunk {} is too large", s.chunk))
         }
         Op::Conv2d(Conv2d { stride: 0, .. })
         | Op::Conv2dGradInput(Conv2dGradInput { stride: 0, .. })
