@@ -179,7 +179,7 @@ fn every_builtin_is_documented() {
     let text = doc();
     let headings: Vec<&str> = text.lines().filter(|l| l.starts_with('#')).collect();
     let mut missing = Vec::new();
-    for b in BUILTINS {
+    for b in BUILTINS.iter() {
         let word = |s: &str| {
             s.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
                 .any(|w| w == b.name)

@@ -15,51 +15,61 @@ pub struct Builtin {
     pub name: &'static str,
     pub sig: &'static str,
     pub doc: &'static str,
-    f: Handler,
+    f: Call,
 }
 
-macro_rules! unary_builtin {
-    ($name:literal, $kind:expr, $doc:literal) => {
-        Builtin {
-            name: $name,
-            sig: concat!($name, "(x)"),
-            doc: $doc,
-            f: |e, a| unary(e, a, $kind),
-        }
-    };
+#[derive(Clone, Copy)]
+enum Call {
+    Fn(Handler),
+    /// The unary functions come from their table (ops/unary.rs).
+    Unary(UnaryKind),
 }
 
-pub const BUILTINS: &[Builtin] = &[
-    Builtin { name: "linear", sig: "linear(x, weight, bias?)", doc: "x @ weight + bias; weight is [in, out]", f: linear },
-    Builtin { name: "embedding", sig: "embedding(table, indices)", doc: "rows of table [V, C] picked by i32 indices", f: embedding },
-    Builtin { name: "layernorm", sig: "layernorm(x, weight, bias, eps = 1e-5)", doc: "LayerNorm over the last axis", f: layernorm },
-    Builtin { name: "rmsnorm", sig: "rmsnorm(x, weight, eps = 1e-6)", doc: "RMSNorm over the last axis", f: rmsnorm },
-    unary_builtin!("gelu", UnaryKind::Gelu, "GELU, tanh approximation"),
-    unary_builtin!("relu", UnaryKind::Relu, "max(x, 0)"),
-    unary_builtin!("silu", UnaryKind::Silu, "x * sigmoid(x)"),
-    unary_builtin!("sigmoid", UnaryKind::Sigmoid, "1 / (1 + exp(-x))"),
-    unary_builtin!("tanh", UnaryKind::Tanh, "hyperbolic tangent"),
-    unary_builtin!("exp", UnaryKind::Exp, "e^x (also on numbers)"),
-    unary_builtin!("log", UnaryKind::Log, "natural logarithm (also on numbers)"),
-    unary_builtin!("sqrt", UnaryKind::Sqrt, "square root (also on numbers)"),
-    unary_builtin!("rsqrt", UnaryKind::Rsqrt, "1 / sqrt(x) (also on numbers)"),
-    Builtin { name: "swiglu", sig: "swiglu(gate, up)", doc: "silu(gate) * up", f: swiglu },
-    Builtin { name: "softmax", sig: "softmax(x, axis = -1)", doc: "softmax along an axis", f: softmax },
-    Builtin { name: "sum", sig: "sum(x, axis = all, keepdim = false)", doc: "sum over an axis or a list of axes", f: |e, a| reduce(e, a, ReduceKind::Sum) },
-    Builtin { name: "mean", sig: "mean(x, axis = all, keepdim = false)", doc: "mean over an axis or a list of axes", f: |e, a| reduce(e, a, ReduceKind::Mean) },
-    Builtin { name: "reshape", sig: "reshape(x, [d0, d1, ...])", doc: "same elements, new shape; one -1 is inferred", f: reshape },
-    Builtin { name: "heads", sig: "heads(x, n)", doc: "[..., n*D] -> [..., n, D]", f: heads },
-    Builtin { name: "merge_heads", sig: "merge_heads(x)", doc: "[..., H, D] -> [..., H*D]", f: merge_heads },
-    Builtin { name: "transpose", sig: "transpose(x, a = -2, b = -1)", doc: "swap two axes", f: transpose },
-    Builtin { name: "permute", sig: "permute(x, [axes...])", doc: "reorder the axes", f: permute },
-    Builtin { name: "concat", sig: "concat([a, b, ...], axis = 0)", doc: "join tensors along an axis", f: concat },
-    Builtin { name: "split", sig: "split(x, n or [sizes...], axis = -1)", doc: "cut into equal parts or given sizes", f: split },
-    Builtin { name: "broadcast", sig: "broadcast(x, [d0, d1, ...])", doc: "repeat along size-1 or new leading axes", f: broadcast_fn },
-    Builtin { name: "rope", sig: "rope(x, theta = 10000)", doc: "rotary position embedding of [B, T, H, D] heads", f: rope },
-    Builtin { name: "attention", sig: "attention(q, k, v, causal = false, scale = 1/sqrt(D))", doc: "softmax(q k^T * scale) v over [B, T, H, D] heads; grouped-query when k, v have fewer heads", f: attention },
-    Builtin { name: "causal_mask", sig: "causal_mask(scores)", doc: "-inf above the diagonal of the last two axes", f: causal_mask },
-    Builtin { name: "conv2d", sig: "conv2d(x, weight, stride = 1, padding = 0)", doc: "NHWC convolution; weight is [KH, KW, Cin, Cout]", f: conv2d },
-    Builtin { name: "cross_entropy", sig: "cross_entropy(logits, targets)", doc: "mean cross-entropy of logits [..., V] and i32 targets [...]", f: cross_entropy },
+/// Every builtin: the functions below, and one for each entry of the unary
+/// table that a model file may call.
+pub static BUILTINS: std::sync::LazyLock<Vec<Builtin>> = std::sync::LazyLock::new(|| {
+    let unary = UnaryKind::ALL.iter().filter_map(|&k| {
+        let (sig, doc) = k.def().builtin?;
+        Some(Builtin {
+            name: k.name(),
+            sig,
+            doc,
+            f: Call::Unary(k),
+        })
+    });
+    let copy = |b: &Builtin| Builtin { f: b.f, ..*b };
+    // After the norms, as the language reference lists them.
+    let (norms, rest) = FUNCTIONS.split_at(4);
+    norms
+        .iter()
+        .map(copy)
+        .chain(unary)
+        .chain(rest.iter().map(copy))
+        .collect()
+});
+
+const FUNCTIONS: &[Builtin] = &[
+    Builtin { name: "linear", sig: "linear(x, weight, bias?)", doc: "x @ weight + bias; weight is [in, out]", f: Call::Fn(linear) },
+    Builtin { name: "embedding", sig: "embedding(table, indices)", doc: "rows of table [V, C] picked by i32 indices", f: Call::Fn(embedding) },
+    Builtin { name: "layernorm", sig: "layernorm(x, weight, bias, eps = 1e-5)", doc: "LayerNorm over the last axis", f: Call::Fn(layernorm) },
+    Builtin { name: "rmsnorm", sig: "rmsnorm(x, weight, eps = 1e-6)", doc: "RMSNorm over the last axis", f: Call::Fn(rmsnorm) },
+    Builtin { name: "swiglu", sig: "swiglu(gate, up)", doc: "silu(gate) * up", f: Call::Fn(swiglu) },
+    Builtin { name: "softmax", sig: "softmax(x, axis = -1)", doc: "softmax along an axis", f: Call::Fn(softmax) },
+    Builtin { name: "sum", sig: "sum(x, axis = all, keepdim = false)", doc: "sum over an axis or a list of axes", f: Call::Fn(|e, a| reduce(e, a, ReduceKind::Sum)) },
+    Builtin { name: "mean", sig: "mean(x, axis = all, keepdim = false)", doc: "mean over an axis or a list of axes", f: Call::Fn(|e, a| reduce(e, a, ReduceKind::Mean)) },
+    Builtin { name: "reshape", sig: "reshape(x, [d0, d1, ...])", doc: "same elements, new shape; one -1 is inferred", f: Call::Fn(reshape) },
+    Builtin { name: "heads", sig: "heads(x, n)", doc: "[..., n*D] -> [..., n, D]", f: Call::Fn(heads) },
+    Builtin { name: "merge_heads", sig: "merge_heads(x)", doc: "[..., H, D] -> [..., H*D]", f: Call::Fn(merge_heads) },
+    Builtin { name: "transpose", sig: "transpose(x, a = -2, b = -1)", doc: "swap two axes", f: Call::Fn(transpose) },
+    Builtin { name: "permute", sig: "permute(x, [axes...])", doc: "reorder the axes", f: Call::Fn(permute) },
+    Builtin { name: "concat", sig: "concat([a, b, ...], axis = 0)", doc: "join tensors along an axis", f: Call::Fn(concat) },
+    Builtin { name: "split", sig: "split(x, n or [sizes...], axis = -1)", doc: "cut into equal parts or given sizes", f: Call::Fn(split) },
+    Builtin { name: "broadcast", sig: "broadcast(x, [d0, d1, ...])", doc: "repeat along size-1 or new leading axes", f: Call::Fn(broadcast_fn) },
+    Builtin { name: "rope", sig: "rope(x, theta = 10000)", doc: "rotary position embedding of [B, T, H, D] heads", f: Call::Fn(rope) },
+    Builtin { name: "attention", sig: "attention(q, k, v, causal = false, scale = 1/sqrt(D))", doc: "softmax(q k^T * scale) v over [B, T, H, D] heads; grouped-query when k, v have fewer heads", f: Call::Fn(attention) },
+    Builtin { name: "causal_mask", sig: "causal_mask(scores)", doc: "-inf above the diagonal of the last two axes", f: Call::Fn(causal_mask) },
+    Builtin { name: "conv2d", sig: "conv2d(x, weight, stride = 1, padding = 0)", doc: "NHWC convolution; weight is [KH, KW, Cin, Cout]", f: Call::Fn(conv2d) },
+    Builtin { name: "cross_entropy", sig: "cross_entropy(logits, targets)", doc: "mean cross-entropy of logits [..., V] and i32 targets [...]", f: Call::Fn(cross_entropy) },
 ];
 
 pub(crate) fn call(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
@@ -89,7 +99,11 @@ pub(crate) fn call(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
             d.with_help(format!("usage: {}", b.sig))
         }
     };
-    let v = (b.f)(e, a).map_err(usage)?;
+    let v = match b.f {
+        Call::Fn(f) => f(e, a),
+        Call::Unary(kind) => unary(e, a, kind),
+    }
+    .map_err(usage)?;
     a.finish()?;
     Ok(v)
 }
@@ -127,10 +141,7 @@ fn axis_arg(e: &Elab, a: &Args, axis: i64, r: usize, span: Span) -> Result<usize
 fn unary(e: &mut Elab, a: &mut Args, kind: UnaryKind) -> Result<Val, Diagnostic> {
     let (v, s) = a.required(0, "x")?;
     if let (Some(x), false) = (v.as_f64(), matches!(v, Val::Dim(_))) {
-        if matches!(
-            kind,
-            UnaryKind::Exp | UnaryKind::Log | UnaryKind::Sqrt | UnaryKind::Rsqrt | UnaryKind::Tanh
-        ) {
+        if kind.def().on_numbers {
             let y = kind.apply(x);
             if !y.is_finite() {
                 return Err(Diagnostic::new(

@@ -9,7 +9,7 @@ use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::kernel::view::View;
 use crate::kernel::{Body, Kernel, PExpr, Pointwise, Program};
-use crate::ops::{BinaryKind, UnaryKind};
+use crate::ops::BinaryKind;
 use std::fmt::Write;
 
 /// The C type a buffer of `dt` has in generated code.
@@ -90,36 +90,6 @@ fn index(view: &View) -> String {
     } else {
         terms.reverse();
         terms.join(" + ")
-    }
-}
-
-fn unary(k: UnaryKind, x: &str) -> String {
-    match k {
-        UnaryKind::Neg => format!("-{x}"),
-        UnaryKind::Exp => format!("expf({x})"),
-        UnaryKind::Log => format!("logf({x})"),
-        UnaryKind::Sqrt => format!("sqrtf({x})"),
-        UnaryKind::Rsqrt => format!("rsqrtf({x})"),
-        UnaryKind::Tanh => format!("tanhf({x})"),
-        UnaryKind::Sigmoid => format!("fs_sigmoid({x})"),
-        UnaryKind::Gelu => format!("fs_gelu({x})"),
-        UnaryKind::Relu => format!("fmaxf({x}, 0.0f)"),
-        UnaryKind::Silu => format!("fs_silu({x})"),
-    }
-}
-
-fn unary_grad(k: UnaryKind, x: &str, dy: &str) -> String {
-    match k {
-        UnaryKind::Neg => format!("-{dy}"),
-        UnaryKind::Exp => format!("expf({x}) * {dy}"),
-        UnaryKind::Log => format!("{dy} / {x}"),
-        UnaryKind::Sqrt => format!("0.5f * rsqrtf({x}) * {dy}"),
-        UnaryKind::Rsqrt => format!("-0.5f * rsqrtf({x}) / {x} * {dy}"),
-        UnaryKind::Tanh => format!("(1.0f - tanhf({x}) * tanhf({x})) * {dy}"),
-        UnaryKind::Sigmoid => format!("fs_sigmoid({x}) * (1.0f - fs_sigmoid({x})) * {dy}"),
-        UnaryKind::Gelu => format!("fs_gelu_grad({x}) * {dy}"),
-        UnaryKind::Relu => format!("({x} > 0.0f ? {dy} : 0.0f)"),
-        UnaryKind::Silu => format!("fs_silu_grad({x}) * {dy}"),
     }
 }
 
@@ -360,8 +330,8 @@ fn element_body(
             }
             PExpr::Const(c) => float_lit(*c),
             PExpr::Dim(d) => format!("(float){}", d.to_c()),
-            PExpr::Unary(u, a) => unary(*u, &v(a)),
-            PExpr::UnaryGrad(u, x, dy) => unary_grad(*u, &v(x), &v(dy)),
+            PExpr::Unary(u, a) => u.cuda(&v(a)),
+            PExpr::UnaryGrad(u, x, dy) => u.cuda_grad(&v(x), &v(dy)),
             PExpr::Binary(b, x, y) => binary(*b, &v(x), &v(y)),
             PExpr::Round(dt, a) => match dt {
                 DType::BF16 => format!("fs_round_bf16({})", v(a)),

@@ -6,6 +6,7 @@ pub mod embedding_grad;
 pub mod flash;
 pub mod group;
 pub mod launch;
+pub mod lower;
 pub mod multi;
 pub mod norm_rows;
 pub mod templates;

@@ -312,3 +312,24 @@ impl OpDef for AttentionGrad {
         ]
     }
 }
+
+/// The tensor-core kernels instantiate `kernels/attention/` templates
+/// (emit/flash); the generated kernel here is the simple one that runs
+/// where they do not apply.
+impl Lower for Attention {
+    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+        crate::emit::attention::shape_of(g, n)
+    }
+    fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+        crate::emit::attention::kernel_body(g, c, n)
+    }
+}
+
+impl Lower for AttentionGrad {
+    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+        crate::emit::attention::shape_of(g, n)
+    }
+    fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+        crate::emit::attention::kernel_body(g, c, n)
+    }
+}

@@ -1,164 +1,10 @@
-//! Elementwise ops: unary math, broadcasting binary arithmetic, constants
-//! and casts.
+//! Elementwise ops: broadcasting binary arithmetic, constants and casts
+//! (unary math is in unary.rs).
 
 use super::*;
+use crate::emit::cuda::float_lit;
 use crate::ir::print::num;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum UnaryKind {
-    Neg,
-    Exp,
-    Log,
-    Sqrt,
-    Rsqrt,
-    Tanh,
-    Sigmoid,
-    /// GELU, tanh approximation (as GPT-2 uses).
-    Gelu,
-    Relu,
-    Silu,
-}
-
-const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
-const GELU_C: f64 = 0.044715;
-
-fn sigmoid(x: f64) -> f64 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-impl UnaryKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            UnaryKind::Neg => "neg",
-            UnaryKind::Exp => "exp",
-            UnaryKind::Log => "log",
-            UnaryKind::Sqrt => "sqrt",
-            UnaryKind::Rsqrt => "rsqrt",
-            UnaryKind::Tanh => "tanh",
-            UnaryKind::Sigmoid => "sigmoid",
-            UnaryKind::Gelu => "gelu",
-            UnaryKind::Relu => "relu",
-            UnaryKind::Silu => "silu",
-        }
-    }
-
-    pub fn apply(self, x: f64) -> f64 {
-        match self {
-            UnaryKind::Neg => -x,
-            UnaryKind::Exp => x.exp(),
-            UnaryKind::Log => x.ln(),
-            UnaryKind::Sqrt => x.sqrt(),
-            UnaryKind::Rsqrt => 1.0 / x.sqrt(),
-            UnaryKind::Tanh => x.tanh(),
-            UnaryKind::Sigmoid => sigmoid(x),
-            UnaryKind::Gelu => 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + GELU_C * x * x * x)).tanh()),
-            UnaryKind::Relu => x.max(0.0),
-            UnaryKind::Silu => x * sigmoid(x),
-        }
-    }
-
-    /// d apply / dx
-    pub fn derivative(self, x: f64) -> f64 {
-        match self {
-            UnaryKind::Neg => -1.0,
-            UnaryKind::Exp => x.exp(),
-            UnaryKind::Log => 1.0 / x,
-            UnaryKind::Sqrt => 0.5 / x.sqrt(),
-            UnaryKind::Rsqrt => -0.5 * x.powf(-1.5),
-            UnaryKind::Tanh => 1.0 - x.tanh().powi(2),
-            UnaryKind::Sigmoid => sigmoid(x) * (1.0 - sigmoid(x)),
-            UnaryKind::Gelu => {
-                let u = SQRT_2_OVER_PI * (x + GELU_C * x * x * x);
-                let t = u.tanh();
-                0.5 * (1.0 + t)
-                    + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
-            }
-            UnaryKind::Relu => {
-                if x > 0.0 {
-                    1.0
-                } else {
-                    0.0
-                }
-            }
-            UnaryKind::Silu => {
-                let s = sigmoid(x);
-                s + x * s * (1.0 - s)
-            }
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct Unary {
-    pub kind: UnaryKind,
-}
-
-impl OpDef for Unary {
-    fn name(&self) -> &'static str {
-        self.kind.name()
-    }
-    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        expect_arity(self.kind.name(), inputs, 1)?;
-        expect_float(self.kind.name(), &inputs[0], 0)?;
-        Ok(vec![inputs[0].clone()])
-    }
-    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
-        vec![inputs[0].map(|x| self.kind.apply(x))]
-    }
-    fn vjp(
-        &self,
-        b: &mut Builder,
-        inputs: &[Value],
-        _: &[Value],
-        douts: &[Option<Value>],
-    ) -> Result<Vec<Option<Value>>, OpError> {
-        let Some(dy) = douts[0] else {
-            return Ok(vec![None]);
-        };
-        let dx = if self.kind == UnaryKind::Neg {
-            b.neg(dy)?
-        } else {
-            b.op1(UnaryGrad { kind: self.kind }, &[inputs[0], dy])?
-        };
-        Ok(vec![Some(dx)])
-    }
-}
-
-/// `dy * f'(x)` for a unary `f`: the backward of every unary op, fused.
-#[derive(Clone, Debug, PartialEq)]
-pub struct UnaryGrad {
-    pub kind: UnaryKind,
-}
-
-impl OpDef for UnaryGrad {
-    fn name(&self) -> &'static str {
-        match self.kind {
-            UnaryKind::Neg => "neg_grad",
-            UnaryKind::Exp => "exp_grad",
-            UnaryKind::Log => "log_grad",
-            UnaryKind::Sqrt => "sqrt_grad",
-            UnaryKind::Rsqrt => "rsqrt_grad",
-            UnaryKind::Tanh => "tanh_grad",
-            UnaryKind::Sigmoid => "sigmoid_grad",
-            UnaryKind::Gelu => "gelu_grad",
-            UnaryKind::Relu => "relu_grad",
-            UnaryKind::Silu => "silu_grad",
-        }
-    }
-    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        expect_arity(self.name(), inputs, 2)?;
-        dims_equal(
-            self.name(),
-            "x and dy",
-            &inputs[0].numel(),
-            &inputs[1].numel(),
-        )?;
-        Ok(vec![inputs[0].clone()])
-    }
-    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
-        vec![inputs[0].zip(inputs[1], |x, dy| self.kind.derivative(x) * dy)]
-    }
-}
+use std::fmt::Write;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BinaryKind {
@@ -429,5 +275,94 @@ impl OpDef for Unscale {
             Tensor::scalar(if finite { apply } else { 0.0 }),
             Tensor::scalar(norm),
         ]
+    }
+}
+
+impl Lower for Constant {
+    fn class(&self) -> FusionClass {
+        FusionClass::Scalar
+    }
+}
+
+impl Lower for DimValue {
+    fn class(&self) -> FusionClass {
+        FusionClass::Scalar
+    }
+}
+
+impl Lower for Binary {
+    fn class(&self) -> FusionClass {
+        FusionClass::Elementwise
+    }
+}
+
+impl Lower for Cast {
+    fn class(&self) -> FusionClass {
+        FusionClass::Elementwise
+    }
+    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+        Some(Shape::Elements(g.g[n].outputs[0].numel()))
+    }
+    /// Casts run on their own only as members of a group kernel (the
+    /// master weights to the compute dtype); elsewhere they fuse into
+    /// chains.
+    fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
+        Some(format!("        {}\n", c.st(0, "i", &c.ld(0, "i"))))
+    }
+}
+
+impl Lower for Unscale {
+    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+        Some(Shape::Elements(g.g[n].outputs[0].numel()))
+    }
+    /// fp16: the true norm, the clip coefficient over the loss scale, and
+    /// whether the step applies (no overflow).
+    fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
+        let mut b = String::new();
+        let _ = writeln!(
+            b,
+            "        const float sumsq = {}, scale = {};",
+            c.ld(0, "0"),
+            c.ld(1, "0")
+        );
+        let _ = writeln!(
+            b,
+            "        const float norm = sqrtf(sumsq) / scale;\n        const bool finite = fs_isfinite(sumsq);"
+        );
+        let coef = match self.max_norm {
+            Some(m) => format!(
+                "(finite ? fminf(1.0f, {} / (norm + 1e-6f)) : 1.0f)",
+                float_lit(m)
+            ),
+            None => "1.0f".to_string(),
+        };
+        let _ = writeln!(b, "        {}", c.st(0, "i", &format!("{coef} / scale")));
+        let _ = writeln!(
+            b,
+            "        {}",
+            c.st(1, "i", &format!("finite ? {} : 0.0f", c.ld(2, "0")))
+        );
+        let _ = writeln!(b, "        {}", c.st(2, "i", "norm"));
+        Some(b)
+    }
+}
+
+impl Lower for ClipCoef {
+    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+        Some(Shape::Elements(g.g[n].outputs[0].numel()))
+    }
+    fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
+        let mut b = String::new();
+        let _ = writeln!(b, "        const float norm = sqrtf({});", c.ld(0, "0"));
+        let _ = writeln!(
+            b,
+            "        {}",
+            c.st(
+                0,
+                "i",
+                &format!("fminf(1.0f, {} / (norm + 1e-6f))", float_lit(self.max_norm))
+            )
+        );
+        Some(b)
     }
 }

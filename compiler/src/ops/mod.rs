@@ -1,7 +1,10 @@
 //! The op set. Each op is declared once, in one of the files below, as a
 //! type implementing [`OpDef`]: its shape and dtype rule (`infer`), its CPU
-//! reference (`eval`) and its gradient rule (`vjp`, written with other ops).
-//! Adding an op means writing that impl and one line in `ops!` below.
+//! reference (`eval`) and its gradient rule (`vjp`, written with other ops),
+//! and as a type implementing [`Lower`]: what fusion does with it and, for
+//! an op that runs as a kernel of its own, that kernel's launch shape and
+//! CUDA C. Adding an op means writing those two impls and one line in
+//! `ops!` below.
 
 mod attention;
 mod builder;
@@ -10,17 +13,18 @@ mod conv;
 mod elementwise;
 mod linalg;
 mod nn;
+mod nn_lower;
 mod optim;
 mod shape;
+mod shape_lower;
 mod source;
+mod unary;
 
 pub use attention::{Attention, AttentionGrad};
 pub use builder::Builder;
 pub use collective::AllReduce;
 pub use conv::{Conv2d, Conv2dGradInput, Conv2dGradWeight};
-pub use elementwise::{
-    Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unary, UnaryGrad, UnaryKind, Unscale,
-};
+pub use elementwise::{Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unscale};
 pub use linalg::MatMul;
 pub use nn::{
     CausalMask, CrossEntropy, CrossEntropyGrad, CrossEntropyWithGrad, Embedding, EmbeddingGrad,
@@ -29,11 +33,15 @@ pub use nn::{
 pub use optim::{AdamW, Sgd, SumSquares};
 pub use shape::{Broadcast, Concat, Permute, Reduce, ReduceKind, Reshape, Slice, SliceGrad};
 pub use source::{Input, Param, State};
+pub use unary::{TorchForm, Unary, UnaryFn, UnaryGrad, UnaryKind};
 
+pub use crate::emit::lower::{FusionClass, Lower};
+pub(crate) use crate::emit::templates::{Ctx, Shape};
 use crate::interp::tensor::Tensor;
 use crate::ir::dim::Dim;
-use crate::ir::graph::Value;
+use crate::ir::graph::{Graph, Value};
 use crate::ir::types::{shape_string, DType, TensorType};
+use petgraph::stable_graph::NodeIndex;
 
 /// Why an op rejected its inputs. The elaborator turns it into a diagnostic
 /// at the call's span (or at the argument's span when `arg` is set).
@@ -117,6 +125,14 @@ macro_rules! ops {
                     $(Op::$variant(o) => o),*
                 }
             }
+
+            /// How the op becomes code (its fusion class, kernel shape and
+            /// body), declared with the op.
+            pub fn lower(&self) -> &dyn Lower {
+                match self {
+                    $(Op::$variant(o) => o),*
+                }
+            }
         }
 
         $(impl From<$variant> for Op {
@@ -193,29 +209,26 @@ impl Op {
     ) -> Result<Vec<Option<Value>>, OpError> {
         self.def().vjp(b, inputs, outputs, douts)
     }
+    pub fn class(&self) -> FusionClass {
+        self.lower().class()
+    }
     pub fn is_source(&self) -> bool {
-        matches!(self, Op::Input(_) | Op::Param(_) | Op::State(_))
+        self.class() == FusionClass::Source
     }
     /// A constant or a symbolic size: folded into the kernels that read it,
     /// never stored.
     pub fn is_scalar(&self) -> bool {
-        matches!(self, Op::Constant(_) | Op::DimValue(_))
+        self.class() == FusionClass::Scalar
     }
     /// Another way of reading its input's elements (read in place as a
     /// strided view, no kernel of its own).
     pub fn is_view(&self) -> bool {
-        matches!(
-            self,
-            Op::Reshape(_) | Op::Permute(_) | Op::Slice(_) | Op::Broadcast(_)
-        )
+        self.class() == FusionClass::View
     }
     /// One output element from the same element of each input: fuses into
     /// chains.
     pub fn is_elementwise(&self) -> bool {
-        matches!(
-            self,
-            Op::Unary(_) | Op::UnaryGrad(_) | Op::Binary(_) | Op::Cast(_)
-        )
+        self.class() == FusionClass::Elementwise
     }
 }
 

@@ -13,6 +13,12 @@ macro_rules! source_op {
             pub ty: TensorType,
         }
 
+        impl Lower for $name {
+            fn class(&self) -> FusionClass {
+                FusionClass::Source
+            }
+        }
+
         impl OpDef for $name {
             fn name(&self) -> &'static str {
                 $text

@@ -31,7 +31,7 @@
 use super::Pass;
 use crate::ir::graph::{PaddedSize, Phase};
 use crate::ir::{Dim, Graph, Value};
-use crate::ops::{BinaryKind, Op, Slice, SliceGrad, UnaryKind};
+use crate::ops::{BinaryKind, Op, Slice, SliceGrad};
 use petgraph::stable_graph::NodeIndex;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -58,15 +58,6 @@ fn weight_param(g: &Graph, v: Value) -> Option<usize> {
         _ => v.node,
     };
     g.params.iter().position(|p| p.node == node)
-}
-
-/// Unary ops that map 0 to 0 with a finite derivative there, so padded
-/// zeros stay zeros forward and their gradients stay finite.
-fn keeps_zero(k: UnaryKind) -> bool {
-    matches!(
-        k,
-        UnaryKind::Neg | UnaryKind::Tanh | UnaryKind::Gelu | UnaryKind::Relu | UnaryKind::Silu
-    )
 }
 
 /// What padding size `n` changes, found in one walk of the forward graph
@@ -167,7 +158,7 @@ impl Region {
                 None
             }
             Op::Cast(_) => wide[0],
-            Op::Unary(u) if keeps_zero(u.kind) => wide[0],
+            Op::Unary(u) if u.kind.def().keeps_zero => wide[0],
             Op::Binary(bin) => {
                 // Widened axes, counted from the right (broadcasting aligns
                 // shapes there).

@@ -3,7 +3,7 @@
 //! `(a + b) * c` with them.
 
 use crate::ir::{Dim, Node};
-use crate::ops::{BinaryKind, Op, ReduceKind, UnaryKind};
+use crate::ops::{BinaryKind, Op, ReduceKind, TorchForm};
 
 /// Python precedence, loosest first: `a + b`, `a * b`, `-a`, then atoms
 /// (names, calls, attributes, subscripts).
@@ -165,17 +165,14 @@ pub fn op_expr(node: &Node, ins: &[PyExpr], in_shapes: &[Vec<Dim>]) -> Result<Py
         Op::DimValue(d) => dim(&d.dim),
         Op::Unary(u) => {
             let x = a.expect("unary ops take one input");
-            match u.kind {
-                UnaryKind::Neg => PyExpr::new(format!("-{}", x.at(Prec::Neg)), Prec::Neg, &[x]),
-                UnaryKind::Exp => call("torch.exp", &[x], &[]),
-                UnaryKind::Log => call("torch.log", &[x], &[]),
-                UnaryKind::Sqrt => call("torch.sqrt", &[x], &[]),
-                UnaryKind::Rsqrt => call("torch.rsqrt", &[x], &[]),
-                UnaryKind::Tanh => call("torch.tanh", &[x], &[]),
-                UnaryKind::Sigmoid => call("torch.sigmoid", &[x], &[]),
-                UnaryKind::Gelu => call("F.gelu", &[x], &["approximate=\"tanh\"".into()]),
-                UnaryKind::Relu => call("F.relu", &[x], &[]),
-                UnaryKind::Silu => call("F.silu", &[x], &[]),
+            match u.kind.def().torch {
+                TorchForm::Prefix(op) => {
+                    PyExpr::new(format!("{op}{}", x.at(Prec::Neg)), Prec::Neg, &[x])
+                }
+                TorchForm::Call(f, kwargs) => {
+                    let kwargs: Vec<String> = kwargs.iter().map(|k| k.to_string()).collect();
+                    call(f, &[x], &kwargs)
+                }
             }
         }
         Op::Binary(b) => {

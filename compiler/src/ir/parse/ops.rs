@@ -8,19 +8,6 @@ use super::ParseError;
 use crate::ir::types::TensorType;
 use crate::ops::*;
 
-pub(super) const UNARY: [UnaryKind; 10] = [
-    UnaryKind::Neg,
-    UnaryKind::Exp,
-    UnaryKind::Log,
-    UnaryKind::Sqrt,
-    UnaryKind::Rsqrt,
-    UnaryKind::Tanh,
-    UnaryKind::Sigmoid,
-    UnaryKind::Gelu,
-    UnaryKind::Relu,
-    UnaryKind::Silu,
-];
-
 pub(super) const BINARY: [BinaryKind; 5] = [
     BinaryKind::Add,
     BinaryKind::Sub,
@@ -285,14 +272,12 @@ pub(super) fn op(
             .into()
         }
         _ => {
-            if let Some(kind) = UNARY.into_iter().find(|k| k.name() == name) {
+            let unary = || UnaryKind::ALL.iter().copied();
+            if let Some(kind) = unary().find(|k| k.name() == name) {
                 Unary { kind }.into()
             } else if let Some(kind) = BINARY.into_iter().find(|k| k.name() == name) {
                 Binary { kind }.into()
-            } else if let Some(kind) = name
-                .strip_suffix("_grad")
-                .and_then(|base| UNARY.into_iter().find(|k| k.name() == base))
-            {
+            } else if let Some(kind) = unary().find(|k| k.grad_name() == name) {
                 UnaryGrad { kind }.into()
             } else {
                 return Err(c.error_at(col, format!("unknown op `{name}`")));

@@ -1,6 +1,6 @@
 use super::*;
 use crate::ir::print::print_graph;
-use crate::ops::Op;
+use crate::ops::{Op, UnaryKind};
 
 /// Every op, with every optional attribute both ways, in printed form.
 const EVERY_OP: &str = r#"graph every_op (B, T)
@@ -164,7 +164,7 @@ fn every_op_reads_back_as_printed() {
 
 #[test]
 fn every_unary_and_binary_kind_reads_back() {
-    for k in ops::UNARY {
+    for &k in UnaryKind::ALL {
         let text = format!(
             "graph t ()\nforward:\n  %0: f32[3] = input \"x\"\n  %1: f32[3] = {0}(%0)\n  %2: f32[3] = {0}_grad(%0, %1)\n",
             k.name()

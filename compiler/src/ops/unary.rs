@@ -1,0 +1,390 @@
+//! Unary math: every function of one element, each declared once in the
+//! table below with everything fusec needs of it — its names, its CPU
+//! reference and derivative, the CUDA C its kernels compute it with, the
+//! PyTorch call its twin writes, and the facts the passes rely on. The ops
+//! `Unary` and `UnaryGrad` (and the builtins, the emitter, the twin
+//! exporter and the padding pass) read the table; adding a function means a
+//! variant, a `UnaryFn` and a line in `UnaryKind::def`, all in this file.
+
+use super::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryKind {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Tanh,
+    Sigmoid,
+    /// GELU, tanh approximation (as GPT-2 uses).
+    Gelu,
+    Relu,
+    Silu,
+}
+
+/// How the PyTorch twin writes a unary function of `x`.
+#[derive(Clone, Copy, Debug)]
+pub enum TorchForm {
+    /// A prefix operator: `-x`.
+    Prefix(&'static str),
+    /// A call with extra keyword arguments: `F.gelu(x, approximate="tanh")`.
+    Call(&'static str, &'static [&'static str]),
+}
+
+/// One unary function, whole.
+pub struct UnaryFn {
+    /// The op's name in the IR, and the builtin's in a model file.
+    pub name: &'static str,
+    /// The name of its backward op (`dy * f'(x)`) in the IR.
+    pub grad_name: &'static str,
+    /// The builtin's signature and one-line description (docs/dsl.md has a
+    /// section per builtin); `None` where a model file spells it otherwise
+    /// (`-x`).
+    pub builtin: Option<(&'static str, &'static str)>,
+    /// Applied to a plain number in a model file, it is computed at
+    /// compile time (`sqrt(64)`).
+    pub on_numbers: bool,
+    /// f(0) = 0 with a finite f'(0): padded zeros stay zeros forward and
+    /// their gradients finite (the pad-dims pass relies on it).
+    pub keeps_zero: bool,
+    pub apply: fn(f64) -> f64,
+    pub derivative: fn(f64) -> f64,
+    /// CUDA C of f(x) for a float variable `{x}` (kernels/prelude.cuh
+    /// holds the `fs_` helpers).
+    pub cuda: &'static str,
+    /// CUDA C of f'(x) * dy for float variables `{x}` and `{dy}`.
+    pub cuda_grad: &'static str,
+    pub torch: TorchForm,
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_C: f64 = 0.044715;
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+const NEG: UnaryFn = UnaryFn {
+    name: "neg",
+    grad_name: "neg_grad",
+    builtin: None,
+    on_numbers: false,
+    keeps_zero: true,
+    apply: |x| -x,
+    derivative: |_| -1.0,
+    cuda: "-{x}",
+    cuda_grad: "-{dy}",
+    torch: TorchForm::Prefix("-"),
+};
+
+const EXP: UnaryFn = UnaryFn {
+    name: "exp",
+    grad_name: "exp_grad",
+    builtin: Some(("exp(x)", "e^x (also on numbers)")),
+    on_numbers: true,
+    keeps_zero: false,
+    apply: f64::exp,
+    derivative: f64::exp,
+    cuda: "expf({x})",
+    cuda_grad: "expf({x}) * {dy}",
+    torch: TorchForm::Call("torch.exp", &[]),
+};
+
+const LOG: UnaryFn = UnaryFn {
+    name: "log",
+    grad_name: "log_grad",
+    builtin: Some(("log(x)", "natural logarithm (also on numbers)")),
+    on_numbers: true,
+    keeps_zero: false,
+    apply: f64::ln,
+    derivative: |x| 1.0 / x,
+    cuda: "logf({x})",
+    cuda_grad: "{dy} / {x}",
+    torch: TorchForm::Call("torch.log", &[]),
+};
+
+const SQRT: UnaryFn = UnaryFn {
+    name: "sqrt",
+    grad_name: "sqrt_grad",
+    builtin: Some(("sqrt(x)", "square root (also on numbers)")),
+    on_numbers: true,
+    keeps_zero: false,
+    apply: f64::sqrt,
+    derivative: |x| 0.5 / x.sqrt(),
+    cuda: "sqrtf({x})",
+    cuda_grad: "0.5f * rsqrtf({x}) * {dy}",
+    torch: TorchForm::Call("torch.sqrt", &[]),
+};
+
+const RSQRT: UnaryFn = UnaryFn {
+    name: "rsqrt",
+    grad_name: "rsqrt_grad",
+    builtin: Some(("rsqrt(x)", "1 / sqrt(x) (also on numbers)")),
+    on_numbers: true,
+    keeps_zero: false,
+    apply: |x| 1.0 / x.sqrt(),
+    derivative: |x| -0.5 * x.powf(-1.5),
+    cuda: "rsqrtf({x})",
+    cuda_grad: "-0.5f * rsqrtf({x}) / {x} * {dy}",
+    torch: TorchForm::Call("torch.rsqrt", &[]),
+};
+
+const TANH: UnaryFn = UnaryFn {
+    name: "tanh",
+    grad_name: "tanh_grad",
+    builtin: Some(("tanh(x)", "hyperbolic tangent")),
+    on_numbers: true,
+    keeps_zero: true,
+    apply: f64::tanh,
+    derivative: |x| 1.0 - x.tanh().powi(2),
+    cuda: "tanhf({x})",
+    cuda_grad: "(1.0f - tanhf({x}) * tanhf({x})) * {dy}",
+    torch: TorchForm::Call("torch.tanh", &[]),
+};
+
+const SIGMOID: UnaryFn = UnaryFn {
+    name: "sigmoid",
+    grad_name: "sigmoid_grad",
+    builtin: Some(("sigmoid(x)", "1 / (1 + exp(-x))")),
+    on_numbers: false,
+    keeps_zero: false,
+    apply: sigmoid,
+    derivative: |x| sigmoid(x) * (1.0 - sigmoid(x)),
+    cuda: "fs_sigmoid({x})",
+    cuda_grad: "fs_sigmoid({x}) * (1.0f - fs_sigmoid({x})) * {dy}",
+    torch: TorchForm::Call("torch.sigmoid", &[]),
+};
+
+const GELU: UnaryFn = UnaryFn {
+    name: "gelu",
+    grad_name: "gelu_grad",
+    builtin: Some(("gelu(x)", "GELU, tanh approximation")),
+    on_numbers: false,
+    keeps_zero: true,
+    apply: |x| 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + GELU_C * x * x * x)).tanh()),
+    derivative: |x| {
+        let u = SQRT_2_OVER_PI * (x + GELU_C * x * x * x);
+        let t = u.tanh();
+        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
+    },
+    cuda: "fs_gelu({x})",
+    cuda_grad: "fs_gelu_grad({x}) * {dy}",
+    torch: TorchForm::Call("F.gelu", &["approximate=\"tanh\""]),
+};
+
+const RELU: UnaryFn = UnaryFn {
+    name: "relu",
+    grad_name: "relu_grad",
+    builtin: Some(("relu(x)", "max(x, 0)")),
+    on_numbers: false,
+    keeps_zero: true,
+    apply: |x| x.max(0.0),
+    // 0 at exactly 0, as PyTorch's.
+    derivative: |x| if x > 0.0 { 1.0 } else { 0.0 },
+    cuda: "fmaxf({x}, 0.0f)",
+    cuda_grad: "({x} > 0.0f ? {dy} : 0.0f)",
+    torch: TorchForm::Call("F.relu", &[]),
+};
+
+const SILU: UnaryFn = UnaryFn {
+    name: "silu",
+    grad_name: "silu_grad",
+    builtin: Some(("silu(x)", "x * sigmoid(x)")),
+    on_numbers: false,
+    keeps_zero: true,
+    apply: |x| x * sigmoid(x),
+    derivative: |x| {
+        let s = sigmoid(x);
+        s + x * s * (1.0 - s)
+    },
+    cuda: "fs_silu({x})",
+    cuda_grad: "fs_silu_grad({x}) * {dy}",
+    torch: TorchForm::Call("F.silu", &[]),
+};
+
+impl UnaryKind {
+    /// Every unary function, in the order the builtins list them.
+    pub const ALL: &'static [UnaryKind] = &[
+        UnaryKind::Gelu,
+        UnaryKind::Relu,
+        UnaryKind::Silu,
+        UnaryKind::Sigmoid,
+        UnaryKind::Tanh,
+        UnaryKind::Exp,
+        UnaryKind::Log,
+        UnaryKind::Sqrt,
+        UnaryKind::Rsqrt,
+        UnaryKind::Neg,
+    ];
+
+    pub fn def(self) -> &'static UnaryFn {
+        match self {
+            UnaryKind::Neg => &NEG,
+            UnaryKind::Exp => &EXP,
+            UnaryKind::Log => &LOG,
+            UnaryKind::Sqrt => &SQRT,
+            UnaryKind::Rsqrt => &RSQRT,
+            UnaryKind::Tanh => &TANH,
+            UnaryKind::Sigmoid => &SIGMOID,
+            UnaryKind::Gelu => &GELU,
+            UnaryKind::Relu => &RELU,
+            UnaryKind::Silu => &SILU,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.def().name
+    }
+
+    /// The name of its backward op.
+    pub fn grad_name(self) -> &'static str {
+        self.def().grad_name
+    }
+
+    pub fn apply(self, x: f64) -> f64 {
+        (self.def().apply)(x)
+    }
+
+    /// d apply / dx
+    pub fn derivative(self, x: f64) -> f64 {
+        (self.def().derivative)(x)
+    }
+
+    /// CUDA C of f(x), `x` a float expression evaluated once per use.
+    pub fn cuda(self, x: &str) -> String {
+        self.def().cuda.replace("{x}", x)
+    }
+
+    /// CUDA C of f'(x) * dy.
+    pub fn cuda_grad(self, x: &str, dy: &str) -> String {
+        self.def().cuda_grad.replace("{x}", x).replace("{dy}", dy)
+    }
+
+    /// The builtin of this name, if a model file can call it.
+    pub fn builtin(name: &str) -> Option<UnaryKind> {
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|k| k.def().builtin.is_some() && k.name() == name)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Unary {
+    pub kind: UnaryKind,
+}
+
+impl OpDef for Unary {
+    fn name(&self) -> &'static str {
+        self.kind.name()
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity(self.kind.name(), inputs, 1)?;
+        expect_float(self.kind.name(), &inputs[0], 0)?;
+        Ok(vec![inputs[0].clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        vec![inputs[0].map(|x| self.kind.apply(x))]
+    }
+    fn vjp(
+        &self,
+        b: &mut Builder,
+        inputs: &[Value],
+        _: &[Value],
+        douts: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        let Some(dy) = douts[0] else {
+            return Ok(vec![None]);
+        };
+        let dx = if self.kind == UnaryKind::Neg {
+            b.neg(dy)?
+        } else {
+            b.op1(UnaryGrad { kind: self.kind }, &[inputs[0], dy])?
+        };
+        Ok(vec![Some(dx)])
+    }
+}
+
+/// `dy * f'(x)` for a unary `f`: the backward of every unary op, fused.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UnaryGrad {
+    pub kind: UnaryKind,
+}
+
+impl OpDef for UnaryGrad {
+    fn name(&self) -> &'static str {
+        self.kind.grad_name()
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity(self.name(), inputs, 2)?;
+        dims_equal(
+            self.name(),
+            "x and dy",
+            &inputs[0].numel(),
+            &inputs[1].numel(),
+        )?;
+        Ok(vec![inputs[0].clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        vec![inputs[0].zip(inputs[1], |x, dy| self.kind.derivative(x) * dy)]
+    }
+}
+
+impl Lower for Unary {
+    fn class(&self) -> FusionClass {
+        FusionClass::Elementwise
+    }
+}
+
+impl Lower for UnaryGrad {
+    fn class(&self) -> FusionClass {
+        FusionClass::Elementwise
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every function's derivative agrees with central differences of its
+    /// reference at points inside its domain, to 1e-6 relative.
+    #[test]
+    fn derivatives_match_finite_differences() {
+        for &k in UnaryKind::ALL {
+            for x in [0.3, 0.7, 1.3, 2.1, -0.4, -1.7] {
+                if !k.apply(x).is_finite() || (k == UnaryKind::Relu && x.abs() < 1e-3) {
+                    continue;
+                }
+                let h = 1e-5;
+                let fd = (k.apply(x + h) - k.apply(x - h)) / (2.0 * h);
+                let d = k.derivative(x);
+                assert!(
+                    (fd - d).abs() <= 1e-6 * fd.abs().max(1.0),
+                    "{}'({x}) = {d}, differences give {fd}",
+                    k.name()
+                );
+            }
+        }
+    }
+
+    /// `keeps_zero` is true exactly where f(0) = 0 with a finite f'(0).
+    #[test]
+    fn keeps_zero_is_true_to_the_function() {
+        for &k in UnaryKind::ALL {
+            let holds = k.apply(0.0) == 0.0 && k.derivative(0.0).is_finite();
+            assert_eq!(k.def().keeps_zero, holds, "{}", k.name());
+        }
+    }
+
+    /// The CUDA forms name their operands (a typo leaves a `{x}` behind).
+    #[test]
+    fn cuda_forms_substitute_every_operand() {
+        for &k in UnaryKind::ALL {
+            let f = k.cuda("v");
+            let g = k.cuda_grad("v", "dv");
+            assert!(!f.contains('{') && f.contains('v'), "{}: {f}", k.name());
+            assert!(!g.contains('{') && g.contains("dv"), "{}: {g}", k.name());
+        }
+    }
+}
