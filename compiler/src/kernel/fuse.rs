@@ -14,33 +14,10 @@ use super::{Body, BufKind, Buffer, Epilogue, Kernel, Member, PExpr, Pointwise, P
 use crate::ir::graph::Value;
 use crate::ir::types::DType;
 use crate::ir::Graph;
-use crate::ops::Op;
+use crate::ops::{FusionClass, Op};
 use crate::ops::{BinaryKind, UnaryKind};
 use petgraph::stable_graph::NodeIndex;
 use std::collections::HashMap;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Class {
-    Source,
-    Scalar,
-    View,
-    Pointwise,
-    Other,
-}
-
-fn class(op: &Op) -> Class {
-    if op.is_source() {
-        Class::Source
-    } else if op.is_scalar() {
-        Class::Scalar
-    } else if op.is_view() {
-        Class::View
-    } else if op.is_elementwise() {
-        Class::Pointwise
-    } else {
-        Class::Other
-    }
-}
 
 struct Fuser<'g> {
     g: &'g Graph,
@@ -68,15 +45,15 @@ struct Fold {
 }
 
 impl<'g> Fuser<'g> {
-    fn class(&self, n: NodeIndex) -> Class {
-        class(&self.g.g[n].op)
+    fn class(&self, n: NodeIndex) -> FusionClass {
+        self.g.g[n].op.class()
     }
 
     /// Follows view ops back to the value they view: (base, view ops in
     /// application order).
     fn base(&self, mut v: Value) -> (Value, Vec<NodeIndex>) {
         let mut chain = Vec::new();
-        while self.class(v.node) == Class::View {
+        while self.class(v.node) == FusionClass::View {
             chain.push(v.node);
             v = self.g.inputs(v.node)[0];
         }
@@ -88,7 +65,7 @@ impl<'g> Fuser<'g> {
     fn readers(&self, v: Value) -> Vec<NodeIndex> {
         let mut out = Vec::new();
         for (u, _) in self.g.users(v) {
-            if self.class(u) == Class::View {
+            if self.class(u) == FusionClass::View {
                 out.extend(self.readers(Value { node: u, port: 0 }));
             } else {
                 out.push(u);
@@ -116,7 +93,7 @@ impl<'g> Fuser<'g> {
         };
         let x = self.g.inputs(n)[0];
         let absorbs = c.to == DType::F32
-            && self.class(x.node) == Class::Other
+            && self.class(x.node) == FusionClass::Kernel
             && !matches!(self.g.g[x.node].op, Op::AdamW(_) | Op::Sgd(_))
             && self.g.users(x).len() == 1
             && !self.outputs.contains(&x);
@@ -125,7 +102,7 @@ impl<'g> Fuser<'g> {
 
     fn form_chains(&mut self) {
         for n in self.g.topo_order() {
-            if self.class(n) != Class::Pointwise {
+            if self.class(n) != FusionClass::Elementwise {
                 continue;
             }
             if let Some(x) = self.absorbed_cast(n) {
@@ -179,7 +156,7 @@ impl<'g> Fuser<'g> {
         if let Some(&b) = self.buffer_of.get(&x) {
             return b;
         }
-        if self.scalar_expr(x).is_some() && self.class(x.node) == Class::Scalar {
+        if self.scalar_expr(x).is_some() && self.class(x.node) == FusionClass::Scalar {
             return self.materialise_scalar(x, kernels);
         }
         let (src, view) = if self.needs_copy(x) {
@@ -381,21 +358,21 @@ pub fn fuse(g: &Graph) -> Program {
     }
     for &n in &order {
         match f.class(n) {
-            Class::Source => {}
-            Class::Scalar => {
+            FusionClass::Source => {}
+            FusionClass::Scalar => {
                 let v = Value { node: n, port: 0 };
                 if f.outputs.contains(&v) {
                     f.materialise_scalar(v, &mut kernels);
                 }
             }
-            Class::View => {
+            FusionClass::View => {
                 // Views are read in place, except by a graph output.
                 let v = Value { node: n, port: 0 };
                 if f.outputs.contains(&v) {
                     f.materialise(v, &mut kernels);
                 }
             }
-            Class::Pointwise => {
+            FusionClass::Elementwise => {
                 if f.absorbed_cast(n).is_some() || f.absorbed.contains(&f.group[&n]) {
                     continue;
                 }
@@ -404,10 +381,10 @@ pub fn fuse(g: &Graph) -> Program {
                     f.chain_kernel(&chain, &mut kernels);
                 }
             }
-            Class::Other if matches!(g.g[n].op, Op::MatMul(_)) && f.gemm_fold(n).is_some() => {
+            FusionClass::Kernel if matches!(g.g[n].op, Op::MatMul(_)) && f.gemm_fold(n).is_some() => {
                 f.gemm_kernel(n, &mut kernels);
             }
-            Class::Other => {
+            FusionClass::Kernel => {
                 let mut ins = Vec::new();
                 let mut views = Vec::new();
                 for x in g.inputs(n) {
@@ -618,7 +595,7 @@ impl Fuser<'_> {
             return (b, None);
         }
         let (base, _) = self.base(x);
-        if self.class(base.node) != Class::Scalar && !self.needs_copy(x) {
+        if self.class(base.node) != FusionClass::Scalar && !self.needs_copy(x) {
             if let Some(&b) = self.buffer_of.get(&base) {
                 let view = self.view_of(x);
                 if view.is_contiguous() {
@@ -664,7 +641,7 @@ impl Fuser<'_> {
     fn stored_as(&self, x: Value, shape: &[crate::ir::Dim]) -> bool {
         let (base, _) = self.base(x);
         self.buffer_of.contains_key(&base)
-            && self.class(base.node) != Class::Scalar
+            && self.class(base.node) != FusionClass::Scalar
             && !self.needs_copy(x)
             && self.view_of(x).is_contiguous()
             && self.g.ty(x).shape == shape
@@ -675,7 +652,7 @@ impl Fuser<'_> {
     fn is_bias(&self, x: Value, shape: &[crate::ir::Dim]) -> bool {
         let (base, _) = self.base(x);
         if !self.buffer_of.contains_key(&base)
-            || self.class(base.node) == Class::Scalar
+            || self.class(base.node) == FusionClass::Scalar
             || self.needs_copy(x)
             || self.g.ty(base).rank() != 1
             || self.g.ty(base).shape.last() != shape.last()
@@ -703,7 +680,7 @@ impl Fuser<'_> {
         }
         let u = users[0].0;
         let is_add = matches!(&self.g.g[u].op, Op::Binary(b) if b.kind == BinaryKind::Add);
-        if !is_add || self.class(u) != Class::Pointwise || self.chains[*self.group.get(&u)?] != [u]
+        if !is_add || self.class(u) != FusionClass::Elementwise || self.chains[*self.group.get(&u)?] != [u]
         {
             return None;
         }
@@ -731,7 +708,7 @@ impl Fuser<'_> {
             return None;
         }
         let u = users[0].0;
-        if self.class(u) != Class::Pointwise || self.absorbed_cast(u).is_some() {
+        if self.class(u) != FusionClass::Elementwise || self.absorbed_cast(u).is_some() {
             return None;
         }
         let ci = self.group[&u];
@@ -827,7 +804,7 @@ impl Fuser<'_> {
                 let is_gelu =
                     matches!(&self.g.g[v].op, Op::Unary(un) if un.kind == UnaryKind::Gelu);
                 if is_gelu
-                    && self.class(v) == Class::Pointwise
+                    && self.class(v) == FusionClass::Elementwise
                     && self.chains[self.group[&v]] == [v]
                 {
                     fold.gelu = true;
