@@ -226,6 +226,42 @@ fn kernels_of_the_twin_test_models_compute_what_the_interpreter_computes() {
     assert!(checked > 0);
 }
 
+/// Every unary function of the table (ops/unary.rs), forward and backward,
+/// in generated kernels run on the host against the interpreter. The model
+/// is written from the table, so a function added there is checked here.
+#[test]
+fn every_unary_function_computes_what_the_interpreter_computes() {
+    if !host::have_cxx() {
+        return;
+    }
+    use fusec_compiler::ops::UnaryKind;
+    let work = host::work_dir("cuda-host-unary");
+    // x * x + 0.5 keeps log, sqrt and rsqrt in their domains; x itself
+    // covers both signs for the rest. Each term is its own chain (a sum
+    // ends it), so every function is a kernel's last op at least once.
+    let terms: Vec<String> = UnaryKind::ALL
+        .iter()
+        .filter(|k| k.def().builtin.is_some())
+        .map(|k| {
+            let arg = if k.def().keeps_zero {
+                "h"
+            } else {
+                "h * h + 0.5"
+            };
+            format!("sum({}({arg}))", k.name())
+        })
+        .collect();
+    let src = format!(
+        "dim B\ninput x: f32[B, 13]\nparam w: [13] = normal(0.7)\nlet h = x * w\n\
+         train {{\n    loss = {} / B\n    optimizer = sgd(lr = 0.1)\n}}\n",
+        terms.join(" + ")
+    );
+    let checked = check_model(&work, "unary.dsl", &src, &[], &[("B", 3)]);
+    let _ = std::fs::remove_dir_all(&work);
+    println!("{checked} kernels of the unary functions matched the interpreter");
+    assert!(checked > 0);
+}
+
 /// AdamW's bias corrections 1 - beta^t as the update kernel computes them in
 /// f32, against f64, for every step to 100,000: within 3e-7 relative. With
 /// 0.999 (the default beta2), `1 - powf(0.999f, t)` is off by about 1.3e-5

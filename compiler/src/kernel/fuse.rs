@@ -14,8 +14,8 @@ use super::{Body, BufKind, Buffer, Epilogue, Kernel, Member, PExpr, Pointwise, P
 use crate::ir::graph::Value;
 use crate::ir::types::DType;
 use crate::ir::Graph;
-use crate::ops::{FusionClass, Op};
 use crate::ops::{BinaryKind, UnaryKind};
+use crate::ops::{FusionClass, Op};
 use petgraph::stable_graph::NodeIndex;
 use std::collections::HashMap;
 
@@ -381,7 +381,9 @@ pub fn fuse(g: &Graph) -> Program {
                     f.chain_kernel(&chain, &mut kernels);
                 }
             }
-            FusionClass::Kernel if matches!(g.g[n].op, Op::MatMul(_)) && f.gemm_fold(n).is_some() => {
+            FusionClass::Kernel
+                if matches!(g.g[n].op, Op::MatMul(_)) && f.gemm_fold(n).is_some() =>
+            {
                 f.gemm_kernel(n, &mut kernels);
             }
             FusionClass::Kernel => {
@@ -680,7 +682,9 @@ impl Fuser<'_> {
         }
         let u = users[0].0;
         let is_add = matches!(&self.g.g[u].op, Op::Binary(b) if b.kind == BinaryKind::Add);
-        if !is_add || self.class(u) != FusionClass::Elementwise || self.chains[*self.group.get(&u)?] != [u]
+        if !is_add
+            || self.class(u) != FusionClass::Elementwise
+            || self.chains[*self.group.get(&u)?] != [u]
         {
             return None;
         }
