@@ -21,6 +21,7 @@ pub enum UnaryKind {
     Gelu,
     Relu,
     Silu,
+    Softplus,
 }
 
 /// How the PyTorch twin writes a unary function of `x`.
@@ -203,12 +204,28 @@ const SILU: UnaryFn = UnaryFn {
     torch: TorchForm::Call("F.silu", &[]),
 };
 
+const SOFTPLUS: UnaryFn = UnaryFn {
+    name: "softplus",
+    grad_name: "softplus_grad",
+    builtin: Some(("softplus(x)", "log(1 + exp(x))")),
+    on_numbers: false,
+    keeps_zero: false,
+    // max(x, 0) + log1p(exp(-|x|)): no overflow of exp for large x, no
+    // loss of the small term for very negative x.
+    apply: |x| x.max(0.0) + (-x.abs()).exp().ln_1p(),
+    derivative: sigmoid,
+    cuda: "(fmaxf({x}, 0.0f) + log1pf(expf(-fabsf({x}))))",
+    cuda_grad: "fs_sigmoid({x}) * {dy}",
+    torch: TorchForm::Call("F.softplus", &[]),
+};
+
 impl UnaryKind {
     /// Every unary function, in the order the builtins list them.
     pub const ALL: &'static [UnaryKind] = &[
         UnaryKind::Gelu,
         UnaryKind::Relu,
         UnaryKind::Silu,
+        UnaryKind::Softplus,
         UnaryKind::Sigmoid,
         UnaryKind::Tanh,
         UnaryKind::Exp,
@@ -230,6 +247,7 @@ impl UnaryKind {
             UnaryKind::Gelu => &GELU,
             UnaryKind::Relu => &RELU,
             UnaryKind::Silu => &SILU,
+            UnaryKind::Softplus => &SOFTPLUS,
         }
     }
 
