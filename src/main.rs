@@ -69,6 +69,10 @@ fn main() -> ExitCode {
             for (name, about) in fusec_compiler::kernel::STAGES {
                 println!("{name:<15} {about}");
             }
+            println!("\noptimisations of the kernel stages, each on unless --disable-pass NAME:");
+            for (name, stage, about) in fusec_compiler::kernel::OPTIMISATIONS {
+                println!("{name:<22} ({stage}) {about}");
+            }
             Ok(())
         }
     };

@@ -540,7 +540,9 @@ fn awkward_sizes_are_padded_and_a_pass_can_be_left_out() {
     let (code, _, err) = fusec(&["check", model, "--disable-pass", "nope"]);
     assert_eq!(code, 2);
     assert!(
-        err.contains("there is no pass `nope`") && err.contains("pad-dims"),
+        err.contains("there is no pass or optimisation `nope`")
+            && err.contains("pad-dims")
+            && err.contains("gemm-epilogues"),
         "{err}"
     );
     let (code, _, err) = fusec(&[

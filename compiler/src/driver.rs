@@ -110,11 +110,12 @@ fn check_overrides(ast: &Module, opts: &Options) -> Result<(), Failure> {
             )));
         }
     }
-    let names = crate::passes::pass_names();
+    let mut names = crate::passes::pass_names();
+    names.extend(crate::kernel::OPTIMISATIONS.iter().map(|o| o.0));
     for d in &opts.disabled_passes {
         if !names.contains(&d.as_str()) {
             return Err(Failure::Usage(format!(
-                "--disable-pass {d}: there is no pass `{d}`; the passes are: {}",
+                "--disable-pass {d}: there is no pass or optimisation `{d}`; they are: {}",
                 names.join(", ")
             )));
         }
@@ -172,6 +173,7 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
     pass_stats.extend(
         run_pipeline(&mut optimized, &enabled(default_pipeline()), |_, _| {}).map_err(internal)?,
     );
+    optimized.lowering_off = lowering_off(&opts.disabled_passes);
     Ok(Compiled {
         ast,
         model,
@@ -188,7 +190,22 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
 pub fn forward_graph(c: &Compiled) -> Result<Graph, String> {
     let mut g = c.model.graph.clone();
     run_pipeline(&mut g, &default_pipeline(), |_, _| {}).map_err(|e| e.to_string())?;
+    g.lowering_off = lowering_off(&c.disabled_passes);
     Ok(g)
+}
+
+/// The names in `--disable-pass` that are optimisations of the kernel
+/// stages (the graph carries them to fusion and selection).
+fn lowering_off(disabled: &[String]) -> Vec<String> {
+    disabled
+        .iter()
+        .filter(|d| {
+            crate::kernel::OPTIMISATIONS
+                .iter()
+                .any(|o| o.0 == d.as_str())
+        })
+        .cloned()
+        .collect()
 }
 
 /// The verifier guards the compiler's own invariants: a failure is a bug in

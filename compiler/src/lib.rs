@@ -10,6 +10,7 @@ pub mod gradcheck;
 pub mod interp;
 pub mod ir;
 pub mod kernel;
+pub mod lowering;
 pub mod model;
 pub mod ops;
 pub mod passes;

@@ -106,6 +106,14 @@ pub struct Selection {
 /// Chooses the kernels of program `p` (of graph `g`) for `target`; `source`
 /// is the model file, for the kernels' comments.
 pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> Selection {
+    let simple = Target {
+        arch: None,
+        ..target.clone()
+    };
+    let target = match g.lowering_on("tensor-core-attention") {
+        true => target,
+        false => &simple,
+    };
     let mut generated = emit_program(g, p, source);
     let mut choices = Vec::with_capacity(p.kernels.len());
     let mut fallbacks = Vec::new();
@@ -162,15 +170,69 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
         .collect();
     generated.retain(|(name, _)| !replaced.contains(&name.as_str()));
     generated.extend(templates);
-    Selection {
+    let selection = Selection {
         target: target.clone(),
         choices,
         sources: generated,
         fallbacks,
+    };
+    // Checked in every build, as fusion's program is: a function without a
+    // source would fail only when the step starts on the GPU.
+    if let Err(problems) = selection.verify(p) {
+        panic!(
+            "internal error: the kernel selection is invalid; this is a bug in fusec, \
+             please report it with the model file:\n{}",
+            problems.join("\n")
+        );
     }
+    selection
 }
 
 impl Selection {
+    /// The selection's own invariants, checked after it in every build:
+    /// one choice per kernel, a source for every function that will be
+    /// launched (a generated kernel under its kernel's name, each template
+    /// instance under its own), and no two sources of one name (the
+    /// runtime finds a function by name).
+    pub fn verify(&self, p: &Program) -> Result<(), Vec<String>> {
+        let mut problems = Vec::new();
+        if self.choices.len() != p.kernels.len() {
+            problems.push(format!(
+                "{} choices for {} kernels",
+                self.choices.len(),
+                p.kernels.len()
+            ));
+        }
+        let has = |name: &str| self.sources.iter().any(|(n, _)| n == name);
+        for (k, c) in p.kernels.iter().zip(&self.choices) {
+            match c {
+                Choice::Generated if !has(&k.name) => problems.push(format!(
+                    "{} runs its generated kernel, which has no source",
+                    k.name
+                )),
+                Choice::Templates(ks) => {
+                    for f in ks.iter().filter(|f| !has(&f.launch.name)) {
+                        problems.push(format!(
+                            "{} runs {}, which has no source",
+                            k.name, f.launch.name
+                        ));
+                    }
+                }
+                _ => {}
+            }
+        }
+        let mut names: Vec<&str> = self.sources.iter().map(|(n, _)| n.as_str()).collect();
+        names.sort_unstable();
+        for w in names.windows(2).filter(|w| w[0] == w[1]) {
+            problems.push(format!("two kernels are named {}", w[0]));
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems)
+        }
+    }
+
     /// The program kernels that run template instances: kernel name -> the
     /// functions launched in its place, in order.
     pub fn replaced(&self, p: &Program) -> Vec<(String, Vec<String>)> {

@@ -9,10 +9,10 @@ use crate::stage::HostBuf;
 use crate::RuntimeError;
 use fusec_compiler::autodiff::{APPLY_INPUT, LR_INPUT, STEP_INPUT};
 use fusec_compiler::ir::Graph;
-use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::kernel::Program;
-use fusec_compiler::plan::{plan_with, Plan};
-use fusec_compiler::select::{select, Target};
+use fusec_compiler::lowering::{lower, Lowered};
+use fusec_compiler::plan::Plan;
+use fusec_compiler::select::Target;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
@@ -81,7 +81,6 @@ impl Session {
         progress: &(dyn Fn(usize, usize) + Sync),
         options: SessionOptions,
     ) -> Result<Session, RuntimeError> {
-        let program = fuse(graph);
         // The kernels for this GPU: the tensor-core attention family its
         // architecture runs (FUSEC_ATTENTION=simple keeps the simple kernels,
         // the CPU-checked reference), in the scheme asked for.
@@ -90,8 +89,11 @@ impl Session {
             deterministic: options.deterministic,
             multiprocessors: gpu.multiprocessors,
         };
-        let selection = select(graph, &program, &target, None);
-        let plan = plan_with(graph, &program, Some(&selection), dims)
+        let Lowered {
+            program,
+            selection,
+            plan,
+        } = lower(graph, &target, dims, None)
             .map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
         let sources = selection.sources;
         let t0 = Instant::now();

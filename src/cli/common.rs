@@ -18,9 +18,10 @@ pub struct ModelArgs {
     /// compare a bf16 model's run with an fp32 one
     #[arg(long, value_name = "DTYPE", value_parser = parse_precision)]
     pub precision: Option<DType>,
-    /// Do not run this graph pass (`fusec passes` lists them), e.g.
-    /// --disable-pass pad-dims to see what padding awkward sizes gains, or to
-    /// bisect a wrong result (repeatable)
+    /// Do not run this graph pass, or leave out this optimisation of the
+    /// kernel stages (`fusec passes` lists both), e.g. --disable-pass
+    /// pad-dims to see what padding awkward sizes gains, or
+    /// gemm-epilogues to bisect a wrong result (repeatable)
     #[arg(long = "disable-pass", value_name = "PASS")]
     pub disable_pass: Vec<String>,
 }

@@ -136,6 +136,9 @@ pub struct Graph {
     /// Order the nodes minding memory (`schedule::topo_order`): set by the
     /// recompute stage where that plans a smaller step.
     pub order_by_memory: bool,
+    /// Optimisations of the kernel stages left out (`--disable-pass`, for
+    /// bisecting; `kernel::OPTIMISATIONS` lists them).
+    pub lowering_off: Vec<String>,
 }
 
 /// One awkward size read padded (`passes::pad_dims`): the parameters read
@@ -160,7 +163,13 @@ impl Graph {
             calls: Vec::new(),
             padded: Vec::new(),
             order_by_memory: false,
+            lowering_off: Vec::new(),
         }
+    }
+
+    /// Whether an optimisation of the kernel stages is on (see `lowering_off`).
+    pub fn lowering_on(&self, optimisation: &str) -> bool {
+        !self.lowering_off.iter().any(|o| o == optimisation)
     }
 
     /// The block calls a place was elaborated in, innermost first.

@@ -91,6 +91,9 @@ impl<'g> Fuser<'g> {
         let Op::Cast(c) = &self.g.g[n].op else {
             return None;
         };
+        if !self.g.lowering_on("casts-into-producers") {
+            return None;
+        }
         let x = self.g.inputs(n)[0];
         let absorbs = c.to == DType::F32
             && self.class(x.node) == FusionClass::Kernel
@@ -110,7 +113,8 @@ impl<'g> Fuser<'g> {
                 continue;
             }
             let mut joined = None;
-            for x in self.g.inputs(n) {
+            let chains = self.g.lowering_on("elementwise-chains");
+            for x in self.g.inputs(n).into_iter().filter(|_| chains) {
                 let (b, _) = self.base(x);
                 let Some(&gi) = self.group.get(&b.node) else {
                     continue;
@@ -433,8 +437,10 @@ pub fn fuse(g: &Graph) -> Program {
             }
         }
     }
-    let kernels = group_param_casts(g, &f.buffers, kernels);
-    let kernels = group_optimizer_updates(g, kernels);
+    let kernels = match g.lowering_on("group-kernels") {
+        true => group_optimizer_updates(g, group_param_casts(g, &f.buffers, kernels)),
+        false => kernels,
+    };
     let kernels = number(super::buckets::bucket_collectives(g, &f.buffers, kernels));
     let mut program = Program {
         buffers: f.buffers,
@@ -672,7 +678,9 @@ impl Fuser<'_> {
     /// own, dx's only reader, and `r` a stored tensor of dx's shape and
     /// type: (the add, r).
     fn residual_add(&self, n: NodeIndex) -> Option<(NodeIndex, Value)> {
-        if !matches!(self.g.g[n].op, Op::LayerNormGrad(_) | Op::RmsNormGrad(_)) {
+        if !matches!(self.g.g[n].op, Op::LayerNormGrad(_) | Op::RmsNormGrad(_))
+            || !self.g.lowering_on("norm-residual")
+        {
             return None;
         }
         let dx = Value { node: n, port: 0 };
@@ -705,6 +713,9 @@ impl Fuser<'_> {
     /// product: `+ bias`, `+ residual`, `gelu` (keeping the pre-activation),
     /// or the GELU backward `gelu'(pre) * product`.
     fn gemm_fold(&self, n: NodeIndex) -> Option<Fold> {
+        if !self.g.lowering_on("gemm-epilogues") {
+            return None;
+        }
         let y = Value { node: n, port: 0 };
         let yt = self.g.ty(y);
         let users = self.g.users(y);

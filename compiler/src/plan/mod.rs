@@ -24,6 +24,7 @@ pub mod report;
 pub mod roofline;
 pub mod trace;
 pub mod unfused;
+mod verify;
 use std::collections::{BTreeMap, HashMap};
 
 /// Offsets are multiples of this (cuBLASLt and 16-byte vector loads want it).
@@ -519,7 +520,7 @@ pub fn plan_with(
             _ => Vec::new(),
         };
     }
-    Ok(Plan {
+    let plan = Plan {
         model: g.name.clone(),
         dims: dims.clone(),
         arena_bytes: top,
@@ -529,7 +530,17 @@ pub fn plan_with(
         target: selection.map(|s| s.target.describe()),
         fallbacks: selection.map_or(Vec::new(), |s| s.fallbacks.clone()),
         collectives: buckets,
-    })
+    };
+    // Checked in every build: the check is linear in the buffers but for
+    // the ones that overlap in the arena, and a clash would corrupt values
+    // on the GPU without an error.
+    plan.verify().map_err(|problems| {
+        PlanError(format!(
+            "internal error: the memory plan is invalid:\n  {}\nthis is a bug in fusec; please report it with the model file",
+            problems.join("\n  ")
+        ))
+    })?;
+    Ok(plan)
 }
 
 /// The launch of generated kernel `k`: one dimension of blocks of `BLOCK`

@@ -20,10 +20,10 @@ pub mod rewrite;
 
 use crate::ir::graph::Value;
 use crate::ir::Graph;
-use crate::kernel::fuse::fuse;
+use crate::lowering::Lowered;
 use crate::plan::roofline::{estimate, Device};
-use crate::plan::{plan_with, PlanError};
-use crate::select::{select, Target};
+use crate::plan::PlanError;
+use crate::select::Target;
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write;
 
@@ -56,9 +56,7 @@ pub fn probe(
             p.join("\n  ")
         ))
     })?;
-    let program = fuse(g);
-    let selection = select(g, &program, target, None);
-    let plan = plan_with(g, &program, Some(&selection), dims)?;
+    let Lowered { program, plan, .. } = crate::lowering::lower(g, target, dims, None)?;
     let est = estimate(g, &program, &plan, device);
     Ok(Probe {
         arena_bytes: plan.arena_bytes,

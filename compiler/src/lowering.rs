@@ -1,0 +1,55 @@
+//! The back half as one call: the kernel stages after the graph passes, in
+//! order, each verified in every build as the graph is after every pass.
+//!
+//! 1. `fuse` (with `layout`): the graph cut into kernels that read views
+//!    in place, `kernel::Program` (`Program::verify`);
+//! 2. `select`: what runs each kernel on the target, `select::Selection`
+//!    (`Selection::verify`);
+//! 3. `plan`: the arena and every launch at the step's sizes, `plan::Plan`
+//!    (`Plan::verify`).
+//!
+//! Each stage's function runs its verifier itself, so a result is checked
+//! whoever asks for it; a failure is an internal error (fusion and
+//! selection panic, the plan returns it).
+//!
+//! `fusec build --dump-after layout|fuse|select|plan` prints each stage's
+//! result; the optimisations inside them (`kernel::OPTIMISATIONS`) can be
+//! turned off one by one with `--disable-pass`.
+
+use crate::ir::Graph;
+use crate::kernel::fuse::fuse;
+use crate::kernel::Program;
+use crate::plan::{plan_with, Plan, PlanError};
+use crate::select::{select, Selection, Target};
+use std::collections::BTreeMap;
+
+/// What the kernel stages made of a step.
+pub struct Lowered {
+    pub program: Program,
+    pub selection: Selection,
+    pub plan: Plan,
+}
+
+/// Fusion and kernel selection for `target` (`source` is the model file,
+/// for the kernels' comments).
+pub fn select_kernels(g: &Graph, target: &Target, source: Option<&str>) -> (Program, Selection) {
+    let program = fuse(g);
+    let selection = select(g, &program, target, source);
+    (program, selection)
+}
+
+/// Every kernel stage of `g` at the sizes `dims`, each verified.
+pub fn lower(
+    g: &Graph,
+    target: &Target,
+    dims: &BTreeMap<String, i64>,
+    source: Option<&str>,
+) -> Result<Lowered, PlanError> {
+    let (program, selection) = select_kernels(g, target, source);
+    let plan = plan_with(g, &program, Some(&selection), dims)?;
+    Ok(Lowered {
+        program,
+        selection,
+        plan,
+    })
+}
