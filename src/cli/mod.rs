@@ -13,6 +13,7 @@ mod profile;
 mod schedule;
 pub mod tokenize;
 pub mod train;
+mod train_loop;
 mod train_steps;
 pub mod validate;
 

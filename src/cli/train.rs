@@ -1,15 +1,18 @@
 //! `fusec train`: the compiled step run over the data, on a GPU or the CPU reference.
 
-use super::common::{fit_memory, load_ranks, BudgetArgs, Loaded, ModelArgs, SizeArgs};
+use super::common::{BudgetArgs, Loaded, ModelArgs, SizeArgs};
+use super::feed::Where;
 use super::parallel;
 use super::schedule::ScheduleArgs;
-use super::train_steps::{open_backend, open_log, set_weights, StepLine};
+use super::train_loop::{Feeder, OptimizerSteps, Rates, StepLoop};
+use super::train_steps::{
+    announce_deterministic, data_inputs, draw_while_opening, load_fitted, open_backend, open_log,
+    open_validation, set_weights, this_ranks_args,
+};
 use super::CliError;
 use clap::Args;
 use fusec_runtime::backend::{self, Backend};
-use fusec_runtime::batch_log::BatchLog;
 use fusec_runtime::checkpoint;
-use fusec_runtime::data::Prefetch;
 use fusec_runtime::device;
 use fusec_runtime::session::{Session, SessionOptions};
 use fusec_runtime::RuntimeError;
@@ -189,69 +192,18 @@ pub(super) fn start_graph(
 pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     let job = parallel::job(&args.parallel)?;
     let world = job.world();
-    let mut loaded = load_ranks(&args.model, world as u32)?;
-    let lr = args
-        .lr
-        .unwrap_or(loaded.compiled.model.train.optimizer.lr());
-    // Each rank's sizes; the data is fed for all of them together.
-    let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
-    super::common::check_sizes(&loaded, &dims)?;
-    super::common::announce_budget(
-        fit_memory(
-            &mut loaded,
-            &args.budget,
-            &dims,
-            world as u32,
-            "h100",
-            args.deterministic,
-        )?,
-        &loaded,
-    );
-    let loaded = loaded;
+    let (loaded, dims, lr) = load_fitted(args, world)?;
     let data_dims = parallel::whole_batch(&dims, world);
     // Only rank 0 of a launched job writes files and progress.
     let quiet = !job.writes();
-    let mut args_here;
-    let args = if quiet {
-        args_here = args.clone();
-        args_here.save = None;
-        args_here.save_init = None;
-        args_here.save_data = None;
-        args_here.log = None;
-        &args_here
-    } else {
-        args
-    };
-    // One GPU: the initial weights are drawn on the host while the GPU
-    // opens and the kernels load.
-    let drawing = (world == 1 && !args.cpu).then(|| {
-        let g = loaded.compiled.optimized.clone();
-        let seed = args.seed;
-        std::thread::spawn(move || backend::draw_params(&g, seed))
-    });
+    let args_here = this_ranks_args(args, quiet);
+    let args: &TrainArgs = &args_here;
+    let drawing = draw_while_opening(args, &loaded, world);
     let mut backend = open_backend(args, &loaded, &dims, &job)?;
     let b = backend.as_mut();
-    let mut validation = super::validate::prepare(
-        &args.validation,
-        &loaded,
-        &dims,
-        args.tokenizer.as_deref(),
-        args.cpu,
-        args.gpu,
-        world,
-        token_bound(b.graph(), &dims),
-    )?;
-    let data_inputs: Vec<String> = b
-        .shapes()
-        .keys()
-        .filter(|k| is_input(b.graph(), k) && !k.starts_with("update."))
-        .cloned()
-        .collect();
-    if args.deterministic && !args.cpu {
-        eprintln!(
-            "deterministic: the attention backward runs without atomics and every other kernel is deterministic (GEMMs keep one cuBLASLt algorithm each), so a run repeats bit for bit on the same GPU and software"
-        );
-    }
+    let validation = open_validation(args, &loaded, &dims, world, b)?;
+    let data_inputs = data_inputs(b);
+    announce_deterministic(args);
     let resumed = set_weights(args, b, drawing)?;
     let first = resumed.as_ref().map_or(1, |ck| ck.step + 1);
     // Each optimizer step runs `micro` micro-batches of B rows, adding up
@@ -264,13 +216,10 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         .map_or(1, |s| s.iter().product::<usize>()) as i64
         * micro as i64;
     // Data: a token file feeds `tokens` and `targets`; `random` feeds every input once.
-    let super::feed::Feed {
-        batches,
-        mut record,
-    } = super::feed::prepare(
+    let mut feed = Feeder::prepare(
         args,
         b,
-        &super::feed::Where {
+        &Where {
             data_inputs: &data_inputs,
             data_dims: &data_dims,
             dims: &dims,
@@ -280,212 +229,30 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
             resumed: resumed.as_ref(),
         },
     )?;
-    // The next batch into `tokens` and `targets`: copied to the GPU while
-    // the current step computes, in place when the next one launches.
-    let window = tokens_shape.clone().unwrap_or_default();
-    let stage_next = |b: &mut dyn Backend,
-                      pf: &Prefetch,
-                      record: &mut Option<BatchLog>|
-     -> Result<(), CliError> {
-        let buf = pf.next().map_err(|e| CliError {
-            message: format!("error: {e}"),
-            code: 3,
-        })?;
-        if let Some(log) = record {
-            let ids = buf.read().map_err(runtime_err)?;
-            let (tokens, targets) = ids.split_at(ids.len() / 2);
-            log.push_i32("tokens", &window, tokens)
-                .and_then(|_| log.push_i32("targets", &window, targets))
-                .map_err(|e| CliError::usage(format!("error: --save-data: {e}")))?;
-        }
-        b.stage(&["tokens", "targets"], &buf).map_err(runtime_err)?;
-        pf.give_back(buf);
-        Ok(())
-    };
-    if let Some(pf) = &batches {
-        stage_next(b, pf, &mut record)?;
-    }
-    let mut log = open_log(args)?;
-    // fp16: dynamic loss scaling. An overflowing step is skipped (the
-    // optimizer's own step count does not advance) and the scale halves.
-    let fp16 = is_input(b.graph(), fusec_compiler::autodiff::LOSS_SCALE_INPUT);
-    let mut scaler = fusec_runtime::scaler::LossScaler::default();
-    let mut opt_step = first - 1;
-    if let Some(ck) = &resumed {
-        if let Some(v) = ck.extra.get("loss_scale").and_then(|v| v.parse().ok()) {
-            scaler.scale = v;
-        }
-        if let Some(v) = ck.extra.get("optimizer_step").and_then(|v| v.parse().ok()) {
-            opt_step = v;
-        }
-    }
+    feed.stage_next(b)?;
+    let log = open_log(args)?;
+    let optimizer = OptimizerSteps::resume(b, first, resumed.as_ref());
     let last = first + args.steps - 1;
-    // The decay ends at the model's or the command line's step, else at
-    // the run's last; a resumed run keeps the first run's end.
-    let schedule = args
-        .schedule
-        .resolve(loaded.compiled.model.train.schedule, lr)?;
-    let horizon = resumed
-        .as_ref()
-        .and_then(|ck| ck.extra.get("schedule_end"))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(last);
-    let scheduled = schedule != Default::default();
-    if scheduled {
-        eprintln!(
-            "learning rate: {} from {lr}{}",
-            schedule.describe(),
-            if ends_with_the_run(&schedule) {
-                format!(", ending at step {horizon}")
-            } else {
-                String::new()
-            }
-        );
-    }
-    // Windows of the token file read by the end of each step (all ranks').
-    let resumed_windows: Option<u64> = resumed
-        .as_ref()
-        .and_then(|ck| ck.extra.get(WINDOWS_READ))
-        .and_then(|v| v.parse().ok());
-    let rows = tokens_shape
-        .as_ref()
-        .and_then(|s| s.first().copied())
-        .unwrap_or(0) as u64;
-    let windows_at = |step: u64| match resumed_windows {
-        Some(w) => w + (step + 1 - first) * micro * rows,
-        None => step * micro * rows,
-    };
-    let state = |scaler: &fusec_runtime::scaler::LossScaler, opt_step: u64, step: u64| {
-        let mut m = run_state(scaler, opt_step, fp16);
-        if batches.is_some() {
-            m.insert(WINDOWS_READ.into(), windows_at(step).to_string());
-        }
-        if ends_with_the_run(&schedule) {
-            m.insert("schedule_end".into(), horizon.to_string());
-        }
-        m
+    let rates = Rates::plan(args, &loaded, lr, resumed.as_ref(), last)?;
+    let mut run = StepLoop {
+        log,
+        feed,
+        validation,
+        args,
+        quiet,
+        last,
+        micro,
+        tokens_per_step,
+        rates,
+        optimizer,
     };
     for step in first..=last {
-        let rate = schedule.rate(lr, step, horizon);
-        if fp16 {
-            b.set(fusec_compiler::autodiff::LOSS_SCALE_INPUT, &[scaler.scale])
-                .map_err(runtime_err)?;
-        }
-        let t0 = Instant::now();
-        let mut st = fusec_runtime::session::StepStats {
-            loss: 0.0,
-            grad_norm: None,
-        };
-        for mb in 0..micro {
-            if micro > 1 {
-                let apply = if mb + 1 == micro { 1.0 } else { 0.0 };
-                b.set(fusec_compiler::autodiff::APPLY_INPUT, &[apply])
-                    .map_err(runtime_err)?;
-            }
-            if args.data == RANDOM_STREAM {
-                let k = (step - 1) * micro + mb;
-                super::feed::feed_random(b, &data_inputs, &data_dims, args.seed, k, &mut record)?;
-            }
-            b.launch(rate, opt_step + 1).map_err(runtime_err)?;
-            if let Some(pf) = &batches {
-                if step < last || mb + 1 < micro {
-                    stage_next(b, pf, &mut record)?;
-                }
-            }
-            let one = b.finish().map_err(runtime_err)?;
-            st.loss += one.loss / micro as f64;
-            st.grad_norm = one.grad_norm;
-        }
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
-        let applied = !fp16 || st.grad_norm.is_some_and(f64::is_finite);
-        if applied {
-            opt_step += 1;
-        }
-        if fp16 && scaler.update(applied) {
-            eprintln!(
-                "{}loss scale now {}",
-                if applied {
-                    ""
-                } else {
-                    "gradients overflowed, step skipped; "
-                },
-                scaler.scale
-            );
-        }
-        let line = StepLine {
-            step,
-            last,
-            rate,
-            scheduled,
-            loss: st.loss,
-            grad_norm: st.grad_norm,
-            ms,
-            tokens_per_s: tokens_per_step as f64 / (ms / 1e3),
-        };
-        if !quiet {
-            eprintln!("{}", line.progress());
-        }
-        if let Some(f) = &mut log {
-            let _ = writeln!(f, "{}", line.json());
-        }
-        if !st.loss.is_finite() {
-            return Err(CliError {
-                message: format!(
-                    "error: the loss is {} at step {step}; lower the learning rate",
-                    st.loss
-                ),
-                code: 3,
-            });
-        }
-        if let Some(v) = validation.as_mut().filter(|v| v.due(step, last)) {
-            let val = v.loss(b)?;
-            if !quiet {
-                eprintln!(
-                    "step {step:>5}/{last}  val loss {val:.4}  ({} batches, {} tokens)",
-                    v.batches(),
-                    v.tokens
-                );
-            }
-            if let Some(f) = &mut log {
-                let _ = writeln!(f, "{{\"step\":{step},\"val_loss\":{}}}", json_num(val));
-            }
-        }
-        if let (Some(path), Some(every)) = (&args.save, args.save_every) {
-            if step % every == 0 && step != last {
-                save(b, path, step, &state(&scaler, opt_step, step))?;
-            }
-        }
+        let line = run.step(b, step)?;
+        run.report(&line)?;
+        run.validate(b, step)?;
+        run.save_every(b, step)?;
     }
-    if let Some(path) = &args.save {
-        save(b, path, last, &state(&scaler, opt_step, last))?;
-        eprintln!("saved {} (step {last})", path.display());
-    }
-    if let (Some(path), Some(log)) = (&args.save_data, &record) {
-        log.save(path).map_err(|e| CliError {
-            message: format!("error: --save-data: {e}"),
-            code: 3,
-        })?;
-        eprintln!("saved the batches fed to {}", path.display());
-    }
-    Ok(())
-}
-
-/// Whether the schedule's end is the run's (and so recorded for a resume).
-fn ends_with_the_run(s: &fusec_compiler::model::Schedule) -> bool {
-    s.steps.is_none() && s.decay != fusec_compiler::model::Decay::Constant
-}
-
-/// What a checkpoint records beyond the tensors.
-fn run_state(
-    scaler: &fusec_runtime::scaler::LossScaler,
-    opt_step: u64,
-    fp16: bool,
-) -> BTreeMap<String, String> {
-    let mut m = BTreeMap::from([("optimizer_step".to_string(), opt_step.to_string())]);
-    if fp16 {
-        m.insert("loss_scale".into(), scaler.scale.to_string());
-    }
-    m
+    run.finish(b)
 }
 
 pub(super) fn save(

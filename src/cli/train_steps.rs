@@ -1,20 +1,81 @@
-//! The named steps of `fusec train` before and around its loop: opening the
-//! backend, setting the starting weights, the log file, and what each step
-//! reports.
+//! The named steps of `fusec train` before and around its loop: loading the
+//! model, what a launched job's other ranks leave out, opening the backend
+//! and the validation step, setting the starting weights, the log file, and
+//! what each step reports.
 
-use super::common::Loaded;
+use super::common::{fit_memory, load_ranks, Loaded};
 use super::parallel;
-use super::train::{json_num, load_checked, runtime_err, save, start, TrainArgs};
+use super::train::{
+    is_input, json_num, load_checked, runtime_err, save, start, token_bound, TrainArgs,
+};
+use super::validate::Validation;
 use super::CliError;
 use fusec_compiler::interp::Precision;
 use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::checkpoint;
 use fusec_runtime::session::SessionOptions;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// Each parameter's bytes as `backend::draw_params` draws them, by name.
 pub(super) type DrawnParams = Vec<(String, Vec<u8>)>;
+
+/// The model loaded for `world` ranks and fitted to the memory budget,
+/// each rank's sizes, and the peak learning rate.
+pub(super) fn load_fitted(
+    args: &TrainArgs,
+    world: usize,
+) -> Result<(Loaded, BTreeMap<String, i64>, f64), CliError> {
+    let mut loaded = load_ranks(&args.model, world as u32)?;
+    let lr = args
+        .lr
+        .unwrap_or(loaded.compiled.model.train.optimizer.lr());
+    // Each rank's sizes; the data is fed for all of them together.
+    let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
+    super::common::check_sizes(&loaded, &dims)?;
+    super::common::announce_budget(
+        fit_memory(
+            &mut loaded,
+            &args.budget,
+            &dims,
+            world as u32,
+            "h100",
+            args.deterministic,
+        )?,
+        &loaded,
+    );
+    Ok((loaded, dims, lr))
+}
+
+/// The arguments this rank runs with: a `quiet` rank (not rank 0 of a
+/// launched job) writes no files.
+pub(super) fn this_ranks_args(args: &TrainArgs, quiet: bool) -> Cow<'_, TrainArgs> {
+    if quiet {
+        let mut args_here = args.clone();
+        args_here.save = None;
+        args_here.save_init = None;
+        args_here.save_data = None;
+        args_here.log = None;
+        Cow::Owned(args_here)
+    } else {
+        Cow::Borrowed(args)
+    }
+}
+
+/// One GPU: the initial weights are drawn on the host while the GPU
+/// opens and the kernels load.
+pub(super) fn draw_while_opening(
+    args: &TrainArgs,
+    loaded: &Loaded,
+    world: usize,
+) -> Option<std::thread::JoinHandle<Option<DrawnParams>>> {
+    (world == 1 && !args.cpu).then(|| {
+        let g = loaded.compiled.optimized.clone();
+        let seed = args.seed;
+        std::thread::spawn(move || backend::draw_params(&g, seed))
+    })
+}
 
 /// The backend the step runs on: several GPUs (`--gpus N` or a launcher's
 /// ranks), the CPU reference interpreter, or one GPU.
@@ -46,6 +107,44 @@ pub(super) fn open_backend(
     } else {
         let (s, _) = start(loaded, dims, args.gpu, options)?;
         Ok(Box::new(backend::Gpu::new(s, dims).map_err(runtime_err)?))
+    }
+}
+
+/// `--val-data`: the validation step and its batches.
+pub(super) fn open_validation(
+    args: &TrainArgs,
+    loaded: &Loaded,
+    dims: &BTreeMap<String, i64>,
+    world: usize,
+    b: &dyn Backend,
+) -> Result<Option<Validation>, CliError> {
+    super::validate::prepare(
+        &args.validation,
+        loaded,
+        dims,
+        args.tokenizer.as_deref(),
+        args.cpu,
+        args.gpu,
+        world,
+        token_bound(b.graph(), dims),
+    )
+}
+
+/// The inputs the data feeds: the step's inputs but the update's.
+pub(super) fn data_inputs(b: &dyn Backend) -> Vec<String> {
+    b.shapes()
+        .keys()
+        .filter(|k| is_input(b.graph(), k) && !k.starts_with("update."))
+        .cloned()
+        .collect()
+}
+
+/// `--deterministic` on a GPU: what it changes.
+pub(super) fn announce_deterministic(args: &TrainArgs) {
+    if args.deterministic && !args.cpu {
+        eprintln!(
+            "deterministic: the attention backward runs without atomics and every other kernel is deterministic (GEMMs keep one cuBLASLt algorithm each), so a run repeats bit for bit on the same GPU and software"
+        );
     }
 }
 
