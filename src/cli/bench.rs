@@ -1,17 +1,19 @@
 //! `fusec bench` and `fusec bench-attention`: the compiled step and the
 //! attention kernels timed on a GPU.
 
-use super::common::{fit_memory, load, load_ranks, BudgetArgs, ModelArgs, SizeArgs};
+use super::common::{fit_memory, load, load_ranks, BudgetArgs, Loaded, ModelArgs, SizeArgs};
 use super::train::{runtime_err, start};
 use super::CliError;
 use clap::Args;
-use fusec_compiler::plan::roofline::{device, estimate, Device};
+use fusec_compiler::ir::graph::Phase;
+use fusec_compiler::plan::roofline::{device, estimate, Device, Estimate};
 use fusec_compiler::plan::trace::Timing;
 use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::device;
-use fusec_runtime::session::SessionOptions;
+use fusec_runtime::exec::LaunchTime;
+use fusec_runtime::session::{Session, SessionOptions};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Args, Debug)]
@@ -130,66 +132,14 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
         }
         return bench_ranks(args, &job);
     }
-    let mut loaded = load(&args.model)?;
-    let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
-    super::common::check_sizes(&loaded, &dims)?;
-    super::common::announce_budget(
-        fit_memory(
-            &mut loaded,
-            &args.budget,
-            &dims,
-            1,
-            "h100",
-            args.deterministic,
-        )?,
-        &loaded,
-    );
-    let loaded = loaded;
-    let options = SessionOptions {
-        deterministic: args.deterministic,
-    };
-    let (s, about) = start(&loaded, &dims, args.gpu, options)?;
-    let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
-    let feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, 1)
-        .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
-    let mut b = backend::Gpu::new(s, &dims).map_err(runtime_err)?;
-    backend::init_params(&mut b, 1).map_err(runtime_err)?;
-    // Every input, the update's included: each timed launch is one
-    // micro-batch whose update is applied (`update.apply` = 1), at a loss
-    // scale of 1.
-    let names: Vec<String> = b.session.exec.inputs.keys().cloned().collect();
-    for name in &names {
-        b.set(name, &feeds.inputs[name].data).map_err(runtime_err)?;
-    }
+    let (loaded, dims) = load_fitted(args)?;
+    let (mut b, about) = open_step(args, &loaded, &dims)?;
     for step in 1..=3 {
         b.step(1e-4, step).map_err(runtime_err)?;
     }
     let s = &mut b.session;
-    let t0 = Instant::now();
-    for _ in 0..args.steps {
-        s.exec.run_step().map_err(runtime_err)?;
-    }
-    s.exec.synchronize().map_err(runtime_err)?;
-    let ms = t0.elapsed().as_secs_f64() * 1e3 / args.steps as f64;
-    let tokens = dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1);
-    let flops = s.flops();
-    let tflops = flops / (ms / 1e3) / 1e12;
-    let peak = args
-        .peak_tflops
-        .or_else(|| datasheet_peak(&s.exec.gpu.name));
-    let used = s.exec.gpu.total_bytes - s.exec.gpu.free_bytes().map_err(runtime_err)?;
-    println!(
-        "{{\"model\":\"{}\",\"device\":\"{}\",\"dims\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tflops\":{tflops:.1},\"mfu\":{},\"peak_memory_gib\":{:.3},\"step_memory_gib\":{:.3},\"plan_arena_gib\":{:.3},\"cuda_graph\":{}}}",
-        s.graph.name,
-        about,
-        serde_like(&dims),
-        tokens as f64 / (ms / 1e3),
-        peak.map_or("null".into(), |p| format!("{:.3}", tflops / p)),
-        used as f64 / (1u64 << 30) as f64,
-        used.saturating_sub(s.exec.gpu.used_at_open) as f64 / (1u64 << 30) as f64,
-        s.plan.arena_bytes as f64 / (1u64 << 30) as f64,
-        s.exec.has_graph(),
-    );
+    let ms = time_steps(s, args.steps)?;
+    print_summary(s, &about, &dims, ms, args.peak_tflops)?;
     if let Some(note) = &s.graph_note {
         eprintln!("note: {note}");
     }
@@ -207,53 +157,162 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
             roofline_device(&s.exec.gpu.name),
         );
         if let Some(path) = &args.profile {
-            // The measurement needs about 0.9 GiB beside the step's arena;
-            // where the GPU has no room, the datasheet's figures stand in.
-            let ceilings = fusec_runtime::ceilings::measure(&s.exec.gpu).unwrap_or_else(|e| {
-                eprintln!(
-                    "note: could not measure this GPU's ceilings ({e}); judging against {}'s datasheet figures",
-                    est.device.about
-                );
-                fusec_runtime::ceilings::Ceilings {
-                    copy_gb_s: est.device.bytes_per_s / 1e9,
-                    bf16_tflops: est.device.tensor_flops / 1e12,
-                }
-            });
-            super::profile::write(path, &times, &labels, &est, ceilings)?;
+            write_profile(path, s, &times, &labels, &est)?;
         }
         if let Some(path) = &args.trace {
-            let timings: Vec<Timing> = times
-                .iter()
-                .map(|t| Timing {
-                    start_ms: t.start_ms,
-                    ms: t.ms,
-                })
-                .collect();
             let title = format!(
                 "fusec bench {} {} on {about}",
                 s.graph.name,
                 serde_like(&dims)
             );
-            let trace = fusec_compiler::plan::trace::chrome_trace(
-                &s.graph, &s.program, &s.plan, &est, source, &timings, &title,
-            );
-            let picture = path.with_extension("svg");
-            for (to, text) in [
-                (path.as_path(), trace.to_string()),
-                (picture.as_path(), fusec_compiler::plan::trace::svg(&trace)),
-            ] {
-                std::fs::write(to, text).map_err(|e| {
-                    CliError::usage(format!("error: cannot write {}: {e}", to.display()))
-                })?;
-            }
-            eprintln!(
-                "wrote {} ({} launches; open it in https://ui.perfetto.dev or chrome://tracing) and its picture {}",
-                path.display(),
-                times.len(),
-                picture.display()
-            );
+            write_trace(path, s, &times, source, &est, &title)?;
         }
     }
+    Ok(())
+}
+
+/// The model loaded for one GPU and fitted to the memory budget, and its
+/// sizes.
+fn load_fitted(args: &BenchArgs) -> Result<(Loaded, BTreeMap<String, i64>), CliError> {
+    let mut loaded = load(&args.model)?;
+    let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
+    super::common::check_sizes(&loaded, &dims)?;
+    super::common::announce_budget(
+        fit_memory(
+            &mut loaded,
+            &args.budget,
+            &dims,
+            1,
+            "h100",
+            args.deterministic,
+        )?,
+        &loaded,
+    );
+    Ok((loaded, dims))
+}
+
+/// The step loaded on the GPU with weights drawn from seed 1 and random
+/// values in every input, and what the GPU is.
+fn open_step(
+    args: &BenchArgs,
+    loaded: &Loaded,
+    dims: &BTreeMap<String, i64>,
+) -> Result<(backend::Gpu, String), CliError> {
+    let options = SessionOptions {
+        deterministic: args.deterministic,
+    };
+    let (s, about) = start(loaded, dims, args.gpu, options)?;
+    let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, 1)
+        .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
+    let mut b = backend::Gpu::new(s, dims).map_err(runtime_err)?;
+    backend::init_params(&mut b, 1).map_err(runtime_err)?;
+    // Every input, the update's included: each timed launch is one
+    // micro-batch whose update is applied (`update.apply` = 1), at a loss
+    // scale of 1.
+    let names: Vec<String> = b.session.exec.inputs.keys().cloned().collect();
+    for name in &names {
+        b.set(name, &feeds.inputs[name].data).map_err(runtime_err)?;
+    }
+    Ok((b, about))
+}
+
+/// The mean time of a step, in ms, over `steps` launched back to back.
+fn time_steps(s: &mut Session, steps: u64) -> Result<f64, CliError> {
+    let t0 = Instant::now();
+    for _ in 0..steps {
+        s.exec.run_step().map_err(runtime_err)?;
+    }
+    s.exec.synchronize().map_err(runtime_err)?;
+    Ok(t0.elapsed().as_secs_f64() * 1e3 / steps as f64)
+}
+
+/// The JSON line of the timing: rates, MFU against `peak_tflops` (or the
+/// datasheet's), and memory.
+fn print_summary(
+    s: &Session,
+    about: &str,
+    dims: &BTreeMap<String, i64>,
+    ms: f64,
+    peak_tflops: Option<f64>,
+) -> Result<(), CliError> {
+    let tokens = dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1);
+    let flops = s.flops();
+    let tflops = flops / (ms / 1e3) / 1e12;
+    let peak = peak_tflops.or_else(|| datasheet_peak(&s.exec.gpu.name));
+    let used = s.exec.gpu.total_bytes - s.exec.gpu.free_bytes().map_err(runtime_err)?;
+    println!(
+        "{{\"model\":\"{}\",\"device\":\"{}\",\"dims\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tflops\":{tflops:.1},\"mfu\":{},\"peak_memory_gib\":{:.3},\"step_memory_gib\":{:.3},\"plan_arena_gib\":{:.3},\"cuda_graph\":{}}}",
+        s.graph.name,
+        about,
+        serde_like(dims),
+        tokens as f64 / (ms / 1e3),
+        peak.map_or("null".into(), |p| format!("{:.3}", tflops / p)),
+        used as f64 / (1u64 << 30) as f64,
+        used.saturating_sub(s.exec.gpu.used_at_open) as f64 / (1u64 << 30) as f64,
+        s.plan.arena_bytes as f64 / (1u64 << 30) as f64,
+        s.exec.has_graph(),
+    );
+    Ok(())
+}
+
+/// `--profile`: every kernel's time judged against this GPU's measured
+/// ceilings.
+fn write_profile(
+    path: &Path,
+    s: &Session,
+    times: &[LaunchTime],
+    labels: &[(Phase, String)],
+    est: &Estimate,
+) -> Result<(), CliError> {
+    // The measurement needs about 0.9 GiB beside the step's arena;
+    // where the GPU has no room, the datasheet's figures stand in.
+    let ceilings = fusec_runtime::ceilings::measure(&s.exec.gpu).unwrap_or_else(|e| {
+        eprintln!(
+            "note: could not measure this GPU's ceilings ({e}); judging against {}'s datasheet figures",
+            est.device.about
+        );
+        fusec_runtime::ceilings::Ceilings {
+            copy_gb_s: est.device.bytes_per_s / 1e9,
+            bf16_tflops: est.device.tensor_flops / 1e12,
+        }
+    });
+    super::profile::write(path, times, labels, est, ceilings)
+}
+
+/// `--trace`: the step as a Chrome trace, and its picture beside it.
+fn write_trace(
+    path: &Path,
+    s: &Session,
+    times: &[LaunchTime],
+    source: Option<(&str, &str)>,
+    est: &Estimate,
+    title: &str,
+) -> Result<(), CliError> {
+    let timings: Vec<Timing> = times
+        .iter()
+        .map(|t| Timing {
+            start_ms: t.start_ms,
+            ms: t.ms,
+        })
+        .collect();
+    let trace = fusec_compiler::plan::trace::chrome_trace(
+        &s.graph, &s.program, &s.plan, est, source, &timings, title,
+    );
+    let picture = path.with_extension("svg");
+    for (to, text) in [
+        (path, trace.to_string()),
+        (picture.as_path(), fusec_compiler::plan::trace::svg(&trace)),
+    ] {
+        std::fs::write(to, text)
+            .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", to.display())))?;
+    }
+    eprintln!(
+        "wrote {} ({} launches; open it in https://ui.perfetto.dev or chrome://tracing) and its picture {}",
+        path.display(),
+        times.len(),
+        picture.display()
+    );
     Ok(())
 }
 
