@@ -189,6 +189,17 @@ fn kernels_of_the_twin_test_models_compute_what_the_interpreter_computes() {
         let renamed = name.replace("gpt2-small", &format!("gpt2-vocab{vocab}"));
         checked += check_model(&work, &renamed, &src, &sets, &[("B", 2), ("T", 5)]);
     }
+    // A reshape of a transposed tensor read in place by chains (flat views).
+    let reshaped =
+        std::fs::read_to_string(common::root().join("tests/models/reshaped-transpose.dsl"))
+            .unwrap();
+    checked += check_model(
+        &work,
+        "tests/models/reshaped-transpose.dsl",
+        &reshaped,
+        &[],
+        &[("B", 3)],
+    );
     // Sizes named as the kernels name their own variables (C, S, n, rows).
     let names = std::fs::read_to_string(common::root().join("tests/models/dim-names.dsl")).unwrap();
     checked += check_model(

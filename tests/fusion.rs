@@ -78,6 +78,39 @@ fn every_models_fused_program_matches_its_graph() {
     assert!(total_fused > 0, "nothing fused in any model");
 }
 
+/// A reshape of a transposed tensor (no strided view says it) read by
+/// elementwise chains in place and copied in one pass where it is read
+/// broadcast: the program gives the graph's outputs exactly, with no
+/// copy kernel for the chain's input.
+#[test]
+fn a_reshaped_transpose_is_read_in_place() {
+    let path = common::root().join("tests/models/reshaped-transpose.dsl");
+    let src = std::fs::read_to_string(&path).unwrap();
+    let c = common::compile_with(&src, "reshaped-transpose", &[]);
+    let g = &c.optimized;
+    let program = fuse(g);
+    let feeds = random_feeds(g, &common::dims(&[("B", 3)]), 4).expect("feeds");
+    let reference = run(g, &feeds, Precision::F64).expect("graph runs");
+    let bufs = run_program(g, &program, &feeds, Precision::F64).expect("program runs");
+    for (role, v) in &g.outputs {
+        let b = program.buffer_of(*v).expect("stored");
+        for (x, y) in reference[v].data.iter().zip(&bufs[b].data) {
+            assert!(
+                (x - y).abs() <= 1e-12 * x.abs().max(1.0),
+                "{role}: {x} vs {y}"
+            );
+        }
+    }
+    let copies: Vec<&str> = program
+        .kernels
+        .iter()
+        .filter(|k| k.name.ends_with("_copy"))
+        .flat_map(|k| k.nodes.iter().map(|&n| g.g[n].op.name()))
+        .collect();
+    // One copy: the transposed parameter read broadcast, in one pass.
+    assert_eq!(copies, ["reshape"], "{copies:?}");
+}
+
 /// The program verifier catches a kernel moved before its input's writer
 /// and a buffer written twice.
 #[test]

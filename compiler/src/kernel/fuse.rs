@@ -13,7 +13,7 @@ use super::view::View;
 use super::{Body, BufKind, Buffer, Epilogue, Kernel, Member, PExpr, Pointwise, Program};
 use crate::ir::graph::Value;
 use crate::ir::types::DType;
-use crate::ir::Graph;
+use crate::ir::{Dim, Graph};
 use crate::ops::{BinaryKind, UnaryKind};
 use crate::ops::{FusionClass, Op};
 use petgraph::stable_graph::NodeIndex;
@@ -163,8 +163,18 @@ impl<'g> Fuser<'g> {
         if self.scalar_expr(x).is_some() && self.class(x.node) == FusionClass::Scalar {
             return self.materialise_scalar(x, kernels);
         }
-        let (src, view) = if self.needs_copy(x) {
-            // A reshape of a strided view: copy the inner view out first,
+        let shape = self.g.ty(x).shape.clone();
+        let (src, view) = if let Some(view) = self.flat_view(x, &shape) {
+            // A reshape of a strided view, copied in one pass: element i of
+            // the reshape is element i of its input's view.
+            let (base, _) = self.base(x);
+            let src = match self.buffer_of.get(&base) {
+                Some(&b) => b,
+                None => self.materialise_scalar(base, kernels),
+            };
+            (src, view)
+        } else if self.needs_copy(x) {
+            // Anything else no view says: copy the inner view out first,
             // then the reshape reads it contiguously.
             let inner = self.g.inputs(x.node)[0];
             let src = self.materialise(inner, kernels);
@@ -219,6 +229,26 @@ impl<'g> Fuser<'g> {
         self.try_view(x).is_none()
     }
 
+    /// Where no view of `x` exists because it reshapes a strided view, a
+    /// pointwise kernel of `x`'s shape can still read it in place: a
+    /// reshape keeps the row-major order, so element `i` of `x` is element
+    /// `i` of the reshape's input, which a load reads through the input's
+    /// own view (its shape unravels `i`). `None` where `x` has a view, or
+    /// is read broadcast.
+    fn flat_view(&self, x: Value, out_shape: &[Dim]) -> Option<View> {
+        if !self.needs_copy(x) || self.g.ty(x).shape != out_shape {
+            return None;
+        }
+        let mut v = x;
+        while matches!(self.g.g[v.node].op, Op::Reshape(_)) {
+            v = self.g.inputs(v.node)[0];
+            if let Some(view) = self.try_view(v) {
+                return Some(view);
+            }
+        }
+        None
+    }
+
     fn scalar_expr(&self, x: Value) -> Option<PExpr> {
         let (b, _) = self.base(x);
         match &self.g.g[b.node].op {
@@ -243,15 +273,19 @@ impl<'g> Fuser<'g> {
                         let ex = match self.scalar_expr(x) {
                             Some(s) => s,
                             None => {
-                                let src = if self.needs_copy(x) {
-                                    self.materialise(x, kernels)
-                                } else {
-                                    self.buffer_of[&b]
+                                let flat = self.flat_view(x, &out_shape);
+                                let src = match (&flat, self.needs_copy(x)) {
+                                    (None, true) => self.materialise(x, kernels),
+                                    _ => self.buffer_of[&b],
                                 };
-                                let view = if self.needs_copy(x) {
-                                    View::contiguous(&self.g.ty(x).shape)
-                                } else {
-                                    self.view_of(x)
+                                // A flat view has the kernel's elements in
+                                // another shape; the others broadcast to it.
+                                let view = match (flat, self.needs_copy(x)) {
+                                    (Some(v), _) => v,
+                                    (None, true) => {
+                                        View::contiguous(&self.g.ty(x).shape).expand_to(&out_shape)
+                                    }
+                                    (None, false) => self.view_of(x).expand_to(&out_shape),
                                 };
                                 let slot = match inputs.iter().position(|&i| i == src) {
                                     Some(s) => s,
@@ -260,10 +294,7 @@ impl<'g> Fuser<'g> {
                                         inputs.len() - 1
                                     }
                                 };
-                                PExpr::Load {
-                                    input: slot,
-                                    view: view.expand_to(&out_shape),
-                                }
+                                PExpr::Load { input: slot, view }
                             }
                         };
                         exprs.push(ex);
