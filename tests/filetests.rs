@@ -22,7 +22,9 @@
 //! alone prints the graph as read. The output is the printed graph (or
 //! program), or `error: ...` where the text does not parse or a pass
 //! breaks the graph. Everything after the `; expect:` line is the expected
-//! output.
+//! output. A line `; off: NAME...` turns optimisations of the kernel
+//! stages off (`kernel::OPTIMISATIONS`, as `--disable-pass` does), to
+//! test what the program is without them.
 //!
 //! `FUSEC_BLESS=1 cargo test --release --test filetests` writes each
 //! file's actual output in place of its expected section;
@@ -36,6 +38,7 @@ use fusec_compiler::passes::{default_pipeline, forward_pipeline, run_pipeline, P
 use std::path::{Path, PathBuf};
 
 const RUN: &str = "; run:";
+const OFF: &str = "; off:";
 const EXPECT: &str = "; expect:";
 
 fn files(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -110,10 +113,28 @@ fn run(input: &str) -> Result<String, String> {
             ));
         }
     }
+    let off: Vec<String> = input
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix(OFF))
+        .flat_map(|s| s.split([' ', ',']).filter(|w| !w.is_empty()))
+        .map(str::to_string)
+        .collect();
+    let optimisations = fusec_compiler::kernel::OPTIMISATIONS;
+    if let Some(o) = off
+        .iter()
+        .find(|o| !optimisations.iter().any(|x| x.0 == *o))
+    {
+        let names: Vec<&str> = optimisations.iter().map(|x| x.0).collect();
+        return Err(format!(
+            "`{OFF} {o}`: no such optimisation; they are: {}",
+            names.join(", ")
+        ));
+    }
     let mut g = match parse_graph(input) {
         Ok(g) => g,
         Err(e) => return Ok(format!("error: {e}\n")),
     };
+    g.lowering_off = off;
     for s in &stages {
         match *s {
             "parse" => {}
