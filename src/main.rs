@@ -46,6 +46,15 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Rust ignores SIGPIPE, so printing a dump into a pipe that closed early
+    // (`| head`) would panic; the default action ends the process quietly,
+    // as other command-line tools do.
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to its default before any
+    // thread starts; no handler runs Rust code.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Check(a) => cli::check::run(&a),

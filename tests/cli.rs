@@ -589,3 +589,30 @@ fn a_sequence_longer_than_the_position_table_is_refused() {
     assert!(err.contains("gpt2-small.dsl:48:34"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A dump piped into a reader that stops early (`| head`) ends fusec
+/// quietly: no panic on the closed pipe.
+#[cfg(unix)]
+#[test]
+fn a_closed_pipe_ends_a_dump_quietly() {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fusec"))
+        .args(["build", "dsl-examples/gpt2-small.dsl", "--dump", "train"])
+        .current_dir(common::root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("fusec runs");
+    let mut first = [0u8; 64];
+    child
+        .stdout
+        .take()
+        .expect("piped")
+        .read_exact(&mut first)
+        .expect("the dump starts");
+    // The read end is closed here; the rest of the dump has nowhere to go.
+    let out = child.wait_with_output().expect("fusec ends");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+}
