@@ -153,7 +153,7 @@ tests/models/twins/gqa-hd80.dsl --batch 8 --seq 256 $TEXT
 tests/models/twins/hd40-by-hand.dsl --set vocab=256 --batch 8 --seq 128 $TEXT
 tests/models/twins/blocks.dsl --set vocab=256 --batch 8 --seq 64 $TEXT
 dsl-examples/bert-encoder.dsl --set layers=2 --set d=128 --set n_heads=2 --set vocab=1000 --set ctx=128 --batch 32 --seq 128
-dsl-examples/vit-tiny.dsl --set layers=2 --batch 64
+dsl-examples/vit-tiny.dsl --set layers=2 --batch 64 --data random --lr 3e-4
 dsl-examples/gpt2-block.dsl --set d=256 --set n_heads=4 --batch 8 --seq 128
 dsl-examples/mlp.dsl --batch 256
 tests/models/twins/hd96-fp16.dsl --batch 64 --seq 16
