@@ -149,10 +149,11 @@ pub fn print_program(g: &Graph, p: &Program) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "kernels of {} ({}): {} launches",
+        "kernels of {} ({}): {} launch{}",
         g.name,
         g.dims.join(", "),
-        p.kernels.len()
+        p.kernels.len(),
+        if p.kernels.len() == 1 { "" } else { "es" }
     );
     for k in &p.kernels {
         let ops: Vec<&str> = k.nodes.iter().map(|&n| g.g[n].op.name()).collect();
