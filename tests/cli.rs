@@ -531,6 +531,11 @@ fn awkward_sizes_are_padded_and_a_pass_can_be_left_out() {
         "{report}"
     );
     assert!(report.contains("layer.0.w_down"), "{report}");
+    // The graph after each forward pass is that pass's: no padding yet
+    // after fold-attention, which runs before pad-dims.
+    let after = |pass: &str| fusec(&["build", model, "--dump-after", pass]).1;
+    assert!(!after("fold-attention").contains("1728"));
+    assert!(after("pad-dims").contains("1728"));
     let mut off = args.to_vec();
     off.extend(["--disable-pass", "pad-dims"]);
     let (code, _, err) = fusec(&off);

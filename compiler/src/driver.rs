@@ -46,19 +46,30 @@ pub struct Compiled {
     pub pass_stats: Vec<(&'static str, PassStats)>,
     /// The passes `--disable-pass` left out.
     pub disabled_passes: Vec<String>,
+    /// What it was compiled with (for `graph_after`'s forward passes).
+    pub options: Options,
 }
 
 impl Compiled {
     /// The step as it stands after the named pass (`None` if no pass has that name).
     pub fn graph_after(&self, pass: &str) -> Option<Graph> {
-        // Forward passes ran before autodiff: their result is the forward graph.
-        if forward_pipeline().iter().any(|p| p.name() == pass) {
-            return Some(self.model.graph.clone());
+        let enabled = |passes: Vec<Box<dyn crate::passes::Pass>>| -> Vec<_> {
+            passes
+                .into_iter()
+                .filter(|p| !self.disabled_passes.iter().any(|d| d == p.name()))
+                .collect()
+        };
+        // Forward passes run on the forward graph before autodiff: the
+        // model is elaborated again and run up to this one.
+        let forward = enabled(forward_pipeline());
+        if let Some(upto) = forward.iter().position(|p| p.name() == pass) {
+            let mut g = elaborate::elaborate(&self.ast, &self.model.graph.name, &self.options)
+                .ok()?
+                .graph;
+            run_pipeline(&mut g, &forward[..=upto], |_, _| {}).ok()?;
+            return Some(g);
         }
-        let passes: Vec<_> = default_pipeline()
-            .into_iter()
-            .filter(|p| !self.disabled_passes.iter().any(|d| d == p.name()))
-            .collect();
+        let passes = enabled(default_pipeline());
         let upto = passes.iter().position(|p| p.name() == pass)?;
         let mut g = self.training.clone();
         run_pipeline(&mut g, &passes[..=upto], |_, _| {}).ok()?;
@@ -181,6 +192,7 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
         optimized,
         pass_stats,
         disabled_passes: opts.disabled_passes.clone(),
+        options: opts.clone(),
     })
 }
 
