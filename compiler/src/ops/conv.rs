@@ -218,6 +218,7 @@ impl OpDef for Conv2dGradInput {
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("conv2d_grad_input", inputs, 2)?;
+        ranks_and_stride("conv2d_grad_input", inputs, self.stride)?;
         let (dy, w) = (&inputs[0], &inputs[1]);
         Ok(vec![dy.with_shape(vec![
             dy.shape[0].clone(),
@@ -253,6 +254,7 @@ impl OpDef for Conv2dGradWeight {
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("conv2d_grad_weight", inputs, 2)?;
+        ranks_and_stride("conv2d_grad_weight", inputs, self.stride)?;
         let (x, dy) = (&inputs[0], &inputs[1]);
         let shape = vec![
             self.kh.clone(),
@@ -277,6 +279,25 @@ impl OpDef for Conv2dGradWeight {
         });
         vec![Tensor::new(wshape.clone(), dw)]
     }
+}
+
+/// The gradients' inputs are two NHWC / HWIO tensors of rank 4 and their
+/// stride is positive (autodiff builds them so; a graph read from text may
+/// not).
+fn ranks_and_stride(op: &str, inputs: &[TensorType], stride: usize) -> Result<(), OpError> {
+    if inputs.iter().any(|t| t.rank() != 4) {
+        return Err(OpError::new(
+            format!("`{op}` takes two tensors of rank 4"),
+            format!("found {} and {}", inputs[0], inputs[1]),
+        ));
+    }
+    if stride == 0 {
+        return Err(OpError::new(
+            format!("the stride of `{op}` must be at least 1"),
+            format!("found {stride}"),
+        ));
+    }
+    Ok(())
 }
 
 macro_rules! conv_lowering {

@@ -193,7 +193,8 @@ impl SumSquares {
             .iter()
             .map(|t| {
                 let n = t.numel().as_const()?;
-                Some(((n + self.chunk - 1) / self.chunk).max(1))
+                // ceil(n / chunk) without n + chunk - 1, which can overflow.
+                Some((n / self.chunk + i64::from(n % self.chunk != 0)).max(1))
             })
             .collect()
     }

@@ -321,6 +321,12 @@ impl OpDef for SliceGrad {
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("slice_grad", inputs, 1)?;
+        if self.axis >= inputs[0].rank() {
+            return Err(OpError::new(
+                "axis out of range in `slice_grad`",
+                format!("axis {} for {}", self.axis, inputs[0]),
+            ));
+        }
         let mut shape = inputs[0].shape.clone();
         shape[self.axis] = self.full.clone();
         Ok(vec![inputs[0].with_shape(shape)])

@@ -311,36 +311,3 @@ fn range(c: &mut Cursor) -> Result<Option<(i64, i64)>, ParseError> {
     c.next()?;
     Ok(Some((lo, c.int()?)))
 }
-
-/// What a few shape rules take for granted because autodiff builds their
-/// ops from well-formed ones (they index axes, or add sizes, unchecked); a line
-/// written by hand is checked here first, so bad text gives an error, not
-/// a panic.
-pub(super) fn check_inputs(op: &Op, inputs: &[TensorType]) -> Result<(), String> {
-    let rank = |i: usize| inputs.get(i).map(TensorType::rank);
-    match op {
-        Op::SliceGrad(s) if rank(0).is_some_and(|r| s.axis >= r) => {
-            Err(format!("axis {} is out of range for {}", s.axis, inputs[0]))
-        }
-        Op::Conv2dGradInput(_) | Op::Conv2dGradWeight(_)
-            if inputs.len() != 2 || rank(0) != Some(4) || rank(1) != Some(4) =>
-        {
-            Err(format!("`{}` takes two tensors of rank 4", op.name()))
-        }
-        Op::SumSquares(s)
-            if inputs.iter().any(|t| {
-                t.numel()
-                    .as_const()
-                    .is_some_and(|n| n.checked_add(s.chunk).is_none())
-            }) =>
-        {
-            Err(format!("chunk {} is too large", s.chunk))
-        }
-        Op::Conv2d(Conv2d { stride: 0, .. })
-        | Op::Conv2dGradInput(Conv2dGradInput { stride: 0, .. })
-        | Op::Conv2dGradWeight(Conv2dGradWeight { stride: 0, .. }) => {
-            Err("the stride must be at least 1".into())
-        }
-        _ => Ok(()),
-    }
-}

@@ -348,7 +348,7 @@ const BAD: &[(&str, usize, usize, &str)] = &[
         "graph t (B)\nforward:\n  %0: f32[B, 4] = input \"x\"\n  %1: f32[B, 4] = slice_grad(%0) axis=5 at=0 full=4",
         4,
         19,
-        "axis 5 is out of range",
+        "axis out of range in `slice_grad`: axis 5 for f32[B, 4]",
     ),
     (
         "graph t (B)\nforward:\n  %0: f32[B, 4] = input \"x\"\n  %1: f32[B, 4], %2: f32[B] = tanh(%0)",
