@@ -3,7 +3,7 @@
 
     python3 tools/twin_parity.py MODEL.dsl [--cpu] [--data random-stream|random|FILE] [--steps 50]
         [--set NAME=VALUE ...] [--batch N] [--seq N] [--dim NAME=N ...]
-        [--precision both|own|fp32|bf16|fp16] [--lr X] [--seed S]
+        [--precision both|own|fp32|bf16|fp16] [--lr X] [--seed S] [--weights]
 
 For each precision asked for, fusec trains the model (on the GPU, or with
 --cpu on its CPU reference interpreter) and writes its initial weights
@@ -26,6 +26,11 @@ it, or within the precision's floor (1e-5 in fp32, 2e-2 in bf16 and fp16),
 whichever is larger. A step fusec skipped for an fp16 overflow is skipped by
 the float64 twin too (an overflow is a fact about fp16's range, not about
 the arithmetic judged); a skip the fp16 twin disagrees with is reported.
+
+With --weights, every parameter after the last step is compared with the
+float64 twin's too (fusec's --save beside the same-precision twin's weights),
+the tensors where fusec is furthest ahead of the twin's distance listed
+first: where a gradient is less exact, its weights show it.
 
 For a token file the script also cuts the windows itself, as fusec's reader
 is documented to (consecutive windows of T + 1 tokens, wrapping around), and
@@ -110,6 +115,8 @@ def fusec_train(args, work, precision):
     cmd = [args.fusec, "train", args.model, "--precision", precision, "--data", args.data,
            "--steps", str(args.steps), "--seed", str(args.seed),
            "--save-init", init, "--save-data", data, "--log", log]
+    if args.weights:
+        cmd += ["--save", os.path.join(work, f"final_{precision}.safetensors")]
     cmd += model_args(args) + size_args(args)
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
@@ -202,7 +209,7 @@ def twin_train(twin, init, batches, micro, args, precision, skip=None):
                                      casting=args.casting)
         skipped = scaler is not None and scaler.get_scale() < before
         out.append({"loss": loss, "grad_norm": norm, "skipped": skipped})
-    return out
+    return out, model
 
 
 def fp64_loss_only(model, inputs):
@@ -211,6 +218,30 @@ def fp64_loss_only(model, inputs):
 
 
 # ---- judging ----
+
+
+def weights_report(twin, fusec_final, same_model, wide_model):
+    """Each parameter after the last step: its distance from the f64 twin's,
+    relative to that tensor's size, for fusec and for the same-precision twin;
+    the parameters where fusec is furthest ahead of the twin's distance first."""
+    ours = twin.read_safetensors(fusec_final)
+    same = dict(same_model.state_dict())
+    wide = dict(wide_model.state_dict())
+    rows = []
+    for name, w in wide.items():
+        w = w.detach().double().cpu()
+        scale = max(w.norm().item(), 1e-30)
+        f = (ours[name].double() - w).norm().item() / scale
+        t = (same[name].detach().double().cpu() - w).norm().item() / scale
+        rows.append((f / max(t, 1e-30), name, f, t, list(w.shape)))
+    rows.sort(reverse=True)
+    print("  weights after the last step, distance from the f64 twin's (relative to the tensor):")
+    print(f"  {'parameter':<40} {'fusec':>10} {'twin':>10} {'ratio':>8}")
+    for ratio, name, f, t, shape in rows[:12]:
+        print(f"  {name:<40} {f:10.1e} {t:10.1e} {ratio:8.1f}  {shape}")
+    total_f = sum(r[2] for r in rows) / len(rows)
+    total_t = sum(r[3] for r in rows) / len(rows)
+    print(f"  mean over {len(rows)} tensors: fusec {total_f:.1e}, twin {total_t:.1e}")
 
 
 def rel(a, b):
@@ -269,8 +300,10 @@ def parity(args, work, precision):
     if micro != twin.MICRO_BATCHES:
         raise SystemExit(f"error: fusec ran {micro} micro-batches a step, the twin {twin.MICRO_BATCHES}")
     fusec_skips = {i for i, s in enumerate(ours, 1) if s["grad_norm"] is None} if precision == "fp16" else set()
-    same = twin_train(twin, init, batches, micro, args, precision)
-    wide = twin_train(twin, init, batches, micro, args, "fp64", skip=fusec_skips)
+    same, same_model = twin_train(twin, init, batches, micro, args, precision)
+    wide, wide_model = twin_train(twin, init, batches, micro, args, "fp64", skip=fusec_skips)
+    if args.weights:
+        weights_report(twin, os.path.join(work, f"final_{precision}.safetensors"), same_model, wide_model)
     twin_skips = {i for i, s in enumerate(same, 1) if s["skipped"]}
     differ = (sorted(fusec_skips), sorted(twin_skips)) if twin_skips != fusec_skips else None
     rows, ok = judge(ours, same, wide, precision, differ)
@@ -299,6 +332,8 @@ def main():
                     help="both (fp32 and the model's own; the default), own, fp32, bf16 or fp16")
     ap.add_argument("--lr", type=float, help="learning rate (default: the model file's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--weights", action="store_true",
+                    help="after the last step, compare every parameter with the f64 twin's, fusec's distance beside the same-precision twin's")
     ap.add_argument("--casting", default="compute", choices=["compute", "autocast"],
                     help="how the bf16/fp16 twin rounds its activations: compute (the default: every "
                          "activation in the compute dtype, as fusec's precision is defined) or autocast "
