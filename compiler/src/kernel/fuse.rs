@@ -10,7 +10,7 @@
 //! other op is a kernel of its own.
 
 use super::view::View;
-use super::{Body, BufKind, Buffer, Epilogue, Kernel, Member, PExpr, Pointwise, Program};
+use super::{Body, BufKind, Buffer, Epilogue, Kernel, PExpr, Pointwise, Program};
 use crate::ir::graph::Value;
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
@@ -18,6 +18,8 @@ use crate::ops::{BinaryKind, UnaryKind};
 use crate::ops::{FusionClass, Op};
 use petgraph::stable_graph::NodeIndex;
 use std::collections::HashMap;
+
+mod epilogues;
 
 struct Fuser<'g> {
     g: &'g Graph,
@@ -31,17 +33,6 @@ struct Fuser<'g> {
     cast_into: HashMap<Value, NodeIndex>,
     /// Chains folded into the GEMM before them.
     absorbed: std::collections::HashSet<usize>,
-}
-
-/// Pointwise chains a GEMM performs as it stores its product, as values.
-struct Fold {
-    bias: Option<Value>,
-    residual: Option<Value>,
-    gelu: bool,
-    dgelu: Option<Value>,
-    chains: Vec<usize>,
-    /// Values the GEMM kernel stores, in output-slot order.
-    outs: Vec<Value>,
 }
 
 impl<'g> Fuser<'g> {
@@ -469,7 +460,10 @@ pub fn fuse(g: &Graph) -> Program {
         }
     }
     let kernels = match g.lowering_on("group-kernels") {
-        true => group_optimizer_updates(g, group_param_casts(g, &f.buffers, kernels)),
+        true => {
+            let casts = super::groups::group_param_casts(g, &f.buffers, kernels);
+            super::groups::group_optimizer_updates(g, casts)
+        }
         false => kernels,
     };
     let kernels = number(super::buckets::bucket_collectives(g, &f.buffers, kernels));
@@ -491,119 +485,6 @@ pub fn fuse(g: &Graph) -> Program {
         );
     }
     program
-}
-
-/// The casts of the f32 master weights to the compute dtype, one kernel
-/// each after fusion, become one launch at the place of the first: they read
-/// only parameters, which nothing writes before the update.
-fn group_param_casts(g: &Graph, buffers: &[Buffer], kernels: Vec<Kernel>) -> Vec<Kernel> {
-    let is_cast = |k: &Kernel| {
-        k.nodes.len() == 1
-            && matches!(g.g[k.nodes[0]].op, Op::Cast(_))
-            && k.inputs.len() == 1
-            && buffers[k.inputs[0]].kind == BufKind::Param
-            && matches!(&k.body, Body::Pointwise(pw) if pw.exprs.iter().all(|e| match e {
-                PExpr::Load { view, .. } => view.is_contiguous(),
-                _ => true,
-            }))
-    };
-    let casts: Vec<usize> = (0..kernels.len())
-        .filter(|&i| is_cast(&kernels[i]))
-        .collect();
-    if casts.len() < 2 {
-        return kernels;
-    }
-    regroup(g, kernels, &casts, casts[0])
-}
-
-/// Most ops in one group kernel: their pointers must fit the 32 KiB of
-/// kernel parameters (seven pointers for an AdamW update), and ptxas
-/// spills a cast group of 256 members on sm_80 (gpt2-xl's 580 parameters);
-/// 160 keeps every shipped model's groups whole below that.
-const GROUP_MAX: usize = 160;
-
-/// Kernels `chosen` (independent single-op kernels of one kind, in launch
-/// order) as group kernels of at most GROUP_MAX members each, launched
-/// where kernel `at` (one of them) was; the other kernels keep their order.
-fn regroup(g: &Graph, kernels: Vec<Kernel>, chosen: &[usize], at: usize) -> Vec<Kernel> {
-    let mut groups: Vec<Kernel> = Vec::new();
-    for chunk in chosen.chunks(GROUP_MAX) {
-        let (mut inputs, mut outputs): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
-        let mut members = Vec::new();
-        for &i in chunk {
-            let k = &kernels[i];
-            let ins = k
-                .inputs
-                .iter()
-                .map(|b| match inputs.iter().position(|x| x == b) {
-                    Some(s) => s,
-                    None => {
-                        inputs.push(*b);
-                        inputs.len() - 1
-                    }
-                })
-                .collect();
-            let outs = k
-                .outputs
-                .iter()
-                .map(|b| {
-                    outputs.push(*b);
-                    outputs.len() - 1
-                })
-                .collect();
-            members.push(Member {
-                node: k.nodes[0],
-                inputs: ins,
-                outputs: outs,
-            });
-        }
-        let op = g.g[members[0].node].op.name();
-        groups.push(Kernel {
-            name: format!("{op}_x{}", members.len()),
-            nodes: members.iter().map(|m| m.node).collect(),
-            inputs,
-            outputs,
-            input_views: Vec::new(),
-            residual: None,
-            body: Body::Group(members),
-        });
-    }
-    let mut out = Vec::with_capacity(kernels.len());
-    for (i, k) in kernels.into_iter().enumerate() {
-        if i == at {
-            out.append(&mut groups);
-        }
-        if !chosen.contains(&i) {
-            out.push(k);
-        }
-    }
-    out
-}
-
-/// Every parameter's optimizer update in one launch (or a few): the ops
-/// are independent and nothing in the step reads their results, so they
-/// move to the position of the last of them.
-fn group_optimizer_updates(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
-    let is_update = |k: &Kernel| matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::AdamW(_) | Op::Sgd(_)));
-    let updates: Vec<usize> = (0..kernels.len())
-        .filter(|&i| is_update(&kernels[i]))
-        .collect();
-    if updates.len() < 2 {
-        return kernels;
-    }
-    // Only when no other kernel reads what an update writes.
-    let written: std::collections::HashSet<usize> = updates
-        .iter()
-        .flat_map(|&i| kernels[i].outputs.iter().copied())
-        .collect();
-    if kernels
-        .iter()
-        .any(|k| !is_update(k) && k.inputs.iter().any(|b| written.contains(b)))
-    {
-        return kernels;
-    }
-    let last = *updates.last().expect("at least two updates");
-    regroup(g, kernels, &updates, last)
 }
 
 /// Names lead with the launch position (`k12_add_gelu`), whatever moved.
@@ -672,237 +553,5 @@ impl Fuser<'_> {
             }),
         });
         out
-    }
-}
-
-impl Fuser<'_> {
-    /// `x` is a stored tensor of exactly `shape`, read as laid out.
-    fn stored_as(&self, x: Value, shape: &[crate::ir::Dim]) -> bool {
-        let (base, _) = self.base(x);
-        self.buffer_of.contains_key(&base)
-            && self.class(base.node) != FusionClass::Scalar
-            && !self.needs_copy(x)
-            && self.view_of(x).is_contiguous()
-            && self.g.ty(x).shape == shape
-    }
-
-    /// `x` is a stored vector of the last size of `shape`, broadcast over
-    /// the other axes: a bias.
-    fn is_bias(&self, x: Value, shape: &[crate::ir::Dim]) -> bool {
-        let (base, _) = self.base(x);
-        if !self.buffer_of.contains_key(&base)
-            || self.class(base.node) == FusionClass::Scalar
-            || self.needs_copy(x)
-            || self.g.ty(base).rank() != 1
-            || self.g.ty(base).shape.last() != shape.last()
-        {
-            return false;
-        }
-        let v = self.view_of(x).expand_to(shape);
-        let r = v.strides.len();
-        v.offset.as_const() == Some(0)
-            && v.strides[r - 1].is_one()
-            && v.strides[..r - 1].iter().all(|s| s.as_const() == Some(0))
-    }
-
-    /// `dx + r` after a norm backward `n`, when that add is a chain of its
-    /// own, dx's only reader, and `r` a stored tensor of dx's shape and
-    /// type: (the add, r).
-    fn residual_add(&self, n: NodeIndex) -> Option<(NodeIndex, Value)> {
-        if !matches!(self.g.g[n].op, Op::LayerNormGrad(_) | Op::RmsNormGrad(_))
-            || !self.g.lowering_on("norm-residual")
-        {
-            return None;
-        }
-        let dx = Value { node: n, port: 0 };
-        let users = self.g.users(dx);
-        if self.outputs.contains(&dx) || users.len() != 1 {
-            return None;
-        }
-        let u = users[0].0;
-        let is_add = matches!(&self.g.g[u].op, Op::Binary(b) if b.kind == BinaryKind::Add);
-        if !is_add
-            || self.class(u) != FusionClass::Elementwise
-            || self.chains[*self.group.get(&u)?] != [u]
-        {
-            return None;
-        }
-        let ins = self.g.inputs(u);
-        let other = match (ins[0] == dx, ins[1] == dx) {
-            (true, false) => ins[1],
-            (false, true) => ins[0],
-            _ => return None,
-        };
-        let t = self.g.ty(dx);
-        (self.g.ty(other) == t
-            && self.g.ty(Value { node: u, port: 0 }) == t
-            && self.stored_as(other, &t.shape))
-        .then_some((u, other))
-    }
-
-    /// The chains after matmul `n` that cuBLASLt can apply as it stores the
-    /// product: `+ bias`, `+ residual`, `gelu` (keeping the pre-activation),
-    /// or the GELU backward `gelu'(pre) * product`.
-    fn gemm_fold(&self, n: NodeIndex) -> Option<Fold> {
-        if !self.g.lowering_on("gemm-epilogues") {
-            return None;
-        }
-        let y = Value { node: n, port: 0 };
-        let yt = self.g.ty(y);
-        let users = self.g.users(y);
-        if self.outputs.contains(&y) || users.len() != 1 {
-            return None;
-        }
-        let u = users[0].0;
-        if self.class(u) != FusionClass::Elementwise || self.absorbed_cast(u).is_some() {
-            return None;
-        }
-        let ci = self.group[&u];
-        let chain = &self.chains[ci];
-        if chain[0] != u {
-            return None;
-        }
-        let same_type = |v: Value| self.g.ty(v) == yt;
-        let ins = self.g.inputs(u);
-        // cuBLASLt's GELU epilogues store the pre-activation with a leading
-        // dimension that must be a multiple of 8.
-        let aux_ok = yt
-            .shape
-            .last()
-            .and_then(|d| d.as_const())
-            .is_some_and(|n| n % 8 == 0);
-        if let Op::UnaryGrad(ug) = &self.g.g[u].op {
-            let ok = ug.kind == UnaryKind::Gelu
-                && aux_ok
-                && chain.len() == 1
-                && ins[1] == y
-                && ins[0] != y
-                && same_type(ins[0])
-                && self.stored_as(ins[0], &yt.shape);
-            return ok.then(|| Fold {
-                bias: None,
-                residual: None,
-                gelu: false,
-                dgelu: Some(ins[0]),
-                chains: vec![ci],
-                outs: vec![Value { node: u, port: 0 }],
-            });
-        }
-        let (mut bias, mut residual, mut prev) = (None, None, y);
-        for (i, &a) in chain.iter().enumerate() {
-            match &self.g.g[a].op {
-                Op::Binary(b) if b.kind == BinaryKind::Add => {}
-                // GELU ending the chain of the biased product (its input
-                // read by nothing else, as in a forward-only step or where
-                // the pre-activation is recomputed): the GELU epilogue,
-                // its pre-activation stored beside it and left unread.
-                Op::Unary(un)
-                    if un.kind == UnaryKind::Gelu
-                        && i + 1 == chain.len()
-                        && i > 0
-                        && bias.is_some()
-                        && residual.is_none()
-                        && aux_ok
-                        && self.g.inputs(a)[0] == prev
-                        && same_type(Value { node: a, port: 0 }) =>
-                {
-                    return Some(Fold {
-                        bias,
-                        residual,
-                        gelu: true,
-                        dgelu: None,
-                        chains: vec![ci],
-                        outs: vec![Value { node: a, port: 0 }, prev],
-                    });
-                }
-                _ => return None,
-            }
-            let ins = self.g.inputs(a);
-            let other = match (ins[0] == prev, ins[1] == prev) {
-                (true, false) => ins[1],
-                (false, true) => ins[0],
-                _ => return None,
-            };
-            let a_out = Value { node: a, port: 0 };
-            if !same_type(a_out) || self.g.ty(other).dtype != yt.dtype {
-                return None;
-            }
-            if bias.is_none() && self.is_bias(other, &yt.shape) {
-                bias = Some(other);
-            } else if residual.is_none() && same_type(other) && self.stored_as(other, &yt.shape) {
-                residual = Some(other);
-            } else {
-                return None;
-            }
-            prev = a_out;
-        }
-        let mut fold = Fold {
-            bias,
-            residual,
-            gelu: false,
-            dgelu: None,
-            chains: vec![ci],
-            outs: vec![prev],
-        };
-        // GELU of the biased product, stored beside its input.
-        if residual.is_none() && aux_ok {
-            for (v, _) in self.g.users(prev) {
-                let is_gelu =
-                    matches!(&self.g.g[v].op, Op::Unary(un) if un.kind == UnaryKind::Gelu);
-                if is_gelu
-                    && self.class(v) == FusionClass::Elementwise
-                    && self.chains[self.group[&v]] == [v]
-                {
-                    fold.gelu = true;
-                    fold.chains.push(self.group[&v]);
-                    fold.outs.insert(0, Value { node: v, port: 0 });
-                    break;
-                }
-            }
-        }
-        Some(fold)
-    }
-
-    fn gemm_kernel(&mut self, n: NodeIndex, kernels: &mut Vec<Kernel>) {
-        let fold = self.gemm_fold(n).expect("checked by the caller");
-        let mut ins = Vec::new();
-        let mut views = Vec::new();
-        for x in self.g.inputs(n) {
-            let (b, v) = self.op_input(x, n, kernels);
-            ins.push(b);
-            views.push(v);
-        }
-        let mut slot = |x: Option<Value>, this: &Self| {
-            x.map(|x| {
-                ins.push(this.buffer_of[&this.base(x).0]);
-                ins.len() - 1
-            })
-        };
-        let epilogue = Epilogue {
-            bias: slot(fold.bias, self),
-            residual: slot(fold.residual, self),
-            gelu: fold.gelu,
-            dgelu: slot(fold.dgelu, self),
-        };
-        let mut nodes = vec![n];
-        for &c in &fold.chains {
-            nodes.extend(self.chains[c].iter().copied());
-            self.absorbed.insert(c);
-        }
-        let outs = fold
-            .outs
-            .iter()
-            .map(|&v| self.store(v, BufKind::Temp))
-            .collect();
-        let names: Vec<&str> = nodes.iter().map(|&m| self.g.g[m].op.name()).collect();
-        kernels.push(Kernel {
-            name: kernel_name(kernels.len(), &names),
-            nodes,
-            inputs: ins,
-            outputs: outs,
-            input_views: views,
-            residual: None,
-            body: Body::Gemm(n, epilogue),
-        });
     }
 }

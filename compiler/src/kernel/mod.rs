@@ -10,6 +10,7 @@
 
 pub mod buckets;
 pub mod fuse;
+mod groups;
 pub mod interp;
 pub mod pitch;
 pub mod print;

@@ -1,0 +1,126 @@
+//! Group kernels: independent single-op kernels of one kind in one launch
+//! (the casts of the master weights to the compute dtype, every
+//! parameter's optimizer update), made after fusion has cut the graph into
+//! kernels. Each member keeps its own buffers; the group kernel runs each
+//! member's loop body over its chunks (emit/group.rs).
+
+use super::{Body, BufKind, Buffer, Kernel, Member, PExpr};
+use crate::ir::Graph;
+use crate::ops::Op;
+
+/// The casts of the f32 master weights to the compute dtype, one kernel
+/// each after fusion, become one launch at the place of the first: they read
+/// only parameters, which nothing writes before the update.
+pub(super) fn group_param_casts(
+    g: &Graph,
+    buffers: &[Buffer],
+    kernels: Vec<Kernel>,
+) -> Vec<Kernel> {
+    let is_cast = |k: &Kernel| {
+        k.nodes.len() == 1
+            && matches!(g.g[k.nodes[0]].op, Op::Cast(_))
+            && k.inputs.len() == 1
+            && buffers[k.inputs[0]].kind == BufKind::Param
+            && matches!(&k.body, Body::Pointwise(pw) if pw.exprs.iter().all(|e| match e {
+                PExpr::Load { view, .. } => view.is_contiguous(),
+                _ => true,
+            }))
+    };
+    let casts: Vec<usize> = (0..kernels.len())
+        .filter(|&i| is_cast(&kernels[i]))
+        .collect();
+    if casts.len() < 2 {
+        return kernels;
+    }
+    regroup(g, kernels, &casts, casts[0])
+}
+
+/// Most ops in one group kernel: their pointers must fit the 32 KiB of
+/// kernel parameters (seven pointers for an AdamW update), and ptxas
+/// spills a cast group of 256 members on sm_80 (gpt2-xl's 580 parameters);
+/// 160 keeps every shipped model's groups whole below that.
+const GROUP_MAX: usize = 160;
+
+/// Kernels `chosen` (independent single-op kernels of one kind, in launch
+/// order) as group kernels of at most GROUP_MAX members each, launched
+/// where kernel `at` (one of them) was; the other kernels keep their order.
+fn regroup(g: &Graph, kernels: Vec<Kernel>, chosen: &[usize], at: usize) -> Vec<Kernel> {
+    let mut groups: Vec<Kernel> = Vec::new();
+    for chunk in chosen.chunks(GROUP_MAX) {
+        let (mut inputs, mut outputs): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
+        let mut members = Vec::new();
+        for &i in chunk {
+            let k = &kernels[i];
+            let ins = k
+                .inputs
+                .iter()
+                .map(|b| match inputs.iter().position(|x| x == b) {
+                    Some(s) => s,
+                    None => {
+                        inputs.push(*b);
+                        inputs.len() - 1
+                    }
+                })
+                .collect();
+            let outs = k
+                .outputs
+                .iter()
+                .map(|b| {
+                    outputs.push(*b);
+                    outputs.len() - 1
+                })
+                .collect();
+            members.push(Member {
+                node: k.nodes[0],
+                inputs: ins,
+                outputs: outs,
+            });
+        }
+        let op = g.g[members[0].node].op.name();
+        groups.push(Kernel {
+            name: format!("{op}_x{}", members.len()),
+            nodes: members.iter().map(|m| m.node).collect(),
+            inputs,
+            outputs,
+            input_views: Vec::new(),
+            residual: None,
+            body: Body::Group(members),
+        });
+    }
+    let mut out = Vec::with_capacity(kernels.len());
+    for (i, k) in kernels.into_iter().enumerate() {
+        if i == at {
+            out.append(&mut groups);
+        }
+        if !chosen.contains(&i) {
+            out.push(k);
+        }
+    }
+    out
+}
+
+/// Every parameter's optimizer update in one launch (or a few): the ops
+/// are independent and nothing in the step reads their results, so they
+/// move to the position of the last of them.
+pub(super) fn group_optimizer_updates(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
+    let is_update = |k: &Kernel| matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::AdamW(_) | Op::Sgd(_)));
+    let updates: Vec<usize> = (0..kernels.len())
+        .filter(|&i| is_update(&kernels[i]))
+        .collect();
+    if updates.len() < 2 {
+        return kernels;
+    }
+    // Only when no other kernel reads what an update writes.
+    let written: std::collections::HashSet<usize> = updates
+        .iter()
+        .flat_map(|&i| kernels[i].outputs.iter().copied())
+        .collect();
+    if kernels
+        .iter()
+        .any(|k| !is_update(k) && k.inputs.iter().any(|b| written.contains(b)))
+    {
+        return kernels;
+    }
+    let last = *updates.last().expect("at least two updates");
+    regroup(g, kernels, &updates, last)
+}
