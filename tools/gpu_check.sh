@@ -132,11 +132,12 @@ if [ "$what" = llama ] || [ "$what" = all ]; then
   timeout 400 python3 tools/bench_llama.py --batch 8 --seq 1024 --modes compiled 2>&1 | tail -1 | tee "$LOGS/llama-torch.jsonl"
 fi
 if [ "$what" = twins ] || [ "$what" = all ]; then
-  # Token models train on the project's own sources and docs (several
-  # hundred KB: 50 steps never see a window twice); the others on one
-  # fixed random batch, at sizes where 50 steps do not fit it to zero.
+  # Token models train on a fixed 1 MB text (tools/twin_corpus.py: the
+  # same bytes at every commit, so figures compare between runs; 50 steps
+  # never see a window twice); the others on random batches, vit-tiny on
+  # one fixed batch at a rate where 50 steps do not fit it to zero.
   CORPUS=/tmp/twin-corpus.txt
-  find . -path ./out -prune -o -path ./target -prune -o \( -name '*.rs' -o -name '*.md' \) -type f -print | sort | xargs cat > $CORPUS
+  python3 tools/twin_corpus.py $CORPUS
   TEXT="--data $CORPUS"
   while read -r model rest; do
     [ -z "$model" ] && continue

@@ -3,7 +3,7 @@
 
     python3 tools/twin_parity.py MODEL.dsl [--cpu] [--data random-stream|random|FILE] [--steps 50]
         [--set NAME=VALUE ...] [--batch N] [--seq N] [--dim NAME=N ...]
-        [--precision both|own|fp32|bf16|fp16] [--lr X] [--seed S] [--weights]
+        [--precision both|own|fp32|bf16|fp16] [--lr X] [--seed S] [--weights] [--probe K ...]
 
 For each precision asked for, fusec trains the model (on the GPU, or with
 --cpu on its CPU reference interpreter) and writes its initial weights
@@ -31,6 +31,12 @@ With --weights, every parameter after the last step is compared with the
 float64 twin's too (fusec's --save beside the same-precision twin's weights),
 the tensors where fusec is furthest ahead of the twin's distance listed
 first: where a gradient is less exact, its weights show it.
+
+With --probe K, fusec also trains K - 1 steps and saves its weights, and
+the twin takes step K's gradient at those very weights, in f64 and in fp32:
+fusec's logged norm at step K beside the f64 norm at its own weights says
+whether an excess at step K comes from that step's arithmetic or from the
+path the weights took to it.
 
 For a token file the script also cuts the windows itself, as fusec's reader
 is documented to (consecutive windows of T + 1 tokens, wrapping around), and
@@ -220,6 +226,39 @@ def fp64_loss_only(model, inputs):
 # ---- judging ----
 
 
+def probe(args, work, precision, twin, batches, micro, ours, k):
+    """Step k's gradient norm at fusec's own weights: fusec trains k - 1
+    steps and saves them, and the twin takes step k's gradient there in f64
+    and in the same precision. Where the f64 norm matches fusec's logged one,
+    a step's excess came from the weights' path, not from that step's
+    arithmetic. (A constant learning rate keeps the k - 1 steps the same as
+    the full run's.)"""
+    ck = os.path.join(work, f"probe_{precision}_{k}.safetensors")
+    cmd = [args.fusec, "train", args.model, "--precision", precision, "--data", args.data,
+           "--steps", str(k - 1), "--seed", str(args.seed), "--save", ck]
+    cmd += model_args(args) + size_args(args)
+    if args.lr is not None:
+        cmd += ["--lr", str(args.lr)]
+    run(cmd + args.fusec_arg, quiet=True)
+    norms = {}
+    for p in ("fp64", precision):
+        wide = p == "fp64"
+        dt = torch.float64 if wide else torch.float32
+        model = twin.MODEL()
+        twin.load_fusec(model, ck)
+        model = model.to(args.device, dt)
+        for b in step_batches(batches, micro, k):
+            inputs = {n: v.to(args.device) if not v.is_floating_point() else v.to(args.device, dt)
+                      for n, v in b.items()}
+            (model(**inputs) / micro).backward()
+        norms[p] = math.sqrt(sum(float((q.grad.double() ** 2).sum()) for q in model.parameters()
+                                 if q.grad is not None))
+    ours_k = ours[k - 1]["grad_norm"]
+    print(f"  step {k} at fusec's weights after step {k - 1}: f64 norm {norms['fp64']:.9g}, "
+          f"{precision} twin {rel(norms[precision], norms['fp64']):.1e} from it, "
+          f"fusec's logged {ours_k:.9g}, {rel(ours_k, norms['fp64']):.1e} from it")
+
+
 def weights_report(twin, fusec_final, same_model, wide_model):
     """Each parameter after the last step: its distance from the f64 twin's,
     relative to that tensor's size, for fusec and for the same-precision twin;
@@ -304,6 +343,8 @@ def parity(args, work, precision):
     wide, wide_model = twin_train(twin, init, batches, micro, args, "fp64", skip=fusec_skips)
     if args.weights:
         weights_report(twin, os.path.join(work, f"final_{precision}.safetensors"), same_model, wide_model)
+    for k in args.probe:
+        probe(args, work, precision, twin, batches, micro, ours, k)
     twin_skips = {i for i, s in enumerate(same, 1) if s["skipped"]}
     differ = (sorted(fusec_skips), sorted(twin_skips)) if twin_skips != fusec_skips else None
     rows, ok = judge(ours, same, wide, precision, differ)
@@ -332,6 +373,8 @@ def main():
                     help="both (fp32 and the model's own; the default), own, fp32, bf16 or fp16")
     ap.add_argument("--lr", type=float, help="learning rate (default: the model file's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--probe", type=int, action="append", default=[], metavar="K",
+                    help="step K's gradient norm at fusec's own weights after step K - 1, in f64 and in the twin's precision, beside fusec's logged one (repeatable; fp32 and bf16 without autocast)")
     ap.add_argument("--weights", action="store_true",
                     help="after the last step, compare every parameter with the f64 twin's, fusec's distance beside the same-precision twin's")
     ap.add_argument("--casting", default="compute", choices=["compute", "autocast"],
