@@ -405,6 +405,11 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
     g.g[n].op.lower().shape(g, n)
 }
 
+/// A thread an element of the op's (first) result.
+pub(crate) fn per_element(g: &Graph, n: NodeIndex) -> Shape {
+    Shape::Elements(g.g[n].outputs[0].numel())
+}
+
 /// The rows of a row kernel over input 0: every axis but the last.
 pub(crate) fn rows_of(g: &Graph, n: NodeIndex) -> Dim {
     let s = &g.ty(g.inputs(n)[0]).shape;

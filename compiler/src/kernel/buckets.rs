@@ -142,13 +142,5 @@ fn group(ks: Vec<Kernel>) -> Kernel {
         inputs.push(k.inputs[0]);
         outputs.push(k.outputs[0]);
     }
-    Kernel {
-        name: format!("all_reduce_x{}", members.len()),
-        nodes: members.iter().map(|m| m.node).collect(),
-        inputs,
-        outputs,
-        input_views: Vec::new(),
-        residual: None,
-        body: Body::Group(members),
-    }
+    Kernel::group("all_reduce", members, inputs, outputs)
 }

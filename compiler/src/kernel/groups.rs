@@ -77,15 +77,7 @@ fn regroup(g: &Graph, kernels: Vec<Kernel>, chosen: &[usize], at: usize) -> Vec<
             });
         }
         let op = g.g[members[0].node].op.name();
-        groups.push(Kernel {
-            name: format!("{op}_x{}", members.len()),
-            nodes: members.iter().map(|m| m.node).collect(),
-            inputs,
-            outputs,
-            input_views: Vec::new(),
-            residual: None,
-            body: Body::Group(members),
-        });
+        groups.push(Kernel::group(op, members, inputs, outputs));
     }
     let mut out = Vec::with_capacity(kernels.len());
     for (i, k) in kernels.into_iter().enumerate() {

@@ -224,6 +224,27 @@ pub struct Kernel {
     pub residual: Option<usize>,
 }
 
+impl Kernel {
+    /// A group kernel of `members` over the buffers `inputs` and `outputs`
+    /// their slots index, named `{op}_x{count}`.
+    pub fn group(
+        op: &str,
+        members: Vec<Member>,
+        inputs: Vec<usize>,
+        outputs: Vec<usize>,
+    ) -> Kernel {
+        Kernel {
+            name: format!("{op}_x{}", members.len()),
+            nodes: members.iter().map(|m| m.node).collect(),
+            inputs,
+            outputs,
+            input_views: Vec::new(),
+            residual: None,
+            body: Body::Group(members),
+        }
+    }
+}
+
 /// The training step as kernels, in launch order.
 #[derive(Clone, Debug)]
 pub struct Program {

@@ -301,7 +301,7 @@ impl Lower for Cast {
         FusionClass::Elementwise
     }
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(Shape::Elements(g.g[n].outputs[0].numel()))
+        Some(per_element(g, n))
     }
     /// Casts run on their own only as members of a group kernel (the
     /// master weights to the compute dtype); elsewhere they fuse into
@@ -313,7 +313,7 @@ impl Lower for Cast {
 
 impl Lower for Unscale {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(Shape::Elements(g.g[n].outputs[0].numel()))
+        Some(per_element(g, n))
     }
     /// fp16: the true norm, the clip coefficient over the loss scale, and
     /// whether the step applies (no overflow).
@@ -349,7 +349,7 @@ impl Lower for Unscale {
 
 impl Lower for ClipCoef {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(Shape::Elements(g.g[n].outputs[0].numel()))
+        Some(per_element(g, n))
     }
     fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
         let mut b = String::new();

@@ -36,7 +36,7 @@ pub use source::{Input, Param, State};
 pub use unary::{TorchForm, Unary, UnaryFn, UnaryGrad, UnaryKind};
 
 pub use crate::emit::lower::{FusionClass, Lower};
-pub(crate) use crate::emit::templates::{Ctx, Shape};
+pub(crate) use crate::emit::templates::{per_element, Ctx, Shape};
 use crate::interp::tensor::Tensor;
 use crate::ir::dim::Dim;
 use crate::ir::graph::{Graph, Value};

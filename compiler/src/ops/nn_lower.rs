@@ -7,16 +7,41 @@
 use super::*;
 use crate::emit::cuda::float_lit;
 use crate::emit::templates::{
-    close_row_groups, cross_entropy_row, max_sumexp, rms, row_groups, rows_of, stats, with_residual,
+    close_row_groups, cross_entropy_row, max_sumexp, rms, row_groups, row_length_of, rows_of,
+    stats, with_residual,
 };
 use crate::emit::{embedding_grad, norm_rows};
 use std::fmt::Write;
 
+/// A block a row where the op runs along the last axis (none otherwise).
+fn last_axis_rows(axis: usize, g: &Graph, n: NodeIndex) -> Option<Shape> {
+    let rank = g.ty(g.inputs(n)[0]).rank();
+    (axis + 1 == rank).then(|| Shape::Rows(rows_of(g, n)))
+}
+
+/// A norm's forward: norm_rows's blocks of many short rows where it
+/// applies, else a block a row.
+fn norm_forward_shape(g: &Graph, n: NodeIndex) -> Shape {
+    match norm_rows::forward_applies(g, n) {
+        Some(_) => Shape::Rows(Dim::constant(norm_rows::FORWARD_BLOCKS)),
+        None => Shape::Rows(rows_of(g, n)),
+    }
+}
+
+/// A norm's backward: a block a group of rows (NORM_GROUPS, each summing
+/// its rows' parameter gradients) where norm_rows applies, else a block a
+/// row.
+fn norm_backward_shape(g: &Graph, n: NodeIndex) -> Shape {
+    match norm_rows::applies(g, n) {
+        Some(_) => Shape::Rows(Dim::constant(NORM_GROUPS as i64)),
+        None => Shape::Rows(rows_of(g, n)),
+    }
+}
+
 /// Along the last axis only: a block a row.
 impl Lower for Softmax {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        let rank = g.ty(g.inputs(n)[0]).rank();
-        (self.axis + 1 == rank).then(|| Shape::Rows(rows_of(g, n)))
+        last_axis_rows(self.axis, g, n)
     }
     fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
         let mut body = String::new();
@@ -34,8 +59,7 @@ impl Lower for Softmax {
 
 impl Lower for SoftmaxGrad {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        let rank = g.ty(g.inputs(n)[0]).rank();
-        (self.axis + 1 == rank).then(|| Shape::Rows(rows_of(g, n)))
+        last_axis_rows(self.axis, g, n)
     }
     fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
         let mut body = String::new();
@@ -59,10 +83,7 @@ impl Lower for SoftmaxGrad {
 /// Many rows a block where the rows are short (norm_rows), else a block a row.
 impl Lower for LayerNorm {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(match norm_rows::forward_applies(g, n) {
-            Some(_) => Shape::Rows(Dim::constant(norm_rows::FORWARD_BLOCKS)),
-            None => Shape::Rows(rows_of(g, n)),
-        })
+        Some(norm_forward_shape(g, n))
     }
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         norm_rows::forward_body(g, c, n)
@@ -84,10 +105,7 @@ impl Lower for LayerNorm {
 
 impl Lower for RmsNorm {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(match norm_rows::forward_applies(g, n) {
-            Some(_) => Shape::Rows(Dim::constant(norm_rows::FORWARD_BLOCKS)),
-            None => Shape::Rows(rows_of(g, n)),
-        })
+        Some(norm_forward_shape(g, n))
     }
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         norm_rows::forward_body(g, c, n)
@@ -111,10 +129,7 @@ impl Lower for RmsNorm {
 /// one kernel (norm_rows's where it applies).
 impl Lower for LayerNormGrad {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(match norm_rows::applies(g, n) {
-            Some(_) => Shape::Rows(Dim::constant(NORM_GROUPS as i64)),
-            None => Shape::Rows(rows_of(g, n)),
-        })
+        Some(norm_backward_shape(g, n))
     }
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         norm_rows::kernel_body(g, c, n)
@@ -173,10 +188,7 @@ impl Lower for LayerNormGrad {
 
 impl Lower for RmsNormGrad {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(match norm_rows::applies(g, n) {
-            Some(_) => Shape::Rows(Dim::constant(NORM_GROUPS as i64)),
-            None => Shape::Rows(rows_of(g, n)),
-        })
+        Some(norm_backward_shape(g, n))
     }
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         norm_rows::kernel_body(g, c, n)
@@ -236,7 +248,7 @@ impl Lower for RmsNormGrad {
 
 impl Lower for Embedding {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(Shape::Elements(g.g[n].outputs[0].numel()))
+        Some(per_element(g, n))
     }
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let ins = g.inputs(n);
@@ -276,60 +288,37 @@ impl Lower for EmbeddingGrad {
     }
 }
 
-/// logsumexp(row) - row[target]; NaN for a target outside the row.
-impl Lower for CrossEntropy {
-    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(Shape::Rows(rows_of(g, n)))
-    }
-    /// A cross-entropy over padded logits counts its classes only.
-    fn row_length(&self, g: &Graph, n: NodeIndex) -> Dim {
-        match self.classes {
-            Some(c) => Dim::constant(c),
-            None => crate::emit::templates::row_length_of(g, n),
+/// The three cross-entropy ops share one row kernel (emit::templates::
+/// cross_entropy_row); they differ in what it stores: the loss (output
+/// `loss`), the logits' gradient (output `grad`), or both in one pass.
+macro_rules! cross_entropy_lowering {
+    ($($op:ident: loss $loss:expr, grad $grad:expr;)*) => {$(
+        impl Lower for $op {
+            fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+                Some(Shape::Rows(rows_of(g, n)))
+            }
+            /// A cross-entropy over padded logits counts its classes only.
+            fn row_length(&self, g: &Graph, n: NodeIndex) -> Dim {
+                match self.classes {
+                    Some(c) => Dim::constant(c),
+                    None => row_length_of(g, n),
+                }
+            }
+            fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
+                let mut body = String::new();
+                cross_entropy_row(&mut body, c, $loss, $grad, self.classes);
+                Some(body)
+            }
         }
-    }
-    fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        let mut body = String::new();
-        cross_entropy_row(&mut body, c, Some(0), None, self.classes);
-        Some(body)
-    }
+    )*};
 }
 
-impl Lower for CrossEntropyGrad {
-    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(Shape::Rows(rows_of(g, n)))
-    }
-    /// A cross-entropy over padded logits counts its classes only.
-    fn row_length(&self, g: &Graph, n: NodeIndex) -> Dim {
-        match self.classes {
-            Some(c) => Dim::constant(c),
-            None => crate::emit::templates::row_length_of(g, n),
-        }
-    }
-    fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        let mut body = String::new();
-        cross_entropy_row(&mut body, c, None, Some(0), self.classes);
-        Some(body)
-    }
-}
-
-/// One pass over the logits: the row's loss and its gradient.
-impl Lower for CrossEntropyWithGrad {
-    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(Shape::Rows(rows_of(g, n)))
-    }
-    /// A cross-entropy over padded logits counts its classes only.
-    fn row_length(&self, g: &Graph, n: NodeIndex) -> Dim {
-        match self.classes {
-            Some(c) => Dim::constant(c),
-            None => crate::emit::templates::row_length_of(g, n),
-        }
-    }
-    fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        let mut body = String::new();
-        cross_entropy_row(&mut body, c, Some(1), Some(0), self.classes);
-        Some(body)
-    }
+// logsumexp(row) - row[target] (NaN for a target outside the row); its
+// gradient; and both from one pass over the logits.
+cross_entropy_lowering! {
+    CrossEntropy: loss Some(0), grad None;
+    CrossEntropyGrad: loss None, grad Some(0);
+    CrossEntropyWithGrad: loss Some(1), grad Some(0);
 }
 
 impl Lower for Rope {
@@ -380,7 +369,7 @@ impl Lower for Rope {
 
 impl Lower for CausalMask {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(Shape::Elements(g.g[n].outputs[0].numel()))
+        Some(per_element(g, n))
     }
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let ins = g.inputs(n);

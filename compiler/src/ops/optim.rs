@@ -255,6 +255,12 @@ fn update_shape(g: &Graph, n: NodeIndex, range: Option<(i64, i64)>) -> Option<Sh
     }))
 }
 
+/// The parameter's element an update thread works on: `i` itself, or past
+/// the start of this rank's piece (ZeRO; the state holds the piece alone).
+fn param_index(range: Option<(i64, i64)>) -> String {
+    range.map_or("i".to_string(), |(lo, _)| format!("{lo}LL + i"))
+}
+
 impl Lower for AdamW {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
         update_shape(g, n, self.range)
@@ -262,11 +268,7 @@ impl Lower for AdamW {
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let mut body = String::new();
         let b = &mut body;
-        // The parameter's element: `i` itself, or past the start of
-        // this rank's piece (ZeRO; the state holds the piece alone).
-        let pi = self
-            .range
-            .map_or("i".to_string(), |(lo, _)| format!("{lo}LL + i"));
+        let pi = param_index(self.range);
         let pi = pi.as_str();
         pass_through(b, c, g, n, self.range);
         if g.inputs(n).len() == 8 {
@@ -340,9 +342,7 @@ impl Lower for Sgd {
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let mut body = String::new();
         let b = &mut body;
-        let pi = self
-            .range
-            .map_or("i".to_string(), |(lo, _)| format!("{lo}LL + i"));
+        let pi = param_index(self.range);
         let pi = pi.as_str();
         pass_through(b, c, g, n, self.range);
         if g.inputs(n).len() == 6 {

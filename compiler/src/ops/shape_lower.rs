@@ -39,7 +39,7 @@ impl Lower for Reduce {
         // One run of adjacent axes (leading, or between kept ones: a mean
         // over the sequence of [B, T, C]): a loop per output element.
         let adjacent = self.axes.windows(2).all(|w| w[1] == w[0] + 1);
-        (!self.axes.is_empty() && adjacent).then(|| Shape::Elements(g.g[n].outputs[0].numel()))
+        (!self.axes.is_empty() && adjacent).then(|| per_element(g, n))
     }
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         multi::kernel_body(g, c, n)
@@ -81,7 +81,7 @@ impl Lower for Reduce {
 
 impl Lower for SliceGrad {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(Shape::Elements(g.g[n].outputs[0].numel()))
+        Some(per_element(g, n))
     }
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let ins = g.inputs(n);
