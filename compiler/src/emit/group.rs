@@ -59,7 +59,7 @@ pub fn group_kernel(
         "    for (fs_i64 chunk = blockIdx.x; ; chunk += gridDim.x) {{\n        fs_i64 b = chunk;"
     );
     for (i, m) in members.iter().enumerate() {
-        let n = match super::templates::update_range(&g.g[m.node].op) {
+        let n = match g.g[m.node].op.lower().update_range() {
             Some((lo, hi)) => format!("{}LL", hi - lo),
             None => g.g[m.node].outputs[0].numel().to_c(),
         };
@@ -117,7 +117,7 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
     let (i, o) = (&m.inputs, &m.outputs);
     // A ZeRO piece: the parameter and its gradient from the piece's start,
     // so element k of the piece is element k of the state.
-    let range = super::templates::update_range(&g.g[m.node].op);
+    let range = g.g[m.node].op.lower().update_range();
     let at = match range {
         Some((lo, _)) => format!(" + {lo}LL"),
         None => String::new(),

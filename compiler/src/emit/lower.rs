@@ -59,6 +59,12 @@ pub trait Lower {
         None
     }
 
+    /// The piece of its parameter an update runs on (ZeRO stage 1; `None`:
+    /// all of it, and for every op that is not an update).
+    fn update_range(&self) -> Option<(i64, i64)> {
+        None
+    }
+
     /// Device-global storage the kernel keeps between its blocks, written
     /// at file scope before it.
     fn file_scope(&self, _g: &Graph, _c: &Ctx, _n: NodeIndex) -> Option<String> {

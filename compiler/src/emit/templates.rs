@@ -12,7 +12,7 @@ use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::kernel::{Kernel, Program};
 
-use crate::ops::{Op, NORM_GROUPS};
+use crate::ops::NORM_GROUPS;
 use petgraph::stable_graph::NodeIndex;
 use std::fmt::Write;
 
@@ -441,15 +441,6 @@ pub(crate) fn pass_through(
             b,
             "        if (i == 0 && (const void*)out{o} != (const void*)in{x}) {{ for (fs_i64 k = 0; k < {lo}LL; ++k) out{o}[k] = in{x}[k]; for (fs_i64 k = {hi}LL; k < {total}; ++k) out{o}[k] = in{x}[k]; }}"
         );
-    }
-}
-
-/// The piece of its parameter a ZeRO update runs on (`None`: all of it).
-pub(crate) fn update_range(op: &Op) -> Option<(i64, i64)> {
-    match op {
-        Op::AdamW(a) => a.range,
-        Op::Sgd(s) => s.range,
-        _ => None,
     }
 }
 

@@ -265,6 +265,9 @@ impl Lower for AdamW {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
         update_shape(g, n, self.range)
     }
+    fn update_range(&self) -> Option<(i64, i64)> {
+        self.range
+    }
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let mut body = String::new();
         let b = &mut body;
@@ -338,6 +341,9 @@ impl Lower for AdamW {
 impl Lower for Sgd {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
         update_shape(g, n, self.range)
+    }
+    fn update_range(&self) -> Option<(i64, i64)> {
+        self.range
     }
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let mut body = String::new();
