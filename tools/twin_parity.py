@@ -190,6 +190,11 @@ def step_batches(batches, micro, step):
 # ---- the twin's runs ----
 
 
+def on_device(batch, dev, dtype):
+    """A batch's tensors on `dev`, the floating ones in `dtype`."""
+    return {k: v.to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in batch.items()}
+
+
 def twin_train(twin, init, batches, micro, args, precision, skip=None):
     """Trains the twin; `precision` is fp64 for the judge. Returns one dict per step."""
     dev = args.device
@@ -203,8 +208,7 @@ def twin_train(twin, init, batches, micro, args, precision, skip=None):
     for step in range(1, args.steps + 1):
         inputs = []
         for b in step_batches(batches, micro, step):
-            inputs.append({k: v.to(dev) if not v.is_floating_point() else v.to(dev, torch.float64 if wide else torch.float32)
-                           for k, v in b.items()})
+            inputs.append(on_device(b, dev, torch.float64 if wide else torch.float32))
         if skip and step in skip:
             loss = fp64_loss_only(model, inputs)
             out.append({"loss": loss, "grad_norm": None, "skipped": True})
@@ -248,8 +252,7 @@ def probe(args, work, precision, twin, batches, micro, ours, k):
         twin.load_fusec(model, ck)
         model = model.to(args.device, dt)
         for b in step_batches(batches, micro, k):
-            inputs = {n: v.to(args.device) if not v.is_floating_point() else v.to(args.device, dt)
-                      for n, v in b.items()}
+            inputs = on_device(b, args.device, dt)
             (model(**inputs) / micro).backward()
         norms[p] = math.sqrt(sum(float((q.grad.double() ** 2).sum()) for q in model.parameters()
                                  if q.grad is not None))
