@@ -46,6 +46,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    fusec_runtime::startup::begin();
     // Rust ignores SIGPIPE, so printing a dump into a pipe that closed early
     // (`| head`) would panic; the default action ends the process quietly,
     // as other command-line tools do.

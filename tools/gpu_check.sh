@@ -279,7 +279,7 @@ if [ "$what" = startup ]; then
   rm -rf "$FUSEC_CACHE_DIR"
   for start in cold warm warm; do
     run "$start start: fusec train gpt2-small to the end of step 1"
-    /usr/bin/time -f "%e s wall" "$BIN/fusec" train dsl-examples/gpt2-small.dsl --data $T --batch 4 --seq 128 --steps 1 2>&1 | tr "\r" "\n" | grep -E "opened|ready|step +1/|wall|weights" | tee -a "$LOGS/startup.txt"
+    FUSEC_STARTUP_TIMES=1 python3 tools/startup_timeline.py --grep "start-up|opened|ready|step +1/|weights|exited|error" -- "$BIN/fusec" train dsl-examples/gpt2-small.dsl --data $T --batch 4 --seq 128 --steps 1 2>&1 | tee -a "$LOGS/startup.txt"
   done
 fi
 if [ "$what" = profiles ]; then

@@ -119,6 +119,13 @@ pub trait Backend {
     fn memory_used(&self) -> Result<Option<u64>, RuntimeError> {
         Ok(None)
     }
+    /// Runs the step once before anything is written, so that its one-off
+    /// costs (kernels loaded, algorithms chosen, the graph captured) are
+    /// paid while the caller is still busy elsewhere; see
+    /// `Session::warm_up`. Nothing where there is nothing to warm.
+    fn warm_up(&mut self) -> Result<(), RuntimeError> {
+        Ok(())
+    }
 }
 
 /// Every parameter of `to` from `from`, through the host.
@@ -178,29 +185,75 @@ pub fn init_params(b: &mut dyn Backend, seed: u64) -> Result<(), RuntimeError> {
 
 /// Every parameter's initial values as `init_params` gives them, encoded
 /// as the parameter's dtype stores them: drawn on the host before a GPU is
-/// ready, so that drawing (0.6 s for GPT-2 small on 16 cores) overlaps
-/// opening the GPU and loading the kernels. None if a parameter's size is
-/// not a constant.
+/// ready, so that drawing (some 0.6 s for GPT-2 small on 16 cores)
+/// overlaps opening the GPU and loading the kernels. None if a parameter's
+/// size is not a constant.
 pub fn draw_params(g: &Graph, seed: u64) -> Option<Vec<(String, Vec<u8>)>> {
     let mut out = Vec::with_capacity(g.params.len());
-    for (i, p) in g.params.iter().enumerate() {
-        let n =
-            p.ty.shape
-                .iter()
-                .map(|d| d.as_const().and_then(|x| usize::try_from(x).ok()))
-                .product::<Option<usize>>()?;
-        let bytes = crate::exec::encode_filled(p.ty.dtype, n, &|start, values| {
-            init_values(&p.init, seed, i as u64, start, values)
-        });
-        out.push((p.name.clone(), bytes));
-    }
+    draw_params_each(g, seed, &mut |name, bytes| out.push((name, bytes)))?;
     Some(out)
 }
 
-/// [`init_params`] from values [`draw_params`] drew.
+/// [`draw_params`], handing each parameter to `each` as soon as it is
+/// drawn (in the graph's order), so that its copy to the GPU overlaps the
+/// drawing of the next. None, before anything is drawn, if a parameter's
+/// size is not a constant.
+pub fn draw_params_each(g: &Graph, seed: u64, each: &mut dyn FnMut(String, Vec<u8>)) -> Option<()> {
+    // Small chunks, so that a parameter of a few hundred thousand values
+    // still keeps every thread busy.
+    const CHUNK: usize = 1 << 13;
+    let sizes = g
+        .params
+        .iter()
+        .map(|p| {
+            p.ty.shape
+                .iter()
+                .map(|d| d.as_const().and_then(|x| usize::try_from(x).ok()))
+                .product::<Option<usize>>()
+        })
+        .collect::<Option<Vec<usize>>>()?;
+    for (i, (p, n)) in g.params.iter().zip(sizes).enumerate() {
+        let size = p.ty.dtype.size_bytes();
+        let mut bytes = vec![0u8; n * size];
+        bytes
+            .par_chunks_mut(CHUNK * size)
+            .enumerate()
+            .for_each(|(k, out)| {
+                let mut values = vec![0.0; out.len() / size];
+                init_values(&p.init, seed, i as u64, k * CHUNK, &mut values);
+                crate::exec::encode_into(p.ty.dtype, &values, out);
+            });
+        each(p.name.clone(), bytes);
+    }
+    Some(())
+}
+
+/// [`draw_params_each`] on all but three of the machine's cores, leaving
+/// those to the threads that open the GPU, map cuBLASLt and run the step's
+/// first launches meanwhile (each mostly one thread's work, slower when
+/// drawing takes every core).
+pub fn draw_params_beside(
+    g: &Graph,
+    seed: u64,
+    each: &mut (dyn FnMut(String, Vec<u8>) + Send),
+) -> Option<()> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match rayon::ThreadPoolBuilder::new()
+        .num_threads(cores.saturating_sub(3).max(1))
+        .thread_name(|i| format!("fusec-draw-{i}"))
+        .build()
+    {
+        Ok(pool) => pool.install(|| draw_params_each(g, seed, each)),
+        Err(_) => draw_params_each(g, seed, each),
+    }
+}
+
+/// [`init_params`] from values [`draw_params`] drew (or `draw_params_each`
+/// is still drawing: each is written as it arrives), then the optimizer
+/// state zero.
 pub fn init_params_drawn(
     b: &mut dyn Backend,
-    drawn: Vec<(String, Vec<u8>)>,
+    drawn: impl IntoIterator<Item = (String, Vec<u8>)>,
 ) -> Result<(), RuntimeError> {
     let dtypes: HashMap<String, fusec_compiler::ir::DType> = b
         .graph()
@@ -348,6 +401,9 @@ impl Backend for Gpu {
         fill: &(dyn Fn(usize, &mut [f64]) + Sync),
     ) -> Result<(), RuntimeError> {
         self.session.init(name, fill)
+    }
+    fn warm_up(&mut self) -> Result<(), RuntimeError> {
+        self.session.warm_up().map(|_| ())
     }
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         self.session.get(name)

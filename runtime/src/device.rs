@@ -69,6 +69,65 @@ fn attention_choice(
     }
 }
 
+/// A GPU being opened: on a thread of its own from [`Opening::begin`], so
+/// that the driver's start (a few hundred milliseconds) overlaps compiling
+/// the model, or where it is needed ([`Opening::here`]).
+pub struct Opening {
+    ordinal: usize,
+    thread: Option<std::thread::JoinHandle<Result<Gpu, RuntimeError>>>,
+}
+
+impl Opening {
+    /// Starts opening GPU `ordinal` now, in the background, and once it
+    /// is open, mapping cuBLASLt's library (its first user would otherwise
+    /// wait some 150 ms for it) while the caller plans the step. Mapping it
+    /// at once, beside the driver's start, slowed that start by as much.
+    pub fn begin(ordinal: usize) -> Opening {
+        let thread = std::thread::Builder::new()
+            .name("fusec-open-gpu".into())
+            .spawn(move || {
+                let gpu = open(ordinal);
+                crate::startup::mark("GPU opened (in the background)");
+                if gpu.is_ok() {
+                    let _ = std::thread::Builder::new()
+                        .name("fusec-map-cublaslt".into())
+                        .spawn(|| {
+                            crate::gemm::preload_library();
+                            crate::startup::mark("cuBLASLt mapped (in the background)");
+                        });
+                }
+                gpu
+            })
+            .ok();
+        Opening { ordinal, thread }
+    }
+
+    /// Opens GPU `ordinal` when [`Opening::wait`] is called.
+    pub fn here(ordinal: usize) -> Opening {
+        Opening {
+            ordinal,
+            thread: None,
+        }
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The open GPU, or why it could not be opened.
+    pub fn wait(self) -> Result<Gpu, RuntimeError> {
+        match self.thread {
+            Some(t) => t.join().unwrap_or_else(|_| {
+                Err(RuntimeError::NoGpu(format!(
+                    "opening GPU {} failed inside the CUDA driver",
+                    self.ordinal
+                )))
+            }),
+            None => open(self.ordinal),
+        }
+    }
+}
+
 /// Whether the CUDA driver library can be loaded at all.
 pub fn driver_present() -> bool {
     // SAFETY: only probes the dynamic loader.

@@ -222,6 +222,9 @@ pub struct Executor {
     stager: Option<Stager>,
     /// NVTX ranges to mark each launch with (a profiler is attached).
     marks: Option<crate::marks::StepMarks>,
+    /// Whether anything has been written into the arena since it was
+    /// allocated (zeros) or cleared: what `Session::warm_up` must not lose.
+    written: bool,
 }
 
 fn elem(dt: DType) -> Result<Elem, RuntimeError> {
@@ -589,6 +592,7 @@ impl Executor {
             dp: None,
             stager: None,
             marks: None,
+            written: false,
         })
     }
 
@@ -638,6 +642,9 @@ impl Executor {
                 self.marks = Some(marks);
                 done?;
             }
+            None if crate::startup::enabled() && !self.ran.iter().any(|r| *r) => {
+                self.launch_all_timed()?;
+            }
             None => {
                 for i in 0..self.launches.len() {
                     self.launch(i)?;
@@ -650,6 +657,45 @@ impl Executor {
                 dp.share(&self.gpu)?;
             }
             dp.wait(&self.gpu)?;
+        }
+        Ok(())
+    }
+
+    /// Every launch in order, the first time (`FUSEC_STARTUP_TIMES`): the
+    /// host's time in each call, where the driver loads a kernel at its
+    /// first launch and cuBLASLt plans a product at its first run; prints
+    /// the sums by kind and the slowest launches.
+    fn launch_all_timed(&mut self) -> Result<(), RuntimeError> {
+        let mut times = Vec::with_capacity(self.launches.len());
+        for i in 0..self.launches.len() {
+            let t = std::time::Instant::now();
+            self.launch(i)?;
+            let kind = match self.launches[i].step {
+                Step::Gemm { .. } => "cuBLASLt",
+                Step::Collective(..) => "collective",
+                _ => "kernel",
+            };
+            times.push((t.elapsed().as_secs_f64(), kind, i));
+        }
+        for kind in ["kernel", "cuBLASLt", "collective"] {
+            let (n, sum) = times
+                .iter()
+                .filter(|t| t.1 == kind)
+                .fold((0, 0.0), |(n, s), t| (n + 1, s + t.0));
+            if n > 0 {
+                crate::startup::mark(&format!(
+                    "  first launches: {n} {kind} calls, {:.3} s on the host",
+                    sum
+                ));
+            }
+        }
+        times.sort_by(|a, b| b.0.total_cmp(&a.0));
+        for (secs, kind, i) in times.iter().take(6) {
+            crate::startup::mark(&format!(
+                "  slowest first launch: {} ({kind}) {:.1} ms",
+                self.launches[*i].name,
+                secs * 1e3
+            ));
         }
         Ok(())
     }
@@ -822,6 +868,7 @@ impl Executor {
 
     /// Copies host bytes into buffer `b` (exactly its size).
     pub fn write(&mut self, b: usize, bytes: &[u8]) -> Result<(), RuntimeError> {
+        self.written = true;
         let s = &self.slots[b];
         if bytes.len() as u64 != s.packed_bytes() {
             return Err(RuntimeError::Unsupported(format!(
@@ -863,6 +910,7 @@ impl Executor {
     /// while the current step computes; the next `run_step` copies it in
     /// before its first kernel.
     pub fn stage(&mut self, targets: &[(&str, usize)], buf: &HostBuf) -> Result<(), RuntimeError> {
+        self.written = true;
         let mut parts = Vec::with_capacity(targets.len());
         let mut at = 0;
         for &(name, b) in targets {
@@ -937,6 +985,7 @@ impl Executor {
         src: usize,
         dst: usize,
     ) -> Result<(), RuntimeError> {
+        self.written = true;
         let (a, b) = (&other.slots[src], &self.slots[dst]);
         if a.bytes != b.bytes || a.dtype != b.dtype {
             return Err(RuntimeError::Unsupported(format!(
@@ -959,6 +1008,7 @@ impl Executor {
 
     /// Sets every byte of buffer `b` to zero, on the device.
     pub fn zero(&mut self, b: usize) -> Result<(), RuntimeError> {
+        self.written = true;
         let s = &self.slots[b];
         let (lo, hi) = (s.offset as usize, (s.offset + s.bytes) as usize);
         let mut view = self.arena.slice_mut(lo..hi);
@@ -994,11 +1044,28 @@ impl Executor {
 
     /// Fills every byte of the arena with `byte` (tests poison it).
     pub fn fill(&mut self, byte: u8) -> Result<(), RuntimeError> {
+        self.written = true;
         let host = vec![byte; self.arena.len()];
         self.gpu
             .stream
             .memcpy_htod(&host, &mut self.arena)
             .map_err(|e| RuntimeError::driver("filling the arena", e))
+    }
+
+    /// Whether the arena is still all zeros as allocated (or cleared):
+    /// nothing written into it since.
+    pub fn untouched(&self) -> bool {
+        !self.written
+    }
+
+    /// Zeros the whole arena on the device.
+    pub fn clear(&mut self) -> Result<(), RuntimeError> {
+        self.gpu
+            .stream
+            .memset_zeros(&mut self.arena)
+            .map_err(|e| RuntimeError::driver("clearing the arena", e))?;
+        self.written = false;
+        Ok(())
     }
 
     /// The arena's device address (for diagnostics).
@@ -1096,6 +1163,20 @@ pub fn encode(dt: DType, values: &[f64]) -> Vec<u8> {
             .concat();
     }
     encode_serial(dt, values)
+}
+
+/// `values` encoded into `out` (exactly `values.len()` elements of `dt`).
+pub fn encode_into(dt: DType, values: &[f64], out: &mut [u8]) {
+    let size = dt.size_bytes();
+    debug_assert_eq!(out.len(), values.len() * size);
+    for (&v, o) in values.iter().zip(out.chunks_exact_mut(size)) {
+        match dt {
+            DType::F32 => o.copy_from_slice(&(v as f32).to_le_bytes()),
+            DType::BF16 => o.copy_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+            DType::F16 => o.copy_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+            DType::I32 => o.copy_from_slice(&(v as i32).to_le_bytes()),
+        }
+    }
 }
 
 fn encode_serial(dt: DType, values: &[f64]) -> Vec<u8> {

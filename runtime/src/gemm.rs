@@ -401,6 +401,19 @@ fn column_major(s: &GemmSpec) -> ([i32; 2], [Mat; 3]) {
     ([op_a, op_b], mats)
 }
 
+/// Maps cuBLASLt's library (hundreds of megabytes: some 100 ms) ahead of
+/// its first use, on whatever thread calls it; nothing where it is absent.
+pub fn preload_library() {
+    // SAFETY: only the dynamic loader; `culib` keeps the library mapped
+    // for the process's life, after `is_culib_present` made sure it exists
+    // (`culib` panics otherwise).
+    unsafe {
+        if sys::is_culib_present() {
+            sys::culib();
+        }
+    }
+}
+
 impl Gemm {
     /// A handle and a 32 MiB workspace on `stream`, where every `run` goes.
     pub fn new(stream: &Arc<CudaStream>) -> Result<Gemm, GemmError> {

@@ -21,6 +21,7 @@ pub mod rendezvous;
 pub mod scaler;
 pub mod session;
 pub mod stage;
+pub mod startup;
 pub mod tensor_map;
 
 use cudarc::driver::DriverError;

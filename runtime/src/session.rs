@@ -95,10 +95,12 @@ impl Session {
             plan,
         } = lower(graph, &target, dims, None)
             .map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
+        crate::startup::mark("kernels chosen, memory planned");
         let sources = selection.sources;
         let t0 = Instant::now();
         let (cubins, stats) = cache::cubins(&sources, &gpu.arch(), cache_dir, progress)?;
         let compile_seconds = t0.elapsed().as_secs_f64();
+        crate::startup::mark("cubins ready");
         let replaced = plan
             .launches
             .iter()
@@ -109,6 +111,7 @@ impl Session {
             })
             .collect();
         let exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins)?;
+        crate::startup::mark("modules loaded, arena allocated");
         Ok(Session {
             exec,
             graph: graph.clone(),
@@ -257,18 +260,53 @@ impl Session {
         }
         self.exec.run_step()?;
         self.steps_run += 1;
-        // After the first (eager) step, the step becomes one CUDA graph (one
-        // for the micro-batches that accumulate and one for the step that
-        // updates, where they differ in their collectives); a step that
-        // cannot be captured keeps running launch by launch.
+        if self.steps_run == 1 {
+            crate::startup::mark("step 1 queued");
+        }
+        self.capture_when_ready();
+        Ok(())
+    }
+
+    /// After the first (eager) step, the step becomes one CUDA graph (one
+    /// for the micro-batches that accumulate and one for the step that
+    /// updates, where they differ in their collectives); a step that
+    /// cannot be captured keeps running launch by launch.
+    fn capture_when_ready(&mut self) {
         if self.use_graph && self.graph_note.is_none() && self.exec.ready_to_capture() {
             if let Err(e) = self.exec.capture() {
                 self.graph_note = Some(format!(
                     "CUDA graph capture failed, launching kernel by kernel: {e}"
                 ));
             }
+            crate::startup::mark("step captured as a CUDA graph");
         }
-        Ok(())
+    }
+
+    /// Runs the step once on the arena as it was allocated (all zeros:
+    /// token 0 everywhere, zero weights, a learning rate of 0), captures
+    /// it as a CUDA graph, and zeros the arena again, so nothing of that
+    /// step remains but the loaded kernels, cuBLASLt's chosen algorithms
+    /// and the graph. A step's first run costs a few hundred milliseconds
+    /// more than the next (the driver loads each kernel at its first
+    /// launch, cuBLASLt picks an algorithm per product, the capture); run
+    /// while the host still draws the initial weights, that is off the
+    /// path to the first step. Does nothing once anything has been written
+    /// or a step has run, or with FUSEC_NO_WARM_UP set; returns whether it
+    /// ran.
+    pub fn warm_up(&mut self) -> Result<bool, RuntimeError> {
+        if self.steps_run > 0
+            || !self.exec.untouched()
+            || std::env::var_os("FUSEC_NO_WARM_UP").is_some()
+        {
+            return Ok(false);
+        }
+        self.exec.run_step()?;
+        self.capture_when_ready();
+        self.exec.synchronize()?;
+        self.exec.clear()?;
+        self.exec.synchronize()?;
+        crate::startup::mark("step warmed up on zeros");
+        Ok(true)
     }
 
     /// Waits for the launched step and reads its loss (and gradient norm).

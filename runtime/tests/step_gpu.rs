@@ -526,6 +526,76 @@ fn a_restored_gpu_run_repeats_the_unbroken_one() {
     assert_eq!(rest, all[3..].to_vec());
 }
 
+/// A session warmed up (one step on the zeroed arena, captured, the arena
+/// zeroed again) trains exactly as one that was not: every shipped model's
+/// five steps give the same losses and gradient norms bit for bit
+/// (deterministic sessions), and the warmed one replays its graph from
+/// step 1. The test also poisons the arena first to show that warming up
+/// refuses an arena that has been written to.
+#[test]
+fn a_warmed_up_session_trains_as_a_cold_one() {
+    let Some(_) = gpu() else { return };
+    let det = SessionOptions {
+        deterministic: true,
+    };
+    for (file, sets, dims) in cases() {
+        let c = model(file, &sets);
+        let g = &c.optimized;
+        let (dmap, bdims) = sizes(&dims);
+        let feeds = random_feeds(g, &dmap, 4).unwrap();
+        let run = |warm: bool| {
+            let s = Session::with_options(
+                gpu().unwrap(),
+                g,
+                &bdims,
+                Some(&cache_dir()),
+                &|_, _| {},
+                det,
+            )
+            .unwrap();
+            let mut b = backend::Gpu::new(s, &bdims).unwrap();
+            if warm {
+                assert!(
+                    b.session.warm_up().unwrap(),
+                    "{file}: the fresh arena was not warmed"
+                );
+                assert!(
+                    b.session.exec.has_graph(),
+                    "{file}: {:?}",
+                    b.session.graph_note
+                );
+            }
+            ready(&mut b, &feeds, 4);
+            (1..=5)
+                .map(|i| {
+                    let st = b.step(1e-3, i).unwrap();
+                    (st.loss.to_bits(), st.grad_norm.map(f64::to_bits))
+                })
+                .collect::<Vec<_>>()
+        };
+        let (cold, warm) = (run(false), run(true));
+        assert_eq!(cold, warm, "{file}");
+        println!("{file}: five steps the same warmed up and not");
+    }
+    let (file, sets, dims) = cases().remove(0);
+    let c = model(file, &sets);
+    let (_, bdims) = sizes(&dims);
+    let s = Session::new(
+        gpu().unwrap(),
+        &c.optimized,
+        &bdims,
+        Some(&cache_dir()),
+        &|_, _| {},
+    )
+    .unwrap();
+    let mut b = backend::Gpu::new(s, &bdims).unwrap();
+    b.session.exec.fill(0x7f).unwrap();
+    assert!(
+        !b.session.warm_up().unwrap(),
+        "warmed up over written values"
+    );
+}
+
 /// The same training check through the CPU backend (runs everywhere): the
 /// plumbing `fusec train --cpu` uses, and proof that the GPU test's bar
 /// (10% lower loss in 20 steps) is one these models reach.

@@ -201,7 +201,7 @@ fn open_step(
     let options = SessionOptions {
         deterministic: args.deterministic,
     };
-    let (s, about) = start(loaded, dims, args.gpu, options)?;
+    let (s, about) = start(loaded, dims, device::Opening::here(args.gpu), options)?;
     let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
     let feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, 1)
         .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;

@@ -113,7 +113,7 @@ pub(super) fn runtime_err(e: RuntimeError) -> CliError {
 pub(super) fn start(
     loaded: &Loaded,
     dims: &BTreeMap<String, i64>,
-    gpu: usize,
+    gpu: device::Opening,
     options: SessionOptions,
 ) -> Result<(Session, String), CliError> {
     start_graph(
@@ -131,12 +131,13 @@ pub(super) fn start_graph(
     g: &fusec_compiler::ir::Graph,
     what: &str,
     dims: &BTreeMap<String, i64>,
-    gpu: usize,
+    gpu: device::Opening,
     options: SessionOptions,
     source: Option<(&str, &str)>,
 ) -> Result<(Session, String), CliError> {
     let t_open = Instant::now();
-    let gpu = device::open(gpu).map_err(runtime_err)?;
+    let gpu = gpu.wait().map_err(runtime_err)?;
+    fusec_runtime::startup::mark("GPU open");
     let about = format!(
         "{} ({}, {:.0} GiB)",
         gpu.name,
@@ -192,15 +193,20 @@ pub(super) fn start_graph(
 pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     let job = parallel::job(&args.parallel)?;
     let world = job.world();
+    // One GPU's driver starts while the model compiles.
+    let opening = (world == 1 && !args.cpu).then(|| device::Opening::begin(args.gpu));
     let (loaded, dims, lr) = load_fitted(args, world)?;
+    fusec_runtime::startup::mark("model compiled");
     let data_dims = parallel::whole_batch(&dims, world);
     // Only rank 0 of a launched job writes files and progress.
     let quiet = !job.writes();
     let args_here = this_ranks_args(args, quiet);
     let args: &TrainArgs = &args_here;
     let drawing = draw_while_opening(args, &loaded, world);
-    let mut backend = open_backend(args, &loaded, &dims, &job)?;
+    let mut backend = open_backend(args, &loaded, &dims, &job, opening)?;
     let b = backend.as_mut();
+    // While the initial weights are still being drawn.
+    b.warm_up().map_err(runtime_err)?;
     let validation = open_validation(args, &loaded, &dims, world, b)?;
     let data_inputs = data_inputs(b);
     announce_deterministic(args);
@@ -252,7 +258,9 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         run.validate(b, step)?;
         run.save_every(b, step)?;
     }
-    run.finish(b)
+    let done = run.finish(b);
+    fusec_runtime::startup::mark("run finished");
+    done
 }
 
 pub(super) fn save(

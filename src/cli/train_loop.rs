@@ -292,6 +292,7 @@ impl StepLoop<'_> {
         let t0 = Instant::now();
         let st = self.micro_batches(b, step, rate)?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
+        fusec_runtime::startup::mark(&format!("step {step} done"));
         self.optimizer.count(st.grad_norm);
         Ok(StepLine {
             step,

@@ -18,8 +18,13 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-/// Each parameter's bytes as `backend::draw_params` draws them, by name.
-pub(super) type DrawnParams = Vec<(String, Vec<u8>)>;
+/// The initial weights being drawn on the host: each parameter's bytes,
+/// by name, sent as soon as it is drawn (`backend::draw_params_each`).
+pub(super) struct Drawing {
+    params: std::sync::mpsc::Receiver<(String, Vec<u8>)>,
+    /// `None` where a parameter's size is not a constant (nothing sent).
+    thread: std::thread::JoinHandle<Option<()>>,
+}
 
 /// The model loaded for `world` ranks and fitted to the memory budget,
 /// each rank's sizes, and the peak learning rate.
@@ -69,11 +74,18 @@ pub(super) fn draw_while_opening(
     args: &TrainArgs,
     loaded: &Loaded,
     world: usize,
-) -> Option<std::thread::JoinHandle<Option<DrawnParams>>> {
+) -> Option<Drawing> {
     (world == 1 && !args.cpu).then(|| {
         let g = loaded.compiled.optimized.clone();
         let seed = args.seed;
-        std::thread::spawn(move || backend::draw_params(&g, seed))
+        let (send, params) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            backend::draw_params_beside(&g, seed, &mut |name, bytes| {
+                // A receiver gone means the run stopped: nothing to do.
+                let _ = send.send((name, bytes));
+            })
+        });
+        Drawing { params, thread }
     })
 }
 
@@ -84,6 +96,7 @@ pub(super) fn open_backend(
     loaded: &Loaded,
     dims: &BTreeMap<String, i64>,
     job: &parallel::Job,
+    opening: Option<fusec_runtime::device::Opening>,
 ) -> Result<Box<dyn Backend>, CliError> {
     let options = SessionOptions {
         deterministic: args.deterministic,
@@ -105,7 +118,8 @@ pub(super) fn open_backend(
             backend::Cpu::new(g, dims, Precision::AsStored).map_err(runtime_err)?,
         ))
     } else {
-        let (s, _) = start(loaded, dims, args.gpu, options)?;
+        let gpu = opening.unwrap_or_else(|| fusec_runtime::device::Opening::here(args.gpu));
+        let (s, _) = start(loaded, dims, gpu, options)?;
         Ok(Box::new(backend::Gpu::new(s, dims).map_err(runtime_err)?))
     }
 }
@@ -155,14 +169,21 @@ pub(super) fn announce_deterministic(args: &TrainArgs) {
 pub(super) fn set_weights(
     args: &TrainArgs,
     b: &mut dyn Backend,
-    drawing: Option<std::thread::JoinHandle<Option<DrawnParams>>>,
+    drawing: Option<Drawing>,
 ) -> Result<Option<checkpoint::Checkpoint>, CliError> {
     let t_init = Instant::now();
-    match drawing.and_then(|h| h.join().ok().flatten()) {
-        Some(drawn) => backend::init_params_drawn(b, drawn),
-        None => backend::init_params(b, args.seed),
+    // Each drawn parameter is copied while the next is drawn.
+    let drawn = match drawing {
+        Some(d) => {
+            backend::init_params_drawn(b, d.params.iter()).map_err(runtime_err)?;
+            d.thread.join().ok().flatten().is_some()
+        }
+        None => false,
+    };
+    if !drawn {
+        backend::init_params(b, args.seed).map_err(runtime_err)?;
     }
-    .map_err(runtime_err)?;
+    fusec_runtime::startup::mark("weights in place");
     if !args.cpu {
         eprintln!(
             "  weights initialized in {:.1} s",

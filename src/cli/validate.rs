@@ -115,7 +115,7 @@ pub fn prepare(
             &forward,
             &what,
             dims,
-            gpu,
+            fusec_runtime::device::Opening::here(gpu),
             SessionOptions::default(),
             source,
         )?;
