@@ -95,6 +95,42 @@ fn gpt2_small_on_four_gpus_buckets_its_gradients_as_the_backward_pass_finishes_t
     assert_eq!(loss.len(), 1);
     assert_eq!(loss[0].bytes, 4);
     assert!(small <= 3, "{small} buckets under 25 MiB");
+    // Each bucket's gradients lie end to end in the arena, in the bucket's
+    // order (the next at the last one's end, aligned up), so the runtime
+    // averages each bucket as one run of memory.
+    let align = |x: u64| x.div_ceil(fusec_compiler::plan::ALIGN) * fusec_compiler::plan::ALIGN;
+    let mut runs = 0;
+    for c in pl.collectives.iter().filter(|c| !c.every_micro_batch) {
+        for w in c.tensors.windows(2) {
+            let (a, b) = (&pl.buffers[w[0].0], &pl.buffers[w[1].0]);
+            assert_eq!(
+                b.offset,
+                align(a.offset + a.bytes),
+                "{}: {} and {} apart",
+                p.kernels[c.launch].name,
+                a.name,
+                b.name
+            );
+        }
+        // ... which the runtime merges into one NCCL call.
+        let tensors: Vec<fusec_runtime::nccl::Tensor> = c
+            .tensors
+            .iter()
+            .map(|&(i, o)| {
+                let (bi, bo) = (&pl.buffers[i], &pl.buffers[o]);
+                fusec_runtime::nccl::Tensor {
+                    input: (1 << 30) + bi.offset,
+                    output: (1 << 30) + bo.offset,
+                    count: (bi.bytes / 4) as usize,
+                    dtype: fusec_compiler::ir::types::DType::F32,
+                }
+            })
+            .collect();
+        let merged = fusec_runtime::nccl::coalesce(&tensors, fusec_compiler::plan::ALIGN);
+        assert_eq!(merged.len(), 1, "{}", p.kernels[c.launch].name);
+        runs += 1;
+    }
+    assert!(runs >= 12, "{runs} buckets");
     // Averaged in place: the arena is the one-GPU arena.
     let one = build("gpt2-small.dsl", &[], 1, &|s| s);
     let one_plan = plan(&one.optimized, &fuse(&one.optimized), &dims).unwrap();

@@ -119,6 +119,11 @@ pub trait Backend {
     fn memory_used(&self) -> Result<Option<u64>, RuntimeError> {
         Ok(None)
     }
+    /// One step launch by launch with its collectives timed beside it
+    /// (`Executor::profile_step_full`); `None` where there is no GPU step.
+    fn profile_step_full(&mut self) -> Result<Option<crate::exec::StepProfile>, RuntimeError> {
+        Ok(None)
+    }
     /// Runs the step once before anything is written, so that its one-off
     /// costs (kernels loaded, algorithms chosen, the graph captured) are
     /// paid while the caller is still busy elsewhere; see
@@ -404,6 +409,9 @@ impl Backend for Gpu {
     }
     fn warm_up(&mut self) -> Result<(), RuntimeError> {
         self.session.warm_up().map(|_| ())
+    }
+    fn profile_step_full(&mut self) -> Result<Option<crate::exec::StepProfile>, RuntimeError> {
+        self.session.exec.profile_step_full().map(Some)
     }
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         self.session.get(name)

@@ -99,6 +99,37 @@ pub struct DataParallel {
     /// ZeRO stage 1: every parameter buffer and its owner rank, sent from
     /// the owner after the update.
     pub shares: Vec<(nccl::Tensor, usize)>,
+    /// While a step is profiled: each collective's launch and the events
+    /// recorded on the communication stream around it.
+    timing: Option<Vec<(usize, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,
+}
+
+/// A collective of a profiled step (`Executor::profile_step_full`), in
+/// milliseconds after the step's first event.
+#[derive(Clone, Debug)]
+pub struct CollectiveTime {
+    /// The plan's launch it is.
+    pub launch: usize,
+    pub name: String,
+    pub bytes: u64,
+    /// When the compute stream had finished what it reads.
+    pub ready_ms: f64,
+    /// When it started and how long it ran on the communication stream.
+    pub start_ms: f64,
+    pub ms: f64,
+    /// The launch the compute stream waits for it before (the number of
+    /// launches: the end of the step), and when the compute stream got there.
+    pub join: usize,
+    pub join_ms: f64,
+}
+
+/// A step profiled launch by launch, with its collectives.
+pub struct StepProfile {
+    pub launches: Vec<LaunchTime>,
+    pub collectives: Vec<CollectiveTime>,
+    /// When the step ended (its last launch, and any wait for collectives
+    /// after it).
+    pub step_end_ms: f64,
 }
 
 impl DataParallel {
@@ -112,6 +143,7 @@ impl DataParallel {
             stream,
             outstanding: false,
             shares: Vec::new(),
+            timing: None,
         })
     }
 
@@ -129,11 +161,31 @@ impl DataParallel {
         Ok(())
     }
 
-    fn issue(&mut self, gpu: &Gpu, tensors: &[nccl::Tensor]) -> Result<(), RuntimeError> {
+    fn issue(
+        &mut self,
+        gpu: &Gpu,
+        tensors: &[nccl::Tensor],
+        launch: usize,
+    ) -> Result<(), RuntimeError> {
         self.stream
             .join(&gpu.stream)
             .map_err(|e| RuntimeError::driver("ordering a collective after its gradients", e))?;
+        let ev = |s: &Self| {
+            s.stream
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| RuntimeError::driver("recording a timing event", e))
+        };
+        let start = match self.timing {
+            Some(_) => Some(ev(self)?),
+            None => None,
+        };
         self.comm.all_reduce_mean(&self.stream, tensors)?;
+        if let Some(start) = start {
+            let end = ev(self)?;
+            if let Some(t) = self.timing.as_mut() {
+                t.push((launch, start, end));
+            }
+        }
         self.outstanding = true;
         Ok(())
     }
@@ -468,7 +520,8 @@ impl Executor {
                             dtype: s.dtype,
                         }
                     })
-                    .collect();
+                    .collect::<Vec<_>>();
+                let tensors = nccl::coalesce(&tensors, fusec_compiler::plan::ALIGN);
                 let every = plan
                     .collectives
                     .iter()
@@ -625,7 +678,7 @@ impl Executor {
         }
         match (&launches[i].step, dp.as_mut()) {
             (Step::Collective(_, every), _) if !*collectives_on && !every => Ok(()),
-            (Step::Collective(tensors, _), Some(dp)) => dp.issue(gpu, tensors),
+            (Step::Collective(tensors, _), Some(dp)) => dp.issue(gpu, tensors, i),
             (Step::Collective(..), None) => Err(RuntimeError::Unsupported(format!(
                 "kernel {name} averages gradients over several ranks, and this step has no communicator: run it with --gpus or under a launcher"
             ))),
@@ -827,6 +880,14 @@ impl Executor {
     /// event) and duration. Events cost a little, so the sum is slightly
     /// above a replayed step.
     pub fn profile_step(&mut self) -> Result<Vec<LaunchTime>, RuntimeError> {
+        Ok(self.profile_step_full()?.launches)
+    }
+
+    /// [`Executor::profile_step`], with each collective's time on the
+    /// communication stream beside the compute stream's launches: whether
+    /// the buckets' all-reduces hide under the backward pass, and how long
+    /// the step waits for them at its end.
+    pub fn profile_step_full(&mut self) -> Result<StepProfile, RuntimeError> {
         use cudarc::driver::sys::CUevent_flags;
         let ev = |s: &Self| {
             s.gpu
@@ -834,29 +895,65 @@ impl Executor {
                 .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                 .map_err(|e| RuntimeError::driver("recording a timing event", e))
         };
-        let mut marks = vec![ev(self)?];
-        for i in 0..self.launches.len() {
-            self.launch(i)?;
-            marks.push(ev(self)?);
-        }
         if let Some(dp) = self.dp.as_mut() {
-            dp.wait(&self.gpu)?;
+            dp.timing = Some(Vec::new());
         }
+        let mut marks = vec![ev(self)?];
+        let launched = (|| {
+            for i in 0..self.launches.len() {
+                self.launch(i)?;
+                marks.push(ev(self)?);
+            }
+            if let Some(dp) = self.dp.as_mut() {
+                dp.wait(&self.gpu)?;
+            }
+            Ok::<_, RuntimeError>(())
+        })();
+        let timing = self.dp.as_mut().and_then(|dp| dp.timing.take());
+        launched?;
+        let end = ev(self)?;
         self.synchronize()?;
         let read = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| {
             a.elapsed_ms(b)
                 .map(f64::from)
                 .map_err(|e| RuntimeError::driver("reading a timing event", e))
         };
-        let mut out = Vec::with_capacity(self.launches.len());
+        let mut launches = Vec::with_capacity(self.launches.len());
         for (i, l) in self.launches.iter().enumerate() {
-            out.push(LaunchTime {
+            launches.push(LaunchTime {
                 name: l.name.clone(),
                 start_ms: read(&marks[0], &marks[i])?,
                 ms: read(&marks[i], &marks[i + 1])?,
             });
         }
-        Ok(out)
+        let mut collectives = Vec::new();
+        for (i, start, stop) in timing.unwrap_or_default() {
+            let bytes = match &self.launches[i].step {
+                Step::Collective(tensors, _) => tensors
+                    .iter()
+                    .map(|t| (t.count * t.dtype.size_bytes()) as u64)
+                    .sum(),
+                _ => 0,
+            };
+            let join = (i + 1..self.launches.len())
+                .find(|&j| self.joins[j])
+                .unwrap_or(self.launches.len());
+            collectives.push(CollectiveTime {
+                launch: i,
+                name: self.launches[i].name.clone(),
+                bytes,
+                ready_ms: read(&marks[0], &marks[i])?,
+                start_ms: read(&marks[0], &start)?,
+                ms: read(&start, &stop)?,
+                join,
+                join_ms: read(&marks[0], &marks[join])?,
+            });
+        }
+        Ok(StepProfile {
+            launches,
+            collectives,
+            step_end_ms: read(&marks[0], &end)?,
+        })
     }
 
     pub fn synchronize(&self) -> Result<(), RuntimeError> {

@@ -83,6 +83,34 @@ pub struct Tensor {
     pub dtype: DType,
 }
 
+/// `tensors` with each run of in-place tensors of one dtype that lie end
+/// to end in memory (the next starting where the last one's bytes, aligned
+/// up to `align`, end: the plan lays a bucket's gradients out so) merged
+/// into one: NCCL averages one long buffer at close to the link's
+/// bandwidth, and a dozen short ones (biases, norm weights) at a fraction
+/// of it. The alignment gaps between them belong to no other buffer;
+/// averaging them changes nothing anyone reads.
+pub fn coalesce(tensors: &[Tensor], align: u64) -> Vec<Tensor> {
+    let mut out: Vec<Tensor> = Vec::with_capacity(tensors.len());
+    for &t in tensors {
+        if let Some(last) = out.last_mut() {
+            let size = last.dtype.size_bytes() as u64;
+            let end = last.input + last.count as u64 * size;
+            let joins = last.input == last.output
+                && t.input == t.output
+                && t.dtype == last.dtype
+                && t.input == end.div_ceil(align) * align
+                && (t.input - last.input) % size == 0;
+            if joins {
+                last.count = ((t.input - last.input) / size) as usize + t.count;
+                continue;
+            }
+        }
+        out.push(t);
+    }
+    out
+}
+
 impl Comm {
     /// Joins the communicator of `ranks` ranks as `rank`, on `gpu`. Blocks
     /// until every rank has joined.
@@ -174,5 +202,53 @@ impl Drop for Comm {
         unsafe {
             let _ = result::comm_destroy(self.raw);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(at: u64, count: usize, dtype: DType) -> Tensor {
+        Tensor {
+            input: at,
+            output: at,
+            count,
+            dtype,
+        }
+    }
+
+    #[test]
+    fn tensors_end_to_end_become_one() {
+        // 768 f32 (3072 bytes, aligned), then 10 f32 (40 bytes, padded to
+        // 256), then 64 f32 right after the padding: one run of 768 + 64 +
+        // 64 elements (the padding's 54 included).
+        let run = [
+            t(1 << 20, 768, DType::F32),
+            t((1 << 20) + 3072, 10, DType::F32),
+            t((1 << 20) + 3072 + 256, 64, DType::F32),
+        ];
+        let out = coalesce(&run, 256);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].input, 1 << 20);
+        assert_eq!(out[0].count, 768 + 64 + 64);
+    }
+
+    #[test]
+    fn gaps_dtypes_and_copies_keep_tensors_apart() {
+        let base = 1u64 << 20;
+        // A gap of a whole alignment unit: another buffer may live there.
+        let gap = [t(base, 64, DType::F32), t(base + 512, 64, DType::F32)];
+        assert_eq!(coalesce(&gap, 256).len(), 2);
+        // Another dtype.
+        let mixed = [t(base, 64, DType::F32), t(base + 256, 128, DType::BF16)];
+        assert_eq!(coalesce(&mixed, 256).len(), 2);
+        // Not in place: the result goes elsewhere.
+        let mut copy = t(base + 256, 64, DType::F32);
+        copy.output = base + (1 << 16);
+        assert_eq!(coalesce(&[t(base, 64, DType::F32), copy], 256).len(), 2);
+        // Out of order.
+        let back = [t(base + 256, 64, DType::F32), t(base, 64, DType::F32)];
+        assert_eq!(coalesce(&back, 256).len(), 2);
     }
 }

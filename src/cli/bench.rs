@@ -28,7 +28,9 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: u64,
     /// Also time every kernel of one step and print the costliest (and
-    /// write all of them, as JSON lines, to this file)
+    /// write all of them, as JSON lines, to this file). With --gpus: every
+    /// rank's launches and each gradient bucket's collective beside them,
+    /// and how long the step waits for the collectives
     #[arg(long, value_name = "FILE")]
     pub profile: Option<PathBuf>,
     /// Also write one step as a Chrome trace (open it in
@@ -125,9 +127,9 @@ pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
 pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
     let job = super::parallel::job(&args.parallel)?;
     if job.world() > 1 {
-        if args.profile.is_some() || args.trace.is_some() {
+        if args.trace.is_some() {
             return Err(CliError::usage(
-                "error: --profile and --trace time one GPU's step launch by launch; run them without --gpus (or a launcher)",
+                "error: --trace draws one GPU's step launch by launch; run it without --gpus (or a launcher). With --gpus, --profile times each rank's launches and collectives".to_string(),
             ));
         }
         return bench_ranks(args, &job);
@@ -376,6 +378,21 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
         .map_err(runtime_err)?;
     let peak = memory.iter().flatten().copied().max().unwrap_or(0);
     let tokens = whole.get("B").copied().unwrap_or(1) * whole.get("T").copied().unwrap_or(1);
+    if let Some(path) = &args.profile {
+        let profiles = ranks
+            .each(|_, b| b.profile_step_full())
+            .map_err(runtime_err)?
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(runtime_err)?;
+        let local: Vec<(usize, fusec_runtime::exec::StepProfile)> = ranks
+            .local_ranks()
+            .into_iter()
+            .zip(profiles)
+            .filter_map(|(r, p)| p.map(|p| (r, p)))
+            .collect();
+        super::comm_profile::write(path, &local, job.writes())?;
+    }
     if job.writes() {
         println!(
             "{{\"model\":\"{}\",\"gpus\":{world},\"zero\":{},\"ranks_here\":{},\"dims_per_gpu\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tokens_per_s_per_gpu\":{:.0},\"peak_memory_gib_per_gpu\":{:.3},\"rank_ms\":[{}]}}",

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod build;
 pub mod check;
+mod comm_profile;
 mod common;
 pub mod explain;
 pub mod export;

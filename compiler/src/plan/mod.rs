@@ -368,10 +368,25 @@ pub fn plan_with(
         MemKind::OptimizerState,
         MemKind::Input,
     ] {
-        for b in out
-            .iter_mut()
-            .filter(|b| b.kind == kind && b.alias_of.is_none())
-        {
+        let mut order: Vec<usize> = (0..out.len())
+            .filter(|&i| out[i].kind == kind && out[i].alias_of.is_none())
+            .collect();
+        if kind == MemKind::Grad {
+            // Each bucket's gradients side by side in the bucket's order, so
+            // that the runtime averages a bucket as one run of memory (one
+            // NCCL call at full bandwidth, not one per tensor).
+            let mut rank: HashMap<usize, usize> = HashMap::new();
+            for (n, i) in buckets
+                .iter()
+                .flat_map(|c| c.tensors.iter().map(|&(i, _)| i))
+                .enumerate()
+            {
+                rank.entry(i).or_insert(n);
+            }
+            order.sort_by_key(|i| (rank.get(i).copied().unwrap_or(usize::MAX), *i));
+        }
+        for i in order {
+            let b = &mut out[i];
             b.offset = cursor;
             b.live = None;
             cursor += align(b.bytes);
