@@ -74,6 +74,7 @@ fn attention_choice(
 /// the model, or where it is needed ([`Opening::here`]).
 pub struct Opening {
     ordinal: usize,
+    started: std::time::Instant,
     thread: Option<std::thread::JoinHandle<Result<Gpu, RuntimeError>>>,
 }
 
@@ -99,15 +100,25 @@ impl Opening {
                 gpu
             })
             .ok();
-        Opening { ordinal, thread }
+        Opening {
+            ordinal,
+            started: std::time::Instant::now(),
+            thread,
+        }
     }
 
     /// Opens GPU `ordinal` when [`Opening::wait`] is called.
     pub fn here(ordinal: usize) -> Opening {
         Opening {
             ordinal,
+            started: std::time::Instant::now(),
             thread: None,
         }
+    }
+
+    /// When the opening began (for how long it took).
+    pub fn started(&self) -> std::time::Instant {
+        self.started
     }
 
     pub fn ordinal(&self) -> usize {
@@ -115,8 +126,8 @@ impl Opening {
     }
 
     /// The open GPU, or why it could not be opened.
-    pub fn wait(self) -> Result<Gpu, RuntimeError> {
-        match self.thread {
+    pub fn wait(mut self) -> Result<Gpu, RuntimeError> {
+        match self.thread.take() {
             Some(t) => t.join().unwrap_or_else(|_| {
                 Err(RuntimeError::NoGpu(format!(
                     "opening GPU {} failed inside the CUDA driver",
@@ -124,6 +135,17 @@ impl Opening {
                 )))
             }),
             None => open(self.ordinal),
+        }
+    }
+}
+
+impl Drop for Opening {
+    /// An opening never waited for (the model had an error) still ends
+    /// before the process does: leaving the driver mid-start at exit can
+    /// hang or crash it instead of printing the error.
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
     }
 }

@@ -895,16 +895,20 @@ impl Executor {
                 .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                 .map_err(|e| RuntimeError::driver("recording a timing event", e))
         };
+        let mut marks = vec![ev(self)?];
         if let Some(dp) = self.dp.as_mut() {
             dp.timing = Some(Vec::new());
         }
-        let mut marks = vec![ev(self)?];
         let launched = (|| {
             for i in 0..self.launches.len() {
                 self.launch(i)?;
                 marks.push(ev(self)?);
             }
             if let Some(dp) = self.dp.as_mut() {
+                // As every step: ZeRO's owners send their updated pieces.
+                if self.collectives_on {
+                    dp.share(&self.gpu)?;
+                }
                 dp.wait(&self.gpu)?;
             }
             Ok::<_, RuntimeError>(())

@@ -273,12 +273,14 @@ impl Session {
     /// cannot be captured keeps running launch by launch.
     fn capture_when_ready(&mut self) {
         if self.use_graph && self.graph_note.is_none() && self.exec.ready_to_capture() {
-            if let Err(e) = self.exec.capture() {
-                self.graph_note = Some(format!(
-                    "CUDA graph capture failed, launching kernel by kernel: {e}"
-                ));
+            match self.exec.capture() {
+                Ok(()) => crate::startup::mark("step captured as a CUDA graph"),
+                Err(e) => {
+                    self.graph_note = Some(format!(
+                        "CUDA graph capture failed, launching kernel by kernel: {e}"
+                    ))
+                }
             }
-            crate::startup::mark("step captured as a CUDA graph");
         }
     }
 
@@ -291,12 +293,13 @@ impl Session {
     /// launch, cuBLASLt picks an algorithm per product, the capture); run
     /// while the host still draws the initial weights, that is off the
     /// path to the first step. Does nothing once anything has been written
-    /// or a step has run, or with FUSEC_NO_WARM_UP set; returns whether it
-    /// ran.
+    /// or a step has run, with NVTX ranges on (a profiler would see it as a
+    /// step), or with FUSEC_NO_WARM_UP=1; returns whether it ran.
     pub fn warm_up(&mut self) -> Result<bool, RuntimeError> {
         if self.steps_run > 0
             || !self.exec.untouched()
-            || std::env::var_os("FUSEC_NO_WARM_UP").is_some()
+            || self.exec.marked()
+            || std::env::var_os("FUSEC_NO_WARM_UP").is_some_and(|v| v != "0")
         {
             return Ok(false);
         }

@@ -391,7 +391,11 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
             .zip(profiles)
             .filter_map(|(r, p)| p.map(|p| (r, p)))
             .collect();
-        super::comm_profile::write(path, &local, job.writes())?;
+        // Under a launcher each process holds its own ranks: rank 0's
+        // process writes the file (and prints), the others keep theirs.
+        if job.writes() {
+            super::comm_profile::write(path, &local)?;
+        }
     }
     if job.writes() {
         println!(

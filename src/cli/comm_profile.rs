@@ -4,9 +4,10 @@
 //! backward pass: for each, when the compute stream had finished its
 //! gradients, when it started and ended, and how long the compute stream
 //! waited for it at its join (the first launch that reads a result: the
-//! gradient norm, or the update). JSON lines go to
-//! the file (a line per launch and per collective, each with its rank);
-//! the terminal gets rank 0's table.
+//! gradient norm, or the update). JSON lines go to the file (a line per
+//! launch and per collective, each with its rank: every rank with
+//! `--gpus N`, rank 0's under a launcher, where each process holds its
+//! own); the terminal gets rank 0's table.
 
 use super::CliError;
 use fusec_runtime::exec::StepProfile;
@@ -14,11 +15,7 @@ use serde_json::json;
 use std::io::Write;
 use std::path::Path;
 
-pub(super) fn write(
-    path: &Path,
-    profiles: &[(usize, StepProfile)],
-    print: bool,
-) -> Result<(), CliError> {
+pub(super) fn write(path: &Path, profiles: &[(usize, StepProfile)]) -> Result<(), CliError> {
     let mut out = String::new();
     for (rank, p) in profiles {
         for l in &p.launches {
@@ -42,12 +39,19 @@ pub(super) fn write(
             message: format!("error: cannot write the profile {}: {e}", path.display()),
             code: 3,
         })?;
-    if print {
-        if let Some((rank, p)) = profiles.first() {
-            eprint!("{}", table(*rank, p));
-        }
-        eprintln!("every rank's launches and collectives: {}", path.display());
+    if let Some((rank, p)) = profiles.first() {
+        eprint!("{}", table(*rank, p));
     }
+    eprintln!(
+        "the launches and collectives of rank{} {}: {}",
+        if profiles.len() > 1 { "s" } else { "" },
+        profiles
+            .iter()
+            .map(|(r, _)| r.to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        path.display()
+    );
     Ok(())
 }
 

@@ -135,7 +135,7 @@ pub(super) fn start_graph(
     options: SessionOptions,
     source: Option<(&str, &str)>,
 ) -> Result<(Session, String), CliError> {
-    let t_open = Instant::now();
+    let t_open = gpu.started();
     let gpu = gpu.wait().map_err(runtime_err)?;
     fusec_runtime::startup::mark("GPU open");
     let about = format!(
