@@ -621,3 +621,55 @@ fn a_closed_pipe_ends_a_dump_quietly() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// `--bucket-mib` sets where data parallelism's gradient buckets close:
+/// gpt2-small on 4 GPUs has 15 collectives at the default 25 MiB and 7 at
+/// 100 MiB (the report lists them); without ranks it is a usage error.
+#[test]
+fn bucket_mib_sizes_the_gradient_buckets() {
+    let dir = std::env::temp_dir().join(format!("fusec-cli-buckets-{}", std::process::id()));
+    let out_dir = dir.to_str().unwrap();
+    let base = [
+        "build",
+        "dsl-examples/gpt2-small.dsl",
+        "--gpus",
+        "4",
+        "--batch",
+        "4",
+        "--seq",
+        "64",
+        "-o",
+        out_dir,
+    ];
+    let buckets = |extra: &[&str]| -> usize {
+        let mut args = base.to_vec();
+        args.extend(extra);
+        let (code, _, err) = fusec(&args);
+        assert_eq!(code, 0, "{err}");
+        let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+        let line = report
+            .lines()
+            .find(|l| l.starts_with("data parallel over 4 ranks"))
+            .unwrap_or_else(|| panic!("{report}"))
+            .to_string();
+        line.split(": ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"))
+    };
+    assert_eq!(buckets(&[]), 15);
+    assert_eq!(buckets(&["--bucket-mib", "100"]), 7);
+    let (code, _, err) = fusec(&[
+        "build",
+        "dsl-examples/gpt2-small.dsl",
+        "--bucket-mib",
+        "100",
+    ]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("--bucket-mib sizes the gradient buckets"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

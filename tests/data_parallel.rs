@@ -95,42 +95,15 @@ fn gpt2_small_on_four_gpus_buckets_its_gradients_as_the_backward_pass_finishes_t
     assert_eq!(loss.len(), 1);
     assert_eq!(loss[0].bytes, 4);
     assert!(small <= 3, "{small} buckets under 25 MiB");
-    // Each bucket's gradients lie end to end in the arena, in the bucket's
-    // order (the next at the last one's end, aligned up), so the runtime
-    // averages each bucket as one run of memory.
-    let align = |x: u64| x.div_ceil(fusec_compiler::plan::ALIGN) * fusec_compiler::plan::ALIGN;
-    let mut runs = 0;
-    for c in pl.collectives.iter().filter(|c| !c.every_micro_batch) {
-        for w in c.tensors.windows(2) {
-            let (a, b) = (&pl.buffers[w[0].0], &pl.buffers[w[1].0]);
-            assert_eq!(
-                b.offset,
-                align(a.offset + a.bytes),
-                "{}: {} and {} apart",
-                p.kernels[c.launch].name,
-                a.name,
-                b.name
-            );
-        }
-        // ... which the runtime merges into one NCCL call.
-        let tensors: Vec<fusec_runtime::nccl::Tensor> = c
-            .tensors
-            .iter()
-            .map(|&(i, o)| {
-                let (bi, bo) = (&pl.buffers[i], &pl.buffers[o]);
-                fusec_runtime::nccl::Tensor {
-                    input: (1 << 30) + bi.offset,
-                    output: (1 << 30) + bo.offset,
-                    count: (bi.bytes / 4) as usize,
-                    dtype: fusec_compiler::ir::types::DType::F32,
-                }
-            })
-            .collect();
-        let merged = fusec_runtime::nccl::coalesce(&tensors, fusec_compiler::plan::ALIGN);
-        assert_eq!(merged.len(), 1, "{}", p.kernels[c.launch].name);
-        runs += 1;
-    }
-    assert!(runs >= 12, "{runs} buckets");
+    // Each bucket's gradients lie end to end, averaged as one NCCL call,
+    // at the default size and at 100 MiB (`--bucket-mib`).
+    assert!(one_run_per_bucket(&p, &pl) >= 12);
+    let mut wide = g.clone();
+    wide.bucket_bytes = Some(100 << 20);
+    let wide_program = fuse(&wide);
+    let wide_plan = plan(&wide, &wide_program, &dims).unwrap();
+    assert!(wide_plan.collectives.len() < pl.collectives.len());
+    assert!(one_run_per_bucket(&wide_program, &wide_plan) >= 3);
     // Averaged in place: the arena is the one-GPU arena.
     let one = build("gpt2-small.dsl", &[], 1, &|s| s);
     let one_plan = plan(&one.optimized, &fuse(&one.optimized), &dims).unwrap();
@@ -221,4 +194,46 @@ fn one_ranks_program_computes_what_the_single_gpu_program_does() {
     };
     // Alone, a rank's mean over the ranks is its own value: same outputs.
     assert_eq!(run(&one), run(&two));
+}
+
+/// Checks that each gradient bucket of `pl` lies end to end in the arena,
+/// in the bucket's order (the next at the last one's end, aligned up), and
+/// that the runtime merges it into one NCCL call; returns how many
+/// buckets (the loss's aside) it checked.
+fn one_run_per_bucket(
+    p: &fusec_compiler::kernel::Program,
+    pl: &fusec_compiler::plan::Plan,
+) -> usize {
+    let align = |x: u64| x.div_ceil(fusec_compiler::plan::ALIGN) * fusec_compiler::plan::ALIGN;
+    let mut runs = 0;
+    for c in pl.collectives.iter().filter(|c| !c.every_micro_batch) {
+        for w in c.tensors.windows(2) {
+            let (a, b) = (&pl.buffers[w[0].0], &pl.buffers[w[1].0]);
+            assert_eq!(
+                b.offset,
+                align(a.offset + a.bytes),
+                "{}: {} and {} apart",
+                p.kernels[c.launch].name,
+                a.name,
+                b.name
+            );
+        }
+        let tensors: Vec<fusec_runtime::nccl::Tensor> = c
+            .tensors
+            .iter()
+            .map(|&(i, o)| {
+                let (bi, bo) = (&pl.buffers[i], &pl.buffers[o]);
+                fusec_runtime::nccl::Tensor {
+                    input: (1 << 30) + bi.offset,
+                    output: (1 << 30) + bo.offset,
+                    count: (bi.bytes / 4) as usize,
+                    dtype: fusec_compiler::ir::types::DType::F32,
+                }
+            })
+            .collect();
+        let merged = fusec_runtime::nccl::coalesce(&tensors, fusec_compiler::plan::ALIGN);
+        assert_eq!(merged.len(), 1, "{}", p.kernels[c.launch].name);
+        runs += 1;
+    }
+    runs
 }

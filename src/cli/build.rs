@@ -47,6 +47,10 @@ pub struct BuildArgs {
     /// The rank whose plan a --zero 1 build writes
     #[arg(long, value_name = "R", default_value_t = 0, requires = "zero")]
     pub rank: u32,
+    /// With --gpus: close each bucket of gradients averaged together at
+    /// this many MiB (default 25)
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub bucket_mib: Option<u64>,
     /// Device to build for: which kernels run (h100 and h200: sm_90a, with
     /// the Hopper tensor-core attention; a100: sm_80, mma.sync) and the
     /// report's roofline estimate
@@ -195,7 +199,11 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
             args.rank
         )));
     }
+    if args.bucket_mib.is_some() && ranks < 2 {
+        return Err(super::parallel::buckets_need_ranks());
+    }
     let mut loaded = load_rank(&args.model, ranks, (args.zero == 1).then_some(args.rank))?;
+    loaded.compiled.optimized.bucket_bytes = args.bucket_mib.map(|m| m << 20);
     let dims = args.sizes.resolve(&loaded.compiled.optimized.dims)?;
     let recomputed = fit_memory(
         &mut loaded,

@@ -31,6 +31,25 @@ pub struct ParallelArgs {
     /// values to the others); 0, the default, keeps it whole on every rank
     #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
     pub zero: u8,
+    /// Close each bucket of gradients averaged together at this many MiB
+    /// (default 25, as PyTorch DDP): larger buckets mean fewer collectives,
+    /// smaller ones start averaging earlier in the backward pass
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub bucket_mib: Option<u64>,
+}
+
+impl ParallelArgs {
+    /// Sets `--bucket-mib` on the step `g` is (every rank's step must get it).
+    pub fn shape_buckets(&self, g: &mut fusec_compiler::ir::Graph) {
+        g.bucket_bytes = self.bucket_mib.map(|m| m << 20);
+    }
+}
+
+/// The error for a `--bucket-mib` without data parallelism.
+pub fn buckets_need_ranks() -> CliError {
+    CliError::usage(
+        "error: --bucket-mib sizes the gradient buckets of data parallelism: give --gpus N (N >= 2) or start the ranks with a launcher".to_string(),
+    )
 }
 
 /// Which ranks this process runs.
@@ -71,6 +90,9 @@ pub fn job(args: &ParallelArgs) -> Result<Job, CliError> {
         return Err(CliError::usage(
             "error: --zero 1 splits the optimizer state over data-parallel ranks: give --gpus N (N >= 2) or start the ranks with a launcher".to_string(),
         ));
+    }
+    if args.bucket_mib.is_some() && launched.is_none() && args.gpus.unwrap_or(1) < 2 {
+        return Err(buckets_need_ranks());
     }
     match (launched, args.gpus) {
         (Some((rv, _)), Some(n)) if n > 1 => Err(CliError::usage(format!(
@@ -147,9 +169,11 @@ pub fn start(
             precision: loaded.precision,
             disable_pass: loaded.disable_pass.clone(),
         };
-        Ok(load_rank(&args, world as u32, Some(rank as u32))?
+        let mut own = load_rank(&args, world as u32, Some(rank as u32))?
             .compiled
-            .optimized)
+            .optimized;
+        own.bucket_bytes = g.bucket_bytes;
+        Ok(own)
     };
     let usage = |m: String| CliError::usage(format!("error: {m}"));
     if cpu {

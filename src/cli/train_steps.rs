@@ -33,6 +33,7 @@ pub(super) fn load_fitted(
     world: usize,
 ) -> Result<(Loaded, BTreeMap<String, i64>, f64), CliError> {
     let mut loaded = load_ranks(&args.model, world as u32)?;
+    args.parallel.shape_buckets(&mut loaded.compiled.optimized);
     let lr = args
         .lr
         .unwrap_or(loaded.compiled.model.train.optimizer.lr());

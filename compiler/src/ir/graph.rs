@@ -139,6 +139,9 @@ pub struct Graph {
     /// Optimisations of the kernel stages left out (`--disable-pass`, for
     /// bisecting; `kernel::OPTIMISATIONS` lists them).
     pub lowering_off: Vec<String>,
+    /// Bytes a data-parallel gradient bucket closes at (`--bucket-mib`);
+    /// `None`: `kernel::buckets::BUCKET_BYTES`.
+    pub bucket_bytes: Option<u64>,
 }
 
 /// One awkward size read padded (`passes::pad_dims`): the parameters read
@@ -164,6 +167,7 @@ impl Graph {
             padded: Vec::new(),
             order_by_memory: false,
             lowering_off: Vec::new(),
+            bucket_bytes: None,
         }
     }
 

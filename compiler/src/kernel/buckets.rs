@@ -11,9 +11,10 @@ use crate::ir::Graph;
 use crate::ops::Op;
 use std::collections::HashMap;
 
-/// A bucket closes once it holds at least this many bytes (PyTorch DDP's default):
-/// large enough that each collective runs near link speed, small enough
-/// that the first starts early in the backward pass.
+/// A bucket closes once it holds at least this many bytes (PyTorch DDP's
+/// default; `--bucket-mib` sets another, `Graph::bucket_bytes`): large
+/// enough that each collective runs near link speed, small enough that the
+/// first starts early in the backward pass.
 pub const BUCKET_BYTES: u64 = 25 << 20;
 
 /// Most tensors in one bucket (one NCCL group call each).
@@ -86,16 +87,17 @@ pub fn bucket_collectives(g: &Graph, buffers: &[Buffer], kernels: Vec<Kernel>) -
     // Open buckets: one for the gradients, one for what every micro-batch
     // averages (the loss); a tensor of a bucket's size or more goes alone,
     // so the gradients before it do not wait for it.
+    let bucket_bytes = g.bucket_bytes.unwrap_or(BUCKET_BYTES).max(1);
     let mut buckets: Vec<(Option<usize>, usize, u64, Vec<Kernel>)> = Vec::new();
     let mut open: [Option<usize>; 2] = [None, None];
     for (ready, needed, k) in order {
-        let size = bytes(&buffers[k.inputs[0]]).unwrap_or(BUCKET_BYTES);
+        let size = bytes(&buffers[k.inputs[0]]).unwrap_or(bucket_bytes);
         let kind = usize::from(every_micro_batch(g, &k));
         let fits = open[kind].is_some_and(|i| {
             let (_, need, total, ks) = &buckets[i];
             ks.len() < BUCKET_MAX
-                && *total < BUCKET_BYTES
-                && size < BUCKET_BYTES
+                && *total < bucket_bytes
+                && size < bucket_bytes
                 && ready.map_or(0, |r| r + 1) <= *need
         });
         if fits {
@@ -105,7 +107,7 @@ pub fn bucket_collectives(g: &Graph, buffers: &[Buffer], kernels: Vec<Kernel>) -
             b.2 += size;
             b.3.push(k);
         } else {
-            open[kind] = (size < BUCKET_BYTES).then_some(buckets.len());
+            open[kind] = (size < bucket_bytes).then_some(buckets.len());
             buckets.push((ready, needed, size, vec![k]));
         }
     }
