@@ -25,8 +25,10 @@
 #   tools/gpu_check.sh dpbench   the throughput part of dp alone
 #   tools/gpu_check.sh dpwhy     where a data-parallel step's extra time goes: one GPU alone, one
 #                                single-GPU bench on every GPU at once (no communication: what
-#                                sharing the host costs), --gpus N, and an all-reduce of the tied
-#                                table's 147 MiB gradient alone (torch.distributed)
+#                                sharing the host costs), --gpus N with its profile (when each
+#                                bucket's all-reduce ran and the waits for it) and at bucket sizes
+#                                DP_BUCKETS (MiB, default "25 50 100 200"), and an all-reduce of the
+#                                tied table's 147 MiB gradient alone (torch.distributed)
 #   tools/gpu_check.sh weights   Hugging Face GPT-2 and LLaMA weights through the shipped maps, fusec's
 #                                token ids beside the Python tokenizers package, validation on the GPU
 #                                beside the CPU reference (tools/import_check.py)
@@ -240,8 +242,12 @@ if [ "$what" = dpwhy ]; then
   done
   wait
   for g in $(seq 0 $((N - 1))); do tail -1 "$LOGS/dpwhy-$g.log"; done
-  run "--gpus $N"
-  timeout 200 "$BIN/fusec" bench $ARGS --gpus $N 2>&1 | tail -1
+  run "--gpus $N, with its profile"
+  timeout 200 "$BIN/fusec" bench $ARGS --gpus $N --profile "$LOGS/dpwhy-profile.jsonl" 2>&1 | grep -v "kernels [0-9]" | tail -22
+  for mib in ${DP_BUCKETS:-25 50 100 200}; do
+    run "--gpus $N --bucket-mib $mib"
+    timeout 200 "$BIN/fusec" bench $ARGS --gpus $N --bucket-mib $mib 2>&1 | tail -1
+  done
   run "all-reduce (mean) of 147 MiB and of 27 MiB of f32 alone, $N ranks (torch.distributed, NCCL)"
   TORCHRUN=$(command -v torchrun || echo /opt/torch/.venv/bin/torchrun)
   cat > /tmp/allreduce.py <<'PY'
