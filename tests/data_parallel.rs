@@ -196,6 +196,59 @@ fn one_ranks_program_computes_what_the_single_gpu_program_does() {
     assert_eq!(run(&one), run(&two));
 }
 
+/// The same layout for models of other shapes: llama-small (its
+/// weight-gradient products run late, so gradients are made in another
+/// order than the buckets take them) and the awkward-sizes test model
+/// (head dim 80, grouped queries, vocabulary 5003, MLP width 1713, whose
+/// gradients end between alignment units), on 2 and 4 ranks. One
+/// micro-batch: with several, a bucket averages the sums the micro-batches
+/// accumulated, temporaries the plan places one by one, and each goes as a
+/// call of its own (as the first check shows).
+#[test]
+fn every_bucket_is_one_run_for_other_shapes() {
+    let one_micro = |s: String| s.replace("micro_batches = 2", "micro_batches = 1");
+    let c = build("llama-small.dsl", &[], 2, &|s| s);
+    let p = fuse(&c.optimized);
+    let pl = plan(&c.optimized, &p, &sizes(4, 256)).unwrap();
+    let apart = pl
+        .collectives
+        .iter()
+        .filter(|c| c.tensors.len() > 1)
+        .any(|c| {
+            c.tensors.windows(2).any(|w| {
+                let (a, b) = (&pl.buffers[w[0].0], &pl.buffers[w[1].0]);
+                b.offset
+                    != (a.offset + a.bytes).div_ceil(fusec_compiler::plan::ALIGN)
+                        * fusec_compiler::plan::ALIGN
+            })
+        });
+    assert!(
+        apart,
+        "llama-small's 2 micro-batches now average one run a bucket: tighten this test"
+    );
+    for ranks in [2, 4] {
+        let c = build("llama-small.dsl", &[], ranks, &one_micro);
+        let g = &c.optimized;
+        let p = fuse(g);
+        let pl = plan(g, &p, &sizes(4, 256)).unwrap();
+        assert!(one_run_per_bucket(&p, &pl) >= 2, "llama-small on {ranks}");
+    }
+    let path = common::root().join("tests/models/twins/gqa-hd80.dsl");
+    let src = std::fs::read_to_string(path).unwrap();
+    for ranks in [2, 4] {
+        let opts = Options {
+            ranks,
+            ..Options::default()
+        };
+        let c = compile(&src, "gqa-hd80", &opts)
+            .unwrap_or_else(|f| panic!("{}", f.render("gqa-hd80", &src)));
+        let g = &c.optimized;
+        let p = fuse(g);
+        let pl = plan(g, &p, &sizes(4, 256)).unwrap();
+        assert!(one_run_per_bucket(&p, &pl) >= 1, "gqa-hd80 on {ranks}");
+    }
+}
+
 /// Checks that each gradient bucket of `pl` lies end to end in the arena,
 /// in the bucket's order (the next at the last one's end, aligned up), and
 /// that the runtime merges it into one NCCL call; returns how many

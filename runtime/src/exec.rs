@@ -1232,14 +1232,14 @@ pub fn allow_dynamic_smem(
     .map_err(|e| RuntimeError::driver(&format!("raising {name}'s shared memory limit"), e))
 }
 
-/// Host values as a buffer's bytes (in parallel chunks: a large parameter
-/// is tens of millions of values).
 /// `n` values encoded as `dt` stores them, drawn by `fill(start, out)`
 /// (values `start..start + out.len()`, any chunk, any order) in parallel
-/// chunks: how a parameter's initial values are made.
+/// chunks: how a parameter's initial values are made. The chunks are
+/// small, so that a parameter of a few hundred thousand values still keeps
+/// every thread busy.
 pub fn encode_filled(dt: DType, n: usize, fill: &(dyn Fn(usize, &mut [f64]) + Sync)) -> Vec<u8> {
     use rayon::prelude::*;
-    const CHUNK: usize = 1 << 16;
+    const CHUNK: usize = 1 << 13;
     let size = dt.size_bytes();
     let mut bytes = vec![0u8; n * size];
     bytes
@@ -1248,7 +1248,7 @@ pub fn encode_filled(dt: DType, n: usize, fill: &(dyn Fn(usize, &mut [f64]) + Sy
         .for_each(|(k, out)| {
             let mut values = vec![0.0; out.len() / size];
             fill(k * CHUNK, &mut values);
-            out.copy_from_slice(&encode_serial(dt, &values));
+            encode_into(dt, &values, out);
         });
     bytes
 }
@@ -1267,7 +1267,7 @@ pub fn encode(dt: DType, values: &[f64]) -> Vec<u8> {
 }
 
 /// `values` encoded into `out` (exactly `values.len()` elements of `dt`).
-pub fn encode_into(dt: DType, values: &[f64], out: &mut [u8]) {
+fn encode_into(dt: DType, values: &[f64], out: &mut [u8]) {
     let size = dt.size_bytes();
     debug_assert_eq!(out.len(), values.len() * size);
     for (&v, o) in values.iter().zip(out.chunks_exact_mut(size)) {
@@ -1281,15 +1281,8 @@ pub fn encode_into(dt: DType, values: &[f64], out: &mut [u8]) {
 }
 
 fn encode_serial(dt: DType, values: &[f64]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(values.len() * dt.size_bytes());
-    for &v in values {
-        match dt {
-            DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
-            DType::BF16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
-            DType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
-            DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
-        }
-    }
+    let mut out = vec![0u8; values.len() * dt.size_bytes()];
+    encode_into(dt, values, &mut out);
     out
 }
 

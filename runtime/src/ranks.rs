@@ -211,7 +211,7 @@ impl Ranks {
     }
 
     /// [`Ranks::each`] for calls that can fail: the first error, naming its rank.
-    fn try_each<R: Send + 'static>(
+    pub fn try_each<R: Send + 'static>(
         &self,
         f: impl Fn(usize, &mut dyn Backend) -> Result<R, RuntimeError> + Send + Sync + 'static,
     ) -> Result<Vec<R>, RuntimeError> {

@@ -365,26 +365,17 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     }
     let steps = args.steps;
     let times = ranks
-        .each(move |_, b| b.time_steps(steps))
-        .map_err(runtime_err)?
-        .into_iter()
-        .collect::<Result<Vec<f64>, _>>()
+        .try_each(move |_, b| b.time_steps(steps))
         .map_err(runtime_err)?;
     let ms = times.iter().copied().fold(0.0, f64::max);
     let memory = ranks
-        .each(|_, b| b.memory_used())
-        .map_err(runtime_err)?
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()
+        .try_each(|_, b| b.memory_used())
         .map_err(runtime_err)?;
     let peak = memory.iter().flatten().copied().max().unwrap_or(0);
     let tokens = whole.get("B").copied().unwrap_or(1) * whole.get("T").copied().unwrap_or(1);
     if let Some(path) = &args.profile {
         let profiles = ranks
-            .each(|_, b| b.profile_step_full())
-            .map_err(runtime_err)?
-            .into_iter()
-            .collect::<Result<Vec<_>, _>>()
+            .try_each(|_, b| b.profile_step_full())
             .map_err(runtime_err)?;
         let local: Vec<(usize, fusec_runtime::exec::StepProfile)> = ranks
             .local_ranks()

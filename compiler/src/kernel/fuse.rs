@@ -312,9 +312,8 @@ impl<'g> Fuser<'g> {
             },
             BufKind::Temp,
         );
-        let names: Vec<&str> = chain.iter().map(|&n| self.g.g[n].op.name()).collect();
         kernels.push(Kernel {
-            name: kernel_name(kernels.len(), &names),
+            name: kernel_name(self.g, kernels.len(), chain),
             nodes: chain.to_vec(),
             inputs,
             outputs: vec![out],
@@ -342,11 +341,12 @@ fn is_transposed_matrix(v: &View) -> bool {
     t.is_contiguous()
 }
 
-/// `k7_add_gelu`; long chains name their first ops and how many more.
-fn kernel_name(index: usize, ops: &[&str]) -> String {
+/// `k7_add_gelu`, from the ops of `nodes`; long chains name their first
+/// ops and how many more.
+pub(super) fn kernel_name(g: &Graph, index: usize, nodes: &[NodeIndex]) -> String {
     let mut parts: Vec<&str> = Vec::new();
-    for op in ops {
-        if parts.last() != Some(op) {
+    for op in nodes.iter().map(|&n| g.g[n].op.name()) {
+        if parts.last() != Some(&op) {
             parts.push(op);
         }
     }
@@ -446,9 +446,8 @@ pub fn fuse(g: &Graph) -> Program {
                     views.push(None);
                     residual_slot = Some(ins.len() - 1);
                 }
-                let names: Vec<&str> = nodes.iter().map(|&m| g.g[m].op.name()).collect();
                 kernels.push(Kernel {
-                    name: kernel_name(kernels.len(), &names),
+                    name: kernel_name(g, kernels.len(), &nodes),
                     nodes,
                     inputs: ins,
                     outputs: outs,

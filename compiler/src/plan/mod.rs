@@ -362,6 +362,19 @@ pub fn plan_with(
             "the buffers take more than 2^60 bytes in all: check the sizes".into(),
         ));
     }
+    // Each bucket's gradients side by side in the bucket's order, so that
+    // the runtime averages a bucket as one run of memory (one NCCL call at
+    // full bandwidth, not one per tensor). With micro-batches a bucket
+    // averages the accumulated sums instead, temporaries placed one by one
+    // below, and goes as a call per tensor.
+    let mut bucket_order: HashMap<usize, usize> = HashMap::new();
+    for (n, i) in buckets
+        .iter()
+        .flat_map(|c| c.tensors.iter().map(|&(i, _)| i))
+        .enumerate()
+    {
+        bucket_order.entry(i).or_insert(n);
+    }
     for kind in [
         MemKind::Param,
         MemKind::Grad,
@@ -371,20 +384,7 @@ pub fn plan_with(
         let mut order: Vec<usize> = (0..out.len())
             .filter(|&i| out[i].kind == kind && out[i].alias_of.is_none())
             .collect();
-        if kind == MemKind::Grad {
-            // Each bucket's gradients side by side in the bucket's order, so
-            // that the runtime averages a bucket as one run of memory (one
-            // NCCL call at full bandwidth, not one per tensor).
-            let mut rank: HashMap<usize, usize> = HashMap::new();
-            for (n, i) in buckets
-                .iter()
-                .flat_map(|c| c.tensors.iter().map(|&(i, _)| i))
-                .enumerate()
-            {
-                rank.entry(i).or_insert(n);
-            }
-            order.sort_by_key(|i| (rank.get(i).copied().unwrap_or(usize::MAX), *i));
-        }
+        order.sort_by_key(|i| (bucket_order.get(i).copied().unwrap_or(usize::MAX), *i));
         for i in order {
             let b = &mut out[i];
             b.offset = cursor;

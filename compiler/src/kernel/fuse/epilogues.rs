@@ -236,9 +236,8 @@ impl Fuser<'_> {
             .iter()
             .map(|&v| self.store(v, BufKind::Temp))
             .collect();
-        let names: Vec<&str> = nodes.iter().map(|&m| self.g.g[m].op.name()).collect();
         kernels.push(Kernel {
-            name: kernel_name(kernels.len(), &names),
+            name: kernel_name(self.g, kernels.len(), &nodes),
             nodes,
             inputs: ins,
             outputs: outs,
