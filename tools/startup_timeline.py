@@ -19,7 +19,10 @@ import time
 
 def one_run(cmd, pattern):
     t0 = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    except OSError as e:
+        raise SystemExit(f"error: cannot run {cmd[0]}: {e}")
     buf = b""
     while True:
         chunk = os.read(p.stdout.fileno(), 65536)

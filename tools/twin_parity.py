@@ -233,7 +233,7 @@ def fp64_loss_only(model, inputs):
 def probe(args, work, precision, twin, batches, micro, ours, k):
     """Step k's gradient norm at fusec's own weights: fusec trains k - 1
     steps and saves them, and the twin takes step k's gradient there in f64
-    and in the same precision. Where the f64 norm matches fusec's logged one,
+    and in fp32 (whatever the precision of fusec's run). Where the f64 norm matches fusec's logged one,
     a step's excess came from the weights' path, not from that step's
     arithmetic. (A constant learning rate keeps the k - 1 steps the same as
     the full run's.)"""
@@ -245,9 +245,8 @@ def probe(args, work, precision, twin, batches, micro, ours, k):
         cmd += ["--lr", str(args.lr)]
     run(cmd + args.fusec_arg, quiet=True)
     norms = {}
-    for p in ("fp64", precision):
-        wide = p == "fp64"
-        dt = torch.float64 if wide else torch.float32
+    for p in ("fp64", "fp32"):
+        dt = torch.float64 if p == "fp64" else torch.float32
         model = twin.MODEL()
         twin.load_fusec(model, ck)
         model = model.to(args.device, dt)
@@ -257,9 +256,12 @@ def probe(args, work, precision, twin, batches, micro, ours, k):
         norms[p] = math.sqrt(sum(float((q.grad.double() ** 2).sum()) for q in model.parameters()
                                  if q.grad is not None))
     ours_k = ours[k - 1]["grad_norm"]
-    print(f"  step {k} at fusec's weights after step {k - 1}: f64 norm {norms['fp64']:.9g}, "
-          f"{precision} twin {rel(norms[precision], norms['fp64']):.1e} from it, "
-          f"fusec's logged {ours_k:.9g}, {rel(ours_k, norms['fp64']):.1e} from it")
+    head = (f"  step {k} at fusec's weights after step {k - 1}: f64 norm {norms['fp64']:.9g}, "
+            f"fp32 twin {rel(norms['fp32'], norms['fp64']):.1e} from it, ")
+    if ours_k is None:
+        print(head + "fusec skipped the step (an fp16 overflow)")
+    else:
+        print(head + f"fusec's logged {ours_k:.9g}, {rel(ours_k, norms['fp64']):.1e} from it")
 
 
 def weights_report(twin, fusec_final, same_model, wide_model):
@@ -377,7 +379,7 @@ def main():
     ap.add_argument("--lr", type=float, help="learning rate (default: the model file's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--probe", type=int, action="append", default=[], metavar="K",
-                    help="step K's gradient norm at fusec's own weights after step K - 1, in f64 and in the twin's precision, beside fusec's logged one (repeatable; fp32 and bf16 without autocast)")
+                    help="step K's gradient norm at fusec's own weights after step K - 1, in f64 and in fp32, beside fusec's logged one (repeatable; 2 <= K <= --steps)")
     ap.add_argument("--weights", action="store_true",
                     help="after the last step, compare every parameter with the f64 twin's, fusec's distance beside the same-precision twin's")
     ap.add_argument("--casting", default="compute", choices=["compute", "autocast"],
@@ -389,6 +391,9 @@ def main():
     ap.add_argument("--keep", metavar="DIR", help="keep the twins, weights, batches and logs here")
     ap.add_argument("--out", metavar="FILE", help="write every step's figures here (JSON)")
     args = ap.parse_args()
+    bad = [k for k in args.probe if not 2 <= k <= args.steps]
+    if bad:
+        raise SystemExit(f"error: --probe {bad[0]}: a probe needs a step from 2 to --steps ({args.steps})")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda":
         # PyTorch's fp32 reference must not round products to TF32 (fusec does not).
