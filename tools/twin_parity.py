@@ -33,10 +33,11 @@ the tensors where fusec is furthest ahead of the twin's distance listed
 first: where a gradient is less exact, its weights show it.
 
 With --probe K, fusec also trains K - 1 steps and saves its weights, and
-the twin takes step K's gradient at those very weights, in f64 and in fp32:
-fusec's logged norm at step K beside the f64 norm at its own weights says
-whether an excess at step K comes from that step's arithmetic or from the
-path the weights took to it.
+the twin takes step K's gradient at those very weights, in f64, in fp32 and
+in the run's precision: fusec's logged norm at step K beside the f64 norm at
+its own weights, judged by the same rule against the same-precision twin's
+distance, says whether an excess at step K comes from that step's
+arithmetic or from the path the weights took to it.
 
 For a token file the script also cuts the windows itself, as fusec's reader
 is documented to (consecutive windows of T + 1 tokens, wrapping around), and
@@ -232,11 +233,13 @@ def fp64_loss_only(model, inputs):
 
 def probe(args, work, precision, twin, batches, micro, ours, k):
     """Step k's gradient norm at fusec's own weights: fusec trains k - 1
-    steps and saves them, and the twin takes step k's gradient there in f64
-    and in fp32 (whatever the precision of fusec's run). Where the f64 norm matches fusec's logged one,
-    a step's excess came from the weights' path, not from that step's
-    arithmetic. (A constant learning rate keeps the k - 1 steps the same as
-    the full run's.)"""
+    steps and saves them, and the twin takes step k's gradient there in f64,
+    in fp32 and, for a bf16 or fp16 run, in that precision too (rounding as
+    --casting says). Where fusec's logged norm is as near the f64 norm at its
+    own weights as the same-precision twin's is, a step's excess came from
+    the weights' path, not from that step's arithmetic. (A constant learning
+    rate keeps the k - 1 steps the same as the full run's.) Returns fusec's
+    and the same-precision twin's distances from the f64 norm."""
     ck = os.path.join(work, f"probe_{precision}_{k}.safetensors")
     cmd = [args.fusec, "train", args.model, "--precision", precision, "--data", args.data,
            "--steps", str(k - 1), "--seed", str(args.seed), "--save", ck]
@@ -245,23 +248,35 @@ def probe(args, work, precision, twin, batches, micro, ours, k):
         cmd += ["--lr", str(args.lr)]
     run(cmd + args.fusec_arg, quiet=True)
     norms = {}
-    for p in ("fp64", "fp32"):
+    for p in dict.fromkeys(("fp64", "fp32", precision)):
         dt = torch.float64 if p == "fp64" else torch.float32
         model = twin.MODEL()
         twin.load_fusec(model, ck)
         model = model.to(args.device, dt)
-        for b in step_batches(batches, micro, k):
-            inputs = on_device(b, args.device, dt)
-            (model(**inputs) / micro).backward()
-        norms[p] = math.sqrt(sum(float((q.grad.double() ** 2).sum()) for q in model.parameters()
-                                 if q.grad is not None))
+        inputs = [on_device(b, args.device, dt) for b in step_batches(batches, micro, k)]
+        if p in ("fp64", "fp32"):
+            for i in inputs:
+                (model(**i) / micro).backward()
+            norms[p] = math.sqrt(sum(float((q.grad.double() ** 2).sum()) for q in model.parameters()
+                                     if q.grad is not None))
+        else:
+            # The twin's own step in fusec's precision: the norm it reports is
+            # the one before clipping and the update.
+            opt = twin.make_optimizer(model, args.lr)
+            _, norms[p] = twin.train_step(model, opt, inputs, lr=args.lr, scaler=twin.make_scaler(args.device),
+                                          precision=p, casting=args.casting)
     ours_k = ours[k - 1]["grad_norm"]
-    head = (f"  step {k} at fusec's weights after step {k - 1}: f64 norm {norms['fp64']:.9g}, "
-            f"fp32 twin {rel(norms['fp32'], norms['fp64']):.1e} from it, ")
+    same = rel(norms[precision], norms["fp64"])
+    head = f"  step {k} at fusec's weights after step {k - 1}: f64 norm {norms['fp64']:.9g}, fp32 twin {rel(norms['fp32'], norms['fp64']):.1e} from it, "
+    if precision != "fp32":
+        head += f"{precision} twin {same:.1e}, "
     if ours_k is None:
         print(head + "fusec skipped the step (an fp16 overflow)")
-    else:
-        print(head + f"fusec's logged {ours_k:.9g}, {rel(ours_k, norms['fp64']):.1e} from it")
+        return None
+    d = rel(ours_k, norms["fp64"])
+    allowed = max(SLACK * (same or 0.0), FLOOR[precision])
+    print(head + f"fusec's logged {ours_k:.9g}, {d:.1e} from it ({d / allowed:.2f} of the same allowance)")
+    return {"step": k, "fusec": d, "twin": same, "allowed": allowed}
 
 
 def weights_report(twin, fusec_final, same_model, wide_model):
@@ -348,8 +363,11 @@ def parity(args, work, precision):
     wide, wide_model = twin_train(twin, init, batches, micro, args, "fp64", skip=fusec_skips)
     if args.weights:
         weights_report(twin, os.path.join(work, f"final_{precision}.safetensors"), same_model, wide_model)
-    for k in args.probe:
-        probe(args, work, precision, twin, batches, micro, ours, k)
+    probes = [r for r in (probe(args, work, precision, twin, batches, micro, ours, k) for k in args.probe) if r]
+    if probes:
+        worst = max(r["fusec"] / r["allowed"] for r in probes)
+        print(f"  {precision}: at fusec's own weights, the probed steps' norms are at most {worst:.2f} of the "
+              f"allowance from the f64 norm ({'within' if worst <= 1 else 'outside'} it)")
     twin_skips = {i for i, s in enumerate(same, 1) if s["skipped"]}
     differ = (sorted(fusec_skips), sorted(twin_skips)) if twin_skips != fusec_skips else None
     rows, ok = judge(ours, same, wide, precision, differ)
@@ -379,7 +397,7 @@ def main():
     ap.add_argument("--lr", type=float, help="learning rate (default: the model file's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--probe", type=int, action="append", default=[], metavar="K",
-                    help="step K's gradient norm at fusec's own weights after step K - 1, in f64 and in fp32, beside fusec's logged one (repeatable; 2 <= K <= --steps)")
+                    help="step K's gradient norm at fusec's own weights after step K - 1, in f64, fp32 and the run's precision, beside fusec's logged one (repeatable; 2 <= K <= --steps)")
     ap.add_argument("--weights", action="store_true",
                     help="after the last step, compare every parameter with the f64 twin's, fusec's distance beside the same-precision twin's")
     ap.add_argument("--casting", default="compute", choices=["compute", "autocast"],

@@ -242,8 +242,14 @@ struct ForwardSm90 {
             fs_wgmma_hold(o_acc);
         }
 
-        // 7. O and the log-sum-exp.
-        store_output<E, DV>(a, o_acc, row_max, row_sum, b, h, i_lo, i_hi, frag_col);
+        // 7. O and the log-sum-exp: O through the warpgroup's query rows, which
+        //    no product reads any more, where they are wide enough.
+        if constexpr (DVP <= DP) {
+            store_output_staged<E, DV, DVP>(a, o_acc, row_max, row_sum, b, h, q0 + wg * 64, warp * 16 + frag_row, frag_col,
+                                            threadIdx.x & 127, q_tile + wg * 64 * DP, 1 + WGS + wg);
+        } else {
+            store_output<E, DV>(a, o_acc, row_max, row_sum, b, h, i_lo, i_hi, frag_col);
+        }
     }
 };
 

@@ -97,9 +97,14 @@ struct ForwardSm90Persistent {
     typedef SwizzledTile<TILE_K, DP> KT;
     typedef SwizzledTile<TILE_K, DVP> VT;
     static constexpr unsigned Q_BYTES = TILE_Q * DP * 2;
-    // The tiles, the key and value buffers' mbarriers, the item ring's two
-    // mbarriers and one Work a slot, and room for alignment.
-    static constexpr unsigned SMEM_BYTES = Q_BYTES + STAGES * (KT::BYTES + VT::BYTES) + 4 * STAGES * 8 + 2 * 2 * 8 + 2 * 16 + 1024;
+    // Each warpgroup's output rows on their way to global memory
+    // (store_output_staged): its query rows hold the next item's by then.
+    static constexpr unsigned STAGE_BYTES = (DVP & (DVP - 1)) == 0 ? TILE_Q * DVP * 2 : 0;
+    // The tiles, the output's staging rows, the key and value buffers'
+    // mbarriers, the item ring's two mbarriers and one Work a slot, and room
+    // for alignment.
+    static constexpr unsigned SMEM_BYTES =
+        Q_BYTES + STAGES * (KT::BYTES + VT::BYTES) + STAGE_BYTES + 4 * STAGES * 8 + 2 * 2 * 8 + 2 * 16 + 1024;
     static_assert(Q_BYTES % 1024 == 0 && KT::BYTES % 1024 == 0 && VT::BYTES % 1024 == 0, "swizzled tiles start 1024-byte aligned");
 
     // The key tiles of the query tile from row q0 (causal: key tiles after
@@ -182,7 +187,8 @@ struct ForwardSm90Persistent {
         // landed, k_empty[s] / v_empty[s] when every consumer warp is done reading it.
         // The producer and the consumers walk the same key tiles, item after
         // item, so the n-th tile of the block sits in buffer n % STAGES.
-        fs_mbar* const k_full = reinterpret_cast<fs_mbar*>(v_tiles + STAGES * VT::BYTES);
+        unsigned short* const stage = reinterpret_cast<unsigned short*>(v_tiles + STAGES * VT::BYTES);  // [TILE_Q][DVP]
+        fs_mbar* const k_full = reinterpret_cast<fs_mbar*>(v_tiles + STAGES * VT::BYTES + STAGE_BYTES);
         fs_mbar* const v_full = k_full + STAGES;
         fs_mbar* const k_empty = k_full + 2 * STAGES;
         fs_mbar* const v_empty = k_full + 3 * STAGES;
@@ -382,8 +388,17 @@ struct ForwardSm90Persistent {
                 ++passed;
             }
 
-            // 6. O and the log-sum-exp.
-            store_output<E, DV>(a, o_acc, row_max, row_sum, item->b, item->h, i_lo, i_hi, frag_col);
+            // 6. O and the log-sum-exp, O through the warpgroup's staging rows
+            //    (q_landed's barrier below keeps the next item's from writing
+            //    over them before every thread has read them) where a row is a
+            //    power of two of 16-byte chunks: at 48 features the division
+            //    by 6 made ptxas spill 20-28 bytes in the consumers.
+            if constexpr ((DVP & (DVP - 1)) == 0) {
+                store_output_staged<E, DV, DVP>(a, o_acc, row_max, row_sum, item->b, item->h, q0 + wg * 64,
+                                                warp * 16 + frag_row, frag_col, wg_tid, stage + wg * 64 * DVP, Q_BAR);
+            } else {
+                store_output<E, DV>(a, o_acc, row_max, row_sum, item->b, item->h, i_lo, i_hi, frag_col);
+            }
             // The item's slot is free for the producer.
             fs_syncwarp();
             if (lane == 0) fs_mbar_arrive(&item_empty[(taken - 2) & 1]);

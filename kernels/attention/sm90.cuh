@@ -288,6 +288,61 @@ __device__ __forceinline__ void load_core_rows(unsigned short* tile, const In& x
     }
 }
 
+// Step 7 of the Hopper forwards for one consumer warpgroup: its 64 rows of O
+// (normalised, rounded to E) and their log-sum-exp, O through `stage`, 64 x
+// DVP elements of shared memory only this warpgroup uses now. Written from the
+// accumulator fragments straight to global memory, a warp's store covered 8
+// rows x 16 bytes: a quarter of each 32-byte sector it touched (ncu, H200,
+// D = 128, T = 1024: 8.1 of 32 bytes a sector, 262 MB through L2 for 67 MB of
+// output). Staged, every store is a whole 16-byte chunk of a row and a warp's
+// cover whole rows. Chunk c of staged row r sits at chunk (c + r) % CH of its
+// row (CH = DVP / 8, even): the fragments' writes (8 rows, one chunk) and the
+// rows' reads fall in distinct banks. `bar` is a named barrier of the
+// warpgroup's 128 threads, `row0` its first query row, `wg_row` this
+// thread's first row within the warpgroup (warp * 16 + fragment row).
+template <class E, int DV, int DVP>
+__device__ __forceinline__ void store_output_staged(const ForwardArgs& a, const float (&o_acc)[DVP / 8][4], const float (&row_max)[2],
+                                                    const float (&row_sum)[2], fs_i64 b, fs_i64 h, fs_i64 row0, int wg_row,
+                                                    int frag_col, int wg_tid, unsigned short* stage, unsigned bar) {
+    constexpr int CH = DVP / 8;
+    static_assert(DVP % 16 == 0, "an even number of 16-byte chunks a row");
+    // Every product that read the staging area (the warpgroup's queries) has
+    // landed in every warp before any warp writes over it.
+    fs_bar_sync(bar, 128);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        sum += fs_shfl_xor(sum, 1);
+        sum += fs_shfl_xor(sum, 2);
+        const int lr = wg_row + 8 * r;
+        const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+        for (int n = 0; n < CH; ++n) {
+            const int p = (n + lr) % CH;
+            fs_st32(&stage[lr * DVP + p * 8 + frag_col], E::pack(o_acc[n][2 * r] * inv_sum, o_acc[n][2 * r + 1] * inv_sum));
+        }
+        const fs_i64 i = row0 + lr;
+        if (frag_col == 0 && i < a.q_len) a.lse.at(b, h, i) = sum > 0.0f ? row_max[r] * LN2 + logf(sum) : FS_NEG_INF;
+    }
+    fs_bar_sync(bar, 128);
+    // Consecutive threads take consecutive staged chunks: whole rows, read
+    // without bank conflicts, written as 16-byte stores where the row allows.
+    for (int t = wg_tid; t < 64 * CH; t += 128) {
+        const int lr = t / CH, p = t % CH;
+        int c = p - lr % CH;
+        if (c < 0) c += CH;
+        const fs_i64 i = row0 + lr;
+        if (i >= a.q_len || c * 8 >= DV) continue;
+        const unsigned short* const src = &stage[lr * DVP + p * 8];
+        unsigned short* const dst = a.o.row(b, i, h) + c * 8;
+        if (c * 8 + 8 <= DV && fs_align_bits(dst) % 16 == 0) {
+            fs_copy16(dst, src);
+        } else {
+            for (int e = 0; e < 8 && c * 8 + e < DV; ++e) dst[e] = src[e];
+        }
+    }
+}
+
 // The widest power of two from 8 to 256 that is at most n.
 constexpr int wgmma_width(int n) { return n >= 256 ? 256 : n >= 128 ? 128 : n >= 64 ? 64 : n >= 32 ? 32 : n >= 16 ? 16 : 8; }
 

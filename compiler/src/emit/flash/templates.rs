@@ -121,9 +121,19 @@ pub(crate) fn forward_sm90(
     let tile_q = 64 * wgs;
     let tile_k = if dp <= 128 && dvp <= 128 { 128 } else { 64 };
     let threads = (128 * wgs + 128) as u32;
-    // As the template's SMEM_BYTES: the tiles, the buffers' mbarriers, the
-    // item ring's mbarriers and indices, room for alignment.
-    let ring = if persistent { 2 * 2 * 8 + 2 * 16 } else { 0 };
+    // As the template's SMEM_BYTES: the tiles, the buffers' mbarriers, and
+    // for the persistent one the output's staging rows and the item ring's
+    // mbarriers and indices; room for alignment.
+    let ring = if persistent {
+        let staged = if dvp.is_power_of_two() {
+            tile_q * dvp * 2
+        } else {
+            0
+        };
+        staged + 2 * 2 * 8 + 2 * 16
+    } else {
+        0
+    };
     let smem = tile_q * dp * 2 + 2 * (tile_k * dp * 2 + tile_k * dvp * 2) + 4 * 2 * 8 + ring + 1024;
     let inst = Instance {
         header: if persistent {
