@@ -39,6 +39,15 @@ its own weights, judged by the same rule against the same-precision twin's
 distance, says whether an excess at step K comes from that step's
 arithmetic or from the path the weights took to it.
 
+A step outside that allowance is probed (below): the twins take the same
+step at fusec's own weights, and where fusec's loss and norm are within the
+same rule there (3x the same-precision twin's distance from the f64 step, or
+the floor), the step's arithmetic is as exact as PyTorch's and only the
+weights' path has parted, as chaotic training does with any rounding. The
+verdict then reads "PASS (path parted ...)"; --strict-path judges by the
+path alone. A failure at step 1 (same weights on both sides) or a
+disagreement about fp16's skipped steps is not probed away.
+
 For a token file the script also cuts the windows itself, as fusec's reader
 is documented to (consecutive windows of T + 1 tokens, wrapping around), and
 checks they are the batches fusec fed.
@@ -247,7 +256,7 @@ def probe(args, work, precision, twin, batches, micro, ours, k):
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
     run(cmd + args.fusec_arg, quiet=True)
-    norms = {}
+    norms, losses = {}, {}
     for p in dict.fromkeys(("fp64", "fp32", precision)):
         dt = torch.float64 if p == "fp64" else torch.float32
         model = twin.MODEL()
@@ -255,16 +264,20 @@ def probe(args, work, precision, twin, batches, micro, ours, k):
         model = model.to(args.device, dt)
         inputs = [on_device(b, args.device, dt) for b in step_batches(batches, micro, k)]
         if p in ("fp64", "fp32"):
+            total = 0.0
             for i in inputs:
-                (model(**i) / micro).backward()
+                loss = model(**i)
+                (loss / micro).backward()
+                total += loss.item()
+            losses[p] = total / micro
             norms[p] = math.sqrt(sum(float((q.grad.double() ** 2).sum()) for q in model.parameters()
                                      if q.grad is not None))
         else:
-            # The twin's own step in fusec's precision: the norm it reports is
-            # the one before clipping and the update.
+            # The twin's own step in fusec's precision: the loss and norm it
+            # reports are those before clipping and the update.
             opt = twin.make_optimizer(model, args.lr)
-            _, norms[p] = twin.train_step(model, opt, inputs, lr=args.lr, scaler=twin.make_scaler(args.device),
-                                          precision=p, casting=args.casting)
+            losses[p], norms[p] = twin.train_step(model, opt, inputs, lr=args.lr, scaler=twin.make_scaler(args.device),
+                                                  precision=p, casting=args.casting)
     ours_k = ours[k - 1]["grad_norm"]
     same = rel(norms[precision], norms["fp64"])
     head = f"  step {k} at fusec's weights after step {k - 1}: f64 norm {norms['fp64']:.9g}, fp32 twin {rel(norms['fp32'], norms['fp64']):.1e} from it, "
@@ -273,10 +286,14 @@ def probe(args, work, precision, twin, batches, micro, ours, k):
     if ours_k is None:
         print(head + "fusec skipped the step (an fp16 overflow)")
         return None
-    d = rel(ours_k, norms["fp64"])
-    allowed = max(SLACK * (same or 0.0), FLOOR[precision])
-    print(head + f"fusec's logged {ours_k:.9g}, {d:.1e} from it ({d / allowed:.2f} of the same allowance)")
-    return {"step": k, "fusec": d, "twin": same, "allowed": allowed}
+    out = {"step": k}
+    for q, ours_q, ref in (("grad_norm", ours_k, norms), ("loss", ours[k - 1]["loss"], losses)):
+        d, t = rel(ours_q, ref["fp64"]), rel(ref[precision], ref["fp64"])
+        out[q] = {"fusec": d, "twin": t, "allowed": max(SLACK * (t or 0.0), FLOOR[precision])}
+    n, l = out["grad_norm"], out["loss"]
+    print(head + f"fusec's logged {ours_k:.9g}, {n['fusec']:.1e} from it ({n['fusec'] / n['allowed']:.2f} of the same "
+          f"allowance); loss {l['fusec']:.1e} from the f64 one ({l['fusec'] / l['allowed']:.2f})")
+    return out
 
 
 def weights_report(twin, fusec_final, same_model, wide_model):
@@ -363,11 +380,7 @@ def parity(args, work, precision):
     wide, wide_model = twin_train(twin, init, batches, micro, args, "fp64", skip=fusec_skips)
     if args.weights:
         weights_report(twin, os.path.join(work, f"final_{precision}.safetensors"), same_model, wide_model)
-    probes = [r for r in (probe(args, work, precision, twin, batches, micro, ours, k) for k in args.probe) if r]
-    if probes:
-        worst = max(r["fusec"] / r["allowed"] for r in probes)
-        print(f"  {precision}: at fusec's own weights, the probed steps' norms are at most {worst:.2f} of the "
-              f"allowance from the f64 norm ({'within' if worst <= 1 else 'outside'} it)")
+    probes = {k: probe(args, work, precision, twin, batches, micro, ours, k) for k in args.probe}
     twin_skips = {i for i, s in enumerate(same, 1) if s["skipped"]}
     differ = (sorted(fusec_skips), sorted(twin_skips)) if twin_skips != fusec_skips else None
     rows, ok = judge(ours, same, wide, precision, differ)
@@ -376,8 +389,39 @@ def parity(args, work, precision):
                  if q in r and r[q]["fusec"] is not None), default=0.0)
     print(f"  {precision}: {args.steps} steps, fusec's largest distance from the f64 twin is "
           f"{worst:.2f} of its allowance: {'PASS' if ok else 'FAIL'}")
-    return {"precision": precision, "ok": ok, "worst_share": worst, "rows": rows,
-            "fusec_skips": sorted(fusec_skips), "twin_skips": sorted(twin_skips)}
+    # A step outside the path's allowance is probed: the same step taken at
+    # fusec's own weights by the f64 and same-precision twins says whether
+    # that step's arithmetic is off, or only the weights' path has parted.
+    outside = [r for r in rows if any(q in r and not r[q]["ok"] for q in ("loss", "grad_norm"))]
+    explained, step_worst = ok, None
+    if outside and not args.strict_path:
+        if any(r["step"] == 1 for r in outside) or differ is not None:
+            explained = False  # step 1 starts from the same weights: nothing parted yet
+        else:
+            explained = True
+            for r in outside:
+                k = r["step"]
+                if k not in probes:
+                    probes[k] = probe(args, work, precision, twin, batches, micro, ours, k)
+                got = probes[k]
+                if got is None:
+                    explained = False
+                    continue
+                for q in ("loss", "grad_norm"):
+                    if q in r and not r[q]["ok"]:
+                        share = got[q]["fusec"] / got[q]["allowed"]
+                        step_worst = share if step_worst is None else max(step_worst, share)
+                        explained &= share <= 1.0
+        if step_worst is not None:
+            print(f"  {precision}: the {len(outside)} steps outside, taken at fusec's own weights, are at most "
+                  f"{step_worst:.2f} of the same allowance from the f64 twin's step: "
+                  + ("each step's arithmetic is within it, only the path parted" if explained
+                     else "a step's own arithmetic is outside it"))
+    verdict = "PASS" if ok else "PASS (path parted; every step outside within at fusec's weights)" if explained else "FAIL"
+    return {"precision": precision, "ok": ok or explained, "path_ok": ok, "worst_share": worst,
+            "probed_worst_share": step_worst, "verdict": verdict, "rows": rows,
+            "probes": [p for p in probes.values() if p], "fusec_skips": sorted(fusec_skips),
+            "twin_skips": sorted(twin_skips)}
 
 
 def main():
@@ -398,6 +442,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--probe", type=int, action="append", default=[], metavar="K",
                     help="step K's gradient norm at fusec's own weights after step K - 1, in f64, fp32 and the run's precision, beside fusec's logged one (repeatable; 2 <= K <= --steps)")
+    ap.add_argument("--strict-path", action="store_true",
+                    help="judge by the path alone: a step outside its allowance fails even where the same step "
+                         "taken at fusec's own weights is within it (by default such steps are probed, see above)")
     ap.add_argument("--weights", action="store_true",
                     help="after the last step, compare every parameter with the f64 twin's, fusec's distance beside the same-precision twin's")
     ap.add_argument("--casting", default="compute", choices=["compute", "autocast"],
@@ -435,7 +482,7 @@ def main():
         import shutil
         shutil.rmtree(work, ignore_errors=True)
     ok = all(r["ok"] for r in results)
-    print(f"{os.path.basename(args.model)}: {' '.join(r['precision'] + (' PASS' if r['ok'] else ' FAIL') for r in results)}")
+    print(f"{os.path.basename(args.model)}: {', '.join(r['precision'] + ' ' + r['verdict'] for r in results)}")
     sys.exit(0 if ok else 1)
 
 
