@@ -76,7 +76,12 @@ struct DkDvDqSm90 {
     typedef CoreTile<TILE_Q> DST;  // dS^T: [key][query]
     typedef SwizzledTile<TILE_Q, DP> QT;
     typedef SwizzledTile<TILE_Q, DVP> DOT;
-    static constexpr int DQ_ROW = DP + 4;  // f32 dQ tile row pitch (fewer bank conflicts)
+    // The f32 dQ tiles' row pitch: 8 floats past a multiple of 32 banks, so
+    // that a half warp's 8-byte fragment stores (4 rows x 32 bytes) hit 32
+    // distinct banks. At DP + 4 rows r and r + 1 shared 4 banks: ncu (H200,
+    // D = 128, T = 8192) counted 2.9-way conflicts over the kernel's shared
+    // stores, 35% of their wavefronts.
+    static constexpr int DQ_ROW = DP + 8;
     static constexpr unsigned smem_with(int stages) {
         return TILE_K * (DP + DVP) * 2 + stages * (QT::BYTES + DOT::BYTES) + TILE_K * TILE_Q * 2 + 2 * TILE_Q * DQ_ROW * 4 +
                2 * stages * TILE_Q * 4 + (2 * stages + 4) * 8 + 1024;
@@ -353,8 +358,26 @@ struct DkDvDqSm90 {
 
         // Last, each key row once: dK = scale * acc, dV = acc; split, the
         // block's part of them into its f32 slot, for DkvStore to sum.
-        if constexpr (SPLIT == 1) store_dk_dv<E, D, DV>(a, dk_acc, dv_acc, b, kv_h, k0, key_row, frag_col, 0, 0);
-        else store_dkv_part<D, DV, SPLIT>(a, dk_acc, dv_acc, b, kv_h, part, k0, key_row, frag_col, 0, 0);
+        // Unsplit, dK and dV go through the query and dO buffers (free once
+        // both warpgroups' last products have landed; two stages hold the 128
+        // key rows' DP + DVP features) as whole 16-byte chunks of rows
+        // (stage_rows).
+        if constexpr (SPLIT == 1) {
+            static_assert(STAGES * (QT::BYTES + DOT::BYTES) >= TILE_K * (DP + DVP) * 2, "dK and dV staged in the query buffers");
+            unsigned short* const dk_stage = reinterpret_cast<unsigned short*>(q_tiles) + wg * 64 * DP;
+            unsigned short* const dv_stage = reinterpret_cast<unsigned short*>(q_tiles) + TILE_K * DP + wg * 64 * DVP;
+            const int wg_row = warp * 16 + frag_row, wg_tid = threadIdx.x & 127;
+            const float k_scale[2] = {a.scale, a.scale}, v_scale[2] = {1.0f, 1.0f};
+            fs_bar_sync(1, CONSUMERS);
+            stage_rows<E, DP>(dk_acc, k_scale, dk_stage, wg_row, frag_col);
+            stage_rows<E, DVP>(dv_acc, v_scale, dv_stage, wg_row, frag_col);
+            fs_bar_sync(3 + wg, 128);
+            const fs_i64 j0 = k0 + wg * 64;
+            copy_staged_rows<DP>(dk_stage, wg_tid, a.kv_len - j0, D, [&](int lr) { return a.dk.row(b, j0 + lr, kv_h); });
+            copy_staged_rows<DVP>(dv_stage, wg_tid, a.kv_len - j0, DV, [&](int lr) { return a.dv.row(b, j0 + lr, kv_h); });
+        } else {
+            store_dkv_part<D, DV, SPLIT>(a, dk_acc, dv_acc, b, kv_h, part, k0, key_row, frag_col, 0, 0);
+        }
     }
 };
 

@@ -288,59 +288,85 @@ __device__ __forceinline__ void load_core_rows(unsigned short* tile, const In& x
     }
 }
 
+// A consumer warpgroup's 64 accumulator rows (W features padded to WP, in
+// wgmma's fragments: acc[n][e] = row wg_row + 8 * (e / 2), feature 8n +
+// frag_col + e % 2) on their way to global memory as 16-bit values, through
+// `stage`, 64 x WP elements of shared memory only this warpgroup uses now.
+// Written from the fragments straight to global memory, a warp's store
+// covered 8 rows x 4 bytes a lane: a quarter of each 32-byte sector it
+// touched (ncu, H200, the forward at D = 128, T = 1024: 8.1 of 32 bytes a
+// sector, 262 MB through L2 for 67 MB of output). Staged, every store is a
+// whole 16-byte chunk of a row and a warp's cover whole rows.
+//
+// Chunk c of staged row r sits at chunk (c + r) % CH of its row (CH = WP /
+// 8, even): the fragments' writes (8 rows, one chunk) and the rows' reads
+// fall in distinct banks. Row r's values are multiplied by scale[r's index].
+template <class E, int WP>
+__device__ __forceinline__ void stage_rows(const float (&acc)[WP / 8][4], const float (&scale)[2], unsigned short* stage,
+                                           int wg_row, int frag_col) {
+    constexpr int CH = WP / 8;
+    static_assert(WP % 16 == 0, "an even number of 16-byte chunks a row");
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int lr = wg_row + 8 * r;
+#pragma unroll
+        for (int n = 0; n < CH; ++n) {
+            const int p = (n + lr) % CH;
+            fs_st32(&stage[lr * WP + p * 8 + frag_col], E::pack(acc[n][2 * r] * scale[r], acc[n][2 * r + 1] * scale[r]));
+        }
+    }
+}
+
+// The first `rows` (at most 64) staged rows of stage_rows into global memory,
+// features below `width` (at most WP), row lr at row_at(lr), by the
+// warpgroup's 128 threads (wg_tid), after a barrier that follows every
+// thread's stage_rows. Consecutive threads take consecutive staged chunks:
+// whole rows, read without bank conflicts, written as 16-byte stores where
+// the row allows.
+template <int WP, class RowAt>
+__device__ __forceinline__ void copy_staged_rows(const unsigned short* stage, int wg_tid, fs_i64 rows, int width, RowAt row_at) {
+    const int W = width;
+    constexpr int CH = WP / 8;
+    for (int t = wg_tid; t < 64 * CH; t += 128) {
+        const int lr = t / CH, p = t % CH;
+        int c = p - lr % CH;
+        if (c < 0) c += CH;
+        if (lr >= rows || c * 8 >= W) continue;
+        const unsigned short* const src = &stage[lr * WP + p * 8];
+        unsigned short* const dst = row_at(lr) + c * 8;
+        if (c * 8 + 8 <= W && fs_align_bits(dst) % 16 == 0) {
+            fs_copy16(dst, src);
+        } else {
+            for (int e = 0; e < 8 && c * 8 + e < W; ++e) dst[e] = src[e];
+        }
+    }
+}
+
 // Step 7 of the Hopper forwards for one consumer warpgroup: its 64 rows of O
-// (normalised, rounded to E) and their log-sum-exp, O through `stage`, 64 x
-// DVP elements of shared memory only this warpgroup uses now. Written from the
-// accumulator fragments straight to global memory, a warp's store covered 8
-// rows x 16 bytes: a quarter of each 32-byte sector it touched (ncu, H200,
-// D = 128, T = 1024: 8.1 of 32 bytes a sector, 262 MB through L2 for 67 MB of
-// output). Staged, every store is a whole 16-byte chunk of a row and a warp's
-// cover whole rows. Chunk c of staged row r sits at chunk (c + r) % CH of its
-// row (CH = DVP / 8, even): the fragments' writes (8 rows, one chunk) and the
-// rows' reads fall in distinct banks. `bar` is a named barrier of the
-// warpgroup's 128 threads, `row0` its first query row, `wg_row` this
-// thread's first row within the warpgroup (warp * 16 + fragment row).
+// (normalised, rounded to E) through `stage` (stage_rows) and their
+// log-sum-exp. `bar` is a named barrier of the warpgroup's 128 threads,
+// `row0` its first query row, `wg_row` this thread's first row within the
+// warpgroup (warp * 16 + fragment row).
 template <class E, int DV, int DVP>
 __device__ __forceinline__ void store_output_staged(const ForwardArgs& a, const float (&o_acc)[DVP / 8][4], const float (&row_max)[2],
                                                     const float (&row_sum)[2], fs_i64 b, fs_i64 h, fs_i64 row0, int wg_row,
                                                     int frag_col, int wg_tid, unsigned short* stage, unsigned bar) {
-    constexpr int CH = DVP / 8;
-    static_assert(DVP % 16 == 0, "an even number of 16-byte chunks a row");
-    // Every product that read the staging area (the warpgroup's queries) has
-    // landed in every warp before any warp writes over it.
-    fs_bar_sync(bar, 128);
+    float inv_sum[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float sum = row_sum[r];
         sum += fs_shfl_xor(sum, 1);
         sum += fs_shfl_xor(sum, 2);
-        const int lr = wg_row + 8 * r;
-        const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-#pragma unroll
-        for (int n = 0; n < CH; ++n) {
-            const int p = (n + lr) % CH;
-            fs_st32(&stage[lr * DVP + p * 8 + frag_col], E::pack(o_acc[n][2 * r] * inv_sum, o_acc[n][2 * r + 1] * inv_sum));
-        }
-        const fs_i64 i = row0 + lr;
+        inv_sum[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const fs_i64 i = row0 + wg_row + 8 * r;
         if (frag_col == 0 && i < a.q_len) a.lse.at(b, h, i) = sum > 0.0f ? row_max[r] * LN2 + logf(sum) : FS_NEG_INF;
     }
+    // Every product that read the staging area (the block forward's queries)
+    // has landed in every warp before any warp writes over it.
     fs_bar_sync(bar, 128);
-    // Consecutive threads take consecutive staged chunks: whole rows, read
-    // without bank conflicts, written as 16-byte stores where the row allows.
-    for (int t = wg_tid; t < 64 * CH; t += 128) {
-        const int lr = t / CH, p = t % CH;
-        int c = p - lr % CH;
-        if (c < 0) c += CH;
-        const fs_i64 i = row0 + lr;
-        if (i >= a.q_len || c * 8 >= DV) continue;
-        const unsigned short* const src = &stage[lr * DVP + p * 8];
-        unsigned short* const dst = a.o.row(b, i, h) + c * 8;
-        if (c * 8 + 8 <= DV && fs_align_bits(dst) % 16 == 0) {
-            fs_copy16(dst, src);
-        } else {
-            for (int e = 0; e < 8 && c * 8 + e < DV; ++e) dst[e] = src[e];
-        }
-    }
+    stage_rows<E, DVP>(o_acc, inv_sum, stage, wg_row, frag_col);
+    fs_bar_sync(bar, 128);
+    copy_staged_rows<DVP>(stage, wg_tid, a.q_len - row0, DV, [&](int lr) { return a.o.row(b, row0 + lr, h); });
 }
 
 // The widest power of two from 8 to 256 that is at most n.

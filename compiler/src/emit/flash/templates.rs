@@ -290,7 +290,7 @@ pub(crate) fn dkdvdq_sm90(dt: DType, d: u64, dv: u64, causal: bool, split: u64) 
         128 * (dp + dvp) * 2
             + stages * (64 * dp * 2 + 64 * dvp * 2)
             + 128 * 64 * 2
-            + 2 * 64 * (dp + 4) * 4
+            + 2 * 64 * (dp + 8) * 4
             + 2 * stages * 64 * 4
             + (2 * stages + 4) * 8
             + 1024
