@@ -623,8 +623,8 @@ fn a_closed_pipe_ends_a_dump_quietly() {
 }
 
 /// `--bucket-mib` sets where data parallelism's gradient buckets close:
-/// gpt2-small on 4 GPUs has 15 collectives at the default 25 MiB and 7 at
-/// 100 MiB (the report lists them); without ranks it is a usage error.
+/// gpt2-small on 4 GPUs has 7 collectives at the default 100 MiB and 15 at
+/// 25 MiB (the report lists them); without ranks it is a usage error.
 #[test]
 fn bucket_mib_sizes_the_gradient_buckets() {
     let dir = std::env::temp_dir().join(format!("fusec-cli-buckets-{}", std::process::id()));
@@ -658,8 +658,8 @@ fn bucket_mib_sizes_the_gradient_buckets() {
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("{line}"))
     };
-    assert_eq!(buckets(&[]), 15);
-    assert_eq!(buckets(&["--bucket-mib", "100"]), 7);
+    assert_eq!(buckets(&[]), 7);
+    assert_eq!(buckets(&["--bucket-mib", "25"]), 15);
     let (code, _, err) = fusec(&[
         "build",
         "dsl-examples/gpt2-small.dsl",

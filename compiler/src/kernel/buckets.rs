@@ -11,11 +11,16 @@ use crate::ir::Graph;
 use crate::ops::Op;
 use std::collections::HashMap;
 
-/// A bucket closes once it holds at least this many bytes (PyTorch DDP's
-/// default; `--bucket-mib` sets another, `Graph::bucket_bytes`): large
-/// enough that each collective runs near link speed, small enough that the
-/// first starts early in the backward pass.
-pub const BUCKET_BYTES: u64 = 25 << 20;
+/// A bucket closes once it holds at least this many bytes (`--bucket-mib`
+/// sets another, `Graph::bucket_bytes`): large enough that each collective
+/// runs near link speed and that few of them start, small enough that the
+/// first starts early in the backward pass. PyTorch DDP closes at 25 MB;
+/// on 2 and 4 H100s over NVLink, 100 MiB made gpt2-small's and
+/// llama-small's data-parallel steps 0.5-0.9 ms faster (docs/benchmarks.md,
+/// 2026-11-27): every collective is a point where a rank's NCCL kernel
+/// holds multiprocessors while it waits for the slowest rank, so fewer of
+/// them cost less, and the backward pass still hides all but the last.
+pub const BUCKET_BYTES: u64 = 100 << 20;
 
 /// Most tensors in one bucket (one NCCL group call each).
 const BUCKET_MAX: usize = 256;
