@@ -366,15 +366,9 @@ struct DkDvDqSm90 {
             static_assert(STAGES * (QT::BYTES + DOT::BYTES) >= TILE_K * (DP + DVP) * 2, "dK and dV staged in the query buffers");
             unsigned short* const dk_stage = reinterpret_cast<unsigned short*>(q_tiles) + wg * 64 * DP;
             unsigned short* const dv_stage = reinterpret_cast<unsigned short*>(q_tiles) + TILE_K * DP + wg * 64 * DVP;
-            const int wg_row = warp * 16 + frag_row, wg_tid = threadIdx.x & 127;
-            const float k_scale[2] = {a.scale, a.scale}, v_scale[2] = {1.0f, 1.0f};
             fs_bar_sync(1, CONSUMERS);
-            stage_rows<E, DP>(dk_acc, k_scale, dk_stage, wg_row, frag_col);
-            stage_rows<E, DVP>(dv_acc, v_scale, dv_stage, wg_row, frag_col);
-            fs_bar_sync(3 + wg, 128);
-            const fs_i64 j0 = k0 + wg * 64;
-            copy_staged_rows<DP>(dk_stage, wg_tid, a.kv_len - j0, D, [&](int lr) { return a.dk.row(b, j0 + lr, kv_h); });
-            copy_staged_rows<DVP>(dv_stage, wg_tid, a.kv_len - j0, DV, [&](int lr) { return a.dv.row(b, j0 + lr, kv_h); });
+            store_dk_dv_staged<E, D, DV, DP, DVP>(a, dk_acc, dv_acc, dk_stage, dv_stage, b, kv_h, k0 + wg * 64, 0, 0,
+                                                  warp * 16 + frag_row, frag_col, threadIdx.x & 127, 3 + wg);
         } else {
             store_dkv_part<D, DV, SPLIT>(a, dk_acc, dv_acc, b, kv_h, part, k0, key_row, frag_col, 0, 0);
         }

@@ -332,18 +332,9 @@ struct DkDvDqSm90Wide {
             static_assert(STAGES * (QT::BYTES + DOT::BYTES) >= TILE_K * (DP + DVP) * 2, "dK and dV staged in the query buffers");
             unsigned short* const dk_stage = reinterpret_cast<unsigned short*>(q_tiles) + wg * 64 * FK;
             unsigned short* const dv_stage = reinterpret_cast<unsigned short*>(q_tiles) + TILE_K * DP + wg * 64 * FV;
-            const int wg_tid = threadIdx.x & 127;
-            const float k_scale[2] = {a.scale, a.scale}, v_scale[2] = {1.0f, 1.0f};
             fs_bar_sync(1, CONSUMERS);
-            stage_rows<E, FK>(dk_acc, k_scale, dk_stage, key_row, frag_col);
-            stage_rows<E, FV>(dv_acc, v_scale, dv_stage, key_row, frag_col);
-            fs_bar_sync(3 + wg, 128);
-            // The second warpgroup's half can hold fewer real features (D = 200:
-            // 112 padded features a half, 88 of them real in the second).
-            copy_staged_rows<FK>(dk_stage, wg_tid, a.kv_len - k0, D - fk0 < FK ? D - fk0 : FK,
-                                 [&](int lr) { return a.dk.row(b, k0 + lr, kv_h) + fk0; });
-            copy_staged_rows<FV>(dv_stage, wg_tid, a.kv_len - k0, DV - fv0 < FV ? DV - fv0 : FV,
-                                 [&](int lr) { return a.dv.row(b, k0 + lr, kv_h) + fv0; });
+            store_dk_dv_staged<E, D, DV, FK, FV>(a, dk_acc, dv_acc, dk_stage, dv_stage, b, kv_h, k0, fk0, fv0, key_row, frag_col,
+                                                 threadIdx.x & 127, 3 + wg);
         } else {
             store_dkv_part<D, DV, SPLIT>(a, dk_acc, dv_acc, b, kv_h, part, k0, key_row, frag_col, fk0, fv0);
         }

@@ -325,19 +325,18 @@ __device__ __forceinline__ void stage_rows(const float (&acc)[WP / 8][4], const 
 // the row allows.
 template <int WP, class RowAt>
 __device__ __forceinline__ void copy_staged_rows(const unsigned short* stage, int wg_tid, fs_i64 rows, int width, RowAt row_at) {
-    const int W = width;
     constexpr int CH = WP / 8;
     for (int t = wg_tid; t < 64 * CH; t += 128) {
         const int lr = t / CH, p = t % CH;
         int c = p - lr % CH;
         if (c < 0) c += CH;
-        if (lr >= rows || c * 8 >= W) continue;
+        if (lr >= rows || c * 8 >= width) continue;
         const unsigned short* const src = &stage[lr * WP + p * 8];
         unsigned short* const dst = row_at(lr) + c * 8;
-        if (c * 8 + 8 <= W && fs_align_bits(dst) % 16 == 0) {
+        if (c * 8 + 8 <= width && fs_align_bits(dst) % 16 == 0) {
             fs_copy16(dst, src);
         } else {
-            for (int e = 0; e < 8 && c * 8 + e < W; ++e) dst[e] = src[e];
+            for (int e = 0; e < 8 && c * 8 + e < width; ++e) dst[e] = src[e];
         }
     }
 }
@@ -367,6 +366,28 @@ __device__ __forceinline__ void store_output_staged(const ForwardArgs& a, const 
     stage_rows<E, DVP>(o_acc, inv_sum, stage, wg_row, frag_col);
     fs_bar_sync(bar, 128);
     copy_staged_rows<DVP>(stage, wg_tid, a.q_len - row0, DV, [&](int lr) { return a.o.row(b, row0 + lr, h); });
+}
+
+// The last step of the unsplit Hopper backwards for one consumer warpgroup:
+// dK = scale * dk_acc and dV = dv_acc (64 key rows from j0 of key/value head
+// kv_h; features fk0 .. fk0 + FK of dK and fv0 .. fv0 + FV of dV, those at or
+// past D and DV padding) through dk_stage and dv_stage (stage_rows) as whole
+// 16-byte chunks of rows. The caller has made sure nothing reads the staging
+// areas any more; `bar` is a named barrier of the warpgroup's 128 threads.
+template <class E, int D, int DV, int FK, int FV>
+__device__ __forceinline__ void store_dk_dv_staged(const BackwardArgs& a, const float (&dk_acc)[FK / 8][4], const float (&dv_acc)[FV / 8][4],
+                                                   unsigned short* dk_stage, unsigned short* dv_stage, fs_i64 b, fs_i64 kv_h, fs_i64 j0,
+                                                   int fk0, int fv0, int wg_row, int frag_col, int wg_tid, unsigned bar) {
+    const float k_scale[2] = {a.scale, a.scale}, v_scale[2] = {1.0f, 1.0f};
+    stage_rows<E, FK>(dk_acc, k_scale, dk_stage, wg_row, frag_col);
+    stage_rows<E, FV>(dv_acc, v_scale, dv_stage, wg_row, frag_col);
+    fs_bar_sync(bar, 128);
+    // A warpgroup's features can hold fewer real ones than FK (the wide
+    // kernel at D = 200: 112 padded features a half, 88 real in the second).
+    copy_staged_rows<FK>(dk_stage, wg_tid, a.kv_len - j0, D - fk0 < FK ? D - fk0 : FK,
+                         [&](int lr) { return a.dk.row(b, j0 + lr, kv_h) + fk0; });
+    copy_staged_rows<FV>(dv_stage, wg_tid, a.kv_len - j0, DV - fv0 < FV ? DV - fv0 : FV,
+                         [&](int lr) { return a.dv.row(b, j0 + lr, kv_h) + fv0; });
 }
 
 // The widest power of two from 8 to 256 that is at most n.

@@ -15,11 +15,13 @@ use std::collections::HashMap;
 /// sets another, `Graph::bucket_bytes`): large enough that each collective
 /// runs near link speed and that few of them start, small enough that the
 /// first starts early in the backward pass. PyTorch DDP closes at 25 MB;
-/// on 2 and 4 H100s over NVLink, 100 MiB made gpt2-small's and
-/// llama-small's data-parallel steps 0.5-0.9 ms faster (docs/benchmarks.md,
+/// on 2 and 4 H100s over NVLink, 100 MiB made gpt2-small's data-parallel
+/// step 0.5-0.9 ms faster and llama-small's 0.3-0.4 ms (docs/benchmarks.md,
 /// 2026-11-27): every collective is a point where a rank's NCCL kernel
 /// holds multiprocessors while it waits for the slowest rank, so fewer of
-/// them cost less, and the backward pass still hides all but the last.
+/// them cost less, and the backward pass still hides all but the last. A
+/// model with less than this many bytes of gradients gets one bucket, after
+/// its backward pass (not measured against smaller buckets).
 pub const BUCKET_BYTES: u64 = 100 << 20;
 
 /// Most tensors in one bucket (one NCCL group call each).
