@@ -117,8 +117,10 @@ struct Delta {
             float acc = 0.0f;
             if (i < q_len) {
                 const int e0 = (idx % CHUNKS) * 8;
-                const unsigned short* const o = a.o.row(b, i, h) + e0;
-                const unsigned short* const dout = a.dout.row(b, i, h) + e0;
+                unsigned short o[8], dout[8];
+                fs_vload(o, a.o.row(b, i, h) + e0);
+                fs_vload(dout, a.dout.row(b, i, h) + e0);
+#pragma unroll
                 for (int e = 0; e < 8; ++e) acc += E::to_float(dout + e) * E::to_float(o + e);
             }
             part[idx] = acc;

@@ -108,6 +108,18 @@ __device__ __forceinline__ void fs_atomic_add4(float* p, const float* s) {
     const float4 v = *reinterpret_cast<const float4*>(s);
     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
 }
+// dst[i] += src[i] for `bytes` / 4 floats, global += shared, by the bulk
+// copy engine (both 16-byte aligned, bytes a multiple of 16): one
+// instruction in place of bytes / 16 vector reductions. The source may be
+// written again once fs_bulk_wait_read has returned after the commit.
+__device__ __forceinline__ void fs_bulk_add_f32(float* dst, const float* src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(fs_smem_addr(src)),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void fs_bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void fs_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void fs_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 // p[0], p[1] = a, b (p 8-byte aligned).
 __device__ __forceinline__ void fs_st_f32x2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
 // *p += 1 in global memory, atomically; the value before.
@@ -193,6 +205,12 @@ inline void fs_syncwarp() { fs_emu_syncwarp(); }
 inline void fs_atomic_add4(float* p, const float* s) {
     for (int i = 0; i < 4; ++i) p[i] += s[i];
 }
+inline void fs_bulk_add_f32(float* dst, const float* src, unsigned bytes) {
+    for (unsigned i = 0; i < bytes / 4; ++i) dst[i] += src[i];
+}
+inline void fs_bulk_commit() {}
+inline void fs_bulk_wait_read() {}
+inline void fs_bulk_wait() {}
 inline void fs_st_f32x2(float* p, float a, float b) {
     p[0] = a;
     p[1] = b;
