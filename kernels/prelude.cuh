@@ -171,11 +171,29 @@ inline float fs_block_max(float v) { return v; }
 inline int fs_block_scan(int v, int* total) { *total = v; return 0; }
 #endif
 
+// A gradient's elements as f32: f32 gradients, or bf16 ones where the
+// ranks average them in bf16 (`--reduce-dtype bf16`) and the update reads
+// the mean as it arrives. fs_grad4 reads four (16 or 8 bytes, aligned).
+__device__ __forceinline__ float fs_grad(const float* g) { return *g; }
+__device__ __forceinline__ float fs_grad(const fs_bf16* g) { return fs_load_bf16(g); }
+__device__ __forceinline__ void fs_grad4(float (&d)[4], const float* g) { fs_vload(d, g); }
+__device__ __forceinline__ void fs_grad4(float (&d)[4], const fs_bf16* g) {
+    fs_bf16 h[4];
+#ifdef __CUDA_ARCH__
+    *reinterpret_cast<uint2*>(h) = *reinterpret_cast<const uint2*>(g);
+#else
+    memcpy(h, g, sizeof h);
+#endif
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[e] = fs_load_bf16(h + e);
+}
+
 // One parameter's AdamW update (torch.optim.AdamW) over its elements
 // [lo, hi), one block's chunk; a group kernel calls it for every chunk of
 // every parameter, so the update of a whole model is one launch and one
 // copy of this code. Outputs may alias inputs (the update is in place).
-static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* v_out, const float* p, const float* g,
+template <typename G>
+static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* v_out, const float* p, const G* g,
                                       const float* m, const float* v, float lr, float t, float scale, float apply,
                                       fs_i64 lo, fs_i64 hi, float b1, float b2, float eps, float wd) {
     // A micro-batch that only accumulates gradients leaves the state as it
@@ -201,7 +219,7 @@ static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* 
             const fs_i64 i = lo + 4 * q;
             float pp[4], gg[4], mm[4], vv[4];
             fs_vload(pp, p + i);
-            fs_vload(gg, g + i);
+            fs_grad4(gg, g + i);
             fs_vload(mm, m + i);
             fs_vload(vv, v + i);
 #pragma unroll
@@ -218,7 +236,7 @@ static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* 
         rest = lo + 4 * quads;
     }
     for (fs_i64 i = rest + threadIdx.x; i < hi; i += blockDim.x) {
-        const float gi = g[i] * scale;
+        const float gi = fs_grad(g + i) * scale;
         const float mi = b1 * m[i] + (1.0f - b1) * gi;
         const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
         p_out[i] = p[i] * (1.0f - lr * wd) - lr * (mi / bc1) / (sqrtf(vi / bc2) + eps);
@@ -228,7 +246,8 @@ static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* 
 }
 
 // One parameter's SGD update with momentum (torch.optim.SGD, dampening 0).
-static __device__ __noinline__ void fs_sgd(float* p_out, float* buf_out, const float* p, const float* g, const float* buf,
+template <typename G>
+static __device__ __noinline__ void fs_sgd(float* p_out, float* buf_out, const float* p, const G* g, const float* buf,
                                     float lr, float scale, float apply, fs_i64 lo, fs_i64 hi, float momentum, float wd) {
     if (apply == 0.0f) {
         if (p_out == p && buf_out == buf) return;
@@ -239,7 +258,7 @@ static __device__ __noinline__ void fs_sgd(float* p_out, float* buf_out, const f
         return;
     }
     for (fs_i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        const float b = momentum * buf[i] + g[i] * scale + wd * p[i];
+        const float b = momentum * buf[i] + fs_grad(g + i) * scale + wd * p[i];
         p_out[i] = p[i] - lr * b;
         buf_out[i] = b;
     }

@@ -660,6 +660,10 @@ fn bucket_mib_sizes_the_gradient_buckets() {
     };
     assert_eq!(buckets(&[]), 7);
     assert_eq!(buckets(&["--bucket-mib", "25"]), 15);
+    // Averaged in bf16 the default closes at half the bytes: the same 7.
+    assert_eq!(buckets(&["--reduce-dtype", "bf16"]), 7);
+    let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+    assert!(report.contains("(mean in bf16, NCCL)"), "{report}");
     let (code, _, err) = fusec(&[
         "build",
         "dsl-examples/gpt2-small.dsl",
@@ -672,4 +676,65 @@ fn bucket_mib_sizes_the_gradient_buckets() {
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--reduce-dtype bf16` averages a bf16 model's gradients in bf16 on
+/// several ranks; anything else is a usage error that says what to do.
+#[test]
+fn reduce_dtype_needs_ranks_and_a_bf16_model() {
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &[
+                "build",
+                "dsl-examples/gpt2-small.dsl",
+                "--reduce-dtype",
+                "bf16",
+            ],
+            "give --gpus N",
+        ),
+        (
+            &[
+                "build",
+                "dsl-examples/gpt2-small.dsl",
+                "--gpus",
+                "2",
+                "--precision",
+                "fp32",
+                "--reduce-dtype",
+                "bf16",
+            ],
+            "this model trains in f32",
+        ),
+        (
+            &[
+                "build",
+                "dsl-examples/gpt2-small.dsl",
+                "--gpus",
+                "2",
+                "--reduce-dtype",
+                "fp8",
+            ],
+            "expected f32 or bf16",
+        ),
+        (
+            &[
+                "train",
+                "dsl-examples/gpt2-small.dsl",
+                "--cpu",
+                "--reduce-dtype",
+                "bf16",
+                "--steps",
+                "1",
+                "--data",
+                "/nonexistent/tokens.bin",
+            ],
+            "give --gpus N",
+        ),
+    ];
+    for (args, want) in cases {
+        let (code, _, err) = fusec(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
 }

@@ -232,6 +232,23 @@ fn kernels_of_the_twin_test_models_compute_what_the_interpreter_computes() {
     });
     assert!(ranged, "rank 1 of 3 updates pieces of parameters");
     checked += check_compiled(&work, "gpt2-zero-rank1", &zero, &[("B", 2), ("T", 5)]);
+    // Gradients averaged in bf16 (`--reduce-dtype bf16`): the norm and the
+    // AdamW group read the bf16 means as they are.
+    let opts = fusec_compiler::elaborate::Options {
+        zero_rank: None,
+        ranks: 2,
+        reduce_dtype: Some(fusec_compiler::ir::DType::BF16),
+        ..opts
+    };
+    let narrow = fusec_compiler::driver::compile(&src, "gpt2-small", &opts).unwrap();
+    let g = &narrow.optimized;
+    let bf16_grads =
+        g.g.node_indices()
+            .filter(|&n| matches!(&g.g[n].op, fusec_compiler::ops::Op::AdamW(_)))
+            .filter(|&n| g.ty(g.inputs(n)[1]).dtype == fusec_compiler::ir::DType::BF16)
+            .count();
+    assert_eq!(bf16_grads, g.params.len(), "every update reads a bf16 mean");
+    checked += check_compiled(&work, "gpt2-reduce-bf16", &narrow, &[("B", 2), ("T", 5)]);
     let _ = std::fs::remove_dir_all(&work);
     println!("{checked} generated kernels of the twin test models matched the interpreter");
     assert!(checked > 0);

@@ -6,7 +6,7 @@ use crate::diag::Errors;
 use crate::dsl::{self, ast::Module};
 use crate::elaborate::{self, Options};
 use crate::ir::verify::verify;
-use crate::ir::Graph;
+use crate::ir::{DType, Graph};
 use crate::model::Model;
 use crate::passes::{default_pipeline, forward_pipeline, run_pipeline, PassStats};
 
@@ -134,6 +134,25 @@ fn check_overrides(ast: &Module, opts: &Options) -> Result<(), Failure> {
     Ok(())
 }
 
+/// The type `--reduce-dtype` asks gradients to be averaged in, checked
+/// against the step: bf16 only for a bf16 model on several ranks.
+fn reduce_dtype(opts: &Options, train: &crate::model::TrainConfig) -> Result<DType, Failure> {
+    match opts.reduce_dtype {
+        None | Some(DType::F32) => Ok(DType::F32),
+        Some(DType::BF16) if train.ranks < 2 => Err(Failure::Usage(
+            "--reduce-dtype bf16 sets how data parallelism averages gradients: give --gpus N (N >= 2) or start the ranks with a launcher".into(),
+        )),
+        Some(DType::BF16) if train.precision == DType::BF16 => Ok(DType::BF16),
+        Some(DType::BF16) => Err(Failure::Usage(format!(
+            "--reduce-dtype bf16 averages the gradients of a bf16 model in bf16; this model trains in {} (set `precision = bf16` in its train section or pass --precision bf16)",
+            train.precision
+        ))),
+        Some(other) => Err(Failure::Usage(format!(
+            "--reduce-dtype {other}: gradients are averaged in f32 or bf16"
+        ))),
+    }
+}
+
 /// The model as elaboration made it, before any pass: what the file says, op
 /// for op (`fusec export-torch` writes its twin from this).
 pub fn elaborate_only(source: &str, model_name: &str, opts: &Options) -> Result<Model, Failure> {
@@ -151,6 +170,7 @@ fn front(source: &str, model_name: &str, opts: &Options) -> Result<(Module, Mode
 
 pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compiled, Failure> {
     let (ast, mut model) = front(source, model_name, opts)?;
+    model.train.reduce_dtype = reduce_dtype(opts, &model.train)?;
     let internal = |e: crate::passes::PassError| {
         Failure::Model(
             crate::diag::Diagnostic::new(e.to_string(), crate::dsl::ast::Span::default(), "")

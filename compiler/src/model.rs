@@ -168,6 +168,13 @@ pub struct TrainConfig {
     /// ZeRO stage 1 (`--zero 1`): this rank keeps and updates only the
     /// parameters it owns (`autodiff::zero::owners`); `None` without.
     pub zero_rank: Option<u32>,
+    /// The type gradients are averaged over the ranks in (`--reduce-dtype`,
+    /// never the model file): f32, or bf16 for a bf16 model, whose weight
+    /// gradients come out of bf16 products, so that each collective moves
+    /// half the bytes (FSDP's `reduce_dtype`, Megatron-LM's and DeepSpeed's
+    /// bf16 gradient reduction), at the price of a bf16 rounding of each
+    /// rank's gradient and of the sum.
+    pub reduce_dtype: DType,
     /// Where the loss was written, for errors about it.
     pub loss_span: Span,
 }

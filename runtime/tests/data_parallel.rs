@@ -11,6 +11,7 @@ use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::interp::peers::Peers;
 use fusec_compiler::interp::Precision;
+use fusec_compiler::ir::DType;
 use fusec_runtime::backend::{init_params, Backend, Cpu};
 use fusec_runtime::ranks::{Build, Ranks};
 
@@ -26,11 +27,20 @@ fn compiled(ranks: u32, edit: &dyn Fn(String) -> String) -> fusec_compiler::driv
     compiled_for(ranks, None, edit)
 }
 
-/// The step of rank `zero_rank` of a ZeRO stage 1 job, or (`None`) of
-/// every rank.
 fn compiled_for(
     ranks: u32,
     zero_rank: Option<u32>,
+    edit: &dyn Fn(String) -> String,
+) -> fusec_compiler::driver::Compiled {
+    compiled_reducing(ranks, zero_rank, None, edit)
+}
+
+/// The step of rank `zero_rank` of a ZeRO stage 1 job, or (`None`) of
+/// every rank, averaging gradients in `reduce` (`--reduce-dtype`).
+fn compiled_reducing(
+    ranks: u32,
+    zero_rank: Option<u32>,
+    reduce: Option<DType>,
     edit: &dyn Fn(String) -> String,
 ) -> fusec_compiler::driver::Compiled {
     let path = common::root().join("dsl-examples/gpt2-small.dsl");
@@ -42,6 +52,7 @@ fn compiled_for(
             .collect(),
         ranks,
         zero_rank,
+        reduce_dtype: reduce,
         ..Options::default()
     };
     compile(&src, "gpt2-small", &opts).unwrap_or_else(|f| panic!("{}", f.render("gpt2", &src)))
@@ -104,6 +115,20 @@ fn check(ranks: usize, micro: u32) {
 }
 
 fn check_with(ranks: usize, micro: u32, zero: bool) {
+    check_reducing(ranks, micro, zero, None, Precision::F64, 1e-12)
+}
+
+/// N ranks with batch B against one rank with N x B over 4 steps: losses,
+/// gradient norms and weights within `tol` (relative; absolute for the
+/// weights), the ranks' weights the same bits.
+fn check_reducing(
+    ranks: usize,
+    micro: u32,
+    zero: bool,
+    reduce: Option<DType>,
+    precision: Precision,
+    tol: f64,
+) {
     let (b, t) = (2usize, 8usize);
     let edit = move |src: String| {
         if micro > 1 {
@@ -117,7 +142,7 @@ fn check_with(ranks: usize, micro: u32, zero: bool) {
     };
     let one = compiled(1, &edit);
     let (_, dims_one) = sizes(&[("B", (ranks * b) as i64), ("T", t as i64)]);
-    let mut single = Cpu::new(&one.optimized, &dims_one, Precision::F64).unwrap();
+    let mut single = Cpu::new(&one.optimized, &dims_one, precision).unwrap();
     let reference = train(&mut single, ranks * b, t, 4, micro as u64);
 
     let (_, dims) = sizes(&[("B", b as i64), ("T", t as i64)]);
@@ -125,11 +150,11 @@ fn check_with(ranks: usize, micro: u32, zero: bool) {
         .into_iter()
         .enumerate()
         .map(|(r, peers)| {
-            let many = compiled_for(ranks as u32, zero.then_some(r as u32), &edit);
+            let many = compiled_reducing(ranks as u32, zero.then_some(r as u32), reduce, &edit);
             let g = many.optimized;
             let dims = dims.clone();
             let build: Build = Box::new(move || {
-                let mut cpu = Cpu::new(&g, &dims, Precision::F64)?;
+                let mut cpu = Cpu::new(&g, &dims, precision)?;
                 cpu.join(peers);
                 if zero {
                     cpu.share_updates(ranks as u32);
@@ -145,17 +170,14 @@ fn check_with(ranks: usize, micro: u32, zero: bool) {
 
     for (s, (a, r)) in run.losses.iter().zip(&reference.losses).enumerate() {
         assert!(
-            rel(*a, *r) < 1e-12,
+            rel(*a, *r) < tol,
             "{ranks} ranks, step {}: loss {a} against {r}",
             s + 1
         );
     }
     for (a, r) in run.norms.iter().zip(&reference.norms) {
         let (a, r) = (a.expect("a norm"), r.expect("a norm"));
-        assert!(
-            rel(a, r) < 1e-12,
-            "{ranks} ranks: grad norm {a} against {r}"
-        );
+        assert!(rel(a, r) < tol, "{ranks} ranks: grad norm {a} against {r}");
     }
     let worst = run
         .weights
@@ -163,7 +185,12 @@ fn check_with(ranks: usize, micro: u32, zero: bool) {
         .zip(&reference.weights)
         .map(|(a, r)| (a - r).abs())
         .fold(0.0, f64::max);
-    assert!(worst < 1e-12, "{ranks} ranks: weights differ by {worst}");
+    // As stored, an element whose gradient is near zero may take AdamW's
+    // step (about lr whatever the gradient's size) the other way after a
+    // rounding: the weights are compared where nothing is rounded.
+    if precision == Precision::F64 {
+        assert!(worst < tol, "{ranks} ranks: weights differ by {worst}");
+    }
     // Every rank holds the same weights, bit for bit.
     let per_rank = group.each(|_, b| b.get("wte").unwrap()).unwrap();
     for w in &per_rank[1..] {
@@ -213,6 +240,57 @@ fn zero_stage_one_reproduces_one_rank_with_the_state_split() {
     for &n in &per_rank {
         assert!(n.abs_diff(full / 4) <= slack, "{per_rank:?} of {full}");
     }
+}
+
+/// `--reduce-dtype bf16`: the gradients averaged in bf16 and widened after.
+/// Computed in f64 (no rounding to the stored types) the run is the
+/// one-rank run to the last bits, so the mean, the casts and the buckets'
+/// places are right; computed as stored, the bf16 roundings of each rank's
+/// gradient and of the sum keep it within bf16's 1e-2.
+#[test]
+fn gradients_averaged_in_bf16_reproduce_one_rank() {
+    check_reducing(2, 1, false, Some(DType::BF16), Precision::F64, 1e-12);
+    check_reducing(4, 1, true, Some(DType::BF16), Precision::F64, 1e-12);
+    check_reducing(2, 1, false, Some(DType::BF16), Precision::AsStored, 1e-2);
+    // Each gradient is averaged as the bf16 its product made (not widened
+    // first), and the buckets hold the gradients they hold in f32.
+    let (_, dims) = sizes(&[("B", 2), ("T", 8)]);
+    let plan_of = |reduce| {
+        let c = compiled_reducing(4, None, reduce, &|s| s);
+        let p = fusec_compiler::kernel::fuse::fuse(&c.optimized);
+        fusec_compiler::plan::plan(&c.optimized, &p, &dims).unwrap()
+    };
+    let (wide, narrow) = (plan_of(None), plan_of(Some(DType::BF16)));
+    let dtypes = |p: &fusec_compiler::plan::Plan| -> Vec<Vec<String>> {
+        p.collectives
+            .iter()
+            .filter(|c| !c.every_micro_batch)
+            .map(|c| {
+                c.tensors
+                    .iter()
+                    .map(|&(i, _)| p.buffers[i].dtype.clone())
+                    .collect()
+            })
+            .collect()
+    };
+    assert!(dtypes(&wide).iter().flatten().all(|d| d == "f32"));
+    assert!(
+        dtypes(&narrow).iter().flatten().all(|d| d == "bf16"),
+        "{:?}",
+        dtypes(&narrow)
+    );
+    assert_eq!(
+        dtypes(&wide).iter().map(Vec::len).collect::<Vec<_>>(),
+        dtypes(&narrow).iter().map(Vec::len).collect::<Vec<_>>(),
+        "the same gradients in each bucket"
+    );
+    let bytes = |p: &fusec_compiler::plan::Plan| p.collectives.iter().map(|c| c.bytes).sum::<u64>();
+    assert!(
+        bytes(&narrow) * 2 <= bytes(&wide) + 64,
+        "{} against {}",
+        bytes(&narrow),
+        bytes(&wide)
+    );
 }
 
 #[test]

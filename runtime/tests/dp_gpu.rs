@@ -1,7 +1,8 @@
 //! Data parallelism on real GPUs: N ranks with batch B (NCCL between them,
 //! the collectives inside the CUDA graph of the step) against one GPU with
 //! batch N x B, over 20 steps: losses and gradient norms within 1e-5
-//! relative in fp32 and 1e-2 in bf16, with and without micro-batches.
+//! relative in fp32 and 1e-2 in bf16, with and without micro-batches, ZeRO
+//! stage 1 and gradients averaged in bf16 (`--reduce-dtype bf16`).
 //! Needs two GPUs and NCCL; says so and passes over it otherwise (a failure
 //! where FUSEC_REQUIRE_GPUS is set).
 
@@ -10,6 +11,7 @@ mod common;
 use common::sizes;
 use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
+use fusec_compiler::ir::DType;
 use fusec_runtime::backend::{init_params, Backend, Gpu};
 use fusec_runtime::session::{Session, SessionOptions};
 use fusec_runtime::{device, nccl, ranks};
@@ -39,12 +41,13 @@ fn gpus() -> Option<usize> {
 }
 
 fn compiled(ranks: u32, precision: &str, micro: u32) -> fusec_compiler::driver::Compiled {
-    compiled_for(ranks, None, precision, micro)
+    compiled_for(ranks, None, None, precision, micro)
 }
 
 fn compiled_for(
     ranks: u32,
     zero_rank: Option<u32>,
+    reduce: Option<DType>,
     precision: &str,
     micro: u32,
 ) -> fusec_compiler::driver::Compiled {
@@ -66,6 +69,7 @@ fn compiled_for(
         .collect(),
         ranks,
         zero_rank,
+        reduce_dtype: reduce,
         ..Options::default()
     };
     compile(&src, "gpt2-small", &opts).unwrap_or_else(|f| panic!("{}", f.render("gpt2", &src)))
@@ -114,6 +118,17 @@ fn check(n: usize, precision: &str, micro: u32, tol: f64) {
 }
 
 fn check_with(n: usize, precision: &str, micro: u32, tol: f64, zero: bool) {
+    check_reducing(n, precision, micro, tol, zero, None)
+}
+
+fn check_reducing(
+    n: usize,
+    precision: &str,
+    micro: u32,
+    tol: f64,
+    zero: bool,
+    reduce: Option<DType>,
+) {
     let (b, t) = (2usize, 64usize);
     let one = compiled(1, precision, micro);
     let (_, dims_one) = sizes(&[("B", (n * b) as i64), ("T", t as i64)]);
@@ -130,7 +145,9 @@ fn check_with(n: usize, precision: &str, micro: u32, tol: f64, zero: bool) {
     drop(single);
 
     let graphs: Vec<_> = (0..n)
-        .map(|r| compiled_for(n as u32, zero.then_some(r as u32), precision, micro).optimized)
+        .map(|r| {
+            compiled_for(n as u32, zero.then_some(r as u32), reduce, precision, micro).optimized
+        })
         .collect();
     let (_, dims) = sizes(&[("B", b as i64), ("T", t as i64)]);
     let here: Vec<(usize, usize)> = (0..n).map(|r| (r, r)).collect();
@@ -174,9 +191,10 @@ fn check_with(n: usize, precision: &str, micro: u32, tol: f64, zero: bool) {
         );
     }
     println!(
-        "{n} GPUs x B={b} against 1 x B={}{}: {precision}, micro-batches {micro}: worst relative difference over 20 steps {worst:.2e} (allowed {tol:.0e}); last loss {:.5}",
+        "{n} GPUs x B={b} against 1 x B={}{}{}: {precision}, micro-batches {micro}: worst relative difference over 20 steps {worst:.2e} (allowed {tol:.0e}); last loss {:.5}",
         n * b,
         if zero { ", ZeRO stage 1" } else { "" },
+        if reduce.is_some() { ", gradients averaged in bf16" } else { "" },
         run[19].0
     );
 }
@@ -195,6 +213,8 @@ fn n_gpus_with_batch_b_train_as_one_gpu_with_n_times_b() {
         check(n, "bf16", 2, 1e-2);
         check_with(n, "fp32", 1, 1e-5, true);
         check_with(n, "bf16", 2, 1e-2, true);
+        check_reducing(n, "bf16", 1, 1e-2, false, Some(DType::BF16));
+        check_reducing(n, "bf16", 2, 1e-2, true, Some(DType::BF16));
     }
 }
 

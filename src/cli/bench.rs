@@ -323,7 +323,7 @@ fn write_trace(
 fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliError> {
     use super::parallel;
     let world = job.world();
-    let mut loaded = load_ranks(&args.model, world as u32)?;
+    let mut loaded = load_ranks(&args.model, world as u32, args.parallel.reduce_dtype)?;
     args.parallel.shape_buckets(&mut loaded.compiled.optimized);
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;

@@ -51,6 +51,10 @@ pub struct BuildArgs {
     /// this many MiB (default 100)
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub bucket_mib: Option<u64>,
+    /// With --gpus: average gradients in this type, f32 (the default) or
+    /// bf16 (a bf16 model's, half the bytes)
+    #[arg(long, value_name = "DTYPE", value_parser = super::common::parse_reduce_dtype)]
+    pub reduce_dtype: Option<fusec_compiler::ir::DType>,
     /// Device to build for: which kernels run (h100 and h200: sm_90a, with
     /// the Hopper tensor-core attention; a100: sm_80, mma.sync) and the
     /// report's roofline estimate
@@ -202,7 +206,12 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     if args.bucket_mib.is_some() && ranks < 2 {
         return Err(super::parallel::buckets_need_ranks());
     }
-    let mut loaded = load_rank(&args.model, ranks, (args.zero == 1).then_some(args.rank))?;
+    let mut loaded = load_rank(
+        &args.model,
+        ranks,
+        (args.zero == 1).then_some(args.rank),
+        args.reduce_dtype,
+    )?;
     loaded.compiled.optimized.bucket_bytes = args.bucket_mib.map(|m| m << 20);
     let dims = args.sizes.resolve(&loaded.compiled.optimized.dims)?;
     let recomputed = fit_memory(

@@ -26,6 +26,17 @@ pub struct ModelArgs {
     pub disable_pass: Vec<String>,
 }
 
+/// `--reduce-dtype`: f32 or bf16.
+pub fn parse_reduce_dtype(s: &str) -> Result<DType, String> {
+    match s {
+        "f32" | "fp32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        other => Err(format!(
+            "`{other}` is not a type gradients are averaged in; expected f32 or bf16"
+        )),
+    }
+}
+
 fn parse_precision(s: &str) -> Result<DType, String> {
     match s {
         "fp32" | "f32" => Ok(DType::F32),
@@ -132,26 +143,38 @@ pub fn options(args: &ModelArgs) -> Result<Options, CliError> {
         precision: args.precision,
         ranks: 1,
         zero_rank: None,
+        reduce_dtype: None,
         disabled_passes: args.disable_pass.clone(),
     })
 }
 
 pub fn load(args: &ModelArgs) -> Result<Loaded, CliError> {
-    load_ranks(args, 1)
+    load_ranks(args, 1, None)
 }
 
-/// [`load`] for a step built for `ranks` data-parallel ranks.
-pub fn load_ranks(args: &ModelArgs, ranks: u32) -> Result<Loaded, CliError> {
-    load_rank(args, ranks, None)
+/// [`load`] for a step built for `ranks` data-parallel ranks, averaging
+/// gradients in `reduce_dtype` (`--reduce-dtype`; `None`: f32).
+pub fn load_ranks(
+    args: &ModelArgs,
+    ranks: u32,
+    reduce_dtype: Option<DType>,
+) -> Result<Loaded, CliError> {
+    load_rank(args, ranks, None, reduce_dtype)
 }
 
 /// [`load_ranks`] for rank `zero_rank` of a ZeRO stage 1 job (the step
 /// updates only the parameters that rank owns).
-pub fn load_rank(args: &ModelArgs, ranks: u32, zero_rank: Option<u32>) -> Result<Loaded, CliError> {
+pub fn load_rank(
+    args: &ModelArgs,
+    ranks: u32,
+    zero_rank: Option<u32>,
+    reduce_dtype: Option<DType>,
+) -> Result<Loaded, CliError> {
     let source = read_source(&args.model)?;
     let opts = Options {
         ranks,
         zero_rank,
+        reduce_dtype,
         ..options(args)?
     };
     let name = driver::model_name(&args.model);

@@ -36,6 +36,11 @@ pub struct ParallelArgs {
     /// collectives, smaller ones start averaging earlier in the backward pass
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub bucket_mib: Option<u64>,
+    /// Average gradients over the ranks in this type: f32 (the default) or
+    /// bf16, for a bf16 model: half the bytes a collective moves, at the
+    /// price of rounding each rank's gradient and the sum to bf16
+    #[arg(long, value_name = "DTYPE", value_parser = super::common::parse_reduce_dtype)]
+    pub reduce_dtype: Option<fusec_compiler::ir::DType>,
 }
 
 impl ParallelArgs {
@@ -169,7 +174,8 @@ pub fn start(
             precision: loaded.precision,
             disable_pass: loaded.disable_pass.clone(),
         };
-        let mut own = load_rank(&args, world as u32, Some(rank as u32))?
+        let reduce = loaded.compiled.options.reduce_dtype;
+        let mut own = load_rank(&args, world as u32, Some(rank as u32), reduce)?
             .compiled
             .optimized;
         own.bucket_bytes = g.bucket_bytes;

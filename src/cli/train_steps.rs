@@ -32,7 +32,7 @@ pub(super) fn load_fitted(
     args: &TrainArgs,
     world: usize,
 ) -> Result<(Loaded, BTreeMap<String, i64>, f64), CliError> {
-    let mut loaded = load_ranks(&args.model, world as u32)?;
+    let mut loaded = load_ranks(&args.model, world as u32, args.parallel.reduce_dtype)?;
     args.parallel.shape_buckets(&mut loaded.compiled.optimized);
     let lr = args
         .lr

@@ -52,6 +52,18 @@ fn sum_of_squares(b: &mut Builder, gvs: &[Value]) -> Result<Option<Value>, OpErr
     Ok(total)
 }
 
+/// `x` where `v` is `cast(x)` and `x` is of type `dtype`: the value before
+/// a widening cast, which a narrower collective can average as it is.
+fn narrowed_from(g: &Graph, v: Value, dtype: DType) -> Option<Value> {
+    match &g.g[v.node].op {
+        crate::ops::Op::Cast(_) => {
+            let x = g.inputs(v.node)[0];
+            (g.ty(x).dtype == dtype).then_some(x)
+        }
+        _ => None,
+    }
+}
+
 pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let grads: Vec<(usize, Value)> = g
         .outputs
@@ -132,6 +144,10 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     // over the ranks, which is the gradient of the whole batch, so every
     // rank applies the same update. The loss is averaged the same way, for
     // the log. After the micro-batches' sum: one all-reduce per step.
+    // With `reduce_dtype` bf16 the mean is taken of bf16 gradients, which
+    // the norm and the optimizer read as they are (in f32 arithmetic): a
+    // gradient a bf16 product made and then widened is averaged as it came
+    // out of the product, any other is rounded first.
     let grads = if train.ranks > 1 {
         let mean = AllReduce {
             ranks: train.ranks,
@@ -139,7 +155,25 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         };
         let mut reduced = Vec::with_capacity(grads.len());
         for (i, gv) in grads {
-            reduced.push((i, b.op1(mean.clone(), &[gv])?));
+            let r = if train.reduce_dtype == DType::F32 || b.ty(gv).dtype != DType::F32 {
+                b.op1(mean.clone(), &[gv])?
+            } else {
+                let narrow = match narrowed_from(b.graph, gv, train.reduce_dtype) {
+                    Some(x) => {
+                        // The rank's gradient is kept as it came out, not
+                        // also widened.
+                        for (role, v) in b.graph.outputs.iter_mut() {
+                            if *role == Role::Grad(i) && *v == gv {
+                                *v = x;
+                            }
+                        }
+                        x
+                    }
+                    None => b.cast(gv, train.reduce_dtype)?,
+                };
+                b.op1(mean.clone(), &[narrow])?
+            };
+            reduced.push((i, r));
         }
         reduced
     } else {
@@ -186,6 +220,11 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         // Tensors of symbolic size: one square-and-sum per gradient.
         let per_tensor = if sumsq.is_none() { &grads[..] } else { &[] };
         for &(_, gv) in per_tensor {
+            let gv = if b.ty(gv).dtype == DType::F32 {
+                gv
+            } else {
+                b.cast(gv, DType::F32)?
+            };
             let sq = b.mul(gv, gv)?;
             let rank = b.ty(sq).rank();
             let s = b.sum(sq, (0..rank).collect(), false)?;

@@ -55,6 +55,10 @@ pub struct Options {
     /// ZeRO stage 1: the rank this step is built for, which updates only
     /// the parameters it owns.
     pub zero_rank: Option<u32>,
+    /// `--reduce-dtype`: the type gradients are averaged over the ranks in
+    /// (`None`: f32, as they are kept). bf16 halves the bytes a bf16 model's
+    /// data-parallel step moves (`TrainConfig::reduce_dtype`).
+    pub reduce_dtype: Option<DType>,
     /// `--disable-pass`: graph passes not to run (`fusec passes` lists
     /// them), to see what one changes or to bisect a miscompile.
     pub disabled_passes: Vec<String>,

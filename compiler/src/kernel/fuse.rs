@@ -77,7 +77,9 @@ impl<'g> Fuser<'g> {
 
     /// A widening cast (bf16 gradient to its f32 buffer) that the op
     /// kernel before it performs as it stores: the op computes in f32, so
-    /// the narrow value is never written.
+    /// the narrow value is never written. Not after a collective: NCCL
+    /// stores in the type it reads (a gradient averaged in bf16 is widened
+    /// by a kernel of its own).
     fn absorbed_cast(&self, n: NodeIndex) -> Option<Value> {
         let Op::Cast(c) = &self.g.g[n].op else {
             return None;
@@ -88,7 +90,10 @@ impl<'g> Fuser<'g> {
         let x = self.g.inputs(n)[0];
         let absorbs = c.to == DType::F32
             && self.class(x.node) == FusionClass::Kernel
-            && !matches!(self.g.g[x.node].op, Op::AdamW(_) | Op::Sgd(_))
+            && !matches!(
+                self.g.g[x.node].op,
+                Op::AdamW(_) | Op::Sgd(_) | Op::AllReduce(_)
+            )
             && self.g.users(x).len() == 1
             && !self.outputs.contains(&x);
         absorbs.then_some(x)

@@ -375,10 +375,24 @@ fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
         })
         .unwrap_or(1);
     let total: u64 = plan.collectives.iter().map(|c| c.bytes).sum();
+    // The types the gradients are averaged in (bf16 with --reduce-dtype bf16).
+    let mut types: Vec<&str> = plan
+        .collectives
+        .iter()
+        .filter(|c| !c.every_micro_batch)
+        .flat_map(|c| {
+            c.tensors
+                .iter()
+                .map(|&(i, _)| plan.buffers[i].dtype.as_str())
+        })
+        .collect();
+    types.sort_unstable();
+    types.dedup();
     let _ = writeln!(
         s,
-        "data parallel over {ranks} ranks: {} all-reduce buckets (mean, NCCL) of {} in all; each starts after the kernel that finishes its last gradient and runs while the backward pass goes on",
+        "data parallel over {ranks} ranks: {} all-reduce buckets (mean in {}, NCCL) of {} in all; each starts after the kernel that finishes its last gradient and runs while the backward pass goes on",
         plan.collectives.len(),
+        if types.is_empty() { "f32".to_string() } else { types.join(" and ") },
         kib(total)
     );
     let name = |i: usize| {
