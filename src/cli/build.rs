@@ -48,7 +48,7 @@ pub struct BuildArgs {
     #[arg(long, value_name = "R", default_value_t = 0, requires = "zero")]
     pub rank: u32,
     /// With --gpus: close each bucket of gradients averaged together at
-    /// this many MiB (default 100)
+    /// this many MiB (default 100, 50 with --reduce-dtype bf16)
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub bucket_mib: Option<u64>,
     /// With --gpus: average gradients in this type, f32 (the default) or

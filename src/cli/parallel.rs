@@ -32,7 +32,7 @@ pub struct ParallelArgs {
     #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
     pub zero: u8,
     /// Close each bucket of gradients averaged together at this many MiB
-    /// (default 100; PyTorch DDP's is 25): larger buckets mean fewer
+    /// (default 100, 50 with --reduce-dtype bf16; PyTorch DDP's is 25): larger buckets mean fewer
     /// collectives, smaller ones start averaging earlier in the backward pass
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub bucket_mib: Option<u64>,
