@@ -233,7 +233,8 @@ fn kernels_of_the_twin_test_models_compute_what_the_interpreter_computes() {
     assert!(ranged, "rank 1 of 3 updates pieces of parameters");
     checked += check_compiled(&work, "gpt2-zero-rank1", &zero, &[("B", 2), ("T", 5)]);
     // Gradients averaged in bf16 (`--reduce-dtype bf16`): the norm and the
-    // AdamW group read the bf16 means as they are.
+    // update group read the bf16 means as they are, the group through the
+    // prelude's `fs_adamw` / `fs_sgd` for bf16 gradients.
     let opts = fusec_compiler::elaborate::Options {
         zero_rank: None,
         ranks: 2,
@@ -248,7 +249,23 @@ fn kernels_of_the_twin_test_models_compute_what_the_interpreter_computes() {
             .filter(|&n| g.ty(g.inputs(n)[1]).dtype == fusec_compiler::ir::DType::BF16)
             .count();
     assert_eq!(bf16_grads, g.params.len(), "every update reads a bf16 mean");
+    let calls = |c: &fusec_compiler::driver::Compiled, f: &str| -> usize {
+        let p = fuse(&c.optimized);
+        emit_program(&c.optimized, &p, None)
+            .iter()
+            .map(|(_, text)| text.matches(f).count())
+            .sum()
+    };
+    assert_eq!(calls(&narrow, "fs_adamw("), g.params.len());
     checked += check_compiled(&work, "gpt2-reduce-bf16", &narrow, &[("B", 2), ("T", 5)]);
+    let sgd_src = src.replace(
+        "optimizer = adamw(lr = 6e-4, betas = (0.9, 0.95), eps = 1e-8, weight_decay = 0.1)",
+        "optimizer = sgd(lr = 0.1, momentum = 0.9, weight_decay = 0.01)",
+    );
+    assert_ne!(sgd_src, src, "the model's optimizer line moved");
+    let sgd = fusec_compiler::driver::compile(&sgd_src, "gpt2-small", &opts).unwrap();
+    assert_eq!(calls(&sgd, "fs_sgd("), sgd.optimized.params.len());
+    checked += check_compiled(&work, "gpt2-reduce-bf16-sgd", &sgd, &[("B", 2), ("T", 5)]);
     let _ = std::fs::remove_dir_all(&work);
     println!("{checked} generated kernels of the twin test models matched the interpreter");
     assert!(checked > 0);

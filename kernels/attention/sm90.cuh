@@ -206,6 +206,10 @@ inline void fs_atomic_add4(float* p, const float* s) {
     for (int i = 0; i < 4; ++i) p[i] += s[i];
 }
 inline void fs_bulk_add_f32(float* dst, const float* src, unsigned bytes) {
+    if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0 || bytes % 16 != 0) {
+        fprintf(stderr, "bulk reduction: an address or the size is not a multiple of 16 bytes\n");
+        exit(5);
+    }
     for (unsigned i = 0; i < bytes / 4; ++i) dst[i] += src[i];
 }
 inline void fs_bulk_commit() {}

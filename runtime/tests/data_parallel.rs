@@ -118,9 +118,9 @@ fn check_with(ranks: usize, micro: u32, zero: bool) {
     check_reducing(ranks, micro, zero, None, Precision::F64, 1e-12)
 }
 
-/// N ranks with batch B against one rank with N x B over 4 steps: losses,
-/// gradient norms and weights within `tol` (relative; absolute for the
-/// weights), the ranks' weights the same bits.
+/// N ranks with batch B against one rank with N x B over 4 steps: losses
+/// and gradient norms within `tol` (relative), and in f64 the weights too
+/// (absolute); the ranks' weights the same bits.
 fn check_reducing(
     ranks: usize,
     micro: u32,
@@ -242,16 +242,18 @@ fn zero_stage_one_reproduces_one_rank_with_the_state_split() {
     }
 }
 
-/// `--reduce-dtype bf16`: the gradients averaged in bf16 and widened after.
-/// Computed in f64 (no rounding to the stored types) the run is the
-/// one-rank run to the last bits, so the mean, the casts and the buckets'
-/// places are right; computed as stored, the bf16 roundings of each rank's
-/// gradient and of the sum keep it within bf16's 1e-2.
+/// `--reduce-dtype bf16`: the gradients averaged in bf16 and read so by
+/// the update. Computed in f64 (no rounding to the stored types) the run is
+/// the one-rank run to the last bits, so the means, the casts and the
+/// buckets' places are right; computed as stored, the bf16 roundings of
+/// each rank's gradient (and of micro-batch sums) and of the mean keep the
+/// losses and norms within bf16's 1e-2.
 #[test]
 fn gradients_averaged_in_bf16_reproduce_one_rank() {
     check_reducing(2, 1, false, Some(DType::BF16), Precision::F64, 1e-12);
     check_reducing(4, 1, true, Some(DType::BF16), Precision::F64, 1e-12);
     check_reducing(2, 1, false, Some(DType::BF16), Precision::AsStored, 1e-2);
+    check_reducing(4, 2, true, Some(DType::BF16), Precision::AsStored, 1e-2);
     // Each gradient is averaged as the bf16 its product made (not widened
     // first), and the buckets hold the gradients they hold in f32.
     let (_, dims) = sizes(&[("B", 2), ("T", 8)]);

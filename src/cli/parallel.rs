@@ -99,6 +99,14 @@ pub fn job(args: &ParallelArgs) -> Result<Job, CliError> {
     if args.bucket_mib.is_some() && launched.is_none() && args.gpus.unwrap_or(1) < 2 {
         return Err(buckets_need_ranks());
     }
+    let narrow = args
+        .reduce_dtype
+        .is_some_and(|d| d != fusec_compiler::ir::DType::F32);
+    if narrow && launched.is_none() && args.gpus.unwrap_or(1) < 2 {
+        return Err(CliError::usage(
+            "error: --reduce-dtype bf16 sets how data parallelism averages gradients: give --gpus N (N >= 2) or start the ranks with a launcher".to_string(),
+        ));
+    }
     match (launched, args.gpus) {
         (Some((rv, _)), Some(n)) if n > 1 => Err(CliError::usage(format!(
             "error: --gpus {n} and a launcher's WORLD_SIZE={} both ask for ranks: under torchrun, Slurm or mpirun, start one process per GPU without --gpus",

@@ -26,15 +26,18 @@ pub fn group_kernel(
     // member after another; block b takes chunks b, b + gridDim.x, ... So
     // each block does a member's setup (the bias corrections) once per
     // chunk, and a one-element bias costs one block, not a pass of the grid.
+    // Every buffer f32 but the gradient (input 1), which may be bf16 where
+    // the ranks average in bf16 (`fs_adamw`/`fs_sgd` take either).
     let f32_only = |m: &crate::kernel::Member| {
-        m.inputs
-            .iter()
-            .map(|&i| k.inputs[i])
-            .chain(m.outputs.iter().map(|&o| k.outputs[o]))
-            .all(|b| p.buffers[b].ty.dtype == DType::F32)
+        let dt = |b: usize| p.buffers[b].ty.dtype;
+        m.inputs.iter().enumerate().all(|(slot, &i)| {
+            let d = dt(k.inputs[i]);
+            d == DType::F32 || (slot == 1 && d == DType::BF16)
+        }) && m.outputs.iter().all(|&o| dt(k.outputs[o]) == DType::F32)
     };
-    // Updates of f32 parameters call the prelude's one copy of the update,
-    // so compile time stays flat in the number of parameters.
+    // Updates of f32 parameters call the prelude's one copy of the update
+    // (one per gradient type), so compile time stays flat in the number of
+    // parameters.
     // Zeros a member writes after its output's last row (a table a padded
     // GEMM reads past its end, kernel::pitch), as more elements of its own.
     let tail = |m: &crate::kernel::Member| -> i64 {

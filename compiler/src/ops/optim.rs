@@ -78,6 +78,7 @@ impl OpDef for AdamW {
                 ));
             }
         }
+        check_grad_dtype("adamw", &inputs[1])?;
         Ok(vec![p.clone(), inputs[2].clone(), inputs[3].clone()])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
@@ -146,6 +147,7 @@ impl OpDef for Sgd {
                 ));
             }
         }
+        check_grad_dtype("sgd", &inputs[1])?;
         Ok(vec![p.clone(), inputs[2].clone()])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
@@ -259,6 +261,19 @@ fn update_shape(g: &Graph, n: NodeIndex, range: Option<(i64, i64)>) -> Option<Sh
 /// the start of this rank's piece (ZeRO; the state holds the piece alone).
 fn param_index(range: Option<(i64, i64)>) -> String {
     range.map_or("i".to_string(), |(lo, _)| format!("{lo}LL + i"))
+}
+
+/// An update reads its gradient in f32, or in bf16 where the ranks average
+/// in bf16 (the prelude's `fs_grad` decodes those two; an f16 gradient
+/// would be read as bf16 bits).
+fn check_grad_dtype(op: &str, g: &TensorType) -> Result<(), OpError> {
+    match g.dtype {
+        DType::F32 | DType::BF16 => Ok(()),
+        other => Err(OpError::new(
+            format!("`{op}` reads an f32 or bf16 gradient"),
+            format!("given {other}"),
+        )),
+    }
 }
 
 impl Lower for AdamW {
