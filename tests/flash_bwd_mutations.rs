@@ -205,14 +205,14 @@ fn a_broken_hopper_backward_is_caught() {
         (
             (
                 SM90,
-                "for (int r = r_first, c = c_first; r < rows;)",
-                "for (int r = r_first, c = c_first; r < rows - 1;)",
+                "for (int r = w; r < rows; r += WRITERS)",
+                "for (int r = w; r < rows - 1; r += WRITERS)",
             ),
             plain,
         ),
     ];
     expect_caught(&b, "hopper-mutations", &[causal, plain], &mutations);
-    // D = 80 (the 32-byte swizzle, writers walking whole rows of 20 chunks).
+    // D = 80 (the 32-byte swizzle, rows of 320 bytes).
     let d80 = backward(
         &head_dims_model(&[(80, 80, 2, 1, true, true), (80, 80, 2, 1, false, true)]),
         "bf16",
@@ -220,12 +220,12 @@ fn a_broken_hopper_backward_is_caught() {
     );
     let (causal, plain) = (find(&d80, true, false), find(&d80, false, false));
     let d80_mutations: [(Mutation, usize); 2] = [
-        // The writers skip each row's last 16-byte chunk.
+        // The writers' bulk reductions leave out each row's last 16 bytes.
         (
             (
                 SM90,
-                "fs_atomic_add4(&sum[r * D + c * 4], &dqt[r * DQ_ROW + c * 4]);",
-                "if (c + 1 < CPR) fs_atomic_add4(&sum[r * D + c * 4], &dqt[r * DQ_ROW + c * 4]);",
+                "fs_bulk_add_f32(&sum[r * D], &dqt[r * DQ_ROW], D * 4);",
+                "fs_bulk_add_f32(&sum[r * D], &dqt[r * DQ_ROW], (D - 4) * 4);",
             ),
             causal,
         ),

@@ -111,6 +111,24 @@ pub fn coalesce(tensors: &[Tensor], align: u64) -> Vec<Tensor> {
     out
 }
 
+/// ZeRO's broadcasts (each piece with its owner rank, in the parameters'
+/// order) with each run of one owner's pieces merged as [`coalesce`]
+/// merges a bucket's gradients: an owner's pieces are consecutive runs of
+/// the parameters laid end to end, so where the arena keeps the parameters
+/// in that order each rank sends one long buffer, not one per parameter.
+pub fn coalesce_shares(shares: &[(Tensor, usize)], align: u64) -> Vec<(Tensor, usize)> {
+    let mut out: Vec<(Tensor, usize)> = Vec::with_capacity(shares.len());
+    let mut i = 0;
+    while i < shares.len() {
+        let root = shares[i].1;
+        let run = shares[i..].iter().take_while(|(_, r)| *r == root).count();
+        let tensors: Vec<Tensor> = shares[i..i + run].iter().map(|(t, _)| *t).collect();
+        out.extend(coalesce(&tensors, align).into_iter().map(|t| (t, root)));
+        i += run;
+    }
+    out
+}
+
 impl Comm {
     /// Joins the communicator of `ranks` ranks as `rank`, on `gpu`. Blocks
     /// until every rank has joined.
@@ -232,6 +250,37 @@ mod tests {
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].input, 1 << 20);
         assert_eq!(out[0].count, 768 + 64 + 64);
+    }
+
+    #[test]
+    fn each_owners_run_of_pieces_becomes_one_broadcast() {
+        let base = 1u64 << 20;
+        // Two parameters end to end, the second split between ranks 0 and
+        // 1, then a third owned by rank 1: rank 0 sends the first and the
+        // second's head as one buffer, rank 1 the tail and the third.
+        let shares = [
+            (t(base, 768, DType::F32), 0),
+            (t(base + 3072, 64, DType::F32), 0),
+            (t(base + 3072 + 256, 192, DType::F32), 1),
+            (t(base + 4096, 10, DType::F32), 1),
+            // A gap: another buffer may lie between.
+            (t(base + 8192, 64, DType::F32), 1),
+        ];
+        let out = coalesce_shares(&shares, 256);
+        let got: Vec<(u64, usize, usize)> = out
+            .iter()
+            .map(|(t, r)| (t.input - base, t.count, *r))
+            .collect();
+        assert_eq!(
+            got,
+            vec![(0, 768 + 64, 0), (3328, 192 + 10, 1), (8192, 64, 1)]
+        );
+        // Owners alternating never merge.
+        let alternating = [
+            (t(base, 64, DType::F32), 0),
+            (t(base + 256, 64, DType::F32), 1),
+        ];
+        assert_eq!(coalesce_shares(&alternating, 256).len(), 2);
     }
 
     #[test]

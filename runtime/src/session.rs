@@ -193,6 +193,7 @@ impl Session {
                     dp.shares.push((piece, pc.rank as usize));
                 }
             }
+            dp.shares = crate::nccl::coalesce_shares(&dp.shares, fusec_compiler::plan::ALIGN);
         }
         self.exec.attach(dp);
         Ok(())
