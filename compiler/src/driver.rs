@@ -134,14 +134,16 @@ fn check_overrides(ast: &Module, opts: &Options) -> Result<(), Failure> {
     Ok(())
 }
 
+/// The error for `--reduce-dtype bf16` on one rank (the CLI gives it too,
+/// for commands that never build a step for several ranks).
+pub const REDUCE_NEEDS_RANKS: &str = "--reduce-dtype bf16 sets how data parallelism averages gradients: give --gpus N (N >= 2) or start the ranks with a launcher";
+
 /// The type `--reduce-dtype` asks gradients to be averaged in, checked
 /// against the step: bf16 only for a bf16 model on several ranks.
 fn reduce_dtype(opts: &Options, train: &crate::model::TrainConfig) -> Result<DType, Failure> {
     match opts.reduce_dtype {
         None | Some(DType::F32) => Ok(DType::F32),
-        Some(DType::BF16) if train.ranks < 2 => Err(Failure::Usage(
-            "--reduce-dtype bf16 sets how data parallelism averages gradients: give --gpus N (N >= 2) or start the ranks with a launcher".into(),
-        )),
+        Some(DType::BF16) if train.ranks < 2 => Err(Failure::Usage(REDUCE_NEEDS_RANKS.into())),
         Some(DType::BF16) if train.precision == DType::BF16 => Ok(DType::BF16),
         Some(DType::BF16) => Err(Failure::Usage(format!(
             "--reduce-dtype bf16 averages the gradients of a bf16 model in bf16; this model trains in {} (set `precision = bf16` in its train section or pass --precision bf16)",

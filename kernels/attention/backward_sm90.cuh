@@ -64,13 +64,15 @@ struct DkDvDqSm90 {
     // The memory warpgroup's warps: three writers and one loader below 128
     // padded features, two and two at 128 (on an H100, T = 8192: dK/dV/dQ at
     // D = 96 3.23 ms against 3.79 with two writers, at D = 112 3.58 against
-    // 3.85, at D = 128 3.09 against 2.98).
+    // 3.85, at D = 128 3.09 against 2.98; measured when the writers' lanes
+    // added dQ themselves, not again since the copy engine does).
     static constexpr int WRITERS = DP < 128 ? 96 : 64, LOADERS = 128 - WRITERS;
     static constexpr int CONSUMERS = 256, THREADS = CONSUMERS + LOADERS + WRITERS;
     // Registers after the hand-over: the consumers' accumulators grow with the
     // head dims; below 232 at D = 128 ptxas serializes their wgmma (and up to
     // 80 features, 208 leaves the memory warpgroup 88, where it spills nothing;
-    // at 96, 224 leaves it the 64 that three writers need).
+    // at 96, 224 leaves it 64, which the writers needed when they added dQ
+    // from their lanes).
     static constexpr unsigned CONSUMER_REGS = DP + DVP <= 160 ? 208 : DP + DVP <= 192 ? 224 : 232;
     static constexpr unsigned PRODUCER_REGS = regs_left(THREADS, CONSUMERS, CONSUMER_REGS);
     typedef CoreTile<DP> KT;

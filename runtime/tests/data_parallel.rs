@@ -267,12 +267,7 @@ fn gradients_averaged_in_bf16_reproduce_one_rank() {
         p.collectives
             .iter()
             .filter(|c| !c.every_micro_batch)
-            .map(|c| {
-                c.tensors
-                    .iter()
-                    .map(|&(i, _)| p.buffers[i].dtype.clone())
-                    .collect()
-            })
+            .map(|c| c.dtypes(&p.buffers).into_iter().map(String::from).collect())
             .collect()
     };
     assert!(dtypes(&wide).iter().flatten().all(|d| d == "f32"));

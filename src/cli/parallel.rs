@@ -103,9 +103,10 @@ pub fn job(args: &ParallelArgs) -> Result<Job, CliError> {
         .reduce_dtype
         .is_some_and(|d| d != fusec_compiler::ir::DType::F32);
     if narrow && launched.is_none() && args.gpus.unwrap_or(1) < 2 {
-        return Err(CliError::usage(
-            "error: --reduce-dtype bf16 sets how data parallelism averages gradients: give --gpus N (N >= 2) or start the ranks with a launcher".to_string(),
-        ));
+        return Err(CliError::usage(format!(
+            "error: {}",
+            fusec_compiler::driver::REDUCE_NEEDS_RANKS
+        )));
     }
     match (launched, args.gpus) {
         (Some((rv, _)), Some(n)) if n > 1 => Err(CliError::usage(format!(

@@ -78,8 +78,7 @@ impl<'g> Fuser<'g> {
     /// A widening cast (bf16 gradient to its f32 buffer) that the op
     /// kernel before it performs as it stores: the op computes in f32, so
     /// the narrow value is never written. Not after a collective: NCCL
-    /// stores in the type it reads (a gradient averaged in bf16 is widened
-    /// by a kernel of its own).
+    /// stores in the type it reads, so a cast after one must stay a kernel.
     fn absorbed_cast(&self, n: NodeIndex) -> Option<Value> {
         let Op::Cast(c) = &self.g.g[n].op else {
             return None;

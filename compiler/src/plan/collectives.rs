@@ -26,6 +26,17 @@ pub struct PlannedCollective {
     pub every_micro_batch: bool,
 }
 
+impl PlannedCollective {
+    /// The type of each tensor it averages, in order (`PlannedBuffer::dtype`:
+    /// bf16 where `--reduce-dtype bf16` has the ranks average in bf16).
+    pub fn dtypes<'b>(&self, buffers: &'b [PlannedBuffer]) -> Vec<&'b str> {
+        self.tensors
+            .iter()
+            .map(|&(i, _)| buffers[i].dtype.as_str())
+            .collect()
+    }
+}
+
 /// The collectives of program `p`, with the launch each one's results are
 /// first read by.
 pub fn collectives(g: &Graph, p: &Program, buffers: &[PlannedBuffer]) -> Vec<PlannedCollective> {

@@ -380,11 +380,7 @@ fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
         .collectives
         .iter()
         .filter(|c| !c.every_micro_batch)
-        .flat_map(|c| {
-            c.tensors
-                .iter()
-                .map(|&(i, _)| plan.buffers[i].dtype.as_str())
-        })
+        .flat_map(|c| c.dtypes(&plan.buffers))
         .collect();
     types.sort_unstable();
     types.dedup();
