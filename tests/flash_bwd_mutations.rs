@@ -163,7 +163,7 @@ fn a_broken_hopper_backward_is_caught() {
     const TILES: &str = "attention/sm90.cuh";
     let b = backward(&twin_model(), "bf16", FlashArch::Sm90a);
     let (causal, plain) = (find(&b, true, false), find(&b, false, false));
-    let mutations: [(Mutation, usize); 9] = [
+    let mutations: [(Mutation, usize); 8] = [
         // dQ's A (dS, MN-major core matrices) read with its strides exchanged.
         (
             (
@@ -188,19 +188,18 @@ fn a_broken_hopper_backward_is_caught() {
             ),
             plain,
         ),
-        // Both warpgroups take the first half of dQ's features.
-        ((SM90, "KT::mnmajor_n(wg * (DP / 2))", "KT::mnmajor_n(0 * (DP / 2))"), plain),
-        // The causal mask off by one.
-        ((COMMON, "kr > qc + diag) ? 0.0f : p;", "kr > qc + diag + 1) ? 0.0f : p;"), causal),
-        // Diagonal tiles taken for unmasked ones.
+        // 128-query tiles at D = 64: both warpgroups take dQ's first 64
+        // queries.
         (
             (
-                COMMON,
-                "if (rows < TILE_Q || (CAUSAL && i0 < k0 + TILE_K)) {",
-                "if (rows < TILE_Q) {",
+                SM90,
+                "DST::mnmajor_n(wg * (TILE_Q - 64))",
+                "DST::mnmajor_n(0 * (TILE_Q - 64))",
             ),
-            causal,
+            plain,
         ),
+        // The causal mask off by one.
+        ((COMMON, "kr > qc + diag) ? 0.0f : p;", "kr > qc + diag + 1) ? 0.0f : p;"), causal),
         // The writers adding all rows of a tile but the last.
         (
             (
@@ -219,7 +218,28 @@ fn a_broken_hopper_backward_is_caught() {
         FlashArch::Sm90a,
     );
     let (causal, plain) = (find(&d80, true, false), find(&d80, false, false));
-    let d80_mutations: [(Mutation, usize); 2] = [
+    let d80_mutations: [(Mutation, usize); 4] = [
+        // Diagonal tiles taken for unmasked ones (here, where the query
+        // tiles are 64 rows: at T = 100 the first is whole and crosses the
+        // diagonal; at D = 64 the 128-row tiles are all partial and masked).
+        (
+            (
+                COMMON,
+                "if (rows < TILE_Q || (CAUSAL && i0 < k0 + TILE_K)) {",
+                "if (rows < TILE_Q) {",
+            ),
+            causal,
+        ),
+        // 64-query tiles: both warpgroups take the first half of dQ's
+        // features.
+        (
+            (
+                SM90,
+                "KT::mnmajor_n(wg * (DP - DQ_N))",
+                "KT::mnmajor_n(0 * (DP - DQ_N))",
+            ),
+            plain,
+        ),
         // The writers' bulk reductions leave out each row's last 16 bytes.
         (
             (

@@ -7,7 +7,8 @@
 // One block owns 128 keys of one (batch, key/value head): two consumer
 // warpgroups (wg owns keys 64wg .. 64wg + 63) and a memory warpgroup. K and V
 // are loaded once by all; then the queries of every head of the group stream
-// through shared memory 64 at a time. The memory warpgroup gives its
+// through shared memory TILE_Q at a time (128 up to 64 padded features, else
+// 64). The memory warpgroup gives its
 // registers to the consumers (setmaxnreg) and splits in two:
 //
 // - loader warps (one, or two at 128 features) fill each query tile into
@@ -48,7 +49,7 @@
 //
 // Launch: grid (ceil(S / 128), Hkv * SPLIT, B), 384 threads (__launch_bounds__(384,
 // 1)), SMEM_BYTES of dynamic shared memory, after the scratch the tensor maps
-// of Q and dO (boxes of QT::ATOM / DOT::ATOM features by 64 rows), by value.
+// of Q and dO (boxes of QT::ATOM / DOT::ATOM features by TILE_Q rows), by value.
 #ifndef FS_ATTENTION_BACKWARD_SM90
 #define FS_ATTENTION_BACKWARD_SM90
 #include "backward.cuh"
@@ -60,7 +61,16 @@ template <class E, int D, int DV, bool CAUSAL, int SPLIT = 1>
 struct DkDvDqSm90 {
     static constexpr int DP = round_up(D, 16), DVP = round_up(DV, 16);
     static_assert(DP <= 128 && DVP <= 128, "dK and dV accumulators for up to 128 features each");
-    static constexpr int TILE_K = 128, TILE_Q = 64;
+    // Query tiles of 128 rows where both head dims fit in 64 padded features,
+    // else 64: at 64 features a 64-query tile's products are too short to
+    // keep the tensor cores fed (wgmma N = 64 with K = 64), and the
+    // accumulators of a 128-query tile (S^T and dP^T 64 registers each, dK and
+    // dV 32 each, dQ 32) fit in the 240 registers a consumer can have.
+    static constexpr int TILE_K = 128, TILE_Q = DP <= 64 && DVP <= 64 ? 128 : 64;
+    // dQ = dS K: with 64-query tiles each warpgroup takes half the features of
+    // all the tile's queries; with 128, all the features of its half of the
+    // queries (wgmma's M is 64 a warpgroup).
+    static constexpr int DQ_N = TILE_Q == 128 ? DP : DP / 2;
     // The memory warpgroup's warps: three writers and one loader below 128
     // padded features, two and two at 128 (on an H100, T = 8192: dK/dV/dQ at
     // D = 96 3.23 ms against 3.79 with two writers, at D = 112 3.58 against
@@ -73,7 +83,11 @@ struct DkDvDqSm90 {
     // 80 features, 208 leaves the memory warpgroup 88, where it spills nothing;
     // at 96, 224 leaves it 64, which the writers needed when they added dQ
     // from their lanes).
-    static constexpr unsigned CONSUMER_REGS = DP + DVP <= 160 ? 208 : DP + DVP <= 192 ? 224 : 232;
+    // With 128-query tiles, 224: no spill and no serialized wgmma for any
+    // head dims up to 64 (at 232 the memory warpgroup's 40 spill where D !=
+    // Dv, at 240 its 24 spill everywhere; at 216 ptxas serializes the wgmma).
+    static constexpr unsigned CONSUMER_REGS =
+        TILE_Q == 128 ? 224 : DP + DVP <= 160 ? 208 : DP + DVP <= 192 ? 224 : 232;
     static constexpr unsigned PRODUCER_REGS = regs_left(THREADS, CONSUMERS, CONSUMER_REGS);
     typedef CoreTile<DP> KT;
     typedef CoreTile<DVP> VT;
@@ -256,8 +270,8 @@ struct DkDvDqSm90 {
         // a step's are these moved on (fs_desc_at).
         const fs_desc k_desc = KT::kmajor(k_tile + wg * 64 * DP);
         const fs_desc v_desc = VT::kmajor(v_tile + wg * 64 * DVP);
-        const fs_desc ds_desc = DST::mnmajor(ds_tile);
-        const fs_desc kdq_desc = fs_desc_at(KT::mnmajor(k_tile), KT::mnmajor_n(wg * (DP / 2)));
+        const fs_desc ds_desc = fs_desc_at(DST::mnmajor(ds_tile), DST::mnmajor_n(wg * (TILE_Q - 64)));
+        const fs_desc kdq_desc = fs_desc_at(KT::mnmajor(k_tile), KT::mnmajor_n(wg * (DP - DQ_N)));
         const fs_desc q_kdesc = QT::kmajor(q_tiles), do_kdesc = DOT::kmajor(do_tiles);
         const fs_desc q_mdesc = QT::mnmajor(q_tiles), do_mdesc = DOT::mnmajor(do_tiles);
         fs_i64 i0 = i_first;  // tile t's first row
@@ -323,16 +337,18 @@ struct DkDvDqSm90 {
 
             // 8. dQ = dS K for the tile's queries and the block's keys, once both
             //    warpgroups' dS^T is in: A = dS read MN-major from dS^T (keys
-            //    16kk ..), B = the key tile MN-major, warpgroup wg taking features
-            //    wg * DP / 2 ... dq[n][e] = query i0 + 16 * warp + frag_row + 8 *
-            //    (e / 2), feature wg * DP / 2 + 8n + frag_col + e % 2.
+            //    16kk ..), B = the key tile MN-major, warpgroup wg taking queries
+            //    q_off = wg * (TILE_Q - 64) .. q_off + 63 and features f_off = wg
+            //    * (DP - DQ_N) .. f_off + DQ_N - 1. dq[n][e] = query i0 + q_off +
+            //    16 * warp + frag_row + 8 * (e / 2), feature f_off + 8n +
+            //    frag_col + e % 2.
             fs_fence_async_smem();
             fs_bar_sync(2, CONSUMERS);
-            float dq[DP / 16][4];
+            float dq[DQ_N / 8][4];
             fs_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < TILE_K / 16; ++kk)
-                wgmma_ss<E, KT, true, DP / 2, 1>(dq, fs_desc_at(ds_desc, DST::mn_k_step(kk)), fs_desc_at(kdq_desc, KT::mn_k_step(kk)), kk);
+                wgmma_ss<E, KT, true, DQ_N, 1>(dq, fs_desc_at(ds_desc, DST::mn_k_step(kk)), fs_desc_at(kdq_desc, KT::mn_k_step(kk)), kk);
             fs_wgmma_commit();
             fs_wgmma_wait_all();
             fs_wgmma_hold(dq);
@@ -345,9 +361,9 @@ struct DkDvDqSm90 {
             float* const dqt = dq_tiles + u * TILE_Q * DQ_ROW;
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float* const row = &dqt[(warp * 16 + frag_row + 8 * r) * DQ_ROW + wg * (DP / 2) + frag_col];
+                float* const row = &dqt[(wg * (TILE_Q - 64) + warp * 16 + frag_row + 8 * r) * DQ_ROW + wg * (DP - DQ_N) + frag_col];
 #pragma unroll
-                for (int n = 0; n < DP / 16; ++n) fs_st_f32x2(row + n * 8, dq[n][2 * r], dq[n][2 * r + 1]);
+                for (int n = 0; n < DQ_N / 8; ++n) fs_st_f32x2(row + n * 8, dq[n][2 * r], dq[n][2 * r + 1]);
             }
             // The writers' bulk reductions read the tile through the async
             // proxy: the stores above must be visible to it.

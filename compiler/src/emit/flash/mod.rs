@@ -494,11 +494,12 @@ pub fn flash_backward(
     };
     let kv_heads_split = cfg.kv_heads.checked_mul(&Dim::constant(split as i64))?;
     // The tensor maps of Q and dO, boxes of the widest swizzle that divides
-    // `q_feats` and `do_feats` features.
-    let hopper_maps = |q_feats: u64, do_feats: u64| {
+    // `q_feats` and `do_feats` features by `rows` rows (the kernel's query
+    // tile).
+    let hopper_maps = |q_feats: u64, do_feats: u64, rows: u64| {
         [(0, "tm_q", q_feats), (5, "tm_do", do_feats)]
             .into_iter()
-            .map(|(i, name, feats)| TensorMap::of_input(g, &c, n, i, name, 64, feats))
+            .map(|(i, name, feats)| TensorMap::of_input(g, &c, n, i, name, rows, feats))
             .collect::<Option<Vec<_>>>()
     };
     let mut stages: Vec<Planned> = Vec::new();
@@ -532,16 +533,18 @@ pub fn flash_backward(
         let hopper = if arch != FlashArch::Sm90a {
             None
         } else if templates::dkdvdq_sm90_fits(d, dv) {
-            hopper_maps(templates::pad16(d), templates::pad16(dv)).map(|maps| {
+            let inst = templates::dkdvdq_sm90(dt, d, dv, causal, split);
+            let rows = templates::dkdvdq_sm90_tile_q(d, dv);
+            hopper_maps(templates::pad16(d), templates::pad16(dv), rows).map(|maps| {
                 (
-                    templates::dkdvdq_sm90(dt, d, dv, causal, split),
+                    inst,
                     maps,
                     "FlashAttention backward on Hopper tensor cores, kernel 2 of 3: dK, dV and dQ (kernels/attention/backward_sm90.cuh)",
                 )
             })
         } else {
             let (inst, q_half, do_half) = templates::dkdvdq_sm90_wide(dt, d, dv, causal, split);
-            hopper_maps(q_half, do_half).map(|maps| {
+            hopper_maps(q_half, do_half, 64).map(|maps| {
                 (
                     inst,
                     maps,

@@ -281,17 +281,28 @@ pub(crate) fn dkdvdq_sm90_fits(d: u64, dv: u64) -> bool {
     pad16(d) <= 128 && pad16(dv) <= 128
 }
 
+/// `DkDvDqSm90`'s query tile rows: 128 where both head dims pad to at most
+/// 64 features, else 64.
+pub(crate) fn dkdvdq_sm90_tile_q(d: u64, dv: u64) -> u64 {
+    if pad16(d) <= 64 && pad16(dv) <= 64 {
+        128
+    } else {
+        64
+    }
+}
+
 /// `backward_sm90.cuh`'s `DkDvDqSm90`: 128 keys a block; its query tiles
-/// are 64 rows; `split` blocks a key tile (each a share of the group's
-/// query heads, its dK/dV part summed by [`dkv_store`]).
+/// are [`dkdvdq_sm90_tile_q`] rows; `split` blocks a key tile (each a share
+/// of the group's query heads, its dK/dV part summed by [`dkv_store`]).
 pub(crate) fn dkdvdq_sm90(dt: DType, d: u64, dv: u64, causal: bool, split: u64) -> Instance {
     let (dp, dvp) = (pad16(d), pad16(dv));
+    let tq = dkdvdq_sm90_tile_q(d, dv);
     let smem_with = |stages: u64| {
         128 * (dp + dvp) * 2
-            + stages * (64 * dp * 2 + 64 * dvp * 2)
-            + 128 * 64 * 2
-            + 2 * 64 * (dp + 8) * 4
-            + 2 * stages * 64 * 4
+            + stages * (tq * dp * 2 + tq * dvp * 2)
+            + 128 * tq * 2
+            + 2 * tq * (dp + 8) * 4
+            + 2 * stages * tq * 4
             + (2 * stages + 4) * 8
             + 1024
     };
@@ -320,7 +331,7 @@ pub(crate) fn dkdvdq_sm90(dt: DType, d: u64, dv: u64, causal: bool, split: u64) 
         checks: vec![
             ("THREADS", 384),
             ("TILE_K", 128),
-            ("TILE_Q", 64),
+            ("TILE_Q", tq),
             ("STAGES", stages),
             ("SMEM_BYTES", smem),
         ],
