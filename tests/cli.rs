@@ -664,6 +664,15 @@ fn bucket_mib_sizes_the_gradient_buckets() {
     assert_eq!(buckets(&["--reduce-dtype", "bf16"]), 7);
     let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
     assert!(report.contains("(mean in bf16, NCCL)"), "{report}");
+    // ZeRO: the same gradients go to their pieces' owners, and the norm's
+    // sum of squares (each rank's over its pieces) is added over the ranks:
+    // one collective more.
+    assert_eq!(buckets(&["--zero", "1", "--rank", "1"]), 8);
+    let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+    assert!(
+        report.contains("each gradient's mean goes to the owners of its pieces alone"),
+        "{report}"
+    );
     let (code, _, err) = fusec(&[
         "build",
         "dsl-examples/gpt2-small.dsl",

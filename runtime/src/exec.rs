@@ -83,8 +83,10 @@ enum Step {
     },
     /// A bucket averaged over the ranks, on the communication stream (see
     /// `DataParallel`); `true` where it runs on every micro-batch (the
-    /// loss), not only on the one that updates.
-    Collective(Vec<nccl::Tensor>, bool),
+    /// loss), not only on the one that updates. Under ZeRO its gradients
+    /// go to their pieces' owners alone: those tensors, each with its
+    /// parameter, are the third part.
+    Collective(Vec<nccl::Tensor>, bool, Vec<(nccl::Tensor, usize)>),
 }
 
 /// A rank's share of data parallelism: its communicator and the stream
@@ -99,6 +101,9 @@ pub struct DataParallel {
     /// ZeRO stage 1: every parameter buffer and its owner rank, sent from
     /// the owner after the update.
     pub shares: Vec<(nccl::Tensor, usize)>,
+    /// ZeRO stage 1: each parameter's pieces (owner rank, first and end
+    /// element), to which its gradient's mean is reduced.
+    pub pieces: Vec<Vec<(usize, u64, u64)>>,
     /// While a step is profiled: each collective's launch and the events
     /// recorded on the communication stream around it.
     timing: Option<Vec<(usize, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,
@@ -143,6 +148,7 @@ impl DataParallel {
             stream,
             outstanding: false,
             shares: Vec::new(),
+            pieces: Vec::new(),
             timing: None,
         })
     }
@@ -165,8 +171,15 @@ impl DataParallel {
         &mut self,
         gpu: &Gpu,
         tensors: &[nccl::Tensor],
+        owned: &[(nccl::Tensor, usize)],
         launch: usize,
     ) -> Result<(), RuntimeError> {
+        if !owned.is_empty() && self.pieces.is_empty() {
+            return Err(RuntimeError::Unsupported(
+                "the step was built with --zero 1 (gradients reduced to their owners), and this run does not shard the optimizer state: run it with --zero 1".into(),
+            ));
+        }
+        let rooted = nccl::owned_pieces(owned, &self.pieces, fusec_compiler::plan::ALIGN);
         self.stream
             .join(&gpu.stream)
             .map_err(|e| RuntimeError::driver("ordering a collective after its gradients", e))?;
@@ -179,7 +192,7 @@ impl DataParallel {
             Some(_) => Some(ev(self)?),
             None => None,
         };
-        self.comm.all_reduce_mean(&self.stream, tensors)?;
+        self.comm.average(&self.stream, tensors, &rooted)?;
         if let Some(start) = start {
             let end = ev(self)?;
             if let Some(t) = self.timing.as_mut() {
@@ -506,6 +519,8 @@ impl Executor {
             let l = &plan.launches[ki];
             let args: Vec<u64> = k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
             let step = if l.kind == "all_reduce" {
+                let planned = plan.collectives.iter().find(|c| c.launch == ki);
+                let owners_of = planned.map_or(&[][..], |c| &c.owners_of[..]);
                 let tensors = k
                     .inputs
                     .iter()
@@ -521,12 +536,17 @@ impl Executor {
                         }
                     })
                     .collect::<Vec<_>>();
-                let tensors = nccl::coalesce(&tensors, fusec_compiler::plan::ALIGN);
-                let every = plan
-                    .collectives
-                    .iter()
-                    .any(|c| c.launch == ki && c.every_micro_batch);
-                Step::Collective(tensors, every)
+                // ZeRO's gradients (to their owners) apart from the rest.
+                let (mut all, mut owned) = (Vec::new(), Vec::new());
+                for (j, t) in tensors.into_iter().enumerate() {
+                    match owners_of.get(j).copied().flatten() {
+                        Some(p) => owned.push((t, p)),
+                        None => all.push(t),
+                    }
+                }
+                let all = nccl::coalesce(&all, fusec_compiler::plan::ALIGN);
+                let every = planned.is_some_and(|c| c.every_micro_batch);
+                Step::Collective(all, every, owned)
             } else if !l.steps.is_empty() {
                 // The kernels the plan launches: the generated one, or the
                 // template instances chosen in its place.
@@ -677,8 +697,8 @@ impl Executor {
             }
         }
         match (&launches[i].step, dp.as_mut()) {
-            (Step::Collective(_, every), _) if !*collectives_on && !every => Ok(()),
-            (Step::Collective(tensors, _), Some(dp)) => dp.issue(gpu, tensors, i),
+            (Step::Collective(_, every, _), _) if !*collectives_on && !every => Ok(()),
+            (Step::Collective(tensors, _, owned), Some(dp)) => dp.issue(gpu, tensors, owned, i),
             (Step::Collective(..), None) => Err(RuntimeError::Unsupported(format!(
                 "kernel {name} averages gradients over several ranks, and this step has no communicator: run it with --gpus or under a launcher"
             ))),
@@ -933,8 +953,9 @@ impl Executor {
         let mut collectives = Vec::new();
         for (i, start, stop) in timing.unwrap_or_default() {
             let bytes = match &self.launches[i].step {
-                Step::Collective(tensors, _) => tensors
+                Step::Collective(tensors, _, owned) => tensors
                     .iter()
+                    .chain(owned.iter().map(|(t, _)| t))
                     .map(|t| (t.count * t.dtype.size_bytes()) as u64)
                     .sum(),
                 _ => 0,

@@ -129,6 +129,33 @@ pub fn coalesce_shares(shares: &[(Tensor, usize)], align: u64) -> Vec<(Tensor, u
     out
 }
 
+/// ZeRO: each of `owned` (a tensor of a bucket, the gradient of parameter
+/// `i`) cut into its parameter's pieces, each with its owner rank
+/// (`pieces[i]`: rank, first and end element), merged where one owner's
+/// pieces lie end to end ([`coalesce_shares`]).
+pub fn owned_pieces(
+    owned: &[(Tensor, usize)],
+    pieces: &[Vec<(usize, u64, u64)>],
+    align: u64,
+) -> Vec<(Tensor, usize)> {
+    let mut out = Vec::new();
+    for (t, i) in owned {
+        let size = t.dtype.size_bytes() as u64;
+        for &(rank, lo, hi) in &pieces[*i] {
+            out.push((
+                Tensor {
+                    input: t.input + lo * size,
+                    output: t.output + lo * size,
+                    count: (hi - lo) as usize,
+                    dtype: t.dtype,
+                },
+                rank,
+            ));
+        }
+    }
+    coalesce_shares(&out, align)
+}
+
 impl Comm {
     /// Joins the communicator of `ranks` ranks as `rank`, on `gpu`. Blocks
     /// until every rank has joined.
@@ -158,8 +185,38 @@ impl Comm {
         stream: &CudaStream,
         tensors: &[Tensor],
     ) -> Result<(), RuntimeError> {
+        self.average(stream, tensors, &[])
+    }
+
+    /// Averages each of `all` over the ranks onto every rank, and each of
+    /// `rooted` onto its root rank alone (ZeRO's gradient pieces, to their
+    /// owners: together a reduce-scatter), as one NCCL group queued on
+    /// `stream`.
+    pub fn average(
+        &self,
+        stream: &CudaStream,
+        all: &[Tensor],
+        rooted: &[(Tensor, usize)],
+    ) -> Result<(), RuntimeError> {
+        let tensors = all;
         let what = |e| nccl_error("averaging gradients over the ranks", e);
         result::group_start().map_err(what)?;
+        for (t, root) in rooted {
+            // SAFETY: as below; the result lands on `root` alone.
+            unsafe {
+                result::reduce(
+                    t.input as *const ::core::ffi::c_void,
+                    t.output as *mut ::core::ffi::c_void,
+                    t.count,
+                    dtype(t.dtype)?,
+                    sys::ncclRedOp_t::ncclAvg,
+                    *root as ::core::ffi::c_int,
+                    self.raw,
+                    stream.cu_stream() as sys::cudaStream_t,
+                )
+            }
+            .map_err(what)?;
+        }
         for t in tensors {
             // SAFETY: the addresses lie in this rank's arena, `count`
             // elements of `dtype` each, and stay valid until the stream
@@ -250,6 +307,29 @@ mod tests {
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].input, 1 << 20);
         assert_eq!(out[0].count, 768 + 64 + 64);
+    }
+
+    #[test]
+    fn zero_gradients_go_to_their_pieces_owners_merged_by_owner() {
+        let base = 1u64 << 20;
+        // A bucket of two gradients end to end: the first (parameter 5)
+        // split between ranks 2 and 3, the second (parameter 4) owned by
+        // rank 3 alone: rank 2 gets the first's head, rank 3 its tail and
+        // the second as one reduce.
+        let owned = [
+            (t(base, 1000, DType::F32), 5),
+            (t(base + 4096, 64, DType::F32), 4),
+        ];
+        let mut pieces = vec![Vec::new(); 6];
+        pieces[5] = vec![(2, 0, 640), (3, 640, 1000)];
+        pieces[4] = vec![(3, 0, 64)];
+        let out = owned_pieces(&owned, &pieces, 256);
+        assert_eq!(out.len(), 2);
+        assert_eq!((out[0].0.input, out[0].0.count, out[0].1), (base, 640, 2));
+        // 360 elements of the tail, the alignment gap to 4096 bytes, then 64.
+        assert_eq!(out[1].0.input, base + 640 * 4);
+        assert_eq!(out[1].0.count, (4096 - 640 * 4) / 4 + 64);
+        assert_eq!(out[1].1, 3);
     }
 
     #[test]

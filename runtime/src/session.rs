@@ -194,6 +194,14 @@ impl Session {
                 }
             }
             dp.shares = crate::nccl::coalesce_shares(&dp.shares, fusec_compiler::plan::ALIGN);
+            dp.pieces = pieces
+                .iter()
+                .map(|ps| {
+                    ps.iter()
+                        .map(|pc| (pc.rank as usize, pc.lo, pc.hi))
+                        .collect()
+                })
+                .collect();
         }
         self.exec.attach(dp);
         Ok(())

@@ -26,9 +26,10 @@ pub struct ParallelArgs {
     /// runs; --batch is each GPU's. With --cpu: N ranks of the CPU reference
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub gpus: Option<u32>,
-    /// ZeRO stage: 1 splits the optimizer state over the ranks (each keeps
-    /// and updates the state of the parameters it owns, then sends the new
-    /// values to the others); 0, the default, keeps it whole on every rank
+    /// ZeRO stage: 1 splits the optimizer state over the ranks (each gets
+    /// the averaged gradients of the parameters it owns, keeps and updates
+    /// their state, then sends the new values to the others); 0, the
+    /// default, keeps it whole on every rank
     #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
     pub zero: u8,
     /// Close each bucket of gradients averaged together at this many MiB

@@ -29,20 +29,29 @@ const SUM_SQUARES_CHUNK: i64 = 65536;
 const SUM_SQUARES_TENSORS: usize = 160;
 
 /// The sum of the squares of every element of `gvs` (tensors of constant
-/// size), as sum-of-squares kernels of at most SUM_SQUARES_TENSORS
-/// gradients each, their partial sums added; `None` if their sizes are not
-/// constant.
-fn sum_of_squares(b: &mut Builder, gvs: &[Value]) -> Result<Option<Value>, OpError> {
+/// size; each whole, or under ZeRO the elements [lo, hi) of it), as
+/// sum-of-squares kernels of at most SUM_SQUARES_TENSORS gradients each,
+/// their partial sums added; `None` if their sizes are not constant.
+fn sum_of_squares(
+    b: &mut Builder,
+    gvs: &[(Value, Option<(i64, i64)>)],
+) -> Result<Option<Value>, OpError> {
     let mut total: Option<Value> = None;
     for group in gvs.chunks(SUM_SQUARES_TENSORS) {
-        let tys: Vec<TensorType> = group.iter().map(|&v| b.ty(v).clone()).collect();
+        let tys: Vec<TensorType> = group.iter().map(|&(v, _)| b.ty(v).clone()).collect();
         let multi = SumSquares {
             chunk: SUM_SQUARES_CHUNK,
+            pieces: group
+                .iter()
+                .enumerate()
+                .filter_map(|(i, &(_, r))| r.map(|(lo, hi)| (i, lo, hi)))
+                .collect(),
         };
         if multi.chunks(&tys).is_none() {
             return Ok(None);
         }
-        let partials = b.op1(multi, group)?;
+        let vals: Vec<Value> = group.iter().map(|&(v, _)| v).collect();
+        let partials = b.op1(multi, &vals)?;
         let s = b.sum(partials, vec![0], false)?;
         total = Some(match total {
             Some(acc) => b.add(acc, s)?,
@@ -50,6 +59,50 @@ fn sum_of_squares(b: &mut Builder, gvs: &[Value]) -> Result<Option<Value>, OpErr
         });
     }
     Ok(total)
+}
+
+/// What of a parameter this rank updates: `None` nothing (ZeRO, another
+/// rank owns it all), `Some(None)` all of it, `Some(Some((lo, hi)))` its
+/// elements [lo, hi).
+type RankPiece = Option<Option<(i64, i64)>>;
+
+/// The squared global norm of `grads`: under ZeRO (`zero`, this rank)
+/// the sum over the pieces this rank owns (`owned`), added over the ranks
+/// (their mean times `ranks`); else [`sum_of_squares`] of every gradient.
+fn owned_sum_of_squares(
+    b: &mut Builder,
+    grads: &[(usize, Value)],
+    owned: &dyn Fn(&Graph, usize) -> RankPiece,
+    zero: Option<u32>,
+    ranks: u32,
+) -> Result<Option<Value>, OpError> {
+    // Every gradient, the ones this rank owns nothing of as an empty piece:
+    // the ranks' graphs then differ only in the pieces, so every rank runs
+    // its collectives in the same order (NCCL's rule, and the CPU
+    // reference's peers').
+    let gvs: Vec<(Value, Option<(i64, i64)>)> = grads
+        .iter()
+        .map(|&(i, gv)| (gv, owned(b.graph, i).unwrap_or(Some((0, 0)))))
+        .collect();
+    if zero.is_none() {
+        return sum_of_squares(b, &gvs);
+    }
+    let Some(local) = sum_of_squares(b, &gvs)? else {
+        return Err(OpError::new(
+            "ZeRO's gradient norm needs parameters of constant size",
+            "a parameter has a symbolic shape",
+        ));
+    };
+    let mean = b.op1(
+        AllReduce {
+            ranks,
+            every_micro_batch: false,
+            owners_of: None,
+        },
+        &[local],
+    )?;
+    let n = b.constant(ranks as f64, DType::F32)?;
+    Ok(Some(b.mul(mean, n)?))
 }
 
 /// `x` where `v` is `cast(x)` and `x` is of type `dtype`: the value before
@@ -148,13 +201,28 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     // the norm and the optimizer read as they are (in f32 arithmetic): a
     // gradient a bf16 product made and then widened is averaged as it came
     // out of the product, any other is rounded first.
+    //
+    // ZeRO stage 1: a rank reads the mean of a gradient only on the piece
+    // of its parameter it owns (the update and the norm), so each piece is
+    // reduced to its owner alone; the squares of the pieces are summed on
+    // their owners and the sums added over the ranks.
+    let zero = train.zero_rank.filter(|_| train.ranks > 1);
+    let owned = |g: &Graph, i: usize| -> RankPiece {
+        match zero {
+            None => Some(None),
+            Some(r) => super::zero::piece(&g.params, train.ranks, r, i).map(|pc| {
+                (!super::zero::whole(&g.params[i], pc)).then_some((pc.lo as i64, pc.hi as i64))
+            }),
+        }
+    };
     let grads = if train.ranks > 1 {
-        let mean = AllReduce {
-            ranks: train.ranks,
-            every_micro_batch: false,
-        };
         let mut reduced = Vec::with_capacity(grads.len());
         for (i, gv) in grads {
+            let mean = AllReduce {
+                ranks: train.ranks,
+                every_micro_batch: false,
+                owners_of: zero.map(|_| i),
+            };
             let r = if train.reduce_dtype == DType::F32 || b.ty(gv).dtype != DType::F32 {
                 b.op1(mean.clone(), &[gv])?
             } else {
@@ -186,6 +254,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             let mean = AllReduce {
                 ranks: train.ranks,
                 every_micro_batch: true,
+                owners_of: None,
             };
             loss_mean = Some(b.op1(mean, &[lv])?);
         }
@@ -197,8 +266,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let fp16 = train.precision == DType::F16;
     if fp16 {
         let ls = loss_scale.ok_or_else(|| OpError::new("internal: no loss scale input", "fp16"))?;
-        let gvs: Vec<Value> = grads.iter().map(|&(_, gv)| gv).collect();
-        let sumsq = sum_of_squares(&mut b, &gvs)?;
+        let sumsq = owned_sum_of_squares(&mut b, &grads, &owned, zero, train.ranks)?;
         if let Some(sumsq) = sumsq {
             let host_apply = match apply {
                 Some(a) => a,
@@ -215,8 +283,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             new_outputs.push((Role::GradNorm, r[2]));
         }
     } else if let Some(max_norm) = train.clip_grad_norm {
-        let gvs: Vec<Value> = grads.iter().map(|&(_, gv)| gv).collect();
-        let mut sumsq = sum_of_squares(&mut b, &gvs)?;
+        let mut sumsq = owned_sum_of_squares(&mut b, &grads, &owned, zero, train.ranks)?;
         // Tensors of symbolic size: one square-and-sum per gradient.
         let per_tensor = if sumsq.is_none() { &grads[..] } else { &[] };
         for &(_, gv) in per_tensor {
@@ -264,17 +331,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     // ZeRO stage 1: this rank updates (and keeps the state of) its own
     // piece of each parameter alone; the other pieces' new values arrive
     // from their owners after the step.
-    let pieces: Vec<Option<Option<(i64, i64)>>> = (0..params.len())
-        .map(|i| match train.zero_rank {
-            None => Some(None),
-            Some(r) => {
-                let all = &b.graph.params;
-                super::zero::piece(all, train.ranks, r, i).map(|pc| {
-                    (!super::zero::whole(&all[i], pc)).then_some((pc.lo as i64, pc.hi as i64))
-                })
-            }
-        })
-        .collect();
+    let pieces: Vec<RankPiece> = (0..params.len()).map(|i| owned(b.graph, i)).collect();
     for (i, gv) in grads {
         let Some(range) = pieces[i] else {
             continue;

@@ -277,18 +277,32 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let mut first = 0i64;
     for (i, (t, &nc)) in tys.iter().zip(&chunks).enumerate() {
         let numel = t.numel().as_const().unwrap_or(0);
+        let (lo, hi) = op.span(i, numel);
         let cond = if i == 0 { "if" } else { "else if" };
         let x = c.ld(i, "j");
+        let what = if (lo, hi) == (0, numel) {
+            format!("{numel} elements")
+        } else {
+            format!("elements {lo}..{hi} of {numel}")
+        };
         let _ = writeln!(
             b,
-            "        {cond} (row < {}) {{  // input {i}: {numel} elements",
+            "        {cond} (row < {}) {{  // input {i}: {what}",
             first + nc
         );
-        let _ = writeln!(
-            b,
-            "            const fs_i64 start = (row - {first}) * {}, end = start + {} < {numel} ? start + {} : {numel};",
-            op.chunk, op.chunk, op.chunk
-        );
+        if (lo, hi) == (0, numel) {
+            let _ = writeln!(
+                b,
+                "            const fs_i64 start = (row - {first}) * {}, end = start + {} < {numel} ? start + {} : {numel};",
+                op.chunk, op.chunk, op.chunk
+            );
+        } else {
+            let _ = writeln!(
+                b,
+                "            const fs_i64 start = {lo}LL + (row - {first}) * {}, end = start + {} < {hi}LL ? start + {} : {hi}LL;",
+                op.chunk, op.chunk, op.chunk
+            );
+        }
         let _ = writeln!(
             b,
             "            for (fs_i64 j = start + threadIdx.x; j < end; j += blockDim.x) {{ const float x = {x}; acc += x * x; }}"

@@ -136,7 +136,22 @@ pub fn run(
                     dim: &dim_env,
                 };
                 match (op, &feeds.peers) {
-                    (Op::AllReduce(_), Some(peers)) => vec![peers.mean(args[0])],
+                    (Op::AllReduce(a), Some(peers)) => {
+                        let mut mean = peers.mean(args[0]);
+                        if let Some(i) = a.owners_of {
+                            // Only the owner's piece is defined (NCCL reduces
+                            // to it alone): NaN elsewhere shows any reader.
+                            let pieces = crate::autodiff::zero::pieces(&g.params, a.ranks);
+                            let own = pieces[i].iter().find(|p| p.rank as usize == peers.rank());
+                            let (lo, hi) = own.map_or((0, 0), |p| (p.lo as usize, p.hi as usize));
+                            for (k, x) in mean.data.iter_mut().enumerate() {
+                                if k < lo || k >= hi {
+                                    *x = f64::NAN;
+                                }
+                            }
+                        }
+                        vec![mean]
+                    }
                     _ => op.eval(&args, &ctx),
                 }
             }

@@ -3,7 +3,10 @@
 //! batch). The update phase applies it to each gradient, and to the loss,
 //! when the step is built for more than one rank; on the GPU it is an NCCL
 //! all-reduce, on the CPU reference it meets the other ranks through
-//! `interp::Peers`.
+//! `interp::Peers`. Under ZeRO a gradient's mean is needed only by the
+//! owners of its pieces (`autodiff::zero`): it is reduced to each owner
+//! alone (NCCL reduces rooted at the owners, together a reduce-scatter),
+//! and every other element of the result is left undefined.
 
 use super::*;
 
@@ -14,6 +17,10 @@ pub struct AllReduce {
     /// Run on every micro-batch (the loss, which each one reports), not
     /// only on the one that ends the step (the gradients' sums).
     pub every_micro_batch: bool,
+    /// ZeRO: the gradient of parameter `i`, whose mean each rank needs only
+    /// on the piece it owns; elsewhere the result is undefined (the CPU
+    /// reference fills it with NaN, so that a reader shows).
+    pub owners_of: Option<usize>,
 }
 
 impl OpDef for AllReduce {
@@ -24,6 +31,9 @@ impl OpDef for AllReduce {
         let mut a = vec!["op=mean".into(), format!("ranks={}", self.ranks)];
         if self.every_micro_batch {
             a.push("every_micro_batch".into());
+        }
+        if let Some(i) = self.owners_of {
+            a.push(format!("owners_of={i}"));
         }
         a
     }

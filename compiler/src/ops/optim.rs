@@ -183,18 +183,32 @@ impl OpDef for Sgd {
 /// tensor, `chunk` elements each (the last of a tensor may be shorter).
 /// One launch for every gradient of the model, one block per chunk, and a
 /// deterministic result; a `sum` of the partials gives the total.
+/// Under ZeRO an input may be summed over a piece of its elements alone
+/// (`pieces`: input index, elements [lo, hi)), the piece of its parameter's
+/// gradient whose mean this rank holds.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SumSquares {
     pub chunk: i64,
+    pub pieces: Vec<(usize, i64, i64)>,
 }
 
 impl SumSquares {
+    /// The elements [lo, hi) of input `i` that are summed.
+    pub fn span(&self, i: usize, numel: i64) -> (i64, i64) {
+        self.pieces
+            .iter()
+            .find(|p| p.0 == i)
+            .map_or((0, numel), |&(_, lo, hi)| (lo, hi))
+    }
+
     /// Chunks of each input, in order; `None` when a size is symbolic.
     pub fn chunks(&self, inputs: &[TensorType]) -> Option<Vec<i64>> {
         inputs
             .iter()
-            .map(|t| {
-                let n = t.numel().as_const()?;
+            .enumerate()
+            .map(|(i, t)| {
+                let (lo, hi) = self.span(i, t.numel().as_const()?);
+                let n = hi - lo;
                 // ceil(n / chunk) without n + chunk - 1, which can overflow.
                 Some((n / self.chunk + i64::from(n % self.chunk != 0)).max(1))
             })
@@ -207,9 +221,24 @@ impl OpDef for SumSquares {
         "sum_squares"
     }
     fn attrs(&self) -> Vec<String> {
-        vec![format!("chunk={}", self.chunk)]
+        let mut a = vec![format!("chunk={}", self.chunk)];
+        a.extend(
+            self.pieces
+                .iter()
+                .map(|(i, lo, hi)| format!("piece={i}:{lo}..{hi}")),
+        );
+        a
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        for &(i, lo, hi) in &self.pieces {
+            let n = inputs.get(i).and_then(|t| t.numel().as_const());
+            if n.is_none_or(|n| lo < 0 || lo > hi || hi > n) {
+                return Err(OpError::new(
+                    "a `sum_squares` piece lies outside its tensor",
+                    format!("input {i}, elements {lo}..{hi}"),
+                ));
+            }
+        }
         if inputs.is_empty() || self.chunk < 1 {
             return Err(OpError::new(
                 "`sum_squares` needs at least one tensor and a positive chunk",
@@ -233,11 +262,13 @@ impl OpDef for SumSquares {
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let mut out = Vec::new();
-        for t in inputs {
-            if t.data.is_empty() {
+        for (i, t) in inputs.iter().enumerate() {
+            let (lo, hi) = self.span(i, t.data.len() as i64);
+            let data = &t.data[lo as usize..hi as usize];
+            if data.is_empty() {
                 out.push(0.0);
             }
-            for c in t.data.chunks(self.chunk as usize) {
+            for c in data.chunks(self.chunk as usize) {
                 out.push(c.iter().map(|x| x * x).sum());
             }
         }

@@ -7,7 +7,9 @@
 use super::{MemKind, PlannedBuffer};
 use crate::ir::Graph;
 use crate::kernel::buckets::{every_micro_batch, is_collective};
-use crate::kernel::Program;
+use crate::kernel::{Body, Program};
+use crate::ops::Op;
+use petgraph::stable_graph::NodeIndex;
 use serde::Serialize;
 
 /// One bucket's collective, as the plan runs it.
@@ -24,6 +26,11 @@ pub struct PlannedCollective {
     pub tensors: Vec<(usize, usize)>,
     /// Runs on every micro-batch (the loss), not only on the last.
     pub every_micro_batch: bool,
+    /// ZeRO: for each tensor, the parameter whose gradient it is where the
+    /// mean goes to the owners of its pieces alone (`autodiff::zero`), or
+    /// `None` where every rank gets all of it; empty without ZeRO.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub owners_of: Vec<Option<usize>>,
 }
 
 impl PlannedCollective {
@@ -55,12 +62,25 @@ pub fn collectives(g: &Graph, p: &Program, buffers: &[PlannedBuffer]) -> Vec<Pla
             .copied()
             .zip(k.outputs.iter().copied())
             .collect();
+        let owner = |n: NodeIndex| match &g.g[n].op {
+            Op::AllReduce(a) => a.owners_of,
+            _ => None,
+        };
+        let owners_of: Vec<Option<usize>> = match &k.body {
+            Body::Group(ms) => ms.iter().map(|m| owner(m.node)).collect(),
+            _ => k.nodes.iter().map(|&n| owner(n)).collect(),
+        };
         out.push(PlannedCollective {
             launch: c,
             join,
             bytes: tensors.iter().map(|&(i, _)| buffers[i].bytes).sum(),
             tensors,
             every_micro_batch: every_micro_batch(g, k),
+            owners_of: if owners_of.iter().any(Option::is_some) {
+                owners_of
+            } else {
+                Vec::new()
+            },
         });
     }
     out

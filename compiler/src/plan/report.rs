@@ -384,12 +384,20 @@ fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
         .collect();
     types.sort_unstable();
     types.dedup();
+    // ZeRO: the gradients' means go to the owners of their pieces alone.
+    let zero = plan.collectives.iter().any(|c| !c.owners_of.is_empty());
     let _ = writeln!(
         s,
-        "data parallel over {ranks} ranks: {} all-reduce buckets (mean in {}, NCCL) of {} in all; each starts after the kernel that finishes its last gradient and runs while the backward pass goes on",
+        "data parallel over {ranks} ranks: {} {} buckets (mean in {}, NCCL) of {} in all; each starts after the kernel that finishes its last gradient and runs while the backward pass goes on{}",
         plan.collectives.len(),
+        if zero { "collective" } else { "all-reduce" },
         if types.is_empty() { "f32".to_string() } else { types.join(" and ") },
-        kib(total)
+        kib(total),
+        if zero {
+            "; ZeRO: each gradient's mean goes to the owners of its pieces alone (NCCL reduces rooted at them, together a reduce-scatter), the loss and the norm's sum of squares to every rank"
+        } else {
+            ""
+        }
     );
     let name = |i: usize| {
         plan.launches

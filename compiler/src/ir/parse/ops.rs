@@ -256,7 +256,20 @@ pub(super) fn op(
         }
         "sum_squares" => {
             c.key("chunk")?;
-            SumSquares { chunk: c.int()? }.into()
+            let chunk = c.int()?;
+            let mut pieces = Vec::new();
+            while c.peek()? == Some(super::Tok::Ident("piece")) {
+                c.key("piece")?;
+                let i = c.usize()?;
+                c.punct(':')?;
+                let lo = c.int()?;
+                if c.peek()? != Some(super::Tok::DotDot) {
+                    return Err(c.expected("`..` between the piece's ends"));
+                }
+                c.next()?;
+                pieces.push((i, lo, c.int()?));
+            }
+            SumSquares { chunk, pieces }.into()
         }
         "all_reduce" => {
             c.key("op")?;
@@ -265,9 +278,17 @@ pub(super) fn op(
             let ranks_col = c.col();
             let ranks =
                 u32::try_from(c.usize()?).map_err(|_| c.error_at(ranks_col, "too many ranks"))?;
+            let every_micro_batch = c.flag("every_micro_batch")?;
+            let owners_of = if c.peek()? == Some(super::Tok::Ident("owners_of")) {
+                c.key("owners_of")?;
+                Some(c.usize()?)
+            } else {
+                None
+            };
             AllReduce {
                 ranks,
-                every_micro_batch: c.flag("every_micro_batch")?,
+                every_micro_batch,
+                owners_of,
             }
             .into()
         }

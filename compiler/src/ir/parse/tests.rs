@@ -93,6 +93,8 @@ update:
   %93: f32[10, 8], %94: f32[32] = sgd(%4, %59, %86, %69, %74, %76) momentum=0 wd=0.01 range=40..72
   %95: f32[8, 8] = all_reduce(%68) op=mean ranks=2
   %96: f32[] = all_reduce(%41) op=mean ranks=2 every_micro_batch
+  %97: f32[3] = sum_squares(%68, %59) chunk=16 piece=0:8..40 piece=1:0..0
+  %98: f32[8, 8] = all_reduce(%68) op=mean ranks=2 owners_of=0
 outputs:
   loss = %96
   grad[0] = %95
