@@ -9,6 +9,7 @@ mod common;
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::ir::graph::Role;
+use fusec_compiler::ir::types::DType;
 use fusec_compiler::kernel::buckets::{is_collective, BUCKET_BYTES};
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::ops::Op;
@@ -289,4 +290,59 @@ fn one_run_per_bucket(
         runs += 1;
     }
     runs
+}
+
+/// Under ZeRO every rank's step is compiled for it (its own pieces), and
+/// NCCL needs every rank to issue the same collectives in the same order
+/// with the same sizes, or the ranks hang: gpt2-small and llama-small on 4
+/// ranks, fp32 and bf16, give each rank the same collectives (launch,
+/// tensors, bytes, the parameter each gradient belongs to); each
+/// gradient's mean goes to its owners, and the loss and the norm's sum of
+/// squares to every rank.
+#[test]
+fn zero_ranks_issue_the_same_collectives_in_the_same_order() {
+    for (file, precision) in [
+        ("gpt2-small.dsl", DType::BF16),
+        ("gpt2-small.dsl", DType::F32),
+        ("llama-small.dsl", DType::BF16),
+    ] {
+        let (name, src) = common::example(file);
+        let sequences: Vec<Vec<(usize, usize, u64, Vec<Option<usize>>)>> = (0..4u32)
+            .map(|r| {
+                let opts = Options {
+                    ranks: 4,
+                    zero_rank: Some(r),
+                    precision: Some(precision),
+                    ..Options::default()
+                };
+                let c = compile(&src, &name, &opts)
+                    .unwrap_or_else(|f| panic!("{}", f.render(&name, &src)));
+                let g = &c.optimized;
+                let p = fuse(g);
+                let pl = plan(g, &p, &sizes(2, 64)).unwrap();
+                pl.collectives
+                    .iter()
+                    .map(|c| (c.launch, c.tensors.len(), c.bytes, c.owners_of.clone()))
+                    .collect()
+            })
+            .collect();
+        for (r, s) in sequences.iter().enumerate().skip(1) {
+            assert_eq!(s, &sequences[0], "{file} {precision:?}: rank {r} against rank 0");
+        }
+        let owned: usize = sequences[0]
+            .iter()
+            .map(|c| c.3.iter().filter(|o| o.is_some()).count())
+            .sum();
+        let whole: usize = sequences[0]
+            .iter()
+            .map(|c| c.1 - c.3.iter().filter(|o| o.is_some()).count())
+            .sum();
+        let params = compile(&src, &name, &Options::default())
+            .unwrap()
+            .optimized
+            .params
+            .len();
+        assert_eq!(owned, params, "{file}: every gradient to its owners");
+        assert_eq!(whole, 2, "{file}: the loss and the norm's sum to every rank");
+    }
 }

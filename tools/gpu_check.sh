@@ -21,7 +21,7 @@
 #   tools/gpu_check.sh dp        data parallel on every GPU of the machine: the dp_gpu test, --gpus N
 #                                against one GPU with N x B on text, a two-process launch as a second
 #                                machine would join, fusec bench --gpus 1..N (gradients averaged in f32
-#                                and in bf16) beside torch_ddp.py
+#                                and in bf16, and with --zero 1) beside torch_ddp.py
 #                                (DP_BATCH per GPU, default 16; DP_TORCH_GPUS picks the DDP runs)
 #   tools/gpu_check.sh dpbench   the throughput part of dp alone
 #   tools/gpu_check.sh dpwhy     where a data-parallel step's extra time goes: one GPU alone, one
@@ -225,6 +225,8 @@ if [ "$what" = dp ] || [ "$what" = dpbench ]; then
       timeout 200 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --gpus $g --batch $B --seq 1024 --steps 30 2>&1 | tail -1 | tee -a "$LOGS/dp-bench.jsonl"
       run "fusec bench gpt2-small --gpus $g --reduce-dtype bf16 (gradients averaged in bf16)"
       timeout 200 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --gpus $g --reduce-dtype bf16 --batch $B --seq 1024 --steps 30 2>&1 | tail -1 | tee -a "$LOGS/dp-bench.jsonl"
+      run "fusec bench gpt2-small --gpus $g --zero 1 (ZeRO stage 1)"
+      timeout 200 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --gpus $g --zero 1 --batch $B --seq 1024 --steps 30 2>&1 | tail -1 | tee -a "$LOGS/dp-bench.jsonl"
     fi
   done
   if [ -f "$BIN/torch_ddp.py" ]; then
