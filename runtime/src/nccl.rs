@@ -198,7 +198,6 @@ impl Comm {
         all: &[Tensor],
         rooted: &[(Tensor, usize)],
     ) -> Result<(), RuntimeError> {
-        let tensors = all;
         let what = |e| nccl_error("averaging gradients over the ranks", e);
         result::group_start().map_err(what)?;
         for (t, root) in rooted {
@@ -217,7 +216,7 @@ impl Comm {
             }
             .map_err(what)?;
         }
-        for t in tensors {
+        for t in all {
             // SAFETY: the addresses lie in this rank's arena, `count`
             // elements of `dtype` each, and stay valid until the stream
             // passes this call (the plan keeps them alive to the join).
