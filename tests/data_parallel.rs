@@ -327,7 +327,10 @@ fn zero_ranks_issue_the_same_collectives_in_the_same_order() {
             })
             .collect();
         for (r, s) in sequences.iter().enumerate().skip(1) {
-            assert_eq!(s, &sequences[0], "{file} {precision:?}: rank {r} against rank 0");
+            assert_eq!(
+                s, &sequences[0],
+                "{file} {precision:?}: rank {r} against rank 0"
+            );
         }
         let owned: usize = sequences[0]
             .iter()
@@ -343,6 +346,9 @@ fn zero_ranks_issue_the_same_collectives_in_the_same_order() {
             .params
             .len();
         assert_eq!(owned, params, "{file}: every gradient to its owners");
-        assert_eq!(whole, 2, "{file}: the loss and the norm's sum to every rank");
+        assert_eq!(
+            whole, 2,
+            "{file}: the loss and the norm's sum to every rank"
+        );
     }
 }
