@@ -307,7 +307,9 @@ fn zero_ranks_issue_the_same_collectives_in_the_same_order() {
         ("llama-small.dsl", DType::BF16),
     ] {
         let (name, src) = common::example(file);
-        let sequences: Vec<Vec<(usize, usize, u64, Vec<Option<usize>>)>> = (0..4u32)
+        // Each collective's launch, tensors, bytes and owners.
+        type Collectives = Vec<(usize, usize, u64, Vec<Option<usize>>)>;
+        let sequences: Vec<Collectives> = (0..4u32)
             .map(|r| {
                 let opts = Options {
                     ranks: 4,

@@ -20,8 +20,9 @@
 #                                (tools/bench_twins.py, B = 8 and 32; SUITE_ONLY=REGEX picks models)
 #   tools/gpu_check.sh dp        data parallel on every GPU of the machine: the dp_gpu test, --gpus N
 #                                against one GPU with N x B on text, a two-process launch as a second
-#                                machine would join, fusec bench --gpus 1..N (gradients averaged in f32
-#                                and in bf16, and with --zero 1) beside torch_ddp.py
+#                                machine would join (DP_TRAIN_EXTRA="--zero 1" adds its flags to those two),
+#                                fusec bench --gpus 1..N (gradients averaged in f32 and in bf16, and with
+#                                --zero 1) beside torch_ddp.py
 #                                (DP_BATCH per GPU, default 16; DP_TORCH_GPUS picks the DDP runs)
 #   tools/gpu_check.sh dpbench   the throughput part of dp alone
 #   tools/gpu_check.sh dpwhy     where a data-parallel step's extra time goes: one GPU alone, one
@@ -176,14 +177,16 @@ if [ "$what" = dp ]; then
   echo "exit $?"; grep -E "^test |test result|GPUs x|panicked|skipped" "$LOGS/dp_gpu.log" | head -20
   T=dsl-examples/data/founding-texts.txt
   SMALL="--set layers=4 --set d=256 --set n_heads=4 --set vocab=256 --set ctx=256 --seq 256 --data $T --steps 20"
+  # DP_TRAIN_EXTRA (e.g. "--zero 1") goes to the two-GPU and two-process runs.
+  EXTRA=${DP_TRAIN_EXTRA:-}
   for prec in fp32 bf16; do
     run "fusec train --gpus 2 --batch 4 against one GPU with --batch 8 (text, $prec, 20 steps)"
     timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 8 --log "$LOGS/dp-one-$prec.jsonl" > "$LOGS/dp-one-$prec.log" 2>&1; echo "exit $?"
-    timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 4 --gpus 2 --log "$LOGS/dp-two-$prec.jsonl" > "$LOGS/dp-two-$prec.log" 2>&1; echo "exit $?"
+    timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 4 --gpus 2 $EXTRA --log "$LOGS/dp-two-$prec.jsonl" > "$LOGS/dp-two-$prec.log" 2>&1; echo "exit $?"
     grep -E "error" "$LOGS/dp-two-$prec.log" | head -5
     run "the same as two processes, started as a launcher would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
     for r in 1 0; do
-      WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 4 --log "$LOGS/dp-proc-$prec.jsonl" > "$LOGS/dp-proc$r-$prec.log" 2>&1 &
+      WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 4 $EXTRA --log "$LOGS/dp-proc-$prec.jsonl" > "$LOGS/dp-proc$r-$prec.log" 2>&1 &
     done
     wait; grep -E "error" "$LOGS/dp-proc0-$prec.log" "$LOGS/dp-proc1-$prec.log" | head -3
     python3 - "$LOGS" "$prec" <<'PY'

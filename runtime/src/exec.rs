@@ -101,9 +101,9 @@ pub struct DataParallel {
     /// ZeRO stage 1: every parameter buffer and its owner rank, sent from
     /// the owner after the update.
     pub shares: Vec<(nccl::Tensor, usize)>,
-    /// ZeRO stage 1: each parameter's pieces (owner rank, first and end
-    /// element), to which its gradient's mean is reduced.
-    pub pieces: Vec<Vec<(usize, u64, u64)>>,
+    /// ZeRO stage 1: each parameter's pieces (`autodiff::zero::pieces`),
+    /// to whose owners its gradient's mean is reduced.
+    pub pieces: Vec<Vec<fusec_compiler::autodiff::zero::Piece>>,
     /// While a step is profiled: each collective's launch and the events
     /// recorded on the communication stream around it.
     timing: Option<Vec<(usize, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,

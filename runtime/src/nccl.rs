@@ -8,6 +8,7 @@ use crate::device::Gpu;
 use crate::RuntimeError;
 use cudarc::driver::CudaStream;
 use cudarc::nccl::{result, sys};
+use fusec_compiler::autodiff::zero::Piece;
 use fusec_compiler::ir::types::DType;
 
 /// The id ranks join a communicator by (`ncclUniqueId`).
@@ -129,31 +130,44 @@ pub fn coalesce_shares(shares: &[(Tensor, usize)], align: u64) -> Vec<(Tensor, u
     out
 }
 
-/// ZeRO: each of `owned` (a tensor of a bucket, the gradient of parameter
-/// `i`) cut into its parameter's pieces, each with its owner rank
-/// (`pieces[i]`: rank, first and end element), merged where one owner's
-/// pieces lie end to end ([`coalesce_shares`]).
+/// ZeRO: each of `tensors` (a parameter's values, or a bucket's tensor of
+/// its gradient; with the parameter's index) cut into that parameter's
+/// pieces (`pieces`, from `autodiff::zero::pieces`), each with its owner
+/// rank, merged where one owner's pieces lie end to end
+/// ([`coalesce_shares`]): the owners' broadcasts after the update, and
+/// the reduces of the gradients to their owners.
 pub fn owned_pieces(
-    owned: &[(Tensor, usize)],
-    pieces: &[Vec<(usize, u64, u64)>],
+    tensors: &[(Tensor, usize)],
+    pieces: &[Vec<Piece>],
     align: u64,
 ) -> Vec<(Tensor, usize)> {
     let mut out = Vec::new();
-    for (t, i) in owned {
+    for (t, i) in tensors {
         let size = t.dtype.size_bytes() as u64;
-        for &(rank, lo, hi) in &pieces[*i] {
+        for pc in &pieces[*i] {
             out.push((
                 Tensor {
-                    input: t.input + lo * size,
-                    output: t.output + lo * size,
-                    count: (hi - lo) as usize,
+                    input: t.input + pc.lo * size,
+                    output: t.output + pc.lo * size,
+                    count: (pc.hi - pc.lo) as usize,
                     dtype: t.dtype,
                 },
-                rank,
+                pc.rank as usize,
             ));
         }
     }
     coalesce_shares(&out, align)
+}
+
+/// One NCCL call of a group: its kind and, for the rooted ones, the root.
+#[derive(Clone, Copy)]
+enum Call {
+    /// The mean onto every rank.
+    AllReduce,
+    /// The mean onto the root alone.
+    Reduce(usize),
+    /// The root's values onto every rank.
+    Broadcast(usize),
 }
 
 impl Comm {
@@ -178,16 +192,6 @@ impl Comm {
         Ok(Comm { raw, rank, ranks })
     }
 
-    /// Averages each tensor over the ranks, as one NCCL group, queued on
-    /// `stream`.
-    pub fn all_reduce_mean(
-        &self,
-        stream: &CudaStream,
-        tensors: &[Tensor],
-    ) -> Result<(), RuntimeError> {
-        self.average(stream, tensors, &[])
-    }
-
     /// Averages each of `all` over the ranks onto every rank, and each of
     /// `rooted` onto its root rank alone (ZeRO's gradient pieces, to their
     /// owners: together a reduce-scatter), as one NCCL group queued on
@@ -198,47 +202,13 @@ impl Comm {
         all: &[Tensor],
         rooted: &[(Tensor, usize)],
     ) -> Result<(), RuntimeError> {
-        let what = |e| nccl_error("averaging gradients over the ranks", e);
-        result::group_start().map_err(what)?;
-        for (t, root) in rooted {
-            // SAFETY: as below; the result lands on `root` alone.
-            unsafe {
-                result::reduce(
-                    t.input as *const ::core::ffi::c_void,
-                    t.output as *mut ::core::ffi::c_void,
-                    t.count,
-                    dtype(t.dtype)?,
-                    sys::ncclRedOp_t::ncclAvg,
-                    *root as ::core::ffi::c_int,
-                    self.raw,
-                    stream.cu_stream() as sys::cudaStream_t,
-                )
-            }
-            .map_err(what)?;
-        }
-        for t in all {
-            // SAFETY: the addresses lie in this rank's arena, `count`
-            // elements of `dtype` each, and stay valid until the stream
-            // passes this call (the plan keeps them alive to the join).
-            unsafe {
-                result::all_reduce(
-                    t.input as *const ::core::ffi::c_void,
-                    t.output as *mut ::core::ffi::c_void,
-                    t.count,
-                    dtype(t.dtype)?,
-                    sys::ncclRedOp_t::ncclAvg,
-                    self.raw,
-                    stream.cu_stream() as sys::cudaStream_t,
-                )
-            }
-            .map_err(what)?;
-        }
-        result::group_end().map_err(what)?;
-        Ok(())
+        let calls = rooted
+            .iter()
+            .map(|&(t, root)| (t, Call::Reduce(root)))
+            .chain(all.iter().map(|&t| (t, Call::AllReduce)));
+        self.group(stream, "averaging gradients over the ranks", calls)
     }
-}
 
-impl Comm {
     /// Each tensor from its root rank to every rank (ZeRO's updated
     /// parameters from their owners), in place, as one NCCL group queued
     /// on `stream`.
@@ -247,20 +217,46 @@ impl Comm {
         stream: &CudaStream,
         tensors: &[(Tensor, usize)],
     ) -> Result<(), RuntimeError> {
-        let what = |e| nccl_error("sending the updated parameters from their owners", e);
+        let calls = tensors.iter().map(|&(t, root)| (t, Call::Broadcast(root)));
+        self.group(
+            stream,
+            "sending the updated parameters from their owners",
+            calls,
+        )
+    }
+
+    /// `calls` as one NCCL group queued on `stream`.
+    fn group(
+        &self,
+        stream: &CudaStream,
+        what: &str,
+        calls: impl Iterator<Item = (Tensor, Call)>,
+    ) -> Result<(), RuntimeError> {
+        let what = |e| nccl_error(what, e);
+        let s = stream.cu_stream() as sys::cudaStream_t;
         result::group_start().map_err(what)?;
-        for (t, root) in tensors {
-            // SAFETY: as in `all_reduce_mean`; in place (input = output).
+        for (t, call) in calls {
+            let (input, output) = (
+                t.input as *const ::core::ffi::c_void,
+                t.output as *mut ::core::ffi::c_void,
+            );
+            let dt = dtype(t.dtype)?;
+            let avg = sys::ncclRedOp_t::ncclAvg;
+            // SAFETY: the addresses lie in this rank's arena, `count`
+            // elements of `dtype` each, and stay valid until the stream
+            // passes this call (the plan keeps them alive to the join).
             unsafe {
-                result::broadcast(
-                    t.input as *const ::core::ffi::c_void,
-                    t.output as *mut ::core::ffi::c_void,
-                    t.count,
-                    dtype(t.dtype)?,
-                    *root as ::core::ffi::c_int,
-                    self.raw,
-                    stream.cu_stream() as sys::cudaStream_t,
-                )
+                match call {
+                    Call::AllReduce => {
+                        result::all_reduce(input, output, t.count, dt, avg, self.raw, s)
+                    }
+                    Call::Reduce(root) => {
+                        result::reduce(input, output, t.count, dt, avg, root as i32, self.raw, s)
+                    }
+                    Call::Broadcast(root) => {
+                        result::broadcast(input, output, t.count, dt, root as i32, self.raw, s)
+                    }
+                }
             }
             .map_err(what)?;
         }
@@ -319,9 +315,10 @@ mod tests {
             (t(base, 1000, DType::F32), 5),
             (t(base + 4096, 64, DType::F32), 4),
         ];
+        let pc = |rank, lo, hi| Piece { rank, lo, hi };
         let mut pieces = vec![Vec::new(); 6];
-        pieces[5] = vec![(2, 0, 640), (3, 640, 1000)];
-        pieces[4] = vec![(3, 0, 64)];
+        pieces[5] = vec![pc(2, 0, 640), pc(3, 640, 1000)];
+        pieces[4] = vec![pc(3, 0, 64)];
         let out = owned_pieces(&owned, &pieces, 256);
         assert_eq!(out.len(), 2);
         assert_eq!((out[0].0.input, out[0].0.count, out[0].1), (base, 640, 2));

@@ -177,31 +177,15 @@ impl Session {
             let pieces = fusec_compiler::autodiff::zero::pieces(&self.graph.params, ranks);
             let tensors: BTreeMap<String, crate::nccl::Tensor> =
                 self.exec.param_tensors().into_iter().collect();
-            for (p, pieces) in self.graph.params.iter().zip(&pieces) {
-                let Some(t) = tensors.get(&p.name) else {
-                    continue;
-                };
-                let size = t.dtype.size_bytes() as u64;
-                for pc in pieces {
-                    let at = t.input + pc.lo * size;
-                    let piece = crate::nccl::Tensor {
-                        input: at,
-                        output: at,
-                        count: (pc.hi - pc.lo) as usize,
-                        dtype: t.dtype,
-                    };
-                    dp.shares.push((piece, pc.rank as usize));
-                }
-            }
-            dp.shares = crate::nccl::coalesce_shares(&dp.shares, fusec_compiler::plan::ALIGN);
-            dp.pieces = pieces
+            let params: Vec<(crate::nccl::Tensor, usize)> = self
+                .graph
+                .params
                 .iter()
-                .map(|ps| {
-                    ps.iter()
-                        .map(|pc| (pc.rank as usize, pc.lo, pc.hi))
-                        .collect()
-                })
+                .enumerate()
+                .filter_map(|(i, p)| tensors.get(&p.name).map(|&t| (t, i)))
                 .collect();
+            dp.shares = crate::nccl::owned_pieces(&params, &pieces, fusec_compiler::plan::ALIGN);
+            dp.pieces = pieces;
         }
         self.exec.attach(dp);
         Ok(())

@@ -67,12 +67,13 @@ fn sum_of_squares(
 type RankPiece = Option<Option<(i64, i64)>>;
 
 /// The squared global norm of `grads`: under ZeRO (`zero`, this rank)
-/// the sum over the pieces this rank owns (`owned`), added over the ranks
-/// (their mean times `ranks`); else [`sum_of_squares`] of every gradient.
+/// the sum over the pieces this rank owns (`pieces`, by parameter), added
+/// over the ranks (their mean times `ranks`); else [`sum_of_squares`] of
+/// every gradient.
 fn owned_sum_of_squares(
     b: &mut Builder,
     grads: &[(usize, Value)],
-    owned: &dyn Fn(&Graph, usize) -> RankPiece,
+    pieces: &[RankPiece],
     zero: Option<u32>,
     ranks: u32,
 ) -> Result<Option<Value>, OpError> {
@@ -82,7 +83,7 @@ fn owned_sum_of_squares(
     // reference's peers').
     let gvs: Vec<(Value, Option<(i64, i64)>)> = grads
         .iter()
-        .map(|&(i, gv)| (gv, owned(b.graph, i).unwrap_or(Some((0, 0)))))
+        .map(|&(i, gv)| (gv, pieces[i].unwrap_or(Some((0, 0)))))
         .collect();
     if zero.is_none() {
         return sum_of_squares(b, &gvs);
@@ -207,14 +208,17 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     // reduced to its owner alone; the squares of the pieces are summed on
     // their owners and the sums added over the ranks.
     let zero = train.zero_rank.filter(|_| train.ranks > 1);
-    let owned = |g: &Graph, i: usize| -> RankPiece {
-        match zero {
+    let pieces: Vec<RankPiece> = (0..params.len())
+        .map(|i| match zero {
             None => Some(None),
-            Some(r) => super::zero::piece(&g.params, train.ranks, r, i).map(|pc| {
-                (!super::zero::whole(&g.params[i], pc)).then_some((pc.lo as i64, pc.hi as i64))
-            }),
-        }
-    };
+            Some(r) => {
+                let all = &b.graph.params;
+                super::zero::piece(all, train.ranks, r, i).map(|pc| {
+                    (!super::zero::whole(&all[i], pc)).then_some((pc.lo as i64, pc.hi as i64))
+                })
+            }
+        })
+        .collect();
     let grads = if train.ranks > 1 {
         let mut reduced = Vec::with_capacity(grads.len());
         for (i, gv) in grads {
@@ -266,7 +270,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let fp16 = train.precision == DType::F16;
     if fp16 {
         let ls = loss_scale.ok_or_else(|| OpError::new("internal: no loss scale input", "fp16"))?;
-        let sumsq = owned_sum_of_squares(&mut b, &grads, &owned, zero, train.ranks)?;
+        let sumsq = owned_sum_of_squares(&mut b, &grads, &pieces, zero, train.ranks)?;
         if let Some(sumsq) = sumsq {
             let host_apply = match apply {
                 Some(a) => a,
@@ -283,7 +287,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             new_outputs.push((Role::GradNorm, r[2]));
         }
     } else if let Some(max_norm) = train.clip_grad_norm {
-        let mut sumsq = owned_sum_of_squares(&mut b, &grads, &owned, zero, train.ranks)?;
+        let mut sumsq = owned_sum_of_squares(&mut b, &grads, &pieces, zero, train.ranks)?;
         // Tensors of symbolic size: one square-and-sum per gradient.
         let per_tensor = if sumsq.is_none() { &grads[..] } else { &[] };
         for &(_, gv) in per_tensor {
@@ -331,7 +335,6 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     // ZeRO stage 1: this rank updates (and keeps the state of) its own
     // piece of each parameter alone; the other pieces' new values arrive
     // from their owners after the step.
-    let pieces: Vec<RankPiece> = (0..params.len()).map(|i| owned(b.graph, i)).collect();
     for (i, gv) in grads {
         let Some(range) = pieces[i] else {
             continue;

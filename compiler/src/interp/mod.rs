@@ -141,8 +141,12 @@ pub fn run(
                         if let Some(i) = a.owners_of {
                             // Only the owner's piece is defined (NCCL reduces
                             // to it alone): NaN elsewhere shows any reader.
-                            let pieces = crate::autodiff::zero::pieces(&g.params, a.ranks);
-                            let own = pieces[i].iter().find(|p| p.rank as usize == peers.rank());
+                            let own = crate::autodiff::zero::piece(
+                                &g.params,
+                                a.ranks,
+                                peers.rank() as u32,
+                                i,
+                            );
                             let (lo, hi) = own.map_or((0, 0), |p| (p.lo as usize, p.hi as usize));
                             for (k, x) in mean.data.iter_mut().enumerate() {
                                 if k < lo || k >= hi {
