@@ -231,6 +231,28 @@ fn kernels_of_the_twin_test_models_compute_what_the_interpreter_computes() {
         matches!(&zero.optimized.g[n].op, fusec_compiler::ops::Op::AdamW(a) if a.range.is_some())
     });
     assert!(ranged, "rank 1 of 3 updates pieces of parameters");
+    // A bf16 model: the rank keeps its parameters in bf16, updates the f32
+    // masters of its pieces and stores each new piece into its parameter.
+    let count = |g: &fusec_compiler::ir::Graph, f: &dyn Fn(&fusec_compiler::ops::Op) -> bool| {
+        g.g.node_indices().filter(|&n| f(&g.g[n].op)).count()
+    };
+    let zg = &zero.optimized;
+    let updates = count(zg, &|op| matches!(op, fusec_compiler::ops::Op::AdamW(_)));
+    assert!(updates > 0);
+    assert_eq!(
+        count(
+            zg,
+            &|op| matches!(op, fusec_compiler::ops::Op::AdamW(a) if a.master)
+        ),
+        updates
+    );
+    assert_eq!(
+        count(zg, &|op| matches!(
+            op,
+            fusec_compiler::ops::Op::StorePiece(_)
+        )),
+        updates
+    );
     checked += check_compiled(&work, "gpt2-zero-rank1", &zero, &[("B", 2), ("T", 5)]);
     // Gradients averaged in bf16 (`--reduce-dtype bf16`): the norm and the
     // update group read the bf16 means as they are, the group through the
@@ -266,6 +288,22 @@ fn kernels_of_the_twin_test_models_compute_what_the_interpreter_computes() {
     let sgd = fusec_compiler::driver::compile(&sgd_src, "gpt2-small", &opts).unwrap();
     assert_eq!(calls(&sgd, "fs_sgd("), sgd.optimized.params.len());
     checked += check_compiled(&work, "gpt2-reduce-bf16-sgd", &sgd, &[("B", 2), ("T", 5)]);
+    // SGD's master pieces under ZeRO (rank 0 of 3).
+    let opts = fusec_compiler::elaborate::Options {
+        ranks: 3,
+        zero_rank: Some(0),
+        reduce_dtype: None,
+        ..opts
+    };
+    let sgd_zero = fusec_compiler::driver::compile(&sgd_src, "gpt2-small", &opts).unwrap();
+    let sg = &sgd_zero.optimized;
+    assert!(
+        count(
+            sg,
+            &|op| matches!(op, fusec_compiler::ops::Op::Sgd(s) if s.master)
+        ) > 0
+    );
+    checked += check_compiled(&work, "gpt2-zero-sgd", &sgd_zero, &[("B", 2), ("T", 5)]);
     let _ = std::fs::remove_dir_all(&work);
     println!("{checked} generated kernels of the twin test models matched the interpreter");
     assert!(checked > 0);

@@ -354,3 +354,80 @@ fn zero_ranks_issue_the_same_collectives_in_the_same_order() {
         );
     }
 }
+
+/// ZeRO with a bf16 model (gpt2-small on 4 ranks): each rank keeps the
+/// parameters in bf16 and the f32 masters of its own pieces as optimizer
+/// state. The step reads the bf16 parameters as they are (no cast of the
+/// masters at its start), the tied table still runs the head's products at
+/// the padded 50304 rows (its zero rows are the parameter's own), and a
+/// rank holds 2 + 12/4 bytes of parameters and state an element where one
+/// GPU holds 4 + 8.
+#[test]
+fn zero_keeps_bf16_parameters_and_its_own_masters() {
+    use fusec_compiler::plan::MemKind;
+    let (name, src) = common::example("gpt2-small.dsl");
+    let plan_for = |zero_rank: Option<u32>| {
+        let opts = Options {
+            ranks: 4,
+            zero_rank,
+            ..Options::default()
+        };
+        let c = compile(&src, &name, &opts).unwrap_or_else(|f| panic!("{}", f.render(&name, &src)));
+        let p = fuse(&c.optimized);
+        let pads = p.gemm_pads.len();
+        let params: i64 = c
+            .optimized
+            .params
+            .iter()
+            .map(|p| p.ty.numel().as_const().unwrap())
+            .sum();
+        (
+            plan(&c.optimized, &p, &sizes(4, 1024)).unwrap(),
+            pads,
+            params,
+        )
+    };
+    let (whole, whole_pads, n) = plan_for(None);
+    let (rank, rank_pads, _) = plan_for(Some(2));
+    assert!(whole_pads > 0);
+    assert_eq!(rank_pads, whole_pads, "the head's products stay padded");
+    let wte = rank.buffers.iter().find(|b| b.name == "wte").unwrap();
+    assert_eq!(wte.dtype, "bf16");
+    assert_eq!(wte.zero_rows, 50304 - 50257);
+    for (what, p, dtype) in [("one rank's", &whole, "f32"), ("ZeRO's", &rank, "bf16")] {
+        let params = p.buffers.iter().filter(|b| b.kind == MemKind::Param);
+        assert!(params.clone().all(|b| b.dtype == dtype), "{what}");
+        let casts = p
+            .launches
+            .iter()
+            .filter(|l| {
+                l.ops.iter().any(|o| o == "cast")
+                    && l.inputs
+                        .iter()
+                        .any(|&b| p.buffers[b].kind == MemKind::Param)
+            })
+            .count();
+        assert_eq!(
+            casts > 0,
+            dtype == "f32",
+            "{what} step casts its parameters: {casts}"
+        );
+    }
+    let bytes = |p: &fusec_compiler::plan::Plan, k: MemKind| p.bytes_by_kind[&k] as f64 / n as f64;
+    let (wp, ws) = (
+        bytes(&whole, MemKind::Param),
+        bytes(&whole, MemKind::OptimizerState),
+    );
+    let (rp, rs) = (
+        bytes(&rank, MemKind::Param),
+        bytes(&rank, MemKind::OptimizerState),
+    );
+    assert!(
+        (4.0..4.05).contains(&wp) && (8.0..8.05).contains(&ws),
+        "{wp} {ws}"
+    );
+    assert!(
+        (2.0..2.05).contains(&rp) && (2.9..3.1).contains(&rs),
+        "{rp} {rs}"
+    );
+}

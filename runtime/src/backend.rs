@@ -32,6 +32,13 @@ pub trait Backend {
         self.set(name, &vec![0.0; n])
     }
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError>;
+    /// A parameter's values as a forward pass reads them (in the compute
+    /// dtype, widened): under ZeRO with master weights the ranks' own
+    /// copy, without gathering the masters from their owners; elsewhere
+    /// `get`.
+    fn get_forward(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        self.get(name)
+    }
     /// Writes a named tensor from values already encoded as `dtype` stores
     /// them (little-endian), as [`draw_params`] makes them.
     fn set_encoded(
@@ -141,7 +148,7 @@ fn copy_params_by_value<B: Backend + ?Sized>(
     let names: Vec<String> = to.graph().params.iter().map(|p| p.name.clone()).collect();
     for name in names {
         if to.shapes().contains_key(&name) {
-            let v = from.get(&name)?;
+            let v = from.get_forward(&name)?;
             to.set(&name, &v)?;
         }
     }

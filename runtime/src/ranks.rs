@@ -161,6 +161,20 @@ impl Ranks {
         })
     }
 
+    /// ZeRO's f32 master of parameter `name`, where the ranks keep the
+    /// parameter in the compute dtype (`autodiff::zero::keeps_master`).
+    fn master_of(&self, name: &str) -> Option<String> {
+        let master = format!("{name}.master");
+        (self.graph.params.iter().any(|p| p.name == name) && self.states.contains(&master))
+            .then_some(master)
+    }
+
+    /// Whether the state `name` is a parameter's master.
+    fn is_master(&self, name: &str) -> bool {
+        name.strip_suffix(".master")
+            .is_some_and(|p| self.master_of(p).as_deref() == Some(name))
+    }
+
     /// Runs `f` on every rank at once (rank, its backend); the results in
     /// rank order.
     pub fn each<R: Send + 'static>(
@@ -295,6 +309,7 @@ impl Backend for Ranks {
             )));
         }
         let name = name.to_string();
+        let held_name = name.clone();
         if self.batched.contains(&name) {
             let parts: Arc<Vec<Vec<f64>>> =
                 Arc::new((0..self.world).map(|r| self.part(values, r)).collect());
@@ -325,6 +340,11 @@ impl Backend for Ranks {
             let held = name.clone();
             self.try_holding(&held, move |_, b| b.set(&name, &values))?;
         }
+        // ZeRO's masters: the owners keep the values unrounded, the
+        // parameter holds them in the compute dtype.
+        if let Some(master) = self.master_of(&held_name) {
+            self.set(&master, values)?;
+        }
         Ok(())
     }
     fn zero(&mut self, name: &str) -> Result<(), RuntimeError> {
@@ -333,9 +353,33 @@ impl Backend for Ranks {
         Ok(())
     }
     fn state_names(&self) -> Vec<String> {
-        self.states.clone()
+        // A master is its parameter: set, read and saved as it.
+        self.states
+            .iter()
+            .filter(|s| !self.is_master(s))
+            .cloned()
+            .collect()
+    }
+    fn get_forward(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        if self.master_of(name).is_none() {
+            return self.get(name);
+        }
+        // The parameter as every rank keeps it, in the compute dtype: what
+        // a forward pass reads of it (its cast of the master), with no
+        // gather from the owners.
+        let n = name.to_string();
+        let mut held = self.try_holding(name, move |_, b| b.get(&n))?;
+        if held.is_empty() {
+            return Err(RuntimeError::Unsupported(format!(
+                "no rank in this process holds `{name}`"
+            )));
+        }
+        Ok(held.swap_remove(0))
     }
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        if let Some(master) = self.master_of(name) {
+            return self.get(&master);
+        }
         let n = name.to_string();
         let parts = if self.batched.contains(name) {
             // Only this process's rows: another process holds the rest.

@@ -6,7 +6,8 @@ use crate::ir::graph::{Graph, Phase, Role, Value};
 use crate::ir::types::{DType, TensorType};
 use crate::model::{Optimizer, TrainConfig};
 use crate::ops::{
-    AdamW, AllReduce, Builder, ClipCoef, Input, OpError, Sgd, State, SumSquares, UnaryKind, Unscale,
+    AdamW, AllReduce, Builder, ClipCoef, Input, OpError, Sgd, State, StorePiece, SumSquares,
+    UnaryKind, Unscale,
 };
 
 /// The learning rate and the step number (from 1) enter the update as
@@ -334,7 +335,17 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     };
     // ZeRO stage 1: this rank updates (and keeps the state of) its own
     // piece of each parameter alone; the other pieces' new values arrive
-    // from their owners after the step.
+    // from their owners after the step. With a 16-bit compute dtype the
+    // ranks keep the parameter in it (the forward pass reads it as it is,
+    // no cast) and the owner the f32 master of its piece, as state.
+    let masters: Vec<bool> = (0..params.len())
+        .map(|i| zero.is_some() && super::zero::keeps_master(b.graph, i, train.precision))
+        .collect();
+    for (i, &m) in masters.iter().enumerate() {
+        if m {
+            super::zero::store_param_as(b.graph, i, train.precision);
+        }
+    }
     for (i, gv) in grads {
         let Some(range) = pieces[i] else {
             continue;
@@ -345,6 +356,42 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             None => ty.clone(),
         };
         let wd = |w: f64| if *decay { w } else { 0.0 };
+        let master = masters[i];
+        // The value the update reads and writes: the parameter, or its
+        // master piece.
+        let mn = format!("{name}.master");
+        let first = if master {
+            b.op1(
+                State {
+                    name: mn.clone(),
+                    ty: state_ty.clone(),
+                },
+                &[],
+            )?
+        } else {
+            *pv
+        };
+        let mut updated = |b: &mut Builder, r: Value| -> Result<(), OpError> {
+            if !master {
+                new_outputs.push((Role::NewParam(i), r));
+                return Ok(());
+            }
+            let whole = ty.numel().as_const().ok_or_else(|| {
+                OpError::new(
+                    "ZeRO's master weights need parameters of constant size",
+                    format!("`{name}` is {ty}"),
+                )
+            })?;
+            let w = b.op1(
+                StorePiece {
+                    range: range.unwrap_or((0, whole)),
+                },
+                &[*pv, r],
+            )?;
+            new_outputs.push((Role::NewState(mn.clone()), r));
+            new_outputs.push((Role::NewParam(i), w));
+            Ok(())
+        };
         match train.optimizer {
             Optimizer::AdamW {
                 beta1,
@@ -374,12 +421,13 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                     eps,
                     weight_decay: wd(weight_decay),
                     range,
+                    master,
                 };
                 let step = step.expect("AdamW has a step input");
-                let mut ins = vec![*pv, gv, m, v, lr, step, scale];
+                let mut ins = vec![first, gv, m, v, lr, step, scale];
                 ins.extend(apply);
                 let r = b.op(op, &ins)?;
-                new_outputs.push((Role::NewParam(i), r[0]));
+                updated(&mut b, r[0])?;
                 new_outputs.push((Role::NewState(mn), r[1]));
                 new_outputs.push((Role::NewState(vn), r[2]));
             }
@@ -396,17 +444,18 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                     },
                     &[],
                 )?;
-                let mut ins = vec![*pv, gv, buf, lr, scale];
+                let mut ins = vec![first, gv, buf, lr, scale];
                 ins.extend(apply);
                 let r = b.op(
                     Sgd {
                         momentum,
                         weight_decay: wd(weight_decay),
                         range,
+                        master,
                     },
                     &ins,
                 )?;
-                new_outputs.push((Role::NewParam(i), r[0]));
+                updated(&mut b, r[0])?;
                 new_outputs.push((Role::NewState(bn), r[1]));
             }
         }

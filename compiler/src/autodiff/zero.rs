@@ -9,7 +9,9 @@
 //! the state however the parameters' sizes fall (GPT-2's embedding is 31%
 //! of its parameters: dealt whole, it would leave one rank 31% of the state).
 
-use crate::ir::graph::ParamInfo;
+use crate::ir::graph::{Graph, ParamInfo, Value};
+use crate::ir::types::DType;
+use crate::ops::Op;
 
 /// Pieces start at multiples of this many elements.
 const ALIGN: u64 = 64;
@@ -66,6 +68,40 @@ pub fn piece(params: &[ParamInfo], ranks: u32, rank: u32, i: usize) -> Option<Pi
 /// Whether `piece` is all of parameter `p`.
 pub fn whole(p: &ParamInfo, piece: Piece) -> bool {
     piece.lo == 0 && piece.hi == numel(p)
+}
+
+/// Whether, under ZeRO with compute dtype `precision`, the ranks keep
+/// parameter `i` in the compute dtype alone and its owners the f32 master
+/// of their pieces as optimizer state: where the model computes in 16 bits
+/// and the step reads the f32 parameter only through its one cast to the
+/// compute dtype. Then each rank holds 2 bytes an element of it plus 4/N
+/// of the master, and the owners send each other 16-bit pieces after the
+/// update (Megatron-LM's distributed optimizer, DeepSpeed's ZeRO-1).
+/// The same on every rank: it reads the graph alone.
+pub fn keeps_master(g: &Graph, i: usize, precision: DType) -> bool {
+    let p = &g.params[i];
+    let users = g.users(Value {
+        node: p.node,
+        port: 0,
+    });
+    precision != DType::F32
+        && p.ty.dtype == DType::F32
+        && !users.is_empty()
+        && users
+            .iter()
+            .all(|&(n, _)| matches!(&g.g[n].op, Op::Cast(c) if c.to == precision))
+}
+
+/// Stores parameter `i` in `dtype`: its `param` node's type, which the
+/// plan sizes its buffer by (the checkpoint's type stays the model's,
+/// `ParamInfo::ty`).
+pub fn store_param_as(g: &mut Graph, i: usize, dtype: DType) {
+    let node = g.params[i].node;
+    let ty = crate::ir::types::TensorType::new(dtype, g.params[i].ty.shape.clone());
+    if let Op::Param(p) = &mut g.g[node].op {
+        p.ty = ty.clone();
+    }
+    g.g[node].outputs[0] = ty;
 }
 
 #[cfg(test)]

@@ -40,7 +40,12 @@ pub fn group_kernel(
     // parameters.
     // Zeros a member writes after its output's last row (a table a padded
     // GEMM reads past its end, kernel::pitch), as more elements of its own.
+    // A member over a piece of its output (ZeRO) writes none: its output
+    // is a parameter, whose zero rows nothing else writes.
     let tail = |m: &crate::kernel::Member| -> i64 {
+        if g.g[m.node].op.lower().update_range().is_some() {
+            return 0;
+        }
         m.outputs.first().map_or(0, |&o| {
             let b = &p.buffers[k.outputs[o]];
             // A row's elements (a vector's rows are its elements).
@@ -125,9 +130,13 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
         Some((lo, _)) => format!(" + {lo}LL"),
         None => String::new(),
     };
+    // A master piece is indexed as the state, the gradient as the parameter.
+    let master = matches!(&g.g[m.node].op, Op::AdamW(a) if a.master)
+        || matches!(&g.g[m.node].op, Op::Sgd(s) if s.master);
+    let pat = if master { String::new() } else { at.clone() };
     // The rest of the parameter passes through where the update is not in
     // place (the plan always updates in place; the first chunk copies it).
-    let rest = match range {
+    let rest = match range.filter(|_| !master) {
         Some((lo, hi)) => {
             let n = g.g[m.node].outputs[0].numel().to_c();
             format!(
@@ -140,7 +149,7 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
     };
     let call = match &g.g[m.node].op {
         Op::AdamW(a) => format!(
-            "fs_adamw(out{}{at}, out{}, out{}, in{}{at}, in{}{at}, in{}, in{}, *in{}, *in{}, *in{}, {}, lo, hi, {}, {}, {}, {});\n",
+            "fs_adamw(out{}{pat}, out{}, out{}, in{}{pat}, in{}{at}, in{}, in{}, *in{}, *in{}, *in{}, {}, lo, hi, {}, {}, {}, {});\n",
             o[0],
             o[1],
             o[2],
@@ -158,7 +167,7 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
             float_lit(a.weight_decay)
         ),
         Op::Sgd(sg) => format!(
-            "fs_sgd(out{}{at}, out{}, in{}{at}, in{}{at}, in{}, *in{}, *in{}, {}, lo, hi, {}, {});\n",
+            "fs_sgd(out{}{pat}, out{}, in{}{pat}, in{}{at}, in{}, *in{}, *in{}, {}, lo, hi, {}, {});\n",
             o[0],
             o[1],
             i[0],

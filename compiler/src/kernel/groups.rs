@@ -45,8 +45,14 @@ const GROUP_MAX: usize = 160;
 /// order) as group kernels of at most GROUP_MAX members each, launched
 /// where kernel `at` (one of them) was; the other kernels keep their order.
 fn regroup(g: &Graph, kernels: Vec<Kernel>, chosen: &[usize], at: usize) -> Vec<Kernel> {
+    regroup_each(g, kernels, &[chosen], at)
+}
+
+/// [`regroup`] for several sets, each a kind of its own, their groups
+/// launched one set after the other where kernel `at` was.
+fn regroup_each(g: &Graph, kernels: Vec<Kernel>, sets: &[&[usize]], at: usize) -> Vec<Kernel> {
     let mut groups: Vec<Kernel> = Vec::new();
-    for chunk in chosen.chunks(GROUP_MAX) {
+    for chunk in sets.iter().flat_map(|chosen| chosen.chunks(GROUP_MAX)) {
         let (mut inputs, mut outputs): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
         let mut members = Vec::new();
         for &i in chunk {
@@ -84,7 +90,7 @@ fn regroup(g: &Graph, kernels: Vec<Kernel>, chosen: &[usize], at: usize) -> Vec<
         if i == at {
             out.append(&mut groups);
         }
-        if !chosen.contains(&i) {
+        if !sets.iter().any(|chosen| chosen.contains(&i)) {
             out.push(k);
         }
     }
@@ -93,26 +99,41 @@ fn regroup(g: &Graph, kernels: Vec<Kernel>, chosen: &[usize], at: usize) -> Vec<
 
 /// Every parameter's optimizer update in one launch (or a few): the ops
 /// are independent and nothing in the step reads their results, so they
-/// move to the position of the last of them.
+/// move to the position of the last of them. Under ZeRO with master
+/// weights, the stores of the new pieces into the 16-bit parameters (which
+/// read the updates' results and nothing else does) follow as groups of
+/// their own.
 pub(super) fn group_optimizer_updates(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
-    let is_update = |k: &Kernel| matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::AdamW(_) | Op::Sgd(_)));
+    let is_op =
+        |k: &Kernel, f: &dyn Fn(&Op) -> bool| matches!(k.body, Body::Op(n) if f(&g.g[n].op));
+    let is_update = |k: &Kernel| is_op(k, &|op| matches!(op, Op::AdamW(_) | Op::Sgd(_)));
+    let is_store = |k: &Kernel| is_op(k, &|op| matches!(op, Op::StorePiece(_)));
     let updates: Vec<usize> = (0..kernels.len())
         .filter(|&i| is_update(&kernels[i]))
+        .collect();
+    let stores: Vec<usize> = (0..kernels.len())
+        .filter(|&i| is_store(&kernels[i]))
         .collect();
     if updates.len() < 2 {
         return kernels;
     }
-    // Only when no other kernel reads what an update writes.
+    // Only when no other kernel reads what an update or a store writes.
     let written: std::collections::HashSet<usize> = updates
         .iter()
+        .chain(&stores)
         .flat_map(|&i| kernels[i].outputs.iter().copied())
         .collect();
     if kernels
         .iter()
-        .any(|k| !is_update(k) && k.inputs.iter().any(|b| written.contains(b)))
+        .any(|k| !is_update(k) && !is_store(k) && k.inputs.iter().any(|b| written.contains(b)))
     {
         return kernels;
     }
-    let last = *updates.last().expect("at least two updates");
-    regroup(g, kernels, &updates, last)
+    let last = updates
+        .iter()
+        .chain(&stores)
+        .copied()
+        .max()
+        .expect("updates");
+    regroup_each(g, kernels, &[&updates, &stores], last)
 }

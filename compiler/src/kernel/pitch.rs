@@ -205,9 +205,29 @@ fn weight_gradient_rows(g: &Graph, p: &Program, a: usize, d: usize) -> Option<i6
 }
 
 /// The one writer of `b`, where it is the parameter-cast group and one of
-/// its casts writes `b` (so it can write zeros after `b`'s end each step).
+/// its casts writes `b` (so it can write zeros after `b`'s end each step);
+/// or `b` is a parameter kept in the compute dtype (ZeRO's master weights),
+/// which only the stores of the owners' pieces write, never past its end,
+/// and whose zero rows the runtime writes with its values
+/// (`Executor::write`).
 fn cast_writer(g: &Graph, p: &Program, b: usize) -> bool {
     let buf = &p.buffers[b];
+    if buf.kind == BufKind::Param {
+        return buf.ty.dtype.size_bytes() == 2
+            && p.kernels
+                .iter()
+                .filter(|k| k.outputs.contains(&b))
+                .all(|k| {
+                    let store = |n: petgraph::stable_graph::NodeIndex| {
+                        matches!(g.g[n].op, Op::StorePiece(_))
+                    };
+                    match &k.body {
+                        Body::Group(ms) => ms.iter().all(|m| store(m.node)),
+                        Body::Op(n) => store(*n),
+                        _ => false,
+                    }
+                });
+    }
     if buf.kind != BufKind::Temp || g.outputs.iter().any(|(_, v)| *v == buf.value) {
         return false;
     }

@@ -30,7 +30,7 @@ pub use nn::{
     CausalMask, CrossEntropy, CrossEntropyGrad, CrossEntropyWithGrad, Embedding, EmbeddingGrad,
     LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad, Rope, Softmax, SoftmaxGrad, NORM_GROUPS,
 };
-pub use optim::{AdamW, Sgd, SumSquares};
+pub use optim::{AdamW, Sgd, StorePiece, SumSquares};
 pub use shape::{Broadcast, Concat, Permute, Reduce, ReduceKind, Reshape, Slice, SliceGrad};
 pub use source::{Input, Param, State};
 pub use unary::{TorchForm, Unary, UnaryFn, UnaryGrad, UnaryKind};
@@ -185,6 +185,7 @@ ops!(
     Sgd,
     SumSquares,
     AllReduce,
+    StorePiece,
 );
 
 impl Op {

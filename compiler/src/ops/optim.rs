@@ -17,6 +17,11 @@ pub struct AdamW {
     /// ZeRO stage 1: only elements [lo, hi) of the parameter are updated
     /// (this rank's piece), and the state holds just those, flat.
     pub range: Option<(i64, i64)>,
+    /// ZeRO with a 16-bit compute dtype: input and output 0 are this rank's
+    /// f32 master copy of its piece (shaped as the state), not the
+    /// parameter, which the ranks keep in the compute dtype alone
+    /// ([`StorePiece`] writes the new piece into it).
+    pub master: bool,
 }
 
 /// The state's shape for parameter type `p` under `range`.
@@ -41,8 +46,38 @@ fn check_range(op: &str, p: &TensorType, range: Option<(i64, i64)>) -> Result<()
     Ok(())
 }
 
-fn range_attr(range: Option<(i64, i64)>) -> Option<String> {
-    range.map(|(lo, hi)| format!("range={lo}..{hi}"))
+fn range_attr(range: Option<(i64, i64)>, master: bool) -> Vec<String> {
+    range
+        .map(|(lo, hi)| format!("range={lo}..{hi}"))
+        .into_iter()
+        .chain(master.then(|| "master".to_string()))
+        .collect()
+}
+
+/// An update's parameter type and the shape input 0 must have: the
+/// parameter's own, or (`master`) the state's, the parameter's type then
+/// read from the gradient's shape.
+fn updated_types(
+    op: &str,
+    inputs: &[TensorType],
+    range: Option<(i64, i64)>,
+    master: bool,
+) -> Result<(TensorType, TensorType), OpError> {
+    let p = if master {
+        TensorType::new(inputs[0].dtype, inputs[1].shape.clone())
+    } else {
+        inputs[0].clone()
+    };
+    check_range(op, &p, range)?;
+    let state = state_type(&p, range);
+    let first = if master { &state } else { &p };
+    if inputs[0].shape != first.shape {
+        return Err(OpError::new(
+            format!("shape mismatch in `{op}`"),
+            format!("{first} and {}", inputs[0]),
+        ));
+    }
+    Ok((p, state))
 }
 
 impl OpDef for AdamW {
@@ -56,20 +91,20 @@ impl OpDef for AdamW {
             format!("wd={}", num(self.weight_decay)),
         ]
         .into_iter()
-        .chain(range_attr(self.range))
+        .chain(range_attr(self.range, self.master))
         .collect()
     }
     /// (param, grad, m, v, lr, step, grad scale[, apply]) -> (param', m',
     /// v'); `step` counts from 1; the gradient is multiplied by the scale
     /// (the clip coefficient) as it is read. With `apply` 0 (a micro-batch
-    /// that only accumulates) the outputs are the inputs.
+    /// that only accumulates) the outputs are the inputs. With `master`
+    /// the param is the f32 master piece.
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         if inputs.len() != 8 {
             expect_arity("adamw", inputs, 7)?;
         }
-        let p = &inputs[0];
-        check_range("adamw", p, self.range)?;
-        let state = state_type(p, self.range);
+        let (p, state) = updated_types("adamw", inputs, self.range, self.master)?;
+        let p = &p;
         for (t, want) in inputs[1..4].iter().zip([p, &state, &state]) {
             if t.shape != want.shape {
                 return Err(OpError::new(
@@ -79,7 +114,11 @@ impl OpDef for AdamW {
             }
         }
         check_grad_dtype("adamw", &inputs[1])?;
-        Ok(vec![p.clone(), inputs[2].clone(), inputs[3].clone()])
+        Ok(vec![
+            inputs[0].clone(),
+            inputs[2].clone(),
+            inputs[3].clone(),
+        ])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (p, g, m, v) = (inputs[0], inputs[1], inputs[2], inputs[3]);
@@ -91,15 +130,16 @@ impl OpDef for AdamW {
         let bc2 = 1.0 - self.beta2.powf(t);
         let (lo, hi) = self
             .range
-            .map_or((0, p.len()), |(a, b)| (a as usize, b as usize));
+            .map_or((0, g.len()), |(a, b)| (a as usize, b as usize));
         let mut po = p.data.clone();
         let (mut mo, mut vo) = (vec![0.0; hi - lo], vec![0.0; hi - lo]);
         for (k, i) in (lo..hi).enumerate() {
+            let pi = if self.master { k } else { i };
             let gi = g.data[i] * scale;
             mo[k] = self.beta1 * m.data[k] + (1.0 - self.beta1) * gi;
             vo[k] = self.beta2 * v.data[k] + (1.0 - self.beta2) * gi * gi;
-            let decayed = p.data[i] * (1.0 - lr * self.weight_decay);
-            po[i] = decayed - lr * (mo[k] / bc1) / ((vo[k] / bc2).sqrt() + self.eps);
+            let decayed = p.data[pi] * (1.0 - lr * self.weight_decay);
+            po[pi] = decayed - lr * (mo[k] / bc1) / ((vo[k] / bc2).sqrt() + self.eps);
         }
         vec![
             Tensor::new(p.shape.clone(), po),
@@ -115,6 +155,8 @@ pub struct Sgd {
     pub weight_decay: f64,
     /// As `AdamW::range`.
     pub range: Option<(i64, i64)>,
+    /// As `AdamW::master`.
+    pub master: bool,
 }
 
 impl OpDef for Sgd {
@@ -127,7 +169,7 @@ impl OpDef for Sgd {
             format!("wd={}", num(self.weight_decay)),
         ]
         .into_iter()
-        .chain(range_attr(self.range))
+        .chain(range_attr(self.range, self.master))
         .collect()
     }
     /// (param, grad, momentum buffer, lr, grad scale[, apply]) -> (param',
@@ -136,9 +178,8 @@ impl OpDef for Sgd {
         if inputs.len() != 6 {
             expect_arity("sgd", inputs, 5)?;
         }
-        let p = &inputs[0];
-        check_range("sgd", p, self.range)?;
-        let state = state_type(p, self.range);
+        let (p, state) = updated_types("sgd", inputs, self.range, self.master)?;
+        let p = &p;
         for (t, want) in inputs[1..3].iter().zip([p, &state]) {
             if t.shape != want.shape {
                 return Err(OpError::new(
@@ -148,7 +189,7 @@ impl OpDef for Sgd {
             }
         }
         check_grad_dtype("sgd", &inputs[1])?;
-        Ok(vec![p.clone(), inputs[2].clone()])
+        Ok(vec![inputs[0].clone(), inputs[2].clone()])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         if inputs.get(5).is_some_and(|a| a.data[0] == 0.0) {
@@ -163,18 +204,80 @@ impl OpDef for Sgd {
         );
         let (lo, hi) = self
             .range
-            .map_or((0, p.len()), |(a, b)| (a as usize, b as usize));
+            .map_or((0, g.len()), |(a, b)| (a as usize, b as usize));
         let mut po = p.data.clone();
         let mut bo = vec![0.0; hi - lo];
         for (k, i) in (lo..hi).enumerate() {
-            let gi = g.data[i] * scale + self.weight_decay * p.data[i];
+            let pi = if self.master { k } else { i };
+            let gi = g.data[i] * scale + self.weight_decay * p.data[pi];
             bo[k] = self.momentum * buf.data[k] + gi;
-            po[i] = p.data[i] - lr * bo[k];
+            po[pi] = p.data[pi] - lr * bo[k];
         }
         vec![
             Tensor::new(p.shape.clone(), po),
             Tensor::new(buf.shape.clone(), bo),
         ]
+    }
+}
+
+/// ZeRO with a 16-bit compute dtype: an owner's updated f32 master piece
+/// stored into the parameter the ranks keep in the compute dtype
+/// (input 0, whole): the output is input 0 with elements [lo, hi)
+/// replaced by input 1 (the piece, `hi - lo` elements) in input 0's
+/// dtype. In place, as the update; the owner then sends the piece to the
+/// other ranks in that dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StorePiece {
+    pub range: (i64, i64),
+}
+
+impl OpDef for StorePiece {
+    fn name(&self) -> &'static str {
+        "store_piece"
+    }
+    fn attrs(&self) -> Vec<String> {
+        range_attr(Some(self.range), false)
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("store_piece", inputs, 2)?;
+        let (whole, piece) = (&inputs[0], &inputs[1]);
+        check_range("store_piece", whole, Some(self.range))?;
+        expect_float("store_piece", whole, 0)?;
+        expect_float("store_piece", piece, 1)?;
+        let (lo, hi) = self.range;
+        if piece.numel().as_const() != Some(hi - lo) {
+            return Err(OpError::new(
+                "`store_piece`'s piece is not the range's size",
+                format!("{piece} for elements {lo}..{hi}"),
+            ));
+        }
+        Ok(vec![whole.clone()])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        let (lo, hi) = (self.range.0 as usize, self.range.1 as usize);
+        let mut out = inputs[0].clone();
+        out.data[lo..hi].copy_from_slice(&inputs[1].data);
+        vec![out]
+    }
+}
+
+impl Lower for StorePiece {
+    fn shape(&self, _: &Graph, _: NodeIndex) -> Option<Shape> {
+        let (lo, hi) = self.range;
+        Some(Shape::Elements(Dim::constant(hi - lo)))
+    }
+    fn update_range(&self) -> Option<(i64, i64)> {
+        Some(self.range)
+    }
+    fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+        let mut body = String::new();
+        pass_through(&mut body, c, g, n, Some(self.range));
+        let _ = writeln!(
+            body,
+            "        {}",
+            c.st(0, &param_index(Some(self.range)), &c.ld(1, "i"))
+        );
+        Some(body)
     }
 }
 
@@ -294,6 +397,13 @@ fn param_index(range: Option<(i64, i64)>) -> String {
     range.map_or("i".to_string(), |(lo, _)| format!("{lo}LL + i"))
 }
 
+/// The element of an update's input and output 0 and of its gradient: a
+/// master piece is indexed as its state, the gradient as the parameter.
+fn update_indices(range: Option<(i64, i64)>, master: bool) -> (String, String) {
+    let g = param_index(range);
+    (if master { "i".to_string() } else { g.clone() }, g)
+}
+
 /// An update reads its gradient in f32, or in bf16 where the ranks average
 /// in bf16 (the prelude's `fs_grad` decodes those two; an f16 gradient
 /// would be read as bf16 bits).
@@ -317,9 +427,11 @@ impl Lower for AdamW {
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let mut body = String::new();
         let b = &mut body;
-        let pi = param_index(self.range);
-        let pi = pi.as_str();
-        pass_through(b, c, g, n, self.range);
+        let (pi, gi) = update_indices(self.range, self.master);
+        let (pi, gi) = (pi.as_str(), gi.as_str());
+        if !self.master {
+            pass_through(b, c, g, n, self.range);
+        }
         if g.inputs(n).len() == 8 {
             // A micro-batch that only accumulates: the state stays.
             let _ = writeln!(
@@ -334,7 +446,7 @@ impl Lower for AdamW {
         let _ = writeln!(
             b,
             "        const float g = {} * {}, lr = {}, t = {};",
-            c.ld(1, pi),
+            c.ld(1, gi),
             c.ld(6, "0"),
             c.ld(4, "0"),
             c.ld(5, "0")
@@ -394,9 +506,11 @@ impl Lower for Sgd {
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let mut body = String::new();
         let b = &mut body;
-        let pi = param_index(self.range);
-        let pi = pi.as_str();
-        pass_through(b, c, g, n, self.range);
+        let (pi, gi) = update_indices(self.range, self.master);
+        let (pi, gi) = (pi.as_str(), gi.as_str());
+        if !self.master {
+            pass_through(b, c, g, n, self.range);
+        }
         if g.inputs(n).len() == 6 {
             let _ = writeln!(
                 b,
@@ -417,7 +531,7 @@ impl Lower for Sgd {
             "        const float buf = {} * {} + {} * {} + {} * p;",
             float_lit(self.momentum),
             c.ld(2, "i"),
-            c.ld(1, pi),
+            c.ld(1, gi),
             c.ld(4, "0"),
             float_lit(self.weight_decay)
         );

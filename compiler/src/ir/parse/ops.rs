@@ -240,6 +240,7 @@ pub(super) fn op(
                 eps,
                 weight_decay: c.float()?,
                 range: range(c)?,
+                master: c.flag("master")?,
             }
             .into()
         }
@@ -251,8 +252,16 @@ pub(super) fn op(
                 momentum,
                 weight_decay: c.float()?,
                 range: range(c)?,
+                master: c.flag("master")?,
             }
             .into()
+        }
+        "store_piece" => {
+            let col = c.col();
+            let Some(range) = range(c)? else {
+                return Err(c.error_at(col, "`store_piece` needs `range=lo..hi`"));
+            };
+            StorePiece { range }.into()
         }
         "sum_squares" => {
             c.key("chunk")?;

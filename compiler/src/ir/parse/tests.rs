@@ -95,6 +95,10 @@ update:
   %96: f32[] = all_reduce(%41) op=mean ranks=2 every_micro_batch
   %97: f32[3] = sum_squares(%68, %59) chunk=16 piece=0:8..40 piece=1:0..0
   %98: f32[8, 8] = all_reduce(%68) op=mean ranks=2 owners_of=0
+  %99: f32[32], %100: f32[32], %101: f32[32] = adamw(%86, %68, %86, %86, %69, %70, %74) betas=(0.9, 0.999) eps=1e-8 wd=0 range=16..48 master
+  %102: f32[32], %103: f32[32] = sgd(%86, %59, %86, %69, %74) momentum=0 wd=0 range=40..72 master
+  %104: bf16[8, 8] = cast(%2) to=bf16
+  %105: bf16[8, 8] = store_piece(%104, %99) range=16..48
 outputs:
   loss = %96
   grad[0] = %95
@@ -148,9 +152,10 @@ fn variant(op: &Op) -> usize {
         Op::Sgd(_) => 38,
         Op::SumSquares(_) => 39,
         Op::AllReduce(_) => 40,
+        Op::StorePiece(_) => 41,
     }
 }
-const VARIANTS: usize = 41;
+const VARIANTS: usize = 42;
 
 #[test]
 fn every_op_reads_back_as_printed() {
