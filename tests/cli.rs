@@ -673,6 +673,15 @@ fn bucket_mib_sizes_the_gradient_buckets() {
         report.contains("each gradient's mean goes to the owners of its pieces alone"),
         "{report}"
     );
+    // A bf16 model: the ranks keep the parameters in bf16, the f32 masters
+    // of their pieces with the optimizer state, and send bf16 pieces.
+    for line in [
+        "parameters (compute dtype)",
+        "optimizer state (+ f32 masters)",
+        "sends its pieces of the parameters to the other ranks in bf16",
+    ] {
+        assert!(report.contains(line), "{line}: {report}");
+    }
     let (code, _, err) = fusec(&[
         "build",
         "dsl-examples/gpt2-small.dsl",

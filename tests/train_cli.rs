@@ -746,6 +746,117 @@ fn simulated_ranks_follow_one_rank_and_resume_across_rank_counts() {
     );
 }
 
+/// ZeRO on a bf16 model: the ranks keep the parameters in bf16 and each
+/// owner the f32 masters of its pieces. The run follows one rank (as
+/// stored, within bf16's rounding), the checkpoint holds the masters
+/// gathered whole (f32 values a bf16 cannot hold, no `.master` tensors),
+/// and one rank without ZeRO resumes from it.
+#[test]
+fn zero_on_a_bf16_model_saves_its_masters_whole() {
+    let train = |extra: &[&str]| {
+        let mut a = vec![
+            "train",
+            "dsl-examples/gpt2-small.dsl",
+            "--data",
+            TEXT,
+            "--cpu",
+            "--seq",
+            "8",
+        ];
+        a.extend_from_slice(&SMALL[..10]);
+        a.extend_from_slice(extra);
+        let (code, _, err) = fusec(&a);
+        assert_eq!(code, 0, "{err}");
+        err
+    };
+    let (one, zl, zck, res) = (
+        tmp("bf16-one.jsonl"),
+        tmp("bf16-zero.jsonl"),
+        tmp("bf16-zero.safetensors"),
+        tmp("bf16-res.jsonl"),
+    );
+    train(&[
+        "--batch",
+        "4",
+        "--steps",
+        "4",
+        "--log",
+        one.to_str().unwrap(),
+    ]);
+    train(&[
+        "--batch",
+        "2",
+        "--gpus",
+        "2",
+        "--zero",
+        "1",
+        "--steps",
+        "3",
+        "--log",
+        zl.to_str().unwrap(),
+        "--save",
+        zck.to_str().unwrap(),
+    ]);
+    let one = losses(&one);
+    let zero = losses(&zl);
+    for (a, b) in zero.iter().zip(&one) {
+        let (a, b) = (loss(a), loss(b));
+        assert!((a - b).abs() <= 1e-2 * b.abs(), "{zero:?} against {one:?}");
+    }
+    let (dtype, shape, wte) = tensor(&zck, "wte");
+    assert_eq!((dtype.as_str(), shape), ("F32", vec![256, 32]));
+    let unrounded = wte
+        .iter()
+        .filter(|&&x| half::bf16::from_f64(x).to_f64() != x)
+        .count();
+    assert!(
+        unrounded > wte.len() / 2,
+        "{unrounded} of {} values are f32's",
+        wte.len()
+    );
+    let bytes = std::fs::read(&zck).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert!(
+        st.names().iter().all(|n| !n.ends_with(".master")),
+        "{:?}",
+        st.names()
+    );
+    train(&[
+        "--batch",
+        "4",
+        "--steps",
+        "1",
+        "--resume",
+        zck.to_str().unwrap(),
+        "--log",
+        res.to_str().unwrap(),
+    ]);
+    let res = losses(&res);
+    assert_eq!(res.len(), 1, "{res:?}");
+    let (a, b) = (loss(&res[0]), loss(&one[3]));
+    assert!((a - b).abs() <= 1e-2 * b.abs(), "{res:?} against {one:?}");
+    // And ZeRO resumes from it: the masters set from the checkpoint.
+    let zres = tmp("bf16-zero-res.jsonl");
+    train(&[
+        "--batch",
+        "2",
+        "--gpus",
+        "2",
+        "--zero",
+        "1",
+        "--steps",
+        "1",
+        "--resume",
+        zck.to_str().unwrap(),
+        "--log",
+        zres.to_str().unwrap(),
+    ]);
+    let zres = losses(&zres);
+    assert_eq!(zres.len(), 1, "{zres:?}");
+    let a = loss(&zres[0]);
+    assert!((a - b).abs() <= 1e-2 * b.abs(), "{zres:?} against {one:?}");
+}
+
 #[test]
 fn rank_settings_that_cannot_work_are_named() {
     // --gpus under a launcher, a launcher without RANK.

@@ -162,11 +162,11 @@ impl Ranks {
     }
 
     /// ZeRO's f32 master of parameter `name`, where the ranks keep the
-    /// parameter in the compute dtype (`autodiff::zero::keeps_master`).
+    /// parameter in the compute dtype (`autodiff::zero::keeps_master`):
+    /// its owners hold it in pieces, as state.
     fn master_of(&self, name: &str) -> Option<String> {
-        let master = format!("{name}.master");
-        (self.graph.params.iter().any(|p| p.name == name) && self.states.contains(&master))
-            .then_some(master)
+        let p = self.graph.params.iter().find(|p| p.name == name)?;
+        (self.graph.g[p.node].outputs[0].dtype != p.ty.dtype).then(|| format!("{name}.master"))
     }
 
     /// Whether the state `name` is a parameter's master.
@@ -343,7 +343,9 @@ impl Backend for Ranks {
         // ZeRO's masters: the owners keep the values unrounded, the
         // parameter holds them in the compute dtype.
         if let Some(master) = self.master_of(&held_name) {
-            self.set(&master, values)?;
+            if self.states.contains(&master) {
+                self.set(&master, values)?;
+            }
         }
         Ok(())
     }

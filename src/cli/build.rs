@@ -40,8 +40,9 @@ pub struct BuildArgs {
     /// in buckets (shown in report.txt) while the backward pass runs
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub gpus: Option<u32>,
-    /// With --gpus: ZeRO stage 1, the optimizer state split over the ranks;
-    /// the plan and report are those of rank --rank
+    /// With --gpus: ZeRO stage 1, the optimizer state (and with bf16 or
+    /// fp16 the f32 master weights) split over the ranks; the plan and
+    /// report are those of rank --rank
     #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1), requires = "gpus")]
     pub zero: u8,
     /// The rank whose plan a --zero 1 build writes

@@ -28,8 +28,10 @@ pub struct ParallelArgs {
     pub gpus: Option<u32>,
     /// ZeRO stage: 1 splits the optimizer state over the ranks (each gets
     /// the averaged gradients of the parameters it owns, keeps and updates
-    /// their state, then sends the new values to the others); 0, the
-    /// default, keeps it whole on every rank
+    /// their state, then sends the new values to the others); with bf16 or
+    /// fp16 the f32 master weights are split too, every rank keeping the
+    /// weights in the compute dtype alone; 0, the default, keeps it all
+    /// whole on every rank
     #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
     pub zero: u8,
     /// Close each bucket of gradients averaged together at this many MiB

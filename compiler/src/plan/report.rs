@@ -191,8 +191,19 @@ pub fn report_with_source(
         "fusion kept {fused} intermediate tensors out of device memory"
     );
     let _ = writeln!(s, "\nmemory plan: arena of {}", gib(plan.arena_bytes));
+    // ZeRO with master weights: the parameters are kept in the compute
+    // dtype, their f32 masters (this rank's pieces) are optimizer state.
+    let narrow_params = plan
+        .buffers
+        .iter()
+        .any(|b| b.kind == MemKind::OptimizerState && b.name.ends_with(".master"));
     for (kind, bytes) in &plan.bytes_by_kind {
-        let _ = writeln!(s, "  {:<30} {:>14}", kind.name(), gib(*bytes));
+        let name = match kind {
+            MemKind::Param if narrow_params => "parameters (compute dtype)",
+            MemKind::OptimizerState if narrow_params => "optimizer state (+ f32 masters)",
+            k => k.name(),
+        };
+        let _ = writeln!(s, "  {:<30} {:>14}", name, gib(*bytes));
     }
     if let Some(t) = super::textbook_bytes(g, &plan.dims) {
         let _ = writeln!(
@@ -212,7 +223,9 @@ pub fn report_with_source(
         .get(&MemKind::Param)
         .copied()
         .unwrap_or(0);
-    let _ = writeln!(s, "  (parameters are {} in f32)", gib(params));
+    if !narrow_params {
+        let _ = writeln!(s, "  (parameters are {} in f32)", gib(params));
+    }
     padded_sizes(&mut s, g, p, plan);
     padding(&mut s, p, plan);
     buckets(&mut s, g, p, plan);
@@ -384,8 +397,17 @@ fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
         .collect();
     types.sort_unstable();
     types.dedup();
-    // ZeRO: the gradients' means go to the owners of their pieces alone.
+    // ZeRO: the gradients' means go to the owners of their pieces alone,
+    // and the owners send the updated pieces in the parameters' dtype.
     let zero = plan.collectives.iter().any(|c| !c.owners_of.is_empty());
+    let mut sent: Vec<&str> = plan
+        .buffers
+        .iter()
+        .filter(|b| b.kind == MemKind::Param)
+        .map(|b| b.dtype.as_str())
+        .collect();
+    sent.sort_unstable();
+    sent.dedup();
     let _ = writeln!(
         s,
         "data parallel over {ranks} ranks: {} {} buckets (mean in {}, NCCL) of {} in all; each starts after the kernel that finishes its last gradient and runs while the backward pass goes on{}",
@@ -394,9 +416,9 @@ fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
         if types.is_empty() { "f32".to_string() } else { types.join(" and ") },
         kib(total),
         if zero {
-            "; ZeRO: each gradient's mean goes to the owners of its pieces alone (NCCL reduces rooted at them, together a reduce-scatter), the loss and the norm's sum of squares to every rank"
+            format!("; ZeRO: each gradient's mean goes to the owners of its pieces alone (NCCL reduces rooted at them, together a reduce-scatter), the loss and the norm's sum of squares to every rank; after the update each owner sends its pieces of the parameters to the other ranks in {} (broadcasts, together an all-gather)", sent.join(" and "))
         } else {
-            ""
+            String::new()
         }
     );
     let name = |i: usize| {
