@@ -21,6 +21,7 @@
 #   tools/gpu_check.sh dp        data parallel on every GPU of the machine: the dp_gpu test, --gpus N
 #                                against one GPU with N x B on text, a two-process launch as a second
 #                                machine would join (DP_TRAIN_EXTRA="--zero 1" adds its flags to those two),
+#                                their checkpoints compared byte for byte and both resumed from rank 0's,
 #                                fusec bench --gpus 1..N (gradients averaged in f32 and in bf16, and with
 #                                --zero 1) beside torch_ddp.py
 #                                (DP_BATCH per GPU, default 16; DP_TORCH_GPUS picks the DDP runs)
@@ -182,13 +183,27 @@ if [ "$what" = dp ]; then
   for prec in fp32 bf16; do
     run "fusec train --gpus 2 --batch 4 against one GPU with --batch 8 (text, $prec, 20 steps)"
     timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 8 --log "$LOGS/dp-one-$prec.jsonl" > "$LOGS/dp-one-$prec.log" 2>&1; echo "exit $?"
-    timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 4 --gpus 2 $EXTRA --log "$LOGS/dp-two-$prec.jsonl" > "$LOGS/dp-two-$prec.log" 2>&1; echo "exit $?"
+    timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 4 --gpus 2 $EXTRA --log "$LOGS/dp-two-$prec.jsonl" --save "$LOGS/dp-two-$prec.safetensors" > "$LOGS/dp-two-$prec.log" 2>&1; echo "exit $?"
     grep -E "error" "$LOGS/dp-two-$prec.log" | head -5
     run "the same as two processes, started as a launcher would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
     for r in 1 0; do
-      WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 4 $EXTRA --log "$LOGS/dp-proc-$prec.jsonl" > "$LOGS/dp-proc$r-$prec.log" 2>&1 &
+      WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl $SMALL --precision $prec --batch 4 $EXTRA --log "$LOGS/dp-proc-$prec.jsonl" --save "$LOGS/dp-proc-$prec.safetensors" > "$LOGS/dp-proc$r-$prec.log" 2>&1 &
     done
     wait; grep -E "error" "$LOGS/dp-proc0-$prec.log" "$LOGS/dp-proc1-$prec.log" | head -3
+    run "two processes resuming from their own checkpoint for 3 steps, against --gpus 2 resuming from it"
+    for r in 1 0; do
+      WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=29518 timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl ${SMALL/--steps 20/--steps 3} --precision $prec --batch 4 $EXTRA --resume "$LOGS/dp-proc-$prec.safetensors" --log "$LOGS/dp-proc-res-$prec.jsonl" > "$LOGS/dp-proc-res$r-$prec.log" 2>&1 &
+    done
+    wait
+    timeout 120 "$BIN/fusec" train dsl-examples/gpt2-small.dsl ${SMALL/--steps 20/--steps 3} --precision $prec --batch 4 --gpus 2 $EXTRA --resume "$LOGS/dp-proc-$prec.safetensors" --log "$LOGS/dp-two-res-$prec.jsonl" > "$LOGS/dp-two-res-$prec.log" 2>&1
+    grep -E "error" "$LOGS/dp-proc-res0-$prec.log" "$LOGS/dp-proc-res1-$prec.log" "$LOGS/dp-two-res-$prec.log" | head -3
+    python3 - "$LOGS/dp-proc-res-$prec.jsonl" "$LOGS/dp-two-res-$prec.jsonl" <<'PY'
+import json, sys
+rows = [[json.loads(l) for l in open(p)] if __import__("os").path.exists(p) else [] for p in sys.argv[1:]]
+steps = [[r["step"] for r in x] for x in rows]
+same = bool(rows[0]) and [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]]
+print(f"resumed: two processes logged steps {steps[0]}, --gpus 2 {steps[1]}; the same losses bit for bit: {'PASS' if same else 'FAIL'}")
+PY
     python3 - "$LOGS" "$prec" <<'PY'
 import json, sys
 d, prec = sys.argv[1], sys.argv[2]
@@ -212,7 +227,24 @@ for name, other in (("--gpus 2", two), ("two processes", proc)):
 if two and proc:
     same = all(a["loss"] == b["loss"] for a, b in zip(two, proc))
     print(f"two processes and --gpus 2 give the same losses bit for bit: {same}")
+def tensors(path):
+    # safetensors: an 8-byte header length, a JSON header, the raw data.
+    try:
+        raw = open(path, "rb").read()
+    except OSError:
+        return None
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8:8 + n])
+    return {k: raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]] for k, v in head.items() if k != "__metadata__"}
+a, b = tensors(f"{d}/dp-two-{prec}.safetensors"), tensors(f"{d}/dp-proc-{prec}.safetensors")
+if a is None or b is None:
+    print(f"checkpoints: --gpus 2 {'written' if a else 'missing'}, two processes {'written' if b else 'missing'}: FAIL")
+else:
+    differ = sorted(k for k in a if a[k] != b.get(k))
+    print(f"checkpoints of --gpus 2 and of two processes (rank 0 gathering the other's state): {len(a)} and {len(b)} tensors, {'the same bytes: PASS' if not differ and a.keys() == b.keys() else f'{len(differ)} differ (e.g. {differ[:3]}): FAIL'}")
 PY
+    # Compared: too large to come back with the logs.
+    rm -f "$LOGS"/dp-*-"$prec".safetensors
   done
 fi
 if [ "$what" = dp ] || [ "$what" = dpbench ]; then

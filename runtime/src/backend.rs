@@ -39,6 +39,27 @@ pub trait Backend {
     fn get_forward(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         self.get(name)
     }
+    /// ZeRO under a launcher: gathers the states other processes' ranks
+    /// keep, so that `get` reads them whole until the next step. Every
+    /// process of the job calls it at the same points (a checkpoint);
+    /// elsewhere it does nothing.
+    fn gather_for_checkpoint(&mut self) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+    /// One rank's part of [`Backend::gather_for_checkpoint`]: the whole of
+    /// `name`, `numel` f32 elements the job's ranks hold in `pieces`
+    /// (this rank its own, if it has one), from their owners.
+    fn gather_split(
+        &mut self,
+        name: &str,
+        pieces: &[fusec_compiler::autodiff::zero::Piece],
+        numel: usize,
+    ) -> Result<Vec<f64>, RuntimeError> {
+        let _ = (pieces, numel);
+        Err(RuntimeError::Unsupported(format!(
+            "`{name}` is split over ranks in other processes, and this backend cannot gather it"
+        )))
+    }
     /// Writes a named tensor from values already encoded as `dtype` stores
     /// them (little-endian), as [`draw_params`] makes them.
     fn set_encoded(
@@ -409,6 +430,14 @@ impl Backend for Gpu {
     }
     fn profile_step_full(&mut self) -> Result<Option<crate::exec::StepProfile>, RuntimeError> {
         self.session.exec.profile_step_full().map(Some)
+    }
+    fn gather_split(
+        &mut self,
+        name: &str,
+        pieces: &[fusec_compiler::autodiff::zero::Piece],
+        numel: usize,
+    ) -> Result<Vec<f64>, RuntimeError> {
+        self.session.gather_split(name, pieces, numel)
     }
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         self.session.get(name)

@@ -49,6 +49,14 @@ pub struct Ranks {
     states: Vec<String>,
     /// ZeRO: the states held in pieces, with their parameter's index.
     split: BTreeMap<String, usize>,
+    /// ZeRO: every rank's states of each parameter (its moments, its
+    /// master), with the parameter's index, whichever process holds them.
+    owned: BTreeMap<String, usize>,
+    /// Steps launched so far, and the step the `gathered` states are of.
+    steps: u64,
+    /// ZeRO under a launcher: the states of other processes' ranks,
+    /// gathered for a checkpoint (`gather_for_checkpoint`), f32.
+    gathered: Option<(u64, BTreeMap<String, Vec<f32>>)>,
 }
 
 fn lost(rank: usize) -> RuntimeError {
@@ -142,6 +150,12 @@ impl Ranks {
                 shapes.insert(name.clone(), full);
             }
         }
+        let owned = owned_states(&graph, &states);
+        for (name, &i) in &owned {
+            if let Some(full) = shapes.get(&graph.params[i].name).cloned() {
+                shapes.entry(name.clone()).or_insert(full);
+            }
+        }
         let batched = batch_inputs(&graph);
         for name in &batched {
             if let Some(s) = shapes.get_mut(name) {
@@ -158,6 +172,9 @@ impl Ranks {
             batched,
             states: states.into_iter().collect(),
             split,
+            owned,
+            steps: 0,
+            gathered: None,
         })
     }
 
@@ -167,6 +184,12 @@ impl Ranks {
     fn master_of(&self, name: &str) -> Option<String> {
         let p = self.graph.params.iter().find(|p| p.name == name)?;
         (self.graph.g[p.node].outputs[0].dtype != p.ty.dtype).then(|| format!("{name}.master"))
+    }
+
+    /// `name` as gathered for a checkpoint since the last step, if it was.
+    fn gathered_now(&self, name: &str) -> Option<Vec<f64>> {
+        let (at, all) = self.gathered.as_ref()?;
+        (*at == self.steps).then(|| all.get(name).map(|v| v.iter().map(|&x| x as f64).collect()))?
     }
 
     /// Whether the state `name` is a parameter's master.
@@ -252,6 +275,58 @@ impl Ranks {
         let n = values.len() / self.world;
         values[rank * n..(rank + 1) * n].to_vec()
     }
+}
+
+/// ZeRO: the states each parameter's owners keep, by name, with the
+/// parameter's index: for every parameter with a gradient, each kind of
+/// state (`adam_m`, `adam_v`, `momentum`, and `master` where the ranks
+/// keep the parameter in the compute dtype) that this process's ranks keep
+/// of any parameter. The same on every rank of the job (it reads the
+/// graph's structure, which the ranks share), so the ranks of every
+/// process gather the same states in the same order. Empty without ZeRO.
+fn owned_states(g: &Graph, local: &BTreeSet<String>) -> BTreeMap<String, usize> {
+    use fusec_compiler::ir::graph::Role;
+    let graded: Vec<usize> = g
+        .outputs
+        .iter()
+        .filter_map(|(r, _)| match r {
+            Role::Grad(i) => Some(*i),
+            _ => None,
+        })
+        .collect();
+    // ZeRO: a parameter with a gradient that this rank does not update
+    // whole in place (another rank owns it, or a piece of it).
+    let updated_whole = |i: usize| {
+        g.outputs.iter().any(|(r, v)| {
+            *r == Role::NewParam(i)
+                && match &g.g[v.node].op {
+                    fusec_compiler::ops::Op::AdamW(a) => a.range.is_none() && !a.master,
+                    fusec_compiler::ops::Op::Sgd(s) => s.range.is_none() && !s.master,
+                    _ => false,
+                }
+        })
+    };
+    if graded.iter().all(|&i| updated_whole(i)) {
+        return BTreeMap::new();
+    }
+    let kinds: BTreeSet<&str> = local
+        .iter()
+        .filter_map(|name| {
+            let (param, kind) = name.rsplit_once('.')?;
+            (kind != "grad_acc" && g.params.iter().any(|p| p.name == param)).then_some(kind)
+        })
+        .collect();
+    let mut out = BTreeMap::new();
+    for &i in &graded {
+        let p = &g.params[i];
+        let narrow = g.g[p.node].outputs[0].dtype != p.ty.dtype;
+        for &kind in &kinds {
+            if kind != "master" || narrow {
+                out.insert(format!("{}.{kind}", p.name), i);
+            }
+        }
+    }
+    out
 }
 
 /// `e` with the rank it happened on, when the job has several.
@@ -355,9 +430,10 @@ impl Backend for Ranks {
         Ok(())
     }
     fn state_names(&self) -> Vec<String> {
-        // A master is its parameter: set, read and saved as it.
-        self.states
-            .iter()
+        // A master is its parameter: set, read and saved as it. Under a
+        // launcher, the states other processes' ranks keep too.
+        let all: BTreeSet<&String> = self.states.iter().chain(self.owned.keys()).collect();
+        all.into_iter()
             .filter(|s| !self.is_master(s))
             .cloned()
             .collect()
@@ -378,6 +454,24 @@ impl Backend for Ranks {
         }
         Ok(held.swap_remove(0))
     }
+    fn gather_for_checkpoint(&mut self) -> Result<(), RuntimeError> {
+        let local = self.workers.len();
+        if self.owned.is_empty() || local == self.world {
+            return Ok(());
+        }
+        let all = fusec_compiler::autodiff::zero::pieces(&self.graph.params, self.world as u32);
+        let mut gathered = BTreeMap::new();
+        for (name, &i) in &self.owned {
+            let pieces = Arc::new(all[i].clone());
+            let numel = self.numel(&self.graph.params[i].name);
+            let n = name.clone();
+            let mut parts = self.try_each(move |_, b| b.gather_split(&n, &pieces, numel))?;
+            let whole = parts.swap_remove(0);
+            gathered.insert(name.clone(), whole.into_iter().map(|x| x as f32).collect());
+        }
+        self.gathered = Some((self.steps, gathered));
+        Ok(())
+    }
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         if let Some(master) = self.master_of(name) {
             return self.get(&master);
@@ -386,14 +480,16 @@ impl Backend for Ranks {
         let parts = if self.batched.contains(name) {
             // Only this process's rows: another process holds the rest.
             self.try_each(move |_, b| b.get(&n))?
-        } else if self.split.contains_key(name) {
+        } else if let Some(whole) = self.gathered_now(name) {
+            vec![whole]
+        } else if self.split.contains_key(name) || self.owned.contains_key(name) {
             // The pieces in rank order make the whole, where every rank
             // holding one is in this process.
             let parts = self.try_holding(name, move |_, b| b.get(&n))?;
             let whole: Vec<f64> = parts.concat();
             if whole.len() != self.numel(name) {
                 return Err(RuntimeError::Unsupported(format!(
-                    "`{name}` is split over ranks in other processes (ZeRO); it cannot be read whole here"
+                    "`{name}` is split over ranks in other processes (ZeRO); it is read whole only as a checkpoint gathers it"
                 )));
             }
             vec![whole]
@@ -410,6 +506,7 @@ impl Backend for Ranks {
         Ok(parts.concat())
     }
     fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
+        self.steps += 1;
         self.try_each(move |_, b| b.launch(lr, step))?;
         Ok(())
     }

@@ -229,6 +229,23 @@ impl Session {
         self.exec.zero(b)
     }
 
+    /// ZeRO across processes: the whole of `name` (f32, `numel`
+    /// elements), which the job's ranks hold in `pieces`, this rank its
+    /// own (where it has one), gathered from the owners
+    /// (`Executor::gather`).
+    pub fn gather_split(
+        &mut self,
+        name: &str,
+        pieces: &[fusec_compiler::autodiff::zero::Piece],
+        numel: usize,
+    ) -> Result<Vec<f64>, RuntimeError> {
+        let mine = self.buffer(name).ok();
+        Ok(decode(
+            fusec_compiler::ir::DType::F32,
+            &self.exec.gather(mine, pieces, numel)?,
+        ))
+    }
+
     /// The named buffer's values.
     pub fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         let b = self.buffer(name)?;

@@ -348,3 +348,40 @@ fn the_whole_batch_splits_by_rows_and_a_wrong_size_is_refused() {
     let e = group.set("tokens", &rows[..4]).unwrap_err().to_string();
     assert!(e.contains("holds 8 values (all ranks), given 4"), "{e}");
 }
+
+/// ZeRO under a launcher: each process runs its own ranks, and a
+/// checkpoint gathers the states other processes keep, every process the
+/// same states in the same order (NCCL's rule). So a process running one
+/// rank of four names every rank's states, the same names on each rank
+/// and in a process running them all, and the whole of a state it holds
+/// only a piece of is not readable until gathered.
+#[test]
+fn every_process_names_the_whole_jobs_states() {
+    let (_, dims) = sizes(&[("B", 2), ("T", 8)]);
+    let open = |ranks: &[u32]| -> Ranks {
+        let builds: Vec<(usize, Build)> = ranks
+            .iter()
+            .map(|&r| {
+                let g = compiled_for(4, Some(r), &|s| s).optimized;
+                let dims = dims.clone();
+                let build: Build = Box::new(move || {
+                    Ok(Box::new(Cpu::new(&g, &dims, Precision::F64)?) as Box<dyn Backend>)
+                });
+                (r as usize, build)
+            })
+            .collect();
+        Ranks::new(builds, 4).unwrap()
+    };
+    let all = open(&[0, 1, 2, 3]).state_names();
+    assert!(all.iter().any(|n| n == "wte.adam_m"), "{all:?}");
+    assert!(all.iter().all(|n| !n.ends_with(".master")), "{all:?}");
+    for r in 0..4u32 {
+        let one = open(&[r]);
+        assert_eq!(one.state_names(), all, "rank {r} alone");
+        assert_eq!(one.shapes()["wte.adam_m"], one.shapes()["wte"]);
+    }
+    // wte (the first parameter, 31% of them) lies in rank 0's and rank 1's
+    // runs: rank 1 alone holds a piece of its moments.
+    let err = open(&[1]).get("wte.adam_m").unwrap_err().to_string();
+    assert!(err.contains("other processes"), "{err}");
+}

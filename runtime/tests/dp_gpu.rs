@@ -189,6 +189,33 @@ fn check_reducing(
             states.len(),
             fusec_runtime::backend::state_names(&one.optimized).len()
         );
+        // Gathered over NCCL (a launched job's checkpoint): every rank gets
+        // what this process reads from its ranks' pieces, bit for bit (the
+        // moments, and a bf16 model's f32 masters through the parameter).
+        let params = &group.graph().params;
+        let all = fusec_compiler::autodiff::zero::pieces(params, n as u32);
+        for (name, param) in [("wte.adam_m", "wte"), ("wte.master", "wte")] {
+            let i = params.iter().position(|p| p.name == param).unwrap();
+            if name.ends_with(".master") && precision != "bf16" {
+                continue;
+            }
+            let numel = group.numel(param);
+            let pieces = std::sync::Arc::new(all[i].clone());
+            let key = name.to_string();
+            let got = group
+                .try_each(move |_, b| b.gather_split(&key, &pieces, numel))
+                .unwrap();
+            let want = group
+                .get(if name.ends_with(".master") {
+                    param
+                } else {
+                    name
+                })
+                .unwrap();
+            for (r, g) in got.iter().enumerate() {
+                assert!(g == &want, "rank {r}'s gathered {name} differs");
+            }
+        }
     }
     println!(
         "{n} GPUs x B={b} against 1 x B={}{}{}: {precision}, micro-batches {micro}: worst relative difference over 20 steps {worst:.2e} (allowed {tol:.0e}); last loss {:.5}",

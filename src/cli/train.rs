@@ -210,7 +210,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     let validation = open_validation(args, &loaded, &dims, world, b)?;
     let data_inputs = data_inputs(b);
     announce_deterministic(args);
-    let resumed = set_weights(args, b, drawing)?;
+    let resumed = set_weights(args, b, drawing, !quiet)?;
     let first = resumed.as_ref().map_or(1, |ck| ck.step + 1);
     // Each optimizer step runs `micro` micro-batches of B rows, adding up
     // their gradients, and applies the update on the last.
@@ -263,12 +263,20 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     done
 }
 
+/// A checkpoint of the run after `step`, written to `path` where this
+/// process `writes` (rank 0 of a launched job; the others only help gather
+/// what their ranks keep).
 pub(super) fn save(
-    b: &dyn Backend,
+    b: &mut dyn Backend,
     path: &std::path::Path,
     step: u64,
     extra: &BTreeMap<String, String>,
+    writes: bool,
 ) -> Result<(), CliError> {
+    b.gather_for_checkpoint().map_err(runtime_err)?;
+    if !writes {
+        return Ok(());
+    }
     let mut ck = backend::checkpoint(b, step).map_err(runtime_err)?;
     ck.extra = extra.clone();
     checkpoint::save(path, &ck).map_err(|e| CliError {

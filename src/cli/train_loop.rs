@@ -380,21 +380,23 @@ impl StepLoop<'_> {
 
     /// `--save-every`: a checkpoint after every N steps but the last (which
     /// `finish` writes).
-    pub(super) fn save_every(&self, b: &dyn Backend, step: u64) -> Result<(), CliError> {
+    pub(super) fn save_every(&self, b: &mut dyn Backend, step: u64) -> Result<(), CliError> {
         if let (Some(path), Some(every)) = (&self.args.save, self.args.save_every) {
             if step.is_multiple_of(every) && step != self.last {
-                save(b, path, step, &self.state(step))?;
+                save(b, path, step, &self.state(step), !self.quiet)?;
             }
         }
         Ok(())
     }
 
     /// The run's end: `--save`'s checkpoint, then `--save-data`'s batches.
-    pub(super) fn finish(self, b: &dyn Backend) -> Result<(), CliError> {
+    pub(super) fn finish(self, b: &mut dyn Backend) -> Result<(), CliError> {
         let last = self.last;
         if let Some(path) = &self.args.save {
-            save(b, path, last, &self.state(last))?;
-            eprintln!("saved {} (step {last})", path.display());
+            save(b, path, last, &self.state(last), !self.quiet)?;
+            if !self.quiet {
+                eprintln!("saved {} (step {last})", path.display());
+            }
         }
         self.feed.save_record(self.args.save_data.as_deref())
     }

@@ -55,12 +55,12 @@ pub(super) fn load_fitted(
 }
 
 /// The arguments this rank runs with: a `quiet` rank (not rank 0 of a
-/// launched job) writes no files.
+/// launched job) writes no files. It keeps `--save`, `--save-every` and
+/// `--save-init`, whose checkpoints it helps gather (ZeRO: its ranks' state)
+/// at the steps rank 0 writes them; `save` writes nothing there.
 pub(super) fn this_ranks_args(args: &TrainArgs, quiet: bool) -> Cow<'_, TrainArgs> {
     if quiet {
         let mut args_here = args.clone();
-        args_here.save = None;
-        args_here.save_init = None;
         args_here.save_data = None;
         args_here.log = None;
         Cow::Owned(args_here)
@@ -104,11 +104,6 @@ pub(super) fn open_backend(
     };
     if job.world() > 1 {
         let zero = args.parallel.zero == 1;
-        if zero && matches!(job, parallel::Job::Launched(..)) && args.save.is_some() {
-            return Err(CliError::usage(
-                "error: --zero 1 under a launcher keeps each rank's optimizer state in its own process, and gathering it for a checkpoint across processes is not built yet; save from a --gpus N run, or train without --zero".to_string(),
-            ));
-        }
         Ok(Box::new(parallel::start(
             loaded, dims, job, args.gpu, args.cpu, options, &args.data, zero,
         )?))
@@ -171,6 +166,7 @@ pub(super) fn set_weights(
     args: &TrainArgs,
     b: &mut dyn Backend,
     drawing: Option<Drawing>,
+    writes: bool,
 ) -> Result<Option<checkpoint::Checkpoint>, CliError> {
     let t_init = Instant::now();
     // Each drawn parameter is copied while the next is drawn.
@@ -220,7 +216,7 @@ pub(super) fn set_weights(
         );
     }
     if let Some(path) = &args.save_init {
-        save(b, path, 0, &Default::default())?;
+        save(b, path, 0, &Default::default(), writes)?;
     }
     Ok(resumed)
 }
