@@ -658,17 +658,21 @@ fn bucket_mib_sizes_the_gradient_buckets() {
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("{line}"))
     };
-    assert_eq!(buckets(&[]), 7);
-    assert_eq!(buckets(&["--bucket-mib", "25"]), 15);
+    assert_eq!(buckets(&["--zero", "0"]), 7);
+    assert_eq!(buckets(&["--zero", "0", "--bucket-mib", "25"]), 15);
     // Averaged in bf16 the default closes at half the bytes: the same 7.
-    assert_eq!(buckets(&["--reduce-dtype", "bf16"]), 7);
+    assert_eq!(buckets(&["--zero", "0", "--reduce-dtype", "bf16"]), 7);
     let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
     assert!(report.contains("(mean in bf16, NCCL)"), "{report}");
     // ZeRO: the same gradients go to their pieces' owners, and the norm's
     // sum of squares (each rank's over its pieces) is added over the ranks:
     // one collective more.
     assert_eq!(buckets(&["--zero", "1", "--rank", "1"]), 8);
+    // ZeRO is the default over several ranks.
+    let explicit = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+    assert_eq!(buckets(&["--rank", "1"]), 8);
     let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+    assert_eq!(report, explicit, "the default is --zero 1");
     assert!(
         report.contains("each gradient's mean goes to the owners of its pieces alone"),
         "{report}"
@@ -755,4 +759,44 @@ fn reduce_dtype_needs_ranks_and_a_bf16_model() {
         assert!(err.contains(want), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
     }
+}
+
+/// ZeRO stage 1 is the default over several ranks, but a model too small
+/// to give every rank a piece of its parameters runs unsplit by default;
+/// asked for with `--zero 1` it is refused with the reason.
+#[test]
+fn zero_leaves_a_model_too_small_for_its_ranks_unsplit_unless_asked() {
+    let dir = std::env::temp_dir().join(format!("fusec-cli-tiny-zero-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("tiny.dsl");
+    std::fs::write(
+        &model,
+        "dim B\ninput x: f32[B, 4]\nparam w: [4, 4] = normal(0.1)\ntrain { loss = mean(x @ w) }\n",
+    )
+    .unwrap();
+    let out = dir.join("out");
+    let build = |extra: &[&str]| {
+        let mut a = vec![
+            "build",
+            model.to_str().unwrap(),
+            "--gpus",
+            "4",
+            "--dim",
+            "B=8",
+            "-o",
+            out.to_str().unwrap(),
+        ];
+        a.extend_from_slice(extra);
+        fusec(&a)
+    };
+    let (code, _, err) = build(&[]);
+    assert_eq!(code, 0, "{err}");
+    let report = std::fs::read_to_string(out.join("report.txt")).unwrap();
+    assert!(report.contains("data parallel over 4 ranks"), "{report}");
+    assert!(!report.contains("ZeRO"), "{report}");
+    let (code, _, err) = build(&["--zero", "1"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--zero 1 cannot split this model"), "{err}");
+    assert!(err.contains("leave 3 of 4 ranks nothing to own"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -675,6 +675,8 @@ fn simulated_ranks_follow_one_rank_and_resume_across_rank_counts() {
         "2",
         "--gpus",
         "2",
+        "--zero",
+        "0",
         "--steps",
         "4",
         "--log",

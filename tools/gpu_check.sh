@@ -20,10 +20,10 @@
 #                                (tools/bench_twins.py, B = 8 and 32; SUITE_ONLY=REGEX picks models)
 #   tools/gpu_check.sh dp        data parallel on every GPU of the machine: the dp_gpu test, --gpus N
 #                                against one GPU with N x B on text, a two-process launch as a second
-#                                machine would join (DP_TRAIN_EXTRA="--zero 1" adds its flags to those two),
+#                                machine would join (DP_TRAIN_EXTRA="--zero 0" adds its flags to those two),
 #                                their checkpoints compared byte for byte and both resumed from rank 0's,
-#                                fusec bench --gpus 1..N (gradients averaged in f32 and in bf16, and with
-#                                --zero 1) beside torch_ddp.py
+#                                fusec bench --gpus 1..N (ZeRO stage 1, the default, gradients averaged in
+#                                f32 and in bf16, and --zero 0) beside torch_ddp.py
 #                                (DP_BATCH per GPU, default 16; DP_TORCH_GPUS picks the DDP runs)
 #   tools/gpu_check.sh dpbench   the throughput part of dp alone
 #   tools/gpu_check.sh dpwhy     where a data-parallel step's extra time goes: one GPU alone, one
@@ -178,7 +178,7 @@ if [ "$what" = dp ]; then
   echo "exit $?"; grep -E "^test |test result|GPUs x|panicked|skipped" "$LOGS/dp_gpu.log" | head -20
   T=dsl-examples/data/founding-texts.txt
   SMALL="--set layers=4 --set d=256 --set n_heads=4 --set vocab=256 --set ctx=256 --seq 256 --data $T --steps 20"
-  # DP_TRAIN_EXTRA (e.g. "--zero 1") goes to the two-GPU and two-process runs.
+  # DP_TRAIN_EXTRA (e.g. "--zero 0") goes to the two-GPU and two-process runs.
   EXTRA=${DP_TRAIN_EXTRA:-}
   for prec in fp32 bf16; do
     run "fusec train --gpus 2 --batch 4 against one GPU with --batch 8 (text, $prec, 20 steps)"
@@ -253,15 +253,15 @@ if [ "$what" = dp ] || [ "$what" = dpbench ]; then
   B=${DP_BATCH:-16}
   for g in $(seq 1 $N); do
     case $g in 1|2|4|8) ;; *) continue ;; esac
-    run "fusec bench gpt2-small --gpus $g --batch $B --seq 1024"
+    run "fusec bench gpt2-small --gpus $g --batch $B --seq 1024 (with several, ZeRO stage 1: the default)"
     if [ $g = 1 ]; then
       timeout 200 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch $B --seq 1024 --steps 30 2>&1 | tail -1 | tee -a "$LOGS/dp-bench.jsonl"
     else
       timeout 200 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --gpus $g --batch $B --seq 1024 --steps 30 2>&1 | tail -1 | tee -a "$LOGS/dp-bench.jsonl"
       run "fusec bench gpt2-small --gpus $g --reduce-dtype bf16 (gradients averaged in bf16)"
       timeout 200 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --gpus $g --reduce-dtype bf16 --batch $B --seq 1024 --steps 30 2>&1 | tail -1 | tee -a "$LOGS/dp-bench.jsonl"
-      run "fusec bench gpt2-small --gpus $g --zero 1 (ZeRO stage 1)"
-      timeout 200 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --gpus $g --zero 1 --batch $B --seq 1024 --steps 30 2>&1 | tail -1 | tee -a "$LOGS/dp-bench.jsonl"
+      run "fusec bench gpt2-small --gpus $g --zero 0 (without ZeRO stage 1, every GPU all of the state, as DDP)"
+      timeout 200 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --gpus $g --zero 0 --batch $B --seq 1024 --steps 30 2>&1 | tail -1 | tee -a "$LOGS/dp-bench.jsonl"
     fi
   done
   if [ -f "$BIN/torch_ddp.py" ]; then

@@ -191,6 +191,14 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
     let backward = autodiff::add_backward(&model).map_err(Failure::Model)?;
     check_verified(&backward, "autodiff")?;
     let mut training = backward;
+    if model.train.zero_rank.is_some() && model.train.ranks > 1 {
+        if let Some(why) = autodiff::zero::unsplittable(&training.params, model.train.ranks) {
+            return Err(Failure::Usage(format!(
+                "--zero 1 cannot split this model over its {} ranks: {why}; train it with --zero 0, or on fewer GPUs",
+                model.train.ranks
+            )));
+        }
+    }
     autodiff::add_update(&mut training, &model.train).map_err(|e| {
         Failure::Model(
             crate::diag::Diagnostic::new(

@@ -340,7 +340,9 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     let options = SessionOptions {
         deterministic: args.deterministic,
     };
-    let zero = args.parallel.zero == 1;
+    let zero = args
+        .parallel
+        .zero_on(world, &loaded.compiled.optimized.params);
     let mut ranks = parallel::start(
         &loaded, &dims, job, args.gpu, false, options, "random", zero,
     )?;

@@ -40,13 +40,13 @@ pub struct BuildArgs {
     /// in buckets (shown in report.txt) while the backward pass runs
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub gpus: Option<u32>,
-    /// With --gpus: ZeRO stage 1, the optimizer state (and with bf16 or
-    /// fp16 the f32 master weights) split over the ranks; the plan and
-    /// report are those of rank --rank
-    #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1), requires = "gpus")]
-    pub zero: u8,
-    /// The rank whose plan a --zero 1 build writes
-    #[arg(long, value_name = "R", default_value_t = 0, requires = "zero")]
+    /// With --gpus: ZeRO stage 1 (the default), the optimizer state (and
+    /// with bf16 or fp16 the f32 master weights) split over the ranks, the
+    /// plan and report those of rank --rank; 0 keeps them whole on every rank
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=1), requires = "gpus")]
+    pub zero: Option<u8>,
+    /// The rank whose plan a ZeRO build writes
+    #[arg(long, value_name = "R", default_value_t = 0, requires = "gpus")]
     pub rank: u32,
     /// With --gpus: close each bucket of gradients averaged together at
     /// this many MiB (default 100, 50 with --reduce-dtype bf16)
@@ -198,7 +198,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         }
     }
     let ranks = args.gpus.unwrap_or(1);
-    if args.zero == 1 && (ranks < 2 || args.rank >= ranks) {
+    if (args.zero == Some(1) && ranks < 2) || args.rank >= ranks.max(1) {
         return Err(CliError::usage(format!(
             "error: --zero 1 needs --gpus 2 or more and --rank below it (given --gpus {ranks} --rank {})",
             args.rank
@@ -207,12 +207,18 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     if args.bucket_mib.is_some() && ranks < 2 {
         return Err(super::parallel::buckets_need_ranks());
     }
-    let mut loaded = load_rank(
-        &args.model,
-        ranks,
-        (args.zero == 1).then_some(args.rank),
-        args.reduce_dtype,
-    )?;
+    // ZeRO by default over several ranks, where the model splits: then the
+    // step is rank --rank's own.
+    let plain = load_rank(&args.model, ranks, None, args.reduce_dtype)?;
+    let choice = super::parallel::ParallelArgs {
+        zero: args.zero,
+        ..Default::default()
+    };
+    let mut loaded = if choice.zero_on(ranks as usize, &plain.compiled.optimized.params) {
+        load_rank(&args.model, ranks, Some(args.rank), args.reduce_dtype)?
+    } else {
+        plain
+    };
     loaded.compiled.optimized.bucket_bytes = args.bucket_mib.map(|m| m << 20);
     let dims = args.sizes.resolve(&loaded.compiled.optimized.dims)?;
     let recomputed = fit_memory(

@@ -26,14 +26,15 @@ pub struct ParallelArgs {
     /// runs; --batch is each GPU's. With --cpu: N ranks of the CPU reference
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub gpus: Option<u32>,
-    /// ZeRO stage: 1 splits the optimizer state over the ranks (each gets
-    /// the averaged gradients of the parameters it owns, keeps and updates
-    /// their state, then sends the new values to the others); with bf16 or
-    /// fp16 the f32 master weights are split too, every rank keeping the
-    /// weights in the compute dtype alone; 0, the default, keeps it all
-    /// whole on every rank
-    #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
-    pub zero: u8,
+    /// ZeRO stage: 1, the default with several ranks, splits the optimizer
+    /// state over them (each gets the averaged gradients of the parameters
+    /// it owns, keeps and updates their state, then sends the new values to
+    /// the others; with bf16 or fp16 the f32 master weights are split too,
+    /// every rank keeping the weights in the compute dtype alone): the same
+    /// training, in less memory and time; 0 keeps it all whole on every
+    /// rank, as PyTorch DDP does
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub zero: Option<u8>,
     /// Close each bucket of gradients averaged together at this many MiB
     /// (default 100, 50 with --reduce-dtype bf16; PyTorch DDP's is 25): larger buckets mean fewer
     /// collectives, smaller ones start averaging earlier in the backward pass
@@ -47,6 +48,20 @@ pub struct ParallelArgs {
 }
 
 impl ParallelArgs {
+    /// Whether ZeRO stage 1 splits the state of a job of `world` ranks
+    /// training `params`: asked for with `--zero 1`, or by default where
+    /// every rank gets a piece to own (a model of fewer than 64 elements a
+    /// rank runs unsplit unless `--zero 1` asks, which then says why not).
+    pub fn zero_on(&self, world: usize, params: &[fusec_compiler::ir::graph::ParamInfo]) -> bool {
+        world > 1
+            && match self.zero {
+                Some(z) => z == 1,
+                None => {
+                    fusec_compiler::autodiff::zero::unsplittable(params, world as u32).is_none()
+                }
+            }
+    }
+
     /// Sets `--bucket-mib` on the step `g` is (every rank's step must get it).
     pub fn shape_buckets(&self, g: &mut fusec_compiler::ir::Graph) {
         g.bucket_bytes = self.bucket_mib.map(|m| m << 20);
@@ -94,7 +109,7 @@ impl Job {
 pub fn job(args: &ParallelArgs) -> Result<Job, CliError> {
     let launched = rendezvous::from_env(|k| std::env::var(k).ok())
         .map_err(|e| CliError::usage(format!("error: {e}")))?;
-    if args.zero == 1 && launched.is_none() && args.gpus.unwrap_or(1) < 2 {
+    if args.zero == Some(1) && launched.is_none() && args.gpus.unwrap_or(1) < 2 {
         return Err(CliError::usage(
             "error: --zero 1 splits the optimizer state over data-parallel ranks: give --gpus N (N >= 2) or start the ranks with a launcher".to_string(),
         ));

@@ -103,7 +103,9 @@ pub(super) fn open_backend(
         deterministic: args.deterministic,
     };
     if job.world() > 1 {
-        let zero = args.parallel.zero == 1;
+        let zero = args
+            .parallel
+            .zero_on(job.world(), &loaded.compiled.optimized.params);
         Ok(Box::new(parallel::start(
             loaded, dims, job, args.gpu, args.cpu, options, &args.data, zero,
         )?))

@@ -57,6 +57,21 @@ pub fn pieces(params: &[ParamInfo], ranks: u32) -> Vec<Vec<Piece>> {
         .collect()
 }
 
+/// Why ZeRO cannot split these parameters over `ranks`: a rank would own
+/// none of them (fewer than 64 elements a rank), and would then have no
+/// state of its own to keep, update or gather.
+pub fn unsplittable(params: &[ParamInfo], ranks: u32) -> Option<String> {
+    let all = pieces(params, ranks);
+    let owners: std::collections::BTreeSet<u32> = all.iter().flatten().map(|p| p.rank).collect();
+    let total: u64 = params.iter().map(numel).sum();
+    (owners.len() < ranks as usize).then(|| {
+        format!(
+            "the model's {total} parameter elements leave {} of {ranks} ranks nothing to own (ZeRO cuts them in runs of at least {ALIGN})",
+            ranks as usize - owners.len()
+        )
+    })
+}
+
 /// Rank `rank`'s piece of parameter `i`, if it owns one.
 pub fn piece(params: &[ParamInfo], ranks: u32, rank: u32, i: usize) -> Option<Piece> {
     pieces(params, ranks)[i]
@@ -144,5 +159,14 @@ mod tests {
                 "{ranks}: {per_rank:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_model_too_small_for_its_ranks_is_named() {
+        let tiny: Vec<ParamInfo> = [10, 20].map(param).to_vec();
+        let why = unsplittable(&tiny, 2).expect("30 elements over 2 ranks");
+        assert!(why.contains("leave 1 of 2 ranks nothing to own"), "{why}");
+        let big: Vec<ParamInfo> = [38_597_376, 768].map(param).to_vec();
+        assert_eq!(unsplittable(&big, 8), None);
     }
 }
