@@ -683,6 +683,10 @@ fn simulated_ranks_follow_one_rank_and_resume_across_rank_counts() {
         two.to_str().unwrap(),
     ]);
     assert!(err.contains("2 ranks meeting at each all-reduce"), "{err}");
+    assert!(
+        err.contains("every rank keeps the whole optimizer state"),
+        "{err}"
+    );
     train(&[
         "--batch",
         "4",
@@ -727,6 +731,7 @@ fn simulated_ranks_follow_one_rank_and_resume_across_rank_counts() {
         zck.to_str().unwrap(),
     ]);
     assert!(err.contains("saved"), "{err}");
+    assert!(err.contains("ZeRO stage 1: each rank keeps"), "{err}");
     let (_, moments, _) = tensor(&zck, "wte.adam_m");
     assert_eq!(moments, vec![256, 32]);
     let full = losses(&full);

@@ -137,6 +137,15 @@ pub fn job(args: &ParallelArgs) -> Result<Job, CliError> {
     }
 }
 
+/// What a data-parallel run says of its optimizer state.
+fn zero_line(zero: bool) -> &'static str {
+    if zero {
+        "ZeRO stage 1: each rank keeps and updates its piece of the optimizer state (and of the f32 master weights) (--zero 0 keeps them whole)"
+    } else {
+        "every rank keeps the whole optimizer state"
+    }
+}
+
 /// `dims` with the batch of every rank together (what callers of a
 /// data-parallel backend feed).
 pub fn whole_batch(dims: &BTreeMap<String, i64>, world: usize) -> BTreeMap<String, i64> {
@@ -215,7 +224,10 @@ pub fn start(
                 "--cpu runs its ranks in one process: use --cpu --gpus N, not a launcher".into(),
             ));
         };
-        eprintln!("CPU reference interpreter, {n} ranks meeting at each all-reduce: slow, for small models");
+        eprintln!(
+            "CPU reference interpreter, {n} ranks meeting at each all-reduce: slow, for small models; {}",
+            zero_line(zero)
+        );
         let ranks = *n as u32;
         let builds = Peers::group(*n)
             .into_iter()
@@ -286,9 +298,10 @@ pub fn start(
     )
     .map_err(runtime_err)?;
     eprintln!(
-        "data parallel: {world} ranks joined (NCCL {}), {} of them in this process",
+        "data parallel: {world} ranks joined (NCCL {}), {} of them in this process; {}",
         nccl::version(),
-        here.len()
+        here.len(),
+        zero_line(zero)
     );
     Ok(ranks)
 }
