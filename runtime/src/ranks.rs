@@ -150,7 +150,7 @@ impl Ranks {
                 shapes.insert(name.clone(), full);
             }
         }
-        let owned = owned_states(&graph, &states);
+        let owned = fusec_compiler::autodiff::zero::job_states(&graph, &states);
         for (name, &i) in &owned {
             if let Some(full) = shapes.get(&graph.params[i].name).cloned() {
                 shapes.entry(name.clone()).or_insert(full);
@@ -275,58 +275,6 @@ impl Ranks {
         let n = values.len() / self.world;
         values[rank * n..(rank + 1) * n].to_vec()
     }
-}
-
-/// ZeRO: the states each parameter's owners keep, by name, with the
-/// parameter's index: for every parameter with a gradient, each kind of
-/// state (`adam_m`, `adam_v`, `momentum`, and `master` where the ranks
-/// keep the parameter in the compute dtype) that this process's ranks keep
-/// of any parameter. The same on every rank of the job (it reads the
-/// graph's structure, which the ranks share), so the ranks of every
-/// process gather the same states in the same order. Empty without ZeRO.
-fn owned_states(g: &Graph, local: &BTreeSet<String>) -> BTreeMap<String, usize> {
-    use fusec_compiler::ir::graph::Role;
-    let graded: Vec<usize> = g
-        .outputs
-        .iter()
-        .filter_map(|(r, _)| match r {
-            Role::Grad(i) => Some(*i),
-            _ => None,
-        })
-        .collect();
-    // ZeRO: a parameter with a gradient that this rank does not update
-    // whole in place (another rank owns it, or a piece of it).
-    let updated_whole = |i: usize| {
-        g.outputs.iter().any(|(r, v)| {
-            *r == Role::NewParam(i)
-                && match &g.g[v.node].op {
-                    fusec_compiler::ops::Op::AdamW(a) => a.range.is_none() && !a.master,
-                    fusec_compiler::ops::Op::Sgd(s) => s.range.is_none() && !s.master,
-                    _ => false,
-                }
-        })
-    };
-    if graded.iter().all(|&i| updated_whole(i)) {
-        return BTreeMap::new();
-    }
-    let kinds: BTreeSet<&str> = local
-        .iter()
-        .filter_map(|name| {
-            let (param, kind) = name.rsplit_once('.')?;
-            (kind != "grad_acc" && g.params.iter().any(|p| p.name == param)).then_some(kind)
-        })
-        .collect();
-    let mut out = BTreeMap::new();
-    for &i in &graded {
-        let p = &g.params[i];
-        let narrow = g.g[p.node].outputs[0].dtype != p.ty.dtype;
-        for &kind in &kinds {
-            if kind != "master" || narrow {
-                out.insert(format!("{}.{kind}", p.name), i);
-            }
-        }
-    }
-    out
 }
 
 /// `e` with the rank it happened on, when the job has several.

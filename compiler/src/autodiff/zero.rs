@@ -12,6 +12,7 @@
 use crate::ir::graph::{Graph, ParamInfo, Value};
 use crate::ir::types::DType;
 use crate::ops::Op;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Pieces start at multiples of this many elements.
 const ALIGN: u64 = 64;
@@ -117,6 +118,60 @@ pub fn store_param_as(g: &mut Graph, i: usize, dtype: DType) {
         p.ty = ty.clone();
     }
     g.g[node].outputs[0] = ty;
+}
+
+/// ZeRO: the states each parameter's owners keep across the whole job, by
+/// name, with the parameter's index, from one rank's graph `g` and the
+/// state names `local` of the ranks one process runs: for every parameter
+/// with a gradient, each kind of state those ranks keep of any parameter
+/// (`adam_m`, `adam_v`, `momentum`, and `master` where the ranks keep the
+/// parameter in the compute dtype). The same on every rank of the job (it
+/// reads the graph's structure, which the ranks share, and every rank owns
+/// a piece: `unsplittable`), so the processes gather the same states in
+/// the same order. Empty without ZeRO.
+pub fn job_states(g: &Graph, local: &BTreeSet<String>) -> BTreeMap<String, usize> {
+    use crate::ir::graph::Role;
+    let graded: Vec<usize> = g
+        .outputs
+        .iter()
+        .filter_map(|(r, _)| match r {
+            Role::Grad(i) => Some(*i),
+            _ => None,
+        })
+        .collect();
+    // ZeRO: a parameter with a gradient that this rank does not update
+    // whole in place (another rank owns it, or a piece of it).
+    let updated_whole = |i: usize| {
+        g.outputs.iter().any(|(r, v)| {
+            *r == Role::NewParam(i)
+                && match &g.g[v.node].op {
+                    Op::AdamW(a) => a.range.is_none() && !a.master,
+                    Op::Sgd(s) => s.range.is_none() && !s.master,
+                    _ => false,
+                }
+        })
+    };
+    if graded.iter().all(|&i| updated_whole(i)) {
+        return BTreeMap::new();
+    }
+    let kinds: BTreeSet<&str> = local
+        .iter()
+        .filter_map(|name| {
+            let (param, kind) = name.rsplit_once('.')?;
+            (kind != "grad_acc" && g.params.iter().any(|p| p.name == param)).then_some(kind)
+        })
+        .collect();
+    let mut out = BTreeMap::new();
+    for &i in &graded {
+        let p = &g.params[i];
+        let narrow = g.g[p.node].outputs[0].dtype != p.ty.dtype;
+        for &kind in &kinds {
+            if kind != "master" || narrow {
+                out.insert(format!("{}.{kind}", p.name), i);
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
