@@ -394,6 +394,29 @@ fn zero_keeps_bf16_parameters_and_its_own_masters() {
     let wte = rank.buffers.iter().find(|b| b.name == "wte").unwrap();
     assert_eq!(wte.dtype, "bf16");
     assert_eq!(wte.zero_rows, 50304 - 50257);
+    // A vocabulary nobody chose (5003, padded to 5056) keeps its padded
+    // products too.
+    for zero_rank in [None, Some(1)] {
+        let opts = Options {
+            ranks: 4,
+            zero_rank,
+            overrides: [("vocab".to_string(), "5003".to_string())].into(),
+            ..Options::default()
+        };
+        let c = compile(&src, &name, &opts).unwrap_or_else(|f| panic!("{}", f.render(&name, &src)));
+        let p = fuse(&c.optimized);
+        assert_eq!(
+            p.gemm_pads.len(),
+            whole_pads,
+            "vocab 5003, rank {zero_rank:?}"
+        );
+        // Under ZeRO the zero rows are the bf16 parameter's own (else its
+        // cast copy's).
+        let pl = plan(&c.optimized, &p, &sizes(4, 1024)).unwrap();
+        let wte = pl.buffers.iter().find(|b| b.name == "wte").unwrap();
+        let want = if zero_rank.is_some() { 5056 - 5003 } else { 0 };
+        assert_eq!(wte.zero_rows, want, "rank {zero_rank:?}");
+    }
     for (what, p, dtype) in [("one rank's", &whole, "f32"), ("ZeRO's", &rank, "bf16")] {
         let params = p.buffers.iter().filter(|b| b.kind == MemKind::Param);
         assert!(params.clone().all(|b| b.dtype == dtype), "{what}");

@@ -638,24 +638,7 @@ fn the_model_files_schedule_is_followed() {
 /// at the same window of the text.
 #[test]
 fn simulated_ranks_follow_one_rank_and_resume_across_rank_counts() {
-    let train = |extra: &[&str]| {
-        let mut a = vec![
-            "train",
-            "dsl-examples/gpt2-small.dsl",
-            "--data",
-            TEXT,
-            "--cpu",
-            "--precision",
-            "fp32",
-            "--seq",
-            "8",
-        ];
-        a.extend_from_slice(&SMALL[..10]);
-        a.extend_from_slice(extra);
-        let (code, _, err) = fusec(&a);
-        assert_eq!(code, 0, "{err}");
-        err
-    };
+    let train = |extra: &[&str]| small_gpt2_on_cpu(&[&["--precision", "fp32"], extra].concat());
     let (full, ck, two, res) = (
         tmp("dp-full.jsonl"),
         tmp("dp-ck.safetensors"),
@@ -753,6 +736,25 @@ fn simulated_ranks_follow_one_rank_and_resume_across_rank_counts() {
     );
 }
 
+/// `fusec train` of a small gpt2-small (SMALL's sizes, T = 8) on text on
+/// the CPU reference, with `extra`; its stderr, the run having succeeded.
+fn small_gpt2_on_cpu(extra: &[&str]) -> String {
+    let mut a = vec![
+        "train",
+        "dsl-examples/gpt2-small.dsl",
+        "--data",
+        TEXT,
+        "--cpu",
+        "--seq",
+        "8",
+    ];
+    a.extend_from_slice(&SMALL[..10]);
+    a.extend_from_slice(extra);
+    let (code, _, err) = fusec(&a);
+    assert_eq!(code, 0, "{err}");
+    err
+}
+
 /// ZeRO on a bf16 model: the ranks keep the parameters in bf16 and each
 /// owner the f32 masters of its pieces. The run follows one rank (as
 /// stored, within bf16's rounding), the checkpoint holds the masters
@@ -760,22 +762,7 @@ fn simulated_ranks_follow_one_rank_and_resume_across_rank_counts() {
 /// and one rank without ZeRO resumes from it.
 #[test]
 fn zero_on_a_bf16_model_saves_its_masters_whole() {
-    let train = |extra: &[&str]| {
-        let mut a = vec![
-            "train",
-            "dsl-examples/gpt2-small.dsl",
-            "--data",
-            TEXT,
-            "--cpu",
-            "--seq",
-            "8",
-        ];
-        a.extend_from_slice(&SMALL[..10]);
-        a.extend_from_slice(extra);
-        let (code, _, err) = fusec(&a);
-        assert_eq!(code, 0, "{err}");
-        err
-    };
+    let train = small_gpt2_on_cpu;
     let (one, zl, zck, res) = (
         tmp("bf16-one.jsonl"),
         tmp("bf16-zero.jsonl"),

@@ -14,6 +14,7 @@ use crate::backend::Backend;
 use crate::session::StepStats;
 use crate::stage::HostBuf;
 use crate::RuntimeError;
+use fusec_compiler::autodiff::zero;
 use fusec_compiler::ir::Graph;
 use fusec_compiler::ops::Op;
 use std::collections::{BTreeMap, BTreeSet};
@@ -182,8 +183,21 @@ impl Ranks {
     /// parameter in the compute dtype (`autodiff::zero::keeps_master`):
     /// its owners hold it in pieces, as state.
     fn master_of(&self, name: &str) -> Option<String> {
-        let p = self.graph.params.iter().find(|p| p.name == name)?;
-        (self.graph.g[p.node].outputs[0].dtype != p.ty.dtype).then(|| format!("{name}.master"))
+        let i = self.graph.params.iter().position(|p| p.name == name)?;
+        zero::has_master(&self.graph, i).then(|| zero::master_name(name))
+    }
+
+    /// `name` from the first rank of this process holding it (with ZeRO,
+    /// a state's owner).
+    fn first_held(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        let n = name.to_string();
+        let mut held = self.try_holding(name, move |_, b| b.get(&n))?;
+        if held.is_empty() {
+            return Err(RuntimeError::Unsupported(format!(
+                "no rank in this process holds `{name}`"
+            )));
+        }
+        Ok(held.swap_remove(0))
     }
 
     /// `name` as gathered for a checkpoint since the last step, if it was.
@@ -194,8 +208,10 @@ impl Ranks {
 
     /// Whether the state `name` is a parameter's master.
     fn is_master(&self, name: &str) -> bool {
-        name.strip_suffix(".master")
-            .is_some_and(|p| self.master_of(p).as_deref() == Some(name))
+        self.graph
+            .params
+            .iter()
+            .any(|p| self.master_of(&p.name).as_deref() == Some(name))
     }
 
     /// Runs `f` on every rank at once (rank, its backend); the results in
@@ -393,14 +409,7 @@ impl Backend for Ranks {
         // The parameter as every rank keeps it, in the compute dtype: what
         // a forward pass reads of it (its cast of the master), with no
         // gather from the owners.
-        let n = name.to_string();
-        let mut held = self.try_holding(name, move |_, b| b.get(&n))?;
-        if held.is_empty() {
-            return Err(RuntimeError::Unsupported(format!(
-                "no rank in this process holds `{name}`"
-            )));
-        }
-        Ok(held.swap_remove(0))
+        self.first_held(name)
     }
     fn gather_for_checkpoint(&mut self) -> Result<(), RuntimeError> {
         let local = self.workers.len();
@@ -442,14 +451,7 @@ impl Backend for Ranks {
             }
             vec![whole]
         } else {
-            // The first rank holding it (with ZeRO, a state's owner).
-            let mut held = self.try_holding(name, move |_, b| b.get(&n))?;
-            if held.is_empty() {
-                return Err(RuntimeError::Unsupported(format!(
-                    "no rank in this process holds `{name}`"
-                )));
-            }
-            vec![held.swap_remove(0)]
+            vec![self.first_held(name)?]
         };
         Ok(parts.concat())
     }

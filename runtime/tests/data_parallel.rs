@@ -15,13 +15,42 @@ use fusec_compiler::ir::DType;
 use fusec_runtime::backend::{init_params, Backend, Cpu};
 use fusec_runtime::ranks::{Build, Ranks};
 
-const SETS: &[(&str, &str)] = &[
-    ("layers", "1"),
-    ("d", "32"),
-    ("n_heads", "2"),
-    ("vocab", "61"),
-    ("ctx", "16"),
-];
+/// A model file, the sizes it is set to, and the parameter whose values
+/// the runs compare.
+struct Model {
+    file: &'static str,
+    sets: &'static [(&'static str, &'static str)],
+    weights: &'static str,
+}
+
+const GPT2: Model = Model {
+    file: "dsl-examples/gpt2-small.dsl",
+    sets: &[
+        ("layers", "1"),
+        ("d", "32"),
+        ("n_heads", "2"),
+        ("vocab", "61"),
+        ("ctx", "16"),
+    ],
+    weights: "wte",
+};
+
+/// Sizes nobody chose for the shipped examples: a head dim of 20, one
+/// key/value head for two query heads, an MLP width of 100, and a
+/// vocabulary of 1713 that `pad-dims` widens to 1728 (its untied head read
+/// through a padded copy).
+const LLAMA_ODD: Model = Model {
+    file: "dsl-examples/llama-small.dsl",
+    sets: &[
+        ("layers", "1"),
+        ("d", "40"),
+        ("n_heads", "2"),
+        ("n_kv_heads", "1"),
+        ("ffn", "100"),
+        ("vocab", "1713"),
+    ],
+    weights: "output",
+};
 
 fn compiled(ranks: u32, edit: &dyn Fn(String) -> String) -> fusec_compiler::driver::Compiled {
     compiled_for(ranks, None, edit)
@@ -32,21 +61,23 @@ fn compiled_for(
     zero_rank: Option<u32>,
     edit: &dyn Fn(String) -> String,
 ) -> fusec_compiler::driver::Compiled {
-    compiled_reducing(ranks, zero_rank, None, edit)
+    compiled_reducing(&GPT2, ranks, zero_rank, None, edit)
 }
 
 /// The step of rank `zero_rank` of a ZeRO stage 1 job, or (`None`) of
 /// every rank, averaging gradients in `reduce` (`--reduce-dtype`).
 fn compiled_reducing(
+    model: &Model,
     ranks: u32,
     zero_rank: Option<u32>,
     reduce: Option<DType>,
     edit: &dyn Fn(String) -> String,
 ) -> fusec_compiler::driver::Compiled {
-    let path = common::root().join("dsl-examples/gpt2-small.dsl");
+    let path = common::root().join(model.file);
     let src = edit(std::fs::read_to_string(path).unwrap());
     let opts = Options {
-        overrides: SETS
+        overrides: model
+            .sets
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
@@ -55,7 +86,7 @@ fn compiled_reducing(
         reduce_dtype: reduce,
         ..Options::default()
     };
-    compile(&src, "gpt2-small", &opts).unwrap_or_else(|f| panic!("{}", f.render("gpt2", &src)))
+    compile(&src, "model", &opts).unwrap_or_else(|f| panic!("{}", f.render(model.file, &src)))
 }
 
 /// Tokens of step `s` for a whole batch of `rows` rows of `t`.
@@ -78,7 +109,7 @@ struct Run {
     weights: Vec<f64>,
 }
 
-fn train(b: &mut dyn Backend, rows: usize, t: usize, steps: u64, micro: u64) -> Run {
+fn train(b: &mut dyn Backend, weights: &str, rows: usize, t: usize, steps: u64, micro: u64) -> Run {
     init_params(b, 7).unwrap();
     let (mut losses, mut norms) = (Vec::new(), Vec::new());
     for s in 1..=steps {
@@ -98,7 +129,7 @@ fn train(b: &mut dyn Backend, rows: usize, t: usize, steps: u64, micro: u64) -> 
             }
         }
     }
-    let weights = b.get("wte").unwrap();
+    let weights = b.get(weights).unwrap();
     Run {
         losses,
         norms,
@@ -115,13 +146,14 @@ fn check(ranks: usize, micro: u32) {
 }
 
 fn check_with(ranks: usize, micro: u32, zero: bool) {
-    check_reducing(ranks, micro, zero, None, Precision::F64, 1e-12)
+    check_reducing(&GPT2, ranks, micro, zero, None, Precision::F64, 1e-12)
 }
 
 /// N ranks with batch B against one rank with N x B over 4 steps: losses
 /// and gradient norms within `tol` (relative), and in f64 the weights too
 /// (absolute); the ranks' weights the same bits.
 fn check_reducing(
+    model: &'static Model,
     ranks: usize,
     micro: u32,
     zero: bool,
@@ -140,17 +172,18 @@ fn check_reducing(
             src
         }
     };
-    let one = compiled(1, &edit);
+    let one = compiled_reducing(model, 1, None, None, &edit);
     let (_, dims_one) = sizes(&[("B", (ranks * b) as i64), ("T", t as i64)]);
     let mut single = Cpu::new(&one.optimized, &dims_one, precision).unwrap();
-    let reference = train(&mut single, ranks * b, t, 4, micro as u64);
+    let reference = train(&mut single, model.weights, ranks * b, t, 4, micro as u64);
 
     let (_, dims) = sizes(&[("B", b as i64), ("T", t as i64)]);
     let builds: Vec<(usize, Build)> = Peers::group(ranks)
         .into_iter()
         .enumerate()
         .map(|(r, peers)| {
-            let many = compiled_reducing(ranks as u32, zero.then_some(r as u32), reduce, &edit);
+            let many =
+                compiled_reducing(model, ranks as u32, zero.then_some(r as u32), reduce, &edit);
             let g = many.optimized;
             let dims = dims.clone();
             let build: Build = Box::new(move || {
@@ -166,7 +199,7 @@ fn check_reducing(
         .collect();
     let mut group = Ranks::new(builds, ranks).unwrap();
     assert_eq!(group.shapes()["tokens"], vec![ranks * b, t]);
-    let run = train(&mut group, ranks * b, t, 4, micro as u64);
+    let run = train(&mut group, model.weights, ranks * b, t, 4, micro as u64);
 
     for (s, (a, r)) in run.losses.iter().zip(&reference.losses).enumerate() {
         assert!(
@@ -192,7 +225,7 @@ fn check_reducing(
         assert!(worst < tol, "{ranks} ranks: weights differ by {worst}");
     }
     // Every rank holds the same weights, bit for bit.
-    let per_rank = group.each(|_, b| b.get("wte").unwrap()).unwrap();
+    let per_rank = group.each(|_, b| b.get(model.weights).unwrap()).unwrap();
     for w in &per_rank[1..] {
         assert!(w == &per_rank[0], "the ranks' weights drifted apart");
     }
@@ -221,7 +254,7 @@ fn zero_stage_one_reproduces_one_rank_with_the_state_split() {
     // As stored: each rank's forward pass reads its bf16 parameters, which
     // the owners round from their f32 masters, as one rank rounds its f32
     // parameters in the step's cast.
-    check_reducing(2, 1, true, None, Precision::AsStored, 1e-2);
+    check_reducing(&GPT2, 2, 1, true, None, Precision::AsStored, 1e-2);
     // The ranks keep the parameters in bf16 (nothing reads them in f32),
     // the masters as state.
     let rank = compiled_for(4, Some(1), &|s| s).optimized;
@@ -279,15 +312,31 @@ fn zero_stage_one_reproduces_one_rank_with_the_state_split() {
 /// losses and norms within bf16's 1e-2.
 #[test]
 fn gradients_averaged_in_bf16_reproduce_one_rank() {
-    check_reducing(2, 1, false, Some(DType::BF16), Precision::F64, 1e-12);
-    check_reducing(4, 1, true, Some(DType::BF16), Precision::F64, 1e-12);
-    check_reducing(2, 1, false, Some(DType::BF16), Precision::AsStored, 1e-2);
-    check_reducing(4, 2, true, Some(DType::BF16), Precision::AsStored, 1e-2);
+    check_reducing(&GPT2, 2, 1, false, Some(DType::BF16), Precision::F64, 1e-12);
+    check_reducing(&GPT2, 4, 1, true, Some(DType::BF16), Precision::F64, 1e-12);
+    check_reducing(
+        &GPT2,
+        2,
+        1,
+        false,
+        Some(DType::BF16),
+        Precision::AsStored,
+        1e-2,
+    );
+    check_reducing(
+        &GPT2,
+        4,
+        2,
+        true,
+        Some(DType::BF16),
+        Precision::AsStored,
+        1e-2,
+    );
     // Each gradient is averaged as the bf16 its product made (not widened
     // first), and the buckets hold the gradients they hold in f32.
     let (_, dims) = sizes(&[("B", 2), ("T", 8)]);
     let plan_of = |reduce| {
-        let c = compiled_reducing(4, None, reduce, &|s| s);
+        let c = compiled_reducing(&GPT2, 4, None, reduce, &|s| s);
         let p = fusec_compiler::kernel::fuse::fuse(&c.optimized);
         fusec_compiler::plan::plan(&c.optimized, &p, &dims).unwrap()
     };
@@ -384,4 +433,19 @@ fn every_process_names_the_whole_jobs_states() {
     // runs: rank 1 alone holds a piece of its moments.
     let err = open(&[1]).get("wte.adam_m").unwrap_err().to_string();
     assert!(err.contains("other processes"), "{err}");
+}
+
+/// ZeRO with master weights on sizes nobody chose: llama-small with a head
+/// dim of 20, grouped queries, an MLP width of 100 and a vocabulary padded
+/// from 1713 to 1728, on 3 ranks (pieces that fall anywhere): in f64 the
+/// one-rank run to the last bits, as stored within bf16's rounding.
+#[test]
+fn zero_on_odd_sizes_reproduces_one_rank() {
+    let rank = compiled_reducing(&LLAMA_ODD, 3, Some(2), None, &|s| s).optimized;
+    assert!(
+        (0..rank.params.len()).all(|i| fusec_compiler::autodiff::zero::has_master(&rank, i)),
+        "every parameter of the bf16 model kept in bf16"
+    );
+    check_reducing(&LLAMA_ODD, 3, 1, true, None, Precision::F64, 1e-12);
+    check_reducing(&LLAMA_ODD, 3, 1, true, None, Precision::AsStored, 1e-2);
 }

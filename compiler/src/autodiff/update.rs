@@ -359,7 +359,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         let master = masters[i];
         // The value the update reads and writes: the parameter, or its
         // master piece.
-        let mn = format!("{name}.master");
+        let mn = super::zero::master_name(name);
         let first = if master {
             b.op1(
                 State {

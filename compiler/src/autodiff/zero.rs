@@ -108,6 +108,20 @@ pub fn keeps_master(g: &Graph, i: usize, precision: DType) -> bool {
             .all(|&(n, _)| matches!(&g.g[n].op, Op::Cast(c) if c.to == precision))
 }
 
+/// The optimizer state holding a parameter's f32 master pieces.
+pub fn master_name(param: &str) -> String {
+    format!("{param}.master")
+}
+
+/// Whether the ranks keep parameter `i` of `g` (a rank's step) in the
+/// compute dtype and its owners an f32 master of it ([`keeps_master`] then
+/// [`store_param_as`] made it so): its `param` node is stored in another
+/// type than the model gives it.
+pub fn has_master(g: &Graph, i: usize) -> bool {
+    let p = &g.params[i];
+    g.g[p.node].outputs[0].dtype != p.ty.dtype
+}
+
 /// Stores parameter `i` in `dtype`: its `param` node's type, which the
 /// plan sizes its buffer by (the checkpoint's type stays the model's,
 /// `ParamInfo::ty`).
@@ -143,12 +157,11 @@ pub fn job_states(g: &Graph, local: &BTreeSet<String>) -> BTreeMap<String, usize
     // whole in place (another rank owns it, or a piece of it).
     let updated_whole = |i: usize| {
         g.outputs.iter().any(|(r, v)| {
+            let op = &g.g[v.node].op;
             *r == Role::NewParam(i)
-                && match &g.g[v.node].op {
-                    Op::AdamW(a) => a.range.is_none() && !a.master,
-                    Op::Sgd(s) => s.range.is_none() && !s.master,
-                    _ => false,
-                }
+                && matches!(op, Op::AdamW(_) | Op::Sgd(_))
+                && op.lower().update_range().is_none()
+                && !op.lower().update_master()
         })
     };
     if graded.iter().all(|&i| updated_whole(i)) {
@@ -164,9 +177,8 @@ pub fn job_states(g: &Graph, local: &BTreeSet<String>) -> BTreeMap<String, usize
     let mut out = BTreeMap::new();
     for &i in &graded {
         let p = &g.params[i];
-        let narrow = g.g[p.node].outputs[0].dtype != p.ty.dtype;
         for &kind in &kinds {
-            if kind != "master" || narrow {
+            if kind != "master" || has_master(g, i) {
                 out.insert(format!("{}.{kind}", p.name), i);
             }
         }

@@ -131,8 +131,7 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
         None => String::new(),
     };
     // A master piece is indexed as the state, the gradient as the parameter.
-    let master = matches!(&g.g[m.node].op, Op::AdamW(a) if a.master)
-        || matches!(&g.g[m.node].op, Op::Sgd(s) if s.master);
+    let master = g.g[m.node].op.lower().update_master();
     let pat = if master { String::new() } else { at.clone() };
     // The rest of the parameter passes through where the update is not in
     // place (the plan always updates in place; the first chunk copies it).

@@ -65,6 +65,13 @@ pub trait Lower {
         None
     }
 
+    /// Whether an update reads and writes its f32 master piece (indexed as
+    /// its state) rather than the parameter (ZeRO with a 16-bit compute
+    /// dtype; `false` for every op that is not such an update).
+    fn update_master(&self) -> bool {
+        false
+    }
+
     /// Device-global storage the kernel keeps between its blocks, written
     /// at file scope before it.
     fn file_scope(&self, _g: &Graph, _c: &Ctx, _n: NodeIndex) -> Option<String> {

@@ -424,6 +424,9 @@ impl Lower for AdamW {
     fn update_range(&self) -> Option<(i64, i64)> {
         self.range
     }
+    fn update_master(&self) -> bool {
+        self.master
+    }
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let mut body = String::new();
         let b = &mut body;
@@ -502,6 +505,9 @@ impl Lower for Sgd {
     }
     fn update_range(&self) -> Option<(i64, i64)> {
         self.range
+    }
+    fn update_master(&self) -> bool {
+        self.master
     }
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let mut body = String::new();

@@ -193,10 +193,11 @@ pub fn report_with_source(
     let _ = writeln!(s, "\nmemory plan: arena of {}", gib(plan.arena_bytes));
     // ZeRO with master weights: the parameters are kept in the compute
     // dtype, their f32 masters (this rank's pieces) are optimizer state.
-    let narrow_params = plan
-        .buffers
+    let narrow_params = g
+        .params
         .iter()
-        .any(|b| b.kind == MemKind::OptimizerState && b.name.ends_with(".master"));
+        .enumerate()
+        .any(|(i, _)| crate::autodiff::zero::has_master(g, i));
     for (kind, bytes) in &plan.bytes_by_kind {
         let name = match kind {
             MemKind::Param if narrow_params => "parameters (compute dtype)",
