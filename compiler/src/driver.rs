@@ -228,9 +228,11 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
 
 /// The forward pass alone, from the inputs to the loss, after the same
 /// passes as the training step: what a validation loss runs (no
-/// gradients, no optimizer state; its parameters are the step's).
+/// gradients, no optimizer state, no dropout; its parameters are the
+/// step's).
 pub fn forward_graph(c: &Compiled) -> Result<Graph, String> {
     let mut g = c.model.graph.clone();
+    crate::passes::remove_dropout(&mut g);
     run_pipeline(&mut g, &default_pipeline(), |_, _| {}).map_err(|e| e.to_string())?;
     g.lowering_off = lowering_off(&c.disabled_passes);
     Ok(g)

@@ -85,6 +85,25 @@ pub trait Backend {
             .for_each(|(k, out)| fill(k * CHUNK, out));
         self.set(name, &data)
     }
+    /// The dropout key of the next micro-batch: the run's `seed` mixed
+    /// with the step, the micro-batch and the data-parallel rank (each
+    /// rank of a `Ranks` its own), so that every micro-batch and rank draws
+    /// its own masks and a run repeats with its seed. Nothing where the
+    /// step has no dropout.
+    fn set_dropout_key(
+        &mut self,
+        seed: u64,
+        step: u64,
+        micro: u64,
+        rank: usize,
+    ) -> Result<(), RuntimeError> {
+        let name = fusec_compiler::ops::DROPOUT_KEY_INPUT;
+        if !self.shapes().contains_key(name) {
+            return Ok(());
+        }
+        let key = fusec_compiler::ops::philox::step_key(seed, step, micro, rank as u64);
+        self.set(name, &[key[0] as i32 as f64, key[1] as i32 as f64])
+    }
     /// One step; `step` counts from 1.
     fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError> {
         self.launch(lr, step)?;

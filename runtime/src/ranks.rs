@@ -339,6 +339,17 @@ impl Backend for Ranks {
     fn graph(&self) -> &Graph {
         &self.graph
     }
+    /// Each rank its own key, from its global rank.
+    fn set_dropout_key(
+        &mut self,
+        seed: u64,
+        step: u64,
+        micro: u64,
+        _: usize,
+    ) -> Result<(), RuntimeError> {
+        self.try_each(move |rank, b| b.set_dropout_key(seed, step, micro, rank))?;
+        Ok(())
+    }
     fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
         let whole = self.numel(name);
         if whole != values.len() {

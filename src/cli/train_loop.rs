@@ -326,6 +326,8 @@ impl StepLoop<'_> {
                 b.set(APPLY_INPUT, &[apply]).map_err(runtime_err)?;
             }
             self.feed.feed_stream(b, step, mb)?;
+            b.set_dropout_key(self.args.seed, step, mb, 0)
+                .map_err(runtime_err)?;
             b.launch(rate, self.optimizer.count + 1)
                 .map_err(runtime_err)?;
             if step < self.last || mb + 1 < micro {

@@ -146,7 +146,7 @@ pub(super) fn open_validation(
 pub(super) fn data_inputs(b: &dyn Backend) -> Vec<String> {
     b.shapes()
         .keys()
-        .filter(|k| is_input(b.graph(), k) && !k.starts_with("update."))
+        .filter(|k| is_input(b.graph(), k) && !fusec_compiler::autodiff::is_step_input(k))
         .cloned()
         .collect()
 }

@@ -69,6 +69,7 @@ const FUNCTIONS: &[Builtin] = &[
     Builtin { name: "attention", sig: "attention(q, k, v, causal = false, scale = 1/sqrt(D))", doc: "softmax(q k^T * scale) v over [B, T, H, D] heads; grouped-query when k, v have fewer heads", f: Call::Fn(attention) },
     Builtin { name: "causal_mask", sig: "causal_mask(scores)", doc: "-inf above the diagonal of the last two axes", f: Call::Fn(causal_mask) },
     Builtin { name: "conv2d", sig: "conv2d(x, weight, stride = 1, padding = 0)", doc: "NHWC convolution; weight is [KH, KW, Cin, Cout]", f: Call::Fn(conv2d) },
+    Builtin { name: "dropout", sig: "dropout(x, p)", doc: "zero each element with probability p and scale the rest by 1/(1-p) (training steps only)", f: Call::Fn(dropout) },
     Builtin { name: "cross_entropy", sig: "cross_entropy(logits, targets)", doc: "mean cross-entropy of logits [..., V] and i32 targets [...]", f: Call::Fn(cross_entropy) },
 ];
 
@@ -626,4 +627,30 @@ fn cross_entropy(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
         keepdim: false,
     };
     Ok(t(add1(e, mean, &[(rows, a.span)], a.span)?))
+}
+
+fn dropout(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
+    let x = a.tensor(&e.graph, 0, "x")?;
+    let p_span = a.get(1, "p")?.map_or(a.span, |v| v.1);
+    let p = a.float(&e.graph, 1, "p", None)?;
+    if !(0.0..1.0).contains(&p) {
+        return Err(Diagnostic::new(
+            "`dropout` needs a probability from 0 up to (not including) 1",
+            p_span,
+            format!("found {p}"),
+        )
+        .with_help("p is the share of elements zeroed, e.g. `dropout(x, 0.1)`"));
+    }
+    if p == 0.0 {
+        // Nothing is dropped: no op, no key.
+        return Ok(t(x.0));
+    }
+    let key = e.dropout_key(a.span)?;
+    let site = e.next_dropout_site();
+    Ok(t(add1(
+        e,
+        Dropout { p, site },
+        &[x, (key, a.span)],
+        a.span,
+    )?))
 }

@@ -106,6 +106,10 @@ pub(crate) struct Elab<'m> {
     /// Expressions being evaluated, counted across block calls.
     depth: usize,
     pub(crate) structure: structure::Structure,
+    /// The step's dropout key (`ops::DROPOUT_KEY_INPUT`), made by the first
+    /// `dropout` call, and the sites numbered so far.
+    dropout_key: Option<Value>,
+    dropout_sites: u32,
 }
 
 pub fn elaborate(module: &Module, name: &str, opts: &Options) -> Result<Model, Errors> {
@@ -132,6 +136,8 @@ pub fn elaborate(module: &Module, name: &str, opts: &Options) -> Result<Model, E
         calls: Vec::new(),
         depth: 0,
         structure: structure::Structure::default(),
+        dropout_key: None,
+        dropout_sites: 0,
     };
     e.run(module).map_err(Errors::from)
 }
@@ -310,6 +316,27 @@ impl<'m> Elab<'m> {
 
     /// As `add`, with the spans of the arguments so that an error can point at
     /// the one at fault and show the types of the others.
+    /// The step's dropout key: one input for the whole model, added at
+    /// the first `dropout` (the runtime sets it before every micro-batch).
+    pub(crate) fn dropout_key(&mut self, span: Span) -> Result<Value, Diagnostic> {
+        if let Some(k) = self.dropout_key {
+            return Ok(k);
+        }
+        let input = Input {
+            name: crate::ops::DROPOUT_KEY_INPUT.into(),
+            ty: crate::ops::dropout_key_type(),
+        };
+        let k = self.add(input.into(), &[], span)?[0];
+        self.dropout_key = Some(k);
+        Ok(k)
+    }
+
+    /// A new dropout site: each call draws a mask of its own.
+    pub(crate) fn next_dropout_site(&mut self) -> u32 {
+        self.dropout_sites += 1;
+        self.dropout_sites - 1
+    }
+
     pub(crate) fn add_at(
         &mut self,
         op: Op,

@@ -59,6 +59,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         "attention/backward_sm90_wide.cuh",
         include_str!("../../../kernels/attention/backward_sm90_wide.cuh"),
     ),
+    (
+        "random/philox.cuh",
+        include_str!("../../../kernels/random/philox.cuh"),
+    ),
 ];
 
 /// `source` as one translation unit: every `#include "..."` of the prelude

@@ -7,7 +7,7 @@ use super::{concrete_shape, Feeds, InterpError};
 use crate::autodiff::{APPLY_INPUT, LOSS_SCALE_INPUT, LR_INPUT, STEP_INPUT};
 use crate::ir::graph::{Graph, Init, Value};
 use crate::ir::types::DType;
-use crate::ops::Op;
+use crate::ops::{Op, DROPOUT_KEY_INPUT};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
@@ -151,6 +151,14 @@ fn random_inputs_into(
                     || i.name == LOSS_SCALE_INPUT
                 {
                     Tensor::scalar(1.0)
+                } else if i.name == DROPOUT_KEY_INPUT {
+                    // A key anywhere in the 64 bits (i32 words as stored).
+                    Tensor::new(
+                        shape.clone(),
+                        (0..numel(&shape))
+                            .map(|_| rng.random::<i32>() as f64)
+                            .collect(),
+                    )
                 } else if i.ty.dtype == DType::I32 {
                     let hi = index_bound(g, Value { node: n, port: 0 }, dims)
                         .unwrap_or(2)

@@ -10,11 +10,13 @@ mod attention;
 mod builder;
 mod collective;
 mod conv;
+mod dropout;
 mod elementwise;
 mod linalg;
 mod nn;
 mod nn_lower;
 mod optim;
+pub mod philox;
 mod shape;
 mod shape_lower;
 mod source;
@@ -24,6 +26,7 @@ pub use attention::{Attention, AttentionGrad};
 pub use builder::Builder;
 pub use collective::AllReduce;
 pub use conv::{Conv2d, Conv2dGradInput, Conv2dGradWeight};
+pub use dropout::{key_type as dropout_key_type, Dropout, KEY_INPUT as DROPOUT_KEY_INPUT};
 pub use elementwise::{Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unscale};
 pub use linalg::MatMul;
 pub use nn::{
@@ -176,6 +179,7 @@ ops!(
     CrossEntropyWithGrad,
     Rope,
     CausalMask,
+    Dropout,
     Attention,
     AttentionGrad,
     Conv2d,

@@ -7,6 +7,7 @@ mod attention;
 mod cross_entropy;
 mod cse;
 mod dce;
+mod dropout;
 mod pad_dims;
 mod simplify;
 
@@ -14,6 +15,7 @@ pub use attention::FoldAttention;
 pub use cross_entropy::FuseCrossEntropy;
 pub use cse::Cse;
 pub use dce::Dce;
+pub use dropout::remove_dropout;
 pub use pad_dims::{padded_size, PadDims};
 pub use simplify::Simplify;
 

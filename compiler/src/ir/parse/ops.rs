@@ -178,6 +178,14 @@ pub(super) fn op(
             }
             .into()
         }
+        "dropout" => {
+            c.key("p")?;
+            let p = c.float()?;
+            c.key("site")?;
+            let site =
+                u32::try_from(c.usize()?).map_err(|_| c.error("a dropout site fits in 32 bits"))?;
+            Dropout { p, site }.into()
+        }
         "causal_mask" => {
             c.key("fill")?;
             CausalMask { fill: c.float()? }.into()

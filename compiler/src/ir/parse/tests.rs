@@ -99,6 +99,8 @@ update:
   %102: f32[32], %103: f32[32] = sgd(%86, %59, %86, %69, %74) momentum=0 wd=0 range=40..72 master
   %104: bf16[8, 8] = cast(%2) to=bf16
   %105: bf16[8, 8] = store_piece(%104, %99) range=16..48
+  %106: i32[2] = input "dropout.key"
+  %107: f32[B, T, 8] = dropout(%0, %106) p=0.1 site=3
 outputs:
   loss = %96
   grad[0] = %95
@@ -153,9 +155,10 @@ fn variant(op: &Op) -> usize {
         Op::SumSquares(_) => 39,
         Op::AllReduce(_) => 40,
         Op::StorePiece(_) => 41,
+        Op::Dropout(_) => 42,
     }
 }
-const VARIANTS: usize = 42;
+const VARIANTS: usize = 43;
 
 #[test]
 fn every_op_reads_back_as_printed() {

@@ -1,0 +1,68 @@
+// Philox4x32-10 (Salmon et al., SC 2011), the counter-based generator cuRAND
+// and PyTorch draw dropout masks from, and the dropout mask built on it.
+// A draw is a pure function of (key, counter): the backward pass and a
+// recomputed forward op regenerate a mask from each element's index instead
+// of storing it. compiler/src/ops/philox.rs is the same function on the host;
+// the two agree bit for bit.
+//
+// Compiles alone with nvcc or NVRTC defaults (and as host C++ through the
+// test shim): plain integer arithmetic, no library.
+#pragma once
+
+#ifndef FS_PHILOX_CUH
+#define FS_PHILOX_CUH
+
+struct fs_philox_words {
+    unsigned int w[4];
+};
+
+__device__ __forceinline__ unsigned int fs_mulhi32(unsigned int a, unsigned int b) {
+    return (unsigned int)(((unsigned long long)a * (unsigned long long)b) >> 32);
+}
+
+// Four 32-bit words from counter (c0, c1, c2, c3) under key (k0, k1).
+__device__ __forceinline__ fs_philox_words fs_philox4x32_10(unsigned int c0, unsigned int c1,
+                                                             unsigned int c2, unsigned int c3,
+                                                             unsigned int k0, unsigned int k1) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned int lo0 = 0xD2511F53u * c0, hi0 = fs_mulhi32(0xD2511F53u, c0);
+        const unsigned int lo1 = 0xCD9E8D57u * c2, hi1 = fs_mulhi32(0xCD9E8D57u, c2);
+        const unsigned int n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+    }
+    fs_philox_words r;
+    r.w[0] = c0;
+    r.w[1] = c1;
+    r.w[2] = c2;
+    r.w[3] = c3;
+    return r;
+}
+
+// The draw of element `index` of dropout site `site` under the step's key:
+// word index % 4 of the block at counter (index / 4, site).
+__device__ __forceinline__ unsigned int fs_dropout_draw(const int* key, unsigned int site,
+                                                         unsigned long long index) {
+    const unsigned long long block = index >> 2;
+    const fs_philox_words r = fs_philox4x32_10((unsigned int)block, (unsigned int)(block >> 32),
+                                               site, 0u, (unsigned int)key[0],
+                                               (unsigned int)key[1]);
+    return r.w[index & 3];
+}
+
+// x kept and scaled by 1 / (1 - p), or 0: draws below `threshold` (p of
+// 2^32) are dropped.
+__device__ __forceinline__ float fs_dropout(float x, const int* key, unsigned int site,
+                                            unsigned long long index, unsigned int threshold,
+                                            float scale) {
+    return fs_dropout_draw(key, site, index) >= threshold ? x * scale : 0.0f;
+}
+
+#endif
