@@ -412,3 +412,30 @@ fn the_graph_after_recompute_is_dumped() {
         "{err}"
     );
 }
+
+/// Dropout's masks are drawn again, not stored: a forward dropout copied
+/// into the backward pass by a budget draws the mask the step drew (the
+/// results are the unbudgeted step's bit for bit, check_budgets).
+#[test]
+fn recomputed_dropout_draws_the_same_mask() {
+    let path = common::root().join("tests/models/encoder-dropout.dsl");
+    let src = std::fs::read_to_string(&path).unwrap();
+    let (peak, floor, recomputed_any) = check_budgets(
+        "tests/models/encoder-dropout.dsl",
+        &src,
+        &[("p", "0.3")],
+        &[("B", 2), ("T", 7)],
+    );
+    assert!(recomputed_any && floor < peak, "nothing recomputed");
+    // The floor's plan copies dropouts into the backward pass.
+    let c = common::compile_with(&src, "encoder-dropout.dsl", &[("p", "0.3")]);
+    let mut g = c.optimized.clone();
+    let d = bdims(&[("B", 2), ("T", 7)]);
+    let count = |g: &Graph| {
+        g.g.node_weights()
+            .filter(|n| matches!(n.op, fusec_compiler::ops::Op::Dropout(_)) && n.recompute)
+            .count()
+    };
+    recompute::drop_every_candidate(&mut g, &d, h100().1);
+    assert!(count(&g) > 0, "no dropout was recomputed");
+}
