@@ -94,6 +94,20 @@ fn cases() -> Vec<TinyModel> {
             vec![("B", 2), ("T", 33)],
         ),
         (
+            // Dropout on the embeddings, the sublayers and inside an MLP
+            // of width 131 (sliced out of its padded 136 before the mask).
+            "../tests/models/encoder-dropout.dsl",
+            vec![
+                ("vocab", "1029"),
+                ("ctx", "64"),
+                ("d", "64"),
+                ("n_heads", "2"),
+                ("ffn", "131"),
+                ("layers", "2"),
+            ],
+            vec![("B", 2), ("T", 33)],
+        ),
+        (
             "vit-tiny.dsl",
             vec![
                 ("image", "16"),
@@ -496,6 +510,54 @@ fn gpu_training_follows_the_cpu_reference() {
             "step {step}: GPU {a} CPU {r}"
         );
     }
+}
+
+/// Ten steps of the dropout encoder (f32, p = 0.1, a new key every step
+/// as `fusec train` sets it) on the GPU follow the CPU reference: the GPU
+/// draws the interpreter's masks, so the losses stay within 1e-3 relative
+/// (f32 GEMMs and reductions summing in another order over ten Adam
+/// steps; a mask differing in one element of the 4,224 of a layer's
+/// activations moves the loss by more). Then a deterministic session
+/// repeats its own run bit for bit.
+#[test]
+fn dropout_training_follows_the_cpu_reference_and_repeats() {
+    let Some(gpu) = gpu() else { return };
+    let (file, sets, dims) = cases()
+        .into_iter()
+        .find(|c| c.0.contains("encoder-dropout"))
+        .unwrap();
+    let c = model(file, &sets);
+    let g = &c.optimized;
+    let (dmap, bdims) = sizes(&dims);
+    let feeds = random_feeds(g, &dmap, 4).unwrap();
+    let det = SessionOptions {
+        deterministic: true,
+    };
+    let run = |b: &mut dyn Backend| -> Vec<f64> {
+        (1..=10)
+            .map(|step| {
+                b.set_dropout_key(77, step, 0, 0).unwrap();
+                b.step(1e-3, step).unwrap().loss
+            })
+            .collect()
+    };
+    let mut on_cpu = backend::Cpu::new(g, &bdims, Precision::AsStored).unwrap();
+    ready(&mut on_cpu, &feeds, 4);
+    let want = run(&mut on_cpu);
+    let first = run(&mut on_gpu_with(gpu, g, &bdims, &feeds, 4, det));
+    for (step, (a, r)) in first.iter().zip(&want).enumerate() {
+        println!("step {}: GPU {a:.6} CPU {r:.6}", step + 1);
+        assert!(
+            (a - r).abs() <= 1e-3 * r.abs(),
+            "step {}: GPU {a} CPU {r}",
+            step + 1
+        );
+    }
+    let again = run(&mut on_gpu_with(gpu_again(), g, &bdims, &feeds, 4, det));
+    assert_eq!(
+        first, again,
+        "a deterministic run with dropout did not repeat"
+    );
 }
 
 /// A run checkpointed after 3 steps and restored into a fresh session
