@@ -445,3 +445,38 @@ fn dropout_kernels_draw_the_interpreters_masks() {
     println!("{checked} kernels of the dropout model ran on the host and matched the interpreter");
     assert!(checked > 0);
 }
+
+/// Cross-entropy with ignored targets and smoothed labels: the row kernels
+/// (the loss, the fused loss and gradient, f32 and the 16-byte bf16 path)
+/// and the count of targets against the interpreter; a vocabulary padded
+/// to 64 (61 classes) and one of 64.
+#[test]
+fn cross_entropy_rules_compute_what_the_interpreter_computes() {
+    if !host::have_cxx() {
+        return;
+    }
+    let work = host::work_dir("cuda-host-ce-rules");
+    let src = std::fs::read_to_string(common::root().join("tests/models/ce-rules.dsl")).unwrap();
+    let bf16 = src.replace(
+        "optimizer = adamw(lr = 1e-3)",
+        "optimizer = adamw(lr = 1e-3)\n    precision = bf16",
+    );
+    assert_ne!(src, bf16);
+    let mut checked = 0;
+    for (name, text) in [("ce-rules", &src), ("ce-rules-bf16", &bf16)] {
+        for vocab in ["61", "64"] {
+            // pad 5: random targets (0..vocab) hit it now and then.
+            checked += check_model(
+                &work,
+                &format!("{name}-v{vocab}.dsl"),
+                text,
+                &[("vocab", vocab), ("pad", "5"), ("smoothing", "0.2")],
+                // 600 rows: about ten of them target the ignored id.
+                &[("B", 3), ("T", 200)],
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    println!("{checked} kernels of the cross-entropy rules ran on the host");
+    assert!(checked > 0);
+}

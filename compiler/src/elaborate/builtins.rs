@@ -70,7 +70,7 @@ const FUNCTIONS: &[Builtin] = &[
     Builtin { name: "causal_mask", sig: "causal_mask(scores)", doc: "-inf above the diagonal of the last two axes", f: Call::Fn(causal_mask) },
     Builtin { name: "conv2d", sig: "conv2d(x, weight, stride = 1, padding = 0)", doc: "NHWC convolution; weight is [KH, KW, Cin, Cout]", f: Call::Fn(conv2d) },
     Builtin { name: "dropout", sig: "dropout(x, p)", doc: "zero each element with probability p and scale the rest by 1/(1-p) (training steps only)", f: Call::Fn(dropout) },
-    Builtin { name: "cross_entropy", sig: "cross_entropy(logits, targets)", doc: "mean cross-entropy of logits [..., V] and i32 targets [...]", f: Call::Fn(cross_entropy) },
+    Builtin { name: "cross_entropy", sig: "cross_entropy(logits, targets, ignore_index = none, label_smoothing = 0)", doc: "mean cross-entropy of logits [..., V] and i32 targets [...], over the targets that are not ignore_index", f: Call::Fn(cross_entropy) },
 ];
 
 pub(crate) fn call(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
@@ -618,15 +618,62 @@ fn conv2d(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
 fn cross_entropy(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     let logits = a.tensor(&e.graph, 0, "logits")?;
     let targets = a.tensor(&e.graph, 1, "targets")?;
+    let ignore_index = match a.get(2, "ignore_index")? {
+        Some(_) => Some(a.int(&e.graph, 2, "ignore_index", None)?.0),
+        None => None,
+    };
+    let s_span = a.get(3, "label_smoothing")?.map_or(a.span, |v| v.1);
+    let smoothing = a.float(&e.graph, 3, "label_smoothing", Some(0.0))?;
+    if !(0.0..=1.0).contains(&smoothing) {
+        return Err(Diagnostic::new(
+            "`cross_entropy` needs a label smoothing from 0 to 1",
+            s_span,
+            format!("found {smoothing}"),
+        )
+        .with_help(
+            "the share of the target spread over every class, e.g. `label_smoothing = 0.1`",
+        ));
+    }
+    let rule = CeRule {
+        ignore_index,
+        smoothing,
+    };
     // Per-row losses (one block per row on the GPU), then their mean.
-    let rows = add1(e, CrossEntropy::default(), &[logits, targets], a.span)?;
+    let ce = CrossEntropy {
+        classes: None,
+        rule,
+    };
+    let rows = add1(e, ce, &[logits, targets], a.span)?;
     let rank = e.graph.ty(rows).rank();
-    let mean = Reduce {
-        kind: ReduceKind::Mean,
-        axes: (0..rank).collect(),
+    let all: Vec<usize> = (0..rank).collect();
+    let Some(ignore_index) = ignore_index else {
+        let mean = Reduce {
+            kind: ReduceKind::Mean,
+            axes: all,
+            keepdim: false,
+        };
+        return Ok(t(add1(e, mean, &[(rows, a.span)], a.span)?));
+    };
+    // The mean over the rows that count, as PyTorch takes it: the sum of
+    // the losses over the number of targets that are not ignored (NaN
+    // where every one is).
+    let sum = |axes: Vec<usize>| Reduce {
+        kind: ReduceKind::Sum,
+        axes,
         keepdim: false,
     };
-    Ok(t(add1(e, mean, &[(rows, a.span)], a.span)?))
+    let total = add1(e, sum(all.clone()), &[(rows, a.span)], a.span)?;
+    let counted = add1(e, Counted { ignore_index }, &[targets], a.span)?;
+    let count = add1(e, sum(all), &[(counted, a.span)], a.span)?;
+    let div = Binary {
+        kind: BinaryKind::Div,
+    };
+    Ok(t(add1(
+        e,
+        div,
+        &[(total, a.span), (count, a.span)],
+        a.span,
+    )?))
 }
 
 fn dropout(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {

@@ -7,12 +7,12 @@
 //! and grid. Every such kernel is checked against its op's CPU reference by
 //! `tests/cuda_host.rs`.
 
-use super::cuda::{header, load, store, NEG_INF};
+use super::cuda::{float_lit, header, load, store, NEG_INF};
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::kernel::{Kernel, Program};
 
-use crate::ops::NORM_GROUPS;
+use crate::ops::{CeRule, NORM_GROUPS};
 use petgraph::stable_graph::NodeIndex;
 use std::fmt::Write;
 
@@ -146,17 +146,84 @@ fn ce_row_pitch(c: &Ctx, buf: usize, classes: Option<i64>) -> Option<i64> {
     })
 }
 
+/// The C expressions of a cross-entropy rule (ops::CeRule) in a row
+/// kernel, where `t` is the row's target and `C` its classes; `None` where
+/// the rule is PyTorch's default (the kernel's text is then as it was
+/// before the rule existed).
+struct RuleC {
+    /// Whether the row counts (its target is not the ignored index).
+    counts: Option<String>,
+    /// 1 - e, the target's share of the target distribution.
+    on_target: Option<String>,
+    /// e / C, the smoothing's share of every class.
+    spread: Option<String>,
+}
+
+fn rule_c(rule: &CeRule) -> RuleC {
+    let e = rule.smoothing;
+    RuleC {
+        counts: rule.ignore_index.map(|i| format!("(t != {i}LL)")),
+        on_target: (e != 0.0).then(|| float_lit(1.0 - e)),
+        spread: (e != 0.0).then(|| format!("({} / (float)C)", float_lit(e))),
+    }
+}
+
+/// The loss of a row from its max `m`, `sum` of exponentials, the sum of
+/// its logits `sx` (with smoothing) and its target's logit `picked`.
+fn ce_loss(r: &RuleC, picked: &str) -> String {
+    let (weighted, smooth) = match (&r.on_target, &r.spread) {
+        (Some(w), Some(s)) => (format!("{w} * {picked}"), format!(" - {s} * sx")),
+        _ => (picked.to_string(), String::new()),
+    };
+    let v = format!(
+        "(t >= 0 && t < C) ? m + logf(sum) - {weighted}{smooth} : __int_as_float(0x7fc00000)"
+    );
+    match &r.counts {
+        Some(counts) => format!("!{counts} ? 0.0f : {v}"),
+        None => v,
+    }
+}
+
+/// The gradient of logit `j` from its probability `prob`.
+fn ce_grad(r: &RuleC, prob: &str) -> String {
+    match (&r.on_target, &r.spread) {
+        (Some(w), Some(s)) => format!("({prob} - (j == t ? {w} : 0.0f) - {s}) * scale"),
+        _ => format!("({prob} - (j == t ? 1.0f : 0.0f)) * scale"),
+    }
+}
+
+/// The row's `scale`: its loss's gradient, zero where the row is ignored.
+fn ce_scale(r: &RuleC, dl: &str) -> String {
+    match &r.counts {
+        Some(counts) => format!("{counts} ? {dl} : 0.0f"),
+        None => dl.to_string(),
+    }
+}
+
+/// The sum of a row's logits `sx`, which a smoothed loss needs.
+fn ce_sum_x(b: &mut String, r: &RuleC, loss: Option<usize>, x: &str) {
+    if loss.is_some() && r.spread.is_some() {
+        let _ = writeln!(
+            b,
+            "        float sx = 0.0f;\n        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sx += {x};\n        sx = fs_block_sum(sx);"
+        );
+    }
+}
+
 /// One row of cross-entropy over logits (input 0) against targets (input
-/// 1): the loss into output `loss`, and/or the gradient (softmax -
-/// onehot(t)) * dloss[row] (dloss input 2) into output `grad`, the
-/// probabilities never stored.
+/// 1): the loss into output `loss`, and/or the gradient (softmax - the
+/// target distribution) * dloss[row] (dloss input 2) into output `grad`,
+/// the probabilities never stored; rows whose target is ignored get a
+/// zero loss and gradient.
 pub(crate) fn cross_entropy_row(
     b: &mut String,
     c: &Ctx,
     loss: Option<usize>,
     grad: Option<usize>,
     classes: Option<i64>,
+    rule: &CeRule,
 ) {
+    let r = rule_c(rule);
     let pitch =
         |buf: usize| ce_row_pitch(c, buf, classes).map_or("C".to_string(), |p| format!("{p}LL"));
     let _ = writeln!(
@@ -172,27 +239,26 @@ pub(crate) fn cross_entropy_row(
         );
     }
     if let (Some(o), Some(v)) = (grad, vector_rows(c, grad)) {
-        cross_entropy_row_vector(b, c, loss, o, &v);
+        cross_entropy_row_vector(b, c, loss, o, &v, &r);
         return;
     }
     let x = c.ld(0, "xrow + j");
     max_sumexp(b, &x, "        ");
+    ce_sum_x(b, &r, loss, &x);
     let _ = writeln!(b, "        const fs_i64 t = in1[row];");
     if grad.is_some() {
-        let _ = writeln!(b, "        const float scale = {};", c.ld(2, "row"));
+        let _ = writeln!(
+            b,
+            "        const float scale = {};",
+            ce_scale(&r, &c.ld(2, "row"))
+        );
     }
     if let Some(o) = loss {
         let picked = c.ld(0, "xrow + t");
         let _ = writeln!(
             b,
             "        if (threadIdx.x == 0) {}",
-            c.st(
-                o,
-                "row",
-                &format!(
-                    "(t >= 0 && t < C) ? m + logf(sum) - {picked} : __int_as_float(0x7fc00000)"
-                )
-            )
+            c.st(o, "row", &ce_loss(&r, &picked))
         );
     }
     if let Some(o) = grad {
@@ -201,7 +267,7 @@ pub(crate) fn cross_entropy_row(
             // reads one more) before any overwrites them in place.
             let _ = writeln!(b, "        __syncthreads();");
         }
-        let v = format!("(expf({x} - m) / sum - (j == t ? 1.0f : 0.0f)) * scale");
+        let v = ce_grad(&r, &format!("expf({x} - m) / sum"));
         let _ = writeln!(
             b,
             "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
@@ -269,6 +335,7 @@ fn cross_entropy_row_vector(
     loss: Option<usize>,
     o: usize,
     v: &VectorRows,
+    r: &RuleC,
 ) {
     let (elem, ld, st) = (v.elem, v.load, v.store);
     let x = format!("in{}", c.ins[0]);
@@ -298,21 +365,18 @@ fn cross_entropy_row_vector(
         const float scale = {scale};
 ",
         t = c.ins[1],
-        scale = c.ld(2, "row")
+        scale = ce_scale(r, &c.ld(2, "row"))
     );
     if let Some(lo) = loss {
+        // A smoothed loss sums the row's logits (a pass of its own: the
+        // 16-bit rows are short next to the exponentials above).
+        ce_sum_x(b, r, loss, &c.ld(0, "xrow + j"));
         let picked = c.ld(0, "xrow + t");
         let _ = writeln!(
             b,
             "        if (threadIdx.x == 0) {}
         __syncthreads();",
-            c.st(
-                lo,
-                "row",
-                &format!(
-                    "(t >= 0 && t < C) ? m + logf(sum) - {picked} : __int_as_float(0x7fc00000)"
-                )
-            )
+            c.st(lo, "row", &ce_loss(r, &picked))
         );
     }
     let out = format!("out{}", c.outs[o]);
@@ -324,12 +388,13 @@ fn cross_entropy_row_vector(
             if (j0 < C) fs_vload(v, &{x}[xrow + j0]);
             for (int e = 0; e < 8; ++e) {{
                 const fs_i64 j = j0 + e;
-                g[e] = {st}(j < C ? (expf({ld}(&v[e]) - m) * inv - (j == t ? 1.0f : 0.0f)) * scale : 0.0f);
+                g[e] = {st}(j < C ? {grad} : 0.0f);
             }}
             fs_vstore(&{out}[grow + j0], g);
         }}
 ",
-        row = v.out_row
+        row = v.out_row,
+        grad = ce_grad(r, &format!("expf({ld}(&v[e]) - m) * inv"))
     );
 }
 

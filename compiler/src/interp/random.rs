@@ -73,7 +73,11 @@ pub fn index_bound(g: &Graph, input: Value, dims: &HashMap<String, i64>) -> Opti
         let ins = g.inputs(user);
         let b = match (&g.g[user].op, slot) {
             (Op::Embedding(_), 1) => g.ty(ins[0]).shape[0].eval(&|s| dims.get(s).copied()),
-            (Op::CrossEntropy(_), 1) => g.ty(ins[0]).shape.last()?.eval(&|s| dims.get(s).copied()),
+            // Classes of a cross-entropy, its gradient or both fused (the
+            // padded columns of pad-dims' logits are none).
+            (Op::CrossEntropy(ce), 1) => classes(g, ins[0], ce.classes, dims),
+            (Op::CrossEntropyGrad(ce), 1) => classes(g, ins[0], ce.classes, dims),
+            (Op::CrossEntropyWithGrad(ce), 1) => classes(g, ins[0], ce.classes, dims),
             // Reshapes and slices pass indices through unchanged.
             (Op::Reshape(_) | Op::Slice(_) | Op::Permute(_), 0) => index_bound(
                 g,
@@ -90,6 +94,15 @@ pub fn index_bound(g: &Graph, input: Value, dims: &HashMap<String, i64>) -> Opti
         }
     }
     bound
+}
+
+fn classes(
+    g: &Graph,
+    logits: Value,
+    classes: Option<i64>,
+    dims: &HashMap<String, i64>,
+) -> Option<i64> {
+    classes.or_else(|| g.ty(logits).shape.last()?.eval(&|s| dims.get(s).copied()))
 }
 
 /// Parameters from their initialisers and data inputs at random, all from one seed.

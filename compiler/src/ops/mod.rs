@@ -30,8 +30,9 @@ pub use dropout::{key_type as dropout_key_type, Dropout, KEY_INPUT as DROPOUT_KE
 pub use elementwise::{Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unscale};
 pub use linalg::MatMul;
 pub use nn::{
-    CausalMask, CrossEntropy, CrossEntropyGrad, CrossEntropyWithGrad, Embedding, EmbeddingGrad,
-    LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad, Rope, Softmax, SoftmaxGrad, NORM_GROUPS,
+    CausalMask, CeRule, Counted, CrossEntropy, CrossEntropyGrad, CrossEntropyWithGrad, Embedding,
+    EmbeddingGrad, LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad, Rope, Softmax, SoftmaxGrad,
+    NORM_GROUPS,
 };
 pub use optim::{AdamW, Sgd, StorePiece, SumSquares};
 pub use shape::{Broadcast, Concat, Permute, Reduce, ReduceKind, Reshape, Slice, SliceGrad};
@@ -177,6 +178,7 @@ ops!(
     CrossEntropy,
     CrossEntropyGrad,
     CrossEntropyWithGrad,
+    Counted,
     Rope,
     CausalMask,
     Dropout,

@@ -428,9 +428,73 @@ impl OpDef for EmbeddingGrad {
     }
 }
 
+/// How a cross-entropy counts a row, as PyTorch's `F.cross_entropy`
+/// defines it: a row whose target is `ignore_index` has loss 0 and
+/// gradient 0 (the `cross_entropy` builtin then divides by the rows that
+/// count, not all of them); with `smoothing` e the target distribution is
+/// (1 - e) on the target plus e / V on every class.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CeRule {
+    pub ignore_index: Option<i64>,
+    pub smoothing: f64,
+}
+
+impl CeRule {
+    /// Whether target `t` (as the interpreter holds it) is ignored.
+    fn ignores(&self, t: f64) -> bool {
+        self.ignore_index.is_some_and(|i| t == i as f64)
+    }
+    /// The loss of one row of classes `row` against target `t`.
+    fn loss(&self, row: &[f64], t: f64) -> f64 {
+        if self.ignores(t) {
+            return 0.0;
+        }
+        let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        if !(t >= 0.0 && (t as usize) < row.len()) {
+            return f64::NAN;
+        }
+        let e = self.smoothing;
+        let mut loss = lse - (1.0 - e) * row[t as usize];
+        if e != 0.0 {
+            loss -= e * row.iter().sum::<f64>() / row.len() as f64;
+        }
+        loss
+    }
+    /// The gradient of one row's loss, times `dl`, pushed onto `out`.
+    fn grad(&self, row: &[f64], t: f64, dl: f64, out: &mut Vec<f64>) {
+        if self.ignores(t) {
+            out.extend(std::iter::repeat_n(0.0, row.len()));
+            return;
+        }
+        let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let s: f64 = row.iter().map(|v| (v - m).exp()).sum();
+        let e = self.smoothing;
+        let spread = e / row.len() as f64;
+        for (j, v) in row.iter().enumerate() {
+            let target = if t >= 0.0 && t as usize == j {
+                1.0 - e
+            } else {
+                0.0
+            };
+            out.push(((v - m).exp() / s - target - spread) * dl);
+        }
+    }
+    fn attrs(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(i) = self.ignore_index {
+            v.push(format!("ignore_index={i}"));
+        }
+        if self.smoothing != 0.0 {
+            v.push(format!("smoothing={}", num(self.smoothing)));
+        }
+        v
+    }
+}
+
 /// Cross-entropy of each row of logits [..., V] against i32 targets [...]:
 /// f32 losses of the targets' shape (the `cross_entropy` builtin takes their
-/// mean). A target outside [0, V) gives NaN.
+/// mean). A target outside [0, V) that is not ignored gives NaN.
 ///
 /// `classes`, where set, is V: the logits' rows are longer, padded by the
 /// `pad-dims` pass with columns that are not classes; they are left out of
@@ -438,13 +502,15 @@ impl OpDef for EmbeddingGrad {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CrossEntropy {
     pub classes: Option<i64>,
+    pub rule: CeRule,
 }
 
 /// The attribute line of a cross-entropy op.
-fn classes_attr(classes: Option<i64>) -> Vec<String> {
+fn ce_attrs(classes: Option<i64>, rule: &CeRule) -> Vec<String> {
     classes
         .map(|c| format!("classes={c}"))
         .into_iter()
+        .chain(rule.attrs())
         .collect()
 }
 
@@ -481,7 +547,7 @@ impl OpDef for CrossEntropy {
         "cross_entropy"
     }
     fn attrs(&self) -> Vec<String> {
-        classes_attr(self.classes)
+        ce_attrs(self.classes, &self.rule)
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("cross_entropy", inputs, 2)?;
@@ -490,18 +556,10 @@ impl OpDef for CrossEntropy {
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (logits, targets) = (inputs[0], inputs[1]);
-        let mut losses = Vec::with_capacity(targets.len());
-        for (row, &t) in rows(logits).zip(&targets.data) {
-            let row = classes_of(row, self.classes);
-            let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
-            let picked = if t >= 0.0 && (t as usize) < row.len() {
-                row[t as usize]
-            } else {
-                f64::NAN
-            };
-            losses.push(lse - picked);
-        }
+        let losses = rows(logits)
+            .zip(&targets.data)
+            .map(|(row, &t)| self.rule.loss(classes_of(row, self.classes), t))
+            .collect();
         vec![Tensor::new(targets.shape.clone(), losses)]
     }
     fn vjp(
@@ -518,6 +576,7 @@ impl OpDef for CrossEntropy {
             Some(b.op1(
                 CrossEntropyGrad {
                     classes: self.classes,
+                    rule: self.rule,
                 },
                 &[inputs[0], inputs[1], dl],
             )?),
@@ -526,11 +585,12 @@ impl OpDef for CrossEntropy {
     }
 }
 
-/// `(softmax(logits) - onehot(targets)) * dloss[row]`, never storing the
-/// probabilities.
+/// `(softmax(logits) - target distribution) * dloss[row]`, never storing
+/// the probabilities.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CrossEntropyGrad {
     pub classes: Option<i64>,
+    pub rule: CeRule,
 }
 
 impl OpDef for CrossEntropyGrad {
@@ -538,7 +598,7 @@ impl OpDef for CrossEntropyGrad {
         "cross_entropy_grad"
     }
     fn attrs(&self) -> Vec<String> {
-        classes_attr(self.classes)
+        ce_attrs(self.classes, &self.rule)
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("cross_entropy_grad", inputs, 3)?;
@@ -550,16 +610,7 @@ impl OpDef for CrossEntropyGrad {
         let mut out = Vec::with_capacity(logits.len());
         for ((full, &t), &dl) in rows(logits).zip(&targets.data).zip(&dl.data) {
             let row = classes_of(full, self.classes);
-            let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let s: f64 = row.iter().map(|v| (v - m).exp()).sum();
-            for (j, v) in row.iter().enumerate() {
-                let onehot = if t as usize == j && t >= 0.0 {
-                    1.0
-                } else {
-                    0.0
-                };
-                out.push(((v - m).exp() / s - onehot) * dl);
-            }
+            self.rule.grad(row, t, dl, &mut out);
             // Padded columns are no class: their gradient is zero.
             out.extend(std::iter::repeat_n(0.0, full.len() - row.len()));
         }
@@ -574,6 +625,7 @@ impl OpDef for CrossEntropyGrad {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CrossEntropyWithGrad {
     pub classes: Option<i64>,
+    pub rule: CeRule,
 }
 
 impl OpDef for CrossEntropyWithGrad {
@@ -581,7 +633,7 @@ impl OpDef for CrossEntropyWithGrad {
         "cross_entropy_with_grad"
     }
     fn attrs(&self) -> Vec<String> {
-        classes_attr(self.classes)
+        ce_attrs(self.classes, &self.rule)
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("cross_entropy_with_grad", inputs, 3)?;
@@ -592,10 +644,52 @@ impl OpDef for CrossEntropyWithGrad {
         ])
     }
     fn eval(&self, inputs: &[&Tensor], ctx: &EvalCtx) -> Vec<Tensor> {
-        let classes = self.classes;
-        let grad = CrossEntropyGrad { classes }.eval(inputs, ctx);
-        let loss = CrossEntropy { classes }.eval(&inputs[..2], ctx);
+        let (classes, rule) = (self.classes, self.rule);
+        let grad = CrossEntropyGrad { classes, rule }.eval(inputs, ctx);
+        let loss = CrossEntropy { classes, rule }.eval(&inputs[..2], ctx);
         vec![grad[0].clone(), loss[0].clone()]
+    }
+}
+
+/// 1 where a target counts, 0 where it is `ignore_index` (f32, the
+/// targets' shape): what a cross-entropy with ignored targets divides its
+/// summed losses by, summed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Counted {
+    pub ignore_index: i64,
+}
+
+impl OpDef for Counted {
+    fn name(&self) -> &'static str {
+        "counted"
+    }
+    fn attrs(&self) -> Vec<String> {
+        vec![format!("ignore_index={}", self.ignore_index)]
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("counted", inputs, 1)?;
+        expect_int("counted", &inputs[0], 0)?;
+        Ok(vec![TensorType::new(DType::F32, inputs[0].shape.clone())])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        let t = inputs[0];
+        let ignored = self.ignore_index as f64;
+        let data = t
+            .data
+            .iter()
+            .map(|&x| if x == ignored { 0.0 } else { 1.0 })
+            .collect();
+        vec![Tensor::new(t.shape.clone(), data)]
+    }
+    fn vjp(
+        &self,
+        _: &mut Builder,
+        _: &[Value],
+        _: &[Value],
+        _: &[Option<Value>],
+    ) -> Result<Vec<Option<Value>>, OpError> {
+        // Integer targets take no gradient.
+        Ok(vec![None])
     }
 }
 

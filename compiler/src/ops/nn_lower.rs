@@ -306,7 +306,7 @@ macro_rules! cross_entropy_lowering {
             }
             fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
                 let mut body = String::new();
-                cross_entropy_row(&mut body, c, $loss, $grad, self.classes);
+                cross_entropy_row(&mut body, c, $loss, $grad, self.classes, &self.rule);
                 Some(body)
             }
         }
@@ -319,6 +319,17 @@ cross_entropy_lowering! {
     CrossEntropy: loss Some(0), grad None;
     CrossEntropyGrad: loss None, grad Some(0);
     CrossEntropyWithGrad: loss Some(1), grad Some(0);
+}
+
+/// A thread a target.
+impl Lower for Counted {
+    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+        Some(per_element(g, n))
+    }
+    fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
+        let v = format!("in{}[i] == {}LL ? 0.0f : 1.0f", c.ins[0], self.ignore_index);
+        Some(format!("        {}\n", c.st(0, "i", &v)))
+    }
 }
 
 impl Lower for Rope {

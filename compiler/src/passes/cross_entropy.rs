@@ -49,9 +49,9 @@ impl Pass for FuseCrossEntropy {
             let Op::CrossEntropyGrad(ce) = &g.g[gn].op else {
                 continue;
             };
-            let classes = ce.classes;
+            let (classes, rule) = (ce.classes, ce.rule);
             let fwd = g.topo_order().into_iter().find(|&n| {
-                matches!(&g.g[n].op, Op::CrossEntropy(f) if f.classes == classes)
+                matches!(&g.g[n].op, Op::CrossEntropy(f) if f.classes == classes && f.rule == rule)
                     && g.inputs(n) == gi[..2]
             });
             let Some(fwd) = fwd else { continue };
@@ -60,7 +60,12 @@ impl Pass for FuseCrossEntropy {
                 continue;
             }
             let (span, phase) = (g.g[gn].span, g.g[gn].phase);
-            let Ok(out) = g.add(CrossEntropyWithGrad { classes }.into(), &gi, span, phase) else {
+            let Ok(out) = g.add(
+                CrossEntropyWithGrad { classes, rule }.into(),
+                &gi,
+                span,
+                phase,
+            ) else {
                 continue;
             };
             let loss = Value { node: fwd, port: 0 };

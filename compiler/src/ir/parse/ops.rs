@@ -157,17 +157,37 @@ pub(super) fn op(
             EmbeddingGrad { rows: c.dim()? }.into()
         }
         "cross_entropy" | "cross_entropy_grad" | "cross_entropy_with_grad" => {
-            let classes = if c.peek()? == Some(super::Tok::Ident("classes")) {
-                c.key("classes")?;
+            let classes = if keyed(c, "classes")? {
                 Some(c.int()?)
             } else {
                 None
             };
+            let ignore_index = if keyed(c, "ignore_index")? {
+                Some(c.int()?)
+            } else {
+                None
+            };
+            let smoothing = if keyed(c, "smoothing")? {
+                c.float()?
+            } else {
+                0.0
+            };
+            let rule = CeRule {
+                ignore_index,
+                smoothing,
+            };
             match name {
-                "cross_entropy" => CrossEntropy { classes }.into(),
-                "cross_entropy_grad" => CrossEntropyGrad { classes }.into(),
-                _ => CrossEntropyWithGrad { classes }.into(),
+                "cross_entropy" => CrossEntropy { classes, rule }.into(),
+                "cross_entropy_grad" => CrossEntropyGrad { classes, rule }.into(),
+                _ => CrossEntropyWithGrad { classes, rule }.into(),
             }
+        }
+        "counted" => {
+            c.key("ignore_index")?;
+            Counted {
+                ignore_index: c.int()?,
+            }
+            .into()
         }
         "rope" => {
             c.key("theta")?;
@@ -348,4 +368,14 @@ fn range(c: &mut Cursor) -> Result<Option<(i64, i64)>, ParseError> {
     }
     c.next()?;
     Ok(Some((lo, c.int()?)))
+}
+
+/// Reads `key=` where the next word is `key` (an attribute that may be
+/// left out); says whether it was there.
+fn keyed(c: &mut Cursor, key: &str) -> Result<bool, ParseError> {
+    if c.peek()? == Some(super::Tok::Ident(key)) {
+        c.key(key)?;
+        return Ok(true);
+    }
+    Ok(false)
 }

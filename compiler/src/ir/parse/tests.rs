@@ -101,6 +101,8 @@ update:
   %105: bf16[8, 8] = store_piece(%104, %99) range=16..48
   %106: i32[2] = input "dropout.key"
   %107: f32[B, T, 8] = dropout(%0, %106) p=0.1 site=3
+  %108: f32[B, T] = counted(%1) ignore_index=-100
+  %109: f32[B, T] = cross_entropy(%0, %1) ignore_index=0 smoothing=0.1
 outputs:
   loss = %96
   grad[0] = %95
@@ -156,9 +158,10 @@ fn variant(op: &Op) -> usize {
         Op::AllReduce(_) => 40,
         Op::StorePiece(_) => 41,
         Op::Dropout(_) => 42,
+        Op::Counted(_) => 43,
     }
 }
-const VARIANTS: usize = 43;
+const VARIANTS: usize = 44;
 
 #[test]
 fn every_op_reads_back_as_printed() {
