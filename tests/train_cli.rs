@@ -1050,3 +1050,63 @@ fn validation_loss_is_the_interpreters_mean_over_the_same_windows() {
         "{err}"
     );
 }
+
+/// `--schedule inverse_sqrt`: a linear warmup to lr, then lr * sqrt(warmup
+/// / step), step by step in the log; without a warmup it is refused.
+#[test]
+fn inverse_sqrt_schedule_as_logged() {
+    let log = tmp("inverse-sqrt.jsonl");
+    let log_s = log.to_str().unwrap();
+    small_gpt2_on_cpu(&[
+        "--batch",
+        "2",
+        "--steps",
+        "6",
+        "--schedule",
+        "inverse_sqrt",
+        "--warmup",
+        "3",
+        "--lr",
+        "0.002",
+        "--log",
+        log_s,
+    ]);
+    let text = std::fs::read_to_string(&log).unwrap();
+    let rates: Vec<f64> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v.get("lr").and_then(|r| r.as_f64()))
+        .collect();
+    assert_eq!(rates.len(), 6, "{text}");
+    for (i, r) in rates.iter().enumerate() {
+        let step = (i + 1) as f64;
+        let want = if step <= 3.0 {
+            0.002 * step / 3.0
+        } else {
+            0.002 * (3.0 / step).sqrt()
+        };
+        assert!(
+            (r - want).abs() <= 1e-12 * want,
+            "step {step}: {r} vs {want}"
+        );
+    }
+    let mut a = vec![
+        "train",
+        "dsl-examples/gpt2-small.dsl",
+        "--data",
+        TEXT,
+        "--cpu",
+        "--seq",
+        "8",
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        "--schedule",
+        "inverse_sqrt",
+    ];
+    a.extend_from_slice(&SMALL[..10]);
+    let (code, _, err) = fusec(&a);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("needs --warmup of at least 1 step"), "{err}");
+}

@@ -78,6 +78,11 @@ pub enum Decay {
     Constant,
     Cosine,
     Linear,
+    /// lr * sqrt(warmup / step) after the warmup: the Annotated
+    /// Transformer's rate d^-0.5 * min(step^-0.5, step * warmup^-1.5) times
+    /// a factor is this schedule with lr = factor / sqrt(d * warmup), and
+    /// fairseq's `inverse_sqrt` is it as written.
+    InverseSqrt,
 }
 
 /// The learning rate over the steps (counted from 1): a linear warmup from
@@ -113,8 +118,10 @@ impl Schedule {
             return lr * step as f64 / self.warmup as f64;
         }
         let end = self.steps.unwrap_or(horizon);
-        if self.decay == Decay::Constant {
-            return lr;
+        match self.decay {
+            Decay::Constant => return lr,
+            Decay::InverseSqrt => return lr * (self.warmup.max(1) as f64 / step as f64).sqrt(),
+            _ => {}
         }
         if step >= end {
             return self.min_lr;
@@ -134,9 +141,10 @@ impl Schedule {
             Decay::Constant => "constant",
             Decay::Cosine => "cosine",
             Decay::Linear => "linear",
+            Decay::InverseSqrt => "inverse_sqrt",
         };
         let mut parts = vec![format!("warmup={}", self.warmup)];
-        if self.decay != Decay::Constant {
+        if matches!(self.decay, Decay::Cosine | Decay::Linear) {
             parts.push(match self.steps {
                 Some(s) => format!("steps={s}"),
                 None => "steps=the run's last".into(),
@@ -248,5 +256,30 @@ mod tests {
         assert!(close(constant.rate(lr, 5, 0), lr / 2.0));
         assert!(close(constant.rate(lr, 1000, 0), lr));
         assert_eq!(Schedule::default().rate(lr, 1, 1), lr);
+    }
+
+    /// The Annotated Transformer's rate, d^-0.5 * min(step^-0.5, step *
+    /// warmup^-1.5) (factor 1, d = 512, warmup 4000), written out
+    /// independently, is inverse_sqrt with lr = 1 / sqrt(d * warmup) at
+    /// every step.
+    #[test]
+    fn inverse_sqrt_is_the_annotated_transformers_rate() {
+        let (d, warmup) = (512.0f64, 4000u64);
+        let s = Schedule {
+            decay: Decay::InverseSqrt,
+            warmup,
+            ..Schedule::default()
+        };
+        let lr = 1.0 / (d * warmup as f64).sqrt();
+        for step in [1u64, 2, 100, 3999, 4000, 4001, 10_000, 1_000_000] {
+            let st = step as f64;
+            let want = d.powf(-0.5) * st.powf(-0.5).min(st * (warmup as f64).powf(-1.5));
+            let got = s.rate(lr, step, 0);
+            assert!(
+                (got - want).abs() <= 1e-12 * want,
+                "step {step}: {got} vs {want}"
+            );
+        }
+        assert_eq!(s.describe(), "inverse_sqrt(warmup=4000)");
     }
 }

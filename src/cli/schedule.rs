@@ -8,8 +8,9 @@ use fusec_compiler::model::{Decay, Schedule};
 #[derive(Args, Debug, Default, Clone)]
 pub struct ScheduleArgs {
     /// Learning-rate schedule after the warmup: constant, cosine or linear
-    /// decay to --min-lr (default: the model file's `schedule`, or constant)
-    #[arg(long, value_name = "KIND", value_parser = ["constant", "cosine", "linear"])]
+    /// decay to --min-lr, or inverse_sqrt (lr * sqrt(warmup / step), the
+    /// Transformer's) (default: the model file's `schedule`, or constant)
+    #[arg(long, value_name = "KIND", value_parser = ["constant", "cosine", "linear", "inverse_sqrt"])]
     pub schedule: Option<String>,
     /// Steps of linear warmup from lr/N to lr
     #[arg(long, value_name = "N")]
@@ -32,6 +33,7 @@ impl ScheduleArgs {
             s.decay = match kind.as_str() {
                 "cosine" => Decay::Cosine,
                 "linear" => Decay::Linear,
+                "inverse_sqrt" => Decay::InverseSqrt,
                 _ => Decay::Constant,
             };
         }
@@ -50,9 +52,14 @@ impl ScheduleArgs {
                 s.min_lr
             )));
         }
+        if s.decay == Decay::InverseSqrt && s.warmup == 0 {
+            return Err(CliError::usage(
+                "error: the inverse_sqrt schedule needs --warmup of at least 1 step (its rate after the warmup is lr * sqrt(warmup / step))".to_string(),
+            ));
+        }
         if let Some(n) = s
             .steps
-            .filter(|&n| n <= s.warmup && s.decay != Decay::Constant)
+            .filter(|&n| n <= s.warmup && matches!(s.decay, Decay::Cosine | Decay::Linear))
         {
             return Err(CliError::usage(format!(
                 "error: the decay ends at step {n}, which is not after the {} warmup steps; give --decay-steps past --warmup",

@@ -261,7 +261,8 @@ impl Rates {
 
     /// Whether the schedule's end is the run's (and so recorded for a resume).
     fn ends_with_the_run(&self) -> bool {
-        self.schedule.steps.is_none() && self.schedule.decay != Decay::Constant
+        self.schedule.steps.is_none()
+            && matches!(self.schedule.decay, Decay::Cosine | Decay::Linear)
     }
 }
 

@@ -325,7 +325,7 @@ fn schedule(e: &mut Elab, x: &Expr, lr: f64) -> Result<Schedule, Diagnostic> {
         return Err(Diagnostic::new(
             "expected a learning-rate schedule",
             x.span,
-            "not `cosine(...)`, `linear(...)` or `constant(...)`",
+            "not `cosine(...)`, `linear(...)`, `constant(...)` or `inverse_sqrt(...)`",
         )
         .with_help(example));
     };
@@ -333,14 +333,18 @@ fn schedule(e: &mut Elab, x: &Expr, lr: f64) -> Result<Schedule, Diagnostic> {
         "cosine" => (Decay::Cosine, &["warmup", "steps", "min_lr"]),
         "linear" => (Decay::Linear, &["warmup", "steps", "min_lr"]),
         "constant" => (Decay::Constant, &["warmup"]),
+        "inverse_sqrt" => (Decay::InverseSqrt, &["warmup"]),
         other => {
             let d = Diagnostic::new(
                 format!("unknown schedule `{other}`"),
                 func.span,
-                "expected `cosine`, `linear` or `constant`",
+                "expected `cosine`, `linear`, `constant` or `inverse_sqrt`",
             );
             return Err(
-                match super::suggest(other, ["cosine", "linear", "constant"].into_iter()) {
+                match super::suggest(
+                    other,
+                    ["cosine", "linear", "constant", "inverse_sqrt"].into_iter(),
+                ) {
                     Some(s) => d.with_help(format!("did you mean `{s}`?")),
                     None => d.with_help(example),
                 },
@@ -393,6 +397,14 @@ fn schedule(e: &mut Elab, x: &Expr, lr: f64) -> Result<Schedule, Diagnostic> {
             )
             .with_help("`steps` is the step the decay ends at, counted from the first step, warmup included"));
         }
+    }
+    if out.decay == Decay::InverseSqrt && out.warmup == 0 {
+        return Err(Diagnostic::new(
+            "`inverse_sqrt` needs a warmup of at least one step",
+            x.span,
+            "its rate after the warmup is lr * sqrt(warmup / step)",
+        )
+        .with_help("e.g. `schedule = inverse_sqrt(warmup = 4000)` (the Annotated Transformer's)"));
     }
     Ok(out)
 }

@@ -171,6 +171,7 @@ fn train_config(model: &Model, root: &str) -> String {
         crate::model::Decay::Constant => "constant",
         crate::model::Decay::Cosine => "cosine",
         crate::model::Decay::Linear => "linear",
+        crate::model::Decay::InverseSqrt => "inverse_sqrt",
     };
     let _ = writeln!(
         s,

@@ -25,8 +25,8 @@ def make_optimizer(model, lr=None):
 
 def learning_rate(step, last_step, lr=None):
     """The rate of step `step` (counted from 1) as fusec's schedule gives it:
-    a linear warmup to lr at step `warmup`, then lr (constant), or a cosine
-    or linear decay from lr at the next step to `min_lr` at step `steps`
+    a linear warmup to lr at step `warmup`, then lr (constant), lr *
+    sqrt(warmup / step) (inverse_sqrt), or a cosine or linear decay from lr at the next step to `min_lr` at step `steps`
     (the run's `last_step` when the model file names none)."""
     s = SCHEDULE
     lr = OPTIMIZER["lr"] if lr is None else lr
@@ -34,6 +34,8 @@ def learning_rate(step, last_step, lr=None):
         return lr * step / s["warmup"]
     if s["kind"] == "constant":
         return lr
+    if s["kind"] == "inverse_sqrt":
+        return lr * math.sqrt(max(s["warmup"], 1) / step)
     end = s["steps"] or last_step
     if step >= end:
         return s["min_lr"]
