@@ -324,12 +324,19 @@ pub fn op_expr(node: &Node, ins: &[PyExpr], in_shapes: &[Vec<Dim>]) -> Result<Py
             &[format!("eps={}", float(r.eps))],
         ),
         Op::Embedding(_) => call("F.embedding", &[&ins[1], &ins[0]], &[]),
-        Op::CrossEntropy(_) => {
+        Op::CrossEntropy(ce) => {
             // One loss per row, the shape of the targets (fusec takes their mean as a separate op).
             let (logits, targets) = (&ins[0], &ins[1]);
+            let mut rule = String::new();
+            if let Some(i) = ce.rule.ignore_index {
+                rule.push_str(&format!(", ignore_index={i}"));
+            }
+            if ce.rule.smoothing != 0.0 {
+                rule.push_str(&format!(", label_smoothing={}", float(ce.rule.smoothing)));
+            }
             let mut e = PyExpr::new(
                 format!(
-                    "F.cross_entropy({}.flatten(0, -2), {}.flatten().long(), reduction=\"none\").view({}.shape)",
+                    "F.cross_entropy({}.flatten(0, -2), {}.flatten().long(), reduction=\"none\"{rule}).view({}.shape)",
                     logits.at(Prec::Atom),
                     targets.at(Prec::Atom),
                     targets.at(Prec::Atom)
@@ -340,6 +347,20 @@ pub fn op_expr(node: &Node, ins: &[PyExpr], in_shapes: &[Vec<Dim>]) -> Result<Py
             e.reads.dedup();
             e
         }
+        Op::Counted(c) => PyExpr::new(
+            format!(
+                "({} != {}).to(torch.float32)",
+                ins[0].at(Prec::Atom),
+                c.ignore_index
+            ),
+            Prec::Atom,
+            &[&ins[0]],
+        ),
+        Op::Dropout(d) => call(
+            "F.dropout",
+            &[&ins[0]],
+            &[format!("p={}", float(d.p)), "training=self.training".into()],
+        ),
         Op::Rope(r) if !r.inverse => {
             call("rope", &[&ins[0]], &[format!("theta={}", float(r.theta))])
         }

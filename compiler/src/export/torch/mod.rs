@@ -189,6 +189,9 @@ fn inputs(g: &Graph) -> Vec<(String, crate::ir::TensorType, Option<i64>)> {
     let mut out = Vec::new();
     for n in g.topo_order() {
         let Op::Input(i) = &g.g[n].op else { continue };
+        if i.name == crate::ops::DROPOUT_KEY_INPUT {
+            continue;
+        }
         let high = (i.ty.dtype == DType::I32)
             .then(|| index_bound(g, Value { node: n, port: 0 }, &HashMap::new()))
             .flatten();

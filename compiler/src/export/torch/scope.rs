@@ -239,6 +239,10 @@ impl<'a> Gen<'a> {
         let mut inputs = Vec::new();
         for n in self.g.topo_order() {
             if let Op::Input(i) = &self.g.g[n].op {
+                // The twin draws its dropout masks from PyTorch's generator.
+                if i.name == crate::ops::DROPOUT_KEY_INPUT {
+                    continue;
+                }
                 // Inputs are keyword arguments of `forward`, named as in the file.
                 python_name(&i.name, "input", self.g.g[n].span)?;
                 inputs.push((i.name.clone(), Value { node: n, port: 0 }));
@@ -652,7 +656,13 @@ impl Body {
             }
         }
         let mut ins = Vec::new();
-        for iv in &ins_v {
+        // A dropout's key stays behind: the twin's masks are PyTorch's.
+        let read = if matches!(node.op, Op::Dropout(_)) {
+            &ins_v[..1]
+        } else {
+            &ins_v[..]
+        };
+        for iv in read {
             ins.push(self.take(gen, *iv)?);
         }
         let e = op_expr(node, &ins, &shapes)
