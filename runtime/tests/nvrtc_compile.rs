@@ -27,6 +27,7 @@ fn every_generated_kernel_compiles_for_sm80_and_sm90_without_spills() {
     // And the models of ops no shipped example uses yet.
     files.push(common::root().join("tests/models/encoder-dropout.dsl"));
     files.push(common::root().join("tests/models/ce-rules.dsl"));
+    files.push(common::root().join("tests/models/padded-encoder.dsl"));
     // Identical sources (the same kernel in every layer) compile once.
     let mut sources: BTreeMap<String, String> = BTreeMap::new();
     for f in &files {

@@ -108,6 +108,13 @@ fn cases() -> Vec<TinyModel> {
             vec![("B", 2), ("T", 33)],
         ),
         (
+            // Key lengths in every attention (0 to T drawn at random) and
+            // a loss that ignores padded targets.
+            "../tests/models/padded-encoder.dsl",
+            vec![("ctx", "64"), ("d", "64"), ("n_heads", "2")],
+            vec![("B", 3), ("T", 33)],
+        ),
+        (
             "vit-tiny.dsl",
             vec![
                 ("image", "16"),

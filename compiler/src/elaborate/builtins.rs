@@ -66,7 +66,7 @@ const FUNCTIONS: &[Builtin] = &[
     Builtin { name: "split", sig: "split(x, n or [sizes...], axis = -1)", doc: "cut into equal parts or given sizes", f: Call::Fn(split) },
     Builtin { name: "broadcast", sig: "broadcast(x, [d0, d1, ...])", doc: "repeat along size-1 or new leading axes", f: Call::Fn(broadcast_fn) },
     Builtin { name: "rope", sig: "rope(x, theta = 10000)", doc: "rotary position embedding of [B, T, H, D] heads", f: Call::Fn(rope) },
-    Builtin { name: "attention", sig: "attention(q, k, v, causal = false, scale = 1/sqrt(D))", doc: "softmax(q k^T * scale) v over [B, T, H, D] heads; grouped-query when k, v have fewer heads", f: Call::Fn(attention) },
+    Builtin { name: "attention", sig: "attention(q, k, v, causal = false, scale = 1/sqrt(D), lengths?)", doc: "softmax(q k^T * scale) v over [B, T, H, D] heads; grouped-query when k, v have fewer heads; keys at or past lengths[b] (i32 [B]) are padding", f: Call::Fn(attention) },
     Builtin { name: "causal_mask", sig: "causal_mask(scores)", doc: "-inf above the diagonal of the last two axes", f: Call::Fn(causal_mask) },
     Builtin { name: "conv2d", sig: "conv2d(x, weight, stride = 1, padding = 0)", doc: "NHWC convolution; weight is [KH, KW, Cin, Cout]", f: Call::Fn(conv2d) },
     Builtin { name: "dropout", sig: "dropout(x, p)", doc: "zero each element with probability p and scale the rest by 1/(1-p) (training steps only)", f: Call::Fn(dropout) },
@@ -563,13 +563,19 @@ fn attention(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
         .with_help("pass `scale = ...`, usually 1/sqrt(head dimension)"));
     }
     let scale = a.float(&e.graph, 4, "scale", default)?;
-    let vals = [q.0, k.0, v.0];
-    let out = e.add_at(
-        Attention { causal, scale }.into(),
-        &vals,
-        a.span,
-        &[q.1, k.1, v.1],
-    )?;
+    let lengths = a.opt_tensor(&e.graph, 5, "lengths")?;
+    let mut vals = vec![q.0, k.0, v.0];
+    let mut spans = vec![q.1, k.1, v.1];
+    if let Some((l, s)) = lengths {
+        vals.push(l);
+        spans.push(s);
+    }
+    let op = Attention {
+        causal,
+        scale,
+        lengths: lengths.is_some(),
+    };
+    let out = e.add_at(op.into(), &vals, a.span, &spans)?;
     Ok(t(out[0]))
 }
 

@@ -221,7 +221,44 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     } else {
         backward(&mut b, g, c, n, &s);
     }
+    // With lengths (the op's last input), batch entry b's keys end at its
+    // length: the rest are padding, which no query row visits and whose
+    // dK, dV rows are zero.
+    let lens_slot = match &g.g[n].op {
+        Op::Attention(a) if a.lengths => Some(c.ins[3]),
+        Op::AttentionGrad(a) if a.lengths => Some(c.ins[6]),
+        _ => None,
+    };
+    if let Some(l) = lens_slot {
+        let own = format!("(in{l}[b] < 0 ? 0 : in{l}[b] < kv_len ? (fs_i64)in{l}[b] : kv_len)");
+        b = with_lengths(&b, &own)?;
+    }
     Some(b)
+}
+
+/// `body` (a kernel above, written for every key visible) with batch entry
+/// b's keys ending at `own`: the query rows' visible keys, and the key rows
+/// past it visiting no query. `None` if the body has not the lines this
+/// rewrites (a change above that this must follow).
+fn with_lengths(body: &str, own: &str) -> Option<String> {
+    const KEYS: &str = "const fs_i64 keys = (causal && i + 1 < kv_len) ? i + 1 : kv_len;";
+    const FIRST: &str = "const fs_i64 first = causal ? j : 0;";
+    if !body.contains(KEYS) {
+        return None;
+    }
+    let mut out = body.replace(
+        KEYS,
+        &format!("const fs_i64 own = {own}, keys = (causal && i + 1 < own) ? i + 1 : own;"),
+    );
+    if out.contains(FIRST) {
+        out = out.replace(
+            FIRST,
+            &format!("const fs_i64 first = j >= {own} ? q_len : causal ? j : 0;"),
+        );
+    } else if body.contains("dk_row") {
+        return None;
+    }
+    Some(out)
 }
 
 const FORWARD: &str = "    \

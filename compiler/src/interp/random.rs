@@ -78,6 +78,10 @@ pub fn index_bound(g: &Graph, input: Value, dims: &HashMap<String, i64>) -> Opti
             (Op::CrossEntropy(ce), 1) => classes(g, ins[0], ce.classes, dims),
             (Op::CrossEntropyGrad(ce), 1) => classes(g, ins[0], ce.classes, dims),
             (Op::CrossEntropyWithGrad(ce), 1) => classes(g, ins[0], ce.classes, dims),
+            // Key lengths: 0 to S, every one of them.
+            (Op::Attention(_), 3) | (Op::AttentionGrad(_), 6) => g.ty(ins[1]).shape[1]
+                .eval(&|s| dims.get(s).copied())
+                .map(|s| s + 1),
             // Reshapes and slices pass indices through unchanged.
             (Op::Reshape(_) | Op::Slice(_) | Op::Permute(_), 0) => index_bound(
                 g,

@@ -3,6 +3,9 @@
 //! k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped-query heads).
 //! The forward also returns the per-row log-sum-exp [B, Hq, T] in f32, which
 //! the backward uses to recompute probabilities instead of storing them.
+//! With `lengths`, a last input i32 [B] says how many keys each batch entry
+//! has: keys at or after it are padding, invisible to every query (a
+//! key-padding mask as lengths, the way padded batches are laid out).
 
 use super::*;
 use crate::ir::print::num;
@@ -12,16 +15,41 @@ use rayon::prelude::*;
 pub struct Attention {
     pub causal: bool,
     pub scale: f64,
+    /// Input 3 holds each batch entry's number of keys.
+    pub lengths: bool,
 }
 
+/// Inputs (q, k, v, o, lse, dO) and, with `lengths`, the key lengths.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AttentionGrad {
     pub causal: bool,
     pub scale: f64,
+    pub lengths: bool,
 }
 
-fn attrs(causal: bool, scale: f64) -> Vec<String> {
-    vec![format!("causal={causal}"), format!("scale={}", num(scale))]
+fn attrs(causal: bool, scale: f64, lengths: bool) -> Vec<String> {
+    let mut v = vec![format!("causal={causal}"), format!("scale={}", num(scale))];
+    if lengths {
+        v.push("lengths".into());
+    }
+    v
+}
+
+/// The key lengths' type: i32 [B], B the batch of q.
+fn check_lengths(op: &str, q: &TensorType, lens: &TensorType, arg: usize) -> Result<(), OpError> {
+    if lens.dtype != DType::I32 || lens.rank() != 1 || lens.shape[0] != q.shape[0] {
+        return Err(OpError::new(
+            format!("`{op}` takes the keys' lengths as i32 [B], one per batch entry"),
+            format!("q is {q}, the lengths {lens}"),
+        )
+        .at(arg));
+    }
+    Ok(())
+}
+
+/// Batch entry b's visible keys: all `s`, or its length (clamped to 0..s).
+fn keys_of(lens: Option<&Tensor>, b: usize, s: usize) -> usize {
+    lens.map_or(s, |l| (l.data[b].max(0.0) as usize).min(s))
 }
 
 fn check(op: &str, q: &TensorType, k: &TensorType, v: &TensorType) -> Result<(), OpError> {
@@ -94,19 +122,22 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 }
 
 /// Scores of one query row against every key (masked entries are -inf).
+#[allow(clippy::too_many_arguments)]
 fn scores(
     a: &Attention,
     m: &Dims,
     q: &Tensor,
     k: &Tensor,
+    lens: Option<&Tensor>,
     b: usize,
     i: usize,
     h: usize,
 ) -> Vec<f64> {
     let qr = &q.data[m.q(b, i, h)..m.q(b, i, h) + m.d];
+    let keys = keys_of(lens, b, m.s);
     (0..m.s)
         .map(|j| {
-            if a.causal && j > i {
+            if (a.causal && j > i) || j >= keys {
                 f64::NEG_INFINITY
             } else {
                 a.scale * dot(qr, &k.data[m.k(b, j, h)..m.k(b, j, h) + m.d])
@@ -120,12 +151,15 @@ impl OpDef for Attention {
         "attention"
     }
     fn attrs(&self) -> Vec<String> {
-        attrs(self.causal, self.scale)
+        attrs(self.causal, self.scale, self.lengths)
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        expect_arity("attention", inputs, 3)?;
+        expect_arity("attention", inputs, 3 + self.lengths as usize)?;
         let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
         check("attention", q, k, v)?;
+        if self.lengths {
+            check_lengths("attention", q, &inputs[3], 3)?;
+        }
         let out = vec![
             q.shape[0].clone(),
             q.shape[1].clone(),
@@ -140,14 +174,19 @@ impl OpDef for Attention {
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+        let lens = self.lengths.then(|| inputs[3]);
         let m = Dims::of(q, k, v);
         // Every (batch, head, query) row on its own, on every core.
         let rows: Vec<(Vec<f64>, f64)> = (0..m.b * m.hq * m.t)
             .into_par_iter()
             .map(|r| {
                 let (b, h, i) = (r / (m.hq * m.t), r / m.t % m.hq, r % m.t);
-                let s = scores(self, &m, q, k, b, i, h);
+                let s = scores(self, &m, q, k, lens, b, i, h);
                 let mx = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                if mx == f64::NEG_INFINITY {
+                    // No visible key: output 0 and lse -inf, as the kernels give.
+                    return (vec![0.0; m.dv], f64::NEG_INFINITY);
+                }
                 let sum: f64 = s.iter().map(|x| (x - mx).exp()).sum();
                 let mut o = vec![0.0; m.dv];
                 for (j, sj) in s.iter().enumerate() {
@@ -183,19 +222,22 @@ impl OpDef for Attention {
         douts: &[Option<Value>],
     ) -> Result<Vec<Option<Value>>, OpError> {
         let Some(dout) = douts[0] else {
-            return Ok(vec![None; 3]);
+            return Ok(vec![None; inputs.len()]);
         };
         let grad = AttentionGrad {
             causal: self.causal,
             scale: self.scale,
+            lengths: self.lengths,
         };
-        let r = b.op(
-            grad,
-            &[
-                inputs[0], inputs[1], inputs[2], outputs[0], outputs[1], dout,
-            ],
-        )?;
-        Ok(vec![Some(r[0]), Some(r[1]), Some(r[2])])
+        let mut ins = vec![
+            inputs[0], inputs[1], inputs[2], outputs[0], outputs[1], dout,
+        ];
+        ins.extend(inputs.get(3));
+        let r = b.op(grad, &ins)?;
+        let mut out = vec![Some(r[0]), Some(r[1]), Some(r[2])];
+        // The lengths take no gradient.
+        out.extend(inputs.get(3).map(|_| None));
+        Ok(out)
     }
 }
 
@@ -204,11 +246,14 @@ impl OpDef for AttentionGrad {
         "attention_grad"
     }
     fn attrs(&self) -> Vec<String> {
-        attrs(self.causal, self.scale)
+        attrs(self.causal, self.scale, self.lengths)
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        expect_arity("attention_grad", inputs, 6)?;
+        expect_arity("attention_grad", inputs, 6 + self.lengths as usize)?;
         check("attention_grad", &inputs[0], &inputs[1], &inputs[2])?;
+        if self.lengths {
+            check_lengths("attention_grad", &inputs[0], &inputs[6], 6)?;
+        }
         Ok(vec![
             inputs[0].clone(),
             inputs[1].clone(),
@@ -219,10 +264,12 @@ impl OpDef for AttentionGrad {
         let (q, k, v, o, lse, dout) = (
             inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
         );
+        let lens = self.lengths.then(|| inputs[6]);
         let m = Dims::of(q, k, v);
         let fwd = Attention {
             causal: self.causal,
             scale: self.scale,
+            lengths: self.lengths,
         };
         // With P = exp(S - lse), delta_i = rowsum(dO_i * O_i) (the
         // FlashAttention-2 shortcut) and dS = P (dO V^T - delta) scale: dQ row
@@ -250,7 +297,10 @@ impl OpDef for AttentionGrad {
             .map(|r| {
                 let (b, h, i) = (r / (m.hq * m.t), r / m.t % m.hq, r % m.t);
                 let mut dqi = vec![0.0; m.d];
-                for (j, sj) in scores(&fwd, &m, q, k, b, i, h).into_iter().enumerate() {
+                for (j, sj) in scores(&fwd, &m, q, k, lens, b, i, h)
+                    .into_iter()
+                    .enumerate()
+                {
                     let (p, ds) = p_ds(b, h, i, j, sj);
                     if p == 0.0 {
                         continue;
@@ -269,6 +319,10 @@ impl OpDef for AttentionGrad {
             .map(|r| {
                 let (b, hk, j) = (r / (m.hk * m.s), r / m.s % m.hk, r % m.s);
                 let (mut dkj, mut dvj) = (vec![0.0; m.d], vec![0.0; m.dv]);
+                if j >= keys_of(lens, b, m.s) {
+                    // A padded key: no query sees it.
+                    return (dkj, dvj);
+                }
                 for h in hk * group..(hk + 1) * group {
                     let kj = m.k(b, j, h);
                     for i in 0..m.t {

@@ -136,7 +136,16 @@ impl Pass for FoldAttention {
             let Some(v2) = add(g, to_heads_inner().into(), &[v]) else {
                 continue;
             };
-            let Some(o) = add(g, Attention { causal, scale }.into(), &[q2, k2, v2]) else {
+            let Some(o) = add(
+                g,
+                Attention {
+                    causal,
+                    scale,
+                    lengths: false,
+                }
+                .into(),
+                &[q2, k2, v2],
+            ) else {
                 continue;
             };
             let Some(back) = add(g, to_heads_inner().into(), &[o]) else {

@@ -150,6 +150,14 @@ impl Config {
         if c.ins.len() != ins.len() || c.outs.len() != g.g[n].outputs.len() {
             return Err("it shares its kernel with other ops".into());
         }
+        if matches!(&g.g[n].op, Op::Attention(a) if a.lengths)
+            || matches!(&g.g[n].op, Op::AttentionGrad(a) if a.lengths)
+        {
+            return Err(
+                "it masks padded keys by their lengths, which the tensor-core kernels do not take yet"
+                    .into(),
+            );
+        }
         let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
         let dt = q.dtype;
         if !matches!(dt, DType::BF16 | DType::F16) {

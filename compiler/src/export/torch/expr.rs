@@ -375,14 +375,18 @@ pub fn op_expr(node: &Node, ins: &[PyExpr], in_shapes: &[Vec<Dim>]) -> Result<Py
                 )
             }
         }
-        Op::Attention(at) => call(
-            "attention",
-            &[&ins[0], &ins[1], &ins[2]],
-            &[
-                format!("causal={}", if at.causal { "True" } else { "False" }),
-                format!("scale={}", float(at.scale)),
-            ],
-        ),
+        Op::Attention(at) => {
+            // The lengths, where given, are the fourth argument.
+            let args: Vec<&PyExpr> = ins.iter().take(4).collect();
+            call(
+                "attention",
+                &args,
+                &[
+                    format!("causal={}", if at.causal { "True" } else { "False" }),
+                    format!("scale={}", float(at.scale)),
+                ],
+            )
+        }
         Op::Conv2d(c) => call(
             "conv2d_nhwc",
             &[&ins[0], &ins[1]],

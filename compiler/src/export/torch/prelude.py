@@ -28,13 +28,22 @@ def rope(x, theta):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def attention(q, k, v, causal, scale):
-    """Attention over heads laid out [B, T, H, D], as fusec lays them out (SDPA wants [B, H, T, D])."""
+def attention(q, k, v, lengths=None, causal=False, scale=None):
+    """Attention over heads laid out [B, T, H, D], as fusec lays them out (SDPA wants [B, H, T, D]);
+    keys at or past lengths[b] (i32 [B]) are padding, as a key-padding mask."""
+    mask = None
+    if lengths is not None:
+        T, S = q.shape[-3], k.shape[-3]
+        keys = torch.arange(S, device=q.device)
+        mask = (keys[None, :] < lengths.long()[:, None])[:, None, None, :]
+        if causal:
+            mask = mask & torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
     y = F.scaled_dot_product_attention(
         q.transpose(-3, -2),
         k.transpose(-3, -2),
         v.transpose(-3, -2),
-        is_causal=causal,
+        attn_mask=mask,
+        is_causal=causal and mask is None,
         scale=scale,
         enable_gqa=q.shape[-2] != k.shape[-2],
     )

@@ -215,10 +215,21 @@ pub(super) fn op(
             let causal = c.bool()?;
             c.key("scale")?;
             let scale = c.float()?;
+            let lengths = c.flag("lengths")?;
             if name == "attention" {
-                Attention { causal, scale }.into()
+                Attention {
+                    causal,
+                    scale,
+                    lengths,
+                }
+                .into()
             } else {
-                AttentionGrad { causal, scale }.into()
+                AttentionGrad {
+                    causal,
+                    scale,
+                    lengths,
+                }
+                .into()
             }
         }
         "conv2d" | "conv2d_grad_input" | "conv2d_grad_weight" => {
