@@ -23,7 +23,10 @@
 
 mod common;
 
-use common::flash::{build_harness, compile_all, head_dims_model, reference, Built, HEAD_DIMS};
+use common::flash::{
+    build_harness, compile_all, head_dims_model, reference, Built, HEAD_DIMS, LENGTHS_MODEL,
+    LENGTHS_RUNS,
+};
 use common::flash_bwd::{backward, run_and_compare, SNAPSHOT_MODEL};
 use common::host;
 use fusec_compiler::emit::flash::{flash_backward, FlashArch};
@@ -155,6 +158,21 @@ fn flash_backward_cross_attention_matches_the_reference() {
     ];
     let checked = check_all("cross", &b, runs);
     println!("cross: {checked} kernel-set runs matched the reference");
+}
+
+/// Padded keys (`lengths`): dQ takes nothing from them and their dK, dV
+/// rows are zero, on both schemes on mma.sync and the atomic one on Hopper.
+#[test]
+fn flash_backward_with_lengths_matches_the_reference() {
+    if !host::have_cxx() {
+        return;
+    }
+    for arch in [FlashArch::Sm80, FlashArch::Sm90a] {
+        let b = backward(LENGTHS_MODEL, "bf16", arch);
+        assert!(b.sets.len() >= 3, "every attention_grad on tensor cores");
+        let checked = check_all(&format!("lengths-{arch:?}"), &b, LENGTHS_RUNS);
+        println!("{arch:?}: {checked} kernel-set runs with lengths matched the reference");
+    }
 }
 
 /// Every head dim of `HEAD_DIMS`, both schemes on mma.sync (the widest in

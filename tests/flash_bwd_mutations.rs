@@ -225,8 +225,8 @@ fn a_broken_hopper_backward_is_caught() {
         (
             (
                 COMMON,
-                "if (rows < TILE_Q || (CAUSAL && i0 < k0 + TILE_K)) {",
-                "if (rows < TILE_Q) {",
+                "if (rows < TILE_Q || key_rows < TILE_K || (CAUSAL && i0 < k0 + TILE_K)) {",
+                "if (rows < TILE_Q || key_rows < TILE_K) {",
             ),
             causal,
         ),

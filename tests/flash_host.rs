@@ -26,7 +26,7 @@ mod common;
 
 use common::flash::{
     build, build_harness, compile_all, head_dims_model, reference, run_set, Built, Mutation, Which,
-    HEAD_DIMS,
+    HEAD_DIMS, LENGTHS_MODEL, LENGTHS_RUNS,
 };
 use common::host;
 use fusec_compiler::emit::flash::{flash_forward, FlashArch};
@@ -293,6 +293,22 @@ fn hopper_flash_attention_matches_the_reference_on_the_host() {
     ];
     let checked = check_all("hopper-cross", &b, runs);
     println!("hopper cross: {checked} kernel runs matched the reference");
+}
+
+/// Padded keys (`lengths`) on both families: every query row sees its
+/// batch entry's keys alone, tiles past them are never visited, and a
+/// length of 0 gives O = 0 and lse = -inf.
+#[test]
+fn flash_attention_with_lengths_matches_the_reference() {
+    if !host::have_cxx() {
+        return;
+    }
+    for arch in [FlashArch::Sm80, FlashArch::Sm90a] {
+        let b = forward(LENGTHS_MODEL, "bf16", arch);
+        assert_eq!(b.sets.len(), 3, "every attention on tensor cores");
+        let checked = check_all(&format!("lengths-{arch:?}"), &b, LENGTHS_RUNS);
+        println!("{arch:?}: {checked} kernel runs with lengths matched the reference");
+    }
 }
 
 /// The snapshot model and a non-causal twin of its attention, at `arch`.

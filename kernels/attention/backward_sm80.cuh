@@ -49,7 +49,7 @@ struct DkDvSm80 {
     static __device__ __forceinline__ void run(const BackwardArgs& a) {
         const int part = PARTS > 1 ? blockIdx.x % PARTS : 0;
         const fs_i64 k0 = (fs_i64)(blockIdx.x / PARTS) * TILE_K, kv_h = blockIdx.y, b = blockIdx.z;
-        const fs_i64 q_len = a.q_len, kv_len = a.kv_len;
+        const fs_i64 q_len = a.q_len, kv_len = a.kv_len, keys = masked_keys_from(a, b);
         const int fk0 = part * FK, fv0 = part * FV;  // the block's first dK and dV feature
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
@@ -137,7 +137,7 @@ struct DkDvSm80 {
 
                 // 4. P^T (masked where a key can come after a query or a query lies
                 //    past q_len), then dS^T = P^T * (dP^T - delta) in place of dp.
-                p_of_s<TILE_Q, TILE_K, CAUSAL>(s, lse_tile, i0, k0, q_len, key_row, frag_col, a.scale_log2);
+                p_of_s<TILE_Q, TILE_K, CAUSAL>(s, lse_tile, i0, k0, q_len, keys, key_row, frag_col, a.scale_log2);
 #pragma unroll
                 for (int n = 0; n < TILE_Q / 8; ++n) {
 #pragma unroll
@@ -256,7 +256,8 @@ struct DqSm80 {
 
     static __device__ __forceinline__ void run(const BackwardArgs& a) {
         const fs_i64 q0 = (fs_i64)blockIdx.x * TILE_Q, h = blockIdx.y, b = blockIdx.z, kv_h = h / a.group;
-        const fs_i64 q_len = a.q_len, kv_len = a.kv_len;
+        // The batch entry's keys: past them, padding (never visited).
+        const fs_i64 q_len = a.q_len, kv_len = keys_of(a, b);
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         // PTX fragment coordinates: groupID (a row) and 2 * threadID_in_group (a column pair).
         const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;

@@ -85,7 +85,7 @@ struct DkDvDqSm90Wide {
     static __device__ __forceinline__ void run(const BackwardArgs& a, const fs_tmap& tm_q, const fs_tmap& tm_do) {
         const fs_i64 k0 = (fs_i64)blockIdx.x * TILE_K, kv_h = blockIdx.y / SPLIT, b = blockIdx.z;
         const fs_i64 part = blockIdx.y % SPLIT, heads = a.group / SPLIT;  // this block's share of the group
-        const fs_i64 q_len = a.q_len, q_heads = a.q_heads;
+        const fs_i64 q_len = a.q_len, q_heads = a.q_heads, keys = masked_keys_from(a, b);
         const int lane = threadIdx.x & 31;
         FS_DYNAMIC_SMEM(smem_raw, SMEM_BYTES);
         unsigned char* const smem = fs_align1024(smem_raw);  // for the swizzle
@@ -229,7 +229,7 @@ struct DkDvDqSm90Wide {
             //    dS^T = P^T * (dP^T - delta) in dp.
             fs_wgmma_wait_all_but_1();
             fs_wgmma_hold(s);
-            p_of_s<HALF_Q, TILE_K, CAUSAL>(s, lse_tile, i0 + wg * HALF_Q, k0, q_len, key_row, frag_col, a.scale_log2);
+            p_of_s<HALF_Q, TILE_K, CAUSAL>(s, lse_tile, i0 + wg * HALF_Q, k0, q_len, keys, key_row, frag_col, a.scale_log2);
             fs_wgmma_wait_all();
             fs_wgmma_hold(dp);
 #pragma unroll

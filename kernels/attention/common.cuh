@@ -197,6 +197,9 @@ struct ForwardArgs {
     Rows<float> lse;
     fs_i64 batch, q_heads, q_len, kv_len, group;
     float scale_log2;  // scale * log2(e): exp(x * scale) = exp2(x * scale_log2)
+    // Each batch entry's number of keys (the rest are padding), or null:
+    // kv_len for every one.
+    const int* kv_lens = nullptr;
 };
 
 // What the backward kernels read and write: dQ, dK, dV (shaped as q, k, v)
@@ -210,7 +213,27 @@ struct BackwardArgs {
     float* scratch;
     fs_i64 batch, q_heads, q_len, kv_len, group;
     float scale, scale_log2;
+    const int* kv_lens = nullptr;  // as ForwardArgs'
 };
+
+// The keys batch entry b sees: its own length where the step gives lengths
+// (its keys past that are padding: never visited, their dK and dV zero),
+// else kv_len. Layouts keep kv_len.
+template <class Args>
+__device__ __forceinline__ fs_i64 keys_of(const Args& a, fs_i64 b) {
+    if (!a.kv_lens) return a.kv_len;
+    const fs_i64 n = a.kv_lens[b];
+    return n < 0 ? 0 : n < a.kv_len ? n : a.kv_len;
+}
+
+// The keys a key-major backward masks from: the batch entry's length where
+// the step gives lengths; otherwise none (keys past kv_len are loaded as
+// zeros, so they add nothing to dQ, and their dK, dV rows are never
+// stored).
+template <class Args>
+__device__ __forceinline__ fs_i64 masked_keys_from(const Args& a, fs_i64 b) {
+    return a.kv_lens ? keys_of(a, b) : (fs_i64)1 << 62;
+}
 
 // Copies rows row0 .. row0 + ROWS - 1 of head h of `x` (features 0 .. WIDTH - 1)
 // into a row-major shared tile whose rows are PITCH elements apart, 16 bytes
@@ -326,15 +349,19 @@ __device__ __forceinline__ void store_output(const ForwardArgs& a, const float (
 // P^T = exp2(S^T * scale_log2 - lse) in place of a key-major backward's
 // accumulators s[TILE_Q / 8][4] (key row key_row + 8 * (e / 2) of the block's
 // k0 .., query column 8n + frag_col + e % 2 of the tile's i0 ..; lse_tile in
-// log2 units). Queries past q_len and, when causal, keys after the query are
-// masked in a loop of their own on the tiles that can need it, with 32-bit
-// tile-relative indices, so the other tiles carry no index arithmetic (as one
-// loop with a per-element test, ptxas made it 64-bit compares on every tile).
+// log2 units). Queries past q_len, keys from `keys` on (masked_keys_from)
+// and, when causal, keys after the query are masked in a loop of
+// their own on the tiles that can need it, with 32-bit tile-relative
+// indices, so the other tiles carry no index arithmetic (as one loop with a
+// per-element test, ptxas made it 64-bit compares on every tile). A masked
+// P is 0 by selection, never by a product, so dV, dS and through it dK and
+// dQ take nothing from a padded key.
 template <int TILE_Q, int TILE_K, bool CAUSAL>
 __device__ __forceinline__ void p_of_s(float (&s)[TILE_Q / 8][4], const float* lse_tile, fs_i64 i0, fs_i64 k0,
-                                       fs_i64 q_len, int key_row, int frag_col, float scale_log2) {
+                                       fs_i64 q_len, fs_i64 keys, int key_row, int frag_col, float scale_log2) {
     const int rows = q_len - i0 < TILE_Q ? (int)(q_len - i0) : TILE_Q;  // queries in the tile
-    if (rows < TILE_Q || (CAUSAL && i0 < k0 + TILE_K)) {
+    const int key_rows = keys - k0 < TILE_K ? (keys > k0 ? (int)(keys - k0) : 0) : TILE_K;  // keys in the block
+    if (rows < TILE_Q || key_rows < TILE_K || (CAUSAL && i0 < k0 + TILE_K)) {
         // Key row kr (of the block) comes after query column qc (of the tile) if kr > qc + diag.
         const int diag = (int)(i0 - k0);
 #pragma unroll
@@ -343,7 +370,7 @@ __device__ __forceinline__ void p_of_s(float (&s)[TILE_Q / 8][4], const float* l
             for (int e = 0; e < 4; ++e) {
                 const int qc = n * 8 + frag_col + (e & 1), kr = key_row + 8 * (e >> 1);
                 const float p = fs_exp2(s[n][e] * scale_log2 - lse_tile[qc]);
-                s[n][e] = qc >= rows || (CAUSAL && kr > qc + diag) ? 0.0f : p;
+                s[n][e] = qc >= rows || kr >= key_rows || (CAUSAL && kr > qc + diag) ? 0.0f : p;
             }
         }
     } else {

@@ -77,12 +77,13 @@ struct ForwardSm80 {
         }
         const fs_i64 i_lo = q0 + q_row, i_hi = i_lo + 8;
         // Causal: key tiles after the query tile's last row are never visited.
-        const fs_i64 kv_end = visited_keys_end<TILE_Q, CAUSAL>(q0, a.kv_len);
+        const fs_i64 kv_len = keys_of(a, b);
+        const fs_i64 kv_end = visited_keys_end<TILE_Q, CAUSAL>(q0, kv_len);
         for (fs_i64 k0 = 0; k0 < kv_end; k0 += TILE_K) {
             // 2. Keys and values k0 .. k0 + TILE_K - 1 into shared memory (rows past kv_len zero).
             __syncthreads();  // every warp is done with the previous tile (and the queries)
-            load_rows<TILE_K, D, DP, ROW, THREADS>(k_tile, a.k, b, k0, kv_h, a.kv_len);
-            load_rows<TILE_K, DV, DVP, ROW_V, THREADS>(v_tile, a.v, b, k0, kv_h, a.kv_len);
+            load_rows<TILE_K, D, DP, ROW, THREADS>(k_tile, a.k, b, k0, kv_h, kv_len);
+            load_rows<TILE_K, DV, DVP, ROW_V, THREADS>(v_tile, a.v, b, k0, kv_h, kv_len);
             __syncthreads();
 
             // 3. Scores S = Q K^T of the warp's 16 rows and the tile's keys (not
@@ -124,7 +125,7 @@ struct ForwardSm80 {
             // 4, 5. Masks where a key can be invisible, the online softmax; O
             //    takes the rows' rescale.
             float rescale[2];
-            mask_and_softmax<TILE_K, CAUSAL, SCALE_IN_EXP>(s, row_max, row_sum, rescale, k0, a.kv_len, q0 + warp * 16, i_lo,
+            mask_and_softmax<TILE_K, CAUSAL, SCALE_IN_EXP>(s, row_max, row_sum, rescale, k0, kv_len, q0 + warp * 16, i_lo,
                                                            i_hi, frag_col, a.scale_log2);
 #pragma unroll
             for (int n = 0; n < DVP / 8; ++n) {

@@ -91,7 +91,9 @@ struct ForwardSm90 {
         fs_fence_async_smem();
         __syncthreads();
         // Causal: key tiles after the query tile's last row are never visited.
-        const fs_i64 kv_end = visited_keys_end<TILE_Q, CAUSAL>(q0, a.kv_len);
+        // Padded keys (past the batch entry's length) are never visited either.
+        const fs_i64 kv_len = keys_of(a, b);
+        const fs_i64 kv_end = visited_keys_end<TILE_Q, CAUSAL>(q0, kv_len);
         const int tiles = (int)((kv_end + TILE_K - 1) / TILE_K);
 
         if (threadIdx.x >= CONSUMERS) {
@@ -173,7 +175,7 @@ struct ForwardSm90 {
         // 4, 5. The masks and the online softmax of the scores, then P as the next
         //    product's A fragments.
         auto softmax = [&](fs_i64 k0) {
-            mask_and_softmax<TILE_K, CAUSAL, SCALE_IN_EXP>(s, row_max, row_sum, o_rescale, k0, a.kv_len, first_row, i_lo, i_hi,
+            mask_and_softmax<TILE_K, CAUSAL, SCALE_IN_EXP>(s, row_max, row_sum, o_rescale, k0, kv_len, first_row, i_lo, i_hi,
                                                            frag_col, a.scale_log2);
         };
         auto pack = [&]() {

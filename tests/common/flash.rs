@@ -420,3 +420,40 @@ pub fn compile_all(
     });
     failures.into_inner().unwrap()
 }
+
+/// Attention over padded keys (`lengths`, drawn at random from 0 to the
+/// keys' count by the reference's feeds): cross-attention at D = 64 with 2
+/// query heads on 1 (S keys), causal self-attention at D = 128, and
+/// self-attention at D = 192 (the widest kernels), bf16.
+#[allow(dead_code)]
+pub const LENGTHS_MODEL: &str = "
+const d = 32
+dim B, T, S
+input x: f32[B, T, d]
+input mem: f32[B, S, d]
+input src_len: i32[B]
+input tgt_len: i32[B]
+param wq: [d, 128] = normal(0.3)
+param wkv: [d, 128] = normal(0.3)
+param w128: [d, 384] = normal(0.3)
+param w192: [d, 576] = normal(0.3)
+let k, v = split(mem @ wkv, 2)
+let y1 = merge_heads(attention(heads(x @ wq, 2), heads(k, 1), heads(v, 1), lengths = src_len))
+let q2, k2, v2 = split(x @ w128, 3)
+let y2 = merge_heads(attention(heads(q2, 1), heads(k2, 1), heads(v2, 1), causal = true, lengths = tgt_len))
+let q3, k3, v3 = split(x @ w192, 3)
+let y3 = merge_heads(attention(heads(q3, 1), heads(k3, 1), heads(v3, 1), lengths = tgt_len))
+train {
+    loss = mean(y1 * y1) + mean(y2 * y2) + mean(y3 * y3)
+    precision = bf16
+}
+";
+
+/// The sizes the lengths model runs at: batches of 3 (three random lengths
+/// each), tails of partial tiles on both sides.
+#[allow(dead_code)]
+pub const LENGTHS_RUNS: &[&[(&str, i64)]] = &[
+    &[("B", 3), ("T", 17), ("S", 130)],
+    &[("B", 3), ("T", 130), ("S", 17)],
+    &[("B", 3), ("T", 100), ("S", 64)],
+];

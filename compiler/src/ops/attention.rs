@@ -301,6 +301,11 @@ impl OpDef for AttentionGrad {
                     .into_iter()
                     .enumerate()
                 {
+                    // A masked key (a row with no visible key has lse -inf:
+                    // its p would be NaN) takes no part.
+                    if sj == f64::NEG_INFINITY {
+                        continue;
+                    }
                     let (p, ds) = p_ds(b, h, i, j, sj);
                     if p == 0.0 {
                         continue;

@@ -126,6 +126,9 @@ pub(crate) struct Config {
     pub(crate) causal: bool,
     pub(crate) scale: f64,
     pub(crate) dt: DType,
+    /// The kernel parameter holding each batch entry's key count, where
+    /// the op masks padded keys by their lengths.
+    pub(crate) lengths: Option<String>,
 }
 
 /// The largest head dim on tensor cores.
@@ -150,14 +153,11 @@ impl Config {
         if c.ins.len() != ins.len() || c.outs.len() != g.g[n].outputs.len() {
             return Err("it shares its kernel with other ops".into());
         }
-        if matches!(&g.g[n].op, Op::Attention(a) if a.lengths)
-            || matches!(&g.g[n].op, Op::AttentionGrad(a) if a.lengths)
-        {
-            return Err(
-                "it masks padded keys by their lengths, which the tensor-core kernels do not take yet"
-                    .into(),
-            );
-        }
+        let lengths = match &g.g[n].op {
+            Op::Attention(a) if a.lengths => Some(3),
+            Op::AttentionGrad(a) if a.lengths => Some(6),
+            _ => None,
+        };
         let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
         let dt = q.dtype;
         if !matches!(dt, DType::BF16 | DType::F16) {
@@ -166,9 +166,18 @@ impl Config {
                 dt.name()
             ));
         }
-        let want = |f32: bool| if f32 { DType::F32 } else { dt };
-        if (0..ins.len()).any(|i| c.in_dt(i) != want(f32_in.contains(&i)))
-            || (0..c.outs.len()).any(|o| c.out_dt(o) != want(f32_out.contains(&o)))
+        let want = |i: usize| {
+            if Some(i) == lengths {
+                DType::I32
+            } else if f32_in.contains(&i) {
+                DType::F32
+            } else {
+                dt
+            }
+        };
+        let want_out = |f32: bool| if f32 { DType::F32 } else { dt };
+        if (0..ins.len()).any(|i| c.in_dt(i) != want(i))
+            || (0..c.outs.len()).any(|o| c.out_dt(o) != want_out(f32_out.contains(&o)))
         {
             return Err(
                 "an input or output is stored in another type (a cast fused into its kernel)"
@@ -217,6 +226,7 @@ impl Config {
             causal,
             scale,
             dt,
+            lengths: lengths.map(|i| Access::input(g, c, n, i).ptr),
         })
     }
 
@@ -302,7 +312,12 @@ pub fn flash_forward(
     f.rows("lse", &Access::output(g, &c, n, 1));
     fill_sizes(&mut f, &cfg);
     let hopper = if arch == FlashArch::Sm90a {
-        let (inst, tile_k, persistent) = templates::forward_sm90(dt, d, dv, causal, fold);
+        // The persistent forward's warpgroups take turns item after item,
+        // which assumes every item's key tiles alike: with lengths, the
+        // forward that keeps a block a query tile.
+        let persistent_ok = cfg.lengths.is_none();
+        let (inst, tile_k, persistent) =
+            templates::forward_sm90(dt, d, dv, causal, fold, persistent_ok);
         let maps = [
             (1, "tm_k", templates::swizzle_pad(d)),
             (2, "tm_v", templates::swizzle_pad(dv)),

@@ -114,10 +114,11 @@ pub(crate) fn forward_sm90(
     dv: u64,
     causal: bool,
     scale_in_exp: bool,
+    persistent_ok: bool,
 ) -> (Instance, u64, bool) {
     let (dp, dvp) = (swizzle_pad(d), swizzle_pad(dv));
     let wgs = if dp <= 64 && dvp <= 64 { 3 } else { 2 };
-    let persistent = wgs == 3;
+    let persistent = wgs == 3 && persistent_ok;
     let tile_q = 64 * wgs;
     let tile_k = if dp <= 128 && dvp <= 128 { 128 } else { 64 };
     let threads = (128 * wgs + 128) as u32;

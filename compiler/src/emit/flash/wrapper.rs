@@ -72,6 +72,9 @@ pub(crate) fn fill_sizes(f: &mut Fill, cfg: &Config) {
         "scale_log2",
         float_lit(cfg.scale * std::f64::consts::LOG2_E),
     );
+    if let Some(lens) = &cfg.lengths {
+        f.set("kv_lens", lens.clone());
+    }
 }
 
 /// The whole source of kernel `name`: the plan kernel's comment, the
