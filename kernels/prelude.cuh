@@ -97,6 +97,11 @@ __device__ __forceinline__ float fs_gelu_grad(float x) {
     float t = tanhf(FS_SQRT_2_OVER_PI * (x + FS_GELU_C * x * x * x));
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * FS_SQRT_2_OVER_PI * (1.0f + 3.0f * FS_GELU_C * x * x);
 }
+// GELU with the exact erf (BERT's); its derivative is Phi(x) + x phi(x).
+__device__ __forceinline__ float fs_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f)); }
+__device__ __forceinline__ float fs_gelu_erf_grad(float x) {
+    return 0.5f * (1.0f + erff(x * 0.7071067811865476f)) + x * 0.3989422804014327f * expf(-0.5f * x * x);
+}
 __device__ __forceinline__ float fs_silu(float x) { return x * fs_sigmoid(x); }
 __device__ __forceinline__ float fs_silu_grad(float x) {
     float s = fs_sigmoid(x);

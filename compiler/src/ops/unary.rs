@@ -19,6 +19,8 @@ pub enum UnaryKind {
     Sigmoid,
     /// GELU, tanh approximation (as GPT-2 uses).
     Gelu,
+    /// GELU with the exact erf (BERT's, and PyTorch's `F.gelu` default).
+    GeluErf,
     Relu,
     Silu,
     Softplus,
@@ -174,6 +176,28 @@ const GELU: UnaryFn = UnaryFn {
     torch: TorchForm::Call("F.gelu", &["approximate=\"tanh\""]),
 };
 
+const GELU_ERF: UnaryFn = UnaryFn {
+    name: "gelu_erf",
+    grad_name: "gelu_erf_grad",
+    builtin: Some((
+        "gelu_erf(x)",
+        "GELU with the exact erf: x * (1 + erf(x / sqrt 2)) / 2",
+    )),
+    on_numbers: false,
+    keeps_zero: true,
+    apply: |x| 0.5 * x * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2)),
+    derivative: |x| {
+        let cdf = 0.5 * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2));
+        let pdf = (-0.5 * x * x).exp()
+            * (0.5 * std::f64::consts::FRAC_2_SQRT_PI)
+            * std::f64::consts::FRAC_1_SQRT_2;
+        cdf + x * pdf
+    },
+    cuda: "fs_gelu_erf({x})",
+    cuda_grad: "fs_gelu_erf_grad({x}) * {dy}",
+    torch: TorchForm::Call("F.gelu", &[]),
+};
+
 const RELU: UnaryFn = UnaryFn {
     name: "relu",
     grad_name: "relu_grad",
@@ -223,6 +247,7 @@ impl UnaryKind {
     /// Every unary function, in the order the builtins list them.
     pub const ALL: &'static [UnaryKind] = &[
         UnaryKind::Gelu,
+        UnaryKind::GeluErf,
         UnaryKind::Relu,
         UnaryKind::Silu,
         UnaryKind::Softplus,
@@ -245,6 +270,7 @@ impl UnaryKind {
             UnaryKind::Tanh => &TANH,
             UnaryKind::Sigmoid => &SIGMOID,
             UnaryKind::Gelu => &GELU,
+            UnaryKind::GeluErf => &GELU_ERF,
             UnaryKind::Relu => &RELU,
             UnaryKind::Silu => &SILU,
             UnaryKind::Softplus => &SOFTPLUS,
@@ -384,6 +410,17 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// `gelu_erf` is PyTorch's `F.gelu` (exact): x (1 + erf(x / sqrt 2)) / 2
+    /// at 1 and -0.5 as Python's math.erf gives them; `gelu` (tanh)
+    /// differs at 1 by more than 1e-4.
+    #[test]
+    fn gelu_erf_is_the_exact_gelu() {
+        let k = UnaryKind::GeluErf;
+        assert!((k.apply(1.0) - 0.841_344_746_068_542_9).abs() < 1e-15);
+        assert!((k.apply(-0.5) - -0.154_268_769_362_993_44).abs() < 1e-15);
+        assert!((UnaryKind::Gelu.apply(1.0) - k.apply(1.0)).abs() > 1e-4);
     }
 
     /// `keeps_zero` is true exactly where f(0) = 0 with a finite f'(0).
