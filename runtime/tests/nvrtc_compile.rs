@@ -85,3 +85,107 @@ fn a_compile_error_names_the_kernel_and_the_line() {
         "{text}"
     );
 }
+
+/// Every shipped and test model built for each device of
+/// `select::DEVICES` with the mma.sync attention (sm_80 class: the A100,
+/// and the consumer and workstation GPUs of 99 KiB of shared memory a
+/// block): every kernel the build selects, generated or a `kernels/`
+/// template instance, compiles with NVRTC for the device's architecture,
+/// and its shared memory (static, as ptxas reports it, plus the launch's
+/// dynamic) fits the device's limit. Hopper's instances are compiled by
+/// the flash tests.
+#[test]
+fn every_kernel_fits_every_device() {
+    if !common::nvrtc_ready() {
+        return;
+    }
+    use fusec_compiler::select::{select, Choice, Target, DEVICES};
+    let root = common::root();
+    let mut files: Vec<std::path::PathBuf> = Vec::new();
+    for dir in ["dsl-examples", "tests/models", "tests/models/twins"] {
+        let mut found: Vec<_> = std::fs::read_dir(root.join(dir))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "dsl"))
+            .collect();
+        found.sort();
+        files.extend(found);
+    }
+    let mut models: Vec<(String, String)> = files
+        .iter()
+        .map(|f| (f.display().to_string(), std::fs::read_to_string(f).unwrap()))
+        .collect();
+    // The widest heads, whose attention kernels take the most shared memory.
+    for (d, causal) in [(256, true), (192, false), (96, true)] {
+        let src = common::attention_model_dv(d, d, 4, 2, causal, "bf16");
+        models.push((format!("attention at D = {d}"), src));
+    }
+    let mut failures = Vec::new();
+    // Devices of one architecture and limit (the RTX 4090 and the L40S)
+    // are checked once.
+    let mut seen = Vec::new();
+    for &(device, arch, flash, _, limit) in DEVICES {
+        if flash != Some(fusec_compiler::emit::flash::FlashArch::Sm80)
+            || seen.contains(&(arch, limit))
+        {
+            continue;
+        }
+        seen.push((arch, limit));
+        let target = Target::for_device(device, false).unwrap();
+        // (source without its name) -> (name, dynamic shared memory).
+        let mut sources: BTreeMap<String, (String, u64)> = BTreeMap::new();
+        let mut instances = 0;
+        for (label, src) in &models {
+            let c = compile(src, "m", &Options::default())
+                .unwrap_or_else(|e| panic!("{}", e.render(label, src)));
+            let program = fuse(&c.optimized);
+            let sel = select(&c.optimized, &program, &target, None);
+            let mut dynamic: BTreeMap<String, u64> = BTreeMap::new();
+            for choice in &sel.choices {
+                if let Choice::Templates(ks) = choice {
+                    for k in ks {
+                        dynamic.insert(k.launch.name.clone(), k.launch.dynamic_smem_bytes);
+                        instances += 1;
+                    }
+                }
+            }
+            for (name, text) in &sel.sources {
+                let smem = dynamic.get(name).copied().unwrap_or(0);
+                sources
+                    .entry(text.replace(name.as_str(), "KERNEL"))
+                    .or_insert((name.clone(), smem));
+            }
+        }
+        assert!(instances > 0, "{device}: no template instance was selected");
+        use rayon::prelude::*;
+        let results: Vec<Result<(u64, String), String>> = sources
+            .par_iter()
+            .map(|(key, (name, dynamic))| {
+                let text = key.replace("KERNEL", name);
+                let c = nvrtc::compile(name, &text, arch)
+                    .map_err(|e| format!("{device} ({arch}): {e}"))?;
+                let total = c.static_smem_bytes as u64 + dynamic;
+                if total > limit {
+                    return Err(format!(
+                        "{device} ({arch}): {name} takes {total} bytes of shared memory, over {limit}"
+                    ));
+                }
+                Ok((total, name.clone()))
+            })
+            .collect();
+        let mut largest = (0u64, String::new());
+        for r in results {
+            match r {
+                Ok(t) => largest = largest.max(t),
+                Err(e) => failures.push(e),
+            }
+        }
+        println!(
+            "{device} ({arch}): {} distinct kernels compiled, the largest shared memory {} bytes ({}) of {limit}",
+            sources.len(),
+            largest.0,
+            largest.1
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

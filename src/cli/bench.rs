@@ -6,7 +6,7 @@ use super::train::{runtime_err, start};
 use super::CliError;
 use clap::Args;
 use fusec_compiler::ir::graph::Phase;
-use fusec_compiler::plan::roofline::{device, estimate, Device, Estimate};
+use fusec_compiler::plan::roofline::{estimate, Device, Estimate};
 use fusec_compiler::plan::trace::Timing;
 use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::device;
@@ -409,12 +409,7 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
 
 /// The roofline's figures for the GPU by its name (an H100's where unknown).
 fn roofline_device(name: &str) -> Device {
-    let n = name.to_ascii_lowercase();
-    let key = ["h200", "a100"]
-        .into_iter()
-        .find(|k| n.contains(k))
-        .unwrap_or("h100");
-    device(key).expect("a known device")
+    fusec_compiler::plan::roofline::device_of_gpu(name)
 }
 
 fn serde_like(dims: &BTreeMap<String, i64>) -> String {

@@ -57,8 +57,9 @@ pub struct BuildArgs {
     #[arg(long, value_name = "DTYPE", value_parser = super::common::parse_reduce_dtype)]
     pub reduce_dtype: Option<fusec_compiler::ir::DType>,
     /// Device to build for: which kernels run (h100 and h200: sm_90a, with
-    /// the Hopper tensor-core attention; a100: sm_80, mma.sync) and the
-    /// report's roofline estimate
+    /// the Hopper tensor-core attention; a100: sm_80, mma.sync; rtx3090:
+    /// sm_86, rtx4090 and l40s: sm_89, mma.sync in 99 KiB of shared memory a
+    /// block) and the report's roofline estimate
     #[arg(long, value_name = "NAME", default_value = "h100", value_parser = device_name)]
     pub device: String,
     /// The attention backward without atomics (as `fusec train
@@ -77,7 +78,7 @@ fn device_name(s: &str) -> Result<String, String> {
     } else {
         let list: Vec<String> = DEVICES
             .iter()
-            .map(|d| format!("  {:<5} {}", d.name, d.about))
+            .map(|d| format!("  {:<8} {}", d.name, d.about))
             .collect();
         Err(format!(
             "unknown device `{s}`; the devices are:\n{}",

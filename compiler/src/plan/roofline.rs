@@ -20,6 +20,9 @@ pub struct Device {
     pub tensor_flops: f64,
     /// Non-tensor f32 rate.
     pub f32_flops: f64,
+    /// What the GPU's own name (as the driver reports it, lower case)
+    /// contains: how a run finds its figures.
+    pub gpu_name: &'static str,
 }
 
 /// Datasheet figures (dense, no sparsity).
@@ -30,6 +33,7 @@ pub const DEVICES: &[Device] = &[
         bytes_per_s: 3.35e12,
         tensor_flops: 989e12,
         f32_flops: 67e12,
+        gpu_name: "h100",
     },
     Device {
         name: "h200",
@@ -37,6 +41,7 @@ pub const DEVICES: &[Device] = &[
         bytes_per_s: 4.8e12,
         tensor_flops: 989e12,
         f32_flops: 67e12,
+        gpu_name: "h200",
     },
     Device {
         name: "a100",
@@ -44,11 +49,49 @@ pub const DEVICES: &[Device] = &[
         bytes_per_s: 2.039e12,
         tensor_flops: 312e12,
         f32_flops: 19.5e12,
+        gpu_name: "a100",
+    },
+    // Consumer and workstation parts: their bf16 tensor rate is the one
+    // with f32 accumulation (half the f16-accumulate figure on GeForce).
+    Device {
+        name: "rtx3090",
+        about: "GeForce RTX 3090: 936 GB/s, 71 TFLOP/s bf16, 35.6 TFLOP/s f32",
+        bytes_per_s: 936e9,
+        tensor_flops: 71e12,
+        f32_flops: 35.6e12,
+        gpu_name: "rtx 3090",
+    },
+    Device {
+        name: "rtx4090",
+        about: "GeForce RTX 4090: 1.01 TB/s, 165 TFLOP/s bf16, 82.6 TFLOP/s f32",
+        bytes_per_s: 1008e9,
+        tensor_flops: 165.2e12,
+        f32_flops: 82.6e12,
+        gpu_name: "rtx 4090",
+    },
+    Device {
+        name: "l40s",
+        about: "L40S: 864 GB/s, 362 TFLOP/s bf16, 91.6 TFLOP/s f32",
+        bytes_per_s: 864e9,
+        tensor_flops: 362e12,
+        f32_flops: 91.6e12,
+        gpu_name: "l40s",
     },
 ];
 
 pub fn device(name: &str) -> Option<Device> {
     DEVICES.iter().copied().find(|d| d.name == name)
+}
+
+/// The figures of a GPU by the name its driver reports ("NVIDIA GeForce
+/// RTX 3090"), an H100's where none matches.
+pub fn device_of_gpu(gpu: &str) -> Device {
+    let n = gpu.to_ascii_lowercase();
+    DEVICES
+        .iter()
+        .copied()
+        .find(|d| n.contains(d.gpu_name))
+        .unwrap_or(DEVICES[0])
 }
 
 #[derive(Clone, Debug)]
