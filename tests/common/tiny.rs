@@ -55,6 +55,20 @@ pub fn tiny_models() -> Vec<TinyModel> {
             vec![("B", 2), ("T", 5)],
         ),
         (
+            // Padded sources and targets of other lengths (S != T), dropout,
+            // label smoothing and ignored targets.
+            "translator.dsl",
+            vec![
+                ("vocab", "23"),
+                ("ctx", "8"),
+                ("d", "16"),
+                ("n_heads", "2"),
+                ("ffn", "24"),
+                ("layers", "2"),
+            ],
+            vec![("B", 2), ("S", 5), ("T", 4)],
+        ),
+        (
             "vit-tiny.dsl",
             vec![
                 ("image", "8"),

@@ -26,8 +26,9 @@ def make_optimizer(model, lr=None):
 def learning_rate(step, last_step, lr=None):
     """The rate of step `step` (counted from 1) as fusec's schedule gives it:
     a linear warmup to lr at step `warmup`, then lr (constant), lr *
-    sqrt(warmup / step) (inverse_sqrt), or a cosine or linear decay from lr at the next step to `min_lr` at step `steps`
-    (the run's `last_step` when the model file names none)."""
+    sqrt(warmup / step) (inverse_sqrt), or a cosine or linear decay from lr
+    at the next step to `min_lr` at step `steps` (the run's `last_step` when
+    the model file names none)."""
     s = SCHEDULE
     lr = OPTIMIZER["lr"] if lr is None else lr
     if step <= s["warmup"]:
