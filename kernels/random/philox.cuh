@@ -46,23 +46,18 @@ __device__ __forceinline__ fs_philox_words fs_philox4x32_10(unsigned int c0, uns
     return r;
 }
 
-// The draw of element `index` of dropout site `site` under the step's key:
-// word index % 4 of the block at counter (index / 4, site).
-__device__ __forceinline__ unsigned int fs_dropout_draw(const int* key, unsigned int site,
-                                                         unsigned long long index) {
-    const unsigned long long block = index >> 2;
-    const fs_philox_words r = fs_philox4x32_10((unsigned int)block, (unsigned int)(block >> 32),
-                                               site, 0u, (unsigned int)key[0],
-                                               (unsigned int)key[1]);
-    return r.w[index & 3];
+// The draws of elements 4 block .. 4 block + 3 of dropout site `site` under
+// the step's key: one Philox call, counter (block, site).
+__device__ __forceinline__ fs_philox_words fs_dropout_block(const int* key, unsigned int site,
+                                                             unsigned long long block) {
+    return fs_philox4x32_10((unsigned int)block, (unsigned int)(block >> 32), site, 0u,
+                            (unsigned int)key[0], (unsigned int)key[1]);
 }
 
-// x kept and scaled by 1 / (1 - p), or 0: draws below `threshold` (p of
-// 2^32) are dropped.
-__device__ __forceinline__ float fs_dropout(float x, const int* key, unsigned int site,
-                                            unsigned long long index, unsigned int threshold,
-                                            float scale) {
-    return fs_dropout_draw(key, site, index) >= threshold ? x * scale : 0.0f;
+// The draw of element `index`: word index % 4 of its block's.
+__device__ __forceinline__ unsigned int fs_dropout_draw(const int* key, unsigned int site,
+                                                         unsigned long long index) {
+    return fs_dropout_block(key, site, index >> 2).w[index & 3];
 }
 
 #endif
