@@ -161,14 +161,7 @@ fn padding_rows_change_nothing() {
 #[test]
 fn a_bad_smoothing_names_its_place() {
     let src = source().replace("label_smoothing = smoothing", "label_smoothing = 1.5");
-    let err = match fusec_compiler::driver::compile(
-        &src,
-        "m",
-        &fusec_compiler::elaborate::Options::default(),
-    ) {
-        Ok(_) => panic!("a smoothing of 1.5 was accepted"),
-        Err(e) => e.render("ce.dsl", &src),
-    };
+    let err = common::compile_error(&src, "ce.dsl", "a smoothing of 1.5");
     assert!(err.contains("label smoothing from 0 to 1"), "{err}");
     assert!(err.contains("ce.dsl:21:"), "{err}");
 }

@@ -208,14 +208,7 @@ fn a_bad_probability_names_its_place() {
         let src = format!(
             "param w: [4, 5] = normal(1.0)\nlet y = dropout(w, {p})\ntrain {{\n    loss = mean(y)\n    optimizer = sgd(lr = 0.1)\n}}\n"
         );
-        let err = match fusec_compiler::driver::compile(
-            &src,
-            "m",
-            &fusec_compiler::elaborate::Options::default(),
-        ) {
-            Ok(_) => panic!("p = {p} accepted"),
-            Err(e) => e.render("m.dsl", &src),
-        };
+        let err = common::compile_error(&src, "m.dsl", &format!("p = {p}"));
         assert!(
             err.contains("`dropout` needs a probability from 0 up to (not including) 1"),
             "{err}"

@@ -42,6 +42,16 @@ pub fn compile_with(source: &str, name: &str, sets: &[(&str, &str)]) -> Compiled
     }
 }
 
+/// The rendered error of a model that must not compile (`file` names it in
+/// the message); panics, naming `what`, where it compiles.
+#[allow(dead_code)]
+pub fn compile_error(source: &str, file: &str, what: &str) -> String {
+    match compile(source, "m", &Options::default()) {
+        Ok(_) => panic!("{what} was accepted"),
+        Err(f) => f.render(file, source),
+    }
+}
+
 pub fn dims(pairs: &[(&str, i64)]) -> HashMap<String, i64> {
     pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
