@@ -194,47 +194,86 @@ impl Batches {
         2 * self.b * self.t
     }
 
-    /// The batches, written on a background thread into `buffers` (each
-    /// `buffer_len` long) in turn: as many batches ready ahead as there
-    /// are buffers the consumer has given back.
-    pub fn prefetch(mut self, buffers: Vec<HostBuf>) -> Prefetch {
-        let (full_tx, full) = mpsc::channel();
-        let (free, free_rx) = mpsc::channel::<HostBuf>();
-        for b in buffers {
-            let _ = free.send(b);
-        }
-        std::thread::spawn(move || {
-            for mut buf in free_rx {
-                let len = self.buffer_len();
-                let filled = match buf.write() {
-                    Ok(v) if v.len() == len => {
-                        self.fill(v);
-                        Ok(buf)
-                    }
-                    Ok(v) => Err(DataError(format!(
-                        "a batch buffer holds {} values, a batch {len}",
-                        v.len()
-                    ))),
-                    Err(e) => Err(DataError(format!("cannot write a batch buffer: {e}"))),
-                };
-                if full_tx.send(filled).is_err() {
-                    break;
-                }
-            }
-        });
-        Prefetch { full, free }
+    /// The batches, written on a background thread (see [`prefetch`]).
+    pub fn prefetch(self, buffers: Vec<HostBuf>) -> Prefetch {
+        prefetch(Box::new(self), buffers)
     }
+}
+
+/// What fills a batch buffer: the named i32 inputs' values, one after
+/// the other, in the order `names` gives.
+pub trait Source: Send {
+    /// The inputs a buffer holds, in order.
+    fn names(&self) -> Vec<&'static str>;
+    /// Values in one batch buffer.
+    fn buffer_len(&self) -> usize;
+    /// Writes the next batch into `out`; returns the tokens in it that are
+    /// not padding.
+    fn fill(&mut self, out: &mut [i32]) -> u64;
+}
+
+impl Source for Batches {
+    fn names(&self) -> Vec<&'static str> {
+        vec!["tokens", "targets"]
+    }
+    fn buffer_len(&self) -> usize {
+        Batches::buffer_len(self)
+    }
+    fn fill(&mut self, out: &mut [i32]) -> u64 {
+        Batches::fill(self, out);
+        (self.b * self.t) as u64
+    }
+}
+
+/// The batches of `src`, written on a background thread into `buffers`
+/// (each `buffer_len` long) in turn: as many batches ready ahead as there
+/// are buffers the consumer has given back.
+pub fn prefetch(mut src: Box<dyn Source>, buffers: Vec<HostBuf>) -> Prefetch {
+    let (full_tx, full) = mpsc::channel();
+    let (free, free_rx) = mpsc::channel::<HostBuf>();
+    for b in buffers {
+        let _ = free.send(b);
+    }
+    let names = src.names();
+    std::thread::spawn(move || {
+        for mut buf in free_rx {
+            let len = src.buffer_len();
+            let filled = match buf.write() {
+                Ok(v) if v.len() == len => {
+                    let real = src.fill(v);
+                    Ok(Filled { buf, real })
+                }
+                Ok(v) => Err(DataError(format!(
+                    "a batch buffer holds {} values, a batch {len}",
+                    v.len()
+                ))),
+                Err(e) => Err(DataError(format!("cannot write a batch buffer: {e}"))),
+            };
+            if full_tx.send(filled).is_err() {
+                break;
+            }
+        }
+    });
+    Prefetch { full, free, names }
+}
+
+/// A batch buffer filled, and its tokens that are not padding.
+pub struct Filled {
+    pub buf: HostBuf,
+    pub real: u64,
 }
 
 /// Batches prepared ahead on a background thread (`Batches::prefetch`).
 pub struct Prefetch {
-    full: mpsc::Receiver<Result<HostBuf, DataError>>,
+    full: mpsc::Receiver<Result<Filled, DataError>>,
     free: mpsc::Sender<HostBuf>,
+    /// The inputs each buffer holds, in order.
+    pub names: Vec<&'static str>,
 }
 
 impl Prefetch {
     /// The next batch, waiting for the thread if it is not ready yet.
-    pub fn next(&self) -> Result<HostBuf, DataError> {
+    pub fn next(&self) -> Result<Filled, DataError> {
         self.full
             .recv()
             .map_err(|_| DataError("the data thread stopped".into()))?
@@ -322,6 +361,8 @@ mod tests {
         for _ in 0..10 {
             let want = serial.next_batch();
             let got = pf.next().unwrap();
+            assert_eq!(got.real, 15);
+            let got = got.buf;
             let v = got.read().unwrap();
             assert_eq!(v[..15], want.inputs[..]);
             assert_eq!(v[15..], want.targets[..]);

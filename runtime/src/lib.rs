@@ -19,6 +19,7 @@ pub mod nvrtc;
 pub mod ranks;
 pub mod rendezvous;
 pub mod scaler;
+pub mod sentences;
 pub mod session;
 pub mod stage;
 pub mod startup;

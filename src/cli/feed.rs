@@ -3,6 +3,7 @@
 //! batch every micro-batch with `random-stream`); with `--save-data`, the
 //! log of what was fed.
 
+use super::sentences::Kind;
 use super::train::{input_type, runtime_err, token_bound, TrainArgs, RANDOM_STREAM, WINDOWS_READ};
 use super::CliError;
 use fusec_compiler::interp::round_to;
@@ -17,6 +18,8 @@ use std::collections::BTreeMap;
 pub(super) struct Feed {
     pub batches: Option<Prefetch>,
     pub record: Option<BatchLog>,
+    /// Sentence data (counted in batches, not windows, for a resume).
+    pub sentences: bool,
 }
 
 /// Where the run stands when its data is prepared.
@@ -61,6 +64,33 @@ pub(super) fn prepare(args: &TrainArgs, b: &mut dyn Backend, at: &Where) -> Resu
             "error: --tokenizer tokenizes the text of --data; --data {} has none",
             args.data
         )));
+    }
+    let sentences = Kind::of(data_inputs).filter(|_| args.data != "random" && !stream);
+    if args.data_target.is_some() && sentences != Some(Kind::Pairs) {
+        return Err(CliError::usage(
+            "error: --data-target gives the targets of sentence pairs, and this model does not read pairs (inputs src, src_len, tgt_in, tgt_len, tgt_out)".to_string(),
+        ));
+    }
+    if args.max_tokens.is_some() && sentences.is_none() {
+        return Err(CliError::usage(
+            "error: --max-tokens sets how many sentences a batch holds; this model does not read sentences (pairs: inputs src, src_len, tgt_in, tgt_len, tgt_out; labelled: tokens, lengths, labels)".to_string(),
+        ));
+    }
+    if let Some(kind) = sentences {
+        let mut src = super::sentences::prepare(kind, args, b.graph(), b.shapes(), dims)?;
+        // A resumed run reads on from the batch the first run stopped at.
+        if let Some(n) = resumed
+            .and_then(|ck| ck.extra.get(SENTENCE_BATCHES_READ))
+            .and_then(|v| v.parse().ok())
+        {
+            src.skip(n);
+        }
+        let buffers = b.batch_buffers(3, src.buffer_len()).map_err(runtime_err)?;
+        return Ok(Feed {
+            batches: Some(fusec_runtime::data::prefetch(Box::new(src), buffers)),
+            record,
+            sentences: true,
+        });
     }
     if args.data == "random" || stream {
         if let Some(log) = &mut record {
@@ -166,8 +196,15 @@ pub(super) fn prepare(args: &TrainArgs, b: &mut dyn Backend, at: &Where) -> Resu
         let buffers = b.batch_buffers(3, src.buffer_len()).map_err(runtime_err)?;
         batches = Some(src.prefetch(buffers));
     }
-    Ok(Feed { batches, record })
+    Ok(Feed {
+        batches,
+        record,
+        sentences: false,
+    })
 }
+
+/// The checkpoint's count of sentence batches read.
+pub(super) const SENTENCE_BATCHES_READ: &str = "sentence_batches_read";
 
 /// Random values for every data input, batch `batch` of `seed` (batch 0 is
 /// `--data random`'s one batch), written to the step and to `--save-data`.

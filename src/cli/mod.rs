@@ -12,6 +12,7 @@ mod feed;
 pub mod parallel;
 mod profile;
 mod schedule;
+mod sentences;
 pub mod tokenize;
 pub mod train;
 mod train_loop;

@@ -97,9 +97,28 @@ pub struct TrainArgs {
     #[arg(long, value_name = "MAP", requires = "init_from")]
     pub name_map: Option<PathBuf>,
     /// Tokenize the text of --data with this Hugging Face tokenizer.json
-    /// (`fusec tokenize` writes shards once instead)
+    /// (`fusec tokenize` writes shards once instead). Sentence data (pairs,
+    /// labelled sentences) needs one
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
+    /// Sentence pairs from two files line by line: --data holds the
+    /// sources, this file the targets (otherwise --data holds
+    /// `source<TAB>target` lines)
+    #[arg(long, value_name = "FILE")]
+    pub data_target: Option<PathBuf>,
+    /// Sentence data: at most this many padded tokens a batch (sentences x
+    /// the longest of them, as fairseq's --max-tokens), at most B
+    /// sentences; the rows left over are empty
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_tokens: Option<u64>,
+    /// Sentence pairs: the token that begins each target (default: the
+    /// tokenizer's <s>, [CLS] or <|endoftext|>)
+    #[arg(long, value_name = "TOKEN")]
+    pub bos: Option<String>,
+    /// Sentence pairs: the token that ends each source and target (default:
+    /// the tokenizer's </s>, [SEP] or <|endoftext|>)
+    #[arg(long, value_name = "TOKEN")]
+    pub eos: Option<String>,
 }
 
 pub(super) fn runtime_err(e: RuntimeError) -> CliError {

@@ -3,7 +3,7 @@
 //! checkpoints, and what the run writes at its end.
 
 use super::common::Loaded;
-use super::feed::{feed_random, Feed, Where};
+use super::feed::{feed_random, Feed, Where, SENTENCE_BATCHES_READ};
 use super::train::{is_input, json_num, runtime_err, save, TrainArgs, RANDOM_STREAM, WINDOWS_READ};
 use super::train_steps::StepLine;
 use super::validate::Validation;
@@ -39,6 +39,10 @@ pub(super) struct Feeder<'a> {
     rows: u64,
     /// Windows read before this run, where the resumed checkpoint counts them.
     resumed_windows: Option<u64>,
+    /// Sentence data: batches read before this run (a resumed run's).
+    sentence_batches: Option<u64>,
+    /// Tokens of the staged batch that are not padding.
+    staged_real: u64,
 }
 
 impl<'a> Feeder<'a> {
@@ -49,7 +53,17 @@ impl<'a> Feeder<'a> {
         b: &mut dyn Backend,
         at: &Where<'a>,
     ) -> Result<Feeder<'a>, CliError> {
-        let Feed { batches, record } = super::feed::prepare(args, b, at)?;
+        let Feed {
+            batches,
+            record,
+            sentences,
+        } = super::feed::prepare(args, b, at)?;
+        let sentence_batches = sentences.then(|| {
+            at.resumed
+                .and_then(|ck| ck.extra.get(SENTENCE_BATCHES_READ))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        });
         let resumed_windows: Option<u64> = at
             .resumed
             .and_then(|ck| ck.extra.get(WINDOWS_READ))
@@ -69,6 +83,8 @@ impl<'a> Feeder<'a> {
                 .and_then(|s| s.first().copied())
                 .unwrap_or(0) as u64,
             resumed_windows,
+            sentence_batches,
+            staged_real: at.tokens_shape.map_or(0, |s| s.iter().product::<usize>()) as u64,
         })
     }
 
@@ -79,18 +95,27 @@ impl<'a> Feeder<'a> {
         let Some(pf) = &self.batches else {
             return Ok(());
         };
-        let buf = pf.next().map_err(|e| CliError {
+        let filled = pf.next().map_err(|e| CliError {
             message: format!("error: {e}"),
             code: 3,
         })?;
+        let buf = filled.buf;
+        self.staged_real = filled.real;
         if let Some(log) = &mut self.record {
             let ids = buf.read().map_err(runtime_err)?;
-            let (tokens, targets) = ids.split_at(ids.len() / 2);
-            log.push_i32("tokens", &self.window, tokens)
-                .and_then(|_| log.push_i32("targets", &self.window, targets))
-                .map_err(|e| CliError::usage(format!("error: --save-data: {e}")))?;
+            let mut at = 0;
+            for name in &pf.names {
+                let shape = match *name {
+                    "tokens" | "targets" if !self.window.is_empty() => self.window.clone(),
+                    _ => b.shapes().get(*name).cloned().unwrap_or_default(),
+                };
+                let n: usize = shape.iter().product();
+                log.push_i32(name, &shape, &ids[at..at + n])
+                    .map_err(|e| CliError::usage(format!("error: --save-data: {e}")))?;
+                at += n;
+            }
         }
-        b.stage(&["tokens", "targets"], &buf).map_err(runtime_err)?;
+        b.stage(&pf.names, &buf).map_err(runtime_err)?;
         pf.give_back(buf);
         Ok(())
     }
@@ -116,10 +141,19 @@ impl<'a> Feeder<'a> {
     /// for a checkpoint; none where the data is random.
     fn windows_read(&self, step: u64) -> Option<u64> {
         self.batches.as_ref()?;
+        if self.sentence_batches.is_some() {
+            return None;
+        }
         Some(match self.resumed_windows {
             Some(w) => w + (step + 1 - self.first) * self.micro * self.rows,
             None => step * self.micro * self.rows,
         })
+    }
+
+    /// Sentence batches read by the end of `step`, for a checkpoint.
+    fn sentence_batches_read(&self, step: u64) -> Option<u64> {
+        let before = self.sentence_batches?;
+        Some(before + (step + 1 - self.first) * self.micro)
     }
 
     /// `--save-data`: the batches fed, written to `path`.
@@ -291,7 +325,7 @@ impl StepLoop<'_> {
         let rate = self.rates.rate(step);
         self.optimizer.set_scale(b)?;
         let t0 = Instant::now();
-        let st = self.micro_batches(b, step, rate)?;
+        let (st, real) = self.micro_batches(b, step, rate)?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         fusec_runtime::startup::mark(&format!("step {step} done"));
         self.optimizer.count(st.grad_norm);
@@ -303,25 +337,29 @@ impl StepLoop<'_> {
             loss: st.loss,
             grad_norm: st.grad_norm,
             ms,
-            tokens_per_s: self.tokens_per_step as f64 / (ms / 1e3),
+            tokens_per_s: real.unwrap_or(self.tokens_per_step as u64) as f64 / (ms / 1e3),
+            padded: real.is_some(),
         })
     }
 
     /// The step's micro-batches, each fed, launched (with the next batch
     /// staged while it computes) and finished, adding up their gradients;
-    /// the update applies on the last. The loss is their mean.
+    /// the update applies on the last. The loss is their mean. Sentence
+    /// data also counts the tokens fed that are not padding.
     fn micro_batches(
         &mut self,
         b: &mut dyn Backend,
         step: u64,
         rate: f64,
-    ) -> Result<StepStats, CliError> {
+    ) -> Result<(StepStats, Option<u64>), CliError> {
         let micro = self.micro;
         let mut st = StepStats {
             loss: 0.0,
             grad_norm: None,
         };
+        let mut real = 0;
         for mb in 0..micro {
+            real += self.feed.staged_real;
             if micro > 1 {
                 let apply = if mb + 1 == micro { 1.0 } else { 0.0 };
                 b.set(APPLY_INPUT, &[apply]).map_err(runtime_err)?;
@@ -338,7 +376,7 @@ impl StepLoop<'_> {
             st.loss += one.loss / micro as f64;
             st.grad_norm = one.grad_norm;
         }
-        Ok(st)
+        Ok((st, self.feed.sentence_batches.map(|_| real)))
     }
 
     /// The step's progress line and `--log` line; a loss that is not
@@ -409,6 +447,9 @@ impl StepLoop<'_> {
         let mut m = self.optimizer.state();
         if let Some(windows) = self.feed.windows_read(step) {
             m.insert(WINDOWS_READ.into(), windows.to_string());
+        }
+        if let Some(n) = self.feed.sentence_batches_read(step) {
+            m.insert(SENTENCE_BATCHES_READ.into(), n.to_string());
         }
         if self.rates.ends_with_the_run() {
             m.insert("schedule_end".into(), self.rates.horizon.to_string());

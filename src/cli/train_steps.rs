@@ -249,12 +249,15 @@ pub(super) struct StepLine {
     pub(super) grad_norm: Option<f64>,
     pub(super) ms: f64,
     pub(super) tokens_per_s: f64,
+    /// Batches of padded sentences: `tokens_per_s` counts only the tokens
+    /// that are not padding.
+    pub(super) padded: bool,
 }
 
 impl StepLine {
     pub(super) fn progress(&self) -> String {
         format!(
-            "step {:>5}/{}  {}loss {:.4}  {}{:.1} ms  {:.0} tok/s",
+            "step {:>5}/{}  {}loss {:.4}  {}{:.1} ms  {:.0} tok/s{}",
             self.step,
             self.last,
             if self.scheduled {
@@ -266,7 +269,12 @@ impl StepLine {
             self.grad_norm
                 .map_or(String::new(), |n| format!("norm {n:.3}  ")),
             self.ms,
-            self.tokens_per_s
+            self.tokens_per_s,
+            if self.padded {
+                " (real, not padded)"
+            } else {
+                ""
+            }
         )
     }
 
