@@ -48,6 +48,18 @@ pub struct BenchArgs {
     pub gpu: usize,
     #[command(flatten)]
     pub parallel: super::parallel::ParallelArgs,
+    /// Attention `lengths` inputs: every sequence full length (the step as
+    /// unpadded data runs it), or random lengths (padded batches, whose
+    /// padded key tiles attention skips)
+    #[arg(long, value_enum, default_value_t = LengthsFill::Full)]
+    pub lengths: LengthsFill,
+}
+
+/// What `fusec bench` feeds attention's `lengths`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq)]
+pub enum LengthsFill {
+    Full,
+    Random,
 }
 
 #[derive(Args, Debug)]
@@ -205,8 +217,11 @@ fn open_step(
     };
     let (s, about) = start(loaded, dims, device::Opening::here(args.gpu), options)?;
     let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
-    let feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, 1)
+    let mut feeds = fusec_compiler::interp::random::random_feeds(&s.graph, &dmap, 1)
         .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
+    if args.lengths == LengthsFill::Full {
+        fusec_compiler::interp::random::fill_lengths_full(&s.graph, &mut feeds);
+    }
     let mut b = backend::Gpu::new(s, dims).map_err(runtime_err)?;
     backend::init_params(&mut b, 1).map_err(runtime_err)?;
     // Every input, the update's included: each timed launch is one
@@ -348,8 +363,11 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     )?;
     let whole = parallel::whole_batch(&dims, world);
     let dmap = whole.iter().map(|(k, v)| (k.clone(), *v)).collect();
-    let feeds = fusec_compiler::interp::random::random_inputs(ranks.graph(), &dmap, 1, 0)
+    let mut feeds = fusec_compiler::interp::random::random_inputs(ranks.graph(), &dmap, 1, 0)
         .map_err(|e| CliError::usage(format!("error: {}", e.0)))?;
+    if args.lengths == LengthsFill::Full {
+        fusec_compiler::interp::random::fill_lengths_full(ranks.graph(), &mut feeds);
+    }
     backend::init_params(&mut ranks, 1).map_err(runtime_err)?;
     let names: Vec<String> = feeds
         .inputs

@@ -109,6 +109,27 @@ fn classes(
     classes.or_else(|| g.ty(logits).shape.last()?.eval(&|s| dims.get(s).copied()))
 }
 
+/// Sets every attention `lengths` input in `feeds` to its full key count
+/// (random lengths skip random amounts of attention work; a benchmark of
+/// unpadded sequences wants them all full).
+pub fn fill_lengths_full(g: &Graph, feeds: &mut Feeds) {
+    for n in g.g.node_indices() {
+        let Op::Input(i) = &g.g[n].op else { continue };
+        let value = Value { node: n, port: 0 };
+        let feeds_lengths = g
+            .users(value)
+            .into_iter()
+            .any(|(u, slot)| matches!((&g.g[u].op, slot), (Op::Attention(_), 3) | (Op::AttentionGrad(_), 6)));
+        if !feeds_lengths {
+            continue;
+        }
+        if let (Some(keys), Some(t)) = (index_bound(g, value, &feeds.dims), feeds.inputs.get_mut(&i.name)) {
+            // The bound is S + 1: lengths run from 0 to S.
+            t.data.iter_mut().for_each(|x| *x = (keys - 1) as f64);
+        }
+    }
+}
+
 /// Parameters from their initialisers and data inputs at random, all from one seed.
 pub fn random_feeds(
     g: &Graph,
