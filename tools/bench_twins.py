@@ -90,6 +90,11 @@ def torch_one(twin_path, sizes, mode, steps, device):
     scaler = twin.make_scaler(device)
     run = torch.compile(model) if base == "compiled" else model
     inputs = twin.random_inputs(sizes, device)
+    # As `fusec bench` feeds them (--lengths full): every attention length
+    # input (an i32 [B] whose bound is a dimension's size + 1) at its size.
+    for name, (dt, shape, high) in twin.INPUTS.items():
+        if dt == "i32" and shape == ["B"] and high and any(high == v + 1 for v in sizes.values()):
+            inputs[name].fill_(high - 1)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     batch = [inputs]
 
@@ -156,23 +161,26 @@ def last_line(text):
     return (lines[-1].strip() if lines else "failed")[:160]
 
 
-def sizes_for(twin, batch, seq):
+def sizes_for(twin, batch, seq, extra=()):
     sizes = {}
+    given = dict(kv.split("=") for kv in extra)
     for d in twin.DIMS:
         if d == "B":
             sizes[d] = batch
+        elif d in given:
+            sizes[d] = int(given[d])
         elif d == "T" and seq is not None:
             sizes[d] = seq
         else:
-            raise SystemExit(f"error: the model has a dimension `{d}` this script does not size (it sizes B and T)")
+            raise SystemExit(f"error: the model has a dimension `{d}` this script does not size (it sizes B and T; --dim NAME=N for others)")
     return sizes
 
 
 def tokens(sizes):
-    n = 1
-    for v in sizes.values():
-        n *= v
-    return n
+    """Tokens a step reads: B x the sequence lengths (S + T for an
+    encoder-decoder)."""
+    rest = [v for k, v in sizes.items() if k != "B"]
+    return sizes.get("B", 1) * (sum(rest) if rest else 1)
 
 
 def main():
@@ -182,6 +190,7 @@ def main():
     ap.add_argument("--batches", default="8,32")
     ap.add_argument("--seq", type=int, default=1024, help="T for the models given (the shipped ones have their own)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="for every model given")
+    ap.add_argument("--dim", action="append", default=[], metavar="NAME=N", help="a dimension other than B and T (e.g. S=128)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--modes", default="compiled", help="compiled, eager, and either with -ckpt (every layer under torch.utils.checkpoint), comma-separated")
     ap.add_argument("--timeout", type=int, default=600, help="seconds for each measurement")
@@ -214,7 +223,7 @@ def main():
         subprocess.run(cmd, check=True)
         twin = load_twin(twin_path)
         for b in [int(x) for x in args.batches.split(",")]:
-            sizes = sizes_for(twin, b, seq)
+            sizes = sizes_for(twin, b, seq, args.dim)
             print(f"== {name} {sizes}", flush=True)
             f = fusec_bench(args, model, sizes)
             row = {"model": name, "sizes": sizes, "precision": twin.PRECISION, "fusec": f}
