@@ -417,7 +417,10 @@ train {
 /// dropped alike (a wrong word, site or threshold drops other elements and
 /// misses the 1e-5 bound by the element's whole value), forward and
 /// backward, in f32 and bf16, at a size whose elements are not a multiple
-/// of four (B T d = 2 * 7 * 20, so a Philox block straddles rows).
+/// of four (B T d = 2 * 7 * 20, so a Philox block straddles rows), and at
+/// a width of 22 whose element counts leave a tail past the fused kernels'
+/// vectors (1 * 7 * 22 = 154: two elements past 4- and 8-wide loads),
+/// which draws element by element.
 #[test]
 fn dropout_kernels_draw_the_interpreters_masks() {
     if !host::have_cxx() {
@@ -442,6 +445,13 @@ fn dropout_kernels_draw_the_interpreters_masks() {
                 &[("B", 2), ("T", 7)],
             );
         }
+        checked += check_model(
+            &work,
+            &format!("{name}-d22.dsl"),
+            text,
+            &[("p", "0.3"), ("d", "22")],
+            &[("B", 1), ("T", 7)],
+        );
     }
     let _ = std::fs::remove_dir_all(&work);
     println!("{checked} kernels of the dropout model ran on the host and matched the interpreter");

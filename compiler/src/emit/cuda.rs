@@ -188,7 +188,22 @@ pub(crate) fn signature(
 }
 
 fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<&str>) -> String {
-    let mut s = header(g, p, k, source);
+    let dropouts: Vec<(usize, &crate::ops::Dropout, usize)> = pw
+        .exprs
+        .iter()
+        .enumerate()
+        .filter_map(|(j, e)| match e {
+            PExpr::Dropout { op, key, .. } => Some((j, op, *key)),
+            _ => None,
+        })
+        .collect();
+    let mut s = header_comment(g, k, &k.name, source);
+    let _ = writeln!(s, "#include \"{PRELUDE_NAME}\"");
+    if !dropouts.is_empty() {
+        let _ = writeln!(s, "#include \"random/philox.cuh\"");
+    }
+    s.push('\n');
+    s.push_str(&signature(g, p, k, &k.name, None, &[]));
     let _ = writeln!(s, "    const fs_i64 n = {};", pw.n.to_c());
     let out_dt = |slot: usize| p.buffers[k.outputs[slot]].ty.dtype;
     let grid_stride = "i += (fs_i64)gridDim.x * blockDim.x";
@@ -239,6 +254,16 @@ fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<
             c_type(out_dt(*slot))
         );
     }
+    // Dropout: one Philox block for every four elements (`vec` is 4 or 8,
+    // and `i0` a multiple of it), element i0 + e taking word e % 4.
+    for &(j, op, key) in &dropouts {
+        let blocks = vec.div_ceil(4);
+        let _ = writeln!(
+            s,
+            "        fs_philox_words d{j}[{blocks}];\n#pragma unroll\n        for (int q = 0; q < {blocks}; ++q) d{j}[q] = fs_dropout_block(in{key}, {}u, (unsigned long long)(i0 / 4 + q));",
+            op.site
+        );
+    }
     let _ = writeln!(
         s,
         "#pragma unroll\n        for (int e = 0; e < {vec}; ++e) {{"
@@ -250,13 +275,20 @@ fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<
     if strided {
         let _ = writeln!(s, "            const fs_i64 i = i0 + e;");
     }
-    let body = element_body(p, k, pw, "            ", &|input, view| {
-        if view.is_contiguous() {
-            format!("l{input}[e]")
-        } else {
-            format!("in{input}[{}]", index(view))
-        }
-    });
+    let body = element_body(
+        p,
+        k,
+        pw,
+        "            ",
+        &|input, view| {
+            if view.is_contiguous() {
+                format!("l{input}[e]")
+            } else {
+                format!("in{input}[{}]", index(view))
+            }
+        },
+        &|j, _, _| format!("d{j}[e >> 2].w[e & 3]"),
+    );
     s.push_str(&body);
     for &(slot, e) in &pw.stores {
         let _ = writeln!(
@@ -274,9 +306,14 @@ fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<
         s,
         "    for (fs_i64 i = nv * {vec} + {first}; i < n; {grid_stride}) {{"
     );
-    let body = element_body(p, k, pw, "        ", &|input, view| {
-        format!("in{input}[{}]", index(view))
-    });
+    let body = element_body(
+        p,
+        k,
+        pw,
+        "        ",
+        &|input, view| format!("in{input}[{}]", index(view)),
+        &|_, site, key| format!("fs_dropout_draw(in{key}, {site}u, (unsigned long long)i)"),
+    );
     s.push_str(&body);
     for &(slot, e) in &pw.stores {
         let _ = writeln!(
@@ -313,13 +350,15 @@ pub fn vector_width(p: &Program, k: &Kernel, pw: &Pointwise) -> u64 {
 }
 
 /// The expressions of one element as `const float vJ = ...;` lines; `at`
-/// gives the C lvalue a load reads.
+/// gives the C lvalue a load reads, `draw` the Philox word of dropout
+/// expression j (from its site and key slot).
 fn element_body(
     p: &Program,
     k: &Kernel,
     pw: &Pointwise,
     indent: &str,
     at: &dyn Fn(usize, &View) -> String,
+    draw: &dyn Fn(usize, u32, usize) -> String,
 ) -> String {
     let mut s = String::new();
     for (j, e) in pw.exprs.iter().enumerate() {
@@ -333,6 +372,13 @@ fn element_body(
             PExpr::Unary(u, a) => u.cuda(&v(a)),
             PExpr::UnaryGrad(u, x, dy) => u.cuda_grad(&v(x), &v(dy)),
             PExpr::Binary(b, x, y) => binary(*b, &v(x), &v(y)),
+            PExpr::Dropout { op, x, key } => format!(
+                "({} >= {}u ? {} * {} : 0.0f)",
+                draw(j, op.site, *key),
+                op.threshold(),
+                v(x),
+                float_lit(op.scale())
+            ),
             PExpr::Round(dt, a) => match dt {
                 DType::BF16 => format!("fs_round_bf16({})", v(a)),
                 DType::F16 => format!("fs_round_f16({})", v(a)),

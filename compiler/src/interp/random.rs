@@ -116,14 +116,19 @@ pub fn fill_lengths_full(g: &Graph, feeds: &mut Feeds) {
     for n in g.g.node_indices() {
         let Op::Input(i) = &g.g[n].op else { continue };
         let value = Value { node: n, port: 0 };
-        let feeds_lengths = g
-            .users(value)
-            .into_iter()
-            .any(|(u, slot)| matches!((&g.g[u].op, slot), (Op::Attention(_), 3) | (Op::AttentionGrad(_), 6)));
+        let feeds_lengths = g.users(value).into_iter().any(|(u, slot)| {
+            matches!(
+                (&g.g[u].op, slot),
+                (Op::Attention(_), 3) | (Op::AttentionGrad(_), 6)
+            )
+        });
         if !feeds_lengths {
             continue;
         }
-        if let (Some(keys), Some(t)) = (index_bound(g, value, &feeds.dims), feeds.inputs.get_mut(&i.name)) {
+        if let (Some(keys), Some(t)) = (
+            index_bound(g, value, &feeds.dims),
+            feeds.inputs.get_mut(&i.name),
+        ) {
             // The bound is S + 1: lengths run from 0 to S.
             t.data.iter_mut().for_each(|x| *x = (keys - 1) as f64);
         }

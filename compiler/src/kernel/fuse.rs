@@ -260,7 +260,24 @@ impl<'g> Fuser<'g> {
         for &n in chain {
             let out_shape = self.g.g[n].outputs[0].shape.clone();
             let mut args = Vec::new();
-            for x in self.g.inputs(n) {
+            let mut key_slot = None;
+            for (at, x) in self.g.inputs(n).into_iter().enumerate() {
+                // Dropout's key is read whole, not as an element.
+                if at == 1 && matches!(self.g.g[n].op, Op::Dropout(_)) {
+                    let (b, _) = self.base(x);
+                    let src = match self.buffer_of.get(&b) {
+                        Some(&src) => src,
+                        None => self.materialise(x, kernels),
+                    };
+                    key_slot = Some(match inputs.iter().position(|&i| i == src) {
+                        Some(s) => s,
+                        None => {
+                            inputs.push(src);
+                            inputs.len() - 1
+                        }
+                    });
+                    continue;
+                }
                 let (b, _) = self.base(x);
                 let e = match prev {
                     Some((p, e)) if b.node == p && self.same_elements(x, n) => e,
@@ -303,6 +320,11 @@ impl<'g> Fuser<'g> {
                 Op::UnaryGrad(u) => PExpr::UnaryGrad(u.kind, args[0], args[1]),
                 Op::Binary(b) => PExpr::Binary(b.kind, args[0], args[1]),
                 Op::Cast(c) => PExpr::Round(c.to, args[0]),
+                Op::Dropout(d) => PExpr::Dropout {
+                    op: d.clone(),
+                    x: args[0],
+                    key: key_slot.expect("dropout reads its key"),
+                },
                 other => unreachable!("{} is not pointwise", other.name()),
             };
             exprs.push(e);

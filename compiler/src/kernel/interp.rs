@@ -156,6 +156,15 @@ pub fn run_kernel(
                         PExpr::Unary(u, a) => u.apply(vals[*a]),
                         PExpr::UnaryGrad(u, x, dy) => u.derivative(vals[*x]) * vals[*dy],
                         PExpr::Binary(b, x, y) => b.apply(vals[*x], vals[*y]),
+                        PExpr::Dropout { op, x, key } => {
+                            let k = &ins[*key].data;
+                            let key = [k[0] as i32 as u32, k[1] as i32 as u32];
+                            if crate::ops::philox::keeps(key, op.site, i as u64, op.threshold()) {
+                                vals[*x] * op.scale()
+                            } else {
+                                0.0
+                            }
+                        }
                         PExpr::Round(dt, a) => match precision {
                             Precision::F64 => vals[*a],
                             Precision::AsStored => round_to(*dt, vals[*a]),

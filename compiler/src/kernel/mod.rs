@@ -133,6 +133,15 @@ pub enum PExpr {
     UnaryGrad(UnaryKind, usize, usize),
     Binary(BinaryKind, usize, usize),
     Round(DType, usize),
+    /// `dropout` of expression `x`: kept and scaled, or zeroed, by the
+    /// Philox draw of this element (its index in the kernel's elements) at
+    /// the op's site, keyed by input slot `key` (the step's `i32[2]` key,
+    /// read whole, never as an element).
+    Dropout {
+        op: crate::ops::Dropout,
+        x: usize,
+        key: usize,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -319,7 +328,7 @@ impl Program {
                 }
                 Body::Pointwise(pw) => {
                     for e in &pw.exprs {
-                        if let PExpr::Load { input, .. } = e {
+                        if let PExpr::Load { input, .. } | PExpr::Dropout { key: input, .. } = e {
                             if *input >= k.inputs.len() {
                                 problems.push(format!(
                                     "{}: a load reads input {input} of {}",
