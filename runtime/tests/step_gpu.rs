@@ -747,7 +747,7 @@ fn pipelined_losses(b: &mut dyn Backend, tokens: &[u32], steps: u64) -> Vec<f64>
     let buffers = b.batch_buffers(3, src.buffer_len()).unwrap();
     let pf = src.prefetch(buffers);
     let stage = |b: &mut dyn Backend| {
-        let buf = pf.next().unwrap();
+        let buf = pf.next().unwrap().buf;
         b.stage(&["tokens", "targets"], &buf).unwrap();
         pf.give_back(buf);
     };
