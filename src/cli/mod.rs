@@ -20,6 +20,7 @@ mod train_steps;
 pub mod validate;
 
 /// A failure to report: the rendered message and the exit status.
+#[derive(Debug)]
 pub struct CliError {
     pub message: String,
     pub code: u8,
