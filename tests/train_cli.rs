@@ -1110,3 +1110,51 @@ fn inverse_sqrt_schedule_as_logged() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("needs --warmup of at least 1 step"), "{err}");
 }
+
+/// ZeRO on a model without gradient clipping (the translator): a rank that
+/// owns no piece of a parameter reads nothing of its gradient's mean, and
+/// must still take part in the reduce, or the other rank waits for it (on
+/// the CPU ranks the sizes of their all-reduces part; on GPUs NCCL hangs).
+/// Two ZeRO ranks train as two ranks that keep everything whole.
+#[test]
+fn zero_ranks_take_part_in_every_reduce_without_clipping() {
+    let run = |zero: &str, log: &Path| {
+        let (code, _, err) = fusec(&[
+            "train",
+            "dsl-examples/translator.dsl",
+            "--cpu",
+            "--gpus",
+            "2",
+            "--zero",
+            zero,
+            "--data",
+            "random",
+            "--batch",
+            "4",
+            "--dim",
+            "S=8",
+            "--dim",
+            "T=8",
+            "--set",
+            "d=32",
+            "--set",
+            "layers=1",
+            "--set",
+            "n_heads=2",
+            "--set",
+            "ffn=64",
+            "--set",
+            "vocab=100",
+            "--steps",
+            "3",
+            "--log",
+            log.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "--zero {zero}: {err}");
+        losses(log)
+    };
+    let whole = run("0", &tmp("translator-zero0.jsonl"));
+    let split = run("1", &tmp("translator-zero1.jsonl"));
+    assert_eq!(whole.len(), 3);
+    assert_eq!(split, whole);
+}
