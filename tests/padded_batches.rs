@@ -166,3 +166,20 @@ fn lengths_of_the_wrong_shape_name_their_place() {
     );
     assert!(err.contains("pe.dsl:25:90"), "{err}");
 }
+
+/// `fusec bench --lengths full` (its default) feeds every lengths input
+/// its key count, so a benchmark of full sequences does the full work;
+/// random lengths run from 0 to T, and the other inputs stay as drawn.
+#[test]
+fn benchmarks_can_fill_every_length() {
+    let c = common::compile_with(&source(), "padded-encoder.dsl", &[]);
+    let g = add_backward(&c.model).unwrap();
+    let mut feeds = random_feeds(&g, &common::dims(&[("B", 64), ("T", 9)]), 5).unwrap();
+    let drawn = feeds.inputs["lengths"].data.clone();
+    assert!(drawn.iter().all(|&l| (0.0..=9.0).contains(&l)));
+    assert!(drawn.iter().any(|&l| l < 9.0), "random lengths: {drawn:?}");
+    let tokens = feeds.inputs["tokens"].data.clone();
+    fusec_compiler::interp::random::fill_lengths_full(&g, &mut feeds);
+    assert_eq!(feeds.inputs["lengths"].data, vec![9.0; 64]);
+    assert_eq!(feeds.inputs["tokens"].data, tokens);
+}

@@ -135,6 +135,8 @@ def fusec_bench(args, model, sizes):
         cmd += ["--dim", f"{k}={v}"]
     for s in args.set:
         cmd += ["--set", s]
+    if args.precision:
+        cmd += ["--precision", args.precision]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if r.returncode != 0:
         return {"error": last_line(r.stderr)}
@@ -191,6 +193,7 @@ def main():
     ap.add_argument("--seq", type=int, default=1024, help="T for the models given (the shipped ones have their own)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="for every model given")
     ap.add_argument("--dim", action="append", default=[], metavar="NAME=N", help="a dimension other than B and T (e.g. S=128)")
+    ap.add_argument("--precision", help="fp32, bf16 or fp16 in place of each model file's (fusec and its twin alike)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--modes", default="compiled", help="compiled, eager, and either with -ckpt (every layer under torch.utils.checkpoint), comma-separated")
     ap.add_argument("--timeout", type=int, default=600, help="seconds for each measurement")
@@ -220,6 +223,8 @@ def main():
         cmd = [args.fusec, "export-torch", model, "-o", twin_path]
         for s in (args.set if args.models else []):
             cmd += ["--set", s]
+        if args.precision:
+            cmd += ["--precision", args.precision]
         subprocess.run(cmd, check=True)
         twin = load_twin(twin_path)
         for b in [int(x) for x in args.batches.split(",")]:
