@@ -69,6 +69,20 @@ pub fn tiny_models() -> Vec<TinyModel> {
             vec![("B", 2), ("S", 5), ("T", 4)],
         ),
         (
+            // Padded sentences, classification on the first position
+            // (x[:, 0, :]) through a tanh pooler, exact GELU, dropout.
+            "bert-classifier.dsl",
+            vec![
+                ("vocab", "23"),
+                ("ctx", "8"),
+                ("d", "16"),
+                ("n_heads", "2"),
+                ("layers", "2"),
+                ("classes", "3"),
+            ],
+            vec![("B", 2), ("T", 5)],
+        ),
+        (
             "vit-tiny.dsl",
             vec![
                 ("image", "8"),
