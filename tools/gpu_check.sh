@@ -35,6 +35,10 @@
 #   tools/gpu_check.sh weights   Hugging Face GPT-2 and LLaMA weights through the shipped maps, fusec's
 #                                token ids beside the Python tokenizers package, validation on the GPU
 #                                beside the CPU reference (tools/import_check.py)
+#   tools/gpu_check.sh seeds     the seeds' jobs: BERT weights through hf-bert.json against transformers
+#                                (tools/hf_bert_check.py), BERT-large beside the Trainer
+#                                (hf_trainer_bert.py, bf16 B = 32) and its twin under torch.compile,
+#                                the translator with dropout 0 and 0.1 beside its twin under torch.compile
 #   tools/gpu_check.sh tools     which profilers the machine has (nsys, ncu) and their versions
 #   tools/gpu_check.sh startup   cold and warm start of fusec train gpt2-small to the end of step 1
 #   tools/gpu_check.sh profiles  fusec bench --profile of PROFILE_CASES ("model:B:T ..."): the per-kernel tables
@@ -313,6 +317,22 @@ fi
 if [ "$what" = weights ] || [ "$what" = all ]; then
   run "pretrained weights, tokenizer and validation (tools/import_check.py)"
   timeout 500 python3 tools/import_check.py --fusec "$BIN/fusec" --work /tmp/import-check 2>&1 | tee "$LOGS/import-check.log" | tail -30
+fi
+if [ "$what" = seeds ] || [ "$what" = all ]; then
+  run "BERT weights against transformers (tools/hf_bert_check.py)"
+  timeout 400 python3 tools/hf_bert_check.py --fusec "$BIN/fusec" --work /tmp/bert-check 2>&1 | grep -v "Writing model" | tee "$LOGS/bert-check.log" | tail -8
+  L="--set d=1024 --set layers=24 --set n_heads=16"
+  run "BERT-large bf16 B=32 T=512: fusec, the Trainer, the twin under torch.compile"
+  timeout 200 "$BIN/fusec" bench dsl-examples/bert-classifier.dsl $L --precision bf16 --batch 32 --dim T=512 --steps 20 2>&1 | tail -1 | tee "$LOGS/bert-large.jsonl"
+  if [ -f "$BIN/hf_trainer_bert.py" ]; then
+    (cd "$BIN" && timeout 200 python3 hf_trainer_bert.py --bf16 --optim adamw_torch_fused --batch 32 --samples 2048 2>&1 | tail -1) | tee -a "$LOGS/bert-large.jsonl"
+  fi
+  timeout 400 python3 tools/bench_twins.py --fusec "$BIN/fusec" dsl-examples/bert-classifier.dsl --batches 32 --seq 512 $L --precision bf16 --steps 20 2>&1 | tail -3
+  run "the translator B=32 S=T=128: dropout 0 and 0.1, and beside its twin under torch.compile"
+  for p in 0 0.1; do
+    timeout 120 "$BIN/fusec" bench dsl-examples/translator.dsl --set p=$p --batch 32 --dim S=128 --dim T=128 --steps 30 2>&1 | tail -1
+  done
+  timeout 300 python3 tools/bench_twins.py --fusec "$BIN/fusec" dsl-examples/translator.dsl --batches 32 --seq 128 --dim S=128 --set p=0.1 --steps 20 2>&1 | tail -3
 fi
 if [ "$what" = tools ]; then
   {

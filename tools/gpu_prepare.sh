@@ -11,7 +11,7 @@ for t in gemm_gpu step_gpu flash_gpu dp_gpu; do
     | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)
   cp "$exe" "out/device/$t"
 done
-for f in torch_reference.py torch_ddp.py; do
+for f in torch_reference.py torch_ddp.py hf_trainer_bert.py; do
   if [ -f ../shared/bench/$f ]; then cp ../shared/bench/$f out/device/; fi
 done
 du -sh out/device
