@@ -292,7 +292,9 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
             let b = program.buffer_of(v)?;
             Some(reference[b].data.iter().fold(0.0f64, |m, x| m.max(x.abs())))
         };
-        let largest = (0..g.params.len()).filter_map(grad_max).fold(0.0f64, f64::max);
+        let largest = (0..g.params.len())
+            .filter_map(grad_max)
+            .fold(0.0f64, f64::max);
         let cancels = |i: usize| grad_max(i).is_some_and(|m| m <= 1e-12 * largest);
         // The step's results, read back at their offsets.
         let mut worst: f64 = 0.0;
