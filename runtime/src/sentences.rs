@@ -94,6 +94,11 @@ impl SentenceBatches {
         if examples.is_empty() {
             return Err(BatchError("the data holds no sentences".into()));
         }
+        if layout.rows == 0 {
+            return Err(BatchError(
+                "a batch of 0 rows holds no sentence (--batch)".into(),
+            ));
+        }
         if layout.ignore.is_none() && layout.max_tokens.is_some() {
             return Err(BatchError(
                 "a token budget leaves rows empty, and the loss has no ignore_index for their targets: add `ignore_index = N` to the model's cross_entropy, or drop the budget".into(),

@@ -200,7 +200,8 @@ fn too_long(at: &str, what: &str, n: usize, dim: &str, size: usize) -> CliError 
 }
 
 fn check_ids(at: &str, ids: &[u32], vocab: Option<u32>) -> Result<(), CliError> {
-    if let (Some(v), Some(bad)) = (vocab, ids.iter().find(|&&x| Some(x) >= vocab)) {
+    let Some(v) = vocab else { return Ok(()) };
+    if let Some(bad) = ids.iter().find(|&&x| x >= v) {
         return Err(CliError::usage(format!(
             "error: {at}: token {bad} is outside the model's vocabulary of {v} (is the tokenizer the model's?)"
         )));

@@ -324,13 +324,7 @@ pub(super) fn token_bound(
     g: &fusec_compiler::ir::Graph,
     dims: &BTreeMap<String, i64>,
 ) -> Option<u32> {
-    let node = g
-        .g
-        .node_indices()
-        .find(|&n| matches!(&g.g[n].op, fusec_compiler::ops::Op::Input(i) if i.name == "tokens"))?;
-    let d = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
-    fusec_compiler::interp::random::index_bound(g, fusec_compiler::ir::Value { node, port: 0 }, &d)
-        .map(|v| v as u32)
+    super::sentences::bound_of(g, "tokens", dims)
 }
 
 pub(super) fn json_num(x: f64) -> String {
