@@ -58,6 +58,34 @@ train {
 }
 ";
 
+/// Attention with dropout on the probabilities (p = 0.3, so a fair share
+/// of every row is dropped at these sizes): causal strided heads, 4 query
+/// heads on 1 at D = 20, and cross-attention to S padded keys, each
+/// drawing its own mask, which the backward draws again.
+const ATTENTION_DROPOUT: &str = "
+const d = 16
+dim B, T, S
+input x: f32[B, T, d]
+input mem: f32[B, S, d]
+input mem_len: i32[B]
+param w_qkv: [d, 48] = normal(0.4)
+param w_gqa: [d, 120] = normal(0.4)
+param c_q: [d, 40] = normal(0.4)
+param c_k: [d, 40] = normal(0.4)
+param c_v: [d, 16] = normal(0.4)
+param w_o2: [80, d] = normal(0.4)
+let q1, k1, v1 = split(x @ w_qkv, 3)
+let a1 = merge_heads(attention(heads(q1, 2), heads(k1, 2), heads(v1, 2), causal = true, dropout = 0.3))
+let q2, k2, v2 = split(x @ w_gqa, [80, 20, 20])
+let a2 = merge_heads(attention(heads(q2, 4), heads(k2, 1), heads(v2, 1), dropout = 0.3))
+let a4 = merge_heads(attention(heads(x @ c_q, 2), heads(mem @ c_k, 2), heads(mem @ c_v, 2), lengths = mem_len, dropout = 0.3))
+let y = a1 + a4 + a2 @ w_o2
+train {
+    loss = mean(y * y)
+    precision = PRECISION
+}
+";
+
 /// Row kernels with block reductions: layernorm, rmsnorm, softmax and their
 /// backward passes (the norms' parameter gradients by row groups), the
 /// fused cross-entropy and the gradient norm.
@@ -374,6 +402,39 @@ fn attention_kernels_match_the_interpreter() {
             "{strided} attention kernels read strided views"
         );
         println!("{precision}: {checked} attention kernel runs matched");
+    }
+}
+
+/// The simple kernels' dropout draws the interpreter's mask (a kernel that
+/// drew another, or dropped in the forward but not the backward, differs
+/// by whole probabilities); sizes cross the 8- and 16-row cells of the
+/// draws (T, S = 17, 5 and 20).
+#[test]
+fn attention_dropout_kernels_match_the_interpreter() {
+    if !host::have_cxx() {
+        return;
+    }
+    let runs: Vec<Vec<(&str, i64)>> = [(5, 5), (17, 20), (20, 17)]
+        .iter()
+        .map(|&(t, s)| vec![("B", 2), ("T", t), ("S", s)])
+        .collect();
+    for precision in ["f32", "bf16"] {
+        let (checked, program, g) = check("attention-dropout", ATTENTION_DROPOUT, precision, &runs);
+        let dropping = program
+            .kernels
+            .iter()
+            .filter(|k| {
+                matches!(k.body, Body::Op(n) if matches!(&g.g[n].op,
+                    Op::Attention(a) if a.dropout.is_some()))
+                    || matches!(k.body, Body::Op(n) if matches!(&g.g[n].op,
+                    Op::AttentionGrad(a) if a.dropout.is_some()))
+            })
+            .count();
+        assert_eq!(
+            dropping, 6,
+            "{precision}: every attention and its gradient drop"
+        );
+        println!("{precision}: {checked} attention-with-dropout kernel runs matched");
     }
 }
 

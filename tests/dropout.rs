@@ -43,6 +43,152 @@ fn gradients_match_finite_differences_with_dropout_on() {
     }
 }
 
+/// Attention dropout: the same check on an encoder whose attention drops
+/// probabilities (causal and padded keys), at p = 0.1 and 0.5; and the
+/// loss with dropout differs from the loss without (the mask is in use).
+#[test]
+fn attention_dropout_gradients_match_finite_differences() {
+    let src = "
+const d = 12
+dim B, T
+input x: f32[B, T, d]
+input lens: i32[B]
+param wq: [d, d] = normal(0.5)
+param wk: [d, d] = normal(0.5)
+param wv: [d, d] = normal(0.5)
+let a = attention(heads(x @ wq, 2), heads(x @ wk, 2), heads(x @ wv, 2), causal = CAUSAL, lengths = lens, dropout = P)
+let y = merge_heads(a)
+train {
+    loss = mean(y * y)
+    optimizer = sgd(lr = 0.1)
+}
+";
+    for (p, causal) in [("0.1", "true"), ("0.5", "false")] {
+        let text = src.replace("CAUSAL", causal).replace('P', p);
+        let c = common::compile_with(&text, "attn-dropout.dsl", &[]);
+        let backward = add_backward(&c.model).expect("differentiates");
+        let report = check_model(
+            &c.model,
+            &backward,
+            &common::dims(&[("B", 2), ("T", 9)]),
+            7,
+            6,
+            Tolerance::default(),
+        )
+        .expect("evaluates");
+        println!(
+            "p = {p}, causal {causal}: {} entries, max rel error {:.2e}",
+            report.checked, report.max_rel_err
+        );
+        assert!(report.checked > 0);
+        assert!(report.failures.is_empty(), "{:?}", report.failures);
+        // Without the key's mask (the forward-only step) the loss differs.
+        let dims = common::dims(&[("B", 2), ("T", 9)]);
+        let feeds = random_feeds(&c.model.graph, &dims, 4).unwrap();
+        let fwd = fusec_compiler::driver::forward_graph(&c).unwrap();
+        let loss = |g: &fusec_compiler::ir::Graph| {
+            run(g, &feeds, Precision::F64).unwrap()[&g.output(&Role::Loss).unwrap()].data[0]
+        };
+        assert_ne!(
+            loss(&c.model.graph),
+            loss(&fwd),
+            "p = {p}: the mask changes nothing"
+        );
+    }
+}
+
+/// With dropout, O = (P Z) V for the mask's factors Z: the interpreter's
+/// attention with p = 0.4 equals a hand computation of softmax, mask and
+/// product from `philox::attention_draw` directly, and about 40% of the
+/// probabilities are dropped.
+#[test]
+fn attention_dropout_applies_the_documented_mask() {
+    use fusec_compiler::ops::philox::{attention_draw, threshold};
+    let src = "
+dim B, T
+input q: f32[B, T, 2, 8]
+input k: f32[B, T, 2, 8]
+input v: f32[B, T, 2, 8]
+let o = attention(q, k, v, dropout = 0.4)
+train {
+    loss = mean(o * o)
+}
+";
+    let c = common::compile_with(src, "attn-mask.dsl", &[]);
+    let g = &c.model.graph;
+    let (b, t, h, d) = (2usize, 19usize, 2usize, 8usize);
+    let dims = common::dims(&[("B", b as i64), ("T", t as i64)]);
+    let mut feeds = random_feeds(g, &dims, 11).unwrap();
+    feeds.inputs.insert(
+        DROPOUT_KEY_INPUT.into(),
+        Tensor::new(vec![2], vec![123.0, -77.0]),
+    );
+    let vals = run(g, &feeds, Precision::F64).unwrap();
+    let site =
+        g.g.node_weights()
+            .find_map(|n| match &n.op {
+                Op::Attention(a) => a.dropout.map(|d| d.site),
+                _ => None,
+            })
+            .expect("the attention drops");
+    let o_node =
+        g.g.node_indices()
+            .find(|&n| matches!(g.g[n].op, Op::Attention(_)))
+            .unwrap();
+    let o = &vals[&fusec_compiler::ir::Value {
+        node: o_node,
+        port: 0,
+    }]
+        .data;
+    let (q, k, v) = (
+        &feeds.inputs["q"].data,
+        &feeds.inputs["k"].data,
+        &feeds.inputs["v"].data,
+    );
+    let key = [123u32, (-77i32) as u32];
+    let at = |bb: usize, i: usize, hh: usize| ((bb * t + i) * h + hh) * d;
+    let (mut dropped, mut all) = (0, 0);
+    for bb in 0..b {
+        for hh in 0..h {
+            for i in 0..t {
+                let s: Vec<f64> = (0..t)
+                    .map(|j| {
+                        (0..d)
+                            .map(|c| q[at(bb, i, hh) + c] * k[at(bb, j, hh) + c])
+                            .sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
+                    .collect();
+                let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+                for c in 0..d {
+                    let mut want = 0.0;
+                    for j in 0..t {
+                        let kept =
+                            attention_draw(key, site, (bb * h + hh) as u64, i as u64, j as u64)
+                                >= threshold(0.4);
+                        if c == 0 {
+                            all += 1;
+                            dropped += !kept as usize;
+                        }
+                        if kept {
+                            want += (s[j] - mx).exp() / sum / 0.6 * v[at(bb, j, hh) + c];
+                        }
+                    }
+                    let got = o[at(bb, i, hh) + c];
+                    assert!(
+                        (got - want).abs() <= 1e-12 * want.abs().max(1.0),
+                        "({bb}, {hh}, {i}, {c}): {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+    // 1,444 draws: sigma = sqrt(0.24 / 1444) = 0.0129; 5 sigma = 0.064.
+    let rate = dropped as f64 / all as f64;
+    assert!((rate - 0.4).abs() < 0.064, "dropped {rate}");
+}
+
 const ONE_DROPOUT: &str = "
 param w: [64, 50] = normal(1.0)
 let y = dropout(w, P)

@@ -33,7 +33,7 @@ namespace fs_attn {
 //
 // Launch: grid (ceil(S / 64) * PARTS, Hkv, B), 128 threads, SMEM_BYTES of
 // dynamic shared memory.
-template <class E, int D, int DV, bool CAUSAL, bool ATOMIC>
+template <class E, int D, int DV, bool CAUSAL, bool ATOMIC, bool DROPOUT = false>
 struct DkDvSm80 {
     static constexpr int PARTS = round_up(D, 16) + round_up(DV, 16) > 256 ? 2 : 1;
     static constexpr int DP = round_up(D, 16 * PARTS), DVP = round_up(DV, 16 * PARTS);
@@ -138,10 +138,21 @@ struct DkDvSm80 {
                 // 4. P^T (masked where a key can come after a query or a query lies
                 //    past q_len), then dS^T = P^T * (dP^T - delta) in place of dp.
                 p_of_s<TILE_Q, TILE_K, CAUSAL>(s, lse_tile, i0, k0, q_len, keys, key_row, frag_col, a.scale_log2);
+                if (DROPOUT) {
+                    // With the mask's factors Z (0 or 1 / (1 - p)): dS^T = P^T (Z dP^T -
+                    // delta), and dV takes (P Z)^T.
+                    for_each_draw<TILE_Q / 8, true>(a.drop, b * a.q_heads + h, k0 + key_row, i0, frag_col,
+                                                    [&](int n, int e, bool kept) {
+                                                        const float z = kept ? a.drop.scale : 0.0f;
+                                                        dp[n][e] = s[n][e] * (dp[n][e] * z - delta_tile[n * 8 + frag_col + (e & 1)]);
+                                                        s[n][e] *= z;
+                                                    });
+                } else {
 #pragma unroll
-                for (int n = 0; n < TILE_Q / 8; ++n) {
+                    for (int n = 0; n < TILE_Q / 8; ++n) {
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);
+                        for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);
+                    }
                 }
 
                 // 5. dV += P^T dO and dK += dS^T Q. The accumulators of queries
@@ -237,7 +248,7 @@ struct DkDvSm80 {
 //
 // Launch: grid (ceil(T / 64), Hq, B), 128 threads, SMEM_BYTES of dynamic
 // shared memory.
-template <class E, int D, int DV, bool CAUSAL>
+template <class E, int D, int DV, bool CAUSAL, bool DROPOUT = false>
 struct DqSm80 {
     static constexpr int DP = round_up(D, 16), DVP = round_up(DV, 16);
     static constexpr int TILE_Q = 64, THREADS = 128;
@@ -318,6 +329,12 @@ struct DqSm80 {
             }
             products<DP, ROW>(s, q_frag, q_tile, k_tile, warp, frag_row, frag_col);
             products<DVP, ROW_V>(dp, do_frag, do_tile, v_tile, warp, frag_row, frag_col);
+            if (DROPOUT) {
+                // Z dP, so that dS = P (Z dP - delta) below.
+                for_each_draw<TILE_K / 8, false>(a.drop, b * a.q_heads + h, i_lo, k0, frag_col, [&](int n, int e, bool kept) {
+                    dp[n][e] *= kept ? a.drop.scale : 0.0f;
+                });
+            }
 
             // 4. P = exp2(S * scale_log2 - lse_log2), masked (keys past kv_len;
             //    causal: keys after the query) only on tiles that can need it;

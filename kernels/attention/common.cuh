@@ -12,6 +12,8 @@
 #ifndef FS_ATTENTION_COMMON
 #define FS_ATTENTION_COMMON
 
+#include "../random/philox.cuh"
+
 #ifdef __CUDA_ARCH__
 // d += a * b for one warp, m16n8k16: a is 16x16 row-major (4 registers of two
 // 16-bit values), b 16x8 column-major (2 registers), d 16x8 in f32.
@@ -188,6 +190,15 @@ struct Rows {
     __device__ __forceinline__ P& at(fs_i64 b, fs_i64 h, fs_i64 i) const { return p[b * sb + h * sh + i * st]; }
 };
 
+// Dropout on the probabilities (kernels instantiated with DROPOUT): the
+// step's key, the op's site, draws below `threshold` dropped, kept ones
+// multiplied by `scale` = 1 / (1 - p).
+struct Dropout {
+    const int* key = nullptr;
+    unsigned site = 0, threshold = 0;
+    float scale = 1.0f;
+};
+
 // What a forward kernel reads and writes: O [B, T, Hq, Dv] and the
 // log-sum-exp [B, Hq, T] of q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv],
 // query head h reading key/value head h / group.
@@ -200,6 +211,7 @@ struct ForwardArgs {
     // Each batch entry's number of keys (the rest are padding), or null:
     // kv_len for every one.
     const int* kv_lens = nullptr;
+    Dropout drop;
 };
 
 // What the backward kernels read and write: dQ, dK, dV (shaped as q, k, v)
@@ -214,6 +226,7 @@ struct BackwardArgs {
     fs_i64 batch, q_heads, q_len, kv_len, group;
     float scale, scale_log2;
     const int* kv_lens = nullptr;  // as ForwardArgs'
+    Dropout drop;
 };
 
 // The keys batch entry b sees: its own length where the step gives lengths
@@ -378,6 +391,31 @@ __device__ __forceinline__ void p_of_s(float (&s)[TILE_Q / 8][4], const float* l
         for (int n = 0; n < TILE_Q / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = fs_exp2(s[n][e] * scale_log2 - lse_tile[n * 8 + frag_col + (e & 1)]);
+        }
+    }
+}
+
+// Dropout's draws for one warp's tile s[N][4] in the m16n8 accumulator
+// layout (s[n][e]: row row_lo + 8 * (e / 2), column col0 + 8n + frag_col +
+// e % 2; row_lo with bit 3 clear, col0 a multiple of 16): calls
+// f(n, e, kept) for each entry. Rows are queries and columns keys, or with
+// KEY_MAJOR the other way round. One Philox block a cell (fs_attention_block:
+// rows r, r + 8 by columns c, c + 8), so four entries a block and every
+// kernel draws the same mask for the same (head row bh, query, key).
+template <int N, bool KEY_MAJOR, class F>
+__device__ __forceinline__ void for_each_draw(const Dropout& d, fs_i64 bh, fs_i64 row_lo, fs_i64 col0, int frag_col, F f) {
+#pragma unroll
+    for (int kk = 0; kk < N / 2; ++kk) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const fs_i64 col = col0 + 16 * kk + frag_col + c;
+            // Words: (i, j), (i, j + 8), (i + 8, j), (i + 8, j + 8).
+            const fs_philox_words w = KEY_MAJOR ? fs_attention_block(d.key, d.site, bh, col, row_lo)
+                                                : fs_attention_block(d.key, d.site, bh, row_lo, col);
+            f(2 * kk, c, w.w[0] >= d.threshold);
+            f(2 * kk + 1, c, w.w[KEY_MAJOR ? 2 : 1] >= d.threshold);
+            f(2 * kk, 2 + c, w.w[KEY_MAJOR ? 1 : 2] >= d.threshold);
+            f(2 * kk + 1, 2 + c, w.w[3] >= d.threshold);
         }
     }
 }

@@ -27,8 +27,10 @@ namespace fs_attn {
 
 // E: Bf16 or F16. D: the head dim of q and k, DV: of v (multiples of 8).
 // CAUSAL: keys j > query i are masked. SCALE_IN_EXP: the scale is positive,
-// so it can go into the exponent after the row max.
-template <class E, int D, int DV, bool CAUSAL, bool SCALE_IN_EXP>
+// so it can go into the exponent after the row max. DROPOUT: a.drop's mask
+// zeroes probabilities after the row sum takes them (the log-sum-exp is the
+// undropped row's) and before P V; O takes the 1 / (1 - p) at the end.
+template <class E, int D, int DV, bool CAUSAL, bool SCALE_IN_EXP, bool DROPOUT = false>
 struct ForwardSm80 {
     static constexpr int DP = round_up(D, 16), DVP = round_up(DV, 16);  // padded head dims
     static constexpr int TILE_Q = 64, THREADS = 128;
@@ -134,6 +136,11 @@ struct ForwardSm80 {
                 o_acc[n][2] *= rescale[1];
                 o_acc[n][3] *= rescale[1];
             }
+            if (DROPOUT) {
+                for_each_draw<TILE_K / 8, false>(a.drop, b * a.q_heads + h, i_lo, k0, frag_col, [&](int n, int e, bool kept) {
+                    if (!kept) s[n][e] = 0.0f;
+                });
+            }
 
             // 6. O += P V. The accumulators of keys 16kk .. 16kk + 15 (s[2kk],
             //    s[2kk + 1]) are exactly P's A fragment; the B fragments of
@@ -153,6 +160,13 @@ struct ForwardSm80 {
         }
 
         // 7. O and the log-sum-exp.
+        if (DROPOUT) {
+#pragma unroll
+            for (int n = 0; n < DVP / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o_acc[n][e] *= a.drop.scale;
+            }
+        }
         store_output<E, DV>(a, o_acc, row_max, row_sum, b, h, i_lo, i_hi, frag_col);
     }
 };

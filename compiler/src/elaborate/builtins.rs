@@ -66,7 +66,7 @@ const FUNCTIONS: &[Builtin] = &[
     Builtin { name: "split", sig: "split(x, n or [sizes...], axis = -1)", doc: "cut into equal parts or given sizes", f: Call::Fn(split) },
     Builtin { name: "broadcast", sig: "broadcast(x, [d0, d1, ...])", doc: "repeat along size-1 or new leading axes", f: Call::Fn(broadcast_fn) },
     Builtin { name: "rope", sig: "rope(x, theta = 10000)", doc: "rotary position embedding of [B, T, H, D] heads", f: Call::Fn(rope) },
-    Builtin { name: "attention", sig: "attention(q, k, v, causal = false, scale = 1/sqrt(D), lengths?)", doc: "softmax(q k^T * scale) v over [B, T, H, D] heads; grouped-query when k, v have fewer heads; keys at or past lengths[b] (i32 [B]) are padding", f: Call::Fn(attention) },
+    Builtin { name: "attention", sig: "attention(q, k, v, causal = false, scale = 1/sqrt(D), lengths?, dropout = 0)", doc: "softmax(q k^T * scale) v over [B, T, H, D] heads; grouped-query when k, v have fewer heads; keys at or past lengths[b] (i32 [B]) are padding; dropout p on the probabilities (training steps only)", f: Call::Fn(attention) },
     Builtin { name: "causal_mask", sig: "causal_mask(scores)", doc: "-inf above the diagonal of the last two axes", f: Call::Fn(causal_mask) },
     Builtin { name: "conv2d", sig: "conv2d(x, weight, stride = 1, padding = 0)", doc: "NHWC convolution; weight is [KH, KW, Cin, Cout]", f: Call::Fn(conv2d) },
     Builtin { name: "dropout", sig: "dropout(x, p)", doc: "zero each element with probability p and scale the rest by 1/(1-p) (training steps only)", f: Call::Fn(dropout) },
@@ -564,16 +564,38 @@ fn attention(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
     }
     let scale = a.float(&e.graph, 4, "scale", default)?;
     let lengths = a.opt_tensor(&e.graph, 5, "lengths")?;
+    let p_span = a.get(6, "dropout")?.map_or(a.span, |v| v.1);
+    let p = a.float(&e.graph, 6, "dropout", Some(0.0))?;
+    if !(0.0..1.0).contains(&p) {
+        return Err(Diagnostic::new(
+            "`attention` needs a dropout probability from 0 up to (not including) 1",
+            p_span,
+            format!("found {p}"),
+        )
+        .with_help(
+            "dropout is the share of attention probabilities zeroed, e.g. `dropout = 0.1`",
+        ));
+    }
     let mut vals = vec![q.0, k.0, v.0];
     let mut spans = vec![q.1, k.1, v.1];
     if let Some((l, s)) = lengths {
         vals.push(l);
         spans.push(s);
     }
+    // p = 0 drops nothing: no mask, no key.
+    let dropout = (p > 0.0).then(|| AttnDropout {
+        p,
+        site: e.next_dropout_site(),
+    });
+    if dropout.is_some() {
+        vals.push(e.dropout_key(a.span)?);
+        spans.push(a.span);
+    }
     let op = Attention {
         causal,
         scale,
         lengths: lengths.is_some(),
+        dropout,
     };
     let out = e.add_at(op.into(), &vals, a.span, &spans)?;
     Ok(t(out[0]))

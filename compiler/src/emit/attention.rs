@@ -15,7 +15,7 @@ use super::templates::{Ctx, Shape, BLOCK};
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::kernel::view::contiguous_strides;
-use crate::ops::Op;
+use crate::ops::{AttnDropout, Op};
 use petgraph::stable_graph::NodeIndex;
 use std::fmt::Write;
 
@@ -233,7 +233,67 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let own = format!("(in{l}[b] < 0 ? 0 : in{l}[b] < kv_len ? (fs_i64)in{l}[b] : kv_len)");
         b = with_lengths(&b, &own)?;
     }
+    if let Some((drop, key)) = dropout_of(g, c, n) {
+        b = with_dropout(&b, &drop, key, forward_op)?;
+    }
     Some(b)
+}
+
+/// The op's dropout and the kernel slot of the step's key (its last input).
+pub(crate) fn dropout_of(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<(AttnDropout, usize)> {
+    let (drop, key) = match &g.g[n].op {
+        Op::Attention(a) => (a.dropout?, 3 + a.lengths as usize),
+        Op::AttentionGrad(a) => (a.dropout?, 6 + a.lengths as usize),
+        _ => return None,
+    };
+    Some((drop, c.ins[key]))
+}
+
+/// The philox header, before the kernel, where the op drops.
+pub(crate) fn file_scope(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+    dropout_of(g, c, n).map(|_| "#include \"random/philox.cuh\"\n\n".to_string())
+}
+
+/// `body` (a kernel above, written without dropout) with each probability
+/// that meets V or dO kept and scaled, or zeroed, by its Philox draw
+/// (`fs_attention_draw`): the forward's weights of V; the backward's
+/// dS = P (Z dP - delta) and dV's P Z. `None` if the body has not the
+/// lines this rewrites.
+fn with_dropout(body: &str, drop: &AttnDropout, key: usize, forward: bool) -> Option<String> {
+    const FWD: &str = "probs[threadIdx.x] = p;";
+    const BWD_Q: &str = "ds = expf(qk * scale - row_lse) * (dp - delta) * scale;";
+    const BWD_K: &str = "ds = p * (dp - delta) * scale;";
+    let keep = format!(
+        "    // Dropout p = {}: the factor of probability (query i, key j) of head row bh.
+             auto keep = [&](fs_i64 bh, fs_i64 i, fs_i64 j) {{ return fs_attention_draw(in{key}, {}u, bh, i, j) >= {}u ? {} : 0.0f; }};
+",
+        drop.p,
+        drop.site,
+        drop.threshold(),
+        float_lit(drop.scale())
+    );
+    let z = "keep(b * q_heads + h, i, j)";
+    let out = if forward && body.contains(FWD) {
+        body.replace(
+            FWD,
+            &format!("probs[threadIdx.x] = j < keys ? p * {z} : 0.0f;"),
+        )
+    } else if !forward && body.contains(BWD_Q) && body.contains(BWD_K) {
+        body.replace(
+            BWD_Q,
+            &format!("ds = expf(qk * scale - row_lse) * (dp * {z} - delta) * scale;"),
+        )
+        .replace(
+            BWD_K,
+            &format!(
+                "const float z = {z};\n{:28}ds = p * (dp * z - delta) * scale;\n{:28}p *= z;",
+                "", ""
+            ),
+        )
+    } else {
+        return None;
+    };
+    Some(format!("{keep}{out}"))
 }
 
 /// `body` (a kernel above, written for every key visible) with batch entry

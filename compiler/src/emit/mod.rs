@@ -95,7 +95,7 @@ fn expand(text: &str, dir: &str, seen: &mut Vec<&str>, out: &mut String) {
             }
             continue;
         }
-        let relative = format!("{dir}{name}");
+        let relative = normalise(&format!("{dir}{name}"));
         match HEADERS
             .iter()
             .find(|(path, _)| *path == name || *path == relative)
@@ -115,6 +115,21 @@ fn expand(text: &str, dir: &str, seen: &mut Vec<&str>, out: &mut String) {
     }
 }
 
+/// `a/../b/c` as `b/c`: a header's include of a sibling folder's header.
+fn normalise(path: &str) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for part in path.split('/') {
+        match part {
+            ".." if parts.last().is_some_and(|p| *p != "..") => {
+                parts.pop();
+            }
+            "." => {}
+            _ => parts.push(part),
+        }
+    }
+    parts.join("/")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,6 +142,16 @@ mod tests {
         assert_eq!(out.matches("#define FS_ATTENTION_COMMON").count(), 1);
         assert_eq!(out.matches("typedef long long fs_i64;").count(), 1);
         assert!(out.ends_with("int x;\n"));
+    }
+
+    #[test]
+    fn a_sibling_folders_header_is_found() {
+        assert_eq!(
+            normalise("attention/../random/philox.cuh"),
+            "random/philox.cuh"
+        );
+        let out = expand_includes("#include \"attention/common.cuh\"\n");
+        assert_eq!(out.matches("#define FS_PHILOX_CUH").count(), 1, "{out}");
     }
 
     #[test]

@@ -79,9 +79,8 @@ pub fn index_bound(g: &Graph, input: Value, dims: &HashMap<String, i64>) -> Opti
             (Op::CrossEntropyGrad(ce), 1) => classes(g, ins[0], ce.classes, dims),
             (Op::CrossEntropyWithGrad(ce), 1) => classes(g, ins[0], ce.classes, dims),
             // Key lengths: 0 to S, every one of them.
-            (Op::Attention(_), 3) | (Op::AttentionGrad(_), 6) => g.ty(ins[1]).shape[1]
-                .eval(&|s| dims.get(s).copied())
-                .map(|s| s + 1),
+            (Op::Attention(a), 3) if a.lengths => key_count(g, ins[1], dims),
+            (Op::AttentionGrad(a), 6) if a.lengths => key_count(g, ins[1], dims),
             // Reshapes and slices pass indices through unchanged.
             (Op::Reshape(_) | Op::Slice(_) | Op::Permute(_), 0) => index_bound(
                 g,
@@ -109,6 +108,13 @@ fn classes(
     classes.or_else(|| g.ty(logits).shape.last()?.eval(&|s| dims.get(s).copied()))
 }
 
+/// S + 1 for keys `k` [B, S, H, D]: the bound of their lengths, 0 to S.
+fn key_count(g: &Graph, k: Value, dims: &HashMap<String, i64>) -> Option<i64> {
+    g.ty(k).shape[1]
+        .eval(&|s| dims.get(s).copied())
+        .map(|s| s + 1)
+}
+
 /// Sets every attention `lengths` input in `feeds` to its full key count
 /// (random lengths skip random amounts of attention work; a benchmark of
 /// unpadded sequences wants them all full).
@@ -117,10 +123,8 @@ pub fn fill_lengths_full(g: &Graph, feeds: &mut Feeds) {
         let Op::Input(i) = &g.g[n].op else { continue };
         let value = Value { node: n, port: 0 };
         let feeds_lengths = g.users(value).into_iter().any(|(u, slot)| {
-            matches!(
-                (&g.g[u].op, slot),
-                (Op::Attention(_), 3) | (Op::AttentionGrad(_), 6)
-            )
+            matches!((&g.g[u].op, slot), (Op::Attention(a), 3) if a.lengths)
+                || matches!((&g.g[u].op, slot), (Op::AttentionGrad(a), 6) if a.lengths)
         });
         if !feeds_lengths {
             continue;

@@ -6,7 +6,12 @@
 //! With `lengths`, a last input i32 [B] says how many keys each batch entry
 //! has: keys at or after it are padding, invisible to every query (a
 //! key-padding mask as lengths, the way padded batches are laid out).
+//! With `dropout`, the step's dropout key comes last: each probability is
+//! kept and scaled by 1 / (1 - p), or zeroed, by a Philox draw of its
+//! (batch, head, query, key) entry (`philox::attention_draw`), which the
+//! backward draws again; the log-sum-exp is that of the undropped row.
 
+use super::philox;
 use super::*;
 use crate::ir::print::num;
 use rayon::prelude::*;
@@ -17,22 +22,109 @@ pub struct Attention {
     pub scale: f64,
     /// Input 3 holds each batch entry's number of keys.
     pub lengths: bool,
+    /// Dropout on the probabilities; the step's key is the last input.
+    pub dropout: Option<AttnDropout>,
 }
 
-/// Inputs (q, k, v, o, lse, dO) and, with `lengths`, the key lengths.
+/// Inputs (q, k, v, o, lse, dO), with `lengths` the key lengths, with
+/// `dropout` the step's key.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AttentionGrad {
     pub causal: bool,
     pub scale: f64,
     pub lengths: bool,
+    pub dropout: Option<AttnDropout>,
 }
 
-fn attrs(causal: bool, scale: f64, lengths: bool) -> Vec<String> {
+/// Dropout of attention probabilities: share `p` dropped, masks drawn at
+/// dropout site `site` (a site of its own, like every `dropout` call's).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnDropout {
+    pub p: f64,
+    pub site: u32,
+}
+
+impl AttnDropout {
+    /// Draws below this are dropped.
+    pub fn threshold(&self) -> u32 {
+        philox::threshold(self.p)
+    }
+    /// What a kept probability is multiplied by.
+    pub fn scale(&self) -> f64 {
+        1.0 / (1.0 - self.p)
+    }
+}
+
+fn attrs(causal: bool, scale: f64, lengths: bool, dropout: Option<AttnDropout>) -> Vec<String> {
     let mut v = vec![format!("causal={causal}"), format!("scale={}", num(scale))];
     if lengths {
         v.push("lengths".into());
     }
+    if let Some(d) = dropout {
+        v.push(format!("dropout={}", num(d.p)));
+        v.push(format!("site={}", d.site));
+    }
     v
+}
+
+/// The key input's checks: the step's dropout key where the op drops.
+fn check_key(
+    op: &str,
+    dropout: Option<AttnDropout>,
+    key: &TensorType,
+    arg: usize,
+) -> Result<(), OpError> {
+    if *key != super::dropout_key_type() {
+        return Err(OpError::new(
+            format!("`{op}` draws its dropout mask from the step's key"),
+            format!(
+                "expected {} as its key, found {key}",
+                super::dropout_key_type()
+            ),
+        )
+        .at(arg));
+    }
+    match dropout {
+        Some(d) if !(0.0..1.0).contains(&d.p) => Err(OpError::new(
+            format!("`{op}` needs a dropout probability from 0 up to (not including) 1"),
+            format!("found {}", num(d.p)),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The mask of one attention op, or none: keeps(b, h, i, j) for query
+/// row i and key j of head h of batch entry b.
+struct Mask {
+    key: [u32; 2],
+    drop: AttnDropout,
+    hq: usize,
+}
+
+impl Mask {
+    fn of(drop: Option<AttnDropout>, key: Option<&Tensor>, hq: usize) -> Option<Mask> {
+        let (drop, key) = (drop?, key?);
+        Some(Mask {
+            key: [key.data[0] as i32 as u32, key.data[1] as i32 as u32],
+            drop,
+            hq,
+        })
+    }
+    /// The factor on probability (b, h, i, j): 0 or 1 / (1 - p).
+    fn factor(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
+        let bh = (b * self.hq + h) as u64;
+        if philox::attention_draw(self.key, self.drop.site, bh, i as u64, j as u64)
+            >= self.drop.threshold()
+        {
+            self.drop.scale()
+        } else {
+            0.0
+        }
+    }
+}
+
+fn factor(mask: Option<&Mask>, b: usize, h: usize, i: usize, j: usize) -> f64 {
+    mask.map_or(1.0, |m| m.factor(b, h, i, j))
 }
 
 /// The key lengths' type: i32 [B], B the batch of q.
@@ -151,14 +243,22 @@ impl OpDef for Attention {
         "attention"
     }
     fn attrs(&self) -> Vec<String> {
-        attrs(self.causal, self.scale, self.lengths)
+        attrs(self.causal, self.scale, self.lengths, self.dropout)
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        expect_arity("attention", inputs, 3 + self.lengths as usize)?;
+        let with_key = 3 + self.lengths as usize;
+        expect_arity(
+            "attention",
+            inputs,
+            with_key + self.dropout.is_some() as usize,
+        )?;
         let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
         check("attention", q, k, v)?;
         if self.lengths {
             check_lengths("attention", q, &inputs[3], 3)?;
+        }
+        if self.dropout.is_some() {
+            check_key("attention", self.dropout, &inputs[with_key], with_key)?;
         }
         let out = vec![
             q.shape[0].clone(),
@@ -176,6 +276,11 @@ impl OpDef for Attention {
         let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
         let lens = self.lengths.then(|| inputs[3]);
         let m = Dims::of(q, k, v);
+        let mask = Mask::of(
+            self.dropout,
+            inputs.get(3 + self.lengths as usize).copied(),
+            m.hq,
+        );
         // Every (batch, head, query) row on its own, on every core.
         let rows: Vec<(Vec<f64>, f64)> = (0..m.b * m.hq * m.t)
             .into_par_iter()
@@ -190,7 +295,7 @@ impl OpDef for Attention {
                 let sum: f64 = s.iter().map(|x| (x - mx).exp()).sum();
                 let mut o = vec![0.0; m.dv];
                 for (j, sj) in s.iter().enumerate() {
-                    let p = (sj - mx).exp() / sum;
+                    let p = (sj - mx).exp() / sum * factor(mask.as_ref(), b, h, i, j);
                     if p == 0.0 {
                         continue;
                     }
@@ -228,15 +333,17 @@ impl OpDef for Attention {
             causal: self.causal,
             scale: self.scale,
             lengths: self.lengths,
+            dropout: self.dropout,
         };
         let mut ins = vec![
             inputs[0], inputs[1], inputs[2], outputs[0], outputs[1], dout,
         ];
-        ins.extend(inputs.get(3));
+        // The lengths and the key, as the forward has them.
+        ins.extend(&inputs[3..]);
         let r = b.op(grad, &ins)?;
         let mut out = vec![Some(r[0]), Some(r[1]), Some(r[2])];
-        // The lengths take no gradient.
-        out.extend(inputs.get(3).map(|_| None));
+        // The lengths and the key take no gradient.
+        out.extend(inputs[3..].iter().map(|_| None));
         Ok(out)
     }
 }
@@ -246,13 +353,21 @@ impl OpDef for AttentionGrad {
         "attention_grad"
     }
     fn attrs(&self) -> Vec<String> {
-        attrs(self.causal, self.scale, self.lengths)
+        attrs(self.causal, self.scale, self.lengths, self.dropout)
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        expect_arity("attention_grad", inputs, 6 + self.lengths as usize)?;
+        let with_key = 6 + self.lengths as usize;
+        expect_arity(
+            "attention_grad",
+            inputs,
+            with_key + self.dropout.is_some() as usize,
+        )?;
         check("attention_grad", &inputs[0], &inputs[1], &inputs[2])?;
         if self.lengths {
             check_lengths("attention_grad", &inputs[0], &inputs[6], 6)?;
+        }
+        if self.dropout.is_some() {
+            check_key("attention_grad", self.dropout, &inputs[with_key], with_key)?;
         }
         Ok(vec![
             inputs[0].clone(),
@@ -266,15 +381,23 @@ impl OpDef for AttentionGrad {
         );
         let lens = self.lengths.then(|| inputs[6]);
         let m = Dims::of(q, k, v);
+        let mask = Mask::of(
+            self.dropout,
+            inputs.get(6 + self.lengths as usize).copied(),
+            m.hq,
+        );
         let fwd = Attention {
             causal: self.causal,
             scale: self.scale,
             lengths: self.lengths,
+            dropout: None,
         };
         // With P = exp(S - lse), delta_i = rowsum(dO_i * O_i) (the
         // FlashAttention-2 shortcut) and dS = P (dO V^T - delta) scale: dQ row
         // by row over the keys, then dK and dV row by row over the queries of
-        // the key's group, each row on its own, on every core.
+        // the key's group, each row on its own, on every core. With dropout
+        // (Z the mask's factors, O = (P Z) V): dV = (P Z)^T dO and
+        // dS = P (Z dO V^T - delta) scale, delta still rowsum(dO * O).
         let delta: Vec<f64> = (0..m.b * m.hq * m.t)
             .into_par_iter()
             .map(|r| {
@@ -284,13 +407,14 @@ impl OpDef for AttentionGrad {
             })
             .collect();
         let row = |b: usize, h: usize, i: usize| (b * m.hq + h) * m.t + i;
-        // (p, ds) of query i of head h and key j.
+        // (p z, ds) of query i of head h and key j.
         let p_ds = |b: usize, h: usize, i: usize, j: usize, s: f64| -> (f64, f64) {
             let p = (s - lse.data[row(b, h, i)]).exp();
+            let z = factor(mask.as_ref(), b, h, i, j);
             let oi = m.o(b, i, h);
             let vj = m.v(b, j, h);
             let dp = dot(&dout.data[oi..oi + m.dv], &v.data[vj..vj + m.dv]);
-            (p, p * (dp - delta[row(b, h, i)]) * self.scale)
+            (p * z, p * (z * dp - delta[row(b, h, i)]) * self.scale)
         };
         let dq_rows: Vec<Vec<f64>> = (0..m.b * m.hq * m.t)
             .into_par_iter()
@@ -306,8 +430,8 @@ impl OpDef for AttentionGrad {
                     if sj == f64::NEG_INFINITY {
                         continue;
                     }
-                    let (p, ds) = p_ds(b, h, i, j, sj);
-                    if p == 0.0 {
+                    let (_, ds) = p_ds(b, h, i, j, sj);
+                    if ds == 0.0 {
                         continue;
                     }
                     let kj = m.k(b, j, h);
@@ -336,8 +460,10 @@ impl OpDef for AttentionGrad {
                         }
                         let qi = m.q(b, i, h);
                         let s = self.scale * dot(&q.data[qi..qi + m.d], &k.data[kj..kj + m.d]);
+                        // A dropped probability adds nothing to dV but
+                        // still takes part in dS (through delta).
                         let (p, ds) = p_ds(b, h, i, j, s);
-                        if p == 0.0 {
+                        if p == 0.0 && ds == 0.0 {
                             continue;
                         }
                         let oi = m.o(b, i, h);
@@ -382,6 +508,9 @@ impl Lower for Attention {
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         crate::emit::attention::kernel_body(g, c, n)
     }
+    fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+        crate::emit::attention::file_scope(g, c, n)
+    }
 }
 
 impl Lower for AttentionGrad {
@@ -390,5 +519,8 @@ impl Lower for AttentionGrad {
     }
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         crate::emit::attention::kernel_body(g, c, n)
+    }
+    fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+        crate::emit::attention::file_scope(g, c, n)
     }
 }

@@ -39,6 +39,22 @@ pub fn draw(key: [u32; 2], site: u32, index: u64) -> u32 {
     philox4x32_10([block as u32, (block >> 32) as u32, site, 0], key)[(index % 4) as usize]
 }
 
+/// The 32-bit draw of attention probability (query i, key j) of head row
+/// `bh` (batch entry b, query head h: b * Hq + h) at dropout site `site`.
+/// One Philox block serves the four entries (i, j), (i, j + 8), (i + 8, j)
+/// and (i + 8, j + 8) of a 16 x 16 tile (i and j with bit 3 clear), words
+/// 0, 1, 2, 3: exactly the four a tensor-core thread holds of such a tile
+/// in the m16n8 (and wgmma) accumulator layout, whether the tile is laid
+/// out query-major (forward) or key-major (backward), so each kernel draws
+/// one block for every four scores and none is drawn twice in a pass. The
+/// counter's last word is site + 1, apart from every elementwise dropout's
+/// (whose last word is 0).
+pub fn attention_draw(key: [u32; 2], site: u32, bh: u64, i: u64, j: u64) -> u32 {
+    let cell = |x: u64| ((x >> 4) << 3 | (x & 7)) as u32;
+    let word = ((i >> 3) & 1) * 2 + ((j >> 3) & 1);
+    philox4x32_10([cell(j), cell(i), bh as u32, site.wrapping_add(1)], key)[word as usize]
+}
+
 /// Draws below this are dropped: `p` of the 2^32 possible draws, so that
 /// the comparison is exact integer arithmetic on every side.
 pub fn threshold(p: f64) -> u32 {
@@ -123,6 +139,39 @@ mod tests {
                 5.0 * sigma
             );
         }
+    }
+
+    /// Every (head row, query, key) entry has a draw of its own: the four
+    /// entries of a cell share a block and take its four words, and no two
+    /// entries of a 40 x 40 tile (not a multiple of 16) of two heads
+    /// repeat one (a collision among 3,200 fair 32-bit draws has a chance
+    /// of about 1 in 840,000).
+    #[test]
+    fn attention_draws_are_distinct_per_entry() {
+        let key = [7, 11];
+        let block = philox4x32_10([3 << 3 | 5, 1 << 3 | 2, 4, 10], key);
+        let (i, j) = (16 + 2, 48 + 5);
+        assert_eq!(attention_draw(key, 9, 4, i, j), block[0]);
+        assert_eq!(attention_draw(key, 9, 4, i, j + 8), block[1]);
+        assert_eq!(attention_draw(key, 9, 4, i + 8, j), block[2]);
+        assert_eq!(attention_draw(key, 9, 4, i + 8, j + 8), block[3]);
+        let mut seen = std::collections::HashSet::new();
+        for bh in 0..2 {
+            for i in 0..40 {
+                for j in 0..40 {
+                    assert!(
+                        seen.insert(attention_draw(key, 0, bh, i, j)),
+                        "({bh}, {i}, {j})"
+                    );
+                }
+            }
+        }
+        // Sites draw apart, and from the elementwise dropout at the same site.
+        assert_ne!(
+            attention_draw(key, 0, 0, 0, 0),
+            attention_draw(key, 1, 0, 0, 0)
+        );
+        assert_ne!(attention_draw(key, 0, 0, 0, 0), draw(key, 0, 0));
     }
 
     #[test]

@@ -142,6 +142,7 @@ impl Pass for FoldAttention {
                     causal,
                     scale,
                     lengths: false,
+                    dropout: None,
                 }
                 .into(),
                 &[q2, k2, v2],

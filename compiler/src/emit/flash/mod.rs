@@ -43,7 +43,7 @@ use super::templates::Ctx;
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::kernel::{Kernel, Program};
-use crate::ops::Op;
+use crate::ops::{AttnDropout, Op};
 use petgraph::stable_graph::NodeIndex;
 use templates::Instance;
 use tma::TensorMap;
@@ -129,6 +129,8 @@ pub(crate) struct Config {
     /// The kernel parameter holding each batch entry's key count, where
     /// the op masks padded keys by their lengths.
     pub(crate) lengths: Option<String>,
+    /// The op's dropout and the kernel parameter holding the step's key.
+    pub(crate) dropout: Option<(AttnDropout, String)>,
 }
 
 /// The largest head dim on tensor cores.
@@ -153,10 +155,16 @@ impl Config {
         if c.ins.len() != ins.len() || c.outs.len() != g.g[n].outputs.len() {
             return Err("it shares its kernel with other ops".into());
         }
-        let lengths = match &g.g[n].op {
-            Op::Attention(a) if a.lengths => Some(3),
-            Op::AttentionGrad(a) if a.lengths => Some(6),
-            _ => None,
+        let (lengths, key) = match &g.g[n].op {
+            Op::Attention(a) => (
+                a.lengths.then_some(3),
+                a.dropout.map(|d| (d, 3 + a.lengths as usize)),
+            ),
+            Op::AttentionGrad(a) => (
+                a.lengths.then_some(6),
+                a.dropout.map(|d| (d, 6 + a.lengths as usize)),
+            ),
+            _ => (None, None),
         };
         let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
         let dt = q.dtype;
@@ -167,7 +175,7 @@ impl Config {
             ));
         }
         let want = |i: usize| {
-            if Some(i) == lengths {
+            if Some(i) == lengths || Some(i) == key.map(|k| k.1) {
                 DType::I32
             } else if f32_in.contains(&i) {
                 DType::F32
@@ -227,6 +235,7 @@ impl Config {
             scale,
             dt,
             lengths: lengths.map(|i| Access::input(g, c, n, i).ptr),
+            dropout: key.map(|(d, i)| (d, Access::input(g, c, n, i).ptr)),
         })
     }
 
@@ -247,7 +256,7 @@ impl Config {
 
     /// One line on what the kernel computes, for its source's comment.
     fn about(&self) -> String {
-        format!(
+        let mut s = format!(
             "{}, head dims {} (q, k) and {} (v), {}, {} query head{} per key/value head",
             self.elem_name(),
             self.d,
@@ -255,7 +264,34 @@ impl Config {
             if self.causal { "causal" } else { "not causal" },
             self.group,
             if self.group == 1 { "" } else { "s" }
-        )
+        );
+        if let Some((d, _)) = &self.dropout {
+            s += &format!(
+                ", dropout {} on the probabilities (the mma.sync kernels take it, on Hopper too)",
+                d.p
+            );
+        }
+        s
+    }
+
+    /// The family the op runs on: dropout is in the mma.sync templates
+    /// alone, which run on every GPU from sm_80 (Hopper's included).
+    fn arch(&self, arch: FlashArch) -> FlashArch {
+        if self.dropout.is_some() {
+            FlashArch::Sm80
+        } else {
+            arch
+        }
+    }
+
+    /// `inst` with the dropout its op has (the mma.sync templates' last
+    /// parameter, `DROPOUT`, defaults to false).
+    fn drop(&self, inst: Instance) -> Instance {
+        if self.dropout.is_some() {
+            inst.with_dropout()
+        } else {
+            inst
+        }
     }
 }
 
@@ -303,6 +339,7 @@ pub fn flash_forward(
 ) -> Option<FlashKernel> {
     let c = Ctx::for_op(g, p, k, n);
     let cfg = forward_config(g, &c, n).ok()?;
+    let arch = cfg.arch(arch);
     let (dt, d, dv, causal, fold) = (cfg.dt, cfg.d, cfg.dv, cfg.causal, cfg.scale_in_exp());
     let mut f = Fill::new();
     f.heads("q", &Access::input(g, &c, n, 0));
@@ -341,7 +378,7 @@ pub fn flash_forward(
             },
         ),
         None => (
-            templates::forward_sm80(dt, d, dv, causal, fold),
+            cfg.drop(templates::forward_sm80(dt, d, dv, causal, fold)),
             Vec::new(),
             "FlashAttention-2 forward on tensor cores (kernels/attention/forward_sm80.cuh)",
         ),
@@ -461,6 +498,7 @@ pub fn flash_backward(
 ) -> Option<Vec<FlashKernel>> {
     let c = Ctx::for_op(g, p, k, n);
     let cfg = backward_config(g, &c, n).ok()?;
+    let arch = cfg.arch(arch);
     let (dt, d, dv, causal) = (cfg.dt, cfg.d, cfg.dv, cfg.causal);
     let mut f = Fill::new();
     for (i, field) in ["q", "k", "v", "o", "dout"].into_iter().enumerate() {
@@ -534,14 +572,14 @@ pub fn flash_backward(
         ABOUT_DELTA,
     ));
     if deterministic {
-        let dkdv = templates::dkdv_sm80(dt, d, dv, causal, false);
+        let dkdv = cfg.drop(templates::dkdv_sm80(dt, d, dv, causal, false));
         stages.push(Planned::new(
             Stage::DkDv,
             dkdv.clone(),
             kv_grid(dkdv.tile),
             ABOUT_DK_DV,
         ));
-        let dq = templates::dq_sm80(dt, d, dv, causal);
+        let dq = cfg.drop(templates::dq_sm80(dt, d, dv, causal));
         stages.push(Planned::new(
             Stage::Dq,
             dq.clone(),
@@ -597,7 +635,7 @@ pub fn flash_backward(
                 }
             }
             None => {
-                let inst = templates::dkdv_sm80(dt, d, dv, causal, true);
+                let inst = cfg.drop(templates::dkdv_sm80(dt, d, dv, causal, true));
                 stages.push(Planned::new(
                     Stage::DkDvDq,
                     inst.clone(),

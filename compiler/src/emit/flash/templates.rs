@@ -55,6 +55,17 @@ pub(crate) struct Instance {
     pub checks: Vec<(&'static str, u64)>,
 }
 
+impl Instance {
+    /// The same instance with `DROPOUT = true`, the last template
+    /// parameter of the mma.sync forward and backward templates.
+    pub(crate) fn with_dropout(mut self) -> Instance {
+        if let Some(close) = self.ty.rfind('>') {
+            self.ty.insert_str(close, ", true");
+        }
+        self
+    }
+}
+
 fn elem(dt: DType) -> &'static str {
     match dt {
         DType::F16 => "fs_attn::F16",

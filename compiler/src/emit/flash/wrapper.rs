@@ -75,6 +75,12 @@ pub(crate) fn fill_sizes(f: &mut Fill, cfg: &Config) {
     if let Some(lens) = &cfg.lengths {
         f.set("kv_lens", lens.clone());
     }
+    if let Some((d, key)) = &cfg.dropout {
+        f.set("drop.key", key.clone());
+        f.set("drop.site", format!("{}u", d.site));
+        f.set("drop.threshold", format!("{}u", d.threshold()));
+        f.set("drop.scale", float_lit(d.scale()));
+    }
 }
 
 /// The whole source of kernel `name`: the plan kernel's comment, the

@@ -376,16 +376,18 @@ pub fn op_expr(node: &Node, ins: &[PyExpr], in_shapes: &[Vec<Dim>]) -> Result<Py
             }
         }
         Op::Attention(at) => {
-            // The lengths, where given, are the fourth argument.
-            let args: Vec<&PyExpr> = ins.iter().take(4).collect();
-            call(
-                "attention",
-                &args,
-                &[
-                    format!("causal={}", if at.causal { "True" } else { "False" }),
-                    format!("scale={}", float(at.scale)),
-                ],
-            )
+            // The lengths, where given, are the fourth argument; the
+            // dropout key stays behind (the twin's masks are PyTorch's).
+            let args: Vec<&PyExpr> = ins.iter().take(3 + at.lengths as usize).collect();
+            let mut kw = vec![
+                format!("causal={}", if at.causal { "True" } else { "False" }),
+                format!("scale={}", float(at.scale)),
+            ];
+            if let Some(d) = at.dropout {
+                kw.push(format!("dropout={}", float(d.p)));
+                kw.push("training=self.training".into());
+            }
+            call("attention", &args, &kw)
         }
         Op::Conv2d(c) => call(
             "conv2d_nhwc",

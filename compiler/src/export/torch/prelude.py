@@ -28,9 +28,10 @@ def rope(x, theta):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def attention(q, k, v, lengths=None, causal=False, scale=None):
+def attention(q, k, v, lengths=None, causal=False, scale=None, dropout=0.0, training=False):
     """Attention over heads laid out [B, T, H, D], as fusec lays them out (SDPA wants [B, H, T, D]);
-    keys at or past lengths[b] (i32 [B]) are padding, as a key-padding mask."""
+    keys at or past lengths[b] (i32 [B]) are padding, as a key-padding mask; dropout on the
+    probabilities while training."""
     mask = None
     if lengths is not None:
         T, S = q.shape[-3], k.shape[-3]
@@ -46,6 +47,7 @@ def attention(q, k, v, lengths=None, causal=False, scale=None):
         is_causal=causal and mask is None,
         scale=scale,
         enable_gqa=q.shape[-2] != k.shape[-2],
+        dropout_p=dropout if training else 0.0,
     )
     return y.transpose(-3, -2)
 

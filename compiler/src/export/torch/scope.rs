@@ -657,10 +657,10 @@ impl Body {
         }
         let mut ins = Vec::new();
         // A dropout's key stays behind: the twin's masks are PyTorch's.
-        let read = if matches!(node.op, Op::Dropout(_)) {
-            &ins_v[..1]
-        } else {
-            &ins_v[..]
+        let read = match &node.op {
+            Op::Dropout(_) => &ins_v[..1],
+            Op::Attention(a) if a.dropout.is_some() => &ins_v[..ins_v.len() - 1],
+            _ => &ins_v[..],
         };
         for iv in read {
             ins.push(self.take(gen, *iv)?);

@@ -216,11 +216,21 @@ pub(super) fn op(
             c.key("scale")?;
             let scale = c.float()?;
             let lengths = c.flag("lengths")?;
+            let dropout = if keyed(c, "dropout")? {
+                let p = c.float()?;
+                c.key("site")?;
+                let site = u32::try_from(c.usize()?)
+                    .map_err(|_| c.error("a dropout site fits in 32 bits"))?;
+                Some(AttnDropout { p, site })
+            } else {
+                None
+            };
             if name == "attention" {
                 Attention {
                     causal,
                     scale,
                     lengths,
+                    dropout,
                 }
                 .into()
             } else {
@@ -228,6 +238,7 @@ pub(super) fn op(
                     causal,
                     scale,
                     lengths,
+                    dropout,
                 }
                 .into()
             }
