@@ -175,6 +175,25 @@ fn flash_backward_with_lengths_matches_the_reference() {
     }
 }
 
+/// Dropout: dV takes (P Z)^T dO and dS = P (Z dP - delta) with the
+/// forward's mask Z, on both schemes (the key-major dK/dV kernel and the
+/// query-major dQ kernel draw the same cells), on every head dim family.
+#[test]
+fn flash_backward_with_dropout_matches_the_reference() {
+    if !host::have_cxx() {
+        return;
+    }
+    let src = common::flash::dropout_model();
+    let b = backward(&src, "bf16", FlashArch::Sm80);
+    assert_eq!(
+        b.sets.len(),
+        2 * (common::flash::DROPOUT_VARIANTS.len() + 1),
+        "both schemes for every attention_grad"
+    );
+    let checked = check_all("dropout", &b, common::flash::DROPOUT_RUNS);
+    println!("{checked} kernel-set runs with dropout matched the reference");
+}
+
 /// Every head dim of `HEAD_DIMS`, both schemes on mma.sync (the widest in
 /// two feature parts a key tile) and the atomic one on Hopper, at T = 17
 /// and T = 130 (two or three key blocks, several query tiles each), bf16;
@@ -247,6 +266,18 @@ fn flash_backward_compiles_with_nvrtc_without_spills() {
                     }
                 }
             }
+        }
+    }
+    // Every head dim with dropout (the mma.sync family alone takes it), for
+    // sm_90, where it runs on Hopper.
+    let dropping = backward(
+        &common::flash::with_dropout(&head_dims_model(HEAD_DIMS)),
+        "bf16",
+        FlashArch::Sm80,
+    );
+    for set in dropping.sets {
+        for k in set.kernels {
+            jobs.push(("bf16", "sm_90", set.what.clone(), k.launch.clone()));
         }
     }
     // Distinct instantiations once each (the wrapper text differs by views only).

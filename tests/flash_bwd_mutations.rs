@@ -130,6 +130,68 @@ fn deliberate_breakages_are_caught() {
     );
 }
 
+/// Dropout in the backward: each of dV's P Z, dS's Z dP, the mask's scale
+/// and the key-major cell words must matter.
+#[test]
+fn a_broken_dropout_backward_is_caught() {
+    if !host::have_cxx() {
+        return;
+    }
+    let src = twin_model()
+        .replace("causal = true))", "causal = true, dropout = 0.3))")
+        .replace("heads(v, 1)))\n", "heads(v, 1), dropout = 0.3))\n");
+    assert_eq!(src.matches("dropout = 0.3").count(), 2);
+    let b = backward(&src, "bf16", FlashArch::Sm80);
+    let (causal, plain) = (find(&b, true, true), find(&b, false, true));
+    let plain_atomic = find(&b, false, false);
+    let mutations: [(Mutation, usize); 5] = [
+        // dV from the undropped P.
+        ((SM80, "s[n][e] *= z;", ";"), plain),
+        // The mask applied to delta as well: dS = P Z (dP - delta).
+        (
+            (
+                SM80,
+                "dp[n][e] = s[n][e] * (dp[n][e] * z - delta_tile[n * 8 + frag_col + (e & 1)]);",
+                "dp[n][e] = s[n][e] * z * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);",
+            ),
+            plain_atomic,
+        ),
+        // dQ: kept entries not scaled by 1 / (1 - p).
+        (
+            (
+                SM80,
+                "dp[n][e] *= kept ? a.drop.scale : 0.0f;",
+                "dp[n][e] *= kept ? 1.0f : 0.0f;",
+            ),
+            causal,
+        ),
+        // Key-major tiles read their cells' words as query-major ones.
+        (
+            (
+                COMMON,
+                "f(2 * kk + 1, c, w.w[KEY_MAJOR ? 2 : 1] >= d.threshold);",
+                "f(2 * kk + 1, c, w.w[1] >= d.threshold);",
+            ),
+            plain,
+        ),
+        // Key-major tiles draw the transposed cell (query and key exchanged).
+        (
+            (
+                COMMON,
+                "KEY_MAJOR ? fs_attention_block(d.key, d.site, bh, col, row_lo)",
+                "KEY_MAJOR ? fs_attention_block(d.key, d.site, bh, row_lo, col)",
+            ),
+            causal,
+        ),
+    ];
+    expect_caught(
+        &b,
+        "dropout-mutations",
+        &[causal, plain, plain_atomic],
+        &mutations,
+    );
+}
+
 /// The unbroken sets `all` of `b` pass at B = 1, T = 100; then each
 /// mutation, applied to the set it names, must fail.
 fn expect_caught(b: &Built, label: &str, all: &[usize], mutations: &[(Mutation, usize)]) {

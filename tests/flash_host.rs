@@ -311,6 +311,82 @@ fn flash_attention_with_lengths_matches_the_reference() {
     }
 }
 
+/// Dropout on the probabilities: the forward draws the interpreter's mask
+/// (one Philox block a 16 x 16 cell's four entries per thread) on every
+/// head dim family; on Hopper too, where dropout takes the mma.sync
+/// forward. A kernel that dropped other entries, or scaled O otherwise,
+/// is off by whole probabilities.
+#[test]
+fn flash_attention_with_dropout_matches_the_reference() {
+    if !host::have_cxx() {
+        return;
+    }
+    let src = common::flash::dropout_model();
+    for arch in [FlashArch::Sm80, FlashArch::Sm90a] {
+        let b = forward(&src, "bf16", arch);
+        assert_eq!(b.sets.len(), common::flash::DROPOUT_VARIANTS.len() + 1);
+        let checked = check_all(
+            &format!("dropout-{arch:?}"),
+            &b,
+            common::flash::DROPOUT_RUNS,
+        );
+        println!("{arch:?}: {checked} kernel runs with dropout matched the reference");
+    }
+}
+
+/// The forward's dropout: the cell's words, O's 1 / (1 - p) and the draws'
+/// head row must each matter.
+#[test]
+fn a_broken_dropout_forward_is_caught() {
+    if !host::have_cxx() {
+        return;
+    }
+    const FWD: &str = "attention/forward_sm80.cuh";
+    const COMMON: &str = "attention/common.cuh";
+    let src = SNAPSHOT_MODEL
+        .replace(
+            "train {",
+            "let y2 = merge_heads(attention(heads(q, 4), heads(k, 1), heads(v, 1)))\ntrain {",
+        )
+        .replace("loss = mean(y * y)", "loss = mean(y * y) + mean(y2 * y2)")
+        .replace("causal = true))", "causal = true, dropout = 0.3))")
+        .replace("heads(v, 1)))\n", "heads(v, 1), dropout = 0.3))\n");
+    assert_eq!(src.matches("dropout = 0.3").count(), 2);
+    let b = forward(&src, "bf16", FlashArch::Sm80);
+    let mutations: [(Mutation, bool); 4] = [
+        // Query-major tiles read their cells' words as key-major ones.
+        (
+            (
+                COMMON,
+                "f(2 * kk + 1, c, w.w[KEY_MAJOR ? 2 : 1] >= d.threshold);",
+                "f(2 * kk + 1, c, w.w[2] >= d.threshold);",
+            ),
+            false,
+        ),
+        // O without 1 / (1 - p).
+        ((FWD, "o_acc[n][e] *= a.drop.scale;", ";"), true),
+        // Every head draws head 0's mask.
+        (
+            (
+                FWD,
+                "for_each_draw<TILE_K / 8, false>(a.drop, b * a.q_heads + h,",
+                "for_each_draw<TILE_K / 8, false>(a.drop, b * a.q_heads,",
+            ),
+            false,
+        ),
+        // No mask drawn at all.
+        (
+            (
+                FWD,
+                "            if (DROPOUT) {\n                for_each_draw",
+                "            if (!DROPOUT) {\n                for_each_draw",
+            ),
+            true,
+        ),
+    ];
+    check_mutations("dropout-mutations", &b, &mutations);
+}
+
 /// The snapshot model and a non-causal twin of its attention, at `arch`.
 fn twins(arch: FlashArch) -> Built {
     let src = SNAPSHOT_MODEL
@@ -611,6 +687,22 @@ fn flash_attention_compiles_with_nvrtc_without_spills() {
                 }
             }
         }
+    }
+    // Every head dim with dropout (the mma.sync family alone takes it), for
+    // sm_90, where it runs on Hopper.
+    for set in forward(
+        &common::flash::with_dropout(&head_dims_model(HEAD_DIMS)),
+        "bf16",
+        FlashArch::Sm80,
+    )
+    .sets
+    {
+        jobs.push((
+            "bf16",
+            "sm_90",
+            set.what.clone(),
+            set.kernels[0].launch.clone(),
+        ));
     }
     // Distinct instantiations once each (the wrapper text differs by views only).
     jobs.sort_by(|a, b| (a.1, &a.3.template).cmp(&(b.1, &b.3.template)));

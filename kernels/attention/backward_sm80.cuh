@@ -253,8 +253,12 @@ struct DqSm80 {
     static constexpr int DP = round_up(D, 16), DVP = round_up(DV, 16);
     static constexpr int TILE_Q = 64, THREADS = 128;
     static constexpr bool IN_REGS = DP <= 128 && DVP <= 128;
-    // Keys per tile: fewer as dQ's accumulators (D / 2 registers a thread) grow.
-    static constexpr int TILE_K = DP <= 64 && DVP <= 64 ? 64 : DP <= 192 ? 32 : 16;
+    // Keys per tile: fewer as dQ's accumulators (D / 2 registers a thread)
+    // grow, and half as many (at least 16) with dropout, whose draws take
+    // registers of their own (on sm_90 the full tiles spilled at D = 48, 144
+    // and 192).
+    static constexpr int TILE_K_FULL = DP <= 64 && DVP <= 64 ? 64 : DP <= 192 ? 32 : 16;
+    static constexpr int TILE_K = DROPOUT ? (TILE_K_FULL / 2 > 16 ? TILE_K_FULL / 2 : 16) : TILE_K_FULL;
     static constexpr int ROW = DP + 8, ROW_V = DVP + 8;
     // At 128 features the registers are nearly all taken (Q, dO and dQ stay
     // in them): four fragments at once spill, so K and V are read 32 bits at

@@ -457,3 +457,52 @@ pub const LENGTHS_RUNS: &[&[(&str, i64)]] = &[
     &[("B", 3), ("T", 130), ("S", 17)],
     &[("B", 3), ("T", 100), ("S", 64)],
 ];
+
+/// Attention with dropout p = 0.3 on the tensor-core templates: head dims
+/// where the queries stay in registers (64, 80, Dv != D), where they go to
+/// shared memory with 32-key tiles (192, 256 over 128: the backward in two
+/// feature parts with 16-query tiles), grouped-query ratio 4, causal and
+/// not, and a cross-attention over padded keys (S != T, lengths), each
+/// drawing its own mask.
+#[allow(dead_code)]
+pub const DROPOUT_VARIANTS: &[Variant] = &[
+    (64, 64, 2, 2, true, true),
+    (80, 80, 4, 1, false, false),
+    (64, 128, 2, 1, true, false),
+    (192, 192, 2, 2, false, true),
+    (256, 128, 4, 1, true, false),
+];
+
+/// `head_dims_model(DROPOUT_VARIANTS)` with dropout 0.3 in every attention,
+/// and a cross-attention over padded keys: dims B, T, S.
+#[allow(dead_code)]
+pub fn dropout_model() -> String {
+    let s = with_dropout(&head_dims_model(DROPOUT_VARIANTS))
+        .replace(
+            "dim B, T\ninput x: f32[B, T, d]\n",
+            "dim B, T, S\ninput x: f32[B, T, d]\ninput mem: f32[B, S, d]\ninput mem_len: i32[B]\n\
+             param cq: [d, 128] = normal(0.3)\nparam ckv: [d, 128] = normal(0.3)\n\
+             let ck, cv = split(mem @ ckv, 2)\n\
+             let yc = merge_heads(attention(heads(x @ cq, 2), heads(ck, 1), heads(cv, 1), lengths = mem_len, dropout = 0.3))\n",
+        );
+    assert_eq!(
+        s.matches("dropout = 0.3").count(),
+        DROPOUT_VARIANTS.len() + 1
+    );
+    s.replace("loss = ", "loss = mean(yc * yc) + ")
+}
+
+/// `head_dims_model`'s text with dropout 0.3 in every attention.
+#[allow(dead_code)]
+pub fn with_dropout(src: &str) -> String {
+    src.replace("causal = true))", "causal = true, dropout = 0.3))")
+        .replace("causal = false))", "causal = false, dropout = 0.3))")
+}
+
+/// The sizes the dropout model runs at: T and S across the 16-row cells of
+/// the draws and the tiles' tails.
+#[allow(dead_code)]
+pub const DROPOUT_RUNS: &[&[(&str, i64)]] = &[
+    &[("B", 2), ("T", 17), ("S", 40)],
+    &[("B", 1), ("T", 100), ("S", 130)],
+];

@@ -579,7 +579,7 @@ pub fn flash_backward(
             kv_grid(dkdv.tile),
             ABOUT_DK_DV,
         ));
-        let dq = cfg.drop(templates::dq_sm80(dt, d, dv, causal));
+        let dq = templates::dq_sm80(dt, d, dv, causal, cfg.dropout.is_some());
         stages.push(Planned::new(
             Stage::Dq,
             dq.clone(),

@@ -255,8 +255,9 @@ pub(crate) fn dkdv_sm80(dt: DType, d: u64, dv: u64, causal: bool, atomic: bool) 
     }
 }
 
-/// `backward_sm80.cuh`'s `DqSm80`: 64 queries a block.
-pub(crate) fn dq_sm80(dt: DType, d: u64, dv: u64, causal: bool) -> Instance {
+/// `backward_sm80.cuh`'s `DqSm80`: 64 queries a block; with dropout, half
+/// the keys a tile (at least 16).
+pub(crate) fn dq_sm80(dt: DType, d: u64, dv: u64, causal: bool, dropout: bool) -> Instance {
     let (dp, dvp) = (pad16(d), pad16(dv));
     let in_regs = dp <= 128 && dvp <= 128;
     let tile_k = if dp <= 64 && dvp <= 64 {
@@ -266,12 +267,21 @@ pub(crate) fn dq_sm80(dt: DType, d: u64, dv: u64, causal: bool) -> Instance {
     } else {
         16
     };
+    let tile_k = if dropout {
+        (tile_k / 2).max(16)
+    } else {
+        tile_k
+    };
     let (row, row_v) = (dp + 8, dvp + 8);
     let (kv, qd) = (tile_k * (row + row_v), 64 * (row + row_v));
     let smem = if in_regs { kv.max(qd) } else { kv + qd } * 2;
     Instance {
         header: "attention/backward_sm80.cuh",
-        ty: format!("fs_attn::DqSm80<{}, {causal}>", args(dt, d, dv)),
+        ty: if dropout {
+            format!("fs_attn::DqSm80<{}, {causal}, true>", args(dt, d, dv))
+        } else {
+            format!("fs_attn::DqSm80<{}, {causal}>", args(dt, d, dv))
+        },
         threads: 128,
         bounds: "128, 2".into(),
         tile: 64,
