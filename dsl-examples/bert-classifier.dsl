@@ -4,10 +4,9 @@
 # segment embeddings, post-LayerNorm encoder layers with exact GELU, the
 # pooler (tanh of a dense layer on the first token, [CLS]) and a linear
 # classifier. Batches are padded: each sentence's length masks its padded
-# keys in every attention. Dropout 0.1 after the embeddings, after each
-# attention output and feed-forward output, and before the classifier, as
-# the model ships; the attention probabilities are not dropped (BERT drops
-# them too: fusec does not have attention dropout yet).
+# keys in every attention. Dropout 0.1 after the embeddings, on the
+# attention probabilities, after each attention output and feed-forward
+# output, and before the classifier, as the model ships.
 #
 # Weights: --init-from a save_pretrained checkpoint with
 # --name-map dsl-examples/maps/hf-bert.json. Data: labelled sentences
@@ -50,7 +49,7 @@ block layer(x, lengths) {
     let k = heads(linear(x, key_w, key_b), n_heads)
     let v = heads(linear(x, value_w, value_b), n_heads)
     # Bidirectional: every token sees every real token of its sentence.
-    let a = attention(q, k, v, lengths = lengths)
+    let a = attention(q, k, v, lengths = lengths, dropout = p)
     let x = layernorm(x + dropout(linear(merge_heads(a), out_w, out_b), p), ln_attn_w, ln_attn_b, eps = 1e-12)
     let f = linear(gelu_erf(linear(x, ff_in_w, ff_in_b)), ff_out_w, ff_out_b)
     return layernorm(x + dropout(f, p), ln_ff_w, ln_ff_b, eps = 1e-12)

@@ -44,7 +44,7 @@ block encoder_layer(x, src_len) {
     param ln2_w: [d] = ones
     param ln2_b: [d] = zeros
     let q, k, v = split(linear(layernorm(x, ln1_w, ln1_b), qkv_w, qkv_b), 3)
-    let a = attention(heads(q, n_heads), heads(k, n_heads), heads(v, n_heads), lengths = src_len)
+    let a = attention(heads(q, n_heads), heads(k, n_heads), heads(v, n_heads), lengths = src_len, dropout = p)
     let x = x + dropout(linear(merge_heads(a), out_w, out_b), p)
     return x + dropout(feed_forward(layernorm(x, ln2_w, ln2_b)), p)
 }
@@ -67,11 +67,11 @@ block decoder_layer(y, memory, src_len, tgt_len) {
     param ln3_w: [d] = ones
     param ln3_b: [d] = zeros
     let q, k, v = split(linear(layernorm(y, ln1_w, ln1_b), qkv_w, qkv_b), 3)
-    let a = attention(heads(q, n_heads), heads(k, n_heads), heads(v, n_heads), causal = true, lengths = tgt_len)
+    let a = attention(heads(q, n_heads), heads(k, n_heads), heads(v, n_heads), causal = true, lengths = tgt_len, dropout = p)
     let y = y + dropout(linear(merge_heads(a), self_w, self_b), p)
     let mk, mv = split(linear(memory, kv_w, kv_b), 2)
     let cq = linear(layernorm(y, ln2_w, ln2_b), q_w, q_b)
-    let c = attention(heads(cq, n_heads), heads(mk, n_heads), heads(mv, n_heads), lengths = src_len)
+    let c = attention(heads(cq, n_heads), heads(mk, n_heads), heads(mv, n_heads), lengths = src_len, dropout = p)
     let y = y + dropout(linear(merge_heads(c), cross_w, cross_b), p)
     return y + dropout(feed_forward(layernorm(y, ln3_w, ln3_b)), p)
 }

@@ -103,7 +103,7 @@ train {
 /// probabilities are dropped.
 #[test]
 fn attention_dropout_applies_the_documented_mask() {
-    use fusec_compiler::ops::philox::{attention_draw, threshold};
+    use fusec_compiler::ops::philox::{attention_draw, attention_threshold};
     let src = "
 dim B, T
 input q: f32[B, T, 2, 8]
@@ -166,7 +166,7 @@ train {
                     for j in 0..t {
                         let kept =
                             attention_draw(key, site, (bb * h + hh) as u64, i as u64, j as u64)
-                                >= threshold(0.4);
+                                >= attention_threshold(0.4);
                         if c == 0 {
                             all += 1;
                             dropped += !kept as usize;

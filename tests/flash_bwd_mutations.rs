@@ -144,7 +144,7 @@ fn a_broken_dropout_backward_is_caught() {
     let b = backward(&src, "bf16", FlashArch::Sm80);
     let (causal, plain) = (find(&b, true, true), find(&b, false, true));
     let plain_atomic = find(&b, false, false);
-    let mutations: [(Mutation, usize); 5] = [
+    let mutations: [(Mutation, usize); 6] = [
         // dV from the undropped P.
         ((SM80, "s[n][e] *= z;", ";"), plain),
         // The mask applied to delta as well: dS = P Z (dP - delta).
@@ -165,23 +165,32 @@ fn a_broken_dropout_backward_is_caught() {
             ),
             causal,
         ),
-        // Key-major tiles read their cells' words as query-major ones.
+        // Key-major lanes keep the other key's halves and send their own.
         (
             (
                 COMMON,
-                "f(2 * kk + 1, c, w.w[KEY_MAJOR ? 2 : 1] >= d.threshold);",
-                "f(2 * kk + 1, c, w.w[1] >= d.threshold);",
+                "const int mine = 16 * odd, theirs = 16 - mine;",
+                "const int theirs = 16 * odd, mine = 16 - theirs;",
             ),
             plain,
         ),
-        // Key-major tiles draw the transposed cell (query and key exchanged).
+        // Key-major lanes draw the transposed cell (query and key exchanged).
         (
             (
                 COMMON,
-                "KEY_MAJOR ? fs_attention_block(d.key, d.site, bh, col, row_lo)",
-                "KEY_MAJOR ? fs_attention_block(d.key, d.site, bh, row_lo, col)",
+                "fs_attention_block(d.key, d.site, bh, col + odd, row_lo)",
+                "fs_attention_block(d.key, d.site, bh, row_lo, col + odd)",
             ),
             causal,
+        ),
+        // Key-major lanes trade halves with the wrong neighbour.
+        (
+            (
+                COMMON,
+                "(((w.w[1] >> theirs) & 0xffffu) << 16), 4);",
+                "(((w.w[1] >> theirs) & 0xffffu) << 16), 8);",
+            ),
+            plain_atomic,
         ),
     ];
     expect_caught(

@@ -354,12 +354,12 @@ fn a_broken_dropout_forward_is_caught() {
     assert_eq!(src.matches("dropout = 0.3").count(), 2);
     let b = forward(&src, "bf16", FlashArch::Sm80);
     let mutations: [(Mutation, bool); 4] = [
-        // Query-major tiles read their cells' words as key-major ones.
+        // Keys j + 8, j + 9 read each other's halves of the block.
         (
             (
                 COMMON,
-                "f(2 * kk + 1, c, w.w[KEY_MAJOR ? 2 : 1] >= d.threshold);",
-                "f(2 * kk + 1, c, w.w[2] >= d.threshold);",
+                "f(2 * kk + 1, c, ((w.w[1] >> (16 * c)) & 0xffffu) >= d.threshold);",
+                "f(2 * kk + 1, c, ((w.w[1] >> (16 - 16 * c)) & 0xffffu) >= d.threshold);",
             ),
             false,
         ),

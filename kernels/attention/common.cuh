@@ -28,6 +28,7 @@ __device__ __forceinline__ void fs_mma_16816_f16(float (&d)[4], const unsigned (
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ float fs_shfl_xor(float v, int lane_mask) { return __shfl_xor_sync(0xffffffffu, v, lane_mask); }
+__device__ __forceinline__ unsigned fs_shfl_xor_u32(unsigned v, int lane_mask) { return __shfl_xor_sync(0xffffffffu, v, lane_mask); }
 // 2^x (2 ulp; 2^-inf = 0).
 __device__ __forceinline__ float fs_exp2(float x) {
     float y;
@@ -79,6 +80,14 @@ __device__ __forceinline__ void fs_ldsm_x4_t(unsigned (&r)[4], const unsigned sh
 inline void fs_mma_16816_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { fs_emu_mma_16816(d, a, b0, b1, true); }
 inline void fs_mma_16816_f16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { fs_emu_mma_16816(d, a, b0, b1, false); }
 inline float fs_shfl_xor(float v, int lane_mask) { return fs_emu_shfl_xor(v, lane_mask); }
+// The bits of v through the float exchange (a copy, no arithmetic).
+inline unsigned fs_shfl_xor_u32(unsigned v, int lane_mask) {
+    float f;
+    memcpy(&f, &v, 4);
+    f = fs_emu_shfl_xor(f, lane_mask);
+    memcpy(&v, &f, 4);
+    return v;
+}
 inline float fs_exp2(float x) { return exp2f(x); }
 inline unsigned fs_ld32(const unsigned short* p) {
     unsigned u;
@@ -398,24 +407,52 @@ __device__ __forceinline__ void p_of_s(float (&s)[TILE_Q / 8][4], const float* l
 // Dropout's draws for one warp's tile s[N][4] in the m16n8 accumulator
 // layout (s[n][e]: row row_lo + 8 * (e / 2), column col0 + 8n + frag_col +
 // e % 2; row_lo with bit 3 clear, col0 a multiple of 16): calls
-// f(n, e, kept) for each entry. Rows are queries and columns keys, or with
-// KEY_MAJOR the other way round. One Philox block a cell (fs_attention_block:
-// rows r, r + 8 by columns c, c + 8), so four entries a block and every
-// kernel draws the same mask for the same (head row bh, query, key).
+// f(n, e, kept) for each entry, every lane of the warp together. Rows are
+// queries and columns keys, or with KEY_MAJOR the other way round.
+//
+// A Philox block holds the 16-bit draws of queries i, i + 8 by keys j,
+// j + 1, j + 8, j + 9 (fs_attention_block): query-major, exactly one lane's
+// entries of 16 columns, one block each. Key-major, a lane holds keys
+// j, j + 8 by queries i, i + 1, i + 8, i + 9: half of the blocks of queries
+// i and i + 1, whose other halves are the neighbouring key's (the lane 4
+// apart, key row j ^ 1). So each lane draws the block of query i + (j & 1)
+// and trades the halves of the other key with that lane: one block for
+// every 8 entries either way, as a draw per entry costs a 10-round Philox.
 template <int N, bool KEY_MAJOR, class F>
 __device__ __forceinline__ void for_each_draw(const Dropout& d, fs_i64 bh, fs_i64 row_lo, fs_i64 col0, int frag_col, F f) {
 #pragma unroll
     for (int kk = 0; kk < N / 2; ++kk) {
+        const fs_i64 col = col0 + 16 * kk + frag_col;
+        if (!KEY_MAJOR) {
+            // Words: (i, j | j + 1), (i, j + 8 | j + 9), (i + 8, j | j + 1), (i + 8, j + 8 | j + 9).
+            const fs_philox_words w = fs_attention_block(d.key, d.site, bh, row_lo, col);
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const fs_i64 col = col0 + 16 * kk + frag_col + c;
-            // Words: (i, j), (i, j + 8), (i + 8, j), (i + 8, j + 8).
-            const fs_philox_words w = KEY_MAJOR ? fs_attention_block(d.key, d.site, bh, col, row_lo)
-                                                : fs_attention_block(d.key, d.site, bh, row_lo, col);
-            f(2 * kk, c, w.w[0] >= d.threshold);
-            f(2 * kk + 1, c, w.w[KEY_MAJOR ? 2 : 1] >= d.threshold);
-            f(2 * kk, 2 + c, w.w[KEY_MAJOR ? 1 : 2] >= d.threshold);
-            f(2 * kk + 1, 2 + c, w.w[3] >= d.threshold);
+            for (int c = 0; c < 2; ++c) {
+                f(2 * kk, c, ((w.w[0] >> (16 * c)) & 0xffffu) >= d.threshold);
+                f(2 * kk + 1, c, ((w.w[1] >> (16 * c)) & 0xffffu) >= d.threshold);
+                f(2 * kk, 2 + c, ((w.w[2] >> (16 * c)) & 0xffffu) >= d.threshold);
+                f(2 * kk + 1, 2 + c, ((w.w[3] >> (16 * c)) & 0xffffu) >= d.threshold);
+            }
+        } else {
+            const int odd = (int)(row_lo & 1);  // this lane's key: the high halves (odd) or the low
+            const fs_philox_words w = fs_attention_block(d.key, d.site, bh, col + odd, row_lo);
+            // Own: this key's halves of query col + odd's block, as (key j | j + 8)
+            // pairs of query rows col + odd and col + odd + 8; the other key's go
+            // to the neighbour, whose block (query col + 1 - odd) holds ours.
+            const int mine = 16 * odd, theirs = 16 - mine;
+            const unsigned own_a = ((w.w[0] >> mine) & 0xffffu) | (((w.w[1] >> mine) & 0xffffu) << 16);
+            const unsigned own_b = ((w.w[2] >> mine) & 0xffffu) | (((w.w[3] >> mine) & 0xffffu) << 16);
+            const unsigned got_a = fs_shfl_xor_u32(((w.w[0] >> theirs) & 0xffffu) | (((w.w[1] >> theirs) & 0xffffu) << 16), 4);
+            const unsigned got_b = fs_shfl_xor_u32(((w.w[2] >> theirs) & 0xffffu) | (((w.w[3] >> theirs) & 0xffffu) << 16), 4);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                // Query col + c: its block is this lane's when c is the key's parity.
+                const unsigned a = c == odd ? own_a : got_a, b = c == odd ? own_b : got_b;
+                f(2 * kk, c, (a & 0xffffu) >= d.threshold);
+                f(2 * kk, 2 + c, (a >> 16) >= d.threshold);
+                f(2 * kk + 1, c, (b & 0xffffu) >= d.threshold);
+                f(2 * kk + 1, 2 + c, (b >> 16) >= d.threshold);
+            }
         }
     }
 }

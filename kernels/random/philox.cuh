@@ -60,25 +60,23 @@ __device__ __forceinline__ unsigned int fs_dropout_draw(const int* key, unsigned
     return fs_dropout_block(key, site, index >> 2).w[index & 3];
 }
 
-// Attention dropout (compiler/src/ops/philox.rs's attention_draw): one
-// block serves the four probabilities (i, j), (i, j + 8), (i + 8, j) and
-// (i + 8, j + 8) of a 16 x 16 tile, i and j with bit 3 clear, as words 0 .. 3
-// -- the four a tensor-core thread holds of such a tile, query-major or
-// key-major. `bh`: batch entry * query heads + query head.
-__device__ __forceinline__ unsigned int fs_attention_cell(long long x) {
-    return (unsigned int)(((x >> 4) << 3) | (x & 7));
-}
-
+// Attention dropout (compiler/src/ops/philox.rs's attention_draw): 16-bit
+// draws, one block for the 8 probabilities of queries i, i + 8 by keys
+// j, j + 1, j + 8, j + 9 of a 16 x 16 tile (i with bit 3 clear, j with bits
+// 0 and 3 clear): half (i bit 3) * 4 + (j bit 3) * 2 + (j bit 0), half 2k + 1
+// the high 16 bits of word k. `bh`: batch entry * query heads + query head.
 __device__ __forceinline__ fs_philox_words fs_attention_block(const int* key, unsigned int site, long long bh,
                                                                long long i, long long j) {
-    return fs_philox4x32_10(fs_attention_cell(j), fs_attention_cell(i), (unsigned int)bh, site + 1u,
-                            (unsigned int)key[0], (unsigned int)key[1]);
+    const unsigned int row = (unsigned int)(((i >> 4) << 3) | (i & 7));
+    const unsigned int col = (unsigned int)(((j >> 4) << 2) | ((j & 7) >> 1));
+    return fs_philox4x32_10(col, row, (unsigned int)bh, site + 1u, (unsigned int)key[0], (unsigned int)key[1]);
 }
 
 // The draw of probability (i, j) alone (the simple kernels).
 __device__ __forceinline__ unsigned int fs_attention_draw(const int* key, unsigned int site, long long bh, long long i,
                                                            long long j) {
-    return fs_attention_block(key, site, bh, i, j).w[((i >> 3) & 1) * 2 + ((j >> 3) & 1)];
+    const int half = (int)(((i >> 3) & 1) * 4 + ((j >> 3) & 1) * 2 + (j & 1));
+    return (fs_attention_block(key, site, bh, i, j).w[half >> 1] >> (16 * (half & 1))) & 0xffffu;
 }
 
 #endif

@@ -1,7 +1,7 @@
 # A small encoder with dropout where BERT and the Transformer put it: on the
-# summed embeddings, on each sublayer's output before the residual add, and
-# inside the feed-forward block. Sizes are deliberately odd (d 20, FFN 52,
-# vocabulary 37).
+# summed embeddings, on the attention probabilities, on each sublayer's
+# output before the residual add, and inside the feed-forward block. Sizes
+# are deliberately odd (d 20, FFN 52, vocabulary 37).
 
 const vocab = 37
 const ctx = 16
@@ -29,7 +29,7 @@ block encoder(x) {
     param ln2_w: [d] = ones
     param ln2_b: [d] = zeros
     let q, k, v = split(linear(x, qkv_w, qkv_b), 3)
-    let a = attention(heads(q, n_heads), heads(k, n_heads), heads(v, n_heads))
+    let a = attention(heads(q, n_heads), heads(k, n_heads), heads(v, n_heads), dropout = p)
     let x = layernorm(x + dropout(linear(merge_heads(a), out_w, out_b), p), ln1_w, ln1_b)
     let f = linear(dropout(gelu(linear(x, ff_in_w, ff_in_b)), p), ff_out_w, ff_out_b)
     return layernorm(x + dropout(f, p), ln2_w, ln2_b)

@@ -45,9 +45,9 @@ pub struct AttnDropout {
 }
 
 impl AttnDropout {
-    /// Draws below this are dropped.
+    /// 16-bit draws below this are dropped.
     pub fn threshold(&self) -> u32 {
-        philox::threshold(self.p)
+        philox::attention_threshold(self.p)
     }
     /// What a kept probability is multiplied by.
     pub fn scale(&self) -> f64 {
