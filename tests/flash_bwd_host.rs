@@ -192,6 +192,27 @@ fn flash_backward_with_dropout_matches_the_reference() {
     );
     let checked = check_all("dropout", &b, common::flash::DROPOUT_RUNS);
     println!("{checked} kernel-set runs with dropout matched the reference");
+    // Hopper: DkDvDqSm90 up to 64 features (split over blocks for the group
+    // of 8), the mma.sync kernel for the wider heads.
+    let b = backward(&src, "bf16", FlashArch::Sm90a);
+    let hopper = b
+        .sets
+        .iter()
+        .filter(|s| {
+            s.kernels.iter().any(|k| {
+                k.launch
+                    .template
+                    .as_deref()
+                    .is_some_and(|t| t.contains("DkDvDqSm90<"))
+            })
+        })
+        .count();
+    assert_eq!(
+        hopper, 3,
+        "Hopper's own backward for heads up to 64 features"
+    );
+    let checked = check_all("dropout-hopper", &b, common::flash::DROPOUT_RUNS);
+    println!("Hopper: {checked} kernel-set runs with dropout matched the reference");
 }
 
 /// Every head dim of `HEAD_DIMS`, both schemes on mma.sync (the widest in
@@ -268,16 +289,13 @@ fn flash_backward_compiles_with_nvrtc_without_spills() {
             }
         }
     }
-    // Every head dim with dropout (the mma.sync family alone takes it), for
-    // sm_90, where it runs on Hopper.
-    let dropping = backward(
-        &common::flash::with_dropout(&head_dims_model(HEAD_DIMS)),
-        "bf16",
-        FlashArch::Sm80,
-    );
-    for set in dropping.sets {
-        for k in set.kernels {
-            jobs.push(("bf16", "sm_90", set.what.clone(), k.launch.clone()));
+    // Every head dim with dropout, on mma.sync (for sm_90) and on Hopper.
+    let dropping = common::flash::with_dropout(&head_dims_model(HEAD_DIMS));
+    for (family, arch) in [(FlashArch::Sm80, "sm_90"), (FlashArch::Sm90a, "sm_90a")] {
+        for set in backward(&dropping, "bf16", family).sets {
+            for k in set.kernels {
+                jobs.push(("bf16", arch, set.what.clone(), k.launch.clone()));
+            }
         }
     }
     // Distinct instantiations once each (the wrapper text differs by views only).

@@ -201,6 +201,35 @@ fn a_broken_dropout_backward_is_caught() {
     );
 }
 
+/// Dropout in Hopper's backward: the mask's head row following the query
+/// tiles from head to head of the group, and dV's P Z.
+#[test]
+fn a_broken_hopper_dropout_backward_is_caught() {
+    if !host::have_cxx() {
+        return;
+    }
+    const SM90: &str = "attention/backward_sm90.cuh";
+    let src = twin_model()
+        .replace("causal = true))", "causal = true, dropout = 0.3))")
+        .replace("heads(v, 1)))\n", "heads(v, 1), dropout = 0.3))\n");
+    let b = backward(&src, "bf16", FlashArch::Sm90a);
+    let (causal, plain) = (find(&b, true, false), find(&b, false, false));
+    let mutations: [(Mutation, usize); 2] = [
+        // Every query tile draws its group's first head's mask.
+        (
+            (
+                SM90,
+                "if (i0 >= q_len) i0 = i_first, ++h;",
+                "if (i0 >= q_len) i0 = i_first;",
+            ),
+            plain,
+        ),
+        // dV from the undropped P.
+        ((SM90, "s[n][e] *= z;", ";"), causal),
+    ];
+    expect_caught(&b, "hopper-dropout-mutations", &[causal, plain], &mutations);
+}
+
 /// The unbroken sets `all` of `b` pass at B = 1, T = 100; then each
 /// mutation, applied to the set it names, must fail.
 fn expect_caught(b: &Built, label: &str, all: &[usize], mutations: &[(Mutation, usize)]) {

@@ -312,10 +312,10 @@ fn flash_attention_with_lengths_matches_the_reference() {
 }
 
 /// Dropout on the probabilities: the forward draws the interpreter's mask
-/// (one Philox block a 16 x 16 cell's four entries per thread) on every
-/// head dim family; on Hopper too, where dropout takes the mma.sync
-/// forward. A kernel that dropped other entries, or scaled O otherwise,
-/// is off by whole probabilities.
+/// (one Philox block for a thread's 8 scores of a 16 x 16 tile) on every
+/// head dim family, on mma.sync and on Hopper (ForwardSm90, a block a query
+/// tile). A kernel that dropped other entries, or scaled O otherwise, is
+/// off by whole probabilities.
 #[test]
 fn flash_attention_with_dropout_matches_the_reference() {
     if !host::have_cxx() {
@@ -385,6 +385,24 @@ fn a_broken_dropout_forward_is_caught() {
         ),
     ];
     check_mutations("dropout-mutations", &b, &mutations);
+    // Hopper's forward: O's 1 / (1 - p) and the draws' head row.
+    const FWD90: &str = "attention/forward_sm90.cuh";
+    let b = forward(&src, "bf16", FlashArch::Sm90a);
+    check_mutations(
+        "dropout-mutations-sm90",
+        &b,
+        &[
+            ((FWD90, "o_acc[n][e] *= a.drop.scale;", ";"), true),
+            (
+                (
+                    FWD90,
+                    "for_each_draw<TILE_K / 8, false>(a.drop, b * a.q_heads + h,",
+                    "for_each_draw<TILE_K / 8, false>(a.drop, b * a.q_heads,",
+                ),
+                false,
+            ),
+        ],
+    );
 }
 
 /// The snapshot model and a non-causal twin of its attention, at `arch`.
@@ -688,21 +706,17 @@ fn flash_attention_compiles_with_nvrtc_without_spills() {
             }
         }
     }
-    // Every head dim with dropout (the mma.sync family alone takes it), for
-    // sm_90, where it runs on Hopper.
-    for set in forward(
-        &common::flash::with_dropout(&head_dims_model(HEAD_DIMS)),
-        "bf16",
-        FlashArch::Sm80,
-    )
-    .sets
-    {
-        jobs.push((
-            "bf16",
-            "sm_90",
-            set.what.clone(),
-            set.kernels[0].launch.clone(),
-        ));
+    // Every head dim with dropout, on mma.sync (for sm_90) and on Hopper.
+    let dropping = common::flash::with_dropout(&head_dims_model(HEAD_DIMS));
+    for (family, arch) in [(FlashArch::Sm80, "sm_90"), (FlashArch::Sm90a, "sm_90a")] {
+        for set in forward(&dropping, "bf16", family).sets {
+            jobs.push((
+                "bf16",
+                arch,
+                set.what.clone(),
+                set.kernels[0].launch.clone(),
+            ));
+        }
     }
     // Distinct instantiations once each (the wrapper text differs by views only).
     jobs.sort_by(|a, b| (a.1, &a.3.template).cmp(&(b.1, &b.3.template)));

@@ -58,7 +58,9 @@
 
 namespace fs_attn {
 
-template <class E, int D, int DV, bool CAUSAL, int SPLIT = 1>
+// DROPOUT: dV takes (P Z)^T dO and dS^T = P^T (Z dP^T - delta) for a.drop's
+// mask factors Z, drawn key-major as the mma.sync backward draws them.
+template <class E, int D, int DV, bool CAUSAL, int SPLIT = 1, bool DROPOUT = false>
 struct DkDvDqSm90 {
     static constexpr int DP = round_up(D, 16), DVP = round_up(DV, 16);
     static_assert(DP <= 128 && DVP <= 128, "dK and dV accumulators for up to 128 features each");
@@ -67,7 +69,8 @@ struct DkDvDqSm90 {
     // keep the tensor cores fed (wgmma N = 64 with K = 64), and the
     // accumulators of a 128-query tile (S^T and dP^T 64 registers each, dK and
     // dV 32 each, dQ 32) fit in the 240 registers a consumer can have.
-    static constexpr int TILE_K = 128, TILE_Q = DP <= 64 && DVP <= 64 ? 128 : 64;
+    // 64-query tiles with dropout, whose draws take the registers 128 would need.
+    static constexpr int TILE_K = 128, TILE_Q = DP <= 64 && DVP <= 64 && !DROPOUT ? 128 : 64;
     // dQ = dS K: with 64-query tiles each warpgroup takes half the features of
     // all the tile's queries; with 128, all the features of its half of the
     // queries (wgmma's M is 64 a warpgroup).
@@ -276,6 +279,7 @@ struct DkDvDqSm90 {
         const fs_desc q_kdesc = QT::kmajor(q_tiles), do_kdesc = DOT::kmajor(do_tiles);
         const fs_desc q_mdesc = QT::mnmajor(q_tiles), do_mdesc = DOT::mnmajor(do_tiles);
         fs_i64 i0 = i_first;  // tile t's first row
+        fs_i64 h = kv_h * a.group + part * heads;  // tile t's head (the masks' head row)
         int buf = 0;          // t % STAGES
         unsigned phase = 0;   // (t / STAGES) & 1
         for (int t = 0; t < tiles; ++t) {
@@ -308,10 +312,19 @@ struct DkDvDqSm90 {
             p_of_s<TILE_Q, TILE_K, CAUSAL>(s, lse_tile, i0, k0, q_len, keys, key_row, frag_col, a.scale_log2);
             fs_wgmma_wait_all();
             fs_wgmma_hold(dp);
+            if (DROPOUT) {
+                for_each_draw<TILE_Q / 8, true>(a.drop, b * a.q_heads + h, k0 + key_row, i0, frag_col,
+                                                [&](int n, int e, bool kept) {
+                                                    const float z = kept ? a.drop.scale : 0.0f;
+                                                    dp[n][e] = s[n][e] * (dp[n][e] * z - delta_tile[n * 8 + frag_col + (e & 1)]);
+                                                    s[n][e] *= z;
+                                                });
+            } else {
 #pragma unroll
-            for (int n = 0; n < TILE_Q / 8; ++n) {
+                for (int n = 0; n < TILE_Q / 8; ++n) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);
+                    for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);
+                }
             }
 
             // 7. P^T and dS^T as 16-bit A fragments (queries 16kk .. 16kk + 15),
@@ -372,7 +385,7 @@ struct DkDvDqSm90 {
             fs_syncwarp();
             if (lane == 0) fs_mbar_arrive(&dq_full[u]);
             i0 += TILE_Q;
-            if (i0 >= q_len) i0 = i_first;
+            if (i0 >= q_len) i0 = i_first, ++h;
             if (++buf == STAGES) buf = 0, phase ^= 1;
         }
 

@@ -40,13 +40,16 @@
 
 namespace fs_attn {
 
-template <class E, int D, int DV, bool CAUSAL, bool SCALE_IN_EXP>
+// DROPOUT: as ForwardSm80's (the probabilities zeroed by a.drop's mask after
+// the row sum takes them, O scaled by 1 / (1 - p) at the end).
+template <class E, int D, int DV, bool CAUSAL, bool SCALE_IN_EXP, bool DROPOUT = false>
 struct ForwardSm90 {
     static constexpr int DP = swizzle_pad(D), DVP = swizzle_pad(DV);
     // Three consumer warpgroups (192 query rows) where their registers allow,
     // so that each key and value tile serves 1.5x the queries; two above 64
-    // features.
-    static constexpr int WGS = DP <= 64 && DVP <= 64 ? 3 : 2;
+    // features, and with dropout (whose draws spilled three warpgroups' 128
+    // registers a thread at D = 24 to 64).
+    static constexpr int WGS = DP <= 64 && DVP <= 64 && !DROPOUT ? 3 : 2;
     static constexpr int TILE_Q = 64 * WGS;
     // 128 keys a tile up to 128 features (on an H100, 7-15% faster than 64:
     // fewer, wider wgmma); 64 above, where the output accumulators take half
@@ -177,6 +180,11 @@ struct ForwardSm90 {
         auto softmax = [&](fs_i64 k0) {
             mask_and_softmax<TILE_K, CAUSAL, SCALE_IN_EXP>(s, row_max, row_sum, o_rescale, k0, kv_len, first_row, i_lo, i_hi,
                                                            frag_col, a.scale_log2);
+            if (DROPOUT) {
+                for_each_draw<TILE_K / 8, false>(a.drop, b * a.q_heads + h, i_lo, k0, frag_col, [&](int n, int e, bool kept) {
+                    if (!kept) s[n][e] = 0.0f;
+                });
+            }
         };
         auto pack = [&]() {
 #pragma unroll
@@ -246,6 +254,13 @@ struct ForwardSm90 {
 
         // 7. O and the log-sum-exp: O through the warpgroup's query rows, which
         //    no product reads any more, where they are wide enough.
+        if (DROPOUT) {
+#pragma unroll
+            for (int n = 0; n < DVP / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o_acc[n][e] *= a.drop.scale;
+            }
+        }
         if constexpr (DVP <= DP) {
             store_output_staged<E, DV, DVP>(a, o_acc, row_max, row_sum, b, h, q0 + wg * 64, warp * 16 + frag_row, frag_col,
                                             threadIdx.x & 127, q_tile + wg * 64 * DP, 1 + WGS + wg);

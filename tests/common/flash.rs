@@ -462,7 +462,8 @@ pub const LENGTHS_RUNS: &[&[(&str, i64)]] = &[
 /// where the queries stay in registers (64, 80, Dv != D), where they go to
 /// shared memory with 32-key tiles (192, 256 over 128: the backward in two
 /// feature parts with 16-query tiles), grouped-query ratio 4, causal and
-/// not, and a cross-attention over padded keys (S != T, lengths), each
+/// not, a group Hopper's backward splits over blocks, and a
+/// cross-attention over padded keys (S != T, lengths), each
 /// drawing its own mask.
 #[allow(dead_code)]
 pub const DROPOUT_VARIANTS: &[Variant] = &[
@@ -471,6 +472,8 @@ pub const DROPOUT_VARIANTS: &[Variant] = &[
     (64, 128, 2, 1, true, false),
     (192, 192, 2, 2, false, true),
     (256, 128, 4, 1, true, false),
+    // 8 query heads on 1: Hopper's backward splits the group over blocks.
+    (32, 32, 8, 1, false, false),
 ];
 
 /// `head_dims_model(DROPOUT_VARIANTS)` with dropout 0.3 in every attention,

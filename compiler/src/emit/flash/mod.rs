@@ -266,26 +266,24 @@ impl Config {
             if self.group == 1 { "" } else { "s" }
         );
         if let Some((d, _)) = &self.dropout {
-            s += &format!(
-                ", dropout {} on the probabilities (the mma.sync kernels take it, on Hopper too)",
-                d.p
-            );
+            s += &format!(", dropout {} on the probabilities", d.p);
         }
         s
     }
 
-    /// The family the op runs on: dropout is in the mma.sync templates
-    /// alone, which run on every GPU from sm_80 (Hopper's included).
-    fn arch(&self, arch: FlashArch) -> FlashArch {
-        if self.dropout.is_some() {
+    /// The family the backward runs on: Hopper's kernels drop only up to
+    /// 64 features, so wider heads drop on the mma.sync templates, which
+    /// run on every GPU from sm_80.
+    fn backward_arch(&self, arch: FlashArch) -> FlashArch {
+        if self.dropout.is_some() && !templates::dkdvdq_sm90_drops(self.d, self.dv) {
             FlashArch::Sm80
         } else {
             arch
         }
     }
 
-    /// `inst` with the dropout its op has (the mma.sync templates' last
-    /// parameter, `DROPOUT`, defaults to false).
+    /// `inst` with the dropout its op has (the last parameter, `DROPOUT`,
+    /// of both forwards and the mma.sync backward, defaults to false).
     fn drop(&self, inst: Instance) -> Instance {
         if self.dropout.is_some() {
             inst.with_dropout()
@@ -339,7 +337,6 @@ pub fn flash_forward(
 ) -> Option<FlashKernel> {
     let c = Ctx::for_op(g, p, k, n);
     let cfg = forward_config(g, &c, n).ok()?;
-    let arch = cfg.arch(arch);
     let (dt, d, dv, causal, fold) = (cfg.dt, cfg.d, cfg.dv, cfg.causal, cfg.scale_in_exp());
     let mut f = Fill::new();
     f.heads("q", &Access::input(g, &c, n, 0));
@@ -351,10 +348,17 @@ pub fn flash_forward(
     let hopper = if arch == FlashArch::Sm90a {
         // The persistent forward's warpgroups take turns item after item,
         // which assumes every item's key tiles alike: with lengths, the
-        // forward that keeps a block a query tile.
-        let persistent_ok = cfg.lengths.is_none();
-        let (inst, tile_k, persistent) =
-            templates::forward_sm90(dt, d, dv, causal, fold, persistent_ok);
+        // forward that keeps a block a query tile; dropout is in that one too.
+        let persistent_ok = cfg.lengths.is_none() && cfg.dropout.is_none();
+        let (inst, tile_k, persistent) = templates::forward_sm90(
+            dt,
+            d,
+            dv,
+            causal,
+            fold,
+            persistent_ok,
+            cfg.dropout.is_some(),
+        );
         let maps = [
             (1, "tm_k", templates::swizzle_pad(d)),
             (2, "tm_v", templates::swizzle_pad(dv)),
@@ -498,7 +502,7 @@ pub fn flash_backward(
 ) -> Option<Vec<FlashKernel>> {
     let c = Ctx::for_op(g, p, k, n);
     let cfg = backward_config(g, &c, n).ok()?;
-    let arch = cfg.arch(arch);
+    let arch = cfg.backward_arch(arch);
     let (dt, d, dv, causal) = (cfg.dt, cfg.d, cfg.dv, cfg.causal);
     let mut f = Fill::new();
     for (i, field) in ["q", "k", "v", "o", "dout"].into_iter().enumerate() {
@@ -594,8 +598,8 @@ pub fn flash_backward(
         let hopper = if arch != FlashArch::Sm90a {
             None
         } else if templates::dkdvdq_sm90_fits(d, dv) {
-            let inst = templates::dkdvdq_sm90(dt, d, dv, causal, split);
-            let rows = templates::dkdvdq_sm90_tile_q(d, dv);
+            let inst = templates::dkdvdq_sm90(dt, d, dv, causal, split, cfg.dropout.is_some());
+            let rows = templates::dkdvdq_sm90_tile_q(d, dv, cfg.dropout.is_some());
             hopper_maps(templates::pad16(d), templates::pad16(dv), rows).map(|maps| {
                 (
                     inst,

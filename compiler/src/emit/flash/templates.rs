@@ -118,7 +118,8 @@ pub(crate) fn forward_sm80(
 /// `forward_sm90.cuh`'s `ForwardSm90` (a block a query tile), or up to 64
 /// padded features `forward_sm90_persistent.cuh`'s `ForwardSm90Persistent`
 /// (a block a multiprocessor walking the work items); its key/value tile
-/// rows, and whether it is the persistent one.
+/// rows, and whether it is the persistent one. With dropout: the one a
+/// block a query tile, two consumer warpgroups.
 pub(crate) fn forward_sm90(
     dt: DType,
     d: u64,
@@ -126,9 +127,14 @@ pub(crate) fn forward_sm90(
     causal: bool,
     scale_in_exp: bool,
     persistent_ok: bool,
+    dropout: bool,
 ) -> (Instance, u64, bool) {
     let (dp, dvp) = (swizzle_pad(d), swizzle_pad(dv));
-    let wgs = if dp <= 64 && dvp <= 64 { 3 } else { 2 };
+    let wgs = if dp <= 64 && dvp <= 64 && !dropout {
+        3
+    } else {
+        2
+    };
     let persistent = wgs == 3 && persistent_ok;
     let tile_q = 64 * wgs;
     let tile_k = if dp <= 128 && dvp <= 128 { 128 } else { 64 };
@@ -171,6 +177,7 @@ pub(crate) fn forward_sm90(
             ("SMEM_BYTES", smem),
         ],
     };
+    let inst = if dropout { inst.with_dropout() } else { inst };
     (inst, tile_k, persistent)
 }
 
@@ -303,10 +310,17 @@ pub(crate) fn dkdvdq_sm90_fits(d: u64, dv: u64) -> bool {
     pad16(d) <= 128 && pad16(dv) <= 128
 }
 
+/// Whether `DkDvDqSm90` takes dropout at head dims `d`, `dv`: up to 64
+/// padded features (wider, the draws' registers spilled its consumers'
+/// 232 a thread at D = 80 to 128).
+pub(crate) fn dkdvdq_sm90_drops(d: u64, dv: u64) -> bool {
+    pad16(d) <= 64 && pad16(dv) <= 64
+}
+
 /// `DkDvDqSm90`'s query tile rows: 128 where both head dims pad to at most
-/// 64 features, else 64.
-pub(crate) fn dkdvdq_sm90_tile_q(d: u64, dv: u64) -> u64 {
-    if pad16(d) <= 64 && pad16(dv) <= 64 {
+/// 64 features (without dropout), else 64.
+pub(crate) fn dkdvdq_sm90_tile_q(d: u64, dv: u64, dropout: bool) -> u64 {
+    if pad16(d) <= 64 && pad16(dv) <= 64 && !dropout {
         128
     } else {
         64
@@ -316,9 +330,16 @@ pub(crate) fn dkdvdq_sm90_tile_q(d: u64, dv: u64) -> u64 {
 /// `backward_sm90.cuh`'s `DkDvDqSm90`: 128 keys a block; its query tiles
 /// are [`dkdvdq_sm90_tile_q`] rows; `split` blocks a key tile (each a share
 /// of the group's query heads, its dK/dV part summed by [`dkv_store`]).
-pub(crate) fn dkdvdq_sm90(dt: DType, d: u64, dv: u64, causal: bool, split: u64) -> Instance {
+pub(crate) fn dkdvdq_sm90(
+    dt: DType,
+    d: u64,
+    dv: u64,
+    causal: bool,
+    split: u64,
+    dropout: bool,
+) -> Instance {
     let (dp, dvp) = (pad16(d), pad16(dv));
-    let tq = dkdvdq_sm90_tile_q(d, dv);
+    let tq = dkdvdq_sm90_tile_q(d, dv, dropout);
     let smem_with = |stages: u64| {
         128 * (dp + dvp) * 2
             + stages * (tq * dp * 2 + tq * dvp * 2)
@@ -336,7 +357,12 @@ pub(crate) fn dkdvdq_sm90(dt: DType, d: u64, dv: u64, causal: bool, split: u64) 
     let smem = smem_with(stages);
     Instance {
         header: "attention/backward_sm90.cuh",
-        ty: if split > 1 {
+        ty: if dropout {
+            format!(
+                "fs_attn::DkDvDqSm90<{}, {causal}, {split}, true>",
+                args(dt, d, dv)
+            )
+        } else if split > 1 {
             format!(
                 "fs_attn::DkDvDqSm90<{}, {causal}, {split}>",
                 args(dt, d, dv)
