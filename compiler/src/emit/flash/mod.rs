@@ -21,6 +21,10 @@
 //!   them for groups of more than 4 query heads; else `DkDvSm80<ATOMIC>`), then
 //!   `DqStore`. Deterministic scheme: `Delta`, `DkDvSm80`, `DqSm80`, no
 //!   atomics.
+//! - Dropout (`DROPOUT`, the templates' last parameter): both forwards (on
+//!   Hopper the per-tile one), `DkDvDqSm90` up to 64 padded features and
+//!   the mma.sync backward for every head dim (wider heads' Hopper backward
+//!   drops on it).
 //!
 //! # Launch contract
 //!
