@@ -660,6 +660,69 @@ fn dropout_training_follows_the_cpu_reference_and_repeats() {
     );
 }
 
+/// The dropout encoder in bf16 (head dim 32: the tensor-core attention
+/// with its dropout, both ways, beside the fused elementwise dropouts)
+/// follows the CPU reference, which draws the same masks, within 2e-2 of
+/// the loss over ten steps (bf16 rounding, as the other bf16 runs here); a
+/// deterministic session repeats its run bit for bit.
+#[test]
+fn bf16_dropout_training_on_tensor_cores_follows_the_cpu_and_repeats() {
+    let Some(gpu) = gpu() else { return };
+    let (file, sets, dims) = cases()
+        .into_iter()
+        .find(|c| c.0.contains("encoder-dropout"))
+        .unwrap();
+    let c = model_edited(file, &sets, |src| {
+        assert!(src.contains("    optimizer = adamw"));
+        src.replace(
+            "    optimizer = adamw",
+            "    precision = bf16\n    optimizer = adamw",
+        )
+    });
+    let g = &c.optimized;
+    let (dmap, bdims) = sizes(&dims);
+    let feeds = random_feeds(g, &dmap, 4).unwrap();
+    let det = SessionOptions {
+        deterministic: true,
+    };
+    let run = |b: &mut dyn Backend| -> Vec<f64> {
+        (1..=10)
+            .map(|step| {
+                b.set_dropout_key(77, step, 0, 0).unwrap();
+                b.step(1e-3, step).unwrap().loss
+            })
+            .collect()
+    };
+    let session = |gpu| {
+        let s = Session::with_options(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}, det).unwrap();
+        let ran: Vec<String> = s.replaced.values().flatten().cloned().collect();
+        assert!(
+            ran.iter().any(|n| n.ends_with("attention")) && ran.iter().any(|n| n.ends_with("dkdv")),
+            "the attention did not run on tensor cores: {ran:?}"
+        );
+        let mut b = backend::Gpu::new(s, &bdims).unwrap();
+        ready(&mut b, &feeds, 4);
+        b
+    };
+    let mut on_cpu = backend::Cpu::new(g, &bdims, Precision::AsStored).unwrap();
+    ready(&mut on_cpu, &feeds, 4);
+    let want = run(&mut on_cpu);
+    let first = run(&mut session(gpu));
+    for (step, (a, r)) in first.iter().zip(&want).enumerate() {
+        println!("step {}: GPU {a:.5} CPU {r:.5}", step + 1);
+        assert!(
+            (a - r).abs() <= 2e-2 * r.abs(),
+            "step {}: GPU {a} CPU {r}",
+            step + 1
+        );
+    }
+    let again = run(&mut session(gpu_again()));
+    assert_eq!(
+        first, again,
+        "a deterministic bf16 run with dropout did not repeat"
+    );
+}
+
 /// A run checkpointed after 3 steps and restored into a fresh session
 /// repeats the unbroken run's next 3 losses bit for bit when built
 /// deterministic (no atomics in the attention backward; cuBLASLt keeps its

@@ -1,6 +1,7 @@
 //! CUDA C for attention forward and backward: the simple, exact version
 //! (one block per query row, and per key row for the backward), which never
-//! stores a score matrix. A tensor-core FlashAttention replaces it later.
+//! stores a score matrix, where the tensor-core kernels (`emit/flash`) do
+//! not apply (f32, head dims that are not multiples of 8).
 //!
 //! Both kernels stream over keys (or queries) in chunks of `blockDim.x`:
 //! each thread scores one entry of the chunk, the chunk's weights go to
