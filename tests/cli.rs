@@ -222,6 +222,48 @@ fn dump_prints_one_stage() {
     assert!(err.contains("no Graphviz form"), "{err}");
 }
 
+/// The build's summary names the attention templates that run and how
+/// many: with dropout, Hopper's forward and its backward at head dim 64,
+/// the mma.sync backward at head dim 80 (Hopper's takes dropout up to 64).
+#[test]
+fn build_names_the_attention_templates_that_run() {
+    let dir = std::env::temp_dir().join(format!("fusec-cli-families-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    for (sets, want) in [
+        (
+            &["d=128", "n_heads=2"][..],
+            "DkDvDqSm90 x2, DqStore x2, ForwardSm90 x2",
+        ),
+        (
+            &["d=160", "n_heads=2"][..],
+            "DkDvSm80 x2, DqStore x2, ForwardSm90 x2",
+        ),
+    ] {
+        let mut a = vec![
+            "build",
+            "dsl-examples/bert-classifier.dsl",
+            "-o",
+            d,
+            "--device",
+            "h100",
+            "--precision",
+            "bf16",
+            "--set",
+            "layers=2",
+        ];
+        for s in sets {
+            a.extend(["--set", s]);
+        }
+        let (code, out, err) = fusec(&a);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.contains(&format!("kernels/attention/ templates: Delta x2, {want})")),
+            "{out}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `fusec build --device` writes the kernels that run on that device: on
 /// an H100 the Hopper attention templates' instances (and the headers they
 /// include, so each .cu compiles on its own), on an A100 the mma.sync ones;

@@ -320,18 +320,30 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
             unrunnable.join(", ")
         );
     }
-    let templates = selection
-        .choices
-        .iter()
-        .filter_map(|c| match c {
-            fusec_compiler::select::Choice::Templates(ks) => Some(ks.len()),
-            _ => None,
-        })
-        .sum::<usize>();
+    // Which attention templates run, and how many of each: the family
+    // (mma.sync or Hopper's) is in the name.
+    let mut families: std::collections::BTreeMap<String, usize> = Default::default();
+    for c in &selection.choices {
+        if let fusec_compiler::select::Choice::Templates(ks) = c {
+            for k in ks {
+                let ty = k.launch.template.as_deref().unwrap_or("?");
+                let name = ty
+                    .split('<')
+                    .next()
+                    .unwrap_or(ty)
+                    .trim_start_matches("fs_attn::");
+                *families.entry(name.to_string()).or_default() += 1;
+            }
+        }
+    }
+    let templates: usize = families.values().sum();
+    let listed: Vec<String> = families.iter().map(|(n, c)| format!("{n} x{c}")).collect();
     written.push(kdir.join(format!(
-        "*.cu ({} kernels for {}: {templates} of them tensor-core attention, kernels/attention/ templates)",
+        "*.cu ({} kernels for {}: {templates} of them tensor-core attention, kernels/attention/ templates{}{})",
         selection.sources.len(),
-        args.device
+        args.device,
+        if listed.is_empty() { "" } else { ": " },
+        listed.join(", ")
     )));
 
     let missing = super::common::missing(&dims, &c.optimized.dims);
