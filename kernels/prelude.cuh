@@ -200,7 +200,8 @@ __device__ __forceinline__ void fs_grad4(float (&d)[4], const fs_bf16* g) {
 template <typename G>
 static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* v_out, const float* p, const G* g,
                                       const float* m, const float* v, float lr, float t, float scale, float apply,
-                                      fs_i64 lo, fs_i64 hi, float b1, float b2, float eps, float wd) {
+                                      fs_i64 lo, fs_i64 hi, float b1, float b2, float eps, float wd,
+                                      float one_minus_b1, float one_minus_b2, float log1p_b1, float log1p_b2) {
     // A micro-batch that only accumulates gradients leaves the state as it
     // is (in place, nothing to copy).
     if (apply == 0.0f) {
@@ -212,7 +213,13 @@ static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* 
         }
         return;
     }
-    const float bc1 = 1.0f - powf(b1, t), bc2 = 1.0f - powf(b2, t);
+    // 1 - beta and the bias corrections 1 - beta^t (as -expm1(t * log(beta)),
+    // log1p_b = log1p(-(1 - beta))) worked out by the emitter in f64, as
+    // AdamW's own kernel (ops/optim.rs) and PyTorch have them: 1.0f - 0.999f
+    // in f32 is off by 1.3e-5 relative (0.999f is not 0.999), and so is
+    // 1 - powf(0.999f, t), the same way at every step, a drift from an f64
+    // run.
+    const float bc1 = -expm1f(t * log1p_b1), bc2 = -expm1f(t * log1p_b2);
     // Four elements a thread and step in 16-byte loads and stores where
     // every array is 16-byte aligned at lo (the update reads 16 bytes and
     // writes 12 an element: it is bound by memory), the rest one at a time.
@@ -230,8 +237,8 @@ static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* 
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float gi = gg[e] * scale;
-                mm[e] = b1 * mm[e] + (1.0f - b1) * gi;
-                vv[e] = b2 * vv[e] + (1.0f - b2) * gi * gi;
+                mm[e] = b1 * mm[e] + one_minus_b1 * gi;
+                vv[e] = b2 * vv[e] + one_minus_b2 * gi * gi;
                 pp[e] = pp[e] * (1.0f - lr * wd) - lr * (mm[e] / bc1) / (sqrtf(vv[e] / bc2) + eps);
             }
             fs_vstore(p_out + i, pp);
@@ -242,8 +249,8 @@ static __device__ __noinline__ void fs_adamw(float* p_out, float* m_out, float* 
     }
     for (fs_i64 i = rest + threadIdx.x; i < hi; i += blockDim.x) {
         const float gi = fs_grad(g + i) * scale;
-        const float mi = b1 * m[i] + (1.0f - b1) * gi;
-        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        const float mi = b1 * m[i] + one_minus_b1 * gi;
+        const float vi = b2 * v[i] + one_minus_b2 * gi * gi;
         p_out[i] = p[i] * (1.0f - lr * wd) - lr * (mi / bc1) / (sqrtf(vi / bc2) + eps);
         m_out[i] = mi;
         v_out[i] = vi;

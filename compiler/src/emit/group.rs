@@ -148,7 +148,7 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
     };
     let call = match &g.g[m.node].op {
         Op::AdamW(a) => format!(
-            "fs_adamw(out{}{pat}, out{}, out{}, in{}{pat}, in{}{at}, in{}, in{}, *in{}, *in{}, *in{}, {}, lo, hi, {}, {}, {}, {});\n",
+            "fs_adamw(out{}{pat}, out{}, out{}, in{}{pat}, in{}{at}, in{}, in{}, *in{}, *in{}, *in{}, {}, lo, hi, {}, {}, {}, {}, {}, {}, {}, {});\n",
             o[0],
             o[1],
             o[2],
@@ -163,7 +163,11 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
             float_lit(a.beta1),
             float_lit(a.beta2),
             float_lit(a.eps),
-            float_lit(a.weight_decay)
+            float_lit(a.weight_decay),
+            float_lit(1.0 - a.beta1),
+            float_lit(1.0 - a.beta2),
+            float_lit((-(1.0 - a.beta1)).ln_1p()),
+            float_lit((-(1.0 - a.beta2)).ln_1p())
         ),
         Op::Sgd(sg) => format!(
             "fs_sgd(out{}{pat}, out{}, in{}{pat}, in{}{at}, in{}, *in{}, *in{}, {}, lo, hi, {}, {});\n",
