@@ -432,8 +432,9 @@ train {
 /// every model with more than one parameter runs: the emitted call, run on
 /// the host with fresh state (m = v = 0, g = 1, lr = 1), gives the update
 /// (1 - b1) / bc1 / sqrt((1 - b2) / bc2), within 1e-6 of f64 for every step
-/// to 100,000. With `1.0f - b` and `1 - powf(b, t)` in f32 it was off by
-/// 6.8e-6 (half of 1.3e-5, through the square root).
+/// to 100,000. With `1.0f - b` in f32 it is off by 6.8e-6 (half of
+/// 1.3e-5, through the square root: measured with the bias corrections
+/// already in f64), and so it was with `1 - powf(b, t)` as well at large t.
 #[test]
 fn group_adamw_bias_corrections_hold_f32_precision() {
     if !host::have_cxx() {
