@@ -90,8 +90,12 @@ struct DkDvDqSm90 {
     // With 128-query tiles, 224: no spill and no serialized wgmma for any
     // head dims up to 64 (at 232 the memory warpgroup's 40 spill where D !=
     // Dv, at 240 its 24 spill everywhere; at 216 ptxas serializes the wgmma).
-    static constexpr unsigned CONSUMER_REGS =
-        TILE_Q == 128 ? 224 : DP + DVP <= 160 ? 208 : DP + DVP <= 192 ? 224 : 232;
+    // With dropout (whose draws need registers of their own), one step more
+    // up to 192 features in all.
+    static constexpr unsigned CONSUMER_REGS = TILE_Q == 128         ? 224
+                                              : DP + DVP <= 160     ? (DROPOUT ? 224 : 208)
+                                              : DP + DVP <= 192     ? (DROPOUT ? 232 : 224)
+                                                                    : 232;
     static constexpr unsigned PRODUCER_REGS = regs_left(THREADS, CONSUMERS, CONSUMER_REGS);
     typedef CoreTile<DP> KT;
     typedef CoreTile<DVP> VT;

@@ -22,7 +22,7 @@
 //!   `DqStore`. Deterministic scheme: `Delta`, `DkDvSm80`, `DqSm80`, no
 //!   atomics.
 //! - Dropout (`DROPOUT`, the templates' last parameter): both forwards (on
-//!   Hopper the per-tile one), `DkDvDqSm90` up to 64 padded features and
+//!   Hopper the per-tile one), `DkDvDqSm90` up to 192 padded features in all (D = Dv = 96) and
 //!   the mma.sync backward for every head dim (wider heads' Hopper backward
 //!   drops on it).
 //!
@@ -276,8 +276,8 @@ impl Config {
     }
 
     /// The family the backward runs on: Hopper's kernels drop only up to
-    /// 64 features, so wider heads drop on the mma.sync templates, which
-    /// run on every GPU from sm_80.
+    /// 192 features in all (D = Dv = 96), so wider heads drop on the
+    /// mma.sync templates, which run on every GPU from sm_80.
     fn backward_arch(&self, arch: FlashArch) -> FlashArch {
         if self.dropout.is_some() && !templates::dkdvdq_sm90_drops(self.d, self.dv) {
             FlashArch::Sm80

@@ -310,11 +310,11 @@ pub(crate) fn dkdvdq_sm90_fits(d: u64, dv: u64) -> bool {
     pad16(d) <= 128 && pad16(dv) <= 128
 }
 
-/// Whether `DkDvDqSm90` takes dropout at head dims `d`, `dv`: up to 64
-/// padded features (wider, the draws' registers spilled its consumers'
-/// 232 a thread at D = 80 to 128).
+/// Whether `DkDvDqSm90` takes dropout at head dims `d`, `dv`: up to 192
+/// padded features in all (D = Dv = 96; wider, the draws' registers
+/// spilled its consumers' 232 a thread).
 pub(crate) fn dkdvdq_sm90_drops(d: u64, dv: u64) -> bool {
-    pad16(d) <= 64 && pad16(dv) <= 64
+    dkdvdq_sm90_fits(d, dv) && pad16(d) + pad16(dv) <= 192
 }
 
 /// `DkDvDqSm90`'s query tile rows: 128 where both head dims pad to at most
