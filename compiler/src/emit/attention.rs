@@ -226,8 +226,8 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     // length: the rest are padding, which no query row visits and whose
     // dK, dV rows are zero.
     let lens_slot = match &g.g[n].op {
-        Op::Attention(a) if a.lengths => Some(c.ins[3]),
-        Op::AttentionGrad(a) if a.lengths => Some(c.ins[6]),
+        Op::Attention(a) => a.extra_slots().0.map(|l| c.ins[l]),
+        Op::AttentionGrad(a) => a.extra_slots().0.map(|l| c.ins[l]),
         _ => None,
     };
     if let Some(l) = lens_slot {
@@ -243,8 +243,8 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
 /// The op's dropout and the kernel slot of the step's key (its last input).
 pub(crate) fn dropout_of(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<(AttnDropout, usize)> {
     let (drop, key) = match &g.g[n].op {
-        Op::Attention(a) => (a.dropout?, 3 + a.lengths as usize),
-        Op::AttentionGrad(a) => (a.dropout?, 6 + a.lengths as usize),
+        Op::Attention(a) => (a.dropout?, a.extra_slots().1?),
+        Op::AttentionGrad(a) => (a.dropout?, a.extra_slots().1?),
         _ => return None,
     };
     Some((drop, c.ins[key]))

@@ -79,8 +79,8 @@ pub fn index_bound(g: &Graph, input: Value, dims: &HashMap<String, i64>) -> Opti
             (Op::CrossEntropyGrad(ce), 1) => classes(g, ins[0], ce.classes, dims),
             (Op::CrossEntropyWithGrad(ce), 1) => classes(g, ins[0], ce.classes, dims),
             // Key lengths: 0 to S, every one of them.
-            (Op::Attention(a), 3) if a.lengths => key_count(g, ins[1], dims),
-            (Op::AttentionGrad(a), 6) if a.lengths => key_count(g, ins[1], dims),
+            (Op::Attention(a), s) if a.extra_slots().0 == Some(s) => key_count(g, ins[1], dims),
+            (Op::AttentionGrad(a), s) if a.extra_slots().0 == Some(s) => key_count(g, ins[1], dims),
             // Reshapes and slices pass indices through unchanged.
             (Op::Reshape(_) | Op::Slice(_) | Op::Permute(_), 0) => index_bound(
                 g,
@@ -122,10 +122,14 @@ pub fn fill_lengths_full(g: &Graph, feeds: &mut Feeds) {
     for n in g.g.node_indices() {
         let Op::Input(i) = &g.g[n].op else { continue };
         let value = Value { node: n, port: 0 };
-        let feeds_lengths = g.users(value).into_iter().any(|(u, slot)| {
-            matches!((&g.g[u].op, slot), (Op::Attention(a), 3) if a.lengths)
-                || matches!((&g.g[u].op, slot), (Op::AttentionGrad(a), 6) if a.lengths)
-        });
+        let feeds_lengths = g
+            .users(value)
+            .into_iter()
+            .any(|(u, slot)| match &g.g[u].op {
+                Op::Attention(a) => a.extra_slots().0 == Some(slot),
+                Op::AttentionGrad(a) => a.extra_slots().0 == Some(slot),
+                _ => false,
+            });
         if !feeds_lengths {
             continue;
         }

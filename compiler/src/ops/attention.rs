@@ -67,29 +67,39 @@ fn attrs(causal: bool, scale: f64, lengths: bool, dropout: Option<AttnDropout>) 
     v
 }
 
-/// The key input's checks: the step's dropout key where the op drops.
-fn check_key(
-    op: &str,
-    dropout: Option<AttnDropout>,
-    key: &TensorType,
-    arg: usize,
-) -> Result<(), OpError> {
-    if *key != super::dropout_key_type() {
-        return Err(OpError::new(
-            format!("`{op}` draws its dropout mask from the step's key"),
-            format!(
-                "expected {} as its key, found {key}",
-                super::dropout_key_type()
-            ),
-        )
-        .at(arg));
-    }
+/// The dropout's probability is in [0, 1).
+fn check_p(op: &str, dropout: Option<AttnDropout>) -> Result<(), OpError> {
     match dropout {
         Some(d) if !(0.0..1.0).contains(&d.p) => Err(OpError::new(
             format!("`{op}` needs a dropout probability from 0 up to (not including) 1"),
             format!("found {}", num(d.p)),
         )),
         _ => Ok(()),
+    }
+}
+
+/// The slots of the optional inputs after the `first` fixed ones: the
+/// lengths, then the step's key.
+fn slots(
+    first: usize,
+    lengths: bool,
+    dropout: Option<AttnDropout>,
+) -> (Option<usize>, Option<usize>) {
+    let key = first + lengths as usize;
+    (lengths.then_some(first), dropout.map(|_| key))
+}
+
+impl Attention {
+    /// The input slots of the key lengths and of the step's dropout key.
+    pub fn extra_slots(&self) -> (Option<usize>, Option<usize>) {
+        slots(3, self.lengths, self.dropout)
+    }
+}
+
+impl AttentionGrad {
+    /// The input slots of the key lengths and of the step's dropout key.
+    pub fn extra_slots(&self) -> (Option<usize>, Option<usize>) {
+        slots(6, self.lengths, self.dropout)
     }
 }
 
@@ -105,7 +115,7 @@ impl Mask {
     fn of(drop: Option<AttnDropout>, key: Option<&Tensor>, hq: usize) -> Option<Mask> {
         let (drop, key) = (drop?, key?);
         Some(Mask {
-            key: [key.data[0] as i32 as u32, key.data[1] as i32 as u32],
+            key: super::dropout::key_words(key),
             drop,
             hq,
         })
@@ -246,20 +256,21 @@ impl OpDef for Attention {
         attrs(self.causal, self.scale, self.lengths, self.dropout)
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        let with_key = 3 + self.lengths as usize;
+        let (lengths, key) = self.extra_slots();
         expect_arity(
             "attention",
             inputs,
-            with_key + self.dropout.is_some() as usize,
+            3 + self.lengths as usize + key.is_some() as usize,
         )?;
         let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
         check("attention", q, k, v)?;
-        if self.lengths {
-            check_lengths("attention", q, &inputs[3], 3)?;
+        if let Some(l) = lengths {
+            check_lengths("attention", q, &inputs[l], l)?;
         }
-        if self.dropout.is_some() {
-            check_key("attention", self.dropout, &inputs[with_key], with_key)?;
+        if let Some(k) = key {
+            super::dropout::check_key("attention", &inputs[k], k)?;
         }
+        check_p("attention", self.dropout)?;
         let out = vec![
             q.shape[0].clone(),
             q.shape[1].clone(),
@@ -274,13 +285,10 @@ impl OpDef for Attention {
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
-        let lens = self.lengths.then(|| inputs[3]);
+        let (lengths, key) = self.extra_slots();
+        let lens = lengths.map(|l| inputs[l]);
         let m = Dims::of(q, k, v);
-        let mask = Mask::of(
-            self.dropout,
-            inputs.get(3 + self.lengths as usize).copied(),
-            m.hq,
-        );
+        let mask = Mask::of(self.dropout, key.map(|k| inputs[k]), m.hq);
         // Every (batch, head, query) row on its own, on every core.
         let rows: Vec<(Vec<f64>, f64)> = (0..m.b * m.hq * m.t)
             .into_par_iter()
@@ -356,19 +364,20 @@ impl OpDef for AttentionGrad {
         attrs(self.causal, self.scale, self.lengths, self.dropout)
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        let with_key = 6 + self.lengths as usize;
+        let (lengths, key) = self.extra_slots();
         expect_arity(
             "attention_grad",
             inputs,
-            with_key + self.dropout.is_some() as usize,
+            6 + self.lengths as usize + key.is_some() as usize,
         )?;
         check("attention_grad", &inputs[0], &inputs[1], &inputs[2])?;
-        if self.lengths {
-            check_lengths("attention_grad", &inputs[0], &inputs[6], 6)?;
+        if let Some(l) = lengths {
+            check_lengths("attention_grad", &inputs[0], &inputs[l], l)?;
         }
-        if self.dropout.is_some() {
-            check_key("attention_grad", self.dropout, &inputs[with_key], with_key)?;
+        if let Some(k) = key {
+            super::dropout::check_key("attention_grad", &inputs[k], k)?;
         }
+        check_p("attention_grad", self.dropout)?;
         Ok(vec![
             inputs[0].clone(),
             inputs[1].clone(),
@@ -379,13 +388,10 @@ impl OpDef for AttentionGrad {
         let (q, k, v, o, lse, dout) = (
             inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
         );
-        let lens = self.lengths.then(|| inputs[6]);
+        let (lengths, key) = self.extra_slots();
+        let lens = lengths.map(|l| inputs[l]);
         let m = Dims::of(q, k, v);
-        let mask = Mask::of(
-            self.dropout,
-            inputs.get(6 + self.lengths as usize).copied(),
-            m.hq,
-        );
+        let mask = Mask::of(self.dropout, key.map(|k| inputs[k]), m.hq);
         let fwd = Attention {
             causal: self.causal,
             scale: self.scale,

@@ -38,6 +38,23 @@ pub fn key_type() -> TensorType {
     TensorType::new(DType::I32, vec![Dim::constant(2)])
 }
 
+/// That input `arg` of op `op` is the step's key.
+pub(super) fn check_key(op: &str, key: &TensorType, arg: usize) -> Result<(), OpError> {
+    if *key != key_type() {
+        return Err(OpError::new(
+            format!("`{op}` draws its mask from the step's key"),
+            format!("expected {} as its key, found {key}", key_type()),
+        )
+        .at(arg));
+    }
+    Ok(())
+}
+
+/// The key's two words as the generator takes them.
+pub(super) fn key_words(key: &Tensor) -> [u32; 2] {
+    [key.data[0] as i32 as u32, key.data[1] as i32 as u32]
+}
+
 impl OpDef for Dropout {
     fn name(&self) -> &'static str {
         "dropout"
@@ -48,13 +65,7 @@ impl OpDef for Dropout {
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("dropout", inputs, 2)?;
         expect_float("dropout", &inputs[0], 0)?;
-        if inputs[1] != key_type() {
-            return Err(OpError::new(
-                "`dropout` draws its mask from the step's key",
-                format!("expected {} as its key, found {}", key_type(), inputs[1]),
-            )
-            .at(1));
-        }
+        check_key("dropout", &inputs[1], 1)?;
         if !(0.0..1.0).contains(&self.p) {
             return Err(OpError::new(
                 "`dropout` needs a probability from 0 up to (not including) 1",
@@ -65,7 +76,7 @@ impl OpDef for Dropout {
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (x, key) = (inputs[0], inputs[1]);
-        let key = [key.data[0] as i32 as u32, key.data[1] as i32 as u32];
+        let key = key_words(key);
         let (t, scale) = (self.threshold(), self.scale());
         let data = x
             .data

@@ -159,17 +159,12 @@ impl Config {
         if c.ins.len() != ins.len() || c.outs.len() != g.g[n].outputs.len() {
             return Err("it shares its kernel with other ops".into());
         }
-        let (lengths, key) = match &g.g[n].op {
-            Op::Attention(a) => (
-                a.lengths.then_some(3),
-                a.dropout.map(|d| (d, 3 + a.lengths as usize)),
-            ),
-            Op::AttentionGrad(a) => (
-                a.lengths.then_some(6),
-                a.dropout.map(|d| (d, 6 + a.lengths as usize)),
-            ),
-            _ => (None, None),
+        let ((lengths, key), dropout) = match &g.g[n].op {
+            Op::Attention(a) => (a.extra_slots(), a.dropout),
+            Op::AttentionGrad(a) => (a.extra_slots(), a.dropout),
+            _ => ((None, None), None),
         };
+        let key = dropout.zip(key);
         let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
         let dt = q.dtype;
         if !matches!(dt, DType::BF16 | DType::F16) {
