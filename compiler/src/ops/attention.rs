@@ -3,7 +3,7 @@
 //! k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped-query heads).
 //! The forward also returns the per-row log-sum-exp [B, Hq, T] in f32, which
 //! the backward uses to recompute probabilities instead of storing them.
-//! With `lengths`, a last input i32 [B] says how many keys each batch entry
+//! With `lengths`, an input i32 [B] after those says how many keys each batch entry
 //! has: keys at or after it are padding, invisible to every query (a
 //! key-padding mask as lengths, the way padded batches are laid out).
 //! With `dropout`, the step's dropout key comes last: each probability is
