@@ -32,7 +32,8 @@ pub struct Target {
 /// SXM parts'; the runtime uses the count of the GPU it runs on) and the
 /// most shared memory a block may take (bytes, opted in): every kernel
 /// built for the device must fit it (sm_86 and sm_89 give 99 KiB where an
-/// A100 gives 163 KiB; the mma.sync attention kernels take at most 86 KiB).
+/// A100 gives 163 KiB; the mma.sync attention kernels take at most 86 KiB,
+/// the f32 ones 99 KiB).
 pub const DEVICES: &[(&str, &str, Option<FlashArch>, u32, u64)] = &[
     ("h100", "sm_90a", Some(FlashArch::Sm90a), 132, 227 << 10),
     ("h200", "sm_90a", Some(FlashArch::Sm90a), 132, 227 << 10),
@@ -149,7 +150,7 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
                     }
                     None => {
                         if target.arch.is_some() {
-                            let why = flash::why_not(g, p, k, *n)
+                            let why = flash::why_not(g, p, k, *n, target.deterministic)
                                 .unwrap_or_else(|| "its sizes do not fit a launch".into());
                             fallbacks.push((k.name.clone(), why));
                         }

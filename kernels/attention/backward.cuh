@@ -15,15 +15,15 @@ namespace fs_attn {
 
 // Where delta lies in the scratch: after the f32 dQ sum [B, Hq, T, D], if the
 // backward adds dQ up by atomics.
-template <int D, bool DQ_SUM>
-__device__ __forceinline__ float* delta_of(const BackwardArgs& a) {
+template <int D, bool DQ_SUM, class Args>
+__device__ __forceinline__ float* delta_of(const Args& a) {
     return DQ_SUM ? a.scratch + a.batch * a.q_heads * a.q_len * D : a.scratch;
 }
 
 // Where the split dK/dV kernels leave their parts (after the dQ sum and
 // delta, 16-byte aligned): [B, S, Hkv, SPLIT, D + DV] f32.
-template <int D>
-__device__ __forceinline__ float* dkv_parts_of(const BackwardArgs& a) {
+template <int D, class Args>
+__device__ __forceinline__ float* dkv_parts_of(const Args& a) {
     const fs_i64 rows = a.batch * a.q_heads * a.q_len;
     return a.scratch + (rows * (D + 1) + 3) / 4 * 4;
 }
@@ -69,7 +69,7 @@ struct DkvStore {
     static constexpr int ROWS = 128, THREADS = 128, SMEM_BYTES = 0;
     static constexpr int CHUNKS = (D + DV) / 8;
 
-    static __device__ __forceinline__ void run(const BackwardArgs& a) {
+    static __device__ __forceinline__ void run(const BackwardArgsOf<typename E::Storage>& a) {
         const fs_i64 kv_len = a.kv_len, kv_heads = a.q_heads / a.group, kv_h = blockIdx.y, b = blockIdx.z;
         for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
             const fs_i64 j = (fs_i64)blockIdx.x * ROWS + idx / CHUNKS;
@@ -83,7 +83,7 @@ struct DkvStore {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) sum[e] += x[e];
             }
-            unsigned short out[8];
+            typename E::Storage out[8];
             if (e0 < D) {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) out[e] = E::from_float(sum[e] * a.scale);
@@ -109,7 +109,7 @@ struct Delta {
     static constexpr int CHUNKS = DV / 8;
     static_assert(D % 8 == 0 && DV % 8 == 0, "rows of whole 16-byte chunks");
 
-    static __device__ __forceinline__ void run(const BackwardArgs& a) {
+    static __device__ __forceinline__ void run(const BackwardArgsOf<typename E::Storage>& a) {
         const fs_i64 q_len = a.q_len, h = blockIdx.y, b = blockIdx.z;
         __shared__ float part[ROWS * CHUNKS];
         for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
@@ -117,7 +117,7 @@ struct Delta {
             float acc = 0.0f;
             if (i < q_len) {
                 const int e0 = (idx % CHUNKS) * 8;
-                unsigned short o[8], dout[8];
+                typename E::Storage o[8], dout[8];
                 fs_vload(o, a.o.row(b, i, h) + e0);
                 fs_vload(dout, a.dout.row(b, i, h) + e0);
 #pragma unroll
@@ -136,7 +136,7 @@ struct Delta {
             // 4 floats per store.
             for (int idx = threadIdx.x; idx < ROWS * (D / 4); idx += THREADS) {
                 const fs_i64 i = (fs_i64)blockIdx.x * ROWS + idx / (D / 4);
-                if (i < q_len) fs_zero16((unsigned short*)&a.scratch[((b * a.q_heads + h) * q_len + i) * D + (idx % (D / 4)) * 4]);
+                if (i < q_len) fs_zero16(&a.scratch[((b * a.q_heads + h) * q_len + i) * D + (idx % (D / 4)) * 4]);
             }
         }
     }
@@ -151,7 +151,7 @@ struct DqStore {
     static constexpr int ROWS = 128, THREADS = 128, SMEM_BYTES = 0;
     static constexpr int CHUNKS = D / 8;
 
-    static __device__ __forceinline__ void run(const BackwardArgs& a) {
+    static __device__ __forceinline__ void run(const BackwardArgsOf<typename E::Storage>& a) {
         const fs_i64 q_len = a.q_len, h = blockIdx.y, b = blockIdx.z;
         for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
             const fs_i64 i = (fs_i64)blockIdx.x * ROWS + idx / CHUNKS;
@@ -159,7 +159,7 @@ struct DqStore {
             const int e0 = (idx % CHUNKS) * 8;
             float sum[8];
             fs_vload(sum, &a.scratch[((b * a.q_heads + h) * q_len + i) * D + e0]);
-            unsigned short out[8];
+            typename E::Storage out[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) out[e] = E::from_float(sum[e] * a.scale);
             fs_vstore(a.dq.row(b, i, h) + e0, out);

@@ -42,6 +42,10 @@ __device__ __forceinline__ void fs_copy16(unsigned short* dst, const unsigned sh
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
 __device__ __forceinline__ void fs_zero16(unsigned short* dst) { *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u}; }
+__device__ __forceinline__ void fs_copy16(float* dst, const float* src) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+__device__ __forceinline__ void fs_zero16(float* dst) { *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u}; }
 // A kernel's dynamic shared memory, 16-byte aligned, as `unsigned char* name`.
 #define FS_DYNAMIC_SMEM(name, bytes) \
     extern __shared__ uint4 name##_words[]; \
@@ -96,6 +100,8 @@ inline unsigned fs_ld32(const unsigned short* p) {
 }
 inline void fs_copy16(unsigned short* dst, const unsigned short* src) { memcpy(dst, src, 16); }
 inline void fs_zero16(unsigned short* dst) { memset(dst, 0, 16); }
+inline void fs_copy16(float* dst, const float* src) { memcpy(dst, src, 16); }
+inline void fs_zero16(float* dst) { memset(dst, 0, 16); }
 inline void fs_st32(unsigned short* p, unsigned v) { memcpy(p, &v, 4); }
 // On the host a block's dynamic shared memory is one static array, as its
 // `__shared__` arrays are (blocks run one after another).
@@ -159,9 +165,11 @@ constexpr float LN2 = 0.6931471805599453f;
 // tensor-core steps inside the tiles (the padding holds zeros).
 constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
-// The 16-bit element types: how a value is stored, packed into an mma
-// operand, and multiplied on tensor cores. Both are stored as 16 raw bits.
+// The element types: how a value is stored (`Storage`), and for the 16-bit
+// ones (stored as 16 raw bits) packed into an mma operand and multiplied on
+// tensor cores. F32's products go through tf32.cuh.
 struct Bf16 {
+    typedef unsigned short Storage;
     static constexpr bool IS_F16 = false;
     static __device__ __forceinline__ unsigned pack(float lo, float hi) { return fs_pack_bf16(lo, hi); }
     static __device__ __forceinline__ unsigned short from_float(float x) { return fs_to_bf16(x); }
@@ -171,6 +179,7 @@ struct Bf16 {
     }
 };
 struct F16 {
+    typedef unsigned short Storage;
     static constexpr bool IS_F16 = true;
     static __device__ __forceinline__ unsigned pack(float lo, float hi) { return fs_pack_f16(lo, hi); }
     static __device__ __forceinline__ unsigned short from_float(float x) { return fs_to_f16(x); }
@@ -179,8 +188,14 @@ struct F16 {
         fs_mma_16816_f16(d, a, b0, b1);
     }
 };
+struct F32 {
+    typedef float Storage;
+    static constexpr bool IS_F16 = false;
+    static __device__ __forceinline__ float from_float(float x) { return x; }
+    static __device__ __forceinline__ float to_float(const float* p) { return *p; }
+};
 
-// A [B, T, H, D] view of 16-bit elements: (b, i, h, e) at p[b * sb + i * st +
+// A [B, T, H, D] view of elements P: (b, i, h, e) at p[b * sb + i * st +
 // h * sh + e]. Q, K and V are often strided slices of one fused projection;
 // every row starts 16-byte aligned (the emitter checks the strides).
 template <class P>
@@ -210,10 +225,12 @@ struct Dropout {
 
 // What a forward kernel reads and writes: O [B, T, Hq, Dv] and the
 // log-sum-exp [B, Hq, T] of q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv],
-// query head h reading key/value head h / group.
-struct ForwardArgs {
-    In q, k, v;
-    Out o;
+// query head h reading key/value head h / group; S: how an element is
+// stored (E::Storage).
+template <class S>
+struct ForwardArgsOf {
+    Heads<const S> q, k, v;
+    Heads<S> o;
     Rows<float> lse;
     fs_i64 batch, q_heads, q_len, kv_len, group;
     float scale_log2;  // scale * log2(e): exp(x * scale) = exp2(x * scale_log2)
@@ -222,21 +239,26 @@ struct ForwardArgs {
     const int* kv_lens = nullptr;
     Dropout drop;
 };
+typedef ForwardArgsOf<unsigned short> ForwardArgs;
+typedef ForwardArgsOf<float> ForwardArgsF32;
 
 // What the backward kernels read and write: dQ, dK, dV (shaped as q, k, v)
 // from q, k, v, the forward's o and lse, and dO. `scratch` is an f32 buffer
 // the kernels of one backward share: delta = rowsum(dO * O) [B, Hq, T], after
 // the f32 dQ sum [B, Hq, T, D] where dQ is summed by atomics.
-struct BackwardArgs {
-    In q, k, v, o, dout;
+template <class S>
+struct BackwardArgsOf {
+    Heads<const S> q, k, v, o, dout;
     Rows<const float> lse;
-    Out dq, dk, dv;
+    Heads<S> dq, dk, dv;
     float* scratch;
     fs_i64 batch, q_heads, q_len, kv_len, group;
     float scale, scale_log2;
     const int* kv_lens = nullptr;  // as ForwardArgs'
     Dropout drop;
 };
+typedef BackwardArgsOf<unsigned short> BackwardArgs;
+typedef BackwardArgsOf<float> BackwardArgsF32;
 
 // The keys batch entry b sees: its own length where the step gives lengths
 // (its keys past that are padding: never visited, their dK and dV zero),
@@ -261,11 +283,13 @@ __device__ __forceinline__ fs_i64 masked_keys_from(const Args& a, fs_i64 b) {
 // into a row-major shared tile whose rows are PITCH elements apart, 16 bytes
 // per thread and step; rows at or past `len`, and features WIDTH .. PADDED - 1,
 // are zeros.
-template <int ROWS, int WIDTH, int PADDED, int PITCH, int THREADS>
-__device__ __forceinline__ void load_rows(unsigned short* tile, const In& x, fs_i64 b, fs_i64 row0, fs_i64 h, fs_i64 len) {
-    constexpr int CHUNKS = PADDED / 8;  // 16-byte chunks per row
+template <int ROWS, int WIDTH, int PADDED, int PITCH, int THREADS, class S>
+__device__ __forceinline__ void load_rows(S* tile, const Heads<const S>& x, fs_i64 b, fs_i64 row0, fs_i64 h, fs_i64 len) {
+    constexpr int PER = 16 / (int)sizeof(S);  // elements per 16-byte chunk
+    constexpr int CHUNKS = PADDED / PER;      // chunks per row
+    static_assert(PADDED % PER == 0 && WIDTH % PER == 0, "rows of whole 16-byte chunks");
     for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
-        const int r = c / CHUNKS, e = (c % CHUNKS) * 8;
+        const int r = c / CHUNKS, e = (c % CHUNKS) * PER;
         const fs_i64 i = row0 + r;
         if (i < len && e < WIDTH) fs_copy16(&tile[r * PITCH + e], x.row(b, i, h) + e);
         else fs_zero16(&tile[r * PITCH + e]);
@@ -344,7 +368,7 @@ __device__ __forceinline__ void mask_and_softmax(float (&s)[TILE_K / 8][4], floa
 // without a visible key, kv_len = 0). o_acc[n][e]: row i_lo + 8 * (e / 2),
 // feature 8n + frag_col + e % 2.
 template <class E, int DV, int NF>
-__device__ __forceinline__ void store_output(const ForwardArgs& a, const float (&o_acc)[NF][4], const float (&row_max)[2],
+__device__ __forceinline__ void store_output(const ForwardArgsOf<typename E::Storage>& a, const float (&o_acc)[NF][4], const float (&row_max)[2],
                                              const float (&row_sum)[2], fs_i64 b, fs_i64 h, fs_i64 i_lo, fs_i64 i_hi,
                                              int frag_col) {
 #pragma unroll
@@ -355,7 +379,7 @@ __device__ __forceinline__ void store_output(const ForwardArgs& a, const float (
         const fs_i64 i = r == 0 ? i_lo : i_hi;
         if (i < a.q_len) {
             const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-            unsigned short* const o = a.o.row(b, i, h);
+            typename E::Storage* const o = a.o.row(b, i, h);
 #pragma unroll
             for (int n = 0; n < NF; ++n) {
                 if (n * 8 < DV) {
@@ -472,14 +496,14 @@ __device__ __forceinline__ void a_frag_of(unsigned (&a)[4], const float (&acc)[N
 // thread's key rows key_row and key_row + 8 of the block's k0 .. (rows past
 // kv_len dropped), features f0 + 8n + frag_col (+ 1) below D and DV.
 template <class E, int D, int DV, int NK, int NV>
-__device__ __forceinline__ void store_dk_dv(const BackwardArgs& a, const float (&dk_acc)[NK][4], const float (&dv_acc)[NV][4],
+__device__ __forceinline__ void store_dk_dv(const BackwardArgsOf<typename E::Storage>& a, const float (&dk_acc)[NK][4], const float (&dv_acc)[NV][4],
                                             fs_i64 b, fs_i64 kv_h, fs_i64 k0, int key_row, int frag_col, int fk0, int fv0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const fs_i64 j = k0 + key_row + 8 * r;
         if (j < a.kv_len) {
-            unsigned short* const dk = a.dk.row(b, j, kv_h);
-            unsigned short* const dv = a.dv.row(b, j, kv_h);
+            typename E::Storage* const dk = a.dk.row(b, j, kv_h);
+            typename E::Storage* const dv = a.dv.row(b, j, kv_h);
 #pragma unroll
             for (int n = 0; n < NK; ++n) {
                 if (fk0 + n * 8 < D) {

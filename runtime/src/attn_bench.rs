@@ -12,6 +12,7 @@ use crate::RuntimeError;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr};
 use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
+use fusec_compiler::ir::types::DType;
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::kernel::{Body, Program};
 use fusec_compiler::ops::Op;
@@ -32,8 +33,10 @@ pub struct AttnResult {
     /// Query heads per key/value head.
     pub group: usize,
     pub causal: bool,
+    pub dtype: DType,
     /// Which forward kernel ran: "flash" (mma.sync tensor cores),
-    /// "flash-wgmma" (Hopper's) or "simple".
+    /// "flash-wgmma" (Hopper's), "flash-tf32" (f32 on TF32 tensor cores) or
+    /// "simple".
     pub forward: &'static str,
     /// Which backward kernels ran.
     pub backward: &'static str,
@@ -51,9 +54,10 @@ pub struct AttnResult {
 impl AttnResult {
     pub fn json(&self) -> String {
         format!(
-            "{{\"bench\":\"attention\",\"impl\":\"fusec-{}-fwd-{}-bwd\",\"head_dim\":{},\"seq\":{},\"kv_seq\":{},\"batch\":{},\"heads\":{},\"group\":{},\"causal\":{},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.1},\"fwd_bwd_ms\":{:.3},\"fwd_bwd_tflops\":{:.1},\"bwd_ms\":{{{}}},\"buffer_mib\":{:.1}}}",
+            "{{\"bench\":\"attention\",\"impl\":\"fusec-{}-fwd-{}-bwd\",\"dtype\":\"{}\",\"head_dim\":{},\"seq\":{},\"kv_seq\":{},\"batch\":{},\"heads\":{},\"group\":{},\"causal\":{},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.1},\"fwd_bwd_ms\":{:.3},\"fwd_bwd_tflops\":{:.1},\"bwd_ms\":{{{}}},\"buffer_mib\":{:.1}}}",
             self.forward,
             self.backward,
+            self.dtype.name(),
             self.head_dim,
             self.seq,
             self.kv_seq,
@@ -79,19 +83,21 @@ fn err(m: impl Into<String>) -> RuntimeError {
     RuntimeError::Unsupported(m.into())
 }
 
-/// The model: one attention over bf16 activations q [B, T, H, D] and k, v
-/// [B, S, H / group, D]. q, k and v are sums of parameters (not the
-/// parameters themselves) so that the attention's gradients are bf16
-/// activations as in a model, not fused with the casts into the f32
-/// parameter gradients (which the tensor-core backward does not write).
+/// The model: one attention over activations q [B, T, H, D] and k, v
+/// [B, S, H / group, D] in `dtype` (bf16 or f32). q, k and v are sums of
+/// parameters (not the parameters themselves) so that the attention's
+/// gradients are activations as in a model, not fused with the casts into
+/// the f32 parameter gradients (which the tensor-core backward does not
+/// write).
 fn model(c: &Config) -> String {
     let (b, t, s, h, d) = (c.batch, c.seq, c.kv_seq, c.heads, c.head_dim);
     let kv = h / c.group;
     format!(
         "const B = {b}\nconst T = {t}\nconst S = {s}\nparam q: [B, T, {h}, {d}] = normal(1.0)\nparam k: [B, S, {kv}, {d}] = normal(1.0)\n\
          param v: [B, S, {kv}, {d}] = normal(1.0)\nlet y = attention(q + q, k + k, v + v, causal = {})\n\
-         train {{\n loss = mean(y * y)\n precision = bf16\n}}\n",
-        c.causal
+         train {{\n loss = mean(y * y)\n precision = {}\n}}\n",
+        c.causal,
+        c.dtype.name()
     )
 }
 
@@ -105,6 +111,8 @@ pub struct Config {
     pub heads: usize,
     pub group: usize,
     pub causal: bool,
+    /// What q, k, v and the gradients are: bf16, or f32 (the TF32 kernels).
+    pub dtype: DType,
 }
 
 impl Config {
@@ -118,6 +126,7 @@ impl Config {
         batch: Option<usize>,
         group: usize,
         causal: bool,
+        dtype: DType,
     ) -> Config {
         let group = group.max(1);
         let heads = ((2048 / d.max(1)) / group * group).max(group);
@@ -129,6 +138,7 @@ impl Config {
             heads,
             group,
             causal,
+            dtype,
         }
     }
 
@@ -285,6 +295,12 @@ pub fn run(
     let family = |ki: usize| match &plan.launches[ki].steps[..] {
         [] => "none",
         s if s.iter().any(|x| x.arch_specific) => "flash-wgmma",
+        s if s
+            .iter()
+            .any(|x| x.template.as_deref().is_some_and(|t| t.contains("F32"))) =>
+        {
+            "flash-tf32"
+        }
         s if s.iter().any(|x| x.template.is_some()) && deterministic && ki == bwd => {
             "flash-deterministic"
         }
@@ -343,6 +359,7 @@ pub fn run(
         heads: cfg.heads,
         group: cfg.group,
         causal: cfg.causal,
+        dtype: cfg.dtype,
         forward,
         backward,
         fwd_ms,

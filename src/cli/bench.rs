@@ -6,6 +6,7 @@ use super::train::{runtime_err, start};
 use super::CliError;
 use clap::Args;
 use fusec_compiler::ir::graph::Phase;
+use fusec_compiler::ir::types::DType;
 use fusec_compiler::plan::roofline::{estimate, Device, Estimate};
 use fusec_compiler::plan::trace::Timing;
 use fusec_runtime::backend::{self, Backend};
@@ -83,6 +84,10 @@ pub struct BenchAttentionArgs {
     /// The masks to time: causal, none, or both (`causal,none`)
     #[arg(long, value_delimiter = ',', default_value = "causal")]
     pub masks: Vec<MaskArg>,
+    /// What q, k, v and their gradients are: bf16, or f32 (on TF32 tensor
+    /// cores, 3xTF32 products; as torch_reference.py --dtype float32)
+    #[arg(long, value_enum, default_value_t = AttnPrecision::Bf16)]
+    pub precision: AttnPrecision,
     /// The simple attention forward instead of the tensor-core one
     #[arg(long)]
     pub simple: bool,
@@ -92,6 +97,13 @@ pub struct BenchAttentionArgs {
     pub deterministic: bool,
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
+}
+
+/// The element type `fusec bench-attention` times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttnPrecision {
+    Bf16,
+    F32,
 }
 
 /// An attention mask `fusec bench-attention` times.
@@ -126,6 +138,10 @@ pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
                     args.batch,
                     args.group,
                     c,
+                    match args.precision {
+                        AttnPrecision::Bf16 => DType::BF16,
+                        AttnPrecision::F32 => DType::F32,
+                    },
                 );
                 let r = fusec_runtime::attn_bench::run(&gpu, cfg, !args.simple, args.deterministic)
                     .map_err(runtime_err)?;

@@ -1,6 +1,7 @@
 // Host emulation of the warp-level PTX operations the FlashAttention kernel
-// uses (compiler/src/emit/flash.rs calls them through fs_emu_* in a host
+// uses (compiler/src/emit/flash/ calls them through fs_emu_* in a host
 // build): mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32,
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (the f32 kernels),
 // ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 and shfl.sync.bfly
 // (__shfl_xor_sync), and for the Hopper kernel
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16} (fs_emu_wgmma, below)
@@ -37,7 +38,7 @@
 #pragma once
 #include <cstdint>
 
-enum fs_emu_op { FS_EMU_MMA_BF16 = 1, FS_EMU_MMA_F16, FS_EMU_SHFL, FS_EMU_LDSM, FS_EMU_LDSM_T, FS_EMU_WGMMA_RS };
+enum fs_emu_op { FS_EMU_MMA_BF16 = 1, FS_EMU_MMA_F16, FS_EMU_SHFL, FS_EMU_LDSM, FS_EMU_LDSM_T, FS_EMU_WGMMA_RS, FS_EMU_MMA_TF32 };
 
 struct fs_emu_exchange {
     int op[2][32];
@@ -149,6 +150,66 @@ static void fs_emu_mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
         fs_emu_c_coord(lane, i, r, c);
         float acc = C[r][c];
         for (int k = 0; k < 16; ++k) acc += A[r][k] * B[k][c];
+        d[i] = acc;
+    }
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (PTX ISA, "Matrix
+// Fragments for mma.m16n8k8", .tf32): A is 16x8 in a0..a3, row groupID
+// for a0, a2 and groupID + 8 for a1, a3, col threadID_in_group for a0, a1
+// and + 4 for a2, a3; B is 8x8 in b0, b1, row threadID_in_group (+ 4 for
+// b1), col groupID; C as m16n8k16's. A TF32 operand is the register's f32
+// bits with the low 13 mantissa bits ignored (the hardware reads 19 bits);
+// products of two such values are exact in f32.
+static inline void fs_emu_tf32_a_coord(int lane, int i, int& row, int& col) {
+    row = (lane >> 2) + (i & 1) * 8;
+    col = (lane % 4) + (i >> 1) * 4;
+}
+static inline void fs_emu_tf32_b_coord(int lane, int i, int& row, int& col) {
+    row = (lane % 4) + i * 4;
+    col = lane >> 2;
+}
+static inline float fs_emu_tf32(unsigned reg) { return __uint_as_float(reg & 0xffffe000u); }
+static const bool fs_emu_tf32_layouts_ok = [] {
+    int a[16][8] = {}, b[8][8] = {};
+    for (int lane = 0; lane < 32; ++lane) {
+        int r, c;
+        for (int i = 0; i < 4; ++i) fs_emu_tf32_a_coord(lane, i, r, c), ++a[r][c];
+        for (int i = 0; i < 2; ++i) fs_emu_tf32_b_coord(lane, i, r, c), ++b[r][c];
+    }
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 8; ++c)
+            if (a[r][c] != 1 || (r < 8 && b[r][c] != 1)) {
+                fprintf(stderr, "mma_emu.h: a tf32 fragment layout does not cover its matrix exactly once\n");
+                exit(3);
+            }
+    return true;
+}();
+
+static void fs_emu_mma_1688_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    const fs_emu_mma_args args = {d, a, b0, b1};
+    int lane, p;
+    fs_emu_exchange& w = fs_emu_meet(
+        FS_EMU_MMA_TF32, lane, p,
+        [](fs_emu_exchange& w, int p, int lane, const void* arg) {
+            const fs_emu_mma_args& m = *static_cast<const fs_emu_mma_args*>(arg);
+            for (int r = 0; r < 4; ++r) w.a[p][lane][r] = m.a[r], w.c[p][lane][r] = m.d[r];
+            w.b[p][lane][0] = m.b0;
+            w.b[p][lane][1] = m.b1;
+        },
+        &args);
+    float A[16][8], B[8][8], C[16][8];
+    for (int l = 0; l < 32; ++l) {
+        int r, c;
+        for (int i = 0; i < 4; ++i) fs_emu_tf32_a_coord(l, i, r, c), A[r][c] = fs_emu_tf32(w.a[p][l][i]);
+        for (int i = 0; i < 2; ++i) fs_emu_tf32_b_coord(l, i, r, c), B[r][c] = fs_emu_tf32(w.b[p][l][i]);
+        for (int i = 0; i < 4; ++i) fs_emu_c_coord(l, i, r, c), C[r][c] = w.c[p][l][i];
+    }
+    for (int i = 0; i < 4; ++i) {
+        int r, c;
+        fs_emu_c_coord(lane, i, r, c);
+        float acc = C[r][c];
+        for (int k = 0; k < 8; ++k) acc += A[r][k] * B[k][c];
         d[i] = acc;
     }
 }

@@ -32,6 +32,18 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../../../kernels/attention/wgmma_ops.cuh"),
     ),
     (
+        "attention/tf32.cuh",
+        include_str!("../../../kernels/attention/tf32.cuh"),
+    ),
+    (
+        "attention/forward_f32.cuh",
+        include_str!("../../../kernels/attention/forward_f32.cuh"),
+    ),
+    (
+        "attention/backward_f32.cuh",
+        include_str!("../../../kernels/attention/backward_f32.cuh"),
+    ),
+    (
         "attention/forward_sm80.cuh",
         include_str!("../../../kernels/attention/forward_sm80.cuh"),
     ),

@@ -5,12 +5,18 @@
 //! here is the choice and a small `extern "C"` wrapper per op
 //! (`wrapper.rs`) that fills the template's arguments from the op's views.
 //!
-//! Any bf16 or f16 attention whose head dims (of q and k, and of v) are
-//! multiples of 8 up to 256, with constant head counts and 16-byte aligned
-//! contiguous rows, runs on tensor cores; the head dims are padded to whole
-//! tensor-core steps inside the tiles. Anything else keeps the plan's simple
-//! kernels (`emit/attention.rs`), and the build report names it.
+//! Any bf16, f16 or f32 attention whose head dims (of q and k, and of v)
+//! are multiples of 8 up to 256, with constant head counts and 16-byte
+//! aligned contiguous rows, runs on tensor cores; the head dims are padded
+//! to whole tensor-core steps inside the tiles. Anything else keeps the
+//! plan's simple kernels (`emit/attention.rs`), and the build report names
+//! it.
 //!
+//! - f32: `ForwardF32` and, atomic scheme only, `Delta`, `DkDvDqF32`,
+//!   `DqStore` (TF32 mma.sync with 3xTF32 products, about f32's precision;
+//!   the backward up to 256 features in D + Dv), on every architecture from
+//!   sm_80. The deterministic f32 backward and wider heads' keep the simple
+//!   kernels.
 //! - Forward: `ForwardSm90` (wgmma, TMA, warp-specialized) on sm_90a where
 //!   q, k and v can be described to the tensor copies, else `ForwardSm80`
 //!   (mma.sync).
@@ -167,9 +173,9 @@ impl Config {
         let key = dropout.zip(key);
         let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
         let dt = q.dtype;
-        if !matches!(dt, DType::BF16 | DType::F16) {
+        if !matches!(dt, DType::BF16 | DType::F16 | DType::F32) {
             return Err(format!(
-                "it computes in {} (tensor cores take bf16 or f16)",
+                "it computes in {} (tensor cores take bf16, f16 or f32)",
                 dt.name()
             ));
         }
@@ -246,10 +252,26 @@ impl Config {
     }
 
     fn elem_name(&self) -> &'static str {
-        if self.dt == DType::F16 {
-            "f16"
+        match self.dt {
+            DType::F16 => "f16",
+            DType::F32 => "f32 (3xTF32 products)",
+            _ => "bf16",
+        }
+    }
+
+    /// Why the f32 backward does not run on tensor cores, where it does not.
+    fn f32_backward_problem(&self, deterministic: bool) -> Option<String> {
+        if self.dt != DType::F32 {
+            None
+        } else if deterministic {
+            Some("the f32 backward on tensor cores adds dQ by atomics, and the build asks for a deterministic one".into())
+        } else if !templates::dkdvdq_f32_fits(self.d, self.dv) {
+            Some(format!(
+                "its head dims {} and {} add up to more than the 256 features the f32 backward holds",
+                self.d, self.dv
+            ))
         } else {
-            "bf16"
+            None
         }
     }
 
@@ -308,13 +330,22 @@ fn backward_config(g: &Graph, c: &Ctx, n: NodeIndex) -> Result<Config, String> {
 }
 
 /// Why attention (or attention gradient) op `n` in plan kernel `k` does
-/// not run on the tensor-core kernels; `None` when it does (or is no
-/// attention).
-pub fn why_not(g: &Graph, p: &Program, k: &Kernel, n: NodeIndex) -> Option<String> {
+/// not run on the tensor-core kernels (the backward in the scheme
+/// `deterministic` picks); `None` when it does (or is no attention).
+pub fn why_not(
+    g: &Graph,
+    p: &Program,
+    k: &Kernel,
+    n: NodeIndex,
+    deterministic: bool,
+) -> Option<String> {
     let c = Ctx::for_op(g, p, k, n);
     match &g.g[n].op {
         Op::Attention(_) => forward_config(g, &c, n).err(),
-        Op::AttentionGrad(_) => backward_config(g, &c, n).err(),
+        Op::AttentionGrad(_) => match backward_config(g, &c, n) {
+            Ok(cfg) => cfg.f32_backward_problem(deterministic),
+            Err(e) => Some(e),
+        },
         _ => None,
     }
 }
@@ -344,7 +375,7 @@ pub fn flash_forward(
     f.heads("o", &Access::output(g, &c, n, 0));
     f.rows("lse", &Access::output(g, &c, n, 1));
     fill_sizes(&mut f, &cfg);
-    let hopper = if arch == FlashArch::Sm90a {
+    let hopper = if arch == FlashArch::Sm90a && dt != DType::F32 {
         // The persistent forward's warpgroups take turns item after item,
         // which assumes every item's key tiles alike: with lengths, the
         // forward that keeps a block a query tile; dropout is in that one too.
@@ -371,6 +402,11 @@ pub fn flash_forward(
     };
     let persistent = matches!(hopper, Some((_, _, true)));
     let (inst, maps, about) = match hopper {
+        _ if dt == DType::F32 => (
+            templates::forward_f32(d, dv, causal, fold, cfg.dropout.is_some(), true),
+            Vec::new(),
+            "FlashAttention-2 forward for f32 on TF32 tensor cores (kernels/attention/forward_f32.cuh)",
+        ),
         Some((inst, maps, _)) => (
             inst,
             maps,
@@ -411,7 +447,7 @@ pub fn flash_forward(
         &k.name,
         &about,
         &inst,
-        "ForwardArgs",
+        &args_type("ForwardArgs", dt),
         &f,
         false,
         &maps,
@@ -420,6 +456,14 @@ pub fn flash_forward(
         stage: Stage::Forward,
         launch: launch(&k.name, source, &inst, grid, None, maps),
     })
+}
+
+/// The templates' argument struct for elements of `dt` (`common.cuh`).
+fn args_type(base: &str, dt: DType) -> String {
+    match dt {
+        DType::F32 => format!("{base}F32"),
+        _ => base.to_string(),
+    }
 }
 
 // What each backward kernel does, for its source's comment.
@@ -431,6 +475,8 @@ const ABOUT_DQ: &str =
     "FlashAttention-2 backward, kernel 3 of 3: dQ on tensor cores (kernels/attention/backward_sm80.cuh)";
 const ABOUT_DKDVDQ_SM80: &str =
     "FlashAttention-2 backward, kernel 2 of 3: dK, dV and dQ by atomics on tensor cores (kernels/attention/backward_sm80.cuh)";
+const ABOUT_DKDVDQ_F32: &str =
+    "FlashAttention-2 backward, kernel 2 of 3: dK, dV and dQ by atomics on TF32 tensor cores (kernels/attention/backward_f32.cuh)";
 const ABOUT_DKV_STORE: &str =
     "FlashAttention backward on Hopper, grouped queries split over blocks: dK and dV = the sum of the blocks' parts (kernels/attention/backward.cuh)";
 const ABOUT_DQ_STORE: &str =
@@ -501,6 +547,9 @@ pub fn flash_backward(
 ) -> Option<Vec<FlashKernel>> {
     let c = Ctx::for_op(g, p, k, n);
     let cfg = backward_config(g, &c, n).ok()?;
+    if cfg.f32_backward_problem(deterministic).is_some() {
+        return None;
+    }
     let arch = cfg.backward_arch(arch);
     let (dt, d, dv, causal) = (cfg.dt, cfg.d, cfg.dv, cfg.causal);
     let mut f = Fill::new();
@@ -519,7 +568,7 @@ pub fn flash_backward(
         .checked_mul(&cfg.q_len)?;
     // The Hopper dK/dV/dQ kernel's blocks a key tile (grouped queries at
     // high ratios).
-    let split = if !deterministic && arch == FlashArch::Sm90a {
+    let split = if !deterministic && arch == FlashArch::Sm90a && dt != DType::F32 {
         templates::dkdvdq_split(cfg.group)
     } else {
         1
@@ -594,7 +643,7 @@ pub fn flash_backward(
         // features, the wide one (64 keys a block, features split between the
         // warpgroups) above; the tiles of Q and dO copied by TMA, whose boxes
         // divide what each warpgroup reads.
-        let hopper = if arch != FlashArch::Sm90a {
+        let hopper = if arch != FlashArch::Sm90a || dt == DType::F32 {
             None
         } else if templates::dkdvdq_sm90_fits(d, dv) {
             let inst = templates::dkdvdq_sm90(dt, d, dv, causal, split, cfg.dropout.is_some());
@@ -637,6 +686,15 @@ pub fn flash_backward(
                     ));
                 }
             }
+            None if dt == DType::F32 => {
+                let inst = templates::dkdvdq_f32(d, dv, causal, cfg.dropout.is_some(), true);
+                stages.push(Planned::new(
+                    Stage::DkDvDq,
+                    inst.clone(),
+                    kv_grid(inst.tile),
+                    ABOUT_DKDVDQ_F32,
+                ));
+            }
             None => {
                 let inst = cfg.drop(templates::dkdv_sm80(dt, d, dv, causal, true));
                 stages.push(Planned::new(
@@ -674,7 +732,7 @@ pub fn flash_backward(
                     &name,
                     &about,
                     &inst,
-                    "BackwardArgs",
+                    &args_type("BackwardArgs", dt),
                     &f,
                     true,
                     &maps,

@@ -69,6 +69,7 @@ impl Instance {
 fn elem(dt: DType) -> &'static str {
     match dt {
         DType::F16 => "fs_attn::F16",
+        DType::F32 => "fs_attn::F32",
         _ => "fs_attn::Bf16",
     }
 }
@@ -110,6 +111,85 @@ pub(crate) fn forward_sm80(
             ("THREADS", 128),
             ("TILE_Q", 64),
             ("TILE_K", tile_k),
+            ("SMEM_BYTES", smem),
+        ],
+    }
+}
+
+/// Shared memory the f32 kernels keep within (the most a block has on
+/// sm_86 and sm_89), as their templates assert.
+pub(crate) const F32_SMEM_LIMIT: u64 = 99 * 1024;
+
+/// `forward_f32.cuh`'s `ForwardF32`: 64 queries and 64 keys a tile up to
+/// 128 padded features, else 32 and 32. `precise`: 3xTF32 products.
+pub(crate) fn forward_f32(
+    d: u64,
+    dv: u64,
+    causal: bool,
+    scale_in_exp: bool,
+    dropout: bool,
+    precise: bool,
+) -> Instance {
+    let (dp, dvp) = (round_up(d, 8), round_up(dv, 8));
+    let tile = if dp > 128 || dvp > 128 { 32 } else { 64 };
+    let threads = (tile * 2) as u32;
+    let smem = (tile * (dp + 4) + tile * (dp + 4) + tile * (dvp + 4)) * 4;
+    Instance {
+        header: "attention/forward_f32.cuh",
+        ty: format!(
+            "fs_attn::ForwardF32<{d}, {dv}, {causal}, {scale_in_exp}, {dropout}, {precise}>"
+        ),
+        threads,
+        bounds: format!("{threads}, 2"),
+        tile,
+        parts: 1,
+        smem,
+        sm90: false,
+        checks: vec![
+            ("THREADS", threads as u64),
+            ("TILE_Q", tile),
+            ("TILE_K", tile),
+            ("SMEM_BYTES", smem),
+        ],
+    }
+}
+
+/// `backward_f32.cuh`'s shared memory at a query tile of `tq` rows.
+fn dkdvdq_f32_smem(dp: u64, dvp: u64, tq: u64) -> u64 {
+    (64 * (dp + dvp + 8) + tq * (dp + dvp + 8) + 64 * (tq + 4)) * 4 + 2 * tq * 4
+}
+
+/// Whether `DkDvDqF32` holds head dims `d`, `dv`: dK and dV accumulators
+/// for up to 256 padded features in all.
+pub(crate) fn dkdvdq_f32_fits(d: u64, dv: u64) -> bool {
+    round_up(d, 8) + round_up(dv, 8) <= 256
+}
+
+/// `backward_f32.cuh`'s `DkDvDqF32`: 64 keys a block; 64-query tiles up to
+/// 64 features each, else 32 or 16, whichever fits [`F32_SMEM_LIMIT`].
+pub(crate) fn dkdvdq_f32(d: u64, dv: u64, causal: bool, dropout: bool, precise: bool) -> Instance {
+    let (dp, dvp) = (round_up(d, 8), round_up(dv, 8));
+    let tile_q = if dp <= 64 && dvp <= 64 {
+        64
+    } else if dkdvdq_f32_smem(dp, dvp, 32) <= F32_SMEM_LIMIT {
+        32
+    } else {
+        16
+    };
+    let smem = dkdvdq_f32_smem(dp, dvp, tile_q);
+    Instance {
+        header: "attention/backward_f32.cuh",
+        ty: format!("fs_attn::DkDvDqF32<{d}, {dv}, {causal}, {dropout}, {precise}>"),
+        threads: 128,
+        bounds: "128, 2".into(),
+        tile: 64,
+        parts: 1,
+        smem,
+        sm90: false,
+        checks: vec![
+            ("THREADS", 128),
+            ("TILE_K", 64),
+            ("TILE_Q", tile_q),
             ("SMEM_BYTES", smem),
         ],
     }

@@ -1,0 +1,226 @@
+// FlashAttention-2 backward for f32 inputs on tensor cores (TF32
+// mma.sync.m16n8k8, sm_80 and newer; tf32.cuh): the dK/dV kernel that adds
+// dQ into the f32 sum by atomics, between backward.cuh's Delta<DQ_SUM =
+// true> and DqStore (the atomic scheme: 5 tile products).
+//
+// The algorithm is DkDvSm80<ATOMIC = true>'s: a block owns 64 keys of one
+// (batch, key/value head), warp w keys 16w .. 16w + 15, and computes the
+// transposed products S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T
+// come out in the accumulator layout, which (keys in pairs, tf32.cuh's
+// a_of_acc) is the A fragment of dV += P^T dO and dK += dS^T Q. dK and dV
+// stay in registers while the queries of every head of the group stream
+// through shared memory TILE_Q rows at a time. dS^T goes to shared memory,
+// and after a barrier the warps add the tile's dQ += dS K into the sum.
+// Every operand keeps f32 (P and dS are not rounded to a smaller type).
+//
+// Up to 256 padded features in all (D + Dv): the query tile is 64 rows up
+// to 64 features each, else 32 or 16, whichever keeps the tiles within 99
+// KiB of shared memory (the most a block has on sm_86 and sm_89).
+//
+// Launch: grid (ceil(S / 64), Hkv, B), 128 threads, SMEM_BYTES of dynamic
+// shared memory.
+#ifndef FS_ATTENTION_BACKWARD_F32
+#define FS_ATTENTION_BACKWARD_F32
+#include "backward.cuh"
+#include "tf32.cuh"
+
+namespace fs_attn {
+
+// The f32 backward's shared memory with TQ queries a tile: keys and values,
+// queries and dO, dS^T, the tile's lse and delta.
+constexpr int dkdvdq_f32_smem(int dp, int dvp, int tq) {
+    return (64 * (dp + dvp + 8) + tq * (dp + dvp + 8) + 64 * (tq + 4)) * 4 + 2 * tq * 4;
+}
+
+// D, DV: head dims (multiples of 8); CAUSAL, DROPOUT as DkDvSm80's; PRECISE:
+// 3xTF32 products.
+template <int D, int DV, bool CAUSAL, bool DROPOUT = false, bool PRECISE = true>
+struct DkDvDqF32 {
+    static constexpr int DP = round_up(D, 8), DVP = round_up(DV, 8);
+    static_assert(DP + DVP <= 256, "dK and dV accumulators for up to 256 features a thread");
+    static constexpr int TILE_K = 64, THREADS = 128;
+    static constexpr int TILE_Q = DP <= 64 && DVP <= 64                          ? 64
+                                  : dkdvdq_f32_smem(DP, DVP, 32) <= 99 * 1024 ? 32
+                                                                                : 16;
+    static constexpr int ROW = DP + 4, ROW_V = DVP + 4, DS_ROW = TILE_Q + 4;  // conflict-free reads (tf32.cuh)
+    static constexpr int SMEM_BYTES = dkdvdq_f32_smem(DP, DVP, TILE_Q);
+    static_assert(SMEM_BYTES <= 99 * 1024, "the tiles fit the shared memory of every sm_80+ GPU");
+
+    static __device__ __forceinline__ void run(const BackwardArgsF32& a) {
+        const fs_i64 k0 = (fs_i64)blockIdx.x * TILE_K, kv_h = blockIdx.y, b = blockIdx.z;
+        const fs_i64 q_len = a.q_len, kv_len = a.kv_len, keys = masked_keys_from(a, b);
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
+        FS_DYNAMIC_SMEM(smem, SMEM_BYTES);
+        float* const k_tile = reinterpret_cast<float*>(smem);  // [TILE_K][ROW]
+        float* const v_tile = k_tile + TILE_K * ROW;            // [TILE_K][ROW_V]
+        float* const q_tile = v_tile + TILE_K * ROW_V;          // [TILE_Q][ROW]
+        float* const do_tile = q_tile + TILE_Q * ROW;           // [TILE_Q][ROW_V]
+        float* const ds_tile = do_tile + TILE_Q * ROW_V;        // dS^T of the tile: [key][query]
+        float* const lse_tile = ds_tile + TILE_K * DS_ROW;      // lse * log2(e)
+        float* const delta_tile = lse_tile + TILE_Q;
+        const float* const delta = delta_of<D, true>(a);
+
+        // The block's keys and values (rows past kv_len zero; their dK, dV are
+        // never stored); the query loop's first barrier publishes them.
+        load_rows<TILE_K, D, DP, ROW, THREADS>(k_tile, a.k, b, k0, kv_h, kv_len);
+        load_rows<TILE_K, DV, DVP, ROW_V, THREADS>(v_tile, a.v, b, k0, kv_h, kv_len);
+
+        // dk_acc[n][e], dv_acc[n][e]: key row key_row + 8 * (e / 2), feature
+        // 8n + frag_col + e % 2.
+        const int key_row = warp * 16 + frag_row;
+        float dk_acc[DP / 8][4], dv_acc[DVP / 8][4];
+#pragma unroll
+        for (int n = 0; n < DP / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk_acc[n][e] = 0.0f;
+        }
+#pragma unroll
+        for (int n = 0; n < DVP / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dv_acc[n][e] = 0.0f;
+        }
+        const fs_i64 i_first = CAUSAL ? (k0 / TILE_Q) * TILE_Q : 0;
+        for (fs_i64 hh = 0; hh < a.group; ++hh) {
+            const fs_i64 h = kv_h * a.group + hh;
+            for (fs_i64 i0 = i_first; i0 < q_len; i0 += TILE_Q) {
+                __syncthreads();  // every warp is done with the previous tile
+                load_rows<TILE_Q, D, DP, ROW, THREADS>(q_tile, a.q, b, i0, h, q_len);
+                load_rows<TILE_Q, DV, DVP, ROW_V, THREADS>(do_tile, a.dout, b, i0, h, q_len);
+                if (threadIdx.x < TILE_Q) {
+                    const fs_i64 i = i0 + threadIdx.x;
+                    lse_tile[threadIdx.x] = i < q_len ? a.lse.at(b, h, i) * LOG2E : 0.0f;
+                    delta_tile[threadIdx.x] = i < q_len ? delta[(b * a.q_heads + h) * q_len + i] : 0.0f;
+                }
+                __syncthreads();
+
+                // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys: s[n][e],
+                // dp[n][e] = key key_row + 8 * (e / 2), query i0 + 8n + frag_col + e % 2.
+                float s[TILE_Q / 8][4], dp[TILE_Q / 8][4];
+#pragma unroll
+                for (int n = 0; n < TILE_Q / 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+                }
+#pragma unroll
+                for (int kk = 0; kk < DP / 8; ++kk) {
+                    Tf32Frag<4> ka;
+                    a_rows<PRECISE>(ka, k_tile + warp * 16 * ROW + kk * 8, ROW);
+#pragma unroll
+                    for (int n = 0; n < TILE_Q / 8; ++n) {
+                        Tf32Frag<2> qb;
+                        b_rows<PRECISE>(qb, q_tile + n * 8 * ROW + kk * 8, ROW);
+                        mma_tf32<PRECISE>(s[n], ka, qb);
+                    }
+                }
+#pragma unroll
+                for (int kk = 0; kk < DVP / 8; ++kk) {
+                    Tf32Frag<4> va;
+                    a_rows<PRECISE>(va, v_tile + warp * 16 * ROW_V + kk * 8, ROW_V);
+#pragma unroll
+                    for (int n = 0; n < TILE_Q / 8; ++n) {
+                        Tf32Frag<2> ob;
+                        b_rows<PRECISE>(ob, do_tile + n * 8 * ROW_V + kk * 8, ROW_V);
+                        mma_tf32<PRECISE>(dp[n], va, ob);
+                    }
+                }
+
+                // P^T (masked), then dS^T = P^T * (dP^T - delta) in place of dp;
+                // with dropout's factors Z, dS^T = P^T (Z dP^T - delta) and dV
+                // takes (P Z)^T.
+                p_of_s<TILE_Q, TILE_K, CAUSAL>(s, lse_tile, i0, k0, q_len, keys, key_row, frag_col, a.scale_log2);
+                if (DROPOUT) {
+                    for_each_draw<TILE_Q / 8, true>(a.drop, b * a.q_heads + h, k0 + key_row, i0, frag_col,
+                                                    [&](int n, int e, bool kept) {
+                                                        const float z = kept ? a.drop.scale : 0.0f;
+                                                        dp[n][e] = s[n][e] * (dp[n][e] * z - delta_tile[n * 8 + frag_col + (e & 1)]);
+                                                        s[n][e] *= z;
+                                                    });
+                } else {
+#pragma unroll
+                    for (int n = 0; n < TILE_Q / 8; ++n) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);
+                    }
+                }
+
+                // dS^T into the shared tile for dQ, then dV += P^T dO and dK +=
+                // dS^T Q, 8 queries a step (rows 2t, 2t + 1 of dO / Q the B fragment).
+#pragma unroll
+                for (int n = 0; n < TILE_Q / 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) ds_tile[(key_row + 8 * (e >> 1)) * DS_ROW + n * 8 + frag_col + (e & 1)] = dp[n][e];
+                }
+#pragma unroll
+                for (int kk = 0; kk < TILE_Q / 8; ++kk) {
+                    Tf32Frag<4> pa, dsa;
+                    a_of_acc<PRECISE>(pa, s[kk]);
+                    a_of_acc<PRECISE>(dsa, dp[kk]);
+#pragma unroll
+                    for (int n = 0; n < DVP / 8; ++n) {
+                        Tf32Frag<2> ob;
+                        b_cols_pairs<PRECISE>(ob, do_tile + kk * 8 * ROW_V + n * 8, ROW_V);
+                        mma_tf32<PRECISE>(dv_acc[n], pa, ob);
+                    }
+#pragma unroll
+                    for (int n = 0; n < DP / 8; ++n) {
+                        Tf32Frag<2> qb;
+                        b_cols_pairs<PRECISE>(qb, q_tile + kk * 8 * ROW + n * 8, ROW);
+                        mma_tf32<PRECISE>(dk_acc[n], dsa, qb);
+                    }
+                }
+                add_dq(a, k_tile, ds_tile, b, h, i0, warp, frag_row, frag_col);
+            }
+        }
+
+        store_dk_dv<F32, D, DV>(a, dk_acc, dv_acc, b, kv_h, k0, key_row, frag_col, 0, 0);
+    }
+
+    // dQ += dS K for the tile's queries and the block's keys, added into the
+    // f32 sum in the scratch ([B, Hq, T, D]) by atomics. A: dS read from the
+    // shared dS^T (keys in pairs); B: rows 2t, 2t + 1 of the key tile. SPLIT
+    // warps share each 16 queries, warp w taking every SPLIT-th 8 features
+    // from w % SPLIT.
+    static __device__ __forceinline__ void add_dq(const BackwardArgsF32& a, const float* k_tile, const float* ds_tile, fs_i64 b,
+                                                  fs_i64 h, fs_i64 i0, int warp, int frag_row, int frag_col) {
+        constexpr int SPLIT = (THREADS / 32) / (TILE_Q / 16), NT = (DP / 8 + SPLIT - 1) / SPLIT;
+        __syncthreads();  // dS^T is complete
+        const int m0 = (warp / SPLIT) * 16, first = warp % SPLIT;
+        float dq_acc[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq_acc[j][e] = 0.0f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 8; ++kk) {
+            Tf32Frag<4> dsa;
+            a_cols_pairs<PRECISE>(dsa, ds_tile + kk * 8 * DS_ROW + m0, DS_ROW);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const int n = first + j * SPLIT;
+                if (n < DP / 8) {
+                    Tf32Frag<2> kb;
+                    b_cols_pairs<PRECISE>(kb, k_tile + kk * 8 * ROW + n * 8, ROW);
+                    mma_tf32<PRECISE>(dq_acc[j], dsa, kb);
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const fs_i64 i = i0 + m0 + frag_row + 8 * r;
+            if (i < a.q_len) {
+                float* const sum = &a.scratch[((b * a.q_heads + h) * a.q_len + i) * D + frag_col];
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const int n = first + j * SPLIT;
+                    if (n * 8 < D) fs_atomic_add2(sum + n * 8, dq_acc[j][2 * r], dq_acc[j][2 * r + 1]);
+                }
+            }
+        }
+    }
+};
+
+}  // namespace fs_attn
+
+#endif
