@@ -43,6 +43,7 @@ struct DkDvDqF32 {
                                   : dkdvdq_f32_smem(DP, DVP, 32) <= 99 * 1024 ? 32
                                                                                 : 16;
     static constexpr int ROW = DP + 4, ROW_V = DVP + 4, DS_ROW = TILE_Q + 4;  // conflict-free reads (tf32.cuh)
+    static constexpr int CHUNK_K = tf32_chunk(DP / 8), CHUNK_V = tf32_chunk(DVP / 8);  // B fragments split at a time
     static constexpr int SMEM_BYTES = dkdvdq_f32_smem(DP, DVP, TILE_Q);
     static_assert(SMEM_BYTES <= 99 * 1024, "the tiles fit the shared memory of every sm_80+ GPU");
 
@@ -106,23 +107,19 @@ struct DkDvDqF32 {
                 for (int kk = 0; kk < DP / 8; ++kk) {
                     Tf32Frag<4> ka;
                     a_rows<PRECISE>(ka, k_tile + warp * 16 * ROW + kk * 8, ROW);
+                    Tf32Frag<2> qb[TILE_Q / 8];
 #pragma unroll
-                    for (int n = 0; n < TILE_Q / 8; ++n) {
-                        Tf32Frag<2> qb;
-                        b_rows<PRECISE>(qb, q_tile + n * 8 * ROW + kk * 8, ROW);
-                        mma_tf32<PRECISE>(s[n], ka, qb);
-                    }
+                    for (int n = 0; n < TILE_Q / 8; ++n) b_rows<PRECISE>(qb[n], q_tile + n * 8 * ROW + kk * 8, ROW);
+                    mma_tf32<PRECISE>(s, ka, qb);
                 }
 #pragma unroll
                 for (int kk = 0; kk < DVP / 8; ++kk) {
                     Tf32Frag<4> va;
                     a_rows<PRECISE>(va, v_tile + warp * 16 * ROW_V + kk * 8, ROW_V);
+                    Tf32Frag<2> ob[TILE_Q / 8];
 #pragma unroll
-                    for (int n = 0; n < TILE_Q / 8; ++n) {
-                        Tf32Frag<2> ob;
-                        b_rows<PRECISE>(ob, do_tile + n * 8 * ROW_V + kk * 8, ROW_V);
-                        mma_tf32<PRECISE>(dp[n], va, ob);
-                    }
+                    for (int n = 0; n < TILE_Q / 8; ++n) b_rows<PRECISE>(ob[n], do_tile + n * 8 * ROW_V + kk * 8, ROW_V);
+                    mma_tf32<PRECISE>(dp, va, ob);
                 }
 
                 // P^T (masked), then dS^T = P^T * (dP^T - delta) in place of dp;
@@ -157,16 +154,19 @@ struct DkDvDqF32 {
                     a_of_acc<PRECISE>(pa, s[kk]);
                     a_of_acc<PRECISE>(dsa, dp[kk]);
 #pragma unroll
-                    for (int n = 0; n < DVP / 8; ++n) {
-                        Tf32Frag<2> ob;
-                        b_cols_pairs<PRECISE>(ob, do_tile + kk * 8 * ROW_V + n * 8, ROW_V);
-                        mma_tf32<PRECISE>(dv_acc[n], pa, ob);
+                    for (int n0 = 0; n0 < DVP / 8; n0 += CHUNK_V) {
+                        Tf32Frag<2> ob[CHUNK_V];
+#pragma unroll
+                        for (int j = 0; j < CHUNK_V; ++j)
+                            b_cols_pairs<PRECISE>(ob[j], do_tile + kk * 8 * ROW_V + (n0 + j) * 8, ROW_V);
+                        mma_tf32<PRECISE>(dv_acc + n0, pa, ob);
                     }
 #pragma unroll
-                    for (int n = 0; n < DP / 8; ++n) {
-                        Tf32Frag<2> qb;
-                        b_cols_pairs<PRECISE>(qb, q_tile + kk * 8 * ROW + n * 8, ROW);
-                        mma_tf32<PRECISE>(dk_acc[n], dsa, qb);
+                    for (int n0 = 0; n0 < DP / 8; n0 += CHUNK_K) {
+                        Tf32Frag<2> qb[CHUNK_K];
+#pragma unroll
+                        for (int j = 0; j < CHUNK_K; ++j) b_cols_pairs<PRECISE>(qb[j], q_tile + kk * 8 * ROW + (n0 + j) * 8, ROW);
+                        mma_tf32<PRECISE>(dk_acc + n0, dsa, qb);
                     }
                 }
                 add_dq(a, k_tile, ds_tile, b, h, i0, warp, frag_row, frag_col);
@@ -196,15 +196,19 @@ struct DkDvDqF32 {
         for (int kk = 0; kk < TILE_K / 8; ++kk) {
             Tf32Frag<4> dsa;
             a_cols_pairs<PRECISE>(dsa, ds_tile + kk * 8 * DS_ROW + m0, DS_ROW);
+            // A warp whose share is one short (DP / 8 not a multiple of SPLIT)
+            // multiplies zeros into its last accumulators, never stored.
+            Tf32Frag<2> kb[NT];
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
                 const int n = first + j * SPLIT;
                 if (n < DP / 8) {
-                    Tf32Frag<2> kb;
-                    b_cols_pairs<PRECISE>(kb, k_tile + kk * 8 * ROW + n * 8, ROW);
-                    mma_tf32<PRECISE>(dq_acc[j], dsa, kb);
+                    b_cols_pairs<PRECISE>(kb[j], k_tile + kk * 8 * ROW + n * 8, ROW);
+                } else {
+                    kb[j].hi[0] = kb[j].hi[1] = kb[j].lo[0] = kb[j].lo[1] = 0u;
                 }
             }
+            mma_tf32<PRECISE>(dq_acc, dsa, kb);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {

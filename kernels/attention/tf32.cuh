@@ -3,10 +3,10 @@
 // memory.
 //
 // A TF32 operand keeps 10 of f32's 23 mantissa bits. With PRECISE each
-// operand x is split into hi = tf32(x) and lo = tf32(x - hi), and a product
-// takes lo * hi + hi * lo + hi * hi (three mma; the small terms first): hi
-// + lo is within about 2^-22 of x, and what the product drops (lo * lo and
-// lo's own rounding) is of that order, near f32's own 2^-24. This is
+// operand x is split into hi = tf32(x) and lo = x - hi (truncated to TF32
+// by the mma), and a product takes lo * hi + hi * lo + hi * hi (three mma;
+// the small terms first): hi + lo is within 2^-21 of x, and what the
+// product drops (lo * lo) is 2^-22 of it, near f32's own 2^-24. This is
 // CUTLASS's "3xTF32" (OpMultiplyAddFastF32), which PyTorch's f32 attention
 // uses on these GPUs. Without PRECISE one mma of the hi parts, as
 // `allow_tf32` gives in PyTorch.
@@ -31,30 +31,26 @@
 #include "common.cuh"
 
 #ifdef __CUDA_ARCH__
-// d += a * b for one warp, m16n8k8, TF32 operands (the bits of f32 values
-// whose low 13 mantissa bits are zero), f32 accumulators.
+// d += a * b for one warp, m16n8k8, TF32 operands (f32 registers of which
+// the tensor cores read the top 19 bits: the low 13 mantissa bits are
+// ignored, which truncates), f32 accumulators.
 __device__ __forceinline__ void fs_mma_1688_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// x rounded to TF32 (to nearest, ties away from zero), as f32 bits.
-__device__ __forceinline__ unsigned fs_to_tf32(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
 #else
 inline void fs_mma_1688_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     fs_emu_mma_1688_tf32(d, a, b0, b1);
 }
-inline unsigned fs_to_tf32(float x) {
-    unsigned u;
-    memcpy(&u, &x, 4);
-    if ((u & 0x7f800000u) != 0x7f800000u) u += 0x1000u;  // half of the lowest kept bit, on the magnitude
-    return u & 0xffffe000u;
-}
 #endif
+
+// x rounded to TF32, to nearest with ties away from zero (cvt.rna.tf32.f32's
+// result, in two integer operations where cvt is a slower conversion):
+// half of the lowest kept bit added to the magnitude, the rest cut off.
+// Infinities and NaNs stay what they are; the largest finite values round
+// to infinity, as cvt.rna's do.
+__device__ __forceinline__ unsigned fs_to_tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 
 namespace fs_attn {
 
@@ -64,20 +60,38 @@ struct Tf32Frag {
     unsigned hi[N], lo[N];
 };
 
+// hi = tf32(x) and lo = x - hi (exact in f32), whose low bits the mma
+// ignores: lo truncated to TF32 is within 2^-10 of itself, 2^-21 of x (as
+// CUTLASS's 3xTF32 takes its small part, round toward zero).
 template <bool PRECISE, int N>
 __device__ __forceinline__ void tf32_split(Tf32Frag<N>& f, int i, float x) {
     f.hi[i] = fs_to_tf32(x);
-    f.lo[i] = PRECISE ? fs_to_tf32(x - __uint_as_float(f.hi[i])) : 0u;
+    f.lo[i] = PRECISE ? __float_as_uint(x - __uint_as_float(f.hi[i])) : 0u;
 }
 
-// d += a * b, in three mma with PRECISE, one without.
-template <bool PRECISE>
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const Tf32Frag<4>& a, const Tf32Frag<2>& b) {
+// acc[j] += a * b[j] for j < J, in three mma each with PRECISE, one
+// without: each pass runs over all J products, so the mma that follow each
+// other add into different accumulators (an accumulator's three in a row
+// would each wait for the one before).
+template <bool PRECISE, int J>
+__device__ __forceinline__ void mma_tf32(float (*acc)[4], const Tf32Frag<4>& a, const Tf32Frag<2> (&b)[J]) {
     if (PRECISE) {
-        fs_mma_1688_tf32(d, a.lo, b.hi[0], b.hi[1]);
-        fs_mma_1688_tf32(d, a.hi, b.lo[0], b.lo[1]);
+#pragma unroll
+        for (int j = 0; j < J; ++j) fs_mma_1688_tf32(acc[j], a.lo, b[j].hi[0], b[j].hi[1]);
+#pragma unroll
+        for (int j = 0; j < J; ++j) fs_mma_1688_tf32(acc[j], a.hi, b[j].lo[0], b[j].lo[1]);
     }
-    fs_mma_1688_tf32(d, a.hi, b.hi[0], b.hi[1]);
+#pragma unroll
+    for (int j = 0; j < J; ++j) fs_mma_1688_tf32(acc[j], a.hi, b[j].hi[0], b[j].hi[1]);
+}
+
+// How many B fragments a kernel splits at a time for N products sharing an A
+// fragment: the largest divisor of N up to 8 (8 fragments are 32 registers
+// with their lo parts).
+constexpr int tf32_chunk(int n) {
+    for (int j = 8; j > 1; --j)
+        if (n % j == 0) return j;
+    return 1;
 }
 
 // The A fragment (rows m0 .. m0 + 15, k0 .. k0 + 7) of a row-major [m][k]

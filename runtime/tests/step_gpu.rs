@@ -408,7 +408,15 @@ fn f32_attention_on_tensor_cores_matches_the_interpreter() {
             "f32 D={d} Dv={dv} heads={heads} ratio={ratio} causal={causal} T={t} deterministic={deterministic}"
         );
         let t0 = std::time::Instant::now();
-        let floor = if t == 1 { 1e-2 } else { 1e-3 };
+        // Over one key dQ and dK are exactly zero, and what the kernels
+        // write is the rounding of dO V^T - delta, the one 3xTF32, the other
+        // f32 FMA, over Dv products of values up to about 6: 2^-20 * 36 *
+        // scale (0.09) a product, summed as a random walk over 128 of them
+        // 3.4e-5 of |dV| (4e-4 if every error had one sign); measured up to
+        // 5e-5 at D = 128 (H200). They are judged against the largest output
+        // there (a layout or mask error is of order |dV|), elsewhere against
+        // 1e-3 of it as the kernels of every precision are.
+        let floor = if t == 1 { 1.0 } else { 1e-3 };
         let (report, mut f, ran) = kernels_against_the_interpreter_floor(
             &label,
             &c.optimized,
