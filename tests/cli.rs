@@ -261,6 +261,45 @@ fn build_names_the_attention_templates_that_run() {
             "{out}"
         );
     }
+    // f32 on TF32 tensor cores: three products a step (PRECISE, the last
+    // template parameter), or one with --tf32.
+    for (tf32, precise) in [(false, "true"), (true, "false")] {
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut a = vec![
+            "build",
+            "dsl-examples/bert-classifier.dsl",
+            "-o",
+            d,
+            "--device",
+            "h100",
+            "--precision",
+            "fp32",
+            "--set",
+            "layers=2",
+        ];
+        if tf32 {
+            a.push("--tf32");
+        }
+        let (code, out, err) = fusec(&a);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.contains("templates: Delta x2, DkDvDqF32 x2, DqStore x2, ForwardF32 x2)"),
+            "{out}"
+        );
+        let mut instances = Vec::new();
+        for f in std::fs::read_dir(dir.join("kernels")).unwrap() {
+            let text = std::fs::read_to_string(f.unwrap().path()).unwrap();
+            for line in text.lines().filter(|l| l.starts_with("typedef fs_attn::")) {
+                if line.contains("F32<") {
+                    instances.push(line.to_string());
+                }
+            }
+        }
+        assert_eq!(instances.len(), 4, "{instances:?}");
+        for i in &instances {
+            assert!(i.contains(&format!(", {precise}> ")), "--tf32 {tf32}: {i}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

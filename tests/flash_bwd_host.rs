@@ -347,16 +347,29 @@ fn snapshot_set(b: &Built, set: &common::flash::Set) {
     }
 }
 
-/// f32, and head dims that are not multiples of 8 or are over 256, get no
-/// tensor-core backward.
+/// Head dims that are not multiples of 8 or are over 256 get no
+/// tensor-core backward in any scheme; f32 none in the deterministic scheme
+/// or past 256 features in D + Dv (f32 at D = 192), and the atomic one
+/// otherwise.
 #[test]
 fn unsupported_attention_gets_no_flash_backward() {
+    let atomic_f32 = SNAPSHOT_MODEL.replace("precision = bf16", "precision = f32");
     let cases = [
-        SNAPSHOT_MODEL.replace("precision = bf16", "precision = f32"),
-        head_dims_model(&[(36, 36, 2, 1, true, false)]).replace("PRECISION", "bf16"),
-        head_dims_model(&[(264, 264, 2, 1, true, false)]).replace("PRECISION", "bf16"),
+        (atomic_f32, true),
+        (
+            head_dims_model(&[(192, 192, 2, 1, true, false)]).replace("PRECISION", "f32"),
+            false,
+        ),
+        (
+            head_dims_model(&[(36, 36, 2, 1, true, false)]).replace("PRECISION", "bf16"),
+            false,
+        ),
+        (
+            head_dims_model(&[(264, 264, 2, 1, true, false)]).replace("PRECISION", "bf16"),
+            false,
+        ),
     ];
-    for src in &cases {
+    for (src, atomic_on) in &cases {
         let c = common::compile_with(src, "flash_bwd.dsl", &[]);
         let program = fuse(&c.optimized);
         let mut seen = 0;
@@ -371,9 +384,22 @@ fn unsupported_attention_gets_no_flash_backward() {
                 (true, FlashArch::Sm80),
                 (false, FlashArch::Sm90a),
             ] {
-                assert!(
-                    flash_backward(&c.optimized, &program, k, n, None, deterministic, arch)
-                        .is_none()
+                let got = flash_backward(
+                    &c.optimized,
+                    &program,
+                    k,
+                    n,
+                    None,
+                    deterministic,
+                    arch,
+                    false,
+                );
+                // f32's atomic scheme runs on every architecture.
+                let want = *atomic_on && !deterministic;
+                assert_eq!(
+                    got.is_some(),
+                    want,
+                    "deterministic {deterministic} on {arch:?}"
                 );
             }
         }

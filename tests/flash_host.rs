@@ -748,13 +748,13 @@ fn flash_attention_kernel_text() {
     }
 }
 
-/// f32, head dims that are not multiples of 8 or are over 256, and a Dv
-/// that is not, get no tensor-core kernel (the simple kernel stays).
+/// Head dims that are not multiples of 8 or are over 256, and a Dv that
+/// is not, get no tensor-core kernel (the simple kernel stays), in f32 as
+/// in bf16.
 #[test]
 fn unsupported_attention_gets_no_flash_kernel() {
-    let f32 = SNAPSHOT_MODEL.replace("precision = bf16", "precision = f32");
     let cases = [
-        f32,
+        head_dims_model(&[(36, 36, 2, 1, true, false)]).replace("PRECISION", "f32"),
         head_dims_model(&[(36, 36, 2, 1, true, false)]).replace("PRECISION", "bf16"),
         head_dims_model(&[(264, 264, 2, 1, true, false)]).replace("PRECISION", "bf16"),
         head_dims_model(&[(64, 36, 2, 1, true, false)]).replace("PRECISION", "bf16"),
@@ -770,7 +770,12 @@ fn unsupported_attention_gets_no_flash_kernel() {
             }
             seen += 1;
             for arch in [FlashArch::Sm80, FlashArch::Sm90a] {
-                assert!(flash_forward(&c.optimized, &program, k, n, None, arch, 132).is_none());
+                for tf32 in [false, true] {
+                    assert!(
+                        flash_forward(&c.optimized, &program, k, n, None, arch, 132, tf32)
+                            .is_none()
+                    );
+                }
             }
         }
         assert_eq!(seen, 1);

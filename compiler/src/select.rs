@@ -25,6 +25,9 @@ pub struct Target {
     pub deterministic: bool,
     /// Multiprocessors of the GPU, the persistent kernels' grid.
     pub multiprocessors: u32,
+    /// f32 attention in one TF32 product (10 mantissa bits an operand, as
+    /// PyTorch's `allow_tf32`) instead of three (about f32's precision).
+    pub tf32: bool,
 }
 
 /// Device names `fusec build --device` takes, the architecture each
@@ -50,6 +53,7 @@ impl Target {
             arch: d.2,
             deterministic,
             multiprocessors: d.3,
+            tf32: false,
         })
     }
 
@@ -59,6 +63,7 @@ impl Target {
             arch: None,
             deterministic: false,
             multiprocessors: 1,
+            tf32: false,
         }
     }
 
@@ -74,7 +79,12 @@ impl Target {
         } else {
             ""
         };
-        format!("{family}{scheme}")
+        let tf32 = if self.tf32 && self.arch.is_some() {
+            ", f32 in one TF32 product"
+        } else {
+            ""
+        };
+        format!("{family}{scheme}{tf32}")
     }
 }
 
@@ -133,11 +143,27 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
             Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) && !has_source => Choice::Library,
             Body::Op(n) if matches!(g.g[*n].op, Op::Attention(_) | Op::AttentionGrad(_)) => {
                 let chosen = target.arch.and_then(|arch| match g.g[*n].op {
-                    Op::Attention(_) => {
-                        flash::flash_forward(g, p, k, *n, source, arch, target.multiprocessors)
-                            .map(|f| vec![f])
-                    }
-                    _ => flash::flash_backward(g, p, k, *n, source, target.deterministic, arch),
+                    Op::Attention(_) => flash::flash_forward(
+                        g,
+                        p,
+                        k,
+                        *n,
+                        source,
+                        arch,
+                        target.multiprocessors,
+                        target.tf32,
+                    )
+                    .map(|f| vec![f]),
+                    _ => flash::flash_backward(
+                        g,
+                        p,
+                        k,
+                        *n,
+                        source,
+                        target.deterministic,
+                        arch,
+                        target.tf32,
+                    ),
                 });
                 match chosen {
                     Some(kernels) => {

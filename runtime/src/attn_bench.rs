@@ -178,8 +178,9 @@ fn find(g: &fusec_compiler::ir::Graph, p: &Program, grad: bool) -> Option<usize>
 }
 
 /// Times one configuration (`batch` sequences, by default 16384 / T);
-/// `flash` asks for the tensor-core kernels where they apply, and
-/// `deterministic` for their backward without atomics. The kernels are the
+/// `flash` asks for the tensor-core kernels where they apply,
+/// `deterministic` for their backward without atomics, and `tf32` for f32
+/// in one TF32 product. The kernels are the
 /// ones a training step of the model would run: chosen by the selection
 /// stage, launched as the plan says.
 pub fn run(
@@ -187,6 +188,7 @@ pub fn run(
     cfg: Config,
     flash: bool,
     deterministic: bool,
+    tf32: bool,
 ) -> Result<AttnResult, RuntimeError> {
     let src = model(&cfg);
     let c = compile(&src, "attention", &Options::default())
@@ -197,6 +199,7 @@ pub fn run(
         arch: if flash { gpu.flash_arch()? } else { None },
         deterministic,
         multiprocessors: gpu.multiprocessors,
+        tf32,
     };
     let selection = select(g, &p, &target, None);
     let plan =

@@ -671,6 +671,14 @@ impl Executor {
         })
     }
 
+    /// Lets f32 GEMMs compute on TF32 tensor cores (before the first step:
+    /// the plans are made then).
+    pub fn allow_tf32(&mut self, on: bool) {
+        if let Some(g) = self.gemm.as_mut() {
+            g.allow_tf32 = on;
+        }
+    }
+
     pub fn kernel_count(&self) -> usize {
         self.launches.len()
     }

@@ -44,6 +44,11 @@ pub struct SessionOptions {
     /// tiles for dQ instead of summing dQ with atomics (slower; every other
     /// kernel is deterministic either way).
     pub deterministic: bool,
+    /// f32 products on TF32 tensor cores in one pass, as PyTorch's
+    /// `allow_tf32`: cuBLASLt's f32 GEMMs with TF32 compute, and the f32
+    /// attention in one TF32 mma instead of three (10 mantissa bits an
+    /// operand instead of about f32's precision).
+    pub tf32: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -88,6 +93,7 @@ impl Session {
             arch: gpu.flash_arch()?,
             deterministic: options.deterministic,
             multiprocessors: gpu.multiprocessors,
+            tf32: options.tf32,
         };
         let Lowered {
             program,
@@ -110,7 +116,8 @@ impl Session {
                 (l.kernel.clone(), names)
             })
             .collect();
-        let exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins)?;
+        let mut exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins)?;
+        exec.allow_tf32(options.tf32);
         crate::startup::mark("modules loaded, arena allocated");
         Ok(Session {
             exec,

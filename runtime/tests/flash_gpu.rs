@@ -190,6 +190,7 @@ fn flash_forward_matches_the_interpreter_and_is_timed() {
             None,
             arch,
             gpu.multiprocessors,
+            false,
         )
         .expect("a supported attention")
         .launch;
@@ -286,12 +287,20 @@ fn flash_backward_matches_the_interpreter() {
     for (cfg, deterministic, arch) in cases {
         let case = Case::new(cfg, true, 6);
         let g = &case.c.optimized;
-        let launches: Vec<_> =
-            flash_backward(g, &case.p, case.k(), case.node, None, deterministic, arch)
-                .expect("a supported backward")
-                .into_iter()
-                .map(|f| f.launch)
-                .collect();
+        let launches: Vec<_> = flash_backward(
+            g,
+            &case.p,
+            case.k(),
+            case.node,
+            None,
+            deterministic,
+            arch,
+            false,
+        )
+        .expect("a supported backward")
+        .into_iter()
+        .map(|f| f.launch)
+        .collect();
         let env = case.env();
         let bufs = case.upload(&gpu);
         let elems = launches[0]

@@ -340,7 +340,10 @@ fn attention_at_every_head_dim_matches_the_interpreter() {
             &label,
             &c.optimized,
             &[("B", 1), ("T", t)],
-            SessionOptions { deterministic },
+            SessionOptions {
+                deterministic,
+                ..Default::default()
+            },
             floor,
             tolerance(DType::F32),
         );
@@ -421,7 +424,10 @@ fn f32_attention_on_tensor_cores_matches_the_interpreter() {
             &label,
             &c.optimized,
             &[("B", 1), ("T", t)],
-            SessionOptions { deterministic },
+            SessionOptions {
+                deterministic,
+                ..Default::default()
+            },
             floor,
             1e-4,
         );
@@ -444,6 +450,39 @@ fn f32_attention_on_tensor_cores_matches_the_interpreter() {
         failures.append(&mut f);
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// `tf32` (`fusec train --tf32`): the f32 GEMMs and attention of the step
+/// on TF32 tensor cores in one product. Every kernel within 1e-2 of the
+/// interpreter (TF32 keeps 2^-11 of an operand; a product over 32 to 64
+/// terms as a random walk is off by about 2^-10 * 8 = 8e-3 of a typical
+/// term at worst), and some kernel past the 3xTF32 bound of 1e-4, so the
+/// option reaches the GEMMs and the attention.
+#[test]
+fn tf32_runs_f32_products_on_tf32_tensor_cores() {
+    let Some(gpu) = gpu() else { return };
+    drop(gpu);
+    let src = attention_model_dv(64, 64, 4, 2, true, "f32");
+    let c = fusec_compiler::driver::compile(&src, "attention", &Default::default())
+        .unwrap_or_else(|f| panic!("{}", f.render("attention.dsl", &src)));
+    let options = SessionOptions {
+        tf32: true,
+        ..Default::default()
+    };
+    let dims = [("B", 2), ("T", 300)];
+    let (report, failures, _) =
+        kernels_against_the_interpreter_floor("tf32", &c.optimized, &dims, options, 1e-3, 1e-2);
+    println!("{report}");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    let (_, past, _) =
+        kernels_against_the_interpreter_floor("tf32", &c.optimized, &dims, options, 1e-3, 1e-4);
+    println!("past 3xTF32's bound: {past:?}");
+    for kernel in ["matmul", "attention"] {
+        assert!(
+            past.iter().any(|f| f.contains(kernel)),
+            "no {kernel} kernel is past 1e-4: TF32 did not reach it"
+        );
+    }
 }
 
 #[test]
@@ -628,7 +667,10 @@ fn attention_with_lengths_matches_the_interpreter() {
             &label,
             &c.optimized,
             &[("B", 4), ("T", t)],
-            SessionOptions { deterministic },
+            SessionOptions {
+                deterministic,
+                ..Default::default()
+            },
         );
         println!("{report}; tensor-core kernels: {ran:?}");
         if !ran.iter().any(|n| n.ends_with("attention")) {
@@ -673,7 +715,10 @@ fn attention_with_dropout_matches_the_interpreter() {
             &label,
             &c.optimized,
             &[("B", 4), ("T", t)],
-            SessionOptions { deterministic },
+            SessionOptions {
+                deterministic,
+                ..Default::default()
+            },
         );
         println!("{report}; tensor-core kernels: {ran:?}");
         let mut got: Vec<&str> = ran.iter().map(|n| n.rsplit('_').next().unwrap()).collect();
@@ -713,6 +758,7 @@ fn dropout_training_follows_the_cpu_reference_and_repeats() {
     let feeds = random_feeds(g, &dmap, 4).unwrap();
     let det = SessionOptions {
         deterministic: true,
+        ..Default::default()
     };
     let run = |b: &mut dyn Backend| -> Vec<f64> {
         (1..=10)
@@ -765,6 +811,7 @@ fn bf16_dropout_training_on_tensor_cores_follows_the_cpu_and_repeats() {
     let feeds = random_feeds(g, &dmap, 4).unwrap();
     let det = SessionOptions {
         deterministic: true,
+        ..Default::default()
     };
     let run = |b: &mut dyn Backend| -> Vec<f64> {
         (1..=10)
@@ -815,6 +862,7 @@ fn a_restored_gpu_run_repeats_the_unbroken_one() {
     let (g, bdims, feeds) = (&case.compiled.optimized, &case.bdims, &case.feeds);
     let det = SessionOptions {
         deterministic: true,
+        ..Default::default()
     };
     let fresh = || on_gpu_with(gpu().unwrap(), g, bdims, feeds, 9, det);
     let mut whole = fresh();
@@ -843,6 +891,7 @@ fn a_warmed_up_session_trains_as_a_cold_one() {
     let Some(_) = gpu() else { return };
     let det = SessionOptions {
         deterministic: true,
+        ..Default::default()
     };
     for (file, sets, dims) in cases() {
         let c = model(file, &sets);
@@ -981,6 +1030,7 @@ fn staged_batches_match_synchronous_ones_on_the_gpu() {
     // Bit for bit needs the deterministic attention backward.
     let det = SessionOptions {
         deterministic: true,
+        ..Default::default()
     };
     let mut serial = on_gpu_with(gpu().unwrap(), g, bdims, feeds, 4, det);
     let want = serial_losses(&mut serial, &tokens, 12);
@@ -1182,6 +1232,7 @@ fn recomputed_steps_match_the_interpreter_and_the_unbudgeted_run() {
     let Some(_) = gpu() else { return };
     let options = SessionOptions {
         deterministic: true,
+        ..Default::default()
     };
     let mut failures = Vec::new();
     for (file, sets, dims) in cases() {

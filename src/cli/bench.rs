@@ -45,6 +45,10 @@ pub struct BenchArgs {
     /// Time the deterministic step (as `fusec train --deterministic` runs it)
     #[arg(long)]
     pub deterministic: bool,
+    /// Time the step with f32 products on TF32 tensor cores (as `fusec
+    /// train --tf32` runs it)
+    #[arg(long)]
+    pub tf32: bool,
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
     #[command(flatten)]
@@ -95,6 +99,9 @@ pub struct BenchAttentionArgs {
     /// --deterministic` runs it)
     #[arg(long)]
     pub deterministic: bool,
+    /// f32 in one TF32 product instead of three (as `fusec train --tf32`)
+    #[arg(long)]
+    pub tf32: bool,
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
 }
@@ -143,8 +150,14 @@ pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
                         AttnPrecision::F32 => DType::F32,
                     },
                 );
-                let r = fusec_runtime::attn_bench::run(&gpu, cfg, !args.simple, args.deterministic)
-                    .map_err(runtime_err)?;
+                let r = fusec_runtime::attn_bench::run(
+                    &gpu,
+                    cfg,
+                    !args.simple,
+                    args.deterministic,
+                    args.tf32,
+                )
+                .map_err(runtime_err)?;
                 println!("{}", r.json());
             }
         }
@@ -230,6 +243,7 @@ fn open_step(
 ) -> Result<(backend::Gpu, String), CliError> {
     let options = SessionOptions {
         deterministic: args.deterministic,
+        tf32: args.tf32,
     };
     let (s, about) = start(loaded, dims, device::Opening::here(args.gpu), options)?;
     let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
@@ -370,6 +384,7 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     let loaded = loaded;
     let options = SessionOptions {
         deterministic: args.deterministic,
+        tf32: args.tf32,
     };
     let zero = args
         .parallel

@@ -66,6 +66,9 @@ pub struct BuildArgs {
     /// --deterministic` runs it)
     #[arg(long)]
     pub deterministic: bool,
+    /// f32 attention in one TF32 product (as `fusec train --tf32` runs it)
+    #[arg(long)]
+    pub tf32: bool,
     /// Format of --dump and --dump-after: readable text or Graphviz dot
     #[arg(long, value_enum, default_value = "text")]
     pub format: Format,
@@ -153,9 +156,12 @@ fn write(path: &Path, text: &str) -> Result<(), CliError> {
         .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))
 }
 
-/// The target `--device` and `--deterministic` name.
+/// The target `--device`, `--deterministic` and `--tf32` name.
 fn target(args: &BuildArgs) -> Target {
-    Target::for_device(&args.device, args.deterministic).expect("checked by clap")
+    Target {
+        tf32: args.tf32,
+        ..Target::for_device(&args.device, args.deterministic).expect("checked by clap")
+    }
 }
 
 /// `--dump-after layout|fuse|select|plan`: the stages on kernels.

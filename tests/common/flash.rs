@@ -144,6 +144,11 @@ pub type Mutation = (&'static str, &'static str, &'static str);
 /// Compiles `src` (its `PRECISION` replaced) and takes every attention op's
 /// kernels for `arch`; panics if a supported op gets none.
 pub fn build(src: &str, precision: &str, arch: FlashArch, which: Which) -> Built {
+    build_with(src, precision, arch, which, false)
+}
+
+/// [`build`] with f32 in one TF32 product where `tf32`.
+pub fn build_with(src: &str, precision: &str, arch: FlashArch, which: Which, tf32: bool) -> Built {
     let src = src.replace("PRECISION", precision);
     let c = super::compile_with(&src, "flash.dsl", &[]);
     let g = c.optimized;
@@ -170,9 +175,10 @@ pub fn build(src: &str, precision: &str, arch: FlashArch, which: Which) -> Built
         };
         for deterministic in schemes {
             let kernels = if forward {
-                flash_forward(&g, &program, k, n, None, arch, HOST_MULTIPROCESSORS).map(|f| vec![f])
+                flash_forward(&g, &program, k, n, None, arch, HOST_MULTIPROCESSORS, tf32)
+                    .map(|f| vec![f])
             } else {
-                flash_backward(&g, &program, k, n, None, deterministic, arch)
+                flash_backward(&g, &program, k, n, None, deterministic, arch, tf32)
             }
             .unwrap_or_else(|| {
                 panic!(

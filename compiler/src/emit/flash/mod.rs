@@ -355,7 +355,9 @@ pub fn why_not(
 /// kernel's name; `None` when the op is not supported (see the module docs).
 /// `multiprocessors`: the GPU's, which bound the persistent Hopper
 /// forward's grid (any count is correct; the GPU's own keeps every
-/// multiprocessor busy with one block).
+/// multiprocessor busy with one block). `tf32`: f32 products in one TF32
+/// mma rather than three.
+#[allow(clippy::too_many_arguments)]
 pub fn flash_forward(
     g: &Graph,
     p: &Program,
@@ -364,6 +366,7 @@ pub fn flash_forward(
     source: Option<&str>,
     arch: FlashArch,
     multiprocessors: u32,
+    tf32: bool,
 ) -> Option<FlashKernel> {
     let c = Ctx::for_op(g, p, k, n);
     let cfg = forward_config(g, &c, n).ok()?;
@@ -403,7 +406,7 @@ pub fn flash_forward(
     let persistent = matches!(hopper, Some((_, _, true)));
     let (inst, maps, about) = match hopper {
         _ if dt == DType::F32 => (
-            templates::forward_f32(d, dv, causal, fold, cfg.dropout.is_some(), true),
+            templates::forward_f32(d, dv, causal, fold, cfg.dropout.is_some(), !tf32),
             Vec::new(),
             "FlashAttention-2 forward for f32 on TF32 tensor cores (kernels/attention/forward_f32.cuh)",
         ),
@@ -535,7 +538,9 @@ fn launch(
 /// atomics, bit-identical from run to run), or delta (which also clears an
 /// f32 dQ sum), dK/dV with dQ added into that sum by atomics, and a pass
 /// that stores dQ (5 tile products, as FlashAttention-2 does; the order of
-/// the additions, so dQ's last bits, vary between runs).
+/// the additions, so dQ's last bits, vary between runs). `tf32`: f32
+/// products in one TF32 mma rather than three.
+#[allow(clippy::too_many_arguments)]
 pub fn flash_backward(
     g: &Graph,
     p: &Program,
@@ -544,6 +549,7 @@ pub fn flash_backward(
     source: Option<&str>,
     deterministic: bool,
     arch: FlashArch,
+    tf32: bool,
 ) -> Option<Vec<FlashKernel>> {
     let c = Ctx::for_op(g, p, k, n);
     let cfg = backward_config(g, &c, n).ok()?;
@@ -687,7 +693,7 @@ pub fn flash_backward(
                 }
             }
             None if dt == DType::F32 => {
-                let inst = templates::dkdvdq_f32(d, dv, causal, cfg.dropout.is_some(), true);
+                let inst = templates::dkdvdq_f32(d, dv, causal, cfg.dropout.is_some(), !tf32);
                 stages.push(Planned::new(
                     Stage::DkDvDq,
                     inst.clone(),
