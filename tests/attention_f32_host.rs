@@ -1,7 +1,7 @@
 //! The f32 attention on tensor cores (kernels/attention/forward_f32.cuh,
 //! backward_f32.cuh and tf32.cuh, 3xTF32 products), verified without a GPU:
 //!
-//! - the forward and the atomic-scheme backward run on the host (every
+//! - the forward and both schemes of the backward run on the host (every
 //!   thread an OS thread, mma.sync.m16n8k8.tf32 emulated with the PTX ISA's
 //!   layouts, tests/flash_host/mma_emu.h) and must compute what the
 //!   interpreter computes (in f64 on the f32 inputs) to near f32 precision:
@@ -47,17 +47,15 @@ fn forward(src: &str) -> Built {
     build(src, "f32", FlashArch::Sm80, Which::Forward)
 }
 
+/// Both schemes: atomic (sets 0, 2, ...) and deterministic (1, 3, ...).
 fn backward(src: &str) -> Built {
-    build(
-        src,
-        "f32",
-        FlashArch::Sm80,
-        Which::Backward {
-            atomic: true,
-            deterministic: false,
-        },
-    )
+    build(src, "f32", FlashArch::Sm80, BOTH)
 }
+
+const BOTH: Which = Which::Backward {
+    atomic: true,
+    deterministic: true,
+};
 
 /// The largest error of each output of set `f` relative to its reference's
 /// largest magnitude (absolute for the forward's lse), or where one is
@@ -231,11 +229,15 @@ fn f32_backward_matches_the_reference_on_the_host() {
         return;
     }
     let b = backward(MODEL);
-    assert_eq!(b.sets.len(), 4, "every attention gradient on tensor cores");
+    assert_eq!(
+        b.sets.len(),
+        8,
+        "every attention gradient on tensor cores, both schemes"
+    );
     check_all("bwd", &b, RUNS);
     let dims = backward_head_dims();
     let b = backward(&head_dims_model(&dims));
-    assert_eq!(b.sets.len(), dims.len());
+    assert_eq!(b.sets.len(), 2 * dims.len());
     check_all(
         "bwd-dims",
         &b,
@@ -261,7 +263,7 @@ fn f32_attention_with_lengths_and_dropout_matches_the_reference() {
         .join("\n")
         .replace(" + mean(y3 * y3)", "");
     let b = backward(&narrow);
-    assert_eq!(b.sets.len(), 2);
+    assert_eq!(b.sets.len(), 4);
     check_all("bwd-lengths", &b, LENGTHS_RUNS);
     check_all("fwd-dropout", &forward(&dropout_model()), DROPOUT_RUNS);
     let narrow: Vec<_> = DROPOUT_VARIANTS
@@ -270,7 +272,7 @@ fn f32_attention_with_lengths_and_dropout_matches_the_reference() {
         .filter(|v| v.0 + v.1 <= 256)
         .collect();
     let b = backward(&with_dropout(&head_dims_model(&narrow)));
-    assert_eq!(b.sets.len(), narrow.len());
+    assert_eq!(b.sets.len(), 2 * narrow.len());
     check_all("bwd-dropout", &b, DROPOUT_RUNS);
 }
 
@@ -304,9 +306,9 @@ fn tf32_runs_one_product() {
     }
 }
 
-/// Each mutation, on set 0 of `b` at B = 1, T = 130 (two query tiles of the
-/// forward, three key blocks of the backward, partial tails), must fail.
-fn check_mutations(label: &str, b: &Built, mutations: &[Mutation]) {
+/// Each mutation, on set `f` of `b` at B = 1, T = 130 (two query tiles of
+/// the forward, three key blocks of the backward, partial tails), must fail.
+fn check_mutations(label: &str, b: &Built, f: usize, mutations: &[Mutation]) {
     let dims = common::dims(&[("B", 1), ("T", 130)]);
     let bufs = reference(b, &dims);
     let work = host::work_dir(&format!("attn-f32-{label}"));
@@ -323,12 +325,12 @@ fn check_mutations(label: &str, b: &Built, mutations: &[Mutation]) {
     .expect("the unbroken kernel");
     for (i, &m) in mutations.iter().enumerate() {
         let stem = format!("broken{i}");
-        let exe = build_harness(b, &[0], &work, &stem, Some(m));
+        let exe = build_harness(b, &[f], &work, &stem, Some(m));
         let got = run_and_compare(
             &exe,
             &work.join(format!("{stem}-run")),
             b,
-            0,
+            f,
             &bufs,
             &dims,
             (TOL, TOL_LSE),
@@ -386,7 +388,7 @@ fn a_broken_f32_kernel_is_caught() {
             "row = (lane >> 2) + (i >> 1) * 8;\n    col = (lane % 4) + (i & 1) * 4;",
         ),
     ];
-    check_mutations("fwd-mutations", &forward(ONE), &shared);
+    check_mutations("fwd-mutations", &forward(ONE), 0, &shared);
     let b = backward(ONE);
     let mut bwd = shared.to_vec();
     bwd.extend([
@@ -403,7 +405,31 @@ fn a_broken_f32_kernel_is_caught() {
             "dp[n][e] = s[n][e] * dp[n][e];",
         ),
     ]);
-    check_mutations("bwd-mutations", &b, &bwd);
+    check_mutations("bwd-mutations", &b, 0, &bwd);
+    // The deterministic scheme's dQ: dS without delta, the wrong query rows'
+    // lse, the causal mask off by one.
+    check_mutations(
+        "dq-mutations",
+        &b,
+        1,
+        &[
+            (
+                BWD,
+                "dp[n][e] = p * (dp[n][e] - dlt[r]);",
+                "dp[n][e] = p * dp[n][e];",
+            ),
+            (
+                BWD,
+                "lse2[r] = i < q_len ? a.lse.at(b, h, i) * LOG2E : 0.0f;",
+                "lse2[r] = i < q_len ? a.lse.at(b, h, i_lo) * LOG2E : 0.0f;",
+            ),
+            (
+                BWD,
+                "if (j >= kv_len || (CAUSAL && j > i)) p = 0.0f;",
+                "if (j >= kv_len || (CAUSAL && j > i + 1)) p = 0.0f;",
+            ),
+        ],
+    );
 }
 
 #[test]
@@ -419,27 +445,9 @@ fn f32_attention_compiles_with_nvrtc_without_spills() {
         (MODEL.to_string(), Which::Forward),
         (all.clone(), Which::Forward),
         (with_dropout(&all), Which::Forward),
-        (
-            MODEL.to_string(),
-            Which::Backward {
-                atomic: true,
-                deterministic: false,
-            },
-        ),
-        (
-            narrow,
-            Which::Backward {
-                atomic: true,
-                deterministic: false,
-            },
-        ),
-        (
-            dropping,
-            Which::Backward {
-                atomic: true,
-                deterministic: false,
-            },
-        ),
+        (MODEL.to_string(), BOTH),
+        (narrow, BOTH),
+        (dropping, BOTH),
     ] {
         for set in build(&src, "f32", FlashArch::Sm80, which).sets {
             for k in set.kernels {

@@ -348,14 +348,14 @@ fn snapshot_set(b: &Built, set: &common::flash::Set) {
 }
 
 /// Head dims that are not multiples of 8 or are over 256 get no
-/// tensor-core backward in any scheme; f32 none in the deterministic scheme
-/// or past 256 features in D + Dv (f32 at D = 192), and the atomic one
-/// otherwise.
+/// tensor-core backward in any scheme, nor f32 past 256 features in D + Dv
+/// (f32 at D = 192); f32 within them gets both schemes on every
+/// architecture.
 #[test]
 fn unsupported_attention_gets_no_flash_backward() {
-    let atomic_f32 = SNAPSHOT_MODEL.replace("precision = bf16", "precision = f32");
+    let f32 = SNAPSHOT_MODEL.replace("precision = bf16", "precision = f32");
     let cases = [
-        (atomic_f32, true),
+        (f32, true),
         (
             head_dims_model(&[(192, 192, 2, 1, true, false)]).replace("PRECISION", "f32"),
             false,
@@ -369,7 +369,7 @@ fn unsupported_attention_gets_no_flash_backward() {
             false,
         ),
     ];
-    for (src, atomic_on) in &cases {
+    for (src, supported) in &cases {
         let c = common::compile_with(src, "flash_bwd.dsl", &[]);
         let program = fuse(&c.optimized);
         let mut seen = 0;
@@ -394,8 +394,7 @@ fn unsupported_attention_gets_no_flash_backward() {
                     arch,
                     false,
                 );
-                // f32's atomic scheme runs on every architecture.
-                let want = *atomic_on && !deterministic;
+                let want = *supported;
                 assert_eq!(
                     got.is_some(),
                     want,

@@ -176,7 +176,7 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
                     }
                     None => {
                         if target.arch.is_some() {
-                            let why = flash::why_not(g, p, k, *n, target.deterministic)
+                            let why = flash::why_not(g, p, k, *n)
                                 .unwrap_or_else(|| "its sizes do not fit a launch".into());
                             fallbacks.push((k.name.clone(), why));
                         }

@@ -12,11 +12,11 @@
 //! plan's simple kernels (`emit/attention.rs`), and the build report names
 //! it.
 //!
-//! - f32: `ForwardF32` and, atomic scheme only, `Delta`, `DkDvDqF32`,
-//!   `DqStore` (TF32 mma.sync with 3xTF32 products, about f32's precision;
-//!   the backward up to 256 features in D + Dv), on every architecture from
-//!   sm_80. The deterministic f32 backward and wider heads' keep the simple
-//!   kernels.
+//! - f32: `ForwardF32`; backward `Delta`, `DkDvF32<ATOMIC>`, `DqStore`
+//!   (atomic) or `Delta`, `DkDvF32`, `DqF32` (deterministic), up to 256
+//!   features in D + Dv (wider heads' backward keeps the simple kernels):
+//!   TF32 mma.sync with 3xTF32 products (about f32's precision; one product
+//!   with `tf32`), on every architecture from sm_80.
 //! - Forward: `ForwardSm90` (wgmma, TMA, warp-specialized) on sm_90a where
 //!   q, k and v can be described to the tensor copies, else `ForwardSm80`
 //!   (mma.sync).
@@ -260,12 +260,10 @@ impl Config {
     }
 
     /// Why the f32 backward does not run on tensor cores, where it does not.
-    fn f32_backward_problem(&self, deterministic: bool) -> Option<String> {
+    fn f32_backward_problem(&self) -> Option<String> {
         if self.dt != DType::F32 {
             None
-        } else if deterministic {
-            Some("the f32 backward on tensor cores adds dQ by atomics, and the build asks for a deterministic one".into())
-        } else if !templates::dkdvdq_f32_fits(self.d, self.dv) {
+        } else if !templates::f32_backward_fits(self.d, self.dv) {
             Some(format!(
                 "its head dims {} and {} add up to more than the 256 features the f32 backward holds",
                 self.d, self.dv
@@ -330,20 +328,14 @@ fn backward_config(g: &Graph, c: &Ctx, n: NodeIndex) -> Result<Config, String> {
 }
 
 /// Why attention (or attention gradient) op `n` in plan kernel `k` does
-/// not run on the tensor-core kernels (the backward in the scheme
-/// `deterministic` picks); `None` when it does (or is no attention).
-pub fn why_not(
-    g: &Graph,
-    p: &Program,
-    k: &Kernel,
-    n: NodeIndex,
-    deterministic: bool,
-) -> Option<String> {
+/// not run on the tensor-core kernels; `None` when it does (or is no
+/// attention).
+pub fn why_not(g: &Graph, p: &Program, k: &Kernel, n: NodeIndex) -> Option<String> {
     let c = Ctx::for_op(g, p, k, n);
     match &g.g[n].op {
         Op::Attention(_) => forward_config(g, &c, n).err(),
         Op::AttentionGrad(_) => match backward_config(g, &c, n) {
-            Ok(cfg) => cfg.f32_backward_problem(deterministic),
+            Ok(cfg) => cfg.f32_backward_problem(),
             Err(e) => Some(e),
         },
         _ => None,
@@ -478,6 +470,10 @@ const ABOUT_DQ: &str =
     "FlashAttention-2 backward, kernel 3 of 3: dQ on tensor cores (kernels/attention/backward_sm80.cuh)";
 const ABOUT_DKDVDQ_SM80: &str =
     "FlashAttention-2 backward, kernel 2 of 3: dK, dV and dQ by atomics on tensor cores (kernels/attention/backward_sm80.cuh)";
+const ABOUT_DK_DV_F32: &str =
+    "FlashAttention-2 backward, kernel 2 of 3: dK and dV on TF32 tensor cores (kernels/attention/backward_f32.cuh)";
+const ABOUT_DQ_F32: &str =
+    "FlashAttention-2 backward, kernel 3 of 3: dQ on TF32 tensor cores (kernels/attention/backward_f32.cuh)";
 const ABOUT_DKDVDQ_F32: &str =
     "FlashAttention-2 backward, kernel 2 of 3: dK, dV and dQ by atomics on TF32 tensor cores (kernels/attention/backward_f32.cuh)";
 const ABOUT_DKV_STORE: &str =
@@ -553,7 +549,7 @@ pub fn flash_backward(
 ) -> Option<Vec<FlashKernel>> {
     let c = Ctx::for_op(g, p, k, n);
     let cfg = backward_config(g, &c, n).ok()?;
-    if cfg.f32_backward_problem(deterministic).is_some() {
+    if cfg.f32_backward_problem().is_some() {
         return None;
     }
     let arch = cfg.backward_arch(arch);
@@ -629,7 +625,23 @@ pub fn flash_backward(
         q_grid(delta.tile),
         ABOUT_DELTA,
     ));
-    if deterministic {
+    if deterministic && dt == DType::F32 {
+        let drop = cfg.dropout.is_some();
+        let dkdv = templates::dkdv_f32(d, dv, causal, false, drop, !tf32);
+        stages.push(Planned::new(
+            Stage::DkDv,
+            dkdv.clone(),
+            kv_grid(dkdv.tile),
+            ABOUT_DK_DV_F32,
+        ));
+        let dq = templates::dq_f32(d, dv, causal, drop, !tf32);
+        stages.push(Planned::new(
+            Stage::Dq,
+            dq.clone(),
+            q_grid(dq.tile),
+            ABOUT_DQ_F32,
+        ));
+    } else if deterministic {
         let dkdv = cfg.drop(templates::dkdv_sm80(dt, d, dv, causal, false));
         stages.push(Planned::new(
             Stage::DkDv,
@@ -693,7 +705,7 @@ pub fn flash_backward(
                 }
             }
             None if dt == DType::F32 => {
-                let inst = templates::dkdvdq_f32(d, dv, causal, cfg.dropout.is_some(), !tf32);
+                let inst = templates::dkdv_f32(d, dv, causal, true, cfg.dropout.is_some(), !tf32);
                 stages.push(Planned::new(
                     Stage::DkDvDq,
                     inst.clone(),

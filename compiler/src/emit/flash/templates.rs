@@ -154,32 +154,41 @@ pub(crate) fn forward_f32(
     }
 }
 
-/// `backward_f32.cuh`'s shared memory at a query tile of `tq` rows.
-fn dkdvdq_f32_smem(dp: u64, dvp: u64, tq: u64) -> u64 {
-    (64 * (dp + dvp + 8) + tq * (dp + dvp + 8) + 64 * (tq + 4)) * 4 + 2 * tq * 4
+/// `backward_f32.cuh`'s `dkdv_f32_smem`: `DkDvF32`'s shared memory at a
+/// query tile of `tq` rows.
+fn dkdv_f32_smem(dp: u64, dvp: u64, tq: u64, atomic: bool) -> u64 {
+    let ds = if atomic { 64 * (tq + 4) } else { 0 };
+    (64 * (dp + dvp + 8) + tq * (dp + dvp + 8) + ds) * 4 + 2 * tq * 4
 }
 
-/// Whether `DkDvDqF32` holds head dims `d`, `dv`: dK and dV accumulators
-/// for up to 256 padded features in all.
-pub(crate) fn dkdvdq_f32_fits(d: u64, dv: u64) -> bool {
+/// Whether the f32 backward holds head dims `d`, `dv`: dK and dV
+/// accumulators for up to 256 padded features in all.
+pub(crate) fn f32_backward_fits(d: u64, dv: u64) -> bool {
     round_up(d, 8) + round_up(dv, 8) <= 256
 }
 
-/// `backward_f32.cuh`'s `DkDvDqF32`: 64 keys a block; 64-query tiles up to
+/// `backward_f32.cuh`'s `DkDvF32`: 64 keys a block; 64-query tiles up to
 /// 64 features each, else 32 or 16, whichever fits [`F32_SMEM_LIMIT`].
-pub(crate) fn dkdvdq_f32(d: u64, dv: u64, causal: bool, dropout: bool, precise: bool) -> Instance {
+pub(crate) fn dkdv_f32(
+    d: u64,
+    dv: u64,
+    causal: bool,
+    atomic: bool,
+    dropout: bool,
+    precise: bool,
+) -> Instance {
     let (dp, dvp) = (round_up(d, 8), round_up(dv, 8));
     let tile_q = if dp <= 64 && dvp <= 64 {
         64
-    } else if dkdvdq_f32_smem(dp, dvp, 32) <= F32_SMEM_LIMIT {
+    } else if dkdv_f32_smem(dp, dvp, 32, atomic) <= F32_SMEM_LIMIT {
         32
     } else {
         16
     };
-    let smem = dkdvdq_f32_smem(dp, dvp, tile_q);
+    let smem = dkdv_f32_smem(dp, dvp, tile_q, atomic);
     Instance {
         header: "attention/backward_f32.cuh",
-        ty: format!("fs_attn::DkDvDqF32<{d}, {dv}, {causal}, {dropout}, {precise}>"),
+        ty: format!("fs_attn::DkDvF32<{d}, {dv}, {causal}, {atomic}, {dropout}, {precise}>"),
         threads: 128,
         bounds: "128, 2".into(),
         tile: 64,
@@ -190,6 +199,37 @@ pub(crate) fn dkdvdq_f32(d: u64, dv: u64, causal: bool, dropout: bool, precise: 
             ("THREADS", 128),
             ("TILE_K", 64),
             ("TILE_Q", tile_q),
+            ("SMEM_BYTES", smem),
+        ],
+    }
+}
+
+/// `backward_f32.cuh`'s `DqF32`: 64 queries a block; 64-key tiles up to 64
+/// features each, else 32 or 16, whichever fits [`F32_SMEM_LIMIT`].
+pub(crate) fn dq_f32(d: u64, dv: u64, causal: bool, dropout: bool, precise: bool) -> Instance {
+    let (dp, dvp) = (round_up(d, 8), round_up(dv, 8));
+    let smem_at = |tk: u64| (64 + tk) * (dp + dvp + 8) * 4;
+    let tile_k = if dp <= 64 && dvp <= 64 {
+        64
+    } else if smem_at(32) <= F32_SMEM_LIMIT {
+        32
+    } else {
+        16
+    };
+    let smem = smem_at(tile_k);
+    Instance {
+        header: "attention/backward_f32.cuh",
+        ty: format!("fs_attn::DqF32<{d}, {dv}, {causal}, {dropout}, {precise}>"),
+        threads: 128,
+        bounds: "128, 2".into(),
+        tile: 64,
+        parts: 1,
+        smem,
+        sm90: false,
+        checks: vec![
+            ("THREADS", 128),
+            ("TILE_Q", 64),
+            ("TILE_K", tile_k),
             ("SMEM_BYTES", smem),
         ],
     }
