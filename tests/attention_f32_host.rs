@@ -216,11 +216,8 @@ fn f32_forward_matches_the_reference_on_the_host() {
     check_all("fwd", &b, RUNS);
     let b = forward(&head_dims_model(HEAD_DIMS));
     assert_eq!(b.sets.len(), HEAD_DIMS.len());
-    check_all(
-        "fwd-dims",
-        &b,
-        &[&[("B", 2), ("T", 17)], &[("B", 1), ("T", 100)]],
-    );
+    // T = 100: a partial second tile (MODEL's runs take T = 1, 17, 130).
+    check_all("fwd-dims", &b, &[&[("B", 1), ("T", 100)]]);
 }
 
 #[test]
@@ -238,11 +235,8 @@ fn f32_backward_matches_the_reference_on_the_host() {
     let dims = backward_head_dims();
     let b = backward(&head_dims_model(&dims));
     assert_eq!(b.sets.len(), 2 * dims.len());
-    check_all(
-        "bwd-dims",
-        &b,
-        &[&[("B", 2), ("T", 17)], &[("B", 1), ("T", 100)]],
-    );
+    // T = 100: a partial second tile (MODEL's runs take T = 1, 17, 130).
+    check_all("bwd-dims", &b, &[&[("B", 1), ("T", 100)]]);
 }
 
 /// Padded keys (cross-attention S != T, causal self-attention) and dropout
