@@ -47,7 +47,6 @@ struct DkDvF32 {
                                   : dkdv_f32_smem(DP, DVP, 32, ATOMIC) <= 99 * 1024 ? 32
                                                                                       : 16;
     static constexpr int ROW = DP + 4, ROW_V = DVP + 4, DS_ROW = TILE_Q + 4;  // conflict-free reads (tf32.cuh)
-    static constexpr int CHUNK_K = tf32_chunk(DP / 8), CHUNK_V = tf32_chunk(DVP / 8);  // B fragments split at a time
     static constexpr int SMEM_BYTES = dkdv_f32_smem(DP, DVP, TILE_Q, ATOMIC);
     static_assert(SMEM_BYTES <= 99 * 1024, "the tiles fit the shared memory of every sm_80+ GPU");
 
@@ -111,19 +110,13 @@ struct DkDvF32 {
                 for (int kk = 0; kk < DP / 8; ++kk) {
                     Tf32Frag<4> ka;
                     a_rows<PRECISE>(ka, k_tile + warp * 16 * ROW + kk * 8, ROW);
-                    Tf32Frag<2> qb[TILE_Q / 8];
-#pragma unroll
-                    for (int n = 0; n < TILE_Q / 8; ++n) b_rows<PRECISE>(qb[n], q_tile + n * 8 * ROW + kk * 8, ROW);
-                    mma_tf32<PRECISE>(s, ka, qb);
+                    mma_rows<PRECISE>(s, ka, q_tile + kk * 8, ROW);
                 }
 #pragma unroll
                 for (int kk = 0; kk < DVP / 8; ++kk) {
                     Tf32Frag<4> va;
                     a_rows<PRECISE>(va, v_tile + warp * 16 * ROW_V + kk * 8, ROW_V);
-                    Tf32Frag<2> ob[TILE_Q / 8];
-#pragma unroll
-                    for (int n = 0; n < TILE_Q / 8; ++n) b_rows<PRECISE>(ob[n], do_tile + n * 8 * ROW_V + kk * 8, ROW_V);
-                    mma_tf32<PRECISE>(dp, va, ob);
+                    mma_rows<PRECISE>(dp, va, do_tile + kk * 8, ROW_V);
                 }
 
                 // P^T (masked), then dS^T = P^T * (dP^T - delta) in place of dp;
@@ -160,21 +153,8 @@ struct DkDvF32 {
                     Tf32Frag<4> pa, dsa;
                     a_of_acc<PRECISE>(pa, s[kk]);
                     a_of_acc<PRECISE>(dsa, dp[kk]);
-#pragma unroll
-                    for (int n0 = 0; n0 < DVP / 8; n0 += CHUNK_V) {
-                        Tf32Frag<2> ob[CHUNK_V];
-#pragma unroll
-                        for (int j = 0; j < CHUNK_V; ++j)
-                            b_cols_pairs<PRECISE>(ob[j], do_tile + kk * 8 * ROW_V + (n0 + j) * 8, ROW_V);
-                        mma_tf32<PRECISE>(dv_acc + n0, pa, ob);
-                    }
-#pragma unroll
-                    for (int n0 = 0; n0 < DP / 8; n0 += CHUNK_K) {
-                        Tf32Frag<2> qb[CHUNK_K];
-#pragma unroll
-                        for (int j = 0; j < CHUNK_K; ++j) b_cols_pairs<PRECISE>(qb[j], q_tile + kk * 8 * ROW + (n0 + j) * 8, ROW);
-                        mma_tf32<PRECISE>(dk_acc + n0, dsa, qb);
-                    }
+                    mma_cols_pairs<PRECISE>(dv_acc, pa, do_tile + kk * 8 * ROW_V, ROW_V);
+                    mma_cols_pairs<PRECISE>(dk_acc, dsa, q_tile + kk * 8 * ROW, ROW);
                 }
                 if (ATOMIC) add_dq(a, k_tile, ds_tile, b, h, i0, warp, frag_row, frag_col);
             }
@@ -252,7 +232,6 @@ struct DqF32 {
                                   : dq_f32_smem(DP, DVP, 32) <= 99 * 1024 ? 32
                                                                             : 16;
     static constexpr int ROW = DP + 4, ROW_V = DVP + 4;
-    static constexpr int CHUNK_K = tf32_chunk(DP / 8);
     static constexpr int SMEM_BYTES = dq_f32_smem(DP, DVP, TILE_K);
     static_assert(SMEM_BYTES <= 99 * 1024, "the tiles fit the shared memory of every sm_80+ GPU");
 
@@ -334,13 +313,7 @@ struct DqF32 {
             for (int kk = 0; kk < TILE_K / 8; ++kk) {
                 Tf32Frag<4> dsa;
                 a_of_acc<PRECISE>(dsa, dp[kk]);
-#pragma unroll
-                for (int n0 = 0; n0 < DP / 8; n0 += CHUNK_K) {
-                    Tf32Frag<2> kb[CHUNK_K];
-#pragma unroll
-                    for (int j = 0; j < CHUNK_K; ++j) b_cols_pairs<PRECISE>(kb[j], k_tile + kk * 8 * ROW + (n0 + j) * 8, ROW);
-                    mma_tf32<PRECISE>(dq_acc + n0, dsa, kb);
-                }
+                mma_cols_pairs<PRECISE>(dq_acc, dsa, k_tile + kk * 8 * ROW, ROW);
             }
         }
 
@@ -370,10 +343,7 @@ struct DqF32 {
         for (int kk = 0; kk < W / 8; ++kk) {
             Tf32Frag<4> fa;
             a_rows<PRECISE>(fa, a_rows_at + kk * 8, P);
-            Tf32Frag<2> fb[TILE_K / 8];
-#pragma unroll
-            for (int n = 0; n < TILE_K / 8; ++n) b_rows<PRECISE>(fb[n], tile + n * 8 * P + kk * 8, P);
-            mma_tf32<PRECISE>(acc, fa, fb);
+            mma_rows<PRECISE>(acc, fa, tile + kk * 8, P);
         }
     }
 };

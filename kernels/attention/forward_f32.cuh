@@ -33,7 +33,6 @@ struct ForwardF32 {
     static constexpr bool WIDE = DP > 128 || DVP > 128;
     static constexpr int TILE_Q = WIDE ? 32 : 64, TILE_K = WIDE ? 32 : 64, THREADS = TILE_Q * 2;
     static constexpr int ROW = DP + 4, ROW_V = DVP + 4;  // conflict-free fragment reads (tf32.cuh)
-    static constexpr int CHUNK_V = tf32_chunk(DVP / 8);   // V's B fragments split at a time
     static constexpr int SMEM_BYTES = (TILE_Q * ROW + TILE_K * ROW + TILE_K * ROW_V) * 4;
     static_assert(SMEM_BYTES <= 99 * 1024, "the tiles fit the shared memory of every sm_80+ GPU");
 
@@ -79,10 +78,7 @@ struct ForwardF32 {
             for (int kk = 0; kk < DP / 8; ++kk) {
                 Tf32Frag<4> qa;
                 a_rows<PRECISE>(qa, q_warp + kk * 8, ROW);
-                Tf32Frag<2> kb[TILE_K / 8];
-#pragma unroll
-                for (int n = 0; n < TILE_K / 8; ++n) b_rows<PRECISE>(kb[n], k_tile + n * 8 * ROW + kk * 8, ROW);
-                mma_tf32<PRECISE>(s, qa, kb);
+                mma_rows<PRECISE>(s, qa, k_tile + kk * 8, ROW);
             }
 
             float rescale[2];
@@ -107,13 +103,7 @@ struct ForwardF32 {
             for (int kk = 0; kk < TILE_K / 8; ++kk) {
                 Tf32Frag<4> pa;
                 a_of_acc<PRECISE>(pa, s[kk]);
-#pragma unroll
-                for (int n0 = 0; n0 < DVP / 8; n0 += CHUNK_V) {
-                    Tf32Frag<2> vb[CHUNK_V];
-#pragma unroll
-                    for (int j = 0; j < CHUNK_V; ++j) b_cols_pairs<PRECISE>(vb[j], v_tile + kk * 8 * ROW_V + (n0 + j) * 8, ROW_V);
-                    mma_tf32<PRECISE>(o_acc + n0, pa, vb);
-                }
+                mma_cols_pairs<PRECISE>(o_acc, pa, v_tile + kk * 8 * ROW_V, ROW_V);
             }
         }
 

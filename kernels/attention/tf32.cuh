@@ -143,6 +143,32 @@ __device__ __forceinline__ void b_cols_pairs(Tf32Frag<2>& b, const float* at, in
     tf32_split<PRECISE>(b, 1, at[(2 * t + 1) * row + g]);
 }
 
+// acc[n] += a * B_n for n < N: B_n is rows 8n .. 8n + 7 of a tile stored
+// [n][k] (`at` at (0, k0)), all N fragments read and split, then the
+// passes (S = Q K^T and its kin).
+template <bool PRECISE, int N>
+__device__ __forceinline__ void mma_rows(float (&acc)[N][4], const Tf32Frag<4>& a, const float* at, int row) {
+    Tf32Frag<2> b[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) b_rows<PRECISE>(b[n], at + n * 8 * row, row);
+    mma_tf32<PRECISE>(acc, a, b);
+}
+
+// acc[n] += a * B_n for n < N: B_n is columns 8n .. 8n + 7 of a row-major
+// [k][n] tile (`at` at (k0, 0)), k in pairs, tf32_chunk(N) fragments split
+// at a time (O += P V and its kin).
+template <bool PRECISE, int N>
+__device__ __forceinline__ void mma_cols_pairs(float (&acc)[N][4], const Tf32Frag<4>& a, const float* at, int row) {
+    constexpr int C = tf32_chunk(N);
+#pragma unroll
+    for (int n0 = 0; n0 < N; n0 += C) {
+        Tf32Frag<2> b[C];
+#pragma unroll
+        for (int j = 0; j < C; ++j) b_cols_pairs<PRECISE>(b[j], at + (n0 + j) * 8, row);
+        mma_tf32<PRECISE>(acc + n0, a, b);
+    }
+}
+
 }  // namespace fs_attn
 
 #endif

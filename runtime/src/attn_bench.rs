@@ -298,12 +298,7 @@ pub fn run(
     let family = |ki: usize| match &plan.launches[ki].steps[..] {
         [] => "none",
         s if s.iter().any(|x| x.arch_specific) => "flash-wgmma",
-        s if s
-            .iter()
-            .any(|x| x.template.as_deref().is_some_and(|t| t.contains("F32"))) =>
-        {
-            "flash-tf32"
-        }
+        s if cfg.dtype == DType::F32 && s.iter().any(|x| x.template.is_some()) => "flash-tf32",
         s if s.iter().any(|x| x.template.is_some()) && deterministic && ki == bwd => {
             "flash-deterministic"
         }
