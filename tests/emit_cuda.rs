@@ -162,7 +162,7 @@ fn every_kernel_of_every_model_file_has_code_to_run_it() {
                     arch,
                     deterministic: false,
                     multiprocessors: 132,
-                    tf32: false,
+                    f32_math: Default::default(),
                 };
                 let s = select(&c.optimized, &program, &target, None);
                 for (k, choice) in program.kernels.iter().zip(&s.choices) {

@@ -9,6 +9,7 @@
 
 use crate::emit::cuda::emit_program;
 use crate::emit::flash::{self, FlashArch, FlashKernel};
+use crate::emit::gemm_split::{split_source, SPLIT_SOURCE};
 use crate::ir::Graph;
 use crate::kernel::{Body, Program};
 use crate::ops::Op;
@@ -25,9 +26,32 @@ pub struct Target {
     pub deterministic: bool,
     /// Multiprocessors of the GPU, the persistent kernels' grid.
     pub multiprocessors: u32,
-    /// f32 attention in one TF32 product (10 mantissa bits an operand, as
-    /// PyTorch's `allow_tf32`) instead of three (about f32's precision).
-    pub tf32: bool,
+    /// How f32 products are taken on tensor cores (GEMMs and attention).
+    pub f32_math: F32Math,
+}
+
+/// How an f32 model's products run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum F32Math {
+    /// Three TF32 products of each operand's TF32 part and remainder
+    /// (3xTF32, as CUTLASS's OpMultiplyAddFastF32), on tensor cores: GEMMs
+    /// through cuBLASLt over the operands split by `kernels/gemm/
+    /// split_tf32.cuh`, the attention inside its kernels.
+    #[default]
+    ThreeTf32,
+    /// One TF32 product (10 mantissa bits an operand), as PyTorch's
+    /// `allow_tf32`: `--tf32`.
+    Tf32,
+    /// GEMMs in f32 on CUDA cores (cuBLASLt's CUBLAS_COMPUTE_32F, PyTorch's
+    /// default); the attention as under `ThreeTf32`: `--exact-f32`.
+    Exact,
+}
+
+impl F32Math {
+    /// The attention kernels' f32 scheme: one TF32 product or three.
+    pub fn attention_tf32(self) -> bool {
+        self == F32Math::Tf32
+    }
 }
 
 /// Device names `fusec build --device` takes, the architecture each
@@ -53,7 +77,7 @@ impl Target {
             arch: d.2,
             deterministic,
             multiprocessors: d.3,
-            tf32: false,
+            f32_math: F32Math::default(),
         })
     }
 
@@ -63,7 +87,7 @@ impl Target {
             arch: None,
             deterministic: false,
             multiprocessors: 1,
-            tf32: false,
+            f32_math: F32Math::default(),
         }
     }
 
@@ -79,10 +103,11 @@ impl Target {
         } else {
             ""
         };
-        let tf32 = if self.tf32 && self.arch.is_some() {
-            ", f32 in one TF32 product"
-        } else {
-            ""
+        let tf32 = match (self.f32_math, self.arch) {
+            (_, None) => "",
+            (F32Math::ThreeTf32, _) => "",
+            (F32Math::Tf32, _) => ", f32 in one TF32 product",
+            (F32Math::Exact, _) => ", f32 GEMMs on CUDA cores",
         };
         format!("{family}{scheme}{tf32}")
     }
@@ -93,6 +118,10 @@ impl Target {
 pub enum Choice {
     /// A cuBLASLt call (a GEMM and its epilogue).
     Library,
+    /// An f32 GEMM as three TF32 products: its operands split into the
+    /// plan's scratch by the [`SPLIT_SOURCE`] kernels, then one cuBLASLt
+    /// call over K tripled (`kernels/gemm/split_tf32.cuh`).
+    SplitGemm,
     /// The kernel generated for it, under the program kernel's name; the
     /// plan works out its grid.
     Generated,
@@ -127,11 +156,19 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
         arch: None,
         ..target.clone()
     };
+    let (tensor_cores, f32_math) = (target.arch.is_some(), target.f32_math);
     let target = match g.lowering_on("tensor-core-attention") {
         true => target,
         false => &simple,
     };
     let mut generated = emit_program(g, p, source);
+    // f32 GEMMs take three TF32 products where the GPU has TF32 tensor
+    // cores (every target with tensor-core attention: sm_80 on).
+    let split = |k: &crate::kernel::Kernel| {
+        tensor_cores
+            && f32_math == F32Math::ThreeTf32
+            && p.buffers[k.inputs[0]].ty.dtype == crate::ir::DType::F32
+    };
     let mut choices = Vec::with_capacity(p.kernels.len());
     let mut fallbacks = Vec::new();
     let mut templates = Vec::new();
@@ -139,8 +176,12 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
         let has_source = generated.iter().any(|(name, _)| *name == k.name);
         let choice = match &k.body {
             _ if crate::kernel::buckets::is_collective(g, k) => Choice::Collective,
+            Body::Gemm(..) if split(k) => Choice::SplitGemm,
             Body::Gemm(..) => Choice::Library,
-            Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) && !has_source => Choice::Library,
+            Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) && !has_source => match split(k) {
+                true => Choice::SplitGemm,
+                false => Choice::Library,
+            },
             Body::Op(n) if matches!(g.g[*n].op, Op::Attention(_) | Op::AttentionGrad(_)) => {
                 let chosen = target.arch.and_then(|arch| match g.g[*n].op {
                     Op::Attention(_) => flash::flash_forward(
@@ -151,7 +192,7 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
                         source,
                         arch,
                         target.multiprocessors,
-                        target.tf32,
+                        target.f32_math.attention_tf32(),
                     )
                     .map(|f| vec![f]),
                     _ => flash::flash_backward(
@@ -162,7 +203,7 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
                         source,
                         target.deterministic,
                         arch,
-                        target.tf32,
+                        target.f32_math.attention_tf32(),
                     ),
                 });
                 match chosen {
@@ -203,6 +244,9 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
         .collect();
     generated.retain(|(name, _)| !replaced.contains(&name.as_str()));
     generated.extend(templates);
+    if choices.iter().any(|c| matches!(c, Choice::SplitGemm)) {
+        generated.push((SPLIT_SOURCE.to_string(), split_source()));
+    }
     let selection = Selection {
         target: target.clone(),
         choices,
@@ -241,6 +285,10 @@ impl Selection {
             match c {
                 Choice::Generated if !has(&k.name) => problems.push(format!(
                     "{} runs its generated kernel, which has no source",
+                    k.name
+                )),
+                Choice::SplitGemm if !has(SPLIT_SOURCE) => problems.push(format!(
+                    "{} splits its operands, and {SPLIT_SOURCE} has no source",
                     k.name
                 )),
                 Choice::Templates(ks) => {
@@ -290,6 +338,9 @@ impl Selection {
             let ops: Vec<&str> = k.nodes.iter().map(|&n| g.g[n].op.name()).collect();
             let what = match c {
                 Choice::Library => "cuBLASLt".to_string(),
+                Choice::SplitGemm => {
+                    format!("cuBLASLt, three TF32 products (operands split by {SPLIT_SOURCE}_*)")
+                }
                 Choice::Generated => "generated".to_string(),
                 Choice::Missing => "nothing yet".to_string(),
                 Choice::Collective => {

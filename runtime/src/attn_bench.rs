@@ -199,7 +199,10 @@ pub fn run(
         arch: if flash { gpu.flash_arch()? } else { None },
         deterministic,
         multiprocessors: gpu.multiprocessors,
-        tf32,
+        f32_math: match tf32 {
+            true => fusec_compiler::select::F32Math::Tf32,
+            false => fusec_compiler::select::F32Math::ThreeTf32,
+        },
     };
     let selection = select(g, &p, &target, None);
     let plan =

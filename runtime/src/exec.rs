@@ -5,11 +5,13 @@
 
 use crate::device::Gpu;
 use crate::gemm::{Elem, EpiloguePtrs, Gemm, GemmSpec};
+use crate::gemm_split::SplitKernels;
 use crate::nccl;
 use crate::stage::{HostBuf, Stager};
 use crate::tensor_map::{encode_sizes, EncodedMap};
 use crate::RuntimeError;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use fusec_compiler::emit::gemm_split::SPLIT_SOURCE;
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::ir::{Dim, Graph};
@@ -82,6 +84,9 @@ enum Step {
         b: u64,
         d: u64,
         ep: EpiloguePtrs,
+        /// f32 operands split for three TF32 products into this scratch
+        /// (address, f32 elements) first.
+        split: Option<(u64, u64)>,
     },
     /// A bucket averaged over the ranks, on the communication stream (see
     /// `DataParallel`); `true` where it runs on every micro-batch (the
@@ -611,11 +616,24 @@ impl Executor {
                                 ep.gelu_aux_out = Some(ptr(k.outputs[1]));
                             }
                         }
-                        if gemm.is_none() {
-                            gemm = Some(
+                        let g = match &mut gemm {
+                            Some(g) => g,
+                            None => gemm.insert(
                                 Gemm::new(&gpu.stream)
                                     .map_err(|e| RuntimeError::Gemm(e.to_string()))?,
-                            );
+                            ),
+                        };
+                        let split = l
+                            .split_scratch
+                            .map(|b| (base + plan.buffers[b].offset, plan.buffers[b].bytes / 4));
+                        if split.is_some() && g.split_kernels.is_none() {
+                            let si = *by_name.get(SPLIT_SOURCE).ok_or_else(|| {
+                                RuntimeError::Unsupported(format!(
+                                    "kernel {} splits its operands for TF32, and the step has no {SPLIT_SOURCE}",
+                                    k.name
+                                ))
+                            })?;
+                            g.split_kernels = Some(SplitKernels::load(|f| function(si, f))?);
                         }
                         Step::Gemm {
                             spec,
@@ -623,6 +641,7 @@ impl Executor {
                             b: ptr(k.inputs[1]),
                             d: ptr(k.outputs[0]),
                             ep,
+                            split,
                         }
                     }
                     _ => {
@@ -1221,10 +1240,20 @@ fn run(
                 run(s, name, gpu, dims, gemm)?;
             }
         }
-        Step::Gemm { spec, a, b, d, ep } => {
+        Step::Gemm {
+            spec,
+            a,
+            b,
+            d,
+            ep,
+            split,
+        } => {
             let gemm = gemm.as_mut().expect("created with the first GEMM");
-            gemm.run(spec, *a, *b, *d, ep)
-                .map_err(|e| RuntimeError::Gemm(format!("kernel {name}: {e}")))?;
+            match split {
+                Some(scratch) => gemm.run_split(spec, *a, *b, *d, ep, *scratch),
+                None => gemm.run(spec, *a, *b, *d, ep),
+            }
+            .map_err(|e| RuntimeError::Gemm(format!("kernel {name}: {e}")))?;
         }
         Step::Collective(..) => unreachable!("the executor runs collectives itself"),
     }

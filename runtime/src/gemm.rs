@@ -330,6 +330,8 @@ pub struct Gemm {
     plans: HashMap<Key, Plan>,
     /// Lets F32 products use TF32 tensor cores (about 10 mantissa bits).
     pub allow_tf32: bool,
+    /// What [`Gemm::run_split`] copies the operands with.
+    pub split_kernels: Option<crate::gemm_split::SplitKernels>,
 }
 
 // SAFETY: the handle and descriptors are host objects cuBLASLt lets move
@@ -450,6 +452,7 @@ impl Gemm {
             workspace_ptr,
             plans: HashMap::new(),
             allow_tf32: false,
+            split_kernels: None,
         })
     }
 
@@ -468,6 +471,46 @@ impl Gemm {
         b: u64,
         d: u64,
         ep: &EpiloguePtrs,
+    ) -> Result<(), GemmError> {
+        let tf32 = self.allow_tf32 && spec.in_type == Elem::F32;
+        self.run_with(spec, a, b, d, ep, tf32)
+    }
+
+    /// [`Gemm::run`] for f32 operands as three TF32 products: the split
+    /// kernels copy A and B into `scratch` (address, f32 elements) three
+    /// times along K, as hi, lo and hi parts (`kernels/gemm/
+    /// split_tf32.cuh`), and one TF32 product over K tripled takes them.
+    pub fn run_split(
+        &mut self,
+        spec: &GemmSpec,
+        a: u64,
+        b: u64,
+        d: u64,
+        ep: &EpiloguePtrs,
+        scratch: (u64, u64),
+    ) -> Result<(), GemmError> {
+        spec.validate(ep)?;
+        let invalid = |reason: String| GemmError::Invalid {
+            product: describe(spec, ep),
+            reason,
+        };
+        let kernels = self
+            .split_kernels
+            .as_ref()
+            .ok_or_else(|| invalid("the TF32 split kernels were not loaded".into()))?;
+        let tripled = crate::gemm_split::split_operands(spec, a, b, scratch, kernels, &self.stream)
+            .map_err(invalid)?;
+        self.run_with(&tripled.spec, tripled.a, tripled.b, d, ep, true)
+    }
+
+    fn run_with(
+        &mut self,
+        spec: &GemmSpec,
+        a: u64,
+        b: u64,
+        d: u64,
+        ep: &EpiloguePtrs,
+        tf32: bool,
     ) -> Result<(), GemmError> {
         spec.validate(ep)?;
         if a == 0 || b == 0 || d == 0 {
@@ -499,7 +542,7 @@ impl Gemm {
             spec: *spec,
             kind: Kind::of(ep),
             residual: ep.residual.is_some(),
-            tf32: self.allow_tf32 && spec.in_type == Elem::F32,
+            tf32,
             align: [
                 alignment(b, sb),
                 alignment(a, sa),

@@ -12,6 +12,7 @@ pub mod data;
 pub mod device;
 pub mod exec;
 pub mod gemm;
+pub mod gemm_split;
 pub mod marks;
 pub mod name_map;
 pub mod nccl;

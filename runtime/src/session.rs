@@ -12,7 +12,7 @@ use fusec_compiler::ir::Graph;
 use fusec_compiler::kernel::Program;
 use fusec_compiler::lowering::{lower, Lowered};
 use fusec_compiler::plan::Plan;
-use fusec_compiler::select::Target;
+use fusec_compiler::select::{F32Math, Target};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
@@ -44,11 +44,9 @@ pub struct SessionOptions {
     /// tiles for dQ instead of summing dQ with atomics (slower; every other
     /// kernel is deterministic either way).
     pub deterministic: bool,
-    /// f32 products on TF32 tensor cores in one pass, as PyTorch's
-    /// `allow_tf32`: cuBLASLt's f32 GEMMs with TF32 compute, and the f32
-    /// attention in one TF32 mma instead of three (10 mantissa bits an
-    /// operand instead of about f32's precision).
-    pub tf32: bool,
+    /// How f32 products run: three TF32 products (the default), one (as
+    /// PyTorch's `allow_tf32`), or f32 GEMMs on CUDA cores.
+    pub f32_math: F32Math,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -93,7 +91,7 @@ impl Session {
             arch: gpu.flash_arch()?,
             deterministic: options.deterministic,
             multiprocessors: gpu.multiprocessors,
-            tf32: options.tf32,
+            f32_math: options.f32_math,
         };
         let Lowered {
             program,
@@ -117,7 +115,7 @@ impl Session {
             })
             .collect();
         let mut exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins)?;
-        exec.allow_tf32(options.tf32);
+        exec.allow_tf32(options.f32_math == F32Math::Tf32);
         crate::startup::mark("modules loaded, arena allocated");
         Ok(Session {
             exec,

@@ -157,6 +157,13 @@ fn every_kernel_fits_every_device() {
             }
         }
         assert!(instances > 0, "{device}: no template instance was selected");
+        // The f32 models' GEMMs split their operands for TF32 (fp32 is
+        // the default precision of the models without one).
+        let split = fusec_compiler::emit::gemm_split::SPLIT_SOURCE;
+        assert!(
+            sources.values().any(|(name, _)| name == split),
+            "{device}: no f32 GEMM was split for three TF32 products"
+        );
         use rayon::prelude::*;
         let results: Vec<Result<(u64, String), String>> = sources
             .par_iter()

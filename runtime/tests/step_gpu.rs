@@ -19,6 +19,7 @@ use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::kernel::interp::run_program;
+use fusec_compiler::select::F32Math;
 use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::data::Batches;
 use fusec_runtime::exec::{decode, encode};
@@ -467,7 +468,7 @@ fn tf32_runs_f32_products_on_tf32_tensor_cores() {
     let c = fusec_compiler::driver::compile(&src, "attention", &Default::default())
         .unwrap_or_else(|f| panic!("{}", f.render("attention.dsl", &src)));
     let options = SessionOptions {
-        tf32: true,
+        f32_math: F32Math::Tf32,
         ..Default::default()
     };
     let dims = [("B", 2), ("T", 300)];
@@ -484,6 +485,77 @@ fn tf32_runs_f32_products_on_tf32_tensor_cores() {
             "no {kernel} kernel is past 1e-4: TF32 did not reach it"
         );
     }
+}
+
+/// f32 GEMMs take three TF32 products by default (operands split by
+/// kernels/gemm/split_tf32.cuh, one cuBLASLt TF32 product over K tripled):
+/// a small fp32 BERT classifier (widths 96 and 384, 3 classes, the first
+/// token's strided rows, weight gradients over 150 tokens), every kernel
+/// launched alone on the interpreter's inputs.
+///
+/// The bound on the GEMMs, 5e-5 of each output's largest value: the split
+/// leaves 2^-21 of each operand and drops lo * lo (2^-22), 7e-7 of
+/// sum |x||y| (a few times the largest output at K <= 384); the tensor
+/// cores' accumulation, which the probe on an H200 found biased (its error
+/// grows with K: 1.3e-5 at K = 1024, 5e-5 at 4096), adds at most about
+/// 3K/8 partial sums times 2^-24 each, 1.7e-5 at K = 384. One TF32 product
+/// leaves 2^-11 of each operand (about 3e-4 of the largest output there):
+/// `--tf32` must go past the bound, and `--exact-f32` stay within it.
+#[test]
+fn f32_gemms_take_three_tf32_products() {
+    let Some(gpu) = gpu() else { return };
+    drop(gpu);
+    let sets = [
+        ("d", "96"),
+        ("n_heads", "4"),
+        ("layers", "2"),
+        ("vocab", "1000"),
+        ("ctx", "64"),
+        ("classes", "3"),
+    ];
+    let c = model("bert-classifier.dsl", &sets);
+    let g = &c.optimized;
+    let target = fusec_compiler::select::Target::for_device("h200", false).unwrap();
+    let program = fusec_compiler::kernel::fuse::fuse(g);
+    let sel = fusec_compiler::select::select(g, &program, &target, None);
+    let split = sel
+        .choices
+        .iter()
+        .filter(|c| matches!(c, fusec_compiler::select::Choice::SplitGemm))
+        .count();
+    assert!(split > 10, "only {split} GEMMs split for TF32");
+    let dims = [("B", 3), ("T", 50)];
+    let gemms = |f: &[String]| -> Vec<String> {
+        f.iter().filter(|x| x.contains("matmul")).cloned().collect()
+    };
+    for (math, label) in [
+        (F32Math::ThreeTf32, "3xtf32"),
+        (F32Math::Exact, "exact-f32"),
+    ] {
+        let options = SessionOptions {
+            f32_math: math,
+            ..Default::default()
+        };
+        // The attention's own bound (f32_attention_on_tensor_cores_...).
+        let (report, failures, _) =
+            kernels_against_the_interpreter_floor(label, g, &dims, options, 1e-3, 1e-4);
+        println!("{report}");
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+        let (_, past, _) =
+            kernels_against_the_interpreter_floor(label, g, &dims, options, 1e-3, 5e-5);
+        assert!(gemms(&past).is_empty(), "{}", gemms(&past).join("\n"));
+    }
+    let options = SessionOptions {
+        f32_math: F32Math::Tf32,
+        ..Default::default()
+    };
+    let (_, past, _) = kernels_against_the_interpreter_floor("tf32", g, &dims, options, 1e-3, 5e-5);
+    println!("one TF32 product, past 5e-5: {past:?}");
+    assert!(
+        gemms(&past).len() * 2 >= split,
+        "only {} of {split} GEMMs past 5e-5 with one TF32 product: the bound does not tell them apart",
+        gemms(&past).len()
+    );
 }
 
 #[test]

@@ -45,10 +45,9 @@ pub struct BenchArgs {
     /// Time the deterministic step (as `fusec train --deterministic` runs it)
     #[arg(long)]
     pub deterministic: bool,
-    /// Time the step with f32 products on TF32 tensor cores (as `fusec
-    /// train --tf32` runs it)
-    #[arg(long)]
-    pub tf32: bool,
+    /// f32 products as `fusec train --tf32` or `--exact-f32` run them
+    #[command(flatten)]
+    pub f32: super::f32_math::F32Args,
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
     #[command(flatten)]
@@ -243,7 +242,7 @@ fn open_step(
 ) -> Result<(backend::Gpu, String), CliError> {
     let options = SessionOptions {
         deterministic: args.deterministic,
-        tf32: args.tf32,
+        f32_math: args.f32.math(),
     };
     let (s, about) = start(loaded, dims, device::Opening::here(args.gpu), options)?;
     let dmap = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
@@ -384,7 +383,7 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     let loaded = loaded;
     let options = SessionOptions {
         deterministic: args.deterministic,
-        tf32: args.tf32,
+        f32_math: args.f32.math(),
     };
     let zero = args
         .parallel

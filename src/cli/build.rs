@@ -66,9 +66,9 @@ pub struct BuildArgs {
     /// --deterministic` runs it)
     #[arg(long)]
     pub deterministic: bool,
-    /// f32 attention in one TF32 product (as `fusec train --tf32` runs it)
-    #[arg(long)]
-    pub tf32: bool,
+    /// f32 products as `fusec train --tf32` or `--exact-f32` run them
+    #[command(flatten)]
+    pub f32: super::f32_math::F32Args,
     /// Format of --dump and --dump-after: readable text or Graphviz dot
     #[arg(long, value_enum, default_value = "text")]
     pub format: Format,
@@ -156,10 +156,10 @@ fn write(path: &Path, text: &str) -> Result<(), CliError> {
         .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))
 }
 
-/// The target `--device`, `--deterministic` and `--tf32` name.
+/// The target `--device`, `--deterministic`, `--tf32` and `--exact-f32` name.
 fn target(args: &BuildArgs) -> Target {
     Target {
-        tf32: args.tf32,
+        f32_math: args.f32.math(),
         ..Target::for_device(&args.device, args.deterministic).expect("checked by clap")
     }
 }
@@ -344,8 +344,21 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     }
     let templates: usize = families.values().sum();
     let listed: Vec<String> = families.iter().map(|(n, c)| format!("{n} x{c}")).collect();
+    let split = selection
+        .choices
+        .iter()
+        .filter(|c| matches!(c, fusec_compiler::select::Choice::SplitGemm))
+        .count();
+    let split_note = match split {
+        0 => String::new(),
+        n => format!(
+            "; {n} f32 GEMM{} as three TF32 products, operands split by {}.cu (kernels/gemm/split_tf32.cuh)",
+            if n == 1 { "" } else { "s" },
+            fusec_compiler::emit::gemm_split::SPLIT_SOURCE
+        ),
+    };
     written.push(kdir.join(format!(
-        "*.cu ({} kernels for {}: {templates} of them tensor-core attention, kernels/attention/ templates{}{})",
+        "*.cu ({} kernels for {}: {templates} of them tensor-core attention, kernels/attention/ templates{}{}{split_note})",
         selection.sources.len(),
         args.device,
         if listed.is_empty() { "" } else { ": " },

@@ -8,6 +8,7 @@ mod comm_profile;
 mod common;
 pub mod explain;
 pub mod export;
+mod f32_math;
 mod feed;
 pub mod parallel;
 mod profile;

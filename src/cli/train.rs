@@ -80,12 +80,8 @@ pub struct TrainArgs {
     /// cuBLASLt algorithm chosen for it)
     #[arg(long)]
     pub deterministic: bool,
-    /// f32 products on TF32 tensor cores, as PyTorch's allow_tf32: f32
-    /// GEMMs with TF32 compute and the f32 attention in one TF32 product
-    /// (10 mantissa bits an operand). Without it f32 GEMMs are f32 and the
-    /// attention takes three TF32 products (about f32's precision)
-    #[arg(long)]
-    pub tf32: bool,
+    #[command(flatten)]
+    pub f32: super::f32_math::F32Args,
     /// Write the batches the run feeds to this safetensors file, each data
     /// input with a leading axis over the batches in the order fed (the one
     /// fixed batch of `--data random`; every micro-batch's windows of a

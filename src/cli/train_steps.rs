@@ -101,7 +101,7 @@ pub(super) fn open_backend(
 ) -> Result<Box<dyn Backend>, CliError> {
     let options = SessionOptions {
         deterministic: args.deterministic,
-        tf32: args.tf32,
+        f32_math: args.f32.math(),
     };
     if job.world() > 1 {
         let zero = args
@@ -159,15 +159,8 @@ pub(super) fn announce_deterministic(args: &TrainArgs) {
             "deterministic: the attention backward runs without atomics and every other kernel is deterministic (GEMMs keep one cuBLASLt algorithm each), so a run repeats bit for bit on the same GPU and software"
         );
     }
-    if args.tf32 {
-        eprintln!(
-            "{}",
-            if args.cpu {
-                "tf32: no effect with --cpu (the interpreter computes in f64 and rounds to each value's type)"
-            } else {
-                "tf32: f32 GEMMs and attention run on TF32 tensor cores in one product (10 mantissa bits an operand), as PyTorch's allow_tf32; bf16 and fp16 models are unchanged"
-            }
-        );
+    if let Some(what) = args.f32.describe(args.cpu) {
+        eprintln!("{what}");
     }
 }
 

@@ -4,6 +4,7 @@ pub mod conv;
 pub mod cuda;
 pub mod embedding_grad;
 pub mod flash;
+pub mod gemm_split;
 pub mod group;
 pub mod launch;
 pub mod lower;
@@ -70,6 +71,10 @@ pub const HEADERS: &[(&str, &str)] = &[
     (
         "attention/backward_sm90_wide.cuh",
         include_str!("../../../kernels/attention/backward_sm90_wide.cuh"),
+    ),
+    (
+        "gemm/split_tf32.cuh",
+        include_str!("../../../kernels/gemm/split_tf32.cuh"),
     ),
     (
         "random/philox.cuh",

@@ -94,6 +94,11 @@ pub struct Launch {
     /// the product.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub epilogue: Option<GemmEpilogue>,
+    /// An f32 GEMM taken as three TF32 products (`select::Choice::
+    /// SplitGemm`): the f32 buffer its operands are split into, three
+    /// copies of each along K (A's, then B's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split_scratch: Option<usize>,
     /// The kernels launched for it, in order: the generated kernel, or the
     /// template instances chosen in its place (none for a library call).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -301,6 +306,28 @@ pub fn plan_with(
     let mut scratch_of: HashMap<usize, usize> = HashMap::new();
     if let Some(sel) = selection {
         for (k, c) in sel.choices.iter().enumerate() {
+            if matches!(c, Choice::SplitGemm) {
+                // Three copies of each operand, packed: at most three times
+                // its buffer (a view reads no more than it holds).
+                let kernel = &p.kernels[k];
+                let n = 3 * (out[kernel.inputs[0]].bytes + out[kernel.inputs[1]].bytes) / 4;
+                scratch_of.insert(k, out.len());
+                out.push(PlannedBuffer {
+                    id: out.len(),
+                    name: format!("f32[{n}] (operands of {} split for TF32)", kernel.name),
+                    dtype: "f32".into(),
+                    shape: vec![n as i64],
+                    bytes: 4 * n,
+                    pitch: None,
+                    zero_rows: 0,
+                    offset: 0,
+                    kind: MemKind::Activation,
+                    alias_of: None,
+                    shares_with: None,
+                    live: Some((k, k)),
+                });
+                continue;
+            }
             let Choice::Templates(ks) = c else { continue };
             let Some(elems) = ks.iter().find_map(|f| f.launch.scratch_f32.as_ref()) else {
                 continue;
@@ -516,6 +543,7 @@ pub fn plan_with(
                     }),
                     _ => None,
                 },
+                split_scratch: None,
                 steps: Vec::new(),
             }
         })
@@ -529,6 +557,10 @@ pub fn plan_with(
                 ks.iter()
                     .map(|f| template_step(&f.launch, scratch_of.get(&ki).copied(), &env))
                     .collect::<Result<_, _>>()?
+            }
+            Some(Choice::SplitGemm) => {
+                l.split_scratch = scratch_of.get(&ki).copied();
+                Vec::new()
             }
             Some(Choice::Library | Choice::Missing | Choice::Collective) => Vec::new(),
             _ if l.kind == "generated" => vec![generated_step(g, p, k, &env)],
