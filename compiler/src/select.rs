@@ -167,7 +167,9 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
     let split = |k: &crate::kernel::Kernel| {
         tensor_cores
             && f32_math == F32Math::ThreeTf32
-            && p.buffers[k.inputs[0]].ty.dtype == crate::ir::DType::F32
+            && k.inputs[..2]
+                .iter()
+                .all(|&b| p.buffers[b].ty.dtype == crate::ir::DType::F32)
     };
     let mut choices = Vec::with_capacity(p.kernels.len());
     let mut fallbacks = Vec::new();
