@@ -210,3 +210,82 @@ fn awkward_vocabularies_run_their_products_padded() {
         (three(30528), vec![6, 6, 6])
     );
 }
+
+/// Bias gradients are summed by the weight-gradient GEMMs that read the
+/// same `dy` (cuBLASLt's BGRADA): in a bf16 BERT classifier every column
+/// sum of a 16-bit `dy` goes into a GEMM (six a layer, the pooler's and the
+/// classifier's), and the program still gives the graph's gradients
+/// exactly. `--disable-pass bias-grad-epilogues` keeps the sum kernels; an
+/// f32 model keeps them too (its products take three TF32 products, whose
+/// copies of B do not sum to B).
+#[test]
+fn bias_gradients_are_summed_by_their_weight_gradient_gemms() {
+    use fusec_compiler::elaborate::Options;
+    let (name, src) = common::example("bert-classifier.dsl");
+    let sets = [
+        ("d", "96"),
+        ("n_heads", "4"),
+        ("layers", "2"),
+        ("vocab", "300"),
+        ("ctx", "32"),
+    ];
+    let build = |precision: DType, disabled: &[&str]| {
+        let opts = Options {
+            overrides: sets
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            precision: Some(precision),
+            disabled_passes: disabled.iter().map(|s| s.to_string()).collect(),
+            ..Options::default()
+        };
+        fusec_compiler::driver::compile(&src, "bert", &opts)
+            .unwrap_or_else(|f| panic!("{}", f.render(&name, &src)))
+    };
+    let counts = |c: &fusec_compiler::driver::Compiled| {
+        let g = &c.optimized;
+        let program = fuse(g);
+        let folded = program
+            .kernels
+            .iter()
+            .filter(|k| matches!(&k.body, Body::Gemm(_, e) if e.bias_grad.is_some()))
+            .count();
+        let sums = program
+            .kernels
+            .iter()
+            .filter(|k| {
+                // Column sums of a 16-bit buffer (the layernorms' sums
+                // of f32 products stay kernels).
+                let bf16 = k.inputs.first().is_some_and(|&b| program.buffers[b].ty.dtype == DType::BF16);
+                bf16 && matches!(k.body, Body::Op(n) if matches!(&g.g[n].op, fusec_compiler::ops::Op::Reduce(_)))
+            })
+            .count();
+        // The fused program against the graph, in f64: the gradients exactly.
+        let feeds = random_feeds(g, &common::dims(&[("B", 3), ("T", 20)]), 5).expect("feeds");
+        let reference = run(g, &feeds, Precision::F64).expect("graph runs");
+        let bufs = run_program(g, &program, &feeds, Precision::F64).expect("program runs");
+        for (role, v) in &g.outputs {
+            let b = program.buffer_of(*v).expect("stored");
+            let scale = reference[v]
+                .data
+                .iter()
+                .fold(1e-3f64, |m, x| m.max(x.abs()));
+            for (x, y) in reference[v].data.iter().zip(&bufs[b].data) {
+                assert!((x - y).abs() <= 1e-12 * scale, "{role}: {x} vs {y}");
+            }
+        }
+        (folded, sums)
+    };
+    // (One 16-bit sum is no bias's: the position table's gradient, dy
+    // summed over the batch alone.)
+    let (folded, sums) = counts(&build(DType::BF16, &[]));
+    assert_eq!(
+        (folded, sums),
+        (2 * 6 + 2, 1),
+        "bf16: (GEMMs with a bias gradient, 16-bit sum kernels)"
+    );
+    let (folded, sums) = counts(&build(DType::BF16, &["bias-grad-epilogues"]));
+    assert_eq!((folded, sums), (0, 15), "bf16 with the pass off");
+    let (folded, _) = counts(&build(DType::F32, &[]));
+    assert_eq!(folded, 0, "f32 keeps its column sums");
+}

@@ -225,6 +225,7 @@ impl Fuser<'_> {
             residual: slot(fold.residual, self),
             gelu: fold.gelu,
             dgelu: slot(fold.dgelu, self),
+            bias_grad: None,
         };
         let mut nodes = vec![n];
         for &c in &fold.chains {
