@@ -615,7 +615,6 @@ impl Executor {
                             if e.gelu {
                                 ep.gelu_aux_out = Some(ptr(k.outputs[1]));
                             }
-                            ep.bias_grad_of_b = e.bias_grad.map(|s| ptr(k.outputs[s]));
                         }
                         let g = match &mut gemm {
                             Some(g) => g,

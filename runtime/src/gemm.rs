@@ -144,18 +144,6 @@ impl GemmSpec {
         if ep.dgelu_aux_in.is_some() && (ep.bias.is_some() || ep.residual.is_some()) {
             return bad("cuBLASLt's DGELU takes no bias or residual");
         }
-        if ep.bias_grad_of_b.is_some() {
-            if aux || ep.bias.is_some() || ep.residual.is_some() {
-                return bad("a bias gradient takes no other epilogue");
-            }
-            if self.batch > 1 {
-                return bad("a bias gradient sums one product's B, not a batch's");
-            }
-            // cuBLASLt has no BGRADA algorithm for a transposed A (ours B).
-            if self.b_transposed {
-                return bad("a bias gradient sums B's columns only where B is stored [k, n]");
-            }
-        }
         // CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD and _BATCH_STRIDE "must be
         // divisible by 8"; the aux buffer is D-shaped: they are n and D's.
         if aux && !self.n.is_multiple_of(8) {
@@ -179,9 +167,6 @@ pub struct EpiloguePtrs {
     pub gelu_aux_out: Option<u64>,
     /// Pre-activation read; D becomes gelu'(aux) * (a @ b).
     pub dgelu_aux_in: Option<u64>,
-    /// `[n]`, written with B's column sums over k (`sum_l B[l, j]`, in D's
-    /// type): the bias gradient beside a weight gradient `x^T @ dy`.
-    pub bias_grad_of_b: Option<u64>,
 }
 
 /// The cuBLASLt epilogue a set of pointers asks for (the residual is
@@ -193,15 +178,10 @@ enum Kind {
     GeluAux,
     GeluAuxBias,
     DGelu,
-    /// cuBLASLt's A is our B.
-    BGradA,
 }
 
 impl Kind {
     fn of(ep: &EpiloguePtrs) -> Kind {
-        if ep.bias_grad_of_b.is_some() {
-            return Kind::BGradA;
-        }
         match (
             ep.bias.is_some(),
             ep.gelu_aux_out.is_some(),
@@ -224,7 +204,6 @@ impl Kind {
             Kind::GeluAux => (CUBLASLT_EPILOGUE_GELU_AUX, "gelu_aux"),
             Kind::GeluAuxBias => (CUBLASLT_EPILOGUE_GELU_AUX_BIAS, "gelu_aux_bias"),
             Kind::DGelu => (CUBLASLT_EPILOGUE_DGELU, "dgelu"),
-            Kind::BGradA => (CUBLASLT_EPILOGUE_BGRADA, "bias_grad"),
         }
     }
 }
@@ -306,10 +285,10 @@ struct Key {
     kind: Kind,
     residual: bool,
     tf32: bool,
-    /// Byte alignment of cuBLASLt's A, B, C, D, bias, aux and bias gradient: the heuristic
+    /// Byte alignment of cuBLASLt's A, B, C, D, bias and aux: the heuristic
     /// only picks kernels valid for the alignment it is told (default 256),
     /// so an algorithm chosen for aligned buffers may be wrong for others.
-    align: [u32; 7],
+    align: [u32; 6],
 }
 
 /// The largest power of two (at most 256) dividing the address and the
@@ -379,7 +358,7 @@ unsafe fn pref_attr<T>(p: Pref, a: PrefAttr, v: T) -> Result<(), CublasError> {
 /// `desc` is live.
 unsafe fn set_pointers(desc: Desc, ep: &EpiloguePtrs) -> Result<(), CublasError> {
     use DescAttr::*;
-    if let Some(bias) = ep.bias.or(ep.bias_grad_of_b) {
+    if let Some(bias) = ep.bias {
         desc_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)?;
     }
     if let Some(aux) = ep.gelu_aux_out.or(ep.dgelu_aux_in) {
@@ -515,12 +494,6 @@ impl Gemm {
             product: describe(spec, ep),
             reason,
         };
-        if ep.bias_grad_of_b.is_some() {
-            // B's copies sum to 2 hi + lo, not B.
-            return Err(invalid(
-                "a bias gradient cannot come from B split for TF32".into(),
-            ));
-        }
         let kernels = self
             .split_kernels
             .as_ref()
@@ -577,7 +550,6 @@ impl Gemm {
                 alignment(d, sd),
                 alignment(ep.bias.unwrap_or(0), 0),
                 alignment(ep.gelu_aux_out.or(ep.dgelu_aux_in).unwrap_or(0), sd),
-                alignment(ep.bias_grad_of_b.unwrap_or(0), 0),
             ],
         };
         let plan = match self.plans.entry(key) {

@@ -195,8 +195,6 @@ struct Epi {
     dgelu: bool,
     /// The residual is D itself (`d += a @ b`): C and D the same buffer.
     in_place: bool,
-    /// B's column sums over k written beside D (a weight gradient's bias).
-    bias_grad: bool,
 }
 
 struct Case {
@@ -214,7 +212,6 @@ impl Case {
             (self.epi.gelu, "gelu_aux"),
             (self.epi.dgelu, "dgelu"),
             (self.epi.in_place, "in place"),
-            (self.epi.bias_grad, "bias_grad"),
         ] {
             if on {
                 e.push(what);
@@ -352,7 +349,6 @@ fn run_case(
     let dres = upload(stream, ot, &residual);
     let daux_out = upload(stream, ot, &nan);
     let daux_in = upload(stream, ot, &aux_in);
-    let dbgrad = upload(stream, ot, &vec![f32::NAN; n]);
     let ep = EpiloguePtrs {
         bias: e.bias.then(|| addr(&dbias, stream)),
         residual: e
@@ -360,7 +356,6 @@ fn run_case(
             .then(|| addr(if e.in_place { &dd } else { &dres }, stream)),
         gelu_aux_out: e.gelu.then(|| addr(&daux_out, stream)),
         dgelu_aux_in: e.dgelu.then(|| addr(&daux_in, stream)),
-        bias_grad_of_b: e.bias_grad.then(|| addr(&dbgrad, stream)),
     };
     gemm.run(
         &s,
@@ -378,17 +373,6 @@ fn run_case(
     let mut outputs = vec![("D", got_d, want_d)];
     if e.gelu {
         outputs.push(("aux", read(&daux_out)?, pre));
-    }
-    if e.bias_grad {
-        // One product (validate refuses batches): sum_l B[l, j].
-        let sums: Vec<f64> = (0..n)
-            .map(|j| {
-                (0..k)
-                    .map(|l| b[if s.b_transposed { j * k + l } else { l * n + j }] as f64)
-                    .sum()
-            })
-            .collect();
-        outputs.push(("bias_grad", read(&dbgrad)?, sums));
     }
 
     let tol = if ot == Elem::F32 { 1e-4 } else { 2e-2 };
@@ -476,7 +460,6 @@ fn cases() -> Vec<Case> {
     // Each epilogue; GELU's aux buffer needs n divisible by 8 (cuBLASLt's rule).
     let e = |bias, residual, gelu, dgelu| Epi {
         in_place: false,
-        bias_grad: false,
         bias,
         residual,
         gelu,
@@ -518,30 +501,6 @@ fn cases() -> Vec<Case> {
         cases.push(Case {
             spec: batched(Elem::BF16, Elem::BF16, false, n, false),
             epi,
-        });
-    }
-    // A weight gradient x^T @ dy with dy's column sums (cuBLASLt's BGRADA),
-    // dy stored [k, n] or [n, k], at the odd sizes and at a layer's.
-    let bias_grad = Epi {
-        bias_grad: true,
-        ..none
-    };
-    for (it, ot) in [
-        (Elem::BF16, Elem::BF16),
-        (Elem::BF16, Elem::F32),
-        (Elem::F32, Elem::F32),
-    ] {
-        // (B stored [n, k] is refused: cuBLASLt has no algorithm for it.)
-        cases.push(Case {
-            spec: plain(it, ot, true, false, n),
-            epi: bias_grad,
-        });
-        cases.push(Case {
-            spec: GemmSpec {
-                a_transposed: true,
-                ..GemmSpec::plain(256, 384, 1000, it, ot)
-            },
-            epi: bias_grad,
         });
     }
     cases

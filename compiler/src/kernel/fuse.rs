@@ -19,7 +19,6 @@ use crate::ops::{FusionClass, Op};
 use petgraph::stable_graph::NodeIndex;
 use std::collections::HashMap;
 
-mod bias_grads;
 mod epilogues;
 
 struct Fuser<'g> {
@@ -485,7 +484,6 @@ pub fn fuse(g: &Graph) -> Program {
             }
         }
     }
-    let kernels = bias_grads::bias_grads_into_gemms(g, &f.buffers, kernels);
     let kernels = match g.lowering_on("group-kernels") {
         true => {
             let casts = super::groups::group_param_casts(g, &f.buffers, kernels);

@@ -101,20 +101,11 @@ pub fn run_kernel(
                     *x *= gelu.derivative(ins[a].data[i]);
                 }
             }
-            let mut outs = if ep.gelu {
+            if ep.gelu {
                 vec![pre.map(|x| gelu.apply(x)), pre]
             } else {
                 vec![pre]
-            };
-            if ep.bias_grad.is_some() {
-                // B as stored, summed over its rows of the product's n.
-                let mut sums = vec![0.0; cols];
-                for (i, x) in ins[1].data.iter().enumerate() {
-                    sums[i % cols] += x;
-                }
-                outs.push(Tensor::new(vec![cols], sums));
             }
-            outs
         }
         Body::Op(n) => {
             let mut outs = run_op(g, k, *n, ins, feeds)?;

@@ -60,11 +60,6 @@ pub const OPTIMISATIONS: &[(&str, &str, &str)] = &[
         "bias, residual, GELU and GELU-backward after a product run in cuBLASLt's epilogue (off: kernels of their own)",
     ),
     (
-        "bias-grad-epilogues",
-        "fuse",
-        "a bias's gradient (dy's column sums) is summed by the weight-gradient GEMM that reads dy (off: a column-sum kernel)",
-    ),
-    (
         "casts-into-producers",
         "fuse",
         "a widening cast is stored by the kernel that makes its input (off: a cast kernel)",
@@ -183,9 +178,6 @@ pub struct Epilogue {
     /// Input slot of a stored pre-activation: output 0 is gelu'(pre) times
     /// the product (the backward of a GELU).
     pub dgelu: Option<usize>,
-    /// Output slot of B's column sums over k (a bias's gradient beside the
-    /// weight gradient `x^T @ dy`: cuBLASLt's BGRADA), in D's type.
-    pub bias_grad: Option<usize>,
 }
 
 impl Epilogue {
@@ -196,9 +188,6 @@ impl Epilogue {
     /// The cuBLASLt epilogue this is, plus a residual where there is one:
     /// `bias`, `gelu_aux_bias`, `dgelu`, `bias+residual`.
     pub fn name(&self) -> String {
-        if self.bias_grad.is_some() {
-            return "bias_grad".into();
-        }
         let base = match (self.bias.is_some(), self.gelu, self.dgelu.is_some()) {
             (_, _, true) => "dgelu",
             (true, true, _) => "gelu_aux_bias",
@@ -328,10 +317,8 @@ impl Program {
                 }
                 Body::Gemm(_, e) => {
                     let ins = [e.bias, e.residual, e.dgelu];
-                    let outs = 1 + usize::from(e.gelu) + usize::from(e.bias_grad.is_some());
                     if !ins.iter().flatten().all(|s| slot_ok(s, k.inputs.len()))
-                        || k.outputs.len() != outs
-                        || e.bias_grad.is_some_and(|s| s != outs - 1)
+                        || k.outputs.len() != 1 + usize::from(e.gelu)
                     {
                         problems.push(format!(
                             "{}: the epilogue names a slot that does not exist",

@@ -156,9 +156,6 @@ pub struct GemmEpilogue {
     /// Input slot of the pre-activation a GELU backward reads.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pre_activation_in: Option<usize>,
-    /// Output slot of the bias gradient (B's column sums) stored beside D.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub bias_grad_out: Option<usize>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -543,7 +540,6 @@ pub fn plan_with(
                         residual: e.residual,
                         pre_activation_out: e.gelu.then_some(1),
                         pre_activation_in: e.dgelu,
-                        bias_grad_out: e.bias_grad,
                     }),
                     _ => None,
                 },

@@ -225,7 +225,6 @@ impl Fuser<'_> {
             residual: slot(fold.residual, self),
             gelu: fold.gelu,
             dgelu: slot(fold.dgelu, self),
-            bias_grad: None,
         };
         let mut nodes = vec![n];
         for &c in &fold.chains {
