@@ -35,11 +35,8 @@ const PARTIALS: i64 = 1 << 20;
 /// Fewest rows a run sums where the rows allow: the last block of a tile
 /// adds the tile's partials one dependent load after another, so short runs
 /// cost more there than they spread (a [256, 1024] sum in 128 runs of 2
-/// rows took 12.9 us on an H200, a tenth of the copy bandwidth). At 64 rows
-/// BERT-large's [16384, 1024] bias gradients (256 runs a tile of 256
-/// columns, 32 KiB a block) took 25-30 us, 1.1-1.35 TB/s, where its
-/// [16384, 4096] one (runs of 256 rows, 128 KiB a block) reached 2.8 TB/s.
-const MIN_RUN_ROWS: i64 = 256;
+/// rows took 12.9 us on an H200, a tenth of the copy bandwidth).
+const MIN_RUN_ROWS: i64 = 64;
 
 /// The work of a sum over leading axes with a known number of outputs
 /// (every bias gradient): `vec` columns a lane (one 16-byte load where the
