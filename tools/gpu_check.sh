@@ -39,6 +39,10 @@
 #                                (tools/hf_bert_check.py), BERT-large beside the Trainer
 #                                (hf_trainer_bert.py, bf16 B = 32) and its twin under torch.compile,
 #                                the translator with dropout 0 and 0.1 beside its twin under torch.compile
+#   tools/gpu_check.sh summary   where fusec stands, in one call: start-up, gpt2-small B = 8 and 32 beside
+#                                torch.compile and llm.c, llama-small beside its twin, the attention beside
+#                                SDPA; writes the table at the top of docs/benchmarks.md (tools/summary_table.py)
+#                                and $OUT/summary.md (SUMMARY_SKIP leaves parts out; LLMC names llm.c's sources)
 #   tools/gpu_check.sh tools     which profilers the machine has (nsys, ncu) and their versions
 #   tools/gpu_check.sh startup   cold and warm start of fusec train gpt2-small to the end of step 1
 #   tools/gpu_check.sh profiles  fusec bench --profile of PROFILE_CASES ("model:B:T ..."): the per-kernel tables
@@ -343,6 +347,63 @@ if [ "$what" = tools ]; then
     ls /usr/local/cuda/lib64 | grep -i -E "nvtx|nvToolsExt" | head
     python3 -c "import transformers, tokenizers, torch; print('transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'torch', torch.__version__)"
   } 2>&1 | tee "$LOGS/tools.txt"
+fi
+if [ "$what" = summary ]; then
+  # Where fusec stands, in one call: start-up, gpt2-small at B = 8 and 32
+  # beside torch.compile and llm.c (cuDNN), llama-small beside its twin
+  # under torch.compile, and the attention beside SDPA; then the table at
+  # the top of docs/benchmarks.md (tools/summary_table.py; the copy here,
+  # and $OUT/summary.md for the machine the call came from). llm.c runs
+  # where $LLMC (default .bench/llmc) holds its sources as
+  # ../shared/bench/llmc.sh lays them out. SUMMARY_SKIP (space separated:
+  # startup gpt2 torch llmc llama attention) leaves parts out.
+  S=$LOGS/summary; rm -rf "$S"; mkdir -p "$S"
+  cp "$LOGS/gpu.txt" "$S/gpu.txt"
+  skip() { case " ${SUMMARY_SKIP:-} " in *" $1 "*) return 0;; *) return 1;; esac; }
+  T=dsl-examples/data/founding-texts.txt
+  if ! skip startup; then
+    rm -rf "$FUSEC_CACHE_DIR"
+    for start in cold warm cold warm cold warm cold warm cold warm; do
+      [ "$start" = cold ] && rm -rf "$FUSEC_CACHE_DIR"
+      t0=$EPOCHREALTIME
+      "$BIN/fusec" train dsl-examples/gpt2-small.dsl --data $T --batch 4 --seq 128 --steps 1 > /dev/null 2>&1
+      awk -v a="$t0" -v b="$EPOCHREALTIME" -v k="$start" 'BEGIN { printf "%s %.3f\n", k, b - a }' | tee -a "$S/startup.txt"
+    done
+  fi
+  if ! skip gpt2; then
+    for b in 8 32; do
+      run "fusec bench gpt2-small B=$b T=1024"
+      timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch $b --seq 1024 --steps 20 2>/dev/null | tail -1 | tee "$S/fusec-gpt2-b$b.json"
+    done
+  fi
+  if ! skip torch && [ -f "$BIN/torch_reference.py" ]; then
+    for b in 8 32; do
+      run "torch.compile gpt2-small B=$b"
+      timeout 300 python3 "$BIN/torch_reference.py" --models gpt2-small --modes compiled --batch $b --seq 1024 --no-ceilings 2>/dev/null | grep '^{' | tee -a "$S/torch-gpt2.jsonl"
+    done
+  fi
+  LLMC=${LLMC:-.bench/llmc}
+  if ! skip llmc && [ -d "$LLMC" ] && [ -f ../shared/bench/llmc.sh -o -f .bench/llmc.sh ]; then
+    sh_dir=$( [ -f .bench/llmc.sh ] && echo .bench || echo ../shared/bench )
+    shard=$(pwd)/out/llmc-shard.bin
+    python3 "$sh_dir/llmc_shard.py" "$shard" 4000000
+    for b in 8 32; do
+      run "llm.c B=$b"
+      timeout 400 bash "$sh_dir/llmc.sh" "$(cd "$LLMC" && pwd)" "$shard" $b 1024 30 2>&1 | tee "$S/llmc-b$b.txt"
+    done
+  fi
+  if ! skip llama; then
+    run "llama-small beside its twin under torch.compile"
+    timeout 400 python3 tools/bench_twins.py --fusec "$BIN/fusec" --only '^llama-small' --batches 8 --out "$S/llama.jsonl" 2>&1 | tail -3
+  fi
+  if ! skip attention; then
+    run "attention: fusec and SDPA, causal, bf16"
+    timeout 200 "$BIN/fusec" bench-attention --head-dims 64,128 --seqs 1024,4096 2>/dev/null | tee "$S/attention-fusec.jsonl"
+    [ -f "$BIN/torch_reference.py" ] && timeout 200 python3 "$BIN/torch_reference.py" --models "" --no-ceilings --attn-sweep --attn-head-dims 64,128 --attn-seqs 1024,4096 --attn-no-naive 2>/dev/null | grep '^{' | tee "$S/attention-torch.jsonl"
+  fi
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  python3 tools/summary_table.py "$S" --commit "$commit" --date "$(date -u +%Y-%m-%d)" --insert docs/benchmarks.md | tee "$S/table.md"
+  [ -n "${OUT:-}" ] && cp "$S/table.md" "$OUT/summary.md"
 fi
 if [ "$what" = startup ]; then
   T=dsl-examples/data/founding-texts.txt
