@@ -359,7 +359,10 @@ if [ "$what" = summary ]; then
   # startup gpt2 torch llmc llama attention) leaves parts out.
   S=$LOGS/summary; rm -rf "$S"; mkdir -p "$S"
   cp "$LOGS/gpu.txt" "$S/gpu.txt"
-  skip() { case " ${SUMMARY_SKIP:-} " in *" $1 "*) return 0;; *) return 1;; esac; }
+  skip() { save; case " ${SUMMARY_SKIP:-} " in *" $1 "*) return 0;; *) return 1;; esac; }
+  # What is measured so far goes back after each part, in case the call
+  # runs out of time (tools/summary_table.py reads the folder anywhere).
+  save() { if [ -n "${OUT:-}" ]; then rm -rf "$OUT/summary"; cp -r "$S" "$OUT/summary"; fi; }
   T=dsl-examples/data/founding-texts.txt
   if ! skip startup; then
     rm -rf "$FUSEC_CACHE_DIR"
@@ -401,7 +404,8 @@ if [ "$what" = summary ]; then
     timeout 200 "$BIN/fusec" bench-attention --head-dims 64,128 --seqs 1024,4096 2>/dev/null | tee "$S/attention-fusec.jsonl"
     [ -f "$BIN/torch_reference.py" ] && timeout 200 python3 "$BIN/torch_reference.py" --models "" --no-ceilings --attn-sweep --attn-head-dims 64,128 --attn-seqs 1024,4096 --attn-no-naive 2>/dev/null | grep '^{' | tee "$S/attention-torch.jsonl"
   fi
-  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  save
+  commit=${SUMMARY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   python3 tools/summary_table.py "$S" --commit "$commit" --date "$(date -u +%Y-%m-%d)" --insert docs/benchmarks.md | tee "$S/table.md"
   [ -n "${OUT:-}" ] && cp "$S/table.md" "$OUT/summary.md"
 fi
