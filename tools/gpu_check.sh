@@ -350,8 +350,8 @@ if [ "$what" = tools ]; then
 fi
 if [ "$what" = summary ]; then
   # Where fusec stands, in one call: start-up, gpt2-small at B = 8 and 32
-  # beside torch.compile and llm.c (cuDNN), llama-small beside its twin
-  # under torch.compile, and the attention beside SDPA; then the table at
+  # beside torch.compile and llm.c (cuDNN), the attention beside SDPA,
+  # and llama-small beside its twin under torch.compile; then the table at
   # the top of docs/benchmarks.md (tools/summary_table.py; the copy here,
   # and $OUT/summary.md for the machine the call came from). llm.c runs
   # where $LLMC (default .bench/llmc) holds its sources as
@@ -379,6 +379,11 @@ if [ "$what" = summary ]; then
       timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch $b --seq 1024 --steps 20 2>/dev/null | tail -1 | tee "$S/fusec-gpt2-b$b.json"
     done
   fi
+  if ! skip attention; then
+    run "attention: fusec and SDPA, causal, bf16"
+    timeout 200 "$BIN/fusec" bench-attention --head-dims 64,128 --seqs 1024,4096 2>/dev/null | tee "$S/attention-fusec.jsonl"
+    [ -f "$BIN/torch_reference.py" ] && timeout 200 python3 "$BIN/torch_reference.py" --models "" --no-ceilings --attn-sweep --attn-head-dims 64,128 --attn-seqs 1024,4096 --attn-no-naive 2>/dev/null | grep '^{' | tee "$S/attention-torch.jsonl"
+  fi
   if ! skip torch && [ -f "$BIN/torch_reference.py" ]; then
     for b in 8 32; do
       run "torch.compile gpt2-small B=$b"
@@ -398,11 +403,6 @@ if [ "$what" = summary ]; then
   if ! skip llama; then
     run "llama-small beside its twin under torch.compile"
     timeout 400 python3 tools/bench_twins.py --fusec "$BIN/fusec" --only '^llama-small' --batches 8 --out "$S/llama.jsonl" 2>&1 | tail -3
-  fi
-  if ! skip attention; then
-    run "attention: fusec and SDPA, causal, bf16"
-    timeout 200 "$BIN/fusec" bench-attention --head-dims 64,128 --seqs 1024,4096 2>/dev/null | tee "$S/attention-fusec.jsonl"
-    [ -f "$BIN/torch_reference.py" ] && timeout 200 python3 "$BIN/torch_reference.py" --models "" --no-ceilings --attn-sweep --attn-head-dims 64,128 --attn-seqs 1024,4096 --attn-no-naive 2>/dev/null | grep '^{' | tee "$S/attention-torch.jsonl"
   fi
   save
   commit=${SUMMARY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
