@@ -369,8 +369,11 @@ if [ "$what" = summary ]; then
     for start in cold warm cold warm cold warm cold warm cold warm; do
       [ "$start" = cold ] && rm -rf "$FUSEC_CACHE_DIR"
       t0=$EPOCHREALTIME
-      "$BIN/fusec" train dsl-examples/gpt2-small.dsl --data $T --batch 4 --seq 128 --steps 1 > /dev/null 2>&1
-      awk -v a="$t0" -v b="$EPOCHREALTIME" -v k="$start" 'BEGIN { printf "%s %.3f\n", k, b - a }' | tee -a "$S/startup.txt"
+      if "$BIN/fusec" train dsl-examples/gpt2-small.dsl --data $T --batch 4 --seq 128 --steps 1 > "$S/startup-last.log" 2>&1; then
+        awk -v a="$t0" -v b="$EPOCHREALTIME" -v k="$start" 'BEGIN { printf "%s %.3f\n", k, b - a }' | tee -a "$S/startup.txt"
+      else
+        echo "$start start failed:"; tail -3 "$S/startup-last.log"
+      fi
     done
   fi
   if ! skip gpt2; then
