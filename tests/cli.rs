@@ -283,8 +283,21 @@ fn build_names_the_attention_templates_that_run() {
         let (code, out, err) = fusec(&a);
         assert_eq!(code, 0, "{err}");
         assert!(
-            out.contains("templates: Delta x2, DkDvF32 x2, DqStore x2, ForwardF32 x2)"),
+            out.contains("templates: Delta x2, DkDvF32 x2, DqStore x2, ForwardF32 x2"),
             "{out}"
+        );
+        // The GEMMs take three TF32 products by default, one with --tf32.
+        assert_eq!(
+            out.contains(
+                "f32 GEMMs as three TF32 products, operands split by fs_gemm_split_tf32.cu"
+            ),
+            !tf32,
+            "{out}"
+        );
+        assert_eq!(
+            dir.join("kernels/fs_gemm_split_tf32.cu").exists(),
+            !tf32,
+            "the split kernels' source"
         );
         let mut instances = Vec::new();
         for f in std::fs::read_dir(dir.join("kernels")).unwrap() {
