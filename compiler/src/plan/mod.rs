@@ -301,48 +301,37 @@ pub fn plan_with(
             live: None,
         });
     }
-    // The f32 scratch each template set shares (the attention backward's),
-    // alive for its kernel alone.
+    // The f32 scratch each template set shares (the attention backward's)
+    // and each split GEMM's operand copies, alive for its kernel alone.
     let mut scratch_of: HashMap<usize, usize> = HashMap::new();
     if let Some(sel) = selection {
         for (k, c) in sel.choices.iter().enumerate() {
-            if matches!(c, Choice::SplitGemm) {
-                // Three copies of each operand, packed: at most three times
-                // its buffer (a view reads no more than it holds).
-                let kernel = &p.kernels[k];
-                let n = 3 * (out[kernel.inputs[0]].bytes + out[kernel.inputs[1]].bytes) / 4;
-                scratch_of.insert(k, out.len());
-                out.push(PlannedBuffer {
-                    id: out.len(),
-                    name: format!("f32[{n}] (operands of {} split for TF32)", kernel.name),
-                    dtype: "f32".into(),
-                    shape: vec![n as i64],
-                    bytes: 4 * n,
-                    pitch: None,
-                    zero_rows: 0,
-                    offset: 0,
-                    kind: MemKind::Activation,
-                    alias_of: None,
-                    shares_with: None,
-                    live: Some((k, k)),
-                });
-                continue;
-            }
-            let Choice::Templates(ks) = c else { continue };
-            let Some(elems) = ks.iter().find_map(|f| f.launch.scratch_f32.as_ref()) else {
-                continue;
+            let name = &p.kernels[k].name;
+            let (n, what) = match c {
+                Choice::SplitGemm => {
+                    // Three copies of each operand, packed: at most three
+                    // times its buffer (a view reads no more than it holds).
+                    let ins = &p.kernels[k].inputs;
+                    let n = 3 * (out[ins[0]].bytes + out[ins[1]].bytes) / 4;
+                    (n, format!("operands of {name} split for TF32"))
+                }
+                Choice::Templates(ks) => {
+                    let Some(elems) = ks.iter().find_map(|f| f.launch.scratch_f32.as_ref()) else {
+                        continue;
+                    };
+                    let n = elems
+                        .eval(&env)
+                        .and_then(|n| u64::try_from(n).ok())
+                        .filter(|n| *n <= MAX_BYTES / 4)
+                        .ok_or_else(|| PlanError(format!("the scratch of {name} has no size")))?;
+                    (n, format!("scratch of {name}"))
+                }
+                _ => continue,
             };
-            let n = elems
-                .eval(&env)
-                .and_then(|n| u64::try_from(n).ok())
-                .filter(|n| *n <= MAX_BYTES / 4)
-                .ok_or_else(|| {
-                    PlanError(format!("the scratch of {} has no size", p.kernels[k].name))
-                })?;
             scratch_of.insert(k, out.len());
             out.push(PlannedBuffer {
                 id: out.len(),
-                name: format!("f32[{n}] (scratch of {})", p.kernels[k].name),
+                name: format!("f32[{n}] ({what})"),
                 dtype: "f32".into(),
                 shape: vec![n as i64],
                 bytes: 4 * n,
