@@ -108,6 +108,15 @@ __device__ __forceinline__ float fs_silu_grad(float x) {
     return s + x * s * (1.0f - s);
 }
 
+// A load of what other blocks wrote before a fence this block has seen (a
+// column sum's partials): through L2, never a stale L1 line, and, unlike a
+// volatile load, free to be issued ahead of the adds that use it.
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ float fs_ldcg(const float* p) { return __ldcg(p); }
+#else
+inline float fs_ldcg(const float* p) { return *p; }
+#endif
+
 // Threads that share a row in the one-warp-a-row kernels (norm_rows.rs):
 // a warp on the GPU, the one thread of a block on the host (tests).
 #ifdef __CUDA_ARCH__

@@ -103,7 +103,7 @@ train {
 /// probabilities are dropped.
 #[test]
 fn attention_dropout_applies_the_documented_mask() {
-    use fusec_compiler::ops::philox::{attention_draw, attention_threshold};
+    use fusec_compiler::ops::philox::{attention_draw, attention_scale, attention_threshold};
     let src = "
 dim B, T
 input q: f32[B, T, 2, 8]
@@ -172,7 +172,9 @@ train {
                             dropped += !kept as usize;
                         }
                         if kept {
-                            want += (s[j] - mx).exp() / sum / 0.6 * v[at(bb, j, hh) + c];
+                            want += (s[j] - mx).exp() / sum
+                                * attention_scale(0.4)
+                                * v[at(bb, j, hh) + c];
                         }
                     }
                     let got = o[at(bb, i, hh) + c];

@@ -165,12 +165,12 @@ fn a_broken_dropout_backward_is_caught() {
             ),
             causal,
         ),
-        // Key-major lanes keep the other key's halves and send their own.
+        // Lanes keep the other row parity's half of their block and send their own.
         (
             (
                 COMMON,
-                "const int mine = 16 * odd, theirs = 16 - mine;",
-                "const int theirs = 16 * odd, mine = 16 - theirs;",
+                "half(w, par, own);\n        half(w, 1 - par, give);",
+                "half(w, 1 - par, own);\n        half(w, par, give);",
             ),
             plain,
         ),
@@ -178,17 +178,17 @@ fn a_broken_dropout_backward_is_caught() {
         (
             (
                 COMMON,
-                "fs_attention_block(d.key, d.site, bh, col + odd, row_lo)",
-                "fs_attention_block(d.key, d.site, bh, row_lo, col + odd)",
+                "? fs_attention_block(d.key, d.site, bh, col, row_even)",
+                "? fs_attention_block(d.key, d.site, bh, row_even, col)",
             ),
             causal,
         ),
-        // Key-major lanes trade halves with the wrong neighbour.
+        // Lanes trade halves with the wrong neighbour.
         (
             (
                 COMMON,
-                "(((w.w[1] >> theirs) & 0xffffu) << 16), 4);",
-                "(((w.w[1] >> theirs) & 0xffffu) << 16), 8);",
+                "got[0] = fs_shfl_xor_u32(give[0], 4);",
+                "got[0] = fs_shfl_xor_u32(give[0], 8);",
             ),
             plain_atomic,
         ),

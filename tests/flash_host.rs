@@ -354,12 +354,12 @@ fn a_broken_dropout_forward_is_caught() {
     assert_eq!(src.matches("dropout = 0.3").count(), 2);
     let b = forward(&src, "bf16", FlashArch::Sm80);
     let mutations: [(Mutation, bool); 4] = [
-        // Keys j + 8, j + 9 read each other's halves of the block.
+        // Keys j, j + 1 and j + 8, j + 9 read each other's bytes of the block.
         (
             (
                 COMMON,
-                "f(2 * kk + 1, c, ((w.w[1] >> (16 * c)) & 0xffffu) >= d.threshold);",
-                "f(2 * kk + 1, c, ((w.w[1] >> (16 - 16 * c)) & 0xffffu) >= d.threshold);",
+                "const int byte = KEY_MAJOR ? e : (e & 1) + 2 * nb;",
+                "const int byte = KEY_MAJOR ? e : (e & 1) + 2 * (1 - nb);",
             ),
             false,
         ),

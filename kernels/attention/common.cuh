@@ -216,7 +216,7 @@ struct Rows {
 
 // Dropout on the probabilities (kernels instantiated with DROPOUT): the
 // step's key, the op's site, draws below `threshold` dropped, kept ones
-// multiplied by `scale` = 1 / (1 - p).
+// multiplied by `scale`, 1 over the share kept (256 / (256 - threshold)).
 struct Dropout {
     const int* key = nullptr;
     unsigned site = 0, threshold = 0;
@@ -434,50 +434,72 @@ __device__ __forceinline__ void p_of_s(float (&s)[TILE_Q / 8][4], const float* l
 // f(n, e, kept) for each entry, every lane of the warp together. Rows are
 // queries and columns keys, or with KEY_MAJOR the other way round.
 //
-// A Philox block holds the 16-bit draws of queries i, i + 8 by keys j,
-// j + 1, j + 8, j + 9 (fs_attention_block): query-major, exactly one lane's
-// entries of 16 columns, one block each. Key-major, a lane holds keys
-// j, j + 8 by queries i, i + 1, i + 8, i + 9: half of the blocks of queries
-// i and i + 1, whose other halves are the neighbouring key's (the lane 4
-// apart, key row j ^ 1). So each lane draws the block of query i + (j & 1)
-// and trades the halves of the other key with that lane: one block for
-// every 8 entries either way, as a draw per entry costs a 10-round Philox.
+// A Philox block holds the 8-bit draws of queries i, i + 1, i + 8, i + 9 by
+// keys j, j + 1, j + 8, j + 9 (fs_attention_block). Of each 16 columns a
+// lane holds half a block: query-major its two query rows' words (row
+// parity, + 2), key-major its two key rows' bytes of each word. The lane 4
+// apart (the other row parity) holds the other half. So of two neighbouring
+// 16-column spans each lane draws the block of the span of its row parity
+// and trades halves with that lane: one block for every 16 entries (a
+// 7-round Philox call costs about 50 integer instructions, a trade two
+// shuffles).
 template <int N, bool KEY_MAJOR, class F>
 __device__ __forceinline__ void for_each_draw(const Dropout& d, fs_i64 bh, fs_i64 row_lo, fs_i64 col0, int frag_col, F f) {
-#pragma unroll
-    for (int kk = 0; kk < N / 2; ++kk) {
-        const fs_i64 col = col0 + 16 * kk + frag_col;
+    constexpr int SPANS = N / 2;
+    const int par = (int)(row_lo & 1);
+    const fs_i64 row_even = row_lo - par;
+    auto block = [&](int span) {
+        const fs_i64 col = col0 + 16 * span + frag_col;
+        return KEY_MAJOR ? fs_attention_block(d.key, d.site, bh, col, row_even)
+                         : fs_attention_block(d.key, d.site, bh, row_even, col);
+    };
+    // The half of block w that the lanes of row parity `which` hold, in two
+    // words: query-major words which and which + 2 (query rows 0 and 8 of
+    // the pair, a key a byte: (j bit 0) + 2 (j bit 3)); key-major bytes
+    // which and which + 2 of words 0 and 1, then of words 2 and 3,
+    // interleaved so that entry e of a query pair is byte e.
+    auto half = [&](const fs_philox_words& w, int which, unsigned (&h)[2]) {
         if (!KEY_MAJOR) {
-            // Words: (i, j | j + 1), (i, j + 8 | j + 9), (i + 8, j | j + 1), (i + 8, j + 8 | j + 9).
-            const fs_philox_words w = fs_attention_block(d.key, d.site, bh, row_lo, col);
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                f(2 * kk, c, ((w.w[0] >> (16 * c)) & 0xffffu) >= d.threshold);
-                f(2 * kk + 1, c, ((w.w[1] >> (16 * c)) & 0xffffu) >= d.threshold);
-                f(2 * kk, 2 + c, ((w.w[2] >> (16 * c)) & 0xffffu) >= d.threshold);
-                f(2 * kk + 1, 2 + c, ((w.w[3] >> (16 * c)) & 0xffffu) >= d.threshold);
-            }
+            h[0] = which ? w.w[1] : w.w[0];
+            h[1] = which ? w.w[3] : w.w[2];
         } else {
-            const int odd = (int)(row_lo & 1);  // this lane's key: the high halves (odd) or the low
-            const fs_philox_words w = fs_attention_block(d.key, d.site, bh, col + odd, row_lo);
-            // Own: this key's halves of query col + odd's block, as (key j | j + 8)
-            // pairs of query rows col + odd and col + odd + 8; the other key's go
-            // to the neighbour, whose block (query col + 1 - odd) holds ours.
-            const int mine = 16 * odd, theirs = 16 - mine;
-            const unsigned own_a = ((w.w[0] >> mine) & 0xffffu) | (((w.w[1] >> mine) & 0xffffu) << 16);
-            const unsigned own_b = ((w.w[2] >> mine) & 0xffffu) | (((w.w[3] >> mine) & 0xffffu) << 16);
-            const unsigned got_a = fs_shfl_xor_u32(((w.w[0] >> theirs) & 0xffffu) | (((w.w[1] >> theirs) & 0xffffu) << 16), 4);
-            const unsigned got_b = fs_shfl_xor_u32(((w.w[2] >> theirs) & 0xffffu) | (((w.w[3] >> theirs) & 0xffffu) << 16), 4);
+            const int sh = 8 * which;
+            h[0] = ((w.w[0] >> sh) & 0x00ff00ffu) | (((w.w[1] >> sh) & 0x00ff00ffu) << 8);
+            h[1] = ((w.w[2] >> sh) & 0x00ff00ffu) | (((w.w[3] >> sh) & 0x00ff00ffu) << 8);
+        }
+    };
+    // This lane's 8 entries of span `span` (tiles n = 2 span, 2 span + 1).
+    auto use = [&](int span, const unsigned (&h)[2]) {
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                // Query col + c: its block is this lane's when c is the key's parity.
-                const unsigned a = c == odd ? own_a : got_a, b = c == odd ? own_b : got_b;
-                f(2 * kk, c, (a & 0xffffu) >= d.threshold);
-                f(2 * kk, 2 + c, (a >> 16) >= d.threshold);
-                f(2 * kk + 1, c, (b & 0xffffu) >= d.threshold);
-                f(2 * kk + 1, 2 + c, (b >> 16) >= d.threshold);
+        for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const unsigned x = KEY_MAJOR ? h[nb] : h[e >> 1];
+                const int byte = KEY_MAJOR ? e : (e & 1) + 2 * nb;
+                f(2 * span + nb, e, ((x >> (8 * byte)) & 0xffu) >= d.threshold);
             }
         }
+    };
+#pragma unroll
+    for (int sp = 0; sp + 1 < SPANS; sp += 2) {
+        const fs_philox_words w = block(sp + par);
+        unsigned own[2], give[2], got[2];
+        half(w, par, own);
+        half(w, 1 - par, give);
+        got[0] = fs_shfl_xor_u32(give[0], 4);
+        got[1] = fs_shfl_xor_u32(give[1], 4);
+        // Spans by constant index (a span chosen by the lane's parity would
+        // index s[][] at run time and put it in local memory).
+        const unsigned first[2] = {par ? got[0] : own[0], par ? got[1] : own[1]};
+        const unsigned second[2] = {par ? own[0] : got[0], par ? own[1] : got[1]};
+        use(sp, first);
+        use(sp + 1, second);
+    }
+    if (SPANS % 2) {
+        // An odd span out: every lane draws its block and keeps its half.
+        unsigned own[2];
+        half(block(SPANS - 1), par, own);
+        use(SPANS - 1, own);
     }
 }
 

@@ -1,5 +1,6 @@
 // Philox4x32-10 (Salmon et al., SC 2011), the counter-based generator cuRAND
-// and PyTorch draw dropout masks from, and the dropout mask built on it.
+// and PyTorch draw dropout masks from, and the dropout masks built on it
+// (attention's with 7 rounds, as FlashAttention's).
 // A draw is a pure function of (key, counter): the backward pass and a
 // recomputed forward op regenerate a mask from each element's index instead
 // of storing it. compiler/src/ops/philox.rs is the same function on the host;
@@ -20,12 +21,13 @@ __device__ __forceinline__ unsigned int fs_mulhi32(unsigned int a, unsigned int 
     return (unsigned int)(((unsigned long long)a * (unsigned long long)b) >> 32);
 }
 
-// Four 32-bit words from counter (c0, c1, c2, c3) under key (k0, k1).
-__device__ __forceinline__ fs_philox_words fs_philox4x32_10(unsigned int c0, unsigned int c1,
-                                                             unsigned int c2, unsigned int c3,
-                                                             unsigned int k0, unsigned int k1) {
+// Four 32-bit words from counter (c0, c1, c2, c3) under key (k0, k1), after
+// ROUNDS rounds (10: Random123's and cuRAND's Philox4x32-10).
+template <int ROUNDS>
+__device__ __forceinline__ fs_philox_words fs_philox4x32(unsigned int c0, unsigned int c1, unsigned int c2,
+                                                          unsigned int c3, unsigned int k0, unsigned int k1) {
 #pragma unroll
-    for (int round = 0; round < 10; ++round) {
+    for (int round = 0; round < ROUNDS; ++round) {
         if (round > 0) {
             k0 += 0x9E3779B9u;
             k1 += 0xBB67AE85u;
@@ -46,6 +48,11 @@ __device__ __forceinline__ fs_philox_words fs_philox4x32_10(unsigned int c0, uns
     return r;
 }
 
+__device__ __forceinline__ fs_philox_words fs_philox4x32_10(unsigned int c0, unsigned int c1, unsigned int c2,
+                                                             unsigned int c3, unsigned int k0, unsigned int k1) {
+    return fs_philox4x32<10>(c0, c1, c2, c3, k0, k1);
+}
+
 // The draws of elements 4 block .. 4 block + 3 of dropout site `site` under
 // the step's key: one Philox call, counter (block, site).
 __device__ __forceinline__ fs_philox_words fs_dropout_block(const int* key, unsigned int site,
@@ -60,23 +67,27 @@ __device__ __forceinline__ unsigned int fs_dropout_draw(const int* key, unsigned
     return fs_dropout_block(key, site, index >> 2).w[index & 3];
 }
 
-// Attention dropout (compiler/src/ops/philox.rs's attention_draw): 16-bit
-// draws, one block for the 8 probabilities of queries i, i + 8 by keys
-// j, j + 1, j + 8, j + 9 of a 16 x 16 tile (i with bit 3 clear, j with bits
-// 0 and 3 clear): half (i bit 3) * 4 + (j bit 3) * 2 + (j bit 0), half 2k + 1
-// the high 16 bits of word k. `bh`: batch entry * query heads + query head.
+// Attention dropout (compiler/src/ops/philox.rs's attention_draw): 8-bit
+// draws from Philox4x32-7 (FlashAttention's rounds: an attention step draws
+// 16 times as many values as its activations hold), one block for the 16
+// probabilities of queries i, i + 1, i + 8, i + 9 by keys j, j + 1, j + 8,
+// j + 9 (i and j with bits 0 and 3 clear): word (i bit 0) + 2 (i bit 3),
+// byte (j bit 0) + 2 (j bit 3). `bh`: batch entry * query heads + query head.
+#define FS_ATTENTION_ROUNDS 7
+
 __device__ __forceinline__ fs_philox_words fs_attention_block(const int* key, unsigned int site, long long bh,
                                                                long long i, long long j) {
-    const unsigned int row = (unsigned int)(((i >> 4) << 3) | (i & 7));
+    const unsigned int row = (unsigned int)(((i >> 4) << 2) | ((i & 7) >> 1));
     const unsigned int col = (unsigned int)(((j >> 4) << 2) | ((j & 7) >> 1));
-    return fs_philox4x32_10(col, row, (unsigned int)bh, site + 1u, (unsigned int)key[0], (unsigned int)key[1]);
+    return fs_philox4x32<FS_ATTENTION_ROUNDS>(col, row, (unsigned int)bh, site + 1u, (unsigned int)key[0],
+                                              (unsigned int)key[1]);
 }
 
 // The draw of probability (i, j) alone (the simple kernels).
 __device__ __forceinline__ unsigned int fs_attention_draw(const int* key, unsigned int site, long long bh, long long i,
                                                            long long j) {
-    const int half = (int)(((i >> 3) & 1) * 4 + ((j >> 3) & 1) * 2 + (j & 1));
-    return (fs_attention_block(key, site, bh, i, j).w[half >> 1] >> (16 * (half & 1))) & 0xffffu;
+    const int word = (int)((i & 1) + 2 * ((i >> 3) & 1)), byte = (int)((j & 1) + 2 * ((j >> 3) & 1));
+    return (fs_attention_block(key, site, bh, i, j).w[word] >> (8 * byte)) & 0xffu;
 }
 
 #endif

@@ -31,6 +31,9 @@ pub struct Cubin {
     pub registers: Option<u32>,
     pub spill_store_bytes: u32,
     pub spill_load_bytes: u32,
+    /// Stack frame (local memory) over every function, bytes: an array
+    /// indexed by values ptxas cannot resolve lives there without spilling.
+    pub stack_frame_bytes: u32,
     /// Static shared memory (`__shared__` arrays), bytes, as ptxas reports it.
     pub static_smem_bytes: u32,
 }
@@ -117,6 +120,10 @@ pub fn compile(kernel: &str, source: &str, arch: &str) -> Result<Cubin, CompileE
         registers: number_before(&log, " registers"),
         spill_store_bytes: number_before(&log, " bytes spill stores").unwrap_or(0),
         spill_load_bytes: number_before(&log, " bytes spill loads").unwrap_or(0),
+        stack_frame_bytes: log
+            .lines()
+            .filter_map(|l| number_before(l, " bytes stack frame"))
+            .sum(),
         static_smem_bytes: number_before(&log, " bytes smem").unwrap_or(0),
         log,
     })

@@ -1,8 +1,11 @@
 //! Group kernels: several independent ops of one kind in one launch (every
 //! parameter's optimizer update).
 
-/// Elements per chunk of a group kernel's work: 16 per thread of a block.
-pub const GROUP_CHUNK: i64 = 4096;
+/// Elements per chunk of a group kernel's work: 64 per thread of a block.
+/// (4096 made blocks too short-lived: BERT-large's AdamW ran at 68% of the
+/// copy bandwidth on an H200 and its casts to bf16 at 43%; 16384 took the
+/// update from 2.7 to 2.1 ms and the casts from 0.9 to 0.7.)
+pub const GROUP_CHUNK: i64 = 16384;
 
 use super::cuda::{float_lit, header};
 use super::templates::{op_body, shape_of, Ctx, Shape};

@@ -59,6 +59,12 @@ pub trait Lower {
         None
     }
 
+    /// `__launch_bounds__`'s arguments for the kernel `kernel_body` writes,
+    /// where it needs them (a register budget that buys occupancy).
+    fn launch_bounds(&self, _g: &Graph, _n: NodeIndex) -> Option<String> {
+        None
+    }
+
     /// The piece of its parameter an update runs on (ZeRO stage 1; `None`:
     /// all of it, and for every op that is not an update).
     fn update_range(&self) -> Option<(i64, i64)> {

@@ -3,10 +3,11 @@
 //! lane holds its columns of x and dy in registers, read once with 16-byte
 //! loads; the row's statistics and the two means the gradient needs come
 //! from warp shuffles (no block barrier per row); and each lane sums its
-//! columns' dgamma (and dbeta) over the rows of the block's group, so the
-//! parameter gradients need no second pass over the rows. The warps of a
-//! block then add their sums in warp order (deterministic) into the
-//! group's partials, `out1` (and `out2`) [NORM_GROUPS, C].
+//! columns' dgamma (in registers) and dbeta (in its warp's row of shared
+//! memory) over the rows of the block's group, so the parameter gradients
+//! need no second pass over the rows. The warps of a block then add their
+//! sums in warp order (deterministic) into the group's partials, `out1`
+//! (and `out2`) [NORM_GROUPS, C].
 //!
 //! The general kernel (templates.rs) reads x six times per row and walks
 //! each group's rows again for the parameter gradients; on an H200 it ran
@@ -47,6 +48,19 @@ fn names(dt: DType) -> (&'static str, &'static str, &'static str) {
         DType::F16 => ("fs_f16", "fs_load_f16", "fs_to_f16"),
         _ => ("fs_bf16", "fs_load_bf16", "fs_to_bf16"),
     }
+}
+
+/// Warps of a block (the plan's 256 threads), each with its own row of
+/// dbeta sums in shared memory.
+const WARPS: u64 = super::templates::BLOCK / 32;
+
+/// Two blocks an SM: ptxas holds the kernel to 128 registers. A lane's x,
+/// dy and its columns' dgamma and dbeta sums took 168 registers, one block
+/// of 8 warps an SM, and BERT-large's [16384, 1024] backward ran at a third
+/// of the copy bandwidth (76 us on an H200); with dbeta's sums in shared
+/// memory it fits in 128 without spilling.
+pub(crate) fn backward_bounds(g: &Graph, n: NodeIndex) -> Option<String> {
+    applies(g, n).map(|_| format!("{}, 2", super::templates::BLOCK))
 }
 
 /// The kernel's body, or `None` where its buffers do not allow it (padded
@@ -90,8 +104,8 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     const fs_i64 groups = {NORM_GROUPS}, per = (rows + groups - 1) / groups;
     for (fs_i64 grp = blockIdx.x; grp < groups; grp += gridDim.x) {{
         const fs_i64 g0 = grp * per, g1 = g0 + per < rows ? g0 + per : rows;
-        float dg[K * 8]{db_decl};
-        for (int e = 0; e < K * 8; ++e) {{ dg[e] = 0.0f;{db_zero} }}
+        float dg[K * 8];
+        for (int e = 0; e < K * 8; ++e) dg[e] = 0.0f;{db_zero}
         for (fs_i64 r = g0 + warp; r < g1; r += warps) {{
             float x[K * 8], d[K * 8];
             float s = 0.0f, ss = 0.0f;
@@ -110,9 +124,19 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 }}
             }}
 ",
-        sdb = if layer { ", sdb[C]" } else { "" },
-        db_decl = if layer { ", db[K * 8]" } else { "" },
-        db_zero = if layer { " db[e] = 0.0f;" } else { "" },
+        sdb = if layer {
+            format!(", wdb[{WARPS}][C]")
+        } else {
+            String::new()
+        },
+        db_zero = if layer {
+            "
+        for (int k = 0; k < K; ++k)
+            if ((k * FS_WARP + lane) * 8 < C)
+                for (int e = 0; e < 8; ++e) wdb[warp][(k * FS_WARP + lane) * 8 + e] = 0.0f;"
+        } else {
+            ""
+        },
     );
     if layer {
         // Two passes for the variance, as the reference computes it: the
@@ -178,7 +202,7 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         None => String::new(),
     };
     let db_acc = if layer {
-        " db[k * 8 + e] += d[k * 8 + e];"
+        " wdb[warp][j] += d[k * 8 + e];"
     } else {
         ""
     };
@@ -205,7 +229,7 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                     const int j0 = (k * FS_WARP + lane) * 8;
                     if (j0 < C)
                         for (int e = 0; e < 8; ++e) {{
-                            sdg[j0 + e] = (w == 0 ? 0.0f : sdg[j0 + e]) + dg[k * 8 + e];{db_shared}
+                            sdg[j0 + e] = (w == 0 ? 0.0f : sdg[j0 + e]) + dg[k * 8 + e];
                         }}
                 }}
             __syncthreads();
@@ -218,14 +242,9 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
 ",
         o0 = c.outs[0],
         o1 = c.outs[1],
-        db_shared = if layer {
-            "\n                            sdb[j0 + e] = (w == 0 ? 0.0f : sdb[j0 + e]) + db[k * 8 + e];"
-        } else {
-            ""
-        },
         db_out = if layer {
             format!(
-                " out{}[grp * C + j] = sdb[j];",
+                "\n            float db = 0.0f;\n            for (int w = 0; w < warps; ++w) db += wdb[w][j];\n            out{}[grp * C + j] = db;",
                 c.outs.get(2).copied().unwrap_or(2)
             )
         } else {

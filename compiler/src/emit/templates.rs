@@ -527,7 +527,16 @@ pub fn op_kernel(
     // Template instances have their own loop structure.
     let body = g.g[n].op.lower().kernel_body(g, &c, n);
     let body = match body {
-        Some(b) => b,
+        Some(b) => {
+            if let Some(bounds) = g.g[n].op.lower().launch_bounds(g, n) {
+                s = s.replacen(
+                    "__global__ void ",
+                    &format!("__global__ void __launch_bounds__({bounds}) "),
+                    1,
+                );
+            }
+            b
+        }
         None => op_loop(g, &c, n)?,
     };
     s.push_str(&body);

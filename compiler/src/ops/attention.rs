@@ -7,7 +7,7 @@
 //! has: keys at or after it are padding, invisible to every query (a
 //! key-padding mask as lengths, the way padded batches are laid out).
 //! With `dropout`, the step's dropout key comes last: each probability is
-//! kept and scaled by 1 / (1 - p), or zeroed, by a Philox draw of its
+//! kept and scaled by 1 over the share kept (about 1 / (1 - p)), or zeroed, by a Philox draw of its
 //! (batch, head, query, key) entry (`philox::attention_draw`), which the
 //! backward draws again; the log-sum-exp is that of the undropped row.
 
@@ -45,13 +45,13 @@ pub struct AttnDropout {
 }
 
 impl AttnDropout {
-    /// 16-bit draws below this are dropped.
+    /// 8-bit draws below this are dropped.
     pub fn threshold(&self) -> u32 {
         philox::attention_threshold(self.p)
     }
-    /// What a kept probability is multiplied by.
+    /// What a kept probability is multiplied by: 1 over the share kept.
     pub fn scale(&self) -> f64 {
-        1.0 / (1.0 - self.p)
+        philox::attention_scale(self.p)
     }
 }
 
@@ -120,7 +120,7 @@ impl Mask {
             hq,
         })
     }
-    /// The factor on probability (b, h, i, j): 0 or 1 / (1 - p).
+    /// The factor on probability (b, h, i, j): 0 or 1 over the share kept.
     fn factor(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
         let bh = (b * self.hq + h) as u64;
         if philox::attention_draw(self.key, self.drop.site, bh, i as u64, j as u64)

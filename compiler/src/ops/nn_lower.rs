@@ -134,6 +134,9 @@ impl Lower for LayerNormGrad {
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         norm_rows::kernel_body(g, c, n)
     }
+    fn launch_bounds(&self, g: &Graph, n: NodeIndex) -> Option<String> {
+        norm_rows::backward_bounds(g, n)
+    }
     fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
         let mut body = String::new();
         let b = &mut body;
@@ -192,6 +195,9 @@ impl Lower for RmsNormGrad {
     }
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         norm_rows::kernel_body(g, c, n)
+    }
+    fn launch_bounds(&self, g: &Graph, n: NodeIndex) -> Option<String> {
+        norm_rows::backward_bounds(g, n)
     }
     fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
         let mut body = String::new();

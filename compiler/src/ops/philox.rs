@@ -13,8 +13,14 @@ const W0: u32 = 0x9E37_79B9;
 const W1: u32 = 0xBB67_AE85;
 
 /// Four 32-bit words from counter `ctr` under `key`.
-pub fn philox4x32_10(mut ctr: [u32; 4], mut key: [u32; 2]) -> [u32; 4] {
-    for round in 0..10 {
+pub fn philox4x32_10(ctr: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    philox4x32(ctr, key, 10)
+}
+
+/// Philox4x32 with `rounds` rounds (10 is Random123's and cuRAND's
+/// default; the attention draws take 7, as FlashAttention's do).
+pub fn philox4x32(mut ctr: [u32; 4], mut key: [u32; 2], rounds: u32) -> [u32; 4] {
+    for round in 0..rounds {
         if round > 0 {
             key[0] = key[0].wrapping_add(W0);
             key[1] = key[1].wrapping_add(W1);
@@ -39,31 +45,53 @@ pub fn draw(key: [u32; 2], site: u32, index: u64) -> u32 {
     philox4x32_10([block as u32, (block >> 32) as u32, site, 0], key)[(index % 4) as usize]
 }
 
-/// The 16-bit draw (0 .. 65535) of attention probability (query i, key j)
-/// of head row `bh` (batch entry b, query head h: b * Hq + h) at dropout
-/// site `site`. A score matrix takes 16 bits an entry, so one Philox
-/// block serves 8 entries: queries i, i + 8 by keys j, j + 1, j + 8, j + 9
-/// of a 16 x 16 tile (i with bit 3 clear, j with bits 0 and 3 clear), half
-/// (i bit 3) * 4 + (j bit 3) * 2 + (j bit 0), half 2k + 1 the high 16 bits
-/// of word k. Those are exactly the 8 a tensor-core thread holds of a
-/// query-major tile in the m16n8 (and wgmma) accumulator layout, so the
-/// forward draws one block for every 8 scores; a key-major tile's thread
-/// holds two such blocks' halves and trades them with its neighbour
-/// (`kernels/attention/common.cuh`'s `for_each_draw`). The counter's last
+/// Rounds of the attention draws' Philox. Random123 finds Philox4x32 with
+/// 7 rounds passes BigCrush (10 is its margin); FlashAttention, whose
+/// dropout PyTorch's SDPA runs, takes 7. An attention step draws 16 times
+/// as many values as its activations hold, so the rounds are its cost.
+pub const ATTENTION_ROUNDS: u32 = 7;
+
+/// The 8-bit draw (0 .. 255) of attention probability (query i, key j) of
+/// head row `bh` (batch entry b, query head h: b * Hq + h) at dropout site
+/// `site`. One Philox block serves 16 entries: queries i, i + 1, i + 8,
+/// i + 9 by keys j, j + 1, j + 8, j + 9 (i and j with bits 0 and 3 clear),
+/// word (i bit 0) + 2 (i bit 3), byte (j bit 0) + 2 (j bit 3). A
+/// tensor-core thread holds half of such a block in the m16n8 (and wgmma)
+/// accumulator layout, query-major or key-major, and the lane 4 apart the
+/// other half; so each lane of the pair draws one of two neighbouring
+/// blocks and they trade halves (`kernels/attention/common.cuh`'s
+/// `for_each_draw`): one block for every 16 entries. The counter's last
 /// word is site + 1, apart from every elementwise dropout's (0).
 pub fn attention_draw(key: [u32; 2], site: u32, bh: u64, i: u64, j: u64) -> u32 {
-    let row = ((i >> 4) << 3 | (i & 7)) as u32;
+    let row = ((i >> 4) << 2 | ((i & 7) >> 1)) as u32;
     let col = ((j >> 4) << 2 | ((j & 7) >> 1)) as u32;
-    let half = ((i >> 3) & 1) * 4 + ((j >> 3) & 1) * 2 + (j & 1);
-    let word = philox4x32_10([col, row, bh as u32, site.wrapping_add(1)], key)[(half / 2) as usize];
-    (word >> (16 * (half % 2))) & 0xffff
+    let word = (i & 1) + 2 * ((i >> 3) & 1);
+    let byte = (j & 1) + 2 * ((j >> 3) & 1);
+    let w = philox4x32(
+        [col, row, bh as u32, site.wrapping_add(1)],
+        key,
+        ATTENTION_ROUNDS,
+    )[word as usize];
+    (w >> (8 * byte)) & 0xff
 }
 
-/// Attention draws below this are dropped: `p` of the 65,536 16-bit draws
-/// (so the share kept is 1 - p within 2^-17; kept entries are scaled by
-/// 1 / (1 - p) exactly).
+/// Attention draws below this are dropped: `p` of the 256 8-bit draws,
+/// rounded (so the share dropped is t / 256, within 1/512 of p, as
+/// FlashAttention's 8-bit draws round it).
 pub fn attention_threshold(p: f64) -> u32 {
-    (p.clamp(0.0, 1.0) * 65_536.0).round() as u32
+    (p.clamp(0.0, 1.0) * 256.0).round() as u32
+}
+
+/// What a kept attention probability is multiplied by: 1 over the share
+/// kept, 256 / (256 - t), so the expectation is the undropped value
+/// exactly (1 / (1 - p) would be off by up to 1/512 relative).
+pub fn attention_scale(p: f64) -> f64 {
+    let t = attention_threshold(p);
+    if t >= 256 {
+        0.0
+    } else {
+        256.0 / f64::from(256 - t)
+    }
 }
 
 /// Draws below this are dropped: `p` of the 2^32 possible draws, so that
@@ -152,49 +180,41 @@ mod tests {
         }
     }
 
-    /// One block holds the 8 draws of its cell as documented, and the
+    /// One block holds the 16 draws of its cell as documented, and the
     /// (head row, query, key) entries of a 40 x 40 tile (not a multiple of
-    /// 16) of two heads draw no more repeats than fair 16-bit draws would:
-    /// 3,200 draws among 65,536 values give about 78 equal pairs (sd ~9).
+    /// 16) of two heads draw about as many repeats as fair 8-bit draws
+    /// would: 3,200 draws among 256 values give 3200 * 3199 / 512 = 19,994
+    /// equal pairs in expectation (sd about 100 for a fair generator; 5 sd
+    /// either way, where draws that repeat a block's or a constant byte
+    /// give far more).
     #[test]
     fn attention_draws_fill_their_cells() {
         let key = [7, 11];
-        let w = philox4x32_10([3 << 2 | 2, 1 << 3 | 2, 4, 10], key);
+        // Query 16 + 2 (row block 4 + 1), key 48 + 4 (column block 12 + 2).
+        let w = philox4x32([12 + 2, 4 + 1, 4, 10], key, ATTENTION_ROUNDS);
         let (i, j) = (16 + 2, 48 + 4);
-        let at = |di: u64, dj: u64| attention_draw(key, 9, 4, i + di, j + dj);
-        for (k, (di, dj)) in [
-            (0, 0),
-            (0, 1),
-            (0, 8),
-            (0, 9),
-            (8, 0),
-            (8, 1),
-            (8, 8),
-            (8, 9),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            assert_eq!(
-                at(di, dj),
-                (w[k / 2] >> (16 * (k % 2))) & 0xffff,
-                "half {k}"
-            );
+        for (word, di) in [0, 1, 8, 9].into_iter().enumerate() {
+            for (byte, dj) in [0, 1, 8, 9].into_iter().enumerate() {
+                assert_eq!(
+                    attention_draw(key, 9, 4, i + di, j + dj),
+                    (w[word] >> (8 * byte)) & 0xff,
+                    "word {word} byte {byte}"
+                );
+            }
         }
-        let mut draws = Vec::new();
+        let mut counts = [0u64; 256];
         for bh in 0..2 {
             for i in 0..40 {
                 for j in 0..40 {
-                    draws.push(attention_draw(key, 0, bh, i, j));
+                    counts[attention_draw(key, 0, bh, i, j) as usize] += 1;
                 }
             }
         }
-        let mut counts = std::collections::HashMap::new();
-        for d in &draws {
-            *counts.entry(*d).or_insert(0u64) += 1;
-        }
-        let pairs: u64 = counts.values().map(|c| c * (c - 1) / 2).sum();
-        assert!(pairs < 78 + 5 * 9, "{pairs} equal pairs: draws repeat");
+        let pairs: u64 = counts.iter().map(|c| c * c.saturating_sub(1) / 2).sum();
+        assert!(
+            (19_994 - 500..19_994 + 500).contains(&pairs),
+            "{pairs} equal pairs among 3,200 8-bit draws"
+        );
         // Sites draw apart.
         assert_ne!(
             (0..16)
@@ -204,6 +224,37 @@ mod tests {
                 .map(|j| attention_draw(key, 1, 0, 0, j))
                 .collect::<Vec<_>>()
         );
+    }
+
+    /// Seven rounds are the first seven of ten (the counter and key
+    /// schedule are the same), so Random123's ten-round answers pin them
+    /// down too; and the attention threshold and scale keep the
+    /// expectation: share kept times scale is 1.
+    #[test]
+    fn attention_rounds_and_scale() {
+        let (c, k) = (
+            [0x243f_6a88, 0x85a3_08d3, 0x1319_8a2e, 0x0370_7344],
+            [0xa409_3822, 0x299f_31d0],
+        );
+        let mut seven = philox4x32(c, k, 7);
+        let mut key = k;
+        for _ in 0..7 {
+            key[0] = key[0].wrapping_add(W0);
+            key[1] = key[1].wrapping_add(W1);
+        }
+        for _ in 0..3 {
+            seven = philox4x32(seven, key, 1);
+            key[0] = key[0].wrapping_add(W0);
+            key[1] = key[1].wrapping_add(W1);
+        }
+        assert_eq!(seven, philox4x32_10(c, k));
+        for p in [0.0, 0.1, 0.25, 0.37, 0.9] {
+            let t = attention_threshold(p);
+            assert!((f64::from(t) / 256.0 - p).abs() <= 1.0 / 512.0);
+            let kept = f64::from(256 - t) / 256.0;
+            assert!((kept * attention_scale(p) - 1.0).abs() < 1e-15, "p {p}");
+        }
+        assert_eq!(attention_threshold(0.1), 26);
     }
 
     #[test]
