@@ -199,7 +199,7 @@ fn text_round_trips_through_shards_and_matches_python_tokenizers() {
         Ok(o) if o.status.success() => {
             let text = String::from_utf8_lossy(&o.stdout);
             if text.trim() == "missing" {
-                println!("skipped the comparison: the Python tokenizers package is not installed");
+                common::skip("the comparison: the Python tokenizers package is not installed");
             } else {
                 let theirs: Vec<u32> = text
                     .split_whitespace()
@@ -215,7 +215,7 @@ fn text_round_trips_through_shards_and_matches_python_tokenizers() {
                 println!("Python tokenizers gives the same {} ids", ids.len());
             }
         }
-        other => println!("skipped the comparison: python3 did not run ({other:?})"),
+        other => common::skip(&format!("the comparison: python3 did not run ({other:?})")),
     }
 }
 

@@ -186,7 +186,7 @@ fn every_twin_compiles_and_matches_the_reference_in_f64() {
     let dir = scratch("f64");
     let torch = python_has_torch();
     if !torch {
-        println!("PyTorch cannot be imported by python3: each twin is byte-compiled only (set PYTHONPATH to a PyTorch install to compare in f64)");
+        common::skip("the f64 comparison: PyTorch cannot be imported by python3, so each twin is byte-compiled only (set PYTHONPATH to a PyTorch install to compare in f64)");
     }
     let mut failures = Vec::new();
     for (file, sets, dims) in cases() {
@@ -250,7 +250,7 @@ fn twin_snapshots() {
 #[test]
 fn a_twins_weights_start_fusec_train() {
     if !python_has_torch() {
-        println!("PyTorch cannot be imported by python3: skipped");
+        common::skip("PyTorch cannot be imported by python3");
         return;
     }
     let dir = scratch("weights");
@@ -409,7 +409,7 @@ fn parity_args(file: &str, sets: &[(String, String)], dims: &[(&str, i64)]) -> V
 #[test]
 fn fifty_steps_of_fusec_stay_with_the_f64_twin() {
     if !python_has_torch() {
-        println!("PyTorch cannot be imported by python3: skipped");
+        common::skip("PyTorch cannot be imported by python3");
         return;
     }
     let mut failures = Vec::new();

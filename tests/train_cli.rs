@@ -187,7 +187,7 @@ fn bad_data_and_checkpoints_are_named() {
 #[test]
 fn without_a_gpu_train_says_so() {
     if fusec_runtime::device::driver_present() {
-        println!("skipped: this machine has a CUDA driver");
+        common::skip("this machine has a CUDA driver");
         return;
     }
     let (code, _, err) = fusec(&[

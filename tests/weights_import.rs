@@ -33,7 +33,7 @@ fn reference(kind: &str, dir: &std::path::Path, windows: u32) -> Option<f64> {
         .ok()?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     if out.status.code() == Some(3) {
-        println!("skipped: {}", stdout.trim());
+        common::skip(stdout.trim());
         return None;
     }
     assert!(

@@ -24,7 +24,7 @@ fn gpus() -> Option<usize> {
             std::env::var_os("FUSEC_REQUIRE_GPUS").is_none(),
             "FUSEC_REQUIRE_GPUS is set: {why}"
         );
-        println!("skipped: {why}");
+        common::skip(&why);
         None
     };
     if !device::driver_present() {
@@ -250,11 +250,11 @@ fn n_gpus_with_batch_b_train_as_one_gpu_with_n_times_b() {
 #[test]
 fn a_step_built_for_two_ranks_refuses_to_run_alone() {
     if !device::driver_present() {
-        println!("skipped: no CUDA driver on this machine");
+        common::skip("no CUDA driver on this machine");
         return;
     }
     let Ok(gpu) = device::open(0) else {
-        println!("skipped: no GPU");
+        common::skip("no GPU");
         return;
     };
     let many = compiled(2, "fp32", 1);

@@ -5,6 +5,9 @@
 //! test prints why and passes, unless FUSEC_REQUIRE_GPU=1 (as a GPU CI sets
 //! it); the CPU tests (rounding, validation) always run.
 
+#[path = "../../tests/common/skip.rs"]
+mod skip;
+
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use fusec_runtime::gemm::{Elem, EpiloguePtrs, Gemm, GemmError, GemmSpec};
 use std::sync::Arc;
@@ -511,7 +514,7 @@ fn skip(reason: &str) {
         std::env::var("FUSEC_REQUIRE_GPU").is_err(),
         "FUSEC_REQUIRE_GPU is set but {reason}"
     );
-    println!("skipped: {reason}");
+    skip::skip(reason);
 }
 
 #[test]

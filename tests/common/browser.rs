@@ -19,8 +19,8 @@ pub fn screenshot(
                 .is_ok_and(|o| o.status.success())
         });
     let Some(browser) = browser else {
-        println!(
-            "skipped the rendering: no Chromium on this machine (Debian: apt-get install chromium)"
+        super::skip(
+            "the rendering: no Chromium on this machine (Debian: apt-get install chromium)",
         );
         return None;
     };

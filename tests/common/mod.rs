@@ -6,10 +6,13 @@ pub mod flash;
 pub mod flash_bwd;
 pub mod host;
 mod nvrtc_ready;
+pub mod skip;
 mod tiny;
 
 #[allow(unused_imports)]
 pub use nvrtc_ready::{keep_cubin, nvrtc_ready};
+#[allow(unused_imports)]
+pub use skip::skip;
 
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;

@@ -14,7 +14,9 @@ pub fn nvrtc_ready() -> bool {
         std::env::var("FUSEC_REQUIRE_NVRTC").is_err(),
         "FUSEC_REQUIRE_NVRTC is set but libnvrtc is not on the loader path"
     );
-    println!("skipped: libnvrtc not found (install nvidia-cuda-nvrtc and put its lib folder on LD_LIBRARY_PATH)");
+    super::skip(
+        "libnvrtc not found (install nvidia-cuda-nvrtc and put its lib folder on LD_LIBRARY_PATH)",
+    );
     false
 }
 

@@ -50,9 +50,9 @@ fn names(dt: DType) -> (&'static str, &'static str, &'static str) {
     }
 }
 
-/// Warps of a block (the plan's 256 threads), each with its own row of
-/// dbeta sums in shared memory.
-const WARPS: u64 = super::templates::BLOCK / 32;
+/// Threads of a block (the plan's): a row of dbeta sums in shared memory
+/// for each warp of them (each thread on the host, where a warp is one).
+const BLOCK: u64 = super::templates::BLOCK;
 
 /// Two blocks an SM: ptxas holds the kernel to 128 registers. A lane's x,
 /// dy and its columns' dgamma and dbeta sums took 168 registers, one block
@@ -60,7 +60,7 @@ const WARPS: u64 = super::templates::BLOCK / 32;
 /// of the copy bandwidth (76 us on an H200); with dbeta's sums in shared
 /// memory it fits in 128 without spilling.
 pub(crate) fn backward_bounds(g: &Graph, n: NodeIndex) -> Option<String> {
-    applies(g, n).map(|_| format!("{}, 2", super::templates::BLOCK))
+    applies(g, n).map(|_| format!("{BLOCK}, 2"))
 }
 
 /// The kernel's body, or `None` where its buffers do not allow it (padded
@@ -125,7 +125,7 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             }}
 ",
         sdb = if layer {
-            format!(", wdb[{WARPS}][C]")
+            format!(", wdb[{BLOCK} / FS_WARP][C]")
         } else {
             String::new()
         },

@@ -3,12 +3,16 @@
 
 #[path = "../../../tests/common/nvrtc_ready.rs"]
 mod nvrtc_ready;
+#[path = "../../../tests/common/skip.rs"]
+mod skip;
 #[path = "../../../tests/common/tiny.rs"]
 mod tiny;
 
 #[allow(unused_imports)]
 pub use nvrtc_ready::nvrtc_ready;
 
+#[allow(unused_imports)]
+pub use skip::skip;
 #[allow(unused_imports)]
 pub use tiny::{tiny_models, TinyModel};
 
@@ -26,7 +30,7 @@ pub fn gpu() -> Option<device::Gpu> {
             std::env::var_os("FUSEC_REQUIRE_GPU").is_none(),
             "FUSEC_REQUIRE_GPU is set: {why}"
         );
-        println!("skipped: {why}");
+        skip(&why);
         None
     };
     if !device::driver_present() {
