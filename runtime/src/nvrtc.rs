@@ -38,6 +38,18 @@ pub struct Cubin {
     pub static_smem_bytes: u32,
 }
 
+impl Cubin {
+    /// Whether the kernel keeps an array in local memory: a stack frame of
+    /// 64 bytes or more. A fragment indexed by a value ptxas cannot resolve
+    /// lives there without a spill (dropout's draws once put Hopper's
+    /// attention tiles there, 128 to 256 bytes, 2.6x slower); a call to a
+    /// function left out of line takes a few bytes (8: the persistent
+    /// Hopper forward's producer), which this does not count.
+    pub fn local_arrays(&self) -> bool {
+        self.stack_frame_bytes >= 64
+    }
+}
+
 #[derive(Debug)]
 pub struct CompileError {
     pub kernel: String,

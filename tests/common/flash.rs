@@ -418,11 +418,8 @@ pub fn compile_all(
                         if c.spill_store_bytes > 0 || c.spill_load_bytes > 0 {
                             fail(format!("{} {what} ({arch}): spills\n{}", l.name, c.log));
                         }
-                        // Local memory without spills: a fragment indexed
-                        // at run time (dropout's draws once made Hopper's
-                        // attention 2.6x slower so, 256 bytes of stack).
-                        if c.stack_frame_bytes > 0 {
-                            fail(format!("{} {what} ({arch}): stack frame\n{}", l.name, c.log));
+                        if c.local_arrays() {
+                            fail(format!("{} {what} ({arch}): an array in local memory\n{}", l.name, c.log));
                         }
                     }
                     Err(e) => fail(format!("{what} ({arch}): {e}")),
