@@ -441,7 +441,7 @@ __device__ __forceinline__ void p_of_s(float (&s)[TILE_Q / 8][4], const float* l
 // apart (the other row parity) holds the other half. So of two neighbouring
 // 16-column spans each lane draws the block of the span of its row parity
 // and trades halves with that lane: one block for every 16 entries (a
-// 7-round Philox call costs about 50 integer instructions, a trade two
+// 10-round Philox call costs about 70 integer instructions, a trade two
 // shuffles).
 template <int N, bool KEY_MAJOR, class F>
 __device__ __forceinline__ void for_each_draw(const Dropout& d, fs_i64 bh, fs_i64 row_lo, fs_i64 col0, int frag_col, F f) {

@@ -1,6 +1,5 @@
 // Philox4x32-10 (Salmon et al., SC 2011), the counter-based generator cuRAND
-// and PyTorch draw dropout masks from, and the dropout masks built on it
-// (attention's with 7 rounds, as FlashAttention's).
+// and PyTorch draw dropout masks from, and the dropout masks built on it.
 // A draw is a pure function of (key, counter): the backward pass and a
 // recomputed forward op regenerate a mask from each element's index instead
 // of storing it. compiler/src/ops/philox.rs is the same function on the host;
@@ -68,12 +67,12 @@ __device__ __forceinline__ unsigned int fs_dropout_draw(const int* key, unsigned
 }
 
 // Attention dropout (compiler/src/ops/philox.rs's attention_draw): 8-bit
-// draws from Philox4x32-7 (FlashAttention's rounds: an attention step draws
-// 16 times as many values as its activations hold), one block for the 16
+// draws from Philox4x32-10 (FS_ATTENTION_ROUNDS; FlashAttention's take 7),
+// one block for the 16
 // probabilities of queries i, i + 1, i + 8, i + 9 by keys j, j + 1, j + 8,
 // j + 9 (i and j with bits 0 and 3 clear): word (i bit 0) + 2 (i bit 3),
 // byte (j bit 0) + 2 (j bit 3). `bh`: batch entry * query heads + query head.
-#define FS_ATTENTION_ROUNDS 7
+#define FS_ATTENTION_ROUNDS 10
 
 __device__ __forceinline__ fs_philox_words fs_attention_block(const int* key, unsigned int site, long long bh,
                                                                long long i, long long j) {
