@@ -283,9 +283,12 @@ struct DqF32 {
             products<DP, ROW>(s, q_tile + warp * 16 * ROW, k_tile);
             products<DVP, ROW_V>(dp, do_tile + warp * 16 * ROW_V, v_tile);
             if (DROPOUT) {
-                // Z dP, so that dS = P (Z dP - delta) below.
+                // Z dP, so that dS = P (Z dP - delta) below. The dropped
+                // entries are cleared by masking their bits: a select here
+                // (kept ? scale : 0) costs 66 registers once ptxas copies the
+                // loop for edge and inner tiles, and spills at D = 112.
                 for_each_draw<TILE_K / 8, false>(a.drop, b * a.q_heads + h, i_lo, k0, frag_col, [&](int n, int e, bool kept) {
-                    dp[n][e] *= kept ? a.drop.scale : 0.0f;
+                    dp[n][e] = __int_as_float(__float_as_int(dp[n][e]) & (kept ? -1 : 0)) * a.drop.scale;
                 });
             }
 
