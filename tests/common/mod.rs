@@ -7,7 +7,9 @@ pub mod flash_bwd;
 pub mod host;
 mod nvrtc_ready;
 pub mod skip;
+pub mod step_host;
 mod tiny;
+pub mod zoo;
 
 #[allow(unused_imports)]
 pub use nvrtc_ready::{keep_cubin, nvrtc_ready};
