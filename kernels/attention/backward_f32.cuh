@@ -283,19 +283,20 @@ struct DqF32 {
             products<DP, ROW>(s, q_tile + warp * 16 * ROW, k_tile);
             products<DVP, ROW_V>(dp, do_tile + warp * 16 * ROW_V, v_tile);
             if (DROPOUT) {
-                // Z dP, so that dS = P (Z dP - delta) below. The dropped
-                // entries are cleared by masking their bits: a select here
-                // (kept ? scale : 0) costs 66 registers once ptxas copies the
-                // loop for edge and inner tiles, and spills at D = 112.
+                // Z dP, so that dS = P (Z dP - delta) below.
                 for_each_draw<TILE_K / 8, false>(a.drop, b * a.q_heads + h, i_lo, k0, frag_col, [&](int n, int e, bool kept) {
-                    dp[n][e] = __int_as_float(__float_as_int(dp[n][e]) & (kept ? -1 : 0)) * a.drop.scale;
+                    dp[n][e] *= kept ? a.drop.scale : 0.0f;
                 });
             }
 
             // P = exp2(S * scale_log2 - lse_log2), masked (keys past kv_len;
             // causal: keys after the query) on the tiles that can need it; dS =
             // P * (dP - delta) in place of dp.
-            const bool edge = k0 + TILE_K > kv_len || (CAUSAL && k0 + TILE_K - 1 > q0 + warp * 16);
+            // With dropout every tile takes the masked path: two copies of
+            // the loop below (edge and inner tiles) with the draws' selects
+            // need 66 more registers and spill at D = 112 (and clearing the
+            // dropped entries by their bits instead spills at D = 64).
+            const bool edge = DROPOUT || k0 + TILE_K > kv_len || (CAUSAL && k0 + TILE_K - 1 > q0 + warp * 16);
 #pragma unroll
             for (int n = 0; n < TILE_K / 8; ++n) {
 #pragma unroll
