@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{host, step_host, zoo};
+use common::{host, step_host, update_reference, zoo};
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::gradcheck::{check_model, Tolerance};
@@ -117,6 +117,7 @@ fn check_one(
             report.failures.len()
         ));
     }
+    update_reference::check(&c, &dims).map_err(|e| format!("update: {e}"))?;
     let step = if cxx {
         let out =
             step_host::run_step(work, &m.name, &c, &dims).map_err(|e| format!("host step: {e}"))?;

@@ -12,6 +12,7 @@ pub mod ir;
 pub mod kernel;
 pub mod lowering;
 pub mod model;
+pub mod mutants;
 pub mod ops;
 pub mod passes;
 pub mod plan;

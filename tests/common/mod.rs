@@ -9,6 +9,7 @@ mod nvrtc_ready;
 pub mod skip;
 pub mod step_host;
 mod tiny;
+pub mod update_reference;
 pub mod zoo;
 
 #[allow(unused_imports)]

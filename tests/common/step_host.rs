@@ -56,6 +56,48 @@ pub struct StepOutcome {
     /// f32 models: the largest difference of an update from the
     /// interpreter's, as a share of its norm.
     pub updates: f64,
+    /// Outputs of kernels made 1% wrong (`run_step_perturbed`).
+    pub perturbed: usize,
+}
+
+/// Scales kernel `k`'s float outputs by 1.01 in the harness, where it
+/// computes an op named `perturb`; returns how many it scaled that hold a
+/// value other than zero in this step (scaling zeros changes nothing: a
+/// micro-batch accumulator that the step's last micro-batch clears).
+fn perturb_outputs(
+    s: &mut String,
+    g: &fusec_compiler::ir::Graph,
+    program: &fusec_compiler::kernel::Program,
+    pl: &fusec_compiler::plan::Plan,
+    reference: &[fusec_compiler::interp::tensor::Tensor],
+    k: &fusec_compiler::kernel::Kernel,
+    perturb: Option<&str>,
+) -> usize {
+    let Some(op) = perturb else { return 0 };
+    if !k.nodes.iter().any(|&n| g.g[n].op.name() == op) {
+        return 0;
+    }
+    let mut scaled = 0;
+    for &b in &k.outputs {
+        let (code, size) = match program.buffers[b].ty.dtype {
+            DType::F32 => (0, 4),
+            DType::BF16 => (1, 2),
+            DType::F16 => (2, 2),
+            _ => continue,
+        };
+        let pb = &pl.buffers[b];
+        let _ = writeln!(
+            s,
+            "  for (long long e = 0; e < {}; ++e) fs_put(arena + {}, {code}, e, fs_get(arena + {}, {code}, e) * 1.01f); // perturbed",
+            pb.bytes / size,
+            pb.offset,
+            pb.offset
+        );
+        if reference[b].data.iter().any(|&x| x != 0.0) {
+            scaled += 1;
+        }
+    }
+    scaled
 }
 
 /// A row-major GEMM with the runtime's epilogues, on raw arena pointers.
@@ -113,6 +155,19 @@ pub fn run_step(
     c: &Compiled,
     dims: &[(&str, i64)],
 ) -> Result<StepOutcome, String> {
+    run_step_perturbed(work, stem, c, dims, None)
+}
+
+/// [`run_step`], with every float output of each kernel that computes an
+/// op named `perturb` (`Op::name`) made 1% too large after it runs: a
+/// kernel that is wrong by that much, to show the comparison catches it.
+pub fn run_step_perturbed(
+    work: &Path,
+    stem: &str,
+    c: &Compiled,
+    dims: &[(&str, i64)],
+    perturb: Option<&str>,
+) -> Result<StepOutcome, String> {
     let g = &c.optimized;
     let program = fuse(g);
     let mut out = StepOutcome {
@@ -122,6 +177,7 @@ pub fn run_step(
         pads: program.gemm_pads.values().copied().collect(),
         worst: 0.0,
         updates: 0.0,
+        perturbed: 0,
     };
     let dmap = super::dims(dims);
     let bdims: BTreeMap<String, i64> = dmap.iter().map(|(k, v)| (k.clone(), *v)).collect();
@@ -221,6 +277,7 @@ pub fn run_step(
                 opt(e.dgelu, false),
                 k.name
             );
+            out.perturbed += perturb_outputs(&mut s, g, &program, &pl, &reference, k, perturb);
             continue;
         }
         if !kernels.iter().any(|(n, _)| *n == k.name) {
@@ -230,6 +287,7 @@ pub fn run_step(
         args.extend(k.outputs.iter().map(|&b| typed(b, true)));
         args.extend(g.dims.iter().map(|d| format!("dim_{d}")));
         let _ = writeln!(s, "  {}({});", k.name, args.join(", "));
+        out.perturbed += perturb_outputs(&mut s, g, &program, &pl, &reference, k, perturb);
     }
     let _ = writeln!(
         s,

@@ -95,6 +95,12 @@ pub fn add_backward(model: &Model) -> Result<Graph, Errors> {
             if !needs.contains(&x.node) {
                 continue;
             }
+            let dx = match crate::mutants::current() {
+                Some(crate::mutants::Mutant::Backward(op)) if op == node.op.name() => {
+                    b.scale(dx, 1.01).map_err(internal)?
+                }
+                _ => dx,
+            };
             // A gradient has its value's dtype (f32 for master weights).
             let dx = b.cast(dx, b.ty(*x).dtype).map_err(internal)?;
             let total = match grads.get(x) {
@@ -173,9 +179,30 @@ pub fn add_backward(model: &Model) -> Result<Graph, Errors> {
     if !missing.is_empty() {
         return Err(Errors(missing));
     }
+    if crate::mutants::is(&crate::mutants::Mutant::SwapGradients) {
+        swap_two_gradients(&mut g);
+    }
     // Gradient rules build every input's gradient; drop the unread ones.
     crate::passes::Dce.run(&mut g);
     Ok(g)
+}
+
+/// The mutant `SwapGradients`: the gradients of the first two parameters
+/// of one type trade places.
+fn swap_two_gradients(g: &mut Graph) {
+    let grad_of = |g: &Graph, i: usize| g.outputs.iter().position(|(r, _)| *r == Role::Grad(i));
+    for i in 0..g.params.len() {
+        for j in i + 1..g.params.len() {
+            if g.params[i].ty == g.params[j].ty {
+                if let (Some(a), Some(b)) = (grad_of(g, i), grad_of(g, j)) {
+                    let va = g.outputs[a].1;
+                    g.outputs[a].1 = g.outputs[b].1;
+                    g.outputs[b].1 = va;
+                    return;
+                }
+            }
+        }
+    }
 }
 
 /// The whole training step: forward, backward, clipping and the optimizer update.

@@ -62,6 +62,16 @@ fn sum_of_squares(
     Ok(total)
 }
 
+/// The clipping threshold as built: 1% high under the mutant `ClipScale`
+/// (so is the coefficient wherever clipping acts).
+fn clip_mutant(max_norm: f64) -> f64 {
+    if crate::mutants::is(&crate::mutants::Mutant::ClipScale) {
+        max_norm * 1.01
+    } else {
+        max_norm
+    }
+}
+
 /// What of a parameter this rank updates: `None` nothing (ZeRO, another
 /// rank owns it all), `Some(None)` all of it, `Some(Some((lo, hi)))` its
 /// elements [lo, hi).
@@ -271,6 +281,11 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let fp16 = train.precision == DType::F16;
     if fp16 {
         let ls = loss_scale.ok_or_else(|| OpError::new("internal: no loss scale input", "fp16"))?;
+        let ls = if crate::mutants::is(&crate::mutants::Mutant::Unscale) {
+            b.constant(1.0, DType::F32)?
+        } else {
+            ls
+        };
         let sumsq = owned_sum_of_squares(&mut b, &grads, &pieces, zero, train.ranks)?;
         if let Some(sumsq) = sumsq {
             let host_apply = match apply {
@@ -279,7 +294,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             };
             let r = b.op(
                 Unscale {
-                    max_norm: train.clip_grad_norm,
+                    max_norm: train.clip_grad_norm.map(clip_mutant),
                 },
                 &[sumsq, ls, host_apply],
             )?;
@@ -308,6 +323,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         if let Some(sumsq) = sumsq {
             let norm = b.unary(UnaryKind::Sqrt, sumsq)?;
             new_outputs.push((Role::GradNorm, norm));
+            let max_norm = clip_mutant(max_norm);
             scale = Some(b.op1(ClipCoef { max_norm }, &[sumsq])?);
         }
     }
@@ -328,6 +344,13 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             &[],
         )?),
         Optimizer::Sgd { .. } => None,
+    };
+    let step = match step {
+        Some(t) if crate::mutants::is(&crate::mutants::Mutant::BiasCorrection) => {
+            let one = b.constant(1.0, DType::F32)?;
+            Some(b.add(t, one)?)
+        }
+        _ => step,
     };
     let scale = match scale {
         Some(s) => s,
@@ -355,7 +378,8 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             Some((lo, hi)) => TensorType::new(ty.dtype, vec![crate::ir::Dim::constant(hi - lo)]),
             None => ty.clone(),
         };
-        let wd = |w: f64| if *decay { w } else { 0.0 };
+        let decay = *decay != crate::mutants::is(&crate::mutants::Mutant::DecaySet);
+        let wd = |w: f64| if decay { w } else { 0.0 };
         let master = masters[i];
         // The value the update reads and writes: the parameter, or its
         // master piece.
