@@ -367,6 +367,11 @@ fn parity_args(file: &str, sets: &[(String, String)], dims: &[(&str, i64)]) -> V
         "cpu".into(),
         "--steps".into(),
         "50".into(),
+        // Steps 1 and 7 also tensor by tensor from fusec's own weights.
+        "--tensors".into(),
+        "1".into(),
+        "--tensors".into(),
+        "7".into(),
     ];
     for (k, v) in sets {
         let v = if text && k == "vocab" { "256" } else { v };

@@ -1158,3 +1158,78 @@ fn zero_ranks_take_part_in_every_reduce_without_clipping() {
     assert_eq!(whole.len(), 3);
     assert_eq!(split, whole);
 }
+
+/// `--save-grads` writes the gradients the update read: with plain SGD the
+/// update is -lr g, so each saved gradient is (old - new) / lr, up to the
+/// f32 rounding of the weights (2^-24 of 0.5 over lr = 0.1: 3e-7 of a
+/// gradient of size 1, bound 1e-5). In fp16 the loss scale is divided out,
+/// and with two micro-batches it is the gradient of their mean loss.
+#[test]
+fn save_grads_holds_the_gradients_the_update_read() {
+    for (label, precision, micro) in [("f32", "f32", 1), ("fp16", "f16", 1), ("micro", "f32", 2)] {
+        let model = tmp(&format!("grads-{label}.dsl"));
+        std::fs::write(
+            &model,
+            format!(
+                "dim B\ninput x: f32[B, 4]\ninput y: i32[B]\nparam w: [4, 3] = normal(0.5)\nparam b: [3] = normal(0.5)\n\
+                 train {{\n loss = cross_entropy(linear(x, w, b), y)\n optimizer = sgd(lr = 0.1)\n precision = {precision}\n micro_batches = {micro}\n}}\n"
+            ),
+        )
+        .unwrap();
+        let (init, last, grads) = (
+            tmp(&format!("grads-{label}-init.safetensors")),
+            tmp(&format!("grads-{label}-last.safetensors")),
+            tmp(&format!("grads-{label}-grads.safetensors")),
+        );
+        let (code, _, err) = fusec(&[
+            "train",
+            model.to_str().unwrap(),
+            "--cpu",
+            "--data",
+            "random",
+            "--batch",
+            "6",
+            "--steps",
+            "1",
+            "--save-init",
+            init.to_str().unwrap(),
+            "--save",
+            last.to_str().unwrap(),
+            "--save-grads",
+            grads.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{label}: {err}");
+        assert!(err.contains("saved the gradients of step 1"), "{err}");
+        for name in ["w", "b"] {
+            let (_, shape, g) = tensor(&grads, name);
+            let (_, want_shape, old) = tensor(&init, name);
+            let (_, _, new) = tensor(&last, name);
+            assert_eq!(shape, want_shape, "{label}: {name}");
+            let top = g.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            assert!(top > 1e-3, "{label}: {name}'s gradient is {g:?}");
+            for ((g, o), n) in g.iter().zip(&old).zip(&new) {
+                let from_update = (o - n) / 0.1;
+                assert!(
+                    (g - from_update).abs() <= 1e-5 * top.max(1.0),
+                    "{label}: {name}: saved {g}, the update moved by {from_update}"
+                );
+            }
+        }
+    }
+    // Several GPUs cannot save one gradient: refused before anything runs.
+    let (code, _, err) = fusec(&[
+        "train",
+        "dsl-examples/mlp.dsl",
+        "--gpus",
+        "2",
+        "--data",
+        "random",
+        "--save-grads",
+        "g.safetensors",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("'--gpus <N>' cannot be used with '--save-grads <FILE>'"),
+        "{err}"
+    );
+}

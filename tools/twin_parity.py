@@ -32,6 +32,14 @@ float64 twin's too (fusec's --save beside the same-precision twin's weights),
 the tensors where fusec is furthest ahead of the twin's distance listed
 first: where a gradient is less exact, its weights show it.
 
+With --tensors K, step K is also judged tensor by tensor from identical
+weights, optimizer state and batch: each parameter's gradient and update
+against the float64 twin's (relative L2 and largest difference), within 3x
+the same-precision twin's distance or a floor (1e-4 in fp32, 1e-3 in bf16
+and fp16) that a 1% error in one tensor, a sign, a transpose or a swap
+exceeds (tools/twin_tensors.py). It is part of the verdict: no probe can
+turn it into a pass.
+
 With --probe K, fusec also trains K - 1 steps and saves its weights, and
 the twin takes step K's gradient at those very weights, in f64, in fp32 and
 in the run's precision: fusec's logged norm at step K beside the f64 norm at
@@ -66,6 +74,9 @@ import sys
 import tempfile
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import twin_tensors  # noqa: E402
 
 FLOOR = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
 SLACK = 3.0
@@ -255,6 +266,8 @@ def probe(args, work, precision, twin, batches, micro, ours, k):
     cmd += model_args(args) + size_args(args)
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
+    if args.cpu:
+        cmd.append("--cpu")
     run(cmd + args.fusec_arg, quiet=True)
     norms, losses = {}, {}
     for p in dict.fromkeys(("fp64", "fp32", precision)):
@@ -381,6 +394,11 @@ def parity(args, work, precision):
     if args.weights:
         weights_report(twin, os.path.join(work, f"final_{precision}.safetensors"), same_model, wide_model)
     probes = {k: probe(args, work, precision, twin, batches, micro, ours, k) for k in args.probe}
+    tensors_ok = True
+    for k in args.tensors:
+        _, good = twin_tensors.tensor_step(args, work, precision, twin, batches, micro, k, run, model_args,
+                                           size_args, on_device, step_batches)
+        tensors_ok &= good
     twin_skips = {i for i, s in enumerate(same, 1) if s["skipped"]}
     differ = (sorted(fusec_skips), sorted(twin_skips)) if twin_skips != fusec_skips else None
     rows, ok = judge(ours, same, wide, precision, differ)
@@ -418,7 +436,9 @@ def parity(args, work, precision):
                   + ("each step's arithmetic is within it, only the path parted" if explained
                      else "a step's own arithmetic is outside it"))
     verdict = "PASS" if ok else "PASS (path parted; every step outside within at fusec's weights)" if explained else "FAIL"
-    return {"precision": precision, "ok": ok or explained, "path_ok": ok, "worst_share": worst,
+    if args.tensors:
+        verdict += ", tensors PASS" if tensors_ok else ", tensors FAIL"
+    return {"precision": precision, "ok": (ok or explained) and tensors_ok, "tensors_ok": tensors_ok, "path_ok": ok, "worst_share": worst,
             "probed_worst_share": step_worst, "verdict": verdict, "rows": rows,
             "probes": [p for p in probes.values() if p], "fusec_skips": sorted(fusec_skips),
             "twin_skips": sorted(twin_skips)}
@@ -442,6 +462,11 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--probe", type=int, action="append", default=[], metavar="K",
                     help="step K's gradient norm at fusec's own weights after step K - 1, in f64, fp32 and the run's precision, beside fusec's logged one (repeatable; 2 <= K <= --steps)")
+    ap.add_argument("--tensors", type=int, action="append", default=[], metavar="K",
+                    help="step K tensor by tensor from fusec's own weights and state after step K - 1: every "
+                         "parameter's gradient and update against the f64 twin's, within 3x the same-precision "
+                         "twin's distance or the floor (tools/twin_tensors.py); part of the verdict (repeatable; "
+                         "1 <= K <= --steps)")
     ap.add_argument("--strict-path", action="store_true",
                     help="judge by the path alone: a step outside its allowance fails even where the same step "
                          "taken at fusec's own weights is within it (by default such steps are probed, see above)")
@@ -456,6 +481,9 @@ def main():
     ap.add_argument("--keep", metavar="DIR", help="keep the twins, weights, batches and logs here")
     ap.add_argument("--out", metavar="FILE", help="write every step's figures here (JSON)")
     args = ap.parse_args()
+    bad_t = [k for k in args.tensors if not 1 <= k <= args.steps]
+    if bad_t:
+        raise SystemExit(f"error: --tensors {bad_t[0]}: a step from 1 to --steps ({args.steps})")
     bad = [k for k in args.probe if not 2 <= k <= args.steps]
     if bad:
         raise SystemExit(f"error: --probe {bad[0]}: a probe needs a step from 2 to --steps ({args.steps})")

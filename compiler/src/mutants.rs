@@ -1,7 +1,9 @@
 //! Deliberate errors, for tests to show that their checks catch a wrong
 //! program. Only the `mutants` feature (which the test build of the `fusec`
-//! package turns on) can select one, for the current thread; without it
-//! [`current`] is always `None` and every hook is dead code.
+//! package turns on) can select one: a test for its own thread
+//! ([`with`]), or `FUSEC_MUTANT` for a whole process of a test build (the
+//! PyTorch twin's checks, run by hand against a mutated `fusec`). Without
+//! the feature [`current`] is always `None` and every hook is dead code.
 //!
 //! Each hook sits where the real rule is built, so a mutant is the program
 //! a bug there would give: the interpreter and the kernels both run it.
@@ -25,6 +27,21 @@ pub enum Mutant {
     Unscale,
 }
 
+impl Mutant {
+    /// `FUSEC_MUTANT`'s spelling: `backward:OP`, `swap-gradients`,
+    /// `bias-correction`, `decay-set`, `clip-scale`, `unscale`.
+    pub fn parse(s: &str) -> Option<Mutant> {
+        Some(match s {
+            "swap-gradients" => Mutant::SwapGradients,
+            "bias-correction" => Mutant::BiasCorrection,
+            "decay-set" => Mutant::DecaySet,
+            "clip-scale" => Mutant::ClipScale,
+            "unscale" => Mutant::Unscale,
+            _ => Mutant::Backward(s.strip_prefix("backward:")?.to_string()),
+        })
+    }
+}
+
 #[cfg(feature = "mutants")]
 thread_local! {
     static CURRENT: std::cell::RefCell<Option<Mutant>> = const { std::cell::RefCell::new(None) };
@@ -34,7 +51,11 @@ thread_local! {
 pub fn current() -> Option<Mutant> {
     #[cfg(feature = "mutants")]
     {
-        CURRENT.with(|c| c.borrow().clone())
+        CURRENT.with(|c| c.borrow().clone()).or_else(|| {
+            std::env::var("FUSEC_MUTANT")
+                .ok()
+                .and_then(|v| Mutant::parse(&v))
+        })
     }
     #[cfg(not(feature = "mutants"))]
     {

@@ -104,6 +104,16 @@ pub trait Backend {
         let key = fusec_compiler::ops::philox::step_key(seed, step, micro, rank as u64);
         self.set(name, &[key[0] as i32 as f64, key[1] as i32 as f64])
     }
+    /// Each parameter's gradient from the micro-batch just finished, by
+    /// parameter name: its share of the gradient of the step's mean loss
+    /// (the micro-batch's gradient over their count; the shares add up to
+    /// the gradient the update reads), before clipping, the fp16 loss
+    /// scale divided out (`--save-grads`).
+    fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
+        Err(RuntimeError::Unsupported(
+            "this backend cannot read the step's gradients".into(),
+        ))
+    }
     /// One step; `step` counts from 1.
     fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError> {
         self.launch(lr, step)?;
@@ -461,6 +471,9 @@ impl Backend for Gpu {
     fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         self.session.get(name)
     }
+    fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
+        self.session.gradients()
+    }
     fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
         self.session.launch(lr, step)
     }
@@ -537,6 +550,8 @@ pub struct Cpu {
     /// ZeRO stage 1: each parameter's pieces and their owner ranks, whose
     /// updated values the other ranks take after every step.
     pieces: Option<Vec<Vec<fusec_compiler::autodiff::zero::Piece>>>,
+    /// The last step's gradients, by parameter name (`gradients`).
+    last_grads: Vec<(String, Vec<f64>)>,
 }
 
 impl Cpu {
@@ -568,6 +583,7 @@ impl Cpu {
             staged: Vec::new(),
             done: None,
             pieces: None,
+            last_grads: Vec::new(),
         })
     }
 }
@@ -650,11 +666,27 @@ impl Backend for Cpu {
                 }
             }
         }
+        let unscale = self
+            .feeds
+            .inputs
+            .get(fusec_compiler::autodiff::LOSS_SCALE_INPUT)
+            .map_or(1.0, |t| t.data[0]);
+        self.last_grads = r
+            .grads
+            .into_iter()
+            .map(|(i, t)| {
+                let name = self.graph.params[i].name.clone();
+                (name, t.data.iter().map(|x| x / unscale).collect())
+            })
+            .collect();
         self.done = Some(StepStats {
             loss: r.loss,
             grad_norm: r.grad_norm,
         });
         Ok(())
+    }
+    fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
+        Ok(self.last_grads.clone())
     }
     fn finish(&mut self) -> Result<StepStats, RuntimeError> {
         self.done

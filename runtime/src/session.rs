@@ -251,6 +251,44 @@ impl Session {
         ))
     }
 
+    /// Each parameter's gradient output of the last step, by name, the
+    /// fp16 loss scale divided out (`Backend::gradients`). Outputs live to
+    /// the step's end, so they are still there after it.
+    pub fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
+        let unscale = match self
+            .exec
+            .inputs
+            .get(fusec_compiler::autodiff::LOSS_SCALE_INPUT)
+        {
+            Some(_) => self.get(fusec_compiler::autodiff::LOSS_SCALE_INPUT)?[0],
+            None => 1.0,
+        };
+        let mut out = Vec::new();
+        for (i, p) in self.graph.params.iter().enumerate() {
+            let b = self
+                .graph
+                .output(&fusec_compiler::ir::graph::Role::Grad(i))
+                .and_then(|v| self.program.buffer_of(v))
+                .ok_or_else(|| {
+                    RuntimeError::Unsupported(format!(
+                        "the step keeps no gradient of `{}` (this rank does not own it)",
+                        p.name
+                    ))
+                })?;
+            let values = decode(self.exec.slots[b].dtype, &self.exec.read(b)?);
+            let numel = self.exec.slots[b].shape.iter().product::<usize>();
+            if values.len() != numel {
+                return Err(RuntimeError::Unsupported(format!(
+                    "the gradient of `{}` is stored with padded rows ({} values for {numel}); --save-grads cannot write it",
+                    p.name,
+                    values.len()
+                )));
+            }
+            out.push((p.name.clone(), values.iter().map(|x| x / unscale).collect()));
+        }
+        Ok(out)
+    }
+
     /// The named buffer's values.
     pub fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
         let b = self.buffer(name)?;

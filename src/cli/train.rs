@@ -89,6 +89,13 @@ pub struct TrainArgs {
     /// the same data
     #[arg(long, value_name = "FILE")]
     pub save_data: Option<PathBuf>,
+    /// Write the last step's gradients to this safetensors file, one f32
+    /// tensor per parameter under its name: the gradient of the step's mean
+    /// loss (over its micro-batches), before clipping, the fp16 loss scale
+    /// divided out, so that another implementation's can be compared tensor
+    /// by tensor. One GPU or --cpu
+    #[arg(long, value_name = "FILE", conflicts_with = "gpus")]
+    pub save_grads: Option<PathBuf>,
     #[command(flatten)]
     pub parallel: super::parallel::ParallelArgs,
     #[command(flatten)]
@@ -272,6 +279,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         tokens_per_step,
         rates,
         optimizer,
+        grads: None,
     };
     for step in first..=last {
         let line = run.step(b, step)?;

@@ -317,6 +317,9 @@ pub(super) struct StepLoop<'a> {
     pub(super) tokens_per_step: i64,
     pub(super) rates: Rates,
     pub(super) optimizer: OptimizerSteps,
+    /// `--save-grads`: the last step's gradients, summed over its
+    /// micro-batches (each reports its own, already over their count).
+    pub(super) grads: Option<Vec<(String, Vec<f64>)>>,
 }
 
 impl StepLoop<'_> {
@@ -373,6 +376,20 @@ impl StepLoop<'_> {
                 self.feed.stage_next(b)?;
             }
             let one = b.finish().map_err(runtime_err)?;
+            if step == self.last && self.args.save_grads.is_some() {
+                let g = b
+                    .gradients()
+                    .map_err(|e| CliError::usage(format!("error: --save-grads: {e}")))?;
+                self.grads = Some(match self.grads.take() {
+                    Some(mut sum) => {
+                        for ((_, s), (_, v)) in sum.iter_mut().zip(&g) {
+                            s.iter_mut().zip(v).for_each(|(a, x)| *a += x);
+                        }
+                        sum
+                    }
+                    None => g,
+                });
+            }
             st.loss += one.loss / micro as f64;
             st.grad_norm = one.grad_norm;
         }
@@ -430,9 +447,16 @@ impl StepLoop<'_> {
         Ok(())
     }
 
-    /// The run's end: `--save`'s checkpoint, then `--save-data`'s batches.
+    /// The run's end: `--save`'s checkpoint, `--save-grads`' gradients,
+    /// then `--save-data`'s batches.
     pub(super) fn finish(self, b: &mut dyn Backend) -> Result<(), CliError> {
         let last = self.last;
+        if let (Some(path), Some(grads)) = (&self.args.save_grads, &self.grads) {
+            save_grads(b, grads, path, last)?;
+            if !self.quiet {
+                eprintln!("saved the gradients of step {last} to {}", path.display());
+            }
+        }
         if let Some(path) = &self.args.save {
             save(b, path, last, &self.state(last), !self.quiet)?;
             if !self.quiet {
@@ -456,4 +480,37 @@ impl StepLoop<'_> {
         }
         m
     }
+}
+
+/// `--save-grads`: the last step's gradients as a safetensors file, under
+/// the parameters' names (f32, their shapes), the step in the metadata.
+fn save_grads(
+    b: &dyn Backend,
+    grads: &[(String, Vec<f64>)],
+    path: &std::path::Path,
+    step: u64,
+) -> Result<(), CliError> {
+    let tensors = grads
+        .iter()
+        .map(|(name, values)| {
+            let shape = b
+                .shapes()
+                .get(name)
+                .cloned()
+                .unwrap_or_else(|| vec![values.len()]);
+            fusec_runtime::checkpoint::Tensor {
+                name: name.clone(),
+                shape,
+                data: values.iter().map(|&x| x as f32).collect(),
+            }
+        })
+        .collect();
+    let ck = fusec_runtime::checkpoint::Checkpoint {
+        model: b.graph().name.clone(),
+        step,
+        tensors,
+        extra: [("contents".to_string(), "gradients".to_string())].into(),
+    };
+    fusec_runtime::checkpoint::save(path, &ck)
+        .map_err(|e| CliError::usage(format!("error: --save-grads: {e}")))
 }

@@ -11,6 +11,9 @@ use crate::ir::graph::{Graph, Role};
 pub struct StepResult {
     pub loss: f64,
     pub grad_norm: Option<f64>,
+    /// Each parameter's gradient output (by parameter index), as the
+    /// update reads it (fp16: still times the loss scale).
+    pub grads: Vec<(usize, Tensor)>,
 }
 
 /// Runs step number `step` (counting from 1) with learning rate `lr`.
@@ -38,6 +41,7 @@ pub fn train_step(
     let mut result = StepResult {
         loss: f64::NAN,
         grad_norm: None,
+        grads: Vec::new(),
     };
     for (role, v) in &g.outputs {
         let t = &vals[v];
@@ -51,7 +55,7 @@ pub fn train_step(
             Role::NewState(name) => {
                 feeds.state.insert(name.clone(), t.clone());
             }
-            Role::Grad(_) => {}
+            Role::Grad(i) => result.grads.push((*i, t.clone())),
         }
     }
     Ok(result)

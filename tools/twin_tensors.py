@@ -1,0 +1,160 @@
+"""Step K tensor by tensor, for tools/twin_parity.py --tensors K.
+
+fusec takes step K from its own weights and optimizer state after step
+K - 1 (`--resume` of its checkpoint; step 1 from its initial weights) and
+writes that step's gradients (`--save-grads`) and weights after it
+(`--save`). The twin takes the same step from the same weights, state and
+batch in float64 (the judge), in fp32 and in the run's precision. Each
+parameter's gradient, and its update (new minus old weights), is compared
+with the f64 twin's by relative L2 distance and by the largest difference
+over the largest value. fusec passes where each distance is within SLACK
+times the same-precision twin's own distance, or the precision's floor,
+whichever is larger.
+
+The floors: 1e-4 in fp32 (f32 rounding leaves a gradient 1e-7 to 1e-5 from
+the f64 one; a 1% error in one tensor, a sign, a transpose, a swap of two
+same-shaped tensors are 1e-2 or more), 1e-3 in bf16 and fp16 (below their
+rounding: there the twin's own distance decides). A tensor whose f64
+gradient is below 1e-3 of the largest tensor's norm (one that cancels, as a
+key bias's does) is measured against that instead of its own norm: its
+value is rounding noise on both sides.
+"""
+
+import json
+import math
+import os
+
+import torch
+
+SLACK = 3.0
+FLOOR = {"fp32": 1e-4, "bf16": 1e-3, "fp16": 1e-3}
+CANCELS = 1e-3
+
+
+def load_state(twin, model, opt, path, step):
+    """fusec's optimizer state after `step` steps (`<param>.adam_m`,
+    `.adam_v` or `.momentum` in its checkpoint) into the torch optimizer."""
+    if step == 0:
+        return
+    found = twin.read_safetensors(path)
+    for name, p in model.named_parameters():
+        st = opt.state[p]
+        if f"{name}.adam_m" in found:
+            st["step"] = torch.tensor(float(step))
+            st["exp_avg"] = found[f"{name}.adam_m"].to(p.device, p.dtype).reshape(p.shape).clone()
+            st["exp_avg_sq"] = found[f"{name}.adam_v"].to(p.device, p.dtype).reshape(p.shape).clone()
+        elif f"{name}.momentum" in found:
+            st["momentum_buffer"] = found[f"{name}.momentum"].to(p.device, p.dtype).reshape(p.shape).clone()
+
+
+def twin_step(twin, start, args, precision, k, rate, inputs_of):
+    """The twin's step k from `start` in `precision`: (gradients before
+    clipping, weights after), by parameter name, as f64 on the CPU."""
+    dt = torch.float64 if precision == "fp64" else torch.float32
+    model = twin.MODEL()
+    twin.load_fusec(model, start)
+    model = model.to(args.device, dt)
+    opt = twin.make_optimizer(model, args.lr)
+    load_state(twin, model, opt, start, k - 1)
+    grads = {}
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def capture(params, max_norm, *a, **kw):
+        # train_step clips after the backward (and the fp16 unscale): the
+        # gradients here are those the optimizer is given, before clipping.
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                grads[name] = p.grad.detach().double().cpu().clone()
+        return clip(params, max_norm, *a, **kw)
+
+    torch.nn.utils.clip_grad_norm_ = capture
+    try:
+        scaler = None if precision == "fp64" else twin.make_scaler(args.device)
+        twin.train_step(model, opt, inputs_of(dt), lr=rate, scaler=scaler, precision=precision,
+                        casting=args.casting)
+    finally:
+        torch.nn.utils.clip_grad_norm_ = clip
+    weights = {n: p.detach().double().cpu().clone() for n, p in model.named_parameters()}
+    return grads, weights
+
+
+def distances(x, ref, floor_norm):
+    """(relative L2, largest difference over largest value) of x from ref."""
+    d = x - ref
+    norm = max(ref.norm().item(), floor_norm)
+    top = max(ref.abs().max().item(), floor_norm / math.sqrt(max(ref.numel(), 1)))
+    return d.norm().item() / norm, d.abs().max().item() / top
+
+
+def judge(name, ours, same, wide, floor, largest):
+    """One tensor: fusec's and the twin's distances from the f64 value, the
+    allowances, and whether fusec is within them."""
+    cut = CANCELS * largest
+    f = distances(ours, wide, cut)
+    t = distances(same, wide, cut)
+    allowed = tuple(max(floor, SLACK * x) for x in t)
+    ok = all(a <= b for a, b in zip(f, allowed))
+    return {"tensor": name, "fusec": f, "twin": t, "allowed": allowed, "ok": ok,
+            "share": max(a / b for a, b in zip(f, allowed))}
+
+
+def tensor_step(args, work, precision, twin, batches, micro, k, run, model_args, size_args, on_device, step_batches):
+    """Step k, tensor by tensor (see the module doc). Returns the rows and
+    whether every tensor of both kinds is within its allowance."""
+    tag = f"{precision}_{k}"
+    before = os.path.join(work, f"tensors_before_{tag}.safetensors")
+    after = os.path.join(work, f"tensors_after_{tag}.safetensors")
+    grads_file = os.path.join(work, f"tensors_grads_{tag}.safetensors")
+    base = [args.fusec, "train", args.model, "--precision", precision, "--data", args.data,
+            "--seed", str(args.seed)] + model_args(args) + size_args(args)
+    if args.lr is not None:
+        base += ["--lr", str(args.lr)]
+    if args.cpu:
+        base.append("--cpu")
+    log = os.path.join(work, f"tensors_{tag}.jsonl")
+    last = ["--save", after, "--save-grads", grads_file, "--log", log] + args.fusec_arg
+    if k == 1:
+        run(base + ["--steps", "1", "--save-init", before] + last, quiet=True)
+    else:
+        # --steps counts from the resumed step: one more, step k.
+        run(base + ["--steps", str(k - 1), "--save", before] + args.fusec_arg, quiet=True)
+        run(base + ["--steps", "1", "--resume", before] + last, quiet=True)
+    # The rate fusec took step k at (its schedule, whatever it is).
+    rate = [json.loads(line) for line in open(log)][-1]["lr"]
+    ours_g = {n: t.double() for n, t in twin.read_safetensors(grads_file).items()}
+    ours_w = {n: t.double() for n, t in twin.read_safetensors(after).items()}
+    start_w = {n: t.double() for n, t in twin.read_safetensors(before).items()}
+
+    def inputs_of(dt):
+        return [on_device(b, args.device, dt) for b in step_batches(batches, micro, k)]
+
+    wide_g, wide_w = twin_step(twin, before, args, "fp64", k, rate, inputs_of)
+    same_g, same_w = twin_step(twin, before, args, precision, k, rate, inputs_of)
+    floor = FLOOR[precision]
+    rows = []
+    largest_g = max(g.norm().item() for g in wide_g.values())
+    steps = {n: wide_w[n] - start_w[n] for n in wide_w}
+    largest_s = max(s.norm().item() for s in steps.values())
+    for name in wide_g:
+        shape = list(wide_g[name].shape)
+        if name not in ours_g:
+            raise SystemExit(f"error: fusec's --save-grads has no `{name}`")
+        r = judge(name, ours_g[name].reshape(shape), same_g[name], wide_g[name], floor, largest_g)
+        r["kind"] = "gradient"
+        rows.append(r)
+        r = judge(name, (ours_w[name].reshape(shape) - start_w[name].reshape(shape)),
+                  same_w[name] - start_w[name].reshape(shape), steps[name].reshape(shape), floor, largest_s)
+        r["kind"] = "update"
+        rows.append(r)
+    rows.sort(key=lambda r: -r["share"])
+    ok = all(r["ok"] for r in rows)
+    print(f"  step {k} tensor by tensor, from fusec's weights and state after step {k - 1} "
+          f"(distance from the f64 twin: relative L2 / largest difference; allowance {SLACK:g}x the "
+          f"{precision} twin's or {floor:g}):")
+    print(f"  {'parameter':<36} {'':<8} {'fusec':>17} {'twin':>17} {'share':>6}")
+    for r in rows[:12] + [r for r in rows[12:] if not r["ok"]]:
+        print(f"  {r['tensor']:<36} {r['kind']:<8} {r['fusec'][0]:8.1e} {r['fusec'][1]:8.1e} "
+              f"{r['twin'][0]:8.1e} {r['twin'][1]:8.1e} {r['share']:6.2f}" + ("" if r["ok"] else "  << outside"))
+    print(f"  {precision}: step {k}, {len(rows) // 2} tensors' gradients and updates: "
+          f"at most {rows[0]['share']:.2f} of the allowance: {'PASS' if ok else 'FAIL'}")
+    return rows, ok
