@@ -16,6 +16,10 @@
 #                                (tools/twin_parity.py: fp32 and the model's own precision, f64 as judge;
 #                                TWIN_STEPS=2 TWIN_EXTRA=--cpu BIN=target/release tries the cases here;
 #                                TWIN_ONLY=REGEX picks models)
+#                                (TWIN_TENSORS, default "--tensors 1 --tensors 25": steps judged tensor by tensor)
+#   tools/gpu_check.sh zoo       twin parity of drawn models ($BIN/zoo), fp32 and bf16, seeds, step 1 tensor by
+#                                tensor, the bf16 drift ratio's distribution (tools/zoo_parity.py; ZOO_MODELS,
+#                                ZOO_SEEDS, ZOO_STEPS)
 #   tools/gpu_check.sh suite     fusec bench beside torch.compile of each shipped transformer's twin
 #                                (tools/bench_twins.py, B = 8 and 32; SUITE_ONLY=REGEX picks models)
 #   tools/gpu_check.sh dp        data parallel on every GPU of the machine: the dp_gpu test, --gpus N
@@ -157,7 +161,8 @@ if [ "$what" = twins ] || [ "$what" = all ]; then
     if [ -n "${TWIN_ONLY:-}" ] && ! echo "$model" | grep -Eq "$TWIN_ONLY"; then continue; fi
     log="$LOGS/twin-$(basename "$model" .dsl)"
     run "twin parity $model $rest"
-    timeout 500 python3 tools/twin_parity.py "$model" --fusec "$BIN/fusec" ${TWIN_STEPS:+--steps $TWIN_STEPS} ${TWIN_EXTRA:-} $rest \
+    timeout 500 python3 tools/twin_parity.py "$model" --fusec "$BIN/fusec" ${TWIN_STEPS:+--steps $TWIN_STEPS} ${TWIN_EXTRA:-} \
+      ${TWIN_TENSORS---tensors 1 --tensors 25} $rest \
       --out "$log.json" > "$log.log" 2>&1
     echo "exit $?"; grep -E "PASS|FAIL|outside|note|error" "$log.log" | head -12
   done <<CASES
@@ -177,6 +182,14 @@ tests/models/twins/slicing.dsl --batch 64 --seq 8
 tests/models/twins/wide-mlp.dsl --batch 256
 tests/models/twins/repeat-shared.dsl --batch 256
 CASES
+fi
+if [ "$what" = zoo ]; then
+  # Drawn models (tools/gpu_prepare.sh writes them into $BIN/zoo), each in
+  # fp32 and bf16 over several seeds, step 1 tensor by tensor, and the bf16
+  # drift ratio's distribution.
+  run "twin parity of drawn models"
+  timeout ${ZOO_TIMEOUT:-3000} python3 tools/zoo_parity.py "$BIN/zoo" --fusec "$BIN/fusec" --models ${ZOO_MODELS:-20} \
+    --seeds ${ZOO_SEEDS:-3} --steps ${ZOO_STEPS:-40} --out "$LOGS/zoo.json" 2>&1 | tee "$LOGS/zoo.log" | tail -${ZOO_TAIL:-200}
 fi
 if [ "$what" = dp ]; then
   export NCCL_NVLS_ENABLE=0

@@ -11,6 +11,10 @@ for t in gemm_gpu step_gpu flash_gpu dp_gpu; do
     | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)
   cp "$exe" "out/device/$t"
 done
+# Drawn models for `gpu_check.sh zoo` (the model zoo test writes them as it
+# checks them here).
+FUSEC_ZOO_WRITE="$PWD/out/device/zoo" FUSEC_ZOO_SEEDS=${ZOO_SEEDS_DRAWN:-0..24} \
+  cargo test --release --test model_zoo -q >/dev/null
 for f in torch_reference.py torch_ddp.py hf_trainer_bert.py; do
   if [ -f ../shared/bench/$f ]; then cp ../shared/bench/$f out/device/; fi
 done

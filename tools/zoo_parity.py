@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Twin parity over drawn models: tools/twin_parity.py on every model file
+in a folder (written by the model zoo test, `FUSEC_ZOO_WRITE=DIR cargo test
+--release --test model_zoo`; each file's first line gives its sizes), for
+several seeds, in fp32 and in bf16, with step 1 tensor by tensor.
+
+    python3 tools/zoo_parity.py DIR [--models 20] [--seeds 3] [--steps 40]
+        [--fusec out/device/fusec] [--cpu] [--out zoo_parity.json]
+
+For each run it records the verdict (the path rule, and the per-tensor
+rule at step 1) and, in bf16, the drift ratio: fusec's distance from the
+float64 twin over the bf16 twin's distance, for the loss at the last step
+and as the median over the steps. It prints one line a run and the
+distribution of the bf16 ratios (median, quartiles, largest); the bar the
+numerics are held to is a median of at most 1.5 and no model over 3.
+
+Exit status 0 when every run passes the path rule and the per-tensor rule.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def sizes_of(path):
+    first = open(path).readline()
+    if not first.startswith("# sizes: "):
+        raise SystemExit(f"error: {path}: the first line should be `# sizes: B=2 T=3` (as the model zoo writes it)")
+    return first[len("# sizes: "):].split()
+
+
+def ratios(result):
+    """bf16 drift ratios of one precision's result: (last step, median over
+    steps) of fusec's loss distance over the twin's, where both are known."""
+    out = []
+    for row in result["rows"]:
+        c = row.get("loss")
+        if c and c["fusec"] is not None and c["twin"]:
+            out.append(c["fusec"] / c["twin"])
+    if not out:
+        return None, None
+    return out[-1], statistics.median(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", help="a folder of drawn model files (FUSEC_ZOO_WRITE)")
+    ap.add_argument("--models", type=int, default=20, help="how many of its models, in name order")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--fusec", default="target/release/fusec")
+    ap.add_argument("--cpu", action="store_true", help="fusec on its CPU reference interpreter")
+    ap.add_argument("--out", help="write every run's figures here (JSON)")
+    args = ap.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = sorted(f for f in os.listdir(args.dir) if f.endswith(".dsl"))[: args.models]
+    if not files:
+        raise SystemExit(f"error: no .dsl files in {args.dir}")
+    runs, ok = [], True
+    for f in files:
+        path = os.path.join(args.dir, f)
+        dims = sum((["--dim", s] for s in sizes_of(path)), [])
+        for seed in range(args.seeds):
+            for precision in args.precisions.split(","):
+                with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+                    out = tmp.name
+                cmd = [sys.executable, os.path.join(here, "twin_parity.py"), path, "--fusec", args.fusec,
+                       "--steps", str(args.steps), "--seed", str(seed), "--precision", precision,
+                       "--tensors", "1", "--out", out] + dims
+                if args.cpu:
+                    cmd.append("--cpu")
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                try:
+                    result = json.load(open(out))["results"][0]
+                except (OSError, ValueError, IndexError, KeyError):
+                    result = None
+                os.unlink(out)
+                if result is None:
+                    tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
+                    print(f"{f} seed {seed} {precision}: no result (exit {r.returncode}): {' | '.join(tail)}")
+                    runs.append({"model": f, "seed": seed, "precision": precision, "ok": False,
+                                 "error": "\n".join(tail)})
+                    ok = False
+                    continue
+                last, med = ratios(result) if precision != "fp32" else (None, None)
+                run = {"model": f, "seed": seed, "precision": precision, "ok": result["ok"],
+                       "verdict": result["verdict"], "worst_share": result["worst_share"],
+                       "ratio_last": last, "ratio_median": med}
+                runs.append(run)
+                ok &= result["ok"]
+                extra = f", drift ratio {last:.2f} at step {args.steps} (median {med:.2f})" if last else ""
+                print(f"{f} seed {seed} {precision}: {result['verdict']}, "
+                      f"{result['worst_share']:.2f} of the path allowance{extra}", flush=True)
+    drift = [r["ratio_last"] for r in runs if r.get("ratio_last") is not None]
+    if drift:
+        q = statistics.quantiles(drift, n=4) if len(drift) > 1 else [drift[0]] * 3
+        print(f"bf16 drift ratio at step {args.steps} over {len(drift)} runs: median {q[1]:.2f}, "
+              f"quartiles {q[0]:.2f}-{q[2]:.2f}, largest {max(drift):.2f} "
+              f"({'within' if q[1] <= 1.5 and max(drift) <= 3 else 'outside'} the bar: median 1.5, each 3)")
+    passed = sum(r["ok"] for r in runs)
+    print(f"{passed} of {len(runs)} runs pass the path and per-tensor rules")
+    if args.out:
+        json.dump({"dir": args.dir, "steps": args.steps, "runs": runs}, open(args.out, "w"), indent=1)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
