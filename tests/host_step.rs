@@ -63,7 +63,7 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
         vec![("B", 5)],
     );
     let (mut pitches, mut zero_rows, mut pads, mut padded_sizes) = (0, 0, Vec::new(), Vec::new());
-    let mut updates: f64 = 0.0;
+    let (mut updates, mut updates_16): (f64, f64) = (0.0, 0.0);
     for (file, sets, dims) in
         common::tiny_models()
             .into_iter()
@@ -83,6 +83,7 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
         zero_rows += out.zero_rows;
         pads.extend(out.pads);
         updates = updates.max(out.updates);
+        updates_16 = updates_16.max(out.updates_16);
         report.push(format!(
             "{file}: {} launches, worst {:.2e}",
             out.launches, out.worst
@@ -91,7 +92,7 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
     for r in report {
         println!("{r}");
     }
-    println!("f32 models' updates: at most {updates:.2e} of their norm from the interpreter's");
+    println!("updates: at most {updates:.2e} (f32 models) and {updates_16:.2e} (16-bit) of their norm from the interpreter's");
     assert_eq!(
         padded_sizes,
         [(131, 136), (1003, 1008), (131, 136)],

@@ -121,7 +121,10 @@ fn check_one(
     let step = if cxx {
         let out =
             step_host::run_step(work, &m.name, &c, &dims).map_err(|e| format!("host step: {e}"))?;
-        format!("{} launches, worst {:.1e}", out.launches, out.worst)
+        format!(
+            "{} launches, worst {:.1e}, updates {:.1e} (f32) {:.1e} (16-bit) of their norm",
+            out.launches, out.worst, out.updates, out.updates_16
+        )
     } else {
         "host step not run".into()
     };
