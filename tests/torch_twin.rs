@@ -373,6 +373,15 @@ fn parity_args(file: &str, sets: &[(String, String)], dims: &[(&str, i64)]) -> V
         "--tensors".into(),
         "7".into(),
     ];
+    // The twin draws dropout masks from PyTorch's generator, not fusec's
+    // Philox: with them on, the two runs see other masks and part at once.
+    // The models that drop (their rate in `const p`) are compared at p = 0;
+    // the masks themselves are checked against the interpreter's draws
+    // elsewhere (tests/dropout.rs).
+    let source = std::fs::read_to_string(common::root().join(file)).unwrap_or_default();
+    if source.contains("dropout(") && source.contains("\nconst p = ") {
+        args.extend(["--set".into(), "p=0".into()]);
+    }
     for (k, v) in sets {
         let v = if text && k == "vocab" { "256" } else { v };
         let v = if text && k == "ctx" { "16" } else { v };
