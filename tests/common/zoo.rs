@@ -9,6 +9,9 @@
 //! biases or none; tied or untied heads; each precision; AdamW or SGD;
 //! clipping, micro-batches, label smoothing and ignored targets or none.
 //!
+//! Dropout rates are the constants `p_drop` and `p_attn` (0 where a model
+//! has none), which `--set` turns off for a comparison with PyTorch.
+//!
 //! `FUSEC_ZOO_WRITE=DIR` writes each drawn model to `DIR/zoo-SEED.dsl`
 //! with its sizes in a comment, for runs elsewhere (the GPU machine's
 //! twin parity sweep).
@@ -232,7 +235,7 @@ impl Arch {
         if self.dropout == "0" {
             x
         } else {
-            format!("dropout({x}, {})", self.dropout)
+            format!("dropout({x}, p_drop)")
         }
     }
 
@@ -282,7 +285,7 @@ impl Arch {
             let _ = write!(opts, ", lengths = {l}");
         }
         if self.attn_dropout != "0" {
-            let _ = write!(opts, ", dropout = {}", self.attn_dropout);
+            opts.push_str(", dropout = p_attn");
         }
         let _ = writeln!(
             out,
@@ -390,6 +393,13 @@ impl Arch {
         ] {
             let _ = writeln!(s, "const {k} = {v}");
         }
+        // Dropout rates as constants, so that `--set p_drop=0 --set
+        // p_attn=0` turns dropout off (the PyTorch twin draws other masks).
+        let _ = writeln!(
+            s,
+            "const p_drop = {}\nconst p_attn = {}",
+            self.dropout, self.attn_dropout
+        );
         let positions = |s: &mut String, name: &str, len: &str| -> String {
             if self.rope.is_some() {
                 String::new()
