@@ -19,7 +19,8 @@ gradient is below 1e-3 of the largest tensor's norm (one that cancels, as a
 key bias's does) is measured against that instead of its own norm: its
 value is rounding noise on both sides. An Adam update is compared over the
 entries whose gradient is clear of the precision's rounding (above 2^-20,
-2^-6, 2^-9 of the tensor's largest in fp32, bf16, fp16, and 100 eps): at
+2^-6, 2^-9 of the tensor's largest in fp32, bf16, fp16, above twice the
+same-precision twin's largest error in that gradient, and 100 eps): at
 step 1 Adam moves every entry by lr sign(g), so an entry near zero moves by
 lr one way or the other on every side, fusec's and the twin's alike. A step
 fusec skipped for an fp16 overflow is not judged.
@@ -89,13 +90,17 @@ def twin_step(twin, start, args, precision, k, rate, inputs_of):
 NOISE = {"fp32": 2.0 ** -20, "bf16": 2.0 ** -6, "fp16": 2.0 ** -9}
 
 
-def conditioned(g64, precision):
+def conditioned(g64, g_same, precision):
     """The entries of a gradient whose Adam step its rounding cannot flip
-    (None for SGD, whose step is the gradient's own size)."""
+    (None for SGD, whose step is the gradient's own size): above the
+    precision's roundoff of the tensor's largest entry, and above twice the
+    largest error the same-precision twin's gradient of this tensor has (a
+    sign the twin itself would not get right is a coin toss for anyone)."""
     if OPTIMIZER_KIND.get("kind") != "adamw":
         return None
     top = g64.abs().max().item()
-    return g64.abs() > max(NOISE[precision] * top, 100.0 * OPTIMIZER_KIND.get("eps", 0.0))
+    twin_error = (g_same - g64).abs().max().item()
+    return g64.abs() > max(NOISE[precision] * top, 2.0 * twin_error, 100.0 * OPTIMIZER_KIND.get("eps", 0.0))
 
 
 # The twin's optimizer (set by tensor_step from the twin module).
@@ -184,7 +189,7 @@ def tensor_step(args, work, precision, twin, batches, micro, k, run, model_args,
         # gradient is within the precision's rounding of zero its sign, and
         # so its step, is a coin toss on every side (step 1 most of all).
         # Those entries are left out of the update's comparison.
-        keep = conditioned(wide_g[name], precision)
+        keep = conditioned(wide_g[name], same_g[name], precision)
         if keep is not None and not bool(keep.any()):
             continue
         ours_s = ours_w[name].reshape(shape) - start_w[name].reshape(shape)
