@@ -7,6 +7,7 @@
 //! parameters must match the kernel-IR interpreter (values rounded as
 //! stored). One host thread per block (tests/cuda_host/shim.h), so this
 //! checks the memory plan, the launch order and the wiring, not races.
+//! `FUSEC_DEBUG_DUMP=1` prints the first values of a result that fails.
 
 use fusec_compiler::autodiff::LR_INPUT;
 use fusec_compiler::driver::Compiled;
