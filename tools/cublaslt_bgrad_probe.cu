@@ -9,6 +9,7 @@
 //   nvcc -O2 -o /tmp/bgrad tools/cublaslt_bgrad_probe.cu -lcublasLt && /tmp/bgrad
 #include <cublasLt.h>
 #include <cuda_bf16.h>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
