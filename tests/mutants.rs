@@ -18,10 +18,11 @@ use fusec_compiler::model::Optimizer;
 use fusec_compiler::mutants::{self, Mutant};
 use std::collections::BTreeMap;
 
-/// A model to break: name, source, sizes.
+/// A model to break: name, source, `--set` overrides, sizes.
 struct Subject {
     name: String,
     source: String,
+    sets: Vec<(String, String)>,
     dims: Vec<(String, i64)>,
 }
 
@@ -31,42 +32,39 @@ impl Subject {
     }
 
     fn compile(&self) -> Compiled {
-        self.compile_with(Options::default())
+        self.compile_in(None)
     }
 
     /// In f32, where the host step's comparison is exact enough to see a
     /// 1% error (in 16-bit models the kernels round in other places than
     /// the interpreter, by up to 3% of a tensor's largest value).
     fn compile_f32(&self) -> Compiled {
-        self.compile_with(Options {
-            precision: Some(DType::F32),
-            ..Options::default()
-        })
+        self.compile_in(Some(DType::F32))
     }
 
-    fn compile_with(&self, o: Options) -> Compiled {
+    fn compile_in(&self, precision: Option<DType>) -> Compiled {
+        let o = Options {
+            overrides: self.sets.clone(),
+            precision,
+            ..Options::default()
+        };
         compile(&self.source, &self.name, &o)
             .unwrap_or_else(|f| panic!("{}", f.render(&self.name, &self.source)))
     }
 }
 
-/// The shipped models at tiny sizes (constants folded in), then 50 drawn.
+/// The shipped models at tiny sizes, then 50 drawn.
 fn subjects() -> Vec<Subject> {
     let mut all = Vec::new();
     for (file, sets, dims) in common::tiny_models() {
-        let (name, mut src) = common::example(file);
-        for (k, v) in &sets {
-            // The file's `const k = ...` line, replaced as --set would.
-            let at = src
-                .lines()
-                .find(|l| l.starts_with(&format!("const {k} =")))
-                .unwrap_or_else(|| panic!("{file}: no const {k}"))
-                .to_string();
-            src = src.replacen(&at, &format!("const {k} = {v}"), 1);
-        }
+        let (name, source) = common::example(file);
         all.push(Subject {
             name,
-            source: src,
+            source,
+            sets: sets
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             dims: dims.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         });
     }
@@ -75,34 +73,51 @@ fn subjects() -> Vec<Subject> {
         all.push(Subject {
             name: m.name,
             source: m.source,
+            sets: Vec::new(),
             dims: m.dims,
         });
     }
     all
 }
 
+/// What the graph-level checks say of subject `s` as it compiles now:
+/// (check, whether it failed). A check that cannot run (the interpreter
+/// stops) is a broken test, not a catch: it panics.
+fn graph_verdicts(s: &Subject) -> Vec<(&'static str, bool)> {
+    let c = s.compile();
+    let dims = s.dims();
+    let backward = fusec_compiler::autodiff::add_backward(&c.model).expect("differentiates");
+    let grads = check_model(
+        &c.model,
+        &backward,
+        &common::dims(&dims),
+        7,
+        4,
+        Tolerance::default(),
+    )
+    .unwrap_or_else(|e| panic!("{}: the gradient check cannot run: {e}", s.name));
+    let update = update_reference::check(&c, &dims)
+        .unwrap_or_else(|e| panic!("{}: the update reference cannot run: {e}", s.name));
+    vec![
+        (
+            "gradient check (f64 finite differences)",
+            !grads.failures.is_empty(),
+        ),
+        (
+            "update against PyTorch's optimizers",
+            matches!(update, update_reference::Verdict::Differs(_)),
+        ),
+    ]
+}
+
 /// The checks that ran on a mutant and what each said: (check, caught).
+/// Unmutated, the subject must pass them all, or a catch would mean
+/// nothing.
 fn graph_checks(s: &Subject, m: &Mutant) -> Vec<(&'static str, bool)> {
-    mutants::with(m.clone(), || {
-        let c = s.compile();
-        let dims = s.dims();
-        let backward = fusec_compiler::autodiff::add_backward(&c.model).expect("differentiates");
-        let grads = check_model(
-            &c.model,
-            &backward,
-            &common::dims(&dims),
-            7,
-            4,
-            Tolerance::default(),
-        )
-        .map(|r| !r.failures.is_empty())
-        .unwrap_or(true);
-        let update = update_reference::check(&c, &dims).is_err();
-        vec![
-            ("gradient check (f64 finite differences)", grads),
-            ("update against PyTorch's optimizers", update),
-        ]
-    })
+    for (check, failed) in graph_verdicts(s) {
+        assert!(!failed, "{}: {check} fails without a mutant", s.name);
+    }
+    mutants::with(m.clone(), || graph_verdicts(s))
 }
 
 /// The first subject `pick` accepts.
@@ -255,6 +270,10 @@ fn every_mutant_is_caught_by_a_named_check() {
                 .chars()
                 .map(|ch| if ch.is_ascii_alphanumeric() { ch } else { '-' })
                 .collect();
+            // Unperturbed the step must match, or a catch would mean nothing.
+            if let Err(e) = step_host::run_step(&work, &format!("{stem}-plain"), &c, &s.dims()) {
+                panic!("{} in f32 fails without a perturbation: {e}", s.name);
+            }
             let r = step_host::run_step_perturbed(&work, &stem, &c, &s.dims(), Some(&op));
             if matches!(r, Ok(ref out) if out.perturbed == 0) {
                 // Its float outputs are all zero in this step (a

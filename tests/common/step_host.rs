@@ -38,9 +38,10 @@ fn elem_code(e: Elem) -> u32 {
 }
 
 /// Bound on an f32 model's update's difference from the interpreter's, as a
-/// share of the update's norm (see the check). The runs differ by summation
-/// order alone: the largest seen over the shipped models is 2.2e-4 (the
-/// MLP). A missing update is 1, a sign-flipped one 2, Adam's bias
+/// share of the update's norm, beyond the weights' f32 rounding (see the
+/// check). The runs differ by summation order alone: the largest seen is
+/// 8.3e-7 over the shipped models and 7.5e-4 over the 50 drawn ones
+/// (zoo-46). A missing update is 1, a sign-flipped one 2, Adam's bias
 /// correction a step off 0.26.
 pub const UPDATE_F32: f64 = 2e-3;
 
@@ -60,15 +61,23 @@ pub struct StepOutcome {
     pub zero_rows: usize,
     /// The products run at padded sizes.
     pub pads: Vec<GemmPad>,
-    /// The largest error of any step result, as a share of its largest value.
+    /// The largest difference of any step result from the interpreter's,
+    /// as a share of its bound (1 fails).
     pub worst: f64,
-    /// f32 models: the largest difference of an update from the
-    /// interpreter's, as a share of its norm.
+    /// The largest difference of an update from the interpreter's, as a
+    /// share of its norm (bound UPDATE_F32, or UPDATE_16 in 16-bit models).
     pub updates: f64,
-    /// The same in 16-bit models.
-    pub updates_16: f64,
     /// Outputs of kernels made 1% wrong (`run_step_perturbed`).
     pub perturbed: usize,
+}
+
+/// The parameter optimizer state `name` belongs to (`<param>.adam_m`,
+/// `.adam_v`, `.momentum`, `.grad_acc`): the longest parameter name that
+/// is a prefix of it, so that `a.b`'s state is not taken for `a`'s.
+fn state_owner(g: &fusec_compiler::ir::Graph, name: &str) -> Option<usize> {
+    (0..g.params.len())
+        .filter(|&i| name.starts_with(&format!("{}.", g.params[i].name)))
+        .max_by_key(|&i| g.params[i].name.len())
 }
 
 /// Scales kernel `k`'s float outputs by 1.01 in the harness, where it
@@ -188,7 +197,6 @@ pub fn run_step_perturbed(
         pads: program.gemm_pads.values().copied().collect(),
         worst: 0.0,
         updates: 0.0,
-        updates_16: 0.0,
         perturbed: 0,
     };
     let dmap = super::dims(dims);
@@ -414,8 +422,7 @@ pub fn run_step_perturbed(
         // optimizer state are noise in both runs.
         let noise = match role {
             Role::NewParam(i) | Role::Grad(i) => cancels(*i),
-            Role::NewState(s) => (0..g.params.len())
-                .any(|i| s.starts_with(&format!("{}.", g.params[i].name)) && cancels(i)),
+            Role::NewState(s) => state_owner(g, s).is_some_and(cancels),
             _ => false,
         };
         match role {
@@ -463,7 +470,7 @@ pub fn run_step_perturbed(
                 err
             ));
         }
-        out.worst = out.worst.max(err * tol);
+        out.worst = out.worst.max(err);
         // The update itself, new minus old: the bound above is of the
         // weight's size, which a missing or sign-flipped update (lr = 1e-3
         // of it) passes. In 16-bit models bf16 rounding flips the sign of
@@ -496,11 +503,7 @@ pub fn run_step_perturbed(
             }
             if norm > 0.0 {
                 let rel = ((diff - rounding).max(0.0) / norm).sqrt();
-                if precision != DType::F32 {
-                    out.updates_16 = out.updates_16.max(rel);
-                } else {
-                    out.updates = out.updates.max(rel);
-                }
+                out.updates = out.updates.max(rel);
                 if diff.is_nan() || diff > (bound * bound) * norm + rounding {
                     let role = match role {
                         Role::NewParam(i) => format!("{role} ({})", g.params[*i].name),

@@ -418,12 +418,14 @@ impl Arch {
             }
             format!("cross_entropy(logits, {targets}{o})")
         };
-        let final_norm = |s: &mut String, x: &str| -> String {
+        // A norm at the top level: its parameters declared there.
+        let top_norm = |s: &mut String, x: &str, name: &str| -> String {
             let mut p = String::new();
-            let y = self.norm(&mut p, x, "final");
+            let y = self.norm(&mut p, x, name);
             s.push_str(&p.replace("    param", "param"));
             y
         };
+        let final_norm = |s: &mut String, x: &str| top_norm(s, x, "final");
         let head = |s: &mut String, h: &str| -> String {
             if self.tied {
                 format!("{h} @ transpose(emb)")
@@ -496,9 +498,7 @@ impl Arch {
                 s.push_str("param emb: [vocab, d] = normal(0.3)\n");
                 let src_pos = positions(&mut s, "src_pos", "S");
                 let tgt_pos = positions(&mut s, "tgt_pos", "T");
-                let mut p = String::new();
-                let mem = self.norm(&mut p, "repeat layers enc_layer(x0, src_len)", "enc_final");
-                s.push_str(&p.replace("    param", "param"));
+                let mem = top_norm(&mut s, "repeat layers enc_layer(x0, src_len)", "enc_final");
                 let h = final_norm(
                     &mut s,
                     "repeat layers dec_layer(y0, memory, tgt_len, src_len)",
