@@ -47,6 +47,30 @@ fn cases() -> Vec<Case> {
     out
 }
 
+/// Drawn models (tests/common/zoo.rs), written to `dir`, dropout off (the
+/// twin's masks are PyTorch's): forms of a loss, norms and heads no shipped
+/// model combines (a label-smoothed classifier's loss once lost its
+/// smoothing in the twin).
+fn drawn_cases(dir: &Path) -> Vec<(String, Vec<(String, String)>, Vec<(String, i64)>)> {
+    let off = vec![
+        ("p_drop".to_string(), "0".to_string()),
+        ("p_attn".to_string(), "0".to_string()),
+    ];
+    common::zoo::seeds(DRAWN_TWINS)
+        .into_iter()
+        .map(common::zoo::draw)
+        .map(|m| {
+            let path = dir.join(format!("{}.dsl", m.name.replace('-', "_")));
+            std::fs::write(&path, &m.source).unwrap();
+            (path.display().to_string(), off.clone(), m.dims.clone())
+        })
+        .collect()
+}
+
+/// How many drawn models the f64 comparison takes (FUSEC_ZOO_SEEDS picks
+/// others, as in tests/model_zoo.rs).
+const DRAWN_TWINS: u64 = 16;
+
 const TWIN_MODELS: &[(&str, &[(&str, i64)])] = &[
     ("gqa-hd80.dsl", &[("B", 2), ("T", 3)]),
     ("hd96-fp16.dsl", &[("B", 2), ("T", 4)]),
@@ -189,7 +213,18 @@ fn every_twin_compiles_and_matches_the_reference_in_f64() {
         common::skip("the f64 comparison: PyTorch cannot be imported by python3, so each twin is byte-compiled only (set PYTHONPATH to a PyTorch install to compare in f64)");
     }
     let mut failures = Vec::new();
-    for (file, sets, dims) in cases() {
+    let owned = |(f, s, d): Case| (f, s, d.iter().map(|(k, v)| (k.to_string(), *v)).collect());
+    let mut all: Vec<(String, Vec<(String, String)>, Vec<(String, i64)>)> =
+        cases().into_iter().map(owned).collect();
+    all.extend(drawn_cases(&dir));
+    for (file, mut sets, dims) in all {
+        let dims: Vec<(&str, i64)> = dims.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        // The twin draws its masks from PyTorch: models that drop are
+        // compared at p = 0 (as in `parity_args`).
+        let source = std::fs::read_to_string(common::root().join(&file)).unwrap_or_default();
+        if source.contains("dropout(") && source.contains("\nconst p = ") {
+            sets.push(("p".into(), "0".into()));
+        }
         let text = export(&file, &sets);
         let stem = Path::new(&file)
             .file_stem()
@@ -444,4 +479,43 @@ fn fifty_steps_of_fusec_stay_with_the_f64_twin() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A loss's rules survive the twin's one-call form of a mean cross-entropy
+/// (a label-smoothed loss once lost its smoothing there, and the twin
+/// trained another function), and an ignored index keeps the per-row form,
+/// whose mean divides by every row as fusec's does. Runs without PyTorch.
+#[test]
+fn a_mean_loss_keeps_its_rules_in_the_twin() {
+    let dir = scratch("rules");
+    for (rule, want, unwanted) in [
+        (
+            ", label_smoothing = 0.1",
+            "F.cross_entropy(logits, labels.long(), label_smoothing=0.1)",
+            "",
+        ),
+        (
+            ", ignore_index = 3",
+            "reduction=\"none\", ignore_index=3)",
+            "F.cross_entropy(logits, labels.long())",
+        ),
+    ] {
+        let src = format!(
+            "dim B\ninput x: f32[B, 4]\ninput labels: i32[B]\nparam w: [4, 5] = normal(0.3)\n\
+             let logits = x @ w\ntrain {{\n    loss = cross_entropy(logits, labels{rule})\n    \
+             optimizer = sgd(lr = 0.1)\n}}\n"
+        );
+        let path = dir.join("rules.dsl");
+        std::fs::write(&path, &src).unwrap();
+        let text = export(&path.display().to_string(), &[]);
+        assert!(
+            text.contains(want),
+            "{rule}: the twin should say `{want}`:\n{text}"
+        );
+        assert!(
+            unwanted.is_empty() || !text.contains(unwanted),
+            "{rule}: the twin should not say `{unwanted}`:\n{text}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -402,17 +402,29 @@ pub fn op_expr(node: &Node, ins: &[PyExpr], in_shapes: &[Vec<Dim>]) -> Result<Py
 }
 
 /// The one-expression form of `mean(cross_entropy(logits, targets))` over
-/// every row, the way PyTorch code writes a language-model loss.
-pub fn mean_cross_entropy(logits: &PyExpr, targets: &PyExpr, logits_rank: usize) -> PyExpr {
+/// every row, the way PyTorch code writes a language-model loss (with the
+/// label smoothing the loss asks for; a loss with an ignored index keeps
+/// its per-row form).
+pub fn mean_cross_entropy(
+    logits: &PyExpr,
+    targets: &PyExpr,
+    logits_rank: usize,
+    smoothing: f64,
+) -> PyExpr {
+    let rule = if smoothing != 0.0 {
+        format!(", label_smoothing={}", float(smoothing))
+    } else {
+        String::new()
+    };
     let text = if logits_rank == 2 {
         format!(
-            "F.cross_entropy({}, {}.long())",
+            "F.cross_entropy({}, {}.long(){rule})",
             logits.text,
             targets.at(Prec::Atom)
         )
     } else {
         format!(
-            "F.cross_entropy({}.flatten(0, -2), {}.flatten().long())",
+            "F.cross_entropy({}.flatten(0, -2), {}.flatten().long(){rule})",
             logits.at(Prec::Atom),
             targets.at(Prec::Atom)
         )

@@ -382,7 +382,7 @@ struct Body {
     attrs: HashSet<String>,
     temps: usize,
     /// Per cross-entropy value: its logits, targets and the logits' rank.
-    ce: HashMap<Value, (PyExpr, PyExpr, usize)>,
+    ce: HashMap<Value, (PyExpr, PyExpr, usize, f64)>,
 }
 
 impl Body {
@@ -647,9 +647,9 @@ impl Body {
         if let Op::Reduce(r) = &node.op {
             let all = r.axes.len() == shapes[0].len() && !r.keepdim;
             if r.kind == ReduceKind::Mean && all && self.pending.contains_key(&ins_v[0]) {
-                if let Some((l, t, rank)) = self.ce.remove(&ins_v[0]) {
+                if let Some((l, t, rank, smoothing)) = self.ce.remove(&ins_v[0]) {
                     self.pending.remove(&ins_v[0]);
-                    let e = mean_cross_entropy(&l, &t, rank);
+                    let e = mean_cross_entropy(&l, &t, rank, smoothing);
                     self.define(gen, v, e, pos);
                     return Ok(());
                 }
@@ -667,9 +667,17 @@ impl Body {
         }
         let e = op_expr(node, &ins, &shapes)
             .map_err(|what| err(format!("{what} has no PyTorch twin")).with_span(node.span))?;
-        if let Op::CrossEntropy(_) = node.op {
+        // With an ignored index, F.cross_entropy's mean divides by the
+        // kept rows where a mean of the per-row losses divides by all of
+        // them: such a loss keeps its per-row form.
+        if let Op::CrossEntropy(ce) = &node.op {
+            if ce.rule.ignore_index.is_some() {
+                self.define(gen, v, e, pos);
+                return Ok(());
+            }
+            let rows = (ins[0].clone(), ins[1].clone(), shapes[0].len());
             self.ce
-                .insert(v, (ins[0].clone(), ins[1].clone(), shapes[0].len()));
+                .insert(v, (rows.0, rows.1, rows.2, ce.rule.smoothing));
             // Kept for its reader whatever its length: a `mean` over it
             // becomes one `F.cross_entropy`.
             let single = self.uses.get(&v).is_some_and(|u| u.len() == 1);
