@@ -25,6 +25,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 type Case = (String, Vec<(String, String)>, Vec<(&'static str, i64)>);
+/// A case with its dims' names owned (drawn models name their own).
+type OwnedCase = (String, Vec<(String, String)>, Vec<(String, i64)>);
 
 /// The shipped models (shrunk) and the model files written for the twins,
 /// which use every builtin and option at awkward sizes.
@@ -51,7 +53,7 @@ fn cases() -> Vec<Case> {
 /// twin's masks are PyTorch's): forms of a loss, norms and heads no shipped
 /// model combines (a label-smoothed classifier's loss once lost its
 /// smoothing in the twin).
-fn drawn_cases(dir: &Path) -> Vec<(String, Vec<(String, String)>, Vec<(String, i64)>)> {
+fn drawn_cases(dir: &Path) -> Vec<OwnedCase> {
     let off = vec![
         ("p_drop".to_string(), "0".to_string()),
         ("p_attn".to_string(), "0".to_string()),
@@ -214,8 +216,7 @@ fn every_twin_compiles_and_matches_the_reference_in_f64() {
     }
     let mut failures = Vec::new();
     let owned = |(f, s, d): Case| (f, s, d.iter().map(|(k, v)| (k.to_string(), *v)).collect());
-    let mut all: Vec<(String, Vec<(String, String)>, Vec<(String, i64)>)> =
-        cases().into_iter().map(owned).collect();
+    let mut all: Vec<OwnedCase> = cases().into_iter().map(owned).collect();
     all.extend(drawn_cases(&dir));
     for (file, mut sets, dims) in all {
         let dims: Vec<(&str, i64)> = dims.iter().map(|(k, v)| (k.as_str(), *v)).collect();
