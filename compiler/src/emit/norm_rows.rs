@@ -43,6 +43,21 @@ pub(crate) fn applies(g: &Graph, n: NodeIndex) -> Option<i64> {
         .then_some(c)
 }
 
+/// A parameter vector's 8 features at `j0` in one load (two for f32): the
+/// declaration and the expression of feature `e` (one 2-byte load a feature
+/// cost as much L1 traffic as the rows themselves).
+fn vec_param(c: &Ctx, i: usize, name: &str) -> (String, String) {
+    let slot = c.ins[i];
+    let (elem, value) = match c.in_dt(i) {
+        DType::F32 => ("float", format!("{name}[e]")),
+        dt => (names(dt).0, format!("{}(&{name}[e])", names(dt).1)),
+    };
+    (
+        format!("{elem} {name}[8];\n                    fs_vload({name}, &in{slot}[j0]);\n                    "),
+        value,
+    )
+}
+
 fn names(dt: DType) -> (&'static str, &'static str, &'static str) {
     match dt {
         DType::F16 => ("fs_f16", "fs_load_f16", "fs_to_f16"),
@@ -92,14 +107,21 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         .try_fold(crate::ir::Dim::constant(1), |a, d| a.checked_mul(d))?
         .to_c();
     let (x, dy) = (c.ins[0], c.ins[2]);
-    let gamma = c.ld(1, "j");
+    // gamma 8 features a load; the last pass reads it a feature at a time
+    // again: holding its 8 there too took the kernel past 128 registers.
+    let (gload, gamma) = vec_param(c, 1, "gv");
+    let gamma_one = c.ld(1, "j0 + e");
     let mut b = String::new();
     let _ = write!(
         b,
         "    // One warp a row: lane `lane` holds features [8q, 8q + 8) for q = lane, lane + FS_WARP, ...
     const fs_i64 rows = {rows};
     constexpr int C = {cols}, K = (C / 8 + FS_WARP - 1) / FS_WARP;
-    __shared__ float sdg[C]{sdb};
+    // Shared sums padded by a float every 32 (j0 + e at j0 + j0 / 32 + e,
+    // j0 a multiple of 8): lanes hold features 8 apart, so unpadded their
+    // stores fell on 4 banks (8-way conflicts).
+    constexpr int CP = C + C / 32;
+    __shared__ float sdg[CP]{sdb};
     const int lane = threadIdx.x % FS_WARP, warp = threadIdx.x / FS_WARP, warps = blockDim.x / FS_WARP;
     const fs_i64 groups = {NORM_GROUPS}, per = (rows + groups - 1) / groups;
     for (fs_i64 grp = blockIdx.x; grp < groups; grp += gridDim.x) {{
@@ -107,17 +129,16 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         float dg[K * 8];
         for (int e = 0; e < K * 8; ++e) dg[e] = 0.0f;{db_zero}
         for (fs_i64 r = g0 + warp; r < g1; r += warps) {{
-            float x[K * 8], d[K * 8];
+            // The row stays in its 16-bit form (half the registers of
+            // floats), widened where it is read.
+            {elem} xv[K][8], dv[K][8];
             float s = 0.0f, ss = 0.0f;
             for (int k = 0; k < K; ++k) {{
                 const int j0 = (k * FS_WARP + lane) * 8;
                 if (j0 < C) {{
-                    {elem} xv[8], dv[8];
-                    fs_vload(xv, &in{x}[r * C + j0]);
-                    fs_vload(dv, &in{dy}[r * C + j0]);
+                    fs_vload(xv[k], &in{x}[r * C + j0]);
+                    fs_vload(dv[k], &in{dy}[r * C + j0]);
                     for (int e = 0; e < 8; ++e) {{
-                        x[k * 8 + e] = {ld}(&xv[e]);
-                        d[k * 8 + e] = {ld}(&dv[e]);
                         s += x[k * 8 + e];
                         ss += x[k * 8 + e] * x[k * 8 + e];
                     }}
@@ -125,7 +146,7 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             }}
 ",
         sdb = if layer {
-            format!(", wdb[{BLOCK} / FS_WARP][C]")
+            format!(", wdb[{BLOCK} / FS_WARP][CP]")
         } else {
             String::new()
         },
@@ -133,7 +154,10 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             "
         for (int k = 0; k < K; ++k)
             if ((k * FS_WARP + lane) * 8 < C)
-                for (int e = 0; e < 8; ++e) wdb[warp][(k * FS_WARP + lane) * 8 + e] = 0.0f;"
+                for (int e = 0; e < 8; ++e) {
+                    const int j0 = (k * FS_WARP + lane) * 8;
+                    wdb[warp][j0 + j0 / 32 + e] = 0.0f;
+                }"
         } else {
             ""
         },
@@ -153,13 +177,13 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             float m1 = 0.0f, m2 = 0.0f;
             for (int k = 0; k < K; ++k) {{
                 const int j0 = (k * FS_WARP + lane) * 8;
-                if (j0 < C)
-                    for (int e = 0; e < 8; ++e) {{
-                        const fs_i64 j = j0 + e;
+                if (j0 < C) {{
+                    {gload}for (int e = 0; e < 8; ++e) {{
                         const float gd = d[k * 8 + e] * {gamma};
                         m1 += gd;
                         m2 += gd * (x[k * 8 + e] - mean) * rstd;
                     }}
+                }}
             }}
             m1 = fs_warp_sum(m1) / (float)C;
             m2 = fs_warp_sum(m2) / (float)C;
@@ -173,11 +197,10 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             float dot = 0.0f;
             for (int k = 0; k < K; ++k) {{
                 const int j0 = (k * FS_WARP + lane) * 8;
-                if (j0 < C)
-                    for (int e = 0; e < 8; ++e) {{
-                        const fs_i64 j = j0 + e;
+                if (j0 < C) {{
+                    {gload}for (int e = 0; e < 8; ++e)
                         dot += d[k * 8 + e] * {gamma} * x[k * 8 + e];
-                    }}
+                }}
             }}
             dot = fs_warp_sum(dot) / (float)C;
 "
@@ -202,7 +225,7 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         None => String::new(),
     };
     let db_acc = if layer {
-        " wdb[warp][j] += d[k * 8 + e];"
+        " wdb[warp][j0 + j0 / 32 + e] += d[k * 8 + e];"
     } else {
         ""
     };
@@ -213,8 +236,7 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 if (j0 < C) {{
                     {res_load}{elem} o[8];
                     for (int e = 0; e < 8; ++e) {{
-                        const fs_i64 j = j0 + e;
-                        const float gd = d[k * 8 + e] * {gamma}, xh = {xh};
+                        const float gd = d[k * 8 + e] * {gamma_one}, xh = {xh};
                         o[e] = {st}({dx}{add});
                         dg[k * 8 + e] += d[k * 8 + e] * xh;{db_acc}
                     }}
@@ -229,13 +251,14 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                     const int j0 = (k * FS_WARP + lane) * 8;
                     if (j0 < C)
                         for (int e = 0; e < 8; ++e) {{
-                            sdg[j0 + e] = (w == 0 ? 0.0f : sdg[j0 + e]) + dg[k * 8 + e];
+                            // j0 is a multiple of 8: j0 + e pads as j0 does.
+                            sdg[j0 + j0 / 32 + e] = (w == 0 ? 0.0f : sdg[j0 + j0 / 32 + e]) + dg[k * 8 + e];
                         }}
                 }}
             __syncthreads();
         }}
         for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{
-            out{o1}[grp * C + j] = sdg[j];{db_out}
+            out{o1}[grp * C + j] = sdg[j + j / 32];{db_out}
         }}
         __syncthreads();
     }}
@@ -244,13 +267,16 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         o1 = c.outs[1],
         db_out = if layer {
             format!(
-                "\n            float db = 0.0f;\n            for (int w = 0; w < warps; ++w) db += wdb[w][j];\n            out{}[grp * C + j] = db;",
+                "\n            float db = 0.0f;\n            for (int w = 0; w < warps; ++w) db += wdb[w][j + j / 32];\n            out{}[grp * C + j] = db;",
                 c.outs.get(2).copied().unwrap_or(2)
             )
         } else {
             String::new()
         },
     );
+    let b = b
+        .replace("x[k * 8 + e]", &format!("{ld}(&xv[k][e])"))
+        .replace(" d[k * 8 + e]", &format!(" {ld}(&dv[k][e])"));
     Some(b)
 }
 
@@ -305,8 +331,8 @@ pub(crate) fn forward_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             ),
             format!(
                 "(x[k * 8 + e] - mean) * rstd * {} + {}",
-                c.ld(1, "j"),
-                c.ld(2, "j")
+                vec_param(c, 1, "gv").1,
+                vec_param(c, 2, "bv").1
             ),
         ),
         Op::RmsNorm(r) => (
@@ -319,9 +345,13 @@ pub(crate) fn forward_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             const float rs = rsqrtf(fs_warp_sum(sq) / (float)C + {});",
                 float_lit(r.eps)
             ),
-            format!("x[k * 8 + e] * rs * {}", c.ld(1, "j")),
+            format!("x[k * 8 + e] * rs * {}", vec_param(c, 1, "gv").1),
         ),
         _ => return None,
+    };
+    let params = match &g.g[n].op {
+        Op::LayerNorm(_) => vec_param(c, 1, "gv").0 + &vec_param(c, 2, "bv").0,
+        _ => vec_param(c, 1, "gv").0,
     };
     let (x, o) = (c.ins[0], c.outs[0]);
     Some(format!(
@@ -347,9 +377,8 @@ pub(crate) fn forward_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             for (int k = 0; k < K; ++k) {{
                 const int j0 = (k * FS_WARP + lane) * 8;
                 if (j0 < C) {{
-                    {elem} y[8];
+                    {params}{elem} y[8];
                     for (int e = 0; e < 8; ++e) {{
-                        const fs_i64 j = j0 + e;
                         y[e] = {st}({value});
                     }}
                     fs_vstore(&out{o}[r * C + j0], y);
