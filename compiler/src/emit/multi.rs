@@ -256,62 +256,11 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let _ = writeln!(b, "        __syncthreads();");
     let _ = writeln!(b, "        if (last) {{");
     let _ = writeln!(b, "            __threadfence();");
-    // The tile's runs in `groups` interleaved sets (in run order within
-    // each), a thread Q adjacent columns of one set, and the sets added in
-    // set order: deterministic, and Q x 8 loads in flight a thread where one
-    // thread a column walked all the runs (128 for a [16384, 1024] sum),
-    // a chain of round trips to L2 as long as the rest of the kernel.
-    let _ = writeln!(
-        b,
-        "            constexpr int Q = V % 4 == 0 ? 4 : 1, PER = WIDTH / Q;  // C % Q == 0 where V % 4 == 0"
-    );
-    let _ = writeln!(
-        b,
-        "            const int groups = (int)blockDim.x >= PER ? (int)blockDim.x / PER : 1;"
-    );
-    let _ = writeln!(
-        b,
-        "            for (int t = threadIdx.x; t < PER * groups; t += blockDim.x) {{"
-    );
-    let _ = writeln!(
-        b,
-        "                const int col = (t % PER) * Q, set = t / PER;"
-    );
-    let _ = writeln!(b, "                const fs_i64 j = tile * WIDTH + col;");
-    let _ = writeln!(b, "                float total[Q];");
-    let _ = writeln!(
-        b,
-        "                for (int q = 0; q < Q; ++q) total[q] = 0.0f;"
-    );
-    // The loads through L2 but not volatile, so they may be issued ahead
-    // of the adds.
-    let _ = writeln!(b, "                if (j < C) {{\n#pragma unroll 8");
-    let _ = writeln!(
-        b,
-        "                    for (fs_i64 s = set; s < splits; s += groups)"
-    );
-    let _ = writeln!(
-        b,
-        "                        for (int q = 0; q < Q; ++q) total[q] += fs_ldcg(&{k}_part[s * C + j + q]);"
-    );
-    let _ = writeln!(b, "                }}");
-    let _ = writeln!(
-        b,
-        "                for (int q = 0; q < Q; ++q) part[set * WIDTH + col + q] = total[q];"
-    );
-    let _ = writeln!(b, "            }}");
-    let _ = writeln!(b, "            __syncthreads();");
-    let _ = writeln!(
-        b,
-        "            for (int t = threadIdx.x; t < WIDTH; t += blockDim.x) {{"
-    );
-    let _ = writeln!(b, "                const fs_i64 j = tile * WIDTH + t;");
-    let _ = writeln!(b, "                if (j >= C) continue;");
+    let _ = writeln!(b, "            for (fs_i64 j = tile * WIDTH + threadIdx.x; j < tile * WIDTH + WIDTH && j < C; j += blockDim.x) {{");
     let _ = writeln!(b, "                float total = 0.0f;");
-    let _ = writeln!(
-        b,
-        "                for (int set = 0; set < groups; ++set) total += part[set * WIDTH + t];"
-    );
+    // In run order (deterministic), the loads through L2 but not volatile,
+    // so they may be issued ahead of the adds.
+    let _ = writeln!(b, "#pragma unroll 8\n                for (fs_i64 s = 0; s < splits; ++s) total += fs_ldcg(&{k}_part[s * C + j]);");
     let v = if r.kind == ReduceKind::Mean {
         "total / (float)rows"
     } else {
