@@ -16,6 +16,10 @@ PyTorch's. It prints one line a run and the
 distribution of the bf16 ratios (median, quartiles, largest); the bar the
 numerics are held to is a median of at most 1.5 and no model over 3.
 
+A failing run also prints the tensors and steps outside their allowance
+(and keeps them in --out's JSON), so a sweep on the GPU machine says what
+failed without a second run.
+
 Exit status 0 when every run passes the path rule and the per-tensor rule.
 """
 
@@ -104,6 +108,14 @@ def main():
                 extra = f", drift ratio {med:.2f} (median over steps {args.steps // 2 + 1}-{args.steps}; {last:.2f} at the last)" if last else ""
                 print(f"{f} seed {seed} {precision}: {result['verdict']}, "
                       f"{result['worst_share']:.2f} of the path allowance{extra}", flush=True)
+                if not result["ok"]:
+                    # What failed, named: the tensors and steps outside, and
+                    # what the probes at fusec's weights said.
+                    why = [l.strip() for l in r.stdout.splitlines()
+                           if "<< outside" in l or "taken at fusec's own weights" in l]
+                    run["why"] = why
+                    for line in why[:8]:
+                        print(f"    {line}", flush=True)
     drift = [r["ratio_median"] for r in runs if r.get("ratio_median") is not None]
     if drift:
         q = statistics.quantiles(drift, n=4) if len(drift) > 1 else [drift[0]] * 3
