@@ -7,7 +7,6 @@
 mod common;
 
 use fusec_compiler::autodiff::add_backward;
-use fusec_compiler::gradcheck::{check_model, Tolerance};
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::tensor::Tensor;
 use fusec_compiler::interp::{run, Feeds, Precision};
@@ -103,16 +102,7 @@ fn the_loss_is_pytorchs() {
 fn gradients_match_finite_differences() {
     for e in ["0.1", "0.6"] {
         let c = common::compile_with(&source(), "ce-rules.dsl", &[("smoothing", e), ("pad", "3")]);
-        let backward = add_backward(&c.model).unwrap();
-        let report = check_model(
-            &c.model,
-            &backward,
-            &common::dims(&[("B", 2), ("T", 7)]),
-            5,
-            8,
-            Tolerance::default(),
-        )
-        .unwrap();
+        let report = common::gradcheck(&c, &[("B", 2), ("T", 7)], 5, 8).unwrap();
         assert!(report.checked > 0);
         assert!(report.failures.is_empty(), "{:?}", report.failures);
     }

@@ -611,3 +611,40 @@ fn attention_with_lengths_computes_what_the_interpreter_computes() {
     println!("{checked} kernels of the padded encoder ran on the host");
     assert!(checked > 0);
 }
+
+/// The one-warp-a-row norm kernels (16-bit rows of up to 1024 features, a
+/// multiple of 8) at widths past one 32-float stretch of their padded
+/// shared sums and not a multiple of 32, 256 or 1024: layer and RMS norms,
+/// forward and backward, the backward with the residual stream's gradient
+/// added.
+#[test]
+fn norm_kernels_at_widths_nobody_chose_compute_what_the_interpreter_computes() {
+    if !host::have_cxx() {
+        return;
+    }
+    let work = host::work_dir("cuda-host-norm-widths");
+    let src = "const w = 104
+dim B, T
+input x: f32[B, T, w]
+param a: [w, w] = normal(0.1)
+param g: [w] = normal(1.0)
+param b: [w] = normal(0.1)
+param r: [w] = normal(1.0)
+let y = x @ a
+let h = layernorm(y, g, b, eps = 1e-5) + y
+let z = rmsnorm(h, r, eps = 1e-6) + h
+train {
+    loss = mean(z * z)
+    optimizer = sgd(lr = 0.1)
+    precision = bf16
+}
+";
+    let mut checked = 0;
+    for w in ["104", "1000"] {
+        let name = format!("norm-width-{w}.dsl");
+        checked += check_model(&work, &name, src, &[("w", w)], &[("B", 2), ("T", 3)]);
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    println!("{checked} kernels of norms at odd widths matched the interpreter");
+    assert!(checked > 0);
+}

@@ -7,7 +7,6 @@
 mod common;
 
 use fusec_compiler::autodiff::add_backward;
-use fusec_compiler::gradcheck::{check_model, Tolerance};
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::tensor::Tensor;
 use fusec_compiler::interp::{run, Precision};
@@ -24,16 +23,7 @@ fn encoder() -> String {
 fn gradients_match_finite_differences_with_dropout_on() {
     for p in ["0.1", "0.5"] {
         let c = common::compile_with(&encoder(), "encoder-dropout.dsl", &[("p", p)]);
-        let backward = add_backward(&c.model).expect("differentiates");
-        let report = check_model(
-            &c.model,
-            &backward,
-            &common::dims(&[("B", 2), ("T", 7)]),
-            7,
-            6,
-            Tolerance::default(),
-        )
-        .expect("evaluates");
+        let report = common::gradcheck(&c, &[("B", 2), ("T", 7)], 7, 6).expect("evaluates");
         println!(
             "p = {p}: {} entries, max rel error {:.2e}",
             report.checked, report.max_rel_err
@@ -66,16 +56,7 @@ train {
     for (p, causal) in [("0.1", "true"), ("0.5", "false")] {
         let text = src.replace("CAUSAL", causal).replace('P', p);
         let c = common::compile_with(&text, "attn-dropout.dsl", &[]);
-        let backward = add_backward(&c.model).expect("differentiates");
-        let report = check_model(
-            &c.model,
-            &backward,
-            &common::dims(&[("B", 2), ("T", 9)]),
-            7,
-            6,
-            Tolerance::default(),
-        )
-        .expect("evaluates");
+        let report = common::gradcheck(&c, &[("B", 2), ("T", 9)], 7, 6).expect("evaluates");
         println!(
             "p = {p}, causal {causal}: {} entries, max rel error {:.2e}",
             report.checked, report.max_rel_err

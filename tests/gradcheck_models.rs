@@ -5,8 +5,6 @@
 
 mod common;
 
-use fusec_compiler::gradcheck::{check_model, Tolerance};
-
 #[test]
 fn every_shipped_model_passes_its_gradient_check() {
     let mut failures = Vec::new();
@@ -18,16 +16,7 @@ fn every_shipped_model_passes_its_gradient_check() {
         }
         let (name, src) = common::example(file);
         let c = common::compile_with(&src, &name, &sets);
-        let backward = fusec_compiler::autodiff::add_backward(&c.model).expect("differentiates");
-        let report = check_model(
-            &c.model,
-            &backward,
-            &common::dims(&dims),
-            7,
-            4,
-            Tolerance::default(),
-        )
-        .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let report = common::gradcheck(&c, &dims, 7, 4).unwrap_or_else(|e| panic!("{file}: {e}"));
         println!(
             "{file}: {} gradient entries checked, max abs error {:.2e}, max rel error {:.2e}",
             report.checked, report.max_abs_err, report.max_rel_err

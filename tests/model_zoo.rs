@@ -12,7 +12,6 @@ mod common;
 use common::{host, step_host, update_reference, zoo};
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;
-use fusec_compiler::gradcheck::{check_model, Tolerance};
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::plan::plan_with;
 use fusec_compiler::select::{select, Choice, Target};
@@ -97,17 +96,7 @@ fn check_one(
             kernels += compile_for(&sources, arch, seen)?;
         }
     }
-    let backward =
-        fusec_compiler::autodiff::add_backward(&c.model).map_err(|e| format!("autodiff: {e:?}"))?;
-    let report = check_model(
-        &c.model,
-        &backward,
-        &common::dims(&dims),
-        7,
-        3,
-        Tolerance::default(),
-    )
-    .map_err(|e| format!("gradient check: {e}"))?;
+    let report = common::gradcheck(&c, &dims, 7, 3).map_err(|e| format!("gradient check: {e}"))?;
     if report.checked == 0 {
         return Err("the gradient check checked nothing".into());
     }

@@ -11,7 +11,6 @@ mod common;
 use common::{host, step_host, update_reference, zoo};
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;
-use fusec_compiler::gradcheck::{check_model, Tolerance};
 use fusec_compiler::ir::DType;
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::model::Optimizer;
@@ -86,16 +85,8 @@ fn subjects() -> Vec<Subject> {
 fn graph_verdicts(s: &Subject) -> Vec<(&'static str, bool)> {
     let c = s.compile();
     let dims = s.dims();
-    let backward = fusec_compiler::autodiff::add_backward(&c.model).expect("differentiates");
-    let grads = check_model(
-        &c.model,
-        &backward,
-        &common::dims(&dims),
-        7,
-        4,
-        Tolerance::default(),
-    )
-    .unwrap_or_else(|e| panic!("{}: the gradient check cannot run: {e}", s.name));
+    let grads = common::gradcheck(&c, &dims, 7, 4)
+        .unwrap_or_else(|e| panic!("{}: the gradient check cannot run: {e}", s.name));
     let update = update_reference::check(&c, &dims)
         .unwrap_or_else(|e| panic!("{}: the update reference cannot run: {e}", s.name));
     vec![

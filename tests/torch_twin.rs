@@ -220,12 +220,7 @@ fn every_twin_compiles_and_matches_the_reference_in_f64() {
     all.extend(drawn_cases(&dir));
     for (file, mut sets, dims) in all {
         let dims: Vec<(&str, i64)> = dims.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-        // The twin draws its masks from PyTorch: models that drop are
-        // compared at p = 0 (as in `parity_args`).
-        let source = std::fs::read_to_string(common::root().join(&file)).unwrap_or_default();
-        if source.contains("dropout(") && source.contains("\nconst p = ") {
-            sets.push(("p".into(), "0".into()));
-        }
+        sets.extend(dropout_off(&file));
         let text = export(&file, &sets);
         let stem = Path::new(&file)
             .file_stem()
@@ -374,6 +369,17 @@ fn a_twins_weights_start_fusec_train() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The twin draws dropout masks from PyTorch's generator, not fusec's
+/// Philox: with them on, the two runs see other masks and part at once.
+/// The shipped models that drop (their rate in `const p`) are compared at
+/// p = 0; the masks themselves are checked against the interpreter's draws
+/// elsewhere (tests/dropout.rs).
+fn dropout_off(file: &str) -> Option<(String, String)> {
+    let source = std::fs::read_to_string(common::root().join(file)).unwrap_or_default();
+    (source.contains("dropout(") && source.contains("\nconst p = "))
+        .then(|| ("p".to_string(), "0".to_string()))
+}
+
 /// Token models train on the shipped text (every window new within the 50
 /// steps, with the vocabulary raised to the 256 byte values where it is
 /// smaller); the others on `--data random`, one fixed batch. A model that
@@ -409,14 +415,8 @@ fn parity_args(file: &str, sets: &[(String, String)], dims: &[(&str, i64)]) -> V
         "--tensors".into(),
         "7".into(),
     ];
-    // The twin draws dropout masks from PyTorch's generator, not fusec's
-    // Philox: with them on, the two runs see other masks and part at once.
-    // The models that drop (their rate in `const p`) are compared at p = 0;
-    // the masks themselves are checked against the interpreter's draws
-    // elsewhere (tests/dropout.rs).
-    let source = std::fs::read_to_string(common::root().join(file)).unwrap_or_default();
-    if source.contains("dropout(") && source.contains("\nconst p = ") {
-        args.extend(["--set".into(), "p=0".into()]);
+    if let Some((k, v)) = dropout_off(file) {
+        args.extend(["--set".into(), format!("{k}={v}")]);
     }
     for (k, v) in sets {
         let v = if text && k == "vocab" { "256" } else { v };

@@ -12,7 +12,7 @@ export FUSEC_ROOT=$(pwd) FUSEC_CACHE_DIR=${FUSEC_CACHE_DIR:-/tmp/fusec-cache}
 ARGS="dsl-examples/bert-classifier.dsl --set d=1024 --set layers=24 --set n_heads=16 --precision bf16 --batch 32 --dim T=512 --steps 20"
 LOG=${OUT:-/tmp}/bert_ab.log
 : > "$LOG"
-bench() { timeout 200 "$1" bench $ARGS "${@:2}" 2>&1 | tee -a "$LOG" | grep -E "ms/step|step|peak" | grep -v "^  kernels" | tail -2; }
+bench() { timeout 200 "$1" bench $ARGS "${@:2}" 2>&1 | tee -a "$LOG" | grep '"ms_per_step"' | tail -1; }
 for r in $(seq ${ROUNDS:-2}); do
   for b in "$BASE" "$NEW"; do
     [ -x "$b" ] || continue
@@ -28,7 +28,7 @@ by = collections.defaultdict(lambda: [0.0, 0])
 for line in open(sys.argv[1]):
     try: k = json.loads(line)
     except ValueError: continue
-    name = k.get("kernel") or k.get("name") or "?"
+    name = k["kernel"]
     fam = name.split("_", 1)[1] if name.startswith("k") and "_" in name else name
     by[fam][0] += k.get("ms", 0.0) * 1000; by[fam][1] += 1
 for fam, (us, n) in sorted(by.items(), key=lambda x: -x[1][0])[:16]:

@@ -1,10 +1,11 @@
-// Probe (not yet run on a GPU): whether cuBLASLt's CUBLASLT_EPILOGUE_BGRADA
-// can take the bias gradient (dY's column sums, f32) inside the
-// weight-gradient GEMM dW[in, out] = X^T dY (row-major, bf16 in, f32 out)
-// the way runtime/src/gemm.rs lays it out (our B = cuBLASLt's A, TRANSA = N),
-// how much slower that GEMM gets, whether the sums are right and whether they
-// repeat bit for bit. BERT-large spends 3.98 ms of an 80 ms step on such
-// column sums (docs/benchmarks.md).
+// Probe: whether cuBLASLt's CUBLASLT_EPILOGUE_BGRADA can take the bias
+// gradient (dY's column sums, f32) inside the weight-gradient GEMM
+// dW[in, out] = X^T dY (row-major, bf16 in, f32 out) the way
+// runtime/src/gemm.rs lays it out (our B = cuBLASLt's A, TRANSA = N), how
+// much slower that GEMM gets, whether the sums are right and whether they
+// repeat bit for bit. On an H200 (2026-11-29, docs/benchmarks.md) the sums
+// were exact and repeatable and the products slower, e.g. 768 x 3072 from
+// 105.8 to 150.7 us.
 //
 //   nvcc -O2 -o /tmp/bgrad tools/cublaslt_bgrad_probe.cu -lcublasLt && /tmp/bgrad
 #include <cublasLt.h>

@@ -305,9 +305,10 @@ def probe(args, work, precision, twin, batches, micro, ours, k):
         print(head + "fusec skipped the step (an fp16 overflow)")
         return None
     out = {"step": k}
+    coarser, _ = twin_tensors.arithmetic(args, precision)
     for q, ours_q, ref in (("grad_norm", ours_k, norms), ("loss", ours[k - 1]["loss"], losses)):
         d, t = rel(ours_q, ref["fp64"]), rel(ref[precision], ref["fp64"])
-        out[q] = {"fusec": d, "twin": t, "allowed": max(SLACK * (t or 0.0), FLOOR[precision])}
+        out[q] = {"fusec": d, "twin": t, "allowed": allowance(t, precision, coarser)}
     n, l = out["grad_norm"], out["loss"]
     print(head + f"fusec's logged {ours_k:.9g}, {n['fusec']:.1e} from it ({n['fusec'] / n['allowed']:.2f} of the same "
           f"allowance); loss {l['fusec']:.1e} from the f64 one ({l['fusec'] / l['allowed']:.2f})")
@@ -344,11 +345,18 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-300)
 
 
+def allowance(twin_distance, precision, coarser):
+    """SLACK times the same-precision twin's distance, or the precision's
+    floor, each scaled by how much coarser fusec's arithmetic is (the floor
+    to at most bf16's, as tools/twin_tensors.py scales its own)."""
+    floor = min(FLOOR[precision] * coarser, FLOOR["bf16"]) if coarser > 1 else FLOOR[precision]
+    return max(SLACK * coarser * (twin_distance or 0.0), floor)
+
+
 def judge(ours, same, wide, precision, fp16_skips_differ, coarser=1.0):
     """One row per step: fusec's and the same-precision twin's distances from
     the float64 twin, the allowance (scaled by how much coarser fusec's
     arithmetic is), and whether fusec is within it."""
-    floor = FLOOR[precision] * coarser
     rows, ok = [], True
     for i, (f, s, w) in enumerate(zip(ours, same, wide), 1):
         row = {"step": i, "fusec_loss": f["loss"], "twin_loss": s["loss"], "f64_loss": w["loss"]}
@@ -358,7 +366,7 @@ def judge(ours, same, wide, precision, fp16_skips_differ, coarser=1.0):
             if w[q] is None:
                 continue
             d_f, d_t = rel(f[q], w[q]), rel(s[q], w[q])
-            allowed = max(SLACK * coarser * (d_t or 0.0), floor)
+            allowed = allowance(d_t, precision, coarser)
             good = d_f is not None and d_f <= allowed
             row[q] = {"fusec": d_f, "twin": d_t, "allowed": allowed, "ok": good}
             ok &= good

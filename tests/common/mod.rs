@@ -48,6 +48,29 @@ pub fn compile_with(source: &str, name: &str, sets: &[(&str, &str)]) -> Compiled
     }
 }
 
+/// Autodiff against central differences in f64 for model `c` at sizes
+/// `dims` (`fusec_compiler::gradcheck`, its default tolerance): `samples`
+/// entries a parameter, feeds drawn from `seed`. `Err` where the model
+/// cannot be differentiated or its step evaluated.
+pub fn gradcheck(
+    c: &Compiled,
+    dims: &[(&str, i64)],
+    seed: u64,
+    samples: usize,
+) -> Result<fusec_compiler::gradcheck::Report, String> {
+    let backward =
+        fusec_compiler::autodiff::add_backward(&c.model).map_err(|e| format!("autodiff: {e:?}"))?;
+    fusec_compiler::gradcheck::check_model(
+        &c.model,
+        &backward,
+        &self::dims(dims),
+        seed,
+        samples,
+        fusec_compiler::gradcheck::Tolerance::default(),
+    )
+    .map_err(|e| e.to_string())
+}
+
 /// The rendered error of a model that must not compile (`file` names it in
 /// the message); panics, naming `what`, where it compiles.
 #[allow(dead_code)]

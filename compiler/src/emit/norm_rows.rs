@@ -111,6 +111,8 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     // again: holding its 8 there too took the kernel past 128 registers.
     let (gload, gamma) = vec_param(c, 1, "gv");
     let gamma_one = c.ld(1, "j0 + e");
+    // A lane's row stays in its 16-bit form, widened where it is read.
+    let (xe, de) = (format!("{ld}(&xv[k][e])"), format!("{ld}(&dv[k][e])"));
     let mut b = String::new();
     let _ = write!(
         b,
@@ -129,8 +131,7 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         float dg[K * 8];
         for (int e = 0; e < K * 8; ++e) dg[e] = 0.0f;{db_zero}
         for (fs_i64 r = g0 + warp; r < g1; r += warps) {{
-            // The row stays in its 16-bit form (half the registers of
-            // floats), widened where it is read.
+            // The row stays in its 16-bit form, widened where it is read.
             {elem} xv[K][8], dv[K][8];
             float s = 0.0f, ss = 0.0f;
             for (int k = 0; k < K; ++k) {{
@@ -139,8 +140,8 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                     fs_vload(xv[k], &in{x}[r * C + j0]);
                     fs_vload(dv[k], &in{dy}[r * C + j0]);
                     for (int e = 0; e < 8; ++e) {{
-                        s += x[k * 8 + e];
-                        ss += x[k * 8 + e] * x[k * 8 + e];
+                        s += {xe};
+                        ss += {xe} * {xe};
                     }}
                 }}
             }}
@@ -171,7 +172,7 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             float sq = 0.0f;
             for (int k = 0; k < K; ++k)
                 if ((k * FS_WARP + lane) * 8 < C)
-                    for (int e = 0; e < 8; ++e) {{ const float t = x[k * 8 + e] - mean; sq += t * t; }}
+                    for (int e = 0; e < 8; ++e) {{ const float t = {xe} - mean; sq += t * t; }}
             const float rstd = rsqrtf(fs_warp_sum(sq) / (float)C + {eps});
             (void)ss;
             float m1 = 0.0f, m2 = 0.0f;
@@ -179,9 +180,9 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 const int j0 = (k * FS_WARP + lane) * 8;
                 if (j0 < C) {{
                     {gload}for (int e = 0; e < 8; ++e) {{
-                        const float gd = d[k * 8 + e] * {gamma};
+                        const float gd = {de} * {gamma};
                         m1 += gd;
-                        m2 += gd * (x[k * 8 + e] - mean) * rstd;
+                        m2 += gd * ({xe} - mean) * rstd;
                     }}
                 }}
             }}
@@ -199,7 +200,7 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 const int j0 = (k * FS_WARP + lane) * 8;
                 if (j0 < C) {{
                     {gload}for (int e = 0; e < 8; ++e)
-                        dot += d[k * 8 + e] * {gamma} * x[k * 8 + e];
+                        dot += {de} * {gamma} * {xe};
                 }}
             }}
             dot = fs_warp_sum(dot) / (float)C;
@@ -207,14 +208,14 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         );
     }
     let dx = if layer {
-        "rstd * (gd - m1 - xh * m2)"
+        "rstd * (gd - m1 - xh * m2)".to_string()
     } else {
-        "gd * rs - x[k * 8 + e] * rs * rs * rs * dot"
+        format!("gd * rs - {xe} * rs * rs * rs * dot")
     };
     let xh = if layer {
-        "(x[k * 8 + e] - mean) * rstd"
+        format!("({xe} - mean) * rstd")
     } else {
-        "x[k * 8 + e] * rs"
+        format!("{xe} * rs")
     };
     let add = match residual {
         Some(_) => format!(" + {ld}(&rv[e])"),
@@ -225,9 +226,9 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         None => String::new(),
     };
     let db_acc = if layer {
-        " wdb[warp][j0 + j0 / 32 + e] += d[k * 8 + e];"
+        format!(" wdb[warp][j0 + j0 / 32 + e] += {de};")
     } else {
-        ""
+        String::new()
     };
     let _ = write!(
         b,
@@ -236,9 +237,9 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
                 if (j0 < C) {{
                     {res_load}{elem} o[8];
                     for (int e = 0; e < 8; ++e) {{
-                        const float gd = d[k * 8 + e] * {gamma_one}, xh = {xh};
+                        const float gd = {de} * {gamma_one}, xh = {xh};
                         o[e] = {st}({dx}{add});
-                        dg[k * 8 + e] += d[k * 8 + e] * xh;{db_acc}
+                        dg[k * 8 + e] += {de} * xh;{db_acc}
                     }}
                     fs_vstore(&out{o0}[r * C + j0], o);
                 }}
@@ -274,9 +275,6 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             String::new()
         },
     );
-    let b = b
-        .replace("x[k * 8 + e]", &format!("{ld}(&xv[k][e])"))
-        .replace(" d[k * 8 + e]", &format!(" {ld}(&dv[k][e])"));
     Some(b)
 }
 
@@ -318,8 +316,11 @@ pub(crate) fn forward_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         .iter()
         .try_fold(crate::ir::Dim::constant(1), |a, d| a.checked_mul(d))?
         .to_c();
-    let (stats, value) = match &g.g[n].op {
-        Op::LayerNorm(l) => (
+    let (gload, gamma) = vec_param(c, 1, "gv");
+    let (stats, value, params) = match &g.g[n].op {
+        Op::LayerNorm(l) => {
+            let (bload, beta) = vec_param(c, 2, "bv");
+            (
             format!(
                 "const float mean = fs_warp_sum(s) / (float)C;
             float sq = 0.0f;
@@ -329,12 +330,10 @@ pub(crate) fn forward_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             const float rstd = rsqrtf(fs_warp_sum(sq) / (float)C + {});",
                 float_lit(l.eps)
             ),
-            format!(
-                "(x[k * 8 + e] - mean) * rstd * {} + {}",
-                vec_param(c, 1, "gv").1,
-                vec_param(c, 2, "bv").1
-            ),
-        ),
+            format!("(x[k * 8 + e] - mean) * rstd * {gamma} + {beta}"),
+            gload + &bload,
+            )
+        }
         Op::RmsNorm(r) => (
             format!(
                 "float sq = 0.0f;
@@ -345,13 +344,10 @@ pub(crate) fn forward_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             const float rs = rsqrtf(fs_warp_sum(sq) / (float)C + {});",
                 float_lit(r.eps)
             ),
-            format!("x[k * 8 + e] * rs * {}", vec_param(c, 1, "gv").1),
+            format!("x[k * 8 + e] * rs * {gamma}"),
+            gload,
         ),
         _ => return None,
-    };
-    let params = match &g.g[n].op {
-        Op::LayerNorm(_) => vec_param(c, 1, "gv").0 + &vec_param(c, 2, "bv").0,
-        _ => vec_param(c, 1, "gv").0,
     };
     let (x, o) = (c.ins[0], c.outs[0]);
     Some(format!(

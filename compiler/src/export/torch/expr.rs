@@ -3,7 +3,7 @@
 //! `(a + b) * c` with them.
 
 use crate::ir::{Dim, Node};
-use crate::ops::{BinaryKind, Op, ReduceKind, TorchForm};
+use crate::ops::{BinaryKind, CeRule, Op, ReduceKind, TorchForm};
 
 /// Python precedence, loosest first: `a + b`, `a * b`, `-a`, then atoms
 /// (names, calls, attributes, subscripts).
@@ -327,13 +327,7 @@ pub fn op_expr(node: &Node, ins: &[PyExpr], in_shapes: &[Vec<Dim>]) -> Result<Py
         Op::CrossEntropy(ce) => {
             // One loss per row, the shape of the targets (fusec takes their mean as a separate op).
             let (logits, targets) = (&ins[0], &ins[1]);
-            let mut rule = String::new();
-            if let Some(i) = ce.rule.ignore_index {
-                rule.push_str(&format!(", ignore_index={i}"));
-            }
-            if ce.rule.smoothing != 0.0 {
-                rule.push_str(&format!(", label_smoothing={}", float(ce.rule.smoothing)));
-            }
+            let rule = ce_kwargs(&ce.rule);
             let mut e = PyExpr::new(
                 format!(
                     "F.cross_entropy({}.flatten(0, -2), {}.flatten().long(), reduction=\"none\"{rule}).view({}.shape)",
@@ -401,21 +395,30 @@ pub fn op_expr(node: &Node, ins: &[PyExpr], in_shapes: &[Vec<Dim>]) -> Result<Py
     })
 }
 
+/// `F.cross_entropy`'s keyword arguments for a loss's rule (each with its
+/// leading comma; empty for none).
+fn ce_kwargs(rule: &CeRule) -> String {
+    let mut kw = String::new();
+    if let Some(i) = rule.ignore_index {
+        kw.push_str(&format!(", ignore_index={i}"));
+    }
+    if rule.smoothing != 0.0 {
+        kw.push_str(&format!(", label_smoothing={}", float(rule.smoothing)));
+    }
+    kw
+}
+
 /// The one-expression form of `mean(cross_entropy(logits, targets))` over
-/// every row, the way PyTorch code writes a language-model loss (with the
-/// label smoothing the loss asks for; a loss with an ignored index keeps
-/// its per-row form).
+/// every row, the way PyTorch code writes a language-model loss, with the
+/// loss's rule. Only for a loss without an ignored index: there
+/// F.cross_entropy's mean divides by the kept rows, fusec's by all.
 pub fn mean_cross_entropy(
     logits: &PyExpr,
     targets: &PyExpr,
     logits_rank: usize,
-    smoothing: f64,
+    rule: &CeRule,
 ) -> PyExpr {
-    let rule = if smoothing != 0.0 {
-        format!(", label_smoothing={}", float(smoothing))
-    } else {
-        String::new()
-    };
+    let rule = ce_kwargs(rule);
     let text = if logits_rank == 2 {
         format!(
             "F.cross_entropy({}, {}.long(){rule})",

@@ -9,7 +9,7 @@ use crate::elaborate::structure::Structure;
 use crate::elaborate::values::Val;
 use crate::ir::graph::Init;
 use crate::ir::{Dim, Graph, Value};
-use crate::ops::{Op, ReduceKind};
+use crate::ops::{CeRule, Op, ReduceKind};
 use petgraph::stable_graph::NodeIndex;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt::Write;
@@ -382,7 +382,7 @@ struct Body {
     attrs: HashSet<String>,
     temps: usize,
     /// Per cross-entropy value: its logits, targets and the logits' rank.
-    ce: HashMap<Value, (PyExpr, PyExpr, usize, f64)>,
+    ce: HashMap<Value, (PyExpr, PyExpr, usize, CeRule)>,
 }
 
 impl Body {
@@ -647,9 +647,9 @@ impl Body {
         if let Op::Reduce(r) = &node.op {
             let all = r.axes.len() == shapes[0].len() && !r.keepdim;
             if r.kind == ReduceKind::Mean && all && self.pending.contains_key(&ins_v[0]) {
-                if let Some((l, t, rank, smoothing)) = self.ce.remove(&ins_v[0]) {
+                if let Some((l, t, rank, rule)) = self.ce.remove(&ins_v[0]) {
                     self.pending.remove(&ins_v[0]);
-                    let e = mean_cross_entropy(&l, &t, rank, smoothing);
+                    let e = mean_cross_entropy(&l, &t, rank, &rule);
                     self.define(gen, v, e, pos);
                     return Ok(());
                 }
@@ -675,9 +675,8 @@ impl Body {
                 self.define(gen, v, e, pos);
                 return Ok(());
             }
-            let rows = (ins[0].clone(), ins[1].clone(), shapes[0].len());
-            self.ce
-                .insert(v, (rows.0, rows.1, rows.2, ce.rule.smoothing));
+            let pending = (ins[0].clone(), ins[1].clone(), shapes[0].len(), ce.rule);
+            self.ce.insert(v, pending);
             // Kept for its reader whatever its length: a `mean` over it
             // becomes one `F.cross_entropy`.
             let single = self.uses.get(&v).is_some_and(|u| u.len() == 1);
