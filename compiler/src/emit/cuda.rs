@@ -219,15 +219,13 @@ fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<
             return s;
         }
     }
-    let in_dt = |input: usize| p.buffers[k.inputs[input]].ty.dtype;
-    // Inputs read contiguously (element i of the buffer for element i).
-    let mut vector_inputs: Vec<usize> = Vec::new();
-    for e in &pw.exprs {
-        if let PExpr::Load { input, view } = e {
-            if view.is_contiguous() && !vector_inputs.contains(input) {
-                vector_inputs.push(*input);
-            }
+    if pw.sum.is_some() {
+        // The sum's partials are device globals, declared before the kernel.
+        if let Some(at) = s.find("extern \"C\"") {
+            s.insert_str(at, &super::pointwise_sum::file_scope(p, k, pw));
         }
+        s.push_str(&super::pointwise_sum::body(g, p, k, pw));
+        return s;
     }
     let vec = vector_width(p, k, pw);
     let _ = writeln!(
@@ -240,64 +238,7 @@ fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<
         "    for (fs_i64 w = {first}; w < nv; w += (fs_i64)gridDim.x * blockDim.x) {{"
     );
     let _ = writeln!(s, "        const fs_i64 i0 = w * {vec};");
-    for &input in &vector_inputs {
-        let _ = writeln!(
-            s,
-            "        alignas(16) {} l{input}[{vec}];\n        fs_vload(l{input}, &in{input}[i0]);",
-            c_type(in_dt(input))
-        );
-    }
-    for (slot, _) in pw.stores.iter() {
-        let _ = writeln!(
-            s,
-            "        alignas(16) {} s{slot}[{vec}];",
-            c_type(out_dt(*slot))
-        );
-    }
-    // Dropout: one Philox block for every four elements (`vec` is 4 or 8,
-    // and `i0` a multiple of it), element i0 + e taking word e % 4.
-    for &(j, op, key) in &dropouts {
-        let blocks = vec.div_ceil(4);
-        let _ = writeln!(
-            s,
-            "        fs_philox_words d{j}[{blocks}];\n#pragma unroll\n        for (int q = 0; q < {blocks}; ++q) d{j}[q] = fs_dropout_block(in{key}, {}u, (unsigned long long)(i0 / 4 + q));",
-            op.site
-        );
-    }
-    let _ = writeln!(
-        s,
-        "#pragma unroll\n        for (int e = 0; e < {vec}; ++e) {{"
-    );
-    let strided = pw
-        .exprs
-        .iter()
-        .any(|e| matches!(e, PExpr::Load { view, .. } if !view.is_contiguous()));
-    if strided {
-        let _ = writeln!(s, "            const fs_i64 i = i0 + e;");
-    }
-    let body = element_body(
-        p,
-        k,
-        pw,
-        "            ",
-        &|input, view| {
-            if view.is_contiguous() {
-                format!("l{input}[e]")
-            } else {
-                format!("in{input}[{}]", index(view))
-            }
-        },
-        &|j, _, _| format!("d{j}[e >> 2].w[e & 3]"),
-    );
-    s.push_str(&body);
-    for &(slot, e) in &pw.stores {
-        let _ = writeln!(
-            s,
-            "            s{slot}[e] = {};",
-            store(out_dt(slot), &format!("v{e}"))
-        );
-    }
-    let _ = writeln!(s, "        }}");
+    s.push_str(&vector_elements(p, k, pw, vec, "        "));
     for (slot, _) in pw.stores.iter() {
         let _ = writeln!(s, "        fs_vstore(&out{slot}[i0], s{slot});");
     }
@@ -324,6 +265,120 @@ fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<
     }
     let _ = writeln!(s, "    }}\n}}");
     s
+}
+
+/// The loads, dropout draws and expressions of the `vec` elements from
+/// `i0` (a multiple of `vec`, declared by the caller), each stored value
+/// into `s{slot}[e]` (declared here): the body of the vector loop before
+/// its stores. Contiguous inputs come in 16-byte loads where `vec` is the
+/// kernel's `vector_width`; with `vec` 1 every load is one element.
+pub(crate) fn vector_elements(
+    p: &Program,
+    k: &Kernel,
+    pw: &Pointwise,
+    vec: u64,
+    ind: &str,
+) -> String {
+    let mut s = String::new();
+    let in_dt = |input: usize| p.buffers[k.inputs[input]].ty.dtype;
+    let out_dt = |slot: usize| p.buffers[k.outputs[slot]].ty.dtype;
+    // Inputs read contiguously (element i of the buffer for element i).
+    let mut vector_inputs: Vec<usize> = Vec::new();
+    for e in &pw.exprs {
+        if let PExpr::Load { input, view } = e {
+            if vec > 1 && view.is_contiguous() && !vector_inputs.contains(input) {
+                vector_inputs.push(*input);
+            }
+        }
+    }
+    for &input in &vector_inputs {
+        let _ = writeln!(
+            s,
+            "{ind}alignas(16) {} l{input}[{vec}];\n{ind}fs_vload(l{input}, &in{input}[i0]);",
+            c_type(in_dt(input))
+        );
+    }
+    for (slot, _) in pw.stores.iter() {
+        let _ = writeln!(
+            s,
+            "{ind}alignas(16) {} s{slot}[{vec}];",
+            c_type(out_dt(*slot))
+        );
+    }
+    let dropouts = pw.exprs.iter().enumerate().filter_map(|(j, e)| match e {
+        PExpr::Dropout { op, key, .. } => Some((j, op, *key)),
+        _ => None,
+    });
+    // Dropout: one Philox block for every four elements (`vec` is 4 or 8,
+    // and `i0` a multiple of it), element i0 + e taking word e % 4.
+    if vec > 1 {
+        for (j, op, key) in dropouts {
+            let blocks = vec.div_ceil(4);
+            let _ = writeln!(
+                s,
+                "{ind}fs_philox_words d{j}[{blocks}];\n#pragma unroll\n{ind}for (int q = 0; q < {blocks}; ++q) d{j}[q] = fs_dropout_block(in{key}, {}u, (unsigned long long)(i0 / 4 + q));",
+                op.site
+            );
+        }
+    }
+    let _ = writeln!(s, "#pragma unroll\n{ind}for (int e = 0; e < {vec}; ++e) {{");
+    let strided = pw
+        .exprs
+        .iter()
+        .any(|e| matches!(e, PExpr::Load { view, .. } if vec == 1 || !view.is_contiguous()))
+        || (vec == 1 && pw.exprs.iter().any(|e| matches!(e, PExpr::Dropout { .. })));
+    if strided {
+        let _ = writeln!(s, "{ind}    const fs_i64 i = i0 + e;");
+    }
+    let body = element_body(
+        p,
+        k,
+        pw,
+        &format!("{ind}    "),
+        &|input, view| {
+            if vec > 1 && view.is_contiguous() {
+                format!("l{input}[e]")
+            } else {
+                format!("in{input}[{}]", index(view))
+            }
+        },
+        &|j, site, key| {
+            if vec > 1 {
+                format!("d{j}[e >> 2].w[e & 3]")
+            } else {
+                format!("fs_dropout_draw(in{key}, {site}u, (unsigned long long)i)")
+            }
+        },
+    );
+    s.push_str(&body);
+    for &(slot, e) in &pw.stores {
+        let _ = writeln!(
+            s,
+            "{ind}    s{slot}[e] = {};",
+            store(out_dt(slot), &format!("v{e}"))
+        );
+    }
+    // A column sum's element `e` is in column j + e (emit::pointwise_sum),
+    // taken as the tensor it sums would store it.
+    if let Some(sum) = &pw.sum {
+        let _ = writeln!(
+            s,
+            "{ind}    acc[e] += {};",
+            rounded(sum.dtype, &format!("v{}", sum.expr))
+        );
+    }
+    let _ = writeln!(s, "{ind}}}");
+    s
+}
+
+/// `v` rounded to `dt` and back to f32, as a store and a load would.
+fn rounded(dt: DType, v: &str) -> String {
+    match dt {
+        DType::BF16 => format!("fs_round_bf16({v})"),
+        DType::F16 => format!("fs_round_f16({v})"),
+        DType::F32 => v.to_string(),
+        DType::I32 => format!("(float)(int){v}"),
+    }
 }
 
 /// Elements each thread of a pointwise kernel computes per iteration: 16
@@ -379,12 +434,7 @@ fn element_body(
                 v(x),
                 float_lit(op.scale())
             ),
-            PExpr::Round(dt, a) => match dt {
-                DType::BF16 => format!("fs_round_bf16({})", v(a)),
-                DType::F16 => format!("fs_round_f16({})", v(a)),
-                DType::F32 => v(a),
-                DType::I32 => format!("(float)(int){}", v(a)),
-            },
+            PExpr::Round(dt, a) => rounded(*dt, &v(a)),
         };
         let _ = writeln!(s, "{indent}const float v{j} = {rhs};");
     }

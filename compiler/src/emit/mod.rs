@@ -10,6 +10,7 @@ pub mod launch;
 pub mod lower;
 pub mod multi;
 pub mod norm_rows;
+pub mod pointwise_sum;
 pub mod templates;
 
 /// The shared device functions every generated kernel includes.

@@ -39,29 +39,57 @@ const PARTIALS: i64 = 1 << 20;
 /// adds the tile's partials a column a thread, in run order, so short runs
 /// cost more there than they spread (a [256, 1024] sum in 128 runs of 2
 /// rows took 12.9 us on an H200, a tenth of the copy bandwidth).
-const MIN_RUN_ROWS: i64 = 64;
+pub(crate) const MIN_RUN_ROWS: i64 = 64;
 
 /// The work of a sum over leading axes with a known number of outputs
 /// (every bias gradient): `vec` columns a lane (one 16-byte load where the
 /// rows allow it), `lanes` lanes a tile, column tiles, and runs of rows per
 /// tile.
-struct ColumnSum {
-    cols: i64,
-    vec: i64,
-    lanes: i64,
-    tiles: i64,
-    splits: i64,
+pub(crate) struct ColumnSum {
+    pub(crate) cols: i64,
+    pub(crate) vec: i64,
+    pub(crate) lanes: i64,
+    pub(crate) tiles: i64,
+    pub(crate) splits: i64,
+}
+
+/// The tiling of a column sum of `cols` columns, `vec` a lane, over
+/// `rows` rows where they are known at build time (symbolic rows bound the
+/// runs in the kernel, at the size it runs with).
+pub(crate) fn layout(cols: i64, vec: i64, rows: Option<i64>) -> ColumnSum {
+    // A sum of few columns (a mean of a whole tensor has one) gives its
+    // threads to more rows instead of idle lanes.
+    let lanes = ((cols + vec - 1) / vec).min(LANES) as u64;
+    let lanes = lanes.next_power_of_two() as i64;
+    let tiles = (cols + lanes * vec - 1) / (lanes * vec);
+    let splits = (PARTIALS / cols).clamp(1, SPLITS.max(BLOCKS / tiles));
+    let splits = rows.map_or(splits, |rows| splits.min((rows / MIN_RUN_ROWS).max(1)));
+    ColumnSum {
+        cols,
+        vec,
+        lanes,
+        tiles,
+        splits,
+    }
+}
+
+/// A sum (or mean) over the leading axes with a known number of outputs
+/// (every bias gradient): (its columns, whether it is a mean).
+pub(crate) fn leading_sum(g: &Graph, n: NodeIndex) -> Option<(i64, bool)> {
+    let Op::Reduce(r) = &g.g[n].op else {
+        return None;
+    };
+    let leading = r.axes.iter().enumerate().all(|(i, &a)| i == a);
+    let cols = g.g[n].outputs[0].numel().as_const()?;
+    (leading && matches!(r.kind, ReduceKind::Sum | ReduceKind::Mean) && cols > 0)
+        .then_some((cols, r.kind == ReduceKind::Mean))
 }
 
 fn column_sum_of(g: &Graph, n: NodeIndex) -> Option<ColumnSum> {
     let Op::Reduce(r) = &g.g[n].op else {
         return None;
     };
-    let leading = r.axes.iter().enumerate().all(|(i, &a)| i == a);
-    let cols = g.g[n].outputs[0].numel().as_const()?;
-    if !(leading && matches!(r.kind, ReduceKind::Sum | ReduceKind::Mean) && cols > 0) {
-        return None;
-    }
+    let (cols, _) = leading_sum(g, n)?;
     // 16 bytes a lane where every row starts 16-byte aligned (the arena
     // aligns each buffer to 256).
     let size = g.ty(g.inputs(n)[0]).dtype.size_bytes() as i64;
@@ -70,26 +98,11 @@ fn column_sum_of(g: &Graph, n: NodeIndex) -> Option<ColumnSum> {
     } else {
         1
     };
-    // A sum of few columns (a mean of a whole tensor has one) gives its
-    // threads to more rows instead of idle lanes.
-    let lanes = ((cols + vec - 1) / vec).min(LANES) as u64;
-    let lanes = lanes.next_power_of_two() as i64;
-    let tiles = (cols + lanes * vec - 1) / (lanes * vec);
-    let splits = (PARTIALS / cols).clamp(1, SPLITS.max(BLOCKS / tiles));
-    // Known rows bound the runs here (the grid); symbolic ones in the
-    // kernel, at the size it runs with.
     let rows = g.ty(g.inputs(n)[0]).shape[..r.axes.len()]
         .iter()
         .try_fold(crate::ir::Dim::constant(1), |a, d| a.checked_mul(d))
         .and_then(|d| d.as_const());
-    let splits = rows.map_or(splits, |rows| splits.min((rows / MIN_RUN_ROWS).max(1)));
-    Some(ColumnSum {
-        cols,
-        vec,
-        lanes,
-        tiles,
-        splits,
-    })
+    Some(layout(cols, vec, rows))
 }
 
 /// How many blocks a leading-axis sum's kernel takes (tiles times runs),
@@ -103,60 +116,38 @@ pub fn column_tiles(g: &Graph, n: NodeIndex) -> Option<i64> {
 /// finish resets its count, so the next launch (or a graph replay) starts
 /// from zero.
 pub(crate) fn file_scope(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-    let w = column_sum_of(g, n)?;
-    let k = &c.k.name;
-    Some(format!(
+    column_sum_of(g, n).map(|w| partials(&c.k.name, &w))
+}
+
+/// The file-scope partials and counts of a column sum in kernel `k`.
+pub(crate) fn partials(k: &str, w: &ColumnSum) -> String {
+    format!(
         "// The row splits' partial sums and each column tile's finished splits.\n\
          __device__ float {k}_part[{}];\n__device__ unsigned {k}_done[{}] = {{0}};\n\n",
         w.splits * w.cols,
         w.tiles
-    ))
+    )
 }
 
-/// A sum over leading axes, [rows, C] -> [C]. Work item w is a tile of
-/// columns and one of `splits` runs of the rows; a block's threads split
-/// into lanes (V columns each, read as one 16-byte load where the rows
-/// allow) by blockDim/lanes row slices, each thread sums every slices-th
-/// row of its run and columns, the slices add up in a fixed order into the
-/// run's partial, and the last run of a tile to finish (counted with an
-/// atomic) adds the tile's partials in run order. Coalesced, and
-/// deterministic: the atomic only counts.
-fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-    let Op::Reduce(r) = &g.g[n].op else {
-        return None;
-    };
+/// Opens a column sum's loops over a [rows, C] matrix: its sizes, then work
+/// item w (a tile of columns and one of `splits` runs of the rows), then
+/// each lane's `V` columns from `j` with their sums `acc` zeroed, up to the
+/// `if (j < C) {` inside which the caller walks its rows (`r` from `r0 +
+/// slice` to `r1` by `slices`).
+pub(crate) fn open_tiles(b: &mut String, w: &ColumnSum, rows: &str, cols: &str, stride: &str) {
     let ColumnSum {
         vec,
         lanes,
         tiles,
         splits,
         ..
-    } = column_sum_of(g, n)?;
-    let ins = g.inputs(n);
-    let sh = &g.ty(ins[0]).shape;
-    let rows = sh[..r.axes.len()]
-        .iter()
-        .try_fold(crate::ir::Dim::constant(1), |a, d| a.checked_mul(d))?;
-    let cols = g.g[n].outputs[0].numel();
-    let k = &c.k.name;
+    } = *w;
     let width = lanes * vec;
-    let mut b = String::new();
-    let _ = writeln!(
-        b,
-        "    // Sum over the leading axes: column j of a [rows, C] matrix, by tiles of {width} columns ({lanes} lanes of {vec}) and runs of rows."
-    );
-    // Rows `row_stride` apart: the input's pitch where its rows are padded for the
-    // GEMMs that share it (kernel::pitch), else C.
-    let stride = c.p.buffers[c.k.inputs[c.ins[0]]]
-        .pitch
-        .map_or_else(|| cols.to_c(), |x| format!("{x}LL"));
     // At most `splits` runs (the partials' room), each of at least
     // MIN_RUN_ROWS rows where there are that many.
     let _ = writeln!(
         b,
-        "    const fs_i64 rows = {}, C = {}, row_stride = {stride}, tiles = {tiles}, fill = rows / {MIN_RUN_ROWS};",
-        rows.to_c(),
-        cols.to_c()
+        "    const fs_i64 rows = {rows}, C = {cols}, row_stride = {stride}, tiles = {tiles}, fill = rows / {MIN_RUN_ROWS};"
     );
     let _ = writeln!(
         b,
@@ -197,35 +188,14 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let _ = writeln!(b, "            float acc[V];");
     let _ = writeln!(b, "            for (int q = 0; q < V; ++q) acc[q] = 0.0f;");
     let _ = writeln!(b, "            if (j < C) {{");
-    if vec > 1 {
-        let ty = match c.in_dt(0) {
-            crate::ir::DType::F32 => "float",
-            _ => "fs_bf16",
-        };
-        let _ = writeln!(b, "#pragma unroll 4");
-        let _ = writeln!(
-            b,
-            "                for (fs_i64 r = r0 + slice; r < r1; r += slices) {{"
-        );
-        let _ = writeln!(b, "                    {ty} v[V];");
-        let _ = writeln!(
-            b,
-            "                    fs_vload(v, &in{}[r * row_stride + j]);",
-            c.ins[0]
-        );
-        let one = super::cuda::load(c.in_dt(0), "v[q]");
-        let _ = writeln!(
-            b,
-            "                    for (int q = 0; q < V; ++q) acc[q] += {one};"
-        );
-        let _ = writeln!(b, "                }}");
-    } else {
-        let _ = writeln!(
-            b,
-            "                for (fs_i64 r = r0 + slice; r < r1; r += slices) acc[0] += {};",
-            c.ld(0, "r * row_stride + j")
-        );
-    }
+}
+
+/// Closes what `open_tiles` opened: the row slices add up in a fixed order
+/// into the run's partial, and the last run of a tile to finish (counted
+/// with an atomic) adds the tile's partials in run order and stores column
+/// `j`'s total by `store` (a C statement from the value). Deterministic:
+/// the atomic only counts.
+pub(crate) fn close_tiles(b: &mut String, k: &str, mean: bool, store: &dyn Fn(&str) -> String) {
     let _ = writeln!(b, "            }}");
     let _ = writeln!(
         b,
@@ -261,12 +231,8 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     // In run order (deterministic), the loads through L2 but not volatile,
     // so they may be issued ahead of the adds.
     let _ = writeln!(b, "#pragma unroll 8\n                for (fs_i64 s = 0; s < splits; ++s) total += fs_ldcg(&{k}_part[s * C + j]);");
-    let v = if r.kind == ReduceKind::Mean {
-        "total / (float)rows"
-    } else {
-        "total"
-    };
-    let _ = writeln!(b, "                {}", c.st(0, "j", v));
+    let v = if mean { "total / (float)rows" } else { "total" };
+    let _ = writeln!(b, "                {}", store(v));
     let _ = writeln!(b, "            }}");
     let _ = writeln!(b, "            if (threadIdx.x == 0) {k}_done[tile] = 0;");
     let _ = writeln!(b, "        }}");
@@ -275,6 +241,68 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         "        __syncthreads();  // `last` and `part` are reused by the next item"
     );
     let _ = writeln!(b, "    }}");
+}
+
+/// A sum over leading axes, [rows, C] -> [C]. A block's threads split into
+/// lanes (V columns each, read as one 16-byte load where the rows allow)
+/// by blockDim/lanes row slices, each thread summing every slices-th row
+/// of its run and columns (`open_tiles`, `close_tiles`). Coalesced, and
+/// deterministic.
+fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+    let Op::Reduce(r) = &g.g[n].op else {
+        return None;
+    };
+    let w = column_sum_of(g, n)?;
+    let (_, mean) = leading_sum(g, n)?;
+    let ins = g.inputs(n);
+    let sh = &g.ty(ins[0]).shape;
+    let rows = sh[..r.axes.len()]
+        .iter()
+        .try_fold(crate::ir::Dim::constant(1), |a, d| a.checked_mul(d))?;
+    let cols = g.g[n].outputs[0].numel();
+    let width = w.lanes * w.vec;
+    let mut b = String::new();
+    let _ = writeln!(
+        b,
+        "    // Sum over the leading axes: column j of a [rows, C] matrix, by tiles of {width} columns ({} lanes of {}) and runs of rows.",
+        w.lanes, w.vec
+    );
+    // Rows `row_stride` apart: the input's pitch where its rows are padded for the
+    // GEMMs that share it (kernel::pitch), else C.
+    let stride = c.p.buffers[c.k.inputs[c.ins[0]]]
+        .pitch
+        .map_or_else(|| cols.to_c(), |x| format!("{x}LL"));
+    open_tiles(&mut b, &w, &rows.to_c(), &cols.to_c(), &stride);
+    if w.vec > 1 {
+        let ty = match c.in_dt(0) {
+            crate::ir::DType::F32 => "float",
+            _ => "fs_bf16",
+        };
+        let _ = writeln!(b, "#pragma unroll 4");
+        let _ = writeln!(
+            b,
+            "                for (fs_i64 r = r0 + slice; r < r1; r += slices) {{"
+        );
+        let _ = writeln!(b, "                    {ty} v[V];");
+        let _ = writeln!(
+            b,
+            "                    fs_vload(v, &in{}[r * row_stride + j]);",
+            c.ins[0]
+        );
+        let one = super::cuda::load(c.in_dt(0), "v[q]");
+        let _ = writeln!(
+            b,
+            "                    for (int q = 0; q < V; ++q) acc[q] += {one};"
+        );
+        let _ = writeln!(b, "                }}");
+    } else {
+        let _ = writeln!(
+            b,
+            "                for (fs_i64 r = r0 + slice; r < r1; r += slices) acc[0] += {};",
+            c.ld(0, "r * row_stride + j")
+        );
+    }
+    close_tiles(&mut b, &c.k.name, mean, &|v| c.st(0, "j", v));
     Some(b)
 }
 

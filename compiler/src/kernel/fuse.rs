@@ -10,7 +10,7 @@
 //! other op is a kernel of its own.
 
 use super::view::View;
-use super::{Body, BufKind, Buffer, Epilogue, Kernel, PExpr, Pointwise, Program};
+use super::{Body, BufKind, Buffer, ColumnSum, Epilogue, Kernel, PExpr, Pointwise, Program};
 use crate::ir::graph::Value;
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
@@ -33,6 +33,8 @@ struct Fuser<'g> {
     cast_into: HashMap<Value, NodeIndex>,
     /// Chains folded into the GEMM before them.
     absorbed: std::collections::HashSet<usize>,
+    /// Column sums performed by the chain kernel that stores their input.
+    summed: std::collections::HashSet<NodeIndex>,
 }
 
 impl<'g> Fuser<'g> {
@@ -98,8 +100,37 @@ impl<'g> Fuser<'g> {
         absorbs.then_some(x)
     }
 
+    /// Whether add `n` should start a chain of its own rather than join
+    /// the chain of `x`, its other operand: `n` adds the product of a GEMM
+    /// that `n` alone reads to a value stored before that GEMM runs, so
+    /// the GEMM adds it as its residual (cuBLASLt's C) and a sum of many
+    /// products (a layer input's gradient from its query, key and value
+    /// projections) becomes a run of residual epilogues, not an add kernel
+    /// reading every product back.
+    fn residual_for_gemm(&self, n: NodeIndex, x: Value, at: &HashMap<NodeIndex, usize>) -> bool {
+        let is_add = matches!(&self.g.g[n].op, Op::Binary(b) if b.kind == BinaryKind::Add);
+        if !is_add || !self.g.lowering_on("gemm-epilogues") {
+            return false;
+        }
+        let ins = self.g.inputs(n);
+        let Some(&m) = ins.iter().find(|&&v| v != x) else {
+            return false;
+        };
+        let out = self.g.ty(Value { node: n, port: 0 });
+        matches!(self.g.g[m.node].op, Op::MatMul(_))
+            && m.port == 0
+            && self.g.users(m).len() == 1
+            && !self.outputs.contains(&m)
+            && self.g.ty(m) == out
+            && self.g.ty(x) == out
+            && at.get(&self.base(x).0.node) < at.get(&m.node)
+    }
+
     fn form_chains(&mut self) {
-        for n in self.g.topo_order() {
+        let order = self.g.topo_order();
+        let at: HashMap<NodeIndex, usize> =
+            order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        for n in order {
             if self.class(n) != FusionClass::Elementwise {
                 continue;
             }
@@ -120,6 +151,7 @@ impl<'g> Fuser<'g> {
                     && only_reader
                     && !self.outputs.contains(&b)
                     && self.same_elements(x, n)
+                    && !self.residual_for_gemm(n, x, &at)
                 {
                     joined = Some(gi);
                     break;
@@ -197,6 +229,7 @@ impl<'g> Fuser<'g> {
                 n,
                 exprs: vec![PExpr::Load { input: 0, view }],
                 stores: vec![(0, 0)],
+                sum: None,
             }),
         });
         out
@@ -331,27 +364,106 @@ impl<'g> Fuser<'g> {
             prev = Some((n, exprs.len() - 1));
         }
         let tail = *chain.last().expect("chains are not empty");
-        let out = self.store(
-            Value {
-                node: tail,
+        let v = Value {
+            node: tail,
+            port: 0,
+        };
+        let n = self.g.g[tail].outputs[0].numel();
+        let last = prev.expect("a chain has ops").1;
+        let summed = self.chain_sum(tail, &n);
+        // Stored unless the sum is its one reader.
+        let keep = summed.as_ref().is_none_or(|s| !s.only_reader);
+        let mut nodes = chain.to_vec();
+        let mut outputs = Vec::new();
+        let mut stores = Vec::new();
+        if keep {
+            outputs.push(self.store(v, BufKind::Temp));
+            stores.push((0, last));
+        }
+        let sum = summed.map(|s| {
+            self.summed.insert(s.node);
+            nodes.push(s.node);
+            let r = Value {
+                node: s.node,
                 port: 0,
-            },
-            BufKind::Temp,
-        );
+            };
+            // A widening cast after the sum is its store, as for the sum's
+            // own kernel.
+            let stored = match self.cast_into.get(&r) {
+                Some(&c) => {
+                    nodes.push(c);
+                    Value { node: c, port: 0 }
+                }
+                None => r,
+            };
+            outputs.push(self.store(stored, BufKind::Temp));
+            ColumnSum {
+                expr: last,
+                dtype: self.g.ty(v).dtype,
+                out: outputs.len() - 1,
+                cols: s.cols,
+                mean: s.mean,
+            }
+        });
         kernels.push(Kernel {
-            name: kernel_name(self.g, kernels.len(), chain),
-            nodes: chain.to_vec(),
+            name: kernel_name(self.g, kernels.len(), &nodes),
+            nodes,
             inputs,
-            outputs: vec![out],
+            outputs,
             input_views: Vec::new(),
             residual: None,
             body: Body::Pointwise(Pointwise {
-                n: self.g.g[tail].outputs[0].numel(),
+                n,
                 exprs,
-                stores: vec![(0, prev.expect("a chain has ops").1)],
+                stores,
+                sum,
             }),
         });
     }
+
+    /// A sum over the leading axes that reads chain tail `tail` (of `n`
+    /// elements, through reshapes alone) and that the chain's kernel can
+    /// add up as it computes it.
+    fn chain_sum(&self, tail: NodeIndex, n: &Dim) -> Option<ChainSum> {
+        if !self.g.lowering_on("sums-into-chains") {
+            return None;
+        }
+        let v = Value {
+            node: tail,
+            port: 0,
+        };
+        if !self.g.ty(v).dtype.is_float() {
+            return None;
+        }
+        let readers = self.readers(v);
+        readers.iter().find_map(|&r| {
+            let x = *self.g.inputs(r).first()?;
+            let (base, views) = self.base(x);
+            let (cols, mean) = crate::emit::multi::leading_sum(self.g, r)?;
+            let reshapes = views
+                .iter()
+                .all(|&u| matches!(self.g.g[u].op, Op::Reshape(_)));
+            let viewed = views
+                .iter()
+                .any(|&u| self.outputs.contains(&Value { node: u, port: 0 }));
+            (base == v && reshapes && self.g.ty(x).numel() == *n && !self.summed.contains(&r))
+                .then_some(ChainSum {
+                    node: r,
+                    cols,
+                    mean,
+                    only_reader: readers.len() == 1 && !viewed && !self.outputs.contains(&v),
+                })
+        })
+    }
+}
+
+/// A sum a chain's kernel performs (`Fuser::chain_sum`).
+struct ChainSum {
+    node: NodeIndex,
+    cols: i64,
+    mean: bool,
+    /// The chain's value is read by the sum alone, so it is not stored.
+    only_reader: bool,
 }
 
 /// A view that is a row-major buffer with its last two axes swapped: what a
@@ -394,6 +506,7 @@ pub fn fuse(g: &Graph) -> Program {
         outputs: g.outputs.iter().map(|(_, v)| *v).collect(),
         cast_into: HashMap::new(),
         absorbed: Default::default(),
+        summed: Default::default(),
     };
     f.form_chains();
     let mut kernels = Vec::new();
@@ -433,6 +546,8 @@ pub fn fuse(g: &Graph) -> Program {
                     f.chain_kernel(&chain, &mut kernels);
                 }
             }
+            // Summed by the chain kernel that stores its input.
+            FusionClass::Kernel if f.summed.contains(&n) => {}
             FusionClass::Kernel
                 if matches!(g.g[n].op, Op::MatMul(_)) && f.gemm_fold(n).is_some() =>
             {
@@ -575,6 +690,7 @@ impl Fuser<'_> {
                 n: self.g.ty(x).numel(),
                 exprs: vec![e],
                 stores: vec![(0, 0)],
+                sum: None,
             }),
         });
         out

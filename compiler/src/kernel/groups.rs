@@ -21,7 +21,7 @@ pub(super) fn group_param_casts(
             && matches!(g.g[k.nodes[0]].op, Op::Cast(_))
             && k.inputs.len() == 1
             && buffers[k.inputs[0]].kind == BufKind::Param
-            && matches!(&k.body, Body::Pointwise(pw) if pw.exprs.iter().all(|e| match e {
+            && matches!(&k.body, Body::Pointwise(pw) if pw.sum.is_none() && pw.exprs.iter().all(|e| match e {
                 PExpr::Load { view, .. } => view.is_contiguous(),
                 _ => true,
             }))

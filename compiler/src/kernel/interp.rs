@@ -133,6 +133,10 @@ pub fn run_kernel(
                 .collect();
             let mut data: Vec<Vec<f64>> = vec![vec![0.0; n]; k.outputs.len()];
             let mut vals = vec![0.0; pw.exprs.len()];
+            // A column sum adds each element as the tensor it replaces
+            // stored it (rounded to its dtype), in row order.
+            let cols = pw.sum.as_ref().map_or(1, |s| s.cols.max(1) as usize);
+            let mut sums = vec![0.0; cols];
             // `i` is the element index the loads unravel, not just a position in `data`.
             #[allow(clippy::needless_range_loop)]
             for i in 0..n {
@@ -174,6 +178,19 @@ pub fn run_kernel(
                 for &(slot, e) in &pw.stores {
                     data[slot][i] = vals[e];
                 }
+                if let Some(sum) = &pw.sum {
+                    sums[i % cols] += match precision {
+                        Precision::AsStored => round_to(sum.dtype, vals[sum.expr]),
+                        Precision::F64 => vals[sum.expr],
+                    };
+                }
+            }
+            if let Some(sum) = &pw.sum {
+                let rows = (n / cols) as f64;
+                if sum.mean {
+                    sums.iter_mut().for_each(|x| *x /= rows);
+                }
+                data[sum.out] = sums;
             }
             k.outputs
                 .iter()

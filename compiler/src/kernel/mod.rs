@@ -65,6 +65,11 @@ pub const OPTIMISATIONS: &[(&str, &str, &str)] = &[
         "a widening cast is stored by the kernel that makes its input (off: a cast kernel)",
     ),
     (
+        "sums-into-chains",
+        "fuse",
+        "a sum over the leading axes (a bias gradient) is added up by the elementwise kernel that stores its input (off: a sum kernel reading it back)",
+    ),
+    (
         "norm-residual",
         "fuse",
         "a norm backward adds the residual stream's gradient as it stores dx (off: an add kernel)",
@@ -151,6 +156,29 @@ pub struct Pointwise {
     pub exprs: Vec<PExpr>,
     /// (output slot, expression): `outputs[slot][i] = exprs[e]`.
     pub stores: Vec<(usize, usize)>,
+    /// A sum over the leading axes of one of its values (a bias gradient
+    /// summed by the chain that makes its input, so the input is not read
+    /// back, or not stored at all where nothing else reads it); `None` for
+    /// a plain chain.
+    pub sum: Option<ColumnSum>,
+}
+
+/// The column sums a pointwise kernel adds up as it computes: its elements
+/// seen as `[n / cols, cols]` (element `i` in column `i % cols`; a reshape
+/// keeps the row-major order), `outputs[out][j]` the sum (or mean) over
+/// column `j` of expression `expr` rounded to `dtype`: the value the
+/// leading-axes `sum` op it replaces read from the stored tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ColumnSum {
+    /// The expression summed.
+    pub expr: usize,
+    /// The dtype of the tensor summed, each element rounded to it first.
+    pub dtype: DType,
+    /// The output slot of the `cols` sums.
+    pub out: usize,
+    pub cols: i64,
+    /// Divided by the rows (a mean over the leading axes).
+    pub mean: bool,
 }
 
 /// One op of a group kernel, with its inputs and outputs as kernel slots.
@@ -327,6 +355,19 @@ impl Program {
                     }
                 }
                 Body::Pointwise(pw) => {
+                    if let Some(sum) = &pw.sum {
+                        let stored = pw.stores.iter().any(|&(slot, _)| slot == sum.out);
+                        if stored
+                            || sum.out >= k.outputs.len()
+                            || sum.expr >= pw.exprs.len()
+                            || sum.cols < 1
+                        {
+                            problems.push(format!(
+                                "{}: the column sum names a slot that does not exist",
+                                k.name
+                            ));
+                        }
+                    }
                     for e in &pw.exprs {
                         if let PExpr::Load { input, .. } | PExpr::Dropout { key: input, .. } = e {
                             if *input >= k.inputs.len() {

@@ -158,7 +158,13 @@ pub fn print_program(g: &Graph, p: &Program) -> String {
     for k in &p.kernels {
         let ops: Vec<&str> = k.nodes.iter().map(|&n| g.g[n].op.name()).collect();
         let kind = match &k.body {
-            Body::Pointwise(_) => "pointwise".to_string(),
+            Body::Pointwise(pw) => match &pw.sum {
+                Some(sum) => format!(
+                    "pointwise, out{} sums its {} values over the leading axes",
+                    sum.out, sum.dtype
+                ),
+                None => "pointwise".to_string(),
+            },
             Body::Op(_) => match k.residual {
                 Some(r) => format!("op, in{r} added to out0"),
                 None => "op".to_string(),

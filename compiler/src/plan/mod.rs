@@ -416,9 +416,17 @@ pub fn plan_with(
         // One output, or the first of cross-entropy-with-gradient (dlogits
         // over the logits; the per-row losses are separate).
         let fused_ce = matches!(&kernel.body, Body::Op(n) if matches!(g.g[*n].op, Op::CrossEntropyWithGrad(_)));
-        let o = match kernel.outputs[..] {
-            [o] => o,
-            [o, _] if fused_ce => o,
+        // Or the elements a chain stores beside its column sums (which are
+        // written by a tile's last block, while other tiles still read).
+        let sums = match &kernel.body {
+            Body::Pointwise(pw) => pw.sum.as_ref().map(|s| s.out),
+            _ => None,
+        };
+        let o = match (&kernel.outputs[..], sums) {
+            (&[o, _], Some(1)) => o,
+            (_, Some(_)) => continue,
+            (&[o], None) => o,
+            (&[o, _], None) if fused_ce => o,
             _ => continue,
         };
         if out[o].kind != MemKind::Activation || out[o].alias_of.is_some() || outputs.contains(&o) {
@@ -604,6 +612,10 @@ fn generated_step(
             })
             .sum::<Option<u64>>()
             .map(|n| n.clamp(1, 1 << 20)),
+        // A tile of columns by a run of rows a block (emit::pointwise_sum).
+        (Body::Pointwise(pw), _) if pw.sum.is_some() => {
+            crate::emit::pointwise_sum::blocks(p, k, pw, env)
+        }
         // Each thread takes a 16-byte vector of elements.
         (Body::Pointwise(pw), Some(Shape::Elements(n))) => n.eval(env).map(|n| {
             let vec = crate::emit::cuda::vector_width(p, k, pw);

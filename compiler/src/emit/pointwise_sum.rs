@@ -1,0 +1,90 @@
+//! A pointwise chain that also sums one of its values over the leading
+//! axes: a bias gradient taken from the chain that makes its input
+//! (dropout's backward, GELU's), so the gradient is not read back from
+//! memory by a sum kernel of its own, nor stored at all where the sum is
+//! its one reader. The chain's elements are walked as the column sum walks
+//! a [rows, C] matrix (emit/multi.rs: tiles of columns, runs of rows, each
+//! run's partials added in a fixed order); each thread computes its
+//! elements with the chain's own code (`cuda::vector_elements`), stores
+//! what the chain stores, and adds each element, rounded as the summed
+//! tensor would store it, to its column's sum. Deterministic, as the sum
+//! kernel is.
+
+use super::cuda::{store, vector_elements, vector_width};
+use super::multi::{close_tiles, layout, open_tiles, partials, ColumnSum};
+use crate::ir::Graph;
+use crate::kernel::{Kernel, Pointwise, Program};
+use std::fmt::Write;
+
+/// The tiling of the kernel's sum and the elements a thread takes at once:
+/// the chain's vector width where the columns are whole vectors of it, else
+/// one (every load one element).
+fn tiling(p: &Program, k: &Kernel, pw: &Pointwise) -> Option<ColumnSum> {
+    let sum = pw.sum.as_ref()?;
+    let vec = vector_width(p, k, pw) as i64;
+    let vec = if sum.cols % vec == 0 { vec } else { 1 };
+    let rows = pw.n.as_const().map(|n| n / sum.cols);
+    Some(layout(sum.cols, vec, rows))
+}
+
+/// Blocks of the launch: a tile of columns by a run of rows each, as the
+/// kernel's loop counts them.
+pub fn blocks(
+    p: &Program,
+    k: &Kernel,
+    pw: &Pointwise,
+    env: &dyn Fn(&str) -> Option<i64>,
+) -> Option<u64> {
+    let w = tiling(p, k, pw)?;
+    let rows = pw.n.eval(env)? / w.cols;
+    let splits = (rows / super::multi::MIN_RUN_ROWS).clamp(1, w.splits);
+    Some(((w.tiles * splits) as u64).clamp(1, 1 << 20))
+}
+
+/// The file-scope partials of the kernel's sum, before its signature.
+pub(crate) fn file_scope(p: &Program, k: &Kernel, pw: &Pointwise) -> String {
+    tiling(p, k, pw).map_or(String::new(), |w| partials(&k.name, &w))
+}
+
+/// The kernel's body after `n` (its elements) is declared.
+pub(crate) fn body(_g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise) -> String {
+    let (Some(sum), Some(w)) = (pw.sum.as_ref(), tiling(p, k, pw)) else {
+        return String::new();
+    };
+    let vec = w.vec as u64;
+    let cols = format!("{}LL", sum.cols);
+    let out_dt = |slot: usize| p.buffers[k.outputs[slot]].ty.dtype;
+    let mut b = String::new();
+    let _ = writeln!(
+        b,
+        "    // The elements as a [rows, C] matrix, by tiles of {} columns ({} lanes of {vec}) and runs of rows; column sums of v{} as a {} tensor stores it, into out{}.",
+        w.lanes * w.vec,
+        w.lanes,
+        sum.expr,
+        sum.dtype,
+        sum.out
+    );
+    open_tiles(&mut b, &w, &format!("n / {cols}"), &cols, "C");
+    let ind = "                    ";
+    let _ = writeln!(b, "#pragma unroll 2");
+    let _ = writeln!(
+        b,
+        "                for (fs_i64 r = r0 + slice; r < r1; r += slices) {{"
+    );
+    let _ = writeln!(b, "{ind}const fs_i64 i0 = r * row_stride + j;");
+    b.push_str(&vector_elements(p, k, pw, vec, ind));
+    for (slot, _) in pw.stores.iter() {
+        if vec > 1 {
+            let _ = writeln!(b, "{ind}fs_vstore(&out{slot}[i0], s{slot});");
+        } else {
+            let _ = writeln!(b, "{ind}out{slot}[i0] = s{slot}[0];");
+        }
+    }
+    let _ = writeln!(b, "                }}");
+    let o = sum.out;
+    close_tiles(&mut b, &k.name, sum.mean, &|v| {
+        format!("out{o}[j] = {};", store(out_dt(o), v))
+    });
+    b.push_str("}\n");
+    b
+}
