@@ -203,7 +203,8 @@ fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<
         let _ = writeln!(s, "#include \"random/philox.cuh\"");
     }
     s.push('\n');
-    s.push_str(&signature(g, p, k, &k.name, None, &[]));
+    let bounds = pw.sum.as_ref().map(|_| super::pointwise_sum::BOUNDS);
+    s.push_str(&signature(g, p, k, &k.name, bounds, &[]));
     let _ = writeln!(s, "    const fs_i64 n = {};", pw.n.to_c());
     let out_dt = |slot: usize| p.buffers[k.outputs[slot]].ty.dtype;
     let grid_stride = "i += (fs_i64)gridDim.x * blockDim.x";

@@ -19,6 +19,13 @@ pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
 /// each row of a tile is one coalesced load.
 const LANES: i64 = 32;
 
+/// Fewest lanes a tile narrows to where its sum has few blocks (four
+/// 16-byte loads still fill a 64-byte stretch of each row).
+const MIN_LANES: i64 = 4;
+
+/// Blocks under which a sum takes narrower tiles.
+const FEW_BLOCKS: i64 = 128;
+
 /// Most row runs per column tile: each tile's rows are cut into runs, each
 /// a block's work, so a bias gradient over B*T rows and a few hundred
 /// columns still fills the GPU.
@@ -60,10 +67,20 @@ pub(crate) fn layout(cols: i64, vec: i64, rows: Option<i64>) -> ColumnSum {
     // A sum of few columns (a mean of a whole tensor has one) gives its
     // threads to more rows instead of idle lanes.
     let lanes = ((cols + vec - 1) / vec).min(LANES) as u64;
-    let lanes = lanes.next_power_of_two() as i64;
-    let tiles = (cols + lanes * vec - 1) / (lanes * vec);
-    let splits = (PARTIALS / cols).clamp(1, SPLITS.max(BLOCKS / tiles));
-    let splits = rows.map_or(splits, |rows| splits.min((rows / MIN_RUN_ROWS).max(1)));
+    let mut lanes = lanes.next_power_of_two() as i64;
+    let runs = |lanes: i64| {
+        let tiles = (cols + lanes * vec - 1) / (lanes * vec);
+        let splits = (PARTIALS / cols).clamp(1, SPLITS.max(BLOCKS / tiles));
+        let splits = rows.map_or(splits, |rows| splits.min((rows / MIN_RUN_ROWS).max(1)));
+        (tiles, splits)
+    };
+    // Few rows (a norm backward's [256, C] partials) make few runs: narrower
+    // tiles then give the GPU more blocks (32 blocks of 64 rows took 8 us
+    // for 1 MiB on an H200, a 20th of the copy bandwidth).
+    while lanes > MIN_LANES && runs(lanes).0 * runs(lanes).1 < FEW_BLOCKS {
+        lanes /= 2;
+    }
+    let (tiles, splits) = runs(lanes);
     ColumnSum {
         cols,
         vec,

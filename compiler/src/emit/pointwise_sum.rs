@@ -27,6 +27,14 @@ fn tiling(p: &Program, k: &Kernel, pw: &Pointwise) -> Option<ColumnSum> {
     Some(layout(sum.cols, vec, rows))
 }
 
+/// `__launch_bounds__` of the kernel: four blocks an SM. Its column sums
+/// add registers to the chain's (GELU's backward took 66, three blocks an
+/// SM, and ran slower than the chain and a sum kernel apart); held to 64,
+/// BERT-large's step took 78.9 and 79.1 ms against 79.6 and 79.9 unbounded
+/// (an H200, one call; the row loop unrolled twice, as the sum kernel's is,
+/// took more registers again, and is not).
+pub const BOUNDS: &str = "256, 4";
+
 /// Blocks of the launch: a tile of columns by a run of rows each, as the
 /// kernel's loop counts them.
 pub fn blocks(
@@ -66,7 +74,6 @@ pub(crate) fn body(_g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise) -> Strin
     );
     open_tiles(&mut b, &w, &format!("n / {cols}"), &cols, "C");
     let ind = "                    ";
-    let _ = writeln!(b, "#pragma unroll 2");
     let _ = writeln!(
         b,
         "                for (fs_i64 r = r0 + slice; r < r1; r += slices) {{"
