@@ -5,10 +5,14 @@
 //!   of any tile), run alone on the interpreter's own inputs, must produce
 //!   the interpreter's outputs: within 1e-3 of the tensor's largest value
 //!   for f32 outputs, 2e-2 for bf16/f16 (GEMMs and reductions sum in another
-//!   order), exactly for integers; outputs are poisoned with NaN first, so an
-//!   unwritten element fails;
+//!   order) and, for bf16/f16, `L2_16` of the tensor's 2-norm (which a 1%
+//!   error fails), exactly for integers; outputs are poisoned with NaN
+//!   first, so an unwritten element fails;
 //! - the whole step of gpt2-block: loss and every gradient against the
-//!   kernel-IR interpreter with values rounded as stored;
+//!   kernel-IR interpreter with values rounded as stored (each gradient
+//!   within 2^-7 of its largest entry and of its norm);
+//! - 16-bit training runs follow the CPU reference's losses within
+//!   `LOSS_16` at every step;
 //! - every shipped model trains 20 steps on one batch with a falling loss.
 
 mod common;
@@ -162,6 +166,35 @@ fn rel_err_floor(a: &[f64], b: &[f64], floor: f64) -> f64 {
         / scale
 }
 
+/// ||a - b|| over max(||b||, floor * sqrt(n)) (2-norms over the finite
+/// reference values): a whole tensor's error, which the largest-value
+/// measure above lets hide in its small entries.
+fn rel_l2_floor(a: &[f64], b: &[f64], floor: f64) -> f64 {
+    let (mut diff, mut norm, mut n) = (0.0f64, 0.0f64, 0usize);
+    for (x, y) in a.iter().zip(b).filter(|(_, y)| y.is_finite()) {
+        let d = if x.is_nan() { f64::INFINITY } else { x - y };
+        diff += d * d;
+        norm += y * y;
+        n += 1;
+    }
+    diff.sqrt() / norm.sqrt().max(floor * (n as f64).sqrt()).max(f64::MIN_POSITIVE)
+}
+
+/// A 16-bit kernel output's bound on `rel_l2_floor`: under the 1e-2 a
+/// tensor made 1% large shows, and twice the 4.0e-3 the largest seen
+/// reached (every kernel of the shipped models, on an H200): both sides
+/// round the same values to bf16 (half a unit, 2^-9 relative, where an f32
+/// sum of another order crosses a rounding boundary) and the GEMMs sum in
+/// another order than the reference's f64.
+const L2_16: f64 = 8e-3;
+
+/// A 16-bit run's loss against the CPU reference's, relative, at every
+/// step: one bf16 rounding of the loss itself (2^-9). The two round the
+/// same values in the same places, so they part only where an f32 sum of
+/// another order crosses a rounding boundary: over ten steps the largest
+/// seen was 1.4e-4 (the small GPT-2 on an H200).
+const LOSS_16: f64 = 2e-3;
+
 fn tolerance(dt: DType) -> f64 {
     match dt {
         DType::F32 => 1e-3,
@@ -204,6 +237,7 @@ fn kernels_against_the_interpreter_floor(
         Session::with_options(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}, options).unwrap();
     let reference = run_program(g, &s.program, &feeds, Precision::AsStored).unwrap();
     let mut worst = (0.0f64, String::new());
+    let mut worst_l2 = (0.0f64, String::new());
     let mut failures = Vec::new();
     for i in 0..s.exec.kernel_count() {
         let k = s.program.kernels[i].clone();
@@ -240,19 +274,28 @@ fn kernels_against_the_interpreter_floor(
                 DType::F32 => f32_tolerance,
                 _ => tolerance(dt),
             };
-            if err > tol || got.len() != reference[b].data.len() {
+            // The whole tensor too, for 16-bit outputs, whose largest-value
+            // bound (2e-2) a 1% error passes.
+            let l2 = rel_l2_floor(&got, &reference[b].data, floor);
+            let sixteen = matches!(dt, DType::BF16 | DType::F16);
+            if sixteen && l2 > worst_l2.0 {
+                worst_l2 = (l2, k.name.clone());
+            }
+            if err > tol || (sixteen && l2 > L2_16) || got.len() != reference[b].data.len() {
                 failures.push(format!(
-                    "{label}: {} output buffer {b} ({dt:?}): error {err:.3e}",
+                    "{label}: {} output buffer {b} ({dt:?}): error {err:.3e}, whole-tensor {l2:.3e}",
                     k.name
                 ));
             }
         }
     }
     let report = format!(
-        "{label}: {} kernels, worst {:.2e} in {}",
+        "{label}: {} kernels, worst {:.2e} in {}, 16-bit whole-tensor worst {:.2e} in {}",
         s.exec.kernel_count(),
         worst.0,
-        worst.1
+        worst.1,
+        worst_l2.0,
+        worst_l2.1
     );
     (
         report,
@@ -588,21 +631,32 @@ fn the_gpt2_block_step_matches_the_cpu_reference() {
         "loss {} vs {loss_ref}",
         stats.loss
     );
-    let mut worst: f64 = 0.0;
+    // Each gradient within two bf16 units in the last place of its
+    // largest entry (2^-7) and 1/2^7 of its 2-norm: both sides round the
+    // same values to bf16 and part only where an f32 sum of another order
+    // crosses a rounding boundary (the largest seen, on an H200: 3.8e-3 of
+    // the largest entry), and a gradient 1% off (1e-2) fails either bound.
+    const GRAD_MAX: f64 = 7.8e-3;
+    const GRAD_L2: f64 = 7.8e-3;
+    let (mut worst, mut worst_l2): (f64, f64) = (0.0, 0.0);
     for (role, v) in &g.outputs {
         if let Role::Grad(i) = role {
             let b = s.program.buffer_of(*v).unwrap();
             let got = decode(s.exec.slots[b].dtype, &s.exec.read(b).unwrap());
             let err = rel_err(&got, &reference[b].data);
+            let l2 = rel_l2_floor(&got, &reference[b].data, 1e-6);
             worst = worst.max(err);
+            worst_l2 = worst_l2.max(l2);
             assert!(
-                err < 5e-2,
-                "gradient of {}: error {err:.3e}",
+                err < GRAD_MAX && l2 < GRAD_L2,
+                "gradient of {}: error {err:.3e} of its largest entry, {l2:.3e} of its norm",
                 g.params[*i].name
             );
         }
     }
-    println!("gpt2-block gradients: worst error {worst:.2e} (of each tensor's largest value)");
+    println!(
+        "gpt2-block gradients: worst error {worst:.2e} (of each tensor's largest value), {worst_l2:.2e} (of its norm)"
+    );
 }
 
 /// Weights from `seed`, and every input the step reads from `feeds`.
@@ -690,7 +744,7 @@ fn small_gpt2(seed: u64) -> Prepared {
 }
 
 /// Ten steps of the small GPT-2 on the GPU follow the CPU reference (values
-/// rounded to bf16 as stored) within 2e-2 of the loss, from the same seed.
+/// rounded to bf16 as stored) within `LOSS_16` of the loss, from the same seed.
 #[test]
 fn gpu_training_follows_the_cpu_reference() {
     let Some(gpu) = gpu() else { return };
@@ -706,7 +760,7 @@ fn gpu_training_follows_the_cpu_reference() {
         );
         println!("step {step}: GPU {a:.5} CPU {r:.5}");
         assert!(
-            (a - r).abs() <= 2e-2 * r.abs(),
+            (a - r).abs() <= LOSS_16 * r.abs(),
             "step {step}: GPU {a} CPU {r}"
         );
     }
@@ -862,7 +916,7 @@ fn dropout_training_follows_the_cpu_reference_and_repeats() {
 
 /// The dropout encoder in bf16 (head dim 32: the tensor-core attention
 /// with its dropout, both ways, beside the fused elementwise dropouts)
-/// follows the CPU reference, which draws the same masks, within 2e-2 of
+/// follows the CPU reference, which draws the same masks, within `LOSS_16` of
 /// the loss over ten steps (bf16 rounding, as the other bf16 runs here); a
 /// deterministic session repeats its run bit for bit.
 #[test]
@@ -912,7 +966,7 @@ fn bf16_dropout_training_on_tensor_cores_follows_the_cpu_and_repeats() {
     for (step, (a, r)) in first.iter().zip(&want).enumerate() {
         println!("step {}: GPU {a:.5} CPU {r:.5}", step + 1);
         assert!(
-            (a - r).abs() <= 2e-2 * r.abs(),
+            (a - r).abs() <= LOSS_16 * r.abs(),
             "step {}: GPU {a} CPU {r}",
             step + 1
         );
@@ -1132,7 +1186,7 @@ fn staged_batches_match_synchronous_ones_on_the_cpu_backend() {
 }
 
 /// fp16 with two micro-batches (LLaMA-style model): four steps on the GPU
-/// follow the CPU reference (rounded as stored) within 2e-2 of the loss,
+/// follow the CPU reference (rounded as stored) within `LOSS_16` of the loss,
 /// one loss scale per step; the second step's scale (1e30) overflows, so
 /// its update is skipped on the GPU (weights unchanged) and its gradient
 /// sums are cleared to zeros, not NaN, and the steps after it still agree.
@@ -1184,7 +1238,7 @@ fn fp16_micro_batches_follow_the_cpu_reference_and_survive_an_overflow() {
         let ((a, na), (r, nr)) = (out[0], out[1]);
         println!("step {step}: GPU {a:.5} (norm {na:?}) CPU {r:.5} (norm {nr:?})");
         assert!(
-            (a - r).abs() <= 2e-2 * r.abs(),
+            (a - r).abs() <= LOSS_16 * r.abs(),
             "step {step}: GPU {a} CPU {r}"
         );
         if step == 2 {
@@ -1239,7 +1293,7 @@ fn the_forward_only_step_takes_the_training_weights() {
     let want = cpu.step(0.0, 1).unwrap().loss;
     println!("forward-only loss: GPU {on_gpu_loss:.5}, CPU reference {want:.5}");
     assert!(
-        (on_gpu_loss - want).abs() <= 2e-2 * want.abs(),
+        (on_gpu_loss - want).abs() <= LOSS_16 * want.abs(),
         "GPU {on_gpu_loss}, CPU {want}"
     );
     // Not the initial weights' loss: the copy took the trained ones.
