@@ -69,6 +69,9 @@ def main():
 // along M or N), 0 when K-major. Overloaded on the accumulator's width N.
 #ifndef FS_ATTENTION_WGMMA_OPS
 #define FS_ATTENTION_WGMMA_OPS
+// A wgmma shared-memory matrix descriptor (sm90.cuh builds them); declared
+// again here so that this header compiles alone.
+typedef unsigned long long fs_desc;
 #ifdef __CUDA_ARCH__""")
     for n in WIDTHS:
         for a_regs in (True, False):

@@ -32,7 +32,7 @@ namespace fs_attn {
 
 // DkDvF32's shared memory with TQ queries a tile: keys and values, queries
 // and dO, with ATOMIC dS^T, the tile's lse and delta.
-constexpr int dkdv_f32_smem(int dp, int dvp, int tq, bool atomic) {
+__host__ __device__ constexpr int dkdv_f32_smem(int dp, int dvp, int tq, bool atomic) {
     return (64 * (dp + dvp + 8) + tq * (dp + dvp + 8) + (atomic ? 64 * (tq + 4) : 0)) * 4 + 2 * tq * 4;
 }
 
@@ -214,7 +214,7 @@ struct DkDvF32 {
 
 // DqF32's shared memory with TK keys a tile: the query and dO tiles, the key
 // and value tiles.
-constexpr int dq_f32_smem(int dp, int dvp, int tk) { return (64 + tk) * (dp + dvp + 8) * 4; }
+__host__ __device__ constexpr int dq_f32_smem(int dp, int dvp, int tk) { return (64 + tk) * (dp + dvp + 8) * 4; }
 
 // The deterministic scheme's dQ for f32: one block of 4 warps per 64 queries
 // of one (batch, query head), warp w rows 16w .. 16w + 15, query-major like

@@ -109,7 +109,7 @@ struct DkDvDqSm90 {
     // stores, 35% of their wavefronts.
     static constexpr int DQ_ROW = DP + 8;
     static_assert(D % 4 == 0 && DQ_ROW % 4 == 0, "dQ rows of whole 16-byte chunks for the bulk reductions");
-    static constexpr unsigned smem_with(int stages) {
+    static __host__ __device__ constexpr unsigned smem_with(int stages) {
         return TILE_K * (DP + DVP) * 2 + stages * (QT::BYTES + DOT::BYTES) + TILE_K * TILE_Q * 2 + 2 * TILE_Q * DQ_ROW * 4 +
                2 * stages * TILE_Q * 4 + (2 * stages + 4) * 8 + 1024;
     }

@@ -74,7 +74,7 @@ struct DkDvDqSm90Wide {
     typedef CoreTile<TILE_Q> ST;  // P^T and dS^T: [key][query]
     typedef SwizzledTile<TILE_Q, DP, swizzle_for(DP / 2)> QT;
     typedef SwizzledTile<TILE_Q, DVP, swizzle_for(DVP / 2)> DOT;
-    static constexpr unsigned smem_with(int stages) {
+    static __host__ __device__ constexpr unsigned smem_with(int stages) {
         return TILE_K * (DP + DVP) * 2 + stages * (QT::BYTES + DOT::BYTES) + 2 * TILE_K * TILE_Q * 2 + 2 * TILE_Q * SW * 4 +
                2 * stages * TILE_Q * 4 + 2 * stages * 8 + 1024;
     }

@@ -163,7 +163,7 @@ constexpr float LN2 = 0.6931471805599453f;
 
 // `x` rounded up to a multiple of `m`: head dims are padded to whole
 // tensor-core steps inside the tiles (the padding holds zeros).
-constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
+__host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
 // The element types: how a value is stored (`Storage`), and for the 16-bit
 // ones (stored as 16 raw bits) packed into an mma operand and multiplied on

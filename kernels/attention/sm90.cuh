@@ -230,7 +230,7 @@ namespace fs_attn {
 
 // The swizzle of a TMA-copied tile whose rows hold `feats` 16-bit features:
 // the widest of 128, 64 and 32 bytes whose box (SW / 2 features) divides them.
-constexpr int swizzle_for(int feats) { return feats % 64 == 0 ? 128 : feats % 32 == 0 ? 64 : 32; }
+__host__ __device__ constexpr int swizzle_for(int feats) { return feats % 64 == 0 ? 128 : feats % 32 == 0 ? 64 : 32; }
 // The Hopper forward's padded head dim (templates::swizzle_pad on the
 // emitter's side): to a multiple of 16, or of 64 where 16 would leave the
 // 32-byte swizzle and 64 costs at most a seventh more work (112 -> 128, 176
@@ -238,7 +238,7 @@ constexpr int swizzle_for(int feats) { return feats % 64 == 0 ? 128 : feats % 32
 // forward at 0.68-0.81x SDPA's speed on an H100, 128's at 0.78-1.03x. (The
 // narrow backward padded so ran slower at 112: 3.43-3.51 -> 3.70-3.79 ms at
 // T = 8192, its 128-feature configuration's two dQ writers.)
-constexpr int swizzle_pad(int d) {
+__host__ __device__ constexpr int swizzle_pad(int d) {
     return round_up(d, 16) % 32 != 0 && round_up(d, 64) * 7 <= d * 8 ? round_up(d, 64) : round_up(d, 16);
 }
 
@@ -258,14 +258,14 @@ struct SwizzledTile {
     // bytes apart; features 16kk .. 16kk + 15 at box 16kk / ATOM, 32 bytes
     // further per 16 features within it.
     static __device__ __forceinline__ fs_desc kmajor(const void* tile) { return fs_make_desc(tile, 16, 8 * SW, SW); }
-    static constexpr unsigned k_step(int kk) { return (kk * 16) / ATOM * BOX + (kk * 16) % ATOM * 2; }
-    static constexpr unsigned kmajor_n(int n0) { return n0 * SW; }
+    static __host__ __device__ constexpr unsigned k_step(int kk) { return (kk * 16) / ATOM * BOX + (kk * 16) % ATOM * 2; }
+    static __host__ __device__ constexpr unsigned kmajor_n(int n0) { return n0 * SW; }
     // Read MN-major (the features are N, the rows K): ATOM features
     // contiguous in a row, the next ATOM a box further (LBO), groups of 8
     // rows 8 * SW bytes apart (SBO); rows 16kk .. at 16kk * SW bytes.
     static __device__ __forceinline__ fs_desc mnmajor(const void* tile) { return fs_make_desc(tile, BOX, 8 * SW, SW); }
-    static constexpr unsigned mn_k_step(int kk) { return kk * 16 * SW; }
-    static constexpr unsigned mnmajor_n(int n0) { return n0 / ATOM * BOX; }
+    static __host__ __device__ constexpr unsigned mn_k_step(int kk) { return kk * 16 * SW; }
+    static __host__ __device__ constexpr unsigned mnmajor_n(int n0) { return n0 / ATOM * BOX; }
 };
 
 // A [rows][FEATS] tile written by threads in wgmma's canonical layout without
@@ -286,12 +286,12 @@ struct CoreTile {
     }
     // K-major (the features are K): 16 features a step, two core matrices.
     static __device__ __forceinline__ fs_desc kmajor(const void* tile) { return fs_make_desc(tile, CORE, ROW8, 0); }
-    static constexpr unsigned k_step(int kk) { return kk * 2 * CORE; }
-    static constexpr unsigned kmajor_n(int n0) { return n0 / 8 * ROW8; }
+    static __host__ __device__ constexpr unsigned k_step(int kk) { return kk * 2 * CORE; }
+    static __host__ __device__ constexpr unsigned kmajor_n(int n0) { return n0 / 8 * ROW8; }
     // MN-major (the features are N, the rows K): 16 rows a step.
     static __device__ __forceinline__ fs_desc mnmajor(const void* tile) { return fs_make_desc(tile, ROW8, CORE, 0); }
-    static constexpr unsigned mn_k_step(int kk) { return kk * 2 * ROW8; }
-    static constexpr unsigned mnmajor_n(int n0) { return n0 / 8 * CORE; }
+    static __host__ __device__ constexpr unsigned mn_k_step(int kk) { return kk * 2 * ROW8; }
+    static __host__ __device__ constexpr unsigned mnmajor_n(int n0) { return n0 / 8 * CORE; }
 };
 
 // Copies rows row0 .. row0 + ROWS - 1 of head h of `x` into a CoreTile<PADDED>
@@ -413,7 +413,7 @@ __device__ __forceinline__ void store_dk_dv_staged(const BackwardArgs& a, const 
 }
 
 // The widest power of two from 8 to 256 that is at most n.
-constexpr int wgmma_width(int n) { return n >= 256 ? 256 : n >= 128 ? 128 : n >= 64 ? 64 : n >= 32 ? 32 : n >= 16 ? 16 : 8; }
+__host__ __device__ constexpr int wgmma_width(int n) { return n >= 256 ? 256 : n >= 128 ? 128 : n >= 64 ? 64 : n >= 32 ? 32 : n >= 16 ? 16 : 8; }
 
 // d[N / 8][4] (+)= A (64 x 16) B (16 x N) for the warpgroup, N any multiple of
 // 8 up to 256: one wgmma where N is a power of two, else issued as wgmma of
@@ -458,7 +458,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NN][4], const unsigned (&a)[
 // The register count a block's threads can be given by setmaxnreg once FIXED
 // of its BLOCK threads (launched with __launch_bounds__(BLOCK, 1): the 64K
 // register file over the block, in ptxas's steps of 8) keep FIXED_REGS.
-constexpr unsigned regs_left(unsigned block, unsigned fixed, unsigned fixed_regs) {
+__host__ __device__ constexpr unsigned regs_left(unsigned block, unsigned fixed, unsigned fixed_regs) {
     return ((65536 / block / 8 * 8) * block - fixed * fixed_regs) / (block - fixed) / 8 * 8;
 }
 

@@ -88,7 +88,7 @@ __device__ __forceinline__ void mma_tf32(float (*acc)[4], const Tf32Frag<4>& a, 
 // How many B fragments a kernel splits at a time for N products sharing an A
 // fragment: the largest divisor of N up to 8 (8 fragments are 32 registers
 // with their lo parts).
-constexpr int tf32_chunk(int n) {
+__host__ __device__ constexpr int tf32_chunk(int n) {
     for (int j = 8; j > 1; --j)
         if (n % j == 0) return j;
     return 1;

@@ -81,6 +81,22 @@ fn number_before(log: &str, suffix: &str) -> Option<u32> {
 
 /// Compiles one kernel's source for `arch` (e.g. `sm_90`).
 pub fn compile(kernel: &str, source: &str, arch: &str) -> Result<Cubin, CompileError> {
+    compile_with(
+        kernel,
+        source,
+        arch,
+        &["--std=c++17", "--ptxas-options=-v", "-default-device"],
+    )
+}
+
+/// [`compile`] with `options` after `--gpu-architecture` in place of its
+/// own (none: NVRTC's defaults, as a `kernels/` header must compile).
+pub fn compile_with(
+    kernel: &str,
+    source: &str,
+    arch: &str,
+    options: &[&str],
+) -> Result<Cubin, CompileError> {
     let err = |message: String| CompileError {
         kernel: kernel.to_string(),
         message,
@@ -92,12 +108,9 @@ pub fn compile(kernel: &str, source: &str, arch: &str) -> Result<Cubin, CompileE
         .map_err(|_| err("the source contains a NUL byte".into()))?;
     let name = CString::new(format!("{kernel}.cu")).map_err(|_| err("bad kernel name".into()))?;
     let prog = result::create_program(&src, Some(&name)).map_err(|e| err(format!("{e:?}")))?;
-    let options = [
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".to_string(),
-        "--ptxas-options=-v".to_string(),
-        "-default-device".to_string(),
-    ];
+    let options: Vec<String> = std::iter::once(format!("--gpu-architecture={arch}"))
+        .chain(options.iter().map(|o| o.to_string()))
+        .collect();
     // SAFETY: `prog` was just created and is destroyed below exactly once.
     let compiled = unsafe { result::compile_program(prog, &options) };
     let log = unsafe { result::get_program_log(prog) }

@@ -74,6 +74,37 @@ fn every_generated_kernel_compiles_for_sm80_and_sm90_without_spills_or_local_arr
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
+/// Every header in `kernels/` (the prelude, and each template after the
+/// prelude it needs) compiles alone with NVRTC's default options, for
+/// sm_80 and sm_90a: no `-default-device` (a constexpr helper without
+/// `__host__ __device__` is a host function there, refused in JIT mode),
+/// nothing but what the header includes itself.
+#[test]
+fn every_kernels_header_compiles_alone_with_nvrtc_defaults() {
+    if !common::nvrtc_ready() {
+        return;
+    }
+    use fusec_compiler::emit::{HEADERS, PRELUDE_NAME};
+    let mut failures = Vec::new();
+    let headers = std::iter::once(PRELUDE_NAME).chain(HEADERS.iter().map(|(p, _)| *p));
+    let mut count = 0;
+    for path in headers {
+        let source = match path {
+            PRELUDE_NAME => format!("#include \"{PRELUDE_NAME}\"\n"),
+            _ => format!("#include \"{PRELUDE_NAME}\"\n#include \"{path}\"\n"),
+        };
+        for arch in ["sm_80", "sm_90a"] {
+            if let Err(e) = nvrtc::compile_with(path, &source, arch, &[]) {
+                failures.push(format!("{path} ({arch}): {e}"));
+            }
+        }
+        count += 1;
+    }
+    println!("{count} headers compiled alone for sm_80 and sm_90a with NVRTC's defaults");
+    assert!(count > HEADERS.len(), "the prelude and every header");
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
 #[test]
 fn a_compile_error_names_the_kernel_and_the_line() {
     if !common::nvrtc_ready() {

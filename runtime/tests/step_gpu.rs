@@ -177,7 +177,11 @@ fn rel_l2_floor(a: &[f64], b: &[f64], floor: f64) -> f64 {
         norm += y * y;
         n += 1;
     }
-    diff.sqrt() / norm.sqrt().max(floor * (n as f64).sqrt()).max(f64::MIN_POSITIVE)
+    diff.sqrt()
+        / norm
+            .sqrt()
+            .max(floor * (n as f64).sqrt())
+            .max(f64::MIN_POSITIVE)
 }
 
 /// A 16-bit kernel output's bound on `rel_l2_floor`: under the 1e-2 a

@@ -9,6 +9,7 @@
 
 #define __global__
 #define __device__
+#define __host__
 #define __forceinline__ inline
 #define __noinline__
 #define __shared__ static

@@ -74,6 +74,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../../../kernels/attention/backward_sm90_wide.cuh"),
     ),
     (
+        "column_sum.cuh",
+        include_str!("../../../kernels/column_sum.cuh"),
+    ),
+    (
         "gemm/split_tf32.cuh",
         include_str!("../../../kernels/gemm/split_tf32.cuh"),
     ),

@@ -1,6 +1,10 @@
-//! Multi-tensor kernels: one launch over many tensors. The global gradient
-//! norm reads every gradient once, one block per fixed chunk, each block
-//! writing its own partial sum (deterministic: no atomics, fixed order).
+//! Reductions whose work is cut by the compiler: the global gradient norm
+//! (one launch over every gradient, a block per fixed chunk of one tensor,
+//! each block writing its own partial sum: deterministic, no atomics), the
+//! leading-axis column sums (every bias gradient; the tiling chosen here,
+//! the kernel in kernels/column_sum.cuh, and the same tiling for the chains
+//! that sum as they compute, emit/pointwise_sum.rs), and the 16-byte
+//! concatenation.
 
 use super::templates::{Ctx, Shape};
 use crate::ir::Graph;
@@ -129,142 +133,47 @@ pub fn column_tiles(g: &Graph, n: NodeIndex) -> Option<i64> {
 }
 
 /// File-scope storage of a column sum: each (tile, run)'s f32 partials
-/// and each tile's count of finished runs. The last run of a tile to
-/// finish resets its count, so the next launch (or a graph replay) starts
-/// from zero.
+/// and each tile's count of finished runs, after the template's include
+/// (kernels/column_sum.cuh).
 pub(crate) fn file_scope(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     column_sum_of(g, n).map(|w| partials(&c.k.name, &w))
 }
 
-/// The file-scope partials and counts of a column sum in kernel `k`.
+/// The include of the column-sum template and the file-scope partials and
+/// counts of a column sum in kernel `k`.
 pub(crate) fn partials(k: &str, w: &ColumnSum) -> String {
     format!(
-        "// The row splits' partial sums and each column tile's finished splits.\n\
+        "#include \"column_sum.cuh\"\n\n\
+         // The row splits' partial sums and each column tile's finished splits.\n\
          __device__ float {k}_part[{}];\n__device__ unsigned {k}_done[{}] = {{0}};\n\n",
         w.splits * w.cols,
         w.tiles
     )
 }
 
-/// Opens a column sum's loops over a [rows, C] matrix: its sizes, then work
-/// item w (a tile of columns and one of `splits` runs of the rows), then
-/// each lane's `V` columns from `j` with their sums `acc` zeroed, up to the
-/// `if (j < C) {` inside which the caller walks its rows (`r` from `r0 +
-/// slice` to `r1` by `slices`).
-pub(crate) fn open_tiles(b: &mut String, w: &ColumnSum, rows: &str, cols: &str, stride: &str) {
-    let ColumnSum {
-        vec,
-        lanes,
-        tiles,
-        splits,
-        ..
-    } = *w;
-    let width = lanes * vec;
-    // At most `splits` runs (the partials' room), each of at least
-    // MIN_RUN_ROWS rows where there are that many.
+/// The call of kernels/column_sum.cuh's `fs_column_sums` for tiling `w`
+/// over a [rows, C] matrix, after the lambda `add_row` the caller defines:
+/// its row loop unrolled `unroll` times (0: as the compiler likes), column
+/// `j`'s total stored by `store` (a C statement from the value `total`).
+pub(crate) fn call_sums(
+    b: &mut String,
+    k: &str,
+    w: &ColumnSum,
+    unroll: u32,
+    (rows, cols): (&str, &str),
+    mean: bool,
+    store: &str,
+) {
     let _ = writeln!(
         b,
-        "    const fs_i64 rows = {rows}, C = {cols}, row_stride = {stride}, tiles = {tiles}, fill = rows / {MIN_RUN_ROWS};"
+        "    fs_column_sums<{}, {}, {unroll}>(add_row, [&](fs_i64 j, float total) {{ {store} }},\n        {rows}, {cols}, {}, {}, {k}_part, {k}_done, {mean});",
+        w.vec, w.lanes, w.tiles, w.splits
     );
-    let _ = writeln!(
-        b,
-        "    const fs_i64 splits = fill < 1 ? 1 : fill < {splits} ? fill : {splits};"
-    );
-    let _ = writeln!(
-        b,
-        "    constexpr int V = {vec}, LANES = {lanes}, WIDTH = {width};"
-    );
-    // A block narrower than the lanes (the host emulation's one thread)
-    // takes the lanes in turns.
-    let _ = writeln!(
-        b,
-        "    const int step = (int)blockDim.x < LANES ? (int)blockDim.x : LANES, slices = (int)blockDim.x / step;"
-    );
-    let _ = writeln!(b, "    const int slice = threadIdx.x / step;");
-    let _ = writeln!(
-        b,
-        "    __shared__ float part[256 * V];\n    __shared__ bool last;"
-    );
-    let _ = writeln!(
-        b,
-        "    for (fs_i64 w = blockIdx.x; w < tiles * splits; w += gridDim.x) {{"
-    );
-    let _ = writeln!(
-        b,
-        "        const fs_i64 tile = w / splits, run = w % splits;"
-    );
-    let _ = writeln!(
-        b,
-        "        const fs_i64 r0 = run * rows / splits, r1 = (run + 1) * rows / splits;"
-    );
-    let _ = writeln!(
-        b,
-        "        for (int lane = threadIdx.x % step; lane < LANES; lane += step) {{"
-    );
-    let _ = writeln!(b, "            const fs_i64 j = tile * WIDTH + lane * V;");
-    let _ = writeln!(b, "            float acc[V];");
-    let _ = writeln!(b, "            for (int q = 0; q < V; ++q) acc[q] = 0.0f;");
-    let _ = writeln!(b, "            if (j < C) {{");
 }
 
-/// Closes what `open_tiles` opened: the row slices add up in a fixed order
-/// into the run's partial, and the last run of a tile to finish (counted
-/// with an atomic) adds the tile's partials in run order and stores column
-/// `j`'s total by `store` (a C statement from the value). Deterministic:
-/// the atomic only counts.
-pub(crate) fn close_tiles(b: &mut String, k: &str, mean: bool, store: &dyn Fn(&str) -> String) {
-    let _ = writeln!(b, "            }}");
-    let _ = writeln!(
-        b,
-        "            for (int q = 0; q < V; ++q) part[(slice * LANES + lane) * V + q] = acc[q];"
-    );
-    let _ = writeln!(b, "        }}");
-    let _ = writeln!(b, "        __syncthreads();");
-    let _ = writeln!(
-        b,
-        "        if (slice == 0) for (int lane = threadIdx.x % step; lane < LANES; lane += step) {{"
-    );
-    let _ = writeln!(b, "            const fs_i64 j = tile * WIDTH + lane * V;");
-    let _ = writeln!(b, "            for (int q = 0; q < V && j < C; ++q) {{");
-    let _ = writeln!(b, "                float total = 0.0f;");
-    let _ = writeln!(
-        b,
-        "                for (int s = 0; s < slices; ++s) total += part[(s * LANES + lane) * V + q];"
-    );
-    let _ = writeln!(b, "                {k}_part[run * C + j + q] = total;");
-    let _ = writeln!(b, "            }}");
-    let _ = writeln!(b, "        }}");
-    let _ = writeln!(
-        b,
-        "        __threadfence();  // this run's partials are visible before it is counted"
-    );
-    let _ = writeln!(b, "        __syncthreads();");
-    let _ = writeln!(b, "        if (threadIdx.x == 0) last = atomicAdd(&{k}_done[tile], 1u) == (unsigned)(splits - 1);");
-    let _ = writeln!(b, "        __syncthreads();");
-    let _ = writeln!(b, "        if (last) {{");
-    let _ = writeln!(b, "            __threadfence();");
-    let _ = writeln!(b, "            for (fs_i64 j = tile * WIDTH + threadIdx.x; j < tile * WIDTH + WIDTH && j < C; j += blockDim.x) {{");
-    let _ = writeln!(b, "                float total = 0.0f;");
-    // In run order (deterministic), the loads through L2 but not volatile,
-    // so they may be issued ahead of the adds.
-    let _ = writeln!(b, "#pragma unroll 8\n                for (fs_i64 s = 0; s < splits; ++s) total += fs_ldcg(&{k}_part[s * C + j]);");
-    let v = if mean { "total / (float)rows" } else { "total" };
-    let _ = writeln!(b, "                {}", store(v));
-    let _ = writeln!(b, "            }}");
-    let _ = writeln!(b, "            if (threadIdx.x == 0) {k}_done[tile] = 0;");
-    let _ = writeln!(b, "        }}");
-    let _ = writeln!(
-        b,
-        "        __syncthreads();  // `last` and `part` are reused by the next item"
-    );
-    let _ = writeln!(b, "    }}");
-}
-
-/// A sum over leading axes, [rows, C] -> [C]. A block's threads split into
-/// lanes (V columns each, read as one 16-byte load where the rows allow)
-/// by blockDim/lanes row slices, each thread summing every slices-th row
-/// of its run and columns (`open_tiles`, `close_tiles`). Coalesced, and
-/// deterministic.
+/// A sum over leading axes, [rows, C] -> [C], by kernels/column_sum.cuh:
+/// each lane's V columns of a row read as one 16-byte load where the rows
+/// allow.
 fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let Op::Reduce(r) = &g.g[n].op else {
         return None;
@@ -277,49 +186,50 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         .iter()
         .try_fold(crate::ir::Dim::constant(1), |a, d| a.checked_mul(d))?;
     let cols = g.g[n].outputs[0].numel();
-    let width = w.lanes * w.vec;
     let mut b = String::new();
     let _ = writeln!(
         b,
-        "    // Sum over the leading axes: column j of a [rows, C] matrix, by tiles of {width} columns ({} lanes of {}) and runs of rows.",
-        w.lanes, w.vec
+        "    // Sum over the leading axes: column j of a [rows, C] matrix, by tiles of {} columns ({} lanes of {}) and runs of rows.",
+        w.lanes * w.vec,
+        w.lanes,
+        w.vec
     );
     // Rows `row_stride` apart: the input's pitch where its rows are padded for the
     // GEMMs that share it (kernel::pitch), else C.
     let stride = c.p.buffers[c.k.inputs[c.ins[0]]]
         .pitch
         .map_or_else(|| cols.to_c(), |x| format!("{x}LL"));
-    open_tiles(&mut b, &w, &rows.to_c(), &cols.to_c(), &stride);
+    let _ = writeln!(b, "    const fs_i64 row_stride = {stride};");
+    let x = c.ins[0];
+    let _ = writeln!(
+        b,
+        "    auto add_row = [&](fs_i64 r, fs_i64 j, float (&acc)[{}]) {{",
+        w.vec
+    );
     if w.vec > 1 {
-        let ty = match c.in_dt(0) {
-            crate::ir::DType::F32 => "float",
-            _ => "fs_bf16",
-        };
-        let _ = writeln!(b, "#pragma unroll 4");
-        let _ = writeln!(
-            b,
-            "                for (fs_i64 r = r0 + slice; r < r1; r += slices) {{"
-        );
-        let _ = writeln!(b, "                    {ty} v[V];");
-        let _ = writeln!(
-            b,
-            "                    fs_vload(v, &in{}[r * row_stride + j]);",
-            c.ins[0]
-        );
+        let ty = super::cuda::c_type(c.in_dt(0));
         let one = super::cuda::load(c.in_dt(0), "v[q]");
+        let _ = writeln!(b, "        {ty} v[{}];", w.vec);
+        let _ = writeln!(b, "        fs_vload(v, &in{x}[r * row_stride + j]);");
         let _ = writeln!(
             b,
-            "                    for (int q = 0; q < V; ++q) acc[q] += {one};"
+            "        for (int q = 0; q < {}; ++q) acc[q] += {one};",
+            w.vec
         );
-        let _ = writeln!(b, "                }}");
     } else {
-        let _ = writeln!(
-            b,
-            "                for (fs_i64 r = r0 + slice; r < r1; r += slices) acc[0] += {};",
-            c.ld(0, "r * row_stride + j")
-        );
+        let _ = writeln!(b, "        acc[0] += {};", c.ld(0, "r * row_stride + j"));
     }
-    close_tiles(&mut b, &c.k.name, mean, &|v| c.st(0, "j", v));
+    let _ = writeln!(b, "    }};");
+    let store = c.st(0, "j", "total");
+    call_sums(
+        &mut b,
+        &c.k.name,
+        &w,
+        4,
+        (&rows.to_c(), &cols.to_c()),
+        mean,
+        &store,
+    );
     Some(b)
 }
 

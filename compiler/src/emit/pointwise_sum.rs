@@ -3,15 +3,15 @@
 //! (dropout's backward, GELU's), so the gradient is not read back from
 //! memory by a sum kernel of its own, nor stored at all where the sum is
 //! its one reader. The chain's elements are walked as the column sum walks
-//! a [rows, C] matrix (emit/multi.rs: tiles of columns, runs of rows, each
-//! run's partials added in a fixed order); each thread computes its
-//! elements with the chain's own code (`cuda::vector_elements`), stores
-//! what the chain stores, and adds each element, rounded as the summed
-//! tensor would store it, to its column's sum. Deterministic, as the sum
-//! kernel is.
+//! a [rows, C] matrix (kernels/column_sum.cuh, with emit/multi.rs's
+//! tiling: tiles of columns, runs of rows, each run's partials added in a
+//! fixed order); the generated `add_row` computes a row's elements with the
+//! chain's own code (`cuda::vector_elements`), stores what the chain
+//! stores, and adds each element, rounded as the summed tensor would store
+//! it, to its column's sum. Deterministic, as the sum kernel is.
 
 use super::cuda::{store, vector_elements, vector_width};
-use super::multi::{close_tiles, layout, open_tiles, partials, ColumnSum};
+use super::multi::{call_sums, layout, partials, ColumnSum};
 use crate::ir::Graph;
 use crate::kernel::{Kernel, Pointwise, Program};
 use std::fmt::Write;
@@ -54,7 +54,9 @@ pub(crate) fn file_scope(p: &Program, k: &Kernel, pw: &Pointwise) -> String {
     tiling(p, k, pw).map_or(String::new(), |w| partials(&k.name, &w))
 }
 
-/// The kernel's body after `n` (its elements) is declared.
+/// The kernel's body after `n` (its elements) is declared: the chain's
+/// code for one row's `V` elements from column `j` as kernels/column_sum.cuh's
+/// `add_row`, then the template's call.
 pub(crate) fn body(_g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise) -> String {
     let (Some(sum), Some(w)) = (pw.sum.as_ref(), tiling(p, k, pw)) else {
         return String::new();
@@ -72,13 +74,12 @@ pub(crate) fn body(_g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise) -> Strin
         sum.dtype,
         sum.out
     );
-    open_tiles(&mut b, &w, &format!("n / {cols}"), &cols, "C");
-    let ind = "                    ";
     let _ = writeln!(
         b,
-        "                for (fs_i64 r = r0 + slice; r < r1; r += slices) {{"
+        "    auto add_row = [&](fs_i64 r, fs_i64 j, float (&acc)[{vec}]) {{"
     );
-    let _ = writeln!(b, "{ind}const fs_i64 i0 = r * row_stride + j;");
+    let ind = "        ";
+    let _ = writeln!(b, "{ind}const fs_i64 i0 = r * {cols} + j;");
     b.push_str(&vector_elements(p, k, pw, vec, ind));
     for (slot, _) in pw.stores.iter() {
         if vec > 1 {
@@ -87,11 +88,18 @@ pub(crate) fn body(_g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise) -> Strin
             let _ = writeln!(b, "{ind}out{slot}[i0] = s{slot}[0];");
         }
     }
-    let _ = writeln!(b, "                }}");
+    let _ = writeln!(b, "    }};");
     let o = sum.out;
-    close_tiles(&mut b, &k.name, sum.mean, &|v| {
-        format!("out{o}[j] = {};", store(out_dt(o), v))
-    });
+    let store = format!("out{o}[j] = {};", store(out_dt(o), "total"));
+    call_sums(
+        &mut b,
+        &k.name,
+        &w,
+        0,
+        (&format!("n / {cols}"), &cols),
+        sum.mean,
+        &store,
+    );
     b.push_str("}\n");
     b
 }
