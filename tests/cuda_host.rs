@@ -2,8 +2,9 @@
 //! kernel of the shipped models (pointwise chains and op templates) (tests/cuda_host/shim.h stands in for the
 //! CUDA runtime: one thread walks each grid-stride loop), runs it on the
 //! buffers the kernel IR's interpreter computed, and the results must match
-//! the interpreter's: within 2 bf16/f16 ulps (1e-2 relative) for 16-bit
-//! outputs and 1e-5 relative for f32 (the C code rounds in f32, the
+//! the interpreter's: within 2 bf16/f16 ulps (1e-2 relative) an element and
+//! 5e-3 of the tensor's norm as a whole for 16-bit outputs (a 1% error
+//! fails), and 1e-5 relative for f32 (the C code rounds in f32, the
 //! interpreter in f64). This checks the emitted index arithmetic and
 //! conversions, not just that they compile. Skipped, with a message, where
 //! no `c++` compiler exists.
@@ -123,8 +124,14 @@ fn check_compiled(
                 norm += x * x;
             }
             // f32 sums of many terms drift from the f64 interpreter's by
-            // more than one f32 rounding: 1e-4 there.
-            let whole = if tol < 1e-3 { 1e-4 } else { 2.0 * tol };
+            // more than one f32 rounding: 1e-4 there. 16-bit outputs: both
+            // round the same values to bf16 or f16 and part only where the
+            // kernel's f32 and the interpreter's f64 fall on either side of
+            // a rounding boundary, a unit in the last place (2^-8) at a few
+            // entries: 1.7e-3 of the tensor's norm at most over every kernel
+            // here (an add of near-cancelling residuals), the norms within
+            // 4e-7; 5e-3, under the 1e-2 a 1% error gives.
+            let whole = if tol < 1e-3 { 1e-4 } else { 5e-3 };
             // A tensor that is exactly zero in real arithmetic (a key
             // bias's gradient: softmax ignores a shift shared by every key)
             // is rounding noise in both, so its relative difference means

@@ -74,6 +74,11 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../../../kernels/attention/backward_sm90_wide.cuh"),
     ),
     (
+        "elements.cuh",
+        include_str!("../../../kernels/elements.cuh"),
+    ),
+    ("norm.cuh", include_str!("../../../kernels/norm.cuh")),
+    (
         "column_sum.cuh",
         include_str!("../../../kernels/column_sum.cuh"),
     ),
