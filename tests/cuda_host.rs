@@ -623,7 +623,8 @@ fn attention_with_lengths_computes_what_the_interpreter_computes() {
 /// multiple of 8) at widths past one 32-float stretch of their padded
 /// shared sums and not a multiple of 32, 256 or 1024: layer and RMS norms,
 /// forward and backward, the backward with the residual stream's gradient
-/// added.
+/// added, the forward running the chain that makes its input (a post-LN
+/// sum with dropout, and a scaled residual) as it loads its rows.
 #[test]
 fn norm_kernels_at_widths_nobody_chose_compute_what_the_interpreter_computes() {
     if !host::have_cxx() {
@@ -637,11 +638,15 @@ param a: [w, w] = normal(0.1)
 param g: [w] = normal(1.0)
 param b: [w] = normal(0.1)
 param r: [w] = normal(1.0)
+param c: [w] = normal(0.1)
 let y = x @ a
 let h = layernorm(y, g, b, eps = 1e-5) + y
 let z = rmsnorm(h, r, eps = 1e-6) + h
+# Norms that run the chain making their input (post-LN, with dropout).
+let u = layernorm(z + dropout(z @ a + c, 0.1), g, b, eps = 1e-5)
+let v = rmsnorm(u * 0.5 + z, r, eps = 1e-6)
 train {
-    loss = mean(z * z)
+    loss = mean(v * v)
     optimizer = sgd(lr = 0.1)
     precision = bf16
 }

@@ -32,7 +32,7 @@ fn profile_times_are_read_and_mistakes_are_named() {
     let profile = dir.join("profile.jsonl");
     std::fs::write(
         &profile,
-        "{\"kernel\":\"k8_matmul_add_gelu\",\"ms\":0.5000}\n{\"kernel\":\"k7_layernorm\",\"ms\":0.0250}\n",
+        "{\"kernel\":\"k7_matmul_add_gelu\",\"ms\":0.5000}\n{\"kernel\":\"k6_layernorm\",\"ms\":0.0250}\n",
     )
     .unwrap();
     let (code, out, err) = fusec(&[
@@ -45,7 +45,7 @@ fn profile_times_are_read_and_mistakes_are_named() {
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains("k8_matmul_add_gelu           3 of its 3 ops; measured 0.500 ms"),
+        out.contains("k7_matmul_add_gelu           3 of its 3 ops; measured 0.500 ms"),
         "{out}"
     );
     assert!(out.contains("0.525 ms measured"), "{out}");

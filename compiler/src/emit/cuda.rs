@@ -239,7 +239,7 @@ fn pointwise(g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise, source: Option<
         "    for (fs_i64 w = {first}; w < nv; w += (fs_i64)gridDim.x * blockDim.x) {{"
     );
     let _ = writeln!(s, "        const fs_i64 i0 = w * {vec};");
-    s.push_str(&vector_elements(p, k, pw, vec, "        "));
+    s.push_str(&vector_elements(p, k, pw, vec, "        ", ""));
     for (slot, _) in pw.stores.iter() {
         let _ = writeln!(s, "        fs_vstore(&out{slot}[i0], s{slot});");
     }
@@ -279,6 +279,7 @@ pub(crate) fn vector_elements(
     pw: &Pointwise,
     vec: u64,
     ind: &str,
+    extra: &str,
 ) -> String {
     let mut s = String::new();
     let in_dt = |input: usize| p.buffers[k.inputs[input]].ty.dtype;
@@ -368,12 +369,15 @@ pub(crate) fn vector_elements(
             rounded(sum.dtype, &format!("v{}", sum.expr))
         );
     }
+    if !extra.is_empty() {
+        let _ = writeln!(s, "{ind}    {extra}");
+    }
     let _ = writeln!(s, "{ind}}}");
     s
 }
 
 /// `v` rounded to `dt` and back to f32, as a store and a load would.
-fn rounded(dt: DType, v: &str) -> String {
+pub(crate) fn rounded(dt: DType, v: &str) -> String {
     match dt {
         DType::BF16 => format!("fs_round_bf16({v})"),
         DType::F16 => format!("fs_round_f16({v})"),

@@ -62,9 +62,21 @@ fn element(dt: DType) -> &'static str {
 }
 
 /// The include of kernels/norm.cuh, where the op runs there.
-pub(crate) fn file_scope(g: &Graph, n: NodeIndex) -> Option<String> {
-    (applies(g, n).is_some() || forward_applies(g, n).is_some())
-        .then(|| "#include \"norm.cuh\"\n\n".to_string())
+/// And the Philox draws' where the kernel's prologue drops.
+pub(crate) fn file_scope(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+    if applies(g, n).is_none() && forward_applies(g, n).is_none() {
+        return None;
+    }
+    let drops = c.k.prologue.as_ref().is_some_and(|pro| {
+        pro.chain
+            .exprs
+            .iter()
+            .any(|e| matches!(e, crate::kernel::PExpr::Dropout { .. }))
+    });
+    Some(match drops {
+        true => "#include \"norm.cuh\"\n#include \"random/philox.cuh\"\n\n".to_string(),
+        false => "#include \"norm.cuh\"\n\n".to_string(),
+    })
 }
 
 /// The rows of the op's input 0 (every axis but the last), as C.
@@ -145,6 +157,9 @@ pub(crate) fn forward_applies(g: &Graph, n: NodeIndex) -> Option<i64> {
 /// `fs_norm_forward` reading its stored input.
 pub(crate) fn forward_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let cols = forward_applies(g, n)?;
+    if let Some(pro) = &c.k.prologue {
+        return prologue_forward(g, c, n, cols, pro);
+    }
     let plain = c.k.input_views.iter().all(|v| v.is_none())
         && [c.k.inputs[c.ins[0]], c.k.outputs[c.outs[0]]]
             .iter()
@@ -174,4 +189,71 @@ pub(crate) fn forward_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         o = c.outs[0],
         rows = rows_c(g, n)?,
     ))
+}
+
+/// The norm's type parameters and arguments after its row loader: (the
+/// element, gamma's and beta's types, beta's argument).
+fn norm_params(
+    g: &Graph,
+    c: &Ctx,
+    n: NodeIndex,
+    layer: bool,
+) -> (&'static str, &'static str, &'static str, String) {
+    let t = element(g.ty(g.inputs(n)[0]).dtype);
+    let gamma = element(c.in_dt(1));
+    match layer {
+        true => (t, gamma, element(c.in_dt(2)), format!("in{}", c.ins[2])),
+        false => (t, gamma, gamma, "nullptr".to_string()),
+    }
+}
+
+/// The forward norm running its kernel's prologue chain as it loads each
+/// row's 8 features at a time (`cuda::vector_elements`), storing the
+/// chain's value where the kernel keeps it, and normalising it as stored.
+fn prologue_forward(
+    g: &Graph,
+    c: &Ctx,
+    n: NodeIndex,
+    cols: i64,
+    pro: &crate::kernel::Prologue,
+) -> Option<String> {
+    if c.p.buffers[c.k.outputs[c.outs[0]]].pitch.is_some() || c.out_dt(0) != pro.dtype {
+        return None;
+    }
+    let (layer, eps) = match &g.g[n].op {
+        Op::LayerNorm(l) => (true, float_lit(l.eps)),
+        Op::RmsNorm(r) => (false, float_lit(r.eps)),
+        _ => return None,
+    };
+    let (t, gamma_t, beta_t, beta) = norm_params(g, c, n, layer);
+    let ind = "        ";
+    let value = super::cuda::rounded(pro.dtype, &format!("v{}", pro.value));
+    let mut b = format!(
+        "    // One warp a row (kernels/norm.cuh), each row's 8 features at a time computed by the chain before the norm as they are loaded{}.
+    auto load_row = [&](fs_i64 r, int j0, float* v) {{
+{ind}const fs_i64 i0 = r * {cols} + j0;
+",
+        if pro.chain.stores.is_empty() { "" } else { ", and stored" }
+    );
+    b.push_str(&super::cuda::vector_elements(
+        c.p,
+        c.k,
+        &pro.chain,
+        8,
+        ind,
+        &format!("v[e] = {value};"),
+    ));
+    for (slot, _) in &pro.chain.stores {
+        b.push_str(&format!("{ind}fs_vstore(&out{slot}[i0], s{slot});\n"));
+    }
+    b.push_str(&format!(
+        "    }};
+    fs_norm_forward<{t}, {gamma_t}, {beta_t}, {cols}, {layer}>(load_row, in{gamma}, {beta},
+        out{o}, {rows}, {eps});
+",
+        gamma = c.ins[1],
+        o = c.outs[0],
+        rows = rows_c(g, n)?,
+    ));
+    Some(b)
 }

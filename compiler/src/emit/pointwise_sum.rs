@@ -80,7 +80,7 @@ pub(crate) fn body(_g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise) -> Strin
     );
     let ind = "        ";
     let _ = writeln!(b, "{ind}const fs_i64 i0 = r * {cols} + j;");
-    b.push_str(&vector_elements(p, k, pw, vec, ind));
+    b.push_str(&vector_elements(p, k, pw, vec, ind, ""));
     for (slot, _) in pw.stores.iter() {
         if vec > 1 {
             let _ = writeln!(b, "{ind}fs_vstore(&out{slot}[i0], s{slot});");

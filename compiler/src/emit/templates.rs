@@ -39,11 +39,19 @@ pub struct Ctx<'a> {
 impl<'a> Ctx<'a> {
     /// A kernel that is one op: its slots are the op's inputs and outputs
     /// in order.
+    /// Where the kernel's prologue computes the op's input 0, the op's
+    /// other inputs are its first slots and `ins[0]` names none (only the
+    /// body that runs the prologue reads it, through the prologue).
     pub(crate) fn for_op(g: &Graph, p: &'a Program, k: &'a Kernel, n: NodeIndex) -> Ctx<'a> {
+        let count = g.inputs(n).len();
+        let ins = match k.prologue {
+            Some(_) => std::iter::once(usize::MAX).chain(0..count - 1).collect(),
+            None => (0..count).collect(),
+        };
         Ctx {
             p,
             k,
-            ins: (0..g.inputs(n).len()).collect(),
+            ins,
             outs: (0..g.g[n].outputs.len()).collect(),
         }
     }

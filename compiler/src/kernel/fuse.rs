@@ -20,6 +20,7 @@ use petgraph::stable_graph::NodeIndex;
 use std::collections::HashMap;
 
 mod epilogues;
+mod prologues;
 
 struct Fuser<'g> {
     g: &'g Graph,
@@ -35,6 +36,10 @@ struct Fuser<'g> {
     absorbed: std::collections::HashSet<usize>,
     /// Column sums performed by the chain kernel that stores their input.
     summed: std::collections::HashSet<NodeIndex>,
+    /// Each node's place in the launch order.
+    position: HashMap<NodeIndex, usize>,
+    /// Chains run by the norm that reads them (norm -> chain).
+    deferred: HashMap<NodeIndex, usize>,
 }
 
 impl<'g> Fuser<'g> {
@@ -128,8 +133,7 @@ impl<'g> Fuser<'g> {
 
     fn form_chains(&mut self) {
         let order = self.g.topo_order();
-        let at: HashMap<NodeIndex, usize> =
-            order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        let at = self.position.clone();
         for n in order {
             if self.class(n) != FusionClass::Elementwise {
                 continue;
@@ -225,6 +229,7 @@ impl<'g> Fuser<'g> {
             outputs: vec![out],
             input_views: Vec::new(),
             residual: None,
+            prologue: None,
             body: Body::Pointwise(Pointwise {
                 n,
                 exprs: vec![PExpr::Load { input: 0, view }],
@@ -286,7 +291,13 @@ impl<'g> Fuser<'g> {
         }
     }
 
-    fn chain_kernel(&mut self, chain: &[NodeIndex], kernels: &mut Vec<Kernel>) {
+    /// The expressions of `chain`, their loads reading the buffers of the
+    /// returned inputs by position, and the expression of its last value.
+    fn chain_exprs(
+        &mut self,
+        chain: &[NodeIndex],
+        kernels: &mut Vec<Kernel>,
+    ) -> (Vec<PExpr>, Vec<usize>, usize) {
         let mut exprs: Vec<PExpr> = Vec::new();
         let mut inputs: Vec<usize> = Vec::new();
         let mut prev: Option<(NodeIndex, usize)> = None;
@@ -363,13 +374,17 @@ impl<'g> Fuser<'g> {
             exprs.push(e);
             prev = Some((n, exprs.len() - 1));
         }
+        (exprs, inputs, prev.expect("a chain has ops").1)
+    }
+
+    fn chain_kernel(&mut self, chain: &[NodeIndex], kernels: &mut Vec<Kernel>) {
+        let (exprs, inputs, last) = self.chain_exprs(chain, kernels);
         let tail = *chain.last().expect("chains are not empty");
         let v = Value {
             node: tail,
             port: 0,
         };
         let n = self.g.g[tail].outputs[0].numel();
-        let last = prev.expect("a chain has ops").1;
         let summed = self.chain_sum(tail, &n);
         // Stored unless the sum is its one reader.
         let keep = summed.as_ref().is_none_or(|s| !s.only_reader);
@@ -412,6 +427,7 @@ impl<'g> Fuser<'g> {
             outputs,
             input_views: Vec::new(),
             residual: None,
+            prologue: None,
             body: Body::Pointwise(Pointwise {
                 n,
                 exprs,
@@ -507,10 +523,13 @@ pub fn fuse(g: &Graph) -> Program {
         cast_into: HashMap::new(),
         absorbed: Default::default(),
         summed: Default::default(),
+        position: HashMap::new(),
+        deferred: HashMap::new(),
     };
+    let order = g.topo_order();
+    f.position = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
     f.form_chains();
     let mut kernels = Vec::new();
-    let order = g.topo_order();
     // Sources first: they are buffers before any kernel runs.
     for &n in &order {
         let kind = match &g.g[n].op {
@@ -543,60 +562,26 @@ pub fn fuse(g: &Graph) -> Program {
                 }
                 let chain = f.chains[f.group[&n]].clone();
                 if chain.last() == Some(&n) {
-                    f.chain_kernel(&chain, &mut kernels);
+                    // Run by the norm that reads it, where one can.
+                    match f.prologue_norm(n) {
+                        Some(norm) => {
+                            f.deferred.insert(norm, f.group[&n]);
+                        }
+                        None => f.chain_kernel(&chain, &mut kernels),
+                    }
                 }
             }
             // Summed by the chain kernel that stores its input.
             FusionClass::Kernel if f.summed.contains(&n) => {}
+            FusionClass::Kernel if f.deferred.contains_key(&n) => {
+                f.prologue_kernel(n, &mut kernels);
+            }
             FusionClass::Kernel
                 if matches!(g.g[n].op, Op::MatMul(_)) && f.gemm_fold(n).is_some() =>
             {
                 f.gemm_kernel(n, &mut kernels);
             }
-            FusionClass::Kernel => {
-                let mut ins = Vec::new();
-                let mut views = Vec::new();
-                for x in g.inputs(n) {
-                    let (b, v) = f.op_input(x, n, &mut kernels);
-                    ins.push(b);
-                    views.push(v);
-                }
-                let mut nodes = vec![n];
-                // A norm backward's dx plus the residual stream's gradient.
-                let residual = f.residual_add(n);
-                let outs: Vec<usize> = (0..g.g[n].outputs.len())
-                    .map(|port| {
-                        let v = Value { node: n, port };
-                        if let (0, Some((add, _))) = (port, residual) {
-                            nodes.push(add);
-                            return f.store(Value { node: add, port: 0 }, BufKind::Temp);
-                        }
-                        match f.cast_into.get(&v) {
-                            Some(&c) => {
-                                nodes.push(c);
-                                f.store(Value { node: c, port: 0 }, BufKind::Temp)
-                            }
-                            None => f.store(v, BufKind::Temp),
-                        }
-                    })
-                    .collect();
-                let mut residual_slot = None;
-                if let Some((add, other)) = residual {
-                    f.absorbed.insert(f.group[&add]);
-                    ins.push(f.buffer_of[&f.base(other).0]);
-                    views.push(None);
-                    residual_slot = Some(ins.len() - 1);
-                }
-                kernels.push(Kernel {
-                    name: kernel_name(g, kernels.len(), &nodes),
-                    nodes,
-                    inputs: ins,
-                    outputs: outs,
-                    input_views: views,
-                    residual: residual_slot,
-                    body: Body::Op(n),
-                });
-            }
+            FusionClass::Kernel => f.op_kernel(n, &mut kernels),
         }
     }
     let kernels = match g.lowering_on("group-kernels") {
@@ -642,6 +627,54 @@ fn number(mut kernels: Vec<Kernel>) -> Vec<Kernel> {
 }
 
 impl Fuser<'_> {
+    /// A kernel of op `n` alone (with a norm backward's residual add, and
+    /// widening casts of its results stored as it stores them).
+    fn op_kernel(&mut self, n: NodeIndex, kernels: &mut Vec<Kernel>) {
+        let mut ins = Vec::new();
+        let mut views = Vec::new();
+        for x in self.g.inputs(n) {
+            let (b, v) = self.op_input(x, n, kernels);
+            ins.push(b);
+            views.push(v);
+        }
+        let mut nodes = vec![n];
+        // A norm backward's dx plus the residual stream's gradient.
+        let residual = self.residual_add(n);
+        let outs: Vec<usize> = (0..self.g.g[n].outputs.len())
+            .map(|port| {
+                let v = Value { node: n, port };
+                if let (0, Some((add, _))) = (port, residual) {
+                    nodes.push(add);
+                    return self.store(Value { node: add, port: 0 }, BufKind::Temp);
+                }
+                match self.cast_into.get(&v) {
+                    Some(&c) => {
+                        nodes.push(c);
+                        self.store(Value { node: c, port: 0 }, BufKind::Temp)
+                    }
+                    None => self.store(v, BufKind::Temp),
+                }
+            })
+            .collect();
+        let mut residual_slot = None;
+        if let Some((add, other)) = residual {
+            self.absorbed.insert(self.group[&add]);
+            ins.push(self.buffer_of[&self.base(other).0]);
+            views.push(None);
+            residual_slot = Some(ins.len() - 1);
+        }
+        kernels.push(Kernel {
+            name: kernel_name(self.g, kernels.len(), &nodes),
+            nodes,
+            inputs: ins,
+            outputs: outs,
+            input_views: views,
+            residual: residual_slot,
+            prologue: None,
+            body: Body::Op(n),
+        });
+    }
+
     /// How an op kernel reads `x`: a reshape of a stored buffer is the
     /// buffer itself (same elements, same order); a GEMM reads a transposed
     /// matrix in place; anything else is copied out first.
@@ -686,6 +719,7 @@ impl Fuser<'_> {
             outputs: vec![out],
             input_views: Vec::new(),
             residual: None,
+            prologue: None,
             body: Body::Pointwise(Pointwise {
                 n: self.g.ty(x).numel(),
                 exprs: vec![e],

@@ -66,6 +66,7 @@ pub fn run_kernel(
                     outputs: m.outputs.iter().map(|&o| k.outputs[o]).collect(),
                     input_views: Vec::new(),
                     residual: None,
+                    prologue: None,
                     body: Body::Op(m.node),
                 };
                 let mins: Vec<&Tensor> = m.inputs.iter().map(|&i| ins[i]).collect();
@@ -107,6 +108,30 @@ pub fn run_kernel(
                 vec![pre]
             }
         }
+        Body::Op(n) if k.prologue.is_some() => {
+            let pro = k.prologue.as_ref().expect("matched");
+            let (data, x) = eval_pointwise(
+                k,
+                &pro.chain,
+                ins,
+                feeds,
+                precision,
+                Some((pro.value, pro.dtype)),
+            )?;
+            // The op reads the chain's value as its input 0, the kernel's
+            // first inputs as its others.
+            let x = Tensor::new(
+                concrete_shape(&g.ty(g.inputs(*n)[0]).shape, &feeds.dims)?,
+                x,
+            );
+            let op_ins: Vec<&Tensor> = std::iter::once(&x).chain(ins.iter().copied()).collect();
+            let mut outs = run_op(g, k, *n, &op_ins, feeds)?;
+            for (slot, d) in data.into_iter().enumerate().skip(outs.len()) {
+                let shape = concrete_shape(&p.buffers[k.outputs[slot]].ty.shape, &feeds.dims)?;
+                outs.push(Tensor::new(shape, d));
+            }
+            outs
+        }
         Body::Op(n) => {
             let mut outs = run_op(g, k, *n, ins, feeds)?;
             if let Some(r) = k.residual {
@@ -117,81 +142,7 @@ pub fn run_kernel(
             outs
         }
         Body::Pointwise(pw) => {
-            let n = dim(&pw.n, feeds);
-            // Views with their sizes bound, once per kernel.
-            let bound: Vec<Option<BoundView>> = pw
-                .exprs
-                .iter()
-                .map(|e| match e {
-                    PExpr::Load { view, .. } => Some((
-                        view.shape.iter().map(|d| dim(d, feeds)).collect(),
-                        view.strides.iter().map(|d| dim(d, feeds)).collect(),
-                        dim(&view.offset, feeds),
-                    )),
-                    _ => None,
-                })
-                .collect();
-            let mut data: Vec<Vec<f64>> = vec![vec![0.0; n]; k.outputs.len()];
-            let mut vals = vec![0.0; pw.exprs.len()];
-            // A column sum adds each element as the tensor it replaces
-            // stored it (rounded to its dtype), in row order.
-            let cols = pw.sum.as_ref().map_or(1, |s| s.cols.max(1) as usize);
-            let mut sums = vec![0.0; cols];
-            // `i` is the element index the loads unravel, not just a position in `data`.
-            #[allow(clippy::needless_range_loop)]
-            for i in 0..n {
-                for (j, e) in pw.exprs.iter().enumerate() {
-                    vals[j] = match e {
-                        PExpr::Load { input, view } => {
-                            let (shape, strides, base) = bound[j].as_ref().expect("bound above");
-                            let t = ins[*input];
-                            t.data
-                                .get(offset(view, shape, strides, *base, i))
-                                .copied()
-                                .ok_or_else(|| {
-                                    InterpError(format!(
-                                        "kernel {} reads past the end of input {input}",
-                                        k.name
-                                    ))
-                                })?
-                        }
-                        PExpr::Const(c) => *c,
-                        PExpr::Dim(d) => dim(d, feeds) as f64,
-                        PExpr::Unary(u, a) => u.apply(vals[*a]),
-                        PExpr::UnaryGrad(u, x, dy) => u.derivative(vals[*x]) * vals[*dy],
-                        PExpr::Binary(b, x, y) => b.apply(vals[*x], vals[*y]),
-                        PExpr::Dropout { op, x, key } => {
-                            let k = &ins[*key].data;
-                            let key = [k[0] as i32 as u32, k[1] as i32 as u32];
-                            if crate::ops::philox::keeps(key, op.site, i as u64, op.threshold()) {
-                                vals[*x] * op.scale()
-                            } else {
-                                0.0
-                            }
-                        }
-                        PExpr::Round(dt, a) => match precision {
-                            Precision::F64 => vals[*a],
-                            Precision::AsStored => round_to(*dt, vals[*a]),
-                        },
-                    };
-                }
-                for &(slot, e) in &pw.stores {
-                    data[slot][i] = vals[e];
-                }
-                if let Some(sum) = &pw.sum {
-                    sums[i % cols] += match precision {
-                        Precision::AsStored => round_to(sum.dtype, vals[sum.expr]),
-                        Precision::F64 => vals[sum.expr],
-                    };
-                }
-            }
-            if let Some(sum) = &pw.sum {
-                let rows = (n / cols) as f64;
-                if sum.mean {
-                    sums.iter_mut().for_each(|x| *x /= rows);
-                }
-                data[sum.out] = sums;
-            }
+            let (data, _) = eval_pointwise(k, pw, ins, feeds, precision, None)?;
             k.outputs
                 .iter()
                 .zip(data)
@@ -215,6 +166,101 @@ pub fn run_kernel(
             Precision::F64 => t,
         })
         .collect())
+}
+
+/// A pointwise chain over its `n` elements: each output slot's stored
+/// values (a slot no store names stays zeros), its column sums into their
+/// slot, and, where `value` names an expression, that expression's values
+/// rounded to `dtype` as stored (what a prologue hands its op).
+fn eval_pointwise(
+    k: &Kernel,
+    pw: &super::Pointwise,
+    ins: &[&Tensor],
+    feeds: &Feeds,
+    precision: Precision,
+    value: Option<(usize, crate::ir::DType)>,
+) -> Result<(Vec<Vec<f64>>, Vec<f64>), InterpError> {
+    let n = dim(&pw.n, feeds);
+    // Views with their sizes bound, once per kernel.
+    let bound: Vec<Option<BoundView>> = pw
+        .exprs
+        .iter()
+        .map(|e| match e {
+            PExpr::Load { view, .. } => Some((
+                view.shape.iter().map(|d| dim(d, feeds)).collect(),
+                view.strides.iter().map(|d| dim(d, feeds)).collect(),
+                dim(&view.offset, feeds),
+            )),
+            _ => None,
+        })
+        .collect();
+    let mut data: Vec<Vec<f64>> = vec![vec![0.0; n]; k.outputs.len()];
+    let mut vals = vec![0.0; pw.exprs.len()];
+    // A column sum adds each element as the tensor it replaces
+    // stored it (rounded to its dtype), in row order.
+    let cols = pw.sum.as_ref().map_or(1, |s| s.cols.max(1) as usize);
+    let mut sums = vec![0.0; cols];
+    let mut kept = Vec::new();
+    // `i` is the element index the loads unravel, not just a position in `data`.
+    #[allow(clippy::needless_range_loop)]
+    for i in 0..n {
+        for (j, e) in pw.exprs.iter().enumerate() {
+            vals[j] = match e {
+                PExpr::Load { input, view } => {
+                    let (shape, strides, base) = bound[j].as_ref().expect("bound above");
+                    let t = ins[*input];
+                    t.data
+                        .get(offset(view, shape, strides, *base, i))
+                        .copied()
+                        .ok_or_else(|| {
+                            InterpError(format!(
+                                "kernel {} reads past the end of input {input}",
+                                k.name
+                            ))
+                        })?
+                }
+                PExpr::Const(c) => *c,
+                PExpr::Dim(d) => dim(d, feeds) as f64,
+                PExpr::Unary(u, a) => u.apply(vals[*a]),
+                PExpr::UnaryGrad(u, x, dy) => u.derivative(vals[*x]) * vals[*dy],
+                PExpr::Binary(b, x, y) => b.apply(vals[*x], vals[*y]),
+                PExpr::Dropout { op, x, key } => {
+                    let k = &ins[*key].data;
+                    let key = [k[0] as i32 as u32, k[1] as i32 as u32];
+                    if crate::ops::philox::keeps(key, op.site, i as u64, op.threshold()) {
+                        vals[*x] * op.scale()
+                    } else {
+                        0.0
+                    }
+                }
+                PExpr::Round(dt, a) => match precision {
+                    Precision::F64 => vals[*a],
+                    Precision::AsStored => round_to(*dt, vals[*a]),
+                },
+            };
+        }
+        for &(slot, e) in &pw.stores {
+            data[slot][i] = vals[e];
+        }
+        let as_stored = |dt, x| match precision {
+            Precision::AsStored => round_to(dt, x),
+            Precision::F64 => x,
+        };
+        if let Some(sum) = &pw.sum {
+            sums[i % cols] += as_stored(sum.dtype, vals[sum.expr]);
+        }
+        if let Some((e, dt)) = value {
+            kept.push(as_stored(dt, vals[e]));
+        }
+    }
+    if let Some(sum) = &pw.sum {
+        let rows = (n / cols) as f64;
+        if sum.mean {
+            sums.iter_mut().for_each(|x| *x /= rows);
+        }
+        data[sum.out] = sums;
+    }
+    Ok((data, kept))
 }
 
 /// Runs every kernel in order; returns the contents of every buffer.

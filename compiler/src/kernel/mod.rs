@@ -70,6 +70,11 @@ pub const OPTIMISATIONS: &[(&str, &str, &str)] = &[
         "a sum over the leading axes (a bias gradient) is added up by the elementwise kernel that stores its input (off: a sum kernel reading it back)",
     ),
     (
+        "chains-into-norms",
+        "fuse",
+        "a norm forward computes the elementwise chain that makes its input as it loads its rows, storing it once where its backward reads it (off: the chain's kernel, then the norm's)",
+    ),
+    (
         "norm-residual",
         "fuse",
         "a norm backward adds the residual stream's gradient as it stores dx (off: an add kernel)",
@@ -259,6 +264,26 @@ pub struct Kernel {
     /// output 0 as it is stored (a norm backward's dx plus the residual
     /// stream's gradient), so the sum needs no kernel of its own.
     pub residual: Option<usize>,
+    /// Op kernels only: the elementwise chain that computes the op's input
+    /// 0 as the op loads it. The kernel's inputs are then the op's other
+    /// inputs, in order, and after them the chain's; its outputs the op's,
+    /// then what the chain stores.
+    pub prologue: Option<Prologue>,
+}
+
+/// The chain a norm computes its rows with as it loads them (a post-LN
+/// transformer's `layernorm(x + dropout(y + b))`), so they are never read
+/// back from memory; stored once where anything else reads them (the
+/// norm's backward).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Prologue {
+    /// The chain over every element of the op's input 0; its loads read
+    /// the kernel's inputs, its stores write the kernel's outputs.
+    pub chain: Pointwise,
+    /// The expression that is the op's input 0, read rounded to `dtype`
+    /// as the tensor it replaces was stored.
+    pub value: usize,
+    pub dtype: DType,
 }
 
 impl Kernel {
@@ -277,6 +302,7 @@ impl Kernel {
             outputs,
             input_views: Vec::new(),
             residual: None,
+            prologue: None,
             body: Body::Group(members),
         }
     }
@@ -385,6 +411,29 @@ impl Program {
             if let Some(r) = k.residual {
                 if r >= k.inputs.len() || !matches!(k.body, Body::Op(_)) {
                     problems.push(format!("{}: the residual input does not exist", k.name));
+                }
+            }
+            if let Some(pro) = &k.prologue {
+                let loads_ok = pro.chain.exprs.iter().all(|e| match e {
+                    PExpr::Load { input, .. } | PExpr::Dropout { key: input, .. } => {
+                        *input < k.inputs.len()
+                    }
+                    _ => true,
+                });
+                let stores_ok = pro
+                    .chain
+                    .stores
+                    .iter()
+                    .all(|&(s, _)| s > 0 && s < k.outputs.len());
+                if !matches!(k.body, Body::Op(_))
+                    || !loads_ok
+                    || !stores_ok
+                    || pro.value >= pro.chain.exprs.len()
+                {
+                    problems.push(format!(
+                        "{}: the prologue names a slot that does not exist",
+                        k.name
+                    ));
                 }
             }
         }

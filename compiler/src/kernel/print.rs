@@ -165,9 +165,18 @@ pub fn print_program(g: &Graph, p: &Program) -> String {
                 ),
                 None => "pointwise".to_string(),
             },
-            Body::Op(_) => match k.residual {
-                Some(r) => format!("op, in{r} added to out0"),
-                None => "op".to_string(),
+            Body::Op(_) => match (k.residual, &k.prologue) {
+                (Some(r), _) => format!("op, in{r} added to out0"),
+                (None, Some(pro)) => format!(
+                    "op, its input 0 computed by a chain of {} expressions as it loads{}",
+                    pro.chain.exprs.len(),
+                    if pro.chain.stores.is_empty() {
+                        ""
+                    } else {
+                        " (stored as out1)"
+                    }
+                ),
+                (None, None) => "op".to_string(),
             },
             Body::Group(m) => format!("group of {}", m.len()),
             Body::Gemm(_, e) => format!("gemm, epilogue {}", e.name()),

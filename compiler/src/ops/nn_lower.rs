@@ -88,8 +88,8 @@ impl Lower for LayerNorm {
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         norm_rows::forward_body(g, c, n)
     }
-    fn file_scope(&self, g: &Graph, _: &Ctx, n: NodeIndex) -> Option<String> {
-        norm_rows::file_scope(g, n)
+    fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+        norm_rows::file_scope(g, c, n)
     }
     fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
         let mut body = String::new();
@@ -113,8 +113,8 @@ impl Lower for RmsNorm {
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         norm_rows::forward_body(g, c, n)
     }
-    fn file_scope(&self, g: &Graph, _: &Ctx, n: NodeIndex) -> Option<String> {
-        norm_rows::file_scope(g, n)
+    fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+        norm_rows::file_scope(g, c, n)
     }
     fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
         let mut body = String::new();
@@ -140,8 +140,8 @@ impl Lower for LayerNormGrad {
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         norm_rows::kernel_body(g, c, n)
     }
-    fn file_scope(&self, g: &Graph, _: &Ctx, n: NodeIndex) -> Option<String> {
-        norm_rows::file_scope(g, n)
+    fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+        norm_rows::file_scope(g, c, n)
     }
     fn launch_bounds(&self, g: &Graph, n: NodeIndex) -> Option<String> {
         norm_rows::backward_bounds(g, n)
@@ -205,8 +205,8 @@ impl Lower for RmsNormGrad {
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         norm_rows::kernel_body(g, c, n)
     }
-    fn file_scope(&self, g: &Graph, _: &Ctx, n: NodeIndex) -> Option<String> {
-        norm_rows::file_scope(g, n)
+    fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+        norm_rows::file_scope(g, c, n)
     }
     fn launch_bounds(&self, g: &Graph, n: NodeIndex) -> Option<String> {
         norm_rows::backward_bounds(g, n)

@@ -686,6 +686,8 @@ fn in_place_ok(g: &Graph, kernel: &crate::kernel::Kernel, slot: usize) -> bool {
             PExpr::Load { input, view } => *input != slot || view.is_contiguous(),
             _ => true,
         }),
+        // A prologue's inputs are read as its chain reads them.
+        Body::Op(_) if kernel.prologue.is_some() => false,
         // The residual is read at the element out0 writes.
         Body::Op(_) if kernel.residual == Some(slot) => true,
         Body::Op(n) => {

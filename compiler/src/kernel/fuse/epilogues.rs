@@ -243,6 +243,7 @@ impl Fuser<'_> {
             outputs: outs,
             input_views: views,
             residual: None,
+            prologue: None,
             body: Body::Gemm(n, epilogue),
         });
     }
