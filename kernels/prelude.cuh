@@ -12,7 +12,7 @@ __device__ __forceinline__ float fs_load(const int* p) { return (float)*p; }
 __device__ __forceinline__ float fs_load_bf16(const fs_bf16* p) {
     return __uint_as_float(((unsigned int)*p) << 16);
 }
-#ifdef __CUDA_ARCH__
+#ifdef __CUDACC__
 __device__ __forceinline__ float fs_load_f16(const fs_f16* p) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
@@ -58,7 +58,7 @@ __device__ __forceinline__ unsigned long long fs_align_bits(const T* p) {
 
 // 16-byte loads and stores: `n` elements of T (n * sizeof(T) a multiple of
 // 16, both addresses 16-byte aligned) in ld.global.v4 / st.global.v4.
-#ifdef __CUDA_ARCH__
+#ifdef __CUDACC__
 template <typename T, int N>
 __device__ __forceinline__ void fs_vload(T (&dst)[N], const T* src) {
 #pragma unroll
@@ -111,7 +111,7 @@ __device__ __forceinline__ float fs_silu_grad(float x) {
 // A load of what other blocks wrote before a fence this block has seen (a
 // column sum's partials): through L2, never a stale L1 line, and, unlike a
 // volatile load, free to be issued ahead of the adds that use it.
-#ifdef __CUDA_ARCH__
+#ifdef __CUDACC__
 __device__ __forceinline__ float fs_ldcg(const float* p) { return __ldcg(p); }
 #else
 inline float fs_ldcg(const float* p) { return *p; }
@@ -119,7 +119,7 @@ inline float fs_ldcg(const float* p) { return *p; }
 
 // Threads that share a row in the one-warp-a-row kernels (norm_rows.rs):
 // a warp on the GPU, the one thread of a block on the host (tests).
-#ifdef __CUDA_ARCH__
+#ifdef __CUDACC__
 #define FS_WARP 32
 #else
 #define FS_WARP 1
@@ -128,7 +128,7 @@ inline float fs_ldcg(const float* p) { return *p; }
 // Sums and maxima across a thread block (blockDim.x a multiple of 32, at
 // most 1024); every thread gets the result. On the host (tests) a block is
 // one thread, so the value is already the total.
-#ifdef __CUDA_ARCH__
+#ifdef __CUDACC__
 __device__ __forceinline__ float fs_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -193,7 +193,7 @@ __device__ __forceinline__ float fs_grad(const fs_bf16* g) { return fs_load_bf16
 __device__ __forceinline__ void fs_grad4(float (&d)[4], const float* g) { fs_vload(d, g); }
 __device__ __forceinline__ void fs_grad4(float (&d)[4], const fs_bf16* g) {
     fs_bf16 h[4];
-#ifdef __CUDA_ARCH__
+#ifdef __CUDACC__
     *reinterpret_cast<uint2*>(h) = *reinterpret_cast<const uint2*>(g);
 #else
     memcpy(h, g, sizeof h);

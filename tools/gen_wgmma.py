@@ -72,7 +72,7 @@ def main():
 // A wgmma shared-memory matrix descriptor (sm90.cuh builds them); declared
 // again here so that this header compiles alone.
 typedef unsigned long long fs_desc;
-#ifdef __CUDA_ARCH__""")
+#ifdef __CUDACC__""")
     for n in WIDTHS:
         for a_regs in (True, False):
             for elem in ("bf16", "f16"):

@@ -4,7 +4,7 @@
 // before it, and nothing else: NVRTC compiles it without CUDA's headers.
 //
 // Each GPU-only operation is one small wrapper (one PTX instruction, or a
-// 16-byte access). In a host build (no __CUDA_ARCH__) the warp-level ones
+// 16-byte access). In a host build (no __CUDACC__: a plain C++ compiler) the warp-level ones
 // call fs_emu_* functions that an emulation supplies (the tests'
 // tests/flash_host/mma_emu.h rebuilds each mma's matrices from the 32
 // lanes' fragments with the PTX ISA's layouts), so the same kernel text
@@ -14,7 +14,7 @@
 
 #include "../random/philox.cuh"
 
-#ifdef __CUDA_ARCH__
+#ifdef __CUDACC__
 // d += a * b for one warp, m16n8k16: a is 16x16 row-major (4 registers of two
 // 16-bit values), b 16x8 column-major (2 registers), d 16x8 in f32.
 __device__ __forceinline__ void fs_mma_16816_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {

@@ -8,7 +8,7 @@
 #define FS_ATTENTION_SM90
 #include "common.cuh"
 
-#ifdef __CUDA_ARCH__
+#ifdef __CUDACC__
 typedef unsigned long long fs_desc;
 __device__ __forceinline__ unsigned fs_smem_addr(const void* p) {
     unsigned a;

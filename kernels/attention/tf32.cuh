@@ -30,7 +30,7 @@
 #define FS_ATTENTION_TF32
 #include "common.cuh"
 
-#ifdef __CUDA_ARCH__
+#ifdef __CUDACC__
 // d += a * b for one warp, m16n8k8, TF32 operands (f32 registers of which
 // the tensor cores read the top 19 bits: the low 13 mantissa bits are
 // ignored, which truncates), f32 accumulators.

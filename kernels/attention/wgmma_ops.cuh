@@ -11,7 +11,7 @@
 // A wgmma shared-memory matrix descriptor (sm90.cuh builds them); declared
 // again here so that this header compiles alone.
 typedef unsigned long long fs_desc;
-#ifdef __CUDA_ARCH__
+#ifdef __CUDACC__
 template <int TB>
 __device__ __forceinline__ void fs_wgmma_rs_bf16(float (&d)[1][4], const unsigned (&a)[4], fs_desc b, int acc) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %9, 0;\n"

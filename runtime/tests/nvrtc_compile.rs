@@ -105,6 +105,59 @@ fn every_kernels_header_compiles_alone_with_nvrtc_defaults() {
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
+/// Every header in `kernels/` compiles alone with `nvcc -c` and its
+/// defaults for sm_80 and sm_90a, both of nvcc's passes (the host pass
+/// sees the prelude too: its plain-C++ emulations are for compilers without
+/// `__CUDACC__`). nvcc is the one `FUSEC_NVCC` names (`.ci/run` installs it
+/// from PyPI); skipped where none is named, failing instead under
+/// FUSEC_REQUIRE_NVCC.
+#[test]
+fn every_kernels_header_compiles_alone_with_nvcc() {
+    let Some(nvcc) = std::env::var_os("FUSEC_NVCC").filter(|p| std::path::Path::new(p).exists())
+    else {
+        assert!(
+            std::env::var("FUSEC_REQUIRE_NVCC").is_err(),
+            "FUSEC_REQUIRE_NVCC is set but FUSEC_NVCC names no nvcc"
+        );
+        common::skip("no nvcc (FUSEC_NVCC names none)");
+        return;
+    };
+    use fusec_compiler::emit::HEADERS;
+    let kernels = common::root().join("kernels");
+    let dir = std::env::temp_dir().join(format!("fusec-nvcc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut failures = Vec::new();
+    let headers = std::iter::once("prelude.cuh").chain(HEADERS.iter().map(|(p, _)| *p));
+    for path in headers {
+        let src = dir.join("h.cu");
+        let text = match path {
+            "prelude.cuh" => "#include \"prelude.cuh\"\n".to_string(),
+            _ => format!("#include \"prelude.cuh\"\n#include \"{path}\"\n"),
+        };
+        std::fs::write(&src, text).unwrap();
+        for arch in ["sm_80", "sm_90a"] {
+            let out = std::process::Command::new(&nvcc)
+                .arg("-c")
+                .arg(format!("-arch={arch}"))
+                .arg("-I")
+                .arg(&kernels)
+                .arg(&src)
+                .arg("-o")
+                .arg(dir.join("h.o"))
+                .output()
+                .expect("nvcc runs");
+            if !out.status.success() {
+                failures.push(format!(
+                    "{path} ({arch}):\n{}",
+                    String::from_utf8_lossy(&out.stderr)
+                ));
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 #[test]
 fn a_compile_error_names_the_kernel_and_the_line() {
     if !common::nvrtc_ready() {
