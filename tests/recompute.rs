@@ -71,8 +71,14 @@ fn check_budgets(
         assert!(after <= budget, "{file}: plan {after} over budget {budget}");
         if let Some(choice) = &choice {
             assert_eq!(choice.after.arena_bytes, after, "{file}");
-            assert!(!choice.dropped.is_empty() && choice.ops_added > 0, "{file}");
-            recomputed_any = true;
+            // Something recomputed, or nothing and the ops run in the
+            // order that minds memory (which met the budget alone).
+            if choice.dropped.is_empty() {
+                assert!(choice.ops_added == 0 && h.order_by_memory, "{file}");
+            } else {
+                assert!(choice.ops_added > 0, "{file}");
+                recomputed_any = true;
+            }
         }
         let got = outputs(&h, &feeds);
         assert_eq!(got.len(), reference.len());
