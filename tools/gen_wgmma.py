@@ -69,10 +69,11 @@ def main():
 // along M or N), 0 when K-major. Overloaded on the accumulator's width N.
 #ifndef FS_ATTENTION_WGMMA_OPS
 #define FS_ATTENTION_WGMMA_OPS
+#ifdef __CUDACC__
 // A wgmma shared-memory matrix descriptor (sm90.cuh builds them); declared
-// again here so that this header compiles alone.
-typedef unsigned long long fs_desc;
-#ifdef __CUDACC__""")
+// again here so that this header compiles alone. The host build's
+// descriptor is sm90.cuh's struct, which that build includes first.
+typedef unsigned long long fs_desc;""")
     for n in WIDTHS:
         for a_regs in (True, False):
             for elem in ("bf16", "f16"):

@@ -8,10 +8,11 @@
 // along M or N), 0 when K-major. Overloaded on the accumulator's width N.
 #ifndef FS_ATTENTION_WGMMA_OPS
 #define FS_ATTENTION_WGMMA_OPS
-// A wgmma shared-memory matrix descriptor (sm90.cuh builds them); declared
-// again here so that this header compiles alone.
-typedef unsigned long long fs_desc;
 #ifdef __CUDACC__
+// A wgmma shared-memory matrix descriptor (sm90.cuh builds them); declared
+// again here so that this header compiles alone. The host build's
+// descriptor is sm90.cuh's struct, which that build includes first.
+typedef unsigned long long fs_desc;
 template <int TB>
 __device__ __forceinline__ void fs_wgmma_rs_bf16(float (&d)[1][4], const unsigned (&a)[4], fs_desc b, int acc) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %9, 0;\n"
