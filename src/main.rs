@@ -80,8 +80,8 @@ fn main() -> ExitCode {
                 println!("{name:<15} {about}");
             }
             println!("\noptimisations of the kernel stages, each on unless --disable-pass NAME:");
-            for (name, stage, about) in fusec_compiler::kernel::OPTIMISATIONS {
-                println!("{name:<22} ({stage}) {about}");
+            for o in fusec_compiler::optimisation::Optimisation::ALL {
+                println!("{:<22} ({}) {}", o.name(), o.stage(), o.about());
             }
             Ok(())
         }

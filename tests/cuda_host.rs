@@ -398,23 +398,27 @@ train {
     let line = kernels
         .iter()
         .flat_map(|(_, text)| text.lines())
-        .find(|l| l.contains("const float bc1 ="))
+        .find(|l| l.contains("fs_adamw_corrections("))
         .expect("the update kernel works out the bias corrections")
         .trim()
         .to_string();
+    // The emitted call (its constants worked out by the emitter) through
+    // kernels/optim.cuh's function, as the kernel runs it.
     let cpp = format!(
-        "#include <cmath>\n#include <cstdio>\n\
+        "#include \"shim.h\"\n{}\n#include <cstdio>\n\
          int main() {{\n\
              double worst1 = 0, worst2 = 0;\n\
              for (int step = 1; step <= 100000; ++step) {{\n\
                  const float t = (float)step;\n\
+                 float bc1, bc2;\n\
                  {line}\n\
                  const double e1 = 1.0 - std::pow(0.9, step), e2 = 1.0 - std::pow(0.999, step);\n\
                  worst1 = std::fmax(worst1, std::fabs(bc1 - e1) / e1);\n\
                  worst2 = std::fmax(worst2, std::fabs(bc2 - e2) / e2);\n\
              }}\n\
              std::printf(\"%.3e %.3e\\n\", worst1, worst2);\n\
-         }}\n"
+         }}\n",
+        optim_source()
     );
     let work = host::work_dir("adamw-bias");
     let exe = host::build(&work, "bias", &cpp);
@@ -435,7 +439,15 @@ train {
     );
 }
 
-/// The same in the group kernels' AdamW (`fs_adamw` in the prelude), which
+/// The prelude and kernels/optim.cuh as one text, for a host program.
+fn optim_source() -> String {
+    fusec_compiler::emit::expand_includes(&format!(
+        "#include \"{}\"\n#include \"optim.cuh\"\n",
+        fusec_compiler::emit::PRELUDE_NAME
+    ))
+}
+
+/// The same in the group kernels' AdamW (`fs_adamw` in kernels/optim.cuh), which
 /// every model with more than one parameter runs: the emitted call, run on
 /// the host with fresh state (m = v = 0, g = 1, lr = 1), gives the update
 /// (1 - b1) / bc1 / sqrt((1 - b2) / bc2), within 1e-6 of f64 for every step
@@ -492,7 +504,7 @@ train {
              }}\n\
              std::printf(\"%.3e\\n\", worst);\n\
          }}\n",
-        fusec_compiler::emit::PRELUDE
+        optim_source()
     );
     let work = host::work_dir("group-adamw-bias");
     let exe = host::build(&work, "bias", &cpp);

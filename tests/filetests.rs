@@ -23,7 +23,7 @@
 //! program), or `error: ...` where the text does not parse or a pass
 //! breaks the graph. Everything after the `; expect:` line is the expected
 //! output. A line `; off: NAME...` turns optimisations of the kernel
-//! stages off (`kernel::OPTIMISATIONS`, as `--disable-pass` does), to
+//! stages off (`optimisation::Optimisation`, as `--disable-pass` does), to
 //! test what the program is without them.
 //!
 //! `FUSEC_BLESS=1 cargo test --release --test filetests` writes each
@@ -34,6 +34,7 @@ use fusec_compiler::ir::parse::parse_graph;
 use fusec_compiler::ir::print::print_graph;
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::kernel::print::{print_layouts, print_program};
+use fusec_compiler::optimisation::Optimisation;
 use fusec_compiler::passes::{default_pipeline, forward_pipeline, run_pipeline, Pass};
 use std::path::{Path, PathBuf};
 
@@ -113,22 +114,20 @@ fn run(input: &str) -> Result<String, String> {
             ));
         }
     }
-    let off: Vec<String> = input
+    let mut off = Vec::new();
+    for o in input
         .lines()
         .filter_map(|l| l.trim().strip_prefix(OFF))
         .flat_map(|s| s.split([' ', ',']).filter(|w| !w.is_empty()))
-        .map(str::to_string)
-        .collect();
-    let optimisations = fusec_compiler::kernel::OPTIMISATIONS;
-    if let Some(o) = off
-        .iter()
-        .find(|o| !optimisations.iter().any(|x| x.0 == *o))
     {
-        let names: Vec<&str> = optimisations.iter().map(|x| x.0).collect();
-        return Err(format!(
-            "`{OFF} {o}`: no such optimisation; they are: {}",
-            names.join(", ")
-        ));
+        let Some(opt) = Optimisation::from_name(o) else {
+            let names: Vec<&str> = Optimisation::ALL.iter().map(|x| x.name()).collect();
+            return Err(format!(
+                "`{OFF} {o}`: no such optimisation; they are: {}",
+                names.join(", ")
+            ));
+        };
+        off.push(opt);
     }
     let mut g = match parse_graph(input) {
         Ok(g) => g,

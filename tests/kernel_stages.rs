@@ -8,8 +8,8 @@ mod common;
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::{run, Precision};
 use fusec_compiler::kernel::interp::run_program;
-use fusec_compiler::kernel::OPTIMISATIONS;
 use fusec_compiler::lowering::{lower, select_kernels, Lowered};
+use fusec_compiler::optimisation::Optimisation;
 use fusec_compiler::plan::MemKind;
 use fusec_compiler::select::{Choice, Target};
 
@@ -125,7 +125,7 @@ fn the_plan_verifier_catches_broken_plans() {
 /// changes: more launches, or (the attention) no template instances.
 #[test]
 fn every_optimisation_turned_off_keeps_the_step() {
-    let mut changed = std::collections::BTreeMap::<&str, usize>::new();
+    let mut changed = std::collections::HashMap::<Optimisation, usize>::new();
     for (file, sets, dims) in common::tiny_models() {
         // A pre-LN decoder of each kind, and the post-LN translator (dropout,
         // biases: its bias gradients and norms take the chains before them).
@@ -149,9 +149,9 @@ fn every_optimisation_turned_off_keeps_the_step() {
         };
         let feeds = random_feeds(&c.optimized, &feed_dims, 3).expect("feeds");
         let reference = run(&c.optimized, &feeds, Precision::F64).expect("graph runs");
-        for (opt, _, _) in OPTIMISATIONS {
+        for &opt in Optimisation::ALL {
             let mut g = c.optimized.clone();
-            g.lowering_off = vec![opt.to_string()];
+            g.lowering_off = vec![opt];
             let off = lower(&g, &h100(), &dims, None)
                 .unwrap_or_else(|e| panic!("{file} without {opt}: {e}"));
             let bufs = run_program(&g, &off.program, &feeds, Precision::F64)
@@ -173,7 +173,7 @@ fn every_optimisation_turned_off_keeps_the_step() {
                     .filter(|c| matches!(c, Choice::Templates(_)))
                     .count()
             };
-            if *opt == "tensor-core-attention" {
+            if opt == Optimisation::TensorCoreAttention {
                 // Fewer launches: a simple kernel where several templates ran.
                 assert_eq!(templates(&off), 0, "{file}: {opt}");
                 *changed.entry(opt).or_default() += usize::from(templates(&all_on) > 0);
@@ -183,7 +183,7 @@ fn every_optimisation_turned_off_keeps_the_step() {
             }
         }
     }
-    for (opt, _, _) in OPTIMISATIONS {
+    for opt in Optimisation::ALL {
         assert!(
             changed.get(opt).is_some_and(|&n| n > 0),
             "turning {opt} off changed no model's step"

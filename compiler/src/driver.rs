@@ -8,6 +8,7 @@ use crate::elaborate::{self, Options};
 use crate::ir::verify::verify;
 use crate::ir::{DType, Graph};
 use crate::model::Model;
+use crate::optimisation::Optimisation;
 use crate::passes::{default_pipeline, forward_pipeline, run_pipeline, PassStats};
 
 /// The stages whose result `fusec build --dump <stage>` can print.
@@ -122,7 +123,7 @@ fn check_overrides(ast: &Module, opts: &Options) -> Result<(), Failure> {
         }
     }
     let mut names = crate::passes::pass_names();
-    names.extend(crate::kernel::OPTIMISATIONS.iter().map(|o| o.0));
+    names.extend(Optimisation::ALL.iter().map(|o| o.name()));
     for d in &opts.disabled_passes {
         if !names.contains(&d.as_str()) {
             return Err(Failure::Usage(format!(
@@ -240,15 +241,10 @@ pub fn forward_graph(c: &Compiled) -> Result<Graph, String> {
 
 /// The names in `--disable-pass` that are optimisations of the kernel
 /// stages (the graph carries them to fusion and selection).
-fn lowering_off(disabled: &[String]) -> Vec<String> {
+fn lowering_off(disabled: &[String]) -> Vec<Optimisation> {
     disabled
         .iter()
-        .filter(|d| {
-            crate::kernel::OPTIMISATIONS
-                .iter()
-                .any(|o| o.0 == d.as_str())
-        })
-        .cloned()
+        .filter_map(|d| Optimisation::from_name(d))
         .collect()
 }
 

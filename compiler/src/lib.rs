@@ -14,6 +14,7 @@ pub mod lowering;
 pub mod model;
 pub mod mutants;
 pub mod ops;
+pub mod optimisation;
 pub mod passes;
 pub mod plan;
 pub mod recompute;

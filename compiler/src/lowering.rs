@@ -13,7 +13,7 @@
 //! selection panic, the plan returns it).
 //!
 //! `fusec build --dump-after layout|fuse|select|plan` prints each stage's
-//! result; the optimisations inside them (`kernel::OPTIMISATIONS`) can be
+//! result; the optimisations inside them (`optimisation::Optimisation`) can be
 //! turned off one by one with `--disable-pass`.
 
 use crate::ir::Graph;

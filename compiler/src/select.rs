@@ -13,6 +13,7 @@ use crate::emit::gemm_split::{split_source, SPLIT_SOURCE};
 use crate::ir::Graph;
 use crate::kernel::{Body, Program};
 use crate::ops::Op;
+use crate::optimisation::Optimisation;
 use std::fmt::Write;
 
 /// What the kernels are chosen for.
@@ -157,7 +158,7 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
         ..target.clone()
     };
     let (tensor_cores, f32_math) = (target.arch.is_some(), target.f32_math);
-    let target = match g.lowering_on("tensor-core-attention") {
+    let target = match g.lowering_on(Optimisation::TensorCoreAttention) {
         true => target,
         false => &simple,
     };

@@ -38,7 +38,7 @@ pub fn group_kernel(
             d == DType::F32 || (slot == 1 && d == DType::BF16)
         }) && m.outputs.iter().all(|&o| dt(k.outputs[o]) == DType::F32)
     };
-    // Updates of f32 parameters call the prelude's one copy of the update
+    // Updates of f32 parameters call kernels/optim.cuh's one copy of the update
     // (one per gradient type), so compile time stays flat in the number of
     // parameters.
     // Zeros a member writes after its output's last row (a table a padded
@@ -59,6 +59,26 @@ pub fn group_kernel(
             b.zero_rows * cols
         })
     };
+    // The headers the members' code needs (kernels/optim.cuh for the
+    // updates), each once, before the kernel.
+    let mut scope: Vec<String> = Vec::new();
+    for m in members {
+        let c = Ctx {
+            p,
+            k,
+            ins: m.inputs.clone(),
+            outs: m.outputs.clone(),
+        };
+        if let Some(decls) = g.g[m.node].op.lower().file_scope(g, &c, m.node) {
+            if !scope.contains(&decls) {
+                scope.push(decls);
+            }
+        }
+    }
+    if !scope.is_empty() {
+        let at = s.find("extern \"C\"")?;
+        s.insert_str(at, &scope.concat());
+    }
     let calls: Option<Vec<String>> =
         if members.iter().all(f32_only) && members.iter().all(|m| tail(m) == 0) {
             members.iter().map(|m| update_call(g, m)).collect()

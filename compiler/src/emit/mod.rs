@@ -78,6 +78,7 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../../../kernels/elements.cuh"),
     ),
     ("norm.cuh", include_str!("../../../kernels/norm.cuh")),
+    ("optim.cuh", include_str!("../../../kernels/optim.cuh")),
     (
         "column_sum.cuh",
         include_str!("../../../kernels/column_sum.cuh"),

@@ -137,8 +137,8 @@ pub struct Graph {
     /// recompute stage where that plans a smaller step.
     pub order_by_memory: bool,
     /// Optimisations of the kernel stages left out (`--disable-pass`, for
-    /// bisecting; `kernel::OPTIMISATIONS` lists them).
-    pub lowering_off: Vec<String>,
+    /// bisecting).
+    pub lowering_off: Vec<crate::optimisation::Optimisation>,
     /// Bytes a data-parallel gradient bucket closes at (`--bucket-mib`);
     /// `None`: `kernel::buckets::BUCKET_BYTES`.
     pub bucket_bytes: Option<u64>,
@@ -172,8 +172,8 @@ impl Graph {
     }
 
     /// Whether an optimisation of the kernel stages is on (see `lowering_off`).
-    pub fn lowering_on(&self, optimisation: &str) -> bool {
-        !self.lowering_off.iter().any(|o| o == optimisation)
+    pub fn lowering_on(&self, optimisation: crate::optimisation::Optimisation) -> bool {
+        !self.lowering_off.contains(&optimisation)
     }
 
     /// The block calls a place was elaborated in, innermost first.

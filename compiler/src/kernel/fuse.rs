@@ -16,6 +16,7 @@ use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::ops::{BinaryKind, UnaryKind};
 use crate::ops::{FusionClass, Op};
+use crate::optimisation::Optimisation;
 use petgraph::stable_graph::NodeIndex;
 use std::collections::HashMap;
 
@@ -90,7 +91,7 @@ impl<'g> Fuser<'g> {
         let Op::Cast(c) = &self.g.g[n].op else {
             return None;
         };
-        if !self.g.lowering_on("casts-into-producers") {
+        if !self.g.lowering_on(Optimisation::CastsIntoProducers) {
             return None;
         }
         let x = self.g.inputs(n)[0];
@@ -114,7 +115,7 @@ impl<'g> Fuser<'g> {
     /// reading every product back.
     fn residual_for_gemm(&self, n: NodeIndex, x: Value, at: &HashMap<NodeIndex, usize>) -> bool {
         let is_add = matches!(&self.g.g[n].op, Op::Binary(b) if b.kind == BinaryKind::Add);
-        if !is_add || !self.g.lowering_on("gemm-epilogues") {
+        if !is_add || !self.g.lowering_on(Optimisation::GemmEpilogues) {
             return false;
         }
         let ins = self.g.inputs(n);
@@ -143,7 +144,7 @@ impl<'g> Fuser<'g> {
                 continue;
             }
             let mut joined = None;
-            let chains = self.g.lowering_on("elementwise-chains");
+            let chains = self.g.lowering_on(Optimisation::ElementwiseChains);
             for x in self.g.inputs(n).into_iter().filter(|_| chains) {
                 let (b, _) = self.base(x);
                 let Some(&gi) = self.group.get(&b.node) else {
@@ -441,7 +442,7 @@ impl<'g> Fuser<'g> {
     /// elements, through reshapes alone) and that the chain's kernel can
     /// add up as it computes it.
     fn chain_sum(&self, tail: NodeIndex, n: &Dim) -> Option<ChainSum> {
-        if !self.g.lowering_on("sums-into-chains") {
+        if !self.g.lowering_on(Optimisation::SumsIntoChains) {
             return None;
         }
         let v = Value {
@@ -584,7 +585,7 @@ pub fn fuse(g: &Graph) -> Program {
             FusionClass::Kernel => f.op_kernel(n, &mut kernels),
         }
     }
-    let kernels = match g.lowering_on("group-kernels") {
+    let kernels = match g.lowering_on(Optimisation::GroupKernels) {
         true => {
             let casts = super::groups::group_param_casts(g, &f.buffers, kernels);
             super::groups::group_optimizer_updates(g, casts)

@@ -43,54 +43,6 @@ pub const STAGES: &[(&str, &str)] = &[
     ),
 ];
 
-/// The optimisations of the kernel stages that `--disable-pass` can turn
-/// off, to find which one a wrong result or a slow step comes from: (name,
-/// stage, what it does). Each is read where it applies
-/// (`Graph::lowering_on`); turned off, the step computes the same values
-/// with more kernels or simpler ones.
-pub const OPTIMISATIONS: &[(&str, &str, &str)] = &[
-    (
-        "elementwise-chains",
-        "fuse",
-        "an elementwise op joins its producer's kernel when it is the value's only reader (off: a kernel per op)",
-    ),
-    (
-        "gemm-epilogues",
-        "fuse",
-        "bias, residual, GELU and GELU-backward after a product run in cuBLASLt's epilogue (off: kernels of their own)",
-    ),
-    (
-        "casts-into-producers",
-        "fuse",
-        "a widening cast is stored by the kernel that makes its input (off: a cast kernel)",
-    ),
-    (
-        "sums-into-chains",
-        "fuse",
-        "a sum over the leading axes (a bias gradient) is added up by the elementwise kernel that stores its input (off: a sum kernel reading it back)",
-    ),
-    (
-        "chains-into-norms",
-        "fuse",
-        "a norm forward computes the elementwise chain that makes its input as it loads its rows, storing it once where its backward reads it (off: the chain's kernel, then the norm's)",
-    ),
-    (
-        "norm-residual",
-        "fuse",
-        "a norm backward adds the residual stream's gradient as it stores dx (off: an add kernel)",
-    ),
-    (
-        "group-kernels",
-        "fuse",
-        "the casts of the master weights and the optimizer updates of every parameter run as one launch each (off: a launch per tensor)",
-    ),
-    (
-        "tensor-core-attention",
-        "select",
-        "attention runs the kernels/attention templates for the device (off: the simple kernels, as FUSEC_ATTENTION=simple)",
-    ),
-];
-
 /// What a stored buffer holds, for the memory plan and the report.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BufKind {

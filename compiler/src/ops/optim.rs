@@ -382,6 +382,9 @@ impl OpDef for SumSquares {
 // ---- lowering: a thread an element of the parameter (or of this rank's
 // piece of it), as members of one group kernel for every parameter ----
 
+/// The include of kernels/optim.cuh, which every update kernel runs.
+const OPTIM_INCLUDE: &str = "#include \"optim.cuh\"\n\n";
+
 /// The launch shape of an update: the piece of its parameter it runs on
 /// (ZeRO), or all of it.
 fn update_shape(g: &Graph, n: NodeIndex, range: Option<(i64, i64)>) -> Option<Shape> {
@@ -421,6 +424,9 @@ impl Lower for AdamW {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
         update_shape(g, n, self.range)
     }
+    fn file_scope(&self, _: &Graph, _: &Ctx, _: NodeIndex) -> Option<String> {
+        Some(OPTIM_INCLUDE.to_string())
+    }
     fn update_range(&self) -> Option<(i64, i64)> {
         self.range
     }
@@ -446,47 +452,34 @@ impl Lower for AdamW {
                 c.st(2, "i", &c.ld(3, "i"))
             );
         }
+        // kernels/optim.cuh's one copy of the update, on this element.
         let _ = writeln!(
             b,
-            "        const float g = {} * {}, lr = {}, t = {};",
+            "        const float g = {} * {}, lr = {}, t = {};\n        float m = {}, v = {}, p = {}, bc1, bc2;",
             c.ld(1, gi),
             c.ld(6, "0"),
             c.ld(4, "0"),
-            c.ld(5, "0")
-        );
-        let _ = writeln!(
-            b,
-            "        const float m = {} * {} + {} * g;",
-            float_lit(self.beta1),
+            c.ld(5, "0"),
             c.ld(2, "i"),
-            float_lit(1.0 - self.beta1)
-        );
-        let _ = writeln!(
-            b,
-            "        const float v = {} * {} + {} * g * g;",
-            float_lit(self.beta2),
             c.ld(3, "i"),
-            float_lit(1.0 - self.beta2)
+            c.ld(0, pi)
         );
-        // The bias corrections 1 - beta^t as -expm1(t * log1p(-(1 - beta))),
-        // the logarithm worked out here in f64: 1 - powf(0.999f, t) in
-        // f32 is off by about 1e-5 relative (0.999f is not 0.999, and the
-        // subtraction cancels most digits), the same way at every step
-        // and in every parameter: a steady drift from an f64 run, not
-        // rounding noise. This form is within 1.5e-7 (tests/cuda_host.rs).
         let log1p_neg = |beta: f64| (-(1.0 - beta)).ln_1p();
         let _ = writeln!(
             b,
-            "        const float bc1 = -expm1f(t * {}), bc2 = -expm1f(t * {});",
+            "        fs_adamw_corrections(t, {}, {}, bc1, bc2);",
             float_lit(log1p_neg(self.beta1)),
             float_lit(log1p_neg(self.beta2))
         );
         let _ = writeln!(
             b,
-            "        const float p = {} * (1.0f - lr * {}) - lr * (m / bc1) / (sqrtf(v / bc2) + {});",
-            c.ld(0, pi),
+            "        fs_adamw_step(p, m, v, g, lr, bc1, bc2, {}, {}, {}, {}, {}, {});",
+            float_lit(self.beta1),
+            float_lit(self.beta2),
+            float_lit(self.eps),
             float_lit(self.weight_decay),
-            float_lit(self.eps)
+            float_lit(1.0 - self.beta1),
+            float_lit(1.0 - self.beta2)
         );
         let _ = writeln!(
             b,
@@ -502,6 +495,9 @@ impl Lower for AdamW {
 impl Lower for Sgd {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
         update_shape(g, n, self.range)
+    }
+    fn file_scope(&self, _: &Graph, _: &Ctx, _: NodeIndex) -> Option<String> {
+        Some(OPTIM_INCLUDE.to_string())
     }
     fn update_range(&self) -> Option<(i64, i64)> {
         self.range
@@ -526,25 +522,22 @@ impl Lower for Sgd {
                 c.st(1, "i", &c.ld(2, "i"))
             );
         }
+        // kernels/optim.cuh's one copy of the update, on this element.
         let _ = writeln!(
             b,
-            "        const float p = {}, lr = {};",
+            "        float p = {};\n        const float lr = {};\n        float buf = {};\n        fs_sgd_step(p, buf, {} * {}, lr, {}, {});",
             c.ld(0, pi),
-            c.ld(3, "0")
-        );
-        let _ = writeln!(
-            b,
-            "        const float buf = {} * {} + {} * {} + {} * p;",
-            float_lit(self.momentum),
+            c.ld(3, "0"),
             c.ld(2, "i"),
             c.ld(1, gi),
             c.ld(4, "0"),
+            float_lit(self.momentum),
             float_lit(self.weight_decay)
         );
         let _ = writeln!(
             b,
             "        {}\n        {}",
-            c.st(0, pi, "p - lr * buf"),
+            c.st(0, pi, "p"),
             c.st(1, "i", "buf")
         );
         Some(body)
