@@ -19,7 +19,7 @@
 #                                (TWIN_TENSORS, default "--tensors 1 --tensors 25": steps judged tensor by tensor)
 #   tools/gpu_check.sh zoo       twin parity of drawn models ($BIN/zoo), fp32 and bf16, seeds, step 1 tensor by
 #                                tensor, the bf16 drift ratio's distribution (tools/zoo_parity.py; ZOO_MODELS,
-#                                ZOO_SEEDS, ZOO_STEPS)
+#                                ZOO_START, ZOO_SEEDS, ZOO_STEPS, ZOO_JOBS: runs at once, default 6)
 #   tools/gpu_check.sh suite     fusec bench beside torch.compile of each shipped transformer's twin
 #                                (tools/bench_twins.py, B = 8 and 32; SUITE_ONLY=REGEX picks models)
 #   tools/gpu_check.sh dp        data parallel on every GPU of the machine: the dp_gpu test, --gpus N
@@ -188,8 +188,8 @@ if [ "$what" = zoo ]; then
   # fp32 and bf16 over several seeds, step 1 tensor by tensor, and the bf16
   # drift ratio's distribution.
   run "twin parity of drawn models"
-  timeout ${ZOO_TIMEOUT:-3000} python3 tools/zoo_parity.py "$BIN/zoo" --fusec "$BIN/fusec" --models ${ZOO_MODELS:-20} \
-    --seeds ${ZOO_SEEDS:-3} --steps ${ZOO_STEPS:-40} --out "$LOGS/zoo.json" 2>&1 | tee "$LOGS/zoo.log" | tail -${ZOO_TAIL:-200}
+  timeout ${ZOO_TIMEOUT:-3000} env OMP_NUM_THREADS=2 python3 tools/zoo_parity.py "$BIN/zoo" --fusec "$BIN/fusec" --models ${ZOO_MODELS:-20} \
+    --start ${ZOO_START:-0} --jobs ${ZOO_JOBS:-6} --seeds ${ZOO_SEEDS:-3} --steps ${ZOO_STEPS:-40} --out "$LOGS/zoo.json" 2>&1 | tee "$LOGS/zoo.log" | tail -${ZOO_TAIL:-200}
 fi
 if [ "$what" = dp ]; then
   export NCCL_NVLS_ENABLE=0

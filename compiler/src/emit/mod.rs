@@ -79,6 +79,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ),
     ("norm.cuh", include_str!("../../../kernels/norm.cuh")),
     ("optim.cuh", include_str!("../../../kernels/optim.cuh")),
+    ("softmax.cuh", include_str!("../../../kernels/softmax.cuh")),
     (
         "column_sum.cuh",
         include_str!("../../../kernels/column_sum.cuh"),

@@ -11,7 +11,7 @@
 //! GPT-2's [16384, 768] layernorm backward in 174 us, about 8x its bytes.
 
 use super::cuda::float_lit;
-use super::templates::Ctx;
+use super::templates::{element, Ctx};
 use crate::ir::types::DType;
 use crate::ir::Graph;
 use crate::ops::{Op, NORM_GROUPS};
@@ -50,15 +50,6 @@ const BLOCK: u64 = super::templates::BLOCK;
 /// memory it fits in 128 without spilling.
 pub(crate) fn backward_bounds(g: &Graph, n: NodeIndex) -> Option<String> {
     applies(g, n).map(|_| format!("{BLOCK}, 2"))
-}
-
-/// The element type a template takes for a buffer of `dt` (kernels/elements.cuh).
-fn element(dt: DType) -> &'static str {
-    match dt {
-        DType::BF16 => "fs_el::Bf16",
-        DType::F16 => "fs_el::F16",
-        _ => "fs_el::F32",
-    }
 }
 
 /// The include of kernels/norm.cuh, where the op runs there.

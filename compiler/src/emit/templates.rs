@@ -68,6 +68,31 @@ impl<'a> Ctx<'a> {
     pub(crate) fn st(&self, o: usize, idx: &str, v: &str) -> String {
         format!("out{}[{idx}] = {};", self.outs[o], store(self.out_dt(o), v))
     }
+    /// The element type (kernels/elements.cuh) of input `i`, for a template.
+    pub(crate) fn in_el(&self, i: usize) -> &'static str {
+        element(self.in_dt(i))
+    }
+    /// The element type of output `o`, for a template.
+    pub(crate) fn out_el(&self, o: usize) -> &'static str {
+        element(self.out_dt(o))
+    }
+    /// Input `i`'s kernel parameter, as a template's pointer argument.
+    pub(crate) fn in_ptr(&self, i: usize) -> String {
+        format!("in{}", self.ins[i])
+    }
+    /// Output `o`'s kernel parameter.
+    pub(crate) fn out_ptr(&self, o: usize) -> String {
+        format!("out{}", self.outs[o])
+    }
+}
+
+/// The element type a template takes for a buffer of `dt` (kernels/elements.cuh).
+pub(crate) fn element(dt: DType) -> &'static str {
+    match dt {
+        DType::BF16 => "fs_el::Bf16",
+        DType::F16 => "fs_el::F16",
+        _ => "fs_el::F32",
+    }
 }
 
 /// `v`, plus the kernel's residual input at the same element where it has

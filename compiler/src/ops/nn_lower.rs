@@ -7,8 +7,8 @@
 use super::*;
 use crate::emit::cuda::float_lit;
 use crate::emit::templates::{
-    close_row_groups, cross_entropy_row, max_sumexp, rms, row_groups, row_length_of, rows_of,
-    stats, with_residual,
+    close_row_groups, cross_entropy_row, rms, row_groups, row_length_of, rows_of, stats,
+    with_residual,
 };
 use crate::emit::{embedding_grad, norm_rows};
 use std::fmt::Write;
@@ -38,22 +38,22 @@ fn norm_backward_shape(g: &Graph, n: NodeIndex) -> Shape {
     }
 }
 
-/// Along the last axis only: a block a row.
+/// Along the last axis only: a block a row (kernels/softmax.cuh).
 impl Lower for Softmax {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
         last_axis_rows(self.axis, g, n)
     }
+    fn file_scope(&self, _: &Graph, _: &Ctx, _: NodeIndex) -> Option<String> {
+        Some(SOFTMAX_INCLUDE.to_string())
+    }
     fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        let mut body = String::new();
-        let b = &mut body;
-        let x = |j: &str| c.ld(0, &format!("row * C + {j}"));
-        max_sumexp(b, &x("j"), "        ");
-        let _ = writeln!(
-            b,
-            "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
-            c.st(0, "row * C + j", &format!("expf({} - m) / sum", x("j")))
-        );
-        Some(body)
+        Some(format!(
+            "        fs_softmax_row<{}, {}>({} + row * C, {} + row * C, C);\n",
+            c.in_el(0),
+            c.out_el(0),
+            c.in_ptr(0),
+            c.out_ptr(0)
+        ))
     }
 }
 
@@ -61,24 +61,23 @@ impl Lower for SoftmaxGrad {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
         last_axis_rows(self.axis, g, n)
     }
+    fn file_scope(&self, _: &Graph, _: &Ctx, _: NodeIndex) -> Option<String> {
+        Some(SOFTMAX_INCLUDE.to_string())
+    }
     fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        let mut body = String::new();
-        let b = &mut body;
-        let (y, dy) = (c.ld(0, "row * C + j"), c.ld(1, "row * C + j"));
-        let _ = writeln!(b, "        float dot = 0.0f;");
-        let _ = writeln!(
-            b,
-            "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) dot += {y} * {dy};"
-        );
-        let _ = writeln!(b, "        dot = fs_block_sum(dot);");
-        let _ = writeln!(
-            b,
-            "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {}",
-            c.st(0, "row * C + j", &format!("{y} * ({dy} - dot)"))
-        );
-        Some(body)
+        Some(format!(
+            "        fs_softmax_grad_row<{}, {}, {}>({} + row * C, {} + row * C, {} + row * C, C);\n",
+            c.in_el(0),
+            c.in_el(1),
+            c.out_el(0),
+            c.in_ptr(0),
+            c.in_ptr(1),
+            c.out_ptr(0)
+        ))
     }
 }
+
+const SOFTMAX_INCLUDE: &str = "#include \"softmax.cuh\"\n\n";
 
 /// Many rows a block where the rows are short (norm_rows), else a block a row.
 impl Lower for LayerNorm {
