@@ -66,7 +66,10 @@ def load_state(twin, model, opt, path, step):
     for name, p in model.named_parameters():
         st = opt.state[p]
         if f"{name}.adam_m" in found:
-            st["step"] = torch.tensor(float(step))
+            # A fused AdamW (the twin's on the GPU) keeps its step count
+            # on the parameters' device; the others keep it on the CPU.
+            fused = any(g.get("fused") for g in opt.param_groups)
+            st["step"] = torch.tensor(float(step), device=p.device if fused else "cpu")
             st["exp_avg"] = found[f"{name}.adam_m"].to(p.device, p.dtype).reshape(p.shape).clone()
             st["exp_avg_sq"] = found[f"{name}.adam_v"].to(p.device, p.dtype).reshape(p.shape).clone()
         elif f"{name}.momentum" in found:

@@ -1,6 +1,7 @@
 //! Emission: kernels of the kernel IR become CUDA C source.
 pub mod attention;
 pub mod conv;
+pub mod cross_entropy;
 pub mod cuda;
 pub mod embedding_grad;
 pub mod flash;
@@ -80,6 +81,10 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("norm.cuh", include_str!("../../../kernels/norm.cuh")),
     ("optim.cuh", include_str!("../../../kernels/optim.cuh")),
     ("softmax.cuh", include_str!("../../../kernels/softmax.cuh")),
+    (
+        "cross_entropy.cuh",
+        include_str!("../../../kernels/cross_entropy.cuh"),
+    ),
     (
         "column_sum.cuh",
         include_str!("../../../kernels/column_sum.cuh"),

@@ -7,10 +7,9 @@
 use super::*;
 use crate::emit::cuda::float_lit;
 use crate::emit::templates::{
-    close_row_groups, cross_entropy_row, rms, row_groups, row_length_of, rows_of, stats,
-    with_residual,
+    close_row_groups, rms, row_groups, row_length_of, rows_of, stats, with_residual,
 };
-use crate::emit::{embedding_grad, norm_rows};
+use crate::emit::{cross_entropy, embedding_grad, norm_rows};
 use std::fmt::Write;
 
 /// A block a row where the op runs along the last axis (none otherwise).
@@ -305,8 +304,8 @@ impl Lower for EmbeddingGrad {
     }
 }
 
-/// The three cross-entropy ops share one row kernel (emit::templates::
-/// cross_entropy_row); they differ in what it stores: the loss (output
+/// The three cross-entropy ops share one row kernel (emit::cross_entropy,
+/// kernels/cross_entropy.cuh); they differ in what it stores: the loss (output
 /// `loss`), the logits' gradient (output `grad`), or both in one pass.
 macro_rules! cross_entropy_lowering {
     ($($op:ident: loss $loss:expr, grad $grad:expr;)*) => {$(
@@ -321,10 +320,11 @@ macro_rules! cross_entropy_lowering {
                     None => row_length_of(g, n),
                 }
             }
+            fn file_scope(&self, _: &Graph, _: &Ctx, _: NodeIndex) -> Option<String> {
+                Some(cross_entropy::INCLUDE.to_string())
+            }
             fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-                let mut body = String::new();
-                cross_entropy_row(&mut body, c, $loss, $grad, self.classes, &self.rule);
-                Some(body)
+                Some(cross_entropy::row(c, $loss, $grad, self.classes, &self.rule))
             }
         }
     )*};
