@@ -22,6 +22,7 @@
 #define FS_CROSS_ENTROPY
 
 #include "elements.cuh"
+#include "softmax.cuh"
 
 // The emitter passes constants, so the rule's branches fold away: the
 // default rule compiles to the plain loss.
@@ -35,17 +36,6 @@ struct fs_ce_rule {
 
 __device__ __forceinline__ bool fs_ce_counts(const fs_ce_rule& r, fs_i64 t) {
     return !r.ignores || t != r.ignore_index;
-}
-
-// The row's maximum m and the sum of exp(x - m): a pass each.
-template <class X>
-__device__ __forceinline__ void fs_ce_max_sumexp(const typename X::Storage* x, fs_i64 C, float& m, float& sum) {
-    m = -__int_as_float(0x7f800000);
-    for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) m = fmaxf(m, X::load(&x[j]));
-    m = fs_block_max(m);
-    sum = 0.0f;
-    for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += expf(X::load(&x[j]) - m);
-    sum = fs_block_sum(sum);
 }
 
 // The sum of the row's logits, which only a smoothed loss needs.
@@ -79,7 +69,7 @@ template <class X, class L>
 __device__ __forceinline__ void fs_cross_entropy_row(const typename X::Storage* x, fs_i64 t,
                                                      typename L::Storage* loss, fs_i64 C, fs_ce_rule r) {
     float m, sum;
-    fs_ce_max_sumexp<X>(x, C, m, sum);
+    fs_row_max_sumexp<X>(x, C, m, sum);
     const float sx = fs_ce_sum<X>(x, C, r);
     if (threadIdx.x == 0) *loss = L::store(fs_ce_loss<X>(x, t, C, m, sum, sx, r));
 }
@@ -91,7 +81,7 @@ __device__ __forceinline__ void fs_cross_entropy_grad_row(const typename X::Stor
                                                           typename G::Storage* g, fs_i64 C, fs_i64 end,
                                                           typename L::Storage* loss, fs_ce_rule r) {
     float m, sum;
-    fs_ce_max_sumexp<X>(x, C, m, sum);
+    fs_row_max_sumexp<X>(x, C, m, sum);
     const float sx = Loss ? fs_ce_sum<X>(x, C, r) : 0.0f;
     const float scale = fs_ce_counts(r, t) ? dloss : 0.0f;
     if (Loss) {

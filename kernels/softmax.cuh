@@ -18,14 +18,22 @@
 
 #include "elements.cuh"
 
-template <class X, class Y>
-__device__ __forceinline__ void fs_softmax_row(const typename X::Storage* x, typename Y::Storage* y, fs_i64 C) {
-    float m = -__int_as_float(0x7f800000);
+// The row's maximum m and the sum of exp(x - m), a pass each: what the
+// softmax and the cross-entropy (cross_entropy.cuh) start from.
+template <class X>
+__device__ __forceinline__ void fs_row_max_sumexp(const typename X::Storage* x, fs_i64 C, float& m, float& sum) {
+    m = -__int_as_float(0x7f800000);
     for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) m = fmaxf(m, X::load(&x[j]));
     m = fs_block_max(m);
-    float sum = 0.0f;
+    sum = 0.0f;
     for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) sum += expf(X::load(&x[j]) - m);
     sum = fs_block_sum(sum);
+}
+
+template <class X, class Y>
+__device__ __forceinline__ void fs_softmax_row(const typename X::Storage* x, typename Y::Storage* y, fs_i64 C) {
+    float m, sum;
+    fs_row_max_sumexp<X>(x, C, m, sum);
     for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) y[j] = Y::store(expf(X::load(&x[j]) - m) / sum);
 }
 

@@ -59,33 +59,40 @@ fn vector_row(c: &Ctx, o: usize) -> Option<i64> {
     (in_row >= out_row).then_some(out_row)
 }
 
+/// What a cross-entropy kernel stores, by output slot: the loss, the
+/// logits' gradient, or both from one pass over the logits.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Stores {
+    Loss(usize),
+    Grad(usize),
+    Both { loss: usize, grad: usize },
+}
+
 /// One row of cross-entropy over logits (input 0) against targets (input
-/// 1): the loss into output `loss`, and/or the gradient, scaled by dloss
-/// (input 2) at the row, into output `grad`.
-pub(crate) fn row(
-    c: &Ctx,
-    loss: Option<usize>,
-    grad: Option<usize>,
-    classes: Option<i64>,
-    rule: &CeRule,
-) -> String {
+/// 1): the loss, and/or the gradient scaled by dloss (input 2) at the row.
+pub(crate) fn row(c: &Ctx, stores: Stores, classes: Option<i64>, rule: &CeRule) -> String {
     let pitch =
         |buf: usize| row_pitch(c, buf, classes).map_or("C".to_string(), |p| format!("{p}LL"));
     let x = format!("{} + row * {}", c.in_ptr(0), pitch(c.k.inputs[c.ins[0]]));
     let t = format!("{}[row]", c.in_ptr(1));
     let rule = rule_literal(rule);
     let loss_at = |o: usize| format!("{} + row", c.out_ptr(o));
-    let Some(o) = grad else {
-        let lo = loss.unwrap_or(0);
-        return format!(
-            "        fs_cross_entropy_row<{}, {}>({x}, {t}, {}, C, {rule});\n",
-            c.in_el(0),
-            c.out_el(lo),
-            loss_at(lo)
-        );
+    let (o, loss) = match stores {
+        Stores::Loss(lo) => {
+            return format!(
+                "        fs_cross_entropy_row<{}, {}>({x}, {t}, {}, C, {rule});\n",
+                c.in_el(0),
+                c.out_el(lo),
+                loss_at(lo)
+            )
+        }
+        Stores::Grad(o) => (o, None),
+        Stores::Both { loss, grad } => (grad, Some(loss)),
     };
-    let gbuf = c.k.outputs[c.outs[o]];
-    let g = format!("{} + row * {}", c.out_ptr(o), pitch(gbuf));
+    // Rows padded past the classes (to the gradient's pitch) get zeros: a
+    // GEMM run at the padded k reads them (kernel::pitch::pad_gemm_sizes).
+    let end = pitch(c.k.outputs[c.outs[o]]);
+    let g = format!("{} + row * {end}", c.out_ptr(o));
     let (with_loss, l_el, l_ptr) = match loss {
         Some(lo) => ("true", c.out_el(lo), loss_at(lo)),
         None => ("false", "fs_el::F32", "nullptr".to_string()),
@@ -96,13 +103,10 @@ pub(crate) fn row(
             "        fs_cross_entropy_grad_row8<{}, {with_loss}, {l_el}>({x}, {t}, {dl}, {g}, C, {end}LL, {l_ptr}, {rule});\n",
             c.in_el(0)
         ),
-        // The padded columns get zeros: a GEMM run at the padded k reads
-        // them (kernel::pitch::pad_gemm_sizes).
         None => format!(
-            "        fs_cross_entropy_grad_row<{}, {}, {with_loss}, {l_el}>({x}, {t}, {dl}, {g}, C, {}, {l_ptr}, {rule});\n",
+            "        fs_cross_entropy_grad_row<{}, {}, {with_loss}, {l_el}>({x}, {t}, {dl}, {g}, C, {end}, {l_ptr}, {rule});\n",
             c.in_el(0),
             c.out_el(o),
-            row_pitch(c, gbuf, classes).map_or("C".to_string(), |p| format!("{p}LL"))
         ),
     }
 }

@@ -5,11 +5,12 @@
 //! specialised kernels of emit/norm_rows.rs and emit/embedding_grad.rs.
 
 use super::*;
+use crate::emit::cross_entropy::{self, Stores};
 use crate::emit::cuda::float_lit;
 use crate::emit::templates::{
     close_row_groups, rms, row_groups, row_length_of, rows_of, stats, with_residual,
 };
-use crate::emit::{cross_entropy, embedding_grad, norm_rows};
+use crate::emit::{embedding_grad, norm_rows};
 use std::fmt::Write;
 
 /// A block a row where the op runs along the last axis (none otherwise).
@@ -305,10 +306,9 @@ impl Lower for EmbeddingGrad {
 }
 
 /// The three cross-entropy ops share one row kernel (emit::cross_entropy,
-/// kernels/cross_entropy.cuh); they differ in what it stores: the loss (output
-/// `loss`), the logits' gradient (output `grad`), or both in one pass.
+/// kernels/cross_entropy.cuh); they differ in what it stores (Stores).
 macro_rules! cross_entropy_lowering {
-    ($($op:ident: loss $loss:expr, grad $grad:expr;)*) => {$(
+    ($($op:ident: $stores:expr;)*) => {$(
         impl Lower for $op {
             fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
                 Some(Shape::Rows(rows_of(g, n)))
@@ -324,7 +324,7 @@ macro_rules! cross_entropy_lowering {
                 Some(cross_entropy::INCLUDE.to_string())
             }
             fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-                Some(cross_entropy::row(c, $loss, $grad, self.classes, &self.rule))
+                Some(cross_entropy::row(c, $stores, self.classes, &self.rule))
             }
         }
     )*};
@@ -333,9 +333,9 @@ macro_rules! cross_entropy_lowering {
 // logsumexp(row) - row[target] (NaN for a target outside the row); its
 // gradient; and both from one pass over the logits.
 cross_entropy_lowering! {
-    CrossEntropy: loss Some(0), grad None;
-    CrossEntropyGrad: loss None, grad Some(0);
-    CrossEntropyWithGrad: loss Some(1), grad Some(0);
+    CrossEntropy: Stores::Loss(0);
+    CrossEntropyGrad: Stores::Grad(0);
+    CrossEntropyWithGrad: Stores::Both { loss: 1, grad: 0 };
 }
 
 /// A thread a target.
