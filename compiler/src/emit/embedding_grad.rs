@@ -1,28 +1,23 @@
-//! The embedding's backward: the gradient of a `[V, C]` table from the
-//! gradients of the rows the tokens picked, `dW[v] = sum of dY[t] over the
-//! tokens t with id v`, deterministic (no float atomics).
-//!
-//! Work item (group, run): a group of R table rows, their sums in shared
-//! memory, over one of `splits` runs of the tokens. Its block scans its run's
-//! ids four a thread at a time, a block scan turns the hits into places in a
-//! shared list in token order, and every thread adds the listed tokens'
-//! gradient rows to the columns it owns. A table of many rows (a vocabulary)
-//! has groups enough to fill the GPU and one run, so each group's block
-//! writes its rows; a table of few rows (token types, a small position
-//! table) has few groups, so the tokens are cut into runs, each run's sums
-//! go to f32 partials, and the last run of a group to finish (counted with
-//! an atomic) adds them in run order. One scan of the ids per group, where
-//! a block per row scanned them once per row.
+//! The embedding's backward, `dW[v] = sum of dY[t] over the tokens t with
+//! id v` (deterministic, no float atomics), as a call into
+//! kernels/embedding.cuh, whose work items and algorithm that header
+//! describes. This file chooses the template's sizes: how many table rows a
+//! group sums in shared memory, and into how many runs the tokens are cut so
+//! that a table of few rows (token types, a small position table) still
+//! fills the GPU; and it declares the runs' partials where there are runs.
 
 use super::templates::Ctx;
 use crate::ir::{Dim, Graph};
 use crate::ops::Op;
 use petgraph::stable_graph::NodeIndex;
-use std::fmt::Write;
 
 /// Shared memory for the group's sums (40 KiB: with the 4 KiB list, under
-/// the 48 KiB a block may declare statically).
+/// the 48 KiB a block may declare statically); kernels/embedding.cuh's
+/// `FS_EMBEDDING_SUMS`, which its `static_assert` holds a group to.
 const SUMS_FLOATS: i64 = 10240;
+
+/// What an embedding-gradient kernel's file includes.
+const INCLUDE: &str = "#include \"embedding.cuh\"\n\n";
 
 /// Most rows a group sums.
 const ROWS: i64 = 16;
@@ -80,10 +75,13 @@ pub(crate) fn blocks(g: &Graph, n: NodeIndex) -> Option<Dim> {
 /// The runs' partials and each group's count of finished runs, where the
 /// tokens are cut into runs.
 pub(crate) fn file_scope(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-    let w = work(g, n).filter(|w| w.splits > 1)?;
+    let w = work(g, n)?;
+    if w.splits == 1 {
+        return Some(INCLUDE.to_string());
+    }
     let k = &c.k.name;
     Some(format!(
-        "// Each run's sums of the table's rows, and each row group's finished runs.\n\
+        "{INCLUDE}// Each run's sums of the table's rows, and each row group's finished runs.\n\
          __device__ float {k}_part[{}];\n__device__ unsigned {k}_done[{}] = {{0}};\n\n",
         w.splits * w.rows * w.cols,
         w.groups
@@ -93,120 +91,28 @@ pub(crate) fn file_scope(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
 pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let w = work(g, n)?;
     let k = &c.k.name;
-    let ins = g.inputs(n);
     let tokens = g
-        .ty(ins[0])
+        .ty(g.inputs(n)[0])
         .shape
         .iter()
         .try_fold(Dim::constant(1), |a, d| a.checked_mul(d))?;
-    let (r, groups, splits) = (w.per_group, w.groups, w.splits);
-    let mut b = String::new();
-    let _ = writeln!(
-        b,
-        "    // Table rows in groups of {r} (their sums in shared memory), the tokens in {splits} run(s)."
-    );
-    let _ = writeln!(
-        b,
-        "    const fs_i64 V = {}LL, C = {}LL, tokens = {}, groups = {groups}, splits = {splits};",
-        w.rows,
-        w.cols,
-        tokens.to_c()
-    );
-    let _ = writeln!(b, "    constexpr int R = {r};");
-    let _ = writeln!(
-        b,
-        "    __shared__ float acc[R * {}];\n    __shared__ int list[1024];",
-        w.cols
-    );
-    if splits > 1 {
-        let _ = writeln!(b, "    __shared__ bool last;");
-    }
-    let _ = writeln!(
-        b,
-        "    for (fs_i64 item = blockIdx.x; item < groups * splits; item += gridDim.x) {{"
-    );
-    let _ = writeln!(
-        b,
-        "        const fs_i64 grp = item / splits, run = item % splits, v0 = grp * R;"
-    );
-    let _ = writeln!(b, "        const int nr = V - v0 < R ? (int)(V - v0) : R;");
-    let _ = writeln!(
-        b,
-        "        for (fs_i64 i = threadIdx.x; i < R * C; i += blockDim.x) acc[i] = 0.0f;\n        __syncthreads();"
-    );
-    let _ = writeln!(
-        b,
-        "        const fs_i64 t_lo = run * tokens / splits, t_hi = (run + 1) * tokens / splits;"
-    );
-    let _ = writeln!(
-        b,
-        "        for (fs_i64 t0 = t_lo; t0 < t_hi; t0 += 4 * (fs_i64)blockDim.x) {{"
-    );
-    let _ = writeln!(
-        b,
-        "            const fs_i64 t = t0 + 4 * (fs_i64)threadIdx.x;"
-    );
-    let _ = writeln!(b, "            bool hit[4];\n            int mine = 0;");
-    let _ = writeln!(b, "            for (int s = 0; s < 4; ++s) {{ hit[s] = t + s < t_hi && (unsigned long long)(in0[t + s] - v0) < (unsigned long long)nr; mine += hit[s]; }}");
-    let _ = writeln!(
-        b,
-        "            int count;\n            int at = fs_block_scan(mine, &count);"
-    );
-    let _ = writeln!(
-        b,
-        "            for (int s = 0; s < 4; ++s) if (hit[s]) list[at++] = (int)(t + s - t0);"
-    );
-    let _ = writeln!(b, "            __syncthreads();");
-    let dy = c.ld(1, "tk * C + j");
-    let _ = writeln!(
-        b,
-        "            for (int h = 0; h < count; ++h) {{\n                const fs_i64 tk = t0 + list[h], at_row = (in0[tk] - v0) * C;"
-    );
-    let _ = writeln!(
-        b,
-        "                for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) acc[at_row + j] += {dy};"
-    );
-    let _ = writeln!(b, "            }}");
-    let _ = writeln!(
-        b,
-        "            __syncthreads();  // `list` is refilled by the next tokens"
-    );
-    let _ = writeln!(b, "        }}");
-    if splits == 1 {
-        let _ = writeln!(
-            b,
-            "        for (fs_i64 i = threadIdx.x; i < nr * C; i += blockDim.x) {}",
-            c.st(0, "v0 * C + i", "acc[i]")
-        );
+    let (part, done) = if w.splits > 1 {
+        (format!("{k}_part"), format!("{k}_done"))
     } else {
-        let _ = writeln!(
-            b,
-            "        for (fs_i64 i = threadIdx.x; i < nr * C; i += blockDim.x) {k}_part[(run * V + v0) * C + i] = acc[i];"
-        );
-        let _ = writeln!(
-            b,
-            "        __threadfence();  // this run's sums are visible before it is counted"
-        );
-        let _ = writeln!(b, "        __syncthreads();");
-        let _ = writeln!(b, "        if (threadIdx.x == 0) last = atomicAdd(&{k}_done[grp], 1u) == (unsigned)(splits - 1);");
-        let _ = writeln!(b, "        __syncthreads();");
-        let _ = writeln!(b, "        if (last) {{");
-        let _ = writeln!(b, "            __threadfence();");
-        let _ = writeln!(
-            b,
-            "            for (fs_i64 i = threadIdx.x; i < nr * C; i += blockDim.x) {{"
-        );
-        let _ = writeln!(b, "                float total = 0.0f;");
-        let _ = writeln!(b, "                for (fs_i64 s = 0; s < splits; ++s) total += ((volatile float*){k}_part)[(s * V + v0) * C + i];");
-        let _ = writeln!(b, "                {}", c.st(0, "v0 * C + i", "total"));
-        let _ = writeln!(b, "            }}");
-        let _ = writeln!(b, "            if (threadIdx.x == 0) {k}_done[grp] = 0;");
-        let _ = writeln!(b, "        }}");
-    }
-    let _ = writeln!(
-        b,
-        "        __syncthreads();  // `acc` is cleared for the next item"
-    );
-    let _ = writeln!(b, "    }}");
-    Some(b)
+        ("nullptr".to_string(), "nullptr".to_string())
+    };
+    Some(format!(
+        "    // Table rows in groups of {r} (their sums in shared memory), the tokens in {s} run(s).\n    \
+         fs_embedding_grad<{dy}, {dw}, {v}LL, {cols}LL, {r}, {s}>({ids}, {dyp}, {dwp}, {t}, {part}, {done});\n",
+        r = w.per_group,
+        s = w.splits,
+        dy = c.in_el(1),
+        dw = c.out_el(0),
+        v = w.rows,
+        cols = w.cols,
+        ids = c.in_ptr(0),
+        dyp = c.in_ptr(1),
+        dwp = c.out_ptr(0),
+        t = tokens.to_c(),
+    ))
 }

@@ -86,6 +86,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../../../kernels/cross_entropy.cuh"),
     ),
     (
+        "embedding.cuh",
+        include_str!("../../../kernels/embedding.cuh"),
+    ),
+    (
         "column_sum.cuh",
         include_str!("../../../kernels/column_sum.cuh"),
     ),
