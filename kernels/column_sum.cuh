@@ -4,7 +4,7 @@
 // elementwise ops computes as it goes (dropout's backward or GELU's with its
 // bias gradient, so the gradient is not read back from memory for its sum).
 //
-// Needs the prelude (fusec_prelude.cuh: fs_i64, fs_ldcg) before it, and
+// Needs the prelude (fusec_prelude.cuh: fs_i64, fs_ldcg, fs_last_to_finish) before it, and
 // nothing else: NVRTC compiles it without CUDA's headers.
 //
 // Work item w of the grid-stride loop is a tile of WIDTH = LANES * V columns
@@ -42,7 +42,6 @@ __device__ __forceinline__ void fs_column_sums(const AddRow& add_row, const Stor
     const int step = (int)blockDim.x < LANES ? (int)blockDim.x : LANES, slices = (int)blockDim.x / step;
     const int slice = threadIdx.x / step;
     __shared__ float part[256 * V];
-    __shared__ bool last;
     for (fs_i64 w = blockIdx.x; w < tiles * splits; w += gridDim.x) {
         const fs_i64 tile = w / splits, run = w % splits;
         const fs_i64 r0 = run * rows / splits, r1 = (run + 1) * rows / splits;
@@ -70,12 +69,7 @@ __device__ __forceinline__ void fs_column_sums(const AddRow& add_row, const Stor
                     part_sums[run * C + j + q] = total;
                 }
             }
-        __threadfence();  // this run's partials are visible before it is counted
-        __syncthreads();
-        if (threadIdx.x == 0) last = atomicAdd(&done[tile], 1u) == (unsigned)(splits - 1);
-        __syncthreads();
-        if (last) {
-            __threadfence();
+        if (fs_last_to_finish(&done[tile], (unsigned)splits)) {
             for (fs_i64 j = tile * WIDTH + threadIdx.x; j < tile * WIDTH + WIDTH && j < C; j += blockDim.x) {
                 float total = 0.0f;
                 // In run order (deterministic), the loads through L2 but not
@@ -86,7 +80,7 @@ __device__ __forceinline__ void fs_column_sums(const AddRow& add_row, const Stor
             }
             if (threadIdx.x == 0) done[tile] = 0;
         }
-        __syncthreads();  // `last` and `part` are reused by the next item
+        __syncthreads();  // `part` is reused by the next item
     }
 }
 

@@ -24,7 +24,7 @@
 // D and W are element types (fs_el::Bf16, F16 or F32) of dY and dW; Id is
 // the ids' integer type. An id outside [0, V) adds to no row. Blocks of at
 // most 256 threads (the list holds four ids a thread). Needs the prelude
-// (fusec_prelude.cuh: fs_i64, fs_block_scan) and elements.cuh before it.
+// (fusec_prelude.cuh: fs_i64, fs_block_scan, fs_last_to_finish) and elements.cuh before it.
 #ifndef FS_EMBEDDING
 #define FS_EMBEDDING
 
@@ -73,14 +73,8 @@ __device__ __forceinline__ void fs_embedding_grad(const Id* ids, const typename 
         if constexpr (S == 1) {
             for (fs_i64 i = threadIdx.x; i < nr * C; i += blockDim.x) dw[v0 * C + i] = W::store(acc[i]);
         } else {
-            __shared__ bool last;
             for (fs_i64 i = threadIdx.x; i < nr * C; i += blockDim.x) part[(run * V + v0) * C + i] = acc[i];
-            __threadfence();  // this run's sums are visible before it is counted
-            __syncthreads();
-            if (threadIdx.x == 0) last = atomicAdd(&done[grp], 1u) == (unsigned)(S - 1);
-            __syncthreads();
-            if (last) {
-                __threadfence();
+            if (fs_last_to_finish(&done[grp], (unsigned)S)) {
                 for (fs_i64 i = threadIdx.x; i < nr * C; i += blockDim.x) {
                     float total = 0.0f;
                     for (fs_i64 s = 0; s < S; ++s) total += ((volatile float*)part)[(s * V + v0) * C + i];

@@ -185,3 +185,19 @@ inline float fs_block_max(float v) { return v; }
 inline int fs_block_scan(int v, int* total) { *total = v; return 0; }
 #endif
 
+// Whether this block is the last of `runs` blocks to finish a shared piece
+// of work counted in *done (zero before the first): the block's global
+// writes so far are made visible before it is counted, and the last sees
+// every other block's. Every thread of the block calls it and gets the same
+// answer. The last block resets *done when it has used the others' writes,
+// so a replayed graph starts from zero.
+__device__ __forceinline__ bool fs_last_to_finish(unsigned* done, unsigned runs) {
+    __shared__ bool last;
+    __threadfence();  // this block's writes are visible before it is counted
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == runs - 1;
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
