@@ -144,7 +144,9 @@ struct Delta {
 
 // dQ = scale * the f32 sum the dK/dV/dQ kernel added up (scratch [B, Hq, T, D]),
 // in dQ's type. The block's ROWS rows are cut into chunks of 8 features, one
-// per thread at a time (16- and 32-byte accesses).
+// per thread at a time (16- and 32-byte accesses). A batch entry of at most
+// one key gets dQ exactly 0 (sees_one_key; causal query 0's dS the dK/dV/dQ
+// kernel cleared itself).
 // Launch: grid (ceil(T / ROWS), Hq, B), THREADS threads, no dynamic shared memory.
 template <class E, int D>
 struct DqStore {
@@ -153,6 +155,7 @@ struct DqStore {
 
     static __device__ __forceinline__ void run(const BackwardArgsOf<typename E::Storage>& a) {
         const fs_i64 q_len = a.q_len, h = blockIdx.y, b = blockIdx.z;
+        const float scale = keys_of(a, b) <= 1 ? 0.0f : a.scale;
         for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
             const fs_i64 i = (fs_i64)blockIdx.x * ROWS + idx / CHUNKS;
             if (i >= q_len) continue;
@@ -161,7 +164,7 @@ struct DqStore {
             fs_vload(sum, &a.scratch[((b * a.q_heads + h) * q_len + i) * D + e0]);
             typename E::Storage out[8];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) out[e] = E::from_float(sum[e] * a.scale);
+            for (int e = 0; e < 8; ++e) out[e] = E::from_float(sum[e] * scale);
             fs_vstore(a.dq.row(b, i, h) + e0, out);
         }
     }

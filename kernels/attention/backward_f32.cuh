@@ -137,6 +137,7 @@ struct DkDvF32 {
                         for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);
                     }
                 }
+                clear_first_query<TILE_Q, CAUSAL>(dp, i0, frag_col);
 
                 // With ATOMIC dS^T into the shared tile for dQ; then dV += P^T dO
                 // and dK += dS^T Q, 8 queries a step (rows 2t, 2t + 1 of dO / Q the
@@ -160,6 +161,7 @@ struct DkDvF32 {
             }
         }
 
+        clear_dk_of_one_key(a, b, dk_acc);
         store_dk_dv<F32, D, DV>(a, dk_acc, dv_acc, b, kv_h, k0, key_row, frag_col, 0, 0);
     }
 
@@ -321,17 +323,19 @@ struct DqF32 {
             }
         }
 
-        // dQ = scale * acc, each row once (rows past q_len dropped).
+        // dQ = scale * acc, each row once (rows past q_len dropped; a row
+        // that sees one key exactly 0, as sees_one_key says why).
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const fs_i64 i = r == 0 ? i_lo : i_hi;
             if (i < q_len) {
                 float* const dq = a.dq.row(b, i, h);
+                const bool zero = sees_one_key<CAUSAL>(i, kv_len);
 #pragma unroll
                 for (int n = 0; n < DP / 8; ++n) {
                     if (n * 8 < D) {
-                        dq[n * 8 + frag_col] = dq_acc[n][2 * r] * a.scale;
-                        dq[n * 8 + frag_col + 1] = dq_acc[n][2 * r + 1] * a.scale;
+                        dq[n * 8 + frag_col] = zero ? 0.0f : dq_acc[n][2 * r] * a.scale;
+                        dq[n * 8 + frag_col + 1] = zero ? 0.0f : dq_acc[n][2 * r + 1] * a.scale;
                     }
                 }
             }

@@ -154,6 +154,7 @@ struct DkDvSm80 {
                         for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);
                     }
                 }
+                clear_first_query<TILE_Q, CAUSAL>(dp, i0, frag_col);
 
                 // 5. dV += P^T dO and dK += dS^T Q. The accumulators of queries
                 //    16kk .. 16kk + 15 are the A fragments; the B fragments of
@@ -191,6 +192,7 @@ struct DkDvSm80 {
         }
 
         // Last, each key row once: dK = scale * acc, dV = acc.
+        clear_dk_of_one_key(a, b, dk_acc);
         store_dk_dv<E, D, DV>(a, dk_acc, dv_acc, b, kv_h, k0, key_row, frag_col, fk0, fv0);
     }
 
@@ -375,17 +377,19 @@ struct DqSm80 {
             }
         }
 
-        // 6. dQ = scale * acc, each row once (rows past q_len dropped).
+        // 6. dQ = scale * acc, each row once (rows past q_len dropped; a row
+        //    that sees one key exactly 0, as sees_one_key says why).
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const fs_i64 i = r == 0 ? i_lo : i_hi;
             if (i < q_len) {
                 unsigned short* const dq = a.dq.row(b, i, h);
+                const bool zero = sees_one_key<CAUSAL>(i, kv_len);
 #pragma unroll
                 for (int n = 0; n < DP / 8; ++n) {
                     if (n * 8 < D) {
-                        dq[n * 8 + frag_col] = E::from_float(dq_acc[n][2 * r] * a.scale);
-                        dq[n * 8 + frag_col + 1] = E::from_float(dq_acc[n][2 * r + 1] * a.scale);
+                        dq[n * 8 + frag_col] = E::from_float(zero ? 0.0f : dq_acc[n][2 * r] * a.scale);
+                        dq[n * 8 + frag_col + 1] = E::from_float(zero ? 0.0f : dq_acc[n][2 * r + 1] * a.scale);
                     }
                 }
             }

@@ -330,6 +330,7 @@ struct DkDvDqSm90 {
                     for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);
                 }
             }
+            clear_first_query<TILE_Q, CAUSAL>(dp, i0, frag_col);
 
             // 7. P^T and dS^T as 16-bit A fragments (queries 16kk .. 16kk + 15),
             //    dS^T also into shared memory for dQ once the other warpgroup's dQ
@@ -399,6 +400,7 @@ struct DkDvDqSm90 {
         // both warpgroups' last products have landed; two stages hold the 128
         // key rows' DP + DVP features) as whole 16-byte chunks of rows
         // (stage_rows).
+        clear_dk_of_one_key(a, b, dk_acc);
         if constexpr (SPLIT == 1) {
             static_assert(STAGES * (QT::BYTES + DOT::BYTES) >= TILE_K * (DP + DVP) * 2, "dK and dV staged in the query buffers");
             unsigned short* const dk_stage = reinterpret_cast<unsigned short*>(q_tiles) + wg * 64 * DP;

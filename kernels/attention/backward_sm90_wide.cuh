@@ -237,6 +237,7 @@ struct DkDvDqSm90Wide {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_tile[n * 8 + frag_col + (e & 1)]);
             }
+            clear_first_query<HALF_Q, CAUSAL>(dp, i0 + wg * HALF_Q, frag_col);
 
             // 6. P^T and dS^T of the warpgroup's queries into shared memory, once
             //    the other warpgroup's products of tile t - 1 have read them.
@@ -328,6 +329,7 @@ struct DkDvDqSm90Wide {
         // through the query and dO buffers (free once both warpgroups' last
         // products have landed) as whole 16-byte chunks of rows (stage_rows,
         // as backward_sm90.cuh).
+        clear_dk_of_one_key(a, b, dk_acc);
         if constexpr (SPLIT == 1) {
             static_assert(STAGES * (QT::BYTES + DOT::BYTES) >= TILE_K * (DP + DVP) * 2, "dK and dV staged in the query buffers");
             unsigned short* const dk_stage = reinterpret_cast<unsigned short*>(q_tiles) + wg * 64 * FK;

@@ -428,6 +428,48 @@ __device__ __forceinline__ void p_of_s(float (&s)[TILE_Q / 8][4], const float* l
     }
 }
 
+// A query that sees at most one key (a batch entry of one key or none, or
+// row 0 when causal: the mask is top-left, key j hidden from query i < j)
+// has a constant softmax, so its dS = P (dP - delta) is 0 in real
+// arithmetic, with or without dropout. The kernels take dP from a
+// tensor-core product and delta = rowsum(dO * O) from another sum of the
+// same terms, so there dS would be rounding noise, and in a gradient that
+// is zero in real arithmetic (a decoder's queries at T = 2, a one-token
+// target) Adam turns noise into a step of a sizeable fraction of the
+// learning rate. Such rows' dQ, and their share of dK, are exactly 0
+// instead. `keys`: the batch entry's keys (keys_of).
+template <bool CAUSAL>
+__device__ __forceinline__ bool sees_one_key(fs_i64 i, fs_i64 keys) {
+    return keys <= 1 || (CAUSAL && i == 0);
+}
+
+// Causal query 0's column of a key-major tile's dS^T (accumulator layout:
+// ds[n][e] of query column first_query + 8n + frag_col + e % 2), exactly 0
+// (sees_one_key). Only the first query tile takes the branch; a batch
+// entry of at most one key is handled after the loop (clear_dk_of_one_key
+// and the dQ stores), so no flag stays live through it.
+template <int COLS, bool CAUSAL>
+__device__ __forceinline__ void clear_first_query(float (&ds)[COLS / 8][4], fs_i64 first_query, int frag_col) {
+    if (CAUSAL && first_query == 0 && frag_col == 0) {
+        ds[0][0] = 0.0f;  // key row key_row, query 0
+        ds[0][2] = 0.0f;  // key row key_row + 8, query 0
+    }
+}
+
+// A key-major backward's dK accumulators for a batch entry whose queries
+// each see at most one key: every dS of the entry is 0 in real arithmetic
+// (sees_one_key), so dK is exactly 0. Read after the loop.
+template <class Args, int N>
+__device__ __forceinline__ void clear_dk_of_one_key(const Args& a, fs_i64 b, float (&dk_acc)[N][4]) {
+    if (keys_of(a, b) <= 1) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk_acc[n][e] = 0.0f;
+        }
+    }
+}
+
 // Dropout's draws for one warp's tile s[N][4] in the m16n8 accumulator
 // layout (s[n][e]: row row_lo + 8 * (e / 2), column col0 + 8n + frag_col +
 // e % 2; row_lo with bit 3 clear, col0 a multiple of 16): calls

@@ -304,6 +304,7 @@ fn with_dropout(body: &str, drop: &AttnDropout, key: usize, forward: bool) -> Op
 fn with_lengths(body: &str, own: &str) -> Option<String> {
     const KEYS: &str = "const fs_i64 keys = (causal && i + 1 < kv_len) ? i + 1 : kv_len;";
     const FIRST: &str = "const fs_i64 first = causal ? j : 0;";
+    const ENTRY: &str = "const fs_i64 entry_keys = kv_len;";
     if !body.contains(KEYS) {
         return None;
     }
@@ -311,11 +312,13 @@ fn with_lengths(body: &str, own: &str) -> Option<String> {
         KEYS,
         &format!("const fs_i64 own = {own}, keys = (causal && i + 1 < own) ? i + 1 : own;"),
     );
-    if out.contains(FIRST) {
-        out = out.replace(
-            FIRST,
-            &format!("const fs_i64 first = j >= {own} ? q_len : causal ? j : 0;"),
-        );
+    if out.contains(FIRST) && out.contains(ENTRY) {
+        out = out
+            .replace(ENTRY, &format!("const fs_i64 entry_keys = {own};"))
+            .replace(
+                FIRST,
+                "const fs_i64 first = j >= entry_keys ? q_len : causal ? j : 0;",
+            );
     } else if body.contains("dk_row") {
         return None;
     }
@@ -453,7 +456,9 @@ fn backward(b: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, s: &Sizes) {
          \x20               for (fs_i64 j0 = 0; j0 < keys; j0 += blockDim.x) {{\n\
          \x20                   const fs_i64 j = j0 + threadIdx.x;\n\
          \x20                   float ds = 0.0f;\n\
-         \x20                   if (j < keys) {{\n\
+         \x20                   // One visible key: a constant softmax, dS = 0 exactly (not\n\
+         \x20                   // dp - delta, two sums of the same terms in different orders).\n\
+         \x20                   if (j < keys && keys > 1) {{\n\
          \x20                       const fs_i64 k_row = k_head + j * {}, v_row = v_head + j * {};\n\
          \x20                       float qk = 0.0f, dp = 0.0f;\n\
          \x20                       for (fs_i64 d = 0; d < head_dim; ++d) qk += {} * {};\n\
@@ -477,6 +482,7 @@ fn backward(b: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, s: &Sizes) {
          \x20           const fs_i64 key = row - q_rows;\n\
          \x20           const fs_i64 j = key % kv_len, kv_h = (key / kv_len) % kv_heads, b = key / (kv_len * kv_heads);\n\
          \x20           const fs_i64 k_row = {}, v_row = {};\n\
+         \x20           const fs_i64 entry_keys = kv_len;  // the batch entry's keys\n\
          \x20           // Causal: queries before key j do not see it.\n\
          \x20           const fs_i64 first = causal ? j : 0;\n\
          \x20           // A key row owns head_dim features of dk and v_dim of dv.\n\
@@ -500,6 +506,8 @@ fn backward(b: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, s: &Sizes) {
          \x20                           }}\n\
          \x20                           p = expf(qk * scale - {});\n\
          \x20                           ds = p * (dp - delta) * scale;\n\
+         \x20                           // A query that sees one key: dS = 0 exactly, as above.\n\
+         \x20                           if (entry_keys <= 1 || (causal && i == 0)) ds = 0.0f;\n\
          \x20                       }}\n\
          \x20                       __syncthreads();  // the last chunk's readers are done\n\
          \x20                       probs[threadIdx.x] = p;\n\
