@@ -94,6 +94,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../../../kernels/column_sum.cuh"),
     ),
     (
+        "gemm/sm90.cuh",
+        include_str!("../../../kernels/gemm/sm90.cuh"),
+    ),
+    (
         "gemm/split_tf32.cuh",
         include_str!("../../../kernels/gemm/split_tf32.cuh"),
     ),
