@@ -721,7 +721,7 @@ fn a_closed_pipe_ends_a_dump_quietly() {
 }
 
 /// `--bucket-mib` sets where data parallelism's gradient buckets close:
-/// gpt2-small on 4 GPUs has 7 collectives at the default 100 MiB and 15 at
+/// gpt2-small on 4 GPUs has 6 collectives at the default 100 MiB and 15 at
 /// 25 MiB (the report lists them); without ranks it is a usage error.
 #[test]
 fn bucket_mib_sizes_the_gradient_buckets() {
@@ -756,19 +756,19 @@ fn bucket_mib_sizes_the_gradient_buckets() {
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("{line}"))
     };
-    assert_eq!(buckets(&["--zero", "0"]), 7);
+    assert_eq!(buckets(&["--zero", "0"]), 6);
     assert_eq!(buckets(&["--zero", "0", "--bucket-mib", "25"]), 15);
-    // Averaged in bf16 the default closes at half the bytes: the same 7.
-    assert_eq!(buckets(&["--zero", "0", "--reduce-dtype", "bf16"]), 7);
+    // Averaged in bf16 the default closes at half the bytes: the same 6.
+    assert_eq!(buckets(&["--zero", "0", "--reduce-dtype", "bf16"]), 6);
     let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
     assert!(report.contains("(mean in bf16, NCCL)"), "{report}");
     // ZeRO: the same gradients go to their pieces' owners, and the norm's
     // sum of squares (each rank's over its pieces) is added over the ranks:
     // one collective more.
-    assert_eq!(buckets(&["--zero", "1", "--rank", "1"]), 8);
+    assert_eq!(buckets(&["--zero", "1", "--rank", "1"]), 7);
     // ZeRO is the default over several ranks.
     let explicit = std::fs::read_to_string(dir.join("report.txt")).unwrap();
-    assert_eq!(buckets(&["--rank", "1"]), 8);
+    assert_eq!(buckets(&["--rank", "1"]), 7);
     let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
     assert_eq!(report, explicit, "the default is --zero 1");
     assert!(

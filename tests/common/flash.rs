@@ -150,7 +150,15 @@ pub fn build(src: &str, precision: &str, arch: FlashArch, which: Which) -> Built
 /// [`build`] with f32 in one TF32 product where `tf32`.
 pub fn build_with(src: &str, precision: &str, arch: FlashArch, which: Which, tf32: bool) -> Built {
     let src = src.replace("PRECISION", precision);
-    let c = super::compile_with(&src, "flash.dsl", &[]);
+    // The models lay q, k and v out as written: separate projections read
+    // contiguous heads, a split one strided slices (fuse-projections would
+    // make every projection the latter); a split one's gradients are packed.
+    let opts = fusec_compiler::elaborate::Options {
+        disabled_passes: vec!["fuse-projections".into()],
+        ..Default::default()
+    };
+    let c = fusec_compiler::driver::compile(&src, "flash", &opts)
+        .unwrap_or_else(|f| panic!("{}", f.render("flash.dsl", &src)));
     let g = c.optimized;
     let program = fuse(&g);
     let mut sets = Vec::new();

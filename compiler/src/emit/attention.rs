@@ -56,14 +56,43 @@ impl Access {
         }
     }
 
-    /// Op output `o`, row-major.
+    /// Op output `o`, row-major; of a packed `attention_grad`, gradient `o`
+    /// (dq, dk, dv) as a `[B, T, H, D]` view of the one packed output.
     pub(crate) fn output(g: &Graph, c: &Ctx, n: NodeIndex, o: usize) -> Access {
+        if let Op::AttentionGrad(a) = &g.g[n].op {
+            if a.packed {
+                return Access::packed_grad(g, c, n, o);
+            }
+        }
         let slot = c.outs[o];
         Access {
             ptr: format!("out{slot}"),
             dt: c.p.buffers[c.k.outputs[slot]].ty.dtype,
             strides: contiguous_strides(&g.g[n].outputs[o].shape),
             offset: Dim::constant(0),
+        }
+    }
+
+    /// Gradient `o` of packed `attention_grad` `n`: input `o`'s shape
+    /// `[B, T, H, D]` laid over rows of the packed output's width, from its
+    /// first feature there (`ops::attention::packed_layout`).
+    fn packed_grad(g: &Graph, c: &Ctx, n: NodeIndex, o: usize) -> Access {
+        let ins = g.inputs(n);
+        let (q, k, v) = (g.ty(ins[0]), g.ty(ins[1]), g.ty(ins[2]));
+        let (firsts, width) = crate::ops::packed_layout(q, k, v)
+            .expect("a packed gradient's layout (its op's infer checked it)");
+        let shape = &g.ty(ins[o]).shape;
+        let slot = c.outs[0];
+        Access {
+            ptr: format!("out{slot}"),
+            dt: c.p.buffers[c.k.outputs[slot]].ty.dtype,
+            strides: vec![
+                shape[1].checked_mul(&width).unwrap_or_default(),
+                width,
+                shape[3].clone(),
+                Dim::constant(1),
+            ],
+            offset: firsts[o].clone(),
         }
     }
 

@@ -47,6 +47,10 @@ pub struct Node {
     /// in place of a kept activation: scheduled just before the first node
     /// that reads it, so its result lives no longer than it must.
     pub recompute: bool,
+    /// The node whose turn in the step's order this one takes (a pass's
+    /// replacement runs where what it replaces would have; `None`: its own,
+    /// by when it was added). See `schedule::topo_order`.
+    pub turn: Option<NodeIndex>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -217,6 +221,7 @@ impl Graph {
             span,
             phase,
             recompute: false,
+            turn: None,
         });
         for (slot, v) in inputs.iter().enumerate() {
             self.g.add_edge(
@@ -232,6 +237,20 @@ impl Graph {
     }
 
     /// The node's inputs, in slot order.
+    /// Where `n` comes in the step's order among nodes ready with it: its
+    /// `turn`, else itself.
+    pub fn turn_of(&self, n: NodeIndex) -> NodeIndex {
+        self.g[n].turn.unwrap_or(n)
+    }
+
+    /// Gives the nodes of `made` the turn of `replaced` (a pass's rewrite).
+    pub fn take_turn(&mut self, made: &[Value], replaced: NodeIndex) {
+        let turn = self.turn_of(replaced);
+        for v in made {
+            self.g[v.node].turn = Some(turn);
+        }
+    }
+
     pub fn inputs(&self, n: NodeIndex) -> Vec<Value> {
         let mut ins: Vec<(usize, Value)> = self
             .g

@@ -10,9 +10,11 @@ use petgraph::Direction;
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet};
 
-/// (phase, tier, index): the smallest ready key runs first. Without
-/// `Graph::order_by_memory` every tier is 0, and the order is the file's.
-type Key = Reverse<(u8, u8, NodeIndex)>;
+/// (phase, tier, turn, index): the smallest ready key runs first. Without
+/// `Graph::order_by_memory` every tier is 0, and the order is the file's:
+/// a node's turn is when it was added, or that of the node a pass replaced
+/// with it (`Node::turn`).
+type Key = Reverse<(u8, u8, NodeIndex, NodeIndex)>;
 
 struct Order<'g> {
     g: &'g Graph,
@@ -77,7 +79,7 @@ pub fn topo_order(g: &Graph) -> Vec<NodeIndex> {
     for n in sources {
         o.became_ready(n);
     }
-    while let Some(Reverse((_, _, n))) = o.ready.pop() {
+    while let Some(Reverse((_, _, _, n))) = o.ready.pop() {
         if o.placed.contains(&n) {
             continue; // an earlier entry, raised since
         }
@@ -121,7 +123,7 @@ impl Order<'_> {
         } else {
             2
         };
-        Reverse((node.phase as u8, tier, n))
+        Reverse((node.phase as u8, tier, self.g.turn_of(n), n))
     }
 
     /// The stored nodes `n` reads, looking through views.

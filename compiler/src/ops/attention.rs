@@ -27,13 +27,18 @@ pub struct Attention {
 }
 
 /// Inputs (q, k, v, o, lse, dO), with `lengths` the key lengths, with
-/// `dropout` the step's key.
+/// `dropout` the step's key. Outputs dq, dk, dv; or, `packed`
+/// (self-attention, T = S), one tensor [B, T, Hq D + Hkv D + Hkv Dv] whose
+/// rows hold dq's, dk's and dv's features side by side: the gradient of a
+/// fused QKV projection's output, which the kernels then write in place
+/// of a concatenation (`passes::PackAttentionGrads`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct AttentionGrad {
     pub causal: bool,
     pub scale: f64,
     pub lengths: bool,
     pub dropout: Option<AttnDropout>,
+    pub packed: bool,
 }
 
 /// Dropout of attention probabilities: share `p` dropped, masks drawn at
@@ -101,6 +106,19 @@ impl AttentionGrad {
     pub fn extra_slots(&self) -> (Option<usize>, Option<usize>) {
         slots(6, self.lengths, self.dropout)
     }
+}
+
+/// Where a packed gradient's rows hold dq, dk and dv (`AttentionGrad`'s
+/// `packed`) for q, k, v of these types: each one's first feature, and the
+/// row's width Hq D + Hkv D + Hkv Dv. `None` where the sizes do not
+/// multiply out (never for types `check` accepts).
+pub fn packed_layout(q: &TensorType, k: &TensorType, v: &TensorType) -> Option<([Dim; 3], Dim)> {
+    let dq = q.shape[2].checked_mul(&q.shape[3])?;
+    let dk = k.shape[2].checked_mul(&k.shape[3])?;
+    let dv = v.shape[2].checked_mul(&v.shape[3])?;
+    let kv = dq.checked_add(&dk)?;
+    let width = kv.checked_add(&dv)?;
+    Some(([Dim::constant(0), dq, kv], width))
 }
 
 /// The mask of one attention op, or none: keeps(b, h, i, j) for query
@@ -342,6 +360,7 @@ impl OpDef for Attention {
             scale: self.scale,
             lengths: self.lengths,
             dropout: self.dropout,
+            packed: false,
         };
         let mut ins = vec![
             inputs[0], inputs[1], inputs[2], outputs[0], outputs[1], dout,
@@ -361,7 +380,11 @@ impl OpDef for AttentionGrad {
         "attention_grad"
     }
     fn attrs(&self) -> Vec<String> {
-        attrs(self.causal, self.scale, self.lengths, self.dropout)
+        let mut v = attrs(self.causal, self.scale, self.lengths, self.dropout);
+        if self.packed {
+            v.push("packed".into());
+        }
+        v
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         let (lengths, key) = self.extra_slots();
@@ -378,11 +401,26 @@ impl OpDef for AttentionGrad {
             super::dropout::check_key("attention_grad", &inputs[k], k)?;
         }
         check_p("attention_grad", self.dropout)?;
-        Ok(vec![
-            inputs[0].clone(),
-            inputs[1].clone(),
-            inputs[2].clone(),
-        ])
+        let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
+        if !self.packed {
+            return Ok(vec![q.clone(), k.clone(), v.clone()]);
+        }
+        dims_equal(
+            "attention_grad",
+            "sequence of q and k (packed)",
+            &q.shape[1],
+            &k.shape[1],
+        )?;
+        let (_, width) = packed_layout(q, k, v).ok_or_else(|| {
+            OpError::new(
+                "`attention_grad`: a packed gradient's width does not multiply out",
+                format!("q {q}, k {k}, v {v}"),
+            )
+        })?;
+        Ok(vec![TensorType::new(
+            q.dtype,
+            vec![q.shape[0].clone(), q.shape[1].clone(), width],
+        )])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let (q, k, v, o, lse, dout) = (
@@ -496,11 +534,23 @@ impl OpDef for AttentionGrad {
             dk[kj..kj + m.d].copy_from_slice(&x);
             dv[vj..vj + m.dv].copy_from_slice(&y);
         }
-        vec![
-            Tensor::new(q.shape.clone(), dq),
-            Tensor::new(k.shape.clone(), dk),
-            Tensor::new(v.shape.clone(), dv),
-        ]
+        if !self.packed {
+            return vec![
+                Tensor::new(q.shape.clone(), dq),
+                Tensor::new(k.shape.clone(), dk),
+                Tensor::new(v.shape.clone(), dv),
+            ];
+        }
+        // Row (b, t): dq's Hq D features, then dk's Hkv D, then dv's Hkv Dv.
+        let (wq, wk, wv) = (m.hq * m.d, m.hk * m.d, m.hk * m.dv);
+        let width = wq + wk + wv;
+        let mut out = Vec::with_capacity(m.b * m.t * width);
+        for r in 0..m.b * m.t {
+            out.extend_from_slice(&dq[r * wq..(r + 1) * wq]);
+            out.extend_from_slice(&dk[r * wk..(r + 1) * wk]);
+            out.extend_from_slice(&dv[r * wv..(r + 1) * wv]);
+        }
+        vec![Tensor::new(vec![m.b, m.t, width], out)]
     }
 }
 

@@ -22,7 +22,7 @@ mod shape_lower;
 mod source;
 mod unary;
 
-pub use attention::{Attention, AttentionGrad, AttnDropout};
+pub use attention::{packed_layout, Attention, AttentionGrad, AttnDropout};
 pub use builder::Builder;
 pub use collective::AllReduce;
 pub use conv::{Conv2d, Conv2dGradInput, Conv2dGradWeight};

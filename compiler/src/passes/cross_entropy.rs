@@ -68,6 +68,7 @@ impl Pass for FuseCrossEntropy {
             ) else {
                 continue;
             };
+            g.take_turn(&out, gn);
             let loss = Value { node: fwd, port: 0 };
             // The loss's readers now follow the fused op: print them in its phase.
             let mut stack: Vec<NodeIndex> = g.users(loss).into_iter().map(|(u, _)| u).collect();

@@ -8,6 +8,8 @@ mod cross_entropy;
 mod cse;
 mod dce;
 mod dropout;
+mod fuse_projections;
+mod pack_grads;
 mod pad_dims;
 mod simplify;
 
@@ -16,6 +18,8 @@ pub use cross_entropy::FuseCrossEntropy;
 pub use cse::Cse;
 pub use dce::Dce;
 pub use dropout::remove_dropout;
+pub use fuse_projections::FuseProjections;
+pub use pack_grads::PackAttentionGrads;
 pub use pad_dims::{padded_size, PadDims};
 pub use simplify::Simplify;
 
@@ -45,13 +49,19 @@ pub fn default_pipeline() -> Vec<Box<dyn Pass>> {
         Box::new(Cse),
         Box::new(FuseCrossEntropy),
         Box::new(Dce),
+        // After dce: it packs only gradients nothing else reads.
+        Box::new(PackAttentionGrads),
     ]
 }
 
 /// Passes over the forward graph, before autodiff (so the backward pass is
 /// built from what they produce).
 pub fn forward_pipeline() -> Vec<Box<dyn Pass>> {
-    vec![Box::new(FoldAttention), Box::new(PadDims)]
+    vec![
+        Box::new(FoldAttention),
+        Box::new(PadDims),
+        Box::new(FuseProjections),
+    ]
 }
 
 pub fn pass_names() -> Vec<&'static str> {

@@ -150,6 +150,36 @@ fn slice_grads_to_concat(g: &Graph, root: Value) -> Option<Rewrite> {
     ))
 }
 
+/// `cast(slice(x))` to f32 where every reader of x is a slice that only
+/// such casts read (the weight gradients of q, k and v out of one fused
+/// projection's): `slice(cast(x))`, the same values, with one cast of x
+/// (cse merges the pieces') that its producer stores (a GEMM writes the
+/// f32 gradient as it did for each projection on its own, with no
+/// rounding to 16 bits on the way).
+fn widened_before_slicing(
+    g: &Graph,
+    c: &crate::ops::Cast,
+    s: &crate::ops::Slice,
+    sliced: Value,
+) -> Option<Rewrite> {
+    let x = g.inputs(sliced.node)[0];
+    let widened = |n: NodeIndex| matches!(&g.g[n].op, Op::Cast(rc) if rc.to == c.to);
+    // Readers already rewritten are that cast of x.
+    let all_widened = g.users(x).iter().all(|&(u, _)| {
+        widened(u)
+            || matches!(g.g[u].op, Op::Slice(_))
+                && g.users(Value { node: u, port: 0 })
+                    .iter()
+                    .all(|&(r, _)| widened(r))
+    });
+    (all_widened && g.ty(x).dtype != c.to).then(|| {
+        Rewrite::Ops(vec![
+            (c.clone().into(), vec![Arg::Existing(x)]),
+            (s.clone().into(), vec![Arg::Earlier(0)]),
+        ])
+    })
+}
+
 fn rule(g: &Graph, n: NodeIndex, node: &Node, ins: &[Value]) -> Option<Rewrite> {
     let out = &node.outputs[0];
     let same = |v: Value| g.ty(v) == out;
@@ -168,6 +198,7 @@ fn rule(g: &Graph, n: NodeIndex, node: &Node, ins: &[Value]) -> Option<Rewrite> 
                 let orig = g.inputs(ins[0].node)[0];
                 same(orig).then_some(Rewrite::Value(orig))
             }
+            Op::Slice(s) => widened_before_slicing(g, c, s, ins[0]),
             _ => None,
         },
         Op::Reshape(r) => match &g.g[ins[0].node].op {
@@ -272,7 +303,10 @@ impl Pass for Simplify {
                 let to = match rw {
                     Rewrite::Value(v) => v,
                     Rewrite::Op(op, inputs) => match g.add(op, &inputs, node.span, node.phase) {
-                        Ok(v) => v[0],
+                        Ok(v) => {
+                            g.take_turn(&v, n);
+                            v[0]
+                        }
                         Err(_) => continue,
                     },
                     Rewrite::Ops(ops) => {
@@ -287,7 +321,10 @@ impl Pass for Simplify {
                                 })
                                 .collect();
                             match g.add(op, &inputs, node.span, node.phase) {
-                                Ok(v) => made.push(v[0]),
+                                Ok(v) => {
+                                    g.take_turn(&v, n);
+                                    made.push(v[0])
+                                }
                                 Err(_) => break,
                             }
                         }

@@ -257,8 +257,8 @@ pub fn report_with_source(
         .max()
         .unwrap_or(8);
     for ((l, cost), k) in plan.launches.iter().zip(&est.kernels).zip(&p.kernels) {
-        let read: u64 = l.inputs.iter().map(|&b| plan.buffers[b].bytes).sum();
-        let written: u64 = l.outputs.iter().map(|&b| plan.buffers[b].bytes).sum();
+        let read = super::roofline::distinct_bytes(plan, &l.inputs);
+        let written = super::roofline::distinct_bytes(plan, &l.outputs);
         let what = match (&l.epilogue, l.kind.as_str()) {
             (Some(e), kind) => format!("[{kind}, epilogue {}]", e.name),
             (None, "generated") => crate::kernel::print::op_runs(&l.ops, 3),

@@ -192,16 +192,19 @@ fn flops(g: &Graph, p: &Program, k: usize, env: &dyn Fn(&str) -> Option<i64>) ->
     }
 }
 
+/// The bytes of buffers `bs`, each once: views of one buffer (q, k and v
+/// sliced out of a fused projection) share its bytes. A buffer updated in
+/// place is among a launch's inputs and its outputs: read and written.
+pub fn distinct_bytes(plan: &Plan, bs: &[usize]) -> u64 {
+    let set: std::collections::BTreeSet<usize> = bs.iter().copied().collect();
+    set.iter().map(|&b| plan.buffers[b].bytes).sum()
+}
+
 pub fn estimate(g: &Graph, p: &Program, plan: &Plan, device: Device) -> Estimate {
     let env = |s: &str| plan.dims.get(s).copied();
     let mut kernels = Vec::with_capacity(p.kernels.len());
     for (k, l) in plan.launches.iter().enumerate() {
-        let bytes: u64 = l
-            .inputs
-            .iter()
-            .chain(&l.outputs)
-            .map(|&b| plan.buffers[b].bytes)
-            .sum();
+        let bytes = distinct_bytes(plan, &l.inputs) + distinct_bytes(plan, &l.outputs);
         let (f, tensor) = flops(g, p, k, &env);
         let rate = if tensor {
             device.tensor_flops

@@ -239,6 +239,7 @@ pub(super) fn op(
                     scale,
                     lengths,
                     dropout,
+                    packed: c.flag("packed")?,
                 }
                 .into()
             }
