@@ -68,3 +68,63 @@ fn profile_times_are_read_and_mistakes_are_named() {
         "{out}"
     );
 }
+
+/// q, k and v projected separately and fused into one product
+/// (`fuse-projections`): each of the three lines names the fused forward
+/// product and its gradients' products, and the report's line for the
+/// product lists all three lines.
+#[test]
+fn each_line_of_fused_projections_names_the_product() {
+    let mut kernels = Vec::new();
+    for line in ["48", "49", "50"] {
+        let (code, out, err) = fusec(&[
+            "explain",
+            "dsl-examples/bert-classifier.dsl",
+            "--set",
+            "layers=1",
+            "--line",
+            line,
+            "--batch",
+            "8",
+            "--dim",
+            "T=128",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let fused: Vec<&str> = out
+            .lines()
+            .filter(|l| l.trim_start().starts_with('k') && l.contains("matmul"))
+            .map(|l| l.split_whitespace().next().unwrap())
+            .collect();
+        assert!(
+            out.contains("forward  matmul f32[B, T, 2304]"),
+            "line {line}: {out}"
+        );
+        assert_eq!(
+            fused.len(),
+            3,
+            "line {line}: the product and its two gradients' in {out}"
+        );
+        kernels.push(fused.join(" "));
+    }
+    assert!(kernels.iter().all(|k| *k == kernels[0]), "{kernels:?}");
+    let dir = common::host::work_dir("explain-fused");
+    let (code, _, err) = fusec(&[
+        "build",
+        "dsl-examples/bert-classifier.dsl",
+        "--set",
+        "layers=1",
+        "--batch",
+        "8",
+        "--dim",
+        "T=128",
+        "-o",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+    assert!(
+        report.lines().any(|l| l.contains("matmul_add")
+            && l.contains("@bert-classifier.dsl:48, 49, 50 in layer.0")),
+        "{report}"
+    );
+}

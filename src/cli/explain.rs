@@ -48,8 +48,16 @@ fn explain(args: &ExplainArgs, loaded: &super::common::Loaded) -> Result<String,
     let g = &loaded.compiled.optimized;
     let src = &loaded.source;
     let file = loaded.path.display().to_string();
-    let line_of =
-        |node: &fusec_compiler::ir::graph::Node| node.span.map(|s| line_col(src, s.start).0);
+    // The lines an op computes: its own, and those a pass merged into it
+    // (q's, k's and v's projections as one product).
+    let lines_of = |node: &fusec_compiler::ir::graph::Node| -> Vec<usize> {
+        node.span.map_or_else(Vec::new, |s| {
+            g.places(s)
+                .iter()
+                .map(|p| line_col(src, p.start).0)
+                .collect()
+        })
+    };
     // The ops asked about.
     let (what, picked): (String, BTreeSet<_>) = match (&args.line, &args.name) {
         (Some(0), _) => return Err(CliError::usage("error: --line counts from 1".to_string())),
@@ -63,7 +71,7 @@ fn explain(args: &ExplainArgs, loaded: &super::common::Loaded) -> Result<String,
             })?;
             let picked =
                 g.g.node_indices()
-                    .filter(|&n| line_of(&g.g[n]) == Some(*l) && !g.g[n].op.is_source())
+                    .filter(|&n| lines_of(&g.g[n]).contains(l) && !g.g[n].op.is_source())
                     .collect();
             (format!("{file}:{l}  {}", text.trim()), picked)
         }

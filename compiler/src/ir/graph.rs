@@ -146,6 +146,11 @@ pub struct Graph {
     /// Bytes a data-parallel gradient bucket closes at (`--bucket-mib`);
     /// `None`: `kernel::buckets::BUCKET_BYTES`.
     pub bucket_bytes: Option<u64>,
+    /// Places whose ops a pass made one (`passes::FuseProjections`: the
+    /// projection of q's line also computes those of k's and v's): the
+    /// span the ops keep, and the others they stand for, so the report and
+    /// `fusec explain` still name every line (`Graph::places`).
+    pub merged: Vec<(Span, Vec<Span>)>,
 }
 
 /// One awkward size read padded (`passes::pad_dims`): the parameters read
@@ -172,7 +177,20 @@ impl Graph {
             order_by_memory: false,
             lowering_off: Vec::new(),
             bucket_bytes: None,
+            merged: Vec::new(),
         }
+    }
+
+    /// The places in the model file an op of span `span` computes: that
+    /// span, and those a pass merged into it (`merged`).
+    pub fn places(&self, span: Span) -> Vec<Span> {
+        let mut out = vec![span];
+        for (s, others) in &self.merged {
+            if *s == span {
+                out.extend(others.iter().copied());
+            }
+        }
+        out
     }
 
     /// Whether an optimisation of the kernel stages is on (see `lowering_off`).

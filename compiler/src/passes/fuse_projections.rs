@@ -202,6 +202,12 @@ fn fuse(g: &mut Graph, attn: NodeIndex, dead: &mut Vec<NodeIndex>) -> bool {
         replace_uses(g, p.out, part[0]);
         start = end;
     }
+    // The fused ops keep q's place; the report and explain name k's and
+    // v's lines too.
+    if let Some(keep) = span {
+        let others: Vec<_> = ps[1..].iter().filter_map(|p| g.g[p.matmul].span).collect();
+        g.merged.push((keep, others));
+    }
     // The three chains are read by nothing now: removed once every
     // attention is done (a removed node's index is given to the next node
     // added, and the order among nodes of one turn is by index).

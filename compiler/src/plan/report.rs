@@ -32,7 +32,7 @@ pub(crate) fn source_lines(
     let mut spans = Vec::new();
     for &n in &k.nodes {
         match g.g[n].span {
-            Some(sp) => spans.push(sp),
+            Some(sp) => spans.extend(g.places(sp)),
             None => {
                 // The nearest ops before it with a place (the clip's norm
                 // from the gradients, an update from its parameter).
