@@ -118,7 +118,7 @@ fn deliberate_breakages_are_caught() {
             causal_atomic,
         ),
         // Atomic scheme: dQ's scale dropped when stored.
-        ((BWD, "sum[e] * a.scale", "sum[e]"), plain_atomic),
+        ((BWD, "from_float(sum[e] * scale)", "from_float(sum[e])"), plain_atomic),
         // Atomic scheme: query tiles start one tile too late (dQ and dK lose them).
         ((SM80, "(k0 / TILE_Q) * TILE_Q", "(k0 / TILE_Q + 1) * TILE_Q"), causal_atomic),
     ];

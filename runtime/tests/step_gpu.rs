@@ -120,6 +120,20 @@ fn cases() -> Vec<TinyModel> {
             vec![("B", 3), ("T", 33)],
         ),
         (
+            // q, k and v projected separately: one product on the GPU
+            // (fuse-projections), its gradient packed by the attention
+            // backward; key lengths, dropout, the first token's pooler.
+            "bert-classifier.dsl",
+            vec![
+                ("vocab", "1029"),
+                ("ctx", "64"),
+                ("d", "64"),
+                ("n_heads", "2"),
+                ("layers", "2"),
+            ],
+            vec![("B", 3), ("T", 33)],
+        ),
+        (
             "vit-tiny.dsl",
             vec![
                 ("image", "16"),
