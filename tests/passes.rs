@@ -323,15 +323,13 @@ train {
         ));
     }
     // q read beside the attention: nothing fused, nothing packed.
-    let src = GQA
-        .replace("EXTRA", "+ mean(x @ wq)")
-        .replace("heads(x @ wq, 4)", "heads(x @ wq, 4)")
-        .replace("PRECISION", "fp32");
-    let read_twice = src.replace(
-        "let a = merge_heads(attention(heads(x @ wq, 4),",
-        "let q = x @ wq\nlet a = merge_heads(attention(heads(q, 4),",
-    );
-    let read_twice = read_twice.replace("+ mean(x @ wq)", "+ mean(q)");
+    let read_twice = GQA
+        .replace("EXTRA", "+ mean(q)")
+        .replace("PRECISION", "fp32")
+        .replace(
+            "let a = merge_heads(attention(heads(x @ wq, 4),",
+            "let q = x @ wq\nlet a = merge_heads(attention(heads(q, 4),",
+        );
     cases.push((
         "q read twice".into(),
         compile(&read_twice, &["fuse-projections", "pack-attention-grads"]),
