@@ -374,3 +374,111 @@ train {
         assert_same(&what, &outputs(&plain, &feeds), &outputs(&fused, &feeds));
     }
 }
+
+/// A bias added to the keys shifts each score row by one amount, which
+/// softmax (and the masks and dropout after it) ignores: its gradient is
+/// zero in real arithmetic. `simplify` writes that zero; computed, it would
+/// be rounding noise that Adam turns into updates. Self- and
+/// cross-attention, causal or not, padded keys, dropout, grouped heads,
+/// projections fused or not. With RoPE between the bias and the attention
+/// the shift depends on the position and the gradient is real: the rule
+/// must leave it.
+#[test]
+fn a_key_bias_gradient_is_the_exact_zero_it_is() {
+    const SRC: &str = "const d = 24
+dim B, T, S
+input x: f32[B, T, d]
+input y: f32[B, S, d]
+input n: i32[B]
+param wq: [d, 32] = normal(0.3)
+param bq: [32] = normal(0.3)
+param wk: [d, 16] = normal(0.3)
+param bk: [16] = normal(0.3)
+param wv: [d, 16] = normal(0.3)
+param bv: [16] = normal(0.3)
+param ck: [d, 32] = normal(0.3)
+param cb: [32] = normal(0.3)
+param rk: [d, 16] = normal(0.3)
+param rb: [16] = normal(0.3)
+let a = merge_heads(attention(heads(x @ wq + bq, 4), heads(x @ wk + bk, 2), heads(x @ wv + bv, 2), causal = true, dropout = 0.2))
+let c = merge_heads(attention(heads(x @ wq, 4), heads(y @ ck + cb, 4), heads(y @ ck, 4), lengths = n))
+let r = merge_heads(attention(rope(heads(x @ wq, 4)), rope(heads(x @ rk + rb, 2)), heads(x @ wv, 2), causal = true))
+train {
+    loss = mean(a * a) + mean(c * c) + mean(r * r)
+    precision = PRECISION
+}
+";
+    let dims = common::dims(&[("B", 3), ("T", 7), ("S", 5)]);
+    for precision in ["fp32", "bf16"] {
+        for disabled in [&[][..], &["fuse-projections", "pack-attention-grads"][..]] {
+            let what = format!("{precision}, {disabled:?} off");
+            let opts = fusec_compiler::elaborate::Options {
+                disabled_passes: disabled.iter().map(|s| s.to_string()).collect(),
+                ..Default::default()
+            };
+            let src = SRC.replace("PRECISION", precision);
+            let c = fusec_compiler::driver::compile(&src, "keys", &opts)
+                .unwrap_or_else(|f| panic!("{}", f.render("keys.dsl", &src)));
+            let grad =
+                |g: &Graph,
+                 vals: &std::collections::HashMap<_, fusec_compiler::interp::tensor::Tensor>,
+                 name: &str| {
+                    let i = g.params.iter().position(|p| p.name == name).expect(name);
+                    let (_, v) = g
+                        .outputs
+                        .iter()
+                        .find(|(r, _)| *r == fusec_compiler::ir::graph::Role::Grad(i))
+                        .expect("a gradient");
+                    vals[v].data.clone()
+                };
+            let feeds = random_feeds(&c.training, &dims, 21).unwrap();
+            let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+            // The premise, on the graph as autodiff made it: in f64 the key
+            // biases' gradients vanish beside the query bias's (1e-12: f64
+            // rounding of sums of a few hundred terms), RoPE's does not;
+            // rounded to the stored types they are noise, not zero.
+            let f64v = run(&c.training, &feeds, Precision::F64).unwrap();
+            let scale = norm(&grad(&c.training, &f64v, "bq"));
+            assert!(scale > 1e-3, "{what}: the query bias gets a gradient");
+            for b in ["bk", "cb"] {
+                let g = norm(&grad(&c.training, &f64v, b));
+                assert!(
+                    g <= 1e-12 * scale,
+                    "{what}: {b}'s gradient in f64 is {g:e}, not 0"
+                );
+            }
+            assert!(
+                norm(&grad(&c.training, &f64v, "rb")) > 1e-3 * scale,
+                "{what}: RoPE's key bias"
+            );
+            let stored = run(&c.training, &feeds, Precision::AsStored).unwrap();
+            assert!(
+                grad(&c.training, &stored, "bk").iter().any(|&x| x != 0.0),
+                "{what}: rounded, the unsimplified gradient should be noise"
+            );
+            // The step as built: exact zeros, and RoPE's bias as before.
+            let opt = run(&c.optimized, &feeds, Precision::AsStored).unwrap();
+            for b in ["bk", "cb"] {
+                let g = grad(&c.optimized, &opt, b);
+                assert!(
+                    g.iter().all(|&x| x == 0.0),
+                    "{what}: {b}'s gradient is {g:?}"
+                );
+            }
+            let (r0, r1) = (
+                grad(&c.training, &f64v, "rb"),
+                grad(
+                    &c.optimized,
+                    &run(&c.optimized, &feeds, Precision::F64).unwrap(),
+                    "rb",
+                ),
+            );
+            for (x, y) in r0.iter().zip(&r1) {
+                assert!(
+                    (x - y).abs() <= 1e-12 * scale,
+                    "{what}: RoPE's key bias {x} vs {y}"
+                );
+            }
+        }
+    }
+}

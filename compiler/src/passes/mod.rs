@@ -9,6 +9,7 @@ mod cse;
 mod dce;
 mod dropout;
 mod fuse_projections;
+mod key_sums;
 mod pack_grads;
 mod pad_dims;
 mod simplify;

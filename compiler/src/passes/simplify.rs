@@ -3,11 +3,13 @@
 //! points the node's readers at a simpler value; the node itself is left for
 //! dead-code elimination.
 
-use super::{replace_uses, Pass};
+use super::{key_sums, replace_uses, Pass};
 use crate::ir::graph::Node;
 use crate::ir::Dim;
 use crate::ir::{Graph, Value};
-use crate::ops::{BinaryKind, Concat, MatMul, Op, Permute, ReduceKind, Reshape, UnaryKind};
+use crate::ops::{
+    BinaryKind, Broadcast, Concat, Constant, MatMul, Op, Permute, ReduceKind, Reshape, UnaryKind,
+};
 use petgraph::stable_graph::NodeIndex;
 
 pub struct Simplify;
@@ -180,6 +182,28 @@ fn widened_before_slicing(
     })
 }
 
+/// A tensor of zeros of type `ty`: a scalar broadcast, which fusion turns
+/// into a store of zeros (or folds into the reader).
+fn zeros(ty: &crate::ir::types::TensorType) -> Rewrite {
+    Rewrite::Ops(vec![
+        (
+            Constant {
+                value: 0.0,
+                dtype: ty.dtype,
+            }
+            .into(),
+            vec![],
+        ),
+        (
+            Broadcast {
+                shape: ty.shape.clone(),
+            }
+            .into(),
+            vec![Arg::Earlier(0)],
+        ),
+    ])
+}
+
 fn rule(g: &Graph, n: NodeIndex, node: &Node, ins: &[Value]) -> Option<Rewrite> {
     let out = &node.outputs[0];
     let same = |v: Value| g.ty(v) == out;
@@ -246,7 +270,15 @@ fn rule(g: &Graph, n: NodeIndex, node: &Node, ins: &[Value]) -> Option<Rewrite> 
                 _ => None,
             }
         }
+        Op::Reduce(r)
+            if r.kind == ReduceKind::Sum
+                && !r.keepdim
+                && key_sums::sums_keys_out(g, ins[0], &r.axes.iter().copied().collect()) =>
+        {
+            Some(zeros(out))
+        }
         Op::Reduce(_) => batched_product_sum(g, node, ins),
+        Op::Slice(s) if key_sums::slice_of_summed_keys(g, ins[0], s) => Some(zeros(out)),
         Op::Unary(u) if u.kind == UnaryKind::Neg => match &g.g[ins[0].node].op {
             Op::Unary(v) if v.kind == UnaryKind::Neg => {
                 Some(Rewrite::Value(g.inputs(ins[0].node)[0]))
@@ -281,7 +313,7 @@ impl Pass for Simplify {
         "simplify"
     }
     fn about(&self) -> &'static str {
-        "algebraic simplification: x*1, x+0, reshape of reshape, permute of permute, no-op casts and f32 round trips through 16 bits, sums of slice gradients as concat, batch-summed products as one GEMM, a transposed product as the product of the transposes"
+        "algebraic simplification: x*1, x+0, reshape of reshape, permute of permute, no-op casts and f32 round trips through 16 bits, sums of slice gradients as concat, batch-summed products as one GEMM, a transposed product as the product of the transposes, an attention's key gradient summed over the keys (a key bias's gradient) as the exact zero it is"
     }
     fn run(&self, g: &mut Graph) -> usize {
         let mut total = 0;
