@@ -195,6 +195,34 @@ impl<'g> Fuser<'g> {
         if self.scalar_expr(x).is_some() && self.class(x.node) == FusionClass::Scalar {
             return self.materialise_scalar(x, kernels);
         }
+        // A view of a scalar no kernel stores (a constant broadcast to a
+        // shape: the loss's seed, a key bias's zero gradient): one fill of
+        // the whole tensor, not a one-element fill and a copy of it.
+        let (base, _) = self.base(x);
+        if base != x
+            && self.class(base.node) == FusionClass::Scalar
+            && !self.buffer_of.contains_key(&base)
+        {
+            if let Some(e) = self.scalar_expr(base) {
+                let out = self.store(x, BufKind::Temp);
+                kernels.push(Kernel {
+                    name: format!("k{}_fill", kernels.len()),
+                    nodes: vec![x.node],
+                    inputs: vec![],
+                    outputs: vec![out],
+                    input_views: Vec::new(),
+                    residual: None,
+                    prologue: None,
+                    body: Body::Pointwise(Pointwise {
+                        n: self.g.ty(x).numel(),
+                        exprs: vec![e],
+                        stores: vec![(0, 0)],
+                        sum: None,
+                    }),
+                });
+                return out;
+            }
+        }
         let shape = self.g.ty(x).shape.clone();
         let (src, view) = if let Some(view) = self.flat_view(x, &shape) {
             // A reshape of a strided view, copied in one pass: element i of

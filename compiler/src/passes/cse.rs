@@ -20,6 +20,11 @@ impl Pass for Cse {
         let mut seen: HashMap<(String, Vec<Value>), petgraph::stable_graph::NodeIndex> =
             HashMap::new();
         let mut merged = 0;
+        // Each output of the step keeps a node (and so a buffer) of its own:
+        // two parameters whose gradients are equal (key biases' zeros) still
+        // have a gradient each for the optimizer, the buckets and ZeRO's
+        // pieces to address.
+        let outputs: std::collections::HashSet<_> = g.outputs.iter().map(|(_, v)| v.node).collect();
         for n in g.topo_order() {
             let node = &g.g[n];
             if node.op.is_source() {
@@ -28,13 +33,14 @@ impl Pass for Cse {
             // Debug output holds every attribute exactly (floats round-trip).
             let key = (format!("{:?}", node.op), g.inputs(n));
             match seen.get(&key) {
-                Some(&first) => {
+                Some(&first) if !(outputs.contains(&first) && outputs.contains(&n)) => {
                     for port in 0..g.g[n].outputs.len() {
                         replace_uses(g, Value { node: n, port }, Value { node: first, port });
                     }
                     g.g.remove_node(n);
                     merged += 1;
                 }
+                Some(_) => {}
                 None => {
                     seen.insert(key, n);
                 }
