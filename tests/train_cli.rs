@@ -872,7 +872,31 @@ fn rank_settings_that_cannot_work_are_named() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("--gpus 2 and a launcher's WORLD_SIZE=2"),
+        err.contains("--gpus 2 and torchrun's WORLD_SIZE=2"),
+        "{err}"
+    );
+    // The same under srun: its own variables, named.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"))
+        .args([
+            "train",
+            "dsl-examples/gpt2-small.dsl",
+            "--data",
+            TEXT,
+            "--gpus",
+            "2",
+        ])
+        .args(SMALL)
+        .env_remove("WORLD_SIZE")
+        .env("SLURM_STEP_NUM_TASKS", "4")
+        .env("SLURM_PROCID", "0")
+        .env("SLURM_STEP_NODELIST", "gpu[01-02]")
+        .current_dir(common::root())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--gpus 2 and srun's SLURM_STEP_NUM_TASKS=4"),
         "{err}"
     );
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"))

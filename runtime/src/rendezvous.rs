@@ -233,56 +233,6 @@ fn parse_id(hex: &str) -> Option<UniqueId> {
     Some(id)
 }
 
-/// The job as the usual launchers describe it (torchrun, Slurm through
-/// them, mpirun with these set): `None` when WORLD_SIZE is unset or 1.
-pub fn from_env(
-    var: impl Fn(&str) -> Option<String>,
-) -> Result<Option<(Rendezvous, usize)>, RuntimeError> {
-    let num = |name: &str| -> Result<Option<usize>, RuntimeError> {
-        match var(name) {
-            None => Ok(None),
-            Some(v) => v
-                .trim()
-                .parse()
-                .map(Some)
-                .map_err(|_| fail(format!("{name}={v:?} is not a whole number"))),
-        }
-    };
-    let world = match num("WORLD_SIZE")? {
-        None | Some(0) | Some(1) => return Ok(None),
-        Some(w) => w,
-    };
-    let rank = num("RANK")?.ok_or_else(|| {
-        fail(format!(
-            "WORLD_SIZE={world} is set but RANK is not: a launcher sets both (torchrun does)"
-        ))
-    })?;
-    if rank >= world {
-        return Err(fail(format!(
-            "RANK={rank} must be below WORLD_SIZE={world}"
-        )));
-    }
-    let local = num("LOCAL_RANK")?.unwrap_or(rank);
-    let port = match var("MASTER_PORT") {
-        None => 29500,
-        Some(p) => p
-            .trim()
-            .parse()
-            .map_err(|_| fail(format!("MASTER_PORT={p:?} is not a port number")))?,
-    };
-    let timeout = Duration::from_secs(num("FUSEC_RENDEZVOUS_TIMEOUT")?.unwrap_or(300) as u64);
-    Ok(Some((
-        Rendezvous {
-            addr: var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
-            port,
-            rank,
-            world,
-            timeout,
-        },
-        local,
-    )))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -354,38 +304,6 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("rank 1: could not reach rank 0"), "{e}");
-    }
-
-    #[test]
-    fn launcher_variables_are_read_and_checked() {
-        let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| pairs.iter().find(|p| p.0 == k).map(|p| p.1.to_string())
-        };
-        assert!(from_env(env(&[])).unwrap().is_none());
-        assert!(from_env(env(&[("WORLD_SIZE", "1")])).unwrap().is_none());
-        let (rv, local) = from_env(env(&[
-            ("WORLD_SIZE", "4"),
-            ("RANK", "3"),
-            ("LOCAL_RANK", "1"),
-            ("MASTER_ADDR", "10.0.0.2"),
-            ("MASTER_PORT", "29600"),
-        ]))
-        .unwrap()
-        .unwrap();
-        assert_eq!((rv.rank, rv.world, local, rv.port), (3, 4, 1, 29600));
-        assert_eq!(rv.addr, "10.0.0.2");
-        let e = from_env(env(&[("WORLD_SIZE", "2")]))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("RANK is not"), "{e}");
-        let e = from_env(env(&[("WORLD_SIZE", "2"), ("RANK", "2")]))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("below WORLD_SIZE"), "{e}");
-        let e = from_env(env(&[("WORLD_SIZE", "two")]))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("not a whole number"), "{e}");
     }
 
     #[test]

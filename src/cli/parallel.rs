@@ -12,9 +12,10 @@ use clap::Args;
 use fusec_compiler::interp::peers::Peers;
 use fusec_compiler::interp::Precision;
 use fusec_runtime::backend::{self, Backend};
+use fusec_runtime::launcher;
 use fusec_runtime::nccl;
 use fusec_runtime::ranks::{Build, Ranks};
-use fusec_runtime::rendezvous::{self, Rendezvous};
+use fusec_runtime::rendezvous::Rendezvous;
 use fusec_runtime::session::SessionOptions;
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
@@ -107,7 +108,7 @@ impl Job {
 
 /// The job from `--gpus` and the launcher's variables.
 pub fn job(args: &ParallelArgs) -> Result<Job, CliError> {
-    let launched = rendezvous::from_env(|k| std::env::var(k).ok())
+    let launched = launcher::from_env(|k| std::env::var(k).ok())
         .map_err(|e| CliError::usage(format!("error: {e}")))?;
     if args.zero == Some(1) && launched.is_none() && args.gpus.unwrap_or(1) < 2 {
         return Err(CliError::usage(
@@ -127,11 +128,13 @@ pub fn job(args: &ParallelArgs) -> Result<Job, CliError> {
         )));
     }
     match (launched, args.gpus) {
-        (Some((rv, _)), Some(n)) if n > 1 => Err(CliError::usage(format!(
-            "error: --gpus {n} and a launcher's WORLD_SIZE={} both ask for ranks: under torchrun, Slurm or mpirun, start one process per GPU without --gpus",
-            rv.world
+        (Some(l), Some(n)) if n > 1 => Err(CliError::usage(format!(
+            "error: --gpus {n} and {}'s {}={} both ask for ranks: under a launcher, start one process per GPU without --gpus",
+            l.launcher.name(),
+            l.launcher.world_var(),
+            l.rendezvous.world
         ))),
-        (Some((rv, local)), _) => Ok(Job::Launched(rv, local)),
+        (Some(l), _) => Ok(Job::Launched(l.rendezvous, l.local)),
         (None, Some(n)) if n > 1 => Ok(Job::Local(n as usize)),
         (None, _) => Ok(Job::Single),
     }
