@@ -55,29 +55,13 @@ impl F32Math {
     }
 }
 
-/// Device names `fusec build --device` takes, the architecture each
-/// compiles for, the attention family it runs, its multiprocessors (the
-/// SXM parts'; the runtime uses the count of the GPU it runs on) and the
-/// most shared memory a block may take (bytes, opted in): every kernel
-/// built for the device must fit it (sm_86 and sm_89 give 99 KiB where an
-/// A100 gives 163 KiB; the mma.sync attention kernels take at most 86 KiB,
-/// the f32 ones 99 KiB).
-pub const DEVICES: &[(&str, &str, Option<FlashArch>, u32, u64)] = &[
-    ("h100", "sm_90a", Some(FlashArch::Sm90a), 132, 227 << 10),
-    ("h200", "sm_90a", Some(FlashArch::Sm90a), 132, 227 << 10),
-    ("a100", "sm_80", Some(FlashArch::Sm80), 108, 163 << 10),
-    ("rtx3090", "sm_86", Some(FlashArch::Sm80), 82, 99 << 10),
-    ("rtx4090", "sm_89", Some(FlashArch::Sm80), 128, 99 << 10),
-    ("l40s", "sm_89", Some(FlashArch::Sm80), 142, 99 << 10),
-];
-
 impl Target {
-    /// The target of a device in [`DEVICES`].
+    /// The target of a device in [`crate::device::DEVICES`].
     pub fn for_device(name: &str, deterministic: bool) -> Option<Target> {
-        DEVICES.iter().find(|d| d.0 == name).map(|d| Target {
-            arch: d.2,
+        crate::device::device(name).map(|d| Target {
+            arch: d.flash,
             deterministic,
-            multiprocessors: d.3,
+            multiprocessors: d.multiprocessors,
             f32_math: F32Math::default(),
         })
     }

@@ -396,7 +396,7 @@ impl Session {
 
     /// FLOPs of one step as the roofline counts them.
     pub fn flops(&self) -> f64 {
-        let device = fusec_compiler::plan::roofline::device("h100").expect("a known device");
+        let device = fusec_compiler::device::default_device();
         fusec_compiler::plan::roofline::estimate(&self.graph, &self.program, &self.plan, device)
             .flops
     }

@@ -177,7 +177,7 @@ fn a_compile_error_names_the_kernel_and_the_line() {
 }
 
 /// Every shipped and test model built for each device of
-/// `select::DEVICES` with the mma.sync attention (sm_80 class: the A100,
+/// `device::DEVICES` with the mma.sync attention (sm_80 class: the A100,
 /// and the consumer and workstation GPUs of 99 KiB of shared memory a
 /// block): every kernel the build selects, generated or a `kernels/`
 /// template instance, compiles with NVRTC for the device's architecture,
@@ -189,7 +189,8 @@ fn every_kernel_fits_every_device() {
     if !common::nvrtc_ready() {
         return;
     }
-    use fusec_compiler::select::{select, Choice, Target, DEVICES};
+    use fusec_compiler::device::DEVICES;
+    use fusec_compiler::select::{select, Choice, Target};
     let root = common::root();
     let mut files: Vec<std::path::PathBuf> = Vec::new();
     for dir in ["dsl-examples", "tests/models", "tests/models/twins"] {
@@ -214,7 +215,8 @@ fn every_kernel_fits_every_device() {
     // Devices of one architecture and limit (the RTX 4090 and the L40S)
     // are checked once.
     let mut seen = Vec::new();
-    for &(device, arch, flash, _, limit) in DEVICES {
+    for d in DEVICES {
+        let (device, arch, flash, limit) = (d.name, d.arch, d.flash, d.max_shared_per_block);
         if flash != Some(fusec_compiler::emit::flash::FlashArch::Sm80)
             || seen.contains(&(arch, limit))
         {

@@ -225,7 +225,7 @@ fn load_fitted(args: &BenchArgs) -> Result<(Loaded, BTreeMap<String, i64>), CliE
             &args.budget,
             &dims,
             1,
-            "h100",
+            fusec_compiler::device::DEFAULT,
             args.deterministic,
         )?,
         &loaded,
@@ -377,7 +377,7 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
         &args.budget,
         &dims,
         world as u32,
-        "h100",
+        fusec_compiler::device::DEFAULT,
         args.deterministic,
     )?;
     let loaded = loaded;

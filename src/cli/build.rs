@@ -60,7 +60,7 @@ pub struct BuildArgs {
     /// the Hopper tensor-core attention; a100: sm_80, mma.sync; rtx3090:
     /// sm_86, rtx4090 and l40s: sm_89, mma.sync in 99 KiB of shared memory a
     /// block) and the report's roofline estimate
-    #[arg(long, value_name = "NAME", default_value = "h100", value_parser = device_name)]
+    #[arg(long, value_name = "NAME", default_value = fusec_compiler::device::DEFAULT, value_parser = fusec_compiler::device::parse_name)]
     pub device: String,
     /// The attention backward without atomics (as `fusec train
     /// --deterministic` runs it)
@@ -72,22 +72,6 @@ pub struct BuildArgs {
     /// Format of --dump and --dump-after: readable text or Graphviz dot
     #[arg(long, value_enum, default_value = "text")]
     pub format: Format,
-}
-
-fn device_name(s: &str) -> Result<String, String> {
-    use fusec_compiler::plan::roofline::DEVICES;
-    if DEVICES.iter().any(|d| d.name == s) {
-        Ok(s.to_string())
-    } else {
-        let list: Vec<String> = DEVICES
-            .iter()
-            .map(|d| format!("  {:<8} {}", d.name, d.about))
-            .collect();
-        Err(format!(
-            "unknown device `{s}`; the devices are:\n{}",
-            list.join("\n")
-        ))
-    }
 }
 
 fn stage_name(s: &str) -> Result<String, String> {

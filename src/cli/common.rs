@@ -313,9 +313,8 @@ pub fn fit_memory(
     }
     let target = fusec_compiler::select::Target::for_device(device, deterministic)
         .unwrap_or_else(fusec_compiler::select::Target::simple);
-    let roof = fusec_compiler::plan::roofline::device(device)
-        .or_else(|| fusec_compiler::plan::roofline::device("h100"))
-        .expect("the roofline knows the h100");
+    let roof = fusec_compiler::device::device(device)
+        .unwrap_or_else(fusec_compiler::device::default_device);
     let missing = missing(dims, &loaded.compiled.optimized.dims);
     let budget = match (budget.memory_budget, loaded.compiled.model.train.memory_budget) {
         (Some(b), _) if !missing.is_empty() => {

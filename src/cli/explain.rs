@@ -11,7 +11,7 @@ use clap::Args;
 use fusec_compiler::ir::print::line_col;
 use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::plan::plan;
-use fusec_compiler::plan::roofline::{device, estimate};
+use fusec_compiler::plan::roofline::estimate;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -139,7 +139,7 @@ fn explain(args: &ExplainArgs, loaded: &super::common::Loaded) -> Result<String,
     let costs = if super::common::missing(&dims, &g.dims).is_empty() {
         plan(g, &program, &dims)
             .ok()
-            .map(|pl| estimate(g, &program, &pl, device("h100").expect("a known device")))
+            .map(|pl| estimate(g, &program, &pl, fusec_compiler::device::default_device()))
     } else {
         None
     };

@@ -46,7 +46,7 @@ pub(super) fn load_fitted(
             &args.budget,
             &dims,
             world as u32,
-            "h100",
+            fusec_compiler::device::DEFAULT,
             args.deterministic,
         )?,
         &loaded,
