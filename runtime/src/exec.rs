@@ -525,7 +525,7 @@ impl Executor {
         for (ki, k) in p.kernels.iter().enumerate() {
             let l = &plan.launches[ki];
             let args: Vec<u64> = k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
-            let step = if l.kind == "all_reduce" {
+            let step = if l.kind == fusec_compiler::plan::LaunchKind::AllReduce {
                 let planned = plan.collectives.iter().find(|c| c.launch == ki);
                 let owners_of = planned.map_or(&[][..], |c| &c.owners_of[..]);
                 let tensors = k

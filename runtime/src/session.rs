@@ -108,7 +108,7 @@ impl Session {
         let replaced = plan
             .launches
             .iter()
-            .filter(|l| l.kind == "template")
+            .filter(|l| l.kind == fusec_compiler::plan::LaunchKind::Template)
             .map(|l| {
                 let names = l.steps.iter().map(|s| s.function.clone()).collect();
                 (l.kernel.clone(), names)

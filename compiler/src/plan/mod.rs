@@ -79,11 +79,56 @@ pub struct PlannedBuffer {
     pub live: Option<(usize, usize)>,
 }
 
+/// What runs a launch. `plan.json` writes it as one string: `generated`,
+/// `template`, `all_reduce`, `group`, or the op a library call runs
+/// (`matmul`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LaunchKind {
+    /// A kernel fusec generated (CUDA C in kernels/).
+    Generated,
+    /// Instances of `kernels/` templates (the attention's).
+    Template,
+    /// A bucket's gradients averaged over the data-parallel ranks.
+    AllReduce,
+    /// A group kernel with no generated body (none today but the collective).
+    Group,
+    /// A library call (cuBLASLt) or an op with no kernel of its own, by the
+    /// op's name.
+    Op(&'static str),
+}
+
+impl LaunchKind {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            LaunchKind::Generated => "generated",
+            LaunchKind::Template => "template",
+            LaunchKind::AllReduce => "all_reduce",
+            LaunchKind::Group => "group",
+            LaunchKind::Op(name) => name,
+        }
+    }
+    /// A product run by cuBLASLt.
+    pub fn is_gemm(&self) -> bool {
+        matches!(self, LaunchKind::Op(n) if n.contains("matmul") || n.contains("linear"))
+    }
+}
+
+impl std::fmt::Display for LaunchKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for LaunchKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Launch {
     pub kernel: String,
-    /// "generated" (CUDA C in kernels/), or the op a library call or template runs.
-    pub kind: String,
+    pub kind: LaunchKind,
     pub ops: Vec<String>,
     pub inputs: Vec<usize>,
     pub outputs: Vec<usize>,
@@ -515,10 +560,10 @@ pub fn plan_with(
             Launch {
                 kernel: k.name.clone(),
                 kind: match (&k.body, &shape) {
-                    _ if is_collective(g, k) => "all_reduce".into(),
-                    (_, Some(_)) => "generated".into(),
-                    (Body::Op(n) | Body::Gemm(n, _), None) => g.g[*n].op.name().to_string(),
-                    (_, None) => "group".to_string(),
+                    _ if is_collective(g, k) => LaunchKind::AllReduce,
+                    (_, Some(_)) => LaunchKind::Generated,
+                    (Body::Op(n) | Body::Gemm(n, _), None) => LaunchKind::Op(g.g[*n].op.name()),
+                    (_, None) => LaunchKind::Group,
                 },
                 ops: k
                     .nodes
@@ -550,7 +595,7 @@ pub fn plan_with(
         let choice = selection.map(|s| &s.choices[ki]);
         l.steps = match choice {
             Some(Choice::Templates(ks)) => {
-                l.kind = "template".into();
+                l.kind = LaunchKind::Template;
                 ks.iter()
                     .map(|f| template_step(&f.launch, scratch_of.get(&ki).copied(), &env))
                     .collect::<Result<_, _>>()?
@@ -560,7 +605,7 @@ pub fn plan_with(
                 Vec::new()
             }
             Some(Choice::Library | Choice::Missing | Choice::Collective) => Vec::new(),
-            _ if l.kind == "generated" => vec![generated_step(g, p, k, &env)],
+            _ if l.kind == LaunchKind::Generated => vec![generated_step(g, p, k, &env)],
             _ => Vec::new(),
         };
     }

@@ -2,6 +2,7 @@
 //! each holds and the bytes it moves, and the memory plan by kind.
 
 use super::roofline::{estimate, Device};
+use super::LaunchKind;
 use super::{MemKind, Plan};
 use crate::ir::Graph;
 use crate::kernel::Program;
@@ -131,19 +132,17 @@ pub fn report_with_source(
             dims.join(", ")
         }
     );
-    let count = |kind: &str| {
+    let count = |kind: LaunchKind| {
         plan.launches
             .iter()
             .filter(|l| l.kind == kind)
             .map(|l| l.steps.len())
             .sum::<usize>()
     };
-    let (generated, templates) = (count("generated"), count("template"));
-    let others_n = plan
-        .launches
-        .iter()
-        .filter(|l| l.kind != "generated" && l.kind != "template")
-        .count();
+    let (generated, templates) = (count(LaunchKind::Generated), count(LaunchKind::Template));
+    let other =
+        |l: &&super::Launch| !matches!(l.kind, LaunchKind::Generated | LaunchKind::Template);
+    let others_n = plan.launches.iter().filter(other).count();
     let _ = writeln!(
         s,
         "\none step launches {} kernels: {generated} generated, {templates} template instances, {others_n} other ({} ops in the step graph before fusion)",
@@ -160,11 +159,7 @@ pub fn report_with_source(
         );
     }
     let mut others: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
-    for l in plan
-        .launches
-        .iter()
-        .filter(|l| l.kind != "generated" && l.kind != "template")
-    {
+    for l in plan.launches.iter().filter(other) {
         *others.entry(l.kind.as_str()).or_default() += 1;
     }
     if !others.is_empty() {
@@ -259,10 +254,10 @@ pub fn report_with_source(
     for ((l, cost), k) in plan.launches.iter().zip(&est.kernels).zip(&p.kernels) {
         let read = super::roofline::distinct_bytes(plan, &l.inputs);
         let written = super::roofline::distinct_bytes(plan, &l.outputs);
-        let what = match (&l.epilogue, l.kind.as_str()) {
+        let what = match (&l.epilogue, &l.kind) {
             (Some(e), kind) => format!("[{kind}, epilogue {}]", e.name),
-            (None, "generated") => crate::kernel::print::op_runs(&l.ops, 3),
-            (None, "template") => {
+            (None, LaunchKind::Generated) => crate::kernel::print::op_runs(&l.ops, 3),
+            (None, LaunchKind::Template) => {
                 let ts: Vec<String> = l
                     .steps
                     .iter()

@@ -9,6 +9,7 @@
 
 use super::report::{call_stack_lines, source_lines};
 use super::roofline::Estimate;
+use super::LaunchKind;
 use super::Plan;
 use crate::ir::graph::Phase;
 use crate::ir::Graph;
@@ -84,7 +85,10 @@ pub fn chrome_trace(
         json!({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": PHASES, "args": {"sort_index": 0}}),
         json!({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": COMPUTE, "args": {"sort_index": 1}}),
     ];
-    let communicates = plan.launches.iter().any(|l| l.kind == "all_reduce");
+    let communicates = plan
+        .launches
+        .iter()
+        .any(|l| l.kind == LaunchKind::AllReduce);
     if communicates {
         events.push(json!({"name": "thread_name", "ph": "M", "pid": PID, "tid": COMMUNICATION, "args": {"name": "communication stream"}}));
         events.push(json!({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": COMMUNICATION, "args": {"sort_index": 2}}));
@@ -140,7 +144,7 @@ pub fn chrome_trace(
                 args.insert("template".into(), json!(t));
             }
         }
-        let tid = if l.kind == "all_reduce" {
+        let tid = if l.kind == LaunchKind::AllReduce {
             COMMUNICATION
         } else {
             COMPUTE
