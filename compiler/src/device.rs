@@ -123,14 +123,15 @@ pub fn default_device() -> Device {
 }
 
 /// The row of a GPU by the name its driver reports ("NVIDIA GeForce RTX
-/// 3090"), the default device's where none matches.
-pub fn device_of_gpu(gpu: &str) -> Device {
+/// 3090").
+pub fn find_gpu(gpu: &str) -> Option<Device> {
     let n = gpu.to_ascii_lowercase();
-    DEVICES
-        .iter()
-        .copied()
-        .find(|d| n.contains(d.gpu_name))
-        .unwrap_or_else(default_device)
+    DEVICES.iter().copied().find(|d| n.contains(d.gpu_name))
+}
+
+/// [`find_gpu`], the default device's row where none matches.
+pub fn device_of_gpu(gpu: &str) -> Device {
+    find_gpu(gpu).unwrap_or_else(default_device)
 }
 
 /// A `--device` value checked against the table, or what to give instead.
@@ -158,6 +159,7 @@ mod tests {
         assert_eq!(device_of_gpu("NVIDIA H200").name, "h200");
         assert_eq!(device_of_gpu("NVIDIA H100 80GB HBM3").name, "h100");
         assert_eq!(device_of_gpu("Tesla V100").name, DEFAULT);
+        assert!(find_gpu("Tesla V100").is_none());
         assert!(parse_name("a100").is_ok());
         let e = parse_name("a10").unwrap_err();
         assert!(

@@ -205,7 +205,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
             let title = format!(
                 "fusec bench {} {} on {about}",
                 s.graph.name,
-                serde_like(&dims)
+                serde_json::json!(dims)
             );
             write_trace(path, s, &times, source, &est, &title)?;
         }
@@ -287,17 +287,22 @@ fn print_summary(
     let tflops = flops / (ms / 1e3) / 1e12;
     let peak = peak_tflops.or_else(|| datasheet_peak(&s.exec.gpu.name));
     let used = s.exec.gpu.total_bytes - s.exec.gpu.free_bytes().map_err(runtime_err)?;
+    let gib = |b: u64| digits(b as f64 / (1u64 << 30) as f64, 3);
     println!(
-        "{{\"model\":\"{}\",\"device\":\"{}\",\"dims\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tflops\":{tflops:.1},\"mfu\":{},\"peak_memory_gib\":{:.3},\"step_memory_gib\":{:.3},\"plan_arena_gib\":{:.3},\"cuda_graph\":{}}}",
-        s.graph.name,
-        about,
-        serde_like(dims),
-        tokens as f64 / (ms / 1e3),
-        peak.map_or("null".into(), |p| format!("{:.3}", tflops / p)),
-        used as f64 / (1u64 << 30) as f64,
-        used.saturating_sub(s.exec.gpu.used_at_open) as f64 / (1u64 << 30) as f64,
-        s.plan.arena_bytes as f64 / (1u64 << 30) as f64,
-        s.exec.has_graph(),
+        "{}",
+        serde_json::json!({
+            "model": s.graph.name,
+            "device": about,
+            "dims": dims,
+            "ms_per_step": digits(ms, 3),
+            "tokens_per_s": (tokens as f64 / (ms / 1e3)).round() as i64,
+            "tflops": digits(tflops, 1),
+            "mfu": peak.map(|p| digits(tflops / p, 3)),
+            "peak_memory_gib": gib(used),
+            "step_memory_gib": gib(used.saturating_sub(s.exec.gpu.used_at_open)),
+            "plan_arena_gib": gib(s.plan.arena_bytes),
+            "cuda_graph": s.exec.has_graph(),
+        })
     );
     Ok(())
 }
@@ -441,15 +446,19 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     }
     if job.writes() {
         println!(
-            "{{\"model\":\"{}\",\"gpus\":{world},\"zero\":{},\"ranks_here\":{},\"dims_per_gpu\":{},\"ms_per_step\":{ms:.3},\"tokens_per_s\":{:.0},\"tokens_per_s_per_gpu\":{:.0},\"peak_memory_gib_per_gpu\":{:.3},\"rank_ms\":[{}]}}",
-            ranks.graph().name,
-            u8::from(zero),
-            ranks.local_ranks().len(),
-            serde_like(&dims),
-            tokens as f64 / (ms / 1e3),
-            tokens as f64 / (ms / 1e3) / world as f64,
-            peak as f64 / (1u64 << 30) as f64,
-            times.iter().map(|t| format!("{t:.3}")).collect::<Vec<_>>().join(","),
+            "{}",
+            serde_json::json!({
+                "model": ranks.graph().name,
+                "gpus": world,
+                "zero": u8::from(zero),
+                "ranks_here": ranks.local_ranks().len(),
+                "dims_per_gpu": dims,
+                "ms_per_step": digits(ms, 3),
+                "tokens_per_s": (tokens as f64 / (ms / 1e3)).round() as i64,
+                "tokens_per_s_per_gpu": (tokens as f64 / (ms / 1e3) / world as f64).round() as i64,
+                "peak_memory_gib_per_gpu": digits(peak as f64 / (1u64 << 30) as f64, 3),
+                "rank_ms": times.iter().map(|&t| digits(t, 3)).collect::<Vec<_>>(),
+            })
         );
     }
     Ok(())
@@ -460,19 +469,14 @@ fn roofline_device(name: &str) -> Device {
     fusec_compiler::plan::roofline::device_of_gpu(name)
 }
 
-fn serde_like(dims: &BTreeMap<String, i64>) -> String {
-    let parts: Vec<String> = dims.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
-    format!("{{{}}}", parts.join(","))
+/// `x` to `places` decimals, as the JSON line prints it.
+fn digits(x: f64, places: i32) -> f64 {
+    let k = 10f64.powi(places);
+    (x * k).round() / k
 }
 
-/// Dense bf16 tensor-core TFLOP/s from datasheets, for MFU.
+/// Dense bf16 tensor-core TFLOP/s from the device table's datasheet
+/// figures, for MFU; none for a GPU the table does not know.
 fn datasheet_peak(name: &str) -> Option<f64> {
-    let n = name.to_ascii_uppercase();
-    if n.contains("H100") || n.contains("H200") {
-        Some(989.0)
-    } else if n.contains("A100") {
-        Some(312.0)
-    } else {
-        None
-    }
+    fusec_compiler::device::find_gpu(name).map(|d| d.tensor_flops / 1e12)
 }
