@@ -853,74 +853,50 @@ fn zero_on_a_bf16_model_saves_its_masters_whole() {
 
 #[test]
 fn rank_settings_that_cannot_work_are_named() {
-    // --gpus under a launcher, a launcher without RANK.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"))
-        .args([
-            "train",
-            "dsl-examples/gpt2-small.dsl",
-            "--data",
-            TEXT,
-            "--gpus",
-            "2",
-        ])
-        .args(SMALL)
-        .env("WORLD_SIZE", "2")
-        .env("RANK", "0")
-        .current_dir(common::root())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    // fusec train under a launcher's variables (None: removed), with or
+    // without --gpus 2: the usage error it gives.
+    let launched = |gpus: bool, env: &[(&str, Option<&str>)]| -> String {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"));
+        c.args(["train", "dsl-examples/gpt2-small.dsl", "--data", TEXT])
+            .args(SMALL);
+        if gpus {
+            c.args(["--gpus", "2"]);
+        }
+        for (k, v) in env {
+            match v {
+                Some(v) => c.env(k, v),
+                None => c.env_remove(k),
+            };
+        }
+        let out = c.current_dir(common::root()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        err
+    };
+    // --gpus under a launcher, torchrun's and srun's variables named.
+    let err = launched(true, &[("WORLD_SIZE", Some("2")), ("RANK", Some("0"))]);
     assert!(
         err.contains("--gpus 2 and torchrun's WORLD_SIZE=2"),
         "{err}"
     );
-    // The same under srun: its own variables, named.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"))
-        .args([
-            "train",
-            "dsl-examples/gpt2-small.dsl",
-            "--data",
-            TEXT,
-            "--gpus",
-            "2",
-        ])
-        .args(SMALL)
-        .env_remove("WORLD_SIZE")
-        .env("SLURM_STEP_NUM_TASKS", "4")
-        .env("SLURM_PROCID", "0")
-        .env("SLURM_STEP_NODELIST", "gpu[01-02]")
-        .current_dir(common::root())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let err = launched(
+        true,
+        &[
+            ("WORLD_SIZE", None),
+            ("SLURM_STEP_NUM_TASKS", Some("4")),
+            ("SLURM_PROCID", Some("0")),
+            ("SLURM_STEP_NODELIST", Some("gpu[01-02]")),
+        ],
+    );
     assert!(
         err.contains("--gpus 2 and srun's SLURM_STEP_NUM_TASKS=4"),
         "{err}"
     );
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"))
-        .args(["train", "dsl-examples/gpt2-small.dsl", "--data", TEXT])
-        .args(SMALL)
-        .env("WORLD_SIZE", "2")
-        .env_remove("RANK")
-        .current_dir(common::root())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    // A launcher without RANK.
+    let err = launched(false, &[("WORLD_SIZE", Some("2")), ("RANK", None)]);
     assert!(err.contains("RANK is not"), "{err}");
     // The CPU's ranks live in one process.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"))
-        .args(["train", "dsl-examples/gpt2-small.dsl", "--data", TEXT])
-        .args(SMALL)
-        .env("WORLD_SIZE", "2")
-        .env("RANK", "1")
-        .current_dir(common::root())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let err = launched(false, &[("WORLD_SIZE", Some("2")), ("RANK", Some("1"))]);
     assert!(err.contains("--cpu runs its ranks in one process"), "{err}");
     // ZeRO needs ranks.
     let mut a = vec![

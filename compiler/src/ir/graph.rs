@@ -254,7 +254,6 @@ impl Graph {
         Ok((0..n).map(|port| Value { node, port }).collect())
     }
 
-    /// The node's inputs, in slot order.
     /// Where `n` comes in the step's order among nodes ready with it: its
     /// `turn`, else itself.
     pub fn turn_of(&self, n: NodeIndex) -> NodeIndex {
@@ -269,6 +268,7 @@ impl Graph {
         }
     }
 
+    /// The node's inputs, in slot order.
     pub fn inputs(&self, n: NodeIndex) -> Vec<Value> {
         let mut ins: Vec<(usize, Value)> = self
             .g

@@ -204,23 +204,7 @@ impl<'g> Fuser<'g> {
             && !self.buffer_of.contains_key(&base)
         {
             if let Some(e) = self.scalar_expr(base) {
-                let out = self.store(x, BufKind::Temp);
-                kernels.push(Kernel {
-                    name: format!("k{}_fill", kernels.len()),
-                    nodes: vec![x.node],
-                    inputs: vec![],
-                    outputs: vec![out],
-                    input_views: Vec::new(),
-                    residual: None,
-                    prologue: None,
-                    body: Body::Pointwise(Pointwise {
-                        n: self.g.ty(x).numel(),
-                        exprs: vec![e],
-                        stores: vec![(0, 0)],
-                        sum: None,
-                    }),
-                });
-                return out;
+                return self.fill(x, e, kernels);
             }
         }
         let shape = self.g.ty(x).shape.clone();
@@ -740,6 +724,11 @@ impl Fuser<'_> {
 
     fn materialise_scalar(&mut self, x: Value, kernels: &mut Vec<Kernel>) -> usize {
         let e = self.scalar_expr(x).expect("a scalar");
+        self.fill(x, e, kernels)
+    }
+
+    /// A kernel storing `e` into every element of `x`.
+    fn fill(&mut self, x: Value, e: PExpr, kernels: &mut Vec<Kernel>) -> usize {
         let out = self.store(x, BufKind::Temp);
         kernels.push(Kernel {
             name: format!("k{}_fill", kernels.len()),

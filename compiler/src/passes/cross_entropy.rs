@@ -6,29 +6,13 @@
 //! loss's readers (its mean) move to after it; nothing in the backward pass
 //! depends on the loss value.
 
-use super::{replace_uses, Pass};
+use super::{reaches, replace_uses, Pass};
 use crate::ir::{Graph, Value};
 use crate::ops::{CrossEntropyWithGrad, Op};
 use petgraph::stable_graph::NodeIndex;
-use petgraph::Direction;
 use std::collections::HashSet;
 
 pub struct FuseCrossEntropy;
-
-/// Whether `target` is an ancestor of `from` (or `from` itself).
-fn reaches(g: &Graph, from: NodeIndex, target: NodeIndex) -> bool {
-    let mut seen = HashSet::new();
-    let mut stack = vec![from];
-    while let Some(n) = stack.pop() {
-        if n == target {
-            return true;
-        }
-        if seen.insert(n) {
-            stack.extend(g.g.neighbors_directed(n, Direction::Incoming));
-        }
-    }
-    false
-}
 
 impl Pass for FuseCrossEntropy {
     fn name(&self) -> &'static str {

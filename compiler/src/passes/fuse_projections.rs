@@ -25,12 +25,10 @@
 //! runs on the forward graph, before autodiff; a chain read by anything
 //! else, or whose weights depend on x, stays as written.
 
-use super::{replace_uses, Pass};
+use super::{reaches, replace_uses, Pass};
 use crate::ir::{Graph, Value};
 use crate::ops::{BinaryKind, Concat, MatMul, Op, Slice};
 use petgraph::stable_graph::NodeIndex;
-use petgraph::Direction;
-use std::collections::HashSet;
 
 pub struct FuseProjections;
 
@@ -46,9 +44,7 @@ struct Projection {
 }
 
 fn only_reader(g: &Graph, v: Value, n: NodeIndex) -> bool {
-    g.users(v).iter().all(|(u, _)| *u == n)
-        && g.users(v).len() == 1
-        && !g.outputs.iter().any(|(_, o)| *o == v)
+    matches!(g.users(v)[..], [(u, _)] if u == n) && !g.outputs.iter().any(|(_, o)| *o == v)
 }
 
 /// The projection behind attention input `slot` of `attn`, if the chain is
@@ -96,21 +92,6 @@ fn projection(g: &Graph, attn: NodeIndex, slot: usize) -> Option<Projection> {
         bias,
         out,
     })
-}
-
-/// Whether `target` is `from` or one of its ancestors.
-fn reaches(g: &Graph, from: NodeIndex, target: NodeIndex) -> bool {
-    let mut seen = HashSet::new();
-    let mut stack = vec![from];
-    while let Some(n) = stack.pop() {
-        if n == target {
-            return true;
-        }
-        if seen.insert(n) {
-            stack.extend(g.g.neighbors_directed(n, Direction::Incoming));
-        }
-    }
-    false
 }
 
 /// `concat(parts, axis)`. The parts are the weights as the products read

@@ -119,6 +119,25 @@ pub fn run_pipeline(
     Ok(stats)
 }
 
+/// Whether `target` is an ancestor of `from` (or `from` itself).
+pub(crate) fn reaches(
+    g: &Graph,
+    from: petgraph::stable_graph::NodeIndex,
+    target: petgraph::stable_graph::NodeIndex,
+) -> bool {
+    let mut seen = std::collections::HashSet::new();
+    let mut stack = vec![from];
+    while let Some(n) = stack.pop() {
+        if n == target {
+            return true;
+        }
+        if seen.insert(n) {
+            stack.extend(g.g.neighbors_directed(n, petgraph::Direction::Incoming));
+        }
+    }
+    false
+}
+
 /// Points every reader of `from` at `to` instead (and any graph output).
 pub(crate) fn replace_uses(g: &mut Graph, from: crate::ir::Value, to: crate::ir::Value) {
     for reader in g.users(from) {

@@ -67,10 +67,10 @@ impl Pass for PackAttentionGrads {
             let types: Vec<_> = g.inputs(ag).iter().map(|v| g.ty(*v).clone()).collect();
             let cat = Value { node: n, port: 0 };
             // Cross-attention (S != T) does not pack.
-            match crate::ops::OpDef::infer(&packed, &types) {
-                Ok(out) if out.len() == 1 && out[0] == *g.ty(cat) => {}
+            let types_out = match crate::ops::OpDef::infer(&packed, &types) {
+                Ok(out) if out.len() == 1 && out[0] == *g.ty(cat) => out,
                 _ => continue,
-            }
+            };
             // The op is changed where it stands, so the step's order (which
             // follows the nodes' indices) keeps it where it was.
             let parts: Vec<NodeIndex> = g.inputs(n).iter().map(|v| v.node).collect();
@@ -79,7 +79,6 @@ impl Pass for PackAttentionGrads {
             for p in parts {
                 g.g.remove_node(p);
             }
-            let types_out = crate::ops::OpDef::infer(&packed, &types).expect("checked above");
             g.g[ag].op = packed.into();
             g.g[ag].outputs = types_out;
             rewrites += 1;

@@ -90,7 +90,8 @@ pub enum LaunchKind {
     Template,
     /// A bucket's gradients averaged over the data-parallel ranks.
     AllReduce,
-    /// A group kernel with no generated body (none today but the collective).
+    /// A group kernel whose members' sizes do not add up to one count of
+    /// elements (so no generated step is planned for it).
     Group,
     /// A library call (cuBLASLt) or an op with no kernel of its own, by the
     /// op's name.
@@ -106,10 +107,6 @@ impl LaunchKind {
             LaunchKind::Group => "group",
             LaunchKind::Op(name) => name,
         }
-    }
-    /// A product run by cuBLASLt.
-    pub fn is_gemm(&self) -> bool {
-        matches!(self, LaunchKind::Op(n) if n.contains("matmul") || n.contains("linear"))
     }
 }
 
