@@ -26,7 +26,7 @@ pub fn default_dir() -> PathBuf {
 
 /// 64-bit FNV-1a, twice with different seeds: a stable key across runs and
 /// machines (std's hasher is randomly seeded).
-fn key(parts: &[&str]) -> String {
+pub(crate) fn stable_key(parts: &[&str]) -> String {
     let mut out = String::new();
     for seed in [0xcbf2_9ce4_8422_2325u64, 0x8422_2325_cbf2_9ce4u64] {
         let mut h = seed;
@@ -139,7 +139,7 @@ pub fn cubins(
         .map(|&i| {
             let (name, src) = (distinct[i].0, &distinct[i].1);
             let full = nvrtc::with_prelude(src);
-            let path = dir.map(|d| d.join(format!("{}.cubin", key(&[&full, arch, &version]))));
+            let path = dir.map(|d| d.join(format!("{}.cubin", stable_key(&[&full, arch, &version]))));
             let mut state = 1u8; // compiled
             if let Some(p) = &path {
                 match std::fs::read(p) {
@@ -195,10 +195,10 @@ mod tests {
 
     #[test]
     fn keys_are_stable_and_separate_inputs() {
-        assert_eq!(key(&["a", "sm_90"]), key(&["a", "sm_90"]));
-        assert_ne!(key(&["a", "sm_90"]), key(&["a", "sm_80"]));
-        assert_ne!(key(&["ab", "c"]), key(&["a", "bc"]));
-        assert_eq!(key(&["x"]).len(), 32);
+        assert_eq!(stable_key(&["a", "sm_90"]), stable_key(&["a", "sm_90"]));
+        assert_ne!(stable_key(&["a", "sm_90"]), stable_key(&["a", "sm_80"]));
+        assert_ne!(stable_key(&["ab", "c"]), stable_key(&["a", "bc"]));
+        assert_eq!(stable_key(&["x"]).len(), 32);
     }
 
     /// Kernels that differ only in their names compile once, into one

@@ -698,6 +698,20 @@ impl Executor {
         }
     }
 
+    /// How the GEMMs' cuBLASLt algorithms are chosen (before the first
+    /// step: they are chosen then).
+    pub fn tune_gemms(&mut self, tuning: crate::gemm_tuning::Tuning) {
+        if let Some(g) = self.gemm.as_mut() {
+            g.tuning = tuning;
+        }
+    }
+
+    /// How the algorithms of the GEMMs run so far were chosen; `None` for
+    /// a step without GEMMs.
+    pub fn gemm_tuning_stats(&self) -> Option<crate::gemm_tuning::TuningStats> {
+        self.gemm.as_ref().map(|g| g.tuning_stats())
+    }
+
     pub fn kernel_count(&self) -> usize {
         self.launches.len()
     }

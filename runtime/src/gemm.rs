@@ -13,7 +13,7 @@
 use cudarc::cublaslt::result::{self, CublasError};
 use cudarc::cublaslt::sys;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DriverError};
-use std::collections::hash_map::{Entry, HashMap};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::fmt;
 use std::sync::Arc;
@@ -23,6 +23,9 @@ use sys::cublasLtMatmulPreferenceAttributes_t as PrefAttr;
 use sys::cublasLtMatmulPreference_t as Pref;
 use sys::cublasLtMatrixLayoutAttribute_t as LayoutAttr;
 use sys::cublasLtMatrixLayout_t as Layout;
+type Algo = sys::cublasLtMatmulAlgo_t;
+
+use crate::gemm_tuning::{self, Tuning, TuningStats};
 
 /// The workspace cuBLASLt may use (NVIDIA's recommendation for Hopper;
 /// more than enough for earlier GPUs).
@@ -279,7 +282,8 @@ impl fmt::Display for GemmError {
 impl std::error::Error for GemmError {}
 
 /// What one cached product is planned with: everything but the addresses.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+/// Its `Debug` text keys the on-disk choice of algorithm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Key {
     spec: GemmSpec,
     kind: Kind,
@@ -303,7 +307,7 @@ struct Plan {
     desc: Desc,
     /// cuBLASLt's A (our B), B (our A) and D (also C: the residual is D-shaped).
     layouts: [Layout; 3],
-    algo: sys::cublasLtMatmulAlgo_t,
+    algo: Algo,
 }
 
 impl Drop for Plan {
@@ -332,6 +336,19 @@ pub struct Gemm {
     pub allow_tf32: bool,
     /// What [`Gemm::run_split`] copies the operands with.
     pub split_kernels: Option<crate::gemm_split::SplitKernels>,
+    /// How each product's algorithm is chosen (set before the first step).
+    pub tuning: Tuning,
+    stats: TuningStats,
+}
+
+/// The addresses one product runs with: cuBLASLt's A (our B), B (our A),
+/// C and D.
+#[derive(Clone, Copy)]
+struct Ptrs {
+    a: u64,
+    b: u64,
+    c: u64,
+    d: u64,
 }
 
 // SAFETY: the handle and descriptors are host objects cuBLASLt lets move
@@ -453,12 +470,19 @@ impl Gemm {
             plans: HashMap::new(),
             allow_tf32: false,
             split_kernels: None,
+            tuning: Tuning::First,
+            stats: TuningStats::default(),
         })
     }
 
     /// How many distinct products have been planned.
     pub fn cached_plans(&self) -> usize {
         self.plans.len()
+    }
+
+    /// How the planned products' algorithms were chosen.
+    pub fn tuning_stats(&self) -> TuningStats {
+        self.stats
     }
 
     /// `d = epilogue(a @ b)`, enqueued on the stream. Pointers are raw
@@ -552,53 +576,163 @@ impl Gemm {
                 alignment(ep.gelu_aux_out.or(ep.dgelu_aux_in).unwrap_or(0), sd),
             ],
         };
-        let plan = match self.plans.entry(key) {
-            Entry::Occupied(e) => {
-                // SAFETY: the descriptor is live; cuBLASLt copies the
-                // pointers at enqueue time, so resetting them per call is fine.
-                unsafe { set_pointers(e.get().desc, ep) }
-                    .map_err(fail("setting the epilogue pointers"))?;
-                e.into_mut()
-            }
-            Entry::Vacant(e) => e.insert(Self::plan(self.handle, &key, ep).map_err(fail(
+        let beta = if ep.residual.is_some() { 1.0f32 } else { 0.0 };
+        let ptrs = Ptrs { a: b, b: a, c, d };
+        if !self.plans.contains_key(&key) {
+            let (mut plan, candidates) = Self::plan(self.handle, &key, ep).map_err(fail(
                 "planning (descriptors, cublasLtMatmulAlgoGetHeuristic)",
-            ))?),
-        };
-        let (alpha, beta) = (1.0f32, if ep.residual.is_some() { 1.0f32 } else { 0.0 });
-        let [la, lb, ld] = plan.layouts;
-        // SAFETY: the layouts describe the caller's buffers (their contract);
-        // the workspace outlives every enqueued matmul (it is freed on this
-        // stream, after them).
-        unsafe {
-            result::matmul(
-                self.handle,
-                plan.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                b as *const c_void,
-                la,
-                a as *const c_void,
-                lb,
-                c as *const c_void,
-                ld,
-                d as *mut c_void,
-                ld,
-                &plan.algo,
-                self.workspace_ptr as *mut c_void,
-                WORKSPACE_BYTES,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
+            ))?;
+            plan.algo = self.choose(&key, &plan, &candidates, ptrs, ep, beta);
+            self.plans.insert(key, plan);
         }
-        .map_err(fail("cublasLtMatmul"))
+        let plan = &self.plans[&key];
+        // SAFETY: the descriptor is live; cuBLASLt copies the pointers at
+        // enqueue time, so resetting them per call is fine.
+        unsafe { set_pointers(plan.desc, ep) }.map_err(fail("setting the epilogue pointers"))?;
+        // SAFETY: the layouts describe the caller's buffers (their contract).
+        unsafe { self.enqueue(plan, &plan.algo, ptrs, beta) }.map_err(fail("cublasLtMatmul"))
     }
 
-    /// The descriptor, layouts and algorithm for `key`, pointed at `ep`'s
-    /// buffers (the heuristic reads the bias and aux pointers' alignment).
+    /// Enqueues one product with `algo`.
+    ///
+    /// # Safety
+    /// `plan`'s layouts describe the buffers at `p`. The workspace outlives
+    /// every enqueued matmul (it is freed on this stream, after them).
+    unsafe fn enqueue(
+        &self,
+        plan: &Plan,
+        algo: &Algo,
+        p: Ptrs,
+        beta: f32,
+    ) -> Result<(), CublasError> {
+        let alpha = 1.0f32;
+        let [la, lb, ld] = plan.layouts;
+        result::matmul(
+            self.handle,
+            plan.desc,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            p.a as *const c_void,
+            la,
+            p.b as *const c_void,
+            lb,
+            p.c as *const c_void,
+            ld,
+            p.d as *mut c_void,
+            ld,
+            algo,
+            self.workspace_ptr as *mut c_void,
+            WORKSPACE_BYTES,
+            self.stream.cu_stream() as sys::cudaStream_t,
+        )
+    }
+
+    /// The algorithm a newly planned product runs (see `gemm_tuning`):
+    /// cuBLASLt's first choice, the choice kept on disk, or the fastest of
+    /// `candidates` timed here on the product's own buffers.
+    fn choose(
+        &mut self,
+        key: &Key,
+        plan: &Plan,
+        candidates: &[Algo],
+        p: Ptrs,
+        ep: &EpiloguePtrs,
+        beta: f32,
+    ) -> Algo {
+        let first = candidates[0];
+        let Tuning::Timed { dir, gpu } = &self.tuning else {
+            return first;
+        };
+        // SAFETY: a plain query of the loaded library.
+        let version = unsafe { sys::cublasLtGetVersion() };
+        let path = dir
+            .as_deref()
+            .map(|d| gemm_tuning::entry_path(d, gpu, version, &format!("{key:?}")));
+        if let Some(data) = path.as_deref().and_then(gemm_tuning::load) {
+            let algo = Algo { data };
+            if self.fits(plan, &algo) {
+                self.stats.cached += 1;
+                self.stats.changed += usize::from(algo.data != first.data);
+                return algo;
+            }
+        }
+        let capturing = !matches!(
+            self.stream.capture_status(),
+            Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        );
+        if capturing || gemm_tuning::writes_over_inputs(&key.spec, ep, p.b, p.a, p.d) {
+            self.stats.untimed += 1;
+            return first;
+        }
+        let times: Vec<Option<f64>> = candidates
+            .iter()
+            .map(|algo| self.time(plan, algo, p, beta))
+            .collect();
+        let chosen = candidates[gemm_tuning::pick(&times)];
+        self.stats.timed += 1;
+        self.stats.changed += usize::from(chosen.data != first.data);
+        if let Some(path) = path {
+            gemm_tuning::store(&path, &chosen.data);
+        }
+        chosen
+    }
+
+    /// Whether a stored algorithm is one cuBLASLt runs for this plan
+    /// within our workspace.
+    fn fits(&self, plan: &Plan, algo: &Algo) -> bool {
+        let [la, lb, ld] = plan.layouts;
+        // SAFETY: zeroed is a valid result struct for cuBLASLt to fill.
+        let mut r: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        // SAFETY: the descriptor and layouts are live; `algo` and `r` are
+        // valid for the call.
+        let status = unsafe {
+            sys::cublasLtMatmulAlgoCheck(self.handle, plan.desc, la, lb, ld, ld, algo, &mut r)
+        };
+        status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && r.workspaceSize <= WORKSPACE_BYTES
+    }
+
+    /// Milliseconds one product takes with `algo`: a launch to warm, then
+    /// the quickest of 3 rounds of 3 back-to-back launches between events.
+    /// `None` where it does not run.
+    fn time(&self, plan: &Plan, algo: &Algo, p: Ptrs, beta: f32) -> Option<f64> {
+        use cudarc::driver::sys::CUevent_flags;
+        // SAFETY: as `run_with`'s launch; the product writes only what it
+        // writes anyway, and reads nothing it writes (`writes_over_inputs`).
+        let launch = || unsafe { self.enqueue(plan, algo, p, beta) }.is_ok();
+        let event = || {
+            self.stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .ok()
+        };
+        if !launch() {
+            return None;
+        }
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let start = event()?;
+            for _ in 0..3 {
+                if !launch() {
+                    return None;
+                }
+            }
+            let end = event()?;
+            end.synchronize().ok()?;
+            best = best.min(f64::from(start.elapsed_ms(&end).ok()?) / 3.0);
+        }
+        Some(best)
+    }
+
+    /// The descriptor and layouts for `key`, pointed at `ep`'s buffers (the
+    /// heuristic reads the bias and aux pointers' alignment), with its
+    /// algorithm set to cuBLASLt's first choice; and every algorithm the
+    /// heuristic offers, best ranked first (at least one).
     fn plan(
         handle: sys::cublasLtHandle_t,
         key: &Key,
         ep: &EpiloguePtrs,
-    ) -> Result<Plan, CublasError> {
+    ) -> Result<(Plan, Vec<Algo>), CublasError> {
         use {DescAttr::*, LayoutAttr::*, PrefAttr::*};
         let s = &key.spec;
         let null = std::ptr::null_mut();
@@ -641,8 +775,8 @@ impl Gemm {
                 desc_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, stride)?;
             }
             set_pointers(desc, ep)?;
-            // cuBLASLt's first choice within our workspace and the buffers'
-            // real alignment.
+            // cuBLASLt's choices within our workspace and the buffers' real
+            // alignment.
             let pref = result::create_matmul_pref()?;
             let prefs = [
                 (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[0]),
@@ -660,12 +794,39 @@ impl Gemm {
                     pref_attr(pref, attr, v)?;
                 }
                 let [la, lb, ld] = plan.layouts;
-                result::get_matmul_algo_heuristic(handle, desc, la, lb, ld, ld, pref)
+                let mut results = [std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>();
+                    gemm_tuning::CANDIDATES];
+                let mut count = 0;
+                sys::cublasLtMatmulAlgoGetHeuristic(
+                    handle,
+                    desc,
+                    la,
+                    lb,
+                    ld,
+                    ld,
+                    pref,
+                    gemm_tuning::CANDIDATES as i32,
+                    results.as_mut_ptr(),
+                    &mut count,
+                )
+                .result()?;
+                let algos: Vec<Algo> = results[..count.max(0) as usize]
+                    .iter()
+                    .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+                    .map(|r| r.algo)
+                    .collect();
+                if algos.is_empty() {
+                    return Err(CublasError(
+                        sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
+                    ));
+                }
+                Ok(algos)
             })();
             let _ = result::destroy_matmul_pref(pref);
-            plan.algo = found?.algo;
+            let algos = found?;
+            plan.algo = algos[0];
+            Ok((plan, algos))
         }
-        Ok(plan)
     }
 }
 

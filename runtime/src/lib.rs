@@ -13,6 +13,7 @@ pub mod device;
 pub mod exec;
 pub mod gemm;
 pub mod gemm_split;
+pub mod gemm_tuning;
 pub mod launcher;
 pub mod marks;
 pub mod name_map;

@@ -5,6 +5,7 @@
 use crate::cache::{self, CacheStats};
 use crate::device::Gpu;
 use crate::exec::{decode, encode, Executor};
+use crate::gemm_tuning::Tuning;
 use crate::stage::HostBuf;
 use crate::RuntimeError;
 use fusec_compiler::autodiff::{APPLY_INPUT, LR_INPUT, STEP_INPUT};
@@ -47,6 +48,23 @@ pub struct SessionOptions {
     /// How f32 products run: three TF32 products (the default), one (as
     /// PyTorch's `allow_tf32`), or f32 GEMMs on CUDA cores.
     pub f32_math: F32Math,
+}
+
+/// How the session's GEMMs choose their cuBLASLt algorithms: timed once
+/// and kept beside the kernel cache (`gemm_tuning`), except in
+/// deterministic runs, which keep cuBLASLt's first choice so that every
+/// run takes the same algorithms, or where `FUSEC_GEMM_TUNING=first` asks
+/// for that (to compare the two).
+fn gemm_tuning(options: &SessionOptions, cache_dir: Option<&Path>, gpu: String) -> Tuning {
+    let first = std::env::var("FUSEC_GEMM_TUNING").is_ok_and(|v| v == "first");
+    if options.deterministic || first {
+        Tuning::First
+    } else {
+        Tuning::Timed {
+            dir: cache_dir.map(Path::to_path_buf),
+            gpu,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -114,8 +132,10 @@ impl Session {
                 (l.kernel.clone(), names)
             })
             .collect();
+        let gpu_name = gpu.name.clone();
         let mut exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins)?;
         exec.allow_tf32(options.f32_math == F32Math::Tf32);
+        exec.tune_gemms(gemm_tuning(&options, cache_dir, gpu_name));
         crate::startup::mark("modules loaded, arena allocated");
         Ok(Session {
             exec,

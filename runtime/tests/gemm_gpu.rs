@@ -10,6 +10,7 @@ mod skip;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use fusec_runtime::gemm::{Elem, EpiloguePtrs, Gemm, GemmError, GemmSpec};
+use fusec_runtime::gemm_tuning::{Tuning, TuningStats};
 use std::sync::Arc;
 
 // ---- element codecs, by hand (the runtime does not depend on `half`) ----
@@ -528,34 +529,87 @@ fn gemm_matches_cpu_reference() {
         Err(e) => return skip(&format!("no GPU: CudaContext::new(0) failed ({e:?})")),
     };
     let stream = ctx.new_stream().expect("a CUDA stream");
-    let mut gemm = match Gemm::new(&stream) {
-        Ok(g) => g,
-        Err(e @ GemmError::NotLoaded) => return skip(&e.to_string()),
-        Err(e) => panic!("{e}"),
-    };
     println!("GPU: {}", ctx.name().unwrap_or_default());
-    let mut rng = Rng(0x5eed_1234_abcd_9876);
+    // Every case with cuBLASLt's first choice; then with the algorithms
+    // timed (each product run several times on its own buffers, so an
+    // in-place product timed would add its residual again and fail), their
+    // choices written to a fresh cache; then read back from it.
+    let dir = std::env::temp_dir().join(format!("fusec-gemm-gpu-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let timed = Tuning::Timed {
+        dir: Some(dir.clone()),
+        gpu: ctx.name().unwrap_or_default(),
+    };
+    // In-place cases first: a product is planned (and timed or not) at its
+    // first run, and an in-place case whose twin ran before it would take
+    // the twin's plan untimed.
+    let mut cases = cases();
+    cases.sort_by_key(|c| !c.epi.in_place);
+    let in_place = cases.iter().filter(|c| c.epi.in_place).count();
     let mut failures = Vec::new();
-    let cases = cases();
-    for case in &cases {
-        // Twice on fresh buffers: the second run takes the cached plan with
-        // new pointers.
-        for attempt in ["first", "cached"] {
-            match run_case(&mut gemm, &stream, case, &mut rng) {
-                Ok(worst) => println!("ok   {} ({attempt}): worst error {worst:.2e}", case.name()),
-                Err(e) => failures.push(format!("FAIL {} ({attempt}): {e}", case.name())),
+    let mut stats = Vec::new();
+    for (pass, tuning) in [
+        ("first choice", Tuning::First),
+        ("timed", timed.clone()),
+        ("from cache", timed),
+    ] {
+        let mut gemm = match Gemm::new(&stream) {
+            Ok(g) => g,
+            Err(e @ GemmError::NotLoaded) => return skip(&e.to_string()),
+            Err(e) => panic!("{e}"),
+        };
+        gemm.tuning = tuning;
+        let mut rng = Rng(0x5eed_1234_abcd_9876);
+        for case in &cases {
+            // Twice on fresh buffers: the second run takes the cached plan with
+            // new pointers.
+            for attempt in ["first", "cached"] {
+                match run_case(&mut gemm, &stream, case, &mut rng) {
+                    Ok(worst) => println!(
+                        "ok   {} ({pass}, {attempt}): worst error {worst:.2e}",
+                        case.name()
+                    ),
+                    Err(e) => {
+                        failures.push(format!("FAIL {} ({pass}, {attempt}): {e}", case.name()))
+                    }
+                }
             }
         }
+        let t = gemm.tuning_stats();
+        println!(
+            "{pass}: {} cases, {} cached plans, algorithms {t:?}",
+            cases.len(),
+            gemm.cached_plans()
+        );
+        stats.push((gemm.cached_plans(), t));
     }
-    println!(
-        "{} cases, {} cached plans",
-        cases.len(),
-        gemm.cached_plans()
-    );
+    let _ = std::fs::remove_dir_all(&dir);
     assert!(
         failures.is_empty(),
         "{} failures:\n{}",
         failures.len(),
         failures.join("\n")
+    );
+    let (plans, first) = stats[0];
+    assert_eq!(
+        first,
+        TuningStats::default(),
+        "the first choice times nothing"
+    );
+    // Timed: every product but those writing over their inputs (each
+    // in-place case is a product of its own: distinct spec or alignment).
+    let (_, t) = stats[1];
+    assert!(in_place >= 1, "the cases have in-place products");
+    assert_eq!(
+        t.untimed, in_place,
+        "in-place products are left untimed: {t:?}"
+    );
+    assert_eq!((t.timed + t.untimed, t.cached), (plans, 0), "{t:?}");
+    // Read back: every timed choice from the cache, nothing timed again.
+    let (_, c) = stats[2];
+    assert_eq!(
+        (c.cached, c.timed, c.untimed, c.changed),
+        (t.timed, 0, t.untimed, t.changed),
+        "{c:?}"
     );
 }

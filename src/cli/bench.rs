@@ -302,6 +302,13 @@ fn print_summary(
             "step_memory_gib": gib(used.saturating_sub(s.exec.gpu.used_at_open)),
             "plan_arena_gib": gib(s.plan.arena_bytes),
             "cuda_graph": s.exec.has_graph(),
+            // How cuBLASLt's algorithms were chosen (runtime/src/gemm_tuning.rs).
+            "gemm_algos": s.exec.gemm_tuning_stats().map(|t| serde_json::json!({
+                "timed": t.timed,
+                "from_cache": t.cached,
+                "not_first_choice": t.changed,
+                "untimed": t.untimed,
+            })),
         })
     );
     Ok(())

@@ -156,7 +156,7 @@ pub(super) fn data_inputs(b: &dyn Backend) -> Vec<String> {
 pub(super) fn announce_deterministic(args: &TrainArgs) {
     if args.deterministic && !args.cpu {
         eprintln!(
-            "deterministic: the attention backward runs without atomics and every other kernel is deterministic (GEMMs keep one cuBLASLt algorithm each), so a run repeats bit for bit on the same GPU and software"
+            "deterministic: the attention backward runs without atomics and every other kernel is deterministic (each GEMM on cuBLASLt's first choice of algorithm, not one chosen by timing), so a run repeats bit for bit on the same GPU and software"
         );
     }
     if let Some(what) = args.f32.describe(args.cpu) {
