@@ -76,6 +76,10 @@ pub struct Opening {
     ordinal: usize,
     started: std::time::Instant,
     thread: Option<std::thread::JoinHandle<Result<Gpu, RuntimeError>>>,
+    /// The GPU's name as the driver reports it, sent by the opening
+    /// thread before it creates the context (the slow part).
+    name: Option<std::sync::mpsc::Receiver<Option<String>>>,
+    name_got: Option<Option<String>>,
 }
 
 impl Opening {
@@ -84,9 +88,11 @@ impl Opening {
     /// wait some 150 ms for it) while the caller plans the step. Mapping it
     /// at once, beside the driver's start, slowed that start by as much.
     pub fn begin(ordinal: usize) -> Opening {
+        let (tx, rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("fusec-open-gpu".into())
             .spawn(move || {
+                let _ = tx.send(gpu_name(ordinal));
                 let gpu = open(ordinal);
                 crate::startup::mark("GPU opened (in the background)");
                 if gpu.is_ok() {
@@ -103,7 +109,9 @@ impl Opening {
         Opening {
             ordinal,
             started: std::time::Instant::now(),
+            name: thread.is_some().then_some(rx),
             thread,
+            name_got: None,
         }
     }
 
@@ -113,7 +121,23 @@ impl Opening {
             ordinal,
             started: std::time::Instant::now(),
             thread: None,
+            name: None,
+            name_got: None,
         }
+    }
+
+    /// The GPU's name as its driver reports it ("NVIDIA H100 80GB HBM3"),
+    /// without waiting for the whole opening: what the compiler plans for
+    /// before the GPU is ready. `None` where there is no such GPU.
+    pub fn gpu_name(&mut self) -> Option<String> {
+        if self.name_got.is_none() {
+            let got = match &self.name {
+                Some(rx) => rx.recv().ok().flatten(),
+                None => gpu_name(self.ordinal),
+            };
+            self.name_got = Some(got);
+        }
+        self.name_got.clone().flatten()
     }
 
     /// When the opening began (for how long it took).
@@ -154,6 +178,18 @@ impl Drop for Opening {
 pub fn driver_present() -> bool {
     // SAFETY: only probes the dynamic loader.
     unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// GPU `ordinal`'s name as the driver reports it, without creating a
+/// context; `None` without a driver or such a GPU.
+pub fn gpu_name(ordinal: usize) -> Option<String> {
+    if !driver_present() {
+        return None;
+    }
+    use cudarc::driver::result;
+    result::init().ok()?;
+    let dev = result::device::get(i32::try_from(ordinal).ok()?).ok()?;
+    result::device::get_name(dev).ok()
 }
 
 /// Opens GPU `ordinal` with one stream for everything.

@@ -314,7 +314,12 @@ fn name_rank(e: RuntimeError, rank: usize, world: usize) -> RuntimeError {
 pub fn batch_inputs(g: &Graph) -> BTreeSet<String> {
     g.g.node_indices()
         .filter_map(|n| match &g.g[n].op {
-            Op::Input(i) if i.ty.shape.first().is_some_and(|d| d.to_string() == "B") => {
+            Op::Input(i)
+                if i.ty
+                    .shape
+                    .first()
+                    .is_some_and(|d| d.to_string() == fusec_compiler::ir::dim::BATCH) =>
+            {
                 Some(i.name.clone())
             }
             _ => None,

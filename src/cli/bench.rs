@@ -5,6 +5,7 @@ use super::common::{fit_memory, load, load_ranks, BudgetArgs, Loaded, ModelArgs,
 use super::train::{runtime_err, start};
 use super::CliError;
 use clap::Args;
+use fusec_compiler::ir::dim::{BATCH, SEQ};
 use fusec_compiler::ir::graph::Phase;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::plan::roofline::{estimate, Device, Estimate};
@@ -225,7 +226,7 @@ fn load_fitted(args: &BenchArgs) -> Result<(Loaded, BTreeMap<String, i64>), CliE
             &args.budget,
             &dims,
             1,
-            fusec_compiler::device::DEFAULT,
+            super::common::planning_device(device::gpu_name(args.gpu).as_deref()),
             args.deterministic,
         )?,
         &loaded,
@@ -282,7 +283,7 @@ fn print_summary(
     ms: f64,
     peak_tflops: Option<f64>,
 ) -> Result<(), CliError> {
-    let tokens = dims.get("B").copied().unwrap_or(1) * dims.get("T").copied().unwrap_or(1);
+    let tokens = dims.get(BATCH).copied().unwrap_or(1) * dims.get(SEQ).copied().unwrap_or(1);
     let flops = s.flops();
     let tflops = flops / (ms / 1e3) / 1e12;
     let peak = peak_tflops.or_else(|| datasheet_peak(&s.exec.gpu.name));
@@ -434,7 +435,7 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
         .try_each(|_, b| b.memory_used())
         .map_err(runtime_err)?;
     let peak = memory.iter().flatten().copied().max().unwrap_or(0);
-    let tokens = whole.get("B").copied().unwrap_or(1) * whole.get("T").copied().unwrap_or(1);
+    let tokens = whole.get(BATCH).copied().unwrap_or(1) * whole.get(SEQ).copied().unwrap_or(1);
     if let Some(path) = &args.profile {
         let profiles = ranks
             .try_each(|_, b| b.profile_step_full())

@@ -242,10 +242,10 @@ pub fn dim_sizes(
         Ok(())
     };
     if let Some(b) = batch {
-        set("B", b, "--batch")?;
+        set(fusec_compiler::ir::dim::BATCH, b, "--batch")?;
     }
     if let Some(t) = seq {
-        set("T", t, "--seq")?;
+        set(fusec_compiler::ir::dim::SEQ, t, "--seq")?;
     }
     for d in dim_args {
         let parsed = d
@@ -286,6 +286,15 @@ pub struct BudgetArgs {
 
 fn parse_budget(s: &str) -> Result<u64, String> {
     fusec_compiler::recompute::parse_size(s)
+}
+
+/// The device table's row to plan a step for before its GPU is open: the
+/// row of the GPU's name as its driver reports it (`gpu_name`), else the
+/// default device's (no GPU, `--cpu`, or a GPU the table lacks).
+pub fn planning_device(gpu_name: Option<&str>) -> &'static str {
+    gpu_name
+        .and_then(fusec_compiler::device::find_gpu)
+        .map_or(fusec_compiler::device::DEFAULT, |d| d.name)
 }
 
 /// Applies the memory budget (`--memory-budget`, else the train
@@ -358,6 +367,25 @@ pub fn announce_budget(choice: Option<fusec_compiler::recompute::Choice>, loaded
         eprint!(
             "{}",
             c.describe(&loaded.compiled.optimized, Some((&file, &loaded.source)))
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::planning_device;
+
+    /// A budget is fitted for the GPU the run opens, not always an H100.
+    #[test]
+    fn steps_are_planned_for_the_gpu_found() {
+        assert_eq!(planning_device(Some("NVIDIA A100-SXM4-80GB")), "a100");
+        assert_eq!(planning_device(Some("NVIDIA GeForce RTX 3090")), "rtx3090");
+        assert_eq!(planning_device(Some("NVIDIA H200")), "h200");
+        // No GPU, or one the table lacks: the default.
+        assert_eq!(planning_device(None), fusec_compiler::device::DEFAULT);
+        assert_eq!(
+            planning_device(Some("Tesla V100-SXM2-16GB")),
+            fusec_compiler::device::DEFAULT
         );
     }
 }

@@ -153,7 +153,7 @@ fn zero_line(zero: bool) -> &'static str {
 /// data-parallel backend feed).
 pub fn whole_batch(dims: &BTreeMap<String, i64>, world: usize) -> BTreeMap<String, i64> {
     let mut d = dims.clone();
-    if let Some(b) = d.get_mut("B") {
+    if let Some(b) = d.get_mut(fusec_compiler::ir::dim::BATCH) {
         *b *= world as i64;
     }
     d

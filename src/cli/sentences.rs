@@ -10,6 +10,7 @@
 
 use super::train::{input_type, TrainArgs};
 use super::CliError;
+use fusec_compiler::ir::dim::{SEQ, SOURCE_SEQ};
 use fusec_compiler::ir::{DType, Graph, Value};
 use fusec_compiler::ops::Op;
 use fusec_runtime::sentences::{Example, Layout, SentenceBatches};
@@ -240,7 +241,7 @@ fn pairs(
                 &line.at,
                 "source with its end token",
                 src.len(),
-                "S",
+                SOURCE_SEQ,
                 l.src_len,
             ));
         }
@@ -249,7 +250,7 @@ fn pairs(
                 &line.at,
                 "target with its begin token",
                 tgt.len() + 1,
-                "T",
+                SEQ,
                 l.len,
             ));
         }
@@ -295,7 +296,7 @@ fn labelled(lines: &[Line], tok: &Tokenizer, lim: &Limits) -> Result<Vec<Example
             )));
         }
         if tokens.len() > l.len {
-            return Err(too_long(&line.at, "sentence", tokens.len(), "T", l.len));
+            return Err(too_long(&line.at, "sentence", tokens.len(), SEQ, l.len));
         }
         check_ids(&line.at, &tokens, lim.vocab)?;
         out.push(Example::Labelled { tokens, label });

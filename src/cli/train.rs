@@ -222,8 +222,8 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     let job = parallel::job(&args.parallel)?;
     let world = job.world();
     // One GPU's driver starts while the model compiles.
-    let opening = (world == 1 && !args.cpu).then(|| device::Opening::begin(args.gpu));
-    let (loaded, dims, lr) = load_fitted(args, world)?;
+    let mut opening = (world == 1 && !args.cpu).then(|| device::Opening::begin(args.gpu));
+    let (loaded, dims, lr) = load_fitted(args, world, opening.as_mut())?;
     fusec_runtime::startup::mark("model compiled");
     let data_dims = parallel::whole_batch(&dims, world);
     // Only rank 0 of a launched job writes files and progress.

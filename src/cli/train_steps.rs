@@ -31,6 +31,7 @@ pub(super) struct Drawing {
 pub(super) fn load_fitted(
     args: &TrainArgs,
     world: usize,
+    opening: Option<&mut fusec_runtime::device::Opening>,
 ) -> Result<(Loaded, BTreeMap<String, i64>, f64), CliError> {
     let mut loaded = load_ranks(&args.model, world as u32, args.parallel.reduce_dtype)?;
     args.parallel.shape_buckets(&mut loaded.compiled.optimized);
@@ -46,7 +47,8 @@ pub(super) fn load_fitted(
             &args.budget,
             &dims,
             world as u32,
-            fusec_compiler::device::DEFAULT,
+            // The GPU this run opens (its name comes before the opening ends).
+            super::common::planning_device(opening.and_then(|o| o.gpu_name()).as_deref()),
             args.deterministic,
         )?,
         &loaded,

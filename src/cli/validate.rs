@@ -88,8 +88,10 @@ pub fn prepare(
     })?;
     let tokens = super::tokenize::read_tokens(path, tokenizer)?;
     let (b, t) = (
-        dims.get("B").copied().unwrap_or(1) as usize,
-        dims.get("T").copied().unwrap_or(1) as usize,
+        dims.get(fusec_compiler::ir::dim::BATCH)
+            .copied()
+            .unwrap_or(1) as usize,
+        dims.get(fusec_compiler::ir::dim::SEQ).copied().unwrap_or(1) as usize,
     );
     let mut src = Batches::new(tokens, b, t, vocab).map_err(|e| CliError {
         message: format!("error: --val-data {}: {e}", path.display()),

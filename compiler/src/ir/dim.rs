@@ -7,6 +7,16 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+/// The size every tool reads as the batch: `--batch` sets it, data
+/// parallelism splits it over the ranks, throughput counts its entries.
+pub const BATCH: &str = "B";
+/// The size read as the sequence length: `--seq` sets it, and token
+/// streams are cut into windows of it.
+pub const SEQ: &str = "T";
+/// The source length of sentence pairs (the encoder's side; `T` is the
+/// target's).
+pub const SOURCE_SEQ: &str = "S";
+
 /// A product of symbols, sorted, with repetition for powers (`B*B*T`).
 type Monomial = Vec<String>;
 
