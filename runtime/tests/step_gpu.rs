@@ -437,6 +437,73 @@ fn attention_at_every_head_dim_matches_the_interpreter() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// q, k and v projected by three products of their own, with biases (as
+/// BERT writes them), become one product and their gradients one packed
+/// tensor (`fuse-projections`, `pack-attention-grads`): every kernel of
+/// that step against the interpreter at head dims nobody tuned for (80,
+/// 96, 112), grouped queries whose k and v are narrower than q, Dv != D
+/// (D = 128 with Dv = 64 on 2 query heads a key head, not causal), T not a
+/// multiple of any tile, bf16 and fp16.
+#[test]
+fn fused_projections_match_the_interpreter_at_untuned_head_dims() {
+    let Some(gpu) = gpu() else { return };
+    drop(gpu);
+    // (D, Dv, heads, ratio, causal, precision, T)
+    let runs = [
+        (80usize, 80usize, 4usize, 2usize, false, "bf16", 300i64),
+        (96, 96, 6, 3, true, "bf16", 257),
+        (112, 112, 4, 1, false, "fp16", 130),
+        (128, 64, 4, 2, false, "bf16", 300),
+        (64, 64, 8, 4, true, "bf16", 1000),
+    ];
+    let mut failures = Vec::new();
+    for (d, dv, heads, ratio, causal, precision, t) in runs {
+        let kv = heads / ratio;
+        let (q, k, v) = (heads * d, kv * d, kv * dv);
+        let src = format!(
+            "dim B, T\ninput x: f32[B, T, 48]\n\
+             param wq: [48, {q}] = normal(0.2)\nparam bq: [{q}] = normal(0.1)\n\
+             param wk: [48, {k}] = normal(0.2)\nparam bk: [{k}] = normal(0.1)\n\
+             param wv: [48, {v}] = normal(0.2)\nparam bv: [{v}] = normal(0.1)\n\
+             let y = attention(heads(x @ wq + bq, {heads}), heads(x @ wk + bk, {kv}), heads(x @ wv + bv, {kv}), causal = {causal})\n\
+             train {{\n loss = mean(y * y)\n precision = {precision}\n}}\n"
+        );
+        let c = fusec_compiler::driver::compile(&src, "qkv", &Default::default())
+            .unwrap_or_else(|f| panic!("{}", f.render("qkv.dsl", &src)));
+        let label =
+            format!("D={d} Dv={dv} heads={heads} ratio={ratio} causal={causal} {precision} T={t}");
+        // The passes ran: one forward product, the weights and biases
+        // concatenated, the attention's gradients packed.
+        let g = &c.optimized.g;
+        let count = |name: &str| g.node_weights().filter(|n| n.op.name() == name).count();
+        let products = g
+            .node_weights()
+            .filter(|n| {
+                n.op.name() == "matmul" && n.phase == fusec_compiler::ir::graph::Phase::Forward
+            })
+            .count();
+        let packed = g
+            .node_weights()
+            .any(|n| n.op.name() == "attention_grad" && n.op.attrs().iter().any(|a| a == "packed"));
+        if products != 1 || count("concat") < 2 || !packed {
+            failures.push(format!(
+                "{label}: not fused ({products} forward products, {} concatenations, packed {packed})",
+                count("concat")
+            ));
+            continue;
+        }
+        let (report, mut f, _) = kernels_against_the_interpreter(
+            &label,
+            &c.optimized,
+            &[("B", 2), ("T", t)],
+            Default::default(),
+        );
+        println!("{report}");
+        failures.append(&mut f);
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// f32 attention on TF32 tensor cores (3xTF32 products) as the step runs
 /// it, forward and backward with every kernel around them, against the
 /// interpreter (f64 on the same f32 inputs): head dims 32 to 256, T from 1
