@@ -14,13 +14,14 @@ use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKerne
 use fusec_compiler::emit::gemm_split::SPLIT_SOURCE;
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::types::DType;
-use fusec_compiler::ir::{Dim, Graph};
+use fusec_compiler::ir::Graph;
+use fusec_compiler::plan::gemm::GemmShape;
 
 mod gather;
-use fusec_compiler::kernel::{Body, BufKind, Kernel, Program};
+use fusec_compiler::kernel::{Body, BufKind, Program};
 use fusec_compiler::ops::Op;
 use fusec_compiler::plan::Plan;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 /// One kernel launch, ready: the function, its geometry and its arguments
 /// in the order every fusec kernel takes them (buffers, then the size
@@ -299,126 +300,35 @@ pub struct Executor {
     written: bool,
 }
 
-fn elem(dt: DType) -> Result<Elem, RuntimeError> {
-    Ok(match dt {
+fn elem(dt: DType) -> Elem {
+    match dt {
         DType::F32 => Elem::F32,
         DType::BF16 => Elem::BF16,
         DType::F16 => Elem::F16,
-        DType::I32 => {
-            return Err(RuntimeError::Unsupported(
-                "a matrix product of integers".into(),
-            ))
-        }
-    })
+        // plan::gemm gives no integer products.
+        DType::I32 => unreachable!("an integer GEMM in the plan"),
+    }
 }
 
-fn eval(d: &Dim, dims: &BTreeMap<String, i64>) -> Result<u64, RuntimeError> {
-    d.eval(&|s| dims.get(s).copied())
-        .and_then(|v| u64::try_from(v).ok())
-        .ok_or_else(|| RuntimeError::Unsupported(format!("the size {d} is not known")))
-}
-
-/// The row-major product a matmul kernel computes, from its operands'
-/// types and the views it reads them through.
-pub fn gemm_spec(
-    g: &Graph,
-    p: &Program,
-    k: &Kernel,
-    n: petgraph::stable_graph::NodeIndex,
-    dims: &BTreeMap<String, i64>,
-) -> Result<GemmSpec, RuntimeError> {
-    let ins = g.inputs(n);
-    let (ta, tb) = (g.ty(ins[0]).clone(), g.ty(ins[1]).clone());
-    let out = &g.g[n].outputs[0];
-    let r = out.shape.len();
-    let (ra, rb) = (ta.rank(), tb.rank());
-    // An awkward m, n or k runs rounded up where the operands' padding is
-    // zero (kernel::pitch::pad_gemm_sizes).
-    let pad = p
-        .kernels
-        .iter()
-        .position(|x| x.name == k.name)
-        .and_then(|i| p.gemm_pads.get(&i))
-        .copied()
-        .unwrap_or_default();
-    let m = match pad.m {
-        Some(m) => m as u64,
-        None => eval(&out.shape[r - 2], dims)?,
-    };
-    let nn = match pad.n {
-        Some(n) => n as u64,
-        None => eval(&out.shape[r - 1], dims)?,
-    };
-    let kk = match pad.k {
-        Some(k) => k as u64,
-        None => eval(&ta.shape[ra - 1], dims)?,
-    };
-    let numel = |s: &[Dim]| -> Result<u64, RuntimeError> {
-        s.iter().try_fold(1u64, |acc, d| Ok(acc * eval(d, dims)?))
-    };
-    let batch = numel(&out.shape[..r - 2])?;
-    let a_transposed = k.input_views.first().is_some_and(|v| v.is_some());
-    let b_transposed = k.input_views.get(1).is_some_and(|v| v.is_some());
-    let batch_a = numel(&ta.shape[..ra - 2])?;
-    let batch_b = numel(&tb.shape[..rb - 2])?;
-    if (batch_a != 1 && batch_a != batch) || (batch_b != 1 && batch_b != batch) {
-        return Err(RuntimeError::Unsupported(format!(
-            "kernel {}: a product whose operands broadcast only some batch axes",
-            k.name
-        )));
+/// The product the plan worked out for a GEMM launch, as cuBLASLt's
+/// request.
+pub fn gemm_spec(s: &GemmShape) -> GemmSpec {
+    GemmSpec {
+        m: s.m,
+        n: s.n,
+        k: s.k,
+        batch: s.batch,
+        a_transposed: s.a_transposed,
+        b_transposed: s.b_transposed,
+        batch_stride_a: s.batch_stride_a,
+        batch_stride_b: s.batch_stride_b,
+        batch_stride_d: s.batch_stride_d,
+        pitch_a: s.pitch_a,
+        pitch_b: s.pitch_b,
+        pitch_d: s.pitch_d,
+        in_type: elem(s.in_type),
+        out_type: elem(s.out_type),
     }
-    let in_type = elem(ta.dtype)?;
-    let out_type = elem(p.buffers[k.outputs[0]].ty.dtype)?;
-    // Padded rows (kernel::pitch): the leading dimension is the pitch.
-    let pitch = |b: usize| p.buffers[b].pitch.map_or(0, |x| x as u64);
-    let (pitch_a, pitch_b, pitch_d) = (pitch(k.inputs[0]), pitch(k.inputs[1]), pitch(k.outputs[0]));
-    // Elements of one stored matrix: its rows times their pitch or length.
-    let span = |rows: u64, len: u64, pitch: u64| rows * if pitch == 0 { len } else { pitch };
-    // A stack of rows times one matrix is one tall product.
-    if batch_b == 1 && batch > 1 && !a_transposed {
-        return Ok(GemmSpec {
-            m: m * batch,
-            n: nn,
-            k: kk,
-            batch: 1,
-            a_transposed,
-            b_transposed,
-            batch_stride_a: 0,
-            batch_stride_b: 0,
-            batch_stride_d: 0,
-            pitch_a,
-            pitch_b,
-            pitch_d,
-            in_type,
-            out_type,
-        });
-    }
-    let (rows_a, len_a) = if a_transposed { (kk, m) } else { (m, kk) };
-    let (rows_b, len_b) = if b_transposed { (nn, kk) } else { (kk, nn) };
-    Ok(GemmSpec {
-        m,
-        n: nn,
-        k: kk,
-        batch,
-        a_transposed,
-        b_transposed,
-        batch_stride_a: if batch_a == 1 {
-            0
-        } else {
-            span(rows_a, len_a, pitch_a)
-        },
-        batch_stride_b: if batch_b == 1 {
-            0
-        } else {
-            span(rows_b, len_b, pitch_b)
-        },
-        batch_stride_d: span(m, nn, pitch_d),
-        pitch_a,
-        pitch_b,
-        pitch_d,
-        in_type,
-        out_type,
-    })
 }
 
 impl Executor {
@@ -606,7 +516,12 @@ impl Executor {
             } else {
                 match &k.body {
                     Body::Gemm(n, _) | Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) => {
-                        let spec = gemm_spec(g, p, k, *n, &plan.dims)?;
+                        let spec = gemm_spec(l.gemm.as_ref().ok_or_else(|| {
+                            RuntimeError::Unsupported(format!(
+                                "kernel {}: a matrix product cuBLASLt does not run (integers, or operands that broadcast only some batch axes)",
+                                k.name
+                            ))
+                        })?);
                         let mut ep = EpiloguePtrs::default();
                         if let Body::Gemm(_, e) = &k.body {
                             ep.bias = e.bias.map(|s| ptr(k.inputs[s]));

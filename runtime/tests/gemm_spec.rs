@@ -1,8 +1,9 @@
 //! The products the runtime asks cuBLASLt for, checked without a GPU: for
 //! every matmul kernel of every shipped model (tiny sizes), the row-major
-//! `GemmSpec` the executor derives (sizes, transposes, batch strides,
-//! the stack-of-rows folding) and its epilogue, evaluated on the CPU from
-//! the stored operand buffers, must give the interpreter's outputs.
+//! product its plan launch carries (`plan::gemm`: sizes, transposes, batch
+//! strides, the stack-of-rows folding) as the executor turns it into a
+//! `GemmSpec`, with its epilogue, evaluated on the CPU from the stored
+//! operand buffers, must give the interpreter's outputs.
 
 mod common;
 
@@ -13,6 +14,7 @@ use fusec_compiler::kernel::fuse::fuse;
 use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::kernel::Body;
 use fusec_compiler::ops::{Op, UnaryKind};
+use fusec_compiler::plan::plan;
 use fusec_runtime::exec::gemm_spec;
 use fusec_runtime::gemm::GemmSpec;
 
@@ -55,23 +57,45 @@ fn product(s: &GemmSpec, a: &[f64], b: &[f64]) -> Vec<f64> {
     d
 }
 
+/// Products of stacked matrices, each batch entry its own (`h @
+/// transpose(h)`: both operands batched, B read transposed; the backward's
+/// transposed A), beside the shipped models, whose products are all a
+/// stack of rows times one matrix.
+const BATCHED: &str = "dim B, T
+input x: f32[B, T, 12]
+param w: [12, 12] = normal(0.3)
+let h = x @ w
+let y = softmax(h @ transpose(h)) @ h
+train { loss = mean(y * y) }
+";
+
 #[test]
 fn every_gemm_spec_computes_its_kernel() {
     let mut checked = 0;
-    for (file, sets, dims) in tiny_models() {
-        let c = model(file, &sets);
+    let batched = fusec_compiler::driver::compile(BATCHED, "batched", &Default::default())
+        .unwrap_or_else(|f| panic!("{}", f.render("batched.dsl", BATCHED)));
+    let models = tiny_models()
+        .into_iter()
+        .map(|(file, sets, dims)| (file, model(file, &sets), dims))
+        .chain([("batched.dsl", batched, vec![("B", 3), ("T", 5)])]);
+    for (file, c, dims) in models {
         let g = &c.optimized;
         let p = fuse(g);
         let (dmap, bdims) = sizes(&dims);
         let feeds = random_feeds(g, &dmap, 3).unwrap();
         let bufs = run_program(g, &p, &feeds, Precision::F64).unwrap();
-        for k in &p.kernels {
-            let (n, ep) = match &k.body {
-                Body::Gemm(n, e) => (*n, Some(e)),
-                Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) => (*n, None),
+        let launches = plan(g, &p, &bdims).unwrap().launches;
+        for (k, l) in p.kernels.iter().zip(&launches) {
+            let ep = match &k.body {
+                Body::Gemm(_, e) => Some(e),
+                Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) => None,
                 _ => continue,
             };
-            let spec = gemm_spec(g, &p, k, n, &bdims).unwrap();
+            let shape = l
+                .gemm
+                .as_ref()
+                .unwrap_or_else(|| panic!("{file} {}: no product in the plan", k.name));
+            let spec = gemm_spec(shape);
             let a = &bufs[k.inputs[0]].data;
             let b = &bufs[k.inputs[1]].data;
             let mut d = product(&spec, a, b);

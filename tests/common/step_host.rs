@@ -248,7 +248,7 @@ pub fn run_step_perturbed(
         let _ = writeln!(s, "  const fs_i64 dim_{d} = {};", dmap[d]);
     }
     let ptr = |b: usize| format!("(arena + {})", pl.buffers[b].offset);
-    for k in &program.kernels {
+    for (k, launch) in program.kernels.iter().zip(&pl.launches) {
         let typed = |b: usize, out: bool| {
             let t = c_type(program.buffers[b].ty.dtype);
             if out {
@@ -258,13 +258,16 @@ pub fn run_step_perturbed(
             }
         };
         let gemm = match &k.body {
-            Body::Gemm(n, e) => Some((*n, Some(e.clone()))),
-            Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) => Some((*n, None)),
+            Body::Gemm(_, e) => Some(Some(e.clone())),
+            Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) => Some(None),
             _ => None,
         };
-        if let Some((n, ep)) = gemm {
-            let sp =
-                gemm_spec(g, &program, k, n, &bdims).map_err(|e| format!("{}: {e}", k.name))?;
+        if let Some(ep) = gemm {
+            let shape = launch
+                .gemm
+                .as_ref()
+                .ok_or_else(|| format!("{}: no product in the plan", k.name))?;
+            let sp = gemm_spec(shape);
             let opt = |slot: Option<usize>, out: bool| match slot {
                 Some(sl) if out => ptr(k.outputs[sl]),
                 Some(sl) => ptr(k.inputs[sl]),

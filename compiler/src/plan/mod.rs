@@ -19,6 +19,7 @@ use crate::select::{Choice, Selection};
 use serde::Serialize;
 
 pub mod collectives;
+pub mod gemm;
 pub mod picture;
 pub mod report;
 pub mod roofline;
@@ -136,6 +137,10 @@ pub struct Launch {
     /// the product.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub epilogue: Option<GemmEpilogue>,
+    /// A GEMM's product at the plan's sizes (none where a size is unbound:
+    /// a build without them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gemm: Option<gemm::GemmShape>,
     /// An f32 GEMM taken as three TF32 products (`select::Choice::
     /// SplitGemm`): the f32 buffer its operands are split into, three
     /// copies of each along K (A's, then B's).
@@ -580,6 +585,12 @@ pub fn plan_with(
                         pre_activation_out: e.gelu.then_some(1),
                         pre_activation_in: e.dgelu,
                     }),
+                    _ => None,
+                },
+                gemm: match &k.body {
+                    Body::Gemm(n, _) | Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) => {
+                        gemm::gemm_shape(g, p, k, *n, dims).ok()
+                    }
                     _ => None,
                 },
                 split_scratch: None,
