@@ -2,7 +2,7 @@
 //! libraries are loaded at run time, so the crate builds and its non-GPU
 //! tests run on machines without them.
 
-pub mod attn_bench;
+pub mod alone;
 pub mod backend;
 pub mod batch_log;
 pub mod cache;

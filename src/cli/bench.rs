@@ -138,7 +138,7 @@ pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
     for &d in &args.head_dims {
         for &t in &args.seqs {
             for &c in &causal {
-                let cfg = fusec_runtime::attn_bench::Config::sweep(
+                let cfg = super::attn_bench::Config::sweep(
                     d,
                     t,
                     args.kv_seq,
@@ -150,14 +150,9 @@ pub fn bench_attention(args: &BenchAttentionArgs) -> Result<(), CliError> {
                         AttnPrecision::F32 => DType::F32,
                     },
                 );
-                let r = fusec_runtime::attn_bench::run(
-                    &gpu,
-                    cfg,
-                    !args.simple,
-                    args.deterministic,
-                    args.tf32,
-                )
-                .map_err(runtime_err)?;
+                let r =
+                    super::attn_bench::run(&gpu, cfg, !args.simple, args.deterministic, args.tf32)
+                        .map_err(runtime_err)?;
                 println!("{}", r.json());
             }
         }

@@ -1,6 +1,7 @@
 //! The subcommands. Each reads its arguments, calls the compiler library and
 //! prints for a person; errors carry the exit status they end with.
 
+mod attn_bench;
 pub mod bench;
 pub mod build;
 pub mod check;

@@ -5,11 +5,6 @@
 //! per visible (query, key) pair and head (4·B·H·T²·D / 2 causal at S = T)
 //! and forward + backward as 3.5 times that.
 
-use crate::device::Gpu;
-use crate::exec::{encode, KernelCall};
-use crate::tensor_map::encode_sizes;
-use crate::RuntimeError;
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr};
 use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::ir::types::DType;
@@ -18,6 +13,11 @@ use fusec_compiler::kernel::{Body, Program};
 use fusec_compiler::ops::Op;
 use fusec_compiler::plan::plan_with;
 use fusec_compiler::select::{select, Target};
+use fusec_runtime::alone::{load_function, median_ms, DeviceBuffer};
+use fusec_runtime::device::Gpu;
+use fusec_runtime::exec::{allow_dynamic_smem, encode, KernelCall};
+use fusec_runtime::tensor_map::encode_sizes;
+use fusec_runtime::RuntimeError;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
@@ -156,18 +156,6 @@ impl Config {
     }
 }
 
-/// Compiles `name`'s `source` for this GPU and finds the function.
-fn load(gpu: &Gpu, name: &str, src: &str) -> Result<CudaFunction, RuntimeError> {
-    let cubin = crate::nvrtc::compile(name, src, &gpu.arch())
-        .map_err(|e| RuntimeError::Compile(e.to_string()))?;
-    let m = gpu
-        .ctx
-        .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.image))
-        .map_err(|e| RuntimeError::driver("loading an attention kernel", e))?;
-    m.load_function(name)
-        .map_err(|e| RuntimeError::driver("finding an attention kernel", e))
-}
-
 fn find(g: &fusec_compiler::ir::Graph, p: &Program, grad: bool) -> Option<usize> {
     p.kernels.iter().position(|k| {
         matches!(k.body, Body::Op(n) if matches!(
@@ -220,11 +208,11 @@ pub fn run(
     let before = gpu.free_bytes()?;
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     // Device buffers of the two kernels alone (random values), by plan buffer.
-    let mut device: Vec<(usize, CudaSlice<u8>)> = Vec::new();
+    let mut device: Vec<(usize, DeviceBuffer)> = Vec::new();
     let mut ptr_of =
-        |buf: usize, device: &mut Vec<(usize, CudaSlice<u8>)>| -> Result<u64, RuntimeError> {
+        |buf: usize, device: &mut Vec<(usize, DeviceBuffer)>| -> Result<u64, RuntimeError> {
             if let Some((_, s)) = device.iter().find(|(b2, _)| *b2 == buf) {
-                return Ok(s.device_ptr(&gpu.stream).0);
+                return Ok(s.ptr(gpu));
             }
             let bytes = if buf < p.buffers.len() {
                 let vals: Vec<f64> = (0..numel(buf))
@@ -234,17 +222,14 @@ pub fn run(
             } else {
                 vec![0u8; plan.buffers[buf].bytes.max(4) as usize]
             };
-            let s = gpu
-                .stream
-                .clone_htod(&bytes)
-                .map_err(|e| RuntimeError::driver("allocating attention buffers", e))?;
-            let ptr = s.device_ptr(&gpu.stream).0;
+            let s = DeviceBuffer::upload(gpu, &bytes)?;
+            let ptr = s.ptr(gpu);
             device.push((buf, s));
             Ok(ptr)
         };
     // The plan's launches of kernel `ki`, ready to run on these buffers.
     let mut calls = |ki: usize,
-                     device: &mut Vec<(usize, CudaSlice<u8>)>|
+                     device: &mut Vec<(usize, DeviceBuffer)>|
      -> Result<Vec<KernelCall>, RuntimeError> {
         let k = &p.kernels[ki];
         let args: Vec<u64> = k
@@ -261,9 +246,9 @@ pub fn run(
                 .find(|(n2, _)| *n2 == st.function)
                 .ok_or_else(|| err("no source"))?
                 .1;
-            let func = load(gpu, &st.function, text)?;
+            let func = load_function(gpu, &st.function, text)?;
             let smem = st.dynamic_smem_bytes as u32;
-            crate::exec::allow_dynamic_smem(&func, &st.function, smem, gpu, "--simple")?;
+            allow_dynamic_smem(&func, &st.function, smem, gpu, "--simple")?;
             let maps = st
                 .tensor_maps
                 .iter()
@@ -311,32 +296,7 @@ pub fn run(
     let (forward, backward) = (family(fwd), family(bwd));
     let buffer_bytes = before.saturating_sub(gpu.free_bytes()?);
     // The median of 10 timed runs (after 3 warm-up runs) of `ls` in order.
-    let median_ms = |ls: &[&KernelCall]| -> Result<f64, RuntimeError> {
-        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-        let mut times = Vec::new();
-        for rep in 0..13 {
-            let e0 = gpu
-                .stream
-                .record_event(Some(CU_EVENT_DEFAULT))
-                .map_err(|e| RuntimeError::driver("timing", e))?;
-            for l in ls {
-                // No size parameters: the model's sizes are constants.
-                l.launch(gpu, &[])?;
-            }
-            let e1 = gpu
-                .stream
-                .record_event(Some(CU_EVENT_DEFAULT))
-                .map_err(|e| RuntimeError::driver("timing", e))?;
-            let ms = e0
-                .elapsed_ms(&e1)
-                .map_err(|e| RuntimeError::driver("timing", e))? as f64;
-            if rep >= 3 {
-                times.push(ms);
-            }
-        }
-        times.sort_by(f64::total_cmp);
-        Ok(times[times.len() / 2])
-    };
+    let median_ms = |ls: &[&KernelCall]| median_ms(gpu, ls, 3, 10);
     let fwd_only: Vec<&KernelCall> = fwd_calls.iter().collect();
     let fwd_ms = median_ms(&fwd_only)?;
     let all: Vec<&KernelCall> = fwd_calls.iter().chain(&bwd_calls).collect();
