@@ -36,26 +36,13 @@ pub struct BuildArgs {
     pub sizes: SizeArgs,
     #[command(flatten)]
     pub budget: BudgetArgs,
-    /// Build the step for data parallelism over N GPUs: gradients averaged
-    /// in buckets (shown in report.txt) while the backward pass runs
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
-    pub gpus: Option<u32>,
-    /// With --gpus: ZeRO stage 1 (the default), the optimizer state (and
-    /// with bf16 or fp16 the f32 master weights) split over the ranks, the
-    /// plan and report those of rank --rank; 0 keeps them whole on every rank
-    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=1), requires = "gpus")]
-    pub zero: Option<u8>,
+    /// Data parallelism: the flags `fusec train` takes (ZeRO's split: the
+    /// plan and report of rank --rank)
+    #[command(flatten)]
+    pub parallel: super::parallel::ParallelArgs,
     /// The rank whose plan a ZeRO build writes
     #[arg(long, value_name = "R", default_value_t = 0, requires = "gpus")]
     pub rank: u32,
-    /// With --gpus: close each bucket of gradients averaged together at
-    /// this many MiB (default 100, 50 with --reduce-dtype bf16)
-    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=65536))]
-    pub bucket_mib: Option<u64>,
-    /// With --gpus: average gradients in this type, f32 (the default) or
-    /// bf16 (a bf16 model's, half the bytes)
-    #[arg(long, value_name = "DTYPE", value_parser = super::common::parse_reduce_dtype)]
-    pub reduce_dtype: Option<fusec_compiler::ir::DType>,
     /// Device to build for: which kernels run (h100 and h200: sm_90a, with
     /// the Hopper tensor-core attention; a100: sm_80, mma.sync; rtx3090:
     /// sm_86, rtx4090 and l40s: sm_89, mma.sync in 99 KiB of shared memory a
@@ -188,29 +175,25 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
             )));
         }
     }
-    let ranks = args.gpus.unwrap_or(1);
-    if (args.zero == Some(1) && ranks < 2) || args.rank >= ranks.max(1) {
+    let par = &args.parallel;
+    let ranks = par.gpus.unwrap_or(1);
+    par.check_ranks(ranks, false)?;
+    if args.rank >= ranks {
         return Err(CliError::usage(format!(
-            "error: --zero 1 needs --gpus 2 or more and --rank below it (given --gpus {ranks} --rank {})",
-            args.rank
+            "error: --rank {} is not one of the --gpus {ranks} ranks (0 to {})",
+            args.rank,
+            ranks - 1
         )));
-    }
-    if args.bucket_mib.is_some() && ranks < 2 {
-        return Err(super::parallel::buckets_need_ranks());
     }
     // ZeRO by default over several ranks, where the model splits: then the
     // step is rank --rank's own.
-    let plain = load_rank(&args.model, ranks, None, args.reduce_dtype)?;
-    let choice = super::parallel::ParallelArgs {
-        zero: args.zero,
-        ..Default::default()
-    };
-    let mut loaded = if choice.zero_on(ranks as usize, &plain.compiled.optimized.params) {
-        load_rank(&args.model, ranks, Some(args.rank), args.reduce_dtype)?
+    let plain = load_rank(&args.model, ranks, None, par.reduce_dtype)?;
+    let mut loaded = if par.zero_on(ranks as usize, &plain.compiled.optimized.params) {
+        load_rank(&args.model, ranks, Some(args.rank), par.reduce_dtype)?
     } else {
         plain
     };
-    loaded.compiled.optimized.bucket_bytes = args.bucket_mib.map(|m| m << 20);
+    par.shape_buckets(&mut loaded.compiled.optimized);
     let dims = args.sizes.resolve(&loaded.compiled.optimized.dims)?;
     let recomputed = fit_memory(
         &mut loaded,

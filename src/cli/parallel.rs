@@ -22,9 +22,10 @@ use std::hash::{Hash, Hasher};
 
 #[derive(Args, Debug, Default, Clone)]
 pub struct ParallelArgs {
-    /// Data parallel over N GPUs of this machine (--gpu and the next N - 1),
-    /// one thread each, gradients averaged by NCCL as the backward pass
-    /// runs; --batch is each GPU's. With --cpu: N ranks of the CPU reference
+    /// Data parallel over N GPUs, gradients averaged in buckets by NCCL as
+    /// the backward pass runs; --batch is each GPU's. train and bench run on
+    /// this machine's --gpu and the next N - 1, one thread each (with --cpu:
+    /// N ranks of the CPU reference); build writes the step one rank runs
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub gpus: Option<u32>,
     /// ZeRO stage: 1, the default with several ranks, splits the optimizer
@@ -69,6 +70,32 @@ impl ParallelArgs {
     }
 }
 
+impl ParallelArgs {
+    /// The flags that mean nothing on one rank, refused there: `world`
+    /// ranks from `--gpus`, or a launcher's (`launched`).
+    pub fn check_ranks(&self, world: u32, launched: bool) -> Result<(), CliError> {
+        let one = !launched && world < 2;
+        if self.zero == Some(1) && one {
+            return Err(CliError::usage(
+                "error: --zero 1 splits the optimizer state over data-parallel ranks: give --gpus N (N >= 2) or start the ranks with a launcher".to_string(),
+            ));
+        }
+        if self.bucket_mib.is_some() && one {
+            return Err(buckets_need_ranks());
+        }
+        let narrow = self
+            .reduce_dtype
+            .is_some_and(|d| d != fusec_compiler::ir::DType::F32);
+        if narrow && one {
+            return Err(CliError::usage(format!(
+                "error: {}",
+                fusec_compiler::driver::REDUCE_NEEDS_RANKS
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// The error for a `--bucket-mib` without data parallelism.
 pub fn buckets_need_ranks() -> CliError {
     CliError::usage(
@@ -110,23 +137,7 @@ impl Job {
 pub fn job(args: &ParallelArgs) -> Result<Job, CliError> {
     let launched = launcher::from_env(|k| std::env::var(k).ok())
         .map_err(|e| CliError::usage(format!("error: {e}")))?;
-    if args.zero == Some(1) && launched.is_none() && args.gpus.unwrap_or(1) < 2 {
-        return Err(CliError::usage(
-            "error: --zero 1 splits the optimizer state over data-parallel ranks: give --gpus N (N >= 2) or start the ranks with a launcher".to_string(),
-        ));
-    }
-    if args.bucket_mib.is_some() && launched.is_none() && args.gpus.unwrap_or(1) < 2 {
-        return Err(buckets_need_ranks());
-    }
-    let narrow = args
-        .reduce_dtype
-        .is_some_and(|d| d != fusec_compiler::ir::DType::F32);
-    if narrow && launched.is_none() && args.gpus.unwrap_or(1) < 2 {
-        return Err(CliError::usage(format!(
-            "error: {}",
-            fusec_compiler::driver::REDUCE_NEEDS_RANKS
-        )));
-    }
+    args.check_ranks(args.gpus.unwrap_or(1), launched.is_some())?;
     match (launched, args.gpus) {
         (Some(l), Some(n)) if n > 1 => Err(CliError::usage(format!(
             "error: --gpus {n} and {}'s {}={} both ask for ranks: under a launcher, start one process per GPU without --gpus",

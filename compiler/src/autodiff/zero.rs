@@ -47,7 +47,8 @@ pub fn pieces(params: &[ParamInfo], ranks: u32) -> Vec<Vec<Piece>> {
             (0..ranks)
                 .filter_map(|r| {
                     let (lo, hi) = ((r * per).max(a), ((r + 1) * per).min(b));
-                    (lo < hi).then_some(Piece {
+                    // Lazily: a rank past the parameter has hi < a.
+                    (lo < hi).then(|| Piece {
                         rank: r as u32,
                         lo: lo - a,
                         hi: hi - a,
