@@ -435,7 +435,7 @@ fn build_for_a_device_writes_the_kernels_that_run_there() {
     let (code, _, err) = fusec(&["build", "dsl-examples/mlp.dsl", "--device", "v100"]);
     assert_eq!(code, 2);
     assert!(
-        err.contains("unknown device `v100`") && err.contains("h100"),
+        err.contains("invalid value 'v100' for '--device <NAME>'") && err.contains("h100, h200, a100"),
         "{err}"
     );
     let _ = std::fs::remove_dir_all(dir);

@@ -134,21 +134,6 @@ pub fn device_of_gpu(gpu: &str) -> Device {
     find_gpu(gpu).unwrap_or_else(default_device)
 }
 
-/// A `--device` value checked against the table, or what to give instead.
-pub fn parse_name(s: &str) -> Result<String, String> {
-    if device(s).is_some() {
-        return Ok(s.to_string());
-    }
-    let list: Vec<String> = DEVICES
-        .iter()
-        .map(|d| format!("  {:<8} {}", d.name, d.about))
-        .collect();
-    Err(format!(
-        "unknown device `{s}`; the devices are:\n{}",
-        list.join("\n")
-    ))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,12 +145,6 @@ mod tests {
         assert_eq!(device_of_gpu("NVIDIA H100 80GB HBM3").name, "h100");
         assert_eq!(device_of_gpu("Tesla V100").name, DEFAULT);
         assert!(find_gpu("Tesla V100").is_none());
-        assert!(parse_name("a100").is_ok());
-        let e = parse_name("a10").unwrap_err();
-        assert!(
-            e.contains("unknown device `a10`") && e.contains("l40s"),
-            "{e}"
-        );
         // Names are unique, and each architecture's limit is the same.
         for d in DEVICES {
             assert_eq!(DEVICES.iter().filter(|e| e.name == d.name).count(), 1);

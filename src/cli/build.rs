@@ -47,7 +47,7 @@ pub struct BuildArgs {
     /// the Hopper tensor-core attention; a100: sm_80, mma.sync; rtx3090:
     /// sm_86, rtx4090 and l40s: sm_89, mma.sync in 99 KiB of shared memory a
     /// block) and the report's roofline estimate
-    #[arg(long, value_name = "NAME", default_value = fusec_compiler::device::DEFAULT, value_parser = fusec_compiler::device::parse_name)]
+    #[arg(long, value_name = "NAME", default_value = fusec_compiler::device::DEFAULT, value_parser = device_names())]
     pub device: String,
     /// The attention backward without atomics (as `fusec train
     /// --deterministic` runs it)
@@ -59,6 +59,16 @@ pub struct BuildArgs {
     /// Format of --dump and --dump-after: readable text or Graphviz dot
     #[arg(long, value_enum, default_value = "text")]
     pub format: Format,
+}
+
+/// The device table's names, each with what it is (`--help` lists them,
+/// and a name not among them is refused with the list).
+fn device_names() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(
+        fusec_compiler::device::DEVICES
+            .iter()
+            .map(|d| clap::builder::PossibleValue::new(d.name).help(d.about)),
+    )
 }
 
 fn stage_name(s: &str) -> Result<String, String> {
