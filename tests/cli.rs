@@ -176,7 +176,10 @@ fn dump_prints_one_stage() {
     assert!(out.contains("-> n"), "{out}");
     let (code, _, err) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "cuda"]);
     assert_eq!(code, 2);
-    assert!(err.contains("unknown stage `cuda`"), "{err}");
+    assert!(
+        err.contains("invalid value 'cuda' for '--dump <STAGE>'") && err.contains("optimized"),
+        "{err}"
+    );
     let (code, out, _) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump", "kernels"]);
     assert_eq!(code, 0);
     assert!(out.starts_with("kernels of mlp (B): "), "{out}");
@@ -435,7 +438,8 @@ fn build_for_a_device_writes_the_kernels_that_run_there() {
     let (code, _, err) = fusec(&["build", "dsl-examples/mlp.dsl", "--device", "v100"]);
     assert_eq!(code, 2);
     assert!(
-        err.contains("invalid value 'v100' for '--device <NAME>'") && err.contains("h100, h200, a100"),
+        err.contains("invalid value 'v100' for '--device <NAME>'")
+            && err.contains("h100, h200, a100"),
         "{err}"
     );
     let _ = std::fs::remove_dir_all(dir);
@@ -465,7 +469,11 @@ fn passes_are_listed_and_dumped_after() {
     );
     let (code, _, err) = fusec(&["build", "dsl-examples/mlp.dsl", "--dump-after", "fusion9"]);
     assert_eq!(code, 2);
-    assert!(err.contains("unknown pass `fusion9`"), "{err}");
+    assert!(
+        err.contains("invalid value 'fusion9' for '--dump-after <PASS>'")
+            && err.contains("simplify"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -26,10 +26,10 @@ pub struct BuildArgs {
     pub out: PathBuf,
     /// Print one stage to standard output: ast, forward, backward, train,
     /// optimized, layout or kernels
-    #[arg(long, value_name = "STAGE", value_parser = stage_name)]
+    #[arg(long, value_name = "STAGE", value_parser = stage_names())]
     pub dump: Option<String>,
     /// Print the step graph after one pass (`fusec passes` lists them)
-    #[arg(long, value_name = "PASS", value_parser = pass_name, conflicts_with = "dump")]
+    #[arg(long, value_name = "PASS", value_parser = pass_names(), conflicts_with = "dump")]
     pub dump_after: Option<String>,
     /// Sizes, for the memory plan
     #[command(flatten)]
@@ -71,33 +71,22 @@ fn device_names() -> clap::builder::PossibleValuesParser {
     )
 }
 
-fn stage_name(s: &str) -> Result<String, String> {
-    if STAGES.iter().any(|(n, _)| *n == s) {
-        Ok(s.to_string())
-    } else {
-        let list: Vec<String> = STAGES
+/// The stages `--dump` prints, each with what it holds.
+fn stage_names() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(
+        STAGES
             .iter()
-            .map(|(n, d)| format!("  {n:<9} {d}"))
-            .collect();
-        Err(format!(
-            "unknown stage `{s}`; the stages are:\n{}",
-            list.join("\n")
-        ))
-    }
+            .map(|(n, d)| clap::builder::PossibleValue::new(*n).help(*d)),
+    )
 }
 
-fn pass_name(s: &str) -> Result<String, String> {
+/// The passes `--dump-after` prints the graph after: the graph passes,
+/// the recompute choice and the kernel stages, in the order they run.
+fn pass_names() -> clap::builder::PossibleValuesParser {
     let mut names = fusec_compiler::passes::pass_names();
     names.push("recompute");
     names.extend(fusec_compiler::kernel::STAGES.iter().map(|(n, _)| *n));
-    if names.contains(&s) {
-        Ok(s.to_string())
-    } else {
-        Err(format!(
-            "unknown pass `{s}`; the passes are: {}",
-            names.join(", ")
-        ))
-    }
+    clap::builder::PossibleValuesParser::new(names)
 }
 
 fn graph_text(g: &fusec_compiler::ir::Graph, source: &str, format: Format) -> String {
