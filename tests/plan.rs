@@ -23,7 +23,8 @@ fn every_models_plan_is_sound() {
             .map(|d| (d.clone(), if d == "B" { 4 } else { 128 }))
             .collect();
         let p = plan(g, &program, &dims).unwrap_or_else(|e| panic!("{file}: {e}"));
-        p.check().unwrap_or_else(|e| panic!("{file}: {e}"));
+        p.verify()
+            .unwrap_or_else(|e| panic!("{file}: {}", e.join("\n")));
         let shared = p.buffers.iter().filter(|b| b.shares_with.is_some()).count();
         assert!(
             file == "mlp.dsl" || shared > 0,

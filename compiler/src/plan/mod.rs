@@ -800,36 +800,6 @@ impl Plan {
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
     }
-
-    /// Checks the plan's own promise: no two buffers that are alive at the
-    /// same time overlap in the arena.
-    pub fn check(&self) -> Result<(), String> {
-        let owned: Vec<&PlannedBuffer> = self
-            .buffers
-            .iter()
-            .filter(|b| b.alias_of.is_none() && b.shares_with.is_none())
-            .collect();
-        for (i, a) in owned.iter().enumerate() {
-            if a.offset % ALIGN != 0 || a.offset + a.bytes > self.arena_bytes {
-                return Err(format!("buffer {} is misplaced", a.id));
-            }
-            for b in &owned[i + 1..] {
-                let space =
-                    a.offset < b.offset + b.bytes.max(1) && b.offset < a.offset + a.bytes.max(1);
-                let time = match (a.live, b.live) {
-                    (Some(x), Some(y)) => x.0 <= y.1 && y.0 <= x.1,
-                    _ => true,
-                };
-                if space && time && a.bytes > 0 && b.bytes > 0 {
-                    return Err(format!(
-                        "buffers {} and {} overlap while both are alive",
-                        a.id, b.id
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 /// Elements a buffer of `n` values of `shape` takes with its rows `pitch`
