@@ -82,6 +82,7 @@ fn attributed_report(file: &str) -> String {
         c.training.g.node_count(),
         device("h100").unwrap(),
         Some((&name, &src)),
+        None,
     )
 }
 
@@ -112,6 +113,7 @@ fn every_kernel_in_every_shipped_report_names_its_source_lines() {
             c.training.g.node_count(),
             device("h100").unwrap(),
             Some((&name, &src)),
+            None,
         );
         let rows: Vec<&str> = text
             .lines()

@@ -341,20 +341,15 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         written.push(p);
         let p = args.out.join("report.txt");
         let file = loaded.path.display().to_string();
-        let mut text = fusec_compiler::plan::report::report_with_source(
+        let text = fusec_compiler::plan::report::report_with_source(
             &c.optimized,
             &program,
             &plan,
             c.training.g.node_count(),
             fusec_compiler::plan::roofline::device(&args.device).expect("checked by clap"),
             Some((&file, &loaded.source)),
+            recomputed.as_ref(),
         );
-        if let Some(choice) = &recomputed {
-            // After the memory plan's paragraph, before the roofline's.
-            let para = choice.describe(&c.optimized, Some((&file, &loaded.source)));
-            let at = text.find("\nroofline estimate").unwrap_or(text.len());
-            text.insert_str(at, &format!("\n{}", para.trim_end()));
-        }
         write(&p, &text)?;
         written.push(p);
         let p = args.out.join("memory.html");

@@ -17,7 +17,7 @@ fn mib(b: u64) -> String {
 }
 
 pub fn report(g: &Graph, p: &Program, plan: &Plan, ops_before: usize, device: Device) -> String {
-    report_with_source(g, p, plan, ops_before, device, None)
+    report_with_source(g, p, plan, ops_before, device, None, None)
 }
 
 /// The lines of the model file a kernel's ops come from (an op without a
@@ -118,6 +118,7 @@ pub fn report_with_source(
     ops_before: usize,
     device: Device,
     source: Option<(&str, &str)>,
+    recompute: Option<&crate::recompute::Choice>,
 ) -> String {
     let est = estimate(g, p, plan, device);
     let mut s = String::new();
@@ -231,6 +232,11 @@ pub fn report_with_source(
         .filter(|k| k.compute_bound)
         .map(|k| k.seconds)
         .sum();
+    // What the memory budget (or the free choice) recomputes, after the
+    // memory plan's paragraph.
+    if let Some(choice) = recompute {
+        let _ = write!(s, "\n{}", choice.describe(g, source).trim_end());
+    }
     let _ = writeln!(s, "\nroofline estimate on {}:", device.about);
     let _ = writeln!(
         s,
