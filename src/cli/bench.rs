@@ -2,7 +2,7 @@
 //! attention kernels timed on a GPU.
 
 use super::common::{fit_memory, load, load_ranks, BudgetArgs, Loaded, ModelArgs, SizeArgs};
-use super::train::{runtime_err, start};
+use super::open::{runtime_err, start};
 use super::CliError;
 use clap::Args;
 use fusec_compiler::ir::dim::{BATCH, SEQ};

@@ -371,6 +371,31 @@ pub fn announce_budget(choice: Option<fusec_compiler::recompute::Choice>, loaded
     }
 }
 
+/// Whether the model has an input `name`.
+pub(super) fn is_input(g: &fusec_compiler::ir::Graph, name: &str) -> bool {
+    input_type(g, name).is_some()
+}
+
+/// The declared type of the input `name`.
+pub(super) fn input_type<'g>(
+    g: &'g fusec_compiler::ir::Graph,
+    name: &str,
+) -> Option<&'g fusec_compiler::ir::TensorType> {
+    g.g.node_indices().find_map(|n| match &g.g[n].op {
+        fusec_compiler::ops::Op::Input(i) if i.name == name => Some(&i.ty),
+        _ => None,
+    })
+}
+
+/// A number for a JSON line: `null` where it is not finite.
+pub(super) fn json_num(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x}")
+    } else {
+        "null".into()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::planning_device;

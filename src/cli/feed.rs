@@ -3,8 +3,10 @@
 //! batch every micro-batch with `random-stream`); with `--save-data`, the
 //! log of what was fed.
 
+use super::common::input_type;
+use super::open::runtime_err;
 use super::sentences::Kind;
-use super::train::{input_type, runtime_err, token_bound, TrainArgs, RANDOM_STREAM, WINDOWS_READ};
+use super::train_args::TrainArgs;
 use super::CliError;
 use fusec_compiler::interp::round_to;
 use fusec_compiler::ir::DType;
@@ -237,3 +239,17 @@ pub(super) fn feed_random(
     }
     Ok(())
 }
+
+/// The bound token ids must respect: the embedding's rows.
+pub(super) fn token_bound(
+    g: &fusec_compiler::ir::Graph,
+    dims: &BTreeMap<String, i64>,
+) -> Option<u32> {
+    super::sentences::bound_of(g, "tokens", dims)
+}
+
+/// The checkpoint entry counting the token file's windows read so far.
+pub(super) const WINDOWS_READ: &str = "windows_read";
+
+/// `--data random-stream`: a new random batch for every micro-batch.
+pub(super) const RANDOM_STREAM: &str = "random-stream";

@@ -6,7 +6,7 @@
 //! the batches one rank with N x B would.
 
 use super::common::{load_rank, Loaded, ModelArgs};
-use super::train::runtime_err;
+use super::open::runtime_err;
 use super::CliError;
 use clap::Args;
 use fusec_compiler::interp::peers::Peers;

@@ -8,7 +8,8 @@
 //! `labels` (and `segment_ids`, fed zeros, where it has one) for labelled
 //! sentences.
 
-use super::train::{input_type, TrainArgs};
+use super::common::input_type;
+use super::train_args::TrainArgs;
 use super::CliError;
 use fusec_compiler::ir::dim::{SEQ, SOURCE_SEQ};
 use fusec_compiler::ir::{DType, Graph, Value};

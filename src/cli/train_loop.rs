@@ -2,9 +2,13 @@
 //! optimizer's step count and loss scale, what a step reports, validation,
 //! checkpoints, and what the run writes at its end.
 
+use super::checkpoints::save;
 use super::common::Loaded;
+use super::common::{is_input, json_num};
 use super::feed::{feed_random, Feed, Where, SENTENCE_BATCHES_READ};
-use super::train::{is_input, json_num, runtime_err, save, TrainArgs, RANDOM_STREAM, WINDOWS_READ};
+use super::feed::{RANDOM_STREAM, WINDOWS_READ};
+use super::open::runtime_err;
+use super::train_args::TrainArgs;
 use super::train_steps::StepLine;
 use super::validate::Validation;
 use super::CliError;

@@ -3,11 +3,12 @@
 //! and the validation step, setting the starting weights, the log file, and
 //! what each step reports.
 
-use super::common::{fit_memory, load_ranks, Loaded};
+use super::checkpoints::{load_checked, save};
+use super::common::{fit_memory, is_input, json_num, load_ranks, Loaded};
+use super::feed::token_bound;
+use super::open::{runtime_err, start};
 use super::parallel;
-use super::train::{
-    is_input, json_num, load_checked, runtime_err, save, start, token_bound, TrainArgs,
-};
+use super::train_args::TrainArgs;
 use super::validate::Validation;
 use super::CliError;
 use fusec_compiler::interp::Precision;

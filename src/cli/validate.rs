@@ -6,7 +6,7 @@
 //! GPU).
 
 use super::common::Loaded;
-use super::train::{runtime_err, start_graph};
+use super::open::{runtime_err, start_graph};
 use super::CliError;
 use clap::Args;
 use fusec_compiler::interp::Precision;

@@ -1,0 +1,45 @@
+//! Checkpoints of a run: written (gathered from every rank first), and read
+//! back checked against the model.
+
+use super::open::runtime_err;
+use super::CliError;
+use fusec_runtime::backend::{self, Backend};
+use fusec_runtime::checkpoint;
+use std::collections::BTreeMap;
+
+/// A checkpoint of the run after `step`, written to `path` where this
+/// process `writes` (rank 0 of a launched job; the others only help gather
+/// what their ranks keep).
+pub(super) fn save(
+    b: &mut dyn Backend,
+    path: &std::path::Path,
+    step: u64,
+    extra: &BTreeMap<String, String>,
+    writes: bool,
+) -> Result<(), CliError> {
+    b.gather_for_checkpoint().map_err(runtime_err)?;
+    if !writes {
+        return Ok(());
+    }
+    let mut ck = backend::checkpoint(b, step).map_err(runtime_err)?;
+    ck.extra = extra.clone();
+    checkpoint::save(path, &ck).map_err(|e| CliError {
+        message: format!("error: {e}"),
+        code: 3,
+    })
+}
+
+/// A checkpoint or weights file, checked to hold `needed` by name and shape;
+/// a problem is exit status 3 with the file and the tensor named.
+pub(super) fn load_checked(
+    path: &std::path::Path,
+    needed: &[(String, Vec<usize>)],
+) -> Result<checkpoint::Checkpoint, CliError> {
+    let err = |e: checkpoint::CheckpointError| CliError {
+        message: format!("error: {e}"),
+        code: 3,
+    };
+    let ck = checkpoint::load(path).map_err(err)?;
+    checkpoint::check_against(&ck, path, needed).map_err(err)?;
+    Ok(ck)
+}

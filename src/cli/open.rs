@@ -1,0 +1,100 @@
+//! The compiled step opened on a GPU, saying what it does, and the
+//! runtime's errors as the command line's.
+
+use super::common::Loaded;
+use super::CliError;
+use fusec_runtime::device;
+use fusec_runtime::session::{Session, SessionOptions};
+use fusec_runtime::RuntimeError;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::time::Instant;
+
+/// A runtime error: exit status 3.
+pub(super) fn runtime_err(e: RuntimeError) -> CliError {
+    CliError {
+        message: format!("error: {e}"),
+        code: 3,
+    }
+}
+
+/// Plans and loads the compiled step on the GPU, saying what it does.
+pub(super) fn start(
+    loaded: &Loaded,
+    dims: &BTreeMap<String, i64>,
+    gpu: device::Opening,
+    options: SessionOptions,
+) -> Result<(Session, String), CliError> {
+    start_graph(
+        &loaded.compiled.optimized,
+        &loaded.compiled.model.graph.name,
+        dims,
+        gpu,
+        options,
+        Some((&loaded.path.display().to_string(), &loaded.source)),
+    )
+}
+
+/// [`start`] for any graph of the model (`what` names it in the messages).
+pub(super) fn start_graph(
+    g: &fusec_compiler::ir::Graph,
+    what: &str,
+    dims: &BTreeMap<String, i64>,
+    gpu: device::Opening,
+    options: SessionOptions,
+    source: Option<(&str, &str)>,
+) -> Result<(Session, String), CliError> {
+    let t_open = gpu.started();
+    let gpu = gpu.wait().map_err(runtime_err)?;
+    fusec_runtime::startup::mark("GPU open");
+    let about = format!(
+        "{} ({}, {:.0} GiB)",
+        gpu.name,
+        gpu.arch(),
+        gpu.total_bytes as f64 / (1u64 << 30) as f64
+    );
+    eprintln!(
+        "{about}, opened in {:.1} s: compiling the kernels of {}",
+        t_open.elapsed().as_secs_f64(),
+        what
+    );
+    let t0 = Instant::now();
+    let progress = |done: usize, total: usize| {
+        if done == total || done.is_multiple_of(16) {
+            eprint!("\r  kernels {done}/{total}");
+            let _ = std::io::stderr().flush();
+        }
+    };
+    let s = Session::with_options(
+        gpu,
+        g,
+        dims,
+        Some(&fusec_runtime::cache::default_dir()),
+        &progress,
+        options,
+    )
+    .map_err(runtime_err)?;
+    eprintln!(
+        "\r  {} kernels ready in {:.1} s ({} distinct: {} from the cache, {} compiled); arena {:.2} GiB",
+        s.kernels_generated,
+        t0.elapsed().as_secs_f64(),
+        s.cache.hits + s.cache.compiled,
+        s.cache.hits,
+        s.cache.compiled,
+        s.plan.arena_bytes as f64 / (1u64 << 30) as f64
+    );
+    let mut s = s;
+    if fusec_runtime::marks::wanted() {
+        let launches = fusec_compiler::plan::trace::labels(&s.graph, &s.program, source)
+            .into_iter()
+            .map(|(phase, label)| (phase.name(), label))
+            .collect();
+        s.exec
+            .set_marks(fusec_runtime::marks::StepMarks { launches });
+        s.use_graph = false;
+        eprintln!(
+            "  NVTX ranges on (a profiler is attached, or FUSEC_NVTX=1): each step, phase and kernel is a range, and the step runs launch by launch instead of as a CUDA graph"
+        );
+    }
+    Ok((s, about))
+}
