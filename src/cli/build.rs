@@ -348,7 +348,10 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
             c.training.g.node_count(),
             fusec_compiler::plan::roofline::device(&args.device).expect("checked by clap"),
             Some((&file, &loaded.source)),
-            recomputed.as_ref(),
+            recomputed
+                .as_ref()
+                .map(|r| r.describe(&c.optimized, Some((&file, &loaded.source))))
+                .as_deref(),
         );
         write(&p, &text)?;
         written.push(p);

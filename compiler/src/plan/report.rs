@@ -118,7 +118,7 @@ pub fn report_with_source(
     ops_before: usize,
     device: Device,
     source: Option<(&str, &str)>,
-    recompute: Option<&crate::recompute::Choice>,
+    recompute: Option<&str>,
 ) -> String {
     let est = estimate(g, p, plan, device);
     let mut s = String::new();
@@ -232,10 +232,10 @@ pub fn report_with_source(
         .filter(|k| k.compute_bound)
         .map(|k| k.seconds)
         .sum();
-    // What the memory budget (or the free choice) recomputes, after the
-    // memory plan's paragraph.
-    if let Some(choice) = recompute {
-        let _ = write!(s, "\n{}", choice.describe(g, source).trim_end());
+    // What the memory budget (or the free choice) recomputes
+    // (`recompute::Choice::describe`), after the memory plan's paragraph.
+    if let Some(para) = recompute {
+        let _ = write!(s, "\n{}", para.trim_end());
     }
     let _ = writeln!(s, "\nroofline estimate on {}:", device.about);
     let _ = writeln!(
