@@ -2,49 +2,7 @@
 //! from so that any later stage (elaboration, shape checking, autodiff) can
 //! point a diagnostic at the exact place in the source.
 
-use std::fmt;
-
-/// A half-open byte range `[start, end)` into the source text, and the
-/// block call it was elaborated in: `call` is 1 + its index in the graph's
-/// `calls` (0 outside any call), so that the twelve layers a `repeat` makes
-/// from one line of a block keep apart.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct Span {
-    pub start: usize,
-    pub end: usize,
-    pub call: u32,
-}
-
-impl Span {
-    pub fn new(start: usize, end: usize) -> Self {
-        Span {
-            start,
-            end,
-            call: 0,
-        }
-    }
-    /// The smallest span covering both.
-    pub fn to(self, other: Span) -> Span {
-        Span {
-            start: self.start.min(other.start),
-            end: self.end.max(other.end),
-            call: self.call,
-        }
-    }
-    /// The same place, elaborated in call `call`.
-    pub fn in_call(self, call: u32) -> Span {
-        Span { call, ..self }
-    }
-    pub fn range(self) -> std::ops::Range<usize> {
-        self.start..self.end
-    }
-}
-
-impl fmt::Debug for Span {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}..{}", self.start, self.end)
-    }
-}
+pub use crate::diag::Span;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Ident {
