@@ -8,7 +8,8 @@
 
 use super::templates::{Ctx, Shape};
 use crate::ir::Graph;
-use crate::ops::{Op, ReduceKind};
+use crate::kernel::forms::leading_sum;
+use crate::ops::Op;
 use petgraph::stable_graph::NodeIndex;
 use std::fmt::Write;
 
@@ -92,18 +93,6 @@ pub(crate) fn layout(cols: i64, vec: i64, rows: Option<i64>) -> ColumnSum {
         tiles,
         splits,
     }
-}
-
-/// A sum (or mean) over the leading axes with a known number of outputs
-/// (every bias gradient): (its columns, whether it is a mean).
-pub(crate) fn leading_sum(g: &Graph, n: NodeIndex) -> Option<(i64, bool)> {
-    let Op::Reduce(r) = &g.g[n].op else {
-        return None;
-    };
-    let leading = r.axes.iter().enumerate().all(|(i, &a)| i == a);
-    let cols = g.g[n].outputs[0].numel().as_const()?;
-    (leading && matches!(r.kind, ReduceKind::Sum | ReduceKind::Mean) && cols > 0)
-        .then_some((cols, r.kind == ReduceKind::Mean))
 }
 
 fn column_sum_of(g: &Graph, n: NodeIndex) -> Option<ColumnSum> {

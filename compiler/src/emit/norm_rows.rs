@@ -17,8 +17,8 @@ use crate::ir::Graph;
 use crate::ops::{Op, NORM_GROUPS};
 use petgraph::stable_graph::NodeIndex;
 
-/// Most 8-feature chunks a lane holds (4: rows of up to 1024 features).
-const CHUNKS: i64 = 4;
+use crate::kernel::forms::norm_forward_rows;
+use crate::kernel::forms::NORM_CHUNKS as CHUNKS;
 
 /// The row length, where this kernel runs the op.
 pub(crate) fn applies(g: &Graph, n: NodeIndex) -> Option<i64> {
@@ -55,7 +55,7 @@ pub(crate) fn backward_bounds(g: &Graph, n: NodeIndex) -> Option<String> {
 /// The include of kernels/norm.cuh, where the op runs there.
 /// And the Philox draws' where the kernel's prologue drops.
 pub(crate) fn file_scope(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-    if applies(g, n).is_none() && forward_applies(g, n).is_none() {
+    if applies(g, n).is_none() && norm_forward_rows(g, n).is_none() {
         return None;
     }
     let drops = c.k.prologue.as_ref().is_some_and(|pro| {
@@ -129,25 +129,10 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
 /// flight (GPT-2 at B = 16 in one pass); more rows loop.
 pub(crate) const FORWARD_BLOCKS: i64 = 2048;
 
-/// The row length, where the forward runs one warp a row.
-pub(crate) fn forward_applies(g: &Graph, n: NodeIndex) -> Option<i64> {
-    if !matches!(g.g[n].op, Op::LayerNorm(_) | Op::RmsNorm(_)) {
-        return None;
-    }
-    let x = g.ty(g.inputs(n)[0]);
-    let c = x.shape.last()?.as_const()?;
-    (matches!(x.dtype, DType::BF16 | DType::F16)
-        && g.g[n].outputs[0].dtype == x.dtype
-        && c > 0
-        && c % 8 == 0
-        && (c + 255) / 256 <= CHUNKS)
-        .then_some(c)
-}
-
 /// The forward norm one warp a row, a call of kernels/norm.cuh's
 /// `fs_norm_forward` reading its stored input.
 pub(crate) fn forward_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-    let cols = forward_applies(g, n)?;
+    let cols = norm_forward_rows(g, n)?;
     if let Some(pro) = &c.k.prologue {
         return prologue_forward(g, c, n, cols, pro);
     }

@@ -468,7 +468,7 @@ impl<'g> Fuser<'g> {
         readers.iter().find_map(|&r| {
             let x = *self.g.inputs(r).first()?;
             let (base, views) = self.base(x);
-            let (cols, mean) = crate::emit::multi::leading_sum(self.g, r)?;
+            let (cols, mean) = super::forms::leading_sum(self.g, r)?;
             let reshapes = views
                 .iter()
                 .all(|&u| matches!(self.g.g[u].op, Op::Reshape(_)));

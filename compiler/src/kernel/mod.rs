@@ -9,6 +9,7 @@
 //! kernel program against the unfused graph.
 
 pub mod buckets;
+pub(crate) mod forms;
 pub mod fuse;
 mod groups;
 pub mod interp;

@@ -55,7 +55,7 @@ pub fn pad_rows(g: &Graph, p: &mut Program) {
                     // reading it as its one input, rows at the pitch.
                     Body::Op(op)
                         if matches!(&g.g[op].op, Op::Reduce(r) if r.axes.len() + 1 == buf.ty.shape.len())
-                            && crate::emit::multi::column_tiles(g, op).is_some() =>
+                            && super::forms::leading_sum(g, op).is_some() =>
                     {
                         k.inputs == [b] && !k.outputs.contains(&b)
                     }

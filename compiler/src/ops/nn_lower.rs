@@ -22,7 +22,7 @@ fn last_axis_rows(axis: usize, g: &Graph, n: NodeIndex) -> Option<Shape> {
 /// A norm's forward: norm_rows's blocks of many short rows where it
 /// applies, else a block a row.
 fn norm_forward_shape(g: &Graph, n: NodeIndex) -> Shape {
-    match norm_rows::forward_applies(g, n) {
+    match crate::kernel::forms::norm_forward_rows(g, n) {
         Some(_) => Shape::Rows(Dim::constant(norm_rows::FORWARD_BLOCKS)),
         None => Shape::Rows(rows_of(g, n)),
     }

@@ -28,7 +28,7 @@ impl Fuser<'_> {
         let norm = readers.iter().copied().find(|&r| {
             let ins = self.g.inputs(r);
             matches!(self.g.g[r].op, Op::LayerNorm(_) | Op::RmsNorm(_))
-                && crate::emit::norm_rows::forward_applies(self.g, r).is_some()
+                && crate::kernel::forms::norm_forward_rows(self.g, r).is_some()
                 && self.base(ins[0]).0 == v
                 && self.same_elements(ins[0], r)
                 && ins[1..].iter().all(|&u| self.base(u).0 != v)
