@@ -1,7 +1,10 @@
 //! CUDA C for attention forward and backward: the simple, exact version
 //! (one block per query row, and per key row for the backward), which never
-//! stores a score matrix, where the tensor-core kernels (`emit/flash`) do
-//! not apply (f32, head dims that are not multiples of 8).
+//! stores a score matrix, where the tensor-core kernels (`emit/flash`,
+//! whose module comment says what they take) do not apply: head dims that
+//! are not multiples of 8 or are over 256, rows that are not contiguous and
+//! 16-byte aligned, an f32 backward past 256 features in D + Dv; and under
+//! `FUSEC_ATTENTION=simple`.
 //!
 //! Both kernels stream over keys (or queries) in chunks of `blockDim.x`:
 //! each thread scores one entry of the chunk, the chunk's weights go to

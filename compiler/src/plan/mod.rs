@@ -85,7 +85,8 @@ pub struct PlannedBuffer {
 /// (`matmul`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LaunchKind {
-    /// A kernel fusec generated (CUDA C in kernels/).
+    /// A kernel the emitter wrote (fusion's chains and the ops' own
+    /// kernels; `fusec build` writes their CUDA C to its `kernels/` folder).
     Generated,
     /// Instances of `kernels/` templates (the attention's).
     Template,
