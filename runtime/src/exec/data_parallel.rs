@@ -1,0 +1,133 @@
+//! A rank's share of data parallelism in the executor: its communicator,
+//! the stream its buckets' collectives run on, and the timings of those
+//! collectives in a profiled step.
+
+use super::LaunchTime;
+use crate::device::Gpu;
+use crate::nccl;
+use crate::RuntimeError;
+
+/// A rank's share of data parallelism: its communicator and the stream
+/// the buckets' collectives run on. A collective starts once the compute
+/// stream has finished what it averages; the launch that first reads a
+/// result (the plan's `join`) waits for every collective issued so far.
+pub struct DataParallel {
+    pub comm: nccl::Comm,
+    pub(super) stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    /// Issued and not yet waited for by the compute stream.
+    pub(super) outstanding: bool,
+    /// ZeRO stage 1: every parameter buffer and its owner rank, sent from
+    /// the owner after the update.
+    pub shares: Vec<(nccl::Tensor, usize)>,
+    /// ZeRO stage 1: each parameter's pieces (`autodiff::zero::pieces`),
+    /// to whose owners its gradient's mean is reduced.
+    pub pieces: Vec<Vec<fusec_compiler::autodiff::zero::Piece>>,
+    /// While a step is profiled: each collective's launch and the events
+    /// recorded on the communication stream around it.
+    pub(super) timing: Option<Vec<(usize, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,
+}
+
+/// A collective of a profiled step (`Executor::profile_step_full`), in
+/// milliseconds after the step's first event.
+#[derive(Clone, Debug)]
+pub struct CollectiveTime {
+    /// The plan's launch it is.
+    pub launch: usize,
+    pub name: String,
+    pub bytes: u64,
+    /// When the compute stream had finished what it reads.
+    pub ready_ms: f64,
+    /// When it started and how long it ran on the communication stream.
+    pub start_ms: f64,
+    pub ms: f64,
+    /// The launch the compute stream waits for it before (the number of
+    /// launches: the end of the step), and when the compute stream got there.
+    pub join: usize,
+    pub join_ms: f64,
+}
+
+/// A step profiled launch by launch, with its collectives.
+pub struct StepProfile {
+    pub launches: Vec<LaunchTime>,
+    pub collectives: Vec<CollectiveTime>,
+    /// When the step ended (its last launch, and any wait for collectives
+    /// after it).
+    pub step_end_ms: f64,
+}
+
+impl DataParallel {
+    pub fn new(gpu: &Gpu, comm: nccl::Comm) -> Result<DataParallel, RuntimeError> {
+        let stream = gpu
+            .ctx
+            .new_stream()
+            .map_err(|e| RuntimeError::driver("creating the communication stream", e))?;
+        Ok(DataParallel {
+            comm,
+            stream,
+            outstanding: false,
+            shares: Vec::new(),
+            pieces: Vec::new(),
+            timing: None,
+        })
+    }
+
+    /// The owners' updated parameters to every rank, once the compute
+    /// stream has run the update.
+    pub(super) fn share(&mut self, gpu: &Gpu) -> Result<(), RuntimeError> {
+        if self.shares.is_empty() {
+            return Ok(());
+        }
+        self.stream.join(&gpu.stream).map_err(|e| {
+            RuntimeError::driver("ordering the parameters' broadcast after the update", e)
+        })?;
+        self.comm.broadcast(&self.stream, &self.shares)?;
+        self.outstanding = true;
+        Ok(())
+    }
+
+    pub(super) fn issue(
+        &mut self,
+        gpu: &Gpu,
+        tensors: &[nccl::Tensor],
+        owned: &[(nccl::Tensor, usize)],
+        launch: usize,
+    ) -> Result<(), RuntimeError> {
+        if !owned.is_empty() && self.pieces.is_empty() {
+            return Err(RuntimeError::Unsupported(
+                "the step was built with --zero 1 (gradients reduced to their owners), and this run does not shard the optimizer state: run it with --zero 1".into(),
+            ));
+        }
+        let rooted = nccl::owned_pieces(owned, &self.pieces, fusec_compiler::plan::ALIGN);
+        self.stream
+            .join(&gpu.stream)
+            .map_err(|e| RuntimeError::driver("ordering a collective after its gradients", e))?;
+        let ev = |s: &Self| {
+            s.stream
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| RuntimeError::driver("recording a timing event", e))
+        };
+        let start = match self.timing {
+            Some(_) => Some(ev(self)?),
+            None => None,
+        };
+        self.comm.average(&self.stream, tensors, &rooted)?;
+        if let Some(start) = start {
+            let end = ev(self)?;
+            if let Some(t) = self.timing.as_mut() {
+                t.push((launch, start, end));
+            }
+        }
+        self.outstanding = true;
+        Ok(())
+    }
+
+    pub(super) fn wait(&mut self, gpu: &Gpu) -> Result<(), RuntimeError> {
+        if self.outstanding {
+            gpu.stream
+                .join(&self.stream)
+                .map_err(|e| RuntimeError::driver("waiting for the averaged gradients", e))?;
+            self.outstanding = false;
+        }
+        Ok(())
+    }
+}
