@@ -1,5 +1,9 @@
 //! The functions a model file can call. Each is a thin layer that reads its
 //! arguments and adds op nodes; the shape rules live with the ops.
+//!
+//! Long (some 730 lines) because it is one table: a builtin's signature,
+//! doc line and handler sit together, and `tests/docs.rs` reads the table
+//! against docs/dsl.md.
 
 use super::args::Args;
 use super::values::Val;

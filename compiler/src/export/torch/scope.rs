@@ -1,6 +1,10 @@
 //! The classes of the twin: one scope (the model, a block call, a layer of a
 //! `repeat`) at a time, its own nodes in the order elaboration added them,
 //! its calls as calls of submodules.
+//!
+//! Long (some 930 lines) because it holds the PyTorch form of every op the
+//! twin writes, one match arm each, so that a new op's twin is added in one
+//! place.
 
 use super::expr::{mean_cross_entropy, op_expr, Prec, PyExpr};
 use super::{class_name, ExportError};
