@@ -20,3 +20,4 @@ pub mod passes;
 pub mod plan;
 pub mod recompute;
 pub mod select;
+pub mod tensor;

@@ -6,7 +6,9 @@
 pub mod peers;
 pub mod random;
 pub mod step;
-pub mod tensor;
+// The f64 tensors every op's reference computes on (`crate::tensor`),
+// where the interpreter's callers have always found them.
+pub use crate::tensor;
 
 use crate::ir::graph::{Graph, Value};
 use crate::ir::types::DType;

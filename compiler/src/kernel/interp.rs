@@ -4,10 +4,10 @@
 
 use super::view::View;
 use super::{Body, BufKind, Kernel, PExpr, Program};
-use crate::interp::tensor::Tensor;
 use crate::interp::{concrete_shape, round_to, Feeds, InterpError, Precision};
 use crate::ir::{Dim, Graph};
 use crate::ops::{EvalCtx, Op, UnaryKind};
+use crate::tensor::Tensor;
 use petgraph::stable_graph::NodeIndex;
 
 /// A view's shape, strides and offset with every size bound.

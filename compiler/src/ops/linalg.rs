@@ -1,7 +1,7 @@
 //! Matrix multiplication, batched with numpy broadcasting of leading axes.
 
 use super::*;
-use crate::interp::tensor::matmul;
+use crate::tensor::matmul;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct MatMul;

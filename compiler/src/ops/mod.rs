@@ -41,10 +41,10 @@ pub use unary::{TorchForm, Unary, UnaryFn, UnaryGrad, UnaryKind};
 
 pub use crate::emit::lower::{FusionClass, Lower};
 pub(crate) use crate::emit::templates::{per_element, Ctx, Shape};
-use crate::interp::tensor::Tensor;
 use crate::ir::dim::Dim;
 use crate::ir::graph::{Graph, Value};
 use crate::ir::types::{shape_string, DType, TensorType};
+use crate::tensor::Tensor;
 use petgraph::stable_graph::NodeIndex;
 
 /// Why an op rejected its inputs. The elaborator turns it into a diagnostic

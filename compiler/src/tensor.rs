@@ -1,4 +1,5 @@
-//! A plain host tensor for the reference interpreter: row-major f64 data.
+//! A plain host tensor, row-major f64 data: what every op's reference
+//! computes on (`ops`), and the reference interpreter's values.
 //! Integer tensors (token ids) are stored as f64 too; every i32 is exact.
 
 #[derive(Clone, Debug, PartialEq)]
