@@ -50,6 +50,52 @@ pub struct KernelCall {
 }
 
 impl KernelCall {
+    /// The call of one planned launch step of `func` on the buffers at
+    /// `args` (and the scratch `extra`): its dynamic shared memory allowed
+    /// (`without` says what to run where the GPU has too little), its
+    /// tensor maps encoded, its grid clamped to the hardware's limits.
+    pub fn of_step(
+        func: CudaFunction,
+        st: &fusec_compiler::plan::LaunchStep,
+        args: Vec<u64>,
+        extra: Option<u64>,
+        gpu: &Gpu,
+        without: &str,
+    ) -> Result<KernelCall, RuntimeError> {
+        let smem = st.dynamic_smem_bytes as u32;
+        allow_dynamic_smem(&func, &st.function, smem, gpu, without)?;
+        let maps = st
+            .tensor_maps
+            .iter()
+            .map(|m| {
+                encode_sizes(
+                    &m.name,
+                    m.arg,
+                    &m.sizes,
+                    m.swizzle,
+                    &args,
+                    &st.function,
+                    without,
+                )
+            })
+            .collect::<Result<_, _>>()?;
+        let [x, y, z] = st.grid;
+        Ok(KernelCall {
+            func,
+            name: st.function.clone(),
+            grid: (
+                x.clamp(1, u32::MAX as u64) as u32,
+                y.clamp(1, 65535) as u32,
+                z.clamp(1, 65535) as u32,
+            ),
+            block: st.block as u32,
+            args,
+            extra,
+            smem,
+            maps,
+        })
+    }
+
     /// Launches it on `gpu`'s stream with the size parameters `dims`.
     pub fn launch(&self, gpu: &Gpu, dims: &[i64]) -> Result<(), RuntimeError> {
         let mut b = gpu.stream.launch_builder(&self.func);
@@ -357,38 +403,14 @@ impl Executor {
                         ))
                     })?;
                     let func = function(si, &st.function)?;
-                    let smem = st.dynamic_smem_bytes as u32;
-                    allow_dynamic_smem(&func, &st.function, smem, &gpu, "FUSEC_ATTENTION=simple")?;
-                    let maps = st
-                        .tensor_maps
-                        .iter()
-                        .map(|m| {
-                            encode_sizes(
-                                &m.name,
-                                m.arg,
-                                &m.sizes,
-                                m.swizzle,
-                                &args,
-                                &st.function,
-                                "FUSEC_ATTENTION=simple",
-                            )
-                        })
-                        .collect::<Result<_, _>>()?;
-                    let [x, y, z] = st.grid;
-                    steps.push(Step::Kernel(KernelCall {
+                    steps.push(Step::Kernel(KernelCall::of_step(
                         func,
-                        name: st.function.clone(),
-                        grid: (
-                            x.clamp(1, u32::MAX as u64) as u32,
-                            y.clamp(1, 65535) as u32,
-                            z.clamp(1, 65535) as u32,
-                        ),
-                        block: st.block as u32,
-                        args: args.clone(),
-                        extra: st.scratch.map(|b| base + plan.buffers[b].offset),
-                        smem,
-                        maps,
-                    }));
+                        st,
+                        args.clone(),
+                        st.scratch.map(|b| base + plan.buffers[b].offset),
+                        &gpu,
+                        "FUSEC_ATTENTION=simple",
+                    )?));
                 }
                 match steps.len() {
                     1 => steps.remove(0),

@@ -55,16 +55,29 @@ pub struct SessionOptions {
 /// deterministic runs, which keep cuBLASLt's first choice so that every
 /// run takes the same algorithms, or where `FUSEC_GEMM_TUNING=first` asks
 /// for that (to compare the two).
-fn gemm_tuning(options: &SessionOptions, cache_dir: Option<&Path>, gpu: String) -> Tuning {
-    let first = std::env::var("FUSEC_GEMM_TUNING").is_ok_and(|v| v == "first");
-    if options.deterministic || first {
+fn gemm_tuning(
+    options: &SessionOptions,
+    cache_dir: Option<&Path>,
+    gpu: String,
+) -> Result<Tuning, RuntimeError> {
+    let first = match std::env::var("FUSEC_GEMM_TUNING").ok().as_deref() {
+        None | Some("") | Some("timed") => false,
+        Some("first") => true,
+        // A typo would otherwise leave the timing on without a word.
+        Some(other) => {
+            return Err(RuntimeError::Unsupported(format!(
+                "FUSEC_GEMM_TUNING={other}: expected `first` (cuBLASLt's first choice of algorithm) or `timed` (the default); unset it for the default"
+            )))
+        }
+    };
+    Ok(if options.deterministic || first {
         Tuning::First
     } else {
         Tuning::Timed {
             dir: cache_dir.map(Path::to_path_buf),
             gpu,
         }
-    }
+    })
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -135,7 +148,7 @@ impl Session {
         let gpu_name = gpu.name.clone();
         let mut exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins)?;
         exec.allow_tf32(options.f32_math == F32Math::Tf32);
-        exec.tune_gemms(gemm_tuning(&options, cache_dir, gpu_name));
+        exec.tune_gemms(gemm_tuning(&options, cache_dir, gpu_name)?);
         crate::startup::mark("modules loaded, arena allocated");
         Ok(Session {
             exec,
@@ -419,5 +432,43 @@ impl Session {
         let device = fusec_compiler::device::default_device();
         fusec_compiler::plan::roofline::estimate(&self.graph, &self.program, &self.plan, device)
             .flops
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The variable's two values pick the scheme; anything else is named
+    /// as an error rather than read as the default.
+    #[test]
+    fn fusec_gemm_tuning_takes_two_values_and_names_a_typo() {
+        let opts = SessionOptions::default();
+        let det = SessionOptions {
+            deterministic: true,
+            ..Default::default()
+        };
+        let with = |v: Option<&str>, o: &SessionOptions| {
+            match v {
+                Some(v) => std::env::set_var("FUSEC_GEMM_TUNING", v),
+                None => std::env::remove_var("FUSEC_GEMM_TUNING"),
+            }
+            let t = gemm_tuning(o, None, "gpu".into());
+            std::env::remove_var("FUSEC_GEMM_TUNING");
+            t
+        };
+        let timed = Tuning::Timed {
+            dir: None,
+            gpu: "gpu".into(),
+        };
+        assert_eq!(with(None, &opts).unwrap(), timed);
+        assert_eq!(with(Some("timed"), &opts).unwrap(), timed);
+        assert_eq!(with(Some("first"), &opts).unwrap(), Tuning::First);
+        assert_eq!(with(None, &det).unwrap(), Tuning::First);
+        let e = with(Some("off"), &opts).unwrap_err().to_string();
+        assert!(
+            e.contains("FUSEC_GEMM_TUNING=off") && e.contains("`first`"),
+            "{e}"
+        );
     }
 }

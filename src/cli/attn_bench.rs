@@ -15,8 +15,7 @@ use fusec_compiler::plan::plan_with;
 use fusec_compiler::select::{select, Target};
 use fusec_runtime::alone::{load_function, median_ms, DeviceBuffer};
 use fusec_runtime::device::Gpu;
-use fusec_runtime::exec::{allow_dynamic_smem, encode, KernelCall};
-use fusec_runtime::tensor_map::encode_sizes;
+use fusec_runtime::exec::{encode, KernelCall};
 use fusec_runtime::RuntimeError;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -247,37 +246,18 @@ pub fn run(
                 .ok_or_else(|| err("no source"))?
                 .1;
             let func = load_function(gpu, &st.function, text)?;
-            let smem = st.dynamic_smem_bytes as u32;
-            allow_dynamic_smem(&func, &st.function, smem, gpu, "--simple")?;
-            let maps = st
-                .tensor_maps
-                .iter()
-                .map(|m| {
-                    encode_sizes(
-                        &m.name,
-                        m.arg,
-                        &m.sizes,
-                        m.swizzle,
-                        &args,
-                        &st.function,
-                        "--simple",
-                    )
-                })
-                .collect::<Result<_, _>>()?;
             let extra = match st.scratch {
                 Some(s) => Some(ptr_of(s, device)?),
                 None => None,
             };
-            out.push(KernelCall {
+            out.push(KernelCall::of_step(
                 func,
-                name: st.function.clone(),
-                grid: (st.grid[0] as u32, st.grid[1] as u32, st.grid[2] as u32),
-                block: st.block as u32,
-                args: args.clone(),
+                st,
+                args.clone(),
                 extra,
-                smem,
-                maps,
-            });
+                gpu,
+                "--simple",
+            )?);
         }
         Ok(out)
     };
