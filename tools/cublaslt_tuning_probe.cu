@@ -17,22 +17,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                               \
-    do {                                                                                       \
-        cudaError_t e_ = (x);                                                                  \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
-#define CHECK_LT(x)                                                                    \
-    do {                                                                               \
-        cublasStatus_t s_ = (x);                                                       \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                             \
-            fprintf(stderr, "%s:%d %s: status %d\n", __FILE__, __LINE__, #x, (int)s_); \
-            exit(1);                                                                   \
-        }                                                                              \
-    } while (0)
+#include "probe_check.h"
 
 // Row-major D[M, N] = A[M, K] B[K, N]; a_mn: A stored [K, M]; b_nk: B stored
 // [N, K] (K-major); f32_out: D in f32 (fusec's weight gradients); bias: a

@@ -20,22 +20,7 @@
 
 #include "gemm/sm90.cuh"
 
-#define CHECK(x)                                                                             \
-    do {                                                                                     \
-        cudaError_t e_ = (x);                                                                \
-        if (e_ != cudaSuccess) {                                                             \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                         \
-        }                                                                                    \
-    } while (0)
-#define CHECK_LT(x)                                                             \
-    do {                                                                        \
-        cublasStatus_t s_ = (x);                                                \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                      \
-            fprintf(stderr, "%s:%d %s: status %d\n", __FILE__, __LINE__, #x, (int)s_); \
-            exit(1);                                                            \
-        }                                                                       \
-    } while (0)
+#include "probe_check.h"
 
 struct StoreParams {
     unsigned short* d;
