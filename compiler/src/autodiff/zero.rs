@@ -161,8 +161,8 @@ pub fn job_states(g: &Graph, local: &BTreeSet<String>) -> BTreeMap<String, usize
             let op = &g.g[v.node].op;
             *r == Role::NewParam(i)
                 && matches!(op, Op::AdamW(_) | Op::Sgd(_))
-                && op.lower().update_range().is_none()
-                && !op.lower().update_master()
+                && op.update_range().is_none()
+                && !op.update_master()
         })
     };
     if graded.iter().all(|&i| updated_whole(i)) {

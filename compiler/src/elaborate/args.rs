@@ -1,10 +1,10 @@
 //! Arguments of a builtin call, fetched by position or keyword, with the
 //! errors a person needs when they are missing, extra or of the wrong kind.
 
-use super::values::Val;
 use crate::diag::Diagnostic;
 use crate::dsl::ast::{Ident, Span};
 use crate::ir::{Dim, Graph, Value};
+use crate::model::values::Val;
 
 #[derive(Default)]
 pub struct Args {

@@ -6,11 +6,11 @@
 //! against docs/dsl.md.
 
 use super::args::Args;
-use super::values::Val;
 use super::Elab;
 use crate::diag::Diagnostic;
 use crate::dsl::ast::Span;
 use crate::ir::{Dim, Value};
+use crate::model::values::Val;
 use crate::ops::*;
 
 type Handler = fn(&mut Elab, &mut Args) -> Result<Val, Diagnostic>;

@@ -2,11 +2,11 @@
 //! for tensors, block calls, `repeat`, and indexing.
 
 use super::args::Args;
-use super::values::{dim_val, Val};
 use super::{builtins, Elab};
 use crate::diag::Diagnostic;
 use crate::dsl::ast::{Arg, BinOp, Expr, ExprKind, Ident, IndexItem, Span};
 use crate::ir::{Dim, Value};
+use crate::model::values::{dim_val, Val};
 use crate::ops::{Binary, BinaryKind, Constant, DimValue, MatMul, Reshape, Slice};
 
 /// Most layers a `repeat` may unroll.
@@ -399,13 +399,15 @@ impl<'m> Elab<'m> {
             pos[0].0 = out;
         }
         let path = format!("{}{base}", self.frame().prefix);
-        self.structure.repeats.push(super::structure::RepeatRecord {
-            block: func.name.clone(),
-            path,
-            count: n as usize,
-            first,
-            end: self.graph.g.node_count(),
-        });
+        self.structure
+            .repeats
+            .push(crate::model::structure::RepeatRecord {
+                block: func.name.clone(),
+                path,
+                count: n as usize,
+                first,
+                end: self.graph.g.node_count(),
+            });
         Ok(pos.swap_remove(0).0)
     }
 

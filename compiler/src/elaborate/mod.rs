@@ -7,19 +7,18 @@ mod args;
 pub mod builtins;
 mod expr;
 mod items;
-pub mod structure;
 mod train;
-pub mod values;
 
 use crate::diag::{Diagnostic, Errors};
 use crate::dsl::ast::{BlockDef, Expr, ExprKind, Ident, Item, Module, Span};
 use crate::ir::graph::{Init, ParamInfo, Phase, Role};
 use crate::ir::types::{DType, TensorType};
 use crate::ir::{Dim, Graph, Value};
+use crate::model::structure;
+use crate::model::values::Val;
 use crate::model::Model;
 use crate::ops::{Cast, Input, Op, OpError, Param};
 use std::collections::{HashMap, HashSet};
-use values::Val;
 
 /// For a dimension that came out as a fraction.
 const FRACTION_HELP: &str = "this value is a floating-point number, not an integer: a `/` that does not divide exactly \

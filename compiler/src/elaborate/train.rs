@@ -1,11 +1,11 @@
 //! The `train { ... }` section: which value is the loss, the optimizer,
 //! the learning-rate schedule, clipping, precision and micro-batches.
 
-use super::values::Val;
 use super::Elab;
 use crate::diag::Diagnostic;
 use crate::dsl::ast::{Arg, Expr, ExprKind, Ident, TrainSection};
 use crate::ir::DType;
+use crate::model::values::Val;
 use crate::model::{Decay, Optimizer, Schedule, TrainConfig};
 
 const KEYS: &[&str] = &[

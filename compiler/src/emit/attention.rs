@@ -15,6 +15,7 @@
 //! including the host shim's single thread.
 
 use super::cuda::{float_lit, load, store, NEG_INF};
+use super::lower::Lower;
 use super::templates::{Ctx, Shape, BLOCK};
 use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
@@ -632,3 +633,24 @@ fn backward(b: &mut String, g: &Graph, c: &Ctx, n: NodeIndex, s: &Sizes) {
         ),
     );
 }
+
+/// The tensor-core kernels instantiate `kernels/attention/` templates
+/// (emit/flash); the generated kernel here is the simple one that runs
+/// where they do not apply.
+macro_rules! attention_lowering {
+    ($($op:ident),*) => {$(
+        impl Lower for crate::ops::$op {
+            fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+                shape_of(g, n)
+            }
+            fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+                kernel_body(g, c, n)
+            }
+            fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+                file_scope(g, c, n)
+            }
+        }
+    )*};
+}
+
+attention_lowering!(Attention, AttentionGrad);

@@ -4,6 +4,7 @@
 //! loops, not implicit GEMM: correct first, fast later.
 
 use super::attention::Access;
+use super::lower::Lower;
 use super::templates::{Ctx, Shape};
 use crate::ir::Graph;
 use crate::ops::Op;
@@ -148,3 +149,19 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let _ = writeln!(b, "        {}\n    }}", result.store("i", "acc"));
     Some(b)
 }
+
+macro_rules! conv_lowering {
+    ($($op:ident),*) => {$(
+        /// Direct convolution loops.
+        impl Lower for crate::ops::$op {
+            fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+                shape_of(g, n)
+            }
+            fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+                kernel_body(g, c, n)
+            }
+        }
+    )*};
+}
+
+conv_lowering!(Conv2d, Conv2dGradInput, Conv2dGradWeight);

@@ -46,7 +46,7 @@ pub fn group_kernel(
     // A member over a piece of its output (ZeRO) writes none: its output
     // is a parameter, whose zero rows nothing else writes.
     let tail = |m: &crate::kernel::Member| -> i64 {
-        if g.g[m.node].op.lower().update_range().is_some() {
+        if g.g[m.node].op.update_range().is_some() {
             return 0;
         }
         m.outputs.first().map_or(0, |&o| {
@@ -69,7 +69,7 @@ pub fn group_kernel(
             ins: m.inputs.clone(),
             outs: m.outputs.clone(),
         };
-        if let Some(decls) = g.g[m.node].op.lower().file_scope(g, &c, m.node) {
+        if let Some(decls) = super::lower::of(&g.g[m.node].op).file_scope(g, &c, m.node) {
             if !scope.contains(&decls) {
                 scope.push(decls);
             }
@@ -90,7 +90,7 @@ pub fn group_kernel(
         "    for (fs_i64 chunk = blockIdx.x; ; chunk += gridDim.x) {{\n        fs_i64 b = chunk;"
     );
     for (i, m) in members.iter().enumerate() {
-        let n = match g.g[m.node].op.lower().update_range() {
+        let n = match g.g[m.node].op.update_range() {
             Some((lo, hi)) => format!("{}LL", hi - lo),
             None => g.g[m.node].outputs[0].numel().to_c(),
         };
@@ -148,13 +148,13 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
     let (i, o) = (&m.inputs, &m.outputs);
     // A ZeRO piece: the parameter and its gradient from the piece's start,
     // so element k of the piece is element k of the state.
-    let range = g.g[m.node].op.lower().update_range();
+    let range = g.g[m.node].op.update_range();
     let at = match range {
         Some((lo, _)) => format!(" + {lo}LL"),
         None => String::new(),
     };
     // A master piece is indexed as the state, the gradient as the parameter.
-    let master = g.g[m.node].op.lower().update_master();
+    let master = g.g[m.node].op.update_master();
     let pat = if master { String::new() } else { at.clone() };
     // The rest of the parameter passes through where the update is not in
     // place (the plan always updates in place; the first chunk copies it).

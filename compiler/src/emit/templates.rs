@@ -220,7 +220,7 @@ pub fn grid(shape: &Shape, env: &dyn Fn(&str) -> Option<i64>) -> Option<u64> {
 
 /// The kernel's launch shape, for ops that have a generated kernel.
 pub fn shape_of(g: &Graph, n: NodeIndex) -> Option<Shape> {
-    g.g[n].op.lower().shape(g, n)
+    super::lower::of(&g.g[n].op).shape(g, n)
 }
 
 /// A thread an element of the op's (first) result.
@@ -273,15 +273,15 @@ pub fn op_kernel(
     let mut s = header(g, p, k, source);
     // Device-global storage some templates keep between their blocks goes
     // before the kernel (after the prelude's include).
-    if let Some(decls) = g.g[n].op.lower().file_scope(g, &c, n) {
+    if let Some(decls) = super::lower::of(&g.g[n].op).file_scope(g, &c, n) {
         let at = s.find("extern \"C\"")?;
         s.insert_str(at, &decls);
     }
     // Template instances have their own loop structure.
-    let body = g.g[n].op.lower().kernel_body(g, &c, n);
+    let body = super::lower::of(&g.g[n].op).kernel_body(g, &c, n);
     let body = match body {
         Some(b) => {
-            if let Some(bounds) = g.g[n].op.lower().launch_bounds(g, n) {
+            if let Some(bounds) = super::lower::of(&g.g[n].op).launch_bounds(g, n) {
                 s = s.replacen(
                     "__global__ void ",
                     &format!("__global__ void __launch_bounds__({bounds}) "),
@@ -301,7 +301,7 @@ pub fn op_kernel(
 /// ops, over element `i` for element ops; `op_loop` closes it in its loop,
 /// and a group kernel runs it over each chunk of a member.
 pub(crate) fn op_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-    g.g[n].op.lower().loop_body(g, c, n)
+    super::lower::of(&g.g[n].op).loop_body(g, c, n)
 }
 
 /// The loop (rows or elements) and body of one op, closed.
@@ -312,7 +312,7 @@ pub(crate) fn op_loop(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     match shape {
         Shape::Rows(rows) => {
             let _ = writeln!(s, "    const fs_i64 rows = {};", rows.to_c());
-            let cols = g.g[n].op.lower().row_length(g, n);
+            let cols = super::lower::of(&g.g[n].op).row_length(g, n);
             let _ = writeln!(s, "    const fs_i64 C = {};", cols.to_c());
             let _ = writeln!(
                 s,

@@ -553,30 +553,3 @@ impl OpDef for AttentionGrad {
         vec![Tensor::new(vec![m.b, m.t, width], out)]
     }
 }
-
-/// The tensor-core kernels instantiate `kernels/attention/` templates
-/// (emit/flash); the generated kernel here is the simple one that runs
-/// where they do not apply.
-impl Lower for Attention {
-    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        crate::emit::attention::shape_of(g, n)
-    }
-    fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-        crate::emit::attention::kernel_body(g, c, n)
-    }
-    fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-        crate::emit::attention::file_scope(g, c, n)
-    }
-}
-
-impl Lower for AttentionGrad {
-    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        crate::emit::attention::shape_of(g, n)
-    }
-    fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-        crate::emit::attention::kernel_body(g, c, n)
-    }
-    fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-        crate::emit::attention::file_scope(g, c, n)
-    }
-}

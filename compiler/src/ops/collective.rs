@@ -48,6 +48,3 @@ impl OpDef for AllReduce {
         vec![inputs[0].clone()]
     }
 }
-
-/// A collective (NCCL), launched on the communication stream.
-impl Lower for AllReduce {}

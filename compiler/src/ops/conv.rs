@@ -299,19 +299,3 @@ fn ranks_and_stride(op: &str, inputs: &[TensorType], stride: usize) -> Result<()
     }
     Ok(())
 }
-
-macro_rules! conv_lowering {
-    ($($op:ident),*) => {$(
-        /// Direct convolution loops (emit/conv.rs).
-        impl Lower for $op {
-            fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-                crate::emit::conv::shape_of(g, n)
-            }
-            fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-                crate::emit::conv::kernel_body(g, c, n)
-            }
-        }
-    )*};
-}
-
-conv_lowering!(Conv2d, Conv2dGradInput, Conv2dGradWeight);

@@ -2,9 +2,7 @@
 //! (unary math is in unary.rs).
 
 use super::*;
-use crate::emit::cuda::float_lit;
 use crate::ir::print::num;
-use std::fmt::Write;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BinaryKind {
@@ -62,6 +60,9 @@ pub struct Binary {
 }
 
 impl OpDef for Binary {
+    fn class(&self) -> FusionClass {
+        FusionClass::Elementwise
+    }
     fn name(&self) -> &'static str {
         self.kind.name()
     }
@@ -117,6 +118,9 @@ pub struct Constant {
 }
 
 impl OpDef for Constant {
+    fn class(&self) -> FusionClass {
+        FusionClass::Scalar
+    }
     fn name(&self) -> &'static str {
         "const"
     }
@@ -149,6 +153,9 @@ pub struct DimValue {
 }
 
 impl OpDef for DimValue {
+    fn class(&self) -> FusionClass {
+        FusionClass::Scalar
+    }
     fn name(&self) -> &'static str {
         "dim_value"
     }
@@ -180,6 +187,9 @@ pub struct Cast {
 }
 
 impl OpDef for Cast {
+    fn class(&self) -> FusionClass {
+        FusionClass::Elementwise
+    }
     fn name(&self) -> &'static str {
         "cast"
     }
@@ -275,94 +285,5 @@ impl OpDef for Unscale {
             Tensor::scalar(if finite { apply } else { 0.0 }),
             Tensor::scalar(norm),
         ]
-    }
-}
-
-impl Lower for Constant {
-    fn class(&self) -> FusionClass {
-        FusionClass::Scalar
-    }
-}
-
-impl Lower for DimValue {
-    fn class(&self) -> FusionClass {
-        FusionClass::Scalar
-    }
-}
-
-impl Lower for Binary {
-    fn class(&self) -> FusionClass {
-        FusionClass::Elementwise
-    }
-}
-
-impl Lower for Cast {
-    fn class(&self) -> FusionClass {
-        FusionClass::Elementwise
-    }
-    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(per_element(g, n))
-    }
-    /// Casts run on their own only as members of a group kernel (the
-    /// master weights to the compute dtype); elsewhere they fuse into
-    /// chains.
-    fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        Some(format!("        {}\n", c.st(0, "i", &c.ld(0, "i"))))
-    }
-}
-
-impl Lower for Unscale {
-    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(per_element(g, n))
-    }
-    /// fp16: the true norm, the clip coefficient over the loss scale, and
-    /// whether the step applies (no overflow).
-    fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        let mut b = String::new();
-        let _ = writeln!(
-            b,
-            "        const float sumsq = {}, scale = {};",
-            c.ld(0, "0"),
-            c.ld(1, "0")
-        );
-        let _ = writeln!(
-            b,
-            "        const float norm = sqrtf(sumsq) / scale;\n        const bool finite = fs_isfinite(sumsq);"
-        );
-        let coef = match self.max_norm {
-            Some(m) => format!(
-                "(finite ? fminf(1.0f, {} / (norm + 1e-6f)) : 1.0f)",
-                float_lit(m)
-            ),
-            None => "1.0f".to_string(),
-        };
-        let _ = writeln!(b, "        {}", c.st(0, "i", &format!("{coef} / scale")));
-        let _ = writeln!(
-            b,
-            "        {}",
-            c.st(1, "i", &format!("finite ? {} : 0.0f", c.ld(2, "0")))
-        );
-        let _ = writeln!(b, "        {}", c.st(2, "i", "norm"));
-        Some(b)
-    }
-}
-
-impl Lower for ClipCoef {
-    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(per_element(g, n))
-    }
-    fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        let mut b = String::new();
-        let _ = writeln!(b, "        const float norm = sqrtf({});", c.ld(0, "0"));
-        let _ = writeln!(
-            b,
-            "        {}",
-            c.st(
-                0,
-                "i",
-                &format!("fminf(1.0f, {} / (norm + 1e-6f))", float_lit(self.max_norm))
-            )
-        );
-        Some(b)
     }
 }

@@ -67,7 +67,3 @@ impl OpDef for MatMul {
         Ok(vec![Some(b.sum_to(dx, &sx)?), Some(b.sum_to(dw, &sw)?)])
     }
 }
-
-/// A library call (cuBLASLt), with elementwise work after it folded into
-/// its epilogue by fusion.
-impl Lower for MatMul {}

@@ -1,10 +1,11 @@
 //! The op set. Each op is declared once, in one of the files below, as a
 //! type implementing [`OpDef`]: its shape and dtype rule (`infer`), its CPU
-//! reference (`eval`) and its gradient rule (`vjp`, written with other ops),
-//! and as a type implementing [`Lower`]: what fusion does with it and, for
-//! an op that runs as a kernel of its own, that kernel's launch shape and
-//! CUDA C. Adding an op means writing those two impls and one line in
-//! `ops!` below.
+//! reference (`eval`), its gradient rule (`vjp`, written with other ops)
+//! and what fusion does with it (`class`). How an op that runs as a kernel
+//! of its own is written in CUDA lives in `emit::lower`, so nothing here
+//! writes kernels. Adding an op means its `OpDef` impl, one line in `ops!`
+//! below, and, if it runs as a kernel, a `Lower` impl (the compiler points
+//! at `emit::lower::of` until it has one).
 
 mod attention;
 mod builder;
@@ -14,11 +15,9 @@ mod dropout;
 mod elementwise;
 mod linalg;
 mod nn;
-mod nn_lower;
 mod optim;
 pub mod philox;
 mod shape;
-mod shape_lower;
 mod source;
 mod unary;
 
@@ -39,13 +38,10 @@ pub use shape::{Broadcast, Concat, Permute, Reduce, ReduceKind, Reshape, Slice, 
 pub use source::{Input, Param, State};
 pub use unary::{TorchForm, Unary, UnaryFn, UnaryGrad, UnaryKind};
 
-pub use crate::emit::lower::{FusionClass, Lower};
-pub(crate) use crate::emit::templates::{per_element, Ctx, Shape};
 use crate::ir::dim::Dim;
-use crate::ir::graph::{Graph, Value};
+use crate::ir::graph::Value;
 use crate::ir::types::{shape_string, DType, TensorType};
 use crate::tensor::Tensor;
-use petgraph::stable_graph::NodeIndex;
 
 /// Why an op rejected its inputs. The elaborator turns it into a diagnostic
 /// at the call's span (or at the argument's span when `arg` is set).
@@ -89,8 +85,44 @@ pub struct EvalCtx<'a> {
     pub dim: &'a dyn Fn(&Dim) -> usize,
 }
 
+/// What fusion does with an op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FusionClass {
+    /// An input, parameter or state: stored before the step.
+    Source,
+    /// A constant or a symbolic size: folded into the kernels that read it,
+    /// never stored.
+    Scalar,
+    /// Another way of reading its input's elements: read in place as a
+    /// strided view, no kernel of its own.
+    View,
+    /// One output element from the same element of each input: fuses into
+    /// chains (a pointwise kernel computes the chain per element).
+    Elementwise,
+    /// A kernel of its own: a library call, a generated loop or a template
+    /// instance (see the methods below), possibly with elementwise work
+    /// folded in (GEMM epilogues).
+    Kernel,
+}
+
 pub trait OpDef {
     fn name(&self) -> &'static str;
+    /// What fusion does with the op: a kernel of its own unless it says
+    /// otherwise.
+    fn class(&self) -> FusionClass {
+        FusionClass::Kernel
+    }
+    /// The piece of its parameter an update runs on (ZeRO stage 1; `None`:
+    /// all of it, and for every op that is not an update).
+    fn update_range(&self) -> Option<(i64, i64)> {
+        None
+    }
+    /// Whether an update reads and writes its f32 master piece (indexed as
+    /// its state) rather than the parameter (ZeRO with a 16-bit compute
+    /// dtype; `false` for every op that is not such an update).
+    fn update_master(&self) -> bool {
+        false
+    }
     /// Attributes as `key=value` words for the text form of the graph.
     fn attrs(&self) -> Vec<String> {
         Vec::new()
@@ -130,13 +162,6 @@ macro_rules! ops {
                 }
             }
 
-            /// How the op becomes code (its fusion class, kernel shape and
-            /// body), declared with the op.
-            pub fn lower(&self) -> &dyn Lower {
-                match self {
-                    $(Op::$variant(o) => o),*
-                }
-            }
         }
 
         $(impl From<$variant> for Op {
@@ -217,7 +242,13 @@ impl Op {
         self.def().vjp(b, inputs, outputs, douts)
     }
     pub fn class(&self) -> FusionClass {
-        self.lower().class()
+        self.def().class()
+    }
+    pub fn update_range(&self) -> Option<(i64, i64)> {
+        self.def().update_range()
+    }
+    pub fn update_master(&self) -> bool {
+        self.def().update_master()
     }
     pub fn is_source(&self) -> bool {
         self.class() == FusionClass::Source

@@ -1,9 +1,9 @@
 //! Neural-network ops with hand-written gradients: softmax, the norms,
 //! embedding lookup, cross-entropy, rotary embedding and causal masking.
 //!
-//! Long (some 820 lines) because each op is declared whole in one place
-//! (shape rule, f64 reference, gradient), as every op is; their lowerings
-//! are in nn_lower.rs.
+//! Long (some 800 lines) because each op is declared whole in one place
+//! (shape rule, f64 reference, gradient), as every op is; their kernels
+//! are written in emit/lower/nn.rs.
 
 use super::*;
 use crate::ir::print::num;

@@ -119,6 +119,9 @@ pub struct Reshape {
 }
 
 impl OpDef for Reshape {
+    fn class(&self) -> FusionClass {
+        FusionClass::View
+    }
     fn name(&self) -> &'static str {
         "reshape"
     }
@@ -169,6 +172,9 @@ pub struct Permute {
 }
 
 impl OpDef for Permute {
+    fn class(&self) -> FusionClass {
+        FusionClass::View
+    }
     fn name(&self) -> &'static str {
         "permute"
     }
@@ -231,6 +237,9 @@ pub struct Slice {
 }
 
 impl OpDef for Slice {
+    fn class(&self) -> FusionClass {
+        FusionClass::View
+    }
     fn name(&self) -> &'static str {
         "slice"
     }
@@ -459,6 +468,9 @@ pub struct Broadcast {
 }
 
 impl OpDef for Broadcast {
+    fn class(&self) -> FusionClass {
+        FusionClass::View
+    }
     fn name(&self) -> &'static str {
         "broadcast"
     }

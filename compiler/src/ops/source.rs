@@ -13,13 +13,10 @@ macro_rules! source_op {
             pub ty: TensorType,
         }
 
-        impl Lower for $name {
+        impl OpDef for $name {
             fn class(&self) -> FusionClass {
                 FusionClass::Source
             }
-        }
-
-        impl OpDef for $name {
             fn name(&self) -> &'static str {
                 $text
             }

@@ -320,6 +320,9 @@ pub struct Unary {
 }
 
 impl OpDef for Unary {
+    fn class(&self) -> FusionClass {
+        FusionClass::Elementwise
+    }
     fn name(&self) -> &'static str {
         self.kind.name()
     }
@@ -357,6 +360,9 @@ pub struct UnaryGrad {
 }
 
 impl OpDef for UnaryGrad {
+    fn class(&self) -> FusionClass {
+        FusionClass::Elementwise
+    }
     fn name(&self) -> &'static str {
         self.kind.grad_name()
     }
@@ -372,18 +378,6 @@ impl OpDef for UnaryGrad {
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         vec![inputs[0].zip(inputs[1], |x, dy| self.kind.derivative(x) * dy)]
-    }
-}
-
-impl Lower for Unary {
-    fn class(&self) -> FusionClass {
-        FusionClass::Elementwise
-    }
-}
-
-impl Lower for UnaryGrad {
-    fn class(&self) -> FusionClass {
-        FusionClass::Elementwise
     }
 }
 

@@ -9,10 +9,10 @@
 use super::expr::{mean_cross_entropy, op_expr, Prec, PyExpr};
 use super::{class_name, ExportError};
 use crate::dsl::ast::Span;
-use crate::elaborate::structure::Structure;
-use crate::elaborate::values::Val;
 use crate::ir::graph::Init;
 use crate::ir::{Dim, Graph, Value};
+use crate::model::structure::Structure;
+use crate::model::values::Val;
 use crate::ops::{CeRule, Op, ReduceKind};
 use petgraph::stable_graph::NodeIndex;
 use std::collections::{BTreeSet, HashMap, HashSet};

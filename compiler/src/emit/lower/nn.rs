@@ -11,6 +11,7 @@ use crate::emit::templates::{
     close_row_groups, rms, row_groups, row_length_of, rows_of, stats, with_residual,
 };
 use crate::emit::{embedding_grad, norm_rows};
+use crate::ops::*;
 use std::fmt::Write;
 
 /// A block a row where the op runs along the last axis (none otherwise).

@@ -5,31 +5,8 @@
 use super::*;
 use crate::emit::multi;
 use crate::emit::templates::numel;
+use crate::ops::{Concat, Reduce, ReduceKind, SliceGrad};
 use std::fmt::Write;
-
-impl Lower for Reshape {
-    fn class(&self) -> FusionClass {
-        FusionClass::View
-    }
-}
-
-impl Lower for Permute {
-    fn class(&self) -> FusionClass {
-        FusionClass::View
-    }
-}
-
-impl Lower for Slice {
-    fn class(&self) -> FusionClass {
-        FusionClass::View
-    }
-}
-
-impl Lower for Broadcast {
-    fn class(&self) -> FusionClass {
-        FusionClass::View
-    }
-}
 
 impl Lower for Reduce {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {

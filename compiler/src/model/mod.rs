@@ -1,5 +1,8 @@
 //! A checked model: the forward graph plus what the `train` section asks for.
 
+pub mod structure;
+pub mod values;
+
 use crate::dsl::ast::Span;
 use crate::ir::print::num;
 use crate::ir::{DType, Graph};
@@ -194,7 +197,7 @@ pub struct Model {
     /// Top-level constants with their final values (after `--set`), in file order.
     pub consts: Vec<(String, String)>,
     /// Block calls, `repeat`s and `let` names, for writing the model back out.
-    pub structure: crate::elaborate::structure::Structure,
+    pub structure: structure::Structure,
 }
 
 impl Model {
