@@ -30,9 +30,6 @@ pub(crate) fn load(dt: DType, ptr: &str) -> String {
     }
 }
 
-/// -infinity as C (no header defines INFINITY for NVRTC here).
-pub(crate) const NEG_INF: &str = "(-__int_as_float(0x7f800000))";
-
 pub(crate) fn store(dt: DType, v: &str) -> String {
     match dt {
         DType::F32 => v.to_string(),

@@ -1,4 +1,5 @@
 //! Emission: kernels of the kernel IR become CUDA C source.
+pub mod access;
 pub mod attention;
 pub mod conv;
 pub mod cross_entropy;
@@ -75,9 +76,14 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../../../kernels/attention/backward_sm90_wide.cuh"),
     ),
     (
+        "attention/simple.cuh",
+        include_str!("../../../kernels/attention/simple.cuh"),
+    ),
+    (
         "elements.cuh",
         include_str!("../../../kernels/elements.cuh"),
     ),
+    ("conv.cuh", include_str!("../../../kernels/conv.cuh")),
     ("norm.cuh", include_str!("../../../kernels/norm.cuh")),
     ("optim.cuh", include_str!("../../../kernels/optim.cuh")),
     ("softmax.cuh", include_str!("../../../kernels/softmax.cuh")),

@@ -47,7 +47,7 @@ pub mod templates;
 pub mod tma;
 mod wrapper;
 
-use super::attention::Access;
+use super::access::Access;
 use super::launch::{GridAxis, KernelLaunch};
 use super::templates::Ctx;
 use crate::ir::types::DType;

@@ -19,7 +19,7 @@
 //! from its pointer arguments ([`host_maps`]), a copy a loop that writes the
 //! same swizzled bytes, and the emulated wgmma reads through the swizzle.
 
-use crate::emit::attention::Access;
+use crate::emit::access::Access;
 use crate::emit::templates::Ctx;
 use crate::ir::{Dim, Graph};
 use petgraph::stable_graph::NodeIndex;

@@ -6,7 +6,7 @@
 use super::templates::Instance;
 use super::tma::{host_maps, TensorMap};
 use super::Config;
-use crate::emit::attention::Access;
+use crate::emit::access::Access;
 use crate::emit::cuda::{float_lit, header_comment, signature};
 use crate::emit::templates::Ctx;
 use crate::emit::PRELUDE_NAME;
