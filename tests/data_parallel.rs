@@ -392,7 +392,7 @@ fn zero_keeps_bf16_parameters_and_its_own_masters() {
     assert!(whole_pads > 0);
     assert_eq!(rank_pads, whole_pads, "the head's products stay padded");
     let wte = rank.buffers.iter().find(|b| b.name == "wte").unwrap();
-    assert_eq!(wte.dtype, "bf16");
+    assert_eq!(wte.dtype, DType::BF16);
     assert_eq!(wte.zero_rows, 50304 - 50257);
     // A vocabulary nobody chose (5003, padded to 5056) keeps its padded
     // products too.
@@ -417,7 +417,10 @@ fn zero_keeps_bf16_parameters_and_its_own_masters() {
         let want = if zero_rank.is_some() { 5056 - 5003 } else { 0 };
         assert_eq!(wte.zero_rows, want, "rank {zero_rank:?}");
     }
-    for (what, p, dtype) in [("one rank's", &whole, "f32"), ("ZeRO's", &rank, "bf16")] {
+    for (what, p, dtype) in [
+        ("one rank's", &whole, DType::F32),
+        ("ZeRO's", &rank, DType::BF16),
+    ] {
         let params = p.buffers.iter().filter(|b| b.kind == MemKind::Param);
         assert!(params.clone().all(|b| b.dtype == dtype), "{what}");
         let casts = p
@@ -432,7 +435,7 @@ fn zero_keeps_bf16_parameters_and_its_own_masters() {
             .count();
         assert_eq!(
             casts > 0,
-            dtype == "f32",
+            dtype == DType::F32,
             "{what} step casts its parameters: {casts}"
         );
     }

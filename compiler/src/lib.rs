@@ -4,6 +4,7 @@ pub mod device;
 pub mod diag;
 pub mod driver;
 pub mod dsl;
+pub mod dtype;
 pub mod elaborate;
 pub mod emit;
 pub mod export;

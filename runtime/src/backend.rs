@@ -65,7 +65,7 @@ pub trait Backend {
     fn set_encoded(
         &mut self,
         name: &str,
-        dtype: fusec_compiler::ir::DType,
+        dtype: fusec_compiler::dtype::DType,
         bytes: &[u8],
     ) -> Result<(), RuntimeError> {
         self.set(name, &crate::exec::decode(dtype, bytes))
@@ -307,7 +307,7 @@ pub fn init_params_drawn(
     b: &mut dyn Backend,
     drawn: impl IntoIterator<Item = (String, Vec<u8>)>,
 ) -> Result<(), RuntimeError> {
-    let dtypes: HashMap<String, fusec_compiler::ir::DType> = b
+    let dtypes: HashMap<String, fusec_compiler::dtype::DType> = b
         .graph()
         .params
         .iter()
@@ -439,7 +439,7 @@ impl Backend for Gpu {
     fn set_encoded(
         &mut self,
         name: &str,
-        dtype: fusec_compiler::ir::DType,
+        dtype: fusec_compiler::dtype::DType,
         bytes: &[u8],
     ) -> Result<(), RuntimeError> {
         self.session.set_encoded(name, dtype, bytes)

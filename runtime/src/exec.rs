@@ -11,10 +11,8 @@ use crate::stage::Stager;
 use crate::tensor_map::{encode_sizes, EncodedMap};
 use crate::RuntimeError;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use fusec_compiler::dtype::DType;
 use fusec_compiler::emit::gemm_split::SPLIT_SOURCE;
-use fusec_compiler::ir::graph::Role;
-use fusec_compiler::ir::types::DType;
-use fusec_compiler::ir::Graph;
 use fusec_compiler::plan::gemm::GemmShape;
 
 mod arena;
@@ -24,9 +22,7 @@ mod gather;
 mod profile;
 pub use codec::{decode, encode, encode_filled};
 pub use data_parallel::{CollectiveTime, DataParallel, StepProfile};
-use fusec_compiler::kernel::{Body, BufKind, Program};
-use fusec_compiler::ops::Op;
-use fusec_compiler::plan::Plan;
+use fusec_compiler::plan::{LaunchKind, MemKind, Plan};
 use std::collections::HashMap;
 
 /// One kernel launch, ready: the function, its geometry and its arguments
@@ -162,7 +158,7 @@ pub struct Slot {
     pub bytes: u64,
     pub dtype: DType,
     pub shape: Vec<usize>,
-    pub kind: BufKind,
+    pub kind: MemKind,
     /// Elements between rows where the rows are padded (kernel::pitch).
     pub pitch: Option<usize>,
 }
@@ -263,8 +259,6 @@ impl Executor {
     /// of `sources[i]` (kernel name, CUDA C).
     pub fn new(
         gpu: Gpu,
-        g: &Graph,
-        p: &Program,
         plan: &Plan,
         sources: &[(String, String)],
         cubins: crate::cache::Cubins,
@@ -286,41 +280,30 @@ impl Executor {
             let (ptr, _sync) = arena.device_ptr(&gpu.stream);
             ptr
         };
-        let mut slots = Vec::with_capacity(p.buffers.len());
-        for (i, b) in p.buffers.iter().enumerate() {
-            let pb = &plan.buffers[i];
-            slots.push(Slot {
+        let slots: Vec<Slot> = plan
+            .buffers
+            .iter()
+            .map(|pb| Slot {
                 offset: pb.offset,
                 bytes: pb.bytes,
-                dtype: b.ty.dtype,
+                dtype: pb.dtype,
                 shape: pb.shape.iter().map(|&d| d.max(0) as usize).collect(),
-                kind: b.kind,
+                kind: pb.kind,
                 pitch: pb.pitch.map(|x| x.max(0) as usize),
-            });
-        }
+            })
+            .collect();
         let (mut inputs, mut params, mut state) = (HashMap::new(), HashMap::new(), HashMap::new());
-        for (i, b) in p.buffers.iter().enumerate() {
-            match (&g.g[b.value.node].op, b.kind) {
-                (Op::Input(x), BufKind::Input) => {
-                    inputs.insert(x.name.clone(), i);
-                }
-                (Op::Param(x), BufKind::Param) => {
-                    params.insert(x.name.clone(), i);
-                }
-                (Op::State(x), BufKind::State) => {
-                    state.insert(x.name.clone(), i);
-                }
-                _ => {}
-            }
+        for (i, b) in plan.buffers.iter().enumerate() {
+            let names = match b.kind {
+                MemKind::Input => &mut inputs,
+                MemKind::Param => &mut params,
+                MemKind::OptimizerState => &mut state,
+                _ => continue,
+            };
+            names.insert(b.name.clone(), i);
         }
-        let find = |role: &Role| {
-            g.outputs
-                .iter()
-                .find(|(r, _)| r == role)
-                .and_then(|(_, v)| p.buffer_of(*v))
-        };
-        let dims: Vec<i64> = g
-            .dims
+        let dims: Vec<i64> = plan
+            .size_args
             .iter()
             .map(|d| {
                 plan.dims.get(d).copied().ok_or_else(|| {
@@ -357,18 +340,17 @@ impl Executor {
                 .map_err(|e| RuntimeError::driver(&format!("finding kernel {name}"), e))
         };
         let ptr = |b: usize| base + slots[b].offset;
-        let mut launches = Vec::with_capacity(p.kernels.len());
+        let mut launches = Vec::with_capacity(plan.launches.len());
         let mut gemm = None;
-        for (ki, k) in p.kernels.iter().enumerate() {
-            let l = &plan.launches[ki];
-            let args: Vec<u64> = k.inputs.iter().chain(&k.outputs).map(|&b| ptr(b)).collect();
+        for (ki, l) in plan.launches.iter().enumerate() {
+            let args: Vec<u64> = l.inputs.iter().chain(&l.outputs).map(|&b| ptr(b)).collect();
             let step = if l.kind == fusec_compiler::plan::LaunchKind::AllReduce {
                 let planned = plan.collectives.iter().find(|c| c.launch == ki);
                 let owners_of = planned.map_or(&[][..], |c| &c.owners_of[..]);
-                let tensors = k
+                let tensors = l
                     .inputs
                     .iter()
-                    .zip(&k.outputs)
+                    .zip(&l.outputs)
                     .map(|(&i, &o)| {
                         let s = &slots[i];
                         nccl::Tensor {
@@ -417,22 +399,20 @@ impl Executor {
                     _ => Step::Sequence(steps),
                 }
             } else {
-                match &k.body {
-                    Body::Gemm(n, _) | Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) => {
+                match l.kind {
+                    LaunchKind::Gemm => {
                         let spec = gemm_spec(l.gemm.as_ref().ok_or_else(|| {
                             RuntimeError::Unsupported(format!(
                                 "kernel {}: a matrix product cuBLASLt does not run (integers, or operands that broadcast only some batch axes)",
-                                k.name
+                                l.kernel
                             ))
                         })?);
                         let mut ep = EpiloguePtrs::default();
-                        if let Body::Gemm(_, e) = &k.body {
-                            ep.bias = e.bias.map(|s| ptr(k.inputs[s]));
-                            ep.residual = e.residual.map(|s| ptr(k.inputs[s]));
-                            ep.dgelu_aux_in = e.dgelu.map(|s| ptr(k.inputs[s]));
-                            if e.gelu {
-                                ep.gelu_aux_out = Some(ptr(k.outputs[1]));
-                            }
+                        if let Some(e) = &l.epilogue {
+                            ep.bias = e.bias.map(|s| ptr(l.inputs[s]));
+                            ep.residual = e.residual.map(|s| ptr(l.inputs[s]));
+                            ep.dgelu_aux_in = e.pre_activation_in.map(|s| ptr(l.inputs[s]));
+                            ep.gelu_aux_out = e.pre_activation_out.map(|s| ptr(l.outputs[s]));
                         }
                         let g = match &mut gemm {
                             Some(g) => g,
@@ -448,32 +428,31 @@ impl Executor {
                             let si = *by_name.get(SPLIT_SOURCE).ok_or_else(|| {
                                 RuntimeError::Unsupported(format!(
                                     "kernel {} splits its operands for TF32, and the step has no {SPLIT_SOURCE}",
-                                    k.name
+                                    l.kernel
                                 ))
                             })?;
                             g.split_kernels = Some(SplitKernels::load(|f| function(si, f))?);
                         }
                         Step::Gemm {
                             spec,
-                            a: ptr(k.inputs[0]),
-                            b: ptr(k.inputs[1]),
-                            d: ptr(k.outputs[0]),
+                            a: ptr(l.inputs[0]),
+                            b: ptr(l.inputs[1]),
+                            d: ptr(l.outputs[0]),
                             ep,
                             split,
                         }
                     }
                     _ => {
-                        let what: Vec<&str> = k.nodes.iter().map(|&n| g.g[n].op.name()).collect();
                         return Err(RuntimeError::Unsupported(format!(
                             "kernel {} ({}) has no generated code and no library call yet",
-                            k.name,
-                            what.join(" + ")
+                            l.kernel,
+                            l.ops.join(" + ")
                         )));
                     }
                 }
             };
             launches.push(Launch {
-                name: k.name.clone(),
+                name: l.kernel.clone(),
                 step,
             });
         }
@@ -488,16 +467,16 @@ impl Executor {
             inputs,
             params,
             state,
-            loss: find(&Role::Loss),
-            grad_norm: find(&Role::GradNorm),
+            loss: plan.loss,
+            grad_norm: plan.grad_norm,
             arena_bytes: plan.arena_bytes,
             graphs: [None, None],
             ran: [false, false],
             collectives_on: true,
             joins: {
-                let mut j = vec![false; p.kernels.len() + 1];
+                let mut j = vec![false; plan.launches.len() + 1];
                 for c in &plan.collectives {
-                    j[c.join.min(p.kernels.len())] = true;
+                    j[c.join.min(plan.launches.len())] = true;
                 }
                 j
             },

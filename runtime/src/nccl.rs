@@ -9,7 +9,7 @@ use crate::RuntimeError;
 use cudarc::driver::CudaStream;
 use cudarc::nccl::{result, sys};
 use fusec_compiler::autodiff::zero::Piece;
-use fusec_compiler::ir::types::DType;
+use fusec_compiler::dtype::DType;
 
 /// The id ranks join a communicator by (`ncclUniqueId`).
 pub type UniqueId = [u8; 128];

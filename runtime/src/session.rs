@@ -146,7 +146,7 @@ impl Session {
             })
             .collect();
         let gpu_name = gpu.name.clone();
-        let mut exec = Executor::new(gpu, graph, &program, &plan, &sources, cubins)?;
+        let mut exec = Executor::new(gpu, &plan, &sources, cubins)?;
         exec.allow_tf32(options.f32_math == F32Math::Tf32);
         exec.tune_gemms(gemm_tuning(&options, cache_dir, gpu_name)?);
         crate::startup::mark("modules loaded, arena allocated");
@@ -250,7 +250,7 @@ impl Session {
     pub fn set_encoded(
         &mut self,
         name: &str,
-        dtype: fusec_compiler::ir::DType,
+        dtype: fusec_compiler::dtype::DType,
         bytes: &[u8],
     ) -> Result<(), RuntimeError> {
         let b = self.buffer(name)?;
@@ -279,7 +279,7 @@ impl Session {
     ) -> Result<Vec<f64>, RuntimeError> {
         let mine = self.buffer(name).ok();
         Ok(decode(
-            fusec_compiler::ir::DType::F32,
+            fusec_compiler::dtype::DType::F32,
             &self.exec.gather(mine, pieces, numel)?,
         ))
     }

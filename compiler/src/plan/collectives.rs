@@ -39,7 +39,7 @@ impl PlannedCollective {
     pub fn dtypes<'b>(&self, buffers: &'b [PlannedBuffer]) -> Vec<&'b str> {
         self.tensors
             .iter()
-            .map(|&(i, _)| buffers[i].dtype.as_str())
+            .map(|&(i, _)| buffers[i].dtype.name())
             .collect()
     }
 }

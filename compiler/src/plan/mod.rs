@@ -11,7 +11,7 @@
 use crate::emit::flash::tma::TensorMapSizes;
 use crate::emit::templates::{grid, shape_of, Shape, BLOCK};
 use crate::ir::graph::{Graph, Role};
-use crate::ir::Dim;
+use crate::ir::{DType, Dim};
 use crate::kernel::buckets::is_collective;
 use crate::kernel::{Body, BufKind, Program};
 use crate::ops::Op;
@@ -58,7 +58,7 @@ pub struct PlannedBuffer {
     pub id: usize,
     /// The parameter, input or state name, or the value's type for temporaries.
     pub name: String,
-    pub dtype: String,
+    pub dtype: DType,
     pub shape: Vec<i64>,
     pub bytes: u64,
     /// Elements between rows where the rows are padded (kernel::pitch).
@@ -81,8 +81,8 @@ pub struct PlannedBuffer {
 }
 
 /// What runs a launch. `plan.json` writes it as one string: `generated`,
-/// `template`, `all_reduce`, `group`, or the op a library call runs
-/// (`matmul`).
+/// `template`, `all_reduce`, `group`, `matmul` (cuBLASLt), or the name of
+/// an op with no kernel.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LaunchKind {
     /// A kernel the emitter wrote (fusion's chains and the ops' own
@@ -95,8 +95,11 @@ pub enum LaunchKind {
     /// A group kernel whose members' sizes do not add up to one count of
     /// elements (so no generated step is planned for it).
     Group,
-    /// A library call (cuBLASLt) or an op with no kernel of its own, by the
-    /// op's name.
+    /// A matrix product cuBLASLt runs, with its epilogue (`gemm`; none
+    /// where cuBLASLt cannot run it).
+    Gemm,
+    /// An op with no kernel of its own and no library call (an error to
+    /// run), by the op's name.
     Op(&'static str),
 }
 
@@ -107,6 +110,7 @@ impl LaunchKind {
             LaunchKind::Template => "template",
             LaunchKind::AllReduce => "all_reduce",
             LaunchKind::Group => "group",
+            LaunchKind::Gemm => "matmul",
             LaunchKind::Op(name) => name,
         }
     }
@@ -223,10 +227,27 @@ pub struct Plan {
     /// The data-parallel gradient buckets, in launch order.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub collectives: Vec<collectives::PlannedCollective>,
+    /// The symbolic sizes in the order every kernel takes them after its
+    /// buffers (`dim_B, dim_T, ...`).
+    pub size_args: Vec<String>,
+    /// The buffer of the loss, and of the gradient norm where the step
+    /// clips or reports it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanError(pub String);
+
+/// The buffer holding the graph's output of this role, if any.
+fn output_buffer(g: &Graph, p: &Program, role: &Role) -> Option<usize> {
+    g.outputs
+        .iter()
+        .find(|(r, _)| r == role)
+        .and_then(|(_, v)| p.buffer_of(*v))
+}
 
 impl std::fmt::Display for PlanError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -337,7 +358,7 @@ pub fn plan_with(
         out.push(PlannedBuffer {
             id,
             name,
-            dtype: b.ty.dtype.name().to_string(),
+            dtype: b.ty.dtype,
             shape,
             bytes,
             pitch: b.pitch,
@@ -380,7 +401,7 @@ pub fn plan_with(
             out.push(PlannedBuffer {
                 id: out.len(),
                 name: format!("f32[{n}] ({what})"),
-                dtype: "f32".into(),
+                dtype: DType::F32,
                 shape: vec![n as i64],
                 bytes: 4 * n,
                 pitch: None,
@@ -565,7 +586,9 @@ pub fn plan_with(
                 kind: match (&k.body, &shape) {
                     _ if is_collective(g, k) => LaunchKind::AllReduce,
                     (_, Some(_)) => LaunchKind::Generated,
-                    (Body::Op(n) | Body::Gemm(n, _), None) => LaunchKind::Op(g.g[*n].op.name()),
+                    (Body::Gemm(..), None) => LaunchKind::Gemm,
+                    (Body::Op(n), None) if matches!(g.g[*n].op, Op::MatMul(_)) => LaunchKind::Gemm,
+                    (Body::Op(n), None) => LaunchKind::Op(g.g[*n].op.name()),
                     (_, None) => LaunchKind::Group,
                 },
                 ops: k
@@ -628,6 +651,9 @@ pub fn plan_with(
         target: selection.map(|s| s.target.describe()),
         fallbacks: selection.map_or(Vec::new(), |s| s.fallbacks.clone()),
         collectives: buckets,
+        size_args: g.dims.clone(),
+        loss: output_buffer(g, p, &Role::Loss),
+        grad_norm: output_buffer(g, p, &Role::GradNorm),
     };
     // Checked in every build: the check is linear in the buffers but for
     // the ones that overlap in the arena, and a clash would corrupt values

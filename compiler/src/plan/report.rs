@@ -406,7 +406,7 @@ fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
         .buffers
         .iter()
         .filter(|b| b.kind == MemKind::Param)
-        .map(|b| b.dtype.as_str())
+        .map(|b| b.dtype.name())
         .collect();
     sent.sort_unstable();
     sent.dedup();

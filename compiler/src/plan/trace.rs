@@ -216,9 +216,7 @@ fn colour(kind: &str) -> (&'static str, &'static str) {
         "generated" => ("#54a24b", "generated kernels"),
         "template" => ("#b279a2", "attention templates"),
         "all_reduce" => ("#e45756", "collectives"),
-        k if k.contains("matmul") || k.contains("linear") || k.contains("gemm") => {
-            ("#4c78a8", "GEMMs (cuBLASLt)")
-        }
+        k if k == LaunchKind::Gemm.as_str() => ("#4c78a8", "GEMMs (cuBLASLt)"),
         _ => ("#9d9d9d", "other"),
     }
 }

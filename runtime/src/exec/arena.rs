@@ -5,7 +5,7 @@
 use super::Executor;
 use crate::stage::{HostBuf, Stager};
 use crate::RuntimeError;
-use fusec_compiler::ir::types::DType;
+use fusec_compiler::dtype::DType;
 
 impl Executor {
     /// Copies host bytes into buffer `b` (exactly its size).

@@ -1,7 +1,7 @@
 //! Values as the arena stores them: f64 host values encoded in a buffer's
 //! dtype (rounded to nearest even), and decoded back.
 
-use fusec_compiler::ir::types::DType;
+use fusec_compiler::dtype::DType;
 
 /// `n` values encoded as `dt` stores them, drawn by `fill(start, out)`
 /// (values `start..start + out.len()`, any chunk, any order) in parallel

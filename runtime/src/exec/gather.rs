@@ -5,7 +5,7 @@ use super::Executor;
 use crate::nccl;
 use crate::RuntimeError;
 use cudarc::driver::DevicePtr;
-use fusec_compiler::ir::types::DType;
+use fusec_compiler::dtype::DType;
 
 impl Executor {
     /// ZeRO across processes: the whole of an f32 tensor of `numel`
