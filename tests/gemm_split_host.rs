@@ -11,7 +11,7 @@ mod common;
 
 use common::host;
 use fusec_compiler::emit::gemm_split::Operand;
-use fusec_runtime::gemm::{Elem, GemmSpec};
+use fusec_runtime::gemm::{GemmElem, GemmShape};
 use fusec_runtime::gemm_split::tripled;
 
 const HARNESS: &str = r#"#include "shim.h"
@@ -131,12 +131,12 @@ fn every_split_variant_copies_each_part_where_the_product_reads_it() {
             (Operand::B, false) => (k, n),
         };
         let stride = rows * pitch(cols) + if vec4 { 8 } else { 3 };
-        let mut spec = GemmSpec {
+        let mut spec = GemmShape {
             batch,
             a_transposed: a_t,
             b_transposed: b_t,
             batch_stride_d: m * n,
-            ..GemmSpec::plain(m, n, k, Elem::F32, Elem::F32)
+            ..GemmShape::plain(m, n, k, GemmElem::F32, GemmElem::F32)
         };
         match operand {
             Operand::A => (spec.pitch_a, spec.batch_stride_a) = (pitch(cols), stride),

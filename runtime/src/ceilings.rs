@@ -5,7 +5,7 @@
 //! kernel on this GPU, under this driver and clock, can reach.
 
 use crate::device::Gpu;
-use crate::gemm::{Elem, EpiloguePtrs, Gemm, GemmSpec};
+use crate::gemm::{EpiloguePtrs, Gemm, GemmElem, GemmShape};
 use crate::RuntimeError;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, DevicePtr};
@@ -68,7 +68,7 @@ pub fn measure(gpu: &Gpu) -> Result<Ceilings, RuntimeError> {
         let bytes = (m * m * 2) as usize;
         let (a, b, d) = (alloc(bytes)?, alloc(bytes)?, alloc(bytes)?);
         let mut gemm = Gemm::new(s).map_err(|e| RuntimeError::Gemm(e.to_string()))?;
-        let spec = GemmSpec::plain(m, m, m, Elem::BF16, Elem::BF16);
+        let spec = GemmShape::plain(m, m, m, GemmElem::BF16, GemmElem::BF16);
         let (pa, pb, pd) = (a.device_ptr(s).0, b.device_ptr(s).0, d.device_ptr(s).0);
         let t = timed(gpu, 10, || {
             gemm.run(&spec, pa, pb, pd, &EpiloguePtrs::default())

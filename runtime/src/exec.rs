@@ -4,7 +4,7 @@
 //! epilogues).
 
 use crate::device::Gpu;
-use crate::gemm::{Elem, EpiloguePtrs, Gemm, GemmSpec};
+use crate::gemm::{EpiloguePtrs, Gemm, GemmShape};
 use crate::gemm_split::SplitKernels;
 use crate::nccl;
 use crate::stage::Stager;
@@ -13,7 +13,6 @@ use crate::RuntimeError;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use fusec_compiler::dtype::DType;
 use fusec_compiler::emit::gemm_split::SPLIT_SOURCE;
-use fusec_compiler::plan::gemm::GemmShape;
 
 mod arena;
 mod codec;
@@ -128,7 +127,7 @@ enum Step {
     /// backward's three).
     Sequence(Vec<Step>),
     Gemm {
-        spec: GemmSpec,
+        spec: GemmShape,
         a: u64,
         b: u64,
         d: u64,
@@ -221,37 +220,6 @@ pub struct Executor {
     /// Whether anything has been written into the arena since it was
     /// allocated (zeros) or cleared: what `Session::warm_up` must not lose.
     written: bool,
-}
-
-fn elem(dt: DType) -> Elem {
-    match dt {
-        DType::F32 => Elem::F32,
-        DType::BF16 => Elem::BF16,
-        DType::F16 => Elem::F16,
-        // plan::gemm gives no integer products.
-        DType::I32 => unreachable!("an integer GEMM in the plan"),
-    }
-}
-
-/// The product the plan worked out for a GEMM launch, as cuBLASLt's
-/// request.
-pub fn gemm_spec(s: &GemmShape) -> GemmSpec {
-    GemmSpec {
-        m: s.m,
-        n: s.n,
-        k: s.k,
-        batch: s.batch,
-        a_transposed: s.a_transposed,
-        b_transposed: s.b_transposed,
-        batch_stride_a: s.batch_stride_a,
-        batch_stride_b: s.batch_stride_b,
-        batch_stride_d: s.batch_stride_d,
-        pitch_a: s.pitch_a,
-        pitch_b: s.pitch_b,
-        pitch_d: s.pitch_d,
-        in_type: elem(s.in_type),
-        out_type: elem(s.out_type),
-    }
 }
 
 impl Executor {
@@ -401,12 +369,12 @@ impl Executor {
             } else {
                 match l.kind {
                     LaunchKind::Gemm => {
-                        let spec = gemm_spec(l.gemm.as_ref().ok_or_else(|| {
+                        let spec = *l.gemm.as_ref().ok_or_else(|| {
                             RuntimeError::Unsupported(format!(
                                 "kernel {}: a matrix product cuBLASLt does not run (integers, or operands that broadcast only some batch axes)",
                                 l.kernel
                             ))
-                        })?);
+                        })?;
                         let mut ep = EpiloguePtrs::default();
                         if let Some(e) = &l.epilogue {
                             ep.bias = e.bias.map(|s| ptr(l.inputs[s]));

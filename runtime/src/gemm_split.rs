@@ -5,7 +5,7 @@
 //! tripled sums hi*hi + lo*hi + hi*lo. On an H200 that runs an f32 product
 //! of BERT-large's sizes 2.3 to 2.7 times as fast as cuBLASLt's f32 one.
 
-use crate::gemm::GemmSpec;
+use crate::gemm::GemmShape;
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use fusec_compiler::emit::gemm_split::{split_function, Operand, SPLIT_BLOCK};
 
@@ -56,7 +56,7 @@ impl Stored {
 
 /// How the operands of `spec` are stored, and the product over their
 /// packed, tripled copies (K three times as long, no pitch).
-pub fn tripled(spec: &GemmSpec) -> (Stored, Stored, GemmSpec) {
+pub fn tripled(spec: &GemmShape) -> (Stored, Stored, GemmShape) {
     let batched = |stride: u64| spec.batch > 1 && stride != 0;
     let stored = |t: bool, outer: u64, inner: u64, k_inner: bool, pitch: u64, stride: u64| {
         let (rows, cols) = if t { (inner, outer) } else { (outer, inner) };
@@ -88,7 +88,7 @@ pub fn tripled(spec: &GemmSpec) -> (Stored, Stored, GemmSpec) {
         spec.batch_stride_b,
     );
     let per = |s: &Stored| if s.batch > 1 { 3 * s.rows * s.cols } else { 0 };
-    let out = GemmSpec {
+    let out = GemmShape {
         k: 3 * spec.k,
         batch_stride_a: per(&a),
         batch_stride_b: per(&b),
@@ -101,7 +101,7 @@ pub fn tripled(spec: &GemmSpec) -> (Stored, Stored, GemmSpec) {
 
 /// The product [`split_operands`] enqueued: over the copies in the scratch.
 pub struct Tripled {
-    pub spec: GemmSpec,
+    pub spec: GemmShape,
     pub a: u64,
     pub b: u64,
 }
@@ -109,7 +109,7 @@ pub struct Tripled {
 /// Enqueues the copies of `a` and `b` into `scratch` (address, f32
 /// elements) on `stream`; the product to run over them.
 pub fn split_operands(
-    spec: &GemmSpec,
+    spec: &GemmShape,
     a: u64,
     b: u64,
     scratch: (u64, u64),
@@ -157,7 +157,7 @@ pub fn split_operands(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gemm::Elem;
+    use crate::gemm::GemmElem;
 
     /// The kernel's copies, done on the CPU from [`tripled`]'s layouts,
     /// multiplied as the new spec reads them: the sum of the three part
@@ -169,7 +169,7 @@ mod tests {
             let (m, n, k, batch) = (3u64, 5u64, 4u64, 2u64);
             let (pa, pb) = (if at { m + 2 } else { k + 1 }, 0);
             let rows_a = if at { k } else { m };
-            let spec = GemmSpec {
+            let spec = GemmShape {
                 batch,
                 a_transposed: at,
                 b_transposed: bt,
@@ -178,7 +178,7 @@ mod tests {
                 batch_stride_d: m * n,
                 pitch_a: pa,
                 pitch_b: pb,
-                ..GemmSpec::plain(m, n, k, Elem::F32, Elem::F32)
+                ..GemmShape::plain(m, n, k, GemmElem::F32, GemmElem::F32)
             };
             let a: Vec<f64> = (0..batch * spec.batch_stride_a)
                 .map(|x| ((x * 37 % 23) as f64 - 11.0) / 7.0)

@@ -13,7 +13,7 @@
 //! by GPU, cuBLASLt version and product, so a warm start times nothing and
 //! later runs take the same algorithms.
 
-use crate::gemm::{Elem, EpiloguePtrs, GemmSpec};
+use crate::gemm::{EpiloguePtrs, GemmElem, GemmShape};
 use std::path::{Path, PathBuf};
 
 /// How many algorithms the heuristic is asked for (it offered 7-8 for
@@ -111,7 +111,7 @@ pub fn store(path: &Path, data: &[u64; 8]) {
 /// Bytes from a matrix's first element to past its last: `rows` stored rows
 /// of `len` elements, `pitch` apart (0: packed), `batch` of them `stride`
 /// elements apart.
-fn span(rows: u64, len: u64, pitch: u64, batch: u64, stride: u64, t: Elem) -> u64 {
+fn span(rows: u64, len: u64, pitch: u64, batch: u64, stride: u64, t: GemmElem) -> u64 {
     let ld = if pitch == 0 { len } else { pitch };
     ((rows - 1) * ld + len + (batch - 1) * stride) * t.bytes()
 }
@@ -120,9 +120,9 @@ fn span(rows: u64, len: u64, pitch: u64, batch: u64, stride: u64, t: Elem) -> u6
 /// it reads (A, B, the residual, the bias or the DGELU aux): run again, it
 /// would read its own output. Timing runs it several times, so such a
 /// product is not timed. `a`, `b` and `d` are the addresses of our A, B
-/// and D (row-major, as `GemmSpec` has them).
+/// and D (row-major, as `GemmShape` has them).
 pub(crate) fn writes_over_inputs(
-    s: &GemmSpec,
+    s: &GemmShape,
     ep: &EpiloguePtrs,
     a_at: u64,
     b_at: u64,
@@ -220,9 +220,9 @@ mod tests {
     #[test]
     fn products_writing_over_their_inputs_are_found() {
         // D [4, 8] bf16 = 64 bytes; A [4, 16], B [16, 8] bf16.
-        let s = GemmSpec::plain(4, 8, 16, Elem::BF16, Elem::BF16);
+        let s = GemmShape::plain(4, 8, 16, GemmElem::BF16, GemmElem::BF16);
         // Our A at 2000 (128 bytes), our B at 1000 (256 bytes).
-        let w = |s: &GemmSpec, ep: &EpiloguePtrs, d: u64| writes_over_inputs(s, ep, 2000, 1000, d);
+        let w = |s: &GemmShape, ep: &EpiloguePtrs, d: u64| writes_over_inputs(s, ep, 2000, 1000, d);
         let none = EpiloguePtrs::default();
         assert!(!w(&s, &none, 5000));
         // D over the end of our A, over our B's first byte.
@@ -250,7 +250,7 @@ mod tests {
         };
         assert!(w(&s, &gelu, 5000));
         // Batches reach further: 3 batches of D 100 elements apart.
-        let batched = GemmSpec {
+        let batched = GemmShape {
             batch: 3,
             batch_stride_a: 64,
             batch_stride_b: 0,

@@ -9,7 +9,7 @@
 mod skip;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
-use fusec_runtime::gemm::{Elem, EpiloguePtrs, Gemm, GemmError, GemmSpec};
+use fusec_runtime::gemm::{EpiloguePtrs, Gemm, GemmChecks, GemmElem, GemmError, GemmShape};
 use fusec_runtime::gemm_tuning::{Tuning, TuningStats};
 use std::sync::Arc;
 
@@ -59,29 +59,29 @@ fn f16_value(h: u16) -> f32 {
     }
 }
 
-fn encode(t: Elem, xs: &[f32]) -> Vec<u8> {
+fn encode(t: GemmElem, xs: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(xs.len() * t.bytes() as usize);
     for &x in xs {
         match t {
-            Elem::F32 => out.extend_from_slice(&x.to_le_bytes()),
-            Elem::BF16 => out.extend_from_slice(&bf16_bits(x).to_le_bytes()),
-            Elem::F16 => out.extend_from_slice(&f16_bits(x).to_le_bytes()),
+            GemmElem::F32 => out.extend_from_slice(&x.to_le_bytes()),
+            GemmElem::BF16 => out.extend_from_slice(&bf16_bits(x).to_le_bytes()),
+            GemmElem::F16 => out.extend_from_slice(&f16_bits(x).to_le_bytes()),
         }
     }
     out
 }
 
-fn decode(t: Elem, bytes: &[u8]) -> Vec<f32> {
+fn decode(t: GemmElem, bytes: &[u8]) -> Vec<f32> {
     match t {
-        Elem::F32 => bytes
+        GemmElem::F32 => bytes
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect(),
-        Elem::BF16 => bytes
+        GemmElem::BF16 => bytes
             .chunks_exact(2)
             .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
             .collect(),
-        Elem::F16 => bytes
+        GemmElem::F16 => bytes
             .chunks_exact(2)
             .map(|c| f16_value(u16::from_le_bytes([c[0], c[1]])))
             .collect(),
@@ -89,7 +89,7 @@ fn decode(t: Elem, bytes: &[u8]) -> Vec<f32> {
 }
 
 /// The value `x` has once stored as `t`.
-fn round(t: Elem, x: f32) -> f32 {
+fn round(t: GemmElem, x: f32) -> f32 {
     decode(t, &encode(t, &[x]))[0]
 }
 
@@ -116,7 +116,7 @@ fn conversions_round_to_nearest_even() {
     assert_eq!(f16_bits(-2f32.powi(-14)), 0x8400);
     assert!(f16_value(f16_bits(f32::NAN)).is_nan());
     for x in [0.1f32, -0.7, 3.25, 1e-5, -1234.5] {
-        let (b, h) = (round(Elem::BF16, x), round(Elem::F16, x));
+        let (b, h) = (round(GemmElem::BF16, x), round(GemmElem::F16, x));
         assert!((b - x).abs() <= x.abs() * 2f32.powi(-8), "bf16 {x} -> {b}");
         assert!(
             (h - x).abs() <= x.abs() * 2f32.powi(-11) + 2f32.powi(-25),
@@ -127,7 +127,7 @@ fn conversions_round_to_nearest_even() {
 
 #[test]
 fn invalid_requests_are_rejected_with_the_product_named() {
-    let spec = GemmSpec::plain(37, 45, 29, Elem::BF16, Elem::BF16);
+    let spec = GemmShape::plain(37, 45, 29, GemmElem::BF16, GemmElem::BF16);
     let aux = EpiloguePtrs {
         gelu_aux_out: Some(256),
         ..Default::default()
@@ -145,15 +145,15 @@ fn invalid_requests_are_rejected_with_the_product_named() {
         dgelu_aux_in: Some(512),
         ..Default::default()
     };
-    let spec48 = GemmSpec::plain(37, 48, 29, Elem::BF16, Elem::BF16);
+    let spec48 = GemmShape::plain(37, 48, 29, GemmElem::BF16, GemmElem::BF16);
     assert!(spec48.validate(&dgelu_bias).is_err());
-    let overlapping = GemmSpec {
+    let overlapping = GemmShape {
         batch: 3,
         batch_stride_d: 10,
         ..spec48
     };
     assert!(overlapping.validate(&EpiloguePtrs::default()).is_err());
-    assert!(GemmSpec::plain(0, 4, 4, Elem::F32, Elem::F32)
+    assert!(GemmShape::plain(0, 4, 4, GemmElem::F32, GemmElem::F32)
         .validate(&EpiloguePtrs::default())
         .is_err());
     let ok = EpiloguePtrs {
@@ -186,7 +186,7 @@ impl Rng {
         }
     }
 
-    fn vec(&mut self, t: Elem, len: usize) -> Vec<f32> {
+    fn vec(&mut self, t: GemmElem, len: usize) -> Vec<f32> {
         (0..len).map(|_| round(t, self.next())).collect()
     }
 }
@@ -202,7 +202,7 @@ struct Epi {
 }
 
 struct Case {
-    spec: GemmSpec,
+    spec: GemmShape,
     epi: Epi,
 }
 
@@ -255,7 +255,7 @@ fn dgelu(x: f64) -> f64 {
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
 }
 
-fn upload(stream: &Arc<CudaStream>, t: Elem, xs: &[f32]) -> CudaSlice<u8> {
+fn upload(stream: &Arc<CudaStream>, t: GemmElem, xs: &[f32]) -> CudaSlice<u8> {
     stream.clone_htod(&encode(t, xs)).expect("copy to the GPU")
 }
 
@@ -379,7 +379,7 @@ fn run_case(
         outputs.push(("aux", read(&daux_out)?, pre));
     }
 
-    let tol = if ot == Elem::F32 { 1e-4 } else { 2e-2 };
+    let tol = if ot == GemmElem::F32 { 1e-4 } else { 2e-2 };
     let mut worst = 0.0f64;
     for (what, got, want) in outputs {
         let scale = want
@@ -420,18 +420,18 @@ fn run_case(
 fn cases() -> Vec<Case> {
     let (m, n, k) = (37, 45, 29);
     let mut cases = Vec::new();
-    let plain = |it, ot, at, bt, n: u64| GemmSpec {
+    let plain = |it, ot, at, bt, n: u64| GemmShape {
         a_transposed: at,
         b_transposed: bt,
-        ..GemmSpec::plain(m, n, k, it, ot)
+        ..GemmShape::plain(m, n, k, it, ot)
     };
     let none = Epi::default();
     // Every type pair, both transposes.
     for (it, ot) in [
-        (Elem::F32, Elem::F32),
-        (Elem::BF16, Elem::BF16),
-        (Elem::BF16, Elem::F32),
-        (Elem::F16, Elem::F16),
+        (GemmElem::F32, GemmElem::F32),
+        (GemmElem::BF16, GemmElem::BF16),
+        (GemmElem::BF16, GemmElem::F32),
+        (GemmElem::F16, GemmElem::F16),
     ] {
         for (at, bt) in [(false, false), (true, false), (false, true), (true, true)] {
             cases.push(Case {
@@ -442,7 +442,7 @@ fn cases() -> Vec<Case> {
     }
     // Strided batches: D with a gap after each matrix (which must stay
     // untouched), A transposed, and B shared by every batch (stride 0).
-    let batched = |it, ot, at, n: u64, shared_b: bool| GemmSpec {
+    let batched = |it, ot, at, n: u64, shared_b: bool| GemmShape {
         batch: 3,
         batch_stride_a: m * k + 3,
         batch_stride_b: if shared_b { 0 } else { k * n + 5 },
@@ -450,9 +450,9 @@ fn cases() -> Vec<Case> {
         ..plain(it, ot, at, false, n)
     };
     for (it, ot) in [
-        (Elem::F32, Elem::F32),
-        (Elem::BF16, Elem::BF16),
-        (Elem::BF16, Elem::F32),
+        (GemmElem::F32, GemmElem::F32),
+        (GemmElem::BF16, GemmElem::BF16),
+        (GemmElem::BF16, GemmElem::F32),
     ] {
         for shared_b in [false, true] {
             cases.push(Case {
@@ -486,9 +486,9 @@ fn cases() -> Vec<Case> {
         (e(false, false, false, true), 48),
     ];
     for (it, ot) in [
-        (Elem::BF16, Elem::BF16),
-        (Elem::F32, Elem::F32),
-        (Elem::BF16, Elem::F32),
+        (GemmElem::BF16, GemmElem::BF16),
+        (GemmElem::F32, GemmElem::F32),
+        (GemmElem::BF16, GemmElem::F32),
     ] {
         for &(epi, n) in &epilogues {
             cases.push(Case {
@@ -503,7 +503,7 @@ fn cases() -> Vec<Case> {
     }
     for &(epi, n) in &epilogues {
         cases.push(Case {
-            spec: batched(Elem::BF16, Elem::BF16, false, n, false),
+            spec: batched(GemmElem::BF16, GemmElem::BF16, false, n, false),
             epi,
         });
     }

@@ -1,8 +1,8 @@
 //! The products the runtime asks cuBLASLt for, checked without a GPU: for
 //! every matmul kernel of every shipped model (tiny sizes), the row-major
 //! product its plan launch carries (`plan::gemm`: sizes, transposes, batch
-//! strides, the stack-of-rows folding) as the executor turns it into a
-//! `GemmSpec`, with its epilogue, evaluated on the CPU from the stored
+//! strides, the stack-of-rows folding), which the executor hands cuBLASLt
+//! as it is, with its epilogue, evaluated on the CPU from the stored
 //! operand buffers, must give the interpreter's outputs.
 
 mod common;
@@ -15,11 +15,10 @@ use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::kernel::Body;
 use fusec_compiler::ops::{Op, UnaryKind};
 use fusec_compiler::plan::plan;
-use fusec_runtime::exec::gemm_spec;
-use fusec_runtime::gemm::GemmSpec;
+use fusec_runtime::gemm::GemmShape;
 
 /// `D = A @ B` as the spec describes it, on the stored buffers.
-fn product(s: &GemmSpec, a: &[f64], b: &[f64]) -> Vec<f64> {
+fn product(s: &GemmShape, a: &[f64], b: &[f64]) -> Vec<f64> {
     let (m, n, k) = (s.m as usize, s.n as usize, s.k as usize);
     let mut d = vec![0.0; s.batch as usize * m * n];
     for bi in 0..s.batch as usize {
@@ -95,7 +94,7 @@ fn every_gemm_spec_computes_its_kernel() {
                 .gemm
                 .as_ref()
                 .unwrap_or_else(|| panic!("{file} {}: no product in the plan", k.name));
-            let spec = gemm_spec(shape);
+            let spec = *shape;
             let a = &bufs[k.inputs[0]].data;
             let b = &bufs[k.inputs[1]].data;
             let mut d = product(&spec, a, b);

@@ -2,7 +2,7 @@
 //! one byte arena of the plan's size, every buffer at its planned offset
 //! (in-place updates and results written over dead operands included), the
 //! generated kernels called in plan order with the runtime's argument
-//! convention, and every GEMM computed from the `GemmSpec` the runtime
+//! convention, and every GEMM computed from the `GemmShape` the runtime
 //! derives, with its epilogue. The loss, the gradients and the updated
 //! parameters must match the kernel-IR interpreter (values rounded as
 //! stored). One host thread per block (tests/cuda_host/shim.h), so this
@@ -22,18 +22,17 @@ use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::kernel::{Body, GemmPad};
 use fusec_compiler::ops::Op;
 use fusec_compiler::plan::plan;
-use fusec_runtime::exec::gemm_spec;
-use fusec_runtime::gemm::Elem;
+use fusec_runtime::gemm::GemmElem;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::path::Path;
 use std::process::Command;
 
-fn elem_code(e: Elem) -> u32 {
+fn elem_code(e: GemmElem) -> u32 {
     match e {
-        Elem::F32 => 0,
-        Elem::BF16 => 1,
-        Elem::F16 => 2,
+        GemmElem::F32 => 0,
+        GemmElem::BF16 => 1,
+        GemmElem::F16 => 2,
     }
 }
 
@@ -267,7 +266,7 @@ pub fn run_step_perturbed(
                 .gemm
                 .as_ref()
                 .ok_or_else(|| format!("{}: no product in the plan", k.name))?;
-            let sp = gemm_spec(shape);
+            let sp = *shape;
             let opt = |slot: Option<usize>, out: bool| match slot {
                 Some(sl) if out => ptr(k.outputs[sl]),
                 Some(sl) => ptr(k.inputs[sl]),

@@ -11,8 +11,46 @@ use petgraph::stable_graph::NodeIndex;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
-/// One (batched) product `D[m, n] = A[m, k] @ B[k, n]`, all row-major.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+/// The element types of a product's operands: cuBLASLt takes no integer
+/// products, so none is representable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GemmElem {
+    F32,
+    BF16,
+    F16,
+}
+
+impl GemmElem {
+    /// The element type of a buffer of `d`; `None` for integers.
+    pub fn of(d: DType) -> Option<GemmElem> {
+        match d {
+            DType::F32 => Some(GemmElem::F32),
+            DType::BF16 => Some(GemmElem::BF16),
+            DType::F16 => Some(GemmElem::F16),
+            DType::I32 => None,
+        }
+    }
+
+    pub fn bytes(self) -> u64 {
+        match self {
+            GemmElem::F32 => 4,
+            GemmElem::BF16 | GemmElem::F16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmElem::F32 => "f32",
+            GemmElem::BF16 => "bf16",
+            GemmElem::F16 => "f16",
+        }
+    }
+}
+
+/// One (batched) product `D[m, n] = A[m, k] @ B[k, n]`, all row-major: what
+/// a GEMM launch of the plan runs and what the runtime asks of cuBLASLt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct GemmShape {
     pub m: u64,
     pub n: u64,
@@ -33,16 +71,31 @@ pub struct GemmShape {
     pub pitch_b: u64,
     pub pitch_d: u64,
     /// Type of A and B.
-    #[serde(serialize_with = "dtype_name")]
-    pub in_type: DType,
+    pub in_type: GemmElem,
     /// Type of D (and of the epilogue's buffers).
-    #[serde(serialize_with = "dtype_name")]
-    pub out_type: DType,
+    pub out_type: GemmElem,
 }
 
-/// plan.json names a type as the model file does.
-fn dtype_name<S: serde::Serializer>(d: &DType, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(d.name())
+impl GemmShape {
+    /// An unbatched product of contiguous, untransposed operands.
+    pub fn plain(m: u64, n: u64, k: u64, in_type: GemmElem, out_type: GemmElem) -> GemmShape {
+        GemmShape {
+            m,
+            n,
+            k,
+            batch: 1,
+            a_transposed: false,
+            b_transposed: false,
+            batch_stride_a: 0,
+            batch_stride_b: 0,
+            batch_stride_d: 0,
+            pitch_a: 0,
+            pitch_b: 0,
+            pitch_d: 0,
+            in_type,
+            out_type,
+        }
+    }
 }
 
 /// The product matmul node `n` of kernel `k` computes at sizes `dims`;
@@ -93,10 +146,12 @@ pub fn gemm_shape(
     if (batch_a != 1 && batch_a != batch) || (batch_b != 1 && batch_b != batch) {
         return Err("a product whose operands broadcast only some batch axes".into());
     }
-    let out_type = p.buffers[k.outputs[0]].ty.dtype;
-    if ta.dtype == DType::I32 || out_type == DType::I32 {
+    let (Some(in_type), Some(out_type)) = (
+        GemmElem::of(ta.dtype),
+        GemmElem::of(p.buffers[k.outputs[0]].ty.dtype),
+    ) else {
         return Err("a matrix product of integers".into());
-    }
+    };
     // Padded rows (kernel::pitch): the leading dimension is the pitch.
     let pitch = |b: usize| p.buffers[b].pitch.map_or(0, |x| x as u64);
     let (pitch_a, pitch_b, pitch_d) = (pitch(k.inputs[0]), pitch(k.inputs[1]), pitch(k.outputs[0]));
@@ -115,7 +170,7 @@ pub fn gemm_shape(
         pitch_a,
         pitch_b,
         pitch_d,
-        in_type: ta.dtype,
+        in_type,
         out_type,
     };
     // A stack of rows times one matrix is one tall product.

@@ -27,8 +27,8 @@ type Algo = sys::cublasLtMatmulAlgo_t;
 use crate::gemm_tuning::{self, Tuning, TuningStats};
 
 mod request;
-use request::{describe, Kind};
-pub use request::{Elem, EpiloguePtrs, GemmError, GemmSpec};
+use request::{cuda_type, describe, Kind};
+pub use request::{EpiloguePtrs, GemmChecks, GemmElem, GemmError, GemmShape};
 
 /// The workspace cuBLASLt may use (NVIDIA's recommendation for Hopper;
 /// more than enough for earlier GPUs).
@@ -38,7 +38,7 @@ pub const WORKSPACE_BYTES: usize = 32 << 20;
 /// Its `Debug` text keys the on-disk choice of algorithm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Key {
-    spec: GemmSpec,
+    spec: GemmShape,
     kind: Kind,
     residual: bool,
     tf32: bool,
@@ -139,7 +139,7 @@ unsafe fn set_pointers(desc: Desc, ep: &EpiloguePtrs) -> Result<(), CublasError>
 
 /// A column-major matrix as cuBLASLt sees it: type, rows, columns, batch
 /// stride and leading dimension.
-type Mat = (Elem, u64, u64, u64, u64);
+type Mat = (GemmElem, u64, u64, u64, u64);
 
 /// cuBLASLt's view of the product (see the module doc): its TRANSA and
 /// TRANSB, and for its A (our B), B (our A) and D the type, rows, columns
@@ -147,7 +147,7 @@ type Mat = (Elem, u64, u64, u64, u64);
 /// leading dimension is the row count). Our B stored `[k, n]` row-major is
 /// `n x k` column-major, read as is; stored `[n, k]` it is `k x n`, read
 /// transposed. Our A likewise; D is `n x m`.
-fn column_major(s: &GemmSpec) -> ([i32; 2], [Mat; 3]) {
+fn column_major(s: &GemmShape) -> ([i32; 2], [Mat; 3]) {
     let (op_a, rows_a, cols_a) = [(0, s.n, s.k), (1, s.k, s.n)][s.b_transposed as usize];
     let (op_b, rows_b, cols_b) = [(0, s.k, s.m), (1, s.m, s.k)][s.a_transposed as usize];
     // A stored row is a column here: the leading dimension is the row
@@ -243,13 +243,13 @@ impl Gemm {
     /// spec says and ordered on this stream.
     pub fn run(
         &mut self,
-        spec: &GemmSpec,
+        spec: &GemmShape,
         a: u64,
         b: u64,
         d: u64,
         ep: &EpiloguePtrs,
     ) -> Result<(), GemmError> {
-        let tf32 = self.allow_tf32 && spec.in_type == Elem::F32;
+        let tf32 = self.allow_tf32 && spec.in_type == GemmElem::F32;
         self.run_with(spec, a, b, d, ep, tf32)
     }
 
@@ -259,7 +259,7 @@ impl Gemm {
     /// split_tf32.cuh`), and one TF32 product over K tripled takes them.
     pub fn run_split(
         &mut self,
-        spec: &GemmSpec,
+        spec: &GemmShape,
         a: u64,
         b: u64,
         d: u64,
@@ -282,7 +282,7 @@ impl Gemm {
 
     fn run_with(
         &mut self,
-        spec: &GemmSpec,
+        spec: &GemmShape,
         a: u64,
         b: u64,
         d: u64,
@@ -307,7 +307,7 @@ impl Gemm {
             detail: format!("{e:?}"),
         })?;
         // Batch strides in bytes, where there are batches.
-        let bytes = |stride: u64, t: Elem| stride * t.bytes() * (spec.batch > 1) as u64;
+        let bytes = |stride: u64, t: GemmElem| stride * t.bytes() * (spec.batch > 1) as u64;
         let (sa, sb) = (
             bytes(spec.batch_stride_a, spec.in_type),
             bytes(spec.batch_stride_b, spec.in_type),
@@ -507,7 +507,7 @@ impl Gemm {
         // epilogue and alignments, int64 ld and strides, uint64 workspace).
         unsafe {
             for (i, (t, rows, cols, stride, ld)) in mats.into_iter().enumerate() {
-                let l = result::create_matrix_layout(t.cuda(), rows, cols, ld as i64)?;
+                let l = result::create_matrix_layout(cuda_type(t), rows, cols, ld as i64)?;
                 plan.layouts[i] = l;
                 if s.batch > 1 {
                     layout_attr(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, s.batch as i32)?;
@@ -604,14 +604,14 @@ mod tests {
     fn column_major_view_computes_the_row_major_product() {
         let (m, n, k, batch) = (3u64, 5u64, 4u64, 2u64);
         for (at, bt) in [(false, false), (true, false), (false, true), (true, true)] {
-            let s = GemmSpec {
+            let s = GemmShape {
                 batch,
                 a_transposed: at,
                 b_transposed: bt,
                 batch_stride_a: m * k + 1,
                 batch_stride_b: 0,
                 batch_stride_d: m * n + 2,
-                ..GemmSpec::plain(m, n, k, Elem::F32, Elem::F32)
+                ..GemmShape::plain(m, n, k, GemmElem::F32, GemmElem::F32)
             };
             let a: Vec<f64> = (0..2 * m * k + 1)
                 .map(|x| (x * 7 % 11) as f64 - 5.0)

@@ -6,89 +6,25 @@
 use cudarc::cublaslt::sys;
 use std::fmt;
 
-/// Element types of the operands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Elem {
-    F32,
-    BF16,
-    F16,
-}
+pub use fusec_compiler::plan::gemm::{GemmElem, GemmShape};
 
-impl Elem {
-    pub fn bytes(self) -> u64 {
-        match self {
-            Elem::F32 => 4,
-            Elem::BF16 | Elem::F16 => 2,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Elem::F32 => "f32",
-            Elem::BF16 => "bf16",
-            Elem::F16 => "f16",
-        }
-    }
-
-    pub(crate) fn cuda(self) -> sys::cudaDataType {
-        match self {
-            Elem::F32 => sys::cudaDataType::CUDA_R_32F,
-            Elem::BF16 => sys::cudaDataType::CUDA_R_16BF,
-            Elem::F16 => sys::cudaDataType::CUDA_R_16F,
-        }
+/// cuBLASLt's data type for an element type.
+pub(crate) fn cuda_type(e: GemmElem) -> sys::cudaDataType {
+    match e {
+        GemmElem::F32 => sys::cudaDataType::CUDA_R_32F,
+        GemmElem::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        GemmElem::F16 => sys::cudaDataType::CUDA_R_16F,
     }
 }
 
-/// One (batched) product `D[m, n] = A[m, k] @ B[k, n]`, all row-major.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct GemmSpec {
-    pub m: u64,
-    pub n: u64,
-    pub k: u64,
-    /// 1 for a plain product.
-    pub batch: u64,
-    /// A is stored as `[k, m]` row-major and read transposed.
-    pub a_transposed: bool,
-    /// B is stored as `[n, k]` row-major and read transposed.
-    pub b_transposed: bool,
-    /// Element strides between batches; 0 reuses one matrix for every batch.
-    pub batch_stride_a: u64,
-    pub batch_stride_b: u64,
-    pub batch_stride_d: u64,
-    /// Elements from one stored row of A, B and D to the next where rows
-    /// are padded (a row pitch); 0 for packed rows.
-    pub pitch_a: u64,
-    pub pitch_b: u64,
-    pub pitch_d: u64,
-    /// Type of A and B.
-    pub in_type: Elem,
-    /// Type of D and of the residual, bias and GELU aux buffers.
-    pub out_type: Elem,
-}
-
-impl GemmSpec {
-    /// An unbatched product of contiguous, untransposed operands.
-    pub fn plain(m: u64, n: u64, k: u64, in_type: Elem, out_type: Elem) -> GemmSpec {
-        GemmSpec {
-            m,
-            n,
-            k,
-            batch: 1,
-            a_transposed: false,
-            b_transposed: false,
-            batch_stride_a: 0,
-            batch_stride_b: 0,
-            batch_stride_d: 0,
-            pitch_a: 0,
-            pitch_b: 0,
-            pitch_d: 0,
-            in_type,
-            out_type,
-        }
-    }
-
+/// What the runtime checks of a product before cuBLASLt sees it.
+pub trait GemmChecks {
     /// The checks cuBLASLt would fail on less helpfully (or not at all).
-    pub fn validate(&self, ep: &EpiloguePtrs) -> Result<(), GemmError> {
+    fn validate(&self, ep: &EpiloguePtrs) -> Result<(), GemmError>;
+}
+
+impl GemmChecks for GemmShape {
+    fn validate(&self, ep: &EpiloguePtrs) -> Result<(), GemmError> {
         let bad = |reason: &str| {
             Err(GemmError::Invalid {
                 product: describe(self, ep),
@@ -187,7 +123,7 @@ impl Kind {
 }
 
 /// `m=37 n=45 k=29 batch=3 (A transposed) bf16 -> f32, epilogue bias+residual`
-pub(crate) fn describe(s: &GemmSpec, ep: &EpiloguePtrs) -> String {
+pub(crate) fn describe(s: &GemmShape, ep: &EpiloguePtrs) -> String {
     let trans = match (s.a_transposed, s.b_transposed) {
         (false, false) => "",
         (true, false) => " (A transposed)",
