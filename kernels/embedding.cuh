@@ -3,9 +3,8 @@
 //
 //     dW[v] = sum of dY[t] over the tokens t whose id is v,
 //
-// deterministic (no float atomics: every sum is added in token order). The
-// forward, a gather, is one element of an elementwise chain and stays in the
-// generated chains.
+// deterministic (no float atomics: every sum is added in token order); and
+// the forward, a gather (`fs_embedding_lookup`, a thread an element).
 //
 // Work item (group, run): a group of R table rows, their sums in shared
 // memory, over one of S runs of the tokens. The block scans its run's ids
@@ -85,6 +84,16 @@ __device__ __forceinline__ void fs_embedding_grad(const Id* ids, const typename 
         }
         __syncthreads();  // `acc` is cleared for the next item
     }
+}
+
+// The forward: element i of y [N, C] is table[ids[i / C], i % C]; an id
+// outside [0, V) gives NaN, as the reference does. W and Y are element
+// types of the table and y.
+template <class W, class Y, class Id>
+__device__ __forceinline__ void fs_embedding_lookup(fs_i64 i, fs_i64 C, fs_i64 V, const Id* ids,
+                                                    const typename W::Storage* table, typename Y::Storage* y) {
+    const fs_i64 r = i / C, j = i % C, id = ids[r];
+    y[i] = Y::store((id >= 0 && id < V) ? W::load(&table[id * C + j]) : __int_as_float(0x7fc00000));
 }
 
 #endif

@@ -603,6 +603,35 @@ fn cross_entropy_rules_compute_what_the_interpreter_computes() {
     assert!(checked > 0);
 }
 
+/// The causal mask as a kernel of its own (kernels/mask.cuh): under a
+/// softmax the fold-attention pass turns it into attention, so here it
+/// feeds an exponential, over T queries and S keys (S > T and S < T), f32
+/// and bf16. A mask one column off (col >= q) fails here.
+#[test]
+fn causal_mask_kernels_compute_what_the_interpreter_computes() {
+    if !host::have_cxx() {
+        return;
+    }
+    let work = host::work_dir("cuda-host-mask");
+    let src = "dim B, T, S\ninput x: f32[B, T, 8]\ninput m: f32[B, S, 8]\nparam w: [8, 8] = normal(0.3)\nlet s = causal_mask((x @ w) @ transpose(m))\ntrain {\n    loss = mean(exp(s))\n    precision = PRECISION\n}\n";
+    let mut checked = 0;
+    for precision in ["f32", "bf16"] {
+        let text = src.replace("PRECISION", precision);
+        let c = common::compile_with(&text, "mask.dsl", &[]);
+        let p = fusec_compiler::kernel::fuse::fuse(&c.optimized);
+        assert!(
+            p.kernels.iter().any(|k| k.name.contains("causal_mask")),
+            "{precision}: no causal_mask kernel"
+        );
+        for (t, s) in [(5, 7), (7, 5)] {
+            checked += check_compiled(&work, "mask.dsl", &c, &[("B", 2), ("T", t), ("S", s)]);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    println!("{checked} kernels of the mask model ran on the host");
+    assert!(checked > 0);
+}
+
 /// Attention with key lengths (the simple kernels, forward and backward;
 /// the tensor-core ones do not take lengths yet) against the interpreter,
 /// f32 and bf16, at a T of 7 with random lengths 0..=7 (a sequence of

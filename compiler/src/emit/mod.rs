@@ -84,7 +84,13 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../../../kernels/elements.cuh"),
     ),
     ("conv.cuh", include_str!("../../../kernels/conv.cuh")),
+    ("mask.cuh", include_str!("../../../kernels/mask.cuh")),
     ("norm.cuh", include_str!("../../../kernels/norm.cuh")),
+    (
+        "norm_block.cuh",
+        include_str!("../../../kernels/norm_block.cuh"),
+    ),
+    ("rope.cuh", include_str!("../../../kernels/rope.cuh")),
     ("optim.cuh", include_str!("../../../kernels/optim.cuh")),
     ("softmax.cuh", include_str!("../../../kernels/softmax.cuh")),
     (

@@ -12,7 +12,6 @@ use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::kernel::{Kernel, Program};
 
-use crate::ops::NORM_GROUPS;
 use petgraph::stable_graph::NodeIndex;
 use std::fmt::Write;
 
@@ -95,113 +94,10 @@ pub(crate) fn element(dt: DType) -> &'static str {
     }
 }
 
-/// `v`, plus the kernel's residual input at the same element where it has
-/// one (row-major `r * C + j`).
-pub(crate) fn with_residual(c: &Ctx, v: String) -> String {
-    match c.k.residual {
-        Some(slot) => format!(
-            "{v} + {}",
-            load(
-                c.p.buffers[c.k.inputs[slot]].ty.dtype,
-                &format!("in{slot}[r * C + j]")
-            )
-        ),
-        None => v,
-    }
-}
-
 pub(crate) fn numel(d: &[Dim]) -> Dim {
     d.iter()
         .try_fold(Dim::constant(1), |a, x| a.checked_mul(x))
         .unwrap_or_default()
-}
-
-/// Mean and reciprocal standard deviation of one row into `mean`, `rstd`;
-/// `x` reads the row at loop variable `var`.
-pub(crate) fn stats(b: &mut String, x: &str, eps: &str, indent: &str, var: &str) {
-    let each = format!("for (fs_i64 {var} = threadIdx.x; {var} < C; {var} += blockDim.x)");
-    let _ = writeln!(b, "{indent}float sum = 0.0f;");
-    let _ = writeln!(b, "{indent}{each} sum += {x};");
-    let _ = writeln!(
-        b,
-        "{indent}const float mean = fs_block_sum(sum) / (float)C;"
-    );
-    let _ = writeln!(b, "{indent}float sq = 0.0f;");
-    let _ = writeln!(
-        b,
-        "{indent}{each} {{ const float d = {x} - mean; sq += d * d; }}"
-    );
-    let _ = writeln!(
-        b,
-        "{indent}const float rstd = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
-    );
-}
-
-/// `name` = 1 / sqrt(mean(x^2) + eps) of one row; `x` reads the row at
-/// loop variable `var`.
-pub(crate) fn rms(b: &mut String, x: &str, eps: &str, indent: &str, var: &str, name: &str) {
-    let _ = writeln!(b, "{indent}float sq = 0.0f;");
-    let _ = writeln!(
-        b,
-        "{indent}for (fs_i64 {var} = threadIdx.x; {var} < C; {var} += blockDim.x) sq += {x} * {x};"
-    );
-    let _ = writeln!(
-        b,
-        "{indent}const float {name} = rsqrtf(fs_block_sum(sq) / (float)C + {eps});"
-    );
-}
-
-/// Closes the row loop and opens the parameter-gradient phase of a norm
-/// backward: block `grp` owns rows [grp * per, (grp + 1) * per) and walks
-/// them in chunks of up to 256, first computing each row's statistics
-/// (`stats` declares them, `keep` stores them into the `__shared__` arrays
-/// named in `shared`), then summing over the chunk with one thread per
-/// feature `j` between `r = c0..c1`. Its partial sums start at zero and
-/// accumulate in `out1`/`out2` [NORM_GROUPS, C]; deterministic.
-pub(crate) fn row_groups(
-    b: &mut String,
-    zero: &str,
-    keep: &str,
-    shared: &[&str],
-    stats: &dyn Fn(&mut String),
-) {
-    let _ = writeln!(b, "    }}");
-    let arrays: Vec<String> = shared.iter().map(|n| format!("{n}_s[256]")).collect();
-    let _ = writeln!(b, "    __shared__ float {};", arrays.join(", "));
-    let _ = writeln!(
-        b,
-        "    const fs_i64 groups = {NORM_GROUPS}, per = (rows + groups - 1) / groups;"
-    );
-    let _ = writeln!(
-        b,
-        "    for (fs_i64 grp = blockIdx.x; grp < groups; grp += gridDim.x) {{"
-    );
-    let _ = writeln!(
-        b,
-        "        const fs_i64 g0 = grp * per, g1 = g0 + per < rows ? g0 + per : rows;"
-    );
-    let _ = writeln!(
-        b,
-        "        for (fs_i64 j = threadIdx.x; j < C; j += blockDim.x) {{ {zero} }}"
-    );
-    let _ = writeln!(b, "        for (fs_i64 c0 = g0; c0 < g1; c0 += 256) {{");
-    let _ = writeln!(
-        b,
-        "            const fs_i64 c1 = c0 + 256 < g1 ? c0 + 256 : g1;"
-    );
-    let _ = writeln!(b, "            for (fs_i64 r = c0; r < c1; ++r) {{");
-    stats(b);
-    let _ = writeln!(b, "                if (threadIdx.x == 0) {{ {keep} }}");
-    let _ = writeln!(b, "            }}");
-    let _ = writeln!(b, "            __syncthreads();");
-}
-
-/// Ends a chunk and the group loop opened by `row_groups`.
-pub(crate) fn close_row_groups(b: &mut String) {
-    // Every thread is done with the chunk's statistics before the next
-    // chunk overwrites them.
-    let _ = writeln!(b, "            __syncthreads();");
-    let _ = writeln!(b, "        }}");
 }
 
 /// Threads per block of every generated kernel.
