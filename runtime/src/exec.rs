@@ -157,7 +157,6 @@ pub struct Slot {
     pub bytes: u64,
     pub dtype: DType,
     pub shape: Vec<usize>,
-    pub kind: MemKind,
     /// Elements between rows where the rows are padded (kernel::pitch).
     pub pitch: Option<usize>,
 }
@@ -256,7 +255,6 @@ impl Executor {
                 bytes: pb.bytes,
                 dtype: pb.dtype,
                 shape: pb.shape.iter().map(|&d| d.max(0) as usize).collect(),
-                kind: pb.kind,
                 pitch: pb.pitch.map(|x| x.max(0) as usize),
             })
             .collect();

@@ -32,19 +32,21 @@ impl GemmElem {
         }
     }
 
-    pub fn bytes(self) -> u64 {
+    /// The same type as the graph names it.
+    pub fn dtype(self) -> DType {
         match self {
-            GemmElem::F32 => 4,
-            GemmElem::BF16 | GemmElem::F16 => 2,
+            GemmElem::F32 => DType::F32,
+            GemmElem::BF16 => DType::BF16,
+            GemmElem::F16 => DType::F16,
         }
     }
 
+    pub fn bytes(self) -> u64 {
+        self.dtype().size_bytes() as u64
+    }
+
     pub fn name(self) -> &'static str {
-        match self {
-            GemmElem::F32 => "f32",
-            GemmElem::BF16 => "bf16",
-            GemmElem::F16 => "f16",
-        }
+        self.dtype().name()
     }
 }
 

@@ -156,69 +156,58 @@ fn norm_backward_block(g: &Graph, c: &Ctx, n: NodeIndex, layer: bool, eps: f64) 
     )
 }
 
-impl Lower for LayerNorm {
-    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(norm_forward_shape(g, n))
-    }
-    fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-        norm_rows::forward_body(g, c, n)
-    }
-    fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-        norm_includes(g, c, n, norm_rows::forward_body(g, c, n).is_none())
-    }
-    fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        Some(norm_forward_row(c, true, self.eps))
-    }
+/// A norm's forward: norm_rows's one-warp kernel where it applies, else a
+/// block a row (`layer`: LayerNorm, else RMSNorm).
+macro_rules! norm_forward_lowering {
+    ($($op:ident: $layer:expr;)*) => {$(
+        impl Lower for $op {
+            fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+                Some(norm_forward_shape(g, n))
+            }
+            fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+                norm_rows::forward_body(g, c, n)
+            }
+            fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+                norm_includes(g, c, n, norm_rows::forward_body(g, c, n).is_none())
+            }
+            fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
+                Some(norm_forward_row(c, $layer, self.eps))
+            }
+        }
+    )*};
 }
 
-impl Lower for RmsNorm {
-    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(norm_forward_shape(g, n))
-    }
-    fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-        norm_rows::forward_body(g, c, n)
-    }
-    fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-        norm_includes(g, c, n, norm_rows::forward_body(g, c, n).is_none())
-    }
-    fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        Some(norm_forward_row(c, false, self.eps))
-    }
+norm_forward_lowering! {
+    LayerNorm: true;
+    RmsNorm: false;
 }
 
-/// dx by rows, then the weight and bias gradients by groups of rows, in
-/// one kernel: norm_rows's where it applies, else a block a row.
-impl Lower for LayerNormGrad {
-    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(norm_backward_shape(g, n))
-    }
-    fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-        norm_rows::kernel_body(g, c, n)
-            .or_else(|| Some(norm_backward_block(g, c, n, true, self.eps)))
-    }
-    fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-        norm_includes(g, c, n, norm_rows::kernel_body(g, c, n).is_none())
-    }
-    fn launch_bounds(&self, g: &Graph, n: NodeIndex) -> Option<String> {
-        norm_rows::backward_bounds(g, n)
-    }
+/// A norm's backward: dx by rows, then the parameter gradients by groups
+/// of rows, in one kernel: norm_rows's where it applies, else a block a
+/// row.
+macro_rules! norm_backward_lowering {
+    ($($op:ident: $layer:expr;)*) => {$(
+        impl Lower for $op {
+            fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+                Some(norm_backward_shape(g, n))
+            }
+            fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+                norm_rows::kernel_body(g, c, n)
+                    .or_else(|| Some(norm_backward_block(g, c, n, $layer, self.eps)))
+            }
+            fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+                norm_includes(g, c, n, norm_rows::kernel_body(g, c, n).is_none())
+            }
+            fn launch_bounds(&self, g: &Graph, n: NodeIndex) -> Option<String> {
+                norm_rows::backward_bounds(g, n)
+            }
+        }
+    )*};
 }
 
-/// As LayerNormGrad, with the weight gradient alone.
-impl Lower for RmsNormGrad {
-    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        Some(norm_backward_shape(g, n))
-    }
-    fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-        norm_rows::kernel_body(g, c, n)
-            .or_else(|| Some(norm_backward_block(g, c, n, false, self.eps)))
-    }
-    fn file_scope(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
-        norm_includes(g, c, n, norm_rows::kernel_body(g, c, n).is_none())
-    }
-    fn launch_bounds(&self, g: &Graph, n: NodeIndex) -> Option<String> {
-        norm_rows::backward_bounds(g, n)
-    }
+norm_backward_lowering! {
+    LayerNormGrad: true;
+    RmsNormGrad: false;
 }
 
 /// A thread an element (kernels/embedding.cuh's `fs_embedding_lookup`).
