@@ -21,4 +21,5 @@ pub mod passes;
 pub mod plan;
 pub mod recompute;
 pub mod select;
+pub mod target;
 pub mod tensor;

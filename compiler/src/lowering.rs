@@ -16,10 +16,12 @@
 //! result; the optimisations inside them (`optimisation::Optimisation`) can be
 //! turned off one by one with `--disable-pass`.
 
+use crate::ir::graph::Role;
 use crate::ir::Graph;
 use crate::kernel::fuse::fuse;
 use crate::kernel::Program;
-use crate::plan::{plan_with, Plan, PlanError};
+use crate::plan::roofline::step_flops;
+use crate::plan::{plan_with, CompiledStep, Plan, PlanError, StepParam};
 use crate::select::{select, Selection, Target};
 use std::collections::BTreeMap;
 
@@ -52,4 +54,39 @@ pub fn lower(
         selection,
         plan,
     })
+}
+
+impl Lowered {
+    /// The step the runtime runs: this lowering's plan and sources, with
+    /// what the runtime needs of `g` (its parameters and their gradients'
+    /// buffers) and of the program (the step's FLOPs) as data; and the
+    /// program, for what describes the step (trace labels, the roofline).
+    pub fn into_step(self, g: &Graph) -> (CompiledStep, Program) {
+        let params = g
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| StepParam {
+                name: p.name.clone(),
+                numel: p
+                    .ty
+                    .shape
+                    .iter()
+                    .map(|d| d.as_const().unwrap_or(1).max(1) as u64)
+                    .product(),
+                grad: g
+                    .output(&Role::Grad(i))
+                    .and_then(|v| self.program.buffer_of(v)),
+            })
+            .collect();
+        let flops = step_flops(g, &self.program, &self.plan);
+        let step = CompiledStep {
+            plan: self.plan,
+            sources: self.selection.sources,
+            params,
+            target: self.selection.target,
+            flops,
+        };
+        (step, self.program)
+    }
 }

@@ -8,7 +8,7 @@
 //! `fusec build --device` writes exactly these kernels.
 
 use crate::emit::cuda::emit_program;
-use crate::emit::flash::{self, FlashArch, FlashKernel};
+use crate::emit::flash::{self, FlashKernel};
 use crate::emit::gemm_split::{split_source, SPLIT_SOURCE};
 use crate::ir::Graph;
 use crate::kernel::{Body, Program};
@@ -16,87 +16,7 @@ use crate::ops::Op;
 use crate::optimisation::Optimisation;
 use std::fmt::Write;
 
-/// What the kernels are chosen for.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Target {
-    /// The architecture the build compiles for (`sm_90a`, `sm_80`), and the
-    /// tensor-core attention family it runs; `None`: the simple attention
-    /// kernels only.
-    pub arch: Option<FlashArch>,
-    /// The attention backward without atomics (bit-identical runs).
-    pub deterministic: bool,
-    /// Multiprocessors of the GPU, the persistent kernels' grid.
-    pub multiprocessors: u32,
-    /// How f32 products are taken on tensor cores (GEMMs and attention).
-    pub f32_math: F32Math,
-}
-
-/// How an f32 model's products run.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum F32Math {
-    /// Three TF32 products of each operand's TF32 part and remainder
-    /// (3xTF32, as CUTLASS's OpMultiplyAddFastF32), on tensor cores: GEMMs
-    /// through cuBLASLt over the operands split by `kernels/gemm/
-    /// split_tf32.cuh`, the attention inside its kernels.
-    #[default]
-    ThreeTf32,
-    /// One TF32 product (10 mantissa bits an operand), as PyTorch's
-    /// `allow_tf32`: `--tf32`.
-    Tf32,
-    /// GEMMs in f32 on CUDA cores (cuBLASLt's CUBLAS_COMPUTE_32F, PyTorch's
-    /// default); the attention as under `ThreeTf32`: `--exact-f32`.
-    Exact,
-}
-
-impl F32Math {
-    /// The attention kernels' f32 scheme: one TF32 product or three.
-    pub fn attention_tf32(self) -> bool {
-        self == F32Math::Tf32
-    }
-}
-
-impl Target {
-    /// The target of a device in [`crate::device::DEVICES`].
-    pub fn for_device(name: &str, deterministic: bool) -> Option<Target> {
-        crate::device::device(name).map(|d| Target {
-            arch: d.flash,
-            deterministic,
-            multiprocessors: d.multiprocessors,
-            f32_math: F32Math::default(),
-        })
-    }
-
-    /// The simple kernels only (what runs without tensor cores).
-    pub fn simple() -> Target {
-        Target {
-            arch: None,
-            deterministic: false,
-            multiprocessors: 1,
-            f32_math: F32Math::default(),
-        }
-    }
-
-    /// One line for reports: the attention kernels this target runs.
-    pub fn describe(&self) -> String {
-        let family = match self.arch {
-            Some(FlashArch::Sm90a) => "tensor-core attention for sm_90a (wgmma, TMA)",
-            Some(FlashArch::Sm80) => "tensor-core attention for sm_80 (mma.sync)",
-            None => "the simple attention kernels (no tensor cores)",
-        };
-        let scheme = if self.deterministic {
-            ", deterministic backward"
-        } else {
-            ""
-        };
-        let tf32 = match (self.f32_math, self.arch) {
-            (_, None) => "",
-            (F32Math::ThreeTf32, _) => "",
-            (F32Math::Tf32, _) => ", f32 in one TF32 product",
-            (F32Math::Exact, _) => ", f32 GEMMs on CUDA cores",
-        };
-        format!("{family}{scheme}{tf32}")
-    }
-}
+pub use crate::target::{F32Math, Target};
 
 /// What runs one kernel of the program.
 #[derive(Clone, Debug)]

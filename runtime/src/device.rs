@@ -192,6 +192,14 @@ pub fn gpu_name(ordinal: usize) -> Option<String> {
     result::device::get_name(dev).ok()
 }
 
+/// GPUs the CUDA driver sees (0 without a driver).
+pub fn count() -> usize {
+    if !driver_present() {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
 /// Opens GPU `ordinal` with one stream for everything.
 pub fn open(ordinal: usize) -> Result<Gpu, RuntimeError> {
     if !driver_present() {

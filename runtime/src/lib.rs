@@ -3,7 +3,6 @@
 //! tests run on machines without them.
 
 pub mod alone;
-pub mod backend;
 pub mod batch_log;
 pub mod cache;
 pub mod ceilings;
@@ -19,7 +18,6 @@ pub mod marks;
 pub mod name_map;
 pub mod nccl;
 pub mod nvrtc;
-pub mod ranks;
 pub mod rendezvous;
 pub mod scaler;
 pub mod sentences;

@@ -8,8 +8,8 @@ use crate::device::Gpu;
 use crate::RuntimeError;
 use cudarc::driver::CudaStream;
 use cudarc::nccl::{result, sys};
-use fusec_compiler::autodiff::zero::Piece;
 use fusec_compiler::dtype::DType;
+use fusec_compiler::plan::shard::Piece;
 
 /// The id ranks join a communicator by (`ncclUniqueId`).
 pub type UniqueId = [u8; 128];

@@ -8,21 +8,24 @@ use crate::exec::{decode, encode, Executor};
 use crate::gemm_tuning::Tuning;
 use crate::stage::HostBuf;
 use crate::RuntimeError;
-use fusec_compiler::autodiff::{APPLY_INPUT, LR_INPUT, STEP_INPUT};
-use fusec_compiler::ir::Graph;
-use fusec_compiler::kernel::Program;
-use fusec_compiler::lowering::{lower, Lowered};
-use fusec_compiler::plan::Plan;
-use fusec_compiler::select::{F32Math, Target};
+use fusec_compiler::plan::inputs::{APPLY_INPUT, LOSS_SCALE_INPUT, LR_INPUT, STEP_INPUT};
+use fusec_compiler::plan::shard::Piece;
+use fusec_compiler::plan::{CompiledStep, LaunchKind, Plan, StepParam};
+use fusec_compiler::target::{F32Math, Target};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
 pub struct Session {
     pub exec: Executor,
-    pub graph: Graph,
-    pub program: Program,
     pub plan: Plan,
+    /// The step's parameters, in the model's order, with their gradients'
+    /// buffers.
+    pub params: Vec<StepParam>,
+    /// What the step was compiled for.
+    pub target: Target,
+    /// FLOPs of one step, as the roofline counts them.
+    pub flops: f64,
     pub cache: CacheStats,
     /// Seconds spent getting cubins (cache reads or NVRTC).
     pub compile_seconds: f64,
@@ -38,25 +41,13 @@ pub struct Session {
     steps_run: u64,
 }
 
-/// Choices a session is built with.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SessionOptions {
-    /// Runs that repeat bit for bit: the attention backward recomputes its
-    /// tiles for dQ instead of summing dQ with atomics (slower; every other
-    /// kernel is deterministic either way).
-    pub deterministic: bool,
-    /// How f32 products run: three TF32 products (the default), one (as
-    /// PyTorch's `allow_tf32`), or f32 GEMMs on CUDA cores.
-    pub f32_math: F32Math,
-}
-
 /// How the session's GEMMs choose their cuBLASLt algorithms: timed once
 /// and kept beside the kernel cache (`gemm_tuning`), except in
 /// deterministic runs, which keep cuBLASLt's first choice so that every
 /// run takes the same algorithms, or where `FUSEC_GEMM_TUNING=first` asks
 /// for that (to compare the two).
 fn gemm_tuning(
-    options: &SessionOptions,
+    deterministic: bool,
     cache_dir: Option<&Path>,
     gpu: String,
 ) -> Result<Tuning, RuntimeError> {
@@ -70,7 +61,7 @@ fn gemm_tuning(
             )))
         }
     };
-    Ok(if options.deterministic || first {
+    Ok(if deterministic || first {
         Tuning::First
     } else {
         Tuning::Timed {
@@ -87,51 +78,22 @@ pub struct StepStats {
 }
 
 impl Session {
-    /// Fuses, plans, emits and compiles `graph` (an optimized training
-    /// graph) for `gpu` with the given sizes.
+    /// Loads `step` on `gpu`: its kernels compiled (or taken from the
+    /// cache in `cache_dir`; `progress(done, total)` as they are), its
+    /// arena allocated, its GEMMs ready to tune.
     pub fn new(
         gpu: Gpu,
-        graph: &Graph,
-        dims: &BTreeMap<String, i64>,
+        step: CompiledStep,
         cache_dir: Option<&Path>,
         progress: &(dyn Fn(usize, usize) + Sync),
     ) -> Result<Session, RuntimeError> {
-        Session::with_options(
-            gpu,
-            graph,
-            dims,
-            cache_dir,
-            progress,
-            SessionOptions::default(),
-        )
-    }
-
-    /// [`Session::new`] with `options`.
-    pub fn with_options(
-        gpu: Gpu,
-        graph: &Graph,
-        dims: &BTreeMap<String, i64>,
-        cache_dir: Option<&Path>,
-        progress: &(dyn Fn(usize, usize) + Sync),
-        options: SessionOptions,
-    ) -> Result<Session, RuntimeError> {
-        // The kernels for this GPU: the tensor-core attention family its
-        // architecture runs (FUSEC_ATTENTION=simple keeps the simple kernels,
-        // the CPU-checked reference), in the scheme asked for.
-        let target = Target {
-            arch: gpu.flash_arch()?,
-            deterministic: options.deterministic,
-            multiprocessors: gpu.multiprocessors,
-            f32_math: options.f32_math,
-        };
-        let Lowered {
-            program,
-            selection,
+        let CompiledStep {
             plan,
-        } = lower(graph, &target, dims, None)
-            .map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
-        crate::startup::mark("kernels chosen, memory planned");
-        let sources = selection.sources;
+            sources,
+            params,
+            target,
+            flops,
+        } = step;
         let t0 = Instant::now();
         let (cubins, stats) = cache::cubins(&sources, &gpu.arch(), cache_dir, progress)?;
         let compile_seconds = t0.elapsed().as_secs_f64();
@@ -139,7 +101,7 @@ impl Session {
         let replaced = plan
             .launches
             .iter()
-            .filter(|l| l.kind == fusec_compiler::plan::LaunchKind::Template)
+            .filter(|l| l.kind == LaunchKind::Template)
             .map(|l| {
                 let names = l.steps.iter().map(|s| s.function.clone()).collect();
                 (l.kernel.clone(), names)
@@ -147,14 +109,15 @@ impl Session {
             .collect();
         let gpu_name = gpu.name.clone();
         let mut exec = Executor::new(gpu, &plan, &sources, cubins)?;
-        exec.allow_tf32(options.f32_math == F32Math::Tf32);
-        exec.tune_gemms(gemm_tuning(&options, cache_dir, gpu_name)?);
+        exec.allow_tf32(target.f32_math == F32Math::Tf32);
+        exec.tune_gemms(gemm_tuning(target.deterministic, cache_dir, gpu_name)?);
         crate::startup::mark("modules loaded, arena allocated");
         Ok(Session {
             exec,
-            graph: graph.clone(),
-            program,
             plan,
+            params,
+            target,
+            flops,
             cache: stats,
             compile_seconds,
             kernels_generated: sources.len(),
@@ -212,11 +175,10 @@ impl Session {
         if zero {
             // Every piece of every parameter from its owner, after the
             // owner's update.
-            let pieces = fusec_compiler::autodiff::zero::pieces(&self.graph.params, ranks);
+            let pieces = self.pieces(ranks);
             let tensors: BTreeMap<String, crate::nccl::Tensor> =
                 self.exec.param_tensors().into_iter().collect();
             let params: Vec<(crate::nccl::Tensor, usize)> = self
-                .graph
                 .params
                 .iter()
                 .enumerate()
@@ -274,7 +236,7 @@ impl Session {
     pub fn gather_split(
         &mut self,
         name: &str,
-        pieces: &[fusec_compiler::autodiff::zero::Piece],
+        pieces: &[Piece],
         numel: usize,
     ) -> Result<Vec<f64>, RuntimeError> {
         let mine = self.buffer(name).ok();
@@ -288,26 +250,18 @@ impl Session {
     /// fp16 loss scale divided out (`Backend::gradients`). Outputs live to
     /// the step's end, so they are still there after it.
     pub fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
-        let unscale = match self
-            .exec
-            .inputs
-            .get(fusec_compiler::autodiff::LOSS_SCALE_INPUT)
-        {
-            Some(_) => self.get(fusec_compiler::autodiff::LOSS_SCALE_INPUT)?[0],
+        let unscale = match self.exec.inputs.get(LOSS_SCALE_INPUT) {
+            Some(_) => self.get(LOSS_SCALE_INPUT)?[0],
             None => 1.0,
         };
         let mut out = Vec::new();
-        for (i, p) in self.graph.params.iter().enumerate() {
-            let b = self
-                .graph
-                .output(&fusec_compiler::ir::graph::Role::Grad(i))
-                .and_then(|v| self.program.buffer_of(v))
-                .ok_or_else(|| {
-                    RuntimeError::Unsupported(format!(
-                        "the step keeps no gradient of `{}` (this rank does not own it)",
-                        p.name
-                    ))
-                })?;
+        for p in &self.params {
+            let b = p.grad.ok_or_else(|| {
+                RuntimeError::Unsupported(format!(
+                    "the step keeps no gradient of `{}` (this rank does not own it)",
+                    p.name
+                ))
+            })?;
             let values = decode(self.exec.slots[b].dtype, &self.exec.read(b)?);
             let numel = self.exec.slots[b].shape.iter().product::<usize>();
             if values.len() != numel {
@@ -427,11 +381,10 @@ impl Session {
         self.exec.stage(&targets, buf)
     }
 
-    /// FLOPs of one step as the roofline counts them.
-    pub fn flops(&self) -> f64 {
-        let device = fusec_compiler::device::default_device();
-        fusec_compiler::plan::roofline::estimate(&self.graph, &self.program, &self.plan, device)
-            .flops
+    /// How ZeRO splits the step's parameters over `ranks`.
+    pub fn pieces(&self, ranks: u32) -> Vec<Vec<Piece>> {
+        let numels: Vec<u64> = self.params.iter().map(|p| p.numel).collect();
+        fusec_compiler::plan::shard::pieces(&numels, ranks)
     }
 }
 
@@ -443,17 +396,13 @@ mod tests {
     /// as an error rather than read as the default.
     #[test]
     fn fusec_gemm_tuning_takes_two_values_and_names_a_typo() {
-        let opts = SessionOptions::default();
-        let det = SessionOptions {
-            deterministic: true,
-            ..Default::default()
-        };
-        let with = |v: Option<&str>, o: &SessionOptions| {
+        let (opts, det) = (false, true);
+        let with = |v: Option<&str>, o: &bool| {
             match v {
                 Some(v) => std::env::set_var("FUSEC_GEMM_TUNING", v),
                 None => std::env::remove_var("FUSEC_GEMM_TUNING"),
             }
-            let t = gemm_tuning(o, None, "gpu".into());
+            let t = gemm_tuning(*o, None, "gpu".into());
             std::env::remove_var("FUSEC_GEMM_TUNING");
             t
         };

@@ -5,15 +5,15 @@ use super::common::{fit_memory, load, load_ranks, BudgetArgs, Loaded, ModelArgs,
 use super::open::{runtime_err, start};
 use super::CliError;
 use clap::Args;
+use fusec::backend::GpuOptions;
+use fusec::backend::{self, Backend};
 use fusec_compiler::ir::dim::{BATCH, SEQ};
 use fusec_compiler::ir::graph::Phase;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::plan::roofline::{estimate, Device, Estimate};
 use fusec_compiler::plan::trace::Timing;
-use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::device;
 use fusec_runtime::exec::LaunchTime;
-use fusec_runtime::session::{Session, SessionOptions};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -175,14 +175,14 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
     for step in 1..=3 {
         b.step(1e-4, step).map_err(runtime_err)?;
     }
-    let s = &mut b.session;
+    let s = &mut b;
     let ms = time_steps(s, args.steps)?;
     print_summary(s, &about, &dims, ms, args.peak_tflops)?;
-    if let Some(note) = &s.graph_note {
+    if let Some(note) = &s.session.graph_note {
         eprintln!("note: {note}");
     }
     if args.profile.is_some() || args.trace.is_some() {
-        let times = s.exec.profile_step().map_err(runtime_err)?;
+        let times = s.session.exec.profile_step().map_err(runtime_err)?;
         let source = Some((
             loaded.path.to_str().unwrap_or("model"),
             loaded.source.as_str(),
@@ -191,8 +191,8 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
         let est = estimate(
             &s.graph,
             &s.program,
-            &s.plan,
-            roofline_device(&s.exec.gpu.name),
+            &s.session.plan,
+            roofline_device(&s.session.exec.gpu.name),
         );
         if let Some(path) = &args.profile {
             write_profile(path, s, &times, &labels, &est)?;
@@ -236,7 +236,7 @@ fn open_step(
     loaded: &Loaded,
     dims: &BTreeMap<String, i64>,
 ) -> Result<(backend::Gpu, String), CliError> {
-    let options = SessionOptions {
+    let options = GpuOptions {
         deterministic: args.deterministic,
         f32_math: args.f32.math(),
     };
@@ -247,7 +247,7 @@ fn open_step(
     if args.lengths == LengthsFill::Full {
         fusec_compiler::interp::random::fill_lengths_full(&s.graph, &mut feeds);
     }
-    let mut b = backend::Gpu::new(s, dims).map_err(runtime_err)?;
+    let mut b = s;
     backend::init_params(&mut b, 1).map_err(runtime_err)?;
     // Every input, the update's included: each timed launch is one
     // micro-batch whose update is applied (`update.apply` = 1), at a loss
@@ -260,29 +260,30 @@ fn open_step(
 }
 
 /// The mean time of a step, in ms, over `steps` launched back to back.
-fn time_steps(s: &mut Session, steps: u64) -> Result<f64, CliError> {
+fn time_steps(s: &mut backend::Gpu, steps: u64) -> Result<f64, CliError> {
     let t0 = Instant::now();
     for _ in 0..steps {
-        s.exec.run_step().map_err(runtime_err)?;
+        s.session.exec.run_step().map_err(runtime_err)?;
     }
-    s.exec.synchronize().map_err(runtime_err)?;
+    s.session.exec.synchronize().map_err(runtime_err)?;
     Ok(t0.elapsed().as_secs_f64() * 1e3 / steps as f64)
 }
 
 /// The JSON line of the timing: rates, MFU against `peak_tflops` (or the
 /// datasheet's), and memory.
 fn print_summary(
-    s: &Session,
+    s: &backend::Gpu,
     about: &str,
     dims: &BTreeMap<String, i64>,
     ms: f64,
     peak_tflops: Option<f64>,
 ) -> Result<(), CliError> {
     let tokens = dims.get(BATCH).copied().unwrap_or(1) * dims.get(SEQ).copied().unwrap_or(1);
-    let flops = s.flops();
+    let flops = s.session.flops;
     let tflops = flops / (ms / 1e3) / 1e12;
-    let peak = peak_tflops.or_else(|| datasheet_peak(&s.exec.gpu.name));
-    let used = s.exec.gpu.total_bytes - s.exec.gpu.free_bytes().map_err(runtime_err)?;
+    let peak = peak_tflops.or_else(|| datasheet_peak(&s.session.exec.gpu.name));
+    let used =
+        s.session.exec.gpu.total_bytes - s.session.exec.gpu.free_bytes().map_err(runtime_err)?;
     let gib = |b: u64| digits(b as f64 / (1u64 << 30) as f64, 3);
     println!(
         "{}",
@@ -295,11 +296,11 @@ fn print_summary(
             "tflops": digits(tflops, 1),
             "mfu": peak.map(|p| digits(tflops / p, 3)),
             "peak_memory_gib": gib(used),
-            "step_memory_gib": gib(used.saturating_sub(s.exec.gpu.used_at_open)),
-            "plan_arena_gib": gib(s.plan.arena_bytes),
-            "cuda_graph": s.exec.has_graph(),
+            "step_memory_gib": gib(used.saturating_sub(s.session.exec.gpu.used_at_open)),
+            "plan_arena_gib": gib(s.session.plan.arena_bytes),
+            "cuda_graph": s.session.exec.has_graph(),
             // How cuBLASLt's algorithms were chosen (runtime/src/gemm_tuning.rs).
-            "gemm_algos": s.exec.gemm_tuning_stats().map(|t| serde_json::json!({
+            "gemm_algos": s.session.exec.gemm_tuning_stats().map(|t| serde_json::json!({
                 "timed": t.timed,
                 "from_cache": t.cached,
                 "not_first_choice": t.changed,
@@ -314,14 +315,14 @@ fn print_summary(
 /// ceilings.
 fn write_profile(
     path: &Path,
-    s: &Session,
+    s: &backend::Gpu,
     times: &[LaunchTime],
     labels: &[(Phase, String)],
     est: &Estimate,
 ) -> Result<(), CliError> {
     // The measurement needs about 0.9 GiB beside the step's arena;
     // where the GPU has no room, the datasheet's figures stand in.
-    let ceilings = fusec_runtime::ceilings::measure(&s.exec.gpu).unwrap_or_else(|e| {
+    let ceilings = fusec_runtime::ceilings::measure(&s.session.exec.gpu).unwrap_or_else(|e| {
         eprintln!(
             "note: could not measure this GPU's ceilings ({e}); judging against {}'s datasheet figures",
             est.device.about
@@ -337,7 +338,7 @@ fn write_profile(
 /// `--trace`: the step as a Chrome trace, and its picture beside it.
 fn write_trace(
     path: &Path,
-    s: &Session,
+    s: &backend::Gpu,
     times: &[LaunchTime],
     source: Option<(&str, &str)>,
     est: &Estimate,
@@ -351,7 +352,13 @@ fn write_trace(
         })
         .collect();
     let trace = fusec_compiler::plan::trace::chrome_trace(
-        &s.graph, &s.program, &s.plan, est, source, &timings, title,
+        &s.graph,
+        &s.program,
+        &s.session.plan,
+        est,
+        source,
+        &timings,
+        title,
     );
     let picture = path.with_extension("svg");
     for (to, text) in [
@@ -389,7 +396,7 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
         args.deterministic,
     )?;
     let loaded = loaded;
-    let options = SessionOptions {
+    let options = GpuOptions {
         deterministic: args.deterministic,
         f32_math: args.f32.math(),
     };

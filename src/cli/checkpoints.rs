@@ -3,7 +3,7 @@
 
 use super::open::runtime_err;
 use super::CliError;
-use fusec_runtime::backend::{self, Backend};
+use fusec::backend::{self, Backend};
 use fusec_runtime::checkpoint;
 use std::collections::BTreeMap;
 

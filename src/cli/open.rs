@@ -3,8 +3,8 @@
 
 use super::common::Loaded;
 use super::CliError;
+use fusec::backend::{Gpu, GpuOptions};
 use fusec_runtime::device;
-use fusec_runtime::session::{Session, SessionOptions};
 use fusec_runtime::RuntimeError;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -23,8 +23,8 @@ pub(super) fn start(
     loaded: &Loaded,
     dims: &BTreeMap<String, i64>,
     gpu: device::Opening,
-    options: SessionOptions,
-) -> Result<(Session, String), CliError> {
+    options: GpuOptions,
+) -> Result<(Gpu, String), CliError> {
     start_graph(
         &loaded.compiled.optimized,
         &loaded.compiled.model.graph.name,
@@ -41,9 +41,9 @@ pub(super) fn start_graph(
     what: &str,
     dims: &BTreeMap<String, i64>,
     gpu: device::Opening,
-    options: SessionOptions,
+    options: GpuOptions,
     source: Option<(&str, &str)>,
-) -> Result<(Session, String), CliError> {
+) -> Result<(Gpu, String), CliError> {
     let t_open = gpu.started();
     let gpu = gpu.wait().map_err(runtime_err)?;
     fusec_runtime::startup::mark("GPU open");
@@ -65,7 +65,7 @@ pub(super) fn start_graph(
             let _ = std::io::stderr().flush();
         }
     };
-    let s = Session::with_options(
+    let mut b = Gpu::open(
         gpu,
         g,
         dims,
@@ -74,6 +74,7 @@ pub(super) fn start_graph(
         options,
     )
     .map_err(runtime_err)?;
+    let s = &mut b.session;
     eprintln!(
         "\r  {} kernels ready in {:.1} s ({} distinct: {} from the cache, {} compiled); arena {:.2} GiB",
         s.kernels_generated,
@@ -83,9 +84,8 @@ pub(super) fn start_graph(
         s.cache.compiled,
         s.plan.arena_bytes as f64 / (1u64 << 30) as f64
     );
-    let mut s = s;
     if fusec_runtime::marks::wanted() {
-        let launches = fusec_compiler::plan::trace::labels(&s.graph, &s.program, source)
+        let launches = fusec_compiler::plan::trace::labels(&b.graph, &b.program, source)
             .into_iter()
             .map(|(phase, label)| (phase.name(), label))
             .collect();
@@ -96,5 +96,5 @@ pub(super) fn start_graph(
             "  NVTX ranges on (a profiler is attached, or FUSEC_NVTX=1): each step, phase and kernel is a range, and the step runs launch by launch instead of as a CUDA graph"
         );
     }
-    Ok((s, about))
+    Ok((b, about))
 }

@@ -9,14 +9,14 @@ use super::common::{load_rank, Loaded, ModelArgs};
 use super::open::runtime_err;
 use super::CliError;
 use clap::Args;
+use fusec::backend::ranks::{Build, Ranks};
+use fusec::backend::GpuOptions;
+use fusec::backend::{self, Backend};
 use fusec_compiler::interp::peers::Peers;
 use fusec_compiler::interp::Precision;
-use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::launcher;
 use fusec_runtime::nccl;
-use fusec_runtime::ranks::{Build, Ranks};
 use fusec_runtime::rendezvous::Rendezvous;
-use fusec_runtime::session::SessionOptions;
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
 
@@ -207,7 +207,7 @@ pub fn start(
     job: &Job,
     first_gpu: usize,
     cpu: bool,
-    options: SessionOptions,
+    options: GpuOptions,
     data: &str,
     zero: bool,
 ) -> Result<Ranks, CliError> {
@@ -284,22 +284,22 @@ pub fn start(
         _ => nccl::unique_id().map_err(runtime_err)?,
     };
     let name = loaded.compiled.model.graph.name.clone();
-    let ready: fusec_runtime::ranks::Ready = std::sync::Arc::new(move |rank, ordinal, s| {
+    let ready: fusec::backend::ranks::Ready = std::sync::Arc::new(move |rank, ordinal, s| {
         eprintln!(
             "  rank {rank} on GPU {ordinal}, {} ({}): {} kernels of {name} ready ({} distinct, {} from the cache); arena {:.2} GiB",
-            s.exec.gpu.name,
-            s.exec.gpu.arch(),
-            s.kernels_generated,
-            s.cache.hits + s.cache.compiled,
-            s.cache.hits,
-            s.plan.arena_bytes as f64 / (1u64 << 30) as f64
+            s.session.exec.gpu.name,
+            s.session.exec.gpu.arch(),
+            s.session.kernels_generated,
+            s.session.cache.hits + s.session.cache.compiled,
+            s.session.cache.hits,
+            s.session.plan.arena_bytes as f64 / (1u64 << 30) as f64
         );
     });
     let graphs = here
         .iter()
         .map(|&(rank, _)| graph_for(rank))
         .collect::<Result<Vec<_>, CliError>>()?;
-    let ranks = fusec_runtime::ranks::start_gpus(
+    let ranks = fusec::backend::ranks::start_gpus(
         graphs,
         dims,
         &here,

@@ -11,10 +11,10 @@ use super::parallel;
 use super::train_args::TrainArgs;
 use super::validate::Validation;
 use super::CliError;
+use fusec::backend::GpuOptions;
+use fusec::backend::{self, Backend};
 use fusec_compiler::interp::Precision;
-use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::checkpoint;
-use fusec_runtime::session::SessionOptions;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -102,7 +102,7 @@ pub(super) fn open_backend(
     job: &parallel::Job,
     opening: Option<fusec_runtime::device::Opening>,
 ) -> Result<Box<dyn Backend>, CliError> {
-    let options = SessionOptions {
+    let options = GpuOptions {
         deterministic: args.deterministic,
         f32_math: args.f32.math(),
     };
@@ -122,7 +122,7 @@ pub(super) fn open_backend(
     } else {
         let gpu = opening.unwrap_or_else(|| fusec_runtime::device::Opening::here(args.gpu));
         let (s, _) = start(loaded, dims, gpu, options)?;
-        Ok(Box::new(backend::Gpu::new(s, dims).map_err(runtime_err)?))
+        Ok(Box::new(s))
     }
 }
 

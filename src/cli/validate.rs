@@ -9,10 +9,10 @@ use super::common::Loaded;
 use super::open::{runtime_err, start_graph};
 use super::CliError;
 use clap::Args;
+use fusec::backend::GpuOptions;
+use fusec::backend::{self, Backend};
 use fusec_compiler::interp::Precision;
-use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::data::Batches;
-use fusec_runtime::session::SessionOptions;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -118,10 +118,10 @@ pub fn prepare(
             &what,
             dims,
             fusec_runtime::device::Opening::here(gpu),
-            SessionOptions::default(),
+            GpuOptions::default(),
             source,
         )?;
-        Box::new(backend::Gpu::new(s, dims).map_err(runtime_err)?)
+        Box::new(s)
     };
     Ok(Some(Validation {
         step,

@@ -6,6 +6,7 @@ pub mod flash;
 pub mod flash_bwd;
 pub mod host;
 mod nvrtc_ready;
+mod on_gpu;
 pub mod skip;
 pub mod step_host;
 mod tiny;
@@ -15,6 +16,8 @@ pub mod zoo;
 #[allow(unused_imports)]
 pub use nvrtc_ready::{keep_cubin, nvrtc_ready};
 #[allow(unused_imports)]
+pub use on_gpu::*;
+#[allow(unused_imports)]
 pub use skip::skip;
 
 use fusec_compiler::driver::{compile, Compiled};
@@ -22,8 +25,16 @@ use fusec_compiler::elaborate::Options;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+/// The repository as built, or (a test binary carried to another machine)
+/// as named by FUSEC_ROOT or the working directory.
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("FUSEC_ROOT")
+        .map(PathBuf::from)
+        .or_else(|| {
+            let built = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+            built.join("dsl-examples").exists().then_some(built)
+        })
+        .unwrap_or_else(|| std::env::current_dir().unwrap())
 }
 
 pub fn example(name: &str) -> (String, String) {

@@ -21,12 +21,7 @@ use std::collections::{HashMap, HashSet};
 pub mod zero;
 pub use update::{add_update, APPLY_INPUT, LOSS_SCALE_INPUT, LR_INPUT, STEP_INPUT};
 
-/// Whether the runtime sets input `name` itself before each step or
-/// micro-batch (the rate, the step count, the loss scale, the dropout key),
-/// as opposed to data the user feeds.
-pub fn is_step_input(name: &str) -> bool {
-    name.starts_with("update.") || name == crate::ops::DROPOUT_KEY_INPUT
-}
+pub use crate::plan::inputs::is_step_input;
 
 /// Forward and backward: the loss and every parameter's gradient (f32).
 pub fn add_backward(model: &Model) -> Result<Graph, Errors> {

@@ -10,16 +10,7 @@ use crate::ops::{
     UnaryKind, Unscale,
 };
 
-/// The learning rate and the step number (from 1) enter the update as
-/// inputs with these names, which no model file can spell.
-pub const LR_INPUT: &str = "update.lr";
-pub const STEP_INPUT: &str = "update.step";
-/// The fp16 loss scale: the backward pass starts from it, the update
-/// divides it out; present when precision = fp16.
-pub const LOSS_SCALE_INPUT: &str = "update.loss_scale";
-/// 1 on the micro-batch that ends an optimizer step, 0 on the ones before
-/// it (which only accumulate gradients); present when micro_batches > 1.
-pub const APPLY_INPUT: &str = "update.apply";
+pub use crate::plan::inputs::{APPLY_INPUT, LOSS_SCALE_INPUT, LR_INPUT, STEP_INPUT};
 
 /// Elements per block of the global-norm reduction.
 const SUM_SQUARES_CHUNK: i64 = 65536;

@@ -14,16 +14,7 @@ use crate::ir::types::DType;
 use crate::ops::Op;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Pieces start at multiples of this many elements.
-const ALIGN: u64 = 64;
-
-/// One rank's part of a parameter: elements [lo, hi) of its values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Piece {
-    pub rank: u32,
-    pub lo: u64,
-    pub hi: u64,
-}
+pub use crate::plan::shard::{Piece, ALIGN};
 
 fn numel(p: &ParamInfo) -> u64 {
     p.ty.shape
@@ -34,29 +25,8 @@ fn numel(p: &ParamInfo) -> u64 {
 
 /// Each parameter's pieces, in rank order (consecutive ranks).
 pub fn pieces(params: &[ParamInfo], ranks: u32) -> Vec<Vec<Piece>> {
-    let ranks = ranks.max(1) as u64;
-    let total: u64 = params.iter().map(numel).sum();
-    let per = total.div_ceil(ranks).div_ceil(ALIGN) * ALIGN;
-    let mut start = 0u64;
-    params
-        .iter()
-        .map(|p| {
-            let n = numel(p);
-            let (a, b) = (start, start + n);
-            start = b;
-            (0..ranks)
-                .filter_map(|r| {
-                    let (lo, hi) = ((r * per).max(a), ((r + 1) * per).min(b));
-                    // Lazily: a rank past the parameter has hi < a.
-                    (lo < hi).then(|| Piece {
-                        rank: r as u32,
-                        lo: lo - a,
-                        hi: hi - a,
-                    })
-                })
-                .collect()
-        })
-        .collect()
+    let numels: Vec<u64> = params.iter().map(numel).collect();
+    crate::plan::shard::pieces(&numels, ranks)
 }
 
 /// Why ZeRO cannot split these parameters over `ranks`: a rank would own

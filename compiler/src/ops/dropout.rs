@@ -11,8 +11,7 @@ use super::philox;
 use super::*;
 use crate::ir::print::num;
 
-/// The name of the input that holds the step's dropout key.
-pub const KEY_INPUT: &str = "dropout.key";
+pub use crate::plan::inputs::DROPOUT_KEY_INPUT as KEY_INPUT;
 
 /// `dropout(x, p)`: inputs (x, key). Each call in a model file is its own
 /// `site`, so two dropouts of the same tensor draw independent masks.

@@ -17,16 +17,20 @@ use std::collections::BTreeMap;
 
 mod arena;
 pub mod collectives;
+mod compiled;
 pub mod gemm;
+pub mod inputs;
 mod launches;
 pub mod picture;
 pub mod report;
 pub mod roofline;
+pub mod shard;
 mod step;
 pub mod trace;
 pub mod unfused;
 mod verify;
 
+pub use compiled::{CompiledStep, StepParam};
 pub use step::*;
 
 /// Offsets are multiples of this (cuBLASLt and 16-byte vector loads want it).

@@ -112,6 +112,15 @@ fn flops(g: &Graph, p: &Program, k: usize, env: &dyn Fn(&str) -> Option<i64>) ->
     }
 }
 
+/// FLOPs of one step of `p` at the plan's sizes (what MFU divides by):
+/// the same count [`estimate`] sums, with no device to time it on.
+pub fn step_flops(g: &Graph, p: &Program, plan: &Plan) -> f64 {
+    let env = |s: &str| plan.dims.get(s).copied();
+    (0..plan.launches.len())
+        .map(|k| flops(g, p, k, &env).0)
+        .sum()
+}
+
 /// The bytes of buffers `bs`, each once: views of one buffer (q, k and v
 /// sliced out of a fused projection) share its bytes. A buffer updated in
 /// place is among a launch's inputs and its outputs: read and written.

@@ -21,7 +21,7 @@ pub struct DataParallel {
     pub shares: Vec<(nccl::Tensor, usize)>,
     /// ZeRO stage 1: each parameter's pieces (`autodiff::zero::pieces`),
     /// to whose owners its gradient's mean is reduced.
-    pub pieces: Vec<Vec<fusec_compiler::autodiff::zero::Piece>>,
+    pub pieces: Vec<Vec<fusec_compiler::plan::shard::Piece>>,
     /// While a step is profiled: each collective's launch and the events
     /// recorded on the communication stream around it.
     pub(super) timing: Option<Vec<(usize, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,

@@ -17,7 +17,7 @@ impl Executor {
     pub fn gather(
         &mut self,
         mine: Option<usize>,
-        pieces: &[fusec_compiler::autodiff::zero::Piece],
+        pieces: &[fusec_compiler::plan::shard::Piece],
         numel: usize,
     ) -> Result<Vec<u8>, RuntimeError> {
         let Some(dp) = self.dp.as_ref() else {

@@ -3,8 +3,8 @@
 
 mod common;
 
+use fusec::backend::{draw_params, init_params, init_params_drawn, Backend, Cpu};
 use fusec_compiler::interp::Precision;
-use fusec_runtime::backend::{draw_params, init_params, init_params_drawn, Backend, Cpu};
 
 #[test]
 fn weights_drawn_ahead_are_the_initial_weights() {

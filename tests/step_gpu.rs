@@ -18,16 +18,16 @@
 mod common;
 
 use common::{attention_model_dv, gpu, model, model_edited, sizes, TinyModel};
+use fusec::backend::GpuOptions;
+use fusec::backend::{self, Backend};
 use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::select::F32Math;
-use fusec_runtime::backend::{self, Backend};
 use fusec_runtime::data::Batches;
 use fusec_runtime::exec::{decode, encode};
-use fusec_runtime::session::{Session, SessionOptions};
 
 /// The shipped models at sizes that exercise the GPU paths (padded rows,
 /// lengths that are not tile multiples), in `tiny_models`' form.
@@ -234,7 +234,7 @@ fn kernels_against_the_interpreter(
     label: &str,
     g: &fusec_compiler::ir::Graph,
     dims: &[(&str, i64)],
-    options: SessionOptions,
+    options: GpuOptions,
 ) -> (String, Vec<String>, Vec<String>) {
     kernels_against_the_interpreter_floor(label, g, dims, options, 1e-3, tolerance(DType::F32))
 }
@@ -245,7 +245,7 @@ fn kernels_against_the_interpreter_floor(
     label: &str,
     g: &fusec_compiler::ir::Graph,
     dims: &[(&str, i64)],
-    options: SessionOptions,
+    options: GpuOptions,
     floor_of_largest: f64,
     f32_tolerance: f64,
 ) -> (String, Vec<String>, Vec<String>) {
@@ -253,12 +253,12 @@ fn kernels_against_the_interpreter_floor(
     let feeds = random_feeds(g, &dmap, 7).unwrap();
     let gpu = gpu().unwrap();
     let mut s =
-        Session::with_options(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}, options).unwrap();
+        backend::Gpu::open(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}, options).unwrap();
     let reference = run_program(g, &s.program, &feeds, Precision::AsStored).unwrap();
     let mut worst = (0.0f64, String::new());
     let mut worst_l2 = (0.0f64, String::new());
     let mut failures = Vec::new();
-    for i in 0..s.exec.kernel_count() {
+    for i in 0..s.session.exec.kernel_count() {
         let k = s.program.kernels[i].clone();
         // An output a thousand times smaller than the kernel's largest is
         // cancellation (attention over one key: dq = dk = 0 exactly, the
@@ -271,20 +271,24 @@ fn kernels_against_the_interpreter_floor(
                 .filter(|x| x.is_finite())
                 .fold(1e-3f64, |m, x| m.max(x.abs()));
         for &b in &k.outputs {
-            let bytes = s.exec.slots[b].packed_bytes() as usize;
-            s.exec.write(b, &vec![0xffu8; bytes]).unwrap();
+            let bytes = s.session.exec.slots[b].packed_bytes() as usize;
+            s.session.exec.write(b, &vec![0xffu8; bytes]).unwrap();
         }
         for &b in &k.inputs {
-            let dt = s.exec.slots[b].dtype;
-            s.exec.write(b, &encode(dt, &reference[b].data)).unwrap();
+            let dt = s.session.exec.slots[b].dtype;
+            s.session
+                .exec
+                .write(b, &encode(dt, &reference[b].data))
+                .unwrap();
         }
-        s.exec.launch(i).unwrap();
-        s.exec
+        s.session.exec.launch(i).unwrap();
+        s.session
+            .exec
             .synchronize()
             .unwrap_or_else(|e| panic!("{label}: kernel {}: {e}", k.name));
         for &b in &k.outputs {
-            let dt = s.exec.slots[b].dtype;
-            let got = decode(dt, &s.exec.read(b).unwrap());
+            let dt = s.session.exec.slots[b].dtype;
+            let got = decode(dt, &s.session.exec.read(b).unwrap());
             let err = rel_err_floor(&got, &reference[b].data, floor);
             if err > worst.0 {
                 worst = (err, k.name.clone());
@@ -310,7 +314,7 @@ fn kernels_against_the_interpreter_floor(
     }
     let report = format!(
         "{label}: {} kernels, worst {:.2e} in {}, 16-bit whole-tensor worst {:.2e} in {}",
-        s.exec.kernel_count(),
+        s.session.exec.kernel_count(),
         worst.0,
         worst.1,
         worst_l2.0,
@@ -319,7 +323,7 @@ fn kernels_against_the_interpreter_floor(
     (
         report,
         failures,
-        s.replaced.values().flatten().cloned().collect(),
+        s.session.replaced.values().flatten().cloned().collect(),
     )
 }
 
@@ -403,7 +407,7 @@ fn attention_at_every_head_dim_matches_the_interpreter() {
             &label,
             &c.optimized,
             &[("B", 1), ("T", t)],
-            SessionOptions {
+            GpuOptions {
                 deterministic,
                 ..Default::default()
             },
@@ -556,7 +560,7 @@ fn f32_attention_on_tensor_cores_matches_the_interpreter() {
             &label,
             &c.optimized,
             &[("B", 1), ("T", t)],
-            SessionOptions {
+            GpuOptions {
                 deterministic,
                 ..Default::default()
             },
@@ -596,7 +600,7 @@ fn tf32_runs_f32_products_on_tf32_tensor_cores() {
     let src = attention_model_dv(64, 64, 4, 2, true, "f32");
     let c = fusec_compiler::driver::compile(&src, "attention", &Default::default())
         .unwrap_or_else(|f| panic!("{}", f.render("attention.dsl", &src)));
-    let options = SessionOptions {
+    let options = GpuOptions {
         f32_math: F32Math::Tf32,
         ..Default::default()
     };
@@ -661,7 +665,7 @@ fn f32_gemms_take_three_tf32_products() {
         (F32Math::ThreeTf32, "3xtf32"),
         (F32Math::Exact, "exact-f32"),
     ] {
-        let options = SessionOptions {
+        let options = GpuOptions {
             f32_math: math,
             ..Default::default()
         };
@@ -674,7 +678,7 @@ fn f32_gemms_take_three_tf32_products() {
             kernels_against_the_interpreter_floor(label, g, &dims, options, 1e-3, 5e-5);
         assert!(gemms(&past).is_empty(), "{}", gemms(&past).join("\n"));
     }
-    let options = SessionOptions {
+    let options = GpuOptions {
         f32_math: F32Math::Tf32,
         ..Default::default()
     };
@@ -699,18 +703,26 @@ fn the_gpt2_block_step_matches_the_cpu_reference() {
         "update.lr".into(),
         fusec_compiler::interp::tensor::Tensor::scalar(1e-3),
     );
-    let mut s = Session::new(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}).unwrap();
+    let mut s = backend::Gpu::open(
+        gpu,
+        g,
+        &bdims,
+        Some(&cache_dir()),
+        &|_, _| {},
+        GpuOptions::default(),
+    )
+    .unwrap();
     for (name, t) in feeds.params.iter().chain(&feeds.inputs).chain(&feeds.state) {
-        if s.exec.params.contains_key(name)
-            || s.exec.inputs.contains_key(name)
-            || s.exec.state.contains_key(name)
+        if s.session.exec.params.contains_key(name)
+            || s.session.exec.inputs.contains_key(name)
+            || s.session.exec.state.contains_key(name)
         {
             s.set(name, &t.data).unwrap();
         }
     }
     let reference = run_program(g, &s.program, &feeds, Precision::AsStored).unwrap();
     let stats = s.step(1e-3, 1).unwrap();
-    let loss_ref = reference[s.exec.loss.unwrap()].data[0];
+    let loss_ref = reference[s.session.exec.loss.unwrap()].data[0];
     println!("gpt2-block loss: GPU {} reference {loss_ref}", stats.loss);
     assert!(
         (stats.loss - loss_ref).abs() <= 1e-2 * loss_ref.abs(),
@@ -729,7 +741,10 @@ fn the_gpt2_block_step_matches_the_cpu_reference() {
     for (role, v) in &g.outputs {
         if let Role::Grad(i) = role {
             let b = s.program.buffer_of(*v).unwrap();
-            let got = decode(s.exec.slots[b].dtype, &s.exec.read(b).unwrap());
+            let got = decode(
+                s.session.exec.slots[b].dtype,
+                &s.session.exec.read(b).unwrap(),
+            );
             let err = rel_err(&got, &reference[b].data);
             let l2 = rel_l2_floor(&got, &reference[b].data, 1e-6);
             worst = worst.max(err);
@@ -764,7 +779,7 @@ fn on_gpu(
     feeds: &fusec_compiler::interp::Feeds,
     seed: u64,
 ) -> backend::Gpu {
-    on_gpu_with(gpu, g, bdims, feeds, seed, SessionOptions::default())
+    on_gpu_with(gpu, g, bdims, feeds, seed, GpuOptions::default())
 }
 
 /// The same, built with `options`.
@@ -774,10 +789,10 @@ fn on_gpu_with(
     bdims: &std::collections::BTreeMap<String, i64>,
     feeds: &fusec_compiler::interp::Feeds,
     seed: u64,
-    options: SessionOptions,
+    options: GpuOptions,
 ) -> backend::Gpu {
-    let s = Session::with_options(gpu, g, bdims, Some(&cache_dir()), &|_, _| {}, options).unwrap();
-    let mut b = backend::Gpu::new(s, bdims).unwrap();
+    let s = backend::Gpu::open(gpu, g, bdims, Some(&cache_dir()), &|_, _| {}, options).unwrap();
+    let mut b = s;
     ready(&mut b, feeds, seed);
     b
 }
@@ -881,7 +896,7 @@ fn attention_with_lengths_matches_the_interpreter() {
             &label,
             &c.optimized,
             &[("B", 4), ("T", t)],
-            SessionOptions {
+            GpuOptions {
                 deterministic,
                 ..Default::default()
             },
@@ -929,7 +944,7 @@ fn attention_with_dropout_matches_the_interpreter() {
             &label,
             &c.optimized,
             &[("B", 4), ("T", t)],
-            SessionOptions {
+            GpuOptions {
                 deterministic,
                 ..Default::default()
             },
@@ -970,7 +985,7 @@ fn dropout_training_follows_the_cpu_reference_and_repeats() {
     let g = &c.optimized;
     let (dmap, bdims) = sizes(&dims);
     let feeds = random_feeds(g, &dmap, 4).unwrap();
-    let det = SessionOptions {
+    let det = GpuOptions {
         deterministic: true,
         ..Default::default()
     };
@@ -1023,7 +1038,7 @@ fn bf16_dropout_training_on_tensor_cores_follows_the_cpu_and_repeats() {
     let g = &c.optimized;
     let (dmap, bdims) = sizes(&dims);
     let feeds = random_feeds(g, &dmap, 4).unwrap();
-    let det = SessionOptions {
+    let det = GpuOptions {
         deterministic: true,
         ..Default::default()
     };
@@ -1036,13 +1051,13 @@ fn bf16_dropout_training_on_tensor_cores_follows_the_cpu_and_repeats() {
             .collect()
     };
     let session = |gpu| {
-        let s = Session::with_options(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}, det).unwrap();
-        let ran: Vec<String> = s.replaced.values().flatten().cloned().collect();
+        let s = backend::Gpu::open(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}, det).unwrap();
+        let ran: Vec<String> = s.session.replaced.values().flatten().cloned().collect();
         assert!(
             ran.iter().any(|n| n.ends_with("attention")) && ran.iter().any(|n| n.ends_with("dkdv")),
             "the attention did not run on tensor cores: {ran:?}"
         );
-        let mut b = backend::Gpu::new(s, &bdims).unwrap();
+        let mut b = s;
         ready(&mut b, &feeds, 4);
         b
     };
@@ -1074,7 +1089,7 @@ fn a_restored_gpu_run_repeats_the_unbroken_one() {
     let Some(_) = gpu() else { return };
     let case = small_gpt2(9);
     let (g, bdims, feeds) = (&case.compiled.optimized, &case.bdims, &case.feeds);
-    let det = SessionOptions {
+    let det = GpuOptions {
         deterministic: true,
         ..Default::default()
     };
@@ -1103,7 +1118,7 @@ fn a_restored_gpu_run_repeats_the_unbroken_one() {
 #[test]
 fn a_warmed_up_session_trains_as_a_cold_one() {
     let Some(_) = gpu() else { return };
-    let det = SessionOptions {
+    let det = GpuOptions {
         deterministic: true,
         ..Default::default()
     };
@@ -1113,7 +1128,7 @@ fn a_warmed_up_session_trains_as_a_cold_one() {
         let (dmap, bdims) = sizes(&dims);
         let feeds = random_feeds(g, &dmap, 4).unwrap();
         let run = |warm: bool| {
-            let s = Session::with_options(
+            let s = backend::Gpu::open(
                 gpu().unwrap(),
                 g,
                 &bdims,
@@ -1122,7 +1137,7 @@ fn a_warmed_up_session_trains_as_a_cold_one() {
                 det,
             )
             .unwrap();
-            let mut b = backend::Gpu::new(s, &bdims).unwrap();
+            let mut b = s;
             if warm {
                 assert!(
                     b.session.warm_up().unwrap(),
@@ -1149,15 +1164,16 @@ fn a_warmed_up_session_trains_as_a_cold_one() {
     let (file, sets, dims) = cases().remove(0);
     let c = model(file, &sets);
     let (_, bdims) = sizes(&dims);
-    let s = Session::new(
+    let s = backend::Gpu::open(
         gpu().unwrap(),
         &c.optimized,
         &bdims,
         Some(&cache_dir()),
         &|_, _| {},
+        GpuOptions::default(),
     )
     .unwrap();
-    let mut b = backend::Gpu::new(s, &bdims).unwrap();
+    let mut b = s;
     b.session.exec.fill(0x7f).unwrap();
     assert!(
         !b.session.warm_up().unwrap(),
@@ -1242,7 +1258,7 @@ fn staged_batches_match_synchronous_ones_on_the_gpu() {
     let (g, bdims, feeds) = (&case.compiled.optimized, &case.bdims, &case.feeds);
     let tokens = token_stream(2000);
     // Bit for bit needs the deterministic attention backward.
-    let det = SessionOptions {
+    let det = GpuOptions {
         deterministic: true,
         ..Default::default()
     };
@@ -1360,8 +1376,16 @@ fn the_forward_only_step_takes_the_training_weights() {
         train.step(1e-3, i).unwrap();
     }
     let forward = fusec_compiler::driver::forward_graph(&case.compiled).unwrap();
-    let s = Session::new(gpu_again(), &forward, bdims, Some(&cache_dir()), &|_, _| {}).unwrap();
-    let mut eval = backend::Gpu::new(s, bdims).unwrap();
+    let s = backend::Gpu::open(
+        gpu_again(),
+        &forward,
+        bdims,
+        Some(&cache_dir()),
+        &|_, _| {},
+        GpuOptions::default(),
+    )
+    .unwrap();
+    let mut eval = s;
     for (name, t) in &feeds.inputs {
         if eval.shapes().contains_key(name) {
             eval.set(name, &t.data).unwrap();
@@ -1444,7 +1468,7 @@ fn same_rounding(
 #[test]
 fn recomputed_steps_match_the_interpreter_and_the_unbudgeted_run() {
     let Some(_) = gpu() else { return };
-    let options = SessionOptions {
+    let options = GpuOptions {
         deterministic: true,
         ..Default::default()
     };

@@ -10,13 +10,13 @@
 //! initialisation, the same averaged updates): they are written to all and
 //! read from the first.
 
-use crate::backend::Backend;
-use crate::session::StepStats;
-use crate::stage::HostBuf;
-use crate::RuntimeError;
+use super::{Backend, GpuOptions};
 use fusec_compiler::autodiff::zero;
 use fusec_compiler::ir::Graph;
 use fusec_compiler::ops::Op;
+use fusec_runtime::session::StepStats;
+use fusec_runtime::stage::HostBuf;
+use fusec_runtime::RuntimeError;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
@@ -529,9 +529,9 @@ impl Backend for Ranks {
     }
 }
 
-/// Told about each GPU rank once its session is ready: (rank, GPU ordinal,
-/// the session).
-pub type Ready = Arc<dyn Fn(usize, usize, &crate::session::Session) + Send + Sync>;
+/// Told about each GPU rank once its step is loaded: (rank, GPU ordinal,
+/// the backend).
+pub type Ready = Arc<dyn Fn(usize, usize, &super::Gpu) + Send + Sync>;
 
 /// GPU ranks `here` ((global rank, GPU ordinal)), running `graphs` (one
 /// each: with ZeRO (`zero`), each rank's own update), of a job of `world`
@@ -544,8 +544,8 @@ pub fn start_gpus(
     dims: &BTreeMap<String, i64>,
     here: &[(usize, usize)],
     world: usize,
-    id: crate::nccl::UniqueId,
-    options: crate::session::SessionOptions,
+    id: fusec_runtime::nccl::UniqueId,
+    options: GpuOptions,
     cache_dir: Option<std::path::PathBuf>,
     ready: Ready,
     zero: bool,
@@ -556,17 +556,11 @@ pub fn start_gpus(
         .map(|(&(rank, ordinal), g)| {
             let (dims, cache_dir, ready) = (dims.clone(), cache_dir.clone(), Arc::clone(&ready));
             let build: Build = Box::new(move || {
-                let gpu = crate::device::open(ordinal)?;
-                let s = crate::session::Session::with_options(
-                    gpu,
-                    &g,
-                    &dims,
-                    cache_dir.as_deref(),
-                    &|_, _| {},
-                    options,
-                )?;
-                ready(rank, ordinal, &s);
-                Ok(Box::new(crate::backend::Gpu::new(s, &dims)?) as Box<dyn Backend>)
+                let gpu = fusec_runtime::device::open(ordinal)?;
+                let b =
+                    super::Gpu::open(gpu, &g, &dims, cache_dir.as_deref(), &|_, _| {}, options)?;
+                ready(rank, ordinal, &b);
+                Ok(Box::new(b) as Box<dyn Backend>)
             });
             (rank, build)
         })

@@ -3,16 +3,22 @@
 //! against it). Both take inputs, parameters and state by name, so data
 //! feeding and checkpoints are written once.
 
-use crate::checkpoint::{Checkpoint, Tensor as CkTensor};
-use crate::session::{Session, StepStats};
-use crate::stage::HostBuf;
-use crate::RuntimeError;
+mod cpu;
+mod gpu;
+pub mod ranks;
+
+pub use cpu::Cpu;
+pub use gpu::{Gpu, GpuOptions};
+
+use fusec_compiler::interp::concrete_shape;
 use fusec_compiler::interp::random::init_values;
-use fusec_compiler::interp::step::train_step;
-use fusec_compiler::interp::tensor::Tensor;
-use fusec_compiler::interp::{concrete_shape, Feeds, Precision};
 use fusec_compiler::ir::Graph;
 use fusec_compiler::ops::Op;
+use fusec_compiler::plan::shard::Piece;
+use fusec_runtime::checkpoint::{Checkpoint, Tensor as CkTensor};
+use fusec_runtime::session::StepStats;
+use fusec_runtime::stage::HostBuf;
+use fusec_runtime::RuntimeError;
 use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 
@@ -52,7 +58,7 @@ pub trait Backend {
     fn gather_split(
         &mut self,
         name: &str,
-        pieces: &[fusec_compiler::autodiff::zero::Piece],
+        pieces: &[Piece],
         numel: usize,
     ) -> Result<Vec<f64>, RuntimeError> {
         let _ = (pieces, numel);
@@ -68,7 +74,7 @@ pub trait Backend {
         dtype: fusec_compiler::dtype::DType,
         bytes: &[u8],
     ) -> Result<(), RuntimeError> {
-        self.set(name, &crate::exec::decode(dtype, bytes))
+        self.set(name, &fusec_runtime::exec::decode(dtype, bytes))
     }
     /// Fills a named parameter from its initialiser: `fill(start, out)`
     /// writes values `start..start + out.len()` (any chunk, any order).
@@ -139,7 +145,7 @@ pub trait Backend {
     /// and the others arrive from their owners after it.
     fn join_comm(
         &mut self,
-        _id: &crate::nccl::UniqueId,
+        _id: &fusec_runtime::nccl::UniqueId,
         rank: usize,
         ranks: usize,
         _zero: bool,
@@ -178,7 +184,9 @@ pub trait Backend {
     }
     /// One step launch by launch with its collectives timed beside it
     /// (`Executor::profile_step_full`); `None` where there is no GPU step.
-    fn profile_step_full(&mut self) -> Result<Option<crate::exec::StepProfile>, RuntimeError> {
+    fn profile_step_full(
+        &mut self,
+    ) -> Result<Option<fusec_runtime::exec::StepProfile>, RuntimeError> {
         Ok(None)
     }
     /// Runs the step once before anything is written, so that its one-off
@@ -191,7 +199,7 @@ pub trait Backend {
 }
 
 /// Every parameter of `to` from `from`, through the host.
-fn copy_params_by_value<B: Backend + ?Sized>(
+pub(crate) fn copy_params_by_value<B: Backend + ?Sized>(
     to: &mut B,
     from: &dyn Backend,
 ) -> Result<(), RuntimeError> {
@@ -206,7 +214,7 @@ fn copy_params_by_value<B: Backend + ?Sized>(
 }
 
 /// Names and shapes of the graph's inputs, parameters and state.
-fn source_shapes(
+pub(crate) fn source_shapes(
     g: &Graph,
     dims: &HashMap<String, i64>,
 ) -> Result<BTreeMap<String, Vec<usize>>, RuntimeError> {
@@ -272,7 +280,7 @@ pub fn draw_params_each(g: &Graph, seed: u64, each: &mut dyn FnMut(String, Vec<u
         })
         .collect::<Option<Vec<usize>>>()?;
     for (i, (p, n)) in g.params.iter().zip(sizes).enumerate() {
-        let bytes = crate::exec::encode_filled(p.ty.dtype, n, &|start, values| {
+        let bytes = fusec_runtime::exec::encode_filled(p.ty.dtype, n, &|start, values| {
             init_values(&p.init, seed, i as u64, start, values)
         });
         each(p.name.clone(), bytes);
@@ -407,319 +415,4 @@ fn write_back(
         b.set(&name, &v)?;
     }
     Ok(())
-}
-
-pub struct Gpu {
-    pub session: Session,
-    shapes: BTreeMap<String, Vec<usize>>,
-}
-
-impl Gpu {
-    pub fn new(session: Session, dims: &BTreeMap<String, i64>) -> Result<Gpu, RuntimeError> {
-        let d: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
-        let shapes = source_shapes(&session.graph, &d)?
-            .into_iter()
-            .filter(|(n, _)| {
-                session.exec.inputs.contains_key(n)
-                    || session.exec.params.contains_key(n)
-                    || session.exec.state.contains_key(n)
-            })
-            .collect();
-        Ok(Gpu { session, shapes })
-    }
-}
-
-impl Backend for Gpu {
-    fn graph(&self) -> &Graph {
-        &self.session.graph
-    }
-    fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
-        self.session.set(name, values)
-    }
-    fn set_encoded(
-        &mut self,
-        name: &str,
-        dtype: fusec_compiler::dtype::DType,
-        bytes: &[u8],
-    ) -> Result<(), RuntimeError> {
-        self.session.set_encoded(name, dtype, bytes)
-    }
-    fn zero(&mut self, name: &str) -> Result<(), RuntimeError> {
-        self.session.zero(name)
-    }
-    fn init(
-        &mut self,
-        name: &str,
-        fill: &(dyn Fn(usize, &mut [f64]) + Sync),
-    ) -> Result<(), RuntimeError> {
-        self.session.init(name, fill)
-    }
-    fn warm_up(&mut self) -> Result<(), RuntimeError> {
-        self.session.warm_up().map(|_| ())
-    }
-    fn profile_step_full(&mut self) -> Result<Option<crate::exec::StepProfile>, RuntimeError> {
-        self.session.exec.profile_step_full().map(Some)
-    }
-    fn gather_split(
-        &mut self,
-        name: &str,
-        pieces: &[fusec_compiler::autodiff::zero::Piece],
-        numel: usize,
-    ) -> Result<Vec<f64>, RuntimeError> {
-        self.session.gather_split(name, pieces, numel)
-    }
-    fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
-        self.session.get(name)
-    }
-    fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
-        self.session.gradients()
-    }
-    fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
-        self.session.launch(lr, step)
-    }
-    fn finish(&mut self) -> Result<StepStats, RuntimeError> {
-        self.session.finish()
-    }
-    fn batch_buffers(&self, count: usize, len: usize) -> Result<Vec<HostBuf>, RuntimeError> {
-        crate::stage::pinned(&self.session.exec.gpu, count, len)
-    }
-    fn as_gpu(&self) -> Option<&Gpu> {
-        Some(self)
-    }
-    fn copy_params_from(&mut self, other: &dyn Backend) -> Result<(), RuntimeError> {
-        // Device to device where both are sessions on this GPU.
-        let Some(src) = other.as_gpu() else {
-            return copy_params_by_value(self, other);
-        };
-        let from = &src.session.exec;
-        let pairs: Vec<(usize, usize)> = self
-            .session
-            .exec
-            .params
-            .iter()
-            .filter_map(|(name, &dst)| from.params.get(name).map(|&s| (s, dst)))
-            .collect();
-        for (s, d) in pairs {
-            self.session.exec.copy_from(from, s, d)?;
-        }
-        Ok(())
-    }
-    fn join_comm(
-        &mut self,
-        id: &crate::nccl::UniqueId,
-        rank: usize,
-        ranks: usize,
-        zero: bool,
-    ) -> Result<(), RuntimeError> {
-        let comm = crate::nccl::Comm::join(&self.session.exec.gpu, id, rank, ranks)?;
-        self.session.attach(comm, zero)
-    }
-    fn time_steps(&mut self, steps: u64) -> Result<f64, RuntimeError> {
-        // Replays back to back (the CUDA graph where there is one), one wait at the end.
-        let exec = &mut self.session.exec;
-        let t0 = std::time::Instant::now();
-        for _ in 0..steps {
-            exec.run_step()?;
-        }
-        exec.synchronize()?;
-        Ok(t0.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64)
-    }
-    fn memory_used(&self) -> Result<Option<u64>, RuntimeError> {
-        let gpu = &self.session.exec.gpu;
-        Ok(Some(gpu.total_bytes - gpu.free_bytes()?))
-    }
-    fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError> {
-        self.session.stage(names, buf)
-    }
-    fn shapes(&self) -> &BTreeMap<String, Vec<usize>> {
-        &self.shapes
-    }
-}
-
-/// The reference interpreter, with every value rounded to its dtype as the
-/// GPU stores it.
-pub struct Cpu {
-    graph: Graph,
-    feeds: Feeds,
-    shapes: BTreeMap<String, Vec<usize>>,
-    pub precision: Precision,
-    /// Inputs staged for the next launch.
-    staged: Vec<(String, Vec<f64>)>,
-    /// The launched step's result.
-    done: Option<StepStats>,
-    /// ZeRO stage 1: each parameter's pieces and their owner ranks, whose
-    /// updated values the other ranks take after every step.
-    pieces: Option<Vec<Vec<fusec_compiler::autodiff::zero::Piece>>>,
-    /// The last step's gradients, by parameter name (`gradients`).
-    last_grads: Vec<(String, Vec<f64>)>,
-}
-
-impl Cpu {
-    pub fn new(
-        graph: &Graph,
-        dims: &BTreeMap<String, i64>,
-        precision: Precision,
-    ) -> Result<Cpu, RuntimeError> {
-        let d: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
-        let shapes = source_shapes(graph, &d)?;
-        let mut feeds = Feeds {
-            dims: d,
-            ..Feeds::default()
-        };
-        for n in graph.g.node_indices() {
-            let (map, name) = match &graph.g[n].op {
-                Op::Input(x) => (&mut feeds.inputs, &x.name),
-                Op::Param(x) => (&mut feeds.params, &x.name),
-                Op::State(x) => (&mut feeds.state, &x.name),
-                _ => continue,
-            };
-            map.insert(name.clone(), Tensor::zeros(&shapes[name]));
-        }
-        Ok(Cpu {
-            graph: graph.clone(),
-            feeds,
-            shapes,
-            precision,
-            staged: Vec::new(),
-            done: None,
-            pieces: None,
-            last_grads: Vec::new(),
-        })
-    }
-}
-
-impl Cpu {
-    /// Makes this the rank of a data-parallel group that `peers` names:
-    /// its `all_reduce`s meet the other ranks' (see `interp::peers`).
-    pub fn join(&mut self, peers: fusec_compiler::interp::peers::Peers) {
-        self.feeds.peers = Some(peers);
-    }
-
-    /// ZeRO stage 1: after each step, every parameter takes its owner's
-    /// values (the step updated only this rank's own).
-    pub fn share_updates(&mut self, ranks: u32) {
-        self.pieces = Some(fusec_compiler::autodiff::zero::pieces(
-            &self.graph.params,
-            ranks,
-        ));
-    }
-}
-
-impl Backend for Cpu {
-    fn graph(&self) -> &Graph {
-        &self.graph
-    }
-    fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
-        let shape = self
-            .shapes
-            .get(name)
-            .ok_or_else(|| {
-                RuntimeError::Unsupported(format!("the step has no tensor named `{name}`"))
-            })?
-            .clone();
-        if shape.iter().product::<usize>() != values.len() {
-            return Err(RuntimeError::Unsupported(format!(
-                "`{name}` holds {} values of shape {shape:?}, given {}",
-                shape.iter().product::<usize>(),
-                values.len()
-            )));
-        }
-        let t = Tensor::new(shape, values.to_vec());
-        for map in [
-            &mut self.feeds.inputs,
-            &mut self.feeds.params,
-            &mut self.feeds.state,
-        ] {
-            if let Some(slot) = map.get_mut(name) {
-                *slot = t;
-                return Ok(());
-            }
-        }
-        Err(RuntimeError::Unsupported(format!(
-            "the step has no tensor named `{name}`"
-        )))
-    }
-    fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
-        [&self.feeds.inputs, &self.feeds.params, &self.feeds.state]
-            .iter()
-            .find_map(|m| m.get(name))
-            .map(|t| t.data.clone())
-            .ok_or_else(|| {
-                RuntimeError::Unsupported(format!("the step has no tensor named `{name}`"))
-            })
-    }
-    fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
-        for (name, values) in std::mem::take(&mut self.staged) {
-            self.set(&name, &values)?;
-        }
-        let r = train_step(&self.graph, &mut self.feeds, lr, step, self.precision)
-            .map_err(|e| RuntimeError::Unsupported(format!("the CPU reference failed: {}", e.0)))?;
-        if let (Some(pieces), Some(peers)) = (&self.pieces, &self.feeds.peers) {
-            for (p, pieces) in self.graph.params.iter().zip(pieces) {
-                let Some(t) = self.feeds.params.get_mut(&p.name) else {
-                    continue;
-                };
-                for pc in pieces {
-                    let from = peers.share(pc.rank as usize, t);
-                    let (lo, hi) = (pc.lo as usize, pc.hi as usize);
-                    t.data[lo..hi].copy_from_slice(&from.data[lo..hi]);
-                }
-            }
-        }
-        let unscale = self
-            .feeds
-            .inputs
-            .get(fusec_compiler::autodiff::LOSS_SCALE_INPUT)
-            .map_or(1.0, |t| t.data[0]);
-        self.last_grads = r
-            .grads
-            .into_iter()
-            .map(|(i, t)| {
-                let name = self.graph.params[i].name.clone();
-                (name, t.data.iter().map(|x| x / unscale).collect())
-            })
-            .collect();
-        self.done = Some(StepStats {
-            loss: r.loss,
-            grad_norm: r.grad_norm,
-        });
-        Ok(())
-    }
-    fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
-        Ok(self.last_grads.clone())
-    }
-    fn finish(&mut self) -> Result<StepStats, RuntimeError> {
-        self.done
-            .take()
-            .ok_or_else(|| RuntimeError::Unsupported("no step was launched".into()))
-    }
-    fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError> {
-        let values = buf.read()?;
-        let mut at = 0;
-        let mut staged = Vec::new();
-        for name in names {
-            let n = self.numel(name);
-            let part = values.get(at..at + n).ok_or_else(|| {
-                RuntimeError::Unsupported(format!(
-                    "a staged batch holds {} values; {} take more",
-                    values.len(),
-                    names.join(" and ")
-                ))
-            })?;
-            staged.push((name.to_string(), part.iter().map(|&x| x as f64).collect()));
-            at += n;
-        }
-        if at != values.len() {
-            return Err(RuntimeError::Unsupported(format!(
-                "a staged batch holds {} values; {} take {at}",
-                values.len(),
-                names.join(" and ")
-            )));
-        }
-        self.staged = staged;
-        Ok(())
-    }
-    fn shapes(&self) -> &BTreeMap<String, Vec<usize>> {
-        &self.shapes
-    }
 }

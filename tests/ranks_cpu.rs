@@ -7,13 +7,13 @@
 mod common;
 
 use common::sizes;
+use fusec::backend::ranks::{Build, Ranks};
+use fusec::backend::{init_params, Backend, Cpu};
 use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::interp::peers::Peers;
 use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::DType;
-use fusec_runtime::backend::{init_params, Backend, Cpu};
-use fusec_runtime::ranks::{Build, Ranks};
 
 /// A model file, the sizes it is set to, and the parameter whose values
 /// the runs compare.

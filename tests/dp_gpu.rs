@@ -9,12 +9,11 @@
 mod common;
 
 use common::sizes;
+use fusec::backend::{init_params, ranks, Backend, Gpu, GpuOptions};
 use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::ir::DType;
-use fusec_runtime::backend::{init_params, Backend, Gpu};
-use fusec_runtime::session::{Session, SessionOptions};
-use fusec_runtime::{device, nccl, ranks};
+use fusec_runtime::{device, nccl};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -33,7 +32,7 @@ fn gpus() -> Option<usize> {
     if !nccl::present() {
         return skip("no NCCL library on this machine".into());
     }
-    let n = cudarc::driver::CudaContext::device_count().unwrap_or(0) as usize;
+    let n = device::count();
     if n < 2 {
         return skip(format!("{n} GPU(s); data parallelism needs 2"));
     }
@@ -132,15 +131,16 @@ fn check_reducing(
     let (b, t) = (2usize, 64usize);
     let one = compiled(1, precision, micro);
     let (_, dims_one) = sizes(&[("B", (n * b) as i64), ("T", t as i64)]);
-    let session = Session::new(
+    let session = Gpu::open(
         device::open(0).unwrap(),
         &one.optimized,
         &dims_one,
         None,
         &|_, _| {},
+        GpuOptions::default(),
     )
     .unwrap();
-    let mut single = Gpu::new(session, &dims_one).unwrap();
+    let mut single = session;
     let reference = train(&mut single, n * b, t, micro as u64);
     drop(single);
 
@@ -158,7 +158,7 @@ fn check_reducing(
         &here,
         n,
         id,
-        SessionOptions::default(),
+        GpuOptions::default(),
         None,
         Arc::new(|_, _, _| {}),
         zero,
@@ -187,7 +187,7 @@ fn check_reducing(
         let states = group.state_names();
         assert_eq!(
             states.len(),
-            fusec_runtime::backend::state_names(&one.optimized).len()
+            fusec::backend::state_names(&one.optimized).len()
         );
         // Gathered over NCCL (a launched job's checkpoint): every rank gets
         // what this process reads from its ranks' pieces, bit for bit (the
@@ -259,8 +259,16 @@ fn a_step_built_for_two_ranks_refuses_to_run_alone() {
     };
     let many = compiled(2, "fp32", 1);
     let (_, dims) = sizes(&[("B", 2), ("T", 64)]);
-    let s = Session::new(gpu, &many.optimized, &dims, None, &|_, _| {}).unwrap();
-    let mut b = Gpu::new(s, &dims).unwrap();
+    let s = Gpu::open(
+        gpu,
+        &many.optimized,
+        &dims,
+        None,
+        &|_, _| {},
+        GpuOptions::default(),
+    )
+    .unwrap();
+    let mut b = s;
     init_params(&mut b, 1).unwrap();
     let e = b.step(1e-3, 1).unwrap_err().to_string();
     assert!(e.contains("has no communicator"), "{e}");

@@ -1,0 +1,202 @@
+//! The CPU reference interpreter as a backend: small models, and the
+//! reference the GPU and PyTorch are checked against.
+
+use super::{source_shapes, Backend};
+use fusec_compiler::interp::step::train_step;
+use fusec_compiler::interp::tensor::Tensor;
+use fusec_compiler::interp::{Feeds, Precision};
+use fusec_compiler::ir::Graph;
+use fusec_compiler::ops::Op;
+use fusec_compiler::plan::shard::Piece;
+use fusec_runtime::session::StepStats;
+use fusec_runtime::stage::HostBuf;
+use fusec_runtime::RuntimeError;
+use std::collections::{BTreeMap, HashMap};
+
+/// The reference interpreter, with every value rounded to its dtype as the
+/// GPU stores it.
+pub struct Cpu {
+    graph: Graph,
+    feeds: Feeds,
+    shapes: BTreeMap<String, Vec<usize>>,
+    pub precision: Precision,
+    /// Inputs staged for the next launch.
+    staged: Vec<(String, Vec<f64>)>,
+    /// The launched step's result.
+    done: Option<StepStats>,
+    /// ZeRO stage 1: each parameter's pieces and their owner ranks, whose
+    /// updated values the other ranks take after every step.
+    pieces: Option<Vec<Vec<Piece>>>,
+    /// The last step's gradients, by parameter name (`gradients`).
+    last_grads: Vec<(String, Vec<f64>)>,
+}
+
+impl Cpu {
+    pub fn new(
+        graph: &Graph,
+        dims: &BTreeMap<String, i64>,
+        precision: Precision,
+    ) -> Result<Cpu, RuntimeError> {
+        let d: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let shapes = source_shapes(graph, &d)?;
+        let mut feeds = Feeds {
+            dims: d,
+            ..Feeds::default()
+        };
+        for n in graph.g.node_indices() {
+            let (map, name) = match &graph.g[n].op {
+                Op::Input(x) => (&mut feeds.inputs, &x.name),
+                Op::Param(x) => (&mut feeds.params, &x.name),
+                Op::State(x) => (&mut feeds.state, &x.name),
+                _ => continue,
+            };
+            map.insert(name.clone(), Tensor::zeros(&shapes[name]));
+        }
+        Ok(Cpu {
+            graph: graph.clone(),
+            feeds,
+            shapes,
+            precision,
+            staged: Vec::new(),
+            done: None,
+            pieces: None,
+            last_grads: Vec::new(),
+        })
+    }
+}
+
+impl Cpu {
+    /// Makes this the rank of a data-parallel group that `peers` names:
+    /// its `all_reduce`s meet the other ranks' (see `interp::peers`).
+    pub fn join(&mut self, peers: fusec_compiler::interp::peers::Peers) {
+        self.feeds.peers = Some(peers);
+    }
+
+    /// ZeRO stage 1: after each step, every parameter takes its owner's
+    /// values (the step updated only this rank's own).
+    pub fn share_updates(&mut self, ranks: u32) {
+        self.pieces = Some(fusec_compiler::autodiff::zero::pieces(
+            &self.graph.params,
+            ranks,
+        ));
+    }
+}
+
+impl Backend for Cpu {
+    fn graph(&self) -> &Graph {
+        &self.graph
+    }
+    fn set(&mut self, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
+        let shape = self
+            .shapes
+            .get(name)
+            .ok_or_else(|| {
+                RuntimeError::Unsupported(format!("the step has no tensor named `{name}`"))
+            })?
+            .clone();
+        if shape.iter().product::<usize>() != values.len() {
+            return Err(RuntimeError::Unsupported(format!(
+                "`{name}` holds {} values of shape {shape:?}, given {}",
+                shape.iter().product::<usize>(),
+                values.len()
+            )));
+        }
+        let t = Tensor::new(shape, values.to_vec());
+        for map in [
+            &mut self.feeds.inputs,
+            &mut self.feeds.params,
+            &mut self.feeds.state,
+        ] {
+            if let Some(slot) = map.get_mut(name) {
+                *slot = t;
+                return Ok(());
+            }
+        }
+        Err(RuntimeError::Unsupported(format!(
+            "the step has no tensor named `{name}`"
+        )))
+    }
+    fn get(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        [&self.feeds.inputs, &self.feeds.params, &self.feeds.state]
+            .iter()
+            .find_map(|m| m.get(name))
+            .map(|t| t.data.clone())
+            .ok_or_else(|| {
+                RuntimeError::Unsupported(format!("the step has no tensor named `{name}`"))
+            })
+    }
+    fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
+        for (name, values) in std::mem::take(&mut self.staged) {
+            self.set(&name, &values)?;
+        }
+        let r = train_step(&self.graph, &mut self.feeds, lr, step, self.precision)
+            .map_err(|e| RuntimeError::Unsupported(format!("the CPU reference failed: {}", e.0)))?;
+        if let (Some(pieces), Some(peers)) = (&self.pieces, &self.feeds.peers) {
+            for (p, pieces) in self.graph.params.iter().zip(pieces) {
+                let Some(t) = self.feeds.params.get_mut(&p.name) else {
+                    continue;
+                };
+                for pc in pieces {
+                    let from = peers.share(pc.rank as usize, t);
+                    let (lo, hi) = (pc.lo as usize, pc.hi as usize);
+                    t.data[lo..hi].copy_from_slice(&from.data[lo..hi]);
+                }
+            }
+        }
+        let unscale = self
+            .feeds
+            .inputs
+            .get(fusec_compiler::autodiff::LOSS_SCALE_INPUT)
+            .map_or(1.0, |t| t.data[0]);
+        self.last_grads = r
+            .grads
+            .into_iter()
+            .map(|(i, t)| {
+                let name = self.graph.params[i].name.clone();
+                (name, t.data.iter().map(|x| x / unscale).collect())
+            })
+            .collect();
+        self.done = Some(StepStats {
+            loss: r.loss,
+            grad_norm: r.grad_norm,
+        });
+        Ok(())
+    }
+    fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
+        Ok(self.last_grads.clone())
+    }
+    fn finish(&mut self) -> Result<StepStats, RuntimeError> {
+        self.done
+            .take()
+            .ok_or_else(|| RuntimeError::Unsupported("no step was launched".into()))
+    }
+    fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError> {
+        let values = buf.read()?;
+        let mut at = 0;
+        let mut staged = Vec::new();
+        for name in names {
+            let n = self.numel(name);
+            let part = values.get(at..at + n).ok_or_else(|| {
+                RuntimeError::Unsupported(format!(
+                    "a staged batch holds {} values; {} take more",
+                    values.len(),
+                    names.join(" and ")
+                ))
+            })?;
+            staged.push((name.to_string(), part.iter().map(|&x| x as f64).collect()));
+            at += n;
+        }
+        if at != values.len() {
+            return Err(RuntimeError::Unsupported(format!(
+                "a staged batch holds {} values; {} take {at}",
+                values.len(),
+                names.join(" and ")
+            )));
+        }
+        self.staged = staged;
+        Ok(())
+    }
+    fn shapes(&self) -> &BTreeMap<String, Vec<usize>> {
+        &self.shapes
+    }
+}
