@@ -11,8 +11,9 @@ use fusec_compiler::elaborate::Options;
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::kernel::buckets::{is_collective, BUCKET_BYTES};
-use fusec_compiler::kernel::fuse::fuse;
+use fusec_compiler::kernel::fuse::{fuse, fuse_with};
 use fusec_compiler::ops::Op;
+use fusec_compiler::optimisation::LowerOptions;
 use fusec_compiler::plan::plan;
 use fusec_compiler::plan::report::report;
 use fusec_compiler::plan::roofline::device;
@@ -99,10 +100,12 @@ fn gpt2_small_on_four_gpus_buckets_its_gradients_as_the_backward_pass_finishes_t
     // Each bucket's gradients lie end to end, averaged as one NCCL call,
     // at the default size and at PyTorch DDP's 25 MiB (`--bucket-mib`).
     assert!(one_run_per_bucket(&p, &pl) >= 3);
-    let mut narrow = g.clone();
-    narrow.bucket_bytes = Some(25 << 20);
-    let narrow_program = fuse(&narrow);
-    let narrow_plan = plan(&narrow, &narrow_program, &dims).unwrap();
+    let narrow = LowerOptions {
+        bucket_bytes: Some(25 << 20),
+        ..LowerOptions::default()
+    };
+    let narrow_program = fuse_with(g, &narrow);
+    let narrow_plan = plan(g, &narrow_program, &dims).unwrap();
     assert!(narrow_plan.collectives.len() > pl.collectives.len());
     assert!(one_run_per_bucket(&narrow_program, &narrow_plan) >= 12);
     // Averaged in place: the arena is the one-GPU arena.

@@ -13,6 +13,7 @@ use fusec::backend::{init_params, ranks, Backend, Gpu, GpuOptions};
 use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::ir::DType;
+use fusec_compiler::optimisation::LowerOptions;
 use fusec_runtime::{device, nccl};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -134,6 +135,7 @@ fn check_reducing(
     let session = Gpu::open(
         device::open(0).unwrap(),
         &one.optimized,
+        &LowerOptions::default(),
         &dims_one,
         None,
         &|_, _| {},
@@ -154,6 +156,7 @@ fn check_reducing(
     let id = nccl::unique_id().unwrap();
     let mut group = ranks::start_gpus(
         graphs,
+        &LowerOptions::default(),
         &dims,
         &here,
         n,
@@ -262,6 +265,7 @@ fn a_step_built_for_two_ranks_refuses_to_run_alone() {
     let s = Gpu::open(
         gpu,
         &many.optimized,
+        &LowerOptions::default(),
         &dims,
         None,
         &|_, _| {},

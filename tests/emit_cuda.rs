@@ -165,6 +165,7 @@ fn every_kernel_of_every_model_file_has_code_to_run_it() {
                     deterministic: false,
                     multiprocessors: 132,
                     f32_math: Default::default(),
+                    lower: Default::default(),
                 };
                 let s = select(&c.optimized, &program, &target, None);
                 for (k, choice) in program.kernels.iter().zip(&s.choices) {

@@ -32,9 +32,9 @@
 
 use fusec_compiler::ir::parse::parse_graph;
 use fusec_compiler::ir::print::print_graph;
-use fusec_compiler::kernel::fuse::fuse;
+use fusec_compiler::kernel::fuse::fuse_with;
 use fusec_compiler::kernel::print::{print_layouts, print_program};
-use fusec_compiler::optimisation::Optimisation;
+use fusec_compiler::optimisation::{LowerOptions, Optimisation};
 use fusec_compiler::passes::{default_pipeline, forward_pipeline, run_pipeline, Pass};
 use std::path::{Path, PathBuf};
 
@@ -133,12 +133,15 @@ fn run(input: &str) -> Result<String, String> {
         Ok(g) => g,
         Err(e) => return Ok(format!("error: {e}\n")),
     };
-    g.lowering_off = off;
+    let lower = LowerOptions {
+        off: off.into_iter().collect(),
+        bucket_bytes: None,
+    };
     for s in &stages {
         match *s {
             "parse" => {}
-            "fuse" => return Ok(print_program(&g, &fuse(&g))),
-            "layout" => return Ok(print_layouts(&g, &fuse(&g))),
+            "fuse" => return Ok(print_program(&g, &fuse_with(&g, &lower))),
+            "layout" => return Ok(print_layouts(&g, &fuse_with(&g, &lower))),
             _ => {
                 let p = pass(s).expect("checked above");
                 if let Err(e) = run_pipeline(&mut g, &[p], |_, _| {}) {

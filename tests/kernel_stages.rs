@@ -9,7 +9,7 @@ use fusec_compiler::interp::random::random_feeds;
 use fusec_compiler::interp::{run, Precision};
 use fusec_compiler::kernel::interp::run_program;
 use fusec_compiler::lowering::{lower, select_kernels, Lowered};
-use fusec_compiler::optimisation::Optimisation;
+use fusec_compiler::optimisation::{LowerOptions, Optimisation};
 use fusec_compiler::plan::MemKind;
 use fusec_compiler::select::{Choice, Target};
 
@@ -150,11 +150,17 @@ fn every_optimisation_turned_off_keeps_the_step() {
         let feeds = random_feeds(&c.optimized, &feed_dims, 3).expect("feeds");
         let reference = run(&c.optimized, &feeds, Precision::F64).expect("graph runs");
         for &opt in Optimisation::ALL {
-            let mut g = c.optimized.clone();
-            g.lowering_off = vec![opt];
-            let off = lower(&g, &h100(), &dims, None)
+            let g = &c.optimized;
+            let target = Target {
+                lower: LowerOptions {
+                    off: [opt].into(),
+                    bucket_bytes: None,
+                },
+                ..h100()
+            };
+            let off = lower(g, &target, &dims, None)
                 .unwrap_or_else(|e| panic!("{file} without {opt}: {e}"));
-            let bufs = run_program(&g, &off.program, &feeds, Precision::F64)
+            let bufs = run_program(g, &off.program, &feeds, Precision::F64)
                 .unwrap_or_else(|e| panic!("{file} without {opt}: {e}"));
             for (role, v) in &g.outputs {
                 let b = off.program.buffer_of(*v).expect("outputs are stored");

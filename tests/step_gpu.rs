@@ -25,6 +25,7 @@ use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::kernel::interp::run_program;
+use fusec_compiler::optimisation::LowerOptions;
 use fusec_compiler::select::F32Math;
 use fusec_runtime::data::Batches;
 use fusec_runtime::exec::{decode, encode};
@@ -252,8 +253,16 @@ fn kernels_against_the_interpreter_floor(
     let (dmap, bdims) = sizes(dims);
     let feeds = random_feeds(g, &dmap, 7).unwrap();
     let gpu = gpu().unwrap();
-    let mut s =
-        backend::Gpu::open(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}, options).unwrap();
+    let mut s = backend::Gpu::open(
+        gpu,
+        g,
+        &LowerOptions::default(),
+        &bdims,
+        Some(&cache_dir()),
+        &|_, _| {},
+        options,
+    )
+    .unwrap();
     let reference = run_program(g, &s.program, &feeds, Precision::AsStored).unwrap();
     let mut worst = (0.0f64, String::new());
     let mut worst_l2 = (0.0f64, String::new());
@@ -706,6 +715,7 @@ fn the_gpt2_block_step_matches_the_cpu_reference() {
     let mut s = backend::Gpu::open(
         gpu,
         g,
+        &LowerOptions::default(),
         &bdims,
         Some(&cache_dir()),
         &|_, _| {},
@@ -791,7 +801,16 @@ fn on_gpu_with(
     seed: u64,
     options: GpuOptions,
 ) -> backend::Gpu {
-    let s = backend::Gpu::open(gpu, g, bdims, Some(&cache_dir()), &|_, _| {}, options).unwrap();
+    let s = backend::Gpu::open(
+        gpu,
+        g,
+        &LowerOptions::default(),
+        bdims,
+        Some(&cache_dir()),
+        &|_, _| {},
+        options,
+    )
+    .unwrap();
     let mut b = s;
     ready(&mut b, feeds, seed);
     b
@@ -1051,7 +1070,16 @@ fn bf16_dropout_training_on_tensor_cores_follows_the_cpu_and_repeats() {
             .collect()
     };
     let session = |gpu| {
-        let s = backend::Gpu::open(gpu, g, &bdims, Some(&cache_dir()), &|_, _| {}, det).unwrap();
+        let s = backend::Gpu::open(
+            gpu,
+            g,
+            &LowerOptions::default(),
+            &bdims,
+            Some(&cache_dir()),
+            &|_, _| {},
+            det,
+        )
+        .unwrap();
         let ran: Vec<String> = s.session.replaced.values().flatten().cloned().collect();
         assert!(
             ran.iter().any(|n| n.ends_with("attention")) && ran.iter().any(|n| n.ends_with("dkdv")),
@@ -1131,6 +1159,7 @@ fn a_warmed_up_session_trains_as_a_cold_one() {
             let s = backend::Gpu::open(
                 gpu().unwrap(),
                 g,
+                &LowerOptions::default(),
                 &bdims,
                 Some(&cache_dir()),
                 &|_, _| {},
@@ -1167,6 +1196,7 @@ fn a_warmed_up_session_trains_as_a_cold_one() {
     let s = backend::Gpu::open(
         gpu().unwrap(),
         &c.optimized,
+        &LowerOptions::default(),
         &bdims,
         Some(&cache_dir()),
         &|_, _| {},
@@ -1379,6 +1409,7 @@ fn the_forward_only_step_takes_the_training_weights() {
     let s = backend::Gpu::open(
         gpu_again(),
         &forward,
+        &LowerOptions::default(),
         bdims,
         Some(&cache_dir()),
         &|_, _| {},

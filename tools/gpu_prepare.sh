@@ -6,10 +6,12 @@ cd "$(dirname "$0")/.."
 cargo build --release
 rm -rf out/device && mkdir -p out/device
 cp target/release/fusec out/device/
-for t in gemm_gpu step_gpu flash_gpu dp_gpu; do
-  exe=$(cargo test --release -p fusec-runtime --test "$t" --no-run --message-format=json 2>/dev/null \
+# The runtime's own GPU tests, and those that drive it through the
+# backends (in the fusec package).
+for t in gemm_gpu:fusec-runtime flash_gpu:fusec-runtime step_gpu:fusec dp_gpu:fusec; do
+  exe=$(cargo test --release -p "${t#*:}" --test "${t%%:*}" --no-run --message-format=json 2>/dev/null \
     | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)
-  cp "$exe" "out/device/$t"
+  cp "$exe" "out/device/${t%%:*}"
 done
 # Drawn models for `gpu_check.sh zoo` (the model zoo test writes them as it
 # checks them here).

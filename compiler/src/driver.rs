@@ -8,7 +8,7 @@ use crate::elaborate::{self, Options};
 use crate::ir::verify::verify;
 use crate::ir::{DType, Graph};
 use crate::model::Model;
-use crate::optimisation::Optimisation;
+use crate::optimisation::{LowerOptions, Optimisation};
 use crate::passes::{default_pipeline, forward_pipeline, run_pipeline, PassStats};
 
 /// The stages whose result `fusec build --dump <stage>` can print.
@@ -47,35 +47,14 @@ pub struct Compiled {
     pub pass_stats: Vec<(&'static str, PassStats)>,
     /// The passes `--disable-pass` left out.
     pub disabled_passes: Vec<String>,
-    /// What it was compiled with (for `graph_after`'s forward passes).
+    /// What it was compiled with.
     pub options: Options,
-}
-
-impl Compiled {
-    /// The step as it stands after the named pass (`None` if no pass has that name).
-    pub fn graph_after(&self, pass: &str) -> Option<Graph> {
-        let enabled = |passes: Vec<Box<dyn crate::passes::Pass>>| -> Vec<_> {
-            passes
-                .into_iter()
-                .filter(|p| !self.disabled_passes.iter().any(|d| d == p.name()))
-                .collect()
-        };
-        // Forward passes run on the forward graph before autodiff: the
-        // model is elaborated again and run up to this one.
-        let forward = enabled(forward_pipeline());
-        if let Some(upto) = forward.iter().position(|p| p.name() == pass) {
-            let mut g = elaborate::elaborate(&self.ast, &self.model.graph.name, &self.options)
-                .ok()?
-                .graph;
-            run_pipeline(&mut g, &forward[..=upto], |_, _| {}).ok()?;
-            return Some(g);
-        }
-        let passes = enabled(default_pipeline());
-        let upto = passes.iter().position(|p| p.name() == pass)?;
-        let mut g = self.training.clone();
-        run_pipeline(&mut g, &passes[..=upto], |_, _| {}).ok()?;
-        Some(g)
-    }
+    /// The optimisations of the kernel stages `--disable-pass` turned off
+    /// (a target lowers the step with these: `Target::lower`).
+    pub lower: LowerOptions,
+    /// The graph as the pass `Options::dump_after` left it, where one was
+    /// named and ran (`fusec build --dump-after PASS`).
+    pub dumped: Option<Graph>,
 }
 
 /// Why a compile failed.
@@ -122,10 +101,13 @@ fn check_overrides(ast: &Module, opts: &Options) -> Result<(), Failure> {
             )));
         }
     }
-    let mut names = crate::passes::pass_names();
+    // Optimisations arrive typed (`Options::disable` sorts them out); a
+    // name here must be a graph pass, and the message lists both kinds.
+    let passes = crate::passes::pass_names();
+    let mut names = passes.clone();
     names.extend(Optimisation::ALL.iter().map(|o| o.name()));
     for d in &opts.disabled_passes {
-        if !names.contains(&d.as_str()) {
+        if !passes.contains(&d.as_str()) {
             return Err(Failure::Usage(format!(
                 "--disable-pass {d}: there is no pass or optimisation `{d}`; they are: {}",
                 names.join(", ")
@@ -171,8 +153,28 @@ fn front(source: &str, model_name: &str, opts: &Options) -> Result<(Module, Mode
     Ok((ast, model))
 }
 
+/// Parse, elaborate, the passes on the forward graph, autodiff, the update
+/// and the passes on the step, each result verified.
 pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compiled, Failure> {
+    let mut all = compile_ranks(source, model_name, opts, &[opts.zero_rank])?;
+    Ok(all.remove(0))
+}
+
+/// The steps of several ZeRO ranks (`zero_ranks`, each `None` for a step
+/// that updates every parameter) from one compile of what they share: the
+/// file is parsed and elaborated, the forward passes and autodiff run once,
+/// and each rank then gets its own update and the passes after it. The
+/// graph after the pass `Options::dump_after` names is kept as it passes
+/// (`Compiled::dumped`), not made again.
+pub fn compile_ranks(
+    source: &str,
+    model_name: &str,
+    opts: &Options,
+    zero_ranks: &[Option<u32>],
+) -> Result<Vec<Compiled>, Failure> {
     let (ast, mut model) = front(source, model_name, opts)?;
+    let wanted = opts.dump_after.as_deref();
+    let mut shared_dump = None;
     model.train.reduce_dtype = reduce_dtype(opts, &model.train)?;
     let internal = |e: crate::passes::PassError| {
         Failure::Model(
@@ -187,44 +189,77 @@ pub fn compile(source: &str, model_name: &str, opts: &Options) -> Result<Compile
             .filter(|p| !opts.disabled_passes.iter().any(|d| d == p.name()))
             .collect()
     };
-    let mut pass_stats = run_pipeline(&mut model.graph, &enabled(forward_pipeline()), |_, _| {})
-        .map_err(internal)?;
+    let forward_stats = run_pipeline(
+        &mut model.graph,
+        &enabled(forward_pipeline()),
+        keep(wanted, &mut shared_dump),
+    )
+    .map_err(internal)?;
     let backward = autodiff::add_backward(&model).map_err(Failure::Model)?;
     check_verified(&backward, "autodiff")?;
-    let mut training = backward;
-    if model.train.zero_rank.is_some() && model.train.ranks > 1 {
-        if let Some(why) = autodiff::zero::unsplittable(&training.params, model.train.ranks) {
-            return Err(Failure::Usage(format!(
-                "--zero 1 cannot split this model over its {} ranks: {why}; train it with --zero 0, or on fewer GPUs",
-                model.train.ranks
-            )));
+    let mut out = Vec::with_capacity(zero_ranks.len());
+    for &zero_rank in zero_ranks {
+        let mut model = model.clone();
+        model.train.zero_rank = zero_rank.filter(|_| model.train.ranks > 1);
+        let mut training = backward.clone();
+        if model.train.zero_rank.is_some() {
+            if let Some(why) = autodiff::zero::unsplittable(&training.params, model.train.ranks) {
+                return Err(Failure::Usage(format!(
+                    "--zero 1 cannot split this model over its {} ranks: {why}; train it with --zero 0, or on fewer GPUs",
+                    model.train.ranks
+                )));
+            }
+        }
+        autodiff::add_update(&mut training, &model.train).map_err(|e| {
+            Failure::Model(
+                crate::diag::Diagnostic::new(
+                    format!("internal error building the update: {e}"),
+                    model.train.loss_span,
+                    "",
+                )
+                .into(),
+            )
+        })?;
+        check_verified(&training, "the optimizer update")?;
+        let mut optimized = training.clone();
+        let mut pass_stats = forward_stats.clone();
+        let mut dumped = shared_dump.clone();
+        pass_stats.extend(
+            run_pipeline(
+                &mut optimized,
+                &enabled(default_pipeline()),
+                keep(wanted, &mut dumped),
+            )
+            .map_err(internal)?,
+        );
+        out.push(Compiled {
+            ast: ast.clone(),
+            model,
+            training,
+            optimized,
+            pass_stats,
+            disabled_passes: opts.disabled_passes.clone(),
+            options: Options {
+                zero_rank,
+                ..opts.clone()
+            },
+            lower: opts.lower.clone(),
+            dumped,
+        });
+    }
+    Ok(out)
+}
+
+/// A pipeline's hook that keeps the graph after the pass named `wanted`.
+fn keep<'a>(
+    wanted: Option<&'a str>,
+    dumped: &'a mut Option<Graph>,
+) -> impl FnMut(&str, &Graph) + 'a {
+    move |pass, g| {
+        if wanted == Some(pass) {
+            *dumped = Some(g.clone());
         }
     }
-    autodiff::add_update(&mut training, &model.train).map_err(|e| {
-        Failure::Model(
-            crate::diag::Diagnostic::new(
-                format!("internal error building the update: {e}"),
-                model.train.loss_span,
-                "",
-            )
-            .into(),
-        )
-    })?;
-    check_verified(&training, "the optimizer update")?;
-    let mut optimized = training.clone();
-    pass_stats.extend(
-        run_pipeline(&mut optimized, &enabled(default_pipeline()), |_, _| {}).map_err(internal)?,
-    );
-    optimized.lowering_off = lowering_off(&opts.disabled_passes);
-    Ok(Compiled {
-        ast,
-        model,
-        training,
-        optimized,
-        pass_stats,
-        disabled_passes: opts.disabled_passes.clone(),
-        options: opts.clone(),
-    })
 }
 
 /// The forward pass alone, from the inputs to the loss, after the same
@@ -235,17 +270,7 @@ pub fn forward_graph(c: &Compiled) -> Result<Graph, String> {
     let mut g = c.model.graph.clone();
     crate::passes::remove_dropout(&mut g);
     run_pipeline(&mut g, &default_pipeline(), |_, _| {}).map_err(|e| e.to_string())?;
-    g.lowering_off = lowering_off(&c.disabled_passes);
     Ok(g)
-}
-
-/// The names in `--disable-pass` that are optimisations of the kernel
-/// stages (the graph carries them to fusion and selection).
-fn lowering_off(disabled: &[String]) -> Vec<Optimisation> {
-    disabled
-        .iter()
-        .filter_map(|d| Optimisation::from_name(d))
-        .collect()
 }
 
 /// The verifier guards the compiler's own invariants: a failure is a bug in
@@ -280,7 +305,7 @@ pub fn generated_kernels(
     opts: &Options,
 ) -> Result<Vec<(String, String)>, Failure> {
     let c = compile(source, model_name, opts)?;
-    let program = crate::kernel::fuse::fuse(&c.optimized);
+    let program = crate::kernel::fuse::fuse_with(&c.optimized, &c.lower);
     Ok(crate::emit::cuda::emit_program(
         &c.optimized,
         &program,

@@ -18,7 +18,7 @@
 
 use crate::ir::graph::Role;
 use crate::ir::Graph;
-use crate::kernel::fuse::fuse;
+use crate::kernel::fuse::fuse_with;
 use crate::kernel::Program;
 use crate::plan::roofline::step_flops;
 use crate::plan::{plan_with, CompiledStep, Plan, PlanError, StepParam};
@@ -35,7 +35,7 @@ pub struct Lowered {
 /// Fusion and kernel selection for `target` (`source` is the model file,
 /// for the kernels' comments).
 pub fn select_kernels(g: &Graph, target: &Target, source: Option<&str>) -> (Program, Selection) {
-    let program = fuse(g);
+    let program = fuse_with(g, &target.lower);
     let selection = select(g, &program, target, source);
     (program, selection)
 }

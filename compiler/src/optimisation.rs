@@ -1,11 +1,11 @@
 //! The optimisations of the kernel stages that `--disable-pass` can turn
 //! off, to find which one a wrong result or a slow step comes from. Each is
-//! read where it applies (`Graph::lowering_on`); turned off, the step
+//! read where it applies (`LowerOptions::on`); turned off, the step
 //! computes the same values with more kernels or simpler ones. An enum, so
 //! that a misspelt optimisation is a compile error, not one silently left on.
 
 /// One optimisation of the kernel stages.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Optimisation {
     /// An elementwise op joins its producer's kernel when it is the value's only reader (off: a kernel per op)
     ElementwiseChains,
@@ -89,6 +89,27 @@ impl Optimisation {
 impl std::fmt::Display for Optimisation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// What the kernel stages take besides the graph: the optimisations
+/// turned off and the size of the data-parallel gradient buckets. Passed to
+/// fusion, selection and the plan (`lowering::lower`), never carried on the
+/// graph, so a graph prints, parses and compares the same whatever it will
+/// be lowered with.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LowerOptions {
+    pub off: std::collections::BTreeSet<Optimisation>,
+    /// Bytes a gradient bucket holds before it closes; `None`: the rule in
+    /// `kernel::buckets` (by the gradients' total, the step's count of
+    /// layers and the GPU's bandwidth).
+    pub bucket_bytes: Option<u64>,
+}
+
+impl LowerOptions {
+    /// Whether `optimisation` is on.
+    pub fn on(&self, optimisation: Optimisation) -> bool {
+        !self.off.contains(&optimisation)
     }
 }
 

@@ -62,7 +62,7 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
         ..target.clone()
     };
     let (tensor_cores, f32_math) = (target.arch.is_some(), target.f32_math);
-    let target = match g.lowering_on(Optimisation::TensorCoreAttention) {
+    let target = match target.lower.on(Optimisation::TensorCoreAttention) {
         true => target,
         false => &simple,
     };

@@ -1,9 +1,11 @@
-//! What a step is compiled for: the GPU architecture, the multiprocessors
-//! its persistent kernels fill, and the arithmetic schemes asked for. A
-//! leaf the compiler's kernel selection and the runtime both read (the
-//! runtime takes the f32 scheme from the compiled step it runs).
+//! What a step is lowered for: the GPU architecture, the multiprocessors
+//! its persistent kernels fill, the arithmetic schemes asked for, and the
+//! optimisations of the kernel stages left on. The kernel stages read it,
+//! and the runtime takes the f32 scheme and determinism from the compiled
+//! step's copy.
 
 use crate::emit::flash::FlashArch;
+use crate::optimisation::LowerOptions;
 
 /// What the kernels are chosen for.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -18,6 +20,9 @@ pub struct Target {
     pub multiprocessors: u32,
     /// How f32 products are taken on tensor cores (GEMMs and attention).
     pub f32_math: F32Math,
+    /// The optimisations of the kernel stages left on, and the gradient
+    /// buckets' size.
+    pub lower: LowerOptions,
 }
 
 /// How an f32 model's products run.
@@ -52,6 +57,7 @@ impl Target {
             deterministic,
             multiprocessors: d.multiprocessors,
             f32_math: F32Math::default(),
+            lower: LowerOptions::default(),
         })
     }
 
@@ -62,6 +68,7 @@ impl Target {
             deterministic: false,
             multiprocessors: 1,
             f32_math: F32Math::default(),
+            lower: LowerOptions::default(),
         }
     }
 

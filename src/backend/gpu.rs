@@ -6,7 +6,8 @@
 use super::{copy_params_by_value, source_shapes, Backend};
 use fusec_compiler::ir::Graph;
 use fusec_compiler::kernel::Program;
-use fusec_compiler::lowering::lower;
+use fusec_compiler::lowering;
+use fusec_compiler::optimisation::LowerOptions;
 use fusec_compiler::plan::shard::Piece;
 use fusec_compiler::target::{F32Math, Target};
 use fusec_runtime::device;
@@ -31,13 +32,15 @@ pub struct GpuOptions {
 impl GpuOptions {
     /// The target for `gpu`: the tensor-core attention family its
     /// architecture runs (FUSEC_ATTENTION=simple keeps the simple kernels,
-    /// the CPU-checked reference), in the schemes asked for.
-    pub fn target(&self, gpu: &device::Gpu) -> Result<Target, RuntimeError> {
+    /// the CPU-checked reference), in the schemes asked for, with the
+    /// kernel stages' optimisations `lower` leaves on.
+    pub fn target(&self, gpu: &device::Gpu, lower: &LowerOptions) -> Result<Target, RuntimeError> {
         Ok(Target {
             arch: gpu.flash_arch()?,
             deterministic: self.deterministic,
             multiprocessors: gpu.multiprocessors,
             f32_math: self.f32_math,
+            lower: lower.clone(),
         })
     }
 }
@@ -52,19 +55,21 @@ pub struct Gpu {
 }
 
 impl Gpu {
-    /// Fuses, selects and plans `graph`'s step for `gpu` at sizes `dims`,
-    /// and loads it there (kernels from the cache in `cache_dir` or
-    /// compiled, `progress(done, total)` as they are).
+    /// Fuses, selects and plans `graph`'s step for `gpu` at sizes `dims`
+    /// with the optimisations `lower` leaves on (the model's
+    /// `Compiled::lower`), and loads it there (kernels from the cache in
+    /// `cache_dir` or compiled, `progress(done, total)` as they are).
     pub fn open(
         gpu: device::Gpu,
         graph: &Graph,
+        lower: &LowerOptions,
         dims: &BTreeMap<String, i64>,
         cache_dir: Option<&Path>,
         progress: &(dyn Fn(usize, usize) + Sync),
         options: GpuOptions,
     ) -> Result<Gpu, RuntimeError> {
-        let target = options.target(&gpu)?;
-        let lowered = lower(graph, &target, dims, None)
+        let target = options.target(&gpu, lower)?;
+        let lowered = lowering::lower(graph, &target, dims, None)
             .map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
         fusec_runtime::startup::mark("kernels chosen, memory planned");
         let (step, program) = lowered.into_step(graph);

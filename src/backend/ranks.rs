@@ -14,6 +14,7 @@ use super::{Backend, GpuOptions};
 use fusec_compiler::autodiff::zero;
 use fusec_compiler::ir::Graph;
 use fusec_compiler::ops::Op;
+use fusec_compiler::optimisation::LowerOptions;
 use fusec_runtime::session::StepStats;
 use fusec_runtime::stage::HostBuf;
 use fusec_runtime::RuntimeError;
@@ -541,6 +542,7 @@ pub type Ready = Arc<dyn Fn(usize, usize, &super::Gpu) + Send + Sync>;
 #[allow(clippy::too_many_arguments)]
 pub fn start_gpus(
     graphs: Vec<Graph>,
+    lower: &LowerOptions,
     dims: &BTreeMap<String, i64>,
     here: &[(usize, usize)],
     world: usize,
@@ -554,11 +556,23 @@ pub fn start_gpus(
         .iter()
         .zip(graphs)
         .map(|(&(rank, ordinal), g)| {
-            let (dims, cache_dir, ready) = (dims.clone(), cache_dir.clone(), Arc::clone(&ready));
+            let (dims, cache_dir, ready, lower) = (
+                dims.clone(),
+                cache_dir.clone(),
+                Arc::clone(&ready),
+                lower.clone(),
+            );
             let build: Build = Box::new(move || {
                 let gpu = fusec_runtime::device::open(ordinal)?;
-                let b =
-                    super::Gpu::open(gpu, &g, &dims, cache_dir.as_deref(), &|_, _| {}, options)?;
+                let b = super::Gpu::open(
+                    gpu,
+                    &g,
+                    &lower,
+                    &dims,
+                    cache_dir.as_deref(),
+                    &|_, _| {},
+                    options,
+                )?;
                 ready(rank, ordinal, &b);
                 Ok(Box::new(b) as Box<dyn Backend>)
             });

@@ -1,12 +1,12 @@
 //! `fusec build`: compile a model and write every stage to a folder.
 
-use super::common::{fit_memory, load_rank, BudgetArgs, ModelArgs, SizeArgs};
+use super::common::{fit_memory, load_steps, BudgetArgs, ModelArgs, SizeArgs};
 use super::CliError;
 use clap::{Args, ValueEnum};
 use fusec_compiler::driver::{Compiled, STAGES};
 use fusec_compiler::emit::{HEADERS, PRELUDE, PRELUDE_NAME};
 use fusec_compiler::ir::{dot::to_dot, print::print_graph};
-use fusec_compiler::kernel::fuse::fuse;
+use fusec_compiler::kernel::fuse::fuse_with;
 use fusec_compiler::plan::plan_with;
 use fusec_compiler::select::{select, Target};
 use std::path::{Path, PathBuf};
@@ -109,11 +109,11 @@ pub fn stage_text(c: &Compiled, stage: &str, source: &str, format: Format) -> St
         }
         "optimized" => &c.optimized,
         "layout" => {
-            let program = fuse(&c.optimized);
+            let program = fuse_with(&c.optimized, &c.lower);
             return fusec_compiler::kernel::print::print_layouts(&c.optimized, &program);
         }
         "kernels" => {
-            let program = fuse(&c.optimized);
+            let program = fuse_with(&c.optimized, &c.lower);
             return fusec_compiler::kernel::print::print_program(&c.optimized, &program);
         }
         _ => &c.training,
@@ -127,9 +127,10 @@ fn write(path: &Path, text: &str) -> Result<(), CliError> {
 }
 
 /// The target `--device`, `--deterministic`, `--tf32` and `--exact-f32` name.
-fn target(args: &BuildArgs) -> Target {
+fn target(args: &BuildArgs, c: &Compiled) -> Target {
     Target {
         f32_math: args.f32.math(),
+        lower: c.lower.clone(),
         ..Target::for_device(&args.device, args.deterministic).expect("checked by clap")
     }
 }
@@ -146,16 +147,16 @@ fn kernel_stage(c: &Compiled, stage: &str, args: &BuildArgs) -> Result<Option<St
         )));
     }
     // Each stage verifies its own result (fusion, selection, the plan).
-    let program = fuse(&c.optimized);
+    let program = fuse_with(&c.optimized, &c.lower);
     Ok(Some(match stage {
         "layout" => print_layouts(&c.optimized, &program),
         "fuse" => print_program(&c.optimized, &program),
         "select" => {
-            select(&c.optimized, &program, &target(args), None).print(&c.optimized, &program)
+            select(&c.optimized, &program, &target(args, c), None).print(&c.optimized, &program)
         }
         _ => {
             let dims = args.sizes.resolve(&c.optimized.dims)?;
-            let selection = select(&c.optimized, &program, &target(args), None);
+            let selection = select(&c.optimized, &program, &target(args, c), None);
             let plan = plan_with(&c.optimized, &program, Some(&selection), &dims).map_err(|e| {
                 CliError::usage(format!(
                     "error: {e} (give sizes with --batch, --seq or --dim)"
@@ -164,6 +165,43 @@ fn kernel_stage(c: &Compiled, stage: &str, args: &BuildArgs) -> Result<Option<St
             plan.to_json()
         }
     }))
+}
+
+/// The step `--gpus` and `--rank` ask for: rank `--rank`'s own under ZeRO
+/// (the default over several ranks, where the model splits), else the
+/// step every rank runs. Where ZeRO may apply, both come from one compile
+/// (the rank's is kept where `zero_on` says so); a model too small to split
+/// is compiled again without it.
+fn load_for_rank(args: &BuildArgs, ranks: u32) -> Result<super::common::Loaded, CliError> {
+    let par = &args.parallel;
+    let dump = args.dump_after.as_deref();
+    let plain =
+        || load_steps(&args.model, ranks, &[None], par.reduce_dtype, dump).map(|mut v| v.remove(0));
+    if ranks < 2 || par.zero == Some(0) {
+        return plain();
+    }
+    match load_steps(
+        &args.model,
+        ranks,
+        &[None, Some(args.rank)],
+        par.reduce_dtype,
+        dump,
+    ) {
+        Ok(mut both) => {
+            let own = both.pop().expect("two steps");
+            let plain = both.pop().expect("two steps");
+            Ok(
+                match par.zero_on(ranks as usize, &plain.compiled.optimized.params) {
+                    true => own,
+                    false => plain,
+                },
+            )
+        }
+        // `--zero 1` on a model it cannot split says why; by default
+        // such a model runs unsplit.
+        Err(e) if par.zero.is_some() => Err(e),
+        Err(_) => plain(),
+    }
 }
 
 pub fn run(args: &BuildArgs) -> Result<(), CliError> {
@@ -186,13 +224,8 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     }
     // ZeRO by default over several ranks, where the model splits: then the
     // step is rank --rank's own.
-    let plain = load_rank(&args.model, ranks, None, par.reduce_dtype)?;
-    let mut loaded = if par.zero_on(ranks as usize, &plain.compiled.optimized.params) {
-        load_rank(&args.model, ranks, Some(args.rank), par.reduce_dtype)?
-    } else {
-        plain
-    };
-    par.shape_buckets(&mut loaded.compiled.optimized);
+    let mut loaded = load_for_rank(args, ranks)?;
+    par.shape_buckets(&mut loaded.compiled.lower);
     let dims = args.sizes.resolve(&loaded.compiled.optimized.dims)?;
     let recomputed = fit_memory(
         &mut loaded,
@@ -228,9 +261,10 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
             )));
         }
         let g = c
-            .graph_after(pass)
+            .dumped
+            .as_ref()
             .ok_or_else(|| CliError::usage(format!("error: unknown pass `{pass}`")))?;
-        print!("{}", graph_text(&g, &loaded.source, args.format));
+        print!("{}", graph_text(g, &loaded.source, args.format));
         return Ok(());
     }
     if let Some(stage) = &args.dump {
@@ -253,7 +287,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     write(&p, &to_dot(&c.training))?;
     written.push(p);
 
-    let program = fuse(&c.optimized);
+    let program = fuse_with(&c.optimized, &c.lower);
     let kdir = args.out.join("kernels");
     // Stale kernels from an earlier build would mislead: start the folder afresh.
     let _ = std::fs::remove_dir_all(&kdir);
@@ -271,7 +305,12 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         }
         write(&p, text)?;
     }
-    let selection = select(&c.optimized, &program, &target(args), Some(&loaded.source));
+    let selection = select(
+        &c.optimized,
+        &program,
+        &target(args, c),
+        Some(&loaded.source),
+    );
     for (name, text) in &selection.sources {
         write(&kdir.join(format!("{name}.cu")), text)?;
     }

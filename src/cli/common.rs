@@ -138,14 +138,16 @@ pub fn options(args: &ModelArgs) -> Result<Options, CliError> {
         };
         overrides.push((k.trim().to_string(), v.trim().to_string()));
     }
-    Ok(Options {
+    let mut opts = Options {
         overrides,
         precision: args.precision,
         ranks: 1,
-        zero_rank: None,
-        reduce_dtype: None,
-        disabled_passes: args.disable_pass.clone(),
-    })
+        ..Options::default()
+    };
+    for name in &args.disable_pass {
+        opts.disable(name);
+    }
+    Ok(opts)
 }
 
 pub fn load(args: &ModelArgs) -> Result<Loaded, CliError> {
@@ -170,30 +172,78 @@ pub fn load_rank(
     zero_rank: Option<u32>,
     reduce_dtype: Option<DType>,
 ) -> Result<Loaded, CliError> {
+    let mut all = load_steps(args, ranks, &[zero_rank], reduce_dtype, None)?;
+    Ok(all.remove(0))
+}
+
+/// The steps of several ZeRO ranks of one job (`None`: a step that updates
+/// every parameter) from one compile of what they share (the front, the
+/// forward passes, autodiff): each rank adds only its update and the
+/// passes after it. `dump_after`: a graph pass whose result to keep
+/// (`--dump-after`).
+pub fn load_steps(
+    args: &ModelArgs,
+    ranks: u32,
+    zero_ranks: &[Option<u32>],
+    reduce_dtype: Option<DType>,
+    dump_after: Option<&str>,
+) -> Result<Vec<Loaded>, CliError> {
     let source = read_source(&args.model)?;
     let opts = Options {
         ranks,
-        zero_rank,
         reduce_dtype,
+        dump_after: dump_after.map(str::to_string),
         ..options(args)?
     };
     let name = driver::model_name(&args.model);
-    let compiled = driver::compile(&source, &name, &opts).map_err(|f| {
-        let text = f.render(&args.model.display().to_string(), &source);
-        if f.is_usage() {
-            CliError::usage(text)
-        } else {
-            CliError::model(text)
-        }
-    })?;
-    Ok(Loaded {
-        path: args.model.clone(),
-        sets: args.set.clone(),
-        disable_pass: args.disable_pass.clone(),
-        precision: args.precision,
-        source,
-        compiled,
-    })
+    let steps = driver::compile_ranks(&source, &name, &opts, zero_ranks)
+        .map_err(|f| compile_error(&f, &args.model, &source))?;
+    Ok(steps
+        .into_iter()
+        .map(|compiled| Loaded {
+            path: args.model.clone(),
+            sets: args.set.clone(),
+            disable_pass: args.disable_pass.clone(),
+            precision: args.precision,
+            source: source.clone(),
+            compiled,
+        })
+        .collect())
+}
+
+/// A compile's failure as the command line reports it: a usage error
+/// (exit 2) or an error in the model file (exit 1), with its place.
+pub fn compile_error(f: &driver::Failure, path: &Path, source: &str) -> CliError {
+    let text = f.render(&path.display().to_string(), source);
+    if f.is_usage() {
+        CliError::usage(text)
+    } else {
+        CliError::model(text)
+    }
+}
+
+/// The model as `loaded` was compiled, rebuilt for ZeRO ranks `ranks` of a
+/// job of `world` (one compile for all of them).
+pub fn rank_steps(loaded: &Loaded, world: u32, ranks: &[u32]) -> Result<Vec<Loaded>, CliError> {
+    let args = ModelArgs {
+        model: loaded.path.clone(),
+        set: loaded.sets.clone(),
+        precision: loaded.precision,
+        disable_pass: loaded.disable_pass.clone(),
+    };
+    let zero: Vec<Option<u32>> = ranks.iter().map(|&r| Some(r)).collect();
+    let mut steps = load_steps(
+        &args,
+        world,
+        &zero,
+        loaded.compiled.options.reduce_dtype,
+        None,
+    )?;
+    // `--bucket-mib` was set on the loaded step's options.
+    for s in &mut steps {
+        s.compiled.lower = loaded.compiled.lower.clone();
+    }
+    Ok(steps)
 }
 
 /// `124439808` -> `124,439,808`
@@ -320,8 +370,11 @@ pub fn fit_memory(
         }
         return Ok(None);
     }
-    let target = fusec_compiler::select::Target::for_device(device, deterministic)
-        .unwrap_or_else(fusec_compiler::select::Target::simple);
+    let target = fusec_compiler::select::Target {
+        lower: loaded.compiled.lower.clone(),
+        ..fusec_compiler::select::Target::for_device(device, deterministic)
+            .unwrap_or_else(fusec_compiler::select::Target::simple)
+    };
     let roof = fusec_compiler::device::device(device)
         .unwrap_or_else(fusec_compiler::device::default_device);
     let missing = missing(dims, &loaded.compiled.optimized.dims);

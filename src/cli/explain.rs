@@ -9,7 +9,7 @@ use super::common::{load, ModelArgs, SizeArgs};
 use super::CliError;
 use clap::Args;
 use fusec_compiler::ir::print::line_col;
-use fusec_compiler::kernel::fuse::fuse;
+use fusec_compiler::kernel::fuse::fuse_with;
 use fusec_compiler::plan::plan;
 use fusec_compiler::plan::roofline::estimate;
 use std::collections::{BTreeMap, BTreeSet};
@@ -134,7 +134,7 @@ fn explain(args: &ExplainArgs, loaded: &super::common::Loaded) -> Result<String,
         }
     }
     // The kernels holding them, with bytes and times where sizes allow.
-    let program = fuse(g);
+    let program = fuse_with(g, &loaded.compiled.lower);
     let dims = args.sizes.resolve(&g.dims)?;
     let costs = if super::common::missing(&dims, &g.dims).is_empty() {
         plan(g, &program, &dims)

@@ -27,6 +27,7 @@ pub(super) fn start(
 ) -> Result<(Gpu, String), CliError> {
     start_graph(
         &loaded.compiled.optimized,
+        &loaded.compiled.lower,
         &loaded.compiled.model.graph.name,
         dims,
         gpu,
@@ -38,6 +39,7 @@ pub(super) fn start(
 /// [`start`] for any graph of the model (`what` names it in the messages).
 pub(super) fn start_graph(
     g: &fusec_compiler::ir::Graph,
+    lower: &fusec_compiler::optimisation::LowerOptions,
     what: &str,
     dims: &BTreeMap<String, i64>,
     gpu: device::Opening,
@@ -68,6 +70,7 @@ pub(super) fn start_graph(
     let mut b = Gpu::open(
         gpu,
         g,
+        lower,
         dims,
         Some(&fusec_runtime::cache::default_dir()),
         &progress,

@@ -5,7 +5,7 @@
 //! for checking). `--batch` is each rank's: N ranks with batch B train on
 //! the batches one rank with N x B would.
 
-use super::common::{load_rank, Loaded, ModelArgs};
+use super::common::{rank_steps, Loaded};
 use super::open::runtime_err;
 use super::CliError;
 use clap::Args;
@@ -64,9 +64,9 @@ impl ParallelArgs {
             }
     }
 
-    /// Sets `--bucket-mib` on the step `g` is (every rank's step must get it).
-    pub fn shape_buckets(&self, g: &mut fusec_compiler::ir::Graph) {
-        g.bucket_bytes = self.bucket_mib.map(|m| m << 20);
+    /// Sets `--bucket-mib` in the options every rank's step is lowered with.
+    pub fn shape_buckets(&self, lower: &mut fusec_compiler::optimisation::LowerOptions) {
+        lower.bucket_bytes = self.bucket_mib.map(|m| m << 20);
     }
 }
 
@@ -174,7 +174,7 @@ pub fn whole_batch(dims: &BTreeMap<String, i64>, world: usize) -> BTreeMap<Strin
 /// ranks it was built for) and the data it reads.
 pub fn plan_hash(loaded: &Loaded, dims: &BTreeMap<String, i64>, data: &str) -> u64 {
     let g = &loaded.compiled.optimized;
-    let program = fusec_compiler::kernel::fuse::fuse(g);
+    let program = fusec_compiler::kernel::fuse::fuse_with(g, &loaded.compiled.lower);
     let mut h = std::hash::DefaultHasher::new();
     match fusec_compiler::plan::plan(g, &program, dims) {
         Ok(p) => p.to_json().hash(&mut h),
@@ -212,24 +212,17 @@ pub fn start(
     zero: bool,
 ) -> Result<Ranks, CliError> {
     let world = job.world();
-    let g = loaded.compiled.optimized.clone();
-    // With ZeRO, each rank's step updates its own parameters only.
-    let graph_for = |rank: usize| -> Result<fusec_compiler::ir::Graph, CliError> {
+    // With ZeRO, each rank's step updates its own parameters only: every
+    // local rank's step from one compile.
+    let graphs_for = |ranks: &[usize]| -> Result<Vec<fusec_compiler::ir::Graph>, CliError> {
         if !zero {
-            return Ok(g.clone());
+            return Ok(vec![loaded.compiled.optimized.clone(); ranks.len()]);
         }
-        let args = ModelArgs {
-            model: loaded.path.clone(),
-            set: loaded.sets.clone(),
-            precision: loaded.precision,
-            disable_pass: loaded.disable_pass.clone(),
-        };
-        let reduce = loaded.compiled.options.reduce_dtype;
-        let mut own = load_rank(&args, world as u32, Some(rank as u32), reduce)?
-            .compiled
-            .optimized;
-        own.bucket_bytes = g.bucket_bytes;
-        Ok(own)
+        let ranks: Vec<u32> = ranks.iter().map(|&r| r as u32).collect();
+        Ok(rank_steps(loaded, world as u32, &ranks)?
+            .into_iter()
+            .map(|l| l.compiled.optimized)
+            .collect())
     };
     let usage = |m: String| CliError::usage(format!("error: {m}"));
     if cpu {
@@ -243,11 +236,13 @@ pub fn start(
             zero_line(zero)
         );
         let ranks = *n as u32;
+        let graphs = graphs_for(&(0..*n).collect::<Vec<_>>())?;
         let builds = Peers::group(*n)
             .into_iter()
+            .zip(graphs)
             .enumerate()
-            .map(|(r, peers)| {
-                let (g, dims) = (graph_for(r)?, dims.clone());
+            .map(|(r, (peers, g))| {
+                let dims = dims.clone();
                 let build: Build = Box::new(move || {
                     let mut cpu = backend::Cpu::new(&g, &dims, Precision::AsStored)?;
                     cpu.join(peers);
@@ -295,12 +290,10 @@ pub fn start(
             s.session.plan.arena_bytes as f64 / (1u64 << 30) as f64
         );
     });
-    let graphs = here
-        .iter()
-        .map(|&(rank, _)| graph_for(rank))
-        .collect::<Result<Vec<_>, CliError>>()?;
+    let graphs = graphs_for(&here.iter().map(|&(rank, _)| rank).collect::<Vec<_>>())?;
     let ranks = fusec::backend::ranks::start_gpus(
         graphs,
+        &loaded.compiled.lower,
         dims,
         &here,
         world,

@@ -115,6 +115,7 @@ pub fn prepare(
         let source = Some((path.as_str(), loaded.source.as_str()));
         let (s, _) = start_graph(
             &forward,
+            &loaded.compiled.lower,
             &what,
             dims,
             fusec_runtime::device::Opening::here(gpu),

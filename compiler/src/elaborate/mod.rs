@@ -61,6 +61,27 @@ pub struct Options {
     /// `--disable-pass`: graph passes not to run (`fusec passes` lists
     /// them), to see what one changes or to bisect a miscompile.
     pub disabled_passes: Vec<String>,
+    /// The optimisations of the kernel stages `--disable-pass` turned off,
+    /// and the gradient buckets' size (`--bucket-mib`): what the step is
+    /// lowered with (`Compiled::lower`).
+    pub lower: crate::optimisation::LowerOptions,
+    /// `--dump-after PASS`: keep the graph as this graph pass leaves it
+    /// (`driver::Compiled::dumped`).
+    pub dump_after: Option<String>,
+}
+
+impl Options {
+    /// Turns off what `--disable-pass NAME` names: an optimisation of the
+    /// kernel stages (typed, into `lower`) or a graph pass (checked against
+    /// the pipeline when the model compiles).
+    pub fn disable(&mut self, name: &str) {
+        match crate::optimisation::Optimisation::from_name(name) {
+            Some(o) => {
+                self.lower.off.insert(o);
+            }
+            None => self.disabled_passes.push(name.to_string()),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

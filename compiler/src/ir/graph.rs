@@ -140,12 +140,6 @@ pub struct Graph {
     /// Order the nodes minding memory (`schedule::topo_order`): set by the
     /// recompute stage where that plans a smaller step.
     pub order_by_memory: bool,
-    /// Optimisations of the kernel stages left out (`--disable-pass`, for
-    /// bisecting).
-    pub lowering_off: Vec<crate::optimisation::Optimisation>,
-    /// Bytes a data-parallel gradient bucket closes at (`--bucket-mib`);
-    /// `None`: `kernel::buckets::BUCKET_BYTES`.
-    pub bucket_bytes: Option<u64>,
     /// Places whose ops a pass made one (`passes::FuseProjections`: the
     /// projection of q's line also computes those of k's and v's): the
     /// span the ops keep, and the others they stand for, so the report and
@@ -175,8 +169,6 @@ impl Graph {
             calls: Vec::new(),
             padded: Vec::new(),
             order_by_memory: false,
-            lowering_off: Vec::new(),
-            bucket_bytes: None,
             merged: Vec::new(),
         }
     }
@@ -191,11 +183,6 @@ impl Graph {
             }
         }
         out
-    }
-
-    /// Whether an optimisation of the kernel stages is on (see `lowering_off`).
-    pub fn lowering_on(&self, optimisation: crate::optimisation::Optimisation) -> bool {
-        !self.lowering_off.contains(&optimisation)
     }
 
     /// The block calls a place was elaborated in, innermost first.

@@ -12,7 +12,7 @@ use crate::ops::Op;
 use std::collections::HashMap;
 
 /// A bucket closes once it holds at least this many bytes (`--bucket-mib`
-/// sets another, `Graph::bucket_bytes`): large enough that each collective
+/// sets another, `LowerOptions::bucket_bytes`): large enough that each collective
 /// runs near link speed and that few of them start, small enough that the
 /// first starts early in the backward pass. PyTorch DDP closes at 25 MB;
 /// on 2 and 4 H100s over NVLink, 100 MiB made gpt2-small's data-parallel
@@ -76,7 +76,12 @@ fn default_bucket_bytes(
 }
 
 /// `kernels` with every all-reduce op kernel gathered into buckets.
-pub fn bucket_collectives(g: &Graph, buffers: &[Buffer], kernels: Vec<Kernel>) -> Vec<Kernel> {
+pub fn bucket_collectives(
+    g: &Graph,
+    buffers: &[Buffer],
+    kernels: Vec<Kernel>,
+    bucket_bytes: Option<u64>,
+) -> Vec<Kernel> {
     if !kernels.iter().any(|k| is_collective(g, k)) {
         return kernels;
     }
@@ -115,8 +120,7 @@ pub fn bucket_collectives(g: &Graph, buffers: &[Buffer], kernels: Vec<Kernel>) -
     // Open buckets: one for the gradients, one for what every micro-batch
     // averages (the loss); a tensor of a bucket's size or more goes alone,
     // so the gradients before it do not wait for it.
-    let bucket_bytes = g
-        .bucket_bytes
+    let bucket_bytes = bucket_bytes
         .unwrap_or_else(|| default_bucket_bytes(g, buffers, &order))
         .max(1);
     let mut buckets: Vec<(Option<usize>, usize, u64, Vec<Kernel>)> = Vec::new();

@@ -16,7 +16,7 @@ use crate::ir::types::DType;
 use crate::ir::{Dim, Graph};
 use crate::ops::{BinaryKind, UnaryKind};
 use crate::ops::{FusionClass, Op};
-use crate::optimisation::Optimisation;
+use crate::optimisation::{LowerOptions, Optimisation};
 use petgraph::stable_graph::NodeIndex;
 use std::collections::HashMap;
 
@@ -25,6 +25,7 @@ mod prologues;
 
 struct Fuser<'g> {
     g: &'g Graph,
+    opts: &'g LowerOptions,
     /// Chain (group) of each pointwise node.
     group: HashMap<NodeIndex, usize>,
     chains: Vec<Vec<NodeIndex>>,
@@ -91,7 +92,7 @@ impl<'g> Fuser<'g> {
         let Op::Cast(c) = &self.g.g[n].op else {
             return None;
         };
-        if !self.g.lowering_on(Optimisation::CastsIntoProducers) {
+        if !self.opts.on(Optimisation::CastsIntoProducers) {
             return None;
         }
         let x = self.g.inputs(n)[0];
@@ -115,7 +116,7 @@ impl<'g> Fuser<'g> {
     /// reading every product back.
     fn residual_for_gemm(&self, n: NodeIndex, x: Value, at: &HashMap<NodeIndex, usize>) -> bool {
         let is_add = matches!(&self.g.g[n].op, Op::Binary(b) if b.kind == BinaryKind::Add);
-        if !is_add || !self.g.lowering_on(Optimisation::GemmEpilogues) {
+        if !is_add || !self.opts.on(Optimisation::GemmEpilogues) {
             return false;
         }
         let ins = self.g.inputs(n);
@@ -144,7 +145,7 @@ impl<'g> Fuser<'g> {
                 continue;
             }
             let mut joined = None;
-            let chains = self.g.lowering_on(Optimisation::ElementwiseChains);
+            let chains = self.opts.on(Optimisation::ElementwiseChains);
             for x in self.g.inputs(n).into_iter().filter(|_| chains) {
                 let (b, _) = self.base(x);
                 let Some(&gi) = self.group.get(&b.node) else {
@@ -454,7 +455,7 @@ impl<'g> Fuser<'g> {
     /// elements, through reshapes alone) and that the chain's kernel can
     /// add up as it computes it.
     fn chain_sum(&self, tail: NodeIndex, n: &Dim) -> Option<ChainSum> {
-        if !self.g.lowering_on(Optimisation::SumsIntoChains) {
+        if !self.opts.on(Optimisation::SumsIntoChains) {
             return None;
         }
         let v = Value {
@@ -525,9 +526,16 @@ pub(super) fn kernel_name(g: &Graph, index: usize, nodes: &[NodeIndex]) -> Strin
     name
 }
 
+/// [`fuse_with`] with every optimisation on and the default buckets.
 pub fn fuse(g: &Graph) -> Program {
+    fuse_with(g, &LowerOptions::default())
+}
+
+/// The graph cut into kernels, with the optimisations `opts` leaves on.
+pub fn fuse_with(g: &Graph, opts: &LowerOptions) -> Program {
     let mut f = Fuser {
         g,
+        opts,
         group: HashMap::new(),
         chains: Vec::new(),
         buffers: Vec::new(),
@@ -597,14 +605,19 @@ pub fn fuse(g: &Graph) -> Program {
             FusionClass::Kernel => f.op_kernel(n, &mut kernels),
         }
     }
-    let kernels = match g.lowering_on(Optimisation::GroupKernels) {
+    let kernels = match opts.on(Optimisation::GroupKernels) {
         true => {
             let casts = super::groups::group_param_casts(g, &f.buffers, kernels);
             super::groups::group_optimizer_updates(g, casts)
         }
         false => kernels,
     };
-    let kernels = number(super::buckets::bucket_collectives(g, &f.buffers, kernels));
+    let kernels = number(super::buckets::bucket_collectives(
+        g,
+        &f.buffers,
+        kernels,
+        opts.bucket_bytes,
+    ));
     let mut program = Program {
         buffers: f.buffers,
         kernels,

@@ -52,7 +52,7 @@ impl Fuser<'_> {
     /// type: (the add, r).
     pub(super) fn residual_add(&self, n: NodeIndex) -> Option<(NodeIndex, Value)> {
         if !matches!(self.g.g[n].op, Op::LayerNormGrad(_) | Op::RmsNormGrad(_))
-            || !self.g.lowering_on(Optimisation::NormResidual)
+            || !self.opts.on(Optimisation::NormResidual)
         {
             return None;
         }
@@ -86,7 +86,7 @@ impl Fuser<'_> {
     /// product: `+ bias`, `+ residual`, `gelu` (keeping the pre-activation),
     /// or the GELU backward `gelu'(pre) * product`.
     pub(super) fn gemm_fold(&self, n: NodeIndex) -> Option<Fold> {
-        if !self.g.lowering_on(Optimisation::GemmEpilogues) {
+        if !self.opts.on(Optimisation::GemmEpilogues) {
             return None;
         }
         let y = Value { node: n, port: 0 };

@@ -13,7 +13,7 @@ impl Fuser<'_> {
     /// as its input 0 (and as nothing else), with every other reader of
     /// that value launched after it.
     pub(super) fn prologue_norm(&self, tail: NodeIndex) -> Option<NodeIndex> {
-        if !self.g.lowering_on(Optimisation::ChainsIntoNorms) {
+        if !self.opts.on(Optimisation::ChainsIntoNorms) {
             return None;
         }
         let v = Value {
