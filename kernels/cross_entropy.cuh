@@ -147,4 +147,12 @@ __device__ __forceinline__ void fs_cross_entropy_grad_row8(const typename X::Sto
     }
 }
 
+// 1 where a target counts toward a mean over the targets, 0 where it is
+// the ignored index (the count a cross-entropy with ignored targets
+// divides its summed losses by). A thread a target.
+template <class T>
+__device__ __forceinline__ float fs_counted(T target, long long ignore_index) {
+    return (long long)target == ignore_index ? 0.0f : 1.0f;
+}
+
 #endif

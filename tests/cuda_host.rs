@@ -632,6 +632,39 @@ fn causal_mask_kernels_compute_what_the_interpreter_computes() {
     assert!(checked > 0);
 }
 
+/// The count of the targets a cross-entropy with an ignored index means
+/// over (kernels/cross_entropy.cuh's `fs_counted`) against the
+/// interpreter, on targets drawn from two classes so that both the ignored
+/// index and the other occur (checked: a draw of one class alone would not
+/// test the ignoring).
+#[test]
+fn counted_targets_are_what_the_interpreter_counts() {
+    if !host::have_cxx() {
+        return;
+    }
+    let work = host::work_dir("cuda-host-counted");
+    let src = "dim B, T\ninput x: f32[B, T, 8]\ninput t: i32[B, T]\nparam w: [8, 2] = normal(0.3)\ntrain {\n    loss = cross_entropy(x @ w, t, ignore_index = 1)\n}\n";
+    let c = common::compile_with(src, "counted.dsl", &[]);
+    let g = &c.optimized;
+    let program = fuse(g);
+    let dims = [("B", 3), ("T", 5)];
+    let bufs = host::program_values(g, &program, &common::dims(&dims), 21);
+    let counted = program
+        .kernels
+        .iter()
+        .find(|k| k.name.contains("counted"))
+        .expect("a counted kernel");
+    let want = &bufs[counted.outputs[0]].data;
+    assert!(
+        want.contains(&0.0) && want.contains(&1.0),
+        "the drawn targets do not include both an ignored one and a counted one: {want:?}"
+    );
+    let checked = check_compiled(&work, "counted.dsl", &c, &dims);
+    let _ = std::fs::remove_dir_all(&work);
+    println!("{checked} kernels of the counted model ran on the host");
+    assert!(checked > 0);
+}
+
 /// Attention with key lengths (the simple kernels, forward and backward;
 /// the tensor-core ones do not take lengths yet) against the interpreter,
 /// f32 and bf16, at a T of 7 with random lengths 0..=7 (a sequence of

@@ -7,8 +7,9 @@ use fusec_compiler::driver::{Compiled, STAGES};
 use fusec_compiler::emit::{HEADERS, PRELUDE, PRELUDE_NAME};
 use fusec_compiler::ir::{dot::to_dot, print::print_graph};
 use fusec_compiler::kernel::fuse::fuse_with;
+use fusec_compiler::lowering::select_kernels;
 use fusec_compiler::plan::plan_with;
-use fusec_compiler::select::{select, Target};
+use fusec_compiler::select::Target;
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -147,17 +148,15 @@ fn kernel_stage(c: &Compiled, stage: &str, args: &BuildArgs) -> Result<Option<St
         )));
     }
     // Each stage verifies its own result (fusion, selection, the plan).
-    let program = fuse_with(&c.optimized, &c.lower);
+    let g = &c.optimized;
+    let (program, selection) = select_kernels(g, &target(args, c), None);
     Ok(Some(match stage {
-        "layout" => print_layouts(&c.optimized, &program),
-        "fuse" => print_program(&c.optimized, &program),
-        "select" => {
-            select(&c.optimized, &program, &target(args, c), None).print(&c.optimized, &program)
-        }
+        "layout" => print_layouts(g, &program),
+        "fuse" => print_program(g, &program),
+        "select" => selection.print(g, &program),
         _ => {
-            let dims = args.sizes.resolve(&c.optimized.dims)?;
-            let selection = select(&c.optimized, &program, &target(args, c), None);
-            let plan = plan_with(&c.optimized, &program, Some(&selection), &dims).map_err(|e| {
+            let dims = args.sizes.resolve(&g.dims)?;
+            let plan = plan_with(g, &program, Some(&selection), &dims).map_err(|e| {
                 CliError::usage(format!(
                     "error: {e} (give sizes with --batch, --seq or --dim)"
                 ))
@@ -287,7 +286,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     write(&p, &to_dot(&c.training))?;
     written.push(p);
 
-    let program = fuse_with(&c.optimized, &c.lower);
+    let (program, selection) = select_kernels(&c.optimized, &target(args, c), Some(&loaded.source));
     let kdir = args.out.join("kernels");
     // Stale kernels from an earlier build would mislead: start the folder afresh.
     let _ = std::fs::remove_dir_all(&kdir);
@@ -305,12 +304,6 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         }
         write(&p, text)?;
     }
-    let selection = select(
-        &c.optimized,
-        &program,
-        &target(args, c),
-        Some(&loaded.source),
-    );
     for (name, text) in &selection.sources {
         write(&kdir.join(format!("{name}.cu")), text)?;
     }

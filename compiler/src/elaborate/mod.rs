@@ -7,7 +7,10 @@ mod args;
 pub mod builtins;
 mod expr;
 mod items;
+mod options;
 mod train;
+
+pub use options::Options;
 
 use crate::diag::{Diagnostic, Errors};
 use crate::dsl::ast::{BlockDef, Expr, ExprKind, Ident, Item, Module, Span};
@@ -41,48 +44,6 @@ const MAX_EVAL_DEPTH: usize = 500;
 
 /// Most "in this call of block" notes on one error.
 const MAX_CALL_NOTES: usize = 8;
-
-#[derive(Clone, Debug, Default)]
-pub struct Options {
-    /// `--set name=value`: replaces a top-level constant.
-    pub overrides: Vec<(String, String)>,
-    /// `--precision`: replaces the train section's `precision`.
-    pub precision: Option<DType>,
-    /// Data-parallel ranks the step is built for (`--gpus`): above 1, the
-    /// update averages gradients and the loss over them. 0 means 1.
-    pub ranks: u32,
-    /// ZeRO stage 1: the rank this step is built for, which updates only
-    /// the parameters it owns.
-    pub zero_rank: Option<u32>,
-    /// `--reduce-dtype`: the type gradients are averaged over the ranks in
-    /// (`None`: f32, as they are kept). bf16 halves the bytes a bf16 model's
-    /// data-parallel step moves (`TrainConfig::reduce_dtype`).
-    pub reduce_dtype: Option<DType>,
-    /// `--disable-pass`: graph passes not to run (`fusec passes` lists
-    /// them), to see what one changes or to bisect a miscompile.
-    pub disabled_passes: Vec<String>,
-    /// The optimisations of the kernel stages `--disable-pass` turned off,
-    /// and the gradient buckets' size (`--bucket-mib`): what the step is
-    /// lowered with (`Compiled::lower`).
-    pub lower: crate::optimisation::LowerOptions,
-    /// `--dump-after PASS`: keep the graph as this graph pass leaves it
-    /// (`driver::Compiled::dumped`).
-    pub dump_after: Option<String>,
-}
-
-impl Options {
-    /// Turns off what `--disable-pass NAME` names: an optimisation of the
-    /// kernel stages (typed, into `lower`) or a graph pass (checked against
-    /// the pipeline when the model compiles).
-    pub fn disable(&mut self, name: &str) {
-        match crate::optimisation::Optimisation::from_name(name) {
-            Some(o) => {
-                self.lower.off.insert(o);
-            }
-            None => self.disabled_passes.push(name.to_string()),
-        }
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {

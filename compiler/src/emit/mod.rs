@@ -91,6 +91,11 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../../../kernels/norm_block.cuh"),
     ),
     ("rope.cuh", include_str!("../../../kernels/rope.cuh")),
+    ("clip.cuh", include_str!("../../../kernels/clip.cuh")),
+    (
+        "sum_squares.cuh",
+        include_str!("../../../kernels/sum_squares.cuh"),
+    ),
     ("optim.cuh", include_str!("../../../kernels/optim.cuh")),
     ("softmax.cuh", include_str!("../../../kernels/softmax.cuh")),
     (

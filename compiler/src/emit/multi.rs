@@ -233,21 +233,22 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let rows: i64 = chunks.iter().sum();
     let _ = writeln!(
         b,
-        "    // Block `row` sums the squares of one chunk of {} elements of one tensor.",
+        "    // Block `row` sums the squares of one chunk of {} elements of one tensor (kernels/sum_squares.cuh).",
         op.chunk
     );
-    let _ = writeln!(b, "    const fs_i64 rows = {rows};");
+    let _ = writeln!(b, "    const fs_i64 rows = {rows}, chunk = {}LL;", op.chunk);
     let _ = writeln!(
         b,
         "    for (fs_i64 row = blockIdx.x; row < rows; row += gridDim.x) {{"
     );
-    let _ = writeln!(b, "        float acc = 0.0f;");
+    let _ = writeln!(b, "        float acc;");
     let mut first = 0i64;
     for (i, (t, &nc)) in tys.iter().zip(&chunks).enumerate() {
         let numel = t.numel().as_const().unwrap_or(0);
+        // The elements of this tensor the step's norm covers (a ZeRO rank's
+        // own piece, or all of them).
         let (lo, hi) = op.span(i, numel);
         let cond = if i == 0 { "if" } else { "else if" };
-        let x = c.ld(i, "j");
         let what = if (lo, hi) == (0, numel) {
             format!("{numel} elements")
         } else {
@@ -258,27 +259,20 @@ pub(crate) fn kernel_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
             "        {cond} (row < {}) {{  // input {i}: {what}",
             first + nc
         );
-        if (lo, hi) == (0, numel) {
-            let _ = writeln!(
-                b,
-                "            const fs_i64 start = (row - {first}) * {}, end = start + {} < {numel} ? start + {} : {numel};",
-                op.chunk, op.chunk, op.chunk
-            );
-        } else {
-            let _ = writeln!(
-                b,
-                "            const fs_i64 start = {lo}LL + (row - {first}) * {}, end = start + {} < {hi}LL ? start + {} : {hi}LL;",
-                op.chunk, op.chunk, op.chunk
-            );
-        }
         let _ = writeln!(
             b,
-            "            for (fs_i64 j = start + threadIdx.x; j < end; j += blockDim.x) {{ const float x = {x}; acc += x * x; }}"
+            "            const fs_i64 start = {lo}LL + (row - {first}) * chunk;"
+        );
+        let _ = writeln!(
+            b,
+            "            acc = fs_sum_squares_chunk<{}>({}, start, start + chunk < {hi}LL ? start + chunk : {hi}LL);",
+            c.in_el(i),
+            c.in_ptr(i)
         );
         let _ = writeln!(b, "        }}");
         first += nc;
     }
-    let _ = writeln!(b, "        acc = fs_block_sum(acc);");
+    let _ = writeln!(b, "        else acc = 0.0f;");
     let _ = writeln!(b, "        if (threadIdx.x == 0) {}", c.st(0, "row", "acc"));
     let _ = writeln!(b, "    }}");
     Some(b)

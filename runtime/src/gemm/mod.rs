@@ -16,18 +16,17 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DriverError};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
-use sys::cublasLtMatmulDescAttributes_t as DescAttr;
 use sys::cublasLtMatmulDesc_t as Desc;
-use sys::cublasLtMatmulPreferenceAttributes_t as PrefAttr;
-use sys::cublasLtMatmulPreference_t as Pref;
-use sys::cublasLtMatrixLayoutAttribute_t as LayoutAttr;
 use sys::cublasLtMatrixLayout_t as Layout;
 type Algo = sys::cublasLtMatmulAlgo_t;
 
-use crate::gemm_tuning::{self, Tuning, TuningStats};
+use crate::gemm_tuning::{Tuning, TuningStats};
 
+mod plan;
 mod request;
-use request::{cuda_type, describe, Kind};
+mod tune;
+use plan::set_pointers;
+use request::{describe, Kind};
 pub use request::{EpiloguePtrs, GemmChecks, GemmElem, GemmError, GemmShape};
 
 /// The workspace cuBLASLt may use (NVIDIA's recommendation for Hopper;
@@ -107,71 +106,6 @@ struct Ptrs {
 // SAFETY: the handle and descriptors are host objects cuBLASLt lets move
 // between threads; `run` takes `&mut self`, so no two threads share them.
 unsafe impl Send for Gemm {}
-
-// Attribute setters taking a value of the attribute's documented C type.
-// SAFETY (all three): the object is live and `v` has the attribute's type.
-unsafe fn desc_attr<T>(d: Desc, a: DescAttr, v: T) -> Result<(), CublasError> {
-    result::set_matmul_desc_attribute(d, a, &v as *const T as *const c_void, size_of::<T>())
-}
-
-unsafe fn layout_attr<T>(l: Layout, a: LayoutAttr, v: T) -> Result<(), CublasError> {
-    result::set_matrix_layout_attribute(l, a, &v as *const T as *const c_void, size_of::<T>())
-}
-
-unsafe fn pref_attr<T>(p: Pref, a: PrefAttr, v: T) -> Result<(), CublasError> {
-    result::set_matmul_pref_attribute(p, a, &v as *const T as *const c_void, size_of::<T>())
-}
-
-/// Points the descriptor at this call's bias and aux buffers.
-///
-/// # Safety
-/// `desc` is live.
-unsafe fn set_pointers(desc: Desc, ep: &EpiloguePtrs) -> Result<(), CublasError> {
-    use DescAttr::*;
-    if let Some(bias) = ep.bias {
-        desc_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)?;
-    }
-    if let Some(aux) = ep.gelu_aux_out.or(ep.dgelu_aux_in) {
-        desc_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux)?;
-    }
-    Ok(())
-}
-
-/// A column-major matrix as cuBLASLt sees it: type, rows, columns, batch
-/// stride and leading dimension.
-type Mat = (GemmElem, u64, u64, u64, u64);
-
-/// cuBLASLt's view of the product (see the module doc): its TRANSA and
-/// TRANSB, and for its A (our B), B (our A) and D the type, rows, columns
-/// and batch stride of the column-major matrix as stored (packed, so the
-/// leading dimension is the row count). Our B stored `[k, n]` row-major is
-/// `n x k` column-major, read as is; stored `[n, k]` it is `k x n`, read
-/// transposed. Our A likewise; D is `n x m`.
-fn column_major(s: &GemmShape) -> ([i32; 2], [Mat; 3]) {
-    let (op_a, rows_a, cols_a) = [(0, s.n, s.k), (1, s.k, s.n)][s.b_transposed as usize];
-    let (op_b, rows_b, cols_b) = [(0, s.k, s.m), (1, s.m, s.k)][s.a_transposed as usize];
-    // A stored row is a column here: the leading dimension is the row
-    // length, or the row pitch where rows are padded.
-    let ld = |rows: u64, pitch: u64| if pitch == 0 { rows } else { pitch };
-    let mats = [
-        (
-            s.in_type,
-            rows_a,
-            cols_a,
-            s.batch_stride_b,
-            ld(rows_a, s.pitch_b),
-        ),
-        (
-            s.in_type,
-            rows_b,
-            cols_b,
-            s.batch_stride_a,
-            ld(rows_b, s.pitch_a),
-        ),
-        (s.out_type, s.n, s.m, s.batch_stride_d, ld(s.n, s.pitch_d)),
-    ];
-    ([op_a, op_b], mats)
-}
 
 /// Maps cuBLASLt's library (hundreds of megabytes: some 100 ms) ahead of
 /// its first use, on whatever thread calls it; nothing where it is absent.
@@ -379,208 +313,6 @@ impl Gemm {
             self.stream.cu_stream() as sys::cudaStream_t,
         )
     }
-
-    /// The algorithm a newly planned product runs (see `gemm_tuning`):
-    /// cuBLASLt's first choice, the choice kept on disk, or the fastest of
-    /// `candidates` timed here on the product's own buffers.
-    fn choose(
-        &mut self,
-        key: &Key,
-        plan: &Plan,
-        candidates: &[Algo],
-        p: Ptrs,
-        ep: &EpiloguePtrs,
-        beta: f32,
-    ) -> Algo {
-        let first = candidates[0];
-        let Tuning::Timed { dir, gpu } = &self.tuning else {
-            return first;
-        };
-        // SAFETY: a plain query of the loaded library.
-        let version = unsafe { sys::cublasLtGetVersion() };
-        let path = dir
-            .as_deref()
-            .map(|d| gemm_tuning::entry_path(d, gpu, version, &format!("{key:?}")));
-        if let Some(data) = path.as_deref().and_then(gemm_tuning::load) {
-            let algo = Algo { data };
-            if self.fits(plan, &algo) {
-                self.stats.cached += 1;
-                self.stats.changed += usize::from(algo.data != first.data);
-                return algo;
-            }
-        }
-        let capturing = !matches!(
-            self.stream.capture_status(),
-            Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-        );
-        if capturing || gemm_tuning::writes_over_inputs(&key.spec, ep, p.b, p.a, p.d) {
-            self.stats.untimed += 1;
-            return first;
-        }
-        let times: Vec<Option<f64>> = candidates
-            .iter()
-            .map(|algo| self.time(plan, algo, p, beta))
-            .collect();
-        let chosen = candidates[gemm_tuning::pick(&times)];
-        self.stats.timed += 1;
-        self.stats.changed += usize::from(chosen.data != first.data);
-        if let Some(path) = path {
-            gemm_tuning::store(&path, &chosen.data);
-        }
-        chosen
-    }
-
-    /// Whether a stored algorithm is one cuBLASLt runs for this plan
-    /// within our workspace.
-    fn fits(&self, plan: &Plan, algo: &Algo) -> bool {
-        let [la, lb, ld] = plan.layouts;
-        // SAFETY: zeroed is a valid result struct for cuBLASLt to fill.
-        let mut r: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
-        // SAFETY: the descriptor and layouts are live; `algo` and `r` are
-        // valid for the call.
-        let status = unsafe {
-            sys::cublasLtMatmulAlgoCheck(self.handle, plan.desc, la, lb, ld, ld, algo, &mut r)
-        };
-        status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-            && r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-            && r.workspaceSize <= WORKSPACE_BYTES
-    }
-
-    /// Milliseconds one product takes with `algo`: a launch to warm, then
-    /// the quickest of 3 rounds of 3 back-to-back launches between events.
-    /// `None` where it does not run.
-    fn time(&self, plan: &Plan, algo: &Algo, p: Ptrs, beta: f32) -> Option<f64> {
-        use cudarc::driver::sys::CUevent_flags;
-        // SAFETY: as `run_with`'s launch; the product writes only what it
-        // writes anyway, and reads nothing it writes (`writes_over_inputs`).
-        let launch = || unsafe { self.enqueue(plan, algo, p, beta) }.is_ok();
-        let event = || {
-            self.stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .ok()
-        };
-        if !launch() {
-            return None;
-        }
-        let mut best = f64::INFINITY;
-        for _ in 0..3 {
-            let start = event()?;
-            for _ in 0..3 {
-                if !launch() {
-                    return None;
-                }
-            }
-            let end = event()?;
-            end.synchronize().ok()?;
-            best = best.min(f64::from(start.elapsed_ms(&end).ok()?) / 3.0);
-        }
-        Some(best)
-    }
-
-    /// The descriptor and layouts for `key`, pointed at `ep`'s buffers (the
-    /// heuristic reads the bias and aux pointers' alignment), with its
-    /// algorithm set to cuBLASLt's first choice; and every algorithm the
-    /// heuristic offers, best ranked first (at least one).
-    fn plan(
-        handle: sys::cublasLtHandle_t,
-        key: &Key,
-        ep: &EpiloguePtrs,
-    ) -> Result<(Plan, Vec<Algo>), CublasError> {
-        use {DescAttr::*, LayoutAttr::*, PrefAttr::*};
-        let s = &key.spec;
-        let null = std::ptr::null_mut();
-        // SAFETY: zeroed is a valid (if meaningless) algo; it is overwritten below.
-        let algo = unsafe { std::mem::zeroed() };
-        let mut plan = Plan {
-            desc: null,
-            layouts: [null.cast(); 3],
-            algo,
-        };
-        let compute = match key.tf32 {
-            true => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-            false => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        };
-        plan.desc = result::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F)?;
-        let ([op_a, op_b], mats) = column_major(s);
-        // SAFETY: every object is live once created; each value has its
-        // attribute's documented C type (int32 ops and batch count, uint32
-        // epilogue and alignments, int64 ld and strides, uint64 workspace).
-        unsafe {
-            for (i, (t, rows, cols, stride, ld)) in mats.into_iter().enumerate() {
-                let l = result::create_matrix_layout(cuda_type(t), rows, cols, ld as i64)?;
-                plan.layouts[i] = l;
-                if s.batch > 1 {
-                    layout_attr(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, s.batch as i32)?;
-                    let stride = stride as i64;
-                    layout_attr(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, stride)?;
-                }
-            }
-            let desc = plan.desc;
-            desc_attr(desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a)?;
-            desc_attr(desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b)?;
-            desc_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, key.kind.cublas().0)?;
-            // The bias type defaults to D's and its batch stride to 0 (one
-            // bias for every batch): both what we want. The aux buffer has
-            // D's type (also the default), shape and strides.
-            if matches!(key.kind, Kind::GeluAux | Kind::GeluAuxBias | Kind::DGelu) {
-                desc_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, s.n as i64)?;
-                let stride = s.batch_stride_d as i64;
-                desc_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, stride)?;
-            }
-            set_pointers(desc, ep)?;
-            // cuBLASLt's choices within our workspace and the buffers' real
-            // alignment.
-            let pref = result::create_matmul_pref()?;
-            let prefs = [
-                (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[0]),
-                (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[1]),
-                (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2]),
-                (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[3]),
-            ];
-            let found = (|| {
-                pref_attr(
-                    pref,
-                    CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                    WORKSPACE_BYTES as u64,
-                )?;
-                for (attr, v) in prefs {
-                    pref_attr(pref, attr, v)?;
-                }
-                let [la, lb, ld] = plan.layouts;
-                let mut results = [std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>();
-                    gemm_tuning::CANDIDATES];
-                let mut count = 0;
-                sys::cublasLtMatmulAlgoGetHeuristic(
-                    handle,
-                    desc,
-                    la,
-                    lb,
-                    ld,
-                    ld,
-                    pref,
-                    gemm_tuning::CANDIDATES as i32,
-                    results.as_mut_ptr(),
-                    &mut count,
-                )
-                .result()?;
-                let algos: Vec<Algo> = results[..count.max(0) as usize]
-                    .iter()
-                    .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
-                    .map(|r| r.algo)
-                    .collect();
-                if algos.is_empty() {
-                    return Err(CublasError(
-                        sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
-                    ));
-                }
-                Ok(algos)
-            })();
-            let _ = result::destroy_matmul_pref(pref);
-            let algos = found?;
-            plan.algo = algos[0];
-            Ok((plan, algos))
-        }
-    }
 }
 
 impl Drop for Gemm {
@@ -590,72 +322,5 @@ impl Drop for Gemm {
         self.plans.clear();
         // SAFETY: created in `new`, destroyed once here.
         let _ = unsafe { result::destroy_handle(self.handle) };
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// cuBLASLt's column-major semantics run on the CPU with the layouts
-    /// `column_major` gives must be our row-major product, for every
-    /// transpose and with batch strides (the part a GPU-less machine can check).
-    #[test]
-    fn column_major_view_computes_the_row_major_product() {
-        let (m, n, k, batch) = (3u64, 5u64, 4u64, 2u64);
-        for (at, bt) in [(false, false), (true, false), (false, true), (true, true)] {
-            let s = GemmShape {
-                batch,
-                a_transposed: at,
-                b_transposed: bt,
-                batch_stride_a: m * k + 1,
-                batch_stride_b: 0,
-                batch_stride_d: m * n + 2,
-                ..GemmShape::plain(m, n, k, GemmElem::F32, GemmElem::F32)
-            };
-            let a: Vec<f64> = (0..2 * m * k + 1)
-                .map(|x| (x * 7 % 11) as f64 - 5.0)
-                .collect();
-            let b: Vec<f64> = (0..k * n).map(|x| (x * 5 % 13) as f64 - 6.0).collect();
-            let ([op_a, op_b], [(_, ra, ca, sa, _), (_, rb, cb, sb, _), (_, rd, cd, sd, _)]) =
-                column_major(&s);
-            assert_eq!((rd, cd), (n, m));
-            // op(X)(r, c) of a column-major X with ld = rows.
-            let op = |x: &[f64], off: u64, rows: u64, t: i32, r: u64, c: u64| match t {
-                0 => x[(off + r + c * rows) as usize],
-                _ => x[(off + c + r * rows) as usize],
-            };
-            for p in 0..batch {
-                for r in 0..n {
-                    for c in 0..m {
-                        // cuBLASLt: D(r, c) = sum_l op(A)(r, l) op(B)(l, c), A = our b, B = our a.
-                        let lt: f64 = (0..k)
-                            .map(|l| {
-                                op(&b, p * sa, ra, op_a, r, l) * op(&a, p * sb, rb, op_b, l, c)
-                            })
-                            .sum();
-                        let (i, j) = (c, r); // our D[i, j] sits at i * n + j = c * rd + r
-                        let ours: f64 = (0..k)
-                            .map(|l| {
-                                let av = if at {
-                                    a[(p * (m * k + 1) + l * m + i) as usize]
-                                } else {
-                                    a[(p * (m * k + 1) + i * k + l) as usize]
-                                };
-                                let bv = if bt {
-                                    b[(j * k + l) as usize]
-                                } else {
-                                    b[(l * n + j) as usize]
-                                };
-                                av * bv
-                            })
-                            .sum();
-                        assert_eq!(lt, ours, "aT={at} bT={bt} batch {p} D[{i},{j}]");
-                        assert_eq!(p * sd + c * rd + r, p * s.batch_stride_d + i * n + j);
-                    }
-                }
-                let _ = (ca, cb);
-            }
-        }
     }
 }

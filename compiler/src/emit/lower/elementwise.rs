@@ -5,7 +5,6 @@
 use super::*;
 use crate::emit::cuda::float_lit;
 use crate::ops::{Cast, ClipCoef, Unscale};
-use std::fmt::Write;
 
 impl Lower for Cast {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
@@ -19,58 +18,45 @@ impl Lower for Cast {
     }
 }
 
+/// One thread: kernels/clip.cuh's `fs_unscale`.
 impl Lower for Unscale {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
         Some(per_element(g, n))
     }
-    /// fp16: the true norm, the clip coefficient over the loss scale, and
-    /// whether the step applies (no overflow).
+    fn file_scope(&self, _: &Graph, _: &Ctx, _: NodeIndex) -> Option<String> {
+        Some("#include \"clip.cuh\"\n\n".to_string())
+    }
+    /// fp16: the clip coefficient over the loss scale, whether the step
+    /// applies (no overflow), and the true norm.
     fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        let mut b = String::new();
-        let _ = writeln!(
-            b,
-            "        const float sumsq = {}, scale = {};",
+        // A negative bound is no clipping (max_norm is never negative).
+        let max_norm = float_lit(self.max_norm.unwrap_or(-1.0));
+        Some(format!(
+            "        const FsUnscaled u = fs_unscale({}, {}, {}, {max_norm});\n        {}\n        {}\n        {}\n",
             c.ld(0, "0"),
-            c.ld(1, "0")
-        );
-        let _ = writeln!(
-            b,
-            "        const float norm = sqrtf(sumsq) / scale;\n        const bool finite = fs_isfinite(sumsq);"
-        );
-        let coef = match self.max_norm {
-            Some(m) => format!(
-                "(finite ? fminf(1.0f, {} / (norm + 1e-6f)) : 1.0f)",
-                float_lit(m)
-            ),
-            None => "1.0f".to_string(),
-        };
-        let _ = writeln!(b, "        {}", c.st(0, "i", &format!("{coef} / scale")));
-        let _ = writeln!(
-            b,
-            "        {}",
-            c.st(1, "i", &format!("finite ? {} : 0.0f", c.ld(2, "0")))
-        );
-        let _ = writeln!(b, "        {}", c.st(2, "i", "norm"));
-        Some(b)
+            c.ld(1, "0"),
+            c.ld(2, "0"),
+            c.st(0, "i", "u.coef"),
+            c.st(1, "i", "u.apply"),
+            c.st(2, "i", "u.norm")
+        ))
     }
 }
 
+/// One thread: kernels/clip.cuh's `fs_clip_coef`.
 impl Lower for ClipCoef {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
         Some(per_element(g, n))
     }
+    fn file_scope(&self, _: &Graph, _: &Ctx, _: NodeIndex) -> Option<String> {
+        Some("#include \"clip.cuh\"\n\n".to_string())
+    }
     fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        let mut b = String::new();
-        let _ = writeln!(b, "        const float norm = sqrtf({});", c.ld(0, "0"));
-        let _ = writeln!(
-            b,
-            "        {}",
-            c.st(
-                0,
-                "i",
-                &format!("fminf(1.0f, {} / (norm + 1e-6f))", float_lit(self.max_norm))
-            )
+        let coef = format!(
+            "fs_clip_coef(sqrtf({}), {})",
+            c.ld(0, "0"),
+            float_lit(self.max_norm)
         );
-        Some(b)
+        Some(format!("        {}\n", c.st(0, "i", &coef)))
     }
 }

@@ -279,13 +279,16 @@ cross_entropy_lowering! {
     CrossEntropyWithGrad: Stores::Both { loss: 1, grad: 0 };
 }
 
-/// A thread a target.
+/// A thread a target (kernels/cross_entropy.cuh's `fs_counted`).
 impl Lower for Counted {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
         Some(per_element(g, n))
     }
+    fn file_scope(&self, _: &Graph, _: &Ctx, _: NodeIndex) -> Option<String> {
+        Some("#include \"cross_entropy.cuh\"\n\n".to_string())
+    }
     fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
-        let v = format!("in{}[i] == {}LL ? 0.0f : 1.0f", c.ins[0], self.ignore_index);
+        let v = format!("fs_counted(in{}[i], {}LL)", c.ins[0], self.ignore_index);
         Some(format!("        {}\n", c.st(0, "i", &v)))
     }
 }

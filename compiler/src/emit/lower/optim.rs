@@ -162,10 +162,13 @@ impl Lower for Sgd {
     }
 }
 
-/// Each tensor's sum of squares by row blocks (emit/multi.rs).
+/// Each tensor's sum of squares by chunks (emit/multi.rs, kernels/sum_squares.cuh).
 impl Lower for SumSquares {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
         crate::emit::multi::shape_of(g, n)
+    }
+    fn file_scope(&self, _: &Graph, _: &Ctx, _: NodeIndex) -> Option<String> {
+        Some("#include \"sum_squares.cuh\"\n\n".to_string())
     }
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         crate::emit::multi::kernel_body(g, c, n)
