@@ -3,7 +3,8 @@
 //! block) and its datasheet rates for the roofline. `fusec build --device`
 //! names one; a run finds its GPU's row by the name the driver reports.
 
-use crate::emit::flash::FlashArch;
+use crate::optimisation::LowerOptions;
+use crate::target::{F32Math, FlashArch, Target};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Device {
@@ -132,6 +133,20 @@ pub fn find_gpu(gpu: &str) -> Option<Device> {
 /// [`find_gpu`], the default device's row where none matches.
 pub fn device_of_gpu(gpu: &str) -> Device {
     find_gpu(gpu).unwrap_or_else(default_device)
+}
+
+// Here rather than in `target.rs`, which stays a leaf the runtime reads.
+impl Target {
+    /// The target of a device in [`DEVICES`].
+    pub fn for_device(name: &str, deterministic: bool) -> Option<Target> {
+        device(name).map(|d| Target {
+            arch: d.flash,
+            deterministic,
+            multiprocessors: d.multiprocessors,
+            f32_math: F32Math::default(),
+            lower: LowerOptions::default(),
+        })
+    }
 }
 
 #[cfg(test)]

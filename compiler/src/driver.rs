@@ -11,31 +11,67 @@ use crate::model::Model;
 use crate::optimisation::{LowerOptions, Optimisation};
 use crate::passes::{default_pipeline, forward_pipeline, run_pipeline, PassStats};
 
-/// The stages whose result `fusec build --dump <stage>` can print.
-pub const STAGES: &[(&str, &str)] = &[
-    ("ast", "the syntax tree, as parsed"),
-    ("forward", "the forward graph, after elaboration"),
-    (
-        "backward",
-        "forward and backward: the loss and every parameter's gradient",
-    ),
-    (
-        "train",
-        "the whole step: forward, backward, clipping and the optimizer update",
-    ),
-    (
-        "optimized",
-        "the whole step after every pass (see --dump-after)",
-    ),
-    (
-        "layout",
-        "where every value lives: stored row-major, a strided view read in place, or registers",
-    ),
-    (
-        "kernels",
-        "the kernels in launch order, with what each reads (through which view) and writes",
-    ),
-];
+/// A stage whose result `fusec build --dump STAGE` prints (and `fusec
+/// build` writes, as STAGE.txt, all but the syntax tree).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    Ast,
+    Forward,
+    Backward,
+    Train,
+    Optimized,
+    Layout,
+    Kernels,
+}
+
+impl Stage {
+    /// Every stage, in the order the compile makes them.
+    pub const ALL: &'static [Stage] = &[
+        Stage::Ast,
+        Stage::Forward,
+        Stage::Backward,
+        Stage::Train,
+        Stage::Optimized,
+        Stage::Layout,
+        Stage::Kernels,
+    ];
+
+    /// Its name on the command line and its file's stem.
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Ast => "ast",
+            Stage::Forward => "forward",
+            Stage::Backward => "backward",
+            Stage::Train => "train",
+            Stage::Optimized => "optimized",
+            Stage::Layout => "layout",
+            Stage::Kernels => "kernels",
+        }
+    }
+
+    /// What its result holds.
+    pub fn about(self) -> &'static str {
+        match self {
+            Stage::Ast => "the syntax tree, as parsed",
+            Stage::Forward => "the forward graph, after elaboration",
+            Stage::Backward => "forward and backward: the loss and every parameter's gradient",
+            Stage::Train => "the whole step: forward, backward, clipping and the optimizer update",
+            Stage::Optimized => "the whole step after every pass (see --dump-after)",
+            Stage::Layout => "where every value lives: stored row-major, a strided view read in place, or registers",
+            Stage::Kernels => "the kernels in launch order, with what each reads (through which view) and writes",
+        }
+    }
+
+    /// Whether its result is a graph (which prints as Graphviz dot too).
+    pub fn is_graph(self) -> bool {
+        !matches!(self, Stage::Ast | Stage::Layout | Stage::Kernels)
+    }
+
+    /// The stage of that name, if there is one.
+    pub fn from_name(name: &str) -> Option<Stage> {
+        Stage::ALL.iter().copied().find(|s| s.name() == name)
+    }
+}
 
 pub struct Compiled {
     pub ast: Module,

@@ -4,7 +4,6 @@
 //! and the runtime takes the f32 scheme and determinism from the compiled
 //! step's copy.
 
-use crate::emit::flash::FlashArch;
 use crate::optimisation::LowerOptions;
 
 /// What the kernels are chosen for.
@@ -50,17 +49,6 @@ impl F32Math {
 }
 
 impl Target {
-    /// The target of a device in [`crate::device::DEVICES`].
-    pub fn for_device(name: &str, deterministic: bool) -> Option<Target> {
-        crate::device::device(name).map(|d| Target {
-            arch: d.flash,
-            deterministic,
-            multiprocessors: d.multiprocessors,
-            f32_math: F32Math::default(),
-            lower: LowerOptions::default(),
-        })
-    }
-
     /// The simple kernels only (what runs without tensor cores).
     pub fn simple() -> Target {
         Target {
@@ -91,5 +79,27 @@ impl Target {
             (F32Math::Exact, _) => ", f32 GEMMs on CUDA cores",
         };
         format!("{family}{scheme}{tf32}")
+    }
+}
+
+/// Which tensor-core instructions the attention kernels are written with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashArch {
+    /// `mma.sync.m16n8k16` and `ldmatrix`: sm_80 and newer.
+    Sm80,
+    /// `wgmma.mma_async` from shared-memory descriptors and bulk tensor
+    /// copies: sm_90a only, compiled for `sm_90a`.
+    Sm90a,
+}
+
+impl FlashArch {
+    /// The best kernel family for a GPU of compute capability `cap`; `None`
+    /// before sm_80 (no bf16 mma).
+    pub fn for_capability(cap: (i32, i32)) -> Option<FlashArch> {
+        match cap {
+            (9, 0) => Some(FlashArch::Sm90a),
+            c if c >= (8, 0) => Some(FlashArch::Sm80),
+            _ => None,
+        }
     }
 }

@@ -3,7 +3,7 @@
 use super::common::{fit_memory, load_steps, BudgetArgs, ModelArgs, SizeArgs};
 use super::CliError;
 use clap::{Args, ValueEnum};
-use fusec_compiler::driver::{Compiled, STAGES};
+use fusec_compiler::driver::{Compiled, Stage};
 use fusec_compiler::emit::{HEADERS, PRELUDE, PRELUDE_NAME};
 use fusec_compiler::ir::{dot::to_dot, print::print_graph};
 use fusec_compiler::kernel::fuse::fuse_with;
@@ -28,7 +28,7 @@ pub struct BuildArgs {
     /// Print one stage to standard output: ast, forward, backward, train,
     /// optimized, layout or kernels
     #[arg(long, value_name = "STAGE", value_parser = stage_names())]
-    pub dump: Option<String>,
+    pub dump: Option<Stage>,
     /// Print the step graph after one pass (`fusec passes` lists them)
     #[arg(long, value_name = "PASS", value_parser = pass_names(), conflicts_with = "dump")]
     pub dump_after: Option<String>,
@@ -72,13 +72,16 @@ fn device_names() -> clap::builder::PossibleValuesParser {
     )
 }
 
-/// The stages `--dump` prints, each with what it holds.
-fn stage_names() -> clap::builder::PossibleValuesParser {
+/// The stages `--dump` prints, each with what it holds (`--help` lists
+/// them; another name is refused with the list).
+fn stage_names() -> impl clap::builder::TypedValueParser<Value = Stage> {
+    use clap::builder::TypedValueParser;
     clap::builder::PossibleValuesParser::new(
-        STAGES
+        Stage::ALL
             .iter()
-            .map(|(n, d)| clap::builder::PossibleValue::new(*n).help(*d)),
+            .map(|s| clap::builder::PossibleValue::new(s.name()).help(s.about())),
     )
+    .try_map(|name: String| Stage::from_name(&name).ok_or("not a stage"))
 }
 
 /// The passes `--dump-after` prints the graph after: the graph passes,
@@ -97,27 +100,27 @@ fn graph_text(g: &fusec_compiler::ir::Graph, source: &str, format: Format) -> St
     }
 }
 
-pub fn stage_text(c: &Compiled, stage: &str, source: &str, format: Format) -> String {
+pub fn stage_text(c: &Compiled, stage: Stage, source: &str, format: Format) -> String {
     let graph = match stage {
-        "ast" => return format!("{:#?}\n", c.ast),
-        "forward" => &c.model.graph,
-        "backward" => {
+        Stage::Ast => return format!("{:#?}\n", c.ast),
+        Stage::Forward => &c.model.graph,
+        Stage::Backward => {
             // The training graph without its update phase.
             let mut g = c.training.clone();
             g.g.retain_nodes(|gr, n| gr[n].phase != fusec_compiler::ir::Phase::Update);
             g.outputs.retain(|(_, v)| g.g.contains_node(v.node));
             return graph_text(&g, source, format);
         }
-        "optimized" => &c.optimized,
-        "layout" => {
+        Stage::Train => &c.training,
+        Stage::Optimized => &c.optimized,
+        Stage::Layout => {
             let program = fuse_with(&c.optimized, &c.lower);
             return fusec_compiler::kernel::print::print_layouts(&c.optimized, &program);
         }
-        "kernels" => {
+        Stage::Kernels => {
             let program = fuse_with(&c.optimized, &c.lower);
             return fusec_compiler::kernel::print::print_program(&c.optimized, &program);
         }
-        _ => &c.training,
     };
     graph_text(graph, source, format)
 }
@@ -204,10 +207,11 @@ fn load_for_rank(args: &BuildArgs, ranks: u32) -> Result<super::common::Loaded, 
 }
 
 pub fn run(args: &BuildArgs) -> Result<(), CliError> {
-    if let Some(stage @ ("ast" | "layout" | "kernels")) = args.dump.as_deref() {
+    if let Some(stage) = args.dump.filter(|s| !s.is_graph()) {
         if matches!(args.format, Format::Dot) {
             return Err(CliError::usage(format!(
-                "error: --dump {stage} has no Graphviz form; use it without --format dot"
+                "error: --dump {} has no Graphviz form; use it without --format dot",
+                stage.name()
             )));
         }
     }
@@ -266,7 +270,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         print!("{}", graph_text(g, &loaded.source, args.format));
         return Ok(());
     }
-    if let Some(stage) = &args.dump {
+    if let Some(stage) = args.dump {
         print!("{}", stage_text(c, stage, &loaded.source, args.format));
         return Ok(());
     }
@@ -277,8 +281,8 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         ))
     })?;
     let mut written = Vec::new();
-    for (stage, _) in STAGES.iter().filter(|(s, _)| *s != "ast") {
-        let p = args.out.join(format!("{stage}.txt"));
+    for &stage in Stage::ALL.iter().filter(|&&s| s != Stage::Ast) {
+        let p = args.out.join(format!("{}.txt", stage.name()));
         write(&p, &stage_text(c, stage, &loaded.source, Format::Text))?;
         written.push(p);
     }

@@ -21,7 +21,7 @@ use std::collections::{HashMap, HashSet};
 pub mod zero;
 pub use update::{add_update, APPLY_INPUT, LOSS_SCALE_INPUT, LR_INPUT, STEP_INPUT};
 
-pub use crate::plan::inputs::is_step_input;
+pub use crate::inputs::is_step_input;
 
 /// Forward and backward: the loss and every parameter's gradient (f32).
 pub fn add_backward(model: &Model) -> Result<Graph, Errors> {

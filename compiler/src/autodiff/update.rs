@@ -10,7 +10,7 @@ use crate::ops::{
     UnaryKind, Unscale,
 };
 
-pub use crate::plan::inputs::{APPLY_INPUT, LOSS_SCALE_INPUT, LR_INPUT, STEP_INPUT};
+pub use crate::inputs::{APPLY_INPUT, LOSS_SCALE_INPUT, LR_INPUT, STEP_INPUT};
 
 /// Elements per block of the global-norm reduction.
 const SUM_SQUARES_CHUNK: i64 = 65536;

@@ -14,7 +14,7 @@ use crate::ir::types::DType;
 use crate::ops::Op;
 use std::collections::{BTreeMap, BTreeSet};
 
-pub use crate::plan::shard::{Piece, ALIGN};
+pub use crate::shard::{Piece, ALIGN};
 
 fn numel(p: &ParamInfo) -> u64 {
     p.ty.shape
@@ -26,7 +26,7 @@ fn numel(p: &ParamInfo) -> u64 {
 /// Each parameter's pieces, in rank order (consecutive ranks).
 pub fn pieces(params: &[ParamInfo], ranks: u32) -> Vec<Vec<Piece>> {
     let numels: Vec<u64> = params.iter().map(numel).collect();
-    crate::plan::shard::pieces(&numels, ranks)
+    crate::shard::pieces(&numels, ranks)
 }
 
 /// Why ZeRO cannot split these parameters over `ranks`: a rank would own

@@ -426,8 +426,8 @@ fn element_body(
             }
             PExpr::Const(c) => float_lit(*c),
             PExpr::Dim(d) => format!("(float){}", d.to_c()),
-            PExpr::Unary(u, a) => u.cuda(&v(a)),
-            PExpr::UnaryGrad(u, x, dy) => u.cuda_grad(&v(x), &v(dy)),
+            PExpr::Unary(u, a) => super::unary::cuda(*u, &v(a)),
+            PExpr::UnaryGrad(u, x, dy) => super::unary::cuda_grad(*u, &v(x), &v(dy)),
             PExpr::Binary(b, x, y) => binary(*b, &v(x), &v(y)),
             PExpr::Dropout { op, x, key } => format!(
                 "({} >= {}u ? {} * {} : 0.0f)",

@@ -14,6 +14,7 @@ pub mod multi;
 pub mod norm_rows;
 pub mod pointwise_sum;
 pub mod templates;
+pub mod unary;
 
 /// The shared device functions every generated kernel includes.
 pub const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
@@ -92,6 +93,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ),
     ("rope.cuh", include_str!("../../../kernels/rope.cuh")),
     ("clip.cuh", include_str!("../../../kernels/clip.cuh")),
+    ("concat.cuh", include_str!("../../../kernels/concat.cuh")),
     (
         "sum_squares.cuh",
         include_str!("../../../kernels/sum_squares.cuh"),

@@ -329,50 +329,40 @@ pub(crate) fn concat_body(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     if !same {
         return None;
     }
-    let total: i64 = lens.iter().sum();
     let numel = out.numel().to_c();
     let ty = super::cuda::c_type(dt);
+    let mut ends = Vec::with_capacity(lens.len());
+    let mut end = 0i64;
+    for len in &lens {
+        end += len;
+        ends.push(format!("{end}LL"));
+    }
+    let parts: Vec<String> = (0..ins.len()).map(|k| c.in_ptr(k)).collect();
+    let n = ins.len();
     let mut b = String::new();
     let _ = writeln!(
         b,
-        "    // Concatenation along axis {}: {vec} elements a thread and step, each chunk from one part.",
+        "    // Concatenation along axis {}: {vec} elements a thread and step, each chunk from one part (kernels/concat.cuh).",
         cat.axis
     );
     let _ = writeln!(
         b,
-        "    const fs_i64 inner = {inner}LL, total = {total}LL, chunks = {numel} / {vec};"
+        "    const fs_i64 inner = {inner}LL, chunks = {numel} / {vec}, ends[{n}] = {{{}}};",
+        ends.join(", ")
     );
     let _ = writeln!(
         b,
-        "    for (fs_i64 q = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; q < chunks; q += (fs_i64)gridDim.x * blockDim.x) {{"
+        "    const {ty}* const parts[{n}] = {{{}}};",
+        parts.join(", ")
     );
-    let _ = writeln!(b, "        const fs_i64 i = q * {vec};");
     let _ = writeln!(
         b,
-        "        const fs_i64 a = (i / inner) % total, outer = i / (inner * total), j = i % inner;"
+        "    for (fs_i64 q = (fs_i64)blockIdx.x * blockDim.x + threadIdx.x; q < chunks; q += (fs_i64)gridDim.x * blockDim.x)"
     );
-    let _ = writeln!(b, "        const {ty}* from;");
-    let mut start = 0i64;
-    for (k, len) in lens.iter().enumerate() {
-        let cond = if k + 1 == lens.len() {
-            "else".to_string()
-        } else {
-            format!(
-                "{}if (a < {}LL)",
-                if k == 0 { "" } else { "else " },
-                start + len
-            )
-        };
-        let _ = writeln!(
-            b,
-            "        {cond} from = &in{}[(outer * {len}LL + a - {start}LL) * inner + j];",
-            c.ins[k]
-        );
-        start += len;
-    }
-    let _ = writeln!(b, "        {ty} v[{vec}];");
-    let _ = writeln!(b, "        fs_vload(v, from);");
-    let _ = writeln!(b, "        fs_vstore(&out{}[i], v);", c.outs[0]);
-    let _ = writeln!(b, "    }}");
+    let _ = writeln!(
+        b,
+        "        fs_concat_chunk<{ty}, {vec}, {n}>(q, inner, ends, parts, {});",
+        c.out_ptr(0)
+    );
     Some(b)
 }

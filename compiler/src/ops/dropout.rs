@@ -11,7 +11,7 @@ use super::philox;
 use super::*;
 use crate::ir::print::num;
 
-pub use crate::plan::inputs::DROPOUT_KEY_INPUT as KEY_INPUT;
+pub use crate::inputs::DROPOUT_KEY_INPUT as KEY_INPUT;
 
 /// `dropout(x, p)`: inputs (x, key). Each call in a model file is its own
 /// `site`, so two dropouts of the same tensor draw independent masks.

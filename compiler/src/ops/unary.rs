@@ -1,10 +1,11 @@
 //! Unary math: every function of one element, each declared once in the
 //! table below with everything fusec needs of it — its names, its CPU
-//! reference and derivative, the CUDA C its kernels compute it with, the
-//! PyTorch call its twin writes, and the facts the passes rely on. The ops
-//! `Unary` and `UnaryGrad` (and the builtins, the emitter, the twin
-//! exporter and the padding pass) read the table; adding a function means a
-//! variant, a `UnaryFn` and a line in `UnaryKind::def`, all in this file.
+//! reference and derivative, the PyTorch call its twin writes, and the
+//! facts the passes rely on. The ops `Unary` and `UnaryGrad` (and the
+//! builtins, the twin exporter and the padding pass) read the table; adding
+//! a function means a variant, a `UnaryFn` and a line in `UnaryKind::def`
+//! here, and its CUDA C in `emit::unary` (an exhaustive match: the compiler
+//! names a function without one).
 
 use super::*;
 
@@ -53,11 +54,6 @@ pub struct UnaryFn {
     pub keeps_zero: bool,
     pub apply: fn(f64) -> f64,
     pub derivative: fn(f64) -> f64,
-    /// CUDA C of f(x) for a float variable `{x}` (kernels/prelude.cuh
-    /// holds the `fs_` helpers).
-    pub cuda: &'static str,
-    /// CUDA C of f'(x) * dy for float variables `{x}` and `{dy}`.
-    pub cuda_grad: &'static str,
     pub torch: TorchForm,
 }
 
@@ -76,8 +72,6 @@ const NEG: UnaryFn = UnaryFn {
     keeps_zero: true,
     apply: |x| -x,
     derivative: |_| -1.0,
-    cuda: "-{x}",
-    cuda_grad: "-{dy}",
     torch: TorchForm::Prefix("-"),
 };
 
@@ -89,8 +83,6 @@ const EXP: UnaryFn = UnaryFn {
     keeps_zero: false,
     apply: f64::exp,
     derivative: f64::exp,
-    cuda: "expf({x})",
-    cuda_grad: "expf({x}) * {dy}",
     torch: TorchForm::Call("torch.exp", &[]),
 };
 
@@ -102,8 +94,6 @@ const LOG: UnaryFn = UnaryFn {
     keeps_zero: false,
     apply: f64::ln,
     derivative: |x| 1.0 / x,
-    cuda: "logf({x})",
-    cuda_grad: "{dy} / {x}",
     torch: TorchForm::Call("torch.log", &[]),
 };
 
@@ -115,8 +105,6 @@ const SQRT: UnaryFn = UnaryFn {
     keeps_zero: false,
     apply: f64::sqrt,
     derivative: |x| 0.5 / x.sqrt(),
-    cuda: "sqrtf({x})",
-    cuda_grad: "0.5f * rsqrtf({x}) * {dy}",
     torch: TorchForm::Call("torch.sqrt", &[]),
 };
 
@@ -128,8 +116,6 @@ const RSQRT: UnaryFn = UnaryFn {
     keeps_zero: false,
     apply: |x| 1.0 / x.sqrt(),
     derivative: |x| -0.5 * x.powf(-1.5),
-    cuda: "rsqrtf({x})",
-    cuda_grad: "-0.5f * rsqrtf({x}) / {x} * {dy}",
     torch: TorchForm::Call("torch.rsqrt", &[]),
 };
 
@@ -141,8 +127,6 @@ const TANH: UnaryFn = UnaryFn {
     keeps_zero: true,
     apply: f64::tanh,
     derivative: |x| 1.0 - x.tanh().powi(2),
-    cuda: "tanhf({x})",
-    cuda_grad: "(1.0f - tanhf({x}) * tanhf({x})) * {dy}",
     torch: TorchForm::Call("torch.tanh", &[]),
 };
 
@@ -154,8 +138,6 @@ const SIGMOID: UnaryFn = UnaryFn {
     keeps_zero: false,
     apply: sigmoid,
     derivative: |x| sigmoid(x) * (1.0 - sigmoid(x)),
-    cuda: "fs_sigmoid({x})",
-    cuda_grad: "fs_sigmoid({x}) * (1.0f - fs_sigmoid({x})) * {dy}",
     torch: TorchForm::Call("torch.sigmoid", &[]),
 };
 
@@ -171,8 +153,6 @@ const GELU: UnaryFn = UnaryFn {
         let t = u.tanh();
         0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
     },
-    cuda: "fs_gelu({x})",
-    cuda_grad: "fs_gelu_grad({x}) * {dy}",
     torch: TorchForm::Call("F.gelu", &["approximate=\"tanh\""]),
 };
 
@@ -193,8 +173,6 @@ const GELU_ERF: UnaryFn = UnaryFn {
             * std::f64::consts::FRAC_1_SQRT_2;
         cdf + x * pdf
     },
-    cuda: "fs_gelu_erf({x})",
-    cuda_grad: "fs_gelu_erf_grad({x}) * {dy}",
     torch: TorchForm::Call("F.gelu", &[]),
 };
 
@@ -207,8 +185,6 @@ const RELU: UnaryFn = UnaryFn {
     apply: |x| x.max(0.0),
     // 0 at exactly 0, as PyTorch's.
     derivative: |x| if x > 0.0 { 1.0 } else { 0.0 },
-    cuda: "fmaxf({x}, 0.0f)",
-    cuda_grad: "({x} > 0.0f ? {dy} : 0.0f)",
     torch: TorchForm::Call("F.relu", &[]),
 };
 
@@ -223,8 +199,6 @@ const SILU: UnaryFn = UnaryFn {
         let s = sigmoid(x);
         s + x * s * (1.0 - s)
     },
-    cuda: "fs_silu({x})",
-    cuda_grad: "fs_silu_grad({x}) * {dy}",
     torch: TorchForm::Call("F.silu", &[]),
 };
 
@@ -238,8 +212,6 @@ const SOFTPLUS: UnaryFn = UnaryFn {
     // loss of the small term for very negative x.
     apply: |x| x.max(0.0) + (-x.abs()).exp().ln_1p(),
     derivative: sigmoid,
-    cuda: "(fmaxf({x}, 0.0f) + log1pf(expf(-fabsf({x}))))",
-    cuda_grad: "fs_sigmoid({x}) * {dy}",
     torch: TorchForm::Call("F.softplus", &[]),
 };
 
@@ -293,16 +265,6 @@ impl UnaryKind {
     /// d apply / dx
     pub fn derivative(self, x: f64) -> f64 {
         (self.def().derivative)(x)
-    }
-
-    /// CUDA C of f(x), `x` a float expression evaluated once per use.
-    pub fn cuda(self, x: &str) -> String {
-        self.def().cuda.replace("{x}", x)
-    }
-
-    /// CUDA C of f'(x) * dy.
-    pub fn cuda_grad(self, x: &str, dy: &str) -> String {
-        self.def().cuda_grad.replace("{x}", x).replace("{dy}", dy)
     }
 
     /// The builtin of this name, if a model file can call it.
@@ -423,17 +385,6 @@ mod tests {
         for &k in UnaryKind::ALL {
             let holds = k.apply(0.0) == 0.0 && k.derivative(0.0).is_finite();
             assert_eq!(k.def().keeps_zero, holds, "{}", k.name());
-        }
-    }
-
-    /// The CUDA forms name their operands (a typo leaves a `{x}` behind).
-    #[test]
-    fn cuda_forms_substitute_every_operand() {
-        for &k in UnaryKind::ALL {
-            let f = k.cuda("v");
-            let g = k.cuda_grad("v", "dv");
-            assert!(!f.contains('{') && f.contains('v'), "{}: {f}", k.name());
-            assert!(!g.contains('{') && g.contains("dv"), "{}: {g}", k.name());
         }
     }
 }

@@ -4,8 +4,8 @@
 //! runtime reads this alone (never the graph or the kernel program), so a
 //! step can be compiled in one place and run in another.
 
-use super::shard::{self, Piece};
 use super::Plan;
+use crate::shard::{self, Piece};
 use crate::target::Target;
 
 /// A parameter of the step, as the runtime addresses it.

@@ -19,18 +19,19 @@ mod arena;
 pub mod collectives;
 mod compiled;
 pub mod gemm;
-pub mod inputs;
 mod launches;
 pub mod picture;
 pub mod report;
 pub mod roofline;
-pub mod shard;
 mod step;
 pub mod trace;
 pub mod unfused;
 mod verify;
 
 pub use compiled::{CompiledStep, StepParam};
+// What the runtime reads of a step beside the plan: leaves of the crate,
+// so that the ops and autodiff that make them need not import the plan.
+pub use crate::{inputs, shard};
 pub use step::*;
 
 /// Offsets are multiples of this (cuBLASLt and 16-byte vector loads want it).

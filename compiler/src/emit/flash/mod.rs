@@ -67,27 +67,7 @@ use petgraph::stable_graph::NodeIndex;
 use templates::Instance;
 use tma::TensorMap;
 
-/// Which tensor-core instructions the attention kernels are written with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FlashArch {
-    /// `mma.sync.m16n8k16` and `ldmatrix`: sm_80 and newer.
-    Sm80,
-    /// `wgmma.mma_async` from shared-memory descriptors and bulk tensor
-    /// copies: sm_90a only, compiled for `sm_90a`.
-    Sm90a,
-}
-
-impl FlashArch {
-    /// The best kernel family for a GPU of compute capability `cap`; `None`
-    /// before sm_80 (no bf16 mma).
-    pub fn for_capability(cap: (i32, i32)) -> Option<FlashArch> {
-        match cap {
-            (9, 0) => Some(FlashArch::Sm90a),
-            c if c >= (8, 0) => Some(FlashArch::Sm80),
-            _ => None,
-        }
-    }
-}
+pub use crate::target::FlashArch;
 
 /// Which job a launch does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

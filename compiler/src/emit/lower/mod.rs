@@ -3,9 +3,8 @@
 //! of a `kernels/` template). The op set (`ops/`) says what an op means and
 //! what fusion does with it (`OpDef::class`); this module and the files
 //! under it say how it is written, one `Lower` impl per op family, so that
-//! `ops/` writes no kernel (its one CUDA text is each unary function's
-//! one-expression form, in `ops/unary.rs`'s table beside its f64 and
-//! PyTorch forms). [`of`] is the one place that maps an op to its
+//! `ops/` holds no CUDA (each unary function's expression, which fused
+//! chains write inline, is in `emit::unary`). [`of`] is the one place that maps an op to its
 //! lowering: a new op is a compile error here until it has one.
 
 mod elementwise;

@@ -96,6 +96,9 @@ impl Lower for Concat {
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         multi::concat_body(g, c, n)
     }
+    fn file_scope(&self, g: &Graph, _: &Ctx, n: NodeIndex) -> Option<String> {
+        multi::concat_chunk(g, n).map(|_| "#include \"concat.cuh\"\n\n".to_string())
+    }
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let ins = g.inputs(n);
         let mut body = String::new();
