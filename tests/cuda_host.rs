@@ -665,6 +665,32 @@ fn counted_targets_are_what_the_interpreter_counts() {
     assert!(checked > 0);
 }
 
+/// The 16-byte concatenation (kernels/concat.cuh) at parts of sizes no
+/// shipped model has, three of them (the gradient of a split into 24, 8
+/// and 40 columns, bf16: each a run of whole 16-byte chunks), over an odd
+/// number of rows, against the interpreter.
+#[test]
+fn concatenations_of_unequal_parts_are_what_the_interpreter_makes() {
+    if !host::have_cxx() {
+        return;
+    }
+    let work = host::work_dir("cuda-host-concat");
+    let src = "dim B, T\ninput x: f32[B, T, 8]\nparam w: [8, 72] = normal(0.3)\nlet a, b, c = split(x @ w, [24, 8, 40])\ntrain {\n    loss = mean(a * a) + mean(exp(b)) + mean(c * c * c)\n    precision = bf16\n}\n";
+    let c = common::compile_with(src, "concat.dsl", &[]);
+    let program = fuse(&c.optimized);
+    let kernels = emit_program(&c.optimized, &program, None);
+    assert!(
+        kernels
+            .iter()
+            .any(|(_, text)| text.contains("fs_concat_chunk<fs_bf16, 8, 3>")),
+        "no three-part 16-byte concatenation"
+    );
+    let checked = check_compiled(&work, "concat.dsl", &c, &[("B", 3), ("T", 7)]);
+    let _ = std::fs::remove_dir_all(&work);
+    println!("{checked} kernels of the concatenation model ran on the host");
+    assert!(checked > 0);
+}
+
 /// Attention with key lengths (the simple kernels, forward and backward;
 /// the tensor-core ones do not take lengths yet) against the interpreter,
 /// f32 and bf16, at a T of 7 with random lengths 0..=7 (a sequence of

@@ -8,7 +8,7 @@ use crate::elaborate::{self, Options};
 use crate::ir::verify::verify;
 use crate::ir::{DType, Graph};
 use crate::model::Model;
-use crate::optimisation::{LowerOptions, Optimisation};
+use crate::optimisation::Optimisation;
 use crate::passes::{default_pipeline, forward_pipeline, run_pipeline, PassStats};
 
 /// A stage whose result `fusec build --dump STAGE` prints (and `fusec
@@ -81,13 +81,10 @@ pub struct Compiled {
     /// The step after the pass pipeline.
     pub optimized: Graph,
     pub pass_stats: Vec<(&'static str, PassStats)>,
-    /// The passes `--disable-pass` left out.
-    pub disabled_passes: Vec<String>,
-    /// What it was compiled with.
+    /// What it was compiled with: among them the graph passes left out
+    /// and the kernel stages' options (`options.lower`, which a target
+    /// lowers the step with: `Target::lower`).
     pub options: Options,
-    /// The optimisations of the kernel stages `--disable-pass` turned off
-    /// (a target lowers the step with these: `Target::lower`).
-    pub lower: LowerOptions,
     /// The graph as the pass `Options::dump_after` left it, where one was
     /// named and ran (`fusec build --dump-after PASS`).
     pub dumped: Option<Graph>,
@@ -274,12 +271,10 @@ pub fn compile_ranks(
             training,
             optimized,
             pass_stats,
-            disabled_passes: opts.disabled_passes.clone(),
             options: Options {
                 zero_rank,
                 ..opts.clone()
             },
-            lower: opts.lower.clone(),
             dumped,
         });
     }
@@ -341,7 +336,7 @@ pub fn generated_kernels(
     opts: &Options,
 ) -> Result<Vec<(String, String)>, Failure> {
     let c = compile(source, model_name, opts)?;
-    let program = crate::kernel::fuse::fuse_with(&c.optimized, &c.lower);
+    let program = crate::kernel::fuse::fuse_with(&c.optimized, &c.options.lower);
     Ok(crate::emit::cuda::emit_program(
         &c.optimized,
         &program,

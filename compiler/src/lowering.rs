@@ -68,12 +68,7 @@ impl Lowered {
             .enumerate()
             .map(|(i, p)| StepParam {
                 name: p.name.clone(),
-                numel: p
-                    .ty
-                    .shape
-                    .iter()
-                    .map(|d| d.as_const().unwrap_or(1).max(1) as u64)
-                    .product(),
+                numel: p.numel(),
                 grad: g
                     .output(&Role::Grad(i))
                     .and_then(|v| self.program.buffer_of(v)),

@@ -175,7 +175,7 @@ impl Session {
         if zero {
             // Every piece of every parameter from its owner, after the
             // owner's update.
-            let pieces = self.pieces(ranks);
+            let pieces = fusec_compiler::plan::pieces(&self.params, ranks);
             let tensors: BTreeMap<String, crate::nccl::Tensor> =
                 self.exec.param_tensors().into_iter().collect();
             let params: Vec<(crate::nccl::Tensor, usize)> = self
@@ -379,12 +379,6 @@ impl Session {
             .map(|&n| Ok((n, self.buffer(n)?)))
             .collect::<Result<Vec<_>, RuntimeError>>()?;
         self.exec.stage(&targets, buf)
-    }
-
-    /// How ZeRO splits the step's parameters over `ranks`.
-    pub fn pieces(&self, ranks: u32) -> Vec<Vec<Piece>> {
-        let numels: Vec<u64> = self.params.iter().map(|p| p.numel).collect();
-        fusec_compiler::plan::shard::pieces(&numels, ranks)
     }
 }
 

@@ -1,7 +1,7 @@
 //! The CPU reference interpreter as a backend: small models, and the
 //! reference the GPU and PyTorch are checked against.
 
-use super::{source_shapes, Backend};
+use super::{source_shapes, split_staged, Backend};
 use fusec_compiler::interp::step::train_step;
 use fusec_compiler::interp::tensor::Tensor;
 use fusec_compiler::interp::{Feeds, Precision};
@@ -172,28 +172,12 @@ impl Backend for Cpu {
     }
     fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError> {
         let values = buf.read()?;
-        let mut at = 0;
-        let mut staged = Vec::new();
-        for name in names {
-            let n = self.numel(name);
-            let part = values.get(at..at + n).ok_or_else(|| {
-                RuntimeError::Unsupported(format!(
-                    "a staged batch holds {} values; {} take more",
-                    values.len(),
-                    names.join(" and ")
-                ))
-            })?;
-            staged.push((name.to_string(), part.iter().map(|&x| x as f64).collect()));
-            at += n;
-        }
-        if at != values.len() {
-            return Err(RuntimeError::Unsupported(format!(
-                "a staged batch holds {} values; {} take {at}",
-                values.len(),
-                names.join(" and ")
-            )));
-        }
-        self.staged = staged;
+        let parts = split_staged(values, names, |n| self.numel(n))?;
+        self.staged = names
+            .iter()
+            .zip(parts)
+            .map(|(name, part)| (name.to_string(), part.iter().map(|&x| x as f64).collect()))
+            .collect();
         Ok(())
     }
     fn shapes(&self) -> &BTreeMap<String, Vec<usize>> {

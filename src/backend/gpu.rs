@@ -57,7 +57,7 @@ pub struct Gpu {
 impl Gpu {
     /// Fuses, selects and plans `graph`'s step for `gpu` at sizes `dims`
     /// with the optimisations `lower` leaves on (the model's
-    /// `Compiled::lower`), and loads it there (kernels from the cache in
+    /// `Compiled::options.lower`), and loads it there (kernels from the cache in
     /// `cache_dir` or compiled, `progress(done, total)` as they are).
     pub fn open(
         gpu: device::Gpu,

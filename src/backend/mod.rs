@@ -198,6 +198,38 @@ pub trait Backend {
     }
 }
 
+/// A staged batch (the named i32 inputs' values one after another, as
+/// `Backend::stage` takes them) cut into each input's values, each `numel`
+/// long; an error names the inputs where the lengths do not add up.
+pub(crate) fn split_staged<'a>(
+    values: &'a [i32],
+    names: &[&str],
+    numel: impl Fn(&str) -> usize,
+) -> Result<Vec<&'a [i32]>, RuntimeError> {
+    let mismatch = |take: String| {
+        RuntimeError::Unsupported(format!(
+            "a staged batch holds {} values; {} take {take}",
+            values.len(),
+            names.join(" and ")
+        ))
+    };
+    let mut at = 0;
+    let mut parts = Vec::with_capacity(names.len());
+    for name in names {
+        let n = numel(name);
+        parts.push(
+            values
+                .get(at..at + n)
+                .ok_or_else(|| mismatch("more".into()))?,
+        );
+        at += n;
+    }
+    if at != values.len() {
+        return Err(mismatch(at.to_string()));
+    }
+    Ok(parts)
+}
+
 /// Every parameter of `to` from `from`, through the host.
 pub(crate) fn copy_params_by_value<B: Backend + ?Sized>(
     to: &mut B,

@@ -10,7 +10,7 @@
 //! initialisation, the same averaged updates): they are written to all and
 //! read from the first.
 
-use super::{Backend, GpuOptions};
+use super::{split_staged, Backend, GpuOptions};
 use fusec_compiler::autodiff::zero;
 use fusec_compiler::ir::Graph;
 use fusec_compiler::ops::Op;
@@ -487,35 +487,18 @@ impl Backend for Ranks {
     }
     fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError> {
         let values = buf.read()?;
-        let mut at = 0;
+        let wholes = split_staged(values, names, |n| self.numel(n))?;
         // Rank r's values: its rows of each input, the inputs in order.
         let mut parts: Vec<Vec<i32>> = vec![Vec::new(); self.world];
-        for name in names {
-            let n = self.numel(name);
-            let whole = values.get(at..at + n).ok_or_else(|| {
-                RuntimeError::Unsupported(format!(
-                    "a staged batch holds {} values; {} take more",
-                    values.len(),
-                    names.join(" and ")
-                ))
-            })?;
+        for (name, whole) in names.iter().zip(wholes) {
             let split = self.batched.contains(*name);
+            let k = whole.len() / self.world;
             for (r, part) in parts.iter_mut().enumerate() {
-                if split {
-                    let k = n / self.world;
-                    part.extend_from_slice(&whole[r * k..(r + 1) * k]);
-                } else {
-                    part.extend_from_slice(whole);
+                match split {
+                    true => part.extend_from_slice(&whole[r * k..(r + 1) * k]),
+                    false => part.extend_from_slice(whole),
                 }
             }
-            at += n;
-        }
-        if at != values.len() {
-            return Err(RuntimeError::Unsupported(format!(
-                "a staged batch holds {} values; {} take {at}",
-                values.len(),
-                names.join(" and ")
-            )));
         }
         let parts = Arc::new(parts);
         let names: Arc<Vec<String>> = Arc::new(names.iter().map(|s| s.to_string()).collect());

@@ -190,7 +190,7 @@ pub fn run(
             true => fusec_compiler::select::F32Math::Tf32,
             false => fusec_compiler::select::F32Math::ThreeTf32,
         },
-        lower: c.lower.clone(),
+        lower: c.options.lower.clone(),
     };
     let selection = select(g, &p, &target, None);
     let plan =

@@ -383,7 +383,8 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     use super::parallel;
     let world = job.world();
     let mut loaded = load_ranks(&args.model, world as u32, args.parallel.reduce_dtype)?;
-    args.parallel.shape_buckets(&mut loaded.compiled.lower);
+    args.parallel
+        .shape_buckets(&mut loaded.compiled.options.lower);
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;
     // Refuses a budget; each rank compiles its own step.

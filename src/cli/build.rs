@@ -114,11 +114,11 @@ pub fn stage_text(c: &Compiled, stage: Stage, source: &str, format: Format) -> S
         Stage::Train => &c.training,
         Stage::Optimized => &c.optimized,
         Stage::Layout => {
-            let program = fuse_with(&c.optimized, &c.lower);
+            let program = fuse_with(&c.optimized, &c.options.lower);
             return fusec_compiler::kernel::print::print_layouts(&c.optimized, &program);
         }
         Stage::Kernels => {
-            let program = fuse_with(&c.optimized, &c.lower);
+            let program = fuse_with(&c.optimized, &c.options.lower);
             return fusec_compiler::kernel::print::print_program(&c.optimized, &program);
         }
     };
@@ -134,7 +134,7 @@ fn write(path: &Path, text: &str) -> Result<(), CliError> {
 fn target(args: &BuildArgs, c: &Compiled) -> Target {
     Target {
         f32_math: args.f32.math(),
-        lower: c.lower.clone(),
+        lower: c.options.lower.clone(),
         ..Target::for_device(&args.device, args.deterministic).expect("checked by clap")
     }
 }
@@ -228,7 +228,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     // ZeRO by default over several ranks, where the model splits: then the
     // step is rank --rank's own.
     let mut loaded = load_for_rank(args, ranks)?;
-    par.shape_buckets(&mut loaded.compiled.lower);
+    par.shape_buckets(&mut loaded.compiled.options.lower);
     let dims = args.sizes.resolve(&loaded.compiled.optimized.dims)?;
     let recomputed = fit_memory(
         &mut loaded,
@@ -258,7 +258,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         }
     }
     if let Some(pass) = &args.dump_after {
-        if c.disabled_passes.contains(pass) {
+        if c.options.disabled_passes.contains(pass) {
             return Err(CliError::usage(format!(
                 "error: --dump-after {pass}: that pass is left out by --disable-pass {pass}"
             )));

@@ -102,12 +102,9 @@ pub fn check_sizes(
 
 pub struct Loaded {
     pub path: PathBuf,
-    /// `--set` and `--precision` as given, to compile the model again
-    /// (each rank's own step, with ZeRO).
-    pub sets: Vec<String>,
-    pub precision: Option<DType>,
-    pub disable_pass: Vec<String>,
     pub source: String,
+    /// The step, and the options it was compiled with (what a rank's own
+    /// step is compiled again from, `rank_steps`).
     pub compiled: Compiled,
 }
 
@@ -202,9 +199,6 @@ pub fn load_steps(
         .into_iter()
         .map(|compiled| Loaded {
             path: args.model.clone(),
-            sets: args.set.clone(),
-            disable_pass: args.disable_pass.clone(),
-            precision: args.precision,
             source: source.clone(),
             compiled,
         })
@@ -222,28 +216,27 @@ pub fn compile_error(f: &driver::Failure, path: &Path, source: &str) -> CliError
     }
 }
 
-/// The model as `loaded` was compiled, rebuilt for ZeRO ranks `ranks` of a
-/// job of `world` (one compile for all of them).
+/// The model as `loaded` was compiled (its options as they stand, with
+/// `--bucket-mib`), rebuilt for ZeRO ranks `ranks` of a job of `world`
+/// (one compile for all of them).
 pub fn rank_steps(loaded: &Loaded, world: u32, ranks: &[u32]) -> Result<Vec<Loaded>, CliError> {
-    let args = ModelArgs {
-        model: loaded.path.clone(),
-        set: loaded.sets.clone(),
-        precision: loaded.precision,
-        disable_pass: loaded.disable_pass.clone(),
+    let opts = Options {
+        ranks: world,
+        dump_after: None,
+        ..loaded.compiled.options.clone()
     };
     let zero: Vec<Option<u32>> = ranks.iter().map(|&r| Some(r)).collect();
-    let mut steps = load_steps(
-        &args,
-        world,
-        &zero,
-        loaded.compiled.options.reduce_dtype,
-        None,
-    )?;
-    // `--bucket-mib` was set on the loaded step's options.
-    for s in &mut steps {
-        s.compiled.lower = loaded.compiled.lower.clone();
-    }
-    Ok(steps)
+    let name = driver::model_name(&loaded.path);
+    let steps = driver::compile_ranks(&loaded.source, &name, &opts, &zero)
+        .map_err(|f| compile_error(&f, &loaded.path, &loaded.source))?;
+    Ok(steps
+        .into_iter()
+        .map(|compiled| Loaded {
+            path: loaded.path.clone(),
+            source: loaded.source.clone(),
+            compiled,
+        })
+        .collect())
 }
 
 /// `124439808` -> `124,439,808`
@@ -371,7 +364,7 @@ pub fn fit_memory(
         return Ok(None);
     }
     let target = fusec_compiler::select::Target {
-        lower: loaded.compiled.lower.clone(),
+        lower: loaded.compiled.options.lower.clone(),
         ..fusec_compiler::select::Target::for_device(device, deterministic)
             .unwrap_or_else(fusec_compiler::select::Target::simple)
     };

@@ -134,7 +134,7 @@ fn explain(args: &ExplainArgs, loaded: &super::common::Loaded) -> Result<String,
         }
     }
     // The kernels holding them, with bytes and times where sizes allow.
-    let program = fuse_with(g, &loaded.compiled.lower);
+    let program = fuse_with(g, &loaded.compiled.options.lower);
     let dims = args.sizes.resolve(&g.dims)?;
     let costs = if super::common::missing(&dims, &g.dims).is_empty() {
         plan(g, &program, &dims)

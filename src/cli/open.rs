@@ -27,7 +27,7 @@ pub(super) fn start(
 ) -> Result<(Gpu, String), CliError> {
     start_graph(
         &loaded.compiled.optimized,
-        &loaded.compiled.lower,
+        &loaded.compiled.options.lower,
         &loaded.compiled.model.graph.name,
         dims,
         gpu,

@@ -174,7 +174,7 @@ pub fn whole_batch(dims: &BTreeMap<String, i64>, world: usize) -> BTreeMap<Strin
 /// ranks it was built for) and the data it reads.
 pub fn plan_hash(loaded: &Loaded, dims: &BTreeMap<String, i64>, data: &str) -> u64 {
     let g = &loaded.compiled.optimized;
-    let program = fusec_compiler::kernel::fuse::fuse_with(g, &loaded.compiled.lower);
+    let program = fusec_compiler::kernel::fuse::fuse_with(g, &loaded.compiled.options.lower);
     let mut h = std::hash::DefaultHasher::new();
     match fusec_compiler::plan::plan(g, &program, dims) {
         Ok(p) => p.to_json().hash(&mut h),
@@ -293,7 +293,7 @@ pub fn start(
     let graphs = graphs_for(&here.iter().map(|&(rank, _)| rank).collect::<Vec<_>>())?;
     let ranks = fusec::backend::ranks::start_gpus(
         graphs,
-        &loaded.compiled.lower,
+        &loaded.compiled.options.lower,
         dims,
         &here,
         world,

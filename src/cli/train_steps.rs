@@ -35,7 +35,8 @@ pub(super) fn load_fitted(
     opening: Option<&mut fusec_runtime::device::Opening>,
 ) -> Result<(Loaded, BTreeMap<String, i64>, f64), CliError> {
     let mut loaded = load_ranks(&args.model, world as u32, args.parallel.reduce_dtype)?;
-    args.parallel.shape_buckets(&mut loaded.compiled.lower);
+    args.parallel
+        .shape_buckets(&mut loaded.compiled.options.lower);
     let lr = args
         .lr
         .unwrap_or(loaded.compiled.model.train.optimizer.lr());

@@ -115,7 +115,7 @@ pub fn prepare(
         let source = Some((path.as_str(), loaded.source.as_str()));
         let (s, _) = start_graph(
             &forward,
-            &loaded.compiled.lower,
+            &loaded.compiled.options.lower,
             &what,
             dims,
             fusec_runtime::device::Opening::here(gpu),

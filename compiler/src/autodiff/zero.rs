@@ -16,16 +16,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 pub use crate::shard::{Piece, ALIGN};
 
-fn numel(p: &ParamInfo) -> u64 {
-    p.ty.shape
-        .iter()
-        .map(|d| d.as_const().unwrap_or(1).max(1) as u64)
-        .product()
-}
-
 /// Each parameter's pieces, in rank order (consecutive ranks).
 pub fn pieces(params: &[ParamInfo], ranks: u32) -> Vec<Vec<Piece>> {
-    let numels: Vec<u64> = params.iter().map(numel).collect();
+    let numels: Vec<u64> = params.iter().map(ParamInfo::numel).collect();
     crate::shard::pieces(&numels, ranks)
 }
 
@@ -35,7 +28,7 @@ pub fn pieces(params: &[ParamInfo], ranks: u32) -> Vec<Vec<Piece>> {
 pub fn unsplittable(params: &[ParamInfo], ranks: u32) -> Option<String> {
     let all = pieces(params, ranks);
     let owners: std::collections::BTreeSet<u32> = all.iter().flatten().map(|p| p.rank).collect();
-    let total: u64 = params.iter().map(numel).sum();
+    let total: u64 = params.iter().map(ParamInfo::numel).sum();
     (owners.len() < ranks as usize).then(|| {
         format!(
             "the model's {total} parameter elements leave {} of {ranks} ranks nothing to own (ZeRO cuts them in runs of at least {ALIGN})",
@@ -54,7 +47,7 @@ pub fn piece(params: &[ParamInfo], ranks: u32, rank: u32, i: usize) -> Option<Pi
 
 /// Whether `piece` is all of parameter `p`.
 pub fn whole(p: &ParamInfo, piece: Piece) -> bool {
-    piece.lo == 0 && piece.hi == numel(p)
+    piece.lo == 0 && piece.hi == p.numel()
 }
 
 /// Whether, under ZeRO with compute dtype `precision`, the ranks keep
@@ -188,7 +181,7 @@ mod tests {
                     at = pc.hi;
                     per_rank[pc.rank as usize] += pc.hi - pc.lo;
                 }
-                assert_eq!(at, numel(p));
+                assert_eq!(at, p.numel());
             }
             let total: u64 = per_rank.iter().sum();
             let most = *per_rank.iter().max().unwrap();

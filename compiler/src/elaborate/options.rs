@@ -26,7 +26,7 @@ pub struct Options {
     pub disabled_passes: Vec<String>,
     /// The optimisations of the kernel stages `--disable-pass` turned off,
     /// and the gradient buckets' size (`--bucket-mib`): what the step is
-    /// lowered with (`Compiled::lower`).
+    /// lowered with (`Target::lower`).
     pub lower: crate::optimisation::LowerOptions,
     /// `--dump-after PASS`: keep the graph as this graph pass leaves it
     /// (`driver::Compiled::dumped`).

@@ -92,6 +92,18 @@ pub struct ParamInfo {
     pub node: NodeIndex,
 }
 
+impl ParamInfo {
+    /// Its elements (a parameter's sizes are constants; an unbound one
+    /// counts 1, as ZeRO's pieces have always counted it).
+    pub fn numel(&self) -> u64 {
+        self.ty
+            .shape
+            .iter()
+            .map(|d| d.as_const().unwrap_or(1).max(1) as u64)
+            .product()
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Role {
     Loss,

@@ -33,11 +33,9 @@ pub struct CompiledStep {
     pub flops: f64,
 }
 
-impl CompiledStep {
-    /// How ZeRO splits the parameters over `ranks` (each parameter's
-    /// pieces, in rank order).
-    pub fn pieces(&self, ranks: u32) -> Vec<Vec<Piece>> {
-        let numels: Vec<u64> = self.params.iter().map(|p| p.numel).collect();
-        shard::pieces(&numels, ranks)
-    }
+/// How ZeRO splits a step's parameters over `ranks` (each parameter's
+/// pieces, in rank order).
+pub fn pieces(params: &[StepParam], ranks: u32) -> Vec<Vec<Piece>> {
+    let numels: Vec<u64> = params.iter().map(|p| p.numel).collect();
+    shard::pieces(&numels, ranks)
 }

@@ -28,7 +28,7 @@ pub mod trace;
 pub mod unfused;
 mod verify;
 
-pub use compiled::{CompiledStep, StepParam};
+pub use compiled::{pieces, CompiledStep, StepParam};
 // What the runtime reads of a step beside the plan: leaves of the crate,
 // so that the ops and autodiff that make them need not import the plan.
 pub use crate::{inputs, shard};
