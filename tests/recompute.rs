@@ -392,7 +392,7 @@ fn the_graph_after_recompute_is_dumped() {
         "--seq",
         "1024",
         "--memory-budget",
-        "5.5GiB",
+        "2.8GiB",
         "--dump-after",
         "recompute",
     ];

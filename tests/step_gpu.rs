@@ -350,6 +350,38 @@ fn every_kernel_matches_the_interpreter() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The loss head in chunks of 17 rows (66 rows: three of 17 and one of
+/// 15, so every chunk's product has an M no tile divides, and the later
+/// chunks read their rows at an offset): every kernel of GPT-2's (tied
+/// embedding, a weight gradient summed over the chunks by the products'
+/// residual epilogues) and LLaMA's (a head of its own) against the
+/// interpreter.
+#[test]
+fn chunked_loss_heads_match_the_interpreter() {
+    let Some(_) = gpu() else { return };
+    let mut failures = Vec::new();
+    for (file, sets, dims) in cases() {
+        if !matches!(file, "gpt2-small.dsl" | "llama-small.dsl") {
+            continue;
+        }
+        let c = model(file, &sets);
+        let mut g = c.optimized.clone();
+        let (_, bdims) = sizes(&dims);
+        let (done, _) = fusec_compiler::loss_head::chunk(
+            &mut g,
+            &bdims,
+            fusec_compiler::loss_head::Rows::At(17),
+        )
+        .unwrap();
+        assert_eq!(done.first().map(|d| d.chunks), Some(4), "{file}");
+        let (report, mut f, _) =
+            kernels_against_the_interpreter(file, &g, &dims, Default::default());
+        println!("{report}");
+        failures.append(&mut f);
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// Attention as the step runs it (the tensor-core kernels at every head
 /// dim the language's attention takes on them, the simple ones at a head
 /// dim that is not a multiple of 8), forward and backward with every kernel

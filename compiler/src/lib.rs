@@ -13,6 +13,7 @@ pub mod inputs;
 pub mod interp;
 pub mod ir;
 pub mod kernel;
+pub mod loss_head;
 pub mod lowering;
 pub mod model;
 pub mod mutants;

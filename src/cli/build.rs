@@ -385,8 +385,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
             fusec_compiler::plan::roofline::device(&args.device).expect("checked by clap"),
             Some((&file, &loaded.source)),
             recomputed
-                .as_ref()
-                .map(|r| r.describe(&c.optimized, Some((&file, &loaded.source))))
+                .describe(&c.optimized, Some((&file, &loaded.source)))
                 .as_deref(),
         );
         write(&p, &text)?;

@@ -325,6 +325,36 @@ pub struct BudgetArgs {
     /// is recomputed and what it costs
     #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
     pub memory_budget: Option<u64>,
+    /// Rows of logits the loss head computes at a time: `auto` chunks
+    /// logits that would take over 512 MiB whole (GPT-2 at B = 8, T = 1024:
+    /// two chunks of 4096 rows) so the whole B x T x V logits and their
+    /// gradient are never stored; `all` computes them at once; a number
+    /// caps a chunk's rows
+    #[arg(long, value_name = "ROWS", default_value = "auto")]
+    pub loss_head_rows: fusec_compiler::loss_head::Rows,
+}
+
+/// What the stages at the step's sizes did: the loss head's chunks and
+/// what is recomputed.
+#[derive(Default)]
+pub struct Fitted {
+    pub loss_head: Vec<fusec_compiler::loss_head::Chunked>,
+    pub recompute: Option<fusec_compiler::recompute::Choice>,
+}
+
+impl Fitted {
+    /// The report's paragraphs, `None` where the stages changed nothing.
+    pub fn describe(
+        &self,
+        g: &fusec_compiler::ir::Graph,
+        source: Option<(&str, &str)>,
+    ) -> Option<String> {
+        let mut s: String = self.loss_head.iter().map(|c| c.describe()).collect();
+        if let Some(r) = &self.recompute {
+            s.push_str(&r.describe(g, source));
+        }
+        (!s.is_empty()).then_some(s)
+    }
 }
 
 fn parse_budget(s: &str) -> Result<u64, String> {
@@ -343,9 +373,10 @@ pub fn planning_device(gpu_name: Option<&str>) -> &'static str {
 /// Applies the memory budget (`--memory-budget`, else the train
 /// section's) to the step at sizes `dims`: the step graph is rewritten to
 /// recompute what the choice drops. Without a budget, what is free to
-/// recompute (`recompute::free_drops`) where the sizes are known. `None`
-/// where nothing is recomputed. A step of several ranks (`ranks` > 1, each
-/// compiling its own) is left as it is, and a budget for one is refused.
+/// recompute (`recompute::free_drops`) where the sizes are known; first,
+/// the loss head in chunks of rows (`--loss-head-rows`). A step of several
+/// ranks (`ranks` > 1, each compiling its own) is left as it is, and a
+/// budget for one is refused.
 pub fn fit_memory(
     loaded: &mut Loaded,
     budget: &BudgetArgs,
@@ -353,7 +384,7 @@ pub fn fit_memory(
     ranks: u32,
     device: &str,
     deterministic: bool,
-) -> Result<Option<fusec_compiler::recompute::Choice>, CliError> {
+) -> Result<Fitted, CliError> {
     use fusec_compiler::recompute;
     if ranks > 1 {
         if budget.memory_budget.is_some() || loaded.compiled.model.train.memory_budget.is_some() {
@@ -361,7 +392,7 @@ pub fn fit_memory(
                 "error: a memory budget is not applied over several GPUs yet; use it on one GPU, or use --zero 1 to split the optimizer state over the GPUs",
             ));
         }
-        return Ok(None);
+        return Ok(Fitted::default());
     }
     let target = fusec_compiler::select::Target {
         lower: loaded.compiled.options.lower.clone(),
@@ -371,6 +402,7 @@ pub fn fit_memory(
     let roof = fusec_compiler::device::device(device)
         .unwrap_or_else(fusec_compiler::device::default_device);
     let missing = missing(dims, &loaded.compiled.optimized.dims);
+    let rows = budget.loss_head_rows;
     let budget = match (budget.memory_budget, loaded.compiled.model.train.memory_budget) {
         (Some(b), _) if !missing.is_empty() => {
             return Err(CliError::usage(format!(
@@ -380,14 +412,23 @@ pub fn fit_memory(
             )))
         }
         // The file's budget, or none, waits for a build with sizes.
-        _ if !missing.is_empty() => return Ok(None),
+        _ if !missing.is_empty() => return Ok(Fitted::default()),
         (flag, file) => flag.or(file),
     };
+    let (loss_head, left) =
+        fusec_compiler::loss_head::chunk(&mut loaded.compiled.optimized, dims, rows)
+            .map_err(|e| CliError::usage(format!("error: {e}")))?;
+    for why in left {
+        eprintln!("note: --loss-head-rows: the loss head stays whole: {why}");
+    }
     // What is free first; a budget then takes what it needs on top.
     let free = recompute::free_drops(&mut loaded.compiled.optimized, dims, &target, roof)
         .map_err(|e| CliError::usage(format!("error: {e}")))?;
     let Some(bytes) = budget else {
-        return Ok(free);
+        return Ok(Fitted {
+            loss_head,
+            recompute: free,
+        });
     };
     let chosen = recompute::fit_budget(&mut loaded.compiled.optimized, dims, bytes, &target, roof)
         .map_err(|e| {
@@ -400,20 +441,20 @@ pub fn fit_memory(
                     .join(", ")
             ))
         })?;
-    Ok(match (free, chosen) {
-        (Some(f), Some(c)) => Some(f.then(c)),
-        (f, c) => c.or(f),
+    Ok(Fitted {
+        loss_head,
+        recompute: match (free, chosen) {
+            (Some(f), Some(c)) => Some(f.then(c)),
+            (f, c) => c.or(f),
+        },
     })
 }
 
 /// Says on standard error what the recompute stage chose.
-pub fn announce_budget(choice: Option<fusec_compiler::recompute::Choice>, loaded: &Loaded) {
-    if let Some(c) = choice {
-        let file = loaded.path.display().to_string();
-        eprint!(
-            "{}",
-            c.describe(&loaded.compiled.optimized, Some((&file, &loaded.source)))
-        );
+pub fn announce_budget(fitted: Fitted, loaded: &Loaded) {
+    let file = loaded.path.display().to_string();
+    if let Some(text) = fitted.describe(&loaded.compiled.optimized, Some((&file, &loaded.source))) {
+        eprint!("{text}");
     }
 }
 

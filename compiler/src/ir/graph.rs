@@ -51,6 +51,10 @@ pub struct Node {
     /// replacement runs where what it replaces would have; `None`: its own,
     /// by when it was added). See `schedule::topo_order`.
     pub turn: Option<NodeIndex>,
+    /// Among ready nodes of one turn, the lower runs first: a rewrite that
+    /// must run in steps (the loss head's chunks, `loss_head`) numbers
+    /// them; 0 for every other node.
+    pub sub_turn: u32,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -239,6 +243,7 @@ impl Graph {
             phase,
             recompute: false,
             turn: None,
+            sub_turn: 0,
         });
         for (slot, v) in inputs.iter().enumerate() {
             self.g.add_edge(

@@ -10,11 +10,12 @@ use petgraph::Direction;
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet};
 
-/// (phase, tier, turn, index): the smallest ready key runs first. Without
-/// `Graph::order_by_memory` every tier is 0, and the order is the file's:
-/// a node's turn is when it was added, or that of the node a pass replaced
-/// with it (`Node::turn`).
-type Key = Reverse<(u8, u8, NodeIndex, NodeIndex)>;
+/// (phase, tier, turn, sub-turn, index): the smallest ready key runs
+/// first. Without `Graph::order_by_memory` every tier is 0, and the order
+/// is the file's: a node's turn is when it was added, or that of the node
+/// a pass replaced with it (`Node::turn`), and within a turn the steps of
+/// a rewrite that runs in steps (`Node::sub_turn`) go in order.
+type Key = Reverse<(u8, u8, NodeIndex, u32, NodeIndex)>;
 
 struct Order<'g> {
     g: &'g Graph,
@@ -79,7 +80,7 @@ pub fn topo_order(g: &Graph) -> Vec<NodeIndex> {
     for n in sources {
         o.became_ready(n);
     }
-    while let Some(Reverse((_, _, _, n))) = o.ready.pop() {
+    while let Some(Reverse((_, _, _, _, n))) = o.ready.pop() {
         if o.placed.contains(&n) {
             continue; // an earlier entry, raised since
         }
@@ -123,7 +124,7 @@ impl Order<'_> {
         } else {
             2
         };
-        Reverse((node.phase as u8, tier, self.g.turn_of(n), n))
+        Reverse((node.phase as u8, tier, self.g.turn_of(n), node.sub_turn, n))
     }
 
     /// The stored nodes `n` reads, looking through views.
@@ -262,5 +263,52 @@ impl Order<'_> {
                 self.place(v.node);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::graph::Phase;
+    use crate::ir::types::{DType, TensorType};
+    use crate::ops::{Input, Unary, UnaryKind};
+
+    /// Two chains of one turn, the second added first: its sub-turn puts
+    /// the first before it, whole, whatever the nodes' indices (without
+    /// it, the lower index would start and the two would interleave).
+    #[test]
+    fn sub_turns_run_a_turns_steps_in_order() {
+        let mut g = Graph::new("t");
+        let ty = TensorType::new(DType::F32, vec![crate::ir::Dim::constant(4)]);
+        let x = g
+            .add(
+                Input {
+                    name: "x".into(),
+                    ty,
+                }
+                .into(),
+                &[],
+                None,
+                Phase::Forward,
+            )
+            .unwrap()[0];
+        let neg = || {
+            Op::from(Unary {
+                kind: UnaryKind::Neg,
+            })
+        };
+        let mut chain = |sub: u32| {
+            let a = g.add(neg(), &[x], None, Phase::Backward).unwrap()[0];
+            let b = g.add(neg(), &[a], None, Phase::Backward).unwrap()[0];
+            for v in [a, b] {
+                g.g[v.node].turn = Some(x.node);
+                g.g[v.node].sub_turn = sub;
+            }
+            [a.node, b.node]
+        };
+        let late = chain(2);
+        let early = chain(1);
+        let order: Vec<NodeIndex> = topo_order(&g).into_iter().skip(1).collect();
+        assert_eq!(order, [early[0], early[1], late[0], late[1]]);
     }
 }

@@ -1,0 +1,169 @@
+//! The loss head in chunks of rows (`fusec_compiler::loss_head`): the step
+//! computes the same loss, gradients and update in f64 (to 1e-12 relative:
+//! only the order of the weight gradient's sum over rows changes), its
+//! plan never holds the whole logits, each chunk's logits die before the
+//! next chunk's are made, and a head that is not a plain product keeps its
+//! logits whole and says why.
+
+mod common;
+
+use fusec_compiler::interp::random::random_feeds;
+use fusec_compiler::interp::{run, Feeds, Precision};
+use fusec_compiler::ir::Graph;
+use fusec_compiler::loss_head::{chunk, Rows};
+use fusec_compiler::ops::Op;
+use fusec_compiler::select::Target;
+use std::collections::BTreeMap;
+
+fn bdims(pairs: &[(&str, i64)]) -> BTreeMap<String, i64> {
+    pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+fn outputs(g: &Graph, feeds: &Feeds) -> Vec<(String, Vec<f64>)> {
+    let vals = run(g, feeds, Precision::F64).expect("evaluates");
+    g.outputs
+        .iter()
+        .map(|(r, v)| (r.to_string(), vals[v].data.clone()))
+        .collect()
+}
+
+fn count(g: &Graph, what: fn(&Op) -> bool) -> usize {
+    g.g.node_indices().filter(|&n| what(&g.g[n].op)).count()
+}
+
+fn is_ce(op: &Op) -> bool {
+    matches!(op, Op::CrossEntropyWithGrad(_))
+}
+
+/// Every tiny shipped model whose loss is a cross-entropy of one product:
+/// in chunks of 3 rows (the last shorter: 10 rows are 3 + 3 + 3 + 1) and
+/// of 4 the step gives the unchunked step's outputs in f64; so does the
+/// kernel program as fused and planned (values rounded as stored, the
+/// same as the unchunked program's to bf16's rounding of the sums).
+#[test]
+fn chunks_change_no_result() {
+    let mut chunked = Vec::new();
+    for (file, sets, dims) in common::tiny_models() {
+        let (name, src) = common::example(file);
+        let c = common::compile_with(&src, &name, &sets);
+        let d = bdims(&dims);
+        let feeds = random_feeds(&c.optimized, &common::dims(&dims), 11).unwrap();
+        let whole = outputs(&c.optimized, &feeds);
+        for rows in [3, 4] {
+            let mut g = c.optimized.clone();
+            let (done, left) = chunk(&mut g, &d, Rows::At(rows)).unwrap();
+            if done.is_empty() {
+                println!("{file}: whole ({left:?})");
+                continue;
+            }
+            fusec_compiler::ir::verify::verify(&g).unwrap();
+            let n = done[0].total_rows;
+            assert_eq!(done[0].chunks as u64, n.div_ceil(rows), "{file}");
+            assert_eq!(count(&g, is_ce), done[0].chunks, "{file}");
+            let got = outputs(&g, &feeds);
+            assert_eq!(whole.len(), got.len());
+            for ((role, x), (_, y)) in whole.iter().zip(&got) {
+                assert_eq!(x.len(), y.len(), "{file}: {role}");
+                for (a, b) in x.iter().zip(y) {
+                    // Only the weight gradient's sum over rows is taken in
+                    // another order: f64 rounding, far under 1e-12.
+                    let ok = (a - b).abs() <= 1e-12 * a.abs().max(b.abs()).max(1.0);
+                    assert!(ok, "{file}, chunks of {rows}: {role}: {a} vs {b}");
+                }
+            }
+            chunked.push(file);
+        }
+    }
+    // GPT-2 (tied embedding) and LLaMA (a head of its own).
+    for m in ["gpt2-small.dsl", "llama-small.dsl"] {
+        assert!(chunked.contains(&m), "{m} was not chunked: {chunked:?}");
+    }
+}
+
+/// GPT-2 small at B = 8, T = 1024 on an H100: by default the logits (786
+/// MiB of bf16) are made in two chunks of 4096 rows and the arena falls by
+/// at least a chunk's logits; no buffer of the plan is as large as the
+/// whole logits; and in launch order each chunk's cross-entropy runs
+/// before the next chunk's logits are made (else both chunks' logits would
+/// be live at once and nothing would be saved).
+#[test]
+fn gpt2_small_never_stores_its_whole_logits() {
+    let (name, src) = common::example("gpt2-small.dsl");
+    let c = common::compile_with(&src, &name, &[]);
+    let d = bdims(&[("B", 8), ("T", 1024)]);
+    let target = Target::for_device("h100", false).unwrap();
+    let plan_of = |g: &Graph| fusec_compiler::lowering::lower(g, &target, &d, None).unwrap();
+    let before = plan_of(&c.optimized);
+    let mut g = c.optimized.clone();
+    let (done, _) = chunk(&mut g, &d, Rows::Auto).unwrap();
+    assert_eq!(done.len(), 1);
+    assert_eq!((done[0].chunks, done[0].rows), (2, 4096));
+    let after = plan_of(&g);
+    let logits = 8 * 1024 * 50257 * 2u64;
+    let largest = |p: &fusec_compiler::plan::Plan| p.buffers.iter().map(|b| b.bytes).max().unwrap();
+    assert!(largest(&before.plan) >= logits);
+    assert!(
+        largest(&after.plan) < logits / 2 + (4 << 20),
+        "a buffer of {} bytes",
+        largest(&after.plan)
+    );
+    let saved = before.plan.arena_bytes - after.plan.arena_bytes;
+    println!(
+        "arena {} -> {} bytes ({saved} saved)",
+        before.plan.arena_bytes, after.plan.arena_bytes
+    );
+    // Half the logits, less the chunks' copies and concatenation (the
+    // input's gradient, 12 MiB, and one slice of the activations, 6 MiB)
+    // and one chunk's weight gradient (bf16 [50257, 768]), which waits for
+    // the tied embedding's gradient in the kernel that adds the two.
+    let partial = 50257 * 768 * 2;
+    assert!(saved >= logits / 2 - (24 << 20) - partial, "saved {saved}");
+    // The launch order: product, loss, product, loss.
+    let order: Vec<&str> = after
+        .plan
+        .launches
+        .iter()
+        .filter_map(|l| {
+            if l.ops.iter().any(|o| o == "cross_entropy_with_grad") {
+                Some("loss")
+            } else if l.gemm.as_ref().is_some_and(|g| g.n >= 50257) {
+                Some("logits")
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert_eq!(order, ["logits", "loss", "logits", "loss"]);
+}
+
+/// `all` leaves the head as it is; a head whose logits are not one
+/// product (a classifier with a bias) stays whole under a number of rows
+/// and says why; `auto` leaves logits under 512 MiB whole.
+#[test]
+fn what_is_not_chunked_says_why() {
+    let (name, src) = common::example("gpt2-small.dsl");
+    let c = common::compile_with(&src, &name, &[]);
+    let d = bdims(&[("B", 4), ("T", 1024)]);
+    let mut g = c.optimized.clone();
+    assert_eq!(chunk(&mut g, &d, Rows::All).unwrap(), (vec![], vec![]));
+    assert_eq!(g.g.node_count(), c.optimized.g.node_count());
+    // 4 x 1024 rows of 50257 bf16 logits: 393 MiB, under `auto`'s 512.
+    assert!(chunk(&mut g, &d, Rows::Auto).unwrap().0.is_empty());
+
+    let src = "dim B
+input x: f32[B, 8]
+input y: i32[B]
+param w: [8, 5] = normal(0.3)
+param b: [5] = zeros
+train {
+    loss = cross_entropy(x @ w + b, y)
+}
+";
+    let c = fusec_compiler::driver::compile(src, "biased", &Default::default())
+        .unwrap_or_else(|f| panic!("{}", f.render("biased.dsl", src)));
+    let mut g = c.optimized.clone();
+    let (done, left) = chunk(&mut g, &bdims(&[("B", 12)]), Rows::At(4)).unwrap();
+    assert!(done.is_empty());
+    assert_eq!(left.len(), 1);
+    assert!(left[0].contains("bias"), "{left:?}");
+}
