@@ -386,13 +386,20 @@ pub fn fit_memory(
     deterministic: bool,
 ) -> Result<Fitted, CliError> {
     use fusec_compiler::recompute;
+    let rows = budget.loss_head_rows;
+    loaded.compiled.options.loss_head_rows = rows;
     if ranks > 1 {
         if budget.memory_budget.is_some() || loaded.compiled.model.train.memory_budget.is_some() {
             return Err(CliError::usage(
                 "error: a memory budget is not applied over several GPUs yet; use it on one GPU, or use --zero 1 to split the optimizer state over the GPUs",
             ));
         }
-        return Ok(Fitted::default());
+        // Each rank's step (`parallel::start` chunks the ZeRO ranks' own).
+        let loss_head = chunk_loss_head(&mut loaded.compiled.optimized, dims, rows)?;
+        return Ok(Fitted {
+            loss_head,
+            recompute: None,
+        });
     }
     let target = fusec_compiler::select::Target {
         lower: loaded.compiled.options.lower.clone(),
@@ -402,7 +409,6 @@ pub fn fit_memory(
     let roof = fusec_compiler::device::device(device)
         .unwrap_or_else(fusec_compiler::device::default_device);
     let missing = missing(dims, &loaded.compiled.optimized.dims);
-    let rows = budget.loss_head_rows;
     let budget = match (budget.memory_budget, loaded.compiled.model.train.memory_budget) {
         (Some(b), _) if !missing.is_empty() => {
             return Err(CliError::usage(format!(
@@ -415,12 +421,7 @@ pub fn fit_memory(
         _ if !missing.is_empty() => return Ok(Fitted::default()),
         (flag, file) => flag.or(file),
     };
-    let (loss_head, left) =
-        fusec_compiler::loss_head::chunk(&mut loaded.compiled.optimized, dims, rows)
-            .map_err(|e| CliError::usage(format!("error: {e}")))?;
-    for why in left {
-        eprintln!("note: --loss-head-rows: the loss head stays whole: {why}");
-    }
+    let loss_head = chunk_loss_head(&mut loaded.compiled.optimized, dims, rows)?;
     // What is free first; a budget then takes what it needs on top.
     let free = recompute::free_drops(&mut loaded.compiled.optimized, dims, &target, roof)
         .map_err(|e| CliError::usage(format!("error: {e}")))?;
@@ -448,6 +449,25 @@ pub fn fit_memory(
             (f, c) => c.or(f),
         },
     })
+}
+
+/// The loss head of step `g` in chunks of `rows` (`loss_head::chunk`) at
+/// sizes `dims` (nothing where a size is not known); where rows were
+/// asked for and a head stays whole, a note says why.
+pub fn chunk_loss_head(
+    g: &mut fusec_compiler::ir::Graph,
+    dims: &std::collections::BTreeMap<String, i64>,
+    rows: fusec_compiler::loss_head::Rows,
+) -> Result<Vec<fusec_compiler::loss_head::Chunked>, CliError> {
+    if !missing(dims, &g.dims).is_empty() {
+        return Ok(Vec::new());
+    }
+    let (done, left) = fusec_compiler::loss_head::chunk(g, dims, rows)
+        .map_err(|e| CliError::usage(format!("error: {e}")))?;
+    for why in left {
+        eprintln!("note: --loss-head-rows: the loss head stays whole: {why}");
+    }
+    Ok(done)
 }
 
 /// Says on standard error what the recompute stage chose.

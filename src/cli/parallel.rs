@@ -219,10 +219,15 @@ pub fn start(
             return Ok(vec![loaded.compiled.optimized.clone(); ranks.len()]);
         }
         let ranks: Vec<u32> = ranks.iter().map(|&r| r as u32).collect();
-        Ok(rank_steps(loaded, world as u32, &ranks)?
+        let rows = loaded.compiled.options.loss_head_rows;
+        rank_steps(loaded, world as u32, &ranks)?
             .into_iter()
-            .map(|l| l.compiled.optimized)
-            .collect())
+            .map(|l| {
+                let mut g = l.compiled.optimized;
+                super::common::chunk_loss_head(&mut g, dims, rows)?;
+                Ok(g)
+            })
+            .collect()
     };
     let usage = |m: String| CliError::usage(format!("error: {m}"));
     if cpu {

@@ -31,6 +31,10 @@ pub struct Options {
     /// `--dump-after PASS`: keep the graph as this graph pass leaves it
     /// (`driver::Compiled::dumped`).
     pub dump_after: Option<String>,
+    /// `--loss-head-rows`: the logits' rows a chunk of the loss head
+    /// (`loss_head::chunk`), applied at the step's sizes to the step and to
+    /// each data-parallel rank's.
+    pub loss_head_rows: crate::loss_head::Rows,
 }
 
 impl Options {
