@@ -112,12 +112,13 @@ fn gpt2_small_never_stores_its_whole_logits() {
         "arena {} -> {} bytes ({saved} saved)",
         before.plan.arena_bytes, after.plan.arena_bytes
     );
-    // Half the logits, less the chunks' copies and concatenation (the
-    // input's gradient, 12 MiB, and one slice of the activations, 6 MiB)
-    // and one chunk's weight gradient (bf16 [50257, 768]), which waits for
-    // the tied embedding's gradient in the kernel that adds the two.
-    let partial = 50257 * 768 * 2;
-    assert!(saved >= logits / 2 - (24 << 20) - partial, "saved {saved}");
+    // Half the logits, less what the chunked plan holds beside a chunk's
+    // logits where it peaks (the first chunk's weight-gradient product:
+    // its output, bf16 [50257, 768], and the chunk's input gradient and
+    // slice, 6 MiB each, live there and not at the whole head's peak).
+    // Both chunks' logits live at once would fail this by 320 MiB.
+    let slack = 50257 * 768 * 2;
+    assert!(saved >= logits / 2 - (24 << 20) - slack, "saved {saved}");
     // The launch order: product, loss, product, loss.
     let order: Vec<&str> = after
         .plan
