@@ -86,6 +86,7 @@ fn main() -> ExitCode {
             Ok(())
         }
     };
+    fusec_runtime::startup::mark("command returned");
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -9,8 +9,9 @@ cp target/release/fusec out/device/
 # The runtime's own GPU tests, and those that drive it through the
 # backends (in the fusec package).
 for t in gemm_gpu:fusec-runtime flash_gpu:fusec-runtime step_gpu:fusec dp_gpu:fusec; do
+  # The test target's own executable (the package's binary is listed too).
   exe=$(cargo test --release -p "${t#*:}" --test "${t%%:*}" --no-run --message-format=json 2>/dev/null \
-    | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)
+    | grep "\"name\":\"${t%%:*}\"" | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)
   cp "$exe" "out/device/${t%%:*}"
 done
 # Drawn models for `gpu_check.sh zoo` (the model zoo test writes them as it

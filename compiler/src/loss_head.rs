@@ -8,8 +8,8 @@
 //! A stage at the step's sizes, after the pass pipeline (the fused
 //! `cross_entropy_with_grad` is its anchor): for each chunk of rows the
 //! product, the loss and its gradient, the input's gradient (concatenated
-//! after the last chunk) and the weight's gradient (each chunk's added to
-//! the sum so far, which fusion runs as the product's residual epilogue).
+//! after the last chunk) and the weight's gradient (the chunks' products
+//! summed after the last).
 //! The chunks take their turns one after the other where the cross-entropy
 //! had its turn (`Node::sub_turn`), so each chunk's logits are dead before
 //! the next chunk's are made, and the arena reuses their storage.
@@ -59,19 +59,28 @@ impl std::str::FromStr for Rows {
 pub const ROW_ALIGN: u64 = 128;
 
 /// Under [`Rows::Auto`], the logits are chunked where the whole would
-/// exceed this many bytes, into chunks of about this size or less.
-pub const AUTO_CHUNK_BYTES: u64 = 512 << 20;
+/// exceed this many bytes.
+pub const AUTO_ABOVE_BYTES: u64 = 512 << 20;
+
+/// Under [`Rows::Auto`], chunks of at most this many bytes, and at least
+/// two: each chunk adds a weight-gradient partial kept to the end (GPT-2:
+/// 74 MiB) and products of fewer rows, which run further from the GPU's
+/// rate (H100, gpt2-small at B = 32: seven chunks of 4736 rows cost 4.6%
+/// of the step, most of it in the partials' running sum since removed;
+/// two of 4096 at B = 8 nothing measurable).
+pub const AUTO_CHUNK_BYTES: u64 = 1 << 30;
 
 /// The rows of a chunk under [`Rows::Auto`] for `rows` rows of `row_bytes`
-/// bytes: `None` (all at once) where the whole fits [`AUTO_CHUNK_BYTES`];
-/// else the rows split evenly into as few chunks as keep each within it,
-/// rounded up to [`ROW_ALIGN`].
+/// bytes: `None` (all at once) where the whole is within
+/// [`AUTO_ABOVE_BYTES`]; else the rows split evenly into as few chunks
+/// (two or more) as keep each within [`AUTO_CHUNK_BYTES`], rounded up to
+/// [`ROW_ALIGN`].
 pub fn auto_rows(rows: u64, row_bytes: u64) -> Option<u64> {
     let whole = rows.checked_mul(row_bytes)?;
-    if whole <= AUTO_CHUNK_BYTES || row_bytes == 0 {
+    if whole <= AUTO_ABOVE_BYTES || row_bytes == 0 {
         return None;
     }
-    let chunks = whole.div_ceil(AUTO_CHUNK_BYTES);
+    let chunks = whole.div_ceil(AUTO_CHUNK_BYTES).max(2);
     let per = rows.div_ceil(chunks).div_ceil(ROW_ALIGN) * ROW_ALIGN;
     (per < rows).then_some(per)
 }
@@ -385,7 +394,7 @@ fn rewrite(g: &mut Graph, h: &Head, n: &Dim, per: u64, chunks: usize) -> Result<
     let a2 = add(g, flat(vec![n.clone(), c.clone()]), &[h.a], mm_span, sub)?[0];
     let t1 = add(g, flat(vec![n.clone()]), &[t], ce_span, sub)?[0];
     let dl1 = add(g, flat(vec![n.clone()]), &[dloss], ce_span, sub)?[0];
-    let (mut das, mut losses, mut dw_sum) = (Vec::new(), Vec::new(), None);
+    let (mut das, mut losses, mut dws) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..chunks {
         let start = Dim::constant((i as u64 * per) as i64);
         let end = if i + 1 == chunks {
@@ -416,26 +425,27 @@ fn rewrite(g: &mut Graph, h: &Head, n: &Dim, per: u64, chunks: usize) -> Result<
             let act = add(g, tr(), &[ac], dw_span, sub)?[0];
             add(g, MatMul.into(), &[act, dlogits], dw_span, sub)?[0]
         };
-        dw_sum = Some(match dw_sum {
-            None => dwc,
-            Some(s) => add(
-                g,
-                crate::ops::Binary {
-                    kind: BinaryKind::Add,
-                }
-                .into(),
-                &[dwc, s],
-                dw_span,
-                sub,
-            )?[0],
-        });
+        dws.push(dwc);
         sub += 1;
     }
     let da = add(g, Concat { axis: 0 }.into(), &das, da_span, sub)?[0];
     let da = add(g, flat(a_ty.shape.clone()), &[da], da_span, sub)?[0];
     let loss = add(g, Concat { axis: 0 }.into(), &losses, ce_span, sub)?[0];
     let loss = add(g, flat(t_shape), &[loss], ce_span, sub)?[0];
-    let dw = dw_sum.expect("at least one chunk");
+    // The weight's gradient: the chunks' products summed after the last,
+    // from the last back, so no add reads a product beside a sum made
+    // before it and fusion adds them all in the kernel that reads the sum
+    // (with the tied embedding's gradient, for GPT-2) instead of as each
+    // next product's residual: cuBLASLt ran that product with its residual
+    // at half the plain product's rate (H100, 4736 x 768 x 50304: 837
+    // against 468 us), more time than the partials' memory is worth.
+    let mut dw = *dws.last().expect("at least one chunk");
+    for &p in dws.iter().rev().skip(1) {
+        let sum = crate::ops::Binary {
+            kind: BinaryKind::Add,
+        };
+        dw = add(g, sum.into(), &[p, dw], dw_span, sub)?[0];
+    }
     if g.ty(dw) != g.ty(old_dw) || g.ty(da) != g.ty(old_da) || g.ty(loss) != g.ty(old_loss) {
         return Err("the chunks' results do not have the types of what they replace".into());
     }
@@ -457,11 +467,14 @@ mod tests {
         assert_eq!(auto_rows(4096, row), None);
         // B = 8 (786 MiB): two chunks of 4096 rows.
         assert_eq!(auto_rows(8192, row), Some(4096));
-        // B = 32 (3.1 GiB): seven chunks of at most 512 MiB.
-        let per = auto_rows(32768, row).unwrap();
+        // B = 32 (3.1 GiB): four chunks of 8192 rows, at most 1 GiB each.
+        assert_eq!(auto_rows(32768, row), Some(8192));
+        // B = 24 (2.4 GiB): three chunks of 8192 rows.
+        assert_eq!(auto_rows(24576, row), Some(8192));
+        // Rows that split unevenly: tile multiples, the last chunk shorter.
+        let per = auto_rows(3 * 1000 * 1023, row).unwrap();
         assert_eq!(per % ROW_ALIGN, 0);
         assert!(per * row <= AUTO_CHUNK_BYTES + ROW_ALIGN * row, "{per}");
-        assert_eq!(32768u64.div_ceil(per), 7);
     }
 
     #[test]

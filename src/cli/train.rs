@@ -83,5 +83,11 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     }
     let done = run.finish(b);
     fusec_runtime::startup::mark("run finished");
+    if world == 1 && !args.cpu {
+        // The process ends here: the driver frees a GPU's context, modules
+        // and memory with it, where releasing them one by one first took
+        // about 0.1 s of a one-step run's 0.9 (H100, five runs each way).
+        std::mem::forget(backend);
+    }
     done
 }
