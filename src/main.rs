@@ -74,6 +74,7 @@ fn main() -> ExitCode {
                 println!("{:<15} {}", p.name(), p.about());
             }
             println!("\nthen, at the sizes given (--batch, --seq, --dim):");
+            println!("{:<15} {}", "loss-head", fusec_compiler::loss_head::ABOUT);
             println!("{:<15} {}", "recompute", fusec_compiler::recompute::ABOUT);
             println!("\nthen, on kernels (see --dump layout, --dump kernels, plan.json):");
             for (name, about) in fusec_compiler::kernel::STAGES {

@@ -453,6 +453,7 @@ fn passes_are_listed_and_dumped_after() {
         out.starts_with("fold-attention")
             && out.contains("\nsimplify ")
             && out.contains("\ndce ")
+            && out.contains("\nloss-head ")
             && out.contains("\nrecompute "),
         "{out}"
     );

@@ -245,3 +245,46 @@ fn data_parallel_ranks_chunk_their_heads_and_train_alike() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `fusec build` says what it chunked in report.txt, `all` leaves the head
+/// whole, and a number of rows that is none is refused with the forms the
+/// flag takes.
+#[test]
+fn build_reports_the_chunks_and_refuses_a_bad_row_count() {
+    let dir = std::env::temp_dir().join(format!("fusec-loss-head-build-{}", std::process::id()));
+    let out = dir.to_str().unwrap();
+    let build = |rows: &str| {
+        common::fusec(&[
+            "build",
+            "dsl-examples/gpt2-small.dsl",
+            "--batch",
+            "8",
+            "--seq",
+            "1024",
+            "--loss-head-rows",
+            rows,
+            "-o",
+            out,
+        ])
+    };
+    let report = || std::fs::read_to_string(dir.join("report.txt")).unwrap();
+    let (code, _, err) = build("auto");
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        report().contains("loss head in 2 chunks of 4096 rows (of 8192): logits and their gradient 392.6 MiB a chunk, never the whole 785.3 MiB"),
+        "{}",
+        report()
+    );
+    let (code, _, err) = build("all");
+    assert_eq!(code, 0, "{err}");
+    assert!(!report().contains("loss head in"));
+    for bad in ["0", "many"] {
+        let (code, _, err) = build(bad);
+        assert_eq!(code, 2, "{err}");
+        assert!(
+            err.contains("give auto, all, or a positive number"),
+            "{err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

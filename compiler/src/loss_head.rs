@@ -26,6 +26,9 @@ use crate::ops::{BinaryKind, Concat, MatMul, Op, Permute, Reshape, Slice};
 use petgraph::stable_graph::NodeIndex;
 use std::collections::BTreeMap;
 
+/// One line for `fusec passes`.
+pub const ABOUT: &str = "a language model's logits, their cross-entropy and their gradients made a chunk of rows at a time, so the whole B x T x V logits are never stored: where they would take over 512 MiB, or as --loss-head-rows says (report.txt says how)";
+
 /// How many rows of logits the step computes at a time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Rows {
