@@ -199,6 +199,43 @@ fn product_after(g: &Graph, v: Value) -> Option<(NodeIndex, Value)> {
     }
 }
 
+/// Why a loss head keeps its whole logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Whole {
+    /// Something besides the cross-entropy reads the logits (or the step
+    /// returns them).
+    LogitsShared,
+    /// The logits are not a product alone (a bias added to them, say).
+    NotOneProduct,
+    /// The product is not activations [.., C] times a matrix [C, V].
+    NotTimesWeight,
+    /// The step returns the logits' gradient.
+    GradientIsOutput,
+    /// Something besides the backward pass's two products reads the
+    /// logits' gradient.
+    GradientShared,
+    /// A product reading the logits' gradient is not the input's or the
+    /// weight's gradient as autodiff writes them.
+    UnknownProduct,
+}
+
+impl std::fmt::Display for Whole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Whole::LogitsShared => "the logits are read by more than the cross-entropy",
+            Whole::NotOneProduct => "the logits are not one product (a bias added to them, say)",
+            Whole::NotTimesWeight => "the logits' product is not activations times a weight matrix",
+            Whole::GradientIsOutput => "the logits' gradient is an output of the step",
+            Whole::GradientShared => {
+                "the logits' gradient is read by more than the two products of the backward pass"
+            }
+            Whole::UnknownProduct => {
+                "a product reading the logits' gradient is not the input's or the weight's gradient"
+            }
+        })
+    }
+}
+
 /// One loss head as the rewrite needs it.
 struct Head {
     ce: NodeIndex,
@@ -215,43 +252,40 @@ struct Head {
 }
 
 /// Why the head at `ce` cannot be chunked, or what it is.
-fn head(g: &Graph, ce: NodeIndex) -> Result<Head, &'static str> {
+fn head(g: &Graph, ce: NodeIndex) -> Result<Head, Whole> {
     let ins = g.inputs(ce);
     let logits = ins[0];
     if g.users(logits).len() != 1 || g.outputs.iter().any(|(_, v)| *v == logits) {
-        return Err("the logits are read by more than the cross-entropy");
+        return Err(Whole::LogitsShared);
     }
     if !matches!(g.g[logits.node].op, Op::MatMul(_)) {
-        return Err("the logits are not one product (a bias added to them, say)");
+        return Err(Whole::NotOneProduct);
     }
     let mm = g.inputs(logits.node);
     let (a, w) = (mm[0], mm[1]);
     let (at, wt) = (g.ty(a), g.ty(w));
     if wt.rank() != 2 || at.rank() < 2 {
-        return Err("the logits' product is not activations times a weight matrix");
+        return Err(Whole::NotTimesWeight);
     }
     let c = wt.shape[0].clone();
     let v = wt.shape[1].clone();
     if at.shape.last() != Some(&c) {
-        return Err("the logits' product is not activations times a weight matrix");
+        return Err(Whole::NotTimesWeight);
     }
     let dl = Value { node: ce, port: 0 };
     if g.outputs.iter().any(|(_, x)| *x == dl) {
-        return Err("the logits' gradient is an output of the step");
+        return Err(Whole::GradientIsOutput);
     }
     let users = g.users(dl);
     if users.len() != 2 {
-        return Err(
-            "the logits' gradient is read by more than the two products of the backward pass",
-        );
+        return Err(Whole::GradientShared);
     }
     let (mut da, mut dw) = (None, None);
     for &(u, _) in &users {
         let first = Value { node: u, port: 0 };
         let (p, read) = match &g.g[u].op {
             Op::MatMul(_) => (u, dl),
-            _ => product_after(g, first)
-                .ok_or("the logits' gradient is read by other than products")?,
+            _ => product_after(g, first).ok_or(Whole::GradientShared)?,
         };
         let pin = g.inputs(p);
         let out = g.ty(Value { node: p, port: 0 });
@@ -269,13 +303,9 @@ fn head(g: &Graph, ce: NodeIndex) -> Result<Head, &'static str> {
             dw = Some((p, vc));
             continue;
         }
-        return Err(
-            "a product reading the logits' gradient is not the input's or the weight's gradient",
-        );
+        return Err(Whole::UnknownProduct);
     }
-    let ((da, w_t), (dw, dw_vc)) = da
-        .zip(dw)
-        .ok_or("the logits' gradient is not read by both products")?;
+    let ((da, w_t), (dw, dw_vc)) = da.zip(dw).ok_or(Whole::UnknownProduct)?;
     Ok(Head {
         ce,
         a,
@@ -294,7 +324,7 @@ pub fn chunk(
     g: &mut Graph,
     dims: &BTreeMap<String, i64>,
     rows: Rows,
-) -> Result<(Vec<Chunked>, Vec<String>), String> {
+) -> Result<(Vec<Chunked>, Vec<Whole>), String> {
     if rows == Rows::All {
         return Ok((Vec::new(), Vec::new()));
     }
@@ -309,7 +339,7 @@ pub fn chunk(
             Ok(h) => h,
             Err(why) => {
                 if matches!(rows, Rows::At(_)) {
-                    left.push(why.to_string());
+                    left.push(why);
                 }
                 continue;
             }
