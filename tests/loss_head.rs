@@ -289,3 +289,32 @@ fn build_reports_the_chunks_and_refuses_a_bad_row_count() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A data-parallel rank's step is chunked as one GPU's is: `fusec build
+/// --gpus 2 --rank 1` (ZeRO rank 1's own step) at B = 8 a GPU says so in
+/// its report.
+#[test]
+fn a_ranks_build_is_chunked_too() {
+    let dir = std::env::temp_dir().join(format!("fusec-loss-head-rank-{}", std::process::id()));
+    let (code, _, err) = common::fusec(&[
+        "build",
+        "dsl-examples/gpt2-small.dsl",
+        "--batch",
+        "8",
+        "--seq",
+        "1024",
+        "--gpus",
+        "2",
+        "--rank",
+        "1",
+        "-o",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+    assert!(
+        report.contains("loss head in 2 chunks of 4096 rows (of 8192)"),
+        "{report}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
