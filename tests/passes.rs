@@ -9,14 +9,6 @@ use fusec_compiler::interp::{run, Precision};
 use fusec_compiler::ir::Graph;
 use fusec_compiler::passes::{default_pipeline, run_pipeline};
 
-fn outputs(g: &Graph, feeds: &fusec_compiler::interp::Feeds) -> Vec<(String, Vec<f64>)> {
-    let vals = run(g, feeds, Precision::F64).expect("evaluates");
-    g.outputs
-        .iter()
-        .map(|(r, v)| (r.to_string(), vals[v].data.clone()))
-        .collect()
-}
-
 fn assert_same(what: &str, a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)]) {
     assert_eq!(a.len(), b.len(), "{what}: output count");
     for ((ra, va), (rb, vb)) in a.iter().zip(b) {
@@ -36,10 +28,10 @@ fn every_pass_preserves_every_models_outputs() {
         let c = common::compile_with(&src, &name, &sets);
         let mut g = c.training.clone();
         let feeds = random_feeds(&g, &common::dims(&dims), 5).expect("feeds");
-        let reference = outputs(&g, &feeds);
+        let reference = common::f64_outputs(&g, &feeds);
         let mut after = Vec::new();
         let stats = run_pipeline(&mut g, &default_pipeline(), |pass, g| {
-            after.push((pass.to_string(), outputs(g, &feeds)))
+            after.push((pass.to_string(), common::f64_outputs(g, &feeds)))
         })
         .unwrap_or_else(|e| panic!("{file}: {e}"));
         for (pass, out) in &after {
@@ -98,7 +90,10 @@ fn spelled_out_attention_becomes_one_op() {
         (1, 0, 0)
     );
     let feeds = random_feeds(&plain, &common::dims(&[("B", 2), ("T", 5)]), 3).unwrap();
-    let (a, b) = (outputs(&plain, &feeds), outputs(&folded, &feeds));
+    let (a, b) = (
+        common::f64_outputs(&plain, &feeds),
+        common::f64_outputs(&folded, &feeds),
+    );
     assert_same("fold-attention", &a, &b);
     let attention = folded
         .g
@@ -166,8 +161,8 @@ fn padding_awkward_sizes_changes_no_result() {
         let feeds = random_feeds(&plain, &common::dims(&[("B", 2), ("T", 3)]), 7).unwrap();
         assert_same(
             &format!("{sets:?}"),
-            &outputs(&plain, &feeds),
-            &outputs(&padded, &feeds),
+            &common::f64_outputs(&plain, &feeds),
+            &common::f64_outputs(&padded, &feeds),
         );
         for (r, v) in &padded.outputs {
             let before = plain.outputs.iter().find(|(r2, _)| r2 == r).unwrap().1;
@@ -211,7 +206,11 @@ train {
         .count();
     assert_eq!(forward_slices, 1, "the norm reads a slice");
     let feeds = random_feeds(&plain, &common::dims(&[("B", 2), ("T", 3)]), 9).unwrap();
-    assert_same("norm", &outputs(&plain, &feeds), &outputs(&padded, &feeds));
+    assert_same(
+        "norm",
+        &common::f64_outputs(&plain, &feeds),
+        &common::f64_outputs(&padded, &feeds),
+    );
 }
 
 /// In f32 (weights read as parameters, no compute copy), with biases and
@@ -243,8 +242,8 @@ fn padding_an_f32_mlp_with_biases_changes_no_result() {
         let feeds = random_feeds(&plain, &common::dims(&[("B", 5)]), 11).unwrap();
         assert_same(
             &format!("{sets:?}"),
-            &outputs(&plain, &feeds),
-            &outputs(&padded, &feeds),
+            &common::f64_outputs(&plain, &feeds),
+            &common::f64_outputs(&padded, &feeds),
         );
     }
 }
@@ -371,7 +370,11 @@ train {
             "{what}: concatenations of weights and biases, none of gradients"
         );
         let feeds = random_feeds(&plain, &common::dims(&[("B", 2), ("T", 5)]), 13).unwrap();
-        assert_same(&what, &outputs(&plain, &feeds), &outputs(&fused, &feeds));
+        assert_same(
+            &what,
+            &common::f64_outputs(&plain, &feeds),
+            &common::f64_outputs(&fused, &feeds),
+        );
     }
 }
 

@@ -5,31 +5,18 @@
 mod common;
 
 use fusec_compiler::interp::random::random_feeds;
-use fusec_compiler::interp::{run, Feeds, Precision};
+use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::verify::verify;
 use fusec_compiler::ir::Graph;
 use fusec_compiler::plan::roofline::{device, Device};
 use fusec_compiler::recompute::{self, parse_size, BudgetError};
 use fusec_compiler::select::Target;
-use std::collections::BTreeMap;
-
-fn bdims(pairs: &[(&str, i64)]) -> BTreeMap<String, i64> {
-    pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
-}
 
 fn h100() -> (Target, Device) {
     (
         Target::for_device("h100", false).unwrap(),
         device("h100").unwrap(),
     )
-}
-
-fn outputs(g: &Graph, feeds: &Feeds) -> Vec<(String, Vec<f64>)> {
-    let vals = run(g, feeds, Precision::F64).expect("evaluates");
-    g.outputs
-        .iter()
-        .map(|(r, v)| (r.to_string(), vals[v].data.clone()))
-        .collect()
 }
 
 /// One model at budgets from just under its unbudgeted plan to its floor:
@@ -45,9 +32,9 @@ fn check_budgets(
     let (target, dev) = h100();
     let c = common::compile_with(src, file, sets);
     let g = &c.optimized;
-    let d = bdims(dims);
+    let d = common::plan_sizes(dims);
     let feeds = random_feeds(g, &common::dims(dims), 11).expect("feeds");
-    let reference = outputs(g, &feeds);
+    let reference = common::f64_outputs(g, &feeds);
     let peak = recompute::probe(g, &d, &target, dev).unwrap().arena_bytes;
     let floor = recompute::floor(g, &d, &target, dev).unwrap().arena_bytes;
     println!("{file}: unbudgeted {peak} bytes, floor {floor}");
@@ -80,7 +67,7 @@ fn check_budgets(
                 recomputed_any = true;
             }
         }
-        let got = outputs(&h, &feeds);
+        let got = common::f64_outputs(&h, &feeds);
         assert_eq!(got.len(), reference.len());
         for ((role, a), (_, b)) in reference.iter().zip(&got) {
             assert!(
@@ -147,7 +134,7 @@ fn gpt2_small_fits_12_10_and_8_gib_at_batch_32() {
     let (target, dev) = h100();
     let (name, src) = common::example("gpt2-small.dsl");
     let c = common::compile_with(&src, &name, &[]);
-    let d = bdims(&[("B", 32), ("T", 1024)]);
+    let d = common::plan_sizes(&[("B", 32), ("T", 1024)]);
     let mut last_seconds = 0.0;
     for gib in [12u64, 10, 8] {
         let mut g = c.optimized.clone();
@@ -186,7 +173,7 @@ fn recomputed_ops_run_just_before_their_readers() {
     let (_, dev) = h100();
     let (name, src) = common::example("gpt2-small.dsl");
     let c = common::compile_with(&src, &name, &[("layers", "4")]);
-    let d = bdims(&[("B", 4), ("T", 64)]);
+    let d = common::plan_sizes(&[("B", 4), ("T", 64)]);
     let mut g = c.optimized.clone();
     recompute::drop_every_candidate(&mut g, &d, dev);
     let order = g.topo_order();
@@ -305,7 +292,7 @@ fn without_a_budget_only_free_recomputation_happens() {
         .unwrap();
     let (name, src) = common::example(file);
     let c = common::compile_with(&src, &name, &sets);
-    let d = bdims(&dims);
+    let d = common::plan_sizes(&dims);
     let mut g = c.optimized.clone();
     let choice = recompute::free_drops(&mut g, &d, &target, dev)
         .unwrap()
@@ -319,7 +306,10 @@ fn without_a_budget_only_free_recomputation_happens() {
     assert!(choice.after.arena_bytes < choice.before.arena_bytes);
     assert!(choice.after.seconds <= choice.before.seconds);
     let feeds = random_feeds(&c.optimized, &common::dims(&dims), 4).unwrap();
-    let (a, b) = (outputs(&c.optimized, &feeds), outputs(&g, &feeds));
+    let (a, b) = (
+        common::f64_outputs(&c.optimized, &feeds),
+        common::f64_outputs(&g, &feeds),
+    );
     for ((role, x), (_, y)) in a.iter().zip(&b) {
         assert!(
             x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
@@ -347,7 +337,7 @@ fn without_a_budget_only_free_recomputation_happens() {
     let (name, src) = common::example("gpt2-small.dsl");
     let c = common::compile_with(&src, &name, &[]);
     let mut g = c.optimized.clone();
-    let d = bdims(&[("B", 8), ("T", 1024)]);
+    let d = common::plan_sizes(&[("B", 8), ("T", 1024)]);
     assert!(recompute::free_drops(&mut g, &d, &target, dev)
         .unwrap()
         .is_none());
@@ -361,7 +351,7 @@ fn llama_budgets_down_to_its_floor_are_met() {
     let (target, dev) = h100();
     let (name, src) = common::example("llama-small.dsl");
     let c = common::compile_with(&src, &name, &[]);
-    let d = bdims(&[("B", 32), ("T", 1024)]);
+    let d = common::plan_sizes(&[("B", 32), ("T", 1024)]);
     let peak = recompute::probe(&c.optimized, &d, &target, dev)
         .unwrap()
         .arena_bytes;
@@ -436,7 +426,7 @@ fn recomputed_dropout_draws_the_same_mask() {
     // The floor's plan copies dropouts into the backward pass.
     let c = common::compile_with(&src, "encoder-dropout.dsl", &[("p", "0.3")]);
     let mut g = c.optimized.clone();
-    let d = bdims(&[("B", 2), ("T", 7)]);
+    let d = common::plan_sizes(&[("B", 2), ("T", 7)]);
     let count = |g: &Graph| {
         g.g.node_weights()
             .filter(|n| matches!(n.op, fusec_compiler::ops::Op::Dropout(_)) && n.recompute)

@@ -99,7 +99,6 @@ pub struct Chunked {
     /// The whole logits' bytes, and one chunk's.
     pub whole_bytes: u64,
     pub chunk_bytes: u64,
-    pub span: Option<crate::dsl::ast::Span>,
 }
 
 impl Chunked {
@@ -133,11 +132,12 @@ fn rows_of(g: &Graph, v: Value, base: Value, features: &Dim) -> Option<Layout> {
     if v == base {
         return Some(Layout::Rows);
     }
-    if v.port != 0 {
+    // Only through views: anything else ends the walk here, rather than
+    // recursing back through the whole network to its inputs.
+    if v.port != 0 || !matches!(g.g[v.node].op, Op::Reshape(_) | Op::Permute(_)) {
         return None;
     }
-    let ins = g.inputs(v.node);
-    let from = rows_of(g, *ins.first()?, base, features)?;
+    let from = rows_of(g, g.inputs(v.node)[0], base, features)?;
     let t = g.ty(v);
     let r = t.rank();
     match (&g.g[v.node].op, from) {
@@ -357,7 +357,7 @@ pub fn chunk(
         ) else {
             continue;
         };
-        let row_bytes = v * lt.dtype.size_bytes() as u64;
+        let row_bytes = v.saturating_mul(lt.dtype.size_bytes() as u64);
         let per = match rows {
             Rows::Auto => auto_rows(n, row_bytes),
             Rows::At(r) => (r < n).then_some(r),
@@ -372,9 +372,8 @@ pub fn chunk(
             chunks,
             rows: per,
             total_rows: n,
-            whole_bytes: n * row_bytes,
-            chunk_bytes: per * row_bytes,
-            span: g.g[ce].span,
+            whole_bytes: n.saturating_mul(row_bytes),
+            chunk_bytes: per.saturating_mul(row_bytes),
         });
     }
     if !done.is_empty() {

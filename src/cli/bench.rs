@@ -215,7 +215,7 @@ fn load_fitted(args: &BenchArgs) -> Result<(Loaded, BTreeMap<String, i64>), CliE
     let mut loaded = load(&args.model)?;
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;
-    super::common::announce_budget(
+    super::common::announce_fitted(
         fit_memory(
             &mut loaded,
             &args.budget,

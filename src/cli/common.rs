@@ -388,6 +388,15 @@ pub fn fit_memory(
     use fusec_compiler::recompute;
     let rows = budget.loss_head_rows;
     loaded.compiled.options.loss_head_rows = rows;
+    if let fusec_compiler::loss_head::Rows::At(n) = rows {
+        let missing = missing(dims, &loaded.compiled.optimized.dims);
+        if !missing.is_empty() {
+            return Err(CliError::usage(format!(
+                "error: --loss-head-rows {n}: the loss head is cut into chunks at the sizes the step runs at: give the size of {} (--batch, --seq or --dim NAME=N)",
+                missing.join(", ")
+            )));
+        }
+    }
     if ranks > 1 {
         if budget.memory_budget.is_some() || loaded.compiled.model.train.memory_budget.is_some() {
             return Err(CliError::usage(
@@ -470,8 +479,9 @@ pub fn chunk_loss_head(
     Ok(done)
 }
 
-/// Says on standard error what the recompute stage chose.
-pub fn announce_budget(fitted: Fitted, loaded: &Loaded) {
+/// Says on standard error what the stages at the step's sizes did (the
+/// loss head's chunks, what is recomputed).
+pub fn announce_fitted(fitted: Fitted, loaded: &Loaded) {
     let file = loaded.path.display().to_string();
     if let Some(text) = fitted.describe(&loaded.compiled.optimized, Some((&file, &loaded.source))) {
         eprint!("{text}");

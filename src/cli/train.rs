@@ -86,7 +86,8 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     if world == 1 && !args.cpu {
         // The process ends here: the driver frees a GPU's context, modules
         // and memory with it, where releasing them one by one first took
-        // about 0.1 s of a one-step run's 0.9 (H100, five runs each way).
+        // 0.03-0.1 s of a one-step run's 0.9 (H200, H100; five to ten runs
+        // each way, docs/benchmarks.md).
         std::mem::forget(backend);
     }
     done

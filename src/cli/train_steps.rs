@@ -43,7 +43,7 @@ pub(super) fn load_fitted(
     // Each rank's sizes; the data is fed for all of them together.
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;
-    super::common::announce_budget(
+    super::common::announce_fitted(
         fit_memory(
             &mut loaded,
             &args.budget,

@@ -96,6 +96,19 @@ pub fn dims(pairs: &[(&str, i64)]) -> HashMap<String, i64> {
     pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
+/// Every output of `g` by role, evaluated in f64 on `feeds`.
+pub fn f64_outputs(
+    g: &fusec_compiler::ir::Graph,
+    feeds: &fusec_compiler::interp::Feeds,
+) -> Vec<(String, Vec<f64>)> {
+    let vals = fusec_compiler::interp::run(g, feeds, fusec_compiler::interp::Precision::F64)
+        .expect("evaluates");
+    g.outputs
+        .iter()
+        .map(|(r, v)| (r.to_string(), vals[v].data.clone()))
+        .collect()
+}
+
 #[allow(unused_imports)]
 pub use tiny::{tiny_models, TinyModel};
 

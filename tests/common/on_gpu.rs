@@ -91,7 +91,11 @@ pub fn attention_model_dv(
 
 /// Sizes as the interpreter takes them and as a plan takes them.
 pub fn sizes(dims: &[(&str, i64)]) -> (HashMap<String, i64>, BTreeMap<String, i64>) {
-    let h: HashMap<String, i64> = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
-    let b = h.iter().map(|(k, v)| (k.clone(), *v)).collect();
-    (h, b)
+    let h = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+    (h, plan_sizes(dims))
+}
+
+/// Sizes as a plan (and the stages at sizes) take them.
+pub fn plan_sizes(dims: &[(&str, i64)]) -> BTreeMap<String, i64> {
+    dims.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
