@@ -79,6 +79,15 @@ pub fn group_kernel(
         let at = s.find("extern \"C\"")?;
         s.insert_str(at, &scope.concat());
     }
+    // Casts of whole tensors eight elements a thread (kernels/cast.cuh).
+    let casts: Vec<Option<String>> = members
+        .iter()
+        .map(|m| cast_call(g, p, k, m, tail(m)))
+        .collect();
+    if casts.iter().any(Option::is_some) {
+        let at = s.find("extern \"C\"")?;
+        s.insert_str(at, "#include \"cast.cuh\"\n\n");
+    }
     let calls: Option<Vec<String>> =
         if members.iter().all(f32_only) && members.iter().all(|m| tail(m) == 0) {
             members.iter().map(|m| update_call(g, m)).collect()
@@ -94,9 +103,10 @@ pub fn group_kernel(
             Some((lo, hi)) => format!("{}LL", hi - lo),
             None => g.g[m.node].outputs[0].numel().to_c(),
         };
-        let work = match &calls {
-            Some(calls) => format!("                {}", calls[i].trim_start()),
-            None => {
+        let work = match (&calls, &casts[i]) {
+            (Some(calls), _) => format!("                {}", calls[i].trim_start()),
+            (None, Some(cast)) => format!("                {cast}\n"),
+            (None, None) => {
                 let c = Ctx {
                     p,
                     k,
@@ -136,6 +146,47 @@ pub fn group_kernel(
     }
     s.push_str("        break;  // past the last member's chunks\n    }\n}\n");
     Some(s)
+}
+
+/// `fs_cast_chunk(...)` for a member that casts a whole tensor between
+/// f32 and 16-bit types where eight elements at a time fit it: its
+/// elements and the zeros after them whole multiples of 8 (every chunk
+/// starts at a multiple of GROUP_CHUNK), neither buffer's rows padded.
+fn cast_call(
+    g: &Graph,
+    p: &Program,
+    k: &Kernel,
+    m: &crate::kernel::Member,
+    zeros: i64,
+) -> Option<String> {
+    if !matches!(g.g[m.node].op, Op::Cast(_)) || m.inputs.len() != 1 || m.outputs.len() != 1 {
+        return None;
+    }
+    let (i, o) = (
+        &p.buffers[k.inputs[m.inputs[0]]],
+        &p.buffers[k.outputs[m.outputs[0]]],
+    );
+    let float = |d: DType| matches!(d, DType::F32 | DType::BF16 | DType::F16);
+    let n = g.g[m.node].outputs[0].numel().as_const()?;
+    let whole = i.ty.numel().as_const() == Some(n);
+    (float(i.ty.dtype)
+        && float(o.ty.dtype)
+        && whole
+        && n % 8 == 0
+        && zeros % 8 == 0
+        && GROUP_CHUNK % 8 == 0
+        && i.pitch.is_none()
+        && o.pitch.is_none()
+        && i.zero_rows == 0)
+        .then(|| {
+            format!(
+                "fs_cast_chunk<{}, {}>(out{}, in{}, lo, hi, {n}LL);",
+                super::templates::element(i.ty.dtype),
+                super::templates::element(o.ty.dtype),
+                m.outputs[0],
+                m.inputs[0]
+            )
+        })
 }
 
 /// The `apply` argument: the micro-batch flag, or 1 without micro-batches.

@@ -84,6 +84,7 @@ pub const HEADERS: &[(&str, &str)] = &[
         "elements.cuh",
         include_str!("../../../kernels/elements.cuh"),
     ),
+    ("cast.cuh", include_str!("../../../kernels/cast.cuh")),
     ("conv.cuh", include_str!("../../../kernels/conv.cuh")),
     ("mask.cuh", include_str!("../../../kernels/mask.cuh")),
     ("norm.cuh", include_str!("../../../kernels/norm.cuh")),
