@@ -24,6 +24,12 @@ pub fn group_kernel(
     members: &[crate::kernel::Member],
     source: Option<&str>,
 ) -> Option<String> {
+    if members
+        .iter()
+        .all(|m| matches!(g.g[m.node].op, Op::Reduce(_)))
+    {
+        return sum_group_kernel(g, p, k, members, source);
+    }
     let mut s = header(g, p, k, source);
     // Every member is cut into chunks of GROUP_CHUNK elements, numbered one
     // member after another; block b takes chunks b, b + gridDim.x, ... So
@@ -146,6 +152,65 @@ pub fn group_kernel(
     }
     s.push_str("        break;  // past the last member's chunks\n    }\n}\n");
     Some(s)
+}
+
+/// Leading-axis sums side by side (kernel::groups::group_adjacent_sums):
+/// each member's work items (a run of rows of a tile of columns, as its own
+/// kernel would cut them, emit/multi.rs) numbered one member after another,
+/// block b taking items b, b + gridDim.x, ...; each member keeps its own
+/// partials and counts, so each sum is the one its own kernel makes.
+fn sum_group_kernel(
+    g: &Graph,
+    p: &Program,
+    k: &Kernel,
+    members: &[crate::kernel::Member],
+    source: Option<&str>,
+) -> Option<String> {
+    let mut s = header(g, p, k, source);
+    let mut decls = String::from("#include \"column_sum.cuh\"\n\n");
+    let mut body = String::new();
+    let _ = writeln!(
+        body,
+        "    for (fs_i64 chunk = blockIdx.x; ; chunk += gridDim.x) {{\n        fs_i64 b = chunk;"
+    );
+    for (i, m) in members.iter().enumerate() {
+        let c = Ctx {
+            p,
+            k,
+            ins: m.inputs.clone(),
+            outs: m.outputs.clone(),
+        };
+        let sum = super::multi::group_sum(g, &c, m.node, &format!("{}_m{i}", k.name))?;
+        decls.push_str(&sum.decls);
+        let code: String = sum
+            .code
+            .lines()
+            .map(|l| format!("            {l}\n"))
+            .collect();
+        let _ = write!(
+            body,
+            "        {{  // member {i}\n            const fs_i64 items = {};\n            if (b < items) {{\n{code}                continue;\n            }}\n            b -= items;\n        }}\n",
+            sum.items
+        );
+    }
+    body.push_str("        break;  // past the last member's items\n    }\n}\n");
+    let at = s.find("extern \"C\"")?;
+    s.insert_str(at, &decls);
+    s.push_str(&body);
+    Some(s)
+}
+
+/// Blocks of a group of leading-axis sums: every member's work items.
+pub fn sum_group_blocks(
+    g: &Graph,
+    members: &[crate::kernel::Member],
+    env: &dyn Fn(&str) -> Option<i64>,
+) -> Option<u64> {
+    members
+        .iter()
+        .map(|m| super::multi::items(g, m.node, env))
+        .sum::<Option<u64>>()
+        .map(|n| n.clamp(1, 1 << 20))
 }
 
 /// `fs_cast_chunk(...)` for a member that casts a whole tensor between

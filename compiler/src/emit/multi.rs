@@ -115,6 +115,20 @@ fn column_sum_of(g: &Graph, n: NodeIndex) -> Option<ColumnSum> {
     Some(layout(cols, vec, rows))
 }
 
+/// The work items of a leading-axis sum at the sizes `env` gives: tiles
+/// times runs, as kernels/column_sum.cuh's `fs_column_sum_splits` cuts them.
+pub(crate) fn items(g: &Graph, n: NodeIndex, env: &dyn Fn(&str) -> Option<i64>) -> Option<u64> {
+    let Op::Reduce(r) = &g.g[n].op else {
+        return None;
+    };
+    let w = column_sum_of(g, n)?;
+    let rows = g.ty(g.inputs(n)[0]).shape[..r.axes.len()]
+        .iter()
+        .try_fold(1i64, |a, d| Some(a * d.eval(env)?))?;
+    let splits = (rows / MIN_RUN_ROWS).clamp(1, w.splits);
+    Some((w.tiles * splits) as u64)
+}
+
 /// How many blocks a leading-axis sum's kernel takes (tiles times runs),
 /// where it has one.
 pub fn column_tiles(g: &Graph, n: NodeIndex) -> Option<i64> {
@@ -131,13 +145,46 @@ pub(crate) fn file_scope(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
 /// The include of the column-sum template and the file-scope partials and
 /// counts of a column sum in kernel `k`.
 pub(crate) fn partials(k: &str, w: &ColumnSum) -> String {
+    format!("#include \"column_sum.cuh\"\n\n{}", partial_decls(k, w))
+}
+
+/// The file-scope partials and counts of a column sum named `k`.
+fn partial_decls(k: &str, w: &ColumnSum) -> String {
     format!(
-        "#include \"column_sum.cuh\"\n\n\
-         // The row splits' partial sums and each column tile's finished splits.\n\
+        "// The row splits' partial sums and each column tile's finished splits.\n\
          __device__ float {k}_part[{}];\n__device__ unsigned {k}_done[{}] = {{0}};\n\n",
         w.splits * w.cols,
         w.tiles
     )
+}
+
+/// A group kernel's leading-axis sums (emit/group.rs), member by member:
+/// each sum's partials named after its member, and its code for one work
+/// item `b` of its own (`fs_column_sum_item`), with the number of its items
+/// as a C expression.
+pub(crate) struct GroupSum {
+    pub(crate) decls: String,
+    pub(crate) items: String,
+    pub(crate) code: String,
+}
+
+pub(crate) fn group_sum(g: &Graph, c: &Ctx, n: NodeIndex, name: &str) -> Option<GroupSum> {
+    let w = column_sum_of(g, n)?;
+    let Op::Reduce(r) = &g.g[n].op else {
+        return None;
+    };
+    let rows = g.ty(g.inputs(n)[0]).shape[..r.axes.len()]
+        .iter()
+        .try_fold(crate::ir::Dim::constant(1), |a, d| a.checked_mul(d))?
+        .to_c();
+    Some(GroupSum {
+        decls: partial_decls(name, &w),
+        items: format!(
+            "{}LL * fs_column_sum_splits({rows}, {}LL)",
+            w.tiles, w.splits
+        ),
+        code: column_sum_code(g, c, n, name, Some("b"))?,
+    })
 }
 
 /// The call of kernels/column_sum.cuh's `fs_column_sums` for tiling `w`
@@ -152,18 +199,38 @@ pub(crate) fn call_sums(
     (rows, cols): (&str, &str),
     mean: bool,
     store: &str,
+    item: Option<&str>,
 ) {
-    let _ = writeln!(
-        b,
-        "    fs_column_sums<{}, {}, {unroll}>(add_row, [&](fs_i64 j, float total) {{ {store} }},\n        {rows}, {cols}, {}, {}, {k}_part, {k}_done, {mean});",
-        w.vec, w.lanes, w.tiles, w.splits
-    );
+    let _ = match item {
+        None => writeln!(
+            b,
+            "    fs_column_sums<{}, {}, {unroll}>(add_row, [&](fs_i64 j, float total) {{ {store} }},\n        {rows}, {cols}, {}, {}, {k}_part, {k}_done, {mean});",
+            w.vec, w.lanes, w.tiles, w.splits
+        ),
+        Some(item) => writeln!(
+            b,
+            "    fs_column_sum_item<{}, {}, {unroll}>(add_row, [&](fs_i64 j, float total) {{ {store} }},\n        {rows}, {cols}, {}, {k}_part, {k}_done, {mean}, {item});",
+            w.vec, w.lanes, w.splits
+        ),
+    };
 }
 
 /// A sum over leading axes, [rows, C] -> [C], by kernels/column_sum.cuh:
 /// each lane's V columns of a row read as one 16-byte load where the rows
 /// allow.
 fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+    column_sum_code(g, c, n, &c.k.name, None)
+}
+
+/// [`column_sum`]'s code, its partials named `name`; with `item`, for that
+/// one work item (a group kernel's member) rather than a grid of them.
+fn column_sum_code(
+    g: &Graph,
+    c: &Ctx,
+    n: NodeIndex,
+    name: &str,
+    item: Option<&str>,
+) -> Option<String> {
     let Op::Reduce(r) = &g.g[n].op else {
         return None;
     };
@@ -212,12 +279,13 @@ fn column_sum(g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
     let store = c.st(0, "j", "total");
     call_sums(
         &mut b,
-        &c.k.name,
+        name,
         &w,
         4,
         (&rows.to_c(), &cols.to_c()),
         mean,
         &store,
+        item,
     );
     Some(b)
 }

@@ -99,6 +99,7 @@ pub(crate) fn body(_g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise) -> Strin
         (&format!("n / {cols}"), &cols),
         sum.mean,
         &store,
+        None,
     );
     b.push_str("}\n");
     b

@@ -202,7 +202,8 @@ pub fn fuse_with(g: &Graph, opts: &LowerOptions) -> Program {
     let kernels = match opts.on(Optimisation::GroupKernels) {
         true => {
             let casts = super::groups::group_param_casts(g, &f.buffers, kernels);
-            super::groups::group_optimizer_updates(g, casts)
+            let updates = super::groups::group_optimizer_updates(g, casts);
+            super::groups::group_adjacent_sums(g, updates)
         }
         false => kernels,
     };

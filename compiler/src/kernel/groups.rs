@@ -35,6 +35,76 @@ pub(super) fn group_param_casts(
     regroup(g, kernels, &casts, casts[0])
 }
 
+/// Leading-axis sums launched one after another (a norm backward's two
+/// parameter-gradient second stages and the bias gradient of the residual
+/// stream's gradient it stores) become one launch at the place of the
+/// first: each is a few microseconds of work that fills the GPU poorly
+/// alone. Only sums that read no other's result, each of a stored input
+/// read as laid out; nothing moves, so no buffer lives longer.
+pub(super) fn group_adjacent_sums(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
+    let is_sum = |k: &Kernel| {
+        matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::Reduce(_))
+            && crate::emit::multi::column_tiles(g, n).is_some())
+            && k.inputs.len() == 1
+            && k.outputs.len() == 1
+            && k.input_views.iter().all(Option::is_none)
+            && k.residual.is_none()
+            && k.prologue.is_none()
+    };
+    let mut runs: Vec<Vec<usize>> = Vec::new();
+    let mut run: Vec<usize> = Vec::new();
+    for (i, k) in kernels.iter().enumerate() {
+        let reads_run = run
+            .iter()
+            .any(|&j| kernels[j].outputs.iter().any(|b| k.inputs.contains(b)));
+        if is_sum(k) && !reads_run && run.len() < GROUP_MAX {
+            run.push(i);
+            continue;
+        }
+        if run.len() > 1 {
+            runs.push(std::mem::take(&mut run));
+        }
+        run.clear();
+        if is_sum(k) {
+            run.push(i);
+        }
+    }
+    if run.len() > 1 {
+        runs.push(run);
+    }
+    if runs.is_empty() {
+        return kernels;
+    }
+    // Each run's group at its first member's place; the rest keep order.
+    let mut groups: Vec<Option<Kernel>> = runs
+        .iter()
+        .map(|r| {
+            let nodes: Vec<_> = r.iter().flat_map(|&i| kernels[i].nodes.clone()).collect();
+            let mut k = regroup(
+                g,
+                r.iter().map(|&i| kernels[i].clone()).collect(),
+                &(0..r.len()).collect::<Vec<_>>(),
+                0,
+            )
+            .pop()
+            .expect("one group");
+            k.nodes = nodes;
+            // Named for what it holds (a mean is a sum too).
+            k.name = format!("sums_x{}", r.len());
+            Some(k)
+        })
+        .collect();
+    let mut out = Vec::with_capacity(kernels.len());
+    for (i, k) in kernels.into_iter().enumerate() {
+        match runs.iter().position(|r| r.contains(&i)) {
+            Some(ri) if runs[ri][0] == i => out.push(groups[ri].take().expect("placed once")),
+            Some(_) => {}
+            None => out.push(k),
+        }
+    }
+    out
+}
+
 /// Most ops in one group kernel: their pointers must fit the 32 KiB of
 /// kernel parameters (seven pointers for an AdamW update), and ptxas
 /// spills a cast group of 256 members on sm_80 (gpt2-xl's 580 parameters);

@@ -30,6 +30,9 @@ pub(super) fn launches(
                 Body::Pointwise(pw) => Some(Shape::Elements(pw.n.clone())),
                 Body::Op(n) => shape_of(g, *n),
                 Body::Gemm(..) => None,
+                // Sums side by side: a grid of their work items
+                // (generated_step counts them).
+                Body::Group(members) if sums(g, members) => Some(Shape::Rows(Dim::constant(1))),
                 Body::Group(members) => members
                     .iter()
                     .map(|m| match shape_of(g, m.node) {
@@ -116,6 +119,10 @@ fn generated_step(
         _ => None,
     };
     let blocks = match (&k.body, &shape) {
+        // Every member's work items (see emit::group).
+        (Body::Group(members), _) if sums(g, members) => {
+            crate::emit::group::sum_group_blocks(g, members, env)
+        }
         // A block per chunk of a member (see emit::group).
         (Body::Group(members), _) => members
             .iter()
@@ -190,4 +197,11 @@ fn template_step(
         scratch: l.scratch_f32.as_ref().and(scratch),
         tensor_maps,
     })
+}
+
+/// A group kernel of leading-axis sums (kernel::groups::group_adjacent_sums).
+fn sums(g: &Graph, members: &[crate::kernel::Member]) -> bool {
+    members
+        .iter()
+        .all(|m| matches!(g.g[m.node].op, Op::Reduce(_)))
 }
