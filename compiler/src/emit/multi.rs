@@ -190,16 +190,17 @@ pub(crate) fn group_sum(g: &Graph, c: &Ctx, n: NodeIndex, name: &str) -> Option<
 /// The call of kernels/column_sum.cuh's `fs_column_sums` for tiling `w`
 /// over a [rows, C] matrix, after the lambda `add_row` the caller defines:
 /// its row loop unrolled `unroll` times (0: as the compiler likes), column
-/// `j`'s total stored by `store` (a C statement from the value `total`).
+/// `j`'s total stored by `store` (a C statement from the value `total`);
+/// the partials named `k`, and with `item` the call for that one work item
+/// (`fs_column_sum_item`, a group kernel's member) rather than the grid's.
 pub(crate) fn call_sums(
     b: &mut String,
-    k: &str,
+    (k, item): (&str, Option<&str>),
     w: &ColumnSum,
     unroll: u32,
     (rows, cols): (&str, &str),
     mean: bool,
     store: &str,
-    item: Option<&str>,
 ) {
     let _ = match item {
         None => writeln!(
@@ -279,13 +280,12 @@ fn column_sum_code(
     let store = c.st(0, "j", "total");
     call_sums(
         &mut b,
-        name,
+        (name, item),
         &w,
         4,
         (&rows.to_c(), &cols.to_c()),
         mean,
         &store,
-        item,
     );
     Some(b)
 }

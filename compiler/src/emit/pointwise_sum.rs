@@ -93,13 +93,12 @@ pub(crate) fn body(_g: &Graph, p: &Program, k: &Kernel, pw: &Pointwise) -> Strin
     let store = format!("out{o}[j] = {};", store(out_dt(o), "total"));
     call_sums(
         &mut b,
-        &k.name,
+        (&k.name, None),
         &w,
         0,
         (&format!("n / {cols}"), &cols),
         sum.mean,
         &store,
-        None,
     );
     b.push_str("}\n");
     b
