@@ -369,7 +369,8 @@ if [ "$what" = summary ]; then
   # and $OUT/summary.md for the machine the call came from). llm.c runs
   # where $LLMC (default .bench/llmc) holds its sources as
   # ../shared/bench/llmc.sh lays them out. SUMMARY_SKIP (space separated:
-  # startup gpt2 torch llmc llama attention) leaves parts out.
+  # startup gpt2 budget xl torch llmc llama attention f32attention) leaves
+  # parts out.
   S=$LOGS/summary; rm -rf "$S"; mkdir -p "$S"
   cp "$LOGS/gpu.txt" "$S/gpu.txt"
   skip() { save; case " ${SUMMARY_SKIP:-} " in *" $1 "*) return 0;; *) return 1;; esac; }
@@ -394,6 +395,22 @@ if [ "$what" = summary ]; then
       run "fusec bench gpt2-small B=$b T=1024"
       timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch $b --seq 1024 --steps 20 2>/dev/null | tail -1 | tee "$S/fusec-gpt2-b$b.json"
     done
+  fi
+  if ! skip budget; then
+    # At llm.c's memory: its B = 8 peak is about 5.0 GiB, fusec's peak is
+    # the arena plus about 0.6 GiB (the context, modules and cuBLASLt's
+    # workspace), so an arena of 4.4 GiB (GELU outputs recomputed).
+    run "fusec bench gpt2-small B=8 T=1024 --memory-budget 4.4GiB"
+    timeout 300 "$BIN/fusec" bench dsl-examples/gpt2-small.dsl --batch 8 --seq 1024 --steps 20 --memory-budget 4.4GiB 2>/dev/null | tail -1 | tee "$S/fusec-gpt2-b8-budget.json"
+  fi
+  if ! skip xl; then
+    run "fusec bench gpt2-xl B=8 T=1024"
+    timeout 400 "$BIN/fusec" bench dsl-examples/gpt2-xl.dsl --batch 8 --seq 1024 --steps 10 2>/dev/null | tail -1 | tee "$S/fusec-gpt2xl-b8.json"
+  fi
+  if ! skip f32attention; then
+    run "attention: fusec and SDPA, causal, f32"
+    timeout 200 "$BIN/fusec" bench-attention --precision f32 --head-dims 64,80,128 --seqs 1024,4096 2>/dev/null | tee "$S/attention-f32-fusec.jsonl"
+    [ -f "$BIN/torch_reference.py" ] && timeout 300 python3 "$BIN/torch_reference.py" --models "" --no-ceilings --attn-sweep --dtype float32 --attn-head-dims 64,80,128 --attn-seqs 1024,4096 --attn-no-naive 2>/dev/null | grep '^{' | tee "$S/attention-f32-torch.jsonl"
   fi
   if ! skip attention; then
     run "attention: fusec and SDPA, causal, bf16"

@@ -14,6 +14,9 @@ Files read (each optional; a part that did not run is said to be missing):
   llama.jsonl              tools/bench_twins.py --out rows (llama-small)
   attention-fusec.jsonl    fusec bench-attention lines
   attention-torch.jsonl    torch_reference.py --attn-sweep lines
+  fusec-gpt2-b8-budget.json  gpt2-small at B = 8 with --memory-budget 4.4GiB
+  fusec-gpt2xl-b8.json     `fusec bench` of gpt2-xl at B = 8
+  attention-f32-fusec.jsonl, attention-f32-torch.jsonl  the same sweep in f32
 """
 import argparse
 import json
@@ -90,6 +93,23 @@ def table(d, commit, date):
                          ratio(t["ms_per_step"], ms), f"{gib(mem)} / {gib(t['peak_mem_mib'] / 1024)} allocated"))
         else:
             missing.append(f"torch.compile B={b}")
+    f = jsonl(os.path.join(d, "fusec-gpt2-b8-budget.json"))
+    lm, lmem = llmc(os.path.join(d, "llmc-b8.txt"))
+    if f and lm:
+        f = f[-1]
+        rows.append(("gpt2-small, B = 8, T = 1024, `--memory-budget 4.4GiB`",
+                     f"{f['ms_per_step']:.1f} ms, MFU {f.get('mfu', '-')}", f"llm.c (cuDNN) {lm:.1f} ms",
+                     ratio(lm, f["ms_per_step"]),
+                     f"{gib(f.get('peak_memory_gib'))} / {gib(lmem / 1024 if lmem else None)}"))
+    elif not f:
+        missing.append("gpt2-small B=8 under a memory budget")
+    f = jsonl(os.path.join(d, "fusec-gpt2xl-b8.json"))
+    if f:
+        f = f[-1]
+        rows.append(("gpt2-xl, B = 8, T = 1024", f"{f['ms_per_step']:.1f} ms, MFU {f.get('mfu', '-')}",
+                     "goal: MFU 0.5", "-", f"{gib(f.get('peak_memory_gib'))} / -"))
+    else:
+        missing.append("gpt2-xl")
     for r in jsonl(os.path.join(d, "llama.jsonl")):
         f, t = r.get("fusec") or {}, r.get("compiled") or {}
         sizes = ", ".join(f"{k} = {v}" for k, v in r.get("sizes", {}).items())
@@ -111,6 +131,17 @@ def table(d, commit, date):
                          ratio(t["fwd_bwd_ms"], r["fwd_bwd_ms"]), "-"))
     if not fa:
         missing.append("attention")
+    fa = [r for r in jsonl(os.path.join(d, "attention-f32-fusec.jsonl")) if r.get("causal", True)]
+    ta = [r for r in jsonl(os.path.join(d, "attention-f32-torch.jsonl")) if r.get("impl") == "sdpa" and not r.get("oom")]
+    for r in fa:
+        t = [x for x in ta if x["head_dim"] == r["head_dim"] and x["seq"] == r["seq"]]
+        if t:
+            t = t[0]
+            rows.append((f"attention, causal, f32, D = {r['head_dim']}, T = {r['seq']}, forward + backward",
+                         f"{r['fwd_bwd_ms']:.2f} ms", f"SDPA {t['fwd_bwd_ms']:.2f} ms",
+                         ratio(t["fwd_bwd_ms"], r["fwd_bwd_ms"]), "-"))
+    if not fa:
+        missing.append("f32 attention")
     starts = {}
     for l in lines(os.path.join(d, "startup.txt")):
         p = l.split()
