@@ -51,6 +51,7 @@ pub(super) fn group_adjacent_sums(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel
             && k.residual.is_none()
             && k.prologue.is_none()
     };
+    let kernels = defer_sums(kernels, &is_sum);
     let mut runs: Vec<Vec<usize>> = Vec::new();
     let mut run: Vec<usize> = Vec::new();
     for (i, k) in kernels.iter().enumerate() {
@@ -103,6 +104,40 @@ pub(super) fn group_adjacent_sums(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel
         }
     }
     out
+}
+
+/// Launches a sum may move later to join the next sums: its input lives
+/// that much longer (GPT-2's bias gradient of the MLP's first product, past
+/// two products and a norm backward to the next norm's sums).
+const DEFER_MAX: usize = 4;
+
+/// Each sum followed within DEFER_MAX launches by another sum moves to just
+/// before it, where nothing in between reads or writes what it writes or
+/// writes what it reads, so the grouping finds them side by side.
+fn defer_sums(mut kernels: Vec<Kernel>, is_sum: &dyn Fn(&Kernel) -> bool) -> Vec<Kernel> {
+    let mut i = kernels.len();
+    while i > 0 {
+        i -= 1;
+        if !is_sum(&kernels[i]) || kernels.get(i + 1).is_some_and(is_sum) {
+            continue;
+        }
+        let Some(j) = (i + 1..kernels.len().min(i + 2 + DEFER_MAX)).find(|&j| is_sum(&kernels[j]))
+        else {
+            continue;
+        };
+        let k = &kernels[i];
+        let clear = kernels[i + 1..j].iter().all(|m| {
+            !m.outputs
+                .iter()
+                .any(|b| k.inputs.contains(b) || k.outputs.contains(b))
+                && !m.inputs.iter().any(|b| k.outputs.contains(b))
+        });
+        if clear {
+            let k = kernels.remove(i);
+            kernels.insert(j - 1, k);
+        }
+    }
+    kernels
 }
 
 /// Most ops in one group kernel: their pointers must fit the 32 KiB of
