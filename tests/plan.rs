@@ -248,3 +248,59 @@ fn gpt2_small_flops_match_the_textbook() {
     println!("{:.3e} FLOP per step, textbook {textbook:.3e}, ratio {ratio:.4}; {:.2} ms on H100 by the roofline", est.flops, est.seconds * 1e3);
     assert!((1.0..1.01).contains(&ratio), "{ratio}");
 }
+
+/// Group kernels launch: every generated launch of every shipped model's
+/// plan has its kernel's step, and no launch is left as a group without one
+/// (a group of elementwise chains once was, which the runtime refuses).
+/// llama-small's micro-batch accumulation (every parameter's gradient
+/// scaled, added to its accumulator, the accumulator kept or cleared) is
+/// three launches, one a kind, not one a parameter each.
+#[test]
+fn group_kernels_have_steps_and_micro_batch_accumulation_is_three_launches() {
+    use fusec_compiler::plan::LaunchKind;
+    let dsl = common::root().join("dsl-examples");
+    let mut files: Vec<_> = std::fs::read_dir(&dsl)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "dsl"))
+        .collect();
+    files.sort();
+    for f in files {
+        let name = f.file_name().unwrap().to_string_lossy().into_owned();
+        let (file, src) = common::example(&name);
+        let c = common::compile_with(&src, &file, &[]);
+        let g = &c.optimized;
+        let dims: BTreeMap<String, i64> = g
+            .dims
+            .iter()
+            .map(|d| (d.clone(), if d == "B" { 4 } else { 64 }))
+            .collect();
+        let p = plan(g, &fuse(g), &dims).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for l in &p.launches {
+            assert!(
+                l.kind != LaunchKind::Group,
+                "{name}: {} has no step",
+                l.kernel
+            );
+            if l.kind == LaunchKind::Generated {
+                assert_eq!(l.steps.len(), 1, "{name}: {}", l.kernel);
+            }
+        }
+        if name == "llama-small.dsl" {
+            assert!(c.model.train.micro_batches > 1);
+            let params = c.model.graph.params.len();
+            for kind in ["mul", "add", "keep_if"] {
+                let group = format!("_{kind}_x{params}");
+                let n = p
+                    .launches
+                    .iter()
+                    .filter(|l| l.kernel.ends_with(&group))
+                    .count();
+                assert_eq!(
+                    n, 1,
+                    "{name}: one {kind} launch for the {params} accumulators"
+                );
+            }
+        }
+    }
+}

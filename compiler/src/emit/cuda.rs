@@ -55,7 +55,7 @@ pub(crate) fn float_lit(x: f64) -> String {
 }
 
 /// The buffer offset a load reads for element `i` (of `view.shape`).
-fn index(view: &View) -> String {
+pub(crate) fn index(view: &View) -> String {
     if view.is_contiguous() {
         return "i".into();
     }
@@ -409,7 +409,7 @@ pub fn vector_width(p: &Program, k: &Kernel, pw: &Pointwise) -> u64 {
 /// The expressions of one element as `const float vJ = ...;` lines; `at`
 /// gives the C lvalue a load reads, `draw` the Philox word of dropout
 /// expression j (from its site and key slot).
-fn element_body(
+pub(crate) fn element_body(
     p: &Program,
     k: &Kernel,
     pw: &Pointwise,

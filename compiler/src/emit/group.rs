@@ -105,14 +105,16 @@ pub fn group_kernel(
         "    for (fs_i64 chunk = blockIdx.x; ; chunk += gridDim.x) {{\n        fs_i64 b = chunk;"
     );
     for (i, m) in members.iter().enumerate() {
-        let n = match g.g[m.node].op.update_range() {
-            Some((lo, hi)) => format!("{}LL", hi - lo),
-            None => g.g[m.node].outputs[0].numel().to_c(),
+        let n = match (g.g[m.node].op.update_range(), &m.chain) {
+            (Some((lo, hi)), _) => format!("{}LL", hi - lo),
+            (None, Some(chain)) => chain.1.n.to_c(),
+            (None, None) => g.g[m.node].outputs[0].numel().to_c(),
         };
-        let work = match (&calls, &casts[i]) {
-            (Some(calls), _) => format!("                {}", calls[i].trim_start()),
-            (None, Some(cast)) => format!("                {cast}\n"),
-            (None, None) => {
+        let work = match (&calls, &casts[i], &m.chain) {
+            (Some(calls), _, _) => format!("                {}", calls[i].trim_start()),
+            (None, Some(cast), _) => format!("                {cast}\n"),
+            (None, None, Some(chain)) => chain_work(p, k, m, &chain.1),
+            (None, None, None) => {
                 let c = Ctx {
                     p,
                     k,
@@ -152,6 +154,68 @@ pub fn group_kernel(
     }
     s.push_str("        break;  // past the last member's chunks\n    }\n}\n");
     Some(s)
+}
+
+/// A chain member's loop over its chunk [lo, hi): its own kernel's
+/// expressions and stores an element at a time, its slots named as its own
+/// kernel named them (`in0`, `out0`, ...) by pointers declared in the
+/// member's scope over the group's.
+fn chain_work(
+    p: &Program,
+    k: &Kernel,
+    m: &crate::kernel::Member,
+    pw: &crate::kernel::Pointwise,
+) -> String {
+    let own = Kernel {
+        name: k.name.clone(),
+        nodes: Vec::new(),
+        inputs: m.inputs.iter().map(|&s| k.inputs[s]).collect(),
+        outputs: m.outputs.iter().map(|&s| k.outputs[s]).collect(),
+        input_views: Vec::new(),
+        residual: None,
+        prologue: None,
+        body: crate::kernel::Body::Pointwise(pw.clone()),
+    };
+    let mut s = String::new();
+    for (j, &slot) in m.inputs.iter().enumerate() {
+        let _ = writeln!(s, "                const auto* in{j}_ = in{slot};");
+    }
+    for (j, &slot) in m.outputs.iter().enumerate() {
+        let _ = writeln!(s, "                auto* out{j}_ = out{slot};");
+    }
+    let _ = writeln!(s, "                {{");
+    for j in 0..m.inputs.len() {
+        let _ = writeln!(s, "                    const auto* in{j} = in{j}_;");
+    }
+    for j in 0..m.outputs.len() {
+        let _ = writeln!(s, "                    auto* out{j} = out{j}_;");
+    }
+    let _ = writeln!(
+        s,
+        "                    for (fs_i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {{"
+    );
+    s.push_str(&super::cuda::element_body(
+        p,
+        &own,
+        pw,
+        "                        ",
+        &|input, view| format!("in{input}[{}]", super::cuda::index(view)),
+        &|_, _, _| unreachable!("no dropout in a grouped chain"),
+    ));
+    for &(slot, e) in &pw.stores {
+        let dt = p.buffers[own.outputs[slot]].ty.dtype;
+        let _ = writeln!(
+            s,
+            "                        out{slot}[i] = {};",
+            super::cuda::store(dt, &format!("v{e}"))
+        );
+    }
+    s.push_str(
+        "                    }
+                }
+",
+    );
+    s
 }
 
 /// Leading-axis sums side by side (kernel::groups::group_adjacent_sums):
@@ -224,7 +288,11 @@ fn cast_call(
     m: &crate::kernel::Member,
     zeros: i64,
 ) -> Option<String> {
-    if !matches!(g.g[m.node].op, Op::Cast(_)) || m.inputs.len() != 1 || m.outputs.len() != 1 {
+    if !matches!(g.g[m.node].op, Op::Cast(_))
+        || m.chain.is_some()
+        || m.inputs.len() != 1
+        || m.outputs.len() != 1
+    {
         return None;
     }
     let (i, o) = (

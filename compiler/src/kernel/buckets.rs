@@ -175,6 +175,7 @@ fn group(ks: Vec<Kernel>) -> Kernel {
             node: k.nodes[0],
             inputs: vec![inputs.len()],
             outputs: vec![outputs.len()],
+            chain: None,
         });
         inputs.push(k.inputs[0]);
         outputs.push(k.outputs[0]);

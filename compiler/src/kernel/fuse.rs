@@ -203,7 +203,8 @@ pub fn fuse_with(g: &Graph, opts: &LowerOptions) -> Program {
         true => {
             let casts = super::groups::group_param_casts(g, &f.buffers, kernels);
             let updates = super::groups::group_optimizer_updates(g, casts);
-            super::groups::group_adjacent_sums(g, updates)
+            let sums = super::groups::group_adjacent_sums(g, updates);
+            super::groups::group_elementwise(g, sums)
         }
         false => kernels,
     };

@@ -7,6 +7,7 @@
 use super::{Body, BufKind, Buffer, Kernel, Member, PExpr};
 use crate::ir::Graph;
 use crate::ops::Op;
+use petgraph::stable_graph::NodeIndex;
 
 /// The casts of the f32 master weights to the compute dtype, one kernel
 /// each after fusion, become one launch at the place of the first: they read
@@ -106,6 +107,128 @@ pub(super) fn group_adjacent_sums(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel
     out
 }
 
+/// Runs of elementwise chain kernels launched one after another (a
+/// micro-batch's gradient accumulation: every parameter's gradient scaled,
+/// added to its accumulator, the accumulator kept or cleared, a launch
+/// each, 333 for llama-small) become group kernels, one for each kind of
+/// chain at each depth of the run's dependences, launched at the run's
+/// place in depth order. Each member runs its chain as its own kernel
+/// would (emit/group.rs). Only where moving them keeps every read after
+/// its write: no kernel of the run writes what another of the run reads
+/// or writes, but for a chain reading what an earlier one made.
+pub(super) fn group_elementwise(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
+    let simple = |k: &Kernel| {
+        matches!(&k.body, Body::Pointwise(pw) if pw.sum.is_none()
+            && !pw.exprs.iter().any(|e| matches!(e, PExpr::Dropout { .. })))
+            && k.prologue.is_none()
+            && k.residual.is_none()
+            && !k.outputs.is_empty()
+    };
+    let mut out: Vec<Kernel> = Vec::with_capacity(kernels.len());
+    let mut run: Vec<Kernel> = Vec::new();
+    for k in kernels {
+        if simple(&k) {
+            run.push(k);
+            continue;
+        }
+        out.extend(group_run(g, std::mem::take(&mut run)));
+        out.push(k);
+    }
+    out.extend(group_run(g, run));
+    out
+}
+
+/// One run of [`group_elementwise`]: its kernels, grouped where that is
+/// safe and gains a launch, else as they were.
+fn group_run(g: &Graph, run: Vec<Kernel>) -> Vec<Kernel> {
+    if run.len() < 2 {
+        return run;
+    }
+    // Each kernel's depth: one more than the deepest kernel of the run
+    // whose output it reads.
+    let mut depth = vec![0usize; run.len()];
+    for i in 0..run.len() {
+        for j in 0..i {
+            if run[j].outputs.iter().any(|b| run[i].inputs.contains(b)) {
+                depth[i] = depth[i].max(depth[j] + 1);
+            }
+        }
+    }
+    // Safe to reorder by depth: every buffer of the run written once, and
+    // read only by kernels after its writer.
+    let mut written = std::collections::HashSet::new();
+    for (i, k) in run.iter().enumerate() {
+        for b in &k.outputs {
+            if !written.insert(*b) || run[..i].iter().any(|e| e.inputs.contains(b)) {
+                return run;
+            }
+        }
+    }
+    let kind = |k: &Kernel| {
+        k.nodes
+            .iter()
+            .map(|&n| g.g[n].op.name())
+            .collect::<Vec<_>>()
+    };
+    // (depth, kind) in order of first appearance within each depth.
+    let mut keys: Vec<(usize, Vec<&'static str>)> = Vec::new();
+    for (i, k) in run.iter().enumerate() {
+        let key = (depth[i], kind(k));
+        if !keys.contains(&key) {
+            keys.push(key);
+        }
+    }
+    keys.sort_by_key(|(d, _)| *d);
+    if keys.len() == run.len() {
+        return run;
+    }
+    let mut slots: Vec<Option<Kernel>> = run.into_iter().map(Some).collect();
+    let mut out = Vec::new();
+    for key in &keys {
+        let chosen: Vec<usize> = (0..slots.len())
+            .filter(|&i| {
+                slots[i]
+                    .as_ref()
+                    .is_some_and(|k| depth[i] == key.0 && kind(k) == key.1)
+            })
+            .collect();
+        let ks: Vec<Kernel> = chosen
+            .iter()
+            .map(|&i| slots[i].take().expect("once"))
+            .collect();
+        if ks.len() == 1 {
+            out.extend(ks);
+            continue;
+        }
+        let chains: Vec<(Vec<NodeIndex>, crate::kernel::Pointwise)> = ks
+            .iter()
+            .map(|k| match &k.body {
+                Body::Pointwise(pw) => (k.nodes.clone(), pw.clone()),
+                _ => unreachable!("simple kernels are chains"),
+            })
+            .collect();
+        let all: Vec<usize> = (0..ks.len()).collect();
+        for mut grp in regroup(g, ks, &all, 0) {
+            let Body::Group(members) = &mut grp.body else {
+                unreachable!("regroup makes groups")
+            };
+            for m in members.iter_mut() {
+                let at = chains
+                    .iter()
+                    .position(|(nodes, _)| nodes[0] == m.node)
+                    .expect("a member of the run");
+                m.chain = Some(Box::new(chains[at].clone()));
+            }
+            grp.nodes = members
+                .iter()
+                .flat_map(|m| m.chain.as_ref().map_or(vec![m.node], |c| c.0.clone()))
+                .collect();
+            out.push(grp);
+        }
+    }
+    out
+}
+
 /// Launches a sum may move later to join the next sums: its input lives
 /// that much longer (GPT-2's bias gradient of the MLP's first product, past
 /// two products and a norm backward to the next norm's sums).
@@ -185,6 +308,7 @@ fn regroup_each(g: &Graph, kernels: Vec<Kernel>, sets: &[&[usize]], at: usize) -
                 node: k.nodes[0],
                 inputs: ins,
                 outputs: outs,
+                chain: None,
             });
         }
         let op = g.g[members[0].node].op.name();

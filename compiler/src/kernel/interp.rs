@@ -59,21 +59,27 @@ pub fn run_kernel(
         Body::Group(members) => {
             let mut outs: Vec<Option<Tensor>> = vec![None; k.outputs.len()];
             for m in members {
+                // A chain as its own kernel computes it; a lone op exactly,
+                // rounded with the group's outputs below.
+                let (nodes, body, exact) = match &m.chain {
+                    Some(c) => (c.0.clone(), Body::Pointwise(c.1.clone()), precision),
+                    None => (vec![m.node], Body::Op(m.node), Precision::F64),
+                };
                 let one = Kernel {
                     name: k.name.clone(),
-                    nodes: vec![m.node],
+                    nodes,
                     inputs: m.inputs.iter().map(|&i| k.inputs[i]).collect(),
                     outputs: m.outputs.iter().map(|&o| k.outputs[o]).collect(),
                     input_views: Vec::new(),
                     residual: None,
                     prologue: None,
-                    body: Body::Op(m.node),
+                    body,
                 };
                 let mins: Vec<&Tensor> = m.inputs.iter().map(|&i| ins[i]).collect();
-                for (&o, t) in
-                    m.outputs
-                        .iter()
-                        .zip(run_kernel(g, p, &one, &mins, feeds, Precision::F64)?)
+                for (&o, t) in m
+                    .outputs
+                    .iter()
+                    .zip(run_kernel(g, p, &one, &mins, feeds, exact)?)
                 {
                     outs[o] = Some(t);
                 }

@@ -145,6 +145,11 @@ pub struct Member {
     pub node: NodeIndex,
     pub inputs: Vec<usize>,
     pub outputs: Vec<usize>,
+    /// A chain of elementwise ops run as its own kernel would run it (its
+    /// ops and expressions, their loads and stores by the member's slots in
+    /// order), where the member is a whole chain kernel
+    /// (`groups::group_elementwise`); `None`: the op `node` alone.
+    pub chain: Option<Box<(Vec<NodeIndex>, Pointwise)>>,
 }
 
 /// Elementwise work a GEMM does as it stores the product (cuBLASLt

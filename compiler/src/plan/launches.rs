@@ -35,8 +35,9 @@ pub(super) fn launches(
                 Body::Group(members) if sums(g, members) => Some(Shape::Rows(Dim::constant(1))),
                 Body::Group(members) => members
                     .iter()
-                    .map(|m| match shape_of(g, m.node) {
-                        Some(Shape::Elements(n)) => Some(n),
+                    .map(|m| match (&m.chain, shape_of(g, m.node)) {
+                        (Some(c), _) => Some(c.1.n.clone()),
+                        (None, Some(Shape::Elements(n))) => Some(n),
                         _ => None,
                     })
                     .try_fold(Dim::constant(0), |acc, n| acc.checked_add(&n?))
@@ -127,8 +128,9 @@ fn generated_step(
         (Body::Group(members), _) => members
             .iter()
             .map(|m| {
-                g.g[m.node].outputs[0]
-                    .numel()
+                m.chain
+                    .as_ref()
+                    .map_or_else(|| g.g[m.node].outputs[0].numel(), |c| c.1.n.clone())
                     .eval(env)
                     .map(|n| (n.max(0) as u64).div_ceil(crate::emit::group::GROUP_CHUNK as u64))
             })
