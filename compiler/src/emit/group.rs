@@ -157,7 +157,8 @@ pub fn group_kernel(
 }
 
 /// A chain member's loop over its chunk [lo, hi): its own kernel's
-/// expressions and stores an element at a time, its slots named as its own
+/// expressions and stores, in 16-byte vectors where its own kernel takes
+/// them and then an element at a time, its slots named as its own
 /// kernel named them (`in0`, `out0`, ...) by pointers declared in the
 /// member's scope over the group's.
 fn chain_work(
@@ -190,9 +191,22 @@ fn chain_work(
     for j in 0..m.outputs.len() {
         let _ = writeln!(s, "                    auto* out{j} = out{j}_;");
     }
+    // Whole vectors of the chain's width first (chunks start at multiples
+    // of GROUP_CHUNK, so of the width), then the rest one by one.
+    let vec = super::cuda::vector_width(p, &own, pw);
+    let ind = "                        ";
     let _ = writeln!(
         s,
-        "                    for (fs_i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {{"
+        "                    const fs_i64 whole = lo + (hi - lo) / {vec} * {vec};\n                    for (fs_i64 i0 = lo + {vec} * (fs_i64)threadIdx.x; i0 < whole; i0 += {vec} * (fs_i64)blockDim.x) {{"
+    );
+    s.push_str(&super::cuda::vector_elements(p, &own, pw, vec, ind, ""));
+    for (slot, _) in pw.stores.iter() {
+        let _ = writeln!(s, "{ind}fs_vstore(&out{slot}[i0], s{slot});");
+    }
+    let _ = writeln!(s, "                    }}");
+    let _ = writeln!(
+        s,
+        "                    for (fs_i64 i = whole + threadIdx.x; i < hi; i += blockDim.x) {{"
     );
     s.push_str(&super::cuda::element_body(
         p,
