@@ -59,6 +59,20 @@ pub fn pad_rows(g: &Graph, p: &mut Program) {
                     {
                         k.inputs == [b] && !k.outputs.contains(&b)
                     }
+                    // The same sum as a member of a group of sums
+                    // (groups::group_adjacent_sums), which reads its
+                    // input's rows at the pitch as its own kernel would.
+                    Body::Group(ref ms) => {
+                        !k.outputs.contains(&b)
+                            && ms.iter().all(|m| {
+                                let reads = m.inputs.iter().any(|&s| k.inputs[s] == b);
+                                !reads
+                                    || (m.chain.is_none()
+                                        && m.inputs.len() == 1
+                                        && matches!(&g.g[m.node].op, Op::Reduce(r) if r.axes.len() + 1 == buf.ty.shape.len())
+                                        && super::forms::leading_sum(g, m.node).is_some())
+                            })
+                    }
                     // The logits (input 0) of either cross-entropy, and
                     // the gradient (output 0) of the fused one.
                     Body::Op(op) => {
