@@ -45,7 +45,7 @@ pub(super) fn group_param_casts(
 pub(super) fn group_adjacent_sums(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
     let is_sum = |k: &Kernel| {
         matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::Reduce(_))
-            && crate::emit::multi::column_tiles(g, n).is_some())
+            && super::forms::leading_sum(g, n).is_some())
             && k.inputs.len() == 1
             && k.outputs.len() == 1
             && k.input_views.iter().all(Option::is_none)
