@@ -41,20 +41,9 @@ fn a_whole_step_in_one_arena_matches_the_interpreter() {
         ],
         vec![("B", 2), ("T", 3)],
     );
-    // LLaMA-style with an MLP width of 131 and an untied head of 1003
-    // classes: the pad-dims pass reads the weights padded to 136 and 1008
-    // (zero columns and rows), the cross-entropy told its classes.
-    let awkward = (
-        "../tests/models/twins/gqa-hd80.dsl",
-        vec![
-            ("vocab", "1003"),
-            ("ffn", "131"),
-            ("n_heads", "2"),
-            ("n_kv_heads", "1"),
-            ("head_dim", "8"),
-        ],
-        vec![("B", 2), ("T", 3)],
-    );
+    // LLaMA-style at sizes nobody chose (common::awkward_gqa).
+    let (file, sets) = common::awkward_gqa();
+    let awkward = (file, sets, vec![("B", 2), ("T", 3)]);
     // In f32 with 131 classes: the bias and the last weight read padded to
     // 136, the cross-entropy's scalar (not 16-byte) path over 131 of them.
     let awkward_f32 = (

@@ -14,19 +14,7 @@ use fusec_compiler::recompute;
 use std::collections::BTreeMap;
 
 fn shipped_models() -> Vec<String> {
-    let mut files: Vec<String> = std::fs::read_dir(common::root().join("dsl-examples"))
-        .expect("dsl-examples/ lists")
-        .map(|e| {
-            e.expect("an entry")
-                .file_name()
-                .to_string_lossy()
-                .into_owned()
-        })
-        .filter(|f| f.ends_with(".dsl"))
-        .collect();
-    files.sort();
-    assert!(files.len() >= 6, "dsl-examples/ has the shipped models");
-    files
+    common::shipped_models()
 }
 
 /// Panics at the first line where `got` leaves `want`.

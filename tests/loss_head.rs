@@ -32,17 +32,8 @@ fn chunks_change_no_result() {
     // Beside the shipped models: grouped queries at head dim 8 of 2 heads
     // and an untied head of 1003 classes, which pad-dims widens to 1008
     // (the cross-entropy reads the first 1003 of each chunk's rows).
-    let odd = (
-        "../tests/models/twins/gqa-hd80.dsl",
-        vec![
-            ("vocab", "1003"),
-            ("ffn", "131"),
-            ("n_heads", "2"),
-            ("n_kv_heads", "1"),
-            ("head_dim", "8"),
-        ],
-        vec![("B", 2), ("T", 5)],
-    );
+    let (file, sets) = common::awkward_gqa();
+    let odd = (file, sets, vec![("B", 2), ("T", 5)]);
     for (file, sets, dims) in common::tiny_models().into_iter().chain([odd]) {
         let (name, src) = common::example(file);
         let c = common::compile_with(&src, &name, &sets);

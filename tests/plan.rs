@@ -258,15 +258,7 @@ fn gpt2_small_flops_match_the_textbook() {
 #[test]
 fn group_kernels_have_steps_and_micro_batch_accumulation_is_three_launches() {
     use fusec_compiler::plan::LaunchKind;
-    let dsl = common::root().join("dsl-examples");
-    let mut files: Vec<_> = std::fs::read_dir(&dsl)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "dsl"))
-        .collect();
-    files.sort();
-    for f in files {
-        let name = f.file_name().unwrap().to_string_lossy().into_owned();
+    for name in common::shipped_models() {
         let (file, src) = common::example(&name);
         let c = common::compile_with(&src, &file, &[]);
         let g = &c.optimized;

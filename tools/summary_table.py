@@ -68,6 +68,21 @@ def gib(x):
     return "-" if x is None else f"{x:.1f} GiB"
 
 
+def attention_rows(d, tag, dtype, rows, missing, shown, what):
+    """fusec's attention sweep beside SDPA's (attention{tag}-fusec.jsonl,
+    attention{tag}-torch.jsonl), each measure written by `shown`."""
+    fa = [r for r in jsonl(os.path.join(d, f"attention{tag}-fusec.jsonl")) if r.get("causal", True)]
+    ta = [r for r in jsonl(os.path.join(d, f"attention{tag}-torch.jsonl")) if r.get("impl") == "sdpa" and not r.get("oom")]
+    for r in fa:
+        t = [x for x in ta if x["head_dim"] == r["head_dim"] and x["seq"] == r["seq"]]
+        if t:
+            t = t[0]
+            rows.append((f"attention, causal, {r.get('dtype', dtype)}, D = {r['head_dim']}, T = {r['seq']}, forward + backward",
+                         shown(r), f"SDPA {shown(t)}", ratio(t["fwd_bwd_ms"], r["fwd_bwd_ms"]), "-"))
+    if not fa:
+        missing.append(what)
+
+
 def table(d, commit, date):
     gpu = (lines(os.path.join(d, "gpu.txt")) or ["an unnamed GPU"])[0].strip()
     rows, missing = [], []
@@ -120,28 +135,10 @@ def table(d, commit, date):
                          f"{gib(f.get('peak_memory_gib'))} / {gib(t.get('peak_memory_gib'))}"))
     if not any(r[0].startswith("llama") for r in rows):
         missing.append("llama-small")
-    fa = [r for r in jsonl(os.path.join(d, "attention-fusec.jsonl")) if r.get("causal", True)]
-    ta = [r for r in jsonl(os.path.join(d, "attention-torch.jsonl")) if r.get("impl") == "sdpa" and not r.get("oom")]
-    for r in fa:
-        t = [x for x in ta if x["head_dim"] == r["head_dim"] and x["seq"] == r["seq"]]
-        if t:
-            t = t[0]
-            rows.append((f"attention, causal, {r.get('dtype', 'bf16')}, D = {r['head_dim']}, T = {r['seq']}, forward + backward",
-                         f"{r['fwd_bwd_tflops']:.0f} TFLOP/s", f"SDPA {t['fwd_bwd_tflops']:.0f} TFLOP/s",
-                         ratio(t["fwd_bwd_ms"], r["fwd_bwd_ms"]), "-"))
-    if not fa:
-        missing.append("attention")
-    fa = [r for r in jsonl(os.path.join(d, "attention-f32-fusec.jsonl")) if r.get("causal", True)]
-    ta = [r for r in jsonl(os.path.join(d, "attention-f32-torch.jsonl")) if r.get("impl") == "sdpa" and not r.get("oom")]
-    for r in fa:
-        t = [x for x in ta if x["head_dim"] == r["head_dim"] and x["seq"] == r["seq"]]
-        if t:
-            t = t[0]
-            rows.append((f"attention, causal, f32, D = {r['head_dim']}, T = {r['seq']}, forward + backward",
-                         f"{r['fwd_bwd_ms']:.2f} ms", f"SDPA {t['fwd_bwd_ms']:.2f} ms",
-                         ratio(t["fwd_bwd_ms"], r["fwd_bwd_ms"]), "-"))
-    if not fa:
-        missing.append("f32 attention")
+    attention_rows(d, "", "bf16", rows, missing,
+                   lambda r: f"{r['fwd_bwd_tflops']:.0f} TFLOP/s", "attention")
+    attention_rows(d, "-f32", "f32", rows, missing,
+                   lambda r: f"{r['fwd_bwd_ms']:.2f} ms", "f32 attention")
     starts = {}
     for l in lines(os.path.join(d, "startup.txt")):
         p = l.split()

@@ -117,6 +117,42 @@ pub use tiny::{tiny_models, TinyModel};
 #[allow(unused_imports)]
 pub use fusec_runtime::exec::{decode as from_bytes, encode as to_bytes};
 
+/// The shipped models' file names (dsl-examples/*.dsl), sorted.
+#[allow(dead_code)]
+pub fn shipped_models() -> Vec<String> {
+    let mut files: Vec<String> = std::fs::read_dir(root().join("dsl-examples"))
+        .expect("dsl-examples/ lists")
+        .map(|e| {
+            e.expect("an entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .filter(|f| f.ends_with(".dsl"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 6, "dsl-examples/ has the shipped models");
+    files
+}
+
+/// A LLaMA-style twin at sizes nobody chose: grouped queries at head dim 8
+/// of 2 heads, an MLP width of 131 and an untied head of 1003 classes (the
+/// pad-dims pass reads the weights padded to 136 and 1008, the
+/// cross-entropy told its classes): its file and `--set` sizes.
+#[allow(dead_code)]
+pub fn awkward_gqa() -> (&'static str, Vec<(&'static str, &'static str)>) {
+    (
+        "../tests/models/twins/gqa-hd80.dsl",
+        vec![
+            ("vocab", "1003"),
+            ("ffn", "131"),
+            ("n_heads", "2"),
+            ("n_kv_heads", "1"),
+            ("head_dim", "8"),
+        ],
+    )
+}
+
 /// Runs the built `fusec` in the repository root, as a person would:
 /// (exit code, stdout, stderr).
 pub fn fusec(args: &[&str]) -> (i32, String, String) {

@@ -65,6 +65,14 @@ pub(crate) struct ColumnSum {
     pub(crate) splits: i64,
 }
 
+impl ColumnSum {
+    /// Runs of rows a tile takes over `rows` rows, as
+    /// kernels/column_sum.cuh's `fs_column_sum_splits` cuts them.
+    pub(crate) fn splits_at(&self, rows: i64) -> i64 {
+        (rows / MIN_RUN_ROWS).clamp(1, self.splits)
+    }
+}
+
 /// The tiling of a column sum of `cols` columns, `vec` a lane, over
 /// `rows` rows where they are known at build time (symbolic rows bound the
 /// runs in the kernel, at the size it runs with).
@@ -125,8 +133,7 @@ pub(crate) fn items(g: &Graph, n: NodeIndex, env: &dyn Fn(&str) -> Option<i64>) 
     let rows = g.ty(g.inputs(n)[0]).shape[..r.axes.len()]
         .iter()
         .try_fold(1i64, |a, d| Some(a * d.eval(env)?))?;
-    let splits = (rows / MIN_RUN_ROWS).clamp(1, w.splits);
-    Some((w.tiles * splits) as u64)
+    Some((w.tiles * w.splits_at(rows)) as u64)
 }
 
 /// How many blocks a leading-axis sum's kernel takes (tiles times runs),

@@ -45,7 +45,7 @@ pub fn blocks(
 ) -> Option<u64> {
     let w = tiling(p, k, pw)?;
     let rows = pw.n.eval(env)? / w.cols;
-    let splits = (rows / super::multi::MIN_RUN_ROWS).clamp(1, w.splits);
+    let splits = w.splits_at(rows);
     Some(((w.tiles * splits) as u64).clamp(1, 1 << 20))
 }
 
