@@ -9,6 +9,7 @@ mod common;
 use common::sizes;
 use fusec::backend::ranks::{Build, Ranks};
 use fusec::backend::{init_params, Backend, Cpu};
+use fusec_compiler::autodiff::zero::ZeroStage;
 use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::interp::peers::Peers;
@@ -61,15 +62,21 @@ fn compiled_for(
     zero_rank: Option<u32>,
     edit: &dyn Fn(String) -> String,
 ) -> fusec_compiler::driver::Compiled {
-    compiled_reducing(&GPT2, ranks, zero_rank, None, edit)
+    compiled_reducing(
+        &GPT2,
+        ranks,
+        zero_rank.map(|r| (r, ZeroStage::One)),
+        None,
+        edit,
+    )
 }
 
-/// The step of rank `zero_rank` of a ZeRO stage 1 job, or (`None`) of
-/// every rank, averaging gradients in `reduce` (`--reduce-dtype`).
+/// The step of rank `zero.0` of a job at ZeRO stage `zero.1`, or (`None`)
+/// of every rank, averaging gradients in `reduce` (`--reduce-dtype`).
 fn compiled_reducing(
     model: &Model,
     ranks: u32,
-    zero_rank: Option<u32>,
+    zero: Option<(u32, ZeroStage)>,
     reduce: Option<DType>,
     edit: &dyn Fn(String) -> String,
 ) -> fusec_compiler::driver::Compiled {
@@ -82,7 +89,8 @@ fn compiled_reducing(
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
         ranks,
-        zero_rank,
+        zero_rank: zero.map(|z| z.0),
+        zero_stage: zero.map_or(ZeroStage::One, |z| z.1),
         reduce_dtype: reduce,
         ..Options::default()
     };
@@ -142,10 +150,10 @@ fn rel(a: f64, b: f64) -> f64 {
 }
 
 fn check(ranks: usize, micro: u32) {
-    check_with(ranks, micro, false)
+    check_with(ranks, micro, None)
 }
 
-fn check_with(ranks: usize, micro: u32, zero: bool) {
+fn check_with(ranks: usize, micro: u32, zero: Option<ZeroStage>) {
     check_reducing(&GPT2, ranks, micro, zero, None, Precision::F64, 1e-12)
 }
 
@@ -156,7 +164,7 @@ fn check_reducing(
     model: &'static Model,
     ranks: usize,
     micro: u32,
-    zero: bool,
+    zero: Option<ZeroStage>,
     reduce: Option<DType>,
     precision: Precision,
     tol: f64,
@@ -182,14 +190,19 @@ fn check_reducing(
         .into_iter()
         .enumerate()
         .map(|(r, peers)| {
-            let many =
-                compiled_reducing(model, ranks as u32, zero.then_some(r as u32), reduce, &edit);
+            let many = compiled_reducing(
+                model,
+                ranks as u32,
+                zero.map(|z| (r as u32, z)),
+                reduce,
+                &edit,
+            );
             let g = many.optimized;
             let dims = dims.clone();
             let build: Build = Box::new(move || {
                 let mut cpu = Cpu::new(&g, &dims, precision)?;
                 cpu.join(peers);
-                if zero {
+                if zero.is_some() {
                     cpu.share_updates(ranks as u32);
                 }
                 Ok(Box::new(cpu) as Box<dyn Backend>)
@@ -249,12 +262,20 @@ fn four_simulated_ranks_with_micro_batches_reproduce_one_rank() {
 /// state and hands the new values on; the run is the one-rank run.
 #[test]
 fn zero_stage_one_reproduces_one_rank_with_the_state_split() {
-    check_with(2, 1, true);
-    check_with(4, 2, true);
+    check_with(2, 1, Some(ZeroStage::One));
+    check_with(4, 2, Some(ZeroStage::One));
     // As stored: each rank's forward pass reads its bf16 parameters, which
     // the owners round from their f32 masters, as one rank rounds its f32
     // parameters in the step's cast.
-    check_reducing(&GPT2, 2, 1, true, None, Precision::AsStored, 1e-2);
+    check_reducing(
+        &GPT2,
+        2,
+        1,
+        Some(ZeroStage::One),
+        None,
+        Precision::AsStored,
+        1e-2,
+    );
     // The ranks keep the parameters in bf16 (nothing reads them in f32),
     // the masters as state.
     let rank = compiled_for(4, Some(1), &|s| s).optimized;
@@ -312,13 +333,21 @@ fn zero_stage_one_reproduces_one_rank_with_the_state_split() {
 /// losses and norms within bf16's 1e-2.
 #[test]
 fn gradients_averaged_in_bf16_reproduce_one_rank() {
-    check_reducing(&GPT2, 2, 1, false, Some(DType::BF16), Precision::F64, 1e-12);
-    check_reducing(&GPT2, 4, 1, true, Some(DType::BF16), Precision::F64, 1e-12);
+    check_reducing(&GPT2, 2, 1, None, Some(DType::BF16), Precision::F64, 1e-12);
+    check_reducing(
+        &GPT2,
+        4,
+        1,
+        Some(ZeroStage::One),
+        Some(DType::BF16),
+        Precision::F64,
+        1e-12,
+    );
     check_reducing(
         &GPT2,
         2,
         1,
-        false,
+        None,
         Some(DType::BF16),
         Precision::AsStored,
         1e-2,
@@ -327,7 +356,7 @@ fn gradients_averaged_in_bf16_reproduce_one_rank() {
         &GPT2,
         4,
         2,
-        true,
+        Some(ZeroStage::One),
         Some(DType::BF16),
         Precision::AsStored,
         1e-2,
@@ -441,11 +470,114 @@ fn every_process_names_the_whole_jobs_states() {
 /// one-rank run to the last bits, as stored within bf16's rounding.
 #[test]
 fn zero_on_odd_sizes_reproduces_one_rank() {
-    let rank = compiled_reducing(&LLAMA_ODD, 3, Some(2), None, &|s| s).optimized;
+    let rank = compiled_reducing(&LLAMA_ODD, 3, Some((2, ZeroStage::One)), None, &|s| s).optimized;
     assert!(
         (0..rank.params.len()).all(|i| fusec_compiler::autodiff::zero::has_master(&rank, i)),
         "every parameter of the bf16 model kept in bf16"
     );
-    check_reducing(&LLAMA_ODD, 3, 1, true, None, Precision::F64, 1e-12);
-    check_reducing(&LLAMA_ODD, 3, 1, true, None, Precision::AsStored, 1e-2);
+    check_reducing(
+        &LLAMA_ODD,
+        3,
+        1,
+        Some(ZeroStage::One),
+        None,
+        Precision::F64,
+        1e-12,
+    );
+    check_reducing(
+        &LLAMA_ODD,
+        3,
+        1,
+        Some(ZeroStage::One),
+        None,
+        Precision::AsStored,
+        1e-2,
+    );
+}
+
+/// ZeRO stage 2: each gradient reduced into its owners' pieces, which the
+/// update reads as they are; with micro-batches each one's gradient is
+/// reduced and the pieces summed. With clipping (the model clips at 1.0),
+/// on 2, 3 and 4 ranks (pieces that fall anywhere), with micro-batches,
+/// with the gradients averaged in bf16, and on the odd-sized LLaMA: in f64
+/// the one-rank run to rounding (1e-12: only the batch sums' order
+/// differs), as stored within bf16's 1e-2.
+#[test]
+fn zero_stage_two_reproduces_one_rank_with_the_gradients_split() {
+    let two = Some(ZeroStage::Two);
+    for ranks in [2, 3, 4] {
+        check_with(ranks, 1, two);
+    }
+    check_with(4, 2, two);
+    check_with(3, 3, two);
+    check_reducing(&GPT2, 4, 1, two, Some(DType::BF16), Precision::F64, 1e-12);
+    check_reducing(&GPT2, 2, 2, two, None, Precision::AsStored, 1e-2);
+    check_reducing(&LLAMA_ODD, 3, 1, two, None, Precision::F64, 1e-12);
+    check_reducing(&LLAMA_ODD, 3, 1, two, None, Precision::AsStored, 1e-2);
+}
+
+/// What stage 2 keeps: no rank's step outputs a whole gradient or keeps a
+/// whole accumulator; each collective that reduces a gradient this rank
+/// owns a piece of returns that piece alone, and the update reads it; the
+/// micro-batch accumulators the ranks keep are their pieces, together the
+/// whole model once.
+#[test]
+fn zero_stage_two_keeps_only_the_pieces_of_the_gradients() {
+    use fusec_compiler::ir::graph::Role;
+    use fusec_compiler::ops::Op;
+    let micro = |s: String| {
+        s.replace(
+            "clip_grad_norm = 1.0",
+            "clip_grad_norm = 1.0\n    micro_batches = 2",
+        )
+    };
+    let one = compiled_reducing(&GPT2, 1, None, None, &micro).optimized;
+    let params: i64 = one
+        .params
+        .iter()
+        .map(|p| p.ty.numel().as_const().unwrap())
+        .sum();
+    let mut acc_total = 0;
+    for r in 0..3u32 {
+        let g = compiled_reducing(&GPT2, 3, Some((r, ZeroStage::Two)), None, &micro).optimized;
+        assert!(
+            g.outputs
+                .iter()
+                .all(|(role, _)| !matches!(role, Role::Grad(_))),
+            "rank {r} outputs a whole gradient"
+        );
+        let mut pieces = 0;
+        for n in g.g.node_indices() {
+            match &g.g[n].op {
+                Op::AllReduce(a) if a.piece.is_some() => {
+                    let (lo, hi) = a.piece.unwrap();
+                    let p = &g.params[a.owners_of.expect("a piece of a parameter")];
+                    let own = fusec_compiler::autodiff::zero::piece(
+                        &g.params,
+                        3,
+                        r,
+                        a.owners_of.unwrap(),
+                    )
+                    .expect("this rank owns the piece");
+                    assert_eq!((lo as u64, hi as u64), (own.lo, own.hi), "{}", p.name);
+                    assert_eq!(g.g[n].outputs[0].numel().as_const(), Some(hi - lo));
+                    assert!(
+                        a.every_micro_batch,
+                        "with micro-batches each one is reduced"
+                    );
+                    pieces += 1;
+                }
+                Op::AdamW(a) => assert_eq!(a.grad_piece, a.range.is_some()),
+                Op::State(st) if st.name.ends_with(".grad_acc") => {
+                    acc_total += st.ty.numel().as_const().unwrap();
+                }
+                _ => {}
+            }
+        }
+        assert!(pieces > 0, "rank {r} owns a piece of some parameter");
+    }
+    assert_eq!(
+        acc_total, params,
+        "the ranks' accumulators together are the model once"
+    );
 }

@@ -234,11 +234,13 @@ pub fn compile_ranks(
     for &zero_rank in zero_ranks {
         let mut model = model.clone();
         model.train.zero_rank = zero_rank.filter(|_| model.train.ranks > 1);
+        model.train.zero_stage = opts.zero_stage;
         let mut training = backward.clone();
         if model.train.zero_rank.is_some() {
             if let Some(why) = autodiff::zero::unsplittable(&training.params, model.train.ranks) {
                 return Err(Failure::Usage(format!(
-                    "--zero 1 cannot split this model over its {} ranks: {why}; train it with --zero 0, or on fewer GPUs",
+                    "--zero {} cannot split this model over its {} ranks: {why}; train it with --zero 0, or on fewer GPUs",
+                    opts.zero_stage.number(),
                     model.train.ranks
                 )));
             }

@@ -7,6 +7,7 @@ use super::CliError;
 use clap::Args;
 use fusec::backend::GpuOptions;
 use fusec::backend::{self, Backend};
+use fusec_compiler::autodiff::zero::ZeroStage;
 use fusec_compiler::ir::dim::{BATCH, SEQ};
 use fusec_compiler::ir::graph::Phase;
 use fusec_compiler::ir::types::DType;
@@ -403,7 +404,7 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     };
     let zero = args
         .parallel
-        .zero_on(world, &loaded.compiled.optimized.params);
+        .zero_stage(world, &loaded.compiled.optimized.params);
     let mut ranks = parallel::start(
         &loaded, &dims, job, args.gpu, false, options, "random", zero,
     )?;
@@ -461,7 +462,7 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
             serde_json::json!({
                 "model": ranks.graph().name,
                 "gpus": world,
-                "zero": u8::from(zero),
+                "zero": zero.map_or(0, ZeroStage::number),
                 "ranks_here": ranks.local_ranks().len(),
                 "dims_per_gpu": dims,
                 "ms_per_step": digits(ms, 3),

@@ -1,6 +1,6 @@
 //! `fusec build`: compile a model and write every stage to a folder.
 
-use super::common::{fit_memory, load_steps, BudgetArgs, ModelArgs, SizeArgs};
+use super::common::{fit_memory, load_staged, load_steps, BudgetArgs, ModelArgs, SizeArgs};
 use super::CliError;
 use clap::{Args, ValueEnum};
 use fusec_compiler::driver::{Compiled, Stage};
@@ -182,10 +182,11 @@ fn load_for_rank(args: &BuildArgs, ranks: u32) -> Result<super::common::Loaded, 
     if ranks < 2 || par.zero == Some(0) {
         return plain();
     }
-    match load_steps(
+    match load_staged(
         &args.model,
         ranks,
         &[None, Some(args.rank)],
+        par.asked_stage(),
         par.reduce_dtype,
         dump,
     ) {
@@ -193,13 +194,13 @@ fn load_for_rank(args: &BuildArgs, ranks: u32) -> Result<super::common::Loaded, 
             let own = both.pop().expect("two steps");
             let plain = both.pop().expect("two steps");
             Ok(
-                match par.zero_on(ranks as usize, &plain.compiled.optimized.params) {
-                    true => own,
-                    false => plain,
+                match par.zero_stage(ranks as usize, &plain.compiled.optimized.params) {
+                    Some(_) => own,
+                    None => plain,
                 },
             )
         }
-        // `--zero 1` on a model it cannot split says why; by default
+        // `--zero 1` or `2` on a model it cannot split says why; by default
         // such a model runs unsplit.
         Err(e) if par.zero.is_some() => Err(e),
         Err(_) => plain(),

@@ -185,9 +185,29 @@ pub fn load_steps(
     reduce_dtype: Option<DType>,
     dump_after: Option<&str>,
 ) -> Result<Vec<Loaded>, CliError> {
+    load_staged(
+        args,
+        ranks,
+        zero_ranks,
+        Default::default(),
+        reduce_dtype,
+        dump_after,
+    )
+}
+
+/// [`load_steps`] at ZeRO stage `stage` (where `zero_ranks` name ranks).
+pub fn load_staged(
+    args: &ModelArgs,
+    ranks: u32,
+    zero_ranks: &[Option<u32>],
+    stage: fusec_compiler::autodiff::zero::ZeroStage,
+    reduce_dtype: Option<DType>,
+    dump_after: Option<&str>,
+) -> Result<Vec<Loaded>, CliError> {
     let source = read_source(&args.model)?;
     let opts = Options {
         ranks,
+        zero_stage: stage,
         reduce_dtype,
         dump_after: dump_after.map(str::to_string),
         ..options(args)?
@@ -219,9 +239,15 @@ pub fn compile_error(f: &driver::Failure, path: &Path, source: &str) -> CliError
 /// The model as `loaded` was compiled (its options as they stand, with
 /// `--bucket-mib`), rebuilt for ZeRO ranks `ranks` of a job of `world`
 /// (one compile for all of them).
-pub fn rank_steps(loaded: &Loaded, world: u32, ranks: &[u32]) -> Result<Vec<Loaded>, CliError> {
+pub fn rank_steps(
+    loaded: &Loaded,
+    world: u32,
+    ranks: &[u32],
+    stage: fusec_compiler::autodiff::zero::ZeroStage,
+) -> Result<Vec<Loaded>, CliError> {
     let opts = Options {
         ranks: world,
+        zero_stage: stage,
         dump_after: None,
         ..loaded.compiled.options.clone()
     };

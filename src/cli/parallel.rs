@@ -12,6 +12,7 @@ use clap::Args;
 use fusec::backend::ranks::{Build, Ranks};
 use fusec::backend::GpuOptions;
 use fusec::backend::{self, Backend};
+use fusec_compiler::autodiff::zero::ZeroStage;
 use fusec_compiler::interp::peers::Peers;
 use fusec_compiler::interp::Precision;
 use fusec_runtime::launcher;
@@ -33,9 +34,11 @@ pub struct ParallelArgs {
     /// it owns, keeps and updates their state, then sends the new values to
     /// the others; with bf16 or fp16 the f32 master weights are split too,
     /// every rank keeping the weights in the compute dtype alone): the same
-    /// training, in less memory and time; 0 keeps it all whole on every
+    /// training, in less memory and time; 2 splits the gradients too (each
+    /// is reduced into its owners' pieces as the backward pass finishes it,
+    /// and no rank keeps it whole past that); 0 keeps it all whole on every
     /// rank, as PyTorch DDP does
-    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=1))]
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: Option<u8>,
     /// Close each bucket of gradients averaged together at this many MiB
     /// (default 100, 50 with --reduce-dtype bf16; PyTorch DDP's is 25): larger buckets mean fewer
@@ -50,18 +53,37 @@ pub struct ParallelArgs {
 }
 
 impl ParallelArgs {
-    /// Whether ZeRO stage 1 splits the state of a job of `world` ranks
-    /// training `params`: asked for with `--zero 1`, or by default where
-    /// every rank gets a piece to own (a model of fewer than 64 elements a
-    /// rank runs unsplit unless `--zero 1` asks, which then says why not).
-    pub fn zero_on(&self, world: usize, params: &[fusec_compiler::ir::graph::ParamInfo]) -> bool {
-        world > 1
-            && match self.zero {
-                Some(z) => z == 1,
-                None => {
-                    fusec_compiler::autodiff::zero::unsplittable(params, world as u32).is_none()
-                }
-            }
+    /// The ZeRO stage that splits a job of `world` ranks training
+    /// `params`, if any: asked for with `--zero 1` or `--zero 2`, or stage 1
+    /// by default where every rank gets a piece to own (a model of fewer
+    /// than 64 elements a rank runs unsplit unless `--zero` asks, which then
+    /// says why not).
+    pub fn zero_stage(
+        &self,
+        world: usize,
+        params: &[fusec_compiler::ir::graph::ParamInfo],
+    ) -> Option<ZeroStage> {
+        if world < 2 {
+            return None;
+        }
+        match self.zero {
+            Some(0) => None,
+            Some(2) => Some(ZeroStage::Two),
+            Some(_) => Some(ZeroStage::One),
+            None => fusec_compiler::autodiff::zero::unsplittable(params, world as u32)
+                .is_none()
+                .then_some(ZeroStage::One),
+        }
+    }
+
+    /// The stage `--zero` names, for the compile (stage 1 where it names
+    /// none, or 0).
+    pub fn asked_stage(&self) -> ZeroStage {
+        if self.zero == Some(2) {
+            ZeroStage::Two
+        } else {
+            ZeroStage::One
+        }
     }
 
     /// Sets `--bucket-mib` in the options every rank's step is lowered with.
@@ -75,10 +97,11 @@ impl ParallelArgs {
     /// ranks from `--gpus`, or a launcher's (`launched`).
     pub fn check_ranks(&self, world: u32, launched: bool) -> Result<(), CliError> {
         let one = !launched && world < 2;
-        if self.zero == Some(1) && one {
-            return Err(CliError::usage(
-                "error: --zero 1 splits the optimizer state over data-parallel ranks: give --gpus N (N >= 2) or start the ranks with a launcher".to_string(),
-            ));
+        if let Some(z @ 1..) = self.zero.filter(|_| one) {
+            return Err(CliError::usage(format!(
+                "error: --zero {z} splits the optimizer state{} over data-parallel ranks: give --gpus N (N >= 2) or start the ranks with a launcher",
+                if z == 2 { " and the gradients" } else { "" }
+            )));
         }
         if self.bucket_mib.is_some() && one {
             return Err(buckets_need_ranks());
@@ -152,11 +175,11 @@ pub fn job(args: &ParallelArgs) -> Result<Job, CliError> {
 }
 
 /// What a data-parallel run says of its optimizer state.
-fn zero_line(zero: bool) -> &'static str {
-    if zero {
-        "ZeRO stage 1: each rank keeps and updates its piece of the optimizer state (and of the f32 master weights) (--zero 0 keeps them whole)"
-    } else {
-        "every rank keeps the whole optimizer state"
+fn zero_line(zero: Option<ZeroStage>) -> &'static str {
+    match zero {
+        Some(ZeroStage::One) => "ZeRO stage 1: each rank keeps and updates its piece of the optimizer state (and of the f32 master weights) (--zero 0 keeps them whole)",
+        Some(ZeroStage::Two) => "ZeRO stage 2: each rank keeps its piece of the gradients, the optimizer state (and the f32 master weights), and updates it (--zero 1 keeps the gradients whole)",
+        None => "every rank keeps the whole optimizer state",
     }
 }
 
@@ -209,18 +232,18 @@ pub fn start(
     cpu: bool,
     options: GpuOptions,
     data: &str,
-    zero: bool,
+    zero: Option<ZeroStage>,
 ) -> Result<Ranks, CliError> {
     let world = job.world();
     // With ZeRO, each rank's step updates its own parameters only: every
     // local rank's step from one compile.
     let graphs_for = |ranks: &[usize]| -> Result<Vec<fusec_compiler::ir::Graph>, CliError> {
-        if !zero {
+        let Some(stage) = zero else {
             return Ok(vec![loaded.compiled.optimized.clone(); ranks.len()]);
-        }
+        };
         let ranks: Vec<u32> = ranks.iter().map(|&r| r as u32).collect();
         let rows = loaded.compiled.options.loss_head_rows;
-        rank_steps(loaded, world as u32, &ranks)?
+        rank_steps(loaded, world as u32, &ranks, stage)?
             .into_iter()
             .map(|l| {
                 let mut g = l.compiled.optimized;
@@ -251,7 +274,7 @@ pub fn start(
                 let build: Build = Box::new(move || {
                     let mut cpu = backend::Cpu::new(&g, &dims, Precision::AsStored)?;
                     cpu.join(peers);
-                    if zero {
+                    if zero.is_some() {
                         cpu.share_updates(ranks);
                     }
                     Ok(Box::new(cpu) as Box<dyn Backend>)
@@ -306,7 +329,7 @@ pub fn start(
         options,
         Some(fusec_runtime::cache::default_dir()),
         ready,
-        zero,
+        zero.is_some(),
     )
     .map_err(runtime_err)?;
     eprintln!(

@@ -110,7 +110,7 @@ pub(super) fn open_backend(
     if job.world() > 1 {
         let zero = args
             .parallel
-            .zero_on(job.world(), &loaded.compiled.optimized.params);
+            .zero_stage(job.world(), &loaded.compiled.optimized.params);
         Ok(Box::new(parallel::start(
             loaded, dims, job, args.gpu, args.cpu, options, &args.data, zero,
         )?))

@@ -101,6 +101,7 @@ fn owned_sum_of_squares(
             ranks,
             every_micro_batch: false,
             owners_of: None,
+            piece: None,
         },
         &[local],
     )?;
@@ -156,11 +157,41 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     let mut b = Builder::new(g, None, Phase::Update);
     let scalar = TensorType::scalar(DType::F32);
 
+    // ZeRO: what of each parameter this rank updates. Stage 2 reduces each
+    // gradient into its owners' pieces, so a rank's gradient of a parameter
+    // it owns a piece of is that piece alone, flat.
+    let zero = train.zero_rank.filter(|_| train.ranks > 1);
+    let stage2 = zero.is_some() && train.zero_stage == super::zero::ZeroStage::Two;
+    let pieces: Vec<RankPiece> = (0..params.len())
+        .map(|i| match zero {
+            None => Some(None),
+            Some(r) => {
+                let all = &b.graph.params;
+                super::zero::piece(all, train.ranks, r, i).map(|pc| {
+                    (!super::zero::whole(&all[i], pc)).then_some((pc.lo as i64, pc.hi as i64))
+                })
+            }
+        })
+        .collect();
+    // The elements of each (reduced) gradient the update reads: under
+    // stage 2 a piece is all of its own tensor.
+    let read: Vec<RankPiece> = pieces
+        .iter()
+        .map(|&p| match p {
+            Some(Some(_)) if stage2 => Some(None),
+            p => p,
+        })
+        .collect();
+
     // Micro-batches: each run adds its gradient (already scaled by 1/k) to
     // an f32 accumulator; the optimizer reads the sum and applies it only on
-    // the last micro-batch, which also clears the accumulator.
+    // the last micro-batch, which also clears the accumulator. Stage 2
+    // reduces every micro-batch's gradient first and accumulates the
+    // owners' pieces alone (DeepSpeed's ZeRO-2), so that no rank keeps a
+    // whole gradient across micro-batches.
     let mut apply = None;
-    let grads = if train.micro_batches > 1 {
+    let mut keep = None;
+    if train.micro_batches > 1 {
         let a = b.op1(
             Input {
                 name: APPLY_INPUT.into(),
@@ -170,29 +201,11 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         )?;
         apply = Some(a);
         let one = b.constant(1.0, DType::F32)?;
-        let keep = b.sub(one, a)?;
-        let mut summed = Vec::with_capacity(grads.len());
-        for (i, gv) in grads {
-            let name = format!("{}.grad_acc", params[i].0);
-            let ty = TensorType::new(DType::F32, params[i].1.shape.clone());
-            let acc = b.op1(
-                State {
-                    name: name.clone(),
-                    ty,
-                },
-                &[],
-            )?;
-            let gv32 = b.cast(gv, DType::F32)?;
-            let total = b.add(acc, gv32)?;
-            // Cleared after the last micro-batch, even when an fp16
-            // overflow made the sums infinite (inf * 0 would be NaN).
-            let next = b.binary(crate::ops::BinaryKind::KeepIf, total, keep)?;
-            new_outputs.push((Role::NewState(name), next));
-            summed.push((i, total));
-        }
-        summed
-    } else {
-        grads
+        keep = Some(b.sub(one, a)?);
+    }
+    let grads = match keep {
+        Some(keep) if !stage2 => accumulate(&mut b, &params, grads, keep, &mut new_outputs)?,
+        _ => grads,
     };
 
     // Data parallel: each rank's gradient is of its own slice of the batch;
@@ -205,29 +218,18 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     // gradient a bf16 product made and then widened is averaged as it came
     // out of the product, any other is rounded first.
     //
-    // ZeRO stage 1: a rank reads the mean of a gradient only on the piece
-    // of its parameter it owns (the update and the norm), so each piece is
+    // ZeRO: a rank reads the mean of a gradient only on the piece of its
+    // parameter it owns (the update and the norm), so each piece is
     // reduced to its owner alone; the squares of the pieces are summed on
     // their owners and the sums added over the ranks.
-    let zero = train.zero_rank.filter(|_| train.ranks > 1);
-    let pieces: Vec<RankPiece> = (0..params.len())
-        .map(|i| match zero {
-            None => Some(None),
-            Some(r) => {
-                let all = &b.graph.params;
-                super::zero::piece(all, train.ranks, r, i).map(|pc| {
-                    (!super::zero::whole(&all[i], pc)).then_some((pc.lo as i64, pc.hi as i64))
-                })
-            }
-        })
-        .collect();
     let grads = if train.ranks > 1 {
         let mut reduced = Vec::with_capacity(grads.len());
         for (i, gv) in grads {
             let mean = AllReduce {
                 ranks: train.ranks,
-                every_micro_batch: false,
+                every_micro_batch: stage2 && keep.is_some(),
                 owners_of: zero.map(|_| i),
+                piece: pieces[i].flatten().filter(|_| stage2),
             };
             let r = if train.reduce_dtype == DType::F32 || b.ty(gv).dtype != DType::F32 {
                 b.op1(mean.clone(), &[gv])?
@@ -253,6 +255,27 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     } else {
         grads
     };
+    let grads = match keep {
+        Some(keep) if stage2 => {
+            // A parameter this rank owns nothing of keeps no sum.
+            let mut all = Vec::with_capacity(grads.len());
+            for (i, gv) in grads {
+                if pieces[i].is_some() {
+                    all.extend(accumulate(
+                        &mut b,
+                        &params,
+                        vec![(i, gv)],
+                        keep,
+                        &mut new_outputs,
+                    )?);
+                } else {
+                    all.push((i, gv));
+                }
+            }
+            all
+        }
+        _ => grads,
+    };
     let mut loss_mean = None;
     if train.ranks > 1 {
         if let Some(&(_, lv)) = b.graph.outputs.iter().find(|(r, _)| *r == Role::Loss) {
@@ -261,6 +284,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                 ranks: train.ranks,
                 every_micro_batch: true,
                 owners_of: None,
+                piece: None,
             };
             loss_mean = Some(b.op1(mean, &[lv])?);
         }
@@ -277,7 +301,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         } else {
             ls
         };
-        let sumsq = owned_sum_of_squares(&mut b, &grads, &pieces, zero, train.ranks)?;
+        let sumsq = owned_sum_of_squares(&mut b, &grads, &read, zero, train.ranks)?;
         if let Some(sumsq) = sumsq {
             let host_apply = match apply {
                 Some(a) => a,
@@ -294,7 +318,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             new_outputs.push((Role::GradNorm, r[2]));
         }
     } else if let Some(max_norm) = train.clip_grad_norm {
-        let mut sumsq = owned_sum_of_squares(&mut b, &grads, &pieces, zero, train.ranks)?;
+        let mut sumsq = owned_sum_of_squares(&mut b, &grads, &read, zero, train.ranks)?;
         // Tensors of symbolic size: one square-and-sum per gradient.
         let per_tensor = if sumsq.is_none() { &grads[..] } else { &[] };
         for &(_, gv) in per_tensor {
@@ -437,6 +461,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                     weight_decay: wd(weight_decay),
                     range,
                     master,
+                    grad_piece: stage2 && range.is_some(),
                 };
                 let step = step.expect("AdamW has a step input");
                 let mut ins = vec![first, gv, m, v, lr, step, scale];
@@ -467,6 +492,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                         weight_decay: wd(weight_decay),
                         range,
                         master,
+                        grad_piece: stage2 && range.is_some(),
                     },
                     &ins,
                 )?;
@@ -483,5 +509,42 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         }
     }
     g.outputs.extend(new_outputs);
+    if stage2 {
+        // The whole gradients are the backward pass's temporaries: no rank
+        // keeps one past its collective.
+        g.outputs.retain(|(r, _)| !matches!(r, Role::Grad(_)));
+    }
     Ok(())
+}
+
+/// Micro-batches: each gradient added to its f32 accumulator (state
+/// `{param}.grad_acc`, shaped as the gradient: a piece under ZeRO stage
+/// 2), which the last micro-batch (`keep` 0) clears; returns the sums.
+fn accumulate(
+    b: &mut Builder,
+    params: &[(String, TensorType, bool, Value)],
+    grads: Vec<(usize, Value)>,
+    keep: Value,
+    new_outputs: &mut Vec<(Role, Value)>,
+) -> Result<Vec<(usize, Value)>, OpError> {
+    let mut summed = Vec::with_capacity(grads.len());
+    for (i, gv) in grads {
+        let name = format!("{}.grad_acc", params[i].0);
+        let ty = TensorType::new(DType::F32, b.ty(gv).shape.clone());
+        let acc = b.op1(
+            State {
+                name: name.clone(),
+                ty,
+            },
+            &[],
+        )?;
+        let gv32 = b.cast(gv, DType::F32)?;
+        let total = b.add(acc, gv32)?;
+        // Cleared after the last micro-batch, even when an fp16
+        // overflow made the sums infinite (inf * 0 would be NaN).
+        let next = b.binary(crate::ops::BinaryKind::KeepIf, total, keep)?;
+        new_outputs.push((Role::NewState(name), next));
+        summed.push((i, total));
+    }
+    Ok(summed)
 }

@@ -10,6 +10,33 @@
 //! of its parameters: dealt whole, it would leave one rank 31% of the state).
 
 use crate::ir::graph::{Graph, ParamInfo, Value};
+
+/// What ZeRO splits over the ranks (`--zero`), beyond what every stage
+/// splits: the optimizer state and, with a 16-bit compute dtype, the f32
+/// master weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ZeroStage {
+    /// Stage 1: every rank keeps each gradient whole until the update (the
+    /// reduce to the owners lands in place).
+    #[default]
+    One,
+    /// Stage 2: the gradients too. Each is reduced into its owners' pieces
+    /// as its bucket closes (a buffer the size of the piece on the owner),
+    /// so the whole gradient is a temporary of the backward pass; with
+    /// micro-batches each one's gradient is reduced and added to the
+    /// owners' pieces.
+    Two,
+}
+
+impl ZeroStage {
+    /// The stage's number, as `--zero` takes it.
+    pub fn number(self) -> u8 {
+        match self {
+            ZeroStage::One => 1,
+            ZeroStage::Two => 2,
+        }
+    }
+}
 use crate::ir::types::DType;
 use crate::ops::Op;
 use std::collections::{BTreeMap, BTreeSet};
@@ -109,13 +136,19 @@ pub fn store_param_as(g: &mut Graph, i: usize, dtype: DType) {
 /// the same order. Empty without ZeRO.
 pub fn job_states(g: &Graph, local: &BTreeSet<String>) -> BTreeMap<String, usize> {
     use crate::ir::graph::Role;
-    let graded: Vec<usize> = g
+    // A parameter with a gradient: one the step outputs, or (stage 2,
+    // which keeps none whole) one a collective reduces to its owners.
+    let graded: BTreeSet<usize> = g
         .outputs
         .iter()
         .filter_map(|(r, _)| match r {
             Role::Grad(i) => Some(*i),
             _ => None,
         })
+        .chain(g.g.node_indices().filter_map(|n| match &g.g[n].op {
+            Op::AllReduce(a) => a.owners_of,
+            _ => None,
+        }))
         .collect();
     // ZeRO: a parameter with a gradient that this rank does not update
     // whole in place (another rank owns it, or a piece of it).

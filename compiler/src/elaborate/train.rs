@@ -185,6 +185,7 @@ pub fn section(e: &mut Elab, t: &TrainSection) -> Result<TrainConfig, Diagnostic
         memory_budget,
         ranks: e.ranks,
         zero_rank: e.zero_rank,
+        zero_stage: Default::default(),
         reduce_dtype: DType::F32,
         loss_span: loss_expr.span,
     })

@@ -354,6 +354,13 @@ fn update_call(g: &Graph, m: &crate::kernel::Member) -> Option<String> {
     // A master piece is indexed as the state, the gradient as the parameter.
     let master = g.g[m.node].op.update_master();
     let pat = if master { String::new() } else { at.clone() };
+    // ZeRO stage 2's gradient is the piece alone, indexed as the state too.
+    let grad_piece = match &g.g[m.node].op {
+        Op::AdamW(a) => a.grad_piece,
+        Op::Sgd(sg) => sg.grad_piece,
+        _ => false,
+    };
+    let at = if grad_piece { String::new() } else { at };
     // The rest of the parameter passes through where the update is not in
     // place (the plan always updates in place; the first chunk copies it).
     let rest = match range.filter(|_| !master) {

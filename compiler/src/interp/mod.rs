@@ -140,7 +140,9 @@ pub fn run(
                 match (op, &feeds.peers) {
                     (Op::AllReduce(a), Some(peers)) => {
                         let mut mean = peers.mean(args[0]);
-                        if let Some(i) = a.owners_of {
+                        if a.piece.is_some() {
+                            vec![a.own(mean)]
+                        } else if let Some(i) = a.owners_of {
                             // Only the owner's piece is defined (NCCL reduces
                             // to it alone): NaN elsewhere shows any reader.
                             let own = crate::autodiff::zero::piece(
@@ -155,8 +157,10 @@ pub fn run(
                                     *x = f64::NAN;
                                 }
                             }
+                            vec![mean]
+                        } else {
+                            vec![mean]
                         }
-                        vec![mean]
                     }
                     _ => op.eval(&args, &ctx),
                 }

@@ -19,6 +19,10 @@ pub struct AdamW {
     /// parameter, which the ranks keep in the compute dtype alone
     /// ([`StorePiece`] writes the new piece into it).
     pub master: bool,
+    /// ZeRO stage 2: input 1 is the gradient's piece alone (flat, shaped
+    /// as the state: the collective reduced it into a buffer of that
+    /// size), not the whole parameter's gradient.
+    pub grad_piece: bool,
 }
 
 /// The state's shape for parameter type `p` under `range`.
@@ -43,38 +47,65 @@ fn check_range(op: &str, p: &TensorType, range: Option<(i64, i64)>) -> Result<()
     Ok(())
 }
 
-fn range_attr(range: Option<(i64, i64)>, master: bool) -> Vec<String> {
+fn range_attr(range: Option<(i64, i64)>, master: bool, grad_piece: bool) -> Vec<String> {
     range
         .map(|(lo, hi)| format!("range={lo}..{hi}"))
         .into_iter()
         .chain(master.then(|| "master".to_string()))
+        .chain(grad_piece.then(|| "grad_piece".to_string()))
         .collect()
 }
 
-/// An update's parameter type and the shape input 0 must have: the
-/// parameter's own, or (`master`) the state's, the parameter's type then
-/// read from the gradient's shape.
+/// What an update's inputs must be: (the gradient's type, the state's).
+/// The parameter is input 0, or (`master`) the state's shape is, the
+/// parameter's type then read from the gradient's shape; a gradient that
+/// is the piece alone (`grad_piece`) is shaped as the state.
 fn updated_types(
     op: &str,
     inputs: &[TensorType],
     range: Option<(i64, i64)>,
     master: bool,
+    grad_piece: bool,
 ) -> Result<(TensorType, TensorType), OpError> {
-    let p = if master {
-        TensorType::new(inputs[0].dtype, inputs[1].shape.clone())
-    } else {
-        inputs[0].clone()
+    let state = match (master, grad_piece, range) {
+        // Neither input is the whole parameter: the piece is the state.
+        (true, true, Some((lo, hi))) => {
+            if lo < 0 || hi <= lo {
+                return Err(OpError::new(
+                    format!("`{op}`'s range is empty"),
+                    format!("{lo}..{hi}"),
+                ));
+            }
+            TensorType::new(inputs[0].dtype, vec![Dim::constant(hi - lo)])
+        }
+        _ => {
+            let p = if master {
+                TensorType::new(inputs[0].dtype, inputs[1].shape.clone())
+            } else {
+                inputs[0].clone()
+            };
+            check_range(op, &p, range)?;
+            let state = state_type(&p, range);
+            let first = if master { &state } else { &p };
+            if inputs[0].shape != first.shape {
+                return Err(OpError::new(
+                    format!("shape mismatch in `{op}`"),
+                    format!("{first} and {}", inputs[0]),
+                ));
+            }
+            if !grad_piece {
+                return Ok((p, state));
+            }
+            state
+        }
     };
-    check_range(op, &p, range)?;
-    let state = state_type(&p, range);
-    let first = if master { &state } else { &p };
-    if inputs[0].shape != first.shape {
+    if inputs[0].shape != state.shape && master {
         return Err(OpError::new(
             format!("shape mismatch in `{op}`"),
-            format!("{first} and {}", inputs[0]),
+            format!("{state} and {}", inputs[0]),
         ));
     }
-    Ok((p, state))
+    Ok((state.clone(), state))
 }
 
 impl OpDef for AdamW {
@@ -94,7 +125,7 @@ impl OpDef for AdamW {
             format!("wd={}", num(self.weight_decay)),
         ]
         .into_iter()
-        .chain(range_attr(self.range, self.master))
+        .chain(range_attr(self.range, self.master, self.grad_piece))
         .collect()
     }
     /// (param, grad, m, v, lr, step, grad scale[, apply]) -> (param', m',
@@ -106,9 +137,8 @@ impl OpDef for AdamW {
         if inputs.len() != 8 {
             expect_arity("adamw", inputs, 7)?;
         }
-        let (p, state) = updated_types("adamw", inputs, self.range, self.master)?;
-        let p = &p;
-        for (t, want) in inputs[1..4].iter().zip([p, &state, &state]) {
+        let (g, state) = updated_types("adamw", inputs, self.range, self.master, self.grad_piece)?;
+        for (t, want) in inputs[1..4].iter().zip([&g, &state, &state]) {
             if t.shape != want.shape {
                 return Err(OpError::new(
                     "shape mismatch in `adamw`",
@@ -138,7 +168,7 @@ impl OpDef for AdamW {
         let (mut mo, mut vo) = (vec![0.0; hi - lo], vec![0.0; hi - lo]);
         for (k, i) in (lo..hi).enumerate() {
             let pi = if self.master { k } else { i };
-            let gi = g.data[i] * scale;
+            let gi = g.data[if self.grad_piece { k } else { i }] * scale;
             mo[k] = self.beta1 * m.data[k] + (1.0 - self.beta1) * gi;
             vo[k] = self.beta2 * v.data[k] + (1.0 - self.beta2) * gi * gi;
             let decayed = p.data[pi] * (1.0 - lr * self.weight_decay);
@@ -160,6 +190,8 @@ pub struct Sgd {
     pub range: Option<(i64, i64)>,
     /// As `AdamW::master`.
     pub master: bool,
+    /// As `AdamW::grad_piece`.
+    pub grad_piece: bool,
 }
 
 impl OpDef for Sgd {
@@ -178,7 +210,7 @@ impl OpDef for Sgd {
             format!("wd={}", num(self.weight_decay)),
         ]
         .into_iter()
-        .chain(range_attr(self.range, self.master))
+        .chain(range_attr(self.range, self.master, self.grad_piece))
         .collect()
     }
     /// (param, grad, momentum buffer, lr, grad scale[, apply]) -> (param',
@@ -187,9 +219,8 @@ impl OpDef for Sgd {
         if inputs.len() != 6 {
             expect_arity("sgd", inputs, 5)?;
         }
-        let (p, state) = updated_types("sgd", inputs, self.range, self.master)?;
-        let p = &p;
-        for (t, want) in inputs[1..3].iter().zip([p, &state]) {
+        let (g, state) = updated_types("sgd", inputs, self.range, self.master, self.grad_piece)?;
+        for (t, want) in inputs[1..3].iter().zip([&g, &state]) {
             if t.shape != want.shape {
                 return Err(OpError::new(
                     "shape mismatch in `sgd`",
@@ -218,7 +249,8 @@ impl OpDef for Sgd {
         let mut bo = vec![0.0; hi - lo];
         for (k, i) in (lo..hi).enumerate() {
             let pi = if self.master { k } else { i };
-            let gi = g.data[i] * scale + self.weight_decay * p.data[pi];
+            let gi = g.data[if self.grad_piece { k } else { i }] * scale
+                + self.weight_decay * p.data[pi];
             bo[k] = self.momentum * buf.data[k] + gi;
             po[pi] = p.data[pi] - lr * bo[k];
         }
@@ -248,7 +280,7 @@ impl OpDef for StorePiece {
         "store_piece"
     }
     fn attrs(&self) -> Vec<String> {
-        range_attr(Some(self.range), false)
+        range_attr(Some(self.range), false, false)
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("store_piece", inputs, 2)?;

@@ -27,10 +27,15 @@ fn param_index(range: Option<(i64, i64)>) -> String {
 }
 
 /// The element of an update's input and output 0 and of its gradient: a
-/// master piece is indexed as its state, the gradient as the parameter.
-fn update_indices(range: Option<(i64, i64)>, master: bool) -> (String, String) {
-    let g = param_index(range);
-    (if master { "i".to_string() } else { g.clone() }, g)
+/// master piece is indexed as its state, the gradient as the parameter
+/// (or, ZeRO stage 2's piece of it, as the state).
+fn update_indices(range: Option<(i64, i64)>, master: bool, grad_piece: bool) -> (String, String) {
+    let p = param_index(range);
+    let state = "i".to_string();
+    (
+        if master { state.clone() } else { p.clone() },
+        if grad_piece { state } else { p },
+    )
 }
 
 impl Lower for StorePiece {
@@ -60,7 +65,7 @@ impl Lower for AdamW {
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let mut body = String::new();
         let b = &mut body;
-        let (pi, gi) = update_indices(self.range, self.master);
+        let (pi, gi) = update_indices(self.range, self.master, self.grad_piece);
         let (pi, gi) = (pi.as_str(), gi.as_str());
         if !self.master {
             pass_through(b, c, g, n, self.range);
@@ -126,7 +131,7 @@ impl Lower for Sgd {
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let mut body = String::new();
         let b = &mut body;
-        let (pi, gi) = update_indices(self.range, self.master);
+        let (pi, gi) = update_indices(self.range, self.master, self.grad_piece);
         let (pi, gi) = (pi.as_str(), gi.as_str());
         if !self.master {
             pass_through(b, c, g, n, self.range);

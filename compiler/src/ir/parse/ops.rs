@@ -292,6 +292,7 @@ pub(super) fn op(
                 weight_decay: c.float()?,
                 range: range(c)?,
                 master: c.flag("master")?,
+                grad_piece: c.flag("grad_piece")?,
             }
             .into()
         }
@@ -304,6 +305,7 @@ pub(super) fn op(
                 weight_decay: c.float()?,
                 range: range(c)?,
                 master: c.flag("master")?,
+                grad_piece: c.flag("grad_piece")?,
             }
             .into()
         }
@@ -345,10 +347,22 @@ pub(super) fn op(
             } else {
                 None
             };
+            let piece = if c.peek()? == Some(super::Tok::Ident("piece")) {
+                c.key("piece")?;
+                let lo = c.int()?;
+                if c.peek()? != Some(super::Tok::DotDot) {
+                    return Err(c.expected("`..` between the piece's ends"));
+                }
+                c.next()?;
+                Some((lo, c.int()?))
+            } else {
+                None
+            };
             AllReduce {
                 ranks,
                 every_micro_batch,
                 owners_of,
+                piece,
             }
             .into()
         }
