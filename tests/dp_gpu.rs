@@ -10,6 +10,7 @@ mod common;
 
 use common::sizes;
 use fusec::backend::{init_params, ranks, Backend, Gpu, GpuOptions};
+use fusec_compiler::autodiff::zero::ZeroStage;
 use fusec_compiler::driver::compile;
 use fusec_compiler::elaborate::Options;
 use fusec_compiler::ir::DType;
@@ -46,7 +47,7 @@ fn compiled(ranks: u32, precision: &str, micro: u32) -> fusec_compiler::driver::
 
 fn compiled_for(
     ranks: u32,
-    zero_rank: Option<u32>,
+    zero: Option<(u32, ZeroStage)>,
     reduce: Option<DType>,
     precision: &str,
     micro: u32,
@@ -68,7 +69,8 @@ fn compiled_for(
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect(),
         ranks,
-        zero_rank,
+        zero_rank: zero.map(|z| z.0),
+        zero_stage: zero.map_or(ZeroStage::One, |z| z.1),
         reduce_dtype: reduce,
         ..Options::default()
     };
@@ -114,10 +116,10 @@ fn train(b: &mut dyn Backend, rows: usize, t: usize, micro: u64) -> Vec<(f64, f6
 }
 
 fn check(n: usize, precision: &str, micro: u32, tol: f64) {
-    check_with(n, precision, micro, tol, false)
+    check_with(n, precision, micro, tol, None)
 }
 
-fn check_with(n: usize, precision: &str, micro: u32, tol: f64, zero: bool) {
+fn check_with(n: usize, precision: &str, micro: u32, tol: f64, zero: Option<ZeroStage>) {
     check_reducing(n, precision, micro, tol, zero, None)
 }
 
@@ -126,7 +128,7 @@ fn check_reducing(
     precision: &str,
     micro: u32,
     tol: f64,
-    zero: bool,
+    zero: Option<ZeroStage>,
     reduce: Option<DType>,
 ) {
     let (b, t) = (2usize, 64usize);
@@ -148,7 +150,14 @@ fn check_reducing(
 
     let graphs: Vec<_> = (0..n)
         .map(|r| {
-            compiled_for(n as u32, zero.then_some(r as u32), reduce, precision, micro).optimized
+            compiled_for(
+                n as u32,
+                zero.map(|z| (r as u32, z)),
+                reduce,
+                precision,
+                micro,
+            )
+            .optimized
         })
         .collect();
     let (_, dims) = sizes(&[("B", b as i64), ("T", t as i64)]);
@@ -164,7 +173,7 @@ fn check_reducing(
         GpuOptions::default(),
         None,
         Arc::new(|_, _, _| {}),
-        zero,
+        zero.is_some(),
     )
     .unwrap();
     let run = train(&mut group, n * b, t, micro as u64);
@@ -185,7 +194,7 @@ fn check_reducing(
         w.iter().all(|x| x == &w[0]),
         "the ranks' weights drifted apart"
     );
-    if zero {
+    if zero.is_some() {
         // Every state tensor once, on its owner; the checkpoint gathers them.
         let states = group.state_names();
         assert_eq!(
@@ -223,7 +232,11 @@ fn check_reducing(
     println!(
         "{n} GPUs x B={b} against 1 x B={}{}{}: {precision}, micro-batches {micro}: worst relative difference over 20 steps {worst:.2e} (allowed {tol:.0e}); last loss {:.5}",
         n * b,
-        if zero { ", ZeRO stage 1" } else { "" },
+        match zero {
+            Some(ZeroStage::One) => ", ZeRO stage 1",
+            Some(ZeroStage::Two) => ", ZeRO stage 2",
+            None => "",
+        },
         if reduce.is_some() { ", gradients averaged in bf16" } else { "" },
         run[19].0
     );
@@ -241,12 +254,18 @@ fn n_gpus_with_batch_b_train_as_one_gpu_with_n_times_b() {
         check(n, "bf16", 1, 1e-2);
         check(n, "fp32", 2, 1e-5);
         check(n, "bf16", 2, 1e-2);
-        check_with(n, "fp32", 1, 1e-5, true);
+        let (one, two) = (Some(ZeroStage::One), Some(ZeroStage::Two));
+        check_with(n, "fp32", 1, 1e-5, one);
         // bf16: the ranks keep bf16 weights, the owners f32 masters.
-        check_with(n, "bf16", 1, 1e-2, true);
-        check_with(n, "bf16", 2, 1e-2, true);
-        check_reducing(n, "bf16", 1, 1e-2, false, Some(DType::BF16));
-        check_reducing(n, "bf16", 2, 1e-2, true, Some(DType::BF16));
+        check_with(n, "bf16", 1, 1e-2, one);
+        check_with(n, "bf16", 2, 1e-2, one);
+        check_reducing(n, "bf16", 1, 1e-2, None, Some(DType::BF16));
+        check_reducing(n, "bf16", 2, 1e-2, one, Some(DType::BF16));
+        // Stage 2: each gradient reduced into its owners' pieces.
+        check_with(n, "fp32", 1, 1e-5, two);
+        check_with(n, "fp32", 2, 1e-5, two);
+        check_with(n, "bf16", 1, 1e-2, two);
+        check_reducing(n, "bf16", 2, 1e-2, two, Some(DType::BF16));
     }
 }
 

@@ -1157,6 +1157,101 @@ fn zero_ranks_take_part_in_every_reduce_without_clipping() {
     let split = run("1", &tmp("translator-zero1.jsonl"));
     assert_eq!(whole.len(), 3);
     assert_eq!(split, whole);
+    // Stage 2: each gradient reduced into its owners' pieces, which the
+    // update reads as they are: the same arithmetic, the same bits.
+    let sharded = run("2", &tmp("translator-zero2.jsonl"));
+    assert_eq!(sharded, whole);
+}
+
+/// ZeRO stage 2's checkpoint is the file stage 1 writes, bit for bit (the
+/// same arithmetic: each piece's mean is the one stage 1 reads in place),
+/// and it resumes on another number of ranks at another stage: on one rank
+/// without ZeRO, and on three at stage 2.
+#[test]
+fn zero_two_checkpoints_as_stage_one_and_resumes_anywhere() {
+    let train = small_gpt2_on_cpu;
+    let (ck1, ck2) = (tmp("z1.safetensors"), tmp("z2.safetensors"));
+    for (z, ck) in [("1", &ck1), ("2", &ck2)] {
+        train(&[
+            "--batch",
+            "2",
+            "--gpus",
+            "2",
+            "--zero",
+            z,
+            "--steps",
+            "3",
+            "--save",
+            ck.to_str().unwrap(),
+        ]);
+    }
+    let (b1, b2) = (std::fs::read(&ck1).unwrap(), std::fs::read(&ck2).unwrap());
+    let (s1, s2) = (
+        safetensors::SafeTensors::deserialize(&b1).unwrap(),
+        safetensors::SafeTensors::deserialize(&b2).unwrap(),
+    );
+    let mut names = s1.names();
+    names.sort();
+    let mut names2 = s2.names();
+    names2.sort();
+    assert_eq!(names, names2);
+    assert!(names.iter().any(|n| n.ends_with(".adam_m")), "{names:?}");
+    for n in names {
+        let (a, b) = (s1.tensor(n).unwrap(), s2.tensor(n).unwrap());
+        assert_eq!(a.shape(), b.shape(), "{n}");
+        assert!(a.data() == b.data(), "{n} differs between the stages");
+    }
+    for (k, extra) in [
+        &["--batch", "4"][..],
+        &["--batch", "2", "--gpus", "3", "--zero", "2"][..],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let log = tmp(&format!("z2-resumed-{k}.jsonl"));
+        let mut a = extra.to_vec();
+        a.extend([
+            "--steps",
+            "1",
+            "--resume",
+            ck2.to_str().unwrap(),
+            "--log",
+            log.to_str().unwrap(),
+        ]);
+        train(&a);
+        let l = losses(&log);
+        assert_eq!(l.len(), 1, "{extra:?}: {l:?}");
+        assert!(loss(&l[0]).is_finite(), "{extra:?}: {l:?}");
+    }
+}
+
+/// `--zero 2` splits the gradients over ranks: without ranks it is
+/// refused, saying what to give.
+#[test]
+fn zero_two_needs_ranks() {
+    let (code, _, err) = fusec(&[
+        "train",
+        "dsl-examples/gpt2-small.dsl",
+        "--cpu",
+        "--zero",
+        "2",
+        "--data",
+        "random",
+        "--batch",
+        "2",
+        "--seq",
+        "8",
+        "--steps",
+        "1",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--zero 2 splits the optimizer state and the gradients over data-parallel ranks: give --gpus N"),
+        "{err}"
+    );
+    let (code, _, err) = fusec(&["build", "dsl-examples/gpt2-small.dsl", "--zero", "3"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--zero"), "{err}");
 }
 
 /// `--save-grads` writes the gradients the update read: with plain SGD the

@@ -40,11 +40,25 @@ enum Step {
         split: Option<(u64, u64)>,
     },
     /// A bucket averaged over the ranks, on the communication stream (see
-    /// `DataParallel`); `true` where it runs on every micro-batch (the
-    /// loss), not only on the one that updates. Under ZeRO its gradients
-    /// go to their pieces' owners alone: those tensors, each with its
-    /// parameter, are the third part.
-    Collective(Vec<nccl::Tensor>, bool, Vec<(nccl::Tensor, usize)>),
+    /// `DataParallel`).
+    Collective(Bucket),
+}
+
+/// A bucket's collective as the executor issues it.
+pub(crate) struct Bucket {
+    /// Tensors averaged onto every rank.
+    pub all: Vec<nccl::Tensor>,
+    /// Runs on every micro-batch (the loss; stage 2's gradients), not only
+    /// on the one that updates.
+    pub every_micro_batch: bool,
+    /// ZeRO: gradients whose mean goes to their pieces' owners alone, each
+    /// with its parameter.
+    pub owned: Vec<(nccl::Tensor, usize)>,
+    /// ZeRO stage 2: for each of `owned`, the elements [lo, hi) this rank
+    /// keeps, its output a buffer of that piece alone (`None`: in place,
+    /// where it owns the parameter whole or nothing of it); empty at
+    /// stage 1.
+    pub kept: Vec<Option<(u64, u64)>>,
 }
 
 struct Launch {

@@ -159,6 +159,41 @@ pub fn owned_pieces(
     coalesce_shares(&out, align)
 }
 
+/// ZeRO stage 2: each of `tensors` (a bucket's whole gradient, with its
+/// parameter) cut into that parameter's pieces, each reduced to its owner:
+/// where this rank keeps a piece (`kept`, by tensor), into the tensor's
+/// output, a buffer of that piece alone; every other piece in place (its
+/// output unused here: the reduce writes on its root alone). Never merged:
+/// a rank's temporaries lie where its own plan put them, so what one rank
+/// could merge another could not, and every rank must make the same calls.
+pub fn kept_pieces(
+    tensors: &[(Tensor, usize)],
+    kept: &[Option<(u64, u64)>],
+    pieces: &[Vec<Piece>],
+) -> Vec<(Tensor, usize)> {
+    let mut out = Vec::new();
+    for ((t, i), mine) in tensors.iter().zip(kept) {
+        let size = t.dtype.size_bytes() as u64;
+        for pc in &pieces[*i] {
+            let input = t.input + pc.lo * size;
+            let output = match mine {
+                Some((lo, hi)) if (*lo, *hi) == (pc.lo, pc.hi) => t.output,
+                _ => input,
+            };
+            out.push((
+                Tensor {
+                    input,
+                    output,
+                    count: (pc.hi - pc.lo) as usize,
+                    dtype: t.dtype,
+                },
+                pc.rank as usize,
+            ));
+        }
+    }
+    out
+}
+
 /// One NCCL call of a group: its kind and, for the rooted ones, the root.
 #[derive(Clone, Copy)]
 enum Call {

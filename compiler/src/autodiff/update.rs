@@ -78,13 +78,17 @@ fn owned_sum_of_squares(
     pieces: &[RankPiece],
     zero: Option<u32>,
     ranks: u32,
+    sharded: bool,
 ) -> Result<Option<Value>, OpError> {
     // Every gradient, the ones this rank owns nothing of as an empty piece:
     // the ranks' graphs then differ only in the pieces, so every rank runs
     // its collectives in the same order (NCCL's rule, and the CPU
     // reference's peers').
+    // Under stage 2 (`sharded`) a gradient this rank owns nothing of is
+    // not read at all: its whole tensor dies with its collective.
     let gvs: Vec<(Value, Option<(i64, i64)>)> = grads
         .iter()
+        .filter(|&&(i, _)| !sharded || pieces[i].is_some())
         .map(|&(i, gv)| (gv, pieces[i].unwrap_or(Some((0, 0)))))
         .collect();
     if zero.is_none() {
@@ -101,6 +105,7 @@ fn owned_sum_of_squares(
             ranks,
             every_micro_batch: false,
             owners_of: None,
+            sharded: false,
             piece: None,
         },
         &[local],
@@ -229,6 +234,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                 ranks: train.ranks,
                 every_micro_batch: stage2 && keep.is_some(),
                 owners_of: zero.map(|_| i),
+                sharded: stage2,
                 piece: pieces[i].flatten().filter(|_| stage2),
             };
             let r = if train.reduce_dtype == DType::F32 || b.ty(gv).dtype != DType::F32 {
@@ -284,6 +290,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                 ranks: train.ranks,
                 every_micro_batch: true,
                 owners_of: None,
+                sharded: false,
                 piece: None,
             };
             loss_mean = Some(b.op1(mean, &[lv])?);
@@ -301,7 +308,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         } else {
             ls
         };
-        let sumsq = owned_sum_of_squares(&mut b, &grads, &read, zero, train.ranks)?;
+        let sumsq = owned_sum_of_squares(&mut b, &grads, &read, zero, train.ranks, stage2)?;
         if let Some(sumsq) = sumsq {
             let host_apply = match apply {
                 Some(a) => a,
@@ -318,7 +325,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             new_outputs.push((Role::GradNorm, r[2]));
         }
     } else if let Some(max_norm) = train.clip_grad_norm {
-        let mut sumsq = owned_sum_of_squares(&mut b, &grads, &read, zero, train.ranks)?;
+        let mut sumsq = owned_sum_of_squares(&mut b, &grads, &read, zero, train.ranks, stage2)?;
         // Tensors of symbolic size: one square-and-sum per gradient.
         let per_tensor = if sumsq.is_none() { &grads[..] } else { &[] };
         for &(_, gv) in per_tensor {

@@ -24,8 +24,12 @@ pub struct AllReduce {
     /// on the piece it owns; elsewhere the result is undefined (the CPU
     /// reference fills it with NaN, so that a reader shows).
     pub owners_of: Option<usize>,
-    /// ZeRO stage 2: the result is elements [lo, hi) of the mean alone,
-    /// flat (this rank's piece of parameter `owners_of`).
+    /// ZeRO stage 2: the gradient is the backward pass's temporary (no
+    /// rank keeps it whole past this collective); the rank keeps its piece
+    /// of the mean (`piece`), all of it where it owns it whole, else none.
+    pub sharded: bool,
+    /// Stage 2: the result is elements [lo, hi) of the mean alone, flat
+    /// (this rank's piece of parameter `owners_of`).
     pub piece: Option<(i64, i64)>,
 }
 
@@ -40,6 +44,9 @@ impl OpDef for AllReduce {
         }
         if let Some(i) = self.owners_of {
             a.push(format!("owners_of={i}"));
+        }
+        if self.sharded {
+            a.push("sharded".into());
         }
         if let Some((lo, hi)) = self.piece {
             a.push(format!("piece={lo}..{hi}"));

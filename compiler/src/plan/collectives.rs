@@ -31,6 +31,13 @@ pub struct PlannedCollective {
     /// `None` where every rank gets all of it; empty without ZeRO.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub owners_of: Vec<Option<usize>>,
+    /// ZeRO stage 2: for each tensor, the elements [lo, hi) of its mean
+    /// this rank keeps (its output buffer holds them alone), or `None`
+    /// where the output is the whole tensor; empty where no tensor is a
+    /// piece. Such a collective is joined at the next one's launch at the
+    /// latest, so that the whole gradients it reads die there.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pieces: Vec<Option<(u64, u64)>>,
 }
 
 impl PlannedCollective {
@@ -52,7 +59,7 @@ pub fn collectives(g: &Graph, p: &Program, buffers: &[PlannedBuffer]) -> Vec<Pla
         if !is_collective(g, k) {
             continue;
         }
-        let join = p.kernels[c + 1..]
+        let first_read = p.kernels[c + 1..]
             .iter()
             .position(|r| r.inputs.iter().any(|b| k.outputs.contains(b)))
             .map_or(p.kernels.len(), |i| c + 1 + i);
@@ -62,13 +69,25 @@ pub fn collectives(g: &Graph, p: &Program, buffers: &[PlannedBuffer]) -> Vec<Pla
             .copied()
             .zip(k.outputs.iter().copied())
             .collect();
-        let owner = |n: NodeIndex| match &g.g[n].op {
-            Op::AllReduce(a) => a.owners_of,
-            _ => None,
+        let reduce = |n: NodeIndex| match &g.g[n].op {
+            Op::AllReduce(a) => (a.owners_of, a.piece),
+            _ => (None, None),
         };
-        let owners_of: Vec<Option<usize>> = match &k.body {
-            Body::Group(ms) => ms.iter().map(|m| owner(m.node)).collect(),
-            _ => k.nodes.iter().map(|&n| owner(n)).collect(),
+        let sharded = k
+            .nodes
+            .iter()
+            .any(|&n| matches!(&g.g[n].op, Op::AllReduce(a) if a.sharded));
+        let (owners_of, pieces): (Vec<Option<usize>>, Vec<Option<(i64, i64)>>) = match &k.body {
+            Body::Group(ms) => ms.iter().map(|m| reduce(m.node)).unzip(),
+            _ => k.nodes.iter().map(|&n| reduce(n)).unzip(),
+        };
+        let pieced = pieces.iter().any(Option::is_some);
+        // Stage 2 waits for a bucket where the next one is issued (the
+        // backward pass has run a bucket's worth of kernels meanwhile), not
+        // where the update first reads it: its whole gradients can go.
+        let join = match p.kernels[c + 1..].iter().position(|r| is_collective(g, r)) {
+            Some(i) if sharded => first_read.min(c + 1 + i),
+            _ => first_read,
         };
         out.push(PlannedCollective {
             launch: c,
@@ -78,6 +97,14 @@ pub fn collectives(g: &Graph, p: &Program, buffers: &[PlannedBuffer]) -> Vec<Pla
             every_micro_batch: every_micro_batch(g, k),
             owners_of: if owners_of.iter().any(Option::is_some) {
                 owners_of
+            } else {
+                Vec::new()
+            },
+            pieces: if pieced {
+                pieces
+                    .into_iter()
+                    .map(|p| p.map(|(lo, hi)| (lo as u64, hi as u64)))
+                    .collect()
             } else {
                 Vec::new()
             },

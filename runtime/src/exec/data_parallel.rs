@@ -88,16 +88,20 @@ impl DataParallel {
     pub(super) fn issue(
         &mut self,
         gpu: &Gpu,
-        tensors: &[nccl::Tensor],
-        owned: &[(nccl::Tensor, usize)],
+        bucket: &super::Bucket,
         launch: usize,
     ) -> Result<(), RuntimeError> {
-        if !owned.is_empty() && self.pieces.is_empty() {
+        if !bucket.owned.is_empty() && self.pieces.is_empty() {
             return Err(RuntimeError::Unsupported(
-                "the step was built with --zero 1 (gradients reduced to their owners), and this run does not shard the optimizer state: run it with --zero 1".into(),
+                "the step was built with --zero 1 or 2 (gradients reduced to their owners), and this run does not shard the optimizer state: run it with the --zero it was built with".into(),
             ));
         }
-        let rooted = nccl::owned_pieces(owned, &self.pieces, fusec_compiler::plan::ALIGN);
+        let rooted = if bucket.kept.is_empty() {
+            nccl::owned_pieces(&bucket.owned, &self.pieces, fusec_compiler::plan::ALIGN)
+        } else {
+            nccl::kept_pieces(&bucket.owned, &bucket.kept, &self.pieces)
+        };
+        let tensors = &bucket.all;
         self.stream
             .join(&gpu.stream)
             .map_err(|e| RuntimeError::driver("ordering a collective after its gradients", e))?;

@@ -28,8 +28,8 @@ impl Executor {
             }
         }
         match (&launches[i].step, dp.as_mut()) {
-            (Step::Collective(_, every, _), _) if !*collectives_on && !every => Ok(()),
-            (Step::Collective(tensors, _, owned), Some(dp)) => dp.issue(gpu, tensors, owned, i),
+            (Step::Collective(b), _) if !*collectives_on && !b.every_micro_batch => Ok(()),
+            (Step::Collective(b), Some(dp)) => dp.issue(gpu, b, i),
             (Step::Collective(..), None) => Err(RuntimeError::Unsupported(format!(
                 "kernel {name} averages gradients over several ranks, and this step has no communicator: run it with --gpus or under a launcher"
             ))),

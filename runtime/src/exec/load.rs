@@ -105,6 +105,7 @@ impl Executor {
             let step = if l.kind == fusec_compiler::plan::LaunchKind::AllReduce {
                 let planned = plan.collectives.iter().find(|c| c.launch == ki);
                 let owners_of = planned.map_or(&[][..], |c| &c.owners_of[..]);
+                let pieces = planned.map_or(&[][..], |c| &c.pieces[..]);
                 let tensors = l
                     .inputs
                     .iter()
@@ -121,16 +122,25 @@ impl Executor {
                     })
                     .collect::<Vec<_>>();
                 // ZeRO's gradients (to their owners) apart from the rest.
-                let (mut all, mut owned) = (Vec::new(), Vec::new());
+                let (mut all, mut owned, mut kept) = (Vec::new(), Vec::new(), Vec::new());
                 for (j, t) in tensors.into_iter().enumerate() {
                     match owners_of.get(j).copied().flatten() {
-                        Some(p) => owned.push((t, p)),
+                        Some(p) => {
+                            owned.push((t, p));
+                            kept.push(pieces.get(j).copied().flatten());
+                        }
                         None => all.push(t),
                     }
                 }
-                let all = nccl::coalesce(&all, fusec_compiler::plan::ALIGN);
-                let every = planned.is_some_and(|c| c.every_micro_batch);
-                Step::Collective(all, every, owned)
+                if pieces.is_empty() {
+                    kept.clear();
+                }
+                Step::Collective(super::Bucket {
+                    all: nccl::coalesce(&all, fusec_compiler::plan::ALIGN),
+                    every_micro_batch: planned.is_some_and(|c| c.every_micro_batch),
+                    owned,
+                    kept,
+                })
             } else if !l.steps.is_empty() {
                 // The kernels the plan launches: the generated one, or the
                 // template instances chosen in its place.

@@ -103,9 +103,10 @@ impl Executor {
         let mut collectives = Vec::new();
         for (i, start, stop) in timing.unwrap_or_default() {
             let bytes = match &self.launches[i].step {
-                Step::Collective(tensors, _, owned) => tensors
+                Step::Collective(b) => b
+                    .all
                     .iter()
-                    .chain(owned.iter().map(|(t, _)| t))
+                    .chain(b.owned.iter().map(|(t, _)| t))
                     .map(|t| (t.count * t.dtype.size_bytes()) as u64)
                     .sum(),
                 _ => 0,

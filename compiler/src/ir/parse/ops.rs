@@ -347,6 +347,7 @@ pub(super) fn op(
             } else {
                 None
             };
+            let sharded = c.flag("sharded")?;
             let piece = if c.peek()? == Some(super::Tok::Ident("piece")) {
                 c.key("piece")?;
                 let lo = c.int()?;
@@ -362,6 +363,7 @@ pub(super) fn op(
                 ranks,
                 every_micro_batch,
                 owners_of,
+                sharded,
                 piece,
             }
             .into()
