@@ -77,7 +77,7 @@ pub fn collectives(g: &Graph, p: &Program, buffers: &[PlannedBuffer]) -> Vec<Pla
             .nodes
             .iter()
             .any(|&n| matches!(&g.g[n].op, Op::AllReduce(a) if a.sharded));
-        let (owners_of, pieces): (Vec<Option<usize>>, Vec<Option<(i64, i64)>>) = match &k.body {
+        let (owners_of, pieces): (Vec<_>, Vec<_>) = match &k.body {
             Body::Group(ms) => ms.iter().map(|m| reduce(m.node)).unzip(),
             _ => k.nodes.iter().map(|&n| reduce(n)).unzip(),
         };
