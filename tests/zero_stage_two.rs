@@ -205,3 +205,21 @@ fn the_whole_gradients_die_with_their_bucket() {
         "stage 2 saves {saved} of {grads} bytes"
     );
 }
+
+/// The 7B example on 2 GPUs at T = 2048 (the plan's own arena, which the
+/// runtime allocates whole; here without the loss head in chunks, which
+/// `fusec build` adds): one GPU's step needs over 110 GiB (16 bytes a
+/// parameter before activations), stage 1 on 2 still more than an H100's
+/// 80 GB (79.6 GiB), stage 2 under 72 GiB a GPU, which leaves an H100 room
+/// for the context, cuBLASLt's workspace and the modules (about 1 GiB).
+#[test]
+fn llama_7b_fits_two_80_gb_gpus_at_stage_two() {
+    let at = sizes(1, 2048);
+    let gib = |p: &Plan| p.arena_bytes as f64 / (1u64 << 30) as f64;
+    let one_gpu = planned_at("llama-7b.dsl", &[], 1, None, ZeroStage::One, &at).1;
+    let (_, one) = planned_at("llama-7b.dsl", &[], 2, Some(0), ZeroStage::One, &at);
+    let (_, two) = planned_at("llama-7b.dsl", &[], 2, Some(1), ZeroStage::Two, &at);
+    assert!(gib(&one_gpu) > 110.0, "one GPU: {:.1} GiB", gib(&one_gpu));
+    assert!(gib(&one) > 80.0, "stage 1: {:.1} GiB", gib(&one));
+    assert!(gib(&two) < 72.0, "stage 2: {:.1} GiB", gib(&two));
+}

@@ -418,7 +418,17 @@ fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
         if types.is_empty() { "f32".to_string() } else { types.join(" and ") },
         kib(total),
         if zero {
-            format!("; ZeRO: each gradient's mean goes to the owners of its pieces alone (NCCL reduces rooted at them, together a reduce-scatter), the loss and the norm's sum of squares to every rank; after the update each owner sends its pieces of the parameters to the other ranks in {} (broadcasts, together an all-gather)", sent.join(" and "))
+            // Stage 2 keeps no whole gradient past its bucket.
+            let sharded = !plan.buffers.iter().any(|b| b.kind == MemKind::Grad);
+            format!(
+                "; ZeRO: each gradient's mean goes to the owners of its pieces alone (NCCL reduces rooted at them, together a reduce-scatter){}, the loss and the norm's sum of squares to every rank; after the update each owner sends its pieces of the parameters to the other ranks in {} (broadcasts, together an all-gather)",
+                if sharded {
+                    ", each owner's into a buffer of its piece's size (stage 2: the whole gradients are temporaries, joined where the next bucket starts)"
+                } else {
+                    ""
+                },
+                sent.join(" and ")
+            )
         } else {
             String::new()
         }
