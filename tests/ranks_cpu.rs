@@ -581,3 +581,85 @@ fn zero_stage_two_keeps_only_the_pieces_of_the_gradients() {
         "the ranks' accumulators together are the model once"
     );
 }
+
+/// A memory budget over ZeRO ranks (stages 1 and 2, 3 ranks): one choice,
+/// made on the rank that needs the most, drops the same activations on
+/// every rank (each recomputes the same ops, so their backward passes
+/// finish the gradients in one order), every rank fits, and the run is
+/// still one rank's with the whole batch (f64, 1e-12: recomputing changes
+/// no arithmetic).
+#[test]
+fn a_memory_budget_over_zero_ranks_recomputes_the_same_values_on_each() {
+    use fusec_compiler::recompute::{fit_ranks, probe};
+    let dev = fusec_compiler::device::default_device();
+    let target = fusec_compiler::select::Target::for_device(fusec_compiler::device::DEFAULT, false)
+        .expect("the default device's target");
+    let (b, t, ranks) = (4usize, 16usize, 3usize);
+    let (_, dims) = sizes(&[("B", b as i64), ("T", t as i64)]);
+    let one = compiled(1, &|s| s);
+    let (_, dims_one) = sizes(&[("B", (ranks * b) as i64), ("T", t as i64)]);
+    let mut single = Cpu::new(&one.optimized, &dims_one, Precision::F64).unwrap();
+    let reference = train(&mut single, GPT2.weights, ranks * b, t, 4, 1);
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        let mut graphs: Vec<_> = (0..ranks as u32)
+            .map(|r| {
+                compiled_reducing(&GPT2, ranks as u32, Some((r, stage)), None, &|s| s).optimized
+            })
+            .collect();
+        let nodes: Vec<usize> = graphs.iter().map(|g| g.g.node_count()).collect();
+        let peaks: Vec<u64> = graphs
+            .iter()
+            .map(|g| probe(g, &dims, &target, dev).unwrap().arena_bytes)
+            .collect();
+        // Halfway from the largest rank's peak down to the least it can
+        // need: activations must go, and can.
+        let worst = (0..ranks).max_by_key(|&r| peaks[r]).unwrap();
+        let floor = fusec_compiler::recompute::floor(&graphs[worst], &dims, &target, dev)
+            .unwrap()
+            .arena_bytes;
+        let budget = (peaks[worst] + floor) / 2;
+        let choice = fit_ranks(&mut graphs, &dims, budget, &target, dev)
+            .unwrap_or_else(|e| panic!("{stage:?}: {e}"))
+            .expect("a budget under every rank's peak recomputes something");
+        assert!(!choice.dropped.is_empty());
+        for (r, g) in graphs.iter().enumerate() {
+            assert_eq!(
+                g.g.node_count() - nodes[r],
+                choice.ops_added,
+                "{stage:?}: rank {r} recomputes other ops"
+            );
+            let after = probe(g, &dims, &target, dev).unwrap().arena_bytes;
+            assert!(
+                after <= budget,
+                "{stage:?}: rank {r} needs {after} of {budget}"
+            );
+        }
+        let builds: Vec<(usize, Build)> = Peers::group(ranks)
+            .into_iter()
+            .zip(graphs)
+            .enumerate()
+            .map(|(r, (peers, g))| {
+                let dims = dims.clone();
+                let build: Build = Box::new(move || {
+                    let mut cpu = Cpu::new(&g, &dims, Precision::F64)?;
+                    cpu.join(peers);
+                    cpu.share_updates(ranks as u32);
+                    Ok(Box::new(cpu) as Box<dyn Backend>)
+                });
+                (r, build)
+            })
+            .collect();
+        let mut group = Ranks::new(builds, ranks).unwrap();
+        let run = train(&mut group, GPT2.weights, ranks * b, t, 4, 1);
+        for (a, r) in run.losses.iter().zip(&reference.losses) {
+            assert!(rel(*a, *r) < 1e-12, "{stage:?}: loss {a} against {r}");
+        }
+        let worst = run
+            .weights
+            .iter()
+            .zip(&reference.weights)
+            .map(|(a, r)| (a - r).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < 1e-12, "{stage:?}: weights differ by {worst}");
+    }
+}

@@ -271,10 +271,28 @@ fn build_reports_what_the_budget_recomputes() {
     let (code, _, stderr) = build(&["--memory-budget", "lots"]);
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("`lots` is not a size"), "{stderr}");
-    let (code, _, stderr) =
-        build(&[&at_32[..], &["--gpus", "2", "--memory-budget", "10GiB"]].concat());
-    assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("not applied over several GPUs"), "{stderr}");
+    // Over ranks: each rank's own step (ZeRO stage 1 and 2) fitted.
+    for zero in ["1", "2"] {
+        let (code, stdout, stderr) = build(
+            &[
+                &at_32[..],
+                &["--gpus", "2", "--zero", zero, "--memory-budget", "8GiB"],
+            ]
+            .concat(),
+        );
+        assert_eq!(code, 0, "--zero {zero}: {stderr}");
+        assert!(
+            stdout.contains("recompute for a memory budget of 8.000 GiB"),
+            "--zero {zero}: {stdout}"
+        );
+        let plan = std::fs::read_to_string(out.join("plan.json")).unwrap();
+        let arena: u64 = plan
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("\"arena_bytes\": "))
+            .and_then(|v| v.trim_end_matches(',').parse().ok())
+            .unwrap();
+        assert!(arena <= 8 << 30, "--zero {zero}: {arena}");
+    }
     let _ = std::fs::remove_dir_all(&out);
 }
 

@@ -1225,6 +1225,96 @@ fn zero_two_checkpoints_as_stage_one_and_resumes_anywhere() {
     }
 }
 
+/// A memory budget over ZeRO ranks: every rank's step is fitted with one
+/// choice (said once), and the run is the run without it, bit for bit
+/// (recomputing changes no arithmetic).
+#[test]
+fn a_memory_budget_fits_every_zero_ranks_step() {
+    let run = |budget: Option<&str>, log: &Path| {
+        let mut a = vec![
+            "train",
+            "dsl-examples/gpt2-small.dsl",
+            "--cpu",
+            "--gpus",
+            "3",
+            "--zero",
+            "2",
+            "--data",
+            TEXT,
+            "--set",
+            "layers=2",
+            "--set",
+            "d=64",
+            "--set",
+            "n_heads=2",
+            "--set",
+            "vocab=256",
+            "--set",
+            "ctx=64",
+            "--batch",
+            "2",
+            "--seq",
+            "64",
+            "--steps",
+            "3",
+            "--log",
+            log.to_str().unwrap(),
+        ];
+        if let Some(b) = budget {
+            a.extend(["--memory-budget", b]);
+        }
+        let (code, _, err) = fusec(&a);
+        assert_eq!(code, 0, "{budget:?}: {err}");
+        (losses(log), err)
+    };
+    let (plain, _) = run(None, &tmp("budget-ranks-none.jsonl"));
+    // Each rank's arena is 1.45 MiB as it is, at least 1.25 with every
+    // activation it may drop recomputed.
+    let (fitted, err) = run(Some("1.35MiB"), &tmp("budget-ranks-fit.jsonl"));
+    assert_eq!(
+        err.matches("each rank's step, recompute for a memory budget of 1.3 MiB")
+            .count(),
+        1,
+        "{err}"
+    );
+    assert_eq!(plain.len(), 3);
+    assert_eq!(fitted, plain);
+    let (code, _, err) = fusec(&[
+        "train",
+        "dsl-examples/gpt2-small.dsl",
+        "--cpu",
+        "--gpus",
+        "3",
+        "--zero",
+        "2",
+        "--data",
+        TEXT,
+        "--set",
+        "layers=2",
+        "--set",
+        "d=64",
+        "--set",
+        "n_heads=2",
+        "--set",
+        "vocab=256",
+        "--set",
+        "ctx=64",
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--steps",
+        "1",
+        "--memory-budget",
+        "0.5MiB",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("the memory budget of 512.0 KiB cannot be met"),
+        "{err}"
+    );
+}
+
 /// `--zero 2` splits the gradients over ranks: without ranks it is
 /// refused, saying what to give.
 #[test]

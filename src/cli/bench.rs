@@ -222,6 +222,7 @@ fn load_fitted(args: &BenchArgs) -> Result<(Loaded, BTreeMap<String, i64>), CliE
             &args.budget,
             &dims,
             1,
+            false,
             super::common::planning_device(device::gpu_name(args.gpu).as_deref()),
             args.deterministic,
         )?,
@@ -388,23 +389,27 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
         .shape_buckets(&mut loaded.compiled.options.lower);
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;
-    // Refuses a budget; each rank compiles its own step.
-    fit_memory(
-        &mut loaded,
-        &args.budget,
-        &dims,
-        world as u32,
-        fusec_compiler::device::DEFAULT,
-        args.deterministic,
-    )?;
+    // Under ZeRO each rank compiles its own step, which `start` fits.
+    let zero = args
+        .parallel
+        .zero_stage(world, &loaded.compiled.optimized.params);
+    super::common::announce_fitted(
+        fit_memory(
+            &mut loaded,
+            &args.budget,
+            &dims,
+            world as u32,
+            zero.is_some(),
+            fusec_compiler::device::DEFAULT,
+            args.deterministic,
+        )?,
+        &loaded,
+    );
     let loaded = loaded;
     let options = GpuOptions {
         deterministic: args.deterministic,
         f32_math: args.f32.math(),
     };
-    let zero = args
-        .parallel
-        .zero_stage(world, &loaded.compiled.optimized.params);
     let mut ranks = parallel::start(
         &loaded, &dims, job, args.gpu, false, options, "random", zero,
     )?;

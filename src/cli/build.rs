@@ -236,6 +236,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         &args.budget,
         &dims,
         ranks,
+        false,
         &args.device,
         args.deterministic,
     )?;

@@ -106,6 +106,40 @@ pub struct Loaded {
     /// The step, and the options it was compiled with (what a rank's own
     /// step is compiled again from, `rank_steps`).
     pub compiled: Compiled,
+    /// A memory budget the ZeRO ranks' own steps are fitted to where they
+    /// are compiled (`parallel::start`), all with one choice.
+    pub rank_budget: Option<RankBudget>,
+}
+
+/// What fits each ZeRO rank's step to a memory budget (`fit_memory`, for
+/// `parallel::start`).
+#[derive(Clone, Debug)]
+pub struct RankBudget {
+    pub bytes: u64,
+    /// The GPU the plan is made for, and `--deterministic`.
+    pub device: String,
+    pub deterministic: bool,
+}
+
+impl RankBudget {
+    /// Fits every rank's step (`graphs`, the job's ranks in order) to the
+    /// budget with one choice (`recompute::fit_ranks`).
+    pub fn fit(
+        &self,
+        graphs: &mut [fusec_compiler::ir::Graph],
+        dims: &std::collections::BTreeMap<String, i64>,
+        lower: &fusec_compiler::optimisation::LowerOptions,
+    ) -> Result<Option<fusec_compiler::recompute::Choice>, CliError> {
+        let target = fusec_compiler::select::Target {
+            lower: lower.clone(),
+            ..fusec_compiler::select::Target::for_device(&self.device, self.deterministic)
+                .unwrap_or_else(fusec_compiler::select::Target::simple)
+        };
+        let roof = fusec_compiler::device::device(&self.device)
+            .unwrap_or_else(fusec_compiler::device::default_device);
+        fusec_compiler::recompute::fit_ranks(graphs, dims, self.bytes, &target, roof)
+            .map_err(|e| CliError::usage(format!("error: {e}")))
+    }
 }
 
 pub fn read_source(path: &Path) -> Result<String, CliError> {
@@ -221,6 +255,7 @@ pub fn load_staged(
             path: args.model.clone(),
             source: source.clone(),
             compiled,
+            rank_budget: None,
         })
         .collect())
 }
@@ -261,6 +296,7 @@ pub fn rank_steps(
             path: loaded.path.clone(),
             source: loaded.source.clone(),
             compiled,
+            rank_budget: None,
         })
         .collect())
 }
@@ -401,13 +437,16 @@ pub fn planning_device(gpu_name: Option<&str>) -> &'static str {
 /// recompute what the choice drops. Without a budget, what is free to
 /// recompute (`recompute::free_drops`) where the sizes are known; first,
 /// the loss head in chunks of rows (`--loss-head-rows`). A step of several
-/// ranks (`ranks` > 1, each compiling its own) is left as it is, and a
-/// budget for one is refused.
+/// ranks (`ranks` > 1) recomputes nothing without a budget; with one, the
+/// step is fitted to it, or where each ZeRO rank compiles its own step
+/// later (`per_rank`) every rank's is, with one choice
+/// (`Loaded::rank_budget`, applied by `parallel::start`).
 pub fn fit_memory(
     loaded: &mut Loaded,
     budget: &BudgetArgs,
     dims: &std::collections::BTreeMap<String, i64>,
     ranks: u32,
+    per_rank: bool,
     device: &str,
     deterministic: bool,
 ) -> Result<Fitted, CliError> {
@@ -423,17 +462,45 @@ pub fn fit_memory(
             )));
         }
     }
+    let missing = missing(dims, &loaded.compiled.optimized.dims);
     if ranks > 1 {
-        if budget.memory_budget.is_some() || loaded.compiled.model.train.memory_budget.is_some() {
-            return Err(CliError::usage(
-                "error: a memory budget is not applied over several GPUs yet; use it on one GPU, or use --zero 1 to split the optimizer state over the GPUs",
-            ));
-        }
+        let bytes = match (budget.memory_budget, loaded.compiled.model.train.memory_budget) {
+            (Some(b), _) if !missing.is_empty() => {
+                return Err(CliError::usage(format!(
+                    "error: --memory-budget {}: a budget is met at the sizes the step runs at: give the size of {} (--batch, --seq or --dim NAME=N)",
+                    fusec_compiler::recompute::size(b),
+                    missing.join(", ")
+                )))
+            }
+            _ if !missing.is_empty() => None,
+            (flag, file) => flag.or(file),
+        };
         // Each rank's step (`parallel::start` chunks the ZeRO ranks' own).
         let loss_head = chunk_loss_head(&mut loaded.compiled.optimized, dims, rows)?;
+        let recompute = match bytes {
+            Some(bytes) if per_rank => {
+                loaded.rank_budget = Some(RankBudget {
+                    bytes,
+                    device: device.to_string(),
+                    deterministic,
+                });
+                None
+            }
+            Some(bytes) => RankBudget {
+                bytes,
+                device: device.to_string(),
+                deterministic,
+            }
+            .fit(
+                std::slice::from_mut(&mut loaded.compiled.optimized),
+                dims,
+                &loaded.compiled.options.lower,
+            )?,
+            None => None,
+        };
         return Ok(Fitted {
             loss_head,
-            recompute: None,
+            recompute,
         });
     }
     let target = fusec_compiler::select::Target {
@@ -443,7 +510,6 @@ pub fn fit_memory(
     };
     let roof = fusec_compiler::device::device(device)
         .unwrap_or_else(fusec_compiler::device::default_device);
-    let missing = missing(dims, &loaded.compiled.optimized.dims);
     let budget = match (budget.memory_budget, loaded.compiled.model.train.memory_budget) {
         (Some(b), _) if !missing.is_empty() => {
             return Err(CliError::usage(format!(

@@ -241,16 +241,33 @@ pub fn start(
         let Some(stage) = zero else {
             return Ok(vec![loaded.compiled.optimized.clone(); ranks.len()]);
         };
-        let ranks: Vec<u32> = ranks.iter().map(|&r| r as u32).collect();
         let rows = loaded.compiled.options.loss_head_rows;
-        rank_steps(loaded, world as u32, &ranks, stage)?
+        // With a memory budget every rank of the job, so that each process
+        // makes the one choice (`RankBudget::fit`); else these alone.
+        let compiled: Vec<u32> = match &loaded.rank_budget {
+            Some(_) => (0..world as u32).collect(),
+            None => ranks.iter().map(|&r| r as u32).collect(),
+        };
+        let mut graphs = rank_steps(loaded, world as u32, &compiled, stage)?
             .into_iter()
             .map(|l| {
                 let mut g = l.compiled.optimized;
                 super::common::chunk_loss_head(&mut g, dims, rows)?;
                 Ok(g)
             })
-            .collect()
+            .collect::<Result<Vec<_>, CliError>>()?;
+        let Some(budget) = &loaded.rank_budget else {
+            return Ok(graphs);
+        };
+        let chosen = budget.fit(&mut graphs, dims, &loaded.compiled.options.lower)?;
+        if let Some(choice) = chosen {
+            let file = loaded.path.display().to_string();
+            eprint!(
+                "each rank's step, {}",
+                choice.describe(&graphs[0], Some((&file, &loaded.source)))
+            );
+        }
+        Ok(ranks.iter().map(|&r| graphs[r].clone()).collect())
     };
     let usage = |m: String| CliError::usage(format!("error: {m}"));
     if cpu {

@@ -43,12 +43,19 @@ pub(super) fn load_fitted(
     // Each rank's sizes; the data is fed for all of them together.
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;
+    // Under ZeRO each rank compiles its own step, which `parallel::start`
+    // fits.
+    let per_rank = args
+        .parallel
+        .zero_stage(world, &loaded.compiled.optimized.params)
+        .is_some();
     super::common::announce_fitted(
         fit_memory(
             &mut loaded,
             &args.budget,
             &dims,
             world as u32,
+            per_rank,
             // The GPU this run opens (its name comes before the opening ends).
             super::common::planning_device(opening.and_then(|o| o.gpu_name()).as_deref()),
             args.deterministic,

@@ -16,6 +16,7 @@
 //! the roofline estimate, so the report's figures are the plan's own.
 
 pub mod cost;
+pub mod ranks;
 pub mod rewrite;
 
 use crate::ir::graph::Value;
@@ -27,6 +28,7 @@ use crate::select::Target;
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write;
 
+pub use ranks::fit_ranks;
 pub use rewrite::{checkpoints, drop_saved, saved_values, Kept};
 
 /// One line for `fusec passes`.
