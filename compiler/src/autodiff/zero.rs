@@ -11,37 +11,11 @@
 
 use crate::ir::graph::{Graph, ParamInfo, Value};
 
-/// What ZeRO splits over the ranks (`--zero`), beyond what every stage
-/// splits: the optimizer state and, with a 16-bit compute dtype, the f32
-/// master weights.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum ZeroStage {
-    /// Stage 1: every rank keeps each gradient whole until the update (the
-    /// reduce to the owners lands in place).
-    #[default]
-    One,
-    /// Stage 2: the gradients too. Each is reduced into its owners' pieces
-    /// as its bucket closes (a buffer the size of the piece on the owner),
-    /// so the whole gradient is a temporary of the backward pass; with
-    /// micro-batches each one's gradient is reduced and added to the
-    /// owners' pieces.
-    Two,
-}
-
-impl ZeroStage {
-    /// The stage's number, as `--zero` takes it.
-    pub fn number(self) -> u8 {
-        match self {
-            ZeroStage::One => 1,
-            ZeroStage::Two => 2,
-        }
-    }
-}
 use crate::ir::types::DType;
 use crate::ops::Op;
 use std::collections::{BTreeMap, BTreeSet};
 
-pub use crate::shard::{Piece, ALIGN};
+pub use crate::shard::{Piece, ZeroStage, ALIGN};
 
 /// Each parameter's pieces, in rank order (consecutive ranks).
 pub fn pieces(params: &[ParamInfo], ranks: u32) -> Vec<Vec<Piece>> {

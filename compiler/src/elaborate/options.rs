@@ -19,7 +19,7 @@ pub struct Options {
     pub zero_rank: Option<u32>,
     /// `--zero 2`: the gradients are split over the ranks too (each
     /// rank's step keeps only its pieces of them).
-    pub zero_stage: crate::autodiff::zero::ZeroStage,
+    pub zero_stage: crate::shard::ZeroStage,
     /// `--reduce-dtype`: the type gradients are averaged over the ranks in
     /// (`None`: f32, as they are kept). bf16 halves the bytes a bf16 model's
     /// data-parallel step moves (`TrainConfig::reduce_dtype`).

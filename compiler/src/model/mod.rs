@@ -181,7 +181,7 @@ pub struct TrainConfig {
     pub zero_rank: Option<u32>,
     /// What ZeRO splits beyond the optimizer state (`--zero 2`: the
     /// gradients), where `zero_rank` is set.
-    pub zero_stage: crate::autodiff::zero::ZeroStage,
+    pub zero_stage: crate::shard::ZeroStage,
     /// The type gradients are averaged over the ranks in (`--reduce-dtype`,
     /// never the model file): f32, or bf16 for a bf16 model, whose weight
     /// gradients come out of bf16 products, so that each collective moves
