@@ -1230,8 +1230,9 @@ fn zero_two_checkpoints_as_stage_one_and_resumes_anywhere() {
 /// (recomputing changes no arithmetic).
 #[test]
 fn a_memory_budget_fits_every_zero_ranks_step() {
-    let run = |budget: Option<&str>, log: &Path| {
-        let mut a = vec![
+    // Three CPU ranks at stage 2 training a small GPT-2 for `steps` steps.
+    let job = |steps: &'static str| -> Vec<&'static str> {
+        vec![
             "train",
             "dsl-examples/gpt2-small.dsl",
             "--cpu",
@@ -1256,10 +1257,12 @@ fn a_memory_budget_fits_every_zero_ranks_step() {
             "--seq",
             "64",
             "--steps",
-            "3",
-            "--log",
-            log.to_str().unwrap(),
-        ];
+            steps,
+        ]
+    };
+    let run = |budget: Option<&str>, log: &Path| {
+        let mut a = job("3");
+        a.extend(["--log", log.to_str().unwrap()]);
         if let Some(b) = budget {
             a.extend(["--memory-budget", b]);
         }
@@ -1279,35 +1282,9 @@ fn a_memory_budget_fits_every_zero_ranks_step() {
     );
     assert_eq!(plain.len(), 3);
     assert_eq!(fitted, plain);
-    let (code, _, err) = fusec(&[
-        "train",
-        "dsl-examples/gpt2-small.dsl",
-        "--cpu",
-        "--gpus",
-        "3",
-        "--zero",
-        "2",
-        "--data",
-        TEXT,
-        "--set",
-        "layers=2",
-        "--set",
-        "d=64",
-        "--set",
-        "n_heads=2",
-        "--set",
-        "vocab=256",
-        "--set",
-        "ctx=64",
-        "--batch",
-        "2",
-        "--seq",
-        "64",
-        "--steps",
-        "1",
-        "--memory-budget",
-        "0.5MiB",
-    ]);
+    let mut a = job("1");
+    a.extend(["--memory-budget", "0.5MiB"]);
+    let (code, _, err) = fusec(&a);
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("the memory budget of 512.0 KiB cannot be met"),

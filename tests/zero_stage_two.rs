@@ -16,7 +16,7 @@ use fusec_runtime::nccl::{kept_pieces, Tensor};
 use std::collections::BTreeMap;
 
 fn sizes(b: i64, t: i64) -> BTreeMap<String, i64> {
-    [("B".to_string(), b), ("T".to_string(), t)].into()
+    common::sizes(&[("B", b), ("T", t)]).1
 }
 
 /// Rank `rank`'s step of a job of `ranks` at `stage` (`None`: one GPU's

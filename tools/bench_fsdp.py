@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_llama import Llama  # noqa: E402
+from bench_llama import Llama, adamw  # noqa: E402
 
 SIZES = {
     # dsl-examples/llama-7b.dsl
@@ -74,10 +74,7 @@ def main():
         inv = 10000.0 ** (-torch.arange(0, hd // 2, dtype=torch.float32, device="cuda") * 2 / hd)
         ang = torch.arange(args.seq, dtype=torch.float32, device="cuda")[:, None] * inv[None, :]
         model.cos, model.sin = ang.cos(), ang.sin()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    opt = adamw(model)
     g = torch.Generator(device="cuda").manual_seed(rank)
     inp = torch.randint(0, s["vocab"], (args.batch, args.seq), device="cuda", generator=g)
     tgt = torch.randint(0, s["vocab"], (args.batch, args.seq), device="cuda", generator=g)

@@ -93,13 +93,18 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def adamw(model):
+    """The model file's optimizer: fused AdamW, weight decay on weights of rank 2 and up."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                             lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
 def bench(args, mode):
     torch.manual_seed(0)
     model = Llama(args.vocab, args.d, args.heads, args.kv_heads, args.ffn, args.layers, args.seq).cuda()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    opt = adamw(model)
     fn = torch.compile(model) if mode == "compiled" else model
     inp = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")

@@ -67,45 +67,43 @@ fn updated_types(
     master: bool,
     grad_piece: bool,
 ) -> Result<(TensorType, TensorType), OpError> {
-    let state = match (master, grad_piece, range) {
-        // Neither input is the whole parameter: the piece is the state.
-        (true, true, Some((lo, hi))) => {
-            if lo < 0 || hi <= lo {
-                return Err(OpError::new(
-                    format!("`{op}`'s range is empty"),
-                    format!("{lo}..{hi}"),
-                ));
-            }
+    // The whole parameter's type, where an input has it: input 0, or the
+    // gradient when input 0 is a master piece; neither when both are pieces.
+    let whole = match (master, grad_piece) {
+        (false, _) => Some(inputs[0].clone()),
+        (true, false) => Some(TensorType::new(inputs[0].dtype, inputs[1].shape.clone())),
+        (true, true) => None,
+    };
+    let state = match (&whole, range) {
+        (Some(p), _) => {
+            check_range(op, p, range)?;
+            state_type(p, range)
+        }
+        (None, Some((lo, hi))) if lo >= 0 && hi > lo => {
             TensorType::new(inputs[0].dtype, vec![Dim::constant(hi - lo)])
         }
-        _ => {
-            let p = if master {
-                TensorType::new(inputs[0].dtype, inputs[1].shape.clone())
-            } else {
-                inputs[0].clone()
-            };
-            check_range(op, &p, range)?;
-            let state = state_type(&p, range);
-            let first = if master { &state } else { &p };
-            if inputs[0].shape != first.shape {
-                return Err(OpError::new(
-                    format!("shape mismatch in `{op}`"),
-                    format!("{first} and {}", inputs[0]),
-                ));
-            }
-            if !grad_piece {
-                return Ok((p, state));
-            }
-            state
+        (None, _) => {
+            return Err(OpError::new(
+                format!("`{op}` of a master piece and a gradient piece needs a range"),
+                format!("{range:?}"),
+            ))
         }
     };
-    if inputs[0].shape != state.shape && master {
+    let first = match (&whole, master) {
+        (Some(p), false) => p,
+        _ => &state,
+    };
+    if inputs[0].shape != first.shape {
         return Err(OpError::new(
             format!("shape mismatch in `{op}`"),
-            format!("{state} and {}", inputs[0]),
+            format!("{first} and {}", inputs[0]),
         ));
     }
-    Ok((state.clone(), state))
+    let grad = match whole {
+        Some(p) if !grad_piece => p,
+        _ => state.clone(),
+    };
+    Ok((grad, state))
 }
 
 impl OpDef for AdamW {
