@@ -296,3 +296,54 @@ fn group_kernels_have_steps_and_micro_batch_accumulation_is_three_launches() {
         }
     }
 }
+
+/// A cross-entropy reads each row of logits twice (the maximum and sum,
+/// then the gradient). GPT-2's rows are 50304 bf16 values, 98.25 KiB: a
+/// block a row on every resident slot of an H100 (8 blocks of 256 threads
+/// on each of 132 multiprocessors) keeps about 101 MiB of rows in flight,
+/// twice the L2, so its second pass would read memory again. The plan
+/// launches as many blocks as half the L2 holds rows (25 MiB / 98.25 KiB =
+/// 260), never fewer than a block a multiprocessor (an RTX 3090's 6 MiB
+/// holds 31 rows: its 82 multiprocessors get one each), and caps nothing
+/// where it does not know the L2 (the simple target) or where the rows
+/// are short (a layer norm's 768 values).
+#[test]
+fn a_cross_entropy_keeps_its_rows_in_flight_within_half_the_l2() {
+    use fusec_compiler::plan::plan_with;
+    use fusec_compiler::select::{select, Target};
+    let (file, src) = common::example("gpt2-small.dsl");
+    let c = common::compile_with(&src, &file, &[]);
+    let g = &c.optimized;
+    let p = fuse(g);
+    let dims: BTreeMap<String, i64> = [("B".to_string(), 8), ("T".to_string(), 1024)].into();
+    let grids = |target: &Target, kind: &str| -> Vec<u64> {
+        let s = select(g, &p, target, None);
+        let plan = plan_with(g, &p, Some(&s), &dims).unwrap();
+        plan.launches
+            .iter()
+            .filter(|l| l.kernel.ends_with(kind))
+            .map(|l| l.steps[0].grid[0])
+            .collect()
+    };
+    let h100 = Target::for_device("h100", false).unwrap();
+    let rtx3090 = Target::for_device("rtx3090", false).unwrap();
+    let ce = "_cross_entropy_with_grad";
+    let rows = grids(&Target::simple(), ce);
+    assert!(
+        !rows.is_empty() && rows.iter().all(|&r| r >= 4096),
+        "{rows:?}"
+    );
+    assert!(
+        grids(&h100, ce).iter().all(|&b| b == 260),
+        "{:?}",
+        grids(&h100, ce)
+    );
+    assert!(
+        grids(&rtx3090, ce).iter().all(|&b| b == 82),
+        "{:?}",
+        grids(&rtx3090, ce)
+    );
+    let norms = grids(&h100, "_layernorm");
+    assert!(!norms.is_empty());
+    assert_eq!(norms, grids(&Target::simple(), "_layernorm"));
+}
