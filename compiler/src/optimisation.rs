@@ -15,8 +15,6 @@ pub enum Optimisation {
     CastsIntoProducers,
     /// A sum over the leading axes (a bias gradient) is added up by the elementwise kernel that stores its input (off: a sum kernel reading it back)
     SumsIntoChains,
-    /// A bias gradient (a sum over the leading axes of a weight gradient's output-gradient operand) is added up by cuBLASLt as that product reads the operand (off: a sum kernel reading it back)
-    SumsIntoGemms,
     /// A norm forward computes the elementwise chain that makes its input as it loads its rows, storing it once where its backward reads it (off: the chain's kernel, then the norm's)
     ChainsIntoNorms,
     /// A norm backward adds the residual stream's gradient as it stores dx (off: an add kernel)
@@ -34,7 +32,6 @@ impl Optimisation {
         Optimisation::GemmEpilogues,
         Optimisation::CastsIntoProducers,
         Optimisation::SumsIntoChains,
-        Optimisation::SumsIntoGemms,
         Optimisation::ChainsIntoNorms,
         Optimisation::NormResidual,
         Optimisation::GroupKernels,
@@ -48,7 +45,6 @@ impl Optimisation {
             Optimisation::GemmEpilogues => "gemm-epilogues",
             Optimisation::CastsIntoProducers => "casts-into-producers",
             Optimisation::SumsIntoChains => "sums-into-chains",
-            Optimisation::SumsIntoGemms => "sums-into-gemms",
             Optimisation::ChainsIntoNorms => "chains-into-norms",
             Optimisation::NormResidual => "norm-residual",
             Optimisation::GroupKernels => "group-kernels",
@@ -63,7 +59,6 @@ impl Optimisation {
             Optimisation::GemmEpilogues => "fuse",
             Optimisation::CastsIntoProducers => "fuse",
             Optimisation::SumsIntoChains => "fuse",
-            Optimisation::SumsIntoGemms => "fuse",
             Optimisation::ChainsIntoNorms => "fuse",
             Optimisation::NormResidual => "fuse",
             Optimisation::GroupKernels => "fuse",
@@ -78,7 +73,6 @@ impl Optimisation {
             Optimisation::GemmEpilogues => "bias, residual, GELU and GELU-backward after a product run in cuBLASLt's epilogue (off: kernels of their own)",
             Optimisation::CastsIntoProducers => "a widening cast is stored by the kernel that makes its input (off: a cast kernel)",
             Optimisation::SumsIntoChains => "a sum over the leading axes (a bias gradient) is added up by the elementwise kernel that stores its input (off: a sum kernel reading it back)",
-            Optimisation::SumsIntoGemms => "a bias gradient (a sum over the leading axes of a weight gradient's output-gradient operand) is added up by cuBLASLt as that product reads the operand (off: a sum kernel reading it back)",
             Optimisation::ChainsIntoNorms => "a norm forward computes the elementwise chain that makes its input as it loads its rows, storing it once where its backward reads it (off: the chain's kernel, then the norm's)",
             Optimisation::NormResidual => "a norm backward adds the residual stream's gradient as it stores dx (off: an add kernel)",
             Optimisation::GroupKernels => "the casts of the master weights and the optimizer updates of every parameter run as one launch each (off: a launch per tensor)",

@@ -162,7 +162,6 @@ pub(crate) fn writes_over_inputs(
     reads.extend(ep.dgelu_aux_in.map(|x| at(x, d)));
     let mut writes = vec![at(d_at, d)];
     writes.extend(ep.gelu_aux_out.map(|x| at(x, d)));
-    writes.extend(ep.bias_grad.map(|x| at(x, s.n * s.out_type.bytes())));
     writes.iter().any(|w| reads.iter().any(|r| overlap(*w, *r)))
 }
 

@@ -163,46 +163,6 @@ fn invalid_requests_are_rejected_with_the_product_named() {
         ..Default::default()
     };
     assert_eq!(spec48.validate(&ok), Ok(()));
-    // A bias gradient alone, of b stored [k, n], in one batch.
-    let grad = EpiloguePtrs {
-        bias_grad: Some(2048),
-        ..Default::default()
-    };
-    assert_eq!(spec48.validate(&grad), Ok(()));
-    for (spec, ep) in [
-        (
-            spec48,
-            EpiloguePtrs {
-                bias: Some(256),
-                ..grad
-            },
-        ),
-        (
-            spec48,
-            EpiloguePtrs {
-                residual: Some(256),
-                ..grad
-            },
-        ),
-        (
-            GemmShape {
-                b_transposed: true,
-                ..spec48
-            },
-            grad,
-        ),
-        (
-            GemmShape {
-                batch: 2,
-                batch_stride_d: 48 * 37,
-                ..spec48
-            },
-            grad,
-        ),
-    ] {
-        let text = spec.validate(&ep).unwrap_err().to_string();
-        assert!(text.contains("bias gradient"), "{text}");
-    }
 }
 
 // ---- the GPU test ----
@@ -239,8 +199,6 @@ struct Epi {
     dgelu: bool,
     /// The residual is D itself (`d += a @ b`): C and D the same buffer.
     in_place: bool,
-    /// b's column sums over its k rows into an `[n]` buffer (BGRADA).
-    bias_grad: bool,
 }
 
 struct Case {
@@ -258,7 +216,6 @@ impl Case {
             (self.epi.gelu, "gelu_aux"),
             (self.epi.dgelu, "dgelu"),
             (self.epi.in_place, "in place"),
-            (self.epi.bias_grad, "bias_grad"),
         ] {
             if on {
                 e.push(what);
@@ -396,7 +353,6 @@ fn run_case(
     let dres = upload(stream, ot, &residual);
     let daux_out = upload(stream, ot, &nan);
     let daux_in = upload(stream, ot, &aux_in);
-    let dbias_grad = upload(stream, ot, &vec![f32::NAN; n]);
     let ep = EpiloguePtrs {
         bias: e.bias.then(|| addr(&dbias, stream)),
         residual: e
@@ -404,7 +360,6 @@ fn run_case(
             .then(|| addr(if e.in_place { &dd } else { &dres }, stream)),
         gelu_aux_out: e.gelu.then(|| addr(&daux_out, stream)),
         dgelu_aux_in: e.dgelu.then(|| addr(&daux_in, stream)),
-        bias_grad: e.bias_grad.then(|| addr(&dbias_grad, stream)),
     };
     gemm.run(
         &s,
@@ -422,13 +377,6 @@ fn run_case(
     let mut outputs = vec![("D", got_d, want_d)];
     if e.gelu {
         outputs.push(("aux", read(&daux_out)?, pre));
-    }
-    if e.bias_grad {
-        // One batch, b stored [k, n] (validate refuses the rest).
-        let sums = (0..n)
-            .map(|j| (0..k).map(|l| b[l * n + j] as f64).sum())
-            .collect();
-        outputs.push(("bias_grad", read(&dbias_grad)?, sums));
     }
 
     let tol = if ot == GemmElem::F32 { 1e-4 } else { 2e-2 };
@@ -516,7 +464,6 @@ fn cases() -> Vec<Case> {
     // Each epilogue; GELU's aux buffer needs n divisible by 8 (cuBLASLt's rule).
     let e = |bias, residual, gelu, dgelu| Epi {
         in_place: false,
-        bias_grad: false,
         bias,
         residual,
         gelu,
@@ -559,29 +506,6 @@ fn cases() -> Vec<Case> {
             spec: batched(GemmElem::BF16, GemmElem::BF16, false, n, false),
             epi,
         });
-    }
-    // A weight gradient with its bias's: x^T @ dy (A transposed) and the
-    // column sums of dy, at sizes of no tile's multiple and at a k long
-    // enough for cuBLASLt to split it; in D's type (f32 where the product
-    // widens, as fusec's weight gradients do).
-    let bias_grad = Epi {
-        bias_grad: true,
-        ..none
-    };
-    for (it, ot) in [
-        (GemmElem::BF16, GemmElem::BF16),
-        (GemmElem::BF16, GemmElem::F32),
-        (GemmElem::F16, GemmElem::F16),
-    ] {
-        for (n, k) in [(45, 29), (48, 4099)] {
-            cases.push(Case {
-                spec: GemmShape {
-                    a_transposed: true,
-                    ..GemmShape::plain(m, n, k, it, ot)
-                },
-                epi: bias_grad,
-            });
-        }
     }
     cases
 }

@@ -134,7 +134,7 @@ static void fs_put(void* p, int t, long long i, float v) {
 static void fs_gemm(long long m, long long n, long long k, long long batch, int at, int bt,
                     long long sa, long long sb, long long sd, long long pa, long long pb, long long pd, int ti, int to,
                     const void* a, const void* b, void* d, const void* bias, const void* res,
-                    void* aux_out, const void* aux_in, void* bias_grad) {
+                    void* aux_out, const void* aux_in) {
     float* tmp = (float*)malloc(sizeof(float) * m * n);
     for (long long bi = 0; bi < batch; ++bi) {
         long long oa = bi * sa, ob = bi * sb, od = batch == 1 ? 0 : bi * sd;
@@ -161,13 +161,6 @@ static void fs_gemm(long long m, long long n, long long k, long long batch, int 
             if (aux_out) { fs_put(aux_out, to, od + i, tmp[i]); fs_put(d, to, od + i, fs_gelu(tmp[i])); }
             else fs_put(d, to, od + (i / n) * ld + i % n, tmp[i]);
         }
-        // b's column sums over its k rows (one batch, b stored [k, n]).
-        if (bias_grad)
-            for (long long j = 0; j < n; ++j) {
-                float acc = 0.0f;
-                for (long long kk = 0; kk < k; ++kk) acc += fs_get(b, ti, ob + kk * lb + j);
-                fs_put(bias_grad, to, j, acc);
-            }
     }
     free(tmp);
 }
@@ -282,7 +275,7 @@ pub fn run_step_perturbed(
             let e = ep.unwrap_or_default();
             let _ = writeln!(
                 s,
-                "  fs_gemm({}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}); // {}",
+                "  fs_gemm({}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}); // {}",
                 sp.m,
                 sp.n,
                 sp.k,
@@ -304,7 +297,6 @@ pub fn run_step_perturbed(
                 opt(e.residual, false),
                 opt(e.gelu.then_some(1), true),
                 opt(e.dgelu, false),
-                opt(e.bias_grad.then(|| k.outputs.len() - 1), true),
                 k.name
             );
             out.perturbed += perturb_outputs(&mut s, g, &program, &pl, &reference, k, perturb);

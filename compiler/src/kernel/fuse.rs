@@ -41,9 +41,6 @@ struct Fuser<'g> {
     absorbed: std::collections::HashSet<usize>,
     /// Column sums performed by the chain kernel that stores their input.
     summed: std::collections::HashSet<NodeIndex>,
-    /// Sums left for a later product that can add them up as it reads
-    /// their input (product -> sum, `Fuser::gemm_for_sum`).
-    pending_sums: HashMap<NodeIndex, NodeIndex>,
     /// Each node's place in the launch order.
     position: HashMap<NodeIndex, usize>,
     /// Chains run by the norm that reads them (norm -> chain).
@@ -141,7 +138,6 @@ pub fn fuse_with(g: &Graph, opts: &LowerOptions) -> Program {
         cast_into: HashMap::new(),
         absorbed: Default::default(),
         summed: Default::default(),
-        pending_sums: HashMap::new(),
         position: HashMap::new(),
         deferred: HashMap::new(),
     };
@@ -195,27 +191,12 @@ pub fn fuse_with(g: &Graph, opts: &LowerOptions) -> Program {
             FusionClass::Kernel if f.deferred.contains_key(&n) => {
                 f.prologue_kernel(n, &mut kernels);
             }
-            FusionClass::Kernel if matches!(g.g[n].op, Op::MatMul(_)) => {
-                let pending = f.pending_sums.remove(&n);
-                match (f.gemm_fold(n).is_some(), pending) {
-                    (false, None) => f.op_kernel(n, &mut kernels),
-                    (false, Some(s)) => f.gemm_kernel(n, Some(s), &mut kernels),
-                    (true, _) => {
-                        f.gemm_kernel(n, None, &mut kernels);
-                        // Another epilogue took the product: the sum runs
-                        // as its own kernel, still before its readers.
-                        if let Some(s) = pending {
-                            f.op_kernel(s, &mut kernels);
-                        }
-                    }
-                }
+            FusionClass::Kernel
+                if matches!(g.g[n].op, Op::MatMul(_)) && f.gemm_fold(n).is_some() =>
+            {
+                f.gemm_kernel(n, &mut kernels);
             }
-            FusionClass::Kernel => match f.gemm_for_sum(n) {
-                Some(m) => {
-                    f.pending_sums.insert(m, n);
-                }
-                None => f.op_kernel(n, &mut kernels),
-            },
+            FusionClass::Kernel => f.op_kernel(n, &mut kernels),
         }
     }
     let kernels = match opts.on(Optimisation::GroupKernels) {

@@ -108,26 +108,11 @@ pub fn run_kernel(
                     *x *= gelu.derivative(ins[a].data[i]);
                 }
             }
-            let mut outs = match ep.gelu {
-                true => vec![pre.map(|x| gelu.apply(x)), pre],
-                false => vec![pre],
-            };
-            if ep.bias_grad {
-                // Input 1 holds the [k, n] operand (stored perhaps in
-                // another shape of the same elements): its column sums.
-                let b = ins[1];
-                let last = k.outputs[k.outputs.len() - 1];
-                let n: usize = concrete_shape(&p.buffers[last].ty.shape, &feeds.dims)?
-                    .iter()
-                    .product::<usize>()
-                    .max(1);
-                let mut sums = vec![0.0; n];
-                for (i, x) in b.data.iter().enumerate() {
-                    sums[i % n] += x;
-                }
-                outs.push(Tensor::new(vec![n], sums));
+            if ep.gelu {
+                vec![pre.map(|x| gelu.apply(x)), pre]
+            } else {
+                vec![pre]
             }
-            outs
         }
         Body::Op(n) if k.prologue.is_some() => {
             let pro = k.prologue.as_ref().expect("matched");

@@ -169,12 +169,6 @@ pub struct Epilogue {
     /// Input slot of a stored pre-activation: output 0 is gelu'(pre) times
     /// the product (the backward of a GELU).
     pub dgelu: Option<usize>,
-    /// The last output is the column sums of input 1 (the product's `[k,
-    /// n]` operand) over its k rows: a bias gradient summed as the weight
-    /// gradient's product reads the output gradient (cuBLASLt's BGRADA on
-    /// the column-major product), so that gradient is not read again for
-    /// its sum.
-    pub bias_grad: bool,
 }
 
 impl Epilogue {
@@ -183,11 +177,8 @@ impl Epilogue {
     }
 
     /// The cuBLASLt epilogue this is, plus a residual where there is one:
-    /// `bias`, `gelu_aux_bias`, `dgelu`, `bias+residual`, `bgrad`.
+    /// `bias`, `gelu_aux_bias`, `dgelu`, `bias+residual`.
     pub fn name(&self) -> String {
-        if self.bias_grad {
-            return "bgrad".to_string();
-        }
         let base = match (self.bias.is_some(), self.gelu, self.dgelu.is_some()) {
             (_, _, true) => "dgelu",
             (true, true, _) => "gelu_aux_bias",
@@ -338,13 +329,11 @@ impl Program {
                 }
                 Body::Gemm(_, e) => {
                     let ins = [e.bias, e.residual, e.dgelu];
-                    let others = e.bias.is_some() || e.residual.is_some() || e.gelu;
                     if !ins.iter().flatten().all(|s| slot_ok(s, k.inputs.len()))
-                        || k.outputs.len() != 1 + usize::from(e.gelu) + usize::from(e.bias_grad)
-                        || (e.bias_grad && (others || e.dgelu.is_some()))
+                        || k.outputs.len() != 1 + usize::from(e.gelu)
                     {
                         problems.push(format!(
-                            "{}: the epilogue names a slot that does not exist, or a bias gradient beside another epilogue",
+                            "{}: the epilogue names a slot that does not exist",
                             k.name
                         ));
                     }

@@ -70,7 +70,6 @@ pub(super) fn launches(
                         residual: e.residual,
                         pre_activation_out: e.gelu.then_some(1),
                         pre_activation_in: e.dgelu,
-                        bias_grad_out: e.bias_grad.then(|| k.outputs.len() - 1),
                     }),
                     _ => None,
                 },

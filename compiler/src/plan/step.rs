@@ -186,10 +186,6 @@ pub struct GemmEpilogue {
     /// Input slot of the pre-activation a GELU backward reads.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pre_activation_in: Option<usize>,
-    /// Output slot of input 1's column sums over its k rows (a bias
-    /// gradient; cuBLASLt's BGRADA on the column-major product).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub bias_grad_out: Option<usize>,
 }
 
 #[derive(Clone, Debug, Serialize)]

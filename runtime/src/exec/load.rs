@@ -181,7 +181,6 @@ impl Executor {
                             ep.residual = e.residual.map(|s| ptr(l.inputs[s]));
                             ep.dgelu_aux_in = e.pre_activation_in.map(|s| ptr(l.inputs[s]));
                             ep.gelu_aux_out = e.pre_activation_out.map(|s| ptr(l.outputs[s]));
-                            ep.bias_grad = e.bias_grad_out.map(|s| ptr(l.outputs[s]));
                         }
                         let g = match &mut gemm {
                             Some(g) => g,

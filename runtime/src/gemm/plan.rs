@@ -36,7 +36,7 @@ unsafe fn pref_attr<T>(p: Pref, a: PrefAttr, v: T) -> Result<(), CublasError> {
 /// `desc` is live.
 pub(super) unsafe fn set_pointers(desc: Desc, ep: &EpiloguePtrs) -> Result<(), CublasError> {
     use DescAttr::*;
-    if let Some(bias) = ep.bias.or(ep.bias_grad) {
+    if let Some(bias) = ep.bias {
         desc_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias)?;
     }
     if let Some(aux) = ep.gelu_aux_out.or(ep.dgelu_aux_in) {

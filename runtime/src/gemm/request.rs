@@ -58,12 +58,6 @@ impl GemmChecks for GemmShape {
         if ep.dgelu_aux_in.is_some() && (ep.bias.is_some() || ep.residual.is_some()) {
             return bad("cuBLASLt's DGELU takes no bias or residual");
         }
-        if ep.bias_grad.is_some() && (ep.bias.is_some() || ep.residual.is_some() || aux) {
-            return bad("a bias gradient (BGRADA) takes no other epilogue");
-        }
-        if ep.bias_grad.is_some() && (self.batch > 1 || self.b_transposed) {
-            return bad("a bias gradient sums b stored [k, n], in a product of one batch");
-        }
         // CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD and _BATCH_STRIDE "must be
         // divisible by 8"; the aux buffer is D-shaped: they are n and D's.
         if aux && !self.n.is_multiple_of(8) {
@@ -87,9 +81,6 @@ pub struct EpiloguePtrs {
     pub gelu_aux_out: Option<u64>,
     /// Pre-activation read; D becomes gelu'(aux) * (a @ b).
     pub dgelu_aux_in: Option<u64>,
-    /// `[n]` in D's type, written with b's column sums over its k rows
-    /// (a bias gradient, summed as the product reads b).
-    pub bias_grad: Option<u64>,
 }
 
 /// The cuBLASLt epilogue a set of pointers asks for (the residual is
@@ -101,9 +92,6 @@ pub(crate) enum Kind {
     GeluAux,
     GeluAuxBias,
     DGelu,
-    /// Our b is cuBLASLt's A (the row-major product is computed
-    /// transposed), so its sums over k are BGRADA's.
-    BGradA,
 }
 
 impl Kind {
@@ -113,7 +101,6 @@ impl Kind {
             ep.gelu_aux_out.is_some(),
             ep.dgelu_aux_in.is_some(),
         ) {
-            _ if ep.bias_grad.is_some() => Kind::BGradA,
             (_, _, true) => Kind::DGelu,
             (true, true, _) => Kind::GeluAuxBias,
             (false, true, _) => Kind::GeluAux,
@@ -131,7 +118,6 @@ impl Kind {
             Kind::GeluAux => (CUBLASLT_EPILOGUE_GELU_AUX, "gelu_aux"),
             Kind::GeluAuxBias => (CUBLASLT_EPILOGUE_GELU_AUX_BIAS, "gelu_aux_bias"),
             Kind::DGelu => (CUBLASLT_EPILOGUE_DGELU, "dgelu"),
-            Kind::BGradA => (CUBLASLT_EPILOGUE_BGRADA, "bgrad"),
         }
     }
 }

@@ -1,9 +1,8 @@
 //! The GEMM epilogues and the norm backward's residual add: elementwise
 //! work after a product (bias, residual, GELU with its pre-activation, the
-//! GELU backward) that cuBLASLt does as it stores the product, the bias
-//! gradient it sums as it reads a weight gradient's operand, and the
+//! GELU backward) that cuBLASLt does as it stores the product, and the
 //! residual stream's gradient a norm backward adds as it stores dx, so
-//! none makes a round trip through memory.
+//! neither makes a round trip through memory.
 
 use super::*;
 
@@ -206,104 +205,8 @@ impl Fuser<'_> {
         Some(fold)
     }
 
-    /// The stored value of `v`: the widening cast that its producer stores
-    /// in its place, or `v`.
-    fn stored_value(&self, v: Value) -> Value {
-        self.cast_into
-            .get(&v)
-            .map_or(v, |&c| Value { node: c, port: 0 })
-    }
-
-    /// The product that can add up sum `r` as it reads its operand: a
-    /// later matmul whose `[k, n]` operand (its input 1, read as stored)
-    /// holds exactly the elements `r` sums over its leading axes, as in a
-    /// weight gradient `x^T @ dy` and its bias's gradient `sum(dy)`. Only
-    /// for 16-bit operands (the 3xTF32 f32 products read split copies), a
-    /// sum stored in the product's own type (cuBLASLt's default bias
-    /// type) and read only after the product. Asked when `r`'s turn comes:
-    /// a chain kernel that made the operand has summed it already where it
-    /// could (`chain_sum`, for free as it stored it). The product takes
-    /// the sum only if it has no other epilogue (`gemm_kernel`).
-    pub(super) fn gemm_for_sum(&self, r: NodeIndex) -> Option<NodeIndex> {
-        if !self.opts.on(Optimisation::GemmEpilogues)
-            || !self.opts.on(Optimisation::SumsIntoGemms)
-            || self.summed.contains(&r)
-        {
-            return None;
-        }
-        let (cols, false) = crate::kernel::forms::leading_sum(self.g, r)? else {
-            return None;
-        };
-        let x = *self.g.inputs(r).first()?;
-        let sum = Value { node: r, port: 0 };
-        let stored = self.stored_value(sum);
-        let reshapes_only = |views: &[NodeIndex]| {
-            views
-                .iter()
-                .all(|&u| matches!(self.g.g[u].op, Op::Reshape(_)))
-        };
-        let (base, views) = self.base(x);
-        if !reshapes_only(&views)
-            || self.outputs.contains(&sum)
-            || matches!(
-                self.class(base.node),
-                FusionClass::Scalar | FusionClass::Source
-            )
-        {
-            return None;
-        }
-        // The sum's readers, but for the widening cast stored in its place.
-        let readers: Vec<NodeIndex> = self
-            .readers(sum)
-            .into_iter()
-            .chain(self.readers(stored))
-            .filter(|&u| Value { node: u, port: 0 } != stored)
-            .collect();
-        let sixteen = |v: Value| matches!(self.g.ty(v).dtype, DType::BF16 | DType::F16);
-        self.readers(base).into_iter().find(|&m| {
-            if !matches!(self.g.g[m].op, Op::MatMul(_))
-                || self.position[&m] <= self.position[&r]
-                || self.pending_sums.contains_key(&m)
-            {
-                return false;
-            }
-            let ins = self.g.inputs(m);
-            let (a, b) = (ins[0], ins[1]);
-            let (bb, bv) = self.base(b);
-            let d = self.stored_value(Value { node: m, port: 0 });
-            bb == base
-                && reshapes_only(&bv)
-                && self.g.ty(a).rank() == 2
-                && self.g.ty(b).rank() == 2
-                && sixteen(a)
-                && sixteen(b)
-                && self.g.ty(b).shape[1].as_const() == Some(cols)
-                && self.g.ty(b).numel() == self.g.ty(x).numel()
-                && self.g.ty(stored).dtype == self.g.ty(d).dtype
-                && readers.iter().all(|u| self.position[u] > self.position[&m])
-        })
-    }
-
-    /// The kernel of matmul `n`, with the epilogue `gemm_fold` finds and,
-    /// where it finds none, the sum `bias_grad` of its operand
-    /// (`gemm_for_sum`).
-    pub(super) fn gemm_kernel(
-        &mut self,
-        n: NodeIndex,
-        bias_grad: Option<NodeIndex>,
-        kernels: &mut Vec<Kernel>,
-    ) {
-        let y = Value { node: n, port: 0 };
-        // A product whose only fold is the sum of its operand: stored as
-        // an op kernel stores it (a widening cast included).
-        let fold = self.gemm_fold(n).unwrap_or_else(|| Fold {
-            bias: None,
-            residual: None,
-            gelu: false,
-            dgelu: None,
-            chains: Vec::new(),
-            outs: vec![self.stored_value(y)],
-        });
+    pub(super) fn gemm_kernel(&mut self, n: NodeIndex, kernels: &mut Vec<Kernel>) {
+        let fold = self.gemm_fold(n).expect("checked by the caller");
         let mut ins = Vec::new();
         let mut views = Vec::new();
         for x in self.g.inputs(n) {
@@ -322,29 +225,17 @@ impl Fuser<'_> {
             residual: slot(fold.residual, self),
             gelu: fold.gelu,
             dgelu: slot(fold.dgelu, self),
-            bias_grad: bias_grad.is_some(),
         };
         let mut nodes = vec![n];
-        if let Some(&c) = self.cast_into.get(&y) {
-            nodes.push(c);
-        }
         for &c in &fold.chains {
             nodes.extend(self.chains[c].iter().copied());
             self.absorbed.insert(c);
         }
-        let mut outs: Vec<usize> = fold
+        let outs = fold
             .outs
             .iter()
             .map(|&v| self.store(v, BufKind::Temp))
             .collect();
-        if let Some(s) = bias_grad {
-            let sum = Value { node: s, port: 0 };
-            nodes.push(s);
-            if let Some(&c) = self.cast_into.get(&sum) {
-                nodes.push(c);
-            }
-            outs.push(self.store(self.stored_value(sum), BufKind::Temp));
-        }
         kernels.push(Kernel {
             name: kernel_name(self.g, kernels.len(), &nodes),
             nodes,
