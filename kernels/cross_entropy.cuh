@@ -100,41 +100,26 @@ __device__ __forceinline__ void fs_cross_entropy_grad_row(const typename X::Stor
 // over the row instead of three (the maximum and the sum of exponentials
 // together, the sum rescaled when the maximum grows), the gradient stored
 // eight at a time up to `end` (a multiple of 8, zeros past C).
-//
-// A thread takes FS_CE_LOADS vectors a round, all loaded before any is
-// used: the row's second pass reads from L2 only where few rows are in
-// flight (the emitter caps the grid at what half the L2 holds,
-// emit::cross_entropy::rows_in_flight), so each thread must keep several
-// loads in flight to read at the memory's rate with few blocks.
-#define FS_CE_LOADS 4
 template <class X, bool Loss, class L>
 __device__ __forceinline__ void fs_cross_entropy_grad_row8(const typename X::Storage* x, fs_i64 t, float dloss,
                                                            typename X::Storage* g, fs_i64 C, fs_i64 end,
                                                            typename L::Storage* loss, fs_ce_rule r) {
     typedef typename X::Storage E;
     const float neg_inf = -__int_as_float(0x7f800000);
-    const fs_i64 stride = (fs_i64)blockDim.x * 8;
     float m = neg_inf, sum = 0.0f;
-    for (fs_i64 j0 = (fs_i64)threadIdx.x * 8; j0 < C; j0 += stride * FS_CE_LOADS) {
-        E v[FS_CE_LOADS][8];
-#pragma unroll
-        for (int u = 0; u < FS_CE_LOADS; ++u)
-            if (j0 + u * stride < C) fs_vload(v[u], &x[j0 + u * stride]);
-#pragma unroll
-        for (int u = 0; u < FS_CE_LOADS; ++u) {
-            const fs_i64 j = j0 + u * stride;
-            if (j >= C) break;
-            float x8[8], vm = neg_inf;
-            for (int e = 0; e < 8; ++e) {
-                x8[e] = j + e < C ? X::load(&v[u][e]) : neg_inf;
-                vm = fmaxf(vm, x8[e]);
-            }
-            if (vm > m) {
-                sum *= expf(m - vm);
-                m = vm;
-            }
-            for (int e = 0; e < 8; ++e) sum += expf(x8[e] - m);
+    for (fs_i64 j0 = (fs_i64)threadIdx.x * 8; j0 < C; j0 += (fs_i64)blockDim.x * 8) {
+        E v[8];
+        fs_vload(v, &x[j0]);
+        float x8[8], vm = neg_inf;
+        for (int e = 0; e < 8; ++e) {
+            x8[e] = j0 + e < C ? X::load(&v[e]) : neg_inf;
+            vm = fmaxf(vm, x8[e]);
         }
+        if (vm > m) {
+            sum *= expf(m - vm);
+            m = vm;
+        }
+        for (int e = 0; e < 8; ++e) sum += expf(x8[e] - m);
     }
     {
         // A thread that saw no logits has sum 0 at m = -inf.
@@ -151,22 +136,14 @@ __device__ __forceinline__ void fs_cross_entropy_grad_row8(const typename X::Sto
         __syncthreads();
     }
     const float inv = 1.0f / sum;
-    for (fs_i64 j0 = (fs_i64)threadIdx.x * 8; j0 < end; j0 += stride * FS_CE_LOADS) {
-        E v[FS_CE_LOADS][8];
-#pragma unroll
-        for (int u = 0; u < FS_CE_LOADS; ++u)
-            if (j0 + u * stride < C) fs_vload(v[u], &x[j0 + u * stride]);
-#pragma unroll
-        for (int u = 0; u < FS_CE_LOADS; ++u) {
-            const fs_i64 j1 = j0 + u * stride;
-            if (j1 >= end) break;
-            E gv[8];
-            for (int e = 0; e < 8; ++e) {
-                const fs_i64 j = j1 + e;
-                gv[e] = X::store(j < C ? fs_ce_grad(expf(X::load(&v[u][e]) - m) * inv, j, t, C, scale, r) : 0.0f);
-            }
-            fs_vstore(&g[j1], gv);
+    for (fs_i64 j0 = (fs_i64)threadIdx.x * 8; j0 < end; j0 += (fs_i64)blockDim.x * 8) {
+        E v[8], gv[8];
+        if (j0 < C) fs_vload(v, &x[j0]);
+        for (int e = 0; e < 8; ++e) {
+            const fs_i64 j = j0 + e;
+            gv[e] = X::store(j < C ? fs_ce_grad(expf(X::load(&v[e]) - m) * inv, j, t, C, scale, r) : 0.0f);
         }
+        fs_vstore(&g[j0], gv);
     }
 }
 

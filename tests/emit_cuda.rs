@@ -164,7 +164,6 @@ fn every_kernel_of_every_model_file_has_code_to_run_it() {
                     arch,
                     deterministic: false,
                     multiprocessors: 132,
-                    l2_bytes: 50 << 20,
                     f32_math: Default::default(),
                     lower: Default::default(),
                 };

@@ -17,8 +17,6 @@ pub struct Device {
     pub flash: Option<FlashArch>,
     /// The SXM part's count; the runtime uses the GPU's own.
     pub multiprocessors: u32,
-    /// L2 cache, bytes (the datasheet's; the runtime reads the GPU's own).
-    pub l2_bytes: u64,
     /// The most shared memory a block may take (bytes, opted in): every
     /// kernel built for the device must fit it.
     pub max_shared_per_block: u64,
@@ -46,7 +44,6 @@ pub const DEVICES: &[Device] = &[
         arch: "sm_90a",
         flash: Some(FlashArch::Sm90a),
         multiprocessors: 132,
-        l2_bytes: 50 << 20,
         max_shared_per_block: 227 << 10,
         bytes_per_s: 3.35e12,
         tensor_flops: 989e12,
@@ -59,7 +56,6 @@ pub const DEVICES: &[Device] = &[
         arch: "sm_90a",
         flash: Some(FlashArch::Sm90a),
         multiprocessors: 132,
-        l2_bytes: 50 << 20,
         max_shared_per_block: 227 << 10,
         bytes_per_s: 4.8e12,
         tensor_flops: 989e12,
@@ -72,7 +68,6 @@ pub const DEVICES: &[Device] = &[
         arch: "sm_80",
         flash: Some(FlashArch::Sm80),
         multiprocessors: 108,
-        l2_bytes: 40 << 20,
         max_shared_per_block: 163 << 10,
         bytes_per_s: 2.039e12,
         tensor_flops: 312e12,
@@ -87,7 +82,6 @@ pub const DEVICES: &[Device] = &[
         arch: "sm_86",
         flash: Some(FlashArch::Sm80),
         multiprocessors: 82,
-        l2_bytes: 6 << 20,
         max_shared_per_block: 99 << 10,
         bytes_per_s: 936e9,
         tensor_flops: 71e12,
@@ -100,7 +94,6 @@ pub const DEVICES: &[Device] = &[
         arch: "sm_89",
         flash: Some(FlashArch::Sm80),
         multiprocessors: 128,
-        l2_bytes: 72 << 20,
         max_shared_per_block: 99 << 10,
         bytes_per_s: 1008e9,
         tensor_flops: 165.2e12,
@@ -113,7 +106,6 @@ pub const DEVICES: &[Device] = &[
         arch: "sm_89",
         flash: Some(FlashArch::Sm80),
         multiprocessors: 142,
-        l2_bytes: 96 << 20,
         max_shared_per_block: 99 << 10,
         bytes_per_s: 864e9,
         tensor_flops: 362e12,
@@ -151,7 +143,6 @@ impl Target {
             arch: d.flash,
             deterministic,
             multiprocessors: d.multiprocessors,
-            l2_bytes: d.l2_bytes,
             f32_math: F32Math::default(),
             lower: LowerOptions::default(),
         })

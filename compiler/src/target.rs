@@ -17,9 +17,6 @@ pub struct Target {
     pub deterministic: bool,
     /// Multiprocessors of the GPU, the persistent kernels' grid.
     pub multiprocessors: u32,
-    /// The GPU's L2 cache, bytes (0: unknown), which bounds the rows a
-    /// row kernel that reads them twice keeps in flight.
-    pub l2_bytes: u64,
     /// How f32 products are taken on tensor cores (GEMMs and attention).
     pub f32_math: F32Math,
     /// The optimisations of the kernel stages left on, and the gradient
@@ -58,7 +55,6 @@ impl Target {
             arch: None,
             deterministic: false,
             multiprocessors: 1,
-            l2_bytes: 0,
             f32_math: F32Math::default(),
             lower: LowerOptions::default(),
         }

@@ -20,8 +20,6 @@ pub struct Gpu {
     pub used_at_open: u64,
     /// Streaming multiprocessors (132 on an H100 SXM, 114 on the PCIe part).
     pub multiprocessors: u32,
-    /// L2 cache, bytes (50 MiB on an H100).
-    pub l2_bytes: u64,
 }
 
 impl Gpu {
@@ -236,10 +234,6 @@ pub fn open(ordinal: usize) -> Result<Gpu, RuntimeError> {
         )
         .map_err(|e| RuntimeError::driver("reading the multiprocessor count", e))?
         .max(1) as u32;
-    let l2_bytes = ctx
-        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
-        .map_err(|e| RuntimeError::driver("reading the L2 cache size", e))?
-        .max(0) as u64;
     let stream = ctx
         .new_stream()
         .map_err(|e| RuntimeError::driver("creating a stream", e))?;
@@ -256,7 +250,6 @@ pub fn open(ordinal: usize) -> Result<Gpu, RuntimeError> {
         total_bytes,
         used_at_open,
         multiprocessors,
-        l2_bytes,
     })
 }
 

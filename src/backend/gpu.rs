@@ -39,7 +39,6 @@ impl GpuOptions {
             arch: gpu.flash_arch()?,
             deterministic: self.deterministic,
             multiprocessors: gpu.multiprocessors,
-            l2_bytes: gpu.l2_bytes,
             f32_math: self.f32_math,
             lower: lower.clone(),
         })

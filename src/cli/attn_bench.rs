@@ -186,7 +186,6 @@ pub fn run(
         arch: if flash { gpu.flash_arch()? } else { None },
         deterministic,
         multiprocessors: gpu.multiprocessors,
-        l2_bytes: gpu.l2_bytes,
         f32_math: match tf32 {
             true => fusec_compiler::select::F32Math::Tf32,
             false => fusec_compiler::select::F32Math::ThreeTf32,

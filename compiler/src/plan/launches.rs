@@ -9,7 +9,7 @@ use crate::ir::Dim;
 use crate::kernel::buckets::is_collective;
 use crate::kernel::{Body, Program};
 use crate::ops::Op;
-use crate::select::{Choice, Selection, Target};
+use crate::select::{Choice, Selection};
 use std::collections::{BTreeMap, HashMap};
 
 /// The launches of program `p` for the kernels `selection` chose, each
@@ -99,9 +99,7 @@ pub(super) fn launches(
                 Vec::new()
             }
             Some(Choice::Library | Choice::Missing | Choice::Collective) => Vec::new(),
-            _ if l.kind == LaunchKind::Generated => {
-                vec![generated_step(g, p, k, selection.map(|s| &s.target), &env)]
-            }
+            _ if l.kind == LaunchKind::Generated => vec![generated_step(g, p, k, &env)],
             _ => Vec::new(),
         };
     }
@@ -109,13 +107,11 @@ pub(super) fn launches(
 }
 
 /// The launch of generated kernel `k`: one dimension of blocks of `BLOCK`
-/// threads, at most 2^20 blocks (the kernels loop over the rest), fewer
-/// where a row kernel reads its rows twice (rows_in_flight).
+/// threads, at most 2^20 blocks (the kernels loop over the rest).
 fn generated_step(
     g: &Graph,
     p: &Program,
     k: &crate::kernel::Kernel,
-    target: Option<&Target>,
     env: &dyn Fn(&str) -> Option<i64>,
 ) -> LaunchStep {
     let shape = match &k.body {
@@ -149,13 +145,6 @@ fn generated_step(
             let vec = crate::emit::cuda::vector_width(p, k, pw);
             ((n.max(0) as u64).div_ceil(vec).div_ceil(BLOCK)).clamp(1, 1 << 20)
         }),
-        (Body::Op(n), Some(s)) => grid(s, env).map(|b| {
-            let reread = crate::emit::lower::of(&g.g[*n].op).reread_row_bytes(g, *n);
-            match (target, reread.and_then(|r| r.eval(env))) {
-                (Some(t), Some(row_bytes)) => b.min(rows_in_flight(t, row_bytes)),
-                _ => b,
-            }
-        }),
         _ => shape.as_ref().and_then(|s| grid(s, env)),
     };
     LaunchStep {
@@ -167,20 +156,6 @@ fn generated_step(
         dynamic_smem_bytes: 0,
         scratch: None,
         tensor_maps: Vec::new(),
-    }
-}
-
-/// The most blocks of a kernel whose rows of `row_bytes` are each read
-/// twice (a block a row, grid-stride): as many as keep their rows in half
-/// the L2, so the second pass reads from there. With a block a row on
-/// every resident slot, a cross-entropy over GPT-2's 50257 classes has
-/// about 100 MiB of rows in flight, twice an H100's L2, and reads its
-/// logits from memory twice. Never fewer than a block a multiprocessor;
-/// no cap where the L2's size is unknown.
-pub(crate) fn rows_in_flight(t: &Target, row_bytes: i64) -> u64 {
-    match (t.l2_bytes, u64::try_from(row_bytes)) {
-        (0, _) | (_, Err(_) | Ok(0)) => u64::MAX,
-        (l2, Ok(row)) => (l2 / 2 / row).max(t.multiprocessors as u64),
     }
 }
 

@@ -55,14 +55,6 @@ pub trait Lower {
     fn file_scope(&self, _g: &Graph, _c: &Ctx, _n: NodeIndex) -> Option<String> {
         None
     }
-
-    /// For a row kernel that reads each row again after a first pass: the
-    /// bytes of a row. The plan then launches no more blocks than keep
-    /// their rows in half the L2 (plan::launches::rows_in_flight), so the
-    /// later passes read from there instead of from memory.
-    fn reread_row_bytes(&self, _g: &Graph, _n: NodeIndex) -> Option<Dim> {
-        None
-    }
 }
 
 /// An op with no kernel of its own: a source, a scalar, a view, an

@@ -267,11 +267,6 @@ macro_rules! cross_entropy_lowering {
             fn loop_body(&self, _: &Graph, c: &Ctx, _: NodeIndex) -> Option<String> {
                 Some(cross_entropy::row(c, $stores, self.classes, &self.rule))
             }
-            /// The maximum and sum pass, then the loss or gradient pass.
-            fn reread_row_bytes(&self, g: &Graph, n: NodeIndex) -> Option<Dim> {
-                let x = g.ty(g.inputs(n)[0]);
-                row_length_of(g, n).checked_mul(&Dim::constant(x.dtype.size_bytes() as i64))
-            }
         }
     )*};
 }
