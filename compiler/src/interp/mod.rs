@@ -162,6 +162,12 @@ pub fn run(
                             vec![mean]
                         }
                     }
+                    (Op::AllGather(a), Some(peers)) => {
+                        let all = peers.gather(args[0]);
+                        let parts: Vec<Option<&[f64]>> =
+                            all.iter().map(|p| Some(p.as_slice())).collect();
+                        vec![a.assemble(&parts)]
+                    }
                     _ => op.eval(&args, &ctx),
                 }
             }

@@ -93,6 +93,25 @@ impl Peers {
     }
 }
 
+impl Peers {
+    /// Every rank's `t`, in rank order (ZeRO stage 3's gather of a
+    /// parameter's pieces). Blocks until every rank has called it.
+    pub fn gather(&self, t: &Tensor) -> Vec<Vec<f64>> {
+        let g = &self.group;
+        g.slots.lock().expect("a rank panicked")[self.rank] = Some(t.data.clone());
+        g.barrier.wait();
+        let all = g
+            .slots
+            .lock()
+            .expect("a rank panicked")
+            .iter()
+            .map(|s| s.clone().expect("every rank has written its part"))
+            .collect();
+        g.barrier.wait();
+        all
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

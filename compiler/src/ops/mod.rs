@@ -23,7 +23,7 @@ mod unary;
 
 pub use attention::{packed_layout, Attention, AttentionGrad, AttnDropout};
 pub use builder::Builder;
-pub use collective::AllReduce;
+pub use collective::{AllGather, AllReduce};
 pub use conv::{Conv2d, Conv2dGradInput, Conv2dGradWeight};
 pub use dropout::{key_type as dropout_key_type, Dropout, KEY_INPUT as DROPOUT_KEY_INPUT};
 pub use elementwise::{Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unscale};
@@ -216,6 +216,7 @@ ops!(
     Sgd,
     SumSquares,
     AllReduce,
+    AllGather,
     StorePiece,
 );
 

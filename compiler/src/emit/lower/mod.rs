@@ -81,7 +81,8 @@ pub fn of(op: &Op) -> &dyn Lower {
         | Op::Slice(_)
         | Op::Broadcast(_)
         | Op::MatMul(_)
-        | Op::AllReduce(_) => &NoKernel,
+        | Op::AllReduce(_)
+        | Op::AllGather(_) => &NoKernel,
         Op::Cast(o) => o,
         Op::ClipCoef(o) => o,
         Op::Unscale(o) => o,

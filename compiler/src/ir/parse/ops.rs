@@ -368,6 +368,34 @@ pub(super) fn op(
             }
             .into()
         }
+        "all_gather" => {
+            c.key("rank")?;
+            let rank_col = c.col();
+            let rank =
+                u32::try_from(c.usize()?).map_err(|_| c.error_at(rank_col, "too many ranks"))?;
+            c.key("param")?;
+            let param = c.usize()?;
+            c.key("pieces")?;
+            let mut pieces = Vec::new();
+            loop {
+                let lo = c.int()?;
+                if c.peek()? != Some(super::Tok::DotDot) {
+                    return Err(c.expected("`..` between a piece's ends"));
+                }
+                c.next()?;
+                pieces.push((lo, c.int()?));
+                if !c.eat(',')? {
+                    break;
+                }
+            }
+            AllGather {
+                rank,
+                param,
+                pieces,
+                shape: c.shape()?,
+            }
+            .into()
+        }
         _ => {
             let unary = || UnaryKind::ALL.iter().copied();
             if let Some(kind) = unary().find(|k| k.name() == name) {

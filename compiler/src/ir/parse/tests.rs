@@ -103,6 +103,7 @@ update:
   %107: f32[B, T, 8] = dropout(%0, %106) p=0.1 site=3
   %108: f32[B, T] = counted(%1) ignore_index=-100
   %109: f32[B, T] = cross_entropy(%0, %1) ignore_index=0 smoothing=0.1
+  %110: f32[8, 8] = all_gather(%86) rank=1 param=0 pieces=0..16,16..48,48..64 [8, 8]
 outputs:
   loss = %96
   grad[0] = %95
@@ -159,9 +160,10 @@ fn variant(op: &Op) -> usize {
         Op::StorePiece(_) => 41,
         Op::Dropout(_) => 42,
         Op::Counted(_) => 43,
+        Op::AllGather(_) => 44,
     }
 }
-const VARIANTS: usize = 44;
+const VARIANTS: usize = 45;
 
 #[test]
 fn every_op_reads_back_as_printed() {
