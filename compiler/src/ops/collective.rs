@@ -1,11 +1,11 @@
-//! Data parallelism's ops: the mean of a tensor over every rank (each
-//! rank a GPU holding a replica of the model and its own slice of the
-//! batch), and ZeRO stage 3's gather of a parameter from its owners'
-//! pieces (`AllGather`). The update phase applies it to each gradient, and to the loss,
-//! when the step is built for more than one rank; on the GPU it is an NCCL
-//! all-reduce, on the CPU reference it meets the other ranks through
-//! `interp::Peers`. Under ZeRO a gradient's mean is needed only by the
-//! owners of its pieces (`autodiff::zero`): it is reduced to each owner
+//! Data parallelism's ops: the mean of a tensor over every rank (each rank
+//! a GPU holding a replica of the model and its own slice of the batch),
+//! and ZeRO stage 3's gather of a parameter from its owners' pieces
+//! (`AllGather`). The update phase applies the mean to each gradient, and
+//! to the loss, when the step is built for more than one rank; on the GPU
+//! it is an NCCL all-reduce, on the CPU reference it meets the other ranks
+//! through `interp::Peers`. Under ZeRO a gradient's mean is needed only by
+//! the owners of its pieces (`autodiff::zero`): it is reduced to each owner
 //! alone (NCCL reduces rooted at the owners, together a reduce-scatter),
 //! and every other element of the result is left undefined. Under ZeRO
 //! stage 2 the owner's result is its piece alone (`piece`), a buffer of
@@ -141,7 +141,8 @@ impl OpDef for AllGather {
         let tiled = self.pieces.iter().try_fold(0i64, |at, &(lo, hi)| {
             (lo == at || lo == hi).then_some(if hi > lo { hi } else { at })
         });
-        if tiled != Some(numel) || self.pieces.iter().any(|&(lo, hi)| lo < 0 || hi < lo) {
+        let outside = |&(lo, hi): &(i64, i64)| lo < 0 || hi < lo || hi > numel;
+        if tiled != Some(numel) || self.pieces.iter().any(outside) {
             return Err(OpError::new(
                 "`all_gather`'s pieces do not tile its parameter",
                 format!("{:?} of {numel} elements", self.pieces),
@@ -183,7 +184,7 @@ impl AllGather {
         let mut data = vec![f64::NAN; shape.iter().product()];
         for (&(lo, hi), part) in self.pieces.iter().zip(parts) {
             match part {
-                Some(p) if p.len() as i64 == hi - lo => {
+                Some(p) if p.len() as i64 == hi - lo && hi as usize <= data.len() => {
                     data[lo as usize..hi as usize].copy_from_slice(p)
                 }
                 _ => {}
@@ -231,6 +232,7 @@ mod tests {
         assert!(bad(gather(0, &[(0, 5), (6, 12)]), 5).contains("do not tile"));
         assert!(bad(gather(0, &[(0, 5), (4, 12)]), 5).contains("do not tile"));
         assert!(bad(gather(0, &[(0, 5), (5, 11)]), 5).contains("do not tile"));
+        assert!(bad(gather(0, &[(0, 5), (30, 30), (5, 12)]), 5).contains("do not tile"));
         assert!(bad(gather(0, &tiles), 6).contains("not its rank's piece"));
         assert!(bad(gather(3, &tiles), 0).contains("has no piece"));
     }
