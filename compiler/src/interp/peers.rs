@@ -55,24 +55,37 @@ impl Peers {
     /// has called it. Each rank sums in rank order, so all get the same
     /// bits.
     pub fn mean(&self, t: &Tensor) -> Tensor {
+        let mut sum = vec![0.0; t.data.len()];
+        for s in self.gather(t) {
+            assert_eq!(s.len(), sum.len(), "ranks all-reduce tensors of one size");
+            for (a, b) in sum.iter_mut().zip(&s) {
+                *a += b;
+            }
+        }
+        let ranks = self.group.ranks as f64;
+        Tensor::new(
+            t.shape.clone(),
+            sum.into_iter().map(|x| x / ranks).collect(),
+        )
+    }
+
+    /// Every rank's `t`, in rank order (the mean's parts; ZeRO stage 3's
+    /// gather of a parameter's pieces). Blocks until every rank has called
+    /// it.
+    pub fn gather(&self, t: &Tensor) -> Vec<Vec<f64>> {
         let g = &self.group;
         g.slots.lock().expect("a rank panicked")[self.rank] = Some(t.data.clone());
         g.barrier.wait();
-        let data = {
-            let slots = g.slots.lock().expect("a rank panicked");
-            let mut sum = vec![0.0; t.data.len()];
-            for s in slots.iter() {
-                let s = s.as_ref().expect("every rank has written its part");
-                assert_eq!(s.len(), sum.len(), "ranks all-reduce tensors of one size");
-                for (a, b) in sum.iter_mut().zip(s) {
-                    *a += b;
-                }
-            }
-            sum.into_iter().map(|x| x / g.ranks as f64).collect()
-        };
-        // Nobody writes the next all-reduce's part before all have read.
+        let all = g
+            .slots
+            .lock()
+            .expect("a rank panicked")
+            .iter()
+            .map(|s| s.clone().expect("every rank has written its part"))
+            .collect();
+        // Nobody writes the next collective's part before all have read.
         g.barrier.wait();
-        Tensor::new(t.shape.clone(), data)
+        all
     }
 }
 
@@ -90,25 +103,6 @@ impl Peers {
             .expect("the root has written its part");
         g.barrier.wait();
         Tensor::new(t.shape.clone(), data)
-    }
-}
-
-impl Peers {
-    /// Every rank's `t`, in rank order (ZeRO stage 3's gather of a
-    /// parameter's pieces). Blocks until every rank has called it.
-    pub fn gather(&self, t: &Tensor) -> Vec<Vec<f64>> {
-        let g = &self.group;
-        g.slots.lock().expect("a rank panicked")[self.rank] = Some(t.data.clone());
-        g.barrier.wait();
-        let all = g
-            .slots
-            .lock()
-            .expect("a rank panicked")
-            .iter()
-            .map(|s| s.clone().expect("every rank has written its part"))
-            .collect();
-        g.barrier.wait();
-        all
     }
 }
 

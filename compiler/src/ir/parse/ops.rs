@@ -324,12 +324,8 @@ pub(super) fn op(
                 c.key("piece")?;
                 let i = c.usize()?;
                 c.punct(':')?;
-                let lo = c.int()?;
-                if c.peek()? != Some(super::Tok::DotDot) {
-                    return Err(c.expected("`..` between the piece's ends"));
-                }
-                c.next()?;
-                pieces.push((i, lo, c.int()?));
+                let (lo, hi) = ends(c)?;
+                pieces.push((i, lo, hi));
             }
             SumSquares { chunk, pieces }.into()
         }
@@ -350,12 +346,7 @@ pub(super) fn op(
             let sharded = c.flag("sharded")?;
             let piece = if c.peek()? == Some(super::Tok::Ident("piece")) {
                 c.key("piece")?;
-                let lo = c.int()?;
-                if c.peek()? != Some(super::Tok::DotDot) {
-                    return Err(c.expected("`..` between the piece's ends"));
-                }
-                c.next()?;
-                Some((lo, c.int()?))
+                Some(ends(c)?)
             } else {
                 None
             };
@@ -378,12 +369,7 @@ pub(super) fn op(
             c.key("pieces")?;
             let mut pieces = Vec::new();
             loop {
-                let lo = c.int()?;
-                if c.peek()? != Some(super::Tok::DotDot) {
-                    return Err(c.expected("`..` between a piece's ends"));
-                }
-                c.next()?;
-                pieces.push((lo, c.int()?));
+                pieces.push(ends(c)?);
                 if !c.eat(',')? {
                     break;
                 }
@@ -429,12 +415,17 @@ fn range(c: &mut Cursor) -> Result<Option<(i64, i64)>, ParseError> {
         return Ok(None);
     }
     c.key("range")?;
+    ends(c).map(Some)
+}
+
+/// `LO..HI`: a range's, or a piece's, ends.
+fn ends(c: &mut Cursor) -> Result<(i64, i64), ParseError> {
     let lo = c.int()?;
     if c.peek()? != Some(super::Tok::DotDot) {
-        return Err(c.expected("`..` between the range's ends"));
+        return Err(c.expected("`..` between the ends"));
     }
     c.next()?;
-    Ok(Some((lo, c.int()?)))
+    Ok((lo, c.int()?))
 }
 
 /// Reads `key=` where the next word is `key` (an attribute that may be
