@@ -235,6 +235,7 @@ fn check_reducing(
         match zero {
             Some(ZeroStage::One) => ", ZeRO stage 1",
             Some(ZeroStage::Two) => ", ZeRO stage 2",
+            Some(ZeroStage::Three) => ", ZeRO stage 3",
             None => "",
         },
         if reduce.is_some() { ", gradients averaged in bf16" } else { "" },

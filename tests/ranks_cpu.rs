@@ -237,10 +237,23 @@ fn check_reducing(
     if precision == Precision::F64 {
         assert!(worst < tol, "{ranks} ranks: weights differ by {worst}");
     }
-    // Every rank holds the same weights, bit for bit.
     let per_rank = group.each(|_, b| b.get(model.weights).unwrap()).unwrap();
-    for w in &per_rank[1..] {
-        assert!(w == &per_rank[0], "the ranks' weights drifted apart");
+    if zero == Some(ZeroStage::Three) {
+        // Each rank holds its own piece alone: in rank order they are the
+        // whole, which the run read (gathered) above.
+        assert!(
+            per_rank.iter().any(|w| w.len() < run.weights.len()),
+            "stage 3: a rank holds the whole parameter"
+        );
+        assert!(
+            per_rank.concat() == run.weights,
+            "the pieces are not the whole"
+        );
+    } else {
+        // Every rank holds the same weights, bit for bit.
+        for w in &per_rank[1..] {
+            assert!(w == &per_rank[0], "the ranks' weights drifted apart");
+        }
     }
     println!(
         "{ranks} ranks x B={b}, micro-batches {micro}: losses {:?}, worst weight difference {worst:.1e}",
@@ -582,7 +595,7 @@ fn zero_stage_two_keeps_only_the_pieces_of_the_gradients() {
     );
 }
 
-/// A memory budget over ZeRO ranks (stages 1 and 2, 3 ranks): one choice,
+/// A memory budget over ZeRO ranks (stages 1, 2 and 3, 3 ranks): one choice,
 /// made on the rank that needs the most, drops the same activations on
 /// every rank (each recomputes the same ops, so their backward passes
 /// finish the gradients in one order), every rank fits, and the run is
@@ -600,7 +613,7 @@ fn a_memory_budget_over_zero_ranks_recomputes_the_same_values_on_each() {
     let (_, dims_one) = sizes(&[("B", (ranks * b) as i64), ("T", t as i64)]);
     let mut single = Cpu::new(&one.optimized, &dims_one, Precision::F64).unwrap();
     let reference = train(&mut single, GPT2.weights, ranks * b, t, 4, 1);
-    for stage in [ZeroStage::One, ZeroStage::Two] {
+    for stage in [ZeroStage::One, ZeroStage::Two, ZeroStage::Three] {
         let mut graphs: Vec<_> = (0..ranks as u32)
             .map(|r| {
                 compiled_reducing(&GPT2, ranks as u32, Some((r, stage)), None, &|s| s).optimized
@@ -628,6 +641,29 @@ fn a_memory_budget_over_zero_ranks_recomputes_the_same_values_on_each() {
                 choice.ops_added,
                 "{stage:?}: rank {r} recomputes other ops"
             );
+            // Stage 3: a recomputed forward op reads the backward pass's
+            // gather, not the forward's (which would then live on through
+            // the backward pass).
+            for n in g.g.node_indices() {
+                if !matches!(g.g[n].op, fusec_compiler::ops::Op::AllGather(_)) {
+                    continue;
+                }
+                let phase = g.g[n].phase;
+                let mut stack = vec![n];
+                while let Some(m) = stack.pop() {
+                    for (u, _) in g.users(fusec_compiler::ir::Value { node: m, port: 0 }) {
+                        if g.g[u].op.is_view() {
+                            stack.push(u);
+                        } else {
+                            assert_eq!(
+                                g.g[u].phase, phase,
+                                "rank {r}: a {phase:?} gather read in {:?}",
+                                g.g[u].phase
+                            );
+                        }
+                    }
+                }
+            }
             let after = probe(g, &dims, &target, dev).unwrap().arena_bytes;
             assert!(
                 after <= budget,
@@ -661,5 +697,197 @@ fn a_memory_budget_over_zero_ranks_recomputes_the_same_values_on_each() {
             .map(|(a, r)| (a - r).abs())
             .fold(0.0, f64::max);
         assert!(worst < 1e-12, "{stage:?}: weights differ by {worst}");
+    }
+}
+
+/// ZeRO stage 3: each rank keeps its piece of every parameter, gathered
+/// whole before the forward and the backward pass read it; the gradients
+/// are stage 2's pieces and the update writes the rank's piece in place.
+/// With clipping, on 2, 3 and 4 ranks, with micro-batches, with the
+/// gradients averaged in bf16, and on the odd-sized LLaMA: in f64 the
+/// one-rank run to rounding (1e-12: only the batch sums' order differs),
+/// as stored within bf16's 1e-2 (each rank's forward reads the bf16 cast
+/// of the f32 pieces, as one rank reads the cast of its f32 parameter).
+#[test]
+fn zero_stage_three_reproduces_one_rank_with_the_weights_split() {
+    let three = Some(ZeroStage::Three);
+    for ranks in [2, 3, 4] {
+        check_with(ranks, 1, three);
+    }
+    check_with(4, 2, three);
+    check_reducing(&GPT2, 3, 1, three, Some(DType::BF16), Precision::F64, 1e-12);
+    check_reducing(&GPT2, 2, 2, three, None, Precision::AsStored, 1e-2);
+    check_reducing(&LLAMA_ODD, 3, 1, three, None, Precision::F64, 1e-12);
+    check_reducing(&LLAMA_ODD, 3, 1, three, None, Precision::AsStored, 1e-2);
+}
+
+/// What stage 3 keeps and sends, on 2, 3 and 4 ranks of the bf16 GPT-2:
+/// each parameter is stored as the rank's flat f32 piece, read only by
+/// its gathers (through a cast to bf16: the gather moves the compute
+/// dtype) and by its update; each pass reads a gather of its own (the
+/// forward's copy is not read by the backward, even through a view), at
+/// most one a pass and parameter, each placed after the previous pass's
+/// last node; every rank runs the same collectives in the same order (the
+/// kind, the parameter, the sizes: NCCL's rule); and the ranks' parameter
+/// pieces and states together hold the one-rank step's parameters and
+/// state once.
+#[test]
+fn zero_stage_three_keeps_only_pieces_of_the_weights() {
+    use fusec_compiler::ir::graph::Phase;
+    use fusec_compiler::ir::{Graph, Value};
+    use fusec_compiler::ops::Op;
+    // The pass a node's value serves, looking through views.
+    fn pass_of(g: &Graph, v: Value) -> Vec<Phase> {
+        if g.g[v.node].op.is_view() {
+            return g
+                .users(v)
+                .into_iter()
+                .flat_map(|(m, _)| pass_of(g, Value { node: m, port: 0 }))
+                .collect();
+        }
+        vec![g.g[v.node].phase]
+    }
+    let elements = |g: &Graph| -> i64 {
+        g.g.node_indices()
+            .filter_map(|n| match &g.g[n].op {
+                Op::State(st) => st.ty.numel().as_const(),
+                Op::Param(_) => g.g[n].outputs[0].numel().as_const(),
+                _ => None,
+            })
+            .sum()
+    };
+    let one = compiled(1, &|s| s).optimized;
+    for ranks in [2u32, 3, 4] {
+        let mut sequences = Vec::new();
+        let mut held = 0;
+        for r in 0..ranks {
+            let g = compiled_reducing(&GPT2, ranks, Some((r, ZeroStage::Three)), None, &|s| s)
+                .optimized;
+            held += elements(&g);
+            for (i, p) in g.params.iter().enumerate() {
+                let own = fusec_compiler::autodiff::zero::piece(&g.params, ranks, r, i)
+                    .map_or(0, |pc| (pc.hi - pc.lo) as i64);
+                let node = &g.g[p.node];
+                assert_eq!(node.outputs[0].dtype, DType::F32, "{}", p.name);
+                assert_eq!(node.outputs[0].numel().as_const(), Some(own), "{}", p.name);
+                let mut gathers = Vec::new();
+                for (n, _) in g.users(Value {
+                    node: p.node,
+                    port: 0,
+                }) {
+                    match &g.g[n].op {
+                        Op::AllGather(a) => gathers.push((n, a.clone())),
+                        Op::Cast(c) if c.to == DType::BF16 => {
+                            for (m, _) in g.users(Value { node: n, port: 0 }) {
+                                match &g.g[m].op {
+                                    Op::AllGather(a) => gathers.push((m, a.clone())),
+                                    other => panic!("{}: a cast read by {other:?}", p.name),
+                                }
+                            }
+                        }
+                        Op::AdamW(a) => assert!(a.master && a.grad_piece, "{}", p.name),
+                        other => panic!("rank {r}: {} read by {other:?}", p.name),
+                    }
+                }
+                assert!(!gathers.is_empty(), "{} is never gathered", p.name);
+                let mut passes = Vec::new();
+                for (n, a) in &gathers {
+                    assert_eq!((a.rank, a.param), (r, i));
+                    assert_eq!(g.g[*n].outputs[0].shape, p.ty.shape);
+                    let readers: Vec<Phase> = g
+                        .users(Value { node: *n, port: 0 })
+                        .into_iter()
+                        .flat_map(|(m, _)| pass_of(&g, Value { node: m, port: 0 }))
+                        .collect();
+                    assert!(
+                        readers.iter().all(|&ph| ph == g.g[*n].phase),
+                        "rank {r}: {}'s {:?} gather read by {readers:?}",
+                        p.name,
+                        g.g[*n].phase
+                    );
+                    passes.push(g.g[*n].phase);
+                }
+                passes.sort_by_key(|&ph| ph as u8);
+                let before = passes.len();
+                passes.dedup();
+                assert_eq!(passes.len(), before, "{}: two gathers for one pass", p.name);
+            }
+            // The collectives in the step's order, without what differs by
+            // rank (the rank and its piece).
+            let order = g.topo_order();
+            let seq: Vec<String> = order
+                .iter()
+                .filter_map(|&n| match &g.g[n].op {
+                    Op::AllGather(a) => Some(format!(
+                        "gather {} {:?} {}",
+                        a.param, a.pieces, g.g[n].outputs[0]
+                    )),
+                    Op::AllReduce(a) => Some(format!(
+                        "reduce {:?} {} {}",
+                        a.owners_of,
+                        g.ty(g.inputs(n)[0]),
+                        a.every_micro_batch
+                    )),
+                    _ => None,
+                })
+                .collect();
+            // The backward's gathers come after the forward pass's nodes.
+            let last_forward = order
+                .iter()
+                .rposition(|&n| g.g[n].phase == Phase::Forward)
+                .unwrap();
+            let backward_gathers = order
+                .iter()
+                .enumerate()
+                .filter(|&(_, &n)| {
+                    matches!(g.g[n].op, Op::AllGather(_)) && g.g[n].phase == Phase::Backward
+                })
+                .map(|(at, _)| at)
+                .collect::<Vec<_>>();
+            assert!(!backward_gathers.is_empty());
+            assert!(backward_gathers.iter().all(|&at| at > last_forward));
+            // Each gather runs just before its first reader (it takes that
+            // reader's turn), not at the start of its pass, where the
+            // whole model would be gathered at once: at most the other
+            // gathers and casts of the same op's parameters in between.
+            let at: std::collections::HashMap<_, usize> =
+                order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+            for (i, &n) in order.iter().enumerate() {
+                if !matches!(g.g[n].op, Op::AllGather(_)) {
+                    continue;
+                }
+                let mut first = usize::MAX;
+                let mut stack = vec![n];
+                while let Some(m) = stack.pop() {
+                    for (u, _) in g.users(Value { node: m, port: 0 }) {
+                        if g.g[u].op.is_view() {
+                            stack.push(u);
+                        } else {
+                            first = first.min(at[&u]);
+                        }
+                    }
+                }
+                let between = order[i + 1..first]
+                    .iter()
+                    .filter(|&&m| {
+                        !g.g[m].op.is_view() && !matches!(g.g[m].op, Op::AllGather(_) | Op::Cast(_))
+                    })
+                    .count();
+                assert!(
+                    between <= 2,
+                    "rank {r}: {} nodes between a gather and its first reader",
+                    between
+                );
+            }
+            sequences.push(seq);
+        }
+        for (r, s) in sequences.iter().enumerate().skip(1) {
+            assert_eq!(s, &sequences[0], "{ranks} ranks: rank {r} against rank 0");
+        }
+        assert_eq!(
+            held,
+            elements(&one),
+            "{ranks} ranks: the pieces and states together are one rank's"
+        );
     }
 }

@@ -1161,17 +1161,27 @@ fn zero_ranks_take_part_in_every_reduce_without_clipping() {
     // update reads as they are: the same arithmetic, the same bits.
     let sharded = run("2", &tmp("translator-zero2.jsonl"));
     assert_eq!(sharded, whole);
+    // Stage 3: the weights kept in pieces and gathered before each pass
+    // reads them (f32 here: the gather moves the values as they are).
+    let gathered = run("3", &tmp("translator-zero3.jsonl"));
+    assert_eq!(gathered, whole);
 }
 
-/// ZeRO stage 2's checkpoint is the file stage 1 writes, bit for bit (the
-/// same arithmetic: each piece's mean is the one stage 1 reads in place),
-/// and it resumes on another number of ranks at another stage: on one rank
-/// without ZeRO, and on three at stage 2.
+/// ZeRO stage 2's and stage 3's checkpoints are the file stage 1 writes,
+/// bit for bit (the same arithmetic: each piece's mean is the one stage 1
+/// reads in place; stage 3's gathered weights are the casts of the pieces
+/// stage 1's owners round), and they resume on another number of ranks at
+/// another stage: on one rank without ZeRO, on three at stage 2, on three
+/// at stage 3.
 #[test]
-fn zero_two_checkpoints_as_stage_one_and_resumes_anywhere() {
+fn zero_two_and_three_checkpoint_as_stage_one_and_resume_anywhere() {
     let train = small_gpt2_on_cpu;
-    let (ck1, ck2) = (tmp("z1.safetensors"), tmp("z2.safetensors"));
-    for (z, ck) in [("1", &ck1), ("2", &ck2)] {
+    let (ck1, ck2, ck3) = (
+        tmp("z1.safetensors"),
+        tmp("z2.safetensors"),
+        tmp("z3.safetensors"),
+    );
+    for (z, ck) in [("1", &ck1), ("2", &ck2), ("3", &ck3)] {
         train(&[
             "--batch",
             "2",
@@ -1185,36 +1195,42 @@ fn zero_two_checkpoints_as_stage_one_and_resumes_anywhere() {
             ck.to_str().unwrap(),
         ]);
     }
-    let (b1, b2) = (std::fs::read(&ck1).unwrap(), std::fs::read(&ck2).unwrap());
-    let (s1, s2) = (
-        safetensors::SafeTensors::deserialize(&b1).unwrap(),
-        safetensors::SafeTensors::deserialize(&b2).unwrap(),
-    );
+    let b1 = std::fs::read(&ck1).unwrap();
+    let s1 = safetensors::SafeTensors::deserialize(&b1).unwrap();
     let mut names = s1.names();
     names.sort();
-    let mut names2 = s2.names();
-    names2.sort();
-    assert_eq!(names, names2);
     assert!(names.iter().any(|n| n.ends_with(".adam_m")), "{names:?}");
-    for n in names {
-        let (a, b) = (s1.tensor(n).unwrap(), s2.tensor(n).unwrap());
-        assert_eq!(a.shape(), b.shape(), "{n}");
-        assert!(a.data() == b.data(), "{n} differs between the stages");
+    for (stage, ck) in [("2", &ck2), ("3", &ck3)] {
+        let b = std::fs::read(ck).unwrap();
+        let s = safetensors::SafeTensors::deserialize(&b).unwrap();
+        let mut other = s.names();
+        other.sort();
+        assert_eq!(names, other, "stage {stage}");
+        for &n in &names {
+            let (a, b) = (s1.tensor(n).unwrap(), s.tensor(n).unwrap());
+            assert_eq!(a.shape(), b.shape(), "stage {stage}: {n}");
+            assert!(
+                a.data() == b.data(),
+                "stage {stage}: {n} differs from stage 1's"
+            );
+        }
     }
-    for (k, extra) in [
-        &["--batch", "4"][..],
-        &["--batch", "2", "--gpus", "3", "--zero", "2"][..],
+    for (k, (ck, extra)) in [
+        (&ck2, &["--batch", "4"][..]),
+        (&ck2, &["--batch", "2", "--gpus", "3", "--zero", "2"][..]),
+        (&ck3, &["--batch", "4"][..]),
+        (&ck3, &["--batch", "2", "--gpus", "3", "--zero", "3"][..]),
     ]
     .into_iter()
     .enumerate()
     {
-        let log = tmp(&format!("z2-resumed-{k}.jsonl"));
+        let log = tmp(&format!("z23-resumed-{k}.jsonl"));
         let mut a = extra.to_vec();
         a.extend([
             "--steps",
             "1",
             "--resume",
-            ck2.to_str().unwrap(),
+            ck.to_str().unwrap(),
             "--log",
             log.to_str().unwrap(),
         ]);
@@ -1223,6 +1239,33 @@ fn zero_two_checkpoints_as_stage_one_and_resumes_anywhere() {
         assert_eq!(l.len(), 1, "{extra:?}: {l:?}");
         assert!(loss(&l[0]).is_finite(), "{extra:?}: {l:?}");
     }
+}
+
+/// `--zero 3` on GPUs is refused until the runtime gathers the weights,
+/// naming what runs it (the CPU reference) and what to use on GPUs.
+#[test]
+fn zero_three_on_gpus_says_it_runs_on_the_cpu_reference_so_far() {
+    let (code, _, err) = fusec(&[
+        "train",
+        "dsl-examples/gpt2-small.dsl",
+        "--gpus",
+        "2",
+        "--zero",
+        "3",
+        "--data",
+        "random",
+        "--batch",
+        "2",
+        "--seq",
+        "8",
+        "--steps",
+        "1",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--zero 3 runs on the CPU reference so far (--cpu --gpus N)"),
+        "{err}"
+    );
 }
 
 /// A memory budget over ZeRO ranks: every rank's step is fitted with one
@@ -1317,6 +1360,12 @@ fn zero_two_needs_ranks() {
         "{err}"
     );
     let (code, _, err) = fusec(&["build", "dsl-examples/gpt2-small.dsl", "--zero", "3"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--zero 3 splits the optimizer state, the gradients and the weights over data-parallel ranks"),
+        "{err}"
+    );
+    let (code, _, err) = fusec(&["build", "dsl-examples/gpt2-small.dsl", "--zero", "4"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--zero"), "{err}");
 }

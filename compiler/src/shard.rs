@@ -88,6 +88,13 @@ pub enum ZeroStage {
     /// micro-batches each one's gradient is reduced and added to the
     /// owners' pieces.
     Two,
+    /// Stage 3: the parameters too. Each rank keeps its piece of every
+    /// parameter alone (in the model's dtype: the piece is its own master)
+    /// and the pieces are gathered whole, in the compute dtype, just before
+    /// the forward pass reads the parameter and again before the backward
+    /// pass does (`autodiff::gather`); the gradients are stage 2's, and the
+    /// update writes the piece in place, so nothing is sent after it.
+    Three,
 }
 
 impl ZeroStage {
@@ -96,6 +103,13 @@ impl ZeroStage {
         match self {
             ZeroStage::One => 1,
             ZeroStage::Two => 2,
+            ZeroStage::Three => 3,
         }
+    }
+
+    /// Whether the gradients are kept in pieces, each reduced into its
+    /// owners' pieces as the backward pass finishes it: stages 2 and 3.
+    pub fn shards_gradients(self) -> bool {
+        self != ZeroStage::One
     }
 }

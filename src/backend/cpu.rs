@@ -24,8 +24,8 @@ pub struct Cpu {
     staged: Vec<(String, Vec<f64>)>,
     /// The launched step's result.
     done: Option<StepStats>,
-    /// ZeRO stage 1: each parameter's pieces and their owner ranks, whose
-    /// updated values the other ranks take after every step.
+    /// ZeRO stages 1 and 2: each parameter's pieces and their owner ranks,
+    /// whose updated values the other ranks take after every step.
     pieces: Option<Vec<Vec<Piece>>>,
     /// The last step's gradients, by parameter name (`gradients`).
     last_grads: Vec<(String, Vec<f64>)>,
@@ -72,9 +72,20 @@ impl Cpu {
         self.feeds.peers = Some(peers);
     }
 
-    /// ZeRO stage 1: after each step, every parameter takes its owner's
-    /// values (the step updated only this rank's own).
+    /// ZeRO stages 1 and 2: after each step, every parameter takes its
+    /// owner's values (the step updated only this rank's own).
+    /// Stage 3 shares nothing: each rank keeps its pieces alone, and the
+    /// step gathers them (every rank's graph has the same gathers, so all
+    /// decide alike).
     pub fn share_updates(&mut self, ranks: u32) {
+        let gathers = self
+            .graph
+            .g
+            .node_weights()
+            .any(|n| matches!(n.op, Op::AllGather(_)));
+        if gathers {
+            return;
+        }
         self.pieces = Some(fusec_compiler::autodiff::zero::pieces(
             &self.graph.params,
             ranks,

@@ -131,8 +131,31 @@ impl Ranks {
             RuntimeError::Unsupported("data parallelism with no ranks in this process".into())
         })?;
         // ZeRO: a state of which the ranks hold pieces (flat) is shown, set
-        // and read whole, in its parameter's shape.
+        // and read whole, in its parameter's shape; so is a parameter they
+        // hold in pieces (stage 3). The whole shape is the model's (a rank's
+        // own is its piece's, under stage 3).
+        let whole_shape = |i: usize| -> Option<Vec<usize>> {
+            graph.params[i]
+                .ty
+                .shape
+                .iter()
+                .map(|d| d.as_const().map(|n| n as usize))
+                .collect()
+        };
         let mut split = BTreeMap::new();
+        for (i, p) in graph.params.iter().enumerate() {
+            let Some(full) = whole_shape(i) else {
+                continue;
+            };
+            let n: usize = full.iter().product();
+            if workers
+                .iter()
+                .any(|w| w.sizes.get(&p.name).is_some_and(|&k| k != n))
+            {
+                split.insert(p.name.clone(), i);
+                shapes.insert(p.name.clone(), full);
+            }
+        }
         for name in &states {
             let Some((param, _)) = name.rsplit_once('.') else {
                 continue;
@@ -149,6 +172,10 @@ impl Ranks {
                 .any(|w| w.sizes.get(name).is_some_and(|&k| k != n));
             if pieces {
                 split.insert(name.clone(), i);
+                shapes.insert(name.clone(), full);
+            } else if shapes.get(name).is_some_and(|s| *s != full) {
+                // Stage 3 updates a parameter one rank owns whole as a flat
+                // piece too: its state is shown in the parameter's shape.
                 shapes.insert(name.clone(), full);
             }
         }

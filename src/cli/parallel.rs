@@ -36,9 +36,12 @@ pub struct ParallelArgs {
     /// every rank keeping the weights in the compute dtype alone): the same
     /// training, in less memory and time; 2 splits the gradients too (each
     /// is reduced into its owners' pieces as the backward pass finishes it,
-    /// and no rank keeps it whole past that); 0 keeps it all whole on every
-    /// rank, as PyTorch DDP does
-    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=2))]
+    /// and no rank keeps it whole past that); 3 splits the weights too
+    /// (each rank keeps its piece of every parameter, gathered whole just
+    /// before the forward and the backward pass read it: for models too big
+    /// for one device; the CPU reference runs it so far, not the GPUs); 0
+    /// keeps it all whole on every rank, as PyTorch DDP does
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: Option<u8>,
     /// Close each bucket of gradients averaged together at this many MiB
     /// (default 100, 50 with --reduce-dtype bf16; PyTorch DDP's is 25): larger buckets mean fewer
@@ -69,6 +72,7 @@ impl ParallelArgs {
         match self.zero {
             Some(0) => None,
             Some(2) => Some(ZeroStage::Two),
+            Some(3) => Some(ZeroStage::Three),
             Some(_) => Some(ZeroStage::One),
             None => fusec_compiler::autodiff::zero::unsplittable(params, world as u32)
                 .is_none()
@@ -79,10 +83,10 @@ impl ParallelArgs {
     /// The stage `--zero` names, for the compile (stage 1 where it names
     /// none, or 0).
     pub fn asked_stage(&self) -> ZeroStage {
-        if self.zero == Some(2) {
-            ZeroStage::Two
-        } else {
-            ZeroStage::One
+        match self.zero {
+            Some(2) => ZeroStage::Two,
+            Some(3) => ZeroStage::Three,
+            _ => ZeroStage::One,
         }
     }
 
@@ -100,7 +104,11 @@ impl ParallelArgs {
         if let Some(z @ 1..) = self.zero.filter(|_| one) {
             return Err(CliError::usage(format!(
                 "error: --zero {z} splits the optimizer state{} over data-parallel ranks: give --gpus N (N >= 2) or start the ranks with a launcher",
-                if z == 2 { " and the gradients" } else { "" }
+                match z {
+                    2 => " and the gradients",
+                    3 => ", the gradients and the weights",
+                    _ => "",
+                }
             )));
         }
         if self.bucket_mib.is_some() && one {
@@ -179,6 +187,7 @@ fn zero_line(zero: Option<ZeroStage>) -> &'static str {
     match zero {
         Some(ZeroStage::One) => "ZeRO stage 1: each rank keeps and updates its piece of the optimizer state (and of the f32 master weights) (--zero 0 keeps them whole)",
         Some(ZeroStage::Two) => "ZeRO stage 2: each rank keeps its piece of the gradients, the optimizer state (and the f32 master weights), and updates it (--zero 1 keeps the gradients whole)",
+        Some(ZeroStage::Three) => "ZeRO stage 3: each rank keeps its piece of the weights, the gradients and the optimizer state, and gathers each weight whole just before a pass reads it (--zero 2 keeps the weights whole)",
         None => "every rank keeps the whole optimizer state",
     }
 }
@@ -300,6 +309,11 @@ pub fn start(
             })
             .collect::<Result<Vec<_>, CliError>>()?;
         return Ranks::new(builds, *n).map_err(runtime_err);
+    }
+    if zero == Some(ZeroStage::Three) {
+        return Err(usage(
+            "--zero 3 runs on the CPU reference so far (--cpu --gpus N): the GPUs' gather of the weights is not built yet; on GPUs, --zero 2 splits the gradients and the optimizer state".into(),
+        ));
     }
     nccl::need_nccl().map_err(runtime_err)?;
     // (global rank, GPU ordinal) of each rank here.

@@ -7,6 +7,7 @@
 //! runtime, summing the gradients of the micro-batches before it runs the
 //! update phase, gets the gradient of their mean loss.
 
+mod gather;
 mod update;
 
 use crate::diag::{Diagnostic, Errors};

@@ -165,15 +165,20 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     // ZeRO: what of each parameter this rank updates. Stage 2 reduces each
     // gradient into its owners' pieces, so a rank's gradient of a parameter
     // it owns a piece of is that piece alone, flat.
+    // Stage 3 keeps each parameter as the rank's piece alone, so its
+    // update always runs on a piece (all of the parameter, flat, where the
+    // rank owns it whole).
     let zero = train.zero_rank.filter(|_| train.ranks > 1);
-    let stage2 = zero.is_some() && train.zero_stage == super::zero::ZeroStage::Two;
+    let stage2 = zero.is_some() && train.zero_stage.shards_gradients();
+    let stage3 = zero.is_some() && train.zero_stage == super::zero::ZeroStage::Three;
     let pieces: Vec<RankPiece> = (0..params.len())
         .map(|i| match zero {
             None => Some(None),
             Some(r) => {
                 let all = &b.graph.params;
                 super::zero::piece(all, train.ranks, r, i).map(|pc| {
-                    (!super::zero::whole(&all[i], pc)).then_some((pc.lo as i64, pc.hi as i64))
+                    (stage3 || !super::zero::whole(&all[i], pc))
+                        .then_some((pc.lo as i64, pc.hi as i64))
                 })
             }
         })
@@ -383,13 +388,21 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
     // from their owners after the step. With a 16-bit compute dtype the
     // ranks keep the parameter in it (the forward pass reads it as it is,
     // no cast) and the owner the f32 master of its piece, as state.
+    // Stage 3 keeps no master: the rank's piece, in the model's dtype, is
+    // the parameter it updates, and the pieces are gathered in the compute
+    // dtype where the passes read them (`gather::gather_params`).
     let masters: Vec<bool> = (0..params.len())
-        .map(|i| zero.is_some() && super::zero::keeps_master(b.graph, i, train.precision))
+        .map(|i| {
+            zero.is_some() && !stage3 && super::zero::keeps_master(b.graph, i, train.precision)
+        })
         .collect();
     for (i, &m) in masters.iter().enumerate() {
         if m {
             super::zero::store_param_as(b.graph, i, train.precision);
         }
+    }
+    if let (true, Some(rank)) = (stage3, zero) {
+        super::gather::gather_params(b.graph, train.ranks, rank, train.precision)?;
     }
     for (i, gv) in grads {
         let Some(range) = pieces[i] else {
@@ -467,7 +480,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                     eps,
                     weight_decay: wd(weight_decay),
                     range,
-                    master,
+                    master: master || stage3,
                     grad_piece: stage2 && range.is_some(),
                 };
                 let step = step.expect("AdamW has a step input");
@@ -498,7 +511,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
                         momentum,
                         weight_decay: wd(weight_decay),
                         range,
-                        master,
+                        master: master || stage3,
                         grad_piece: stage2 && range.is_some(),
                     },
                     &ins,

@@ -27,7 +27,9 @@ impl Pass for Cse {
         let outputs: std::collections::HashSet<_> = g.outputs.iter().map(|(_, v)| v.node).collect();
         for n in g.topo_order() {
             let node = &g.g[n];
-            if node.op.is_source() {
+            // ZeRO stage 3 gathers a parameter again for the backward pass
+            // on purpose: the forward pass's copy is freed in between.
+            if node.op.is_source() || matches!(node.op, crate::ops::Op::AllGather(_)) {
                 continue;
             }
             // Debug output holds every attribute exactly (floats round-trip).

@@ -299,7 +299,9 @@ fn copy_of(
     v: Value,
     copies: &mut HashMap<NodeIndex, NodeIndex>,
 ) -> Value {
-    if !kept.needs_recompute(g, v) {
+    // ZeRO stage 3: the forward pass's gather of a parameter dies with its
+    // last forward reader; a recomputed op reads the backward pass's.
+    if !of_forward_gather(g, v) && !kept.needs_recompute(g, v) {
         return v;
     }
     if let Some(&c) = copies.get(&v.node) {
@@ -307,6 +309,10 @@ fn copy_of(
             node: c,
             port: v.port,
         };
+    }
+    if let Some(b) = backward_gather(g, v) {
+        copies.insert(v.node, b.node);
+        return b;
     }
     let inputs: Vec<Value> = g
         .inputs(v.node)
@@ -325,4 +331,30 @@ fn copy_of(
         node: c,
         port: v.port,
     }
+}
+
+/// Whether `v` is the forward pass's gather of a parameter (ZeRO stage
+/// 3), or a view of one.
+fn of_forward_gather(g: &Graph, v: Value) -> bool {
+    let node = &g.g[v.node];
+    match &node.op {
+        Op::AllGather(_) => node.phase == Phase::Forward,
+        op if op.is_view() => of_forward_gather(g, g.inputs(v.node)[0]),
+        _ => false,
+    }
+}
+
+/// The backward pass's gather of the parameter forward gather `v` gathers,
+/// in the same type, if the step has one.
+fn backward_gather(g: &Graph, v: Value) -> Option<Value> {
+    let Op::AllGather(a) = &g.g[v.node].op else {
+        return None;
+    };
+    g.g.node_indices()
+        .find(|&n| {
+            matches!(&g.g[n].op, Op::AllGather(b) if b.param == a.param)
+                && g.g[n].phase == Phase::Backward
+                && g.g[n].outputs[0] == g.g[v.node].outputs[0]
+        })
+        .map(|n| Value { node: n, port: 0 })
 }
