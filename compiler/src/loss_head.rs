@@ -178,7 +178,16 @@ fn transposes(g: &Graph, a: Value, b: Value) -> bool {
     };
     let (ba, fa) = strip(a);
     let (bb, fb) = strip(b);
-    ba == bb && fa != fb && g.ty(a).rank() == 2
+    (ba == bb || same_gather(g, ba, bb)) && fa != fb && g.ty(a).rank() == 2
+}
+
+/// Whether `a` and `b` are gathers of one parameter in one type (ZeRO
+/// stage 3 gathers a weight again for the backward pass): the same values.
+fn same_gather(g: &Graph, a: Value, b: Value) -> bool {
+    match (&g.g[a.node].op, &g.g[b.node].op) {
+        (Op::AllGather(x), Op::AllGather(y)) => x == y && g.ty(a) == g.ty(b),
+        _ => false,
+    }
 }
 
 /// The product a value flows into through views each read only by the
@@ -335,7 +344,7 @@ pub fn chunk(
             .collect();
     let (mut done, mut left) = (Vec::new(), Vec::new());
     for ce in heads {
-        let h = match head(g, ce) {
+        let mut h = match head(g, ce) {
             Ok(h) => h,
             Err(why) => {
                 if matches!(rows, Rows::At(_)) {
@@ -365,6 +374,7 @@ pub fn chunk(
         };
         let Some(per) = per else { continue };
         let chunks = n.div_ceil(per) as usize;
+        share_forward_gather(g, &mut h);
         rewrite(g, &h, &n_dim, per, chunks).map_err(|e| {
             format!("internal error: chunking the loss head failed: {e}; this is a bug in fusec")
         })?;
@@ -380,6 +390,38 @@ pub fn chunk(
         crate::passes::Pass::run(&crate::passes::Dce, g);
     }
     Ok((done, left))
+}
+
+/// ZeRO stage 3 gathers a tied weight again for the backward pass, but
+/// the chunks' input-gradient products run while the forward pass's
+/// gather still lives (the next chunk's logits read it): they read that
+/// one, and the backward pass's copy, read by nothing else, goes (the
+/// dead-code pass after the chunks removes it). Two copies of GPT-2's
+/// table would otherwise be the step's peak.
+fn share_forward_gather(g: &mut Graph, h: &mut Head) {
+    let base = |g: &Graph, mut v: Value| {
+        while g.g[v.node].op.is_view() {
+            v = g.inputs(v.node)[0];
+        }
+        v
+    };
+    let (fw, bw) = (base(g, h.w), base(g, h.w_t));
+    if fw == bw || !same_gather(g, fw, bw) {
+        return;
+    }
+    if h.w_t == bw {
+        h.w_t = fw;
+        return;
+    }
+    let mut v = h.w_t;
+    loop {
+        let x = g.inputs(v.node)[0];
+        if x == bw {
+            crate::passes::replace_use(g, bw, fw, (v.node, 0));
+            return;
+        }
+        v = x;
+    }
 }
 
 /// Replaces head `h` by `chunks` chunks of `per` rows (the last the rest

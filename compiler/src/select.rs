@@ -82,7 +82,11 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
     for k in &p.kernels {
         let has_source = generated.iter().any(|(name, _)| *name == k.name);
         let choice = match &k.body {
-            _ if crate::kernel::buckets::is_collective(g, k) => Choice::Collective,
+            _ if crate::kernel::buckets::is_collective(g, k)
+                || crate::kernel::gathers::is_gather(g, k) =>
+            {
+                Choice::Collective
+            }
             Body::Gemm(..) if split(k) => Choice::SplitGemm,
             Body::Gemm(..) => Choice::Library,
             Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) && !has_source => match split(k) {

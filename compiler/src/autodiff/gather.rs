@@ -3,9 +3,10 @@
 //! whole parameter exists only while a pass reads it. For each parameter,
 //! the step gathers the pieces (`all_gather`) once for the forward pass's
 //! readers and once more for the backward pass's, each just before its
-//! first reader (the gather takes that reader's turn in the step's order),
-//! so the forward pass's copy dies with its last forward reader and the
-//! two never need to live together. Where the model reads the parameter
+//! first reader (the step's order holds a gather, and the cast it
+//! gathers, until a reader is taken: `ir::schedule`), so the forward
+//! pass's copy dies with its last forward reader and the two never need to
+//! live together. Where the model reads the parameter
 //! through its cast to the compute dtype, the rank's piece is cast and the
 //! gather moves the narrow values (half the bytes); the readers then take
 //! the gathered value in place of the cast.
@@ -86,16 +87,9 @@ pub fn gather_params(
         let span = Some(g.params[i].span);
         for ((_, narrow), readers) in groups {
             let phase = pass_of(g, readers[0].0);
-            let first = readers
-                .iter()
-                .map(|r| g.turn_of(r.0))
-                .min()
-                .expect("a group has readers");
-            let mut made = Vec::new();
             let mut piece = param;
             if narrow {
                 piece = g.add(Op::Cast(Cast { to: precision }), &[piece], span, phase)?[0];
-                made.push(piece.node);
             }
             let op = AllGather {
                 rank,
@@ -104,10 +98,6 @@ pub fn gather_params(
                 shape: shape.clone(),
             };
             let gathered = g.add(Op::AllGather(op), &[piece], span, phase)?[0];
-            made.push(gathered.node);
-            for n in made {
-                g.g[n].turn = Some(first);
-            }
             for (n, slot, via_cast) in readers {
                 let from = if via_cast { g.inputs(n)[slot] } else { param };
                 crate::passes::replace_use(g, from, gathered, (n, slot));
@@ -152,8 +142,7 @@ fn pass_of(g: &Graph, n: NodeIndex) -> Phase {
 
 /// Gives every view of `root` (through chains of views) readers of one
 /// pass alone: a view read by several is copied for each pass after the
-/// first, the copy reading what the view reads and taking the turn of its
-/// first reader.
+/// first, the copy reading what the view reads.
 fn split_views(g: &mut Graph, root: Value) -> Result<(), OpError> {
     for (n, _) in g.users(root) {
         if !g.g[n].op.is_view() {
@@ -170,10 +159,8 @@ fn split_views(g: &mut Graph, root: Value) -> Result<(), OpError> {
         }
         for readers in by_pass.into_values().skip(1) {
             let phase = pass_of(g, readers[0].0);
-            let first = readers.iter().map(|r| g.turn_of(r.0)).min();
             let (op, span) = (g.g[n].op.clone(), g.g[n].span);
             let copy = g.add(op, &g.inputs(n), span, phase)?[0];
-            g.g[copy.node].turn = first;
             for r in readers {
                 crate::passes::replace_use(g, view, copy, r);
             }

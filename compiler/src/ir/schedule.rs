@@ -86,15 +86,18 @@ pub fn topo_order(g: &Graph) -> Vec<NodeIndex> {
         }
         o.place_waiting_inputs(n);
         // A product's epilogue reads what the op after it reads (the GELU
-        // backward's pre-activation): have it made before.
+        // backward's pre-activation, a gathered bias): have it made before.
         if !o.waiting.is_empty() && matches!(g.g[n].op, Op::MatMul(_)) {
             let after: Vec<NodeIndex> =
                 g.g.edges_directed(n, Direction::Outgoing)
                     .map(|e| e.target())
-                    .filter(|&t| matches!(g.g[t].op, Op::UnaryGrad(_)))
                     .collect();
             for t in after {
-                o.place_waiting_inputs(t);
+                if matches!(g.g[t].op, Op::UnaryGrad(_)) {
+                    o.place_waiting_inputs(t);
+                } else {
+                    o.place_waiting_gathers(t);
+                }
             }
         }
         o.place(n);
@@ -178,7 +181,7 @@ impl Order<'_> {
                 }
             }
             for t in last {
-                if self.indeg[&t] == 0 && !self.g.g[t].recompute {
+                if self.indeg[&t] == 0 && !self.waits(t) {
                     let k = self.key(t);
                     self.ready.push(k);
                 }
@@ -200,13 +203,33 @@ impl Order<'_> {
     /// All of `n`'s inputs are counted as placed: a recomputed node waits
     /// (and counts as placed for its readers), any other is ready.
     fn became_ready(&mut self, n: NodeIndex) {
-        if self.g.g[n].recompute {
+        if self.waits(n) {
             self.waiting.insert(n);
             self.release(n);
         } else {
             let k = self.key(n);
             self.ready.push(k);
         }
+    }
+
+    /// Whether `n` waits for its first reader to be taken and goes just
+    /// before it: a recomputed node, ZeRO stage 3's gather of a parameter
+    /// (so that each pass's copy of a weight is made where it is read, not
+    /// where it could first be) and the cast of the piece it gathers, and
+    /// a view of any of them.
+    fn waits(&self, n: NodeIndex) -> bool {
+        let node = &self.g.g[n];
+        let gathered = || {
+            let users = self.readers(n);
+            !users.is_empty()
+                && users
+                    .iter()
+                    .all(|&t| matches!(self.g.g[t].op, Op::AllGather(_)))
+        };
+        node.recompute
+            || matches!(node.op, Op::AllGather(_))
+            || (matches!(node.op, Op::Cast(_)) && gathered())
+            || (node.op.is_view() && self.g.inputs(n).iter().any(|x| self.waits(x.node)))
     }
 
     /// The nodes that read `n` (once per edge).
@@ -250,6 +273,20 @@ impl Order<'_> {
             } else if self.indeg[&t] == 0 && !self.placed.contains(&t) {
                 let k = self.key(t);
                 self.ready.push(k);
+            }
+        }
+    }
+
+    /// Places the gathers `n` reads (through views) that still wait.
+    fn place_waiting_gathers(&mut self, n: NodeIndex) {
+        for v in self.g.inputs(n) {
+            let mut base = v.node;
+            while self.g.g[base].op.is_view() {
+                base = self.g.inputs(base)[0].node;
+            }
+            if matches!(self.g.g[base].op, Op::AllGather(_)) && self.waiting.remove(&v.node) {
+                self.place_waiting_inputs(v.node);
+                self.place(v.node);
             }
         }
     }

@@ -208,12 +208,8 @@ pub fn fuse_with(g: &Graph, opts: &LowerOptions) -> Program {
         }
         false => kernels,
     };
-    let kernels = number(super::buckets::bucket_collectives(
-        g,
-        &f.buffers,
-        kernels,
-        opts.bucket_bytes,
-    ));
+    let kernels = super::buckets::bucket_collectives(g, &f.buffers, kernels, opts.bucket_bytes);
+    let kernels = number(super::gathers::prefetch_gathers(g, kernels));
     let mut program = Program {
         buffers: f.buffers,
         kernels,

@@ -11,6 +11,7 @@
 pub mod buckets;
 pub(crate) mod forms;
 pub mod fuse;
+pub mod gathers;
 mod groups;
 pub mod interp;
 pub mod pitch;

@@ -28,8 +28,17 @@ impl Pass for Cse {
         for n in g.topo_order() {
             let node = &g.g[n];
             // ZeRO stage 3 gathers a parameter again for the backward pass
-            // on purpose: the forward pass's copy is freed in between.
-            if node.op.is_source() || matches!(node.op, crate::ops::Op::AllGather(_)) {
+            // on purpose, and casts the piece it gathers again: the forward
+            // pass's copies are freed in between.
+            let gathered = |n| {
+                let users = g.users(Value { node: n, port: 0 });
+                !users.is_empty()
+                    && users
+                        .iter()
+                        .all(|&(u, _)| matches!(g.g[u].op, crate::ops::Op::AllGather(_)))
+            };
+            if node.op.is_source() || matches!(node.op, crate::ops::Op::AllGather(_)) || gathered(n)
+            {
                 continue;
             }
             // Debug output holds every attribute exactly (floats round-trip).

@@ -1,12 +1,15 @@
 //! The data-parallel collectives in the memory plan: each bucket's
-//! all-reduce (kernel::buckets) runs on a second stream from its launch
+//! all-reduce (kernel::buckets), and under ZeRO stage 3 each parameter's
+//! gather (kernel::gathers), runs on a second stream from its launch
 //! until the first launch that reads one of its results, which waits for it.
-//! Over that span the compute stream keeps going, so the bucket's buffers
-//! must stay where they are until the wait: their lives stretch to it.
+//! Over that span the compute stream keeps going, so the collective's
+//! buffers must stay where they are until the wait: their lives stretch to
+//! it.
 
 use super::{MemKind, PlannedBuffer};
 use crate::ir::Graph;
 use crate::kernel::buckets::{every_micro_batch, is_collective};
+use crate::kernel::gathers::is_gather;
 use crate::kernel::{Body, Program};
 use crate::ops::Op;
 use petgraph::stable_graph::NodeIndex;
@@ -38,6 +41,21 @@ pub struct PlannedCollective {
     /// latest, so that the whole gradients it reads die there.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub pieces: Vec<Option<(u64, u64)>>,
+    /// ZeRO stage 3: a parameter gathered whole (its one tensor's input
+    /// this rank's piece, its output the whole parameter), with every
+    /// rank's elements [lo, hi) of it in rank order; `None` for a bucket.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gather: Option<PlannedGather>,
+}
+
+/// A parameter's gather as the plan runs it: each rank broadcasts its
+/// piece into its place in every rank's whole buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PlannedGather {
+    /// The parameter (its index in the model's order).
+    pub param: usize,
+    /// Each rank's elements [lo, hi) of it, `(0, 0)` where it owns none.
+    pub pieces: Vec<(u64, u64)>,
 }
 
 impl PlannedCollective {
@@ -56,6 +74,10 @@ impl PlannedCollective {
 pub fn collectives(g: &Graph, p: &Program, buffers: &[PlannedBuffer]) -> Vec<PlannedCollective> {
     let mut out = Vec::new();
     for (c, k) in p.kernels.iter().enumerate() {
+        if is_gather(g, k) {
+            out.push(gathered(g, p, buffers, c));
+            continue;
+        }
         if !is_collective(g, k) {
             continue;
         }
@@ -108,9 +130,44 @@ pub fn collectives(g: &Graph, p: &Program, buffers: &[PlannedBuffer]) -> Vec<Pla
             } else {
                 Vec::new()
             },
+            gather: None,
         });
     }
     out
+}
+
+/// Launch `c`'s gather (a parameter's, ZeRO stage 3): joined where its
+/// result is first read, on every micro-batch (each one's forward and
+/// backward passes read the weights).
+fn gathered(g: &Graph, p: &Program, buffers: &[PlannedBuffer], c: usize) -> PlannedCollective {
+    let k = &p.kernels[c];
+    let Body::Op(n) = k.body else {
+        unreachable!("a gather is an op kernel");
+    };
+    let Op::AllGather(a) = &g.g[n].op else {
+        unreachable!("a gather kernel runs all_gather");
+    };
+    let first_read = p.kernels[c + 1..]
+        .iter()
+        .position(|r| r.inputs.contains(&k.outputs[0]))
+        .map_or(p.kernels.len(), |i| c + 1 + i);
+    PlannedCollective {
+        launch: c,
+        join: first_read,
+        bytes: buffers[k.outputs[0]].bytes,
+        tensors: vec![(k.inputs[0], k.outputs[0])],
+        every_micro_batch: true,
+        owners_of: Vec::new(),
+        pieces: Vec::new(),
+        gather: Some(PlannedGather {
+            param: a.param,
+            pieces: a
+                .pieces
+                .iter()
+                .map(|&(lo, hi)| (lo as u64, hi as u64))
+                .collect(),
+        }),
+    }
 }
 
 /// Lives of what the collectives read and write, stretched over the span

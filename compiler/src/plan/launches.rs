@@ -47,6 +47,7 @@ pub(super) fn launches(
                 kernel: k.name.clone(),
                 kind: match (&k.body, &shape) {
                     _ if is_collective(g, k) => LaunchKind::AllReduce,
+                    _ if crate::kernel::gathers::is_gather(g, k) => LaunchKind::AllGather,
                     (_, Some(_)) => LaunchKind::Generated,
                     (Body::Gemm(..), None) => LaunchKind::Gemm,
                     (Body::Op(n), None) if matches!(g.g[*n].op, Op::MatMul(_)) => LaunchKind::Gemm,

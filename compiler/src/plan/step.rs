@@ -70,6 +70,9 @@ pub enum LaunchKind {
     Template,
     /// A bucket's gradients averaged over the data-parallel ranks.
     AllReduce,
+    /// A parameter gathered whole from its owners' pieces (ZeRO stage 3),
+    /// on the communication stream like an all-reduce.
+    AllGather,
     /// A group kernel whose members' sizes do not add up to one count of
     /// elements (so no generated step is planned for it).
     Group,
@@ -82,11 +85,17 @@ pub enum LaunchKind {
 }
 
 impl LaunchKind {
+    /// Whether it runs on the communication stream (a collective).
+    pub fn communicates(&self) -> bool {
+        matches!(self, LaunchKind::AllReduce | LaunchKind::AllGather)
+    }
+
     pub fn as_str(&self) -> &'static str {
         match self {
             LaunchKind::Generated => "generated",
             LaunchKind::Template => "template",
             LaunchKind::AllReduce => "all_reduce",
+            LaunchKind::AllGather => "all_gather",
             LaunchKind::Group => "group",
             LaunchKind::Gemm => "matmul",
             LaunchKind::Op(name) => name,

@@ -85,10 +85,7 @@ pub fn chrome_trace(
         json!({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": PHASES, "args": {"sort_index": 0}}),
         json!({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": COMPUTE, "args": {"sort_index": 1}}),
     ];
-    let communicates = plan
-        .launches
-        .iter()
-        .any(|l| l.kind == LaunchKind::AllReduce);
+    let communicates = plan.launches.iter().any(|l| l.kind.communicates());
     if communicates {
         events.push(json!({"name": "thread_name", "ph": "M", "pid": PID, "tid": COMMUNICATION, "args": {"name": "communication stream"}}));
         events.push(json!({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": COMMUNICATION, "args": {"sort_index": 2}}));
@@ -144,7 +141,7 @@ pub fn chrome_trace(
                 args.insert("template".into(), json!(t));
             }
         }
-        let tid = if l.kind == LaunchKind::AllReduce {
+        let tid = if l.kind.communicates() {
             COMMUNICATION
         } else {
             COMPUTE
