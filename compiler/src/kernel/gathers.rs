@@ -21,6 +21,9 @@ use std::collections::HashMap;
 /// third of a layer's weights).
 pub const LOOKAHEAD: usize = 2;
 
+/// A gather with the cast that makes the piece it moves, where it has one.
+type Moved = (Option<Kernel>, Kernel);
+
 /// Whether kernel `k` is a parameter's gather.
 pub fn is_gather(g: &Graph, k: &Kernel) -> bool {
     matches!(&k.body, Body::Op(n) if matches!(g.g[*n].op, Op::AllGather(_)))
@@ -48,7 +51,7 @@ pub fn prefetch_gathers(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
         }
     }
     let moved: std::collections::HashSet<usize> = feeder.values().copied().collect();
-    let mut gathers: Vec<(Option<Kernel>, Kernel)> = Vec::new();
+    let mut gathers: Vec<Moved> = Vec::new();
     let mut rest: Vec<Kernel> = Vec::new();
     let mut casts: HashMap<usize, Kernel> = HashMap::new();
     let mut pending: Vec<(usize, Kernel)> = Vec::new();
@@ -80,7 +83,7 @@ pub fn prefetch_gathers(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
     // elimination) goes last. Ready: after the last kernel before the
     // reader that writes what the cast (or the gather) reads: a parameter
     // is written only by the update, after every reader.
-    let mut order: Vec<(usize, Option<usize>, (Option<Kernel>, Kernel))> = gathers
+    let mut order: Vec<(usize, Option<usize>, Moved)> = gathers
         .into_iter()
         .map(|(cast, k)| {
             let needed = first_reader
@@ -97,7 +100,7 @@ pub fn prefetch_gathers(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
         .collect();
     order.sort_by_key(|(needed, _, _)| *needed);
     // After which kernel of `rest` each gather is issued (`None`: first).
-    let mut issue: Vec<(Option<usize>, (Option<Kernel>, Kernel))> = Vec::with_capacity(order.len());
+    let mut issue: Vec<(Option<usize>, Moved)> = Vec::with_capacity(order.len());
     // The readers of the sets so far, the latest last.
     let mut readers: Vec<usize> = Vec::new();
     for (needed, ready, k) in order {
