@@ -59,6 +59,19 @@ pub(crate) struct Bucket {
     /// where it owns the parameter whole or nothing of it); empty at
     /// stage 1.
     pub kept: Vec<Option<(u64, u64)>>,
+    /// ZeRO stage 3: a parameter gathered whole from its owners' pieces
+    /// (then `all`, `owned` and `kept` are empty).
+    pub gather: Option<Gather>,
+}
+
+/// ZeRO stage 3's gather of a parameter, as the executor issues it: this
+/// rank's piece at `input`, the whole at `output`, every rank's elements
+/// [lo, hi) of it (`nccl::gather_calls`).
+pub(crate) struct Gather {
+    pub input: u64,
+    pub output: u64,
+    pub dtype: DType,
+    pub pieces: Vec<(u64, u64)>,
 }
 
 struct Launch {
@@ -199,6 +212,15 @@ impl Executor {
         self.launches
             .iter()
             .any(|l| matches!(l.step, Step::Collective(..)))
+    }
+
+    /// Whether the step gathers its weights from the ranks' pieces (ZeRO
+    /// stage 3): its update writes this rank's pieces, all it keeps, so
+    /// nothing is sent after it.
+    pub fn gathers_weights(&self) -> bool {
+        self.launches
+            .iter()
+            .any(|l| matches!(&l.step, Step::Collective(b) if b.gather.is_some()))
     }
 
     /// Whether the next steps run their collectives: off for micro-batches

@@ -130,6 +130,38 @@ pub fn coalesce_shares(shares: &[(Tensor, usize)], align: u64) -> Vec<(Tensor, u
     out
 }
 
+/// ZeRO stage 3: a parameter gathered whole on rank `rank` as one
+/// broadcast per owner: each rank's piece (`pieces`, elements [lo, hi) in
+/// rank order, empty where a rank owns none) from its owner into its
+/// place in the whole buffer at `output`; the owner sends from its piece's
+/// buffer at `input` (NCCL reads the send buffer on the root alone).
+pub fn gather_calls(
+    rank: usize,
+    input: u64,
+    output: u64,
+    dtype: DType,
+    pieces: &[(u64, u64)],
+) -> Vec<(Tensor, usize)> {
+    let size = dtype.size_bytes() as u64;
+    pieces
+        .iter()
+        .enumerate()
+        .filter(|(_, (lo, hi))| hi > lo)
+        .map(|(root, &(lo, hi))| {
+            let at = output + lo * size;
+            (
+                Tensor {
+                    input: if root == rank { input } else { at },
+                    output: at,
+                    count: (hi - lo) as usize,
+                    dtype,
+                },
+                root,
+            )
+        })
+        .collect()
+}
+
 /// ZeRO: each of `tensors` (a parameter's values, or a bucket's tensor of
 /// its gradient; with the parameter's index) cut into that parameter's
 /// pieces (`pieces`, from `autodiff::zero::pieces`), each with its owner
@@ -260,6 +292,18 @@ impl Comm {
         )
     }
 
+    /// ZeRO stage 3: a parameter's pieces from their owners into the
+    /// whole on every rank (`gather_calls`), as one NCCL group queued on
+    /// `stream`.
+    pub fn gather(
+        &self,
+        stream: &CudaStream,
+        calls: &[(Tensor, usize)],
+    ) -> Result<(), RuntimeError> {
+        let calls = calls.iter().map(|&(t, root)| (t, Call::Broadcast(root)));
+        self.group(stream, "gathering a parameter from its owners", calls)
+    }
+
     /// `calls` as one NCCL group queued on `stream`.
     fn group(
         &self,
@@ -321,6 +365,23 @@ mod tests {
             count,
             dtype,
         }
+    }
+
+    /// Each owner's piece goes to its place in the whole; the owner sends
+    /// from its own buffer, the others name their place (ignored by NCCL
+    /// off the root); a rank owning nothing is no call.
+    #[test]
+    fn a_gather_is_one_broadcast_per_owner_into_its_place() {
+        let pieces = [(0, 100), (100, 100), (100, 164)];
+        let calls = gather_calls(2, 9000, 4096, DType::BF16, &pieces);
+        assert_eq!(calls.len(), 2);
+        let (a, ra) = calls[0];
+        assert_eq!((a.input, a.output, a.count, ra), (4096, 4096, 100, 0));
+        let (b, rb) = calls[1];
+        assert_eq!((b.input, b.output, b.count, rb), (9000, 4096 + 200, 64, 2));
+        let on0 = gather_calls(0, 7000, 4096, DType::BF16, &pieces);
+        assert_eq!(on0[0].0.input, 7000);
+        assert_eq!(on0[1].0.input, 4096 + 200);
     }
 
     #[test]

@@ -172,7 +172,11 @@ impl Session {
         }
         let ranks = comm.ranks as u32;
         let mut dp = crate::exec::DataParallel::new(&self.exec.gpu, comm)?;
-        if zero {
+        if zero && self.exec.gathers_weights() {
+            // Stage 3: the gradients reduce into pieces like stage 2's; no
+            // parameter is sent after the update.
+            dp.pieces = fusec_compiler::plan::pieces(&self.params, ranks);
+        } else if zero {
             // Every piece of every parameter from its owner, after the
             // owner's update.
             let pieces = fusec_compiler::plan::pieces(&self.params, ranks);

@@ -179,7 +179,23 @@ impl Ranks {
                 shapes.insert(name.clone(), full);
             }
         }
-        let owned = fusec_compiler::autodiff::zero::job_states(&graph, &states);
+        let mut owned = fusec_compiler::autodiff::zero::job_states(&graph, &states);
+        // Stage 3: the weights too are held in pieces, each rank its own,
+        // and gathered for a checkpoint as the states are. (Every rank's
+        // graph gathers its weights, so every process decides alike.)
+        let gathers = graph
+            .g
+            .node_weights()
+            .any(|n| matches!(n.op, Op::AllGather(_)));
+        if gathers {
+            owned.extend(
+                graph
+                    .params
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| (p.name.clone(), i)),
+            );
+        }
         for (name, &i) in &owned {
             if let Some(full) = shapes.get(&graph.params[i].name).cloned() {
                 shapes.entry(name.clone()).or_insert(full);
@@ -439,10 +455,11 @@ impl Backend for Ranks {
     }
     fn state_names(&self) -> Vec<String> {
         // A master is its parameter: set, read and saved as it. Under a
-        // launcher, the states other processes' ranks keep too.
+        // launcher, the states other processes' ranks keep too (and under
+        // stage 3 their pieces of the weights, which are no states).
         let all: BTreeSet<&String> = self.states.iter().chain(self.owned.keys()).collect();
         all.into_iter()
-            .filter(|s| !self.is_master(s))
+            .filter(|s| !self.is_master(s) && !self.graph.params.iter().any(|p| &p.name == *s))
             .cloned()
             .collect()
     }

@@ -91,6 +91,15 @@ impl DataParallel {
         bucket: &super::Bucket,
         launch: usize,
     ) -> Result<(), RuntimeError> {
+        if let Some(ga) = &bucket.gather {
+            // The piece's cast is on the compute stream, just before.
+            self.stream
+                .join(&gpu.stream)
+                .map_err(|e| RuntimeError::driver("ordering a gather after its piece", e))?;
+            let calls =
+                nccl::gather_calls(self.comm.rank, ga.input, ga.output, ga.dtype, &ga.pieces);
+            return self.timed(launch, |dp| dp.comm.gather(&dp.stream, &calls));
+        }
         if !bucket.owned.is_empty() && self.pieces.is_empty() {
             return Err(RuntimeError::Unsupported(
                 "the step was built with --zero 1 or 2 (gradients reduced to their owners), and this run does not shard the optimizer state: run it with the --zero it was built with".into(),
@@ -105,6 +114,16 @@ impl DataParallel {
         self.stream
             .join(&gpu.stream)
             .map_err(|e| RuntimeError::driver("ordering a collective after its gradients", e))?;
+        self.timed(launch, |dp| dp.comm.average(&dp.stream, tensors, &rooted))
+    }
+
+    /// Queues `queue` (NCCL calls on the communication stream), between
+    /// timing events while a step is profiled.
+    fn timed(
+        &mut self,
+        launch: usize,
+        queue: impl FnOnce(&Self) -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
         let ev = |s: &Self| {
             s.stream
                 .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
@@ -114,7 +133,7 @@ impl DataParallel {
             Some(_) => Some(ev(self)?),
             None => None,
         };
-        self.comm.average(&self.stream, tensors, &rooted)?;
+        queue(self)?;
         if let Some(start) = start {
             let end = ev(self)?;
             if let Some(t) = self.timing.as_mut() {

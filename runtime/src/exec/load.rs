@@ -102,7 +102,34 @@ impl Executor {
         let mut gemm = None;
         for (ki, l) in plan.launches.iter().enumerate() {
             let args: Vec<u64> = l.inputs.iter().chain(&l.outputs).map(|&b| ptr(b)).collect();
-            let step = if l.kind == fusec_compiler::plan::LaunchKind::AllReduce {
+            let step = if l.kind == fusec_compiler::plan::LaunchKind::AllGather {
+                let planned = plan.collectives.iter().find(|c| c.launch == ki);
+                let (Some(c), Some(ga)) = (planned, planned.and_then(|c| c.gather.as_ref())) else {
+                    return Err(RuntimeError::Unsupported(format!(
+                        "internal error: launch {} gathers a parameter the plan has no gather for; this is a bug in fusec",
+                        l.kernel
+                    )));
+                };
+                let (i, o) = c.tensors[0];
+                if slots[o].pitch.is_some() {
+                    return Err(RuntimeError::Unsupported(format!(
+                        "internal error: {} gathers into a buffer with padded rows, which a gather does not write; this is a bug in fusec",
+                        l.kernel
+                    )));
+                }
+                Step::Collective(super::Bucket {
+                    all: Vec::new(),
+                    every_micro_batch: true,
+                    owned: Vec::new(),
+                    kept: Vec::new(),
+                    gather: Some(super::Gather {
+                        input: ptr(i),
+                        output: ptr(o),
+                        dtype: slots[o].dtype,
+                        pieces: ga.pieces.clone(),
+                    }),
+                })
+            } else if l.kind == fusec_compiler::plan::LaunchKind::AllReduce {
                 let planned = plan.collectives.iter().find(|c| c.launch == ki);
                 let owners_of = planned.map_or(&[][..], |c| &c.owners_of[..]);
                 let pieces = planned.map_or(&[][..], |c| &c.pieces[..]);
@@ -140,6 +167,7 @@ impl Executor {
                     every_micro_batch: planned.is_some_and(|c| c.every_micro_batch),
                     owned,
                     kept,
+                    gather: None,
                 })
             } else if !l.steps.is_empty() {
                 // The kernels the plan launches: the generated one, or the
