@@ -389,10 +389,12 @@ fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
             _ => None,
         })
         .unwrap_or(1);
-    let total: u64 = plan.collectives.iter().map(|c| c.bytes).sum();
+    // ZeRO stage 3's gathers apart from the gradients' buckets.
+    let (gathers, reduces): (Vec<_>, Vec<_>) =
+        plan.collectives.iter().partition(|c| c.gather.is_some());
+    let total: u64 = reduces.iter().map(|c| c.bytes).sum();
     // The types the gradients are averaged in (bf16 with --reduce-dtype bf16).
-    let mut types: Vec<&str> = plan
-        .collectives
+    let mut types: Vec<&str> = reduces
         .iter()
         .filter(|c| !c.every_micro_batch)
         .flat_map(|c| c.dtypes(&plan.buffers))
@@ -413,7 +415,7 @@ fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
     let _ = writeln!(
         s,
         "data parallel over {ranks} ranks: {} {} buckets (mean in {}, NCCL) of {} in all; each starts after the kernel that finishes its last gradient and runs while the backward pass goes on{}",
-        plan.collectives.len(),
+        reduces.len(),
         if zero { "collective" } else { "all-reduce" },
         if types.is_empty() { "f32".to_string() } else { types.join(" and ") },
         kib(total),
@@ -421,13 +423,23 @@ fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
             // Stage 2 keeps no whole gradient past its bucket.
             let sharded = !plan.buffers.iter().any(|b| b.kind == MemKind::Grad);
             format!(
-                "; ZeRO: each gradient's mean goes to the owners of its pieces alone (NCCL reduces rooted at them, together a reduce-scatter){}, the loss and the norm's sum of squares to every rank; after the update each owner sends its pieces of the parameters to the other ranks in {} (broadcasts, together an all-gather)",
+                "; ZeRO: each gradient's mean goes to the owners of its pieces alone (NCCL reduces rooted at them, together a reduce-scatter){}, the loss and the norm's sum of squares to every rank; {}",
                 if sharded {
-                    ", each owner's into a buffer of its piece's size (stage 2: the whole gradients are temporaries, joined where the next bucket starts)"
+                    ", each owner's into a buffer of its piece's size (stages 2 and 3: the whole gradients are temporaries, joined where the next bucket starts)"
                 } else {
                     ""
                 },
-                sent.join(" and ")
+                if gathers.is_empty() {
+                    format!("after the update each owner sends its pieces of the parameters to the other ranks in {} (broadcasts, together an all-gather)", sent.join(" and "))
+                } else {
+                    format!(
+                        "stage 3: each rank keeps its pieces of the weights alone (in {}) and updates them in place; {} gathers (broadcasts from each piece's owner, together an all-gather) of {} in all make each weight whole in the compute dtype where a pass reads it, each issued {} readers of weights ahead of its own and joined before it",
+                        sent.join(" and "),
+                        gathers.len(),
+                        kib(gathers.iter().map(|c| c.bytes).sum()),
+                        crate::kernel::gathers::LOOKAHEAD
+                    )
+                }
             )
         } else {
             String::new()
