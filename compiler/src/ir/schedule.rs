@@ -226,10 +226,15 @@ impl Order<'_> {
                     .iter()
                     .all(|&t| matches!(self.g.g[t].op, Op::AllGather(_)))
         };
-        node.recompute
-            || matches!(node.op, Op::AllGather(_))
-            || (matches!(node.op, Op::Cast(_)) && gathered())
-            || (node.op.is_view() && self.g.inputs(n).iter().any(|x| self.waits(x.node)))
+        node.recompute || self.of_gather(n) || (matches!(node.op, Op::Cast(_)) && gathered())
+    }
+
+    /// Whether `n` is a gather, or a view of one. (A view of a recomputed
+    /// value waits only where the recompute stage marks it so.)
+    fn of_gather(&self, n: NodeIndex) -> bool {
+        let node = &self.g.g[n];
+        matches!(node.op, Op::AllGather(_))
+            || (node.op.is_view() && self.g.inputs(n).iter().any(|x| self.of_gather(x.node)))
     }
 
     /// The nodes that read `n` (once per edge).
@@ -270,7 +275,8 @@ impl Order<'_> {
                 if node.op.is_view() && self.waiting.contains(&t) {
                     self.raise_readers(t);
                 }
-            } else if self.indeg[&t] == 0 && !self.placed.contains(&t) {
+            } else if self.indeg[&t] == 0 && !self.placed.contains(&t) && !self.waiting.contains(&t)
+            {
                 let k = self.key(t);
                 self.ready.push(k);
             }
