@@ -4,7 +4,10 @@
 //! relative in fp32 and 1e-2 in bf16, with and without micro-batches, ZeRO
 //! stage 1 and gradients averaged in bf16 (`--reduce-dtype bf16`).
 //! Needs two GPUs and NCCL; says so and passes over it otherwise (a failure
-//! where FUSEC_REQUIRE_GPUS is set).
+//! where FUSEC_REQUIRE_GPUS is set). With one GPU, the same checks run with
+//! the ranks sharing it and meeting through host memory instead of NCCL
+//! (`fusec_runtime::loopback`): the plan's collectives, the executor's
+//! issues and joins and ZeRO's pieces on a real GPU, NCCL itself not.
 
 mod common;
 
@@ -131,6 +134,21 @@ fn check_reducing(
     zero: Option<ZeroStage>,
     reduce: Option<DType>,
 ) {
+    check_meeting(n, precision, micro, tol, zero, reduce, false)
+}
+
+/// N ranks against one GPU with the whole batch, the ranks on N GPUs
+/// meeting through NCCL, or (`loopback`) all on GPU 0 meeting through
+/// host memory.
+fn check_meeting(
+    n: usize,
+    precision: &str,
+    micro: u32,
+    tol: f64,
+    zero: Option<ZeroStage>,
+    reduce: Option<DType>,
+    loopback: bool,
+) {
     let (b, t) = (2usize, 64usize);
     let one = compiled(1, precision, micro);
     let (_, dims_one) = sizes(&[("B", (n * b) as i64), ("T", t as i64)]);
@@ -161,21 +179,33 @@ fn check_reducing(
         })
         .collect();
     let (_, dims) = sizes(&[("B", b as i64), ("T", t as i64)]);
-    let here: Vec<(usize, usize)> = (0..n).map(|r| (r, r)).collect();
-    let id = nccl::unique_id().unwrap();
-    let mut group = ranks::start_gpus(
-        graphs,
-        &LowerOptions::default(),
-        &dims,
-        &here,
-        n,
-        id,
-        GpuOptions::default(),
-        None,
-        Arc::new(|_, _, _| {}),
-        zero.is_some(),
-    )
-    .unwrap();
+    let mut group = if loopback {
+        ranks::start_loopback(
+            graphs,
+            &LowerOptions::default(),
+            &dims,
+            0,
+            GpuOptions::default(),
+            zero.is_some(),
+        )
+        .unwrap()
+    } else {
+        let here: Vec<(usize, usize)> = (0..n).map(|r| (r, r)).collect();
+        let id = nccl::unique_id().unwrap();
+        ranks::start_gpus(
+            graphs,
+            &LowerOptions::default(),
+            &dims,
+            &here,
+            n,
+            id,
+            GpuOptions::default(),
+            None,
+            Arc::new(|_, _, _| {}),
+            zero.is_some(),
+        )
+        .unwrap()
+    };
     let run = train(&mut group, n * b, t, micro as u64);
     let mut worst: f64 = 0.0;
     for (s, ((l, g), (rl, rg))) in run.iter().zip(&reference).enumerate() {
@@ -241,7 +271,8 @@ fn check_reducing(
         }
     }
     println!(
-        "{n} GPUs x B={b} against 1 x B={}{}{}: {precision}, micro-batches {micro}: worst relative difference over 20 steps {worst:.2e} (allowed {tol:.0e}); last loss {:.5}",
+        "{n} {} x B={b} against 1 x B={}{}{}: {precision}, micro-batches {micro}: worst relative difference over 20 steps {worst:.2e} (allowed {tol:.0e}); last loss {:.5}",
+        if loopback { "loopback ranks on one GPU" } else { "GPUs" },
         n * b,
         match zero {
             Some(ZeroStage::One) => ", ZeRO stage 1",
@@ -284,6 +315,32 @@ fn n_gpus_with_batch_b_train_as_one_gpu_with_n_times_b() {
         check_with(n, "fp32", 2, 1e-5, three);
         check_with(n, "bf16", 1, 1e-2, three);
         check_reducing(n, "bf16", 2, 1e-2, three, Some(DType::BF16));
+    }
+}
+
+/// The same checks with two ranks sharing GPU 0 and meeting through host
+/// memory: every ZeRO stage, fp32 and bf16, micro-batches, bf16 reduces.
+/// Needs one GPU (no NCCL).
+#[test]
+fn loopback_ranks_on_one_gpu_train_as_one_gpu_with_n_times_b() {
+    if !device::driver_present() || device::count() < 1 {
+        assert!(
+            std::env::var_os("FUSEC_REQUIRE_GPU").is_none(),
+            "FUSEC_REQUIRE_GPU is set: no GPU"
+        );
+        common::skip("no GPU on this machine");
+        return;
+    }
+    let run = |precision, micro, tol, zero, reduce| {
+        check_meeting(2, precision, micro, tol, zero, reduce, true)
+    };
+    run("fp32", 1, 1e-5, None, None);
+    run("bf16", 2, 1e-2, None, Some(DType::BF16));
+    for stage in [ZeroStage::One, ZeroStage::Two, ZeroStage::Three] {
+        run("fp32", 1, 1e-5, Some(stage), None);
+        run("fp32", 2, 1e-5, Some(stage), None);
+        run("bf16", 1, 1e-2, Some(stage), None);
+        run("bf16", 2, 1e-2, Some(stage), Some(DType::BF16));
     }
 }
 

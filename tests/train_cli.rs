@@ -1444,3 +1444,60 @@ fn save_grads_holds_the_gradients_the_update_read() {
         "{err}"
     );
 }
+
+/// ZeRO stage 3 with what a run adds to the step: fp16 with its loss
+/// scaling (the gathers move fp16 casts of the f32 pieces, as stage 1's
+/// owners round their masters), `--deterministic`, a warm-up and cosine
+/// schedule: three CPU ranks at stage 3 follow three at stage 1 bit for
+/// bit (the same arithmetic on the same values). (Micro-batches and
+/// clipping: tests/ranks_cpu.rs.)
+#[test]
+fn zero_three_with_fp16_and_schedules_follows_stage_one() {
+    let run = |zero: &str, extra: &[&str], log: &Path| {
+        let mut a = vec![
+            "train",
+            "dsl-examples/gpt2-small.dsl",
+            "--cpu",
+            "--gpus",
+            "3",
+            "--zero",
+            zero,
+            "--data",
+            "random",
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--steps",
+            "4",
+            "--set",
+            "layers=1",
+            "--set",
+            "d=32",
+            "--set",
+            "n_heads=2",
+            "--set",
+            "vocab=61",
+            "--set",
+            "ctx=16",
+            "--log",
+            log.to_str().unwrap(),
+        ];
+        a.extend_from_slice(extra);
+        let (code, _, err) = fusec(&a);
+        assert_eq!(code, 0, "--zero {zero} {extra:?}: {err}");
+        losses(log)
+    };
+    for (k, extra) in [
+        &["--precision", "fp16"][..],
+        &["--deterministic", "--schedule", "cosine", "--warmup", "2"][..],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let one = run("1", extra, &tmp(&format!("z3-follows-{k}-one.jsonl")));
+        let three = run("3", extra, &tmp(&format!("z3-follows-{k}-three.jsonl")));
+        assert_eq!(one.len(), 4, "{extra:?}");
+        assert_eq!(three, one, "{extra:?}");
+    }
+}

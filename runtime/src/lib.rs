@@ -14,6 +14,7 @@ pub mod gemm;
 pub mod gemm_split;
 pub mod gemm_tuning;
 pub mod launcher;
+pub mod loopback;
 pub mod marks;
 pub mod name_map;
 pub mod nccl;

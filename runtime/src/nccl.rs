@@ -15,9 +15,16 @@ use fusec_compiler::plan::shard::Piece;
 pub type UniqueId = [u8; 128];
 
 pub struct Comm {
-    raw: sys::ncclComm_t,
+    /// NCCL's communicator, or (checking on one GPU) the ranks' meeting
+    /// place in host memory.
+    link: Link,
     pub rank: usize,
     pub ranks: usize,
+}
+
+enum Link {
+    Nccl(sys::ncclComm_t),
+    Loopback(std::sync::Arc<crate::loopback::Loopback>),
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time;
@@ -226,16 +233,8 @@ pub fn kept_pieces(
     out
 }
 
-/// One NCCL call of a group: its kind and, for the rooted ones, the root.
-#[derive(Clone, Copy)]
-enum Call {
-    /// The mean onto every rank.
-    AllReduce,
-    /// The mean onto the root alone.
-    Reduce(usize),
-    /// The root's values onto every rank.
-    Broadcast(usize),
-}
+/// One call of a group: its kind and, for the rooted ones, the root.
+use crate::loopback::Call;
 
 impl Comm {
     /// Joins the communicator of `ranks` ranks as `rank`, on `gpu`. Blocks
@@ -256,7 +255,29 @@ impl Comm {
                 .map_err(|e| nccl_error(&format!("rank {rank} joining {ranks} ranks"), e))?;
             raw.assume_init()
         };
-        Ok(Comm { raw, rank, ranks })
+        Ok(Comm {
+            link: Link::Nccl(raw),
+            rank,
+            ranks,
+        })
+    }
+
+    /// Rank `rank` of the ranks meeting at `place` (one process, one GPU,
+    /// no NCCL: `loopback`), for checking the data-parallel step where
+    /// there are not GPUs enough for NCCL.
+    pub fn loopback(place: std::sync::Arc<crate::loopback::Loopback>, rank: usize) -> Comm {
+        let ranks = place.ranks();
+        Comm {
+            link: Link::Loopback(place),
+            rank,
+            ranks,
+        }
+    }
+
+    /// Whether this rank meets the others through host memory
+    /// (`loopback`): its collectives cannot be captured in a CUDA graph.
+    pub fn is_loopback(&self) -> bool {
+        matches!(self.link, Link::Loopback(_))
     }
 
     /// Averages each of `all` over the ranks onto every rank, and each of
@@ -311,6 +332,15 @@ impl Comm {
         what: &str,
         calls: impl Iterator<Item = (Tensor, Call)>,
     ) -> Result<(), RuntimeError> {
+        let raw = match &self.link {
+            Link::Nccl(raw) => *raw,
+            Link::Loopback(place) => {
+                let calls: Vec<_> = calls
+                    .map(|(t, call)| (t.input, t.output, t.count, t.dtype, call))
+                    .collect();
+                return place.group(self.rank, stream, &calls);
+            }
+        };
         let what = |e| nccl_error(what, e);
         let s = stream.cu_stream() as sys::cudaStream_t;
         result::group_start().map_err(what)?;
@@ -326,14 +356,12 @@ impl Comm {
             // passes this call (the plan keeps them alive to the join).
             unsafe {
                 match call {
-                    Call::AllReduce => {
-                        result::all_reduce(input, output, t.count, dt, avg, self.raw, s)
-                    }
+                    Call::AllReduce => result::all_reduce(input, output, t.count, dt, avg, raw, s),
                     Call::Reduce(root) => {
-                        result::reduce(input, output, t.count, dt, avg, root as i32, self.raw, s)
+                        result::reduce(input, output, t.count, dt, avg, root as i32, raw, s)
                     }
                     Call::Broadcast(root) => {
-                        result::broadcast(input, output, t.count, dt, root as i32, self.raw, s)
+                        result::broadcast(input, output, t.count, dt, root as i32, raw, s)
                     }
                 }
             }
@@ -349,7 +377,9 @@ impl Drop for Comm {
         // SAFETY: the communicator is live and no call on it is in flight
         // (the owner synchronised its streams or is unwinding an error).
         unsafe {
-            let _ = result::comm_destroy(self.raw);
+            if let Link::Nccl(raw) = self.link {
+                let _ = result::comm_destroy(raw);
+            }
         }
     }
 }

@@ -179,6 +179,17 @@ impl Backend for Gpu {
         let comm = fusec_runtime::nccl::Comm::join(&self.session.exec.gpu, id, rank, ranks)?;
         self.session.attach(comm, zero)
     }
+    fn join_loopback(
+        &mut self,
+        place: std::sync::Arc<fusec_runtime::loopback::Loopback>,
+        rank: usize,
+        zero: bool,
+    ) -> Result<(), RuntimeError> {
+        let comm = fusec_runtime::nccl::Comm::loopback(place, rank);
+        // Its collectives wait on the host: not capturable.
+        self.session.use_graph = false;
+        self.session.attach(comm, zero)
+    }
     fn time_steps(&mut self, steps: u64) -> Result<f64, RuntimeError> {
         // Replays back to back (the CUDA graph where there is one), one wait at the end.
         let exec = &mut self.session.exec;

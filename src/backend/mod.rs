@@ -154,6 +154,19 @@ pub trait Backend {
             "rank {rank} of {ranks}: NCCL communicators are for GPU ranks; the CPU reference's ranks meet in one process (--cpu --gpus N)"
         )))
     }
+    /// Joins the ranks meeting at `place` in host memory as `rank`
+    /// (`fusec_runtime::loopback`: several GPU ranks on one GPU, for
+    /// checking), as [`Backend::join_comm`] joins NCCL's.
+    fn join_loopback(
+        &mut self,
+        _place: std::sync::Arc<fusec_runtime::loopback::Loopback>,
+        rank: usize,
+        _zero: bool,
+    ) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Unsupported(format!(
+            "rank {rank}: loopback ranks are GPU sessions sharing one GPU"
+        )))
+    }
     /// Runs `steps` steps back to back on the inputs as they are and returns
     /// the milliseconds per step (what `fusec bench` reports).
     fn time_steps(&mut self, steps: u64) -> Result<f64, RuntimeError> {

@@ -610,3 +610,35 @@ pub fn start_gpus(
     ranks.try_each(move |rank, b| b.join_comm(&id, rank, world, zero))?;
     Ok(ranks)
 }
+
+/// `graphs.len()` GPU ranks all on GPU `ordinal`, meeting through host
+/// memory (`fusec_runtime::loopback`) instead of NCCL, which refuses two
+/// ranks on one device: the data-parallel step checked on a machine with
+/// one GPU. Slow, launch by launch; never a measurement.
+pub fn start_loopback(
+    graphs: Vec<Graph>,
+    lower: &LowerOptions,
+    dims: &BTreeMap<String, i64>,
+    ordinal: usize,
+    options: GpuOptions,
+    zero: bool,
+) -> Result<Ranks, RuntimeError> {
+    let world = graphs.len();
+    let builds: Vec<(usize, Build)> = graphs
+        .into_iter()
+        .enumerate()
+        .map(|(rank, g)| {
+            let (dims, lower) = (dims.clone(), lower.clone());
+            let build: Build = Box::new(move || {
+                let gpu = fusec_runtime::device::open(ordinal)?;
+                let b = super::Gpu::open(gpu, &g, &lower, &dims, None, &|_, _| {}, options)?;
+                Ok(Box::new(b) as Box<dyn Backend>)
+            });
+            (rank, build)
+        })
+        .collect();
+    let ranks = Ranks::new(builds, world)?;
+    let place = Arc::new(fusec_runtime::loopback::Loopback::new(world));
+    ranks.try_each(move |rank, b| b.join_loopback(Arc::clone(&place), rank, zero))?;
+    Ok(ranks)
+}

@@ -1,0 +1,204 @@
+//! Ranks of one process meeting without NCCL, through host memory: every
+//! collective a rank's communicator is asked for (`nccl::Comm::group`) is
+//! deposited here, and once every rank has deposited its calls each takes
+//! its results from all of them. For checking the data-parallel step (the
+//! plan's buckets and gathers, the executor's issue and joins, ZeRO's
+//! pieces) on a machine with one GPU, where NCCL refuses two ranks on one
+//! device: several ranks' sessions share the GPU, each with its own arena.
+//! Slow (every collective waits for the streams and goes through the
+//! host), and not capturable in a CUDA graph; never a measurement of
+//! communication.
+
+use crate::RuntimeError;
+use cudarc::driver::{result, CudaStream};
+use fusec_compiler::dtype::DType;
+use std::sync::{Barrier, Mutex};
+
+/// What one rank asks of a collective.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    /// The mean onto every rank.
+    AllReduce,
+    /// The mean onto the root alone.
+    Reduce(usize),
+    /// The root's values onto every rank.
+    Broadcast(usize),
+}
+
+/// One call as deposited: what, its type, the input's values (as f64), and
+/// where this rank wants the output.
+struct Deposit {
+    call: Call,
+    dtype: DType,
+    values: Vec<f64>,
+    output: u64,
+}
+
+/// The ranks' meeting place.
+pub struct Loopback {
+    ranks: usize,
+    deposits: Mutex<Vec<Vec<Deposit>>>,
+    barrier: Barrier,
+}
+
+fn driver(e: cudarc::driver::DriverError) -> RuntimeError {
+    RuntimeError::driver("a loopback collective's copy", e)
+}
+
+impl Loopback {
+    pub fn new(ranks: usize) -> Loopback {
+        Loopback {
+            ranks,
+            deposits: Mutex::new((0..ranks).map(|_| Vec::new()).collect()),
+            barrier: Barrier::new(ranks),
+        }
+    }
+
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    /// Rank `rank`'s part of one group of calls ((device input, device
+    /// output, elements, dtype), what): waits for what `stream` has queued,
+    /// reads its inputs, meets the other ranks, writes its outputs. Every
+    /// rank must make the same calls in the same order (NCCL's rule; a
+    /// mismatch is an error here, where NCCL would hang).
+    pub fn group(
+        &self,
+        rank: usize,
+        stream: &CudaStream,
+        calls: &[(u64, u64, usize, DType, Call)],
+    ) -> Result<(), RuntimeError> {
+        if let Some(&(.., dtype, _)) = calls
+            .iter()
+            .find(|c| !matches!(c.3, DType::F32 | DType::BF16 | DType::F16))
+        {
+            return Err(RuntimeError::Unsupported(format!(
+                "a loopback collective of {dtype:?} values: only floats are averaged or sent"
+            )));
+        }
+        stream.synchronize().map_err(driver)?;
+        let mut mine = Vec::with_capacity(calls.len());
+        for &(input, output, count, dtype, call) in calls {
+            // Only a root's input matters to a broadcast.
+            let read = !matches!(call, Call::Broadcast(root) if root != rank);
+            let values = if read {
+                let mut bytes = vec![0u8; count * dtype.size_bytes()];
+                // SAFETY: `input` is `count` elements of `dtype` in this
+                // rank's arena, and the stream that writes it is idle.
+                unsafe { result::memcpy_dtoh_sync(&mut bytes, input) }.map_err(driver)?;
+                decode(dtype, &bytes)
+            } else {
+                Vec::new()
+            };
+            mine.push(Deposit {
+                call,
+                dtype,
+                values,
+                output,
+            });
+        }
+        self.deposits.lock().expect("a rank panicked")[rank] = mine;
+        self.barrier.wait();
+        let outcome = self.results(rank);
+        // Nobody clears a deposit before every rank has read them all.
+        self.barrier.wait();
+        let outputs = outcome?;
+        for (output, bytes) in outputs {
+            // SAFETY: `output` holds as many bytes of this rank's arena
+            // (the call's count of its dtype), which nothing else writes
+            // until the step's next launch.
+            unsafe { result::memcpy_htod_sync(output, &bytes) }.map_err(driver)?;
+        }
+        Ok(())
+    }
+
+    /// Rank `rank`'s outputs (address, bytes) from every rank's deposits.
+    fn results(&self, rank: usize) -> Result<Vec<(u64, Vec<u8>)>, RuntimeError> {
+        let all = self.deposits.lock().expect("a rank panicked");
+        let mine = &all[rank];
+        if let Some(r) = all.iter().position(|d| d.len() != mine.len()) {
+            return Err(RuntimeError::Unsupported(format!(
+                "loopback ranks {rank} and {r} made {} and {} collective calls in one group",
+                mine.len(),
+                all[r].len()
+            )));
+        }
+        let mut out = Vec::new();
+        for (k, d) in mine.iter().enumerate() {
+            let peer = |r: usize| &all[r][k];
+            if (0..self.ranks).any(|r| peer(r).call != d.call) {
+                return Err(RuntimeError::Unsupported(format!(
+                    "loopback rank {rank}'s call {k} is {:?}, another rank's differs",
+                    d.call
+                )));
+            }
+            let values = match d.call {
+                Call::Broadcast(root) => peer(root).values.clone(),
+                Call::Reduce(root) if root != rank => continue,
+                Call::AllReduce | Call::Reduce(_) => {
+                    let n = d.values.len();
+                    let mut sum = vec![0.0; n];
+                    for r in 0..self.ranks {
+                        for (s, v) in sum.iter_mut().zip(&peer(r).values) {
+                            *s += v;
+                        }
+                    }
+                    sum.iter().map(|s| s / self.ranks as f64).collect()
+                }
+            };
+            out.push((d.output, encode(d.dtype, &values)));
+        }
+        Ok(out)
+    }
+}
+
+fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    match dtype {
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+            .collect(),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f64())
+            .collect(),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f64())
+            .collect(),
+        // Refused by `Loopback::group`.
+        _ => Vec::new(),
+    }
+}
+
+fn encode(dtype: DType, values: &[f64]) -> Vec<u8> {
+    match dtype {
+        DType::F32 => values
+            .iter()
+            .flat_map(|&v| (v as f32).to_le_bytes())
+            .collect(),
+        DType::BF16 => values
+            .iter()
+            .flat_map(|&v| half::bf16::from_f64(v).to_le_bytes())
+            .collect(),
+        DType::F16 => values
+            .iter()
+            .flat_map(|&v| half::f16::from_f64(v).to_le_bytes())
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_round_trip_through_each_dtype() {
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let v = [1.5, -2.25, 0.0, 1024.0];
+            assert_eq!(decode(dt, &encode(dt, &v)), v.to_vec(), "{dt:?}");
+        }
+    }
+}
