@@ -20,7 +20,7 @@ mod launch;
 mod load;
 mod profile;
 pub use codec::{decode, encode, encode_filled};
-pub use data_parallel::{CollectiveTime, DataParallel, StepProfile};
+pub use data_parallel::{CollectiveTime, DataParallel, Join, StepProfile};
 pub use kernel_call::{allow_dynamic_smem, KernelCall};
 use std::collections::HashMap;
 
@@ -138,8 +138,9 @@ pub struct Executor {
     ran: [bool; 2],
     /// Whether this step runs its collectives (see `set_collectives`).
     collectives_on: bool,
-    /// Launch positions the compute stream waits for the collectives at.
-    joins: Vec<bool>,
+    /// What the compute stream waits for before each launch (and at the
+    /// step's end, one past the last): the buckets, the gathers.
+    joins: Vec<Join>,
     /// The communicator, for a step built for several ranks.
     dp: Option<DataParallel>,
     /// Inputs copied in on a second stream (see `stage`).

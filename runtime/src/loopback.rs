@@ -39,6 +39,8 @@ pub struct Loopback {
     ranks: usize,
     deposits: Mutex<Vec<Vec<Deposit>>>,
     barrier: Barrier,
+    /// The place of the communicator split from this one (`split`).
+    split: std::sync::OnceLock<std::sync::Arc<Loopback>>,
 }
 
 fn driver(e: cudarc::driver::DriverError) -> RuntimeError {
@@ -51,7 +53,17 @@ impl Loopback {
             ranks,
             deposits: Mutex::new((0..ranks).map(|_| Vec::new()).collect()),
             barrier: Barrier::new(ranks),
+            split: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The meeting place of the same ranks' second communicator (what
+    /// `ncclCommSplit` makes): one for every rank that asks.
+    pub fn split(&self) -> std::sync::Arc<Loopback> {
+        std::sync::Arc::clone(
+            self.split
+                .get_or_init(|| std::sync::Arc::new(Loopback::new(self.ranks))),
+        )
     }
 
     pub fn ranks(&self) -> usize {

@@ -274,6 +274,36 @@ impl Comm {
         }
     }
 
+    /// A second communicator of the same ranks (`ncclCommSplit`), whose
+    /// calls may run on another stream beside this one's (ZeRO stage 3's
+    /// gathers beside the gradients' buckets). Every rank calls it.
+    pub fn split(&self) -> Result<Comm, RuntimeError> {
+        let raw = match &self.link {
+            Link::Loopback(place) => return Ok(Comm::loopback(place.split(), self.rank)),
+            Link::Nccl(raw) => *raw,
+        };
+        let mut new = std::mem::MaybeUninit::uninit();
+        // SAFETY: `raw` is live; NCCL writes `new` before it is read; no
+        // configuration (null) keeps the parent's.
+        let new = unsafe {
+            sys::ncclCommSplit(
+                raw,
+                0,
+                self.rank as i32,
+                new.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()
+            .map_err(|e| nccl_error("splitting the communicator for the gathers", e))?;
+            new.assume_init()
+        };
+        Ok(Comm {
+            link: Link::Nccl(new),
+            rank: self.rank,
+            ranks: self.ranks,
+        })
+    }
+
     /// Whether this rank meets the others through host memory
     /// (`loopback`): its collectives cannot be captured in a CUDA graph.
     pub fn is_loopback(&self) -> bool {

@@ -174,8 +174,10 @@ impl Session {
         let mut dp = crate::exec::DataParallel::new(&self.exec.gpu, comm)?;
         if zero && self.exec.gathers_weights() {
             // Stage 3: the gradients reduce into pieces like stage 2's; no
-            // parameter is sent after the update.
+            // parameter is sent after the update; the gathers run beside
+            // the buckets.
             dp.pieces = fusec_compiler::plan::pieces(&self.params, ranks);
+            dp.split_gathers(&self.exec.gpu)?;
         } else if zero {
             // Every piece of every parameter from its owner, after the
             // owner's update.

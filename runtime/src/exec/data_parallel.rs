@@ -25,6 +25,25 @@ pub struct DataParallel {
     /// While a step is profiled: each collective's launch and the events
     /// recorded on the communication stream around it.
     pub(super) timing: Option<Vec<(usize, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,
+    /// ZeRO stage 3: the gathers' own communicator and stream, so that a
+    /// gather does not queue behind a bucket of gradients (`None`: they
+    /// share the buckets').
+    pub(super) gathers: Option<Channel>,
+}
+
+/// A second communicator with its stream (`DataParallel::split_gathers`).
+pub(super) struct Channel {
+    comm: nccl::Comm,
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    outstanding: bool,
+}
+
+/// What the compute stream waits for before a launch: the buckets (and
+/// shares) issued so far, the gathers, or both.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Join {
+    pub reduces: bool,
+    pub gathers: bool,
 }
 
 /// A collective of a profiled step (`Executor::profile_step_full`), in
@@ -68,7 +87,23 @@ impl DataParallel {
             shares: Vec::new(),
             pieces: Vec::new(),
             timing: None,
+            gathers: None,
         })
+    }
+
+    /// ZeRO stage 3: the gathers on a communicator split from this one and
+    /// a stream of their own. Every rank calls it.
+    pub fn split_gathers(&mut self, gpu: &Gpu) -> Result<(), RuntimeError> {
+        let stream = gpu
+            .ctx
+            .new_stream()
+            .map_err(|e| RuntimeError::driver("creating the gathers' stream", e))?;
+        self.gathers = Some(Channel {
+            comm: self.comm.split()?,
+            stream,
+            outstanding: false,
+        });
+        Ok(())
     }
 
     /// The owners' updated parameters to every rank, once the compute
@@ -92,13 +127,31 @@ impl DataParallel {
         launch: usize,
     ) -> Result<(), RuntimeError> {
         if let Some(ga) = &bucket.gather {
-            // The piece's cast is on the compute stream, just before.
-            self.stream
-                .join(&gpu.stream)
-                .map_err(|e| RuntimeError::driver("ordering a gather after its piece", e))?;
             let calls =
                 nccl::gather_calls(self.comm.rank, ga.input, ga.output, ga.dtype, &ga.pieces);
-            return self.timed(launch, |dp| dp.comm.gather(&dp.stream, &calls));
+            let Some(ch) = self.gathers.as_mut() else {
+                // The piece's cast is on the compute stream, just before.
+                self.stream
+                    .join(&gpu.stream)
+                    .map_err(|e| RuntimeError::driver("ordering a gather after its piece", e))?;
+                return self.timed(launch, |dp| dp.comm.gather(&dp.stream, &calls));
+            };
+            ch.stream
+                .join(&gpu.stream)
+                .map_err(|e| RuntimeError::driver("ordering a gather after its piece", e))?;
+            let start = match self.timing {
+                Some(_) => Some(event(&ch.stream)?),
+                None => None,
+            };
+            ch.comm.gather(&ch.stream, &calls)?;
+            ch.outstanding = true;
+            if let Some(start) = start {
+                let end = event(&ch.stream)?;
+                if let Some(t) = self.timing.as_mut() {
+                    t.push((launch, start, end));
+                }
+            }
+            return Ok(());
         }
         if !bucket.owned.is_empty() && self.pieces.is_empty() {
             return Err(RuntimeError::Unsupported(
@@ -124,18 +177,13 @@ impl DataParallel {
         launch: usize,
         queue: impl FnOnce(&Self) -> Result<(), RuntimeError>,
     ) -> Result<(), RuntimeError> {
-        let ev = |s: &Self| {
-            s.stream
-                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| RuntimeError::driver("recording a timing event", e))
-        };
         let start = match self.timing {
-            Some(_) => Some(ev(self)?),
+            Some(_) => Some(event(&self.stream)?),
             None => None,
         };
         queue(self)?;
         if let Some(start) = start {
-            let end = ev(self)?;
+            let end = event(&self.stream)?;
             if let Some(t) = self.timing.as_mut() {
                 t.push((launch, start, end));
             }
@@ -144,13 +192,42 @@ impl DataParallel {
         Ok(())
     }
 
+    /// The compute stream waits for everything issued so far.
     pub(super) fn wait(&mut self, gpu: &Gpu) -> Result<(), RuntimeError> {
-        if self.outstanding {
+        self.wait_for(
+            gpu,
+            Join {
+                reduces: true,
+                gathers: true,
+            },
+        )
+    }
+
+    /// The compute stream waits for the buckets issued so far, the
+    /// gathers, or both (on one stream, a wait for either is for both).
+    pub(super) fn wait_for(&mut self, gpu: &Gpu, join: Join) -> Result<(), RuntimeError> {
+        let shared = self.gathers.is_none() && (join.reduces || join.gathers);
+        if (join.reduces || shared) && self.outstanding {
             gpu.stream
                 .join(&self.stream)
                 .map_err(|e| RuntimeError::driver("waiting for the averaged gradients", e))?;
             self.outstanding = false;
         }
+        if let Some(ch) = self.gathers.as_mut().filter(|_| join.gathers) {
+            if ch.outstanding {
+                gpu.stream
+                    .join(&ch.stream)
+                    .map_err(|e| RuntimeError::driver("waiting for the gathered weights", e))?;
+                ch.outstanding = false;
+            }
+        }
         Ok(())
     }
+}
+
+/// An event recorded on `stream` (a profiled collective's start or end).
+fn event(stream: &cudarc::driver::CudaStream) -> Result<cudarc::driver::CudaEvent, RuntimeError> {
+    stream
+        .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+        .map_err(|e| RuntimeError::driver("recording a timing event", e))
 }

@@ -22,9 +22,9 @@ impl Executor {
             collectives_on,
             ..
         } = self;
-        if joins[i] {
+        if joins[i] != super::Join::default() {
             if let Some(dp) = dp.as_mut() {
-                dp.wait(gpu)?;
+                dp.wait_for(gpu, joins[i])?;
             }
         }
         match (&launches[i].step, dp.as_mut()) {

@@ -270,9 +270,13 @@ impl Executor {
             ran: [false, false],
             collectives_on: true,
             joins: {
-                let mut j = vec![false; plan.launches.len() + 1];
+                let mut j = vec![super::Join::default(); plan.launches.len() + 1];
                 for c in &plan.collectives {
-                    j[c.join.min(plan.launches.len())] = true;
+                    let at = &mut j[c.join.min(plan.launches.len())];
+                    match c.gather {
+                        Some(_) => at.gathers = true,
+                        None => at.reduces = true,
+                    }
                 }
                 j
             },

@@ -103,16 +103,32 @@ impl Executor {
         let mut collectives = Vec::new();
         for (i, start, stop) in timing.unwrap_or_default() {
             let bytes = match &self.launches[i].step {
-                Step::Collective(b) => b
-                    .all
-                    .iter()
-                    .chain(b.owned.iter().map(|(t, _)| t))
-                    .map(|t| (t.count * t.dtype.size_bytes()) as u64)
-                    .sum(),
+                Step::Collective(b) => match &b.gather {
+                    Some(ga) => ga
+                        .pieces
+                        .iter()
+                        .map(|(lo, hi)| (hi - lo) * ga.dtype.size_bytes() as u64)
+                        .sum(),
+                    None => b
+                        .all
+                        .iter()
+                        .chain(b.owned.iter().map(|(t, _)| t))
+                        .map(|t| (t.count * t.dtype.size_bytes()) as u64)
+                        .sum(),
+                },
                 _ => 0,
             };
+            let gather =
+                matches!(&self.launches[i].step, Step::Collective(b) if b.gather.is_some());
             let join = (i + 1..self.launches.len())
-                .find(|&j| self.joins[j])
+                .find(|&j| {
+                    let w = self.joins[j];
+                    if gather {
+                        w.gathers
+                    } else {
+                        w.reduces
+                    }
+                })
                 .unwrap_or(self.launches.len());
             collectives.push(CollectiveTime {
                 launch: i,
