@@ -150,6 +150,12 @@ impl Loopback {
                 Call::Reduce(root) if root != rank => continue,
                 Call::AllReduce | Call::Reduce(_) => {
                     let n = d.values.len();
+                    if let Some(r) = (0..self.ranks).find(|&r| peer(r).values.len() != n) {
+                        return Err(RuntimeError::Unsupported(format!(
+                            "loopback ranks {rank} and {r} average {n} and {} elements in call {k}",
+                            peer(r).values.len()
+                        )));
+                    }
                     let mut sum = vec![0.0; n];
                     for r in 0..self.ranks {
                         for (s, v) in sum.iter_mut().zip(&peer(r).values) {
