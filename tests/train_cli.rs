@@ -1241,33 +1241,6 @@ fn zero_two_and_three_checkpoint_as_stage_one_and_resume_anywhere() {
     }
 }
 
-/// `--zero 3` on GPUs is refused until the runtime gathers the weights,
-/// naming what runs it (the CPU reference) and what to use on GPUs.
-#[test]
-fn zero_three_on_gpus_says_it_runs_on_the_cpu_reference_so_far() {
-    let (code, _, err) = fusec(&[
-        "train",
-        "dsl-examples/gpt2-small.dsl",
-        "--gpus",
-        "2",
-        "--zero",
-        "3",
-        "--data",
-        "random",
-        "--batch",
-        "2",
-        "--seq",
-        "8",
-        "--steps",
-        "1",
-    ]);
-    assert_eq!(code, 2, "{err}");
-    assert!(
-        err.contains("--zero 3 runs on the CPU reference so far (--cpu --gpus N)"),
-        "{err}"
-    );
-}
-
 /// A memory budget over ZeRO ranks: every rank's step is fitted with one
 /// choice (said once), and the run is the run without it, bit for bit
 /// (recomputing changes no arithmetic).
