@@ -212,6 +212,52 @@ fn encode(dtype: DType, values: &[f64]) -> Vec<u8> {
 mod tests {
     use super::*;
 
+    fn deposit(call: Call, values: &[f64], output: u64) -> Deposit {
+        Deposit {
+            call,
+            dtype: DType::F32,
+            values: values.to_vec(),
+            output,
+        }
+    }
+
+    /// What each rank takes from the deposits: the mean on every rank,
+    /// the mean on a reduce's root alone, the root's values on every rank
+    /// (a broadcast's other ranks deposit nothing); calls that differ
+    /// between the ranks are an error.
+    #[test]
+    fn each_rank_takes_the_mean_or_the_roots_values() {
+        let place = Loopback::new(2);
+        {
+            let mut d = place.deposits.lock().unwrap();
+            d[0] = vec![
+                deposit(Call::AllReduce, &[1.0, 2.0], 100),
+                deposit(Call::Reduce(1), &[4.0], 200),
+                deposit(Call::Broadcast(0), &[7.0, 8.0], 300),
+            ];
+            d[1] = vec![
+                deposit(Call::AllReduce, &[3.0, 6.0], 110),
+                deposit(Call::Reduce(1), &[0.0], 210),
+                deposit(Call::Broadcast(0), &[], 310),
+            ];
+        }
+        let floats = |b: &[u8]| decode(DType::F32, b);
+        let r0 = place.results(0).unwrap();
+        assert_eq!(r0.len(), 2, "rank 0 is no reduce's root");
+        assert_eq!((r0[0].0, floats(&r0[0].1)), (100, vec![2.0, 4.0]));
+        assert_eq!((r0[1].0, floats(&r0[1].1)), (300, vec![7.0, 8.0]));
+        let r1 = place.results(1).unwrap();
+        assert_eq!(r1.len(), 3);
+        assert_eq!((r1[0].0, floats(&r1[0].1)), (110, vec![2.0, 4.0]));
+        assert_eq!((r1[1].0, floats(&r1[1].1)), (210, vec![2.0]));
+        assert_eq!((r1[2].0, floats(&r1[2].1)), (310, vec![7.0, 8.0]));
+        place.deposits.lock().unwrap()[1][1].call = Call::AllReduce;
+        assert!(place.results(0).is_err());
+        place.deposits.lock().unwrap()[1][1].call = Call::Reduce(1);
+        place.deposits.lock().unwrap()[1][0].values.push(1.0);
+        assert!(place.results(0).is_err());
+    }
+
     #[test]
     fn values_round_trip_through_each_dtype() {
         for dt in [DType::F32, DType::BF16, DType::F16] {
