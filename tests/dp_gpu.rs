@@ -220,8 +220,14 @@ fn check_meeting(
     }
     let w = group.each(|_, b| b.get("wte").unwrap()).unwrap();
     if zero == Some(ZeroStage::Three) {
-        // Each rank its own piece of the weights: in rank order, the whole.
-        assert!(w.concat() == group.get("wte").unwrap());
+        // Each rank its own piece of the weights, of its piece's length.
+        let params = &group.graph().params;
+        let i = params.iter().position(|p| p.name == "wte").unwrap();
+        for (r, piece) in w.iter().enumerate() {
+            let own = fusec_compiler::autodiff::zero::piece(params, n as u32, r as u32, i)
+                .map_or(0, |pc| (pc.hi - pc.lo) as usize);
+            assert_eq!(piece.len(), own, "rank {r} holds another piece of wte");
+        }
     } else {
         // The ranks' weights are the same bits.
         assert!(

@@ -72,6 +72,8 @@ pub(crate) struct Gather {
     pub output: u64,
     pub dtype: DType,
     pub pieces: Vec<(u64, u64)>,
+    /// The launch that first reads it (the plan's join).
+    pub join: usize,
 }
 
 struct Launch {

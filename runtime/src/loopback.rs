@@ -32,6 +32,8 @@ struct Deposit {
     dtype: DType,
     values: Vec<f64>,
     output: u64,
+    /// Elements of the output.
+    count: usize,
 }
 
 /// The ranks' meeting place.
@@ -108,6 +110,7 @@ impl Loopback {
                 dtype,
                 values,
                 output,
+                count,
             });
         }
         self.deposits.lock().expect("a rank panicked")[rank] = mine;
@@ -143,6 +146,12 @@ impl Loopback {
                 return Err(RuntimeError::Unsupported(format!(
                     "loopback rank {rank}'s call {k} is {:?}, another rank's differs",
                     d.call
+                )));
+            }
+            if (0..self.ranks).any(|r| peer(r).count != d.count) {
+                return Err(RuntimeError::Unsupported(format!(
+                    "loopback rank {rank}'s call {k} moves {} elements, another rank's differs",
+                    d.count
                 )));
             }
             let values = match d.call {
@@ -218,6 +227,7 @@ mod tests {
             dtype: DType::F32,
             values: values.to_vec(),
             output,
+            count: values.len().max(2),
         }
     }
 
@@ -232,12 +242,12 @@ mod tests {
             let mut d = place.deposits.lock().unwrap();
             d[0] = vec![
                 deposit(Call::AllReduce, &[1.0, 2.0], 100),
-                deposit(Call::Reduce(1), &[4.0], 200),
+                deposit(Call::Reduce(1), &[4.0, 5.0], 200),
                 deposit(Call::Broadcast(0), &[7.0, 8.0], 300),
             ];
             d[1] = vec![
                 deposit(Call::AllReduce, &[3.0, 6.0], 110),
-                deposit(Call::Reduce(1), &[0.0], 210),
+                deposit(Call::Reduce(1), &[0.0, 1.0], 210),
                 deposit(Call::Broadcast(0), &[], 310),
             ];
         }
@@ -249,11 +259,14 @@ mod tests {
         let r1 = place.results(1).unwrap();
         assert_eq!(r1.len(), 3);
         assert_eq!((r1[0].0, floats(&r1[0].1)), (110, vec![2.0, 4.0]));
-        assert_eq!((r1[1].0, floats(&r1[1].1)), (210, vec![2.0]));
+        assert_eq!((r1[1].0, floats(&r1[1].1)), (210, vec![2.0, 3.0]));
         assert_eq!((r1[2].0, floats(&r1[2].1)), (310, vec![7.0, 8.0]));
         place.deposits.lock().unwrap()[1][1].call = Call::AllReduce;
         assert!(place.results(0).is_err());
         place.deposits.lock().unwrap()[1][1].call = Call::Reduce(1);
+        place.deposits.lock().unwrap()[1][2].count = 3;
+        assert!(place.results(0).is_err(), "a broadcast of another length");
+        place.deposits.lock().unwrap()[1][2].count = 2;
         place.deposits.lock().unwrap()[1][0].values.push(1.0);
         assert!(place.results(0).is_err());
     }

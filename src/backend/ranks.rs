@@ -142,15 +142,23 @@ impl Ranks {
                 .map(|d| d.as_const().map(|n| n as usize))
                 .collect()
         };
+        // (Stage 3 holds every weight in pieces, whatever the sizes of
+        // this process's own: under a launcher its one rank may own one
+        // whole, flat.)
+        let gathers = graph
+            .g
+            .node_weights()
+            .any(|n| matches!(n.op, Op::AllGather(_)));
         let mut split = BTreeMap::new();
         for (i, p) in graph.params.iter().enumerate() {
             let Some(full) = whole_shape(i) else {
                 continue;
             };
             let n: usize = full.iter().product();
-            if workers
-                .iter()
-                .any(|w| w.sizes.get(&p.name).is_some_and(|&k| k != n))
+            if gathers
+                || workers
+                    .iter()
+                    .any(|w| w.sizes.get(&p.name).is_some_and(|&k| k != n))
             {
                 split.insert(p.name.clone(), i);
                 shapes.insert(p.name.clone(), full);
@@ -183,10 +191,6 @@ impl Ranks {
         // Stage 3: the weights too are held in pieces, each rank its own,
         // and gathered for a checkpoint as the states are. (Every rank's
         // graph gathers its weights, so every process decides alike.)
-        let gathers = graph
-            .g
-            .node_weights()
-            .any(|n| matches!(n.op, Op::AllGather(_)));
         if gathers {
             owned.extend(
                 graph

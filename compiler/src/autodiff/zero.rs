@@ -112,15 +112,6 @@ pub fn store_param_piece(g: &mut Graph, i: usize, n: i64) {
     g.g[node].outputs[0] = ty;
 }
 
-/// Whether the ranks keep parameter `i` of `g` (a rank's step) as pieces
-/// (ZeRO stage 3): its `param` node is shaped otherwise than the model
-/// gives it (a flat piece; a flat parameter one rank owns whole is just
-/// that parameter).
-pub fn is_sharded(g: &Graph, i: usize) -> bool {
-    let p = &g.params[i];
-    g.g[p.node].outputs[0].shape != p.ty.shape
-}
-
 /// ZeRO: the states each parameter's owners keep across the whole job, by
 /// name, with the parameter's index, from one rank's graph `g` and the
 /// state names `local` of the ranks one process runs: for every parameter

@@ -35,7 +35,10 @@ pub struct DataParallel {
 pub(super) struct Channel {
     comm: nccl::Comm,
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
-    outstanding: bool,
+    /// Each gather issued and not yet waited for: the launch that joins
+    /// it and the event recorded after it, so that a reader waits for its
+    /// own gathers, not for the sets issued after them.
+    pending: Vec<(usize, cudarc::driver::CudaEvent)>,
 }
 
 /// What the compute stream waits for before a launch: the buckets (and
@@ -101,7 +104,7 @@ impl DataParallel {
         self.gathers = Some(Channel {
             comm: self.comm.split()?,
             stream,
-            outstanding: false,
+            pending: Vec::new(),
         });
         Ok(())
     }
@@ -144,18 +147,18 @@ impl DataParallel {
                 None => None,
             };
             ch.comm.gather(&ch.stream, &calls)?;
-            ch.outstanding = true;
             if let Some(start) = start {
                 let end = event(&ch.stream)?;
                 if let Some(t) = self.timing.as_mut() {
                     t.push((launch, start, end));
                 }
             }
+            ch.pending.push((ga.join, event(&ch.stream)?));
             return Ok(());
         }
         if !bucket.owned.is_empty() && self.pieces.is_empty() {
             return Err(RuntimeError::Unsupported(
-                "the step was built with --zero 1 or 2 (gradients reduced to their owners), and this run does not shard the optimizer state: run it with the --zero it was built with".into(),
+                "the step was built with --zero 1, 2 or 3 (gradients reduced to their owners), and this run does not shard the optimizer state: run it with the --zero it was built with".into(),
             ));
         }
         let rooted = if bucket.kept.is_empty() {
@@ -194,18 +197,22 @@ impl DataParallel {
 
     /// The compute stream waits for everything issued so far.
     pub(super) fn wait(&mut self, gpu: &Gpu) -> Result<(), RuntimeError> {
-        self.wait_for(
-            gpu,
-            Join {
-                reduces: true,
-                gathers: true,
-            },
-        )
+        let all = Join {
+            reduces: true,
+            gathers: true,
+        };
+        self.wait_for(gpu, all, usize::MAX)
     }
 
-    /// The compute stream waits for the buckets issued so far, the
-    /// gathers, or both (on one stream, a wait for either is for both).
-    pub(super) fn wait_for(&mut self, gpu: &Gpu, join: Join) -> Result<(), RuntimeError> {
+    /// Before launch `at`, the compute stream waits for the buckets issued
+    /// so far, the gathers that `at` joins (and any before them), or both
+    /// (on one shared stream, a wait for either is for both).
+    pub(super) fn wait_for(
+        &mut self,
+        gpu: &Gpu,
+        join: Join,
+        at: usize,
+    ) -> Result<(), RuntimeError> {
         let shared = self.gathers.is_none() && (join.reduces || join.gathers);
         if (join.reduces || shared) && self.outstanding {
             gpu.stream
@@ -214,11 +221,13 @@ impl DataParallel {
             self.outstanding = false;
         }
         if let Some(ch) = self.gathers.as_mut().filter(|_| join.gathers) {
-            if ch.outstanding {
+            // Issued in order on one stream: the last event due covers
+            // every one before it.
+            if let Some(k) = ch.pending.iter().rposition(|(j, _)| *j <= at) {
                 gpu.stream
-                    .join(&ch.stream)
+                    .wait(&ch.pending[k].1)
                     .map_err(|e| RuntimeError::driver("waiting for the gathered weights", e))?;
-                ch.outstanding = false;
+                ch.pending.drain(..=k);
             }
         }
         Ok(())

@@ -24,7 +24,7 @@ impl Executor {
         } = self;
         if joins[i] != super::Join::default() {
             if let Some(dp) = dp.as_mut() {
-                dp.wait_for(gpu, joins[i])?;
+                dp.wait_for(gpu, joins[i], i)?;
             }
         }
         match (&launches[i].step, dp.as_mut()) {

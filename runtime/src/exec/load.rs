@@ -127,6 +127,7 @@ impl Executor {
                         output: ptr(o),
                         dtype: slots[o].dtype,
                         pieces: ga.pieces.clone(),
+                        join: c.join,
                     }),
                 })
             } else if l.kind == fusec_compiler::plan::LaunchKind::AllReduce {
