@@ -9,6 +9,7 @@
 //! host), and not capturable in a CUDA graph; never a measurement of
 //! communication.
 
+use crate::exec::{decode, encode};
 use crate::RuntimeError;
 use cudarc::driver::{result, CudaStream};
 use fusec_compiler::dtype::DType;
@@ -177,43 +178,6 @@ impl Loopback {
             out.push((d.output, encode(d.dtype, &values)));
         }
         Ok(out)
-    }
-}
-
-fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
-    match dtype {
-        DType::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
-            .collect(),
-        DType::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f64())
-            .collect(),
-        DType::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f64())
-            .collect(),
-        // Refused by `Loopback::group`.
-        _ => Vec::new(),
-    }
-}
-
-fn encode(dtype: DType, values: &[f64]) -> Vec<u8> {
-    match dtype {
-        DType::F32 => values
-            .iter()
-            .flat_map(|&v| (v as f32).to_le_bytes())
-            .collect(),
-        DType::BF16 => values
-            .iter()
-            .flat_map(|&v| half::bf16::from_f64(v).to_le_bytes())
-            .collect(),
-        DType::F16 => values
-            .iter()
-            .flat_map(|&v| half::f16::from_f64(v).to_le_bytes())
-            .collect(),
-        _ => Vec::new(),
     }
 }
 

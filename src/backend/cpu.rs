@@ -78,12 +78,7 @@ impl Cpu {
     /// step gathers them (every rank's graph has the same gathers, so all
     /// decide alike).
     pub fn share_updates(&mut self, ranks: u32) {
-        let gathers = self
-            .graph
-            .g
-            .node_weights()
-            .any(|n| matches!(n.op, Op::AllGather(_)));
-        if gathers {
+        if self.graph.gathers_weights() {
             return;
         }
         self.pieces = Some(fusec_compiler::autodiff::zero::pieces(

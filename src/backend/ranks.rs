@@ -145,10 +145,7 @@ impl Ranks {
         // (Stage 3 holds every weight in pieces, whatever the sizes of
         // this process's own: under a launcher its one rank may own one
         // whole, flat.)
-        let gathers = graph
-            .g
-            .node_weights()
-            .any(|n| matches!(n.op, Op::AllGather(_)));
+        let gathers = graph.gathers_weights();
         let mut split = BTreeMap::new();
         for (i, p) in graph.params.iter().enumerate() {
             let Some(full) = whole_shape(i) else {
@@ -583,8 +580,46 @@ pub fn start_gpus(
     ready: Ready,
     zero: bool,
 ) -> Result<Ranks, RuntimeError> {
-    let builds: Vec<(usize, Build)> = here
-        .iter()
+    let builds = gpu_builds(graphs, lower, dims, here, options, cache_dir, ready);
+    let ranks = Ranks::new(builds, world)?;
+    ranks.try_each(move |rank, b| b.join_comm(&id, rank, world, zero))?;
+    Ok(ranks)
+}
+
+/// `graphs.len()` GPU ranks all on GPU `ordinal`, meeting through host
+/// memory (`fusec_runtime::loopback`) instead of NCCL, which refuses two
+/// ranks on one device: the data-parallel step checked on a machine with
+/// one GPU. Slow, launch by launch; never a measurement.
+pub fn start_loopback(
+    graphs: Vec<Graph>,
+    lower: &LowerOptions,
+    dims: &BTreeMap<String, i64>,
+    ordinal: usize,
+    options: GpuOptions,
+    zero: bool,
+) -> Result<Ranks, RuntimeError> {
+    let world = graphs.len();
+    let here: Vec<(usize, usize)> = (0..world).map(|rank| (rank, ordinal)).collect();
+    let ready: Ready = Arc::new(|_, _, _| {});
+    let builds = gpu_builds(graphs, lower, dims, &here, options, None, ready);
+    let ranks = Ranks::new(builds, world)?;
+    let place = Arc::new(fusec_runtime::loopback::Loopback::new(world));
+    ranks.try_each(move |rank, b| b.join_loopback(Arc::clone(&place), rank, zero))?;
+    Ok(ranks)
+}
+
+/// Each GPU rank's builder: (global rank, GPU ordinal) of `here` with its
+/// graph, its session opened on its own thread and announced to `ready`.
+fn gpu_builds(
+    graphs: Vec<Graph>,
+    lower: &LowerOptions,
+    dims: &BTreeMap<String, i64>,
+    here: &[(usize, usize)],
+    options: GpuOptions,
+    cache_dir: Option<std::path::PathBuf>,
+    ready: Ready,
+) -> Vec<(usize, Build)> {
+    here.iter()
         .zip(graphs)
         .map(|(&(rank, ordinal), g)| {
             let (dims, cache_dir, ready, lower) = (
@@ -609,40 +644,5 @@ pub fn start_gpus(
             });
             (rank, build)
         })
-        .collect();
-    let ranks = Ranks::new(builds, world)?;
-    ranks.try_each(move |rank, b| b.join_comm(&id, rank, world, zero))?;
-    Ok(ranks)
-}
-
-/// `graphs.len()` GPU ranks all on GPU `ordinal`, meeting through host
-/// memory (`fusec_runtime::loopback`) instead of NCCL, which refuses two
-/// ranks on one device: the data-parallel step checked on a machine with
-/// one GPU. Slow, launch by launch; never a measurement.
-pub fn start_loopback(
-    graphs: Vec<Graph>,
-    lower: &LowerOptions,
-    dims: &BTreeMap<String, i64>,
-    ordinal: usize,
-    options: GpuOptions,
-    zero: bool,
-) -> Result<Ranks, RuntimeError> {
-    let world = graphs.len();
-    let builds: Vec<(usize, Build)> = graphs
-        .into_iter()
-        .enumerate()
-        .map(|(rank, g)| {
-            let (dims, lower) = (dims.clone(), lower.clone());
-            let build: Build = Box::new(move || {
-                let gpu = fusec_runtime::device::open(ordinal)?;
-                let b = super::Gpu::open(gpu, &g, &lower, &dims, None, &|_, _| {}, options)?;
-                Ok(Box::new(b) as Box<dyn Backend>)
-            });
-            (rank, build)
-        })
-        .collect();
-    let ranks = Ranks::new(builds, world)?;
-    let place = Arc::new(fusec_runtime::loopback::Loopback::new(world));
-    ranks.try_each(move |rank, b| b.join_loopback(Arc::clone(&place), rank, zero))?;
-    Ok(ranks)
+        .collect()
 }

@@ -291,6 +291,24 @@ impl Graph {
         ins.into_iter().map(|(_, v)| v).collect()
     }
 
+    /// Whether node `n` is read, and only by ZeRO stage 3's gathers (the
+    /// cast of a piece a gather moves).
+    pub fn only_gathered(&self, n: NodeIndex) -> bool {
+        let users = self.users(Value { node: n, port: 0 });
+        !users.is_empty()
+            && users
+                .iter()
+                .all(|&(u, _)| matches!(self.g[u].op, Op::AllGather(_)))
+    }
+
+    /// Whether the step gathers its weights (ZeRO stage 3): every rank's
+    /// step does, or none does.
+    pub fn gathers_weights(&self) -> bool {
+        self.g
+            .node_weights()
+            .any(|n| matches!(n.op, Op::AllGather(_)))
+    }
+
     /// Every (consumer, slot) that reads `v`.
     pub fn users(&self, v: Value) -> Vec<(NodeIndex, usize)> {
         let mut u: Vec<(NodeIndex, usize)> = self

@@ -219,14 +219,9 @@ impl Order<'_> {
     /// a view of any of them.
     fn waits(&self, n: NodeIndex) -> bool {
         let node = &self.g.g[n];
-        let gathered = || {
-            let users = self.readers(n);
-            !users.is_empty()
-                && users
-                    .iter()
-                    .all(|&t| matches!(self.g.g[t].op, Op::AllGather(_)))
-        };
-        node.recompute || self.of_gather(n) || (matches!(node.op, Op::Cast(_)) && gathered())
+        node.recompute
+            || self.of_gather(n)
+            || (matches!(node.op, Op::Cast(_)) && self.g.only_gathered(n))
     }
 
     /// Whether `n` is a gather, or a view of one. (A view of a recomputed

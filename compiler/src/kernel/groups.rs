@@ -21,15 +21,10 @@ pub(super) fn group_param_casts(
     buffers: &[Buffer],
     kernels: Vec<Kernel>,
 ) -> Vec<Kernel> {
-    let gathered = |n: NodeIndex| {
-        g.users(crate::ir::Value { node: n, port: 0 })
-            .iter()
-            .all(|&(u, _)| matches!(g.g[u].op, Op::AllGather(_)))
-    };
     let is_cast = |k: &Kernel| {
         k.nodes.len() == 1
             && matches!(g.g[k.nodes[0]].op, Op::Cast(_))
-            && !gathered(k.nodes[0])
+            && !g.only_gathered(k.nodes[0])
             && k.inputs.len() == 1
             && buffers[k.inputs[0]].kind == BufKind::Param
             && matches!(&k.body, Body::Pointwise(pw) if pw.sum.is_none() && pw.exprs.iter().all(|e| match e {

@@ -17,7 +17,8 @@ pub struct AdamW {
     /// ZeRO with a 16-bit compute dtype: input and output 0 are this rank's
     /// f32 master copy of its piece (shaped as the state), not the
     /// parameter, which the ranks keep in the compute dtype alone
-    /// ([`StorePiece`] writes the new piece into it).
+    /// ([`StorePiece`] writes the new piece into it); under stage 3,
+    /// the rank's piece of the parameter itself, which it keeps alone.
     pub master: bool,
     /// ZeRO stage 2: input 1 is the gradient's piece alone (flat, shaped
     /// as the state: the collective reduced it into a buffer of that

@@ -30,14 +30,9 @@ impl Pass for Cse {
             // ZeRO stage 3 gathers a parameter again for the backward pass
             // on purpose, and casts the piece it gathers again: the forward
             // pass's copies are freed in between.
-            let gathered = |n| {
-                let users = g.users(Value { node: n, port: 0 });
-                !users.is_empty()
-                    && users
-                        .iter()
-                        .all(|&(u, _)| matches!(g.g[u].op, crate::ops::Op::AllGather(_)))
-            };
-            if node.op.is_source() || matches!(node.op, crate::ops::Op::AllGather(_)) || gathered(n)
+            if node.op.is_source()
+                || matches!(node.op, crate::ops::Op::AllGather(_))
+                || g.only_gathered(n)
             {
                 continue;
             }
