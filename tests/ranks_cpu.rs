@@ -80,6 +80,20 @@ fn compiled_reducing(
     reduce: Option<DType>,
     edit: &dyn Fn(String) -> String,
 ) -> fusec_compiler::driver::Compiled {
+    compiled_grouped(model, ranks, 0, zero, reduce, edit)
+}
+
+/// [`compiled_reducing`] with ZeRO's pieces split over groups of `group`
+/// consecutive ranks (0: all of them), `zero.0` the rank's place in its
+/// group (`--shard-within`).
+fn compiled_grouped(
+    model: &Model,
+    ranks: u32,
+    group: u32,
+    zero: Option<(u32, ZeroStage)>,
+    reduce: Option<DType>,
+    edit: &dyn Fn(String) -> String,
+) -> fusec_compiler::driver::Compiled {
     let path = common::root().join(model.file);
     let src = edit(std::fs::read_to_string(path).unwrap());
     let opts = Options {
@@ -91,6 +105,7 @@ fn compiled_reducing(
         ranks,
         zero_rank: zero.map(|z| z.0),
         zero_stage: zero.map_or(ZeroStage::One, |z| z.1),
+        shard_group: group,
         reduce_dtype: reduce,
         ..Options::default()
     };
@@ -157,9 +172,6 @@ fn check_with(ranks: usize, micro: u32, zero: Option<ZeroStage>) {
     check_reducing(&GPT2, ranks, micro, zero, None, Precision::F64, 1e-12)
 }
 
-/// N ranks with batch B against one rank with N x B over 4 steps: losses
-/// and gradient norms within `tol` (relative), and in f64 the weights too
-/// (absolute); the ranks' weights the same bits.
 fn check_reducing(
     model: &'static Model,
     ranks: usize,
@@ -169,6 +181,49 @@ fn check_reducing(
     precision: Precision,
     tol: f64,
 ) {
+    check_job(Job {
+        model,
+        ranks,
+        group: ranks,
+        micro,
+        zero,
+        reduce,
+        precision,
+        tol,
+    })
+}
+
+/// A data-parallel job of the CPU reference, checked against one rank.
+#[derive(Clone, Copy)]
+struct Job {
+    model: &'static Model,
+    ranks: usize,
+    /// The ranks ZeRO splits its pieces over (`--shard-within`): `ranks`,
+    /// or fewer for hybrid sharding.
+    group: usize,
+    micro: u32,
+    zero: Option<ZeroStage>,
+    /// `--reduce-dtype`.
+    reduce: Option<DType>,
+    precision: Precision,
+    tol: f64,
+}
+
+/// N ranks with batch B against one rank with N x B over 4 steps: losses
+/// and gradient norms within `tol` (relative), and in f64 the weights too
+/// (absolute); the ranks' weights the same bits (under stage 3, each
+/// rank's piece the same bits as the same place's in every other group).
+fn check_job(job: Job) {
+    let Job {
+        model,
+        ranks,
+        group,
+        micro,
+        zero,
+        reduce,
+        precision,
+        tol,
+    } = job;
     let (b, t) = (2usize, 8usize);
     let edit = move |src: String| {
         if micro > 1 {
@@ -190,10 +245,11 @@ fn check_reducing(
         .into_iter()
         .enumerate()
         .map(|(r, peers)| {
-            let many = compiled_reducing(
+            let many = compiled_grouped(
                 model,
                 ranks as u32,
-                zero.map(|z| (r as u32, z)),
+                group as u32,
+                zero.map(|z| ((r % group) as u32, z)),
                 reduce,
                 &edit,
             );
@@ -203,16 +259,16 @@ fn check_reducing(
                 let mut cpu = Cpu::new(&g, &dims, precision)?;
                 cpu.join(peers);
                 if zero.is_some() {
-                    cpu.share_updates(ranks as u32);
+                    cpu.share_updates(group as u32);
                 }
                 Ok(Box::new(cpu) as Box<dyn Backend>)
             });
             (r, build)
         })
         .collect();
-    let mut group = Ranks::new(builds, ranks).unwrap();
-    assert_eq!(group.shapes()["tokens"], vec![ranks * b, t]);
-    let run = train(&mut group, model.weights, ranks * b, t, 4, micro as u64);
+    let mut dp = Ranks::new(builds, ranks).unwrap();
+    assert_eq!(dp.shapes()["tokens"], vec![ranks * b, t]);
+    let run = train(&mut dp, model.weights, ranks * b, t, 4, micro as u64);
 
     for (s, (a, r)) in run.losses.iter().zip(&reference.losses).enumerate() {
         assert!(
@@ -237,15 +293,20 @@ fn check_reducing(
     if precision == Precision::F64 {
         assert!(worst < tol, "{ranks} ranks: weights differ by {worst}");
     }
-    let per_rank = group.each(|_, b| b.get(model.weights).unwrap()).unwrap();
+    let per_rank = dp.each(|_, b| b.get(model.weights).unwrap()).unwrap();
     if zero == Some(ZeroStage::Three) {
         // Each rank holds its own piece alone, elements [lo, hi) of the
         // one-rank run's weights (in f64, to rounding).
-        let params = &group.graph().params;
+        let params = &dp.graph().params;
         let i = params.iter().position(|p| p.name == model.weights).unwrap();
         for (r, w) in per_rank.iter().enumerate() {
-            let (lo, hi) = fusec_compiler::autodiff::zero::piece(params, ranks as u32, r as u32, i)
+            let place = (r % group) as u32;
+            let (lo, hi) = fusec_compiler::autodiff::zero::piece(params, group as u32, place, i)
                 .map_or((0, 0), |pc| (pc.lo as usize, pc.hi as usize));
+            assert!(
+                w == &per_rank[r % group],
+                "rank {r}'s piece is not its group's place {place}'s bit for bit"
+            );
             assert_eq!(w.len(), hi - lo, "rank {r} holds another piece");
             if precision == Precision::F64 {
                 let off = w
@@ -263,7 +324,7 @@ fn check_reducing(
         }
     }
     println!(
-        "{ranks} ranks x B={b}, micro-batches {micro}: losses {:?}, worst weight difference {worst:.1e}",
+        "{ranks} ranks (groups of {group}) x B={b}, micro-batches {micro}: losses {:?}, worst weight difference {worst:.1e}",
         run.losses
     );
 }
@@ -897,4 +958,70 @@ fn zero_stage_three_keeps_only_pieces_of_the_weights() {
             "{ranks} ranks: the pieces and states together are one rank's"
         );
     }
+}
+
+/// Hybrid sharding (`--shard-within`): ZeRO's pieces split over groups of
+/// consecutive ranks (a host's), every group holding the same pieces; the
+/// gradients still averaged over every rank. At each stage, 4 ranks in 2
+/// groups and 6 in 2 groups of 3 (the odd LLaMA) train as one rank with
+/// the whole batch does (f64 within 1e-12; as stored within bf16's 1e-2),
+/// with micro-batches, bf16 reduces and the gradient norm's clipping (whose
+/// sum over the ranks counts each piece once a group).
+#[test]
+fn hybrid_sharding_reproduces_one_rank_at_every_stage() {
+    let job = |model, ranks, group, micro, zero, reduce, precision, tol| Job {
+        model,
+        ranks,
+        group,
+        micro,
+        zero,
+        reduce,
+        precision,
+        tol,
+    };
+    let f64_ = Precision::F64;
+    for stage in [ZeroStage::One, ZeroStage::Two, ZeroStage::Three] {
+        check_job(job(&GPT2, 4, 2, 1, Some(stage), None, f64_, 1e-12));
+    }
+    let three = Some(ZeroStage::Three);
+    check_job(job(&GPT2, 4, 2, 2, Some(ZeroStage::Two), None, f64_, 1e-12));
+    check_job(job(&GPT2, 4, 2, 1, three, Some(DType::BF16), f64_, 1e-12));
+    check_job(job(&LLAMA_ODD, 6, 3, 1, three, None, f64_, 1e-12));
+    check_job(job(&LLAMA_ODD, 6, 2, 1, three, None, Precision::AsStored, 1e-2));
+}
+
+/// What a hybrid step says of itself: each gradient's mean is over every
+/// rank and its owners are places in a group (`group=` in the printed IR,
+/// which parses back to the same op); each gather moves one group's
+/// pieces; the ranks at one place in each group build the same step.
+#[test]
+fn a_hybrid_step_splits_within_its_group_and_averages_over_all() {
+    use fusec_compiler::ops::Op;
+    let three = ZeroStage::Three;
+    let g = compiled_grouped(&GPT2, 4, 2, Some((1, three)), None, &|s| s).optimized;
+    let (mut reduces, mut gathers) = (0, 0);
+    for n in g.g.node_indices() {
+        match &g.g[n].op {
+            Op::AllReduce(a) => {
+                assert_eq!((a.ranks, a.group), (4, 2));
+                reduces += 1;
+            }
+            Op::AllGather(a) => {
+                assert_eq!((a.rank, a.pieces.len()), (1, 2));
+                gathers += 1;
+            }
+            _ => {}
+        }
+    }
+    assert!(reduces > 0 && gathers > 0, "{reduces} reduces, {gathers} gathers");
+    assert_eq!(g.shard_group(), Some(2));
+    let print = |g: &fusec_compiler::ir::Graph| fusec_compiler::ir::print::print_graph(g, None);
+    let text = print(&g);
+    assert!(text.contains("ranks=4 group=2"), "the printed step names its group");
+    let parsed = fusec_compiler::ir::parse::parse_graph(&text).expect("the printed step parses");
+    assert_eq!(print(&parsed), text, "the printed step parses back to itself");
+    // Whole-job sharding prints no group.
+    let all = compiled_grouped(&GPT2, 4, 0, Some((1, three)), None, &|s| s).optimized;
+    assert!(!print(&all).contains("group="));
+    assert_eq!(all.shard_group(), Some(4));
 }

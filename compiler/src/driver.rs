@@ -236,12 +236,18 @@ pub fn compile_ranks(
         model.train.zero_rank = zero_rank.filter(|_| model.train.ranks > 1);
         model.train.zero_stage = opts.zero_stage;
         let mut training = backward.clone();
-        if model.train.zero_rank.is_some() {
-            if let Some(why) = autodiff::zero::unsplittable(&training.params, model.train.ranks) {
+        if let Some(r) = model.train.zero_rank {
+            let group = model.train.shard_group;
+            if group < 2 || !model.train.ranks.is_multiple_of(group) || r >= group {
                 return Err(Failure::Usage(format!(
-                    "--zero {} cannot split this model over its {} ranks: {why}; train it with --zero 0, or on fewer GPUs",
-                    opts.zero_stage.number(),
+                    "ZeRO cannot split over groups of {group} of {} ranks (rank {r}): a group holds at least 2 ranks, the groups are of one size, and a rank's place is below it",
                     model.train.ranks
+                )));
+            }
+            if let Some(why) = autodiff::zero::unsplittable(&training.params, group) {
+                return Err(Failure::Usage(format!(
+                    "--zero {} cannot split this model over {group} ranks: {why}; train it with --zero 0, or on fewer GPUs",
+                    opts.zero_stage.number(),
                 )));
             }
         }

@@ -54,6 +54,11 @@ pub struct Launched {
     pub rendezvous: Rendezvous,
     /// Its rank among the ranks on its host: the GPU it takes.
     pub local: usize,
+    /// The ranks on each host, where the launcher says so and every host
+    /// runs as many (torchrun's `LOCAL_WORLD_SIZE`, Slurm's
+    /// `SLURM_STEP_TASKS_PER_NODE`, Open MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`,
+    /// Hydra's `MPI_LOCALNRANKS`): what hybrid sharding groups by.
+    pub local_size: Option<usize>,
 }
 
 /// The variables of each launcher: world size, rank, local rank.
@@ -127,6 +132,14 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Option<Launched>
         Some(a) => a,
         None => rank0_host(launcher, world, &var, &num)?,
     };
+    let local_size = match launcher {
+        Launcher::Torchrun => num("LOCAL_WORLD_SIZE")?,
+        Launcher::Slurm => var("SLURM_STEP_TASKS_PER_NODE")
+            .or_else(|| var("SLURM_TASKS_PER_NODE"))
+            .and_then(|v| same_tasks_per_node(&v)),
+        Launcher::OpenMpi => num("OMPI_COMM_WORLD_LOCAL_SIZE")?,
+        Launcher::Hydra => num("MPI_LOCALNRANKS")?,
+    };
     let timeout = Duration::from_secs(num("FUSEC_RENDEZVOUS_TIMEOUT")?.unwrap_or(300) as u64);
     Ok(Some(Launched {
         launcher,
@@ -138,7 +151,20 @@ pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Option<Launched>
             timeout,
         },
         local,
+        local_size,
     }))
+}
+
+/// The tasks on every node of a Slurm step, where each runs as many:
+/// `SLURM_STEP_TASKS_PER_NODE` as `4(x2)` or `4,4` is 4; `4,2` or
+/// `2(x2),1` is `None`.
+pub fn same_tasks_per_node(list: &str) -> Option<usize> {
+    let mut counts = list.split(',').map(|entry| {
+        let n = entry.split('(').next()?.trim();
+        n.parse::<usize>().ok()
+    });
+    let first = counts.next()??;
+    counts.all(|n| n == Some(first)).then_some(first)
 }
 
 /// Where rank 0 runs when `MASTER_ADDR` does not say.
@@ -243,6 +269,44 @@ mod tests {
 
     fn error(pairs: &[(&str, &str)]) -> String {
         from_env(env(pairs)).unwrap_err().to_string()
+    }
+
+    /// What hybrid sharding groups by: each launcher's ranks a host, where
+    /// every host runs as many.
+    #[test]
+    fn each_launcher_says_how_many_ranks_a_host_runs() {
+        let torchrun = [("WORLD_SIZE", "4"), ("RANK", "3"), ("LOCAL_RANK", "1")];
+        assert_eq!(job(&torchrun).local_size, None);
+        let mut with = torchrun.to_vec();
+        with.push(("LOCAL_WORLD_SIZE", "2"));
+        assert_eq!(job(&with).local_size, Some(2));
+        let srun = [
+            ("SLURM_STEP_NUM_TASKS", "8"),
+            ("SLURM_PROCID", "5"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_STEP_NODELIST", "gpu[1-2]"),
+            ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"),
+        ];
+        assert_eq!(job(&srun).local_size, Some(4));
+        assert_eq!(same_tasks_per_node("4,4"), Some(4));
+        assert_eq!(same_tasks_per_node("4,2"), None);
+        assert_eq!(same_tasks_per_node("2(x2),1"), None);
+        assert_eq!(same_tasks_per_node("x"), None);
+        let mpi = [
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("MASTER_ADDR", "10.0.0.1"),
+        ];
+        assert_eq!(job(&mpi).local_size, Some(2));
+        let hydra = [
+            ("PMI_SIZE", "4"),
+            ("PMI_RANK", "1"),
+            ("MPI_LOCALRANKID", "1"),
+            ("MPI_LOCALNRANKS", "4"),
+        ];
+        assert_eq!(job(&hydra).local_size, Some(4));
     }
 
     #[test]

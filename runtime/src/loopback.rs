@@ -42,8 +42,9 @@ pub struct Loopback {
     ranks: usize,
     deposits: Mutex<Vec<Vec<Deposit>>>,
     barrier: Barrier,
-    /// The place of the communicator split from this one (`split`).
-    split: std::sync::OnceLock<std::sync::Arc<Loopback>>,
+    /// The places of the communicators split from this one (`split`), by
+    /// (the split's number among this one's, its colour).
+    splits: Mutex<std::collections::BTreeMap<(usize, usize), std::sync::Arc<Loopback>>>,
 }
 
 fn driver(e: cudarc::driver::DriverError) -> RuntimeError {
@@ -56,17 +57,19 @@ impl Loopback {
             ranks,
             deposits: Mutex::new((0..ranks).map(|_| Vec::new()).collect()),
             barrier: Barrier::new(ranks),
-            split: std::sync::OnceLock::new(),
+            splits: Mutex::new(Default::default()),
         }
     }
 
-    /// The meeting place of the same ranks' second communicator (what
-    /// `ncclCommSplit` makes): one for every rank that asks.
-    pub fn split(&self) -> std::sync::Arc<Loopback> {
-        std::sync::Arc::clone(
-            self.split
-                .get_or_init(|| std::sync::Arc::new(Loopback::new(self.ranks))),
-        )
+    /// The meeting place of the `ranks` ranks of colour `color` in split
+    /// number `nth` of this communicator (what `ncclCommSplit` makes): the
+    /// same place for every rank of that colour that asks.
+    pub fn split(&self, nth: usize, color: usize, ranks: usize) -> std::sync::Arc<Loopback> {
+        let mut splits = self.splits.lock().expect("a rank panicked");
+        let place = splits
+            .entry((nth, color))
+            .or_insert_with(|| std::sync::Arc::new(Loopback::new(ranks)));
+        std::sync::Arc::clone(place)
     }
 
     pub fn ranks(&self) -> usize {

@@ -20,6 +20,9 @@ pub struct Comm {
     link: Link,
     pub rank: usize,
     pub ranks: usize,
+    /// Communicators split from this one so far (each rank splits in the
+    /// same order: the loopback tells the splits apart by it).
+    splits: std::sync::atomic::AtomicUsize,
 }
 
 enum Link {
@@ -259,6 +262,7 @@ impl Comm {
             link: Link::Nccl(raw),
             rank,
             ranks,
+            splits: Default::default(),
         })
     }
 
@@ -271,6 +275,7 @@ impl Comm {
             link: Link::Loopback(place),
             rank,
             ranks,
+            splits: Default::default(),
         }
     }
 
@@ -278,8 +283,22 @@ impl Comm {
     /// calls may run on another stream beside this one's (ZeRO stage 3's
     /// gathers beside the gradients' buckets). Every rank calls it.
     pub fn split(&self) -> Result<Comm, RuntimeError> {
+        self.split_by(0, self.rank, self.ranks)
+    }
+
+    /// The communicator of the ranks that give the same `color` (as this
+    /// rank, `key`-th of them; `ranks` of them in all): hybrid sharding's
+    /// group of a host's ranks, or of the ranks at one place in every
+    /// group. Every rank of this communicator calls it, in the same order
+    /// as its other splits.
+    pub fn split_by(&self, color: usize, key: usize, ranks: usize) -> Result<Comm, RuntimeError> {
+        let nth = self
+            .splits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let raw = match &self.link {
-            Link::Loopback(place) => return Ok(Comm::loopback(place.split(), self.rank)),
+            Link::Loopback(place) => {
+                return Ok(Comm::loopback(place.split(nth, color, ranks), key));
+            }
             Link::Nccl(raw) => *raw,
         };
         let mut new = std::mem::MaybeUninit::uninit();
@@ -288,19 +307,20 @@ impl Comm {
         let new = unsafe {
             sys::ncclCommSplit(
                 raw,
-                0,
-                self.rank as i32,
+                color as i32,
+                key as i32,
                 new.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
             .result()
-            .map_err(|e| nccl_error("splitting the communicator for the gathers", e))?;
+            .map_err(|e| nccl_error("splitting the communicator", e))?;
             new.assume_init()
         };
         Ok(Comm {
             link: Link::Nccl(new),
-            rank: self.rank,
-            ranks: self.ranks,
+            rank: key,
+            ranks,
+            splits: Default::default(),
         })
     }
 

@@ -162,16 +162,27 @@ impl Session {
     }
 
     /// Joins the data-parallel communicator this rank's collectives run
-    /// through; the step must have been built for `comm.ranks` ranks.
-    pub fn attach(&mut self, comm: crate::nccl::Comm, zero: bool) -> Result<(), RuntimeError> {
+    /// through; the step must have been built for `comm.ranks` ranks, and
+    /// with ZeRO (`zero`) for pieces split over groups of that many ranks
+    /// (all of them, or fewer for hybrid sharding).
+    pub fn attach(
+        &mut self,
+        comm: crate::nccl::Comm,
+        zero: Option<usize>,
+    ) -> Result<(), RuntimeError> {
         if !self.exec.has_collectives() {
             return Err(RuntimeError::Unsupported(format!(
                 "rank {} of {}: the step was built for one rank (it averages nothing); build it with --gpus {}",
                 comm.rank, comm.ranks, comm.ranks
             )));
         }
-        let ranks = comm.ranks as u32;
+        let all = comm.ranks;
         let mut dp = crate::exec::DataParallel::new(&self.exec.gpu, comm)?;
+        let ranks = zero.unwrap_or(all) as u32;
+        if zero.is_some_and(|g| g < all) {
+            dp.shard_within(ranks as usize)?;
+        }
+        let zero = zero.is_some();
         if zero && self.exec.gathers_weights() {
             // Stage 3: the gradients reduce into pieces like stage 2's; no
             // parameter is sent after the update; the gathers run beside

@@ -27,6 +27,8 @@ pub struct Cpu {
     /// ZeRO stages 1 and 2: each parameter's pieces and their owner ranks,
     /// whose updated values the other ranks take after every step.
     pieces: Option<Vec<Vec<Piece>>>,
+    /// The ranks `pieces` are split over (`share_updates`).
+    group: usize,
     /// The last step's gradients, by parameter name (`gradients`).
     last_grads: Vec<(String, Vec<f64>)>,
 }
@@ -60,6 +62,7 @@ impl Cpu {
             staged: Vec::new(),
             done: None,
             pieces: None,
+            group: 1,
             last_grads: Vec::new(),
         })
     }
@@ -73,18 +76,21 @@ impl Cpu {
     }
 
     /// ZeRO stages 1 and 2: after each step, every parameter takes its
-    /// owner's values (the step updated only this rank's own).
+    /// owner's values (the step updated only this rank's own); the owners
+    /// are ranks of this rank's group of `group` consecutive ranks (all of
+    /// them, or its host's with hybrid sharding).
     /// Stage 3 shares nothing: each rank keeps its pieces alone, and the
     /// step gathers them (every rank's graph has the same gathers, so all
     /// decide alike).
-    pub fn share_updates(&mut self, ranks: u32) {
+    pub fn share_updates(&mut self, group: u32) {
         if self.graph.gathers_weights() {
             return;
         }
         self.pieces = Some(fusec_compiler::autodiff::zero::pieces(
             &self.graph.params,
-            ranks,
+            group,
         ));
+        self.group = group as usize;
     }
 }
 
@@ -142,8 +148,9 @@ impl Backend for Cpu {
                 let Some(t) = self.feeds.params.get_mut(&p.name) else {
                     continue;
                 };
+                let first = peers.rank() / self.group * self.group;
                 for pc in pieces {
-                    let from = peers.share(pc.rank as usize, t);
+                    let from = peers.share(first + pc.rank as usize, t);
                     let (lo, hi) = (pc.lo as usize, pc.hi as usize);
                     t.data[lo..hi].copy_from_slice(&from.data[lo..hi]);
                 }

@@ -55,6 +55,12 @@ pub struct Gpu {
 }
 
 impl Gpu {
+    /// The ranks ZeRO splits this step's pieces over, of `ranks` in all
+    /// (fewer under hybrid sharding: a group's).
+    fn shard_group(&self, ranks: usize) -> usize {
+        self.graph.shard_group().map_or(ranks, |g| g as usize)
+    }
+
     /// Fuses, selects and plans `graph`'s step for `gpu` at sizes `dims`
     /// with the optimisations `lower` leaves on (the model's
     /// `Compiled::options.lower`), and loads it there (kernels from the cache in
@@ -177,7 +183,8 @@ impl Backend for Gpu {
         zero: bool,
     ) -> Result<(), RuntimeError> {
         let comm = fusec_runtime::nccl::Comm::join(&self.session.exec.gpu, id, rank, ranks)?;
-        self.session.attach(comm, zero)
+        let group = zero.then(|| self.shard_group(ranks));
+        self.session.attach(comm, group)
     }
     fn join_loopback(
         &mut self,
@@ -186,9 +193,10 @@ impl Backend for Gpu {
         zero: bool,
     ) -> Result<(), RuntimeError> {
         let comm = fusec_runtime::nccl::Comm::loopback(place, rank);
+        let group = zero.then(|| self.shard_group(comm.ranks));
         // Its collectives wait on the host: not capturable.
         self.session.use_graph = false;
-        self.session.attach(comm, zero)
+        self.session.attach(comm, group)
     }
     fn time_steps(&mut self, steps: u64) -> Result<f64, RuntimeError> {
         // Replays back to back (the CUDA graph where there is one), one wait at the end.

@@ -54,6 +54,10 @@ pub struct Ranks {
     /// ZeRO: every rank's states of each parameter (its moments, its
     /// master), with the parameter's index, whichever process holds them.
     owned: BTreeMap<String, usize>,
+    /// ZeRO: the ranks each piece set is split over (`world`, or a host's
+    /// with hybrid sharding: rank r holds group rank r % group's pieces,
+    /// and the first group's ranks hold them all).
+    group: usize,
     /// Steps launched so far, and the step the `gathered` states are of.
     steps: u64,
     /// ZeRO under a launcher: the states of other processes' ranks,
@@ -210,9 +214,11 @@ impl Ranks {
                 }
             }
         }
+        let group = graph.shard_group().map_or(world, |g| g as usize);
         Ok(Ranks {
             workers,
             world,
+            group,
             graph,
             shapes,
             batched,
@@ -417,7 +423,7 @@ impl Backend for Ranks {
         } else if let Some(&i) = self.split.get(&name) {
             // Each holder its own piece of the whole.
             let pieces =
-                fusec_compiler::autodiff::zero::pieces(&self.graph.params, self.world as u32)
+                fusec_compiler::autodiff::zero::pieces(&self.graph.params, self.group as u32)
                     .swap_remove(i);
             let parts: Arc<BTreeMap<usize, Vec<f64>>> = Arc::new(
                 pieces
@@ -431,7 +437,8 @@ impl Backend for Ranks {
                     .collect(),
             );
             let held = name.clone();
-            self.try_holding(&held, move |rank, b| match parts.get(&rank) {
+            let group = self.group;
+            self.try_holding(&held, move |rank, b| match parts.get(&(rank % group)) {
                 Some(v) => b.set(&name, v),
                 None => Ok(()),
             })?;
@@ -478,7 +485,9 @@ impl Backend for Ranks {
         if self.owned.is_empty() || local == self.world {
             return Ok(());
         }
-        let all = fusec_compiler::autodiff::zero::pieces(&self.graph.params, self.world as u32);
+        // The pieces' owners are the first group's ranks (every group holds
+        // the same pieces): they send, every other rank receives.
+        let all = fusec_compiler::autodiff::zero::pieces(&self.graph.params, self.group as u32);
         let mut gathered = BTreeMap::new();
         for (name, &i) in &self.owned {
             let pieces = Arc::new(all[i].clone());
@@ -503,9 +512,14 @@ impl Backend for Ranks {
             vec![whole]
         } else if self.split.contains_key(name) || self.owned.contains_key(name) {
             // The pieces in rank order make the whole, where every rank
-            // holding one is in this process.
-            let parts = self.try_holding(name, move |_, b| b.get(&n))?;
-            let whole: Vec<f64> = parts.concat();
+            // holding one is in this process (the first group's: the
+            // other groups hold the same pieces again).
+            let group = self.group;
+            let parts = self.try_holding(name, move |rank, b| match rank < group {
+                true => b.get(&n).map(Some),
+                false => Ok(None),
+            })?;
+            let whole: Vec<f64> = parts.into_iter().flatten().collect::<Vec<_>>().concat();
             if whole.len() != self.numel(name) {
                 return Err(RuntimeError::Unsupported(format!(
                     "`{name}` is split over ranks in other processes (ZeRO); it is read whole only as a checkpoint gathers it"

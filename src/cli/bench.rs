@@ -7,7 +7,6 @@ use super::CliError;
 use clap::Args;
 use fusec::backend::GpuOptions;
 use fusec::backend::{self, Backend};
-use fusec_compiler::autodiff::zero::ZeroStage;
 use fusec_compiler::ir::dim::{BATCH, SEQ};
 use fusec_compiler::ir::graph::Phase;
 use fusec_compiler::ir::types::DType;
@@ -392,7 +391,7 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     // Under ZeRO each rank compiles its own step, which `start` fits.
     let zero = args
         .parallel
-        .zero_stage(world, &loaded.compiled.optimized.params);
+        .zero(job, &loaded.compiled.optimized.params)?;
     super::common::announce_fitted(
         fit_memory(
             &mut loaded,
@@ -467,7 +466,8 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
             serde_json::json!({
                 "model": ranks.graph().name,
                 "gpus": world,
-                "zero": zero.map_or(0, ZeroStage::number),
+                "zero": zero.map_or(0, |z| z.stage.number()),
+                "shard_group": zero.map_or(world as u32, |z| z.group),
                 "ranks_here": ranks.local_ranks().len(),
                 "dims_per_gpu": dims,
                 "ms_per_step": digits(ms, 3),

@@ -182,11 +182,17 @@ fn load_for_rank(args: &BuildArgs, ranks: u32) -> Result<super::common::Loaded, 
     if ranks < 2 || par.zero == Some(0) {
         return plain();
     }
+    // One process's ranks are one host's.
+    let group = super::parallel::shard_group(par, &super::parallel::Job::Local(ranks as usize))?;
+    let zero = super::parallel::Zero {
+        stage: par.asked_stage(),
+        group,
+    };
     match load_staged(
         &args.model,
         ranks,
-        &[None, Some(args.rank)],
-        par.asked_stage(),
+        &[None, Some(args.rank % group)],
+        zero,
         par.reduce_dtype,
         dump,
     ) {
@@ -194,7 +200,7 @@ fn load_for_rank(args: &BuildArgs, ranks: u32) -> Result<super::common::Loaded, 
             let own = both.pop().expect("two steps");
             let plain = both.pop().expect("two steps");
             Ok(
-                match par.zero_stage(ranks as usize, &plain.compiled.optimized.params) {
+                match par.zero_stage(ranks as usize, group, &plain.compiled.optimized.params) {
                     Some(_) => own,
                     None => plain,
                 },

@@ -219,29 +219,28 @@ pub fn load_steps(
     reduce_dtype: Option<DType>,
     dump_after: Option<&str>,
 ) -> Result<Vec<Loaded>, CliError> {
-    load_staged(
-        args,
-        ranks,
-        zero_ranks,
-        Default::default(),
-        reduce_dtype,
-        dump_after,
-    )
+    let zero = super::parallel::Zero {
+        stage: Default::default(),
+        group: ranks,
+    };
+    load_staged(args, ranks, zero_ranks, zero, reduce_dtype, dump_after)
 }
 
-/// [`load_steps`] at ZeRO stage `stage` (where `zero_ranks` name ranks).
+/// [`load_steps`] under ZeRO as `zero` says (where `zero_ranks` name
+/// ranks: their places in their groups).
 pub fn load_staged(
     args: &ModelArgs,
     ranks: u32,
     zero_ranks: &[Option<u32>],
-    stage: fusec_compiler::autodiff::zero::ZeroStage,
+    zero: super::parallel::Zero,
     reduce_dtype: Option<DType>,
     dump_after: Option<&str>,
 ) -> Result<Vec<Loaded>, CliError> {
     let source = read_source(&args.model)?;
     let opts = Options {
         ranks,
-        zero_stage: stage,
+        zero_stage: zero.stage,
+        shard_group: zero.group,
         reduce_dtype,
         dump_after: dump_after.map(str::to_string),
         ..options(args)?
@@ -277,12 +276,13 @@ pub fn compile_error(f: &driver::Failure, path: &Path, source: &str) -> CliError
 pub fn rank_steps(
     loaded: &Loaded,
     world: u32,
+    zero: super::parallel::Zero,
     ranks: &[u32],
-    stage: fusec_compiler::autodiff::zero::ZeroStage,
 ) -> Result<Vec<Loaded>, CliError> {
     let opts = Options {
         ranks: world,
-        zero_stage: stage,
+        zero_stage: zero.stage,
+        shard_group: zero.group,
         dump_after: None,
         ..loaded.compiled.options.clone()
     };

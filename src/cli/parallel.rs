@@ -17,7 +17,6 @@ use fusec_compiler::interp::peers::Peers;
 use fusec_compiler::interp::Precision;
 use fusec_runtime::launcher;
 use fusec_runtime::nccl;
-use fusec_runtime::rendezvous::Rendezvous;
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
 
@@ -53,6 +52,38 @@ pub struct ParallelArgs {
     /// price of rounding each rank's gradient and the sum to bf16
     #[arg(long, value_name = "DTYPE", value_parser = super::common::parse_reduce_dtype)]
     pub reduce_dtype: Option<fusec_compiler::ir::DType>,
+    /// Which ranks ZeRO splits the pieces over: all (the default) splits
+    /// them over every rank; host over each host's ranks, every host
+    /// holding a whole copy in pieces (FSDP's hybrid sharding: the gathers
+    /// and the reduces to the owners stay on the host's links, and only
+    /// the owners' pieces of the gradients cross between hosts); N over
+    /// groups of N consecutive ranks
+    #[arg(long, value_name = "host|all|N", value_parser = parse_shard_within)]
+    pub shard_within: Option<ShardWithin>,
+}
+
+/// Where ZeRO splits its pieces (`--shard-within`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardWithin {
+    /// Over every rank of the job.
+    All,
+    /// Over each host's ranks (the launcher says how many a host runs).
+    Host,
+    /// Over groups of this many consecutive ranks.
+    Ranks(u32),
+}
+
+fn parse_shard_within(s: &str) -> Result<ShardWithin, String> {
+    match s {
+        "all" => Ok(ShardWithin::All),
+        "host" => Ok(ShardWithin::Host),
+        n => match n.parse::<u32>() {
+            Ok(k) if k >= 2 => Ok(ShardWithin::Ranks(k)),
+            _ => Err(format!(
+                "`{s}` is not host, all or a number of ranks (2 or more) to split over"
+            )),
+        },
+    }
 }
 
 impl ParallelArgs {
@@ -64,6 +95,7 @@ impl ParallelArgs {
     pub fn zero_stage(
         &self,
         world: usize,
+        group: u32,
         params: &[fusec_compiler::ir::graph::ParamInfo],
     ) -> Option<ZeroStage> {
         if world < 2 {
@@ -74,7 +106,7 @@ impl ParallelArgs {
             Some(2) => Some(ZeroStage::Two),
             Some(3) => Some(ZeroStage::Three),
             Some(_) => Some(ZeroStage::One),
-            None => fusec_compiler::autodiff::zero::unsplittable(params, world as u32)
+            None => fusec_compiler::autodiff::zero::unsplittable(params, group)
                 .is_none()
                 .then_some(ZeroStage::One),
         }
@@ -114,6 +146,23 @@ impl ParallelArgs {
         if self.bucket_mib.is_some() && one {
             return Err(buckets_need_ranks());
         }
+        if let Some(w) = self.shard_within {
+            let asked = match w {
+                ShardWithin::All => "all".to_string(),
+                ShardWithin::Host => "host".to_string(),
+                ShardWithin::Ranks(k) => k.to_string(),
+            };
+            if one {
+                return Err(CliError::usage(format!(
+                    "error: --shard-within {asked} chooses which data-parallel ranks ZeRO splits over: give --gpus N (N >= 2) or start the ranks with a launcher"
+                )));
+            }
+            if self.zero == Some(0) {
+                return Err(CliError::usage(format!(
+                    "error: --shard-within {asked} chooses which ranks ZeRO splits over, and --zero 0 splits nothing: give --zero 1, 2 or 3"
+                )));
+            }
+        }
         let narrow = self
             .reduce_dtype
             .is_some_and(|d| d != fusec_compiler::ir::DType::F32);
@@ -140,8 +189,9 @@ pub enum Job {
     Single,
     /// Every rank, in this process (`--gpus N`).
     Local(usize),
-    /// One rank of a job a launcher started: (where to meet, the GPU).
-    Launched(Rendezvous, usize),
+    /// One rank of a job a launcher started (where to meet, the GPU, the
+    /// ranks its host runs).
+    Launched(launcher::Launched),
 }
 
 impl Job {
@@ -150,7 +200,7 @@ impl Job {
         match self {
             Job::Single => 1,
             Job::Local(n) => *n,
-            Job::Launched(rv, _) => rv.world,
+            Job::Launched(l) => l.rendezvous.world,
         }
     }
 
@@ -158,7 +208,7 @@ impl Job {
     /// lines (rank 0's does; the others stay quiet).
     pub fn writes(&self) -> bool {
         match self {
-            Job::Launched(rv, _) => rv.rank == 0,
+            Job::Launched(l) => l.rendezvous.rank == 0,
             _ => true,
         }
     }
@@ -176,20 +226,91 @@ pub fn job(args: &ParallelArgs) -> Result<Job, CliError> {
             l.launcher.world_var(),
             l.rendezvous.world
         ))),
-        (Some(l), _) => Ok(Job::Launched(l.rendezvous, l.local)),
+        (Some(l), _) => Ok(Job::Launched(l)),
         (None, Some(n)) if n > 1 => Ok(Job::Local(n as usize)),
         (None, _) => Ok(Job::Single),
     }
 }
 
-/// What a data-parallel run says of its optimizer state.
-fn zero_line(zero: Option<ZeroStage>) -> &'static str {
-    match zero {
+/// The ranks ZeRO splits each parameter over in `job` (`--shard-within`):
+/// all of them, a host's, or a group's of the size asked; checked against
+/// the job (groups of one size, of consecutive ranks).
+pub fn shard_group(args: &ParallelArgs, job: &Job) -> Result<u32, CliError> {
+    let world = job.world() as u32;
+    let group = match args.shard_within {
+        None | Some(ShardWithin::All) => world,
+        Some(ShardWithin::Ranks(k)) => k,
+        Some(ShardWithin::Host) => match job {
+            Job::Single | Job::Local(_) => world,
+            Job::Launched(l) => {
+                let Some(n) = l.local_size else {
+                    return Err(CliError::usage(format!(
+                        "error: --shard-within host needs the number of ranks on each host, and {} did not say it: set LOCAL_WORLD_SIZE (torchrun sets it), or give --shard-within N with N the ranks of one host",
+                        l.launcher.name()
+                    )));
+                };
+                if l.local != l.rendezvous.rank % n {
+                    return Err(CliError::usage(format!(
+                        "error: --shard-within host needs the ranks numbered host by host ({n} a host), and rank {} is local rank {} on its host: start the ranks in blocks (srun --distribution=block, mpirun --map-by slot)",
+                        l.rendezvous.rank, l.local
+                    )));
+                }
+                n as u32
+            }
+        },
+    };
+    if group < 2 || group > world || !world.is_multiple_of(group) {
+        return Err(CliError::usage(format!(
+            "error: --shard-within splits over groups of {group} ranks, which do not divide the job's {world} into groups of 2 or more"
+        )));
+    }
+    Ok(group)
+}
+
+/// ZeRO as a job runs it: the stage, and the ranks each parameter is split
+/// over (the job's, or a group's under `--shard-within`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Zero {
+    pub stage: ZeroStage,
+    pub group: u32,
+}
+
+impl ParallelArgs {
+    /// ZeRO as `job` runs it training `params`, if at all
+    /// ([`ParallelArgs::zero_stage`] over [`shard_group`]'s ranks).
+    pub fn zero(
+        &self,
+        job: &Job,
+        params: &[fusec_compiler::ir::graph::ParamInfo],
+    ) -> Result<Option<Zero>, CliError> {
+        if job.world() < 2 {
+            return Ok(None);
+        }
+        let group = shard_group(self, job)?;
+        Ok(self
+            .zero_stage(job.world(), group, params)
+            .map(|stage| Zero { stage, group }))
+    }
+}
+
+/// What a data-parallel run says of its optimizer state, and of where it
+/// splits it.
+fn zero_line(zero: Option<Zero>, world: usize) -> String {
+    let within = match zero {
+        Some(z) if (z.group as usize) < world => format!(
+            "; split over groups of {} ranks, {} groups holding the same pieces (--shard-within)",
+            z.group,
+            world / z.group as usize
+        ),
+        _ => String::new(),
+    };
+    let line = match zero.map(|z| z.stage) {
         Some(ZeroStage::One) => "ZeRO stage 1: each rank keeps and updates its piece of the optimizer state (and of the f32 master weights) (--zero 0 keeps them whole)",
         Some(ZeroStage::Two) => "ZeRO stage 2: each rank keeps its piece of the gradients, the optimizer state (and the f32 master weights), and updates it (--zero 1 keeps the gradients whole)",
         Some(ZeroStage::Three) => "ZeRO stage 3: each rank keeps its piece of the weights, the gradients and the optimizer state, and gathers each weight whole just before a pass reads it (--zero 2 keeps the weights whole)",
         None => "every rank keeps the whole optimizer state",
-    }
+    };
+    format!("{line}{within}")
 }
 
 /// `dims` with the batch of every rank together (what callers of a
@@ -241,23 +362,31 @@ pub fn start(
     cpu: bool,
     options: GpuOptions,
     data: &str,
-    zero: Option<ZeroStage>,
+    zero: Option<Zero>,
 ) -> Result<Ranks, CliError> {
     let world = job.world();
     // With ZeRO, each rank's step updates its own parameters only: every
-    // local rank's step from one compile.
+    // local rank's step from one compile. A rank's step is its place's in
+    // its group (the groups of hybrid sharding run the same steps).
     let graphs_for = |ranks: &[usize]| -> Result<Vec<fusec_compiler::ir::Graph>, CliError> {
-        let Some(stage) = zero else {
+        let Some(z) = zero else {
             return Ok(vec![loaded.compiled.optimized.clone(); ranks.len()]);
         };
+        let group = z.group as usize;
         let rows = loaded.compiled.options.loss_head_rows;
-        // With a memory budget every rank of the job, so that each process
-        // makes the one choice (`RankBudget::fit`); else these alone.
+        // With a memory budget every place of a group, so that each
+        // process makes the one choice (`RankBudget::fit`); else these
+        // ranks' places alone.
         let compiled: Vec<u32> = match &loaded.rank_budget {
-            Some(_) => (0..world as u32).collect(),
-            None => ranks.iter().map(|&r| r as u32).collect(),
+            Some(_) => (0..z.group).collect(),
+            None => ranks
+                .iter()
+                .map(|&r| (r % group) as u32)
+                .collect::<std::collections::BTreeSet<u32>>()
+                .into_iter()
+                .collect(),
         };
-        let mut graphs = rank_steps(loaded, world as u32, &compiled, stage)?
+        let mut graphs = rank_steps(loaded, world as u32, z, &compiled)?
             .into_iter()
             .map(|l| {
                 let mut g = l.compiled.optimized;
@@ -276,7 +405,15 @@ pub fn start(
                 choice.describe(&graphs[0], Some((&file, &loaded.source)))
             );
         }
-        Ok(ranks.iter().map(|&r| graphs[r].clone()).collect())
+        let step_of = |r: usize| compiled.iter().position(|&c| c as usize == r % group);
+        ranks
+            .iter()
+            .map(|&r| {
+                step_of(r).map(|i| graphs[i].clone()).ok_or_else(|| {
+                    CliError::usage(format!("error: no step was compiled for rank {r}"))
+                })
+            })
+            .collect()
     };
     let usage = |m: String| CliError::usage(format!("error: {m}"));
     if cpu {
@@ -287,9 +424,8 @@ pub fn start(
         };
         eprintln!(
             "CPU reference interpreter, {n} ranks meeting at each all-reduce: slow, for small models; {}",
-            zero_line(zero)
+            zero_line(zero, world)
         );
-        let ranks = *n as u32;
         let graphs = graphs_for(&(0..*n).collect::<Vec<_>>())?;
         let builds = Peers::group(*n)
             .into_iter()
@@ -300,8 +436,8 @@ pub fn start(
                 let build: Build = Box::new(move || {
                     let mut cpu = backend::Cpu::new(&g, &dims, Precision::AsStored)?;
                     cpu.join(peers);
-                    if zero.is_some() {
-                        cpu.share_updates(ranks);
+                    if let Some(z) = zero {
+                        cpu.share_updates(z.group);
                     }
                     Ok(Box::new(cpu) as Box<dyn Backend>)
                 });
@@ -310,7 +446,7 @@ pub fn start(
             .collect::<Result<Vec<_>, CliError>>()?;
         return Ranks::new(builds, *n).map_err(runtime_err);
     }
-    if zero == Some(ZeroStage::Three) {
+    if zero.is_some_and(|z| z.stage == ZeroStage::Three) {
         eprintln!(
             "note: ZeRO stage 3 on GPUs has been checked against one GPU through ranks sharing one GPU (tests/dp_gpu.rs's loopback), not yet over NCCL on several; --zero 2 keeps the weights whole"
         );
@@ -320,12 +456,13 @@ pub fn start(
     let here: Vec<(usize, usize)> = match job {
         Job::Single => vec![(0, first_gpu)],
         Job::Local(n) => (0..*n).map(|r| (r, first_gpu + r)).collect(),
-        Job::Launched(rv, local) => vec![(rv.rank, *local)],
+        Job::Launched(l) => vec![(l.rendezvous.rank, l.local)],
     };
     // A launched job meets before the GPUs are set up, so a mismatch or a
     // missing rank is reported before minutes of compiling.
     let id = match job {
-        Job::Launched(rv, _) => {
+        Job::Launched(l) => {
+            let rv = &l.rendezvous;
             if rv.rank == 0 {
                 eprintln!(
                     "rank 0 of {world}: waiting for the other ranks on port {}",
@@ -367,7 +504,7 @@ pub fn start(
         "data parallel: {world} ranks joined (NCCL {}), {} of them in this process; {}",
         nccl::version(),
         here.len(),
-        zero_line(zero)
+        zero_line(zero, world)
     );
     Ok(ranks)
 }

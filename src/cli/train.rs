@@ -17,7 +17,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     let world = job.world();
     // One GPU's driver starts while the model compiles.
     let mut opening = (world == 1 && !args.cpu).then(|| device::Opening::begin(args.gpu));
-    let (loaded, dims, lr) = load_fitted(args, world, opening.as_mut())?;
+    let (loaded, dims, lr) = load_fitted(args, &job, opening.as_mut())?;
     fusec_runtime::startup::mark("model compiled");
     let data_dims = parallel::whole_batch(&dims, world);
     // Only rank 0 of a launched job writes files and progress.

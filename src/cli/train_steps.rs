@@ -27,13 +27,14 @@ pub(super) struct Drawing {
     thread: std::thread::JoinHandle<Option<()>>,
 }
 
-/// The model loaded for `world` ranks and fitted to the memory budget,
+/// The model loaded for `job`'s ranks and fitted to the memory budget,
 /// each rank's sizes, and the peak learning rate.
 pub(super) fn load_fitted(
     args: &TrainArgs,
-    world: usize,
+    job: &super::parallel::Job,
     opening: Option<&mut fusec_runtime::device::Opening>,
 ) -> Result<(Loaded, BTreeMap<String, i64>, f64), CliError> {
+    let world = job.world();
     let mut loaded = load_ranks(&args.model, world as u32, args.parallel.reduce_dtype)?;
     args.parallel
         .shape_buckets(&mut loaded.compiled.options.lower);
@@ -47,7 +48,7 @@ pub(super) fn load_fitted(
     // fits.
     let per_rank = args
         .parallel
-        .zero_stage(world, &loaded.compiled.optimized.params)
+        .zero(job, &loaded.compiled.optimized.params)?
         .is_some();
     super::common::announce_fitted(
         fit_memory(
@@ -117,7 +118,7 @@ pub(super) fn open_backend(
     if job.world() > 1 {
         let zero = args
             .parallel
-            .zero_stage(job.world(), &loaded.compiled.optimized.params);
+            .zero(job, &loaded.compiled.optimized.params)?;
         Ok(Box::new(parallel::start(
             loaded, dims, job, args.gpu, args.cpu, options, &args.data, zero,
         )?))

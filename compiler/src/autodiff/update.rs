@@ -70,14 +70,16 @@ type RankPiece = Option<Option<(i64, i64)>>;
 
 /// The squared global norm of `grads`: under ZeRO (`zero`, this rank)
 /// the sum over the pieces this rank owns (`pieces`, by parameter), added
-/// over the ranks (their mean times `ranks`); else [`sum_of_squares`] of
-/// every gradient.
+/// over the ranks (their mean times the ranks of one group: with hybrid
+/// sharding every group holds each piece once, so the mean over all ranks
+/// counts each `ranks / group` times and divides by `ranks`); else
+/// [`sum_of_squares`] of every gradient.
 fn owned_sum_of_squares(
     b: &mut Builder,
     grads: &[(usize, Value)],
     pieces: &[RankPiece],
     zero: Option<u32>,
-    ranks: u32,
+    train: &TrainConfig,
     sharded: bool,
 ) -> Result<Option<Value>, OpError> {
     // Every gradient, the ones this rank owns nothing of as an empty piece:
@@ -102,7 +104,8 @@ fn owned_sum_of_squares(
     };
     let mean = b.op1(
         AllReduce {
-            ranks,
+            ranks: train.ranks,
+            group: train.shard_group,
             every_micro_batch: false,
             owners_of: None,
             sharded: false,
@@ -110,7 +113,7 @@ fn owned_sum_of_squares(
         },
         &[local],
     )?;
-    let n = b.constant(ranks as f64, DType::F32)?;
+    let n = b.constant(train.shard_group as f64, DType::F32)?;
     Ok(Some(b.mul(mean, n)?))
 }
 
@@ -176,7 +179,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             None => Some(None),
             Some(r) => {
                 let all = &b.graph.params;
-                super::zero::piece(all, train.ranks, r, i).map(|pc| {
+                super::zero::piece(all, train.shard_group, r, i).map(|pc| {
                     (stage3 || !super::zero::whole(&all[i], pc))
                         .then_some((pc.lo as i64, pc.hi as i64))
                 })
@@ -237,6 +240,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         for (i, gv) in grads {
             let mean = AllReduce {
                 ranks: train.ranks,
+                group: train.shard_group,
                 every_micro_batch: stage2 && keep.is_some(),
                 owners_of: zero.map(|_| i),
                 sharded: stage2,
@@ -293,6 +297,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             // Each micro-batch reports its loss: a 4-byte collective each.
             let mean = AllReduce {
                 ranks: train.ranks,
+                group: train.shard_group,
                 every_micro_batch: true,
                 owners_of: None,
                 sharded: false,
@@ -313,7 +318,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         } else {
             ls
         };
-        let sumsq = owned_sum_of_squares(&mut b, &grads, &read, zero, train.ranks, stage2)?;
+        let sumsq = owned_sum_of_squares(&mut b, &grads, &read, zero, train, stage2)?;
         if let Some(sumsq) = sumsq {
             let host_apply = match apply {
                 Some(a) => a,
@@ -330,7 +335,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
             new_outputs.push((Role::GradNorm, r[2]));
         }
     } else if let Some(max_norm) = train.clip_grad_norm {
-        let mut sumsq = owned_sum_of_squares(&mut b, &grads, &read, zero, train.ranks, stage2)?;
+        let mut sumsq = owned_sum_of_squares(&mut b, &grads, &read, zero, train, stage2)?;
         // Tensors of symbolic size: one square-and-sum per gradient.
         let per_tensor = if sumsq.is_none() { &grads[..] } else { &[] };
         for &(_, gv) in per_tensor {
@@ -402,7 +407,7 @@ pub fn add_update(g: &mut Graph, train: &TrainConfig) -> Result<(), OpError> {
         }
     }
     if let (true, Some(rank)) = (stage3, zero) {
-        super::gather::gather_params(b.graph, train.ranks, rank, train.precision)?;
+        super::gather::gather_params(b.graph, train.shard_group, rank, train.precision)?;
     }
     for (i, gv) in grads {
         let Some(range) = pieces[i] else {

@@ -78,6 +78,8 @@ pub(crate) struct Elab<'m> {
     /// `Options::ranks`, at least 1.
     pub ranks: u32,
     pub zero_rank: Option<u32>,
+    /// `Options::shard_group`, `ranks` where it is 0.
+    pub shard_group: u32,
     blocks: HashMap<String, &'m BlockDef>,
     frames: Vec<Frame>,
     overrides: HashMap<String, (String, bool)>,
@@ -100,6 +102,10 @@ pub fn elaborate(module: &Module, name: &str, opts: &Options) -> Result<Model, E
         precision_override: opts.precision,
         ranks: opts.ranks.max(1),
         zero_rank: opts.zero_rank.filter(|_| opts.ranks > 1),
+        shard_group: match opts.shard_group {
+            0 => opts.ranks.max(1),
+            g => g,
+        },
         blocks: HashMap::new(),
         frames: vec![Frame {
             vars: HashMap::new(),

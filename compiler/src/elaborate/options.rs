@@ -20,6 +20,10 @@ pub struct Options {
     /// `--zero 2`: the gradients are split over the ranks too (each
     /// rank's step keeps only its pieces of them).
     pub zero_stage: crate::shard::ZeroStage,
+    /// `--shard-within`: ZeRO splits its pieces over groups of this many
+    /// consecutive ranks (a host's), each group holding the same pieces as
+    /// the others (FSDP's hybrid sharding). 0 means every rank is one group.
+    pub shard_group: u32,
     /// `--reduce-dtype`: the type gradients are averaged over the ranks in
     /// (`None`: f32, as they are kept). bf16 halves the bytes a bf16 model's
     /// data-parallel step moves (`TrainConfig::reduce_dtype`).

@@ -186,6 +186,7 @@ pub fn section(e: &mut Elab, t: &TrainSection) -> Result<TrainConfig, Diagnostic
         ranks: e.ranks,
         zero_rank: e.zero_rank,
         zero_stage: Default::default(),
+        shard_group: e.shard_group,
         reduce_dtype: DType::F32,
         loss_span: loss_expr.span,
     })

@@ -147,8 +147,8 @@ pub fn run(
                             // to it alone): NaN elsewhere shows any reader.
                             let own = crate::autodiff::zero::piece(
                                 &g.params,
-                                a.ranks,
-                                peers.rank() as u32,
+                                a.group,
+                                peers.rank() as u32 % a.group,
                                 i,
                             );
                             let (lo, hi) = own.map_or((0, 0), |p| (p.lo as usize, p.hi as usize));
@@ -163,9 +163,17 @@ pub fn run(
                         }
                     }
                     (Op::AllGather(a), Some(peers)) => {
+                        // The pieces of this rank's group (its host's,
+                        // with hybrid sharding: every group holds the same).
                         let all = peers.gather(args[0]);
-                        let parts: Vec<Option<&[f64]>> =
-                            all.iter().map(|p| Some(p.as_slice())).collect();
+                        let group = a.pieces.len().max(1);
+                        let first = peers.rank() / group * group;
+                        let parts: Vec<Option<&[f64]>> = all
+                            .iter()
+                            .skip(first)
+                            .take(group)
+                            .map(|p| Some(p.as_slice()))
+                            .collect();
                         vec![a.assemble(&parts)]
                     }
                     _ => op.eval(&args, &ctx),

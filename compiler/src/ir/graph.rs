@@ -309,6 +309,17 @@ impl Graph {
             .any(|n| matches!(n.op, Op::AllGather(_)))
     }
 
+    /// The ranks a ZeRO step splits each parameter over (its collectives'
+    /// group: all the ranks, or a host's with hybrid sharding), where the
+    /// step splits anything over its ranks.
+    pub fn shard_group(&self) -> Option<u32> {
+        self.g.node_weights().find_map(|n| match &n.op {
+            Op::AllReduce(a) if a.owners_of.is_some() => Some(a.group),
+            Op::AllGather(a) => Some(a.pieces.len() as u32),
+            _ => None,
+        })
+    }
+
     /// Every (consumer, slot) that reads `v`.
     pub fn users(&self, v: Value) -> Vec<(NodeIndex, usize)> {
         let mut u: Vec<(NodeIndex, usize)> = self

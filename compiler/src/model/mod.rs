@@ -182,6 +182,12 @@ pub struct TrainConfig {
     /// What ZeRO splits beyond the optimizer state (`--zero 2`: the
     /// gradients), where `zero_rank` is set.
     pub zero_stage: crate::shard::ZeroStage,
+    /// Ranks ZeRO splits each parameter's pieces over (`--shard-within`):
+    /// `ranks` where every rank holds its own piece, else a group of
+    /// consecutive ranks (a host's), the groups holding the same pieces;
+    /// `zero_rank` is then the rank's place in its group. The gradients'
+    /// means are still over all `ranks`.
+    pub shard_group: u32,
     /// The type gradients are averaged over the ranks in (`--reduce-dtype`,
     /// never the model file): f32, or bf16 for a bf16 model, whose weight
     /// gradients come out of bf16 products, so that each collective moves

@@ -18,6 +18,11 @@ use super::*;
 pub struct AllReduce {
     /// Ranks taking part (the mean divides by it).
     pub ranks: u32,
+    /// ZeRO: the ranks a parameter's pieces are split over (`owners_of`'s
+    /// owners are ranks 0..group of each group of consecutive ranks; the
+    /// groups hold the same pieces): `ranks` unless the step shards within
+    /// hosts (`--shard-within`). The mean is over all `ranks` either way.
+    pub group: u32,
     /// Run on every micro-batch (the loss, which each one reports), not
     /// only on the one that ends the step (the gradients' sums).
     pub every_micro_batch: bool,
@@ -40,6 +45,9 @@ impl OpDef for AllReduce {
     }
     fn attrs(&self) -> Vec<String> {
         let mut a = vec!["op=mean".into(), format!("ranks={}", self.ranks)];
+        if self.group != self.ranks {
+            a.push(format!("group={}", self.group));
+        }
         if self.every_micro_batch {
             a.push("every_micro_batch".into());
         }
@@ -56,6 +64,12 @@ impl OpDef for AllReduce {
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
         expect_arity("all_reduce", inputs, 1)?;
+        if self.group == 0 || !self.ranks.is_multiple_of(self.group) {
+            return Err(OpError::new(
+                "`all_reduce`'s group does not divide its ranks",
+                format!("group {} of {} ranks", self.group, self.ranks),
+            ));
+        }
         let Some((lo, hi)) = self.piece else {
             return Ok(vec![inputs[0].clone()]);
         };

@@ -29,6 +29,19 @@ pub struct DataParallel {
     /// gather does not queue behind a bucket of gradients (`None`: they
     /// share the buckets').
     pub(super) gathers: Option<Channel>,
+    /// Hybrid sharding (`shard_within`): ZeRO's pieces are split over this
+    /// rank's group, whose communicator takes the reduces to the owners,
+    /// the owners' broadcasts and the gathers; the owners' means are then
+    /// averaged over the groups. `None`: every rank is one group.
+    pub(super) hybrid: Option<Hybrid>,
+}
+
+/// Hybrid sharding's communicators: this rank's group (consecutive ranks,
+/// a host's; its rank there is its place in the group) and its replicas
+/// (the rank at the same place in every group: they own the same pieces).
+pub(super) struct Hybrid {
+    within: nccl::Comm,
+    across: nccl::Comm,
 }
 
 /// A second communicator with its stream (`DataParallel::split_gathers`).
@@ -91,7 +104,30 @@ impl DataParallel {
             pieces: Vec::new(),
             timing: None,
             gathers: None,
+            hybrid: None,
         })
+    }
+
+    /// Hybrid sharding: ZeRO's pieces split over groups of `group`
+    /// consecutive ranks (a host's), which hold the same pieces. Every rank
+    /// calls it, before `split_gathers`.
+    pub fn shard_within(&mut self, group: usize) -> Result<(), RuntimeError> {
+        let (rank, ranks) = (self.comm.rank, self.comm.ranks);
+        if group == 0 || !ranks.is_multiple_of(group) {
+            return Err(RuntimeError::Unsupported(format!(
+                "groups of {group} ranks do not divide {ranks} ranks"
+            )));
+        }
+        let within = self.comm.split_by(rank / group, rank % group, group)?;
+        let across = self.comm.split_by(rank % group, rank / group, ranks / group)?;
+        self.hybrid = Some(Hybrid { within, across });
+        Ok(())
+    }
+
+    /// The communicator ZeRO's owners are ranks of: the group's with
+    /// hybrid sharding, else every rank's.
+    fn owners(&self) -> &nccl::Comm {
+        self.hybrid.as_ref().map_or(&self.comm, |h| &h.within)
     }
 
     /// ZeRO stage 3: the gathers on a communicator split from this one and
@@ -102,7 +138,7 @@ impl DataParallel {
             .new_stream()
             .map_err(|e| RuntimeError::driver("creating the gathers' stream", e))?;
         self.gathers = Some(Channel {
-            comm: self.comm.split()?,
+            comm: self.owners().split()?,
             stream,
             pending: Vec::new(),
         });
@@ -118,7 +154,7 @@ impl DataParallel {
         self.stream.join(&gpu.stream).map_err(|e| {
             RuntimeError::driver("ordering the parameters' broadcast after the update", e)
         })?;
-        self.comm.broadcast(&self.stream, &self.shares)?;
+        self.owners().broadcast(&self.stream, &self.shares)?;
         self.outstanding = true;
         Ok(())
     }
@@ -130,14 +166,14 @@ impl DataParallel {
         launch: usize,
     ) -> Result<(), RuntimeError> {
         if let Some(ga) = &bucket.gather {
-            let calls =
-                nccl::gather_calls(self.comm.rank, ga.input, ga.output, ga.dtype, &ga.pieces);
+            let rank = self.owners().rank;
+            let calls = nccl::gather_calls(rank, ga.input, ga.output, ga.dtype, &ga.pieces);
             let Some(ch) = self.gathers.as_mut() else {
                 // The piece's cast is on the compute stream, just before.
                 self.stream
                     .join(&gpu.stream)
                     .map_err(|e| RuntimeError::driver("ordering a gather after its piece", e))?;
-                return self.timed(launch, |dp| dp.comm.gather(&dp.stream, &calls));
+                return self.timed(launch, |dp| dp.owners().gather(&dp.stream, &calls));
             };
             ch.stream
                 .join(&gpu.stream)
@@ -170,7 +206,33 @@ impl DataParallel {
         self.stream
             .join(&gpu.stream)
             .map_err(|e| RuntimeError::driver("ordering a collective after its gradients", e))?;
-        self.timed(launch, |dp| dp.comm.average(&dp.stream, tensors, &rooted))
+        let Some(h) = self.hybrid.as_ref() else {
+            return self.timed(launch, |dp| dp.comm.average(&dp.stream, tensors, &rooted));
+        };
+        // Hybrid: the whole tensors over every rank; each piece to its
+        // owner in the group, then the owners' means over the groups (the
+        // ranks at one place own the same pieces, so each calls the same).
+        let own: Vec<nccl::Tensor> = rooted
+            .iter()
+            .filter(|&&(_, root)| root == h.within.rank)
+            .map(|&(t, _)| nccl::Tensor {
+                input: t.output,
+                ..t
+            })
+            .collect();
+        self.timed(launch, |dp| {
+            if !tensors.is_empty() {
+                dp.comm.average(&dp.stream, tensors, &[])?;
+            }
+            let Some(h) = dp.hybrid.as_ref() else {
+                unreachable!("checked above");
+            };
+            h.within.average(&dp.stream, &[], &rooted)?;
+            if !own.is_empty() {
+                h.across.average(&dp.stream, &own, &[])?;
+            }
+            Ok(())
+        })
     }
 
     /// Queues `queue` (NCCL calls on the communication stream), between

@@ -336,6 +336,13 @@ pub(super) fn op(
             let ranks_col = c.col();
             let ranks =
                 u32::try_from(c.usize()?).map_err(|_| c.error_at(ranks_col, "too many ranks"))?;
+            let group = if c.peek()? == Some(super::Tok::Ident("group")) {
+                c.key("group")?;
+                let col = c.col();
+                u32::try_from(c.usize()?).map_err(|_| c.error_at(col, "too many ranks"))?
+            } else {
+                ranks
+            };
             let every_micro_batch = c.flag("every_micro_batch")?;
             let owners_of = if c.peek()? == Some(super::Tok::Ident("owners_of")) {
                 c.key("owners_of")?;
@@ -352,6 +359,7 @@ pub(super) fn op(
             };
             AllReduce {
                 ranks,
+                group,
                 every_micro_batch,
                 owners_of,
                 sharded,
