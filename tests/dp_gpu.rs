@@ -45,11 +45,14 @@ fn gpus() -> Option<usize> {
 }
 
 fn compiled(ranks: u32, precision: &str, micro: u32) -> fusec_compiler::driver::Compiled {
-    compiled_for(ranks, None, None, precision, micro)
+    compiled_for(ranks, 0, None, None, precision, micro)
 }
 
+/// The step of rank `zero.0` (its place in its group of `group` ranks; 0:
+/// all of them) at ZeRO stage `zero.1`, or of every rank.
 fn compiled_for(
     ranks: u32,
+    group: u32,
     zero: Option<(u32, ZeroStage)>,
     reduce: Option<DType>,
     precision: &str,
@@ -74,6 +77,7 @@ fn compiled_for(
         ranks,
         zero_rank: zero.map(|z| z.0),
         zero_stage: zero.map_or(ZeroStage::One, |z| z.1),
+        shard_group: group,
         reduce_dtype: reduce,
         ..Options::default()
     };
@@ -118,37 +122,59 @@ fn train(b: &mut dyn Backend, rows: usize, t: usize, micro: u64) -> Vec<(f64, f6
     out
 }
 
-fn check(n: usize, precision: &str, micro: u32, tol: f64) {
-    check_with(n, precision, micro, tol, None)
-}
-
-fn check_with(n: usize, precision: &str, micro: u32, tol: f64, zero: Option<ZeroStage>) {
-    check_reducing(n, precision, micro, tol, zero, None)
-}
-
-fn check_reducing(
+/// A data-parallel job checked against one GPU with the whole batch.
+#[derive(Clone, Copy)]
+struct Meeting {
+    /// Ranks.
     n: usize,
-    precision: &str,
+    /// The ranks ZeRO splits its pieces over (`n`, or fewer for hybrid
+    /// sharding).
+    group: usize,
+    precision: &'static str,
     micro: u32,
     tol: f64,
     zero: Option<ZeroStage>,
+    /// `--reduce-dtype`.
     reduce: Option<DType>,
-) {
-    check_meeting(n, precision, micro, tol, zero, reduce, false)
+    /// All on GPU 0 meeting through host memory, not on N GPUs over NCCL.
+    loopback: bool,
+}
+
+impl Meeting {
+    fn new(n: usize, precision: &'static str, micro: u32, tol: f64) -> Meeting {
+        Meeting {
+            n,
+            group: n,
+            precision,
+            micro,
+            tol,
+            zero: None,
+            reduce: None,
+            loopback: false,
+        }
+    }
+    fn zero(self, zero: Option<ZeroStage>) -> Meeting {
+        Meeting { zero, ..self }
+    }
+    fn reduce(self, reduce: Option<DType>) -> Meeting {
+        Meeting { reduce, ..self }
+    }
 }
 
 /// N ranks against one GPU with the whole batch, the ranks on N GPUs
 /// meeting through NCCL, or (`loopback`) all on GPU 0 meeting through
 /// host memory.
-fn check_meeting(
-    n: usize,
-    precision: &str,
-    micro: u32,
-    tol: f64,
-    zero: Option<ZeroStage>,
-    reduce: Option<DType>,
-    loopback: bool,
-) {
+fn check_meeting(m: Meeting) {
+    let Meeting {
+        n,
+        group: shard,
+        precision,
+        micro,
+        tol,
+        zero,
+        reduce,
+        loopback,
+    } = m;
     let (b, t) = (2usize, 64usize);
     let one = compiled(1, precision, micro);
     let (_, dims_one) = sizes(&[("B", (n * b) as i64), ("T", t as i64)]);
@@ -170,7 +196,8 @@ fn check_meeting(
         .map(|r| {
             compiled_for(
                 n as u32,
-                zero.map(|z| (r as u32, z)),
+                shard as u32,
+                zero.map(|z| ((r % shard) as u32, z)),
                 reduce,
                 precision,
                 micro,
@@ -224,9 +251,15 @@ fn check_meeting(
         let params = &group.graph().params;
         let i = params.iter().position(|p| p.name == "wte").unwrap();
         for (r, piece) in w.iter().enumerate() {
-            let own = fusec_compiler::autodiff::zero::piece(params, n as u32, r as u32, i)
+            let place = (r % shard) as u32;
+            let own = fusec_compiler::autodiff::zero::piece(params, shard as u32, place, i)
                 .map_or(0, |pc| (pc.hi - pc.lo) as usize);
             assert_eq!(piece.len(), own, "rank {r} holds another piece of wte");
+            // Each group holds the same pieces, bit for bit.
+            assert!(
+                piece == &w[r % shard],
+                "rank {r}'s piece is not its place's"
+            );
         }
     } else {
         // The ranks' weights are the same bits.
@@ -246,7 +279,7 @@ fn check_meeting(
         // what this process reads from its ranks' pieces, bit for bit (the
         // moments, and a bf16 model's f32 masters through the parameter).
         let params = &group.graph().params;
-        let all = fusec_compiler::autodiff::zero::pieces(params, n as u32);
+        let all = fusec_compiler::autodiff::zero::pieces(params, shard as u32);
         for (name, param) in [("wte.adam_m", "wte"), ("wte.master", "wte"), ("wte", "wte")] {
             let i = params.iter().position(|p| p.name == param).unwrap();
             // Stage 1 and 2's bf16 models keep f32 masters as state; stage
@@ -277,9 +310,10 @@ fn check_meeting(
         }
     }
     println!(
-        "{n} {} x B={b} against 1 x B={}{}{}: {precision}, micro-batches {micro}: worst relative difference over 20 steps {worst:.2e} (allowed {tol:.0e}); last loss {:.5}",
+        "{n} {} x B={b} against 1 x B={}{}{}{}: {precision}, micro-batches {micro}: worst relative difference over 20 steps {worst:.2e} (allowed {tol:.0e}); last loss {:.5}",
         if loopback { "loopback ranks on one GPU" } else { "GPUs" },
         n * b,
+        if shard < n { format!(", split within groups of {shard}") } else { String::new() },
         match zero {
             Some(ZeroStage::One) => ", ZeRO stage 1",
             Some(ZeroStage::Two) => ", ZeRO stage 2",
@@ -299,34 +333,75 @@ fn n_gpus_with_batch_b_train_as_one_gpu_with_n_times_b() {
         ns.push(4);
     }
     for n in ns {
-        check(n, "fp32", 1, 1e-5);
-        check(n, "bf16", 1, 1e-2);
-        check(n, "fp32", 2, 1e-5);
-        check(n, "bf16", 2, 1e-2);
-        let (one, two) = (Some(ZeroStage::One), Some(ZeroStage::Two));
-        check_with(n, "fp32", 1, 1e-5, one);
-        // bf16: the ranks keep bf16 weights, the owners f32 masters.
-        check_with(n, "bf16", 1, 1e-2, one);
-        check_with(n, "bf16", 2, 1e-2, one);
-        check_reducing(n, "bf16", 1, 1e-2, None, Some(DType::BF16));
-        check_reducing(n, "bf16", 2, 1e-2, one, Some(DType::BF16));
-        // Stage 2: each gradient reduced into its owners' pieces.
-        check_with(n, "fp32", 1, 1e-5, two);
-        check_with(n, "fp32", 2, 1e-5, two);
-        check_with(n, "bf16", 1, 1e-2, two);
-        check_reducing(n, "bf16", 2, 1e-2, two, Some(DType::BF16));
-        // Stage 3: the weights in pieces, gathered before each pass.
-        let three = Some(ZeroStage::Three);
-        check_with(n, "fp32", 1, 1e-5, three);
-        check_with(n, "fp32", 2, 1e-5, three);
-        check_with(n, "bf16", 1, 1e-2, three);
-        check_reducing(n, "bf16", 2, 1e-2, three, Some(DType::BF16));
+        for m in every_meeting(n) {
+            check_meeting(m);
+        }
+    }
+    // Hybrid sharding: two groups of two ranks, each holding every piece.
+    if count >= 4 {
+        for m in hybrid_meetings(4, 2) {
+            check_meeting(m);
+        }
     }
 }
 
+/// Every check of `n` ranks: fp32 and bf16, micro-batches, each ZeRO
+/// stage, bf16 reduces.
+fn every_meeting(n: usize) -> Vec<Meeting> {
+    let (one, two, three) = (
+        Some(ZeroStage::One),
+        Some(ZeroStage::Two),
+        Some(ZeroStage::Three),
+    );
+    let bf16 = Some(DType::BF16);
+    let (f, h) = (
+        |micro| Meeting::new(n, "fp32", micro, 1e-5),
+        |micro| Meeting::new(n, "bf16", micro, 1e-2),
+    );
+    vec![
+        f(1),
+        h(1),
+        f(2),
+        h(2),
+        f(1).zero(one),
+        // bf16: the ranks keep bf16 weights, the owners f32 masters.
+        h(1).zero(one),
+        h(2).zero(one),
+        h(1).reduce(bf16),
+        h(2).zero(one).reduce(bf16),
+        // Stage 2: each gradient reduced into its owners' pieces.
+        f(1).zero(two),
+        f(2).zero(two),
+        h(1).zero(two),
+        h(2).zero(two).reduce(bf16),
+        // Stage 3: the weights in pieces, gathered before each pass.
+        f(1).zero(three),
+        f(2).zero(three),
+        h(1).zero(three),
+        h(2).zero(three).reduce(bf16),
+    ]
+}
+
+/// `n` ranks in groups of `group` (hybrid sharding) at each stage.
+fn hybrid_meetings(n: usize, group: usize) -> Vec<Meeting> {
+    let mut out = Vec::new();
+    for stage in [ZeroStage::One, ZeroStage::Two, ZeroStage::Three] {
+        let z = Some(stage);
+        let f = Meeting::new(n, "fp32", 1, 1e-5).zero(z);
+        let h = Meeting::new(n, "bf16", 2, 1e-2)
+            .zero(z)
+            .reduce(Some(DType::BF16));
+        out.push(Meeting { group, ..f });
+        out.push(Meeting { group, ..h });
+    }
+    out
+}
+
 /// The same checks with two ranks sharing GPU 0 and meeting through host
-/// memory: every ZeRO stage, fp32 and bf16, micro-batches, bf16 reduces.
-/// Needs one GPU (no NCCL).
+/// memory: every ZeRO stage, fp32 and bf16, micro-batches, bf16 reduces;
+/// and four in two groups of two (hybrid sharding: the reduces to the
+/// owners within a group, the owners' means across the groups, the
+/// gathers and broadcasts within). Needs one GPU (no NCCL).
 #[test]
 fn loopback_ranks_on_one_gpu_train_as_one_gpu_with_n_times_b() {
     if !device::driver_present() || device::count() < 1 {
@@ -337,16 +412,30 @@ fn loopback_ranks_on_one_gpu_train_as_one_gpu_with_n_times_b() {
         common::skip("no GPU on this machine");
         return;
     }
-    let run = |precision, micro, tol, zero, reduce| {
-        check_meeting(2, precision, micro, tol, zero, reduce, true)
+    let loopback = |m: Meeting| Meeting {
+        loopback: true,
+        ..m
     };
-    run("fp32", 1, 1e-5, None, None);
-    run("bf16", 2, 1e-2, None, Some(DType::BF16));
+    let bf16 = Some(DType::BF16);
+    let (f, h) = (
+        |micro| Meeting::new(2, "fp32", micro, 1e-5),
+        |micro| Meeting::new(2, "bf16", micro, 1e-2),
+    );
+    let mut ms = vec![f(1), h(2).reduce(bf16)];
     for stage in [ZeroStage::One, ZeroStage::Two, ZeroStage::Three] {
-        run("fp32", 1, 1e-5, Some(stage), None);
-        run("fp32", 2, 1e-5, Some(stage), None);
-        run("bf16", 1, 1e-2, Some(stage), None);
-        run("bf16", 2, 1e-2, Some(stage), Some(DType::BF16));
+        let z = Some(stage);
+        ms.extend([
+            f(1).zero(z),
+            f(2).zero(z),
+            h(1).zero(z),
+            h(2).zero(z).reduce(bf16),
+        ]);
+    }
+    for m in ms {
+        check_meeting(loopback(m));
+    }
+    for m in hybrid_meetings(4, 2) {
+        check_meeting(loopback(m));
     }
 }
 

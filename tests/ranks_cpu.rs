@@ -987,7 +987,16 @@ fn hybrid_sharding_reproduces_one_rank_at_every_stage() {
     check_job(job(&GPT2, 4, 2, 2, Some(ZeroStage::Two), None, f64_, 1e-12));
     check_job(job(&GPT2, 4, 2, 1, three, Some(DType::BF16), f64_, 1e-12));
     check_job(job(&LLAMA_ODD, 6, 3, 1, three, None, f64_, 1e-12));
-    check_job(job(&LLAMA_ODD, 6, 2, 1, three, None, Precision::AsStored, 1e-2));
+    check_job(job(
+        &LLAMA_ODD,
+        6,
+        2,
+        1,
+        three,
+        None,
+        Precision::AsStored,
+        1e-2,
+    ));
 }
 
 /// What a hybrid step says of itself: each gradient's mean is over every
@@ -1013,13 +1022,23 @@ fn a_hybrid_step_splits_within_its_group_and_averages_over_all() {
             _ => {}
         }
     }
-    assert!(reduces > 0 && gathers > 0, "{reduces} reduces, {gathers} gathers");
+    assert!(
+        reduces > 0 && gathers > 0,
+        "{reduces} reduces, {gathers} gathers"
+    );
     assert_eq!(g.shard_group(), Some(2));
     let print = |g: &fusec_compiler::ir::Graph| fusec_compiler::ir::print::print_graph(g, None);
     let text = print(&g);
-    assert!(text.contains("ranks=4 group=2"), "the printed step names its group");
+    assert!(
+        text.contains("ranks=4 group=2"),
+        "the printed step names its group"
+    );
     let parsed = fusec_compiler::ir::parse::parse_graph(&text).expect("the printed step parses");
-    assert_eq!(print(&parsed), text, "the printed step parses back to itself");
+    assert_eq!(
+        print(&parsed),
+        text,
+        "the printed step parses back to itself"
+    );
     // Whole-job sharding prints no group.
     let all = compiled_grouped(&GPT2, 4, 0, Some((1, three)), None, &|s| s).optimized;
     assert!(!print(&all).contains("group="));

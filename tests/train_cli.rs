@@ -1448,3 +1448,147 @@ fn zero_three_with_fp16_and_schedules_follows_stage_one() {
         assert_eq!(three, one, "{extra:?}");
     }
 }
+
+/// Hybrid sharding from the command line: `--gpus 4 --shard-within 2`
+/// (two groups of two ranks, each group holding every piece) follows
+/// `--gpus 4` over all four at stages 1 and 3 (losses within 1e-6
+/// relative: only the order of the gradient norm's partial sums differs),
+/// says how it splits, and writes the checkpoint the whole-job run writes
+/// (the same names and shapes, values within 1e-6), which resumes on one
+/// rank and on two at stage 3. One process's ranks are one host's:
+/// `--shard-within host` there splits over all of them.
+#[test]
+fn shard_within_groups_follows_the_whole_job_and_checkpoints_alike() {
+    let run = |zero: &str, within: Option<&str>, name: &str| {
+        let (log, ck) = (
+            tmp(&format!("{name}.jsonl")),
+            tmp(&format!("{name}.safetensors")),
+        );
+        let mut a = vec![
+            "--gpus", "4", "--zero", zero, "--batch", "2", "--steps", "3",
+        ];
+        if let Some(w) = within {
+            a.extend(["--shard-within", w]);
+        }
+        a.extend([
+            "--log",
+            log.to_str().unwrap(),
+            "--save",
+            ck.to_str().unwrap(),
+        ]);
+        let err = small_gpt2_on_cpu(&a);
+        (losses(&log), std::fs::read(&ck).unwrap(), err)
+    };
+    for zero in ["1", "3"] {
+        let (whole, ck_whole, err_whole) = run(zero, None, &format!("hsdp-{zero}-all"));
+        let (hybrid, ck_hybrid, err) = run(zero, Some("2"), &format!("hsdp-{zero}-2"));
+        assert!(
+            err.contains("split over groups of 2 ranks, 2 groups holding the same pieces"),
+            "{err}"
+        );
+        assert!(!err_whole.contains("groups of"), "{err_whole}");
+        assert_eq!(whole.len(), 3);
+        for (a, b) in hybrid.iter().zip(&whole) {
+            let (a, b) = (loss(a), loss(b));
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs(),
+                "stage {zero}: {a} against {b}"
+            );
+        }
+        let (s, t) = (
+            safetensors::SafeTensors::deserialize(&ck_whole).unwrap(),
+            safetensors::SafeTensors::deserialize(&ck_hybrid).unwrap(),
+        );
+        let (mut names, mut other) = (s.names(), t.names());
+        names.sort();
+        other.sort();
+        assert_eq!(names, other, "stage {zero}");
+        for n in names {
+            let (a, b) = (s.tensor(n).unwrap(), t.tensor(n).unwrap());
+            assert_eq!(a.shape(), b.shape(), "{n}");
+            let f = |d: &[u8]| -> Vec<f32> {
+                d.chunks(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect()
+            };
+            for (x, y) in f(a.data()).iter().zip(f(b.data())) {
+                assert!(
+                    (x - y).abs() <= 1e-6 * x.abs().max(1.0),
+                    "{n}: {x} against {y}"
+                );
+            }
+        }
+    }
+    let ck = tmp("hsdp-3-2.safetensors");
+    for (k, extra) in [
+        &["--batch", "8"][..],
+        &["--batch", "4", "--gpus", "2", "--zero", "3"][..],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let log = tmp(&format!("hsdp-resumed-{k}.jsonl"));
+        let mut a = extra.to_vec();
+        a.extend(["--steps", "1", "--resume", ck.to_str().unwrap()]);
+        a.extend(["--log", log.to_str().unwrap()]);
+        small_gpt2_on_cpu(&a);
+        assert!(loss(&losses(&log)[0]).is_finite(), "{extra:?}");
+    }
+    let err = small_gpt2_on_cpu(&[
+        "--gpus",
+        "2",
+        "--zero",
+        "2",
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        "--shard-within",
+        "host",
+    ]);
+    assert!(!err.contains("groups of"), "one process is one host: {err}");
+}
+
+/// `--shard-within` asks for what the job can give, or says why not.
+#[test]
+fn shard_within_refuses_what_the_job_cannot_split() {
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["--gpus", "4", "--shard-within", "3"],
+            "groups of 3 ranks, which do not divide the job's 4",
+        ),
+        (
+            &["--gpus", "4", "--shard-within", "8"],
+            "groups of 8 ranks, which do not divide the job's 4",
+        ),
+        (&["--shard-within", "2"], "give --gpus N (N >= 2)"),
+        (
+            &["--gpus", "2", "--zero", "0", "--shard-within", "host"],
+            "--zero 0 splits nothing",
+        ),
+        (
+            &["--gpus", "2", "--shard-within", "1"],
+            "not host, all or a number of ranks (2 or more)",
+        ),
+    ];
+    for (extra, want) in cases {
+        let mut a = vec![
+            "train",
+            "dsl-examples/gpt2-small.dsl",
+            "--data",
+            TEXT,
+            "--cpu",
+            "--seq",
+            "8",
+            "--steps",
+            "1",
+            "--batch",
+            "2",
+        ];
+        a.extend_from_slice(&SMALL[..10]);
+        a.extend_from_slice(extra);
+        let (code, _, err) = fusec(&a);
+        assert_ne!(code, 0, "{extra:?}");
+        assert!(err.contains(want), "{extra:?}: {err}");
+    }
+}

@@ -238,6 +238,19 @@ mod tests {
         assert!(place.results(0).is_err());
     }
 
+    /// A split's ranks of one colour meet at one place of their own
+    /// (hybrid sharding's group and its replicas), another colour or
+    /// another split elsewhere.
+    #[test]
+    fn a_split_gives_each_colour_its_own_place() {
+        let place = Loopback::new(4);
+        let (a, b) = (place.split(0, 1, 2), place.split(0, 1, 2));
+        assert!(std::sync::Arc::ptr_eq(&a, &b));
+        assert_eq!(a.ranks(), 2);
+        assert!(!std::sync::Arc::ptr_eq(&a, &place.split(0, 0, 2)));
+        assert!(!std::sync::Arc::ptr_eq(&a, &place.split(1, 1, 2)));
+    }
+
     #[test]
     fn values_round_trip_through_each_dtype() {
         for dt in [DType::F32, DType::BF16, DType::F16] {

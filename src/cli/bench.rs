@@ -389,9 +389,7 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
     let dims = args.sizes.resolve_all(&loaded.compiled.optimized.dims)?;
     super::common::check_sizes(&loaded, &dims)?;
     // Under ZeRO each rank compiles its own step, which `start` fits.
-    let zero = args
-        .parallel
-        .zero(job, &loaded.compiled.optimized.params)?;
+    let zero = args.parallel.zero(job, &loaded.compiled.optimized.params)?;
     super::common::announce_fitted(
         fit_memory(
             &mut loaded,

@@ -394,16 +394,15 @@ pub fn start(
                 Ok(g)
             })
             .collect::<Result<Vec<_>, CliError>>()?;
-        let Some(budget) = &loaded.rank_budget else {
-            return Ok(graphs);
-        };
-        let chosen = budget.fit(&mut graphs, dims, &loaded.compiled.options.lower)?;
-        if let Some(choice) = chosen {
-            let file = loaded.path.display().to_string();
-            eprint!(
-                "each rank's step, {}",
-                choice.describe(&graphs[0], Some((&file, &loaded.source)))
-            );
+        if let Some(budget) = &loaded.rank_budget {
+            let chosen = budget.fit(&mut graphs, dims, &loaded.compiled.options.lower)?;
+            if let Some(choice) = chosen {
+                let file = loaded.path.display().to_string();
+                eprint!(
+                    "each rank's step, {}",
+                    choice.describe(&graphs[0], Some((&file, &loaded.source)))
+                );
+            }
         }
         let step_of = |r: usize| compiled.iter().position(|&c| c as usize == r % group);
         ranks
@@ -507,4 +506,60 @@ pub fn start(
         zero_line(zero, world)
     );
     Ok(ranks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A launched job's rank `rank` of `world`, `local` on its host, with
+    /// `LOCAL_WORLD_SIZE` where given.
+    fn launched(world: usize, rank: usize, local: usize, size: Option<usize>) -> Job {
+        let vars: Vec<(String, String)> = [
+            ("WORLD_SIZE", Some(world)),
+            ("RANK", Some(rank)),
+            ("LOCAL_RANK", Some(local)),
+            ("LOCAL_WORLD_SIZE", size),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| v.map(|v| (k.to_string(), v.to_string())))
+        .collect();
+        let var = |k: &str| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        Job::Launched(launcher::from_env(var).unwrap().expect("a job"))
+    }
+
+    fn within(w: ShardWithin) -> ParallelArgs {
+        ParallelArgs {
+            shard_within: Some(w),
+            ..Default::default()
+        }
+    }
+
+    /// `--shard-within host` groups by the launcher's ranks a host, and
+    /// only where the ranks are numbered host by host; one process's ranks
+    /// are one host's; a group must divide the job.
+    #[test]
+    fn the_group_is_the_hosts_ranks_where_the_launcher_says() {
+        let host = within(ShardWithin::Host);
+        assert_eq!(shard_group(&host, &launched(8, 5, 1, Some(4))).unwrap(), 4);
+        let e = shard_group(&host, &launched(8, 5, 1, None)).unwrap_err();
+        assert!(e.message.contains("set LOCAL_WORLD_SIZE"), "{}", e.message);
+        // Rank 5 as local rank 0 of 4: round-robin over hosts.
+        let e = shard_group(&host, &launched(8, 5, 0, Some(4))).unwrap_err();
+        assert!(e.message.contains("numbered host by host"), "{}", e.message);
+        assert_eq!(shard_group(&host, &Job::Local(4)).unwrap(), 4);
+        let all = within(ShardWithin::All);
+        assert_eq!(shard_group(&all, &launched(8, 5, 1, Some(4))).unwrap(), 8);
+        assert_eq!(
+            shard_group(&ParallelArgs::default(), &Job::Local(3)).unwrap(),
+            3
+        );
+        let three = within(ShardWithin::Ranks(3));
+        assert!(shard_group(&three, &Job::Local(4)).is_err());
+        assert_eq!(shard_group(&three, &Job::Local(6)).unwrap(), 3);
+        assert_eq!(parse_shard_within("host"), Ok(ShardWithin::Host));
+        assert_eq!(parse_shard_within("2"), Ok(ShardWithin::Ranks(2)));
+        assert!(parse_shard_within("1").is_err());
+        assert!(parse_shard_within("hosts").is_err());
+    }
 }

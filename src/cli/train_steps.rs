@@ -116,9 +116,7 @@ pub(super) fn open_backend(
         f32_math: args.f32.math(),
     };
     if job.world() > 1 {
-        let zero = args
-            .parallel
-            .zero(job, &loaded.compiled.optimized.params)?;
+        let zero = args.parallel.zero(job, &loaded.compiled.optimized.params)?;
         Ok(Box::new(parallel::start(
             loaded, dims, job, args.gpu, args.cpu, options, &args.data, zero,
         )?))

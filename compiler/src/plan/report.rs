@@ -389,6 +389,14 @@ fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
             _ => None,
         })
         .unwrap_or(1);
+    // Hybrid sharding: the pieces split over a group, the groups alike.
+    let hybrid = match g.shard_group() {
+        Some(k) if k < ranks => format!(
+            " (ZeRO within groups of {k} ranks, {} groups holding the same pieces: each piece's mean reduced to its owner in the group, then averaged over the owners of the groups; the gathers and broadcasts stay within a group)",
+            ranks / k
+        ),
+        _ => String::new(),
+    };
     // ZeRO stage 3's gathers apart from the gradients' buckets.
     let (gathers, reduces): (Vec<_>, Vec<_>) =
         plan.collectives.iter().partition(|c| c.gather.is_some());
@@ -414,7 +422,7 @@ fn buckets(s: &mut String, g: &Graph, p: &Program, plan: &Plan) {
     sent.dedup();
     let _ = writeln!(
         s,
-        "data parallel over {ranks} ranks: {} {} buckets (mean in {}, NCCL) of {} in all; each starts after the kernel that finishes its last gradient and runs while the backward pass goes on{}",
+        "data parallel over {ranks} ranks{hybrid}: {} {} buckets (mean in {}, NCCL) of {} in all; each starts after the kernel that finishes its last gradient and runs while the backward pass goes on{}",
         reduces.len(),
         if zero { "collective" } else { "all-reduce" },
         if types.is_empty() { "f32".to_string() } else { types.join(" and ") },

@@ -119,7 +119,9 @@ impl DataParallel {
             )));
         }
         let within = self.comm.split_by(rank / group, rank % group, group)?;
-        let across = self.comm.split_by(rank % group, rank / group, ranks / group)?;
+        let across = self
+            .comm
+            .split_by(rank % group, rank / group, ranks / group)?;
         self.hybrid = Some(Hybrid { within, across });
         Ok(())
     }
