@@ -1,0 +1,234 @@
+//! `fusec eval` on the CPU reference: the loss and perplexity of known
+//! weights over a token file, against the cross-entropy computed here
+//! from the same weights, and what it says of input it cannot use.
+
+mod common;
+
+use common::fusec;
+use std::path::{Path, PathBuf};
+
+fn tmp(name: &str) -> PathBuf {
+    common::host::work_dir("eval-cli").join(name)
+}
+
+const FEATURES: usize = 8;
+
+/// A bigram language model of `vocab` ids: logits = emb[token] @ w.
+fn bigram(vocab: usize, extra_input: bool) -> PathBuf {
+    let model = tmp(&format!("bigram-{vocab}-{extra_input}.dsl"));
+    let extra = if extra_input {
+        "input mask: f32[B, T]\n"
+    } else {
+        ""
+    };
+    let loss = if extra_input {
+        "cross_entropy(embedding(emb, tokens) @ w, targets) + sum(mask) * 0.0"
+    } else {
+        "cross_entropy(embedding(emb, tokens) @ w, targets)"
+    };
+    std::fs::write(
+        &model,
+        format!(
+            "dim B, T\ninput tokens: i32[B, T]\ninput targets: i32[B, T]\n{extra}\
+             param emb: [{vocab}, {FEATURES}] = normal(0.1)\nparam w: [{FEATURES}, {vocab}] = normal(0.1)\n\
+             train {{\n loss = {loss}\n optimizer = adamw(lr = 1e-2)\n}}\n"
+        ),
+    )
+    .unwrap();
+    model
+}
+
+/// Weights drawn from a fixed sequence, as f32.
+fn weights(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x % 2001) as f32 / 1000.0 - 1.0) * 0.8
+        })
+        .collect()
+}
+
+/// A checkpoint of `tensors` (name, shape, values).
+fn checkpoint(name: &str, tensors: &[(&str, Vec<usize>, &[f32])]) -> PathBuf {
+    let path = tmp(name);
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((n, s, _), b)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .unwrap();
+            (n.to_string(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    path
+}
+
+/// The mean cross-entropy of the bigram over consecutive windows of
+/// `t + 1` tokens (at most `limit`), in f64 from the f32 weights.
+fn reference(tokens: &[u8], emb: &[f32], w: &[f32], vocab: usize, t: usize, limit: usize) -> f64 {
+    let windows = ((tokens.len() - 1) / t).min(limit);
+    let (mut sum, mut n) = (0.0, 0usize);
+    for i in 0..windows {
+        for k in 0..t {
+            let (x, y) = (tokens[i * t + k] as usize, tokens[i * t + k + 1] as usize);
+            let logits: Vec<f64> = (0..vocab)
+                .map(|v| {
+                    (0..FEATURES)
+                        .map(|f| emb[x * FEATURES + f] as f64 * w[f * vocab + v] as f64)
+                        .sum()
+                })
+                .collect();
+            let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
+            sum += lse - logits[y];
+            n += 1;
+        }
+    }
+    sum / n as f64
+}
+
+fn eval_json(model: &Path, weights: &Path, data: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut a = vec![
+        "eval",
+        model.to_str().unwrap(),
+        "--weights",
+        weights.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--cpu",
+        "--json",
+    ];
+    a.extend_from_slice(extra);
+    let (code, out, err) = fusec(&a);
+    assert_eq!(code, 0, "{err}");
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+/// Every window of a 100-byte file (19 windows of 5: six batches of 3 and
+/// one window alone), and the first two batches' with --max-batches,
+/// against the cross-entropy computed here; a batch of 1 gives the same.
+/// Tolerance 1e-5 relative: the CPU reference rounds each op's result to
+/// f32 as stored (about 6e-8 relative each), the reference does not.
+#[test]
+fn the_loss_over_every_window_is_the_cross_entropy_of_the_weights() {
+    let vocab = 256;
+    let model = bigram(vocab, false);
+    let (emb, w) = (weights(vocab * FEATURES, 1), weights(FEATURES * vocab, 2));
+    let ck = checkpoint(
+        "bigram.safetensors",
+        &[
+            ("emb", vec![vocab, FEATURES], &emb),
+            ("w", vec![FEATURES, vocab], &w),
+        ],
+    );
+    let data = tmp("bytes.txt");
+    let text: Vec<u8> = (0..100u32).map(|i| ((i * 37 + 11) % 251) as u8).collect();
+    std::fs::write(&data, &text).unwrap();
+    for (extra, windows) in [
+        (&["--batch", "3", "--seq", "5"][..], 19),
+        (&["--batch", "1", "--seq", "5"][..], 19),
+        (&["--batch", "3", "--seq", "5", "--max-batches", "2"][..], 6),
+    ] {
+        let got = eval_json(&model, &ck, &data, extra);
+        let want = reference(&text, &emb, &w, vocab, 5, windows);
+        let loss = got["loss"].as_f64().unwrap();
+        assert!(
+            (loss - want).abs() <= 1e-5 * want,
+            "{extra:?}: {loss} against {want}"
+        );
+        let ppl = got["perplexity"].as_f64().unwrap();
+        assert!(
+            (ppl - want.exp()).abs() <= 1e-5 * want.exp(),
+            "{extra:?}: {ppl}"
+        );
+        assert_eq!(got["windows"], windows, "{extra:?}");
+        assert_eq!(got["tokens"], windows * 5, "{extra:?}");
+    }
+    // Without --json: one sentence, naming what was left out.
+    let (code, out, err) = fusec(&[
+        "eval",
+        model.to_str().unwrap(),
+        "--weights",
+        ck.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--cpu",
+        "--batch",
+        "4",
+        "--seq",
+        "7",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("loss "), "{out}");
+    assert!(
+        out.contains("over 98 tokens (14 windows of 7; 1 tokens after"),
+        "{out}"
+    );
+}
+
+/// Weights that do not fit (names listed), ids beyond the vocabulary, a
+/// file shorter than a window, a model whose inputs are not a token
+/// file's: each said, with a non-zero exit.
+#[test]
+fn what_eval_cannot_use_is_named() {
+    let vocab = 64;
+    let model = bigram(vocab, false);
+    let emb = weights(vocab * FEATURES, 3);
+    let half = checkpoint("half.safetensors", &[("emb", vec![vocab, FEATURES], &emb)]);
+    let data = tmp("short.txt");
+    std::fs::write(&data, b"\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a").unwrap();
+    let run = |model: &Path, ck: &Path, data: &Path, seq: &str| {
+        let (code, _, err) = fusec(&[
+            "eval",
+            model.to_str().unwrap(),
+            "--weights",
+            ck.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--cpu",
+            "--batch",
+            "2",
+            "--seq",
+            seq,
+        ]);
+        assert_ne!(code, 0, "{err}");
+        err
+    };
+    let err = run(&model, &half, &data, "3");
+    assert!(err.contains("missing `w` [8, 64]"), "{err}");
+    let w = weights(FEATURES * vocab, 4);
+    let full = checkpoint(
+        "full.safetensors",
+        &[
+            ("emb", vec![vocab, FEATURES], &emb),
+            ("w", vec![FEATURES, vocab], &w),
+        ],
+    );
+    let err = run(&model, &full, &data, "12");
+    assert!(
+        err.contains("has 10 tokens; one window of --seq 12 needs 13"),
+        "{err}"
+    );
+    let wide = tmp("wide.txt");
+    std::fs::write(&wide, b"\x01\x02\x03\x50\x05\x06\x07").unwrap();
+    let err = run(&model, &full, &wide, "3");
+    assert!(
+        err.contains("token 3 is id 80, and the model's vocabulary has 64 ids"),
+        "{err}"
+    );
+    let masked = bigram(vocab, true);
+    let err = run(&masked, &full, &data, "3");
+    assert!(
+        err.contains("reads a token file into a language model's `tokens` and `targets`"),
+        "{err}"
+    );
+    assert!(err.contains("mask: f32[B, T]"), "{err}");
+}
