@@ -232,3 +232,108 @@ fn what_eval_cannot_use_is_named() {
     );
     assert!(err.contains("mask: f32[B, T]"), "{err}");
 }
+
+/// transformers' mean loss over the first `windows` windows of 32 bytes of
+/// `text` for a fresh `kind` model saved into `dir`
+/// (`tools/hf_reference.py`), or `None` where Python lacks torch or
+/// transformers (said as a skip).
+fn transformers_loss(kind: &str, dir: &Path, text: &Path, windows: u32) -> Option<f64> {
+    let out = std::process::Command::new("python3")
+        .arg(common::root().join("tools/hf_reference.py"))
+        .args([kind, dir.to_str().unwrap(), text.to_str().unwrap(), "32"])
+        .arg(windows.to_string())
+        .current_dir(common::root())
+        .output()
+        .ok()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if out.status.code() == Some(3) {
+        common::skip(stdout.trim());
+        return None;
+    }
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.trim().lines().last()?).unwrap();
+    v["loss"].as_f64()
+}
+
+/// Random Hugging Face GPT-2 and grouped-query LLaMA weights through the
+/// shipped name maps, on the first 6 x 32 + 1 bytes of the shipped text:
+/// eval's loss over its six windows (a batch of 4, then two alone) is
+/// transformers' within 1e-5 relative in fp32 (the two differ by f32
+/// rounding in different orders: about 1e-7 a value, summed over two
+/// layers). Needs Python with torch and transformers (else a skip, said);
+/// on the CPU, or on a GPU with FUSEC_EVAL_GPU set.
+#[test]
+fn eval_matches_transformers_through_the_name_maps() {
+    let on_gpu = std::env::var_os("FUSEC_EVAL_GPU").is_some();
+    let text = tmp("six-windows.txt");
+    let all = std::fs::read(common::root().join("dsl-examples/data/founding-texts.txt")).unwrap();
+    std::fs::write(&text, &all[..6 * 32 + 1]).unwrap();
+    for (kind, model, map, sets) in [
+        (
+            "gpt2",
+            "dsl-examples/gpt2-small.dsl",
+            "dsl-examples/maps/hf-gpt2.json",
+            &["layers=2", "d=64", "n_heads=4", "vocab=256", "ctx=64"][..],
+        ),
+        (
+            "llama",
+            "dsl-examples/llama-small.dsl",
+            "dsl-examples/maps/hf-llama.json",
+            &[
+                "layers=2",
+                "d=64",
+                "n_heads=4",
+                "n_kv_heads=2",
+                "ffn=128",
+                "vocab=256",
+            ][..],
+        ),
+    ] {
+        let dir = tmp(&format!("hf-{kind}"));
+        let Some(want) = transformers_loss(kind, &dir, &text, 6) else {
+            return;
+        };
+        let weights = dir.join("model.safetensors");
+        let mut a = vec![
+            "eval",
+            model,
+            "--weights",
+            weights.to_str().unwrap(),
+            "--name-map",
+            map,
+            "--data",
+            text.to_str().unwrap(),
+            "--precision",
+            "fp32",
+            "--batch",
+            "4",
+            "--seq",
+            "32",
+            "--json",
+        ];
+        if !on_gpu {
+            a.push("--cpu");
+        }
+        for s in sets {
+            a.extend(["--set", s]);
+        }
+        let (code, out, err) = fusec(&a);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        let got = v["loss"].as_f64().unwrap();
+        assert_eq!(v["windows"], 6);
+        assert!(
+            (got - want).abs() <= 1e-5 * want,
+            "{kind}: fusec eval {got}, transformers {want}"
+        );
+        println!(
+            "{kind}: fusec eval {got:.8} ({}), transformers {want:.8}, relative {:.1e}",
+            if on_gpu { "GPU" } else { "CPU" },
+            (got - want).abs() / want
+        );
+    }
+}

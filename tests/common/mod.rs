@@ -154,9 +154,13 @@ pub fn awkward_gqa() -> (&'static str, Vec<(&'static str, &'static str)>) {
 }
 
 /// Runs the built `fusec` in the repository root, as a person would:
-/// (exit code, stdout, stderr).
+/// (exit code, stdout, stderr). `FUSEC_BIN` names another build of it (a
+/// test binary copied to a machine without Rust, where the path it was
+/// built with is not).
 pub fn fusec(args: &[&str]) -> (i32, String, String) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fusec"))
+    let bin = std::env::var_os("FUSEC_BIN")
+        .unwrap_or_else(|| std::ffi::OsString::from(env!("CARGO_BIN_EXE_fusec")));
+    let out = std::process::Command::new(bin)
         .args(args)
         .current_dir(root())
         .output()
