@@ -30,6 +30,8 @@ enum Command {
     Passes,
     /// Train a model on a GPU: compile, load, and run steps
     Train(Box<cli::train::TrainArgs>),
+    /// Continue a prompt with a trained language model, a token at a time
+    Generate(cli::generate::GenerateArgs),
     /// A trained model's loss and perplexity over a token file
     Eval(cli::eval::EvalArgs),
     /// Time the compiled step on a GPU and print one JSON line
@@ -64,6 +66,7 @@ fn main() -> ExitCode {
         Command::Build(a) => cli::build::run(&a),
         Command::Train(a) => cli::train::train(&a),
         Command::Eval(a) => cli::eval::run(&a),
+        Command::Generate(a) => cli::generate::run(&a),
         Command::Bench(a) => cli::bench::bench(&a),
         Command::BenchAttention(a) => cli::bench::bench_attention(&a),
         Command::ExportTorch(a) => cli::export::run(&a),

@@ -6,7 +6,11 @@ checking fusec's name maps (dsl-examples/maps): `fusec train --init-from
 DIR/model.safetensors --name-map MAP --data TEXT --batch 1 --seq T --steps
 1` with K micro-batches must report this loss at step 1.
 
-    python3 tools/hf_reference.py gpt2|llama OUT_DIR TEXT T [K]  -> prints {"loss": ...}
+    python3 tools/hf_reference.py gpt2|llama OUT_DIR TEXT T [K [NEW]]  -> prints {"loss": ...}
+
+With NEW, also "generated": the NEW token ids `generate(do_sample=False)`
+continues the first window's T bytes with (greedy, fp32), for checking
+`fusec generate`.
 Exit status 3 (and a line saying so) where transformers or torch is missing.
 """
 import json
@@ -44,7 +48,18 @@ def main():
         with torch.no_grad():
             logits = model(ids[:, :t]).logits.double()
         losses.append(torch.nn.functional.cross_entropy(logits[0], ids[0, 1 : t + 1]).item())
-    print(json.dumps({"loss": sum(losses) / windows, "transformers": transformers.__version__}))
+    out = {"loss": sum(losses) / windows, "transformers": transformers.__version__}
+    if len(sys.argv) > 6:
+        new = int(sys.argv[6])
+        prompt = torch.tensor([list(data[:t])], dtype=torch.long)
+        # A random model's ids mean nothing: no id ends the text early.
+        model.generation_config.eos_token_id = None
+        with torch.no_grad():
+            ids = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                                 attention_mask=torch.ones_like(prompt))
+        out["prompt"] = prompt[0].tolist()
+        out["generated"] = ids[0, t:].tolist()
+    print(json.dumps(out))
 
 
 main()

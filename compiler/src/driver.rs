@@ -312,6 +312,52 @@ pub fn forward_graph(c: &Compiled) -> Result<Graph, String> {
     Ok(g)
 }
 
+/// The forward pass from the inputs to the logits the loss reads (the
+/// first input of the one `cross_entropy` the loss is computed from),
+/// output as `Role::Logits`, after the training step's passes but
+/// `pad-dims` (whose padded classes only a cross-entropy knows to leave
+/// out): what generation samples the next token from. No dropout.
+pub fn logits_graph(c: &Compiled) -> Result<Graph, String> {
+    use crate::ir::graph::Role;
+    let mut g = c.model.graph.clone();
+    let loss = g
+        .outputs
+        .iter()
+        .find(|(r, _)| *r == Role::Loss)
+        .map(|&(_, v)| v.node)
+        .ok_or("the model has no loss")?;
+    // The cross-entropies the loss is computed from.
+    let mut seen = std::collections::HashSet::from([loss]);
+    let mut stack = vec![loss];
+    let mut entropies = Vec::new();
+    while let Some(n) = stack.pop() {
+        if matches!(g.g[n].op, crate::ops::Op::CrossEntropy(_)) {
+            entropies.push(n);
+            continue;
+        }
+        for v in g.inputs(n) {
+            if seen.insert(v.node) {
+                stack.push(v.node);
+            }
+        }
+    }
+    let [ce] = entropies[..] else {
+        return Err(format!(
+            "the loss is computed from {} cross-entropies, and generation reads the logits of exactly one",
+            entropies.len()
+        ));
+    };
+    let logits = g.inputs(ce)[0];
+    g.outputs = vec![(Role::Logits, logits)];
+    crate::passes::remove_dropout(&mut g);
+    let passes: Vec<_> = default_pipeline()
+        .into_iter()
+        .filter(|p| p.name() != "pad-dims")
+        .collect();
+    run_pipeline(&mut g, &passes, |_, _| {}).map_err(|e| e.to_string())?;
+    Ok(g)
+}
+
 /// The verifier guards the compiler's own invariants: a failure is a bug in
 /// fusec, never in the model file, and is reported as such.
 fn check_verified(g: &Graph, after: &str) -> Result<(), Failure> {

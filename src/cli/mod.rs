@@ -13,6 +13,7 @@ pub mod explain;
 pub mod export;
 mod f32_math;
 mod feed;
+pub mod generate;
 pub mod open;
 pub mod parallel;
 mod profile;

@@ -56,6 +56,7 @@ pub fn train_step(
                 feeds.state.insert(name.clone(), t.clone());
             }
             Role::Grad(i) => result.grads.push((*i, t.clone())),
+            Role::Logits => {}
         }
     }
     Ok(result)

@@ -111,6 +111,9 @@ impl ParamInfo {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Role {
     Loss,
+    /// The logits the loss reads (`driver::logits_graph`: what generation
+    /// samples the next token from).
+    Logits,
     Grad(usize),
     NewParam(usize),
     NewState(String),
@@ -121,6 +124,7 @@ impl std::fmt::Display for Role {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Role::Loss => write!(f, "loss"),
+            Role::Logits => write!(f, "logits"),
             Role::Grad(i) => write!(f, "grad[{i}]"),
             Role::NewParam(i) => write!(f, "param[{i}]"),
             Role::NewState(s) => write!(f, "state \"{s}\""),

@@ -350,6 +350,10 @@ impl Parser {
                     c.next()?;
                     Role::GradNorm
                 }
+                Some(Tok::Ident("logits")) => {
+                    c.next()?;
+                    Role::Logits
+                }
                 Some(Tok::Ident(w @ ("grad" | "param"))) => {
                     c.next()?;
                     c.punct('[')?;

@@ -1,0 +1,362 @@
+//! `fusec generate` on the CPU reference: greedy continuations against the
+//! argmax computed here from known weights and against transformers'
+//! `generate(do_sample=False)`, repeatable sampling, and what it refuses.
+
+mod common;
+
+use common::fusec;
+use std::path::{Path, PathBuf};
+
+fn tmp(name: &str) -> PathBuf {
+    common::host::work_dir("generate-cli").join(name)
+}
+
+const FEATURES: usize = 8;
+const VOCAB: usize = 64;
+
+/// A bigram language model: logits = emb[token] @ w.
+fn bigram() -> PathBuf {
+    let model = tmp("bigram.dsl");
+    std::fs::write(
+        &model,
+        format!(
+            "dim B, T\ninput tokens: i32[B, T]\ninput targets: i32[B, T]\n\
+             param emb: [{VOCAB}, {FEATURES}] = normal(0.1)\nparam w: [{FEATURES}, {VOCAB}] = normal(0.1)\n\
+             train {{\n loss = cross_entropy(embedding(emb, tokens) @ w, targets)\n optimizer = adamw(lr = 1e-2)\n}}\n"
+        ),
+    )
+    .unwrap();
+    model
+}
+
+fn weights(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x % 2001) as f32 / 1000.0 - 1.0) * 0.8
+        })
+        .collect()
+}
+
+fn checkpoint(path: &Path, tensors: &[(&str, Vec<usize>, &[f32])]) {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((n, s, _), b)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .unwrap();
+            (n.to_string(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// The generated ids of one `--json` line.
+fn ids(line: &str) -> Vec<u32> {
+    let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    v["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn generate(model: &Path, ck: &Path, extra: &[&str]) -> (i32, String, String) {
+    let mut a = vec![
+        "generate",
+        model.to_str().unwrap(),
+        "--weights",
+        ck.to_str().unwrap(),
+        "--cpu",
+    ];
+    a.extend_from_slice(extra);
+    fusec(&a)
+}
+
+/// Greedy continuation of a bigram from known weights: each next id is the
+/// first argmax of emb[last] @ w, computed here in f64 (the logits differ
+/// from the CPU reference's f32 by rounding alone; the test's weights leave
+/// no two best logits of a row within 1e-4, checked). Sampling: one seed,
+/// one continuation; two samples of one prompt differ.
+#[test]
+fn greedy_follows_the_argmax_and_a_seed_repeats_its_samples() {
+    let model = bigram();
+    let (emb, w) = (weights(VOCAB * FEATURES, 5), weights(FEATURES * VOCAB, 6));
+    let ck = tmp("bigram.safetensors");
+    checkpoint(
+        &ck,
+        &[
+            ("emb", vec![VOCAB, FEATURES], &emb),
+            ("w", vec![FEATURES, VOCAB], &w),
+        ],
+    );
+    let logits = |x: usize| -> Vec<f64> {
+        (0..VOCAB)
+            .map(|v| {
+                (0..FEATURES)
+                    .map(|f| emb[x * FEATURES + f] as f64 * w[f * VOCAB + v] as f64)
+                    .sum()
+            })
+            .collect()
+    };
+    let mut want = Vec::new();
+    let mut last = 7usize;
+    for _ in 0..12 {
+        let row = logits(last);
+        let mut sorted = row.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        assert!(
+            sorted[0] - sorted[1] > 1e-4,
+            "a near tie: pick other weights"
+        );
+        last = row.iter().position(|&x| x == sorted[0]).unwrap();
+        want.push(last as u32);
+    }
+    let (code, out, err) = generate(
+        &model,
+        &ck,
+        &["--prompt-ids", "3,7", "--max-new-tokens", "12", "--json"],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(ids(out.trim()), want);
+
+    let sample = |seed: &str, n: &str| {
+        let (code, out, err) = generate(
+            &model,
+            &ck,
+            &[
+                "--prompt-ids",
+                "3,7",
+                "--max-new-tokens",
+                "12",
+                "--json",
+                "--temperature",
+                "1.5",
+                "--top-k",
+                "20",
+                "--seed",
+                seed,
+                "--num-samples",
+                n,
+            ],
+        );
+        assert_eq!(code, 0, "{err}");
+        out.lines().map(ids).collect::<Vec<_>>()
+    };
+    let two = sample("11", "2");
+    assert_eq!(two.len(), 2);
+    assert_eq!(
+        sample("11", "2"),
+        two,
+        "the same seed draws the same tokens"
+    );
+    assert_ne!(two[0], two[1], "two samples of one prompt");
+    assert_ne!(sample("12", "1")[0], two[0]);
+    // A stop id ends the continuation.
+    let (_, out, _) = generate(
+        &model,
+        &ck,
+        &[
+            "--prompt-ids",
+            "3,7",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            "--eos-id",
+            &want[2].to_string(),
+        ],
+    );
+    assert_eq!(ids(out.trim()), want[..3].to_vec());
+}
+
+/// A checkpoint of the small GPT-2 trained for one step here.
+fn small_gpt2() -> (Vec<&'static str>, PathBuf) {
+    let sets = vec![
+        "--set",
+        "vocab=256",
+        "--set",
+        "layers=1",
+        "--set",
+        "d=32",
+        "--set",
+        "n_heads=2",
+        "--set",
+        "ctx=16",
+    ];
+    let ck = tmp("gpt2.safetensors");
+    let mut a = vec![
+        "train",
+        "dsl-examples/gpt2-small.dsl",
+        "--cpu",
+        "--data",
+        "dsl-examples/data/founding-texts.txt",
+        "--batch",
+        "1",
+        "--seq",
+        "16",
+        "--steps",
+        "1",
+        "--save",
+        ck.to_str().unwrap(),
+    ];
+    a.extend_from_slice(&sets);
+    let (code, _, err) = fusec(&a);
+    assert_eq!(code, 0, "{err}");
+    (sets, ck)
+}
+
+/// What generate cannot do, said with a non-zero exit: more positions than
+/// the model has, an id beyond its vocabulary, weights that do not fit, no
+/// --cpu (the GPU decoder is not built), no prompt.
+#[test]
+fn what_generate_cannot_do_is_said() {
+    let (sets, ck) = small_gpt2();
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "dsl-examples/gpt2-small.dsl",
+            "--weights",
+            ck.to_str().unwrap(),
+        ];
+        a.extend_from_slice(&sets);
+        a.extend_from_slice(extra);
+        let (code, out, err) = fusec(&a);
+        (code, out, err)
+    };
+    let (code, out, err) = run(&["--cpu", "--prompt", "We the", "--max-new-tokens", "5"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.starts_with("We the") && out.len() > "We the".len(),
+        "{out}"
+    );
+    let (code, _, err) = run(&[
+        "--cpu",
+        "--prompt",
+        "We the People",
+        "--max-new-tokens",
+        "10",
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("make 23 positions, which the model cannot take"),
+        "{err}"
+    );
+    assert!(
+        err.contains("this slice [0:23] runs past the end of an axis of 16"),
+        "{err}"
+    );
+    let (code, _, err) = run(&["--cpu", "--prompt-ids", "1,300", "--max-new-tokens", "2"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("token id 300, and the model's vocabulary has 256 ids"),
+        "{err}"
+    );
+    let (code, _, err) = run(&["--prompt", "We"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("add --cpu"), "{err}");
+    let (code, _, err) = run(&["--cpu"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("give a prompt"), "{err}");
+    let bigram_ck = tmp("bigram.safetensors");
+    let emb = weights(VOCAB * FEATURES, 5);
+    checkpoint(&bigram_ck, &[("emb", vec![VOCAB, FEATURES], &emb)]);
+    let (code, _, err) = generate(&bigram(), &bigram_ck, &["--prompt-ids", "1"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("missing `w` [8, 64]"), "{err}");
+}
+
+/// Random Hugging Face GPT-2 and grouped-query LLaMA weights through the
+/// shipped name maps: greedy `fusec generate` of 20 tokens after the first
+/// 32 bytes of the shipped text gives the ids transformers'
+/// `generate(do_sample=False)` gives, in fp32. Needs Python with torch and
+/// transformers (else a skip, said).
+#[test]
+fn greedy_ids_match_transformers_generate() {
+    let text = "dsl-examples/data/founding-texts.txt";
+    for (kind, model, map, sets) in [
+        (
+            "gpt2",
+            "dsl-examples/gpt2-small.dsl",
+            "dsl-examples/maps/hf-gpt2.json",
+            &["layers=2", "d=64", "n_heads=4", "vocab=256", "ctx=64"][..],
+        ),
+        (
+            "llama",
+            "dsl-examples/llama-small.dsl",
+            "dsl-examples/maps/hf-llama.json",
+            &[
+                "layers=2",
+                "d=64",
+                "n_heads=4",
+                "n_kv_heads=2",
+                "ffn=128",
+                "vocab=256",
+            ][..],
+        ),
+    ] {
+        let dir = tmp(&format!("hf-{kind}"));
+        let out = std::process::Command::new("python3")
+            .arg(common::root().join("tools/hf_reference.py"))
+            .args([kind, dir.to_str().unwrap(), text, "32", "1", "20"])
+            .current_dir(common::root())
+            .output()
+            .expect("python3 runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if out.status.code() == Some(3) {
+            common::skip(stdout.trim());
+            return;
+        }
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(stdout.trim().lines().last().unwrap()).unwrap();
+        let prompt: Vec<String> = v["prompt"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_string())
+            .collect();
+        let want: Vec<u32> = v["generated"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let weights = dir.join("model.safetensors");
+        let prompt = prompt.join(",");
+        let mut a = vec![
+            "generate",
+            model,
+            "--weights",
+            weights.to_str().unwrap(),
+            "--name-map",
+            map,
+            "--cpu",
+            "--precision",
+            "fp32",
+            "--prompt-ids",
+            &prompt,
+            "--max-new-tokens",
+            "20",
+            "--json",
+        ];
+        for s in sets {
+            a.extend(["--set", s]);
+        }
+        let (code, out, err) = fusec(&a);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(ids(out.trim()), want, "{kind}");
+        println!("{kind}: fusec generate's 20 greedy ids are transformers' ({want:?})");
+    }
+}
