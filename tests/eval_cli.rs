@@ -38,36 +38,14 @@ fn bigram(vocab: usize, extra_input: bool) -> PathBuf {
     model
 }
 
-/// Weights drawn from a fixed sequence, as f32.
 fn weights(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x % 2001) as f32 / 1000.0 - 1.0) * 0.8
-        })
-        .collect()
+    common::drawn_f32(n, seed)
 }
 
-/// A checkpoint of `tensors` (name, shape, values).
+/// A checkpoint of `tensors` (name, shape, values) in the temp folder.
 fn checkpoint(name: &str, tensors: &[(&str, Vec<usize>, &[f32])]) -> PathBuf {
     let path = tmp(name);
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((n, s, _), b)| {
-            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                .unwrap();
-            (n.to_string(), v)
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &path).unwrap();
+    common::write_safetensors(&path, tensors);
     path
 }
 
@@ -233,32 +211,6 @@ fn what_eval_cannot_use_is_named() {
     assert!(err.contains("mask: f32[B, T]"), "{err}");
 }
 
-/// transformers' mean loss over the first `windows` windows of 32 bytes of
-/// `text` for a fresh `kind` model saved into `dir`
-/// (`tools/hf_reference.py`), or `None` where Python lacks torch or
-/// transformers (said as a skip).
-fn transformers_loss(kind: &str, dir: &Path, text: &Path, windows: u32) -> Option<f64> {
-    let out = std::process::Command::new("python3")
-        .arg(common::root().join("tools/hf_reference.py"))
-        .args([kind, dir.to_str().unwrap(), text.to_str().unwrap(), "32"])
-        .arg(windows.to_string())
-        .current_dir(common::root())
-        .output()
-        .ok()?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if out.status.code() == Some(3) {
-        common::skip(stdout.trim());
-        return None;
-    }
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_str(stdout.trim().lines().last()?).unwrap();
-    v["loss"].as_f64()
-}
-
 /// Random Hugging Face GPT-2 and grouped-query LLaMA weights through the
 /// shipped name maps, on the first 6 x 32 + 1 bytes of the shipped text:
 /// eval's loss over its six windows (a batch of 4, then two alone) is
@@ -294,9 +246,10 @@ fn eval_matches_transformers_through_the_name_maps() {
         ),
     ] {
         let dir = tmp(&format!("hf-{kind}"));
-        let Some(want) = transformers_loss(kind, &dir, &text, 6) else {
+        let Some(reference) = common::hf_reference(kind, &dir, &text, 32, 6, None) else {
             return;
         };
+        let want = reference["loss"].as_f64().unwrap();
         let weights = dir.join("model.safetensors");
         let mut a = vec![
             "eval",

@@ -30,32 +30,11 @@ fn bigram() -> PathBuf {
 }
 
 fn weights(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x % 2001) as f32 / 1000.0 - 1.0) * 0.8
-        })
-        .collect()
+    common::drawn_f32(n, seed)
 }
 
 fn checkpoint(path: &Path, tensors: &[(&str, Vec<usize>, &[f32])]) {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((n, s, _), b)| {
-            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                .unwrap();
-            (n.to_string(), v)
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
+    common::write_safetensors(path, tensors)
 }
 
 /// The generated ids of one `--json` line.
@@ -303,24 +282,9 @@ fn greedy_ids_match_transformers_generate() {
         ),
     ] {
         let dir = tmp(&format!("hf-{kind}"));
-        let out = std::process::Command::new("python3")
-            .arg(common::root().join("tools/hf_reference.py"))
-            .args([kind, dir.to_str().unwrap(), text, "32", "1", "20"])
-            .current_dir(common::root())
-            .output()
-            .expect("python3 runs");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        if out.status.code() == Some(3) {
-            common::skip(stdout.trim());
+        let Some(v) = common::hf_reference(kind, &dir, Path::new(text), 32, 1, Some(20)) else {
             return;
-        }
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value =
-            serde_json::from_str(stdout.trim().lines().last().unwrap()).unwrap();
+        };
         let prompt: Vec<String> = v["prompt"]
             .as_array()
             .unwrap()

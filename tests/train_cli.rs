@@ -739,6 +739,14 @@ fn simulated_ranks_follow_one_rank_and_resume_across_rank_counts() {
 /// `fusec train` of a small gpt2-small (SMALL's sizes, T = 8) on text on
 /// the CPU reference, with `extra`; its stderr, the run having succeeded.
 fn small_gpt2_on_cpu(extra: &[&str]) -> String {
+    let (code, _, err) = fusec(&small_gpt2_args(extra));
+    assert_eq!(code, 0, "{err}");
+    err
+}
+
+/// `fusec train` of the small GPT-2 on the CPU reference at T = 8, then
+/// `extra`.
+fn small_gpt2_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     let mut a = vec![
         "train",
         "dsl-examples/gpt2-small.dsl",
@@ -750,9 +758,7 @@ fn small_gpt2_on_cpu(extra: &[&str]) -> String {
     ];
     a.extend_from_slice(&SMALL[..10]);
     a.extend_from_slice(extra);
-    let (code, _, err) = fusec(&a);
-    assert_eq!(code, 0, "{err}");
-    err
+    a
 }
 
 /// ZeRO on a bf16 model: the ranks keep the parameters in bf16 and each
@@ -1572,20 +1578,7 @@ fn shard_within_refuses_what_the_job_cannot_split() {
         ),
     ];
     for (extra, want) in cases {
-        let mut a = vec![
-            "train",
-            "dsl-examples/gpt2-small.dsl",
-            "--data",
-            TEXT,
-            "--cpu",
-            "--seq",
-            "8",
-            "--steps",
-            "1",
-            "--batch",
-            "2",
-        ];
-        a.extend_from_slice(&SMALL[..10]);
+        let mut a = small_gpt2_args(&["--steps", "1", "--batch", "2"]);
         a.extend_from_slice(extra);
         let (code, _, err) = fusec(&a);
         assert_ne!(code, 0, "{extra:?}");

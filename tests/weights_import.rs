@@ -19,30 +19,7 @@ fn tmp(name: &str) -> std::path::PathBuf {
 /// transformers' loss for a fresh `kind` model saved into `dir`, or `None`
 /// where Python lacks torch or transformers.
 fn reference(kind: &str, dir: &std::path::Path, windows: u32) -> Option<f64> {
-    let out = std::process::Command::new("python3")
-        .arg(common::root().join("tools/hf_reference.py"))
-        .args([
-            kind,
-            dir.to_str().unwrap(),
-            TEXT,
-            "32",
-            &windows.to_string(),
-        ])
-        .current_dir(common::root())
-        .output()
-        .ok()?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if out.status.code() == Some(3) {
-        common::skip(stdout.trim());
-        return None;
-    }
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_str(stdout.trim().lines().last()?).unwrap();
-    v["loss"].as_f64()
+    common::hf_reference(kind, dir, std::path::Path::new(TEXT), 32, windows, None)?["loss"].as_f64()
 }
 
 fn first_loss(model: &str, sets: &[&str], weights: &std::path::Path, map: &str) -> f64 {

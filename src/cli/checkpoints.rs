@@ -29,6 +29,30 @@ pub(super) fn save(
     })
 }
 
+/// The weights of `path`, renamed through the name map `map` where given
+/// (`--name-map`), checked to hold the parameters `needed` by name and
+/// shape (optimizer state riding along is passed over): what `train
+/// --init-from`, `eval` and `generate` read. A problem is exit status 3
+/// with the file and the tensors named.
+pub(super) fn load_weights(
+    path: &std::path::Path,
+    map: Option<&std::path::Path>,
+    needed: &[(String, Vec<usize>)],
+) -> Result<checkpoint::Checkpoint, CliError> {
+    let err = |e: checkpoint::CheckpointError| CliError {
+        message: format!("error: {e}"),
+        code: 3,
+    };
+    let mut ck = checkpoint::load(path).map_err(err)?;
+    if let Some(map) = map {
+        ck = fusec_runtime::name_map::load(map)
+            .and_then(|m| m.apply(ck))
+            .map_err(err)?;
+    }
+    checkpoint::check_weights(&ck, path, needed).map_err(err)?;
+    Ok(ck)
+}
+
 /// A checkpoint or weights file, checked to hold `needed` by name and shape;
 /// a problem is exit status 3 with the file and the tensor named.
 pub(super) fn load_checked(

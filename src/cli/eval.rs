@@ -15,7 +15,6 @@ use fusec::backend::{self, Backend, GpuOptions};
 use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::{dim, Graph};
 use fusec_compiler::ops::Op;
-use fusec_runtime::checkpoint;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -124,17 +123,11 @@ fn open_step(
 
 /// Writes the weights of `args.weights` (through `--name-map`) into `b`.
 fn load_weights(args: &EvalArgs, b: &mut dyn Backend) -> Result<(), CliError> {
-    let err = |e: checkpoint::CheckpointError| CliError {
-        message: format!("error: {e}"),
-        code: 3,
-    };
-    let mut ck = checkpoint::load(&args.weights).map_err(err)?;
-    if let Some(map) = &args.name_map {
-        ck = fusec_runtime::name_map::load(map)
-            .and_then(|m| m.apply(ck))
-            .map_err(err)?;
-    }
-    checkpoint::check_weights(&ck, &args.weights, &backend::needed_params(b)).map_err(err)?;
+    let ck = super::checkpoints::load_weights(
+        &args.weights,
+        args.name_map.as_deref(),
+        &backend::needed_params(b),
+    )?;
     backend::restore_params(b, &ck).map_err(runtime_err)
 }
 

@@ -15,7 +15,6 @@ use fusec_compiler::interp::{self, Feeds, Precision};
 use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::{dim, Graph};
 use fusec_compiler::ops::Op;
-use fusec_runtime::checkpoint;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::io::Write;
@@ -203,16 +202,6 @@ fn check_inputs(g: &Graph, file: &str) -> Result<Vec<String>, CliError> {
 /// The weights of `args.weights` (through `--name-map`), checked against
 /// the parameters of `g`, as the interpreter's feeds.
 fn weights(args: &GenerateArgs, g: &Graph) -> Result<HashMap<String, Tensor>, CliError> {
-    let err = |e: checkpoint::CheckpointError| CliError {
-        message: format!("error: {e}"),
-        code: 3,
-    };
-    let mut ck = checkpoint::load(&args.weights).map_err(err)?;
-    if let Some(map) = &args.name_map {
-        ck = fusec_runtime::name_map::load(map)
-            .and_then(|m| m.apply(ck))
-            .map_err(err)?;
-    }
     let needed: Vec<(String, Vec<usize>)> = g
         .params
         .iter()
@@ -225,7 +214,7 @@ fn weights(args: &GenerateArgs, g: &Graph) -> Result<HashMap<String, Tensor>, Cl
             (p.name.clone(), shape)
         })
         .collect();
-    checkpoint::check_weights(&ck, &args.weights, &needed).map_err(err)?;
+    let ck = super::checkpoints::load_weights(&args.weights, args.name_map.as_deref(), &needed)?;
     Ok(needed
         .into_iter()
         .map(|(name, shape)| {

@@ -211,17 +211,11 @@ pub(super) fn set_weights(
         resumed = Some(ck);
     }
     if let Some(path) = &args.init_from {
-        let err = |e: checkpoint::CheckpointError| CliError {
-            message: format!("error: {e}"),
-            code: 3,
-        };
-        let mut ck = checkpoint::load(path).map_err(err)?;
-        if let Some(map) = &args.name_map {
-            ck = fusec_runtime::name_map::load(map)
-                .and_then(|m| m.apply(ck))
-                .map_err(err)?;
-        }
-        checkpoint::check_weights(&ck, path, &backend::needed_params(b)).map_err(err)?;
+        let ck = super::checkpoints::load_weights(
+            path,
+            args.name_map.as_deref(),
+            &backend::needed_params(b),
+        )?;
         backend::restore_params(b, &ck).map_err(runtime_err)?;
         eprintln!(
             "weights from {}{}",

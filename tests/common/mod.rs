@@ -23,7 +23,7 @@ pub use skip::skip;
 use fusec_compiler::driver::{compile, Compiled};
 use fusec_compiler::elaborate::Options;
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The repository as built, or (a test binary carried to another machine)
 /// as named by FUSEC_ROOT or the working directory.
@@ -170,4 +170,72 @@ pub fn fusec(args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// `n` f32 values in [-0.8, 0.8] from a fixed xorshift sequence of `seed`:
+/// weights a test knows without a random-number crate.
+#[allow(dead_code)]
+pub fn drawn_f32(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x % 2001) as f32 / 1000.0 - 1.0) * 0.8
+        })
+        .collect()
+}
+
+/// Writes f32 `tensors` (name, shape, values) as a safetensors file.
+#[allow(dead_code)]
+pub fn write_safetensors(path: &Path, tensors: &[(&str, Vec<usize>, &[f32])]) {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((n, s, _), b)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .unwrap();
+            (n.to_string(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// `tools/hf_reference.py`'s JSON for a fresh `kind` model saved into
+/// `dir` (its loss over `windows` windows of `t` bytes of `text`, and with
+/// `new`, its greedy continuation of the first window), or `None` where
+/// Python lacks torch or transformers (said as a skip).
+#[allow(dead_code)]
+pub fn hf_reference(
+    kind: &str,
+    dir: &Path,
+    text: &Path,
+    t: usize,
+    windows: u32,
+    new: Option<u32>,
+) -> Option<serde_json::Value> {
+    let mut cmd = std::process::Command::new("python3");
+    cmd.arg(root().join("tools/hf_reference.py"))
+        .args([kind, dir.to_str().unwrap(), text.to_str().unwrap()])
+        .args([t.to_string(), windows.to_string()]);
+    if let Some(n) = new {
+        cmd.arg(n.to_string());
+    }
+    let out = cmd.current_dir(root()).output().ok()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if out.status.code() == Some(3) {
+        skip(stdout.trim());
+        return None;
+    }
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim().lines().last()?).ok()
 }
