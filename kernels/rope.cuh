@@ -1,7 +1,8 @@
 // fusec rotary position embedding (RoPE, the "rotate half" form of GPT-NeoX
 // and LLaMA): in each head row of x [..., T, H, D], features f and
 // f + D/2 are rotated together by the angle pos * theta^(-2f/D), pos the
-// row's position in T. The gradient is the rotation the other way
+// row's position in T, or positions[row] where positions is given (a
+// decode step's rows, which start where the cache ends). The gradient is the rotation the other way
 // (`inverse`).
 //
 // A thread a rotated pair: one angle, one sine and cosine for both of its
@@ -18,8 +19,10 @@
 
 template <class X, class Y>
 __device__ __forceinline__ void fs_rope_pair(fs_i64 i, fs_i64 t_len, fs_i64 heads, fs_i64 D, float log2_theta,
-                                             bool inverse, const typename X::Storage* x, typename Y::Storage* y) {
-    const fs_i64 half = D / 2, pair = i / half, f = i % half, pos = (pair / heads) % t_len, lo_at = pair * D + f;
+                                             bool inverse, const int* positions, const typename X::Storage* x,
+                                             typename Y::Storage* y) {
+    const fs_i64 half = D / 2, pair = i / half, f = i % half, row = (pair / heads) % t_len, lo_at = pair * D + f;
+    const fs_i64 pos = positions ? (fs_i64)positions[row] : row;
     // theta^(-2f/D) as exp2(-2f/D * log2(theta)).
     const float angle = (float)pos * exp2f(-2.0f * (float)f / (float)D * log2_theta);
     float sn, cs;

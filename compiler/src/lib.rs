@@ -1,5 +1,6 @@
 //! fusec's compiler: model files in, a checked training graph out.
 pub mod autodiff;
+pub mod decode;
 pub mod device;
 pub mod diag;
 pub mod driver;

@@ -131,6 +131,8 @@ pub struct Executor {
     pub state: HashMap<String, usize>,
     pub loss: Option<usize>,
     pub grad_norm: Option<usize>,
+    /// The logits a decode step outputs.
+    pub logits: Option<usize>,
     pub arena_bytes: u64,
     /// The whole step captured once and replayed (see `capture`): with
     /// the collectives (index 1) and without (index 0, the micro-batches

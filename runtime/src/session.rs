@@ -388,6 +388,15 @@ impl Session {
         })
     }
 
+    /// The logits of the finished step (a decode step's output).
+    pub fn logits(&self) -> Result<Vec<f64>, RuntimeError> {
+        let b = self
+            .exec
+            .logits
+            .ok_or_else(|| RuntimeError::Unsupported("the step outputs no logits".into()))?;
+        Ok(decode(self.exec.slots[b].dtype, &self.exec.read(b)?))
+    }
+
     /// Starts copying `buf` into the named i32 inputs (their values in
     /// order) for the next step, while the current one computes.
     pub fn stage(&mut self, names: &[&str], buf: &HostBuf) -> Result<(), RuntimeError> {

@@ -31,6 +31,8 @@ pub struct Cpu {
     group: usize,
     /// The last step's gradients, by parameter name (`gradients`).
     last_grads: Vec<(String, Vec<f64>)>,
+    /// The last step's logits, where it outputs them (`logits`).
+    last_logits: Option<Vec<f64>>,
 }
 
 impl Cpu {
@@ -64,6 +66,7 @@ impl Cpu {
             pieces: None,
             group: 1,
             last_grads: Vec::new(),
+            last_logits: None,
         })
     }
 }
@@ -169,6 +172,7 @@ impl Backend for Cpu {
                 (name, t.data.iter().map(|x| x / unscale).collect())
             })
             .collect();
+        self.last_logits = r.logits.map(|t| t.data);
         self.done = Some(StepStats {
             loss: r.loss,
             grad_norm: r.grad_norm,
@@ -177,6 +181,11 @@ impl Backend for Cpu {
     }
     fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
         Ok(self.last_grads.clone())
+    }
+    fn logits(&self) -> Result<Vec<f64>, RuntimeError> {
+        self.last_logits
+            .clone()
+            .ok_or_else(|| RuntimeError::Unsupported("the step outputs no logits".into()))
     }
     fn finish(&mut self) -> Result<StepStats, RuntimeError> {
         self.done

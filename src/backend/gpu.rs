@@ -145,6 +145,9 @@ impl Backend for Gpu {
     fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
         self.session.gradients()
     }
+    fn logits(&self) -> Result<Vec<f64>, RuntimeError> {
+        self.session.logits()
+    }
     fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
         self.session.launch(lr, step)
     }

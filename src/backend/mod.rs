@@ -120,6 +120,13 @@ pub trait Backend {
             "this backend cannot read the step's gradients".into(),
         ))
     }
+    /// The logits of the step just finished (a decode step's output), in
+    /// row-major order.
+    fn logits(&self) -> Result<Vec<f64>, RuntimeError> {
+        Err(RuntimeError::Unsupported(
+            "this backend cannot read the step's logits".into(),
+        ))
+    }
     /// One step; `step` counts from 1.
     fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError> {
         self.launch(lr, step)?;

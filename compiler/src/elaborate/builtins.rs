@@ -544,6 +544,7 @@ fn rope(e: &mut Elab, a: &mut Args) -> Result<Val, Diagnostic> {
         Rope {
             theta,
             inverse: false,
+            positions: false,
         },
         &[x],
         a.span,

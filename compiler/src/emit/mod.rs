@@ -81,6 +81,14 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../../../kernels/attention/simple.cuh"),
     ),
     (
+        "attention/decode.cuh",
+        include_str!("../../../kernels/attention/decode.cuh"),
+    ),
+    (
+        "kv_cache.cuh",
+        include_str!("../../../kernels/kv_cache.cuh"),
+    ),
+    (
         "elements.cuh",
         include_str!("../../../kernels/elements.cuh"),
     ),

@@ -81,6 +81,9 @@ pub fn index_bound(g: &Graph, input: Value, dims: &HashMap<String, i64>) -> Opti
             // Key lengths: 0 to S, every one of them.
             (Op::Attention(a), s) if a.extra_slots().0 == Some(s) => key_count(g, ins[1], dims),
             (Op::AttentionGrad(a), s) if a.extra_slots().0 == Some(s) => key_count(g, ins[1], dims),
+            // A decode step's positions: rows of its caches.
+            (Op::KvWrite(_), 2) => g.ty(ins[0]).shape[1].eval(&|s| dims.get(s).copied()),
+            (Op::CachedAttention(_), 3) => g.ty(ins[1]).shape[1].eval(&|s| dims.get(s).copied()),
             // Reshapes and slices pass indices through unchanged.
             (Op::Reshape(_) | Op::Slice(_) | Op::Permute(_), 0) => index_bound(
                 g,

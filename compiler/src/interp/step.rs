@@ -14,6 +14,8 @@ pub struct StepResult {
     /// Each parameter's gradient output (by parameter index), as the
     /// update reads it (fp16: still times the loss scale).
     pub grads: Vec<(usize, Tensor)>,
+    /// The logits a decode step outputs.
+    pub logits: Option<Tensor>,
 }
 
 /// Runs step number `step` (counting from 1) with learning rate `lr`.
@@ -42,6 +44,7 @@ pub fn train_step(
         loss: f64::NAN,
         grad_norm: None,
         grads: Vec::new(),
+        logits: None,
     };
     for (role, v) in &g.outputs {
         let t = &vals[v];
@@ -56,7 +59,7 @@ pub fn train_step(
                 feeds.state.insert(name.clone(), t.clone());
             }
             Role::Grad(i) => result.grads.push((*i, t.clone())),
-            Role::Logits => {}
+            Role::Logits => result.logits = Some(t.clone()),
         }
     }
     Ok(result)

@@ -11,6 +11,7 @@ mod attention;
 mod builder;
 mod collective;
 mod conv;
+mod decode;
 mod dropout;
 mod elementwise;
 mod linalg;
@@ -25,6 +26,7 @@ pub use attention::{packed_layout, Attention, AttentionGrad, AttnDropout};
 pub use builder::Builder;
 pub use collective::{AllGather, AllReduce};
 pub use conv::{Conv2d, Conv2dGradInput, Conv2dGradWeight};
+pub use decode::{CachedAttention, KvWrite};
 pub use dropout::{key_type as dropout_key_type, Dropout, KEY_INPUT as DROPOUT_KEY_INPUT};
 pub use elementwise::{Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unscale};
 pub use linalg::MatMul;
@@ -209,6 +211,8 @@ ops!(
     Dropout,
     Attention,
     AttentionGrad,
+    KvWrite,
+    CachedAttention,
     Conv2d,
     Conv2dGradInput,
     Conv2dGradWeight,

@@ -699,11 +699,14 @@ impl OpDef for Counted {
 
 /// Rotary position embedding on x [..., T, H, D], positions 0..T along axis -3,
 /// rotating the pairs (i, i + D/2) as LLaMA's reference code does. `inverse`
-/// rotates the other way (the gradient).
+/// rotates the other way (the gradient). With `positions`, input 1 (i32
+/// [T]) holds each row's position instead (a decode step's rows, which
+/// start where the cache ends).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Rope {
     pub theta: f64,
     pub inverse: bool,
+    pub positions: bool,
 }
 
 impl OpDef for Rope {
@@ -715,10 +718,13 @@ impl OpDef for Rope {
         if self.inverse {
             v.push("inverse".into());
         }
+        if self.positions {
+            v.push("positions".into());
+        }
         v
     }
     fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
-        expect_arity("rope", inputs, 1)?;
+        expect_arity("rope", inputs, 1 + self.positions as usize)?;
         let x = &inputs[0];
         expect_float("rope", x, 0)?;
         if x.rank() < 3 {
@@ -736,17 +742,30 @@ impl OpDef for Rope {
             )
             .at(0));
         }
+        if self.positions {
+            let p = &inputs[1];
+            expect_int("rope", p, 1)?;
+            if p.rank() != 1 || p.shape[0] != x.shape[x.rank() - 3] {
+                return Err(OpError::new(
+                    "`rope` needs one position a row",
+                    format!("found {p} for {x}"),
+                )
+                .at(1));
+            }
+        }
         Ok(vec![x.clone()])
     }
     fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
         let x = inputs[0];
+        let positions = self.positions.then(|| inputs[1]);
         let r = x.shape.len();
         let (t, h, d) = (x.shape[r - 3], x.shape[r - 2], x.shape[r - 1]);
         let half = d / 2;
         let sign = if self.inverse { -1.0 } else { 1.0 };
         let mut out = x.data.clone();
         for (k, chunk) in out.chunks_mut(d).enumerate() {
-            let pos = ((k / h) % t) as f64;
+            let row = (k / h) % t;
+            let pos = positions.map_or(row as f64, |p| p.data[row]);
             let src = &x.data[k * d..(k + 1) * d];
             for i in 0..half {
                 let freq = self.theta.powf(-2.0 * i as f64 / d as f64);
@@ -768,9 +787,16 @@ impl OpDef for Rope {
         let Some(g) = douts[0] else {
             return Ok(vec![None]);
         };
+        if self.positions {
+            return Err(OpError::new(
+                "`rope` with given positions has no gradient rule",
+                "it runs in decode steps only",
+            ));
+        }
         let inv = Rope {
             theta: self.theta,
             inverse: !self.inverse,
+            positions: false,
         };
         Ok(vec![Some(b.op1(inv, &[g])?)])
     }

@@ -93,6 +93,7 @@ pub fn plan_with(
     arena::share_in_place(g, p, &mut out, &outputs);
     let top = arena::place_temps(&mut out, base, p.kernels.len());
     let bytes_by_kind = arena::bytes_by_kind(&out, base, top);
+    written_in_place(g, p, &out)?;
     let launches = launches::launches(g, p, selection, dims, &scratch_of)?;
     let plan = Plan {
         model: g.name.clone(),
@@ -107,6 +108,7 @@ pub fn plan_with(
         size_args: g.dims.clone(),
         loss: output_buffer(g, p, &Role::Loss),
         grad_norm: output_buffer(g, p, &Role::GradNorm),
+        logits: output_buffer(g, p, &Role::Logits),
     };
     // Checked in every build: the check is linear in the buffers but for
     // the ones that overlap in the arena, and a clash would corrupt values
@@ -118,6 +120,28 @@ pub fn plan_with(
         ))
     })?;
     Ok(plan)
+}
+
+/// A cache write's kernel writes only the new rows, so its output must be
+/// its cache's storage (a state whose new value it is: `decode_graph`
+/// makes it so).
+fn written_in_place(g: &Graph, p: &Program, out: &[PlannedBuffer]) -> Result<(), PlanError> {
+    for k in &p.kernels {
+        let crate::kernel::Body::Op(n) = k.body else {
+            continue;
+        };
+        if !matches!(g.g[n].op, crate::ops::Op::KvWrite(_)) {
+            continue;
+        }
+        let (cache, written) = (k.inputs[0], k.outputs[0]);
+        if out[written].alias_of != Some(cache) {
+            return Err(PlanError(format!(
+                "internal error: {} writes a key/value cache's new rows, and its output is not the cache's storage\nthis is a bug in fusec; please report it with the model file",
+                k.name
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Whether `kernel` reads input `slot` only at the element (or row) it

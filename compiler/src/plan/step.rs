@@ -223,6 +223,10 @@ pub struct Plan {
     pub loss: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grad_norm: Option<usize>,
+    /// The buffer of the logits, in a step that outputs them (a decode
+    /// step's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logits: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -266,6 +266,7 @@ impl Executor {
             state,
             loss: plan.loss,
             grad_norm: plan.grad_norm,
+            logits: plan.logits,
             arena_bytes: plan.arena_bytes,
             graphs: [None, None],
             ran: [false, false],

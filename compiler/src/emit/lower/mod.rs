@@ -7,6 +7,7 @@
 //! chains write inline, is in `emit::unary`). [`of`] is the one place that maps an op to its
 //! lowering: a new op is a compile error here until it has one.
 
+mod decode;
 mod elementwise;
 mod nn;
 mod optim;
@@ -105,6 +106,8 @@ pub fn of(op: &Op) -> &dyn Lower {
         Op::CausalMask(o) => o,
         Op::Attention(o) => o,
         Op::AttentionGrad(o) => o,
+        Op::KvWrite(o) => o,
+        Op::CachedAttention(o) => o,
         Op::Conv2d(o) => o,
         Op::Conv2dGradInput(o) => o,
         Op::Conv2dGradWeight(o) => o,

@@ -306,8 +306,13 @@ impl Lower for Rope {
     fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let sh = &g.ty(g.inputs(n)[0]).shape;
         let rk = sh.len();
+        let positions = if self.positions {
+            c.in_ptr(1)
+        } else {
+            "nullptr".to_string()
+        };
         Some(format!(
-            "        fs_rope_pair<{}, {}>(i, {}, {}, {}, {}, {}, {}, {});\n",
+            "        fs_rope_pair<{}, {}>(i, {}, {}, {}, {}, {}, {}, {}, {});\n",
             c.in_el(0),
             c.out_el(0),
             sh[rk - 3].to_c(),
@@ -315,6 +320,7 @@ impl Lower for Rope {
             sh[rk - 1].to_c(),
             float_lit(self.theta.log2()),
             self.inverse,
+            positions,
             c.in_ptr(0),
             c.out_ptr(0)
         ))

@@ -355,7 +355,7 @@ pub fn op_expr(node: &Node, ins: &[PyExpr], in_shapes: &[Vec<Dim>]) -> Result<Py
             &[&ins[0]],
             &[format!("p={}", float(d.p)), "training=self.training".into()],
         ),
-        Op::Rope(r) if !r.inverse => {
+        Op::Rope(r) if !r.inverse && !r.positions => {
             call("rope", &[&ins[0]], &[format!("theta={}", float(r.theta))])
         }
         Op::CausalMask(m) => {

@@ -195,6 +195,7 @@ pub(super) fn op(
             Rope {
                 theta,
                 inverse: c.flag("inverse")?,
+                positions: c.flag("positions")?,
             }
             .into()
         }
@@ -209,6 +210,11 @@ pub(super) fn op(
         "causal_mask" => {
             c.key("fill")?;
             CausalMask { fill: c.float()? }.into()
+        }
+        "kv_write" => KvWrite.into(),
+        "cached_attention" => {
+            c.key("scale")?;
+            CachedAttention { scale: c.float()? }.into()
         }
         "attention" | "attention_grad" => {
             c.key("causal")?;

@@ -103,7 +103,12 @@ update:
   %107: f32[B, T, 8] = dropout(%0, %106) p=0.1 site=3
   %108: f32[B, T] = counted(%1) ignore_index=-100
   %109: f32[B, T] = cross_entropy(%0, %1) ignore_index=0 smoothing=0.1
-  %110: f32[8, 8] = all_gather(%86) rank=1 param=0 pieces=0..16,16..48,48..64 [8, 8]
+  %110: i32[T] = input "positions"
+  %111: f32[B, T, 2, 4] = rope(%42, %110) theta=10000 positions
+  %112: f32[B, 9, 2, 4] = state "kv_cache.0.k"
+  %113: f32[B, 9, 2, 4] = kv_write(%112, %42, %110)
+  %114: f32[B, T, 2, 4] = cached_attention(%42, %113, %113, %110) scale=0.5
+  %115: f32[8, 8] = all_gather(%86) rank=1 param=0 pieces=0..16,16..48,48..64 [8, 8]
 outputs:
   loss = %96
   grad[0] = %95
@@ -161,9 +166,11 @@ fn variant(op: &Op) -> usize {
         Op::Dropout(_) => 42,
         Op::Counted(_) => 43,
         Op::AllGather(_) => 44,
+        Op::KvWrite(_) => 45,
+        Op::CachedAttention(_) => 46,
     }
 }
-const VARIANTS: usize = 45;
+const VARIANTS: usize = 47;
 
 #[test]
 fn every_op_reads_back_as_printed() {

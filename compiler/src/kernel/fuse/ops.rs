@@ -79,8 +79,14 @@ impl Fuser<'_> {
                 }
                 // Attention reads q, k, v, o and dO with any strides: heads
                 // straight out of the fused QKV projection, no copies.
-                if matches!(self.g.g[n].op, Op::Attention(_) | Op::AttentionGrad(_))
-                    && view.strides.last().is_some_and(|s| s.is_one())
+                // So do a decode step's cache writes and cached attention.
+                if matches!(
+                    self.g.g[n].op,
+                    Op::Attention(_)
+                        | Op::AttentionGrad(_)
+                        | Op::KvWrite(_)
+                        | Op::CachedAttention(_)
+                ) && view.strides.last().is_some_and(|s| s.is_one())
                 {
                     return (b, Some(view));
                 }

@@ -1,0 +1,210 @@
+//! The decode step: a language model's forward pass rewritten to run T new
+//! positions at a time against a key/value cache, which is what generation
+//! runs once a token (T = 1), with the prompt's tokens first.
+//!
+//! From the logits graph (`driver::logits_graph`), each causal
+//! self-attention becomes a write of its keys and values into the layer's
+//! caches (`kv_write`, states `kv_cache.<layer>.k` and `.v` of
+//! [B, KV, Hkv, D], KV the cache's positions) and attention over them
+//! (`cached_attention`); the positions the step's rows stand at come in as
+//! the input `decode.positions` (i32 [T]), which a position table's slice
+//! (`wpe[0:T]`, now a lookup of those rows) and `rope` read. The caches are
+//! states whose new values are the writes' outputs, so the plan gives the
+//! two the same storage: a step writes T rows of each and reads the rest.
+//!
+//! What cannot be decoded this way is refused at its place in the model
+//! file: attention that is not causal self-attention, attention written by
+//! hand (a `causal_mask`), a slice along the positions of anything but a
+//! parameter table.
+
+use crate::diag::{Diagnostic, Span};
+use crate::driver::Failure;
+use crate::ir::dim::{self, Dim};
+use crate::ir::graph::{Phase, Role, Value};
+use crate::ir::types::TensorType;
+use crate::ir::Graph;
+use crate::ops::{CachedAttention, Embedding, KvWrite, Op, Rope, State};
+use petgraph::stable_graph::NodeIndex;
+use petgraph::Direction;
+
+/// The input holding each row's position (i32 [T]).
+pub const POSITIONS_INPUT: &str = "decode.positions";
+/// The symbolic size of the caches: positions they hold.
+pub const CACHE_DIM: &str = "KV";
+
+/// The name of layer `layer`'s key (`"k"`) or value (`"v"`) cache.
+pub fn cache_name(layer: usize, which: &str) -> String {
+    format!("kv_cache.{layer}.{which}")
+}
+
+fn refuse(g: &Graph, n: NodeIndex, message: &str, label: &str, help: &str) -> Failure {
+    let span = g.g[n].span.unwrap_or_default();
+    Failure::Model(Diagnostic::new(message, span, label).with_help(help).into())
+}
+
+/// Whether `v` is computed from parameters and constants alone (a table,
+/// not an activation).
+fn is_table(g: &Graph, v: Value) -> bool {
+    let mut stack = vec![v.node];
+    let mut seen = std::collections::HashSet::new();
+    while let Some(n) = stack.pop() {
+        if !seen.insert(n) {
+            continue;
+        }
+        if matches!(g.g[n].op, Op::Input(_) | Op::State(_)) {
+            return false;
+        }
+        stack.extend(g.g.neighbors_directed(n, Direction::Incoming));
+    }
+    true
+}
+
+fn mentions_seq(d: &Dim) -> bool {
+    d.symbols().any(|s| s == dim::SEQ)
+}
+
+/// The decode step of `logits` (a graph `driver::logits_graph` made).
+pub fn decode_graph(logits: &Graph) -> Result<Graph, Failure> {
+    let mut g = logits.clone();
+    if g.dims.iter().any(|d| d == CACHE_DIM) {
+        return Err(Failure::Usage(format!(
+            "the model declares a dimension named {CACHE_DIM}, which the decode step keeps for its cache's positions; rename it to generate"
+        )));
+    }
+    g.dims.push(CACHE_DIM.to_string());
+    let positions_ty = TensorType::new(crate::ir::DType::I32, vec![Dim::symbol(dim::SEQ)]);
+    let positions = g
+        .add(
+            crate::ops::Input {
+                name: POSITIONS_INPUT.into(),
+                ty: positions_ty.clone(),
+            }
+            .into(),
+            &[],
+            None,
+            Phase::Forward,
+        )
+        .map_err(|e| Failure::Usage(e.to_string()))?[0];
+    let order = g.topo_order();
+    let mut layer = 0;
+    for n in order {
+        let ins = g.inputs(n);
+        let span = g.g[n].span;
+        let made = match g.g[n].op.clone() {
+            Op::CausalMask(_) => {
+                return Err(refuse(
+                    &g,
+                    n,
+                    "this attention is written by hand, and generation needs `attention(...)` to keep a key/value cache",
+                    "masked by hand here",
+                    "write it as attention(q, k, v, causal = true)",
+                ))
+            }
+            Op::Attention(a) => {
+                if !a.causal {
+                    return Err(refuse(
+                        &g,
+                        n,
+                        "generation decodes causal attention, and this attention is not causal",
+                        "not causal",
+                        "a language model that generates text attends with causal = true",
+                    ));
+                }
+                if a.lengths || a.dropout.is_some() {
+                    return Err(refuse(
+                        &g,
+                        n,
+                        "generation decodes attention without key lengths",
+                        "attention with key lengths",
+                        "generation feeds one sequence a row, with no padding",
+                    ));
+                }
+                let (q, k, v) = (ins[0], ins[1], ins[2]);
+                if g.ty(k).shape[1] != Dim::symbol(dim::SEQ) || g.ty(q).shape[1] != Dim::symbol(dim::SEQ)
+                {
+                    return Err(refuse(
+                        &g,
+                        n,
+                        "generation decodes self-attention, and this attention reads keys of another length",
+                        "cross-attention",
+                        "the keys and values must come from the same positions as the queries",
+                    ));
+                }
+                let mut caches = Vec::new();
+                for (which, x) in [("k", k), ("v", v)] {
+                    let mut ty = g.ty(x).clone();
+                    ty.shape[1] = Dim::symbol(CACHE_DIM);
+                    let name = cache_name(layer, which);
+                    let state = g
+                        .add(State { name: name.clone(), ty }.into(), &[], span, Phase::Forward)
+                        .map_err(|e| Failure::Usage(e.to_string()))?[0];
+                    let written = g
+                        .add(KvWrite.into(), &[state, x, positions], span, Phase::Forward)
+                        .map_err(|e| Failure::Usage(e.to_string()))?[0];
+                    g.outputs.push((Role::NewState(name), written));
+                    caches.push(written);
+                }
+                layer += 1;
+                g.add(
+                    CachedAttention { scale: a.scale }.into(),
+                    &[q, caches[0], caches[1], positions],
+                    span,
+                    Phase::Forward,
+                )
+                .map_err(|e| Failure::Usage(e.to_string()))?
+            }
+            Op::Rope(r) if !r.positions => {
+                let rope = Rope {
+                    positions: true,
+                    ..r
+                };
+                g.add(rope.into(), &[ins[0], positions], span, Phase::Forward)
+                    .map_err(|e| Failure::Usage(e.to_string()))?
+            }
+            Op::Slice(s) if mentions_seq(&s.start) || mentions_seq(&s.end) => {
+                let table = ins[0];
+                let rows = s.axis == 0
+                    && g.ty(table).rank() == 2
+                    && s.start.as_const() == Some(0)
+                    && s.end == Dim::symbol(dim::SEQ);
+                if !rows || !is_table(&g, table) {
+                    return Err(refuse(
+                        &g,
+                        n,
+                        "generation runs a few positions at a time, and this slice reads along the positions",
+                        "sliced by the sequence length here",
+                        "a position table is read as table[0:T] (the rows of the positions); other slices along T cannot be decoded with a key/value cache",
+                    ));
+                }
+                g.add(Embedding.into(), &[table, positions], span, Phase::Forward)
+                    .map_err(|e| Failure::Usage(e.to_string()))?
+            }
+            _ => continue,
+        };
+        crate::passes::replace_uses(&mut g, Value { node: n, port: 0 }, made[0]);
+    }
+    if layer == 0 {
+        return Err(Failure::Usage(
+            "the model has no attention, so it has no key/value cache to decode with".into(),
+        ));
+    }
+    run_dce(&mut g)?;
+    Ok(g)
+}
+
+fn run_dce(g: &mut Graph) -> Result<(), Failure> {
+    use crate::passes::Pass;
+    crate::passes::Dce.run(g);
+    crate::ir::verify::verify(g).map_err(|problems| {
+        Failure::Model(
+            Diagnostic::new(
+                "internal error: the decode step is invalid",
+                Span::default(),
+                "",
+            )
+            .with_help(problems.join("\n"))
+            .with_help("this is a bug in fusec; please report it with the model file")
+            .into(),
+        )
+    })
+}

@@ -1,0 +1,137 @@
+//! The decode step's ops as kernels: the key/value cache write, a thread an
+//! element of the new rows (kernels/kv_cache.cuh), and attention over the
+//! cache, a block a (batch entry, query row, cache head, chunk of its
+//! query heads) (kernels/attention/decode.cuh). Both read their inputs
+//! through any view whose rows are contiguous (heads straight out of a
+//! fused projection).
+
+use super::*;
+use crate::emit::access::Access;
+use crate::emit::cuda::float_lit;
+use crate::emit::templates::{element, BLOCK};
+use crate::ops::{CachedAttention, KvWrite};
+use std::fmt::Write;
+
+/// Query heads of one cache head a block takes at most: their queries and
+/// accumulators live in registers.
+pub const DECODE_HEADS: i64 = 4;
+/// Keys a warp has in flight at once.
+const DECODE_UNROLL: i64 = 2;
+
+impl Lower for KvWrite {
+    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+        Some(Shape::Elements(g.ty(g.inputs(n)[1]).numel()))
+    }
+    fn file_scope(&self, _: &Graph, _: &Ctx, _: NodeIndex) -> Option<String> {
+        Some("#include \"kv_cache.cuh\"\n\n".to_string())
+    }
+    fn loop_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+        let cache = &g.ty(g.inputs(n)[0]).shape;
+        let new = &g.ty(g.inputs(n)[1]).shape;
+        let src = Access::input(g, c, n, 1);
+        let st = src.strides();
+        let ptr = match src.offset().as_const() {
+            Some(0) => src.ptr.clone(),
+            _ => format!("{} + {}", src.ptr, src.offset().to_c()),
+        };
+        Some(format!(
+            "        fs_kv_write<{}, {}>(i, {}, {}, {}, {}, {}, {ptr}, {}, {}, {}, {}, {});\n",
+            element(src.dt),
+            c.out_el(0),
+            new[1].to_c(),
+            new[2].to_c(),
+            new[3].to_c(),
+            cache[1].to_c(),
+            c.in_ptr(2),
+            st[0].to_c(),
+            st[1].to_c(),
+            st[2].to_c(),
+            st[3].to_c(),
+            c.out_ptr(0)
+        ))
+    }
+}
+
+/// Sizes of a cached attention: q [B, S, Hq, D], caches [B, C, Hkv, D|Dv].
+fn sizes(g: &Graph, n: NodeIndex) -> [Dim; 7] {
+    let ins = g.inputs(n);
+    let (q, k, v) = (
+        &g.ty(ins[0]).shape,
+        &g.ty(ins[1]).shape,
+        &g.ty(ins[2]).shape,
+    );
+    [
+        q[0].clone(),
+        q[1].clone(),
+        k[1].clone(),
+        q[2].clone(),
+        k[2].clone(),
+        q[3].clone(),
+        v[3].clone(),
+    ]
+}
+
+/// Features a lane holds: the wider of D and Dv over a warp's 32 lanes.
+fn feats(d: i64, dv: i64) -> i64 {
+    (d.max(dv) + 31) / 32
+}
+
+impl Lower for CachedAttention {
+    fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
+        let [b, s, _, hq, hkv, _, _] = sizes(g, n);
+        let group = hq.as_const()? / hkv.as_const().filter(|&h| h > 0)?;
+        let chunks = Dim::constant((group + DECODE_HEADS - 1) / DECODE_HEADS);
+        Some(Shape::Rows(
+            b.checked_mul(&s)?.checked_mul(&hkv)?.checked_mul(&chunks)?,
+        ))
+    }
+    fn file_scope(&self, _: &Graph, _: &Ctx, _: NodeIndex) -> Option<String> {
+        Some("#include \"attention/decode.cuh\"\n\n".to_string())
+    }
+    fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
+        let [b, s, cache, hq, hkv, d, dv] = sizes(g, n);
+        let group = hq.as_const()? / hkv.as_const().filter(|&h| h > 0)?;
+        let heads = group.min(DECODE_HEADS);
+        let feats = feats(d.as_const()?, dv.as_const()?);
+        let e = element(Access::input(g, c, n, 0).dt);
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "    // Attention over the key/value cache (kernels/attention/decode.cuh)."
+        );
+        let _ = writeln!(out, "    fs_attn_decode::Sizes s = {{}};");
+        for (field, x) in [
+            ("batch", &b),
+            ("q_len", &s),
+            ("cache_len", &cache),
+            ("q_heads", &hq),
+            ("kv_heads", &hkv),
+            ("head_dim", &d),
+            ("v_dim", &dv),
+        ] {
+            let _ = writeln!(out, "    s.{field} = {};", x.to_c());
+        }
+        let _ = writeln!(out, "    s.group = {group};");
+        let _ = writeln!(out, "    s.scale = {};", float_lit(self.scale));
+        let _ = writeln!(out, "    s.positions = {};", c.in_ptr(3));
+        let storage = format!("{e}::Storage");
+        for (i, name) in ["q", "k", "v"].iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "    const fs_attn_decode::View<const {storage}> {name} = {};",
+                Access::input(g, c, n, i).init()
+            );
+        }
+        let _ = writeln!(
+            out,
+            "    const fs_attn_decode::View<{storage}> o = {};",
+            Access::output(g, c, n, 0).init()
+        );
+        let _ = writeln!(
+            out,
+            "    fs_attn_decode::forward<{e}, {feats}, {heads}, {}, {DECODE_UNROLL}>(q, k, v, o, s);",
+            BLOCK / 32
+        );
+        Some(out)
+    }
+}

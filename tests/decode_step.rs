@@ -1,0 +1,299 @@
+//! The decode step (`fusec_compiler::decode`): a language model run a few
+//! positions at a time against its key/value caches gives, row for row,
+//! the logits of the whole sequence run at once. Checked on the CPU
+//! reference in f64 within 1e-12 relative: the cached attention sums the
+//! same terms in the same order as the whole sequence's, so only the
+//! rounding of f64 remains. Models: GPT-2 (a learned position table, read
+//! at the step's positions), LLaMA (rope at the step's positions, 4 query
+//! heads over 2 cache heads), and a twin at head dim 80 with 8 query heads
+//! a cache head (more than one block's share). What cannot be decoded
+//! is refused at its place in the model file.
+
+mod common;
+
+use fusec_compiler::decode::{cache_name, decode_graph, CACHE_DIM, POSITIONS_INPUT};
+use fusec_compiler::driver::{logits_graph, Failure};
+use fusec_compiler::interp::tensor::Tensor;
+use fusec_compiler::interp::{self, Feeds, Precision};
+use fusec_compiler::ir::graph::Role;
+use fusec_compiler::ir::Graph;
+use fusec_compiler::ops::Op;
+use std::collections::HashMap;
+
+/// The language models decoded here: (file under the repository, --set).
+pub fn decode_models() -> Vec<(String, Vec<(&'static str, &'static str)>)> {
+    let tiny: HashMap<_, _> = common::tiny_models()
+        .into_iter()
+        .map(|(f, sets, _)| (f, sets))
+        .collect();
+    vec![
+        (
+            "dsl-examples/gpt2-small.dsl".into(),
+            tiny["gpt2-small.dsl"].clone(),
+        ),
+        (
+            "dsl-examples/llama-small.dsl".into(),
+            tiny["llama-small.dsl"].clone(),
+        ),
+        (
+            "tests/models/twins/gqa-hd80.dsl".into(),
+            vec![("vocab", "61"), ("ffn", "37")],
+        ),
+    ]
+}
+
+fn graphs(file: &str, sets: &[(&str, &str)]) -> (Graph, Graph) {
+    let src = std::fs::read_to_string(common::root().join(file)).unwrap();
+    let c = common::compile_with(&src, file, sets);
+    let whole = logits_graph(&c).unwrap();
+    let step = decode_graph(&whole).unwrap_or_else(|e| panic!("{file}: {}", e.render(file, &src)));
+    (whole, step)
+}
+
+fn params(g: &Graph, seed: u64) -> HashMap<String, Tensor> {
+    g.params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let shape: Vec<usize> =
+                p.ty.shape
+                    .iter()
+                    .map(|d| d.as_const().unwrap() as usize)
+                    .collect();
+            let n = shape.iter().product();
+            let data = common::drawn_f32(n, seed + i as u64)
+                .into_iter()
+                .map(|x| x as f64 * 0.5)
+                .collect();
+            (p.name.clone(), Tensor::new(shape, data))
+        })
+        .collect()
+}
+
+/// Zeros for every input of `g` that `feeds` lacks (a training target
+/// the logits do not read).
+fn zero_other_inputs(g: &Graph, feeds: &mut Feeds) {
+    for n in g.g.node_indices() {
+        if let Op::Input(i) = &g.g[n].op {
+            if !feeds.inputs.contains_key(&i.name) {
+                let shape = interp::concrete_shape(&i.ty.shape, &feeds.dims).unwrap();
+                feeds.inputs.insert(i.name.clone(), Tensor::zeros(&shape));
+            }
+        }
+    }
+}
+
+fn vocab(g: &Graph) -> usize {
+    let logits = g.output(&Role::Logits).unwrap();
+    g.ty(logits).shape.last().unwrap().as_const().unwrap() as usize
+}
+
+/// The logits of `tokens` ([B, L]) run whole, and run through the decode
+/// step in `chunks` of positions (their sum L), both in f64.
+fn whole_and_decoded(
+    whole: &Graph,
+    step: &Graph,
+    batch: usize,
+    tokens: &[f64],
+    chunks: &[usize],
+    cache: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let len = tokens.len() / batch;
+    let weights = params(whole, 7);
+    let mut feeds = Feeds {
+        dims: HashMap::from([("B".into(), batch as i64), ("T".into(), len as i64)]),
+        params: weights.clone(),
+        ..Feeds::default()
+    };
+    feeds.inputs.insert(
+        "tokens".into(),
+        Tensor::new(vec![batch, len], tokens.to_vec()),
+    );
+    zero_other_inputs(whole, &mut feeds);
+    let vals = interp::run(whole, &feeds, Precision::F64).unwrap();
+    let all = vals[&whole.output(&Role::Logits).unwrap()].data.clone();
+
+    let v = vocab(whole);
+    let mut state: HashMap<String, Tensor> = HashMap::new();
+    for n in step.g.node_indices() {
+        if let Op::State(s) = &step.g[n].op {
+            let mut shape: Vec<usize> = vec![batch, cache];
+            shape.extend(
+                s.ty.shape[2..]
+                    .iter()
+                    .map(|d| d.as_const().unwrap() as usize),
+            );
+            state.insert(s.name.clone(), Tensor::zeros(&shape));
+        }
+    }
+    // Decoded rows, laid out as the whole run's [B, L, V].
+    let mut decoded = vec![f64::NAN; batch * len * v];
+    let mut at = 0;
+    for &s in chunks {
+        let mut feeds = Feeds {
+            dims: HashMap::from([
+                ("B".into(), batch as i64),
+                ("T".into(), s as i64),
+                (CACHE_DIM.into(), cache as i64),
+            ]),
+            params: weights.clone(),
+            state: state.clone(),
+            ..Feeds::default()
+        };
+        let rows: Vec<f64> = (0..batch)
+            .flat_map(|b| tokens[b * len + at..b * len + at + s].to_vec())
+            .collect();
+        feeds
+            .inputs
+            .insert("tokens".into(), Tensor::new(vec![batch, s], rows));
+        let positions = (at..at + s).map(|p| p as f64).collect();
+        feeds
+            .inputs
+            .insert(POSITIONS_INPUT.into(), Tensor::new(vec![s], positions));
+        zero_other_inputs(step, &mut feeds);
+        let r = interp::step::train_step(step, &mut feeds, 0.0, 1, Precision::F64).unwrap();
+        let logits = r.logits.expect("the decode step outputs its logits");
+        for b in 0..batch {
+            for i in 0..s {
+                let from = (b * s + i) * v;
+                let to = (b * len + at + i) * v;
+                decoded[to..to + v].copy_from_slice(&logits.data[from..from + v]);
+            }
+        }
+        state = feeds.state;
+        at += s;
+    }
+    assert_eq!(at, len);
+    (all, decoded)
+}
+
+#[test]
+fn decoding_a_few_positions_at_a_time_gives_the_whole_sequences_logits() {
+    for (file, sets) in decode_models() {
+        let (whole, step) = graphs(&file, &sets);
+        let v = vocab(&whole);
+        let (batch, len) = (2, 7);
+        let tokens: Vec<f64> = (0..batch * len)
+            .map(|i| ((i * 7 + 3) % v.min(23)) as f64)
+            .collect();
+        // A prefill of 3, then one at a time, then 2: every row sees the
+        // keys before it, whether written this step or before.
+        for (chunks, cache) in [(vec![3, 1, 1, 2], 8), (vec![1; 7], 7), (vec![7], 9)] {
+            let (all, decoded) = whole_and_decoded(&whole, &step, batch, &tokens, &chunks, cache);
+            let scale = all.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            for (i, (a, d)) in all.iter().zip(&decoded).enumerate() {
+                assert!(
+                    (a - d).abs() <= 1e-12 * scale.max(1.0),
+                    "{file} chunks {chunks:?}: logit {i} is {d} decoded and {a} whole"
+                );
+            }
+        }
+        // The step keeps a key and a value cache a layer, and reads the
+        // positions.
+        let caches = step
+            .outputs
+            .iter()
+            .filter(|(r, _)| matches!(r, Role::NewState(_)))
+            .count();
+        assert!(caches >= 2 && caches % 2 == 0, "{file}: {caches} caches");
+        for which in ["k", "v"] {
+            let name = cache_name(0, which);
+            assert!(
+                step.outputs
+                    .iter()
+                    .any(|(r, _)| *r == Role::NewState(name.clone())),
+                "{file}: no {name}"
+            );
+        }
+    }
+}
+
+/// A check that bites: the last token's logits differ when every token
+/// of the sequence is fed at position 0.
+#[test]
+fn a_step_at_the_wrong_positions_gives_other_logits() {
+    let (file, sets) = decode_models().remove(1);
+    let (whole, step) = graphs(&file, &sets);
+    let tokens: Vec<f64> = (0..5).map(|i| (i * 5 + 1) as f64).collect();
+    let (all, decoded) = whole_and_decoded(&whole, &step, 1, &tokens, &[5], 5);
+    let same = all.iter().zip(&decoded).all(|(a, d)| (a - d).abs() < 1e-12);
+    assert!(same, "one step of the whole sequence is the whole sequence");
+    // Now feed every chunk at position 0 by hand: the rotation differs.
+    let weights = params(&whole, 7);
+    let mut feeds = Feeds {
+        dims: HashMap::from([("B".into(), 1), ("T".into(), 1), (CACHE_DIM.into(), 5)]),
+        params: weights,
+        ..Feeds::default()
+    };
+    for n in step.g.node_indices() {
+        if let Op::State(s) = &step.g[n].op {
+            let shape: Vec<usize> = [1, 5]
+                .into_iter()
+                .chain(
+                    s.ty.shape[2..]
+                        .iter()
+                        .map(|d| d.as_const().unwrap() as usize),
+                )
+                .collect();
+            feeds.state.insert(s.name.clone(), Tensor::zeros(&shape));
+        }
+    }
+    let mut last = Vec::new();
+    for &t in &tokens {
+        feeds
+            .inputs
+            .insert("tokens".into(), Tensor::new(vec![1, 1], vec![t]));
+        // Every token at position 0: each overwrites the first cache row,
+        // sees itself alone and is rotated as the first.
+        feeds
+            .inputs
+            .insert(POSITIONS_INPUT.into(), Tensor::new(vec![1], vec![0.0]));
+        zero_other_inputs(&step, &mut feeds);
+        last = interp::step::train_step(&step, &mut feeds, 0.0, 1, Precision::F64)
+            .unwrap()
+            .logits
+            .unwrap()
+            .data;
+    }
+    let v = last.len();
+    let want = &all[all.len() - v..];
+    let diff = want
+        .iter()
+        .zip(&last)
+        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(diff > 1e-3, "positions are ignored: {diff}");
+}
+
+fn refusal(src: &str) -> String {
+    let c = common::compile_with(src, "model.dsl", &[]);
+    let whole = logits_graph(&c).unwrap();
+    match decode_graph(&whole) {
+        Ok(_) => panic!("decoded:\n{src}"),
+        Err(e @ Failure::Model(_)) | Err(e @ Failure::Usage(_)) => e.render("model.dsl", src),
+    }
+}
+
+#[test]
+fn what_cannot_be_decoded_is_refused_at_its_place() {
+    let base = |attn: &str, pos: &str| {
+        format!(
+            "const vocab = 11\nconst d = 8\ndim B, T\ninput tokens: i32[B, T]\ninput targets: i32[B, T]\nparam emb: [vocab, d] = normal(0.02)\nparam pos: [16, d] = normal(0.02)\nparam w: [d, 3 * d] = normal(0.02)\nlet x = embedding(emb, tokens) + {pos}\nlet q, k, v = split(x @ w, 3)\nlet y = merge_heads({attn})\nlet logits = y @ transpose(emb)\ntrain {{\n    loss = cross_entropy(logits, targets)\n    optimizer = sgd(lr = 0.1)\n}}\n"
+        )
+    };
+    let causal = "attention(heads(q, 2), heads(k, 2), heads(v, 2), causal = true)";
+    let open = "attention(heads(q, 2), heads(k, 2), heads(v, 2))";
+    let e = refusal(&base(open, "pos[0:T]"));
+    assert!(
+        e.contains("not causal") && e.contains("model.dsl:11:"),
+        "{e}"
+    );
+    let e = refusal(&base(causal, "pos[1:T + 1]"));
+    assert!(
+        e.contains("slice reads along the positions") && e.contains("model.dsl:9:"),
+        "{e}"
+    );
+    // The same model with its table read from 0 decodes.
+    let src = base(causal, "pos[0:T]");
+    let c = common::compile_with(&src, "model.dsl", &[]);
+    assert!(decode_graph(&logits_graph(&c).unwrap()).is_ok());
+}
