@@ -297,3 +297,69 @@ fn what_cannot_be_decoded_is_refused_at_its_place() {
     let c = common::compile_with(&src, "model.dsl", &[]);
     assert!(decode_graph(&logits_graph(&c).unwrap()).is_ok());
 }
+
+/// The decode step builds for a Hopper GPU and a consumer Ampere GPU at
+/// one new row and at a prefill's 17, its plan places the caches, and
+/// every kernel compiles with NVRTC without spills or local arrays.
+/// Skipped, with a message, where NVRTC is not installed (CI installs it).
+#[test]
+fn decode_steps_build_and_compile_with_nvrtc() {
+    use fusec_compiler::kernel::fuse::fuse;
+    use fusec_compiler::select::{select, Choice};
+    use fusec_compiler::target::Target;
+    let nvrtc_on = common::nvrtc_ready();
+    let mut seen = std::collections::HashSet::new();
+    for (file, sets) in decode_models() {
+        let (_, step) = graphs(&file, &sets);
+        let program = fuse(&step);
+        for (device, arch) in [("h100", "sm_90a"), ("rtx3090", "sm_86")] {
+            let target = Target::for_device(device, false).unwrap();
+            let selection = select(&step, &program, &target, None);
+            assert!(
+                !selection
+                    .choices
+                    .iter()
+                    .any(|c| matches!(c, Choice::Missing)),
+                "{file} {device}: a kernel has no code"
+            );
+            for t in [1, 17] {
+                let sizes = std::collections::BTreeMap::from([
+                    ("B".to_string(), 3),
+                    ("T".to_string(), t),
+                    (CACHE_DIM.to_string(), 40),
+                ]);
+                let plan =
+                    fusec_compiler::plan::plan_with(&step, &program, Some(&selection), &sizes)
+                        .unwrap_or_else(|e| panic!("{file} {device}: {e}"));
+                let caches = plan
+                    .buffers
+                    .iter()
+                    .filter(|b| b.name.starts_with("kv_cache."))
+                    .count();
+                assert!(caches >= 2, "{file}: the plan places no caches");
+                assert!(plan.logits.is_some(), "{file}: no logits buffer");
+            }
+            if !nvrtc_on {
+                continue;
+            }
+            for (name, text) in &selection.sources {
+                let key = (arch, text.replace(name.as_str(), "KERNEL"));
+                if !seen.insert(key) {
+                    continue;
+                }
+                let cubin = fusec_runtime::nvrtc::compile(name, text, arch)
+                    .unwrap_or_else(|e| panic!("{file} {name} ({arch}): {e}"));
+                assert!(
+                    cubin.spill_store_bytes == 0 && cubin.spill_load_bytes == 0,
+                    "{name} ({arch}) spills:\n{}",
+                    cubin.log
+                );
+                assert!(
+                    !cubin.local_arrays(),
+                    "{name} ({arch}) keeps an array in local memory:\n{}",
+                    cubin.log
+                );
+            }
+        }
+    }
+}

@@ -1,6 +1,7 @@
-//! `fusec generate` on the CPU reference: greedy continuations against the
-//! argmax computed here from known weights and against transformers'
-//! `generate(do_sample=False)`, repeatable sampling, and what it refuses.
+//! `fusec generate` on the CPU reference (the decode step the GPU runs,
+//! interpreted): greedy continuations against the argmax computed here
+//! from known weights and against transformers' `generate(do_sample=False)`,
+//! repeatable sampling, and what it refuses.
 
 mod common;
 
@@ -238,9 +239,24 @@ fn what_generate_cannot_do_is_said() {
         err.contains("token id 300, and the model's vocabulary has 256 ids"),
         "{err}"
     );
-    let (code, _, err) = run(&["--prompt", "We"]);
+    // Attention that is not causal cannot be decoded a token at a time:
+    // said at its line and column.
+    let open = tmp("open.dsl");
+    std::fs::write(
+        &open,
+        "dim B, T\ninput tokens: i32[B, T]\ninput targets: i32[B, T]\n\
+         param emb: [64, 8] = normal(0.1)\nparam w: [8, 24] = normal(0.1)\n\
+         let q, k, v = split(embedding(emb, tokens) @ w, 3)\n\
+         let y = merge_heads(attention(heads(q, 2), heads(k, 2), heads(v, 2)))\n\
+         train {\n loss = cross_entropy(y @ transpose(emb), targets)\n optimizer = adamw(lr = 1e-2)\n}\n",
+    )
+    .unwrap();
+    let (code, _, err) = generate(&open, &tmp("none.safetensors"), &["--prompt-ids", "1"]);
     assert_ne!(code, 0);
-    assert!(err.contains("add --cpu"), "{err}");
+    assert!(
+        err.contains("this attention is not causal") && err.contains("open.dsl:7:"),
+        "{err}"
+    );
     let (code, _, err) = run(&["--cpu"]);
     assert_ne!(code, 0);
     assert!(err.contains("give a prompt"), "{err}");
@@ -253,10 +269,12 @@ fn what_generate_cannot_do_is_said() {
 }
 
 /// Random Hugging Face GPT-2 and grouped-query LLaMA weights through the
-/// shipped name maps: greedy `fusec generate` of 20 tokens after the first
-/// 32 bytes of the shipped text gives the ids transformers'
-/// `generate(do_sample=False)` gives, in fp32. Needs Python with torch and
-/// transformers (else a skip, said).
+/// shipped name maps: greedy `fusec generate` of 100 tokens after three
+/// prompts of 32, 27 and 21 bytes of the shipped text, decoded together
+/// (the shorter prompts fed while the longest is), gives the ids
+/// transformers' `generate(do_sample=False)` gives each prompt alone, in
+/// fp32: on the CPU reference, and on the GPU where there is one. Needs
+/// Python with torch and transformers (else a skip, said).
 #[test]
 fn greedy_ids_match_transformers_generate() {
     let text = "dsl-examples/data/founding-texts.txt";
@@ -265,7 +283,7 @@ fn greedy_ids_match_transformers_generate() {
             "gpt2",
             "dsl-examples/gpt2-small.dsl",
             "dsl-examples/maps/hf-gpt2.json",
-            &["layers=2", "d=64", "n_heads=4", "vocab=256", "ctx=64"][..],
+            &["layers=2", "d=64", "n_heads=4", "vocab=256", "ctx=160"][..],
         ),
         (
             "llama",
@@ -282,45 +300,78 @@ fn greedy_ids_match_transformers_generate() {
         ),
     ] {
         let dir = tmp(&format!("hf-{kind}"));
-        let Some(v) = common::hf_reference(kind, &dir, Path::new(text), 32, 1, Some(20)) else {
+        let Some(v) = common::hf_reference(kind, &dir, Path::new(text), 32, 1, Some(100)) else {
             return;
         };
-        let prompt: Vec<String> = v["prompt"]
-            .as_array()
-            .unwrap()
+        let list = |key: &str| -> Vec<Vec<u32>> {
+            v[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| {
+                    p.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_u64().unwrap() as u32)
+                        .collect()
+                })
+                .collect()
+        };
+        let (prompts, want) = (list("prompts"), list("generated"));
+        // The prompts as lines of bytes (ASCII, newlines made spaces).
+        let lines: Vec<String> = prompts
             .iter()
-            .map(|x| x.to_string())
+            .map(|p| p.iter().map(|&b| char::from(b as u8)).collect())
             .collect();
-        let want: Vec<u32> = v["generated"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect();
+        let file = dir.join("prompts.txt");
+        std::fs::write(&file, lines.join("\n")).unwrap();
         let weights = dir.join("model.safetensors");
-        let prompt = prompt.join(",");
-        let mut a = vec![
-            "generate",
-            model,
-            "--weights",
-            weights.to_str().unwrap(),
-            "--name-map",
-            map,
-            "--cpu",
-            "--precision",
-            "fp32",
-            "--prompt-ids",
-            &prompt,
-            "--max-new-tokens",
-            "20",
-            "--json",
-        ];
-        for s in sets {
-            a.extend(["--set", s]);
+        let mut places = vec!["--cpu"];
+        if gpu_here() {
+            places.push("--gpu=0");
         }
-        let (code, out, err) = fusec(&a);
-        assert_eq!(code, 0, "{err}");
-        assert_eq!(ids(out.trim()), want, "{kind}");
-        println!("{kind}: fusec generate's 20 greedy ids are transformers' ({want:?})");
+        for place in places {
+            let mut a = vec![
+                "generate",
+                model,
+                "--weights",
+                weights.to_str().unwrap(),
+                "--name-map",
+                map,
+                place,
+                "--precision",
+                "fp32",
+                "--prompts",
+                file.to_str().unwrap(),
+                "--max-new-tokens",
+                "100",
+                "--json",
+            ];
+            for s in sets {
+                a.extend(["--set", s]);
+            }
+            let (code, out, err) = fusec(&a);
+            assert_eq!(code, 0, "{err}");
+            let got: Vec<Vec<u32>> = out.trim().lines().map(ids).collect();
+            assert_eq!(got.len(), 3, "{out}");
+            for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g, w, "{kind} {place}: prompt {k}");
+            }
+            println!("{kind} {place}: fusec generate's 3 x 100 greedy ids are transformers'");
+        }
     }
+}
+
+/// Whether a GPU run belongs here: a CUDA driver is present (required
+/// where FUSEC_REQUIRE_GPU is set).
+fn gpu_here() -> bool {
+    let present = fusec_runtime::device::driver_present();
+    assert!(
+        present || std::env::var_os("FUSEC_REQUIRE_GPU").is_none(),
+        "FUSEC_REQUIRE_GPU is set and there is no CUDA driver"
+    );
+    if !present {
+        common::skip("the GPU half of the transformers check: no CUDA driver");
+    }
+    present
 }

@@ -1,22 +1,24 @@
 //! `fusec generate`: what a trained language model says after a prompt,
 //! a token at a time: greedy by default, or sampled with a temperature,
 //! top-k and top-p from a seeded generator (the same seed, the same
-//! tokens). It runs the model's logits graph (`driver::logits_graph`: the
-//! forward pass up to the logits its loss reads) on the CPU reference over
-//! the whole sequence so far for each new token: exact and slow, for small
-//! models and for checking. Decoding on a GPU with a key/value cache is
-//! not built yet.
+//! tokens). It compiles the model's decode step (`fusec_compiler::decode`:
+//! the forward pass up to the logits its loss reads, run a position at a
+//! time against key/value caches the plan places) and runs it on a GPU,
+//! captured as a CUDA graph, or on the CPU reference (`--cpu`); the
+//! continuations of every prompt run together, `--batch` at a time
+//! (`decoding`).
 
-use super::common::{load, ModelArgs};
+use super::common::{load, Loaded, ModelArgs};
+use super::decoding::{decode, Limits, Row, Sampling};
+use super::open::{runtime_err, start_graph};
 use super::CliError;
 use clap::Args;
-use fusec_compiler::interp::tensor::Tensor;
-use fusec_compiler::interp::{self, Feeds, Precision};
-use fusec_compiler::ir::graph::Role;
+use fusec::backend::{self, Backend, GpuOptions};
+use fusec_compiler::decode::{decode_graph, CACHE_DIM};
+use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::{dim, Graph};
 use fusec_compiler::ops::Op;
-use rand::{Rng, SeedableRng};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -78,74 +80,15 @@ pub struct GenerateArgs {
     /// streaming the text
     #[arg(long)]
     pub json: bool,
-    /// Run on the CPU reference interpreter (needed for now)
+    /// Continuations decoded together (default: all of them, up to 32)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub batch: Option<u32>,
+    /// Run on the CPU reference interpreter instead of a GPU (small models)
     #[arg(long)]
     pub cpu: bool,
-}
-
-/// How the next token is chosen from a row of logits.
-#[derive(Clone, Copy, Debug)]
-struct Sampling {
-    temperature: f64,
-    top_k: Option<u32>,
-    top_p: Option<f64>,
-}
-
-impl Sampling {
-    /// The next token: the first most likely one (greedy), or one drawn
-    /// from the softmax of `row / temperature` restricted to the `top_k`
-    /// most likely and then to the fewest whose probabilities reach `top_p`.
-    fn pick(&self, row: &[f64], rng: &mut rand_chacha::ChaCha8Rng) -> u32 {
-        let first_max = |r: &[f64]| {
-            r.iter()
-                .enumerate()
-                .fold((0, f64::NEG_INFINITY), |best, (i, &x)| {
-                    if x > best.1 {
-                        (i, x)
-                    } else {
-                        best
-                    }
-                })
-                .0 as u32
-        };
-        if self.temperature <= 0.0 {
-            return first_max(row);
-        }
-        let mut order: Vec<usize> = (0..row.len()).collect();
-        // Most likely first; equal logits by id, so the draw is repeatable.
-        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-        if let Some(k) = self.top_k {
-            order.truncate(k as usize);
-        }
-        let top = row[order[0]];
-        let mut probs: Vec<f64> = order
-            .iter()
-            .map(|&i| ((row[i] - top) / self.temperature).exp())
-            .collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
-        if let Some(p) = self.top_p {
-            let mut sum = 0.0;
-            let keep = probs
-                .iter()
-                .position(|&q| {
-                    sum += q;
-                    sum >= p
-                })
-                .map_or(probs.len(), |i| i + 1);
-            probs.truncate(keep);
-            order.truncate(keep);
-        }
-        let total: f64 = probs.iter().sum();
-        let mut u = rng.random::<f64>() * total;
-        for (&i, &q) in order.iter().zip(&probs) {
-            if u < q {
-                return i as u32;
-            }
-            u -= q;
-        }
-        order[probs.len() - 1] as u32
-    }
+    /// The GPU to run on
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub gpu: usize,
 }
 
 /// Text to ids and back: a Hugging Face tokenizer, or UTF-8 bytes.
@@ -175,62 +118,48 @@ impl Codec {
     }
 }
 
-/// The model's input names: the token ids (`tokens`, i32 `[B, T]`) and
-/// any other input, fed zeros (a training target the logits do not read).
-fn check_inputs(g: &Graph, file: &str) -> Result<Vec<String>, CliError> {
-    let mut others = Vec::new();
-    let mut tokens = false;
-    for n in g.g.node_indices() {
-        if let Op::Input(i) = &g.g[n].op {
-            if i.name == "tokens"
-                && i.ty.to_string() == format!("i32[{}, {}]", dim::BATCH, dim::SEQ)
-            {
-                tokens = true;
-            } else {
-                others.push(i.name.clone());
-            }
-        }
-    }
+/// The model reads token ids as `tokens` (i32 `[B, T]`); any other input
+/// the decode step keeps is fed zeros (a training target the logits do
+/// not read).
+fn check_inputs(g: &Graph, file: &str) -> Result<(), CliError> {
+    let tokens = g.g.node_indices().any(|n| {
+        matches!(&g.g[n].op, Op::Input(i) if i.name == "tokens"
+            && i.ty.to_string() == format!("i32[{}, {}]", dim::BATCH, dim::SEQ))
+    });
     if !tokens {
         return Err(CliError::usage(format!(
             "error: fusec generate feeds token ids to a language model's `tokens` (i32[B, T], as dsl-examples/gpt2-small.dsl declares it); {file} has none"
         )));
     }
-    Ok(others)
+    Ok(())
 }
 
-/// The weights of `args.weights` (through `--name-map`), checked against
-/// the parameters of `g`, as the interpreter's feeds.
-fn weights(args: &GenerateArgs, g: &Graph) -> Result<HashMap<String, Tensor>, CliError> {
-    let needed: Vec<(String, Vec<usize>)> = g
-        .params
-        .iter()
-        .map(|p| {
-            let shape =
-                p.ty.shape
-                    .iter()
-                    .map(|d| d.as_const().unwrap_or(0).max(0) as usize)
-                    .collect();
-            (p.name.clone(), shape)
-        })
-        .collect();
-    let ck = super::checkpoints::load_weights(&args.weights, args.name_map.as_deref(), &needed)?;
-    Ok(needed
-        .into_iter()
-        .map(|(name, shape)| {
-            let t = ck.get(&name).expect("checked above");
-            let data = t.data.iter().map(|&x| x as f64).collect();
-            (name, Tensor::new(shape, data))
-        })
-        .collect())
+/// The decode step at `dims`, on the CPU reference or a GPU.
+fn open_step(
+    args: &GenerateArgs,
+    loaded: &Loaded,
+    step: &Graph,
+    dims: &BTreeMap<String, i64>,
+) -> Result<Box<dyn Backend>, CliError> {
+    if args.cpu {
+        let cpu = backend::Cpu::new(step, dims, Precision::AsStored).map_err(runtime_err)?;
+        return Ok(Box::new(cpu));
+    }
+    let what = format!("{} (decode step)", loaded.compiled.model.graph.name);
+    let path = loaded.path.display().to_string();
+    let (s, _) = start_graph(
+        step,
+        &loaded.compiled.options.lower,
+        &what,
+        dims,
+        fusec_runtime::device::Opening::here(args.gpu),
+        GpuOptions::default(),
+        Some((path.as_str(), loaded.source.as_str())),
+    )?;
+    Ok(Box::new(s))
 }
 
 pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
-    if !args.cpu {
-        return Err(CliError::usage(
-            "error: fusec generate runs on the CPU reference for now: add --cpu (decoding on a GPU, with a key/value cache, is not built yet)".to_string(),
-        ));
-    }
     if args.temperature.is_nan() || args.temperature < 0.0 {
         return Err(CliError::usage("error: --temperature must be 0 or more"));
     }
@@ -241,34 +170,19 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
     }
     let loaded = load(&args.model)?;
     let file = args.model.model.display().to_string();
-    let g = fusec_compiler::driver::logits_graph(&loaded.compiled)
+    let whole = fusec_compiler::driver::logits_graph(&loaded.compiled)
         .map_err(|e| CliError::usage(format!("error: {file}: {e}")))?;
-    let zeros = check_inputs(&g, &file)?;
+    check_inputs(&whole, &file)?;
+    let step =
+        decode_graph(&whole).map_err(|f| CliError::model(f.render(&file, &loaded.source)))?;
     let codec = match &args.tokenizer {
         Some(t) => Codec::Tokenizer(Box::new(super::tokenize::load(t)?)),
         None => Codec::Bytes,
     };
-    let prompts: Vec<Vec<u32>> = match (&args.prompt, &args.prompt_ids, &args.prompts) {
-        (Some(text), _, _) => vec![codec.encode(text)?],
-        (_, Some(ids), _) => vec![ids.clone()],
-        (_, _, Some(path)) => std::fs::read_to_string(path)
-            .map_err(|e| CliError::usage(format!("error: cannot read {}: {e}", path.display())))?
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .map(|l| codec.encode(l))
-            .collect::<Result<_, _>>()?,
-        _ => {
-            return Err(CliError::usage(
-                "error: give a prompt: --prompt TEXT, --prompt-ids IDS or --prompts FILE",
-            ))
-        }
-    };
-    if prompts.iter().any(Vec::is_empty) {
-        return Err(CliError::usage("error: a prompt encodes to no tokens"));
-    }
+    let prompts = read_prompts(args, &codec)?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) + args.max_new_tokens;
     let sizes = |t: usize| {
-        std::collections::BTreeMap::from([
+        BTreeMap::from([
             (dim::BATCH.to_string(), 1i64),
             (dim::SEQ.to_string(), t as i64),
         ])
@@ -300,120 +214,110 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
         Codec::Tokenizer(t) => t.token_to_id("<|endoftext|>"),
         Codec::Bytes => None,
     });
-    let params = weights(args, &g)?;
-    let sampling = Sampling {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-    };
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
-    let logits_of = |ids: &[u32]| -> Result<Vec<f64>, CliError> {
-        let t = ids.len();
-        let mut feeds = Feeds {
-            dims: sizes(t).into_iter().collect(),
-            params: params.clone(),
-            ..Feeds::default()
-        };
-        let tokens = ids.iter().map(|&x| x as f64).collect();
-        feeds
-            .inputs
-            .insert("tokens".into(), Tensor::new(vec![1, t], tokens));
-        for name in &zeros {
-            feeds
-                .inputs
-                .insert(name.clone(), Tensor::new(vec![1, t], vec![0.0; t]));
-        }
-        let vals = interp::run(&g, &feeds, Precision::AsStored)
-            .map_err(|e| CliError::usage(format!("error: the CPU reference failed: {}", e.0)))?;
-        let out = g
-            .outputs
-            .iter()
-            .find(|(r, _)| *r == Role::Logits)
-            .map(|(_, v)| &vals[v])
-            .expect("the logits graph outputs its logits");
-        let v = out.data.len() / t;
-        Ok(out.data[(t - 1) * v..].to_vec())
-    };
-    let stdout = std::io::stdout();
-    for prompt in &prompts {
+    let mut rows: Vec<Row> = Vec::new();
+    for p in &prompts {
         for _ in 0..args.num_samples {
-            let mut ids = prompt.clone();
-            let mut shown = codec.decode(&ids);
-            if !args.json {
-                print!("{shown}");
-                let _ = stdout.lock().flush();
-            }
-            for _ in 0..args.max_new_tokens {
-                let next = sampling.pick(&logits_of(&ids)?, &mut rng);
-                ids.push(next);
-                if !args.json {
-                    // The text so far, less what is already shown: a token
-                    // may complete a character the last one began.
-                    let text = codec.decode(&ids);
-                    if let Some(new) = text.strip_prefix(&shown) {
-                        print!("{new}");
-                        let _ = stdout.lock().flush();
-                        shown = text;
-                    }
+            rows.push(Row::new(p.clone(), args.seed, rows.len() as u64));
+        }
+    }
+    let batch = args.batch.map_or(rows.len().min(32), |b| b as usize);
+    let dims = BTreeMap::from([
+        (dim::BATCH.to_string(), batch as i64),
+        (dim::SEQ.to_string(), 1),
+        (CACHE_DIM.to_string(), longest as i64),
+    ]);
+    let mut backend = open_step(args, &loaded, &step, &dims)?;
+    let ck = super::checkpoints::load_weights(
+        &args.weights,
+        args.name_map.as_deref(),
+        &backend::needed_params(backend.as_ref()),
+    )?;
+    backend::restore_params(backend.as_mut(), &ck).map_err(runtime_err)?;
+    let limits = Limits {
+        max_new: args.max_new_tokens,
+        eos,
+        sampling: Sampling {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+        },
+        vocab: vocab.map(|v| v as usize),
+    };
+    let (mut made, mut seconds, mut steps) = (0, 0.0, 0);
+    for chunk in rows.chunks_mut(batch) {
+        // One continuation streams as it is made; several print when done.
+        let stream = chunk.len() == 1 && !args.json;
+        let mut shown = String::new();
+        if stream {
+            shown = codec.decode(&chunk[0].prompt);
+            print!("{shown}");
+            let _ = std::io::stdout().flush();
+        }
+        let t = decode(backend.as_mut(), batch, chunk, &limits, |rows| {
+            if stream {
+                let r = &rows[0];
+                let all: Vec<u32> = r.prompt.iter().chain(&r.made).copied().collect();
+                // The text so far, less what is already shown: a token
+                // may complete a character the last one began.
+                let text = codec.decode(&all);
+                if let Some(new) = text.strip_prefix(&shown) {
+                    print!("{new}");
+                    let _ = std::io::stdout().flush();
+                    shown = text;
                 }
-                if Some(next) == eos {
-                    break;
-                }
             }
+        })?;
+        (made, seconds, steps) = (made + t.made, seconds + t.seconds, steps + t.steps);
+        for r in chunk.iter() {
             if args.json {
-                let new = &ids[prompt.len()..];
                 println!(
                     "{}",
                     serde_json::json!({
-                        "prompt_ids": prompt,
-                        "ids": new,
-                        "text": codec.decode(new),
+                        "prompt_ids": r.prompt,
+                        "ids": r.made,
+                        "text": codec.decode(&r.made),
                     })
                 );
-            } else {
+            } else if stream {
                 println!();
+            } else {
+                let all: Vec<u32> = r.prompt.iter().chain(&r.made).copied().collect();
+                println!("{}", codec.decode(&all));
             }
         }
     }
+    eprintln!(
+        "{made} new tokens in {seconds:.2} s ({:.0} tokens/s, {steps} steps of batch {batch}, {:.2} ms a step) on {}",
+        made as f64 / seconds.max(1e-9),
+        1e3 * seconds / steps.max(1) as f64,
+        if args.cpu { "the CPU reference" } else { "the GPU" }
+    );
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Greedy takes the first most likely token; sampling keeps to top-k
-    /// and top-p, and one seed draws the same tokens again.
-    #[test]
-    fn greedy_and_sampled_picks_keep_to_their_rules() {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
-        let row = [0.5, 2.0, 2.0, -1.0, 1.9];
-        let greedy = Sampling {
-            temperature: 0.0,
-            top_k: None,
-            top_p: None,
-        };
-        assert_eq!(greedy.pick(&row, &mut rng), 1);
-        let top2 = Sampling {
-            temperature: 1.0,
-            top_k: Some(2),
-            top_p: None,
-        };
-        let draws: Vec<u32> = (0..200).map(|_| top2.pick(&row, &mut rng)).collect();
-        assert!(draws.iter().all(|&d| d == 1 || d == 2), "{draws:?}");
-        assert!(draws.contains(&1) && draws.contains(&2));
-        // Probabilities .315, .315, .285 of the top three: 0.5 keeps two.
-        let nucleus = Sampling {
-            temperature: 1.0,
-            top_k: None,
-            top_p: Some(0.5),
-        };
-        assert!((0..200).all(|_| matches!(nucleus.pick(&row, &mut rng), 1 | 2)));
-        let again = |seed| {
-            let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-            (0..20).map(|_| top2.pick(&row, &mut r)).collect::<Vec<_>>()
-        };
-        assert_eq!(again(7), again(7));
-        assert_ne!(again(7), again(8));
+/// The prompts as token ids: `--prompt`, `--prompt-ids` or each line of
+/// `--prompts`.
+fn read_prompts(args: &GenerateArgs, codec: &Codec) -> Result<Vec<Vec<u32>>, CliError> {
+    let prompts: Vec<Vec<u32>> = match (&args.prompt, &args.prompt_ids, &args.prompts) {
+        (Some(text), _, _) => vec![codec.encode(text)?],
+        (_, Some(ids), _) => vec![ids.clone()],
+        (_, _, Some(path)) => std::fs::read_to_string(path)
+            .map_err(|e| CliError::usage(format!("error: cannot read {}: {e}", path.display())))?
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| codec.encode(l))
+            .collect::<Result<_, _>>()?,
+        _ => {
+            return Err(CliError::usage(
+                "error: give a prompt: --prompt TEXT, --prompt-ids IDS or --prompts FILE",
+            ))
+        }
+    };
+    if prompts.is_empty() {
+        return Err(CliError::usage("error: the prompts file holds no prompt"));
     }
+    if prompts.iter().any(Vec::is_empty) {
+        return Err(CliError::usage("error: a prompt encodes to no tokens"));
+    }
+    Ok(prompts)
 }

@@ -8,6 +8,7 @@ pub mod check;
 mod checkpoints;
 mod comm_profile;
 mod common;
+mod decoding;
 pub mod eval;
 pub mod explain;
 pub mod export;

@@ -1,0 +1,225 @@
+//! The decode loop of `fusec generate`: a batch of continuations run
+//! through the decode step (`fusec_compiler::decode`) a position at a
+//! time, each row's key/value caches filling as it goes. Every row stands
+//! at the same position; a row still within its prompt is fed its prompt's
+//! next token (the prefill, a token a step), the others their last pick.
+
+use super::CliError;
+use fusec::backend::Backend;
+use fusec_compiler::decode::POSITIONS_INPUT;
+use rand::{Rng, SeedableRng};
+
+/// How the next token is chosen from a row of logits.
+#[derive(Clone, Copy, Debug)]
+pub struct Sampling {
+    pub temperature: f64,
+    pub top_k: Option<u32>,
+    pub top_p: Option<f64>,
+}
+
+impl Sampling {
+    /// The next token: the first most likely one (greedy), or one drawn
+    /// from the softmax of `row / temperature` restricted to the `top_k`
+    /// most likely and then to the fewest whose probabilities reach `top_p`.
+    pub fn pick(&self, row: &[f64], rng: &mut rand_chacha::ChaCha8Rng) -> u32 {
+        let first_max = |r: &[f64]| {
+            r.iter()
+                .enumerate()
+                .fold((0, f64::NEG_INFINITY), |best, (i, &x)| {
+                    if x > best.1 {
+                        (i, x)
+                    } else {
+                        best
+                    }
+                })
+                .0 as u32
+        };
+        if self.temperature <= 0.0 {
+            return first_max(row);
+        }
+        let mut order: Vec<usize> = (0..row.len()).collect();
+        // Most likely first; equal logits by id, so the draw is repeatable.
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        if let Some(k) = self.top_k {
+            order.truncate(k as usize);
+        }
+        let top = row[order[0]];
+        let mut probs: Vec<f64> = order
+            .iter()
+            .map(|&i| ((row[i] - top) / self.temperature).exp())
+            .collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+        if let Some(p) = self.top_p {
+            let mut sum = 0.0;
+            let keep = probs
+                .iter()
+                .position(|&q| {
+                    sum += q;
+                    sum >= p
+                })
+                .map_or(probs.len(), |i| i + 1);
+            probs.truncate(keep);
+            order.truncate(keep);
+        }
+        let total: f64 = probs.iter().sum();
+        let mut u = rng.random::<f64>() * total;
+        for (&i, &q) in order.iter().zip(&probs) {
+            if u < q {
+                return i as u32;
+            }
+            u -= q;
+        }
+        order[probs.len() - 1] as u32
+    }
+}
+
+/// One continuation: its prompt, the tokens made so far, and its own
+/// generator (seeded by the run's seed and the row's number, so a row
+/// draws the same tokens whatever else shares its batch).
+pub struct Row {
+    pub prompt: Vec<u32>,
+    pub made: Vec<u32>,
+    pub done: bool,
+    rng: rand_chacha::ChaCha8Rng,
+}
+
+impl Row {
+    pub fn new(prompt: Vec<u32>, seed: u64, number: u64) -> Row {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(number);
+        Row {
+            prompt,
+            made: Vec::new(),
+            done: false,
+            rng,
+        }
+    }
+    /// The token at position `pos`, from the prompt or what was made.
+    fn at(&self, pos: usize) -> u32 {
+        match self.prompt.get(pos) {
+            Some(&t) => t,
+            None => self.made[pos - self.prompt.len()],
+        }
+    }
+}
+
+/// What the loop needs besides the step: when to stop and how to pick.
+pub struct Limits {
+    pub max_new: usize,
+    pub eos: Option<u32>,
+    pub sampling: Sampling,
+    /// The model's vocabulary: a logits row's first `vocab` entries are
+    /// its classes (any after them are padding).
+    pub vocab: Option<usize>,
+}
+
+/// Time spent, for the run's last line.
+#[derive(Default)]
+pub struct Timing {
+    pub steps: usize,
+    pub made: usize,
+    pub seconds: f64,
+}
+
+/// Runs `rows` (at most the step's batch; the rest of the batch repeats
+/// the last row, and its output is dropped) to the end: each has
+/// `max_new` tokens or stopped at the end-of-text id. `shown` is called
+/// after each step with the rows (to stream a single one).
+pub fn decode(
+    step: &mut dyn Backend,
+    batch: usize,
+    rows: &mut [Row],
+    limits: &Limits,
+    mut shown: impl FnMut(&[Row]),
+) -> Result<Timing, CliError> {
+    let err = |e: fusec_runtime::RuntimeError| CliError {
+        message: format!("error: {e}"),
+        code: 4,
+    };
+    for name in step.state_names() {
+        step.zero(&name).map_err(err)?;
+    }
+    for r in rows.iter_mut() {
+        r.done = limits.max_new == 0;
+    }
+    let t0 = std::time::Instant::now();
+    let mut timing = Timing::default();
+    let longest = rows.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
+    let positioned = step.shapes().contains_key(POSITIONS_INPUT);
+    let mut pos = 0;
+    while rows.iter().any(|r| !r.done) {
+        let tokens: Vec<f64> = (0..batch)
+            .map(|b| {
+                let r = &rows[b.min(rows.len() - 1)];
+                // A finished row is fed its last token again: its output is unused.
+                let at = pos.min(r.prompt.len() + r.made.len() - 1);
+                r.at(at) as f64
+            })
+            .collect();
+        step.set("tokens", &tokens).map_err(err)?;
+        if positioned {
+            step.set(POSITIONS_INPUT, &[pos as f64]).map_err(err)?;
+        }
+        step.step(0.0, 1).map_err(err)?;
+        let logits = step.logits().map_err(err)?;
+        let width = logits.len() / batch;
+        let classes = limits.vocab.map_or(width, |v| v.min(width));
+        timing.steps += 1;
+        for (b, r) in rows.iter_mut().enumerate() {
+            if r.done || pos + 1 < r.prompt.len() {
+                continue;
+            }
+            let row = &logits[b * width..b * width + classes];
+            let next = limits.sampling.pick(row, &mut r.rng);
+            r.made.push(next);
+            timing.made += 1;
+            r.done = r.made.len() >= limits.max_new || Some(next) == limits.eos;
+        }
+        shown(rows);
+        pos += 1;
+        debug_assert!(pos <= longest + limits.max_new);
+    }
+    timing.seconds = t0.elapsed().as_secs_f64();
+    Ok(timing)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Greedy takes the first most likely token; sampling keeps to top-k
+    /// and top-p, and one seed draws the same tokens again.
+    #[test]
+    fn greedy_and_sampled_picks_keep_to_their_rules() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        let row = [0.5, 2.0, 2.0, -1.0, 1.9];
+        let greedy = Sampling {
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+        };
+        assert_eq!(greedy.pick(&row, &mut rng), 1);
+        let top2 = Sampling {
+            temperature: 1.0,
+            top_k: Some(2),
+            top_p: None,
+        };
+        let draws: Vec<u32> = (0..200).map(|_| top2.pick(&row, &mut rng)).collect();
+        assert!(draws.iter().all(|&d| d == 1 || d == 2), "{draws:?}");
+        assert!(draws.contains(&1) && draws.contains(&2));
+        // Probabilities .315, .315, .285 of the top three: 0.5 keeps two.
+        let nucleus = Sampling {
+            temperature: 1.0,
+            top_k: None,
+            top_p: Some(0.5),
+        };
+        assert!((0..200).all(|_| matches!(nucleus.pick(&row, &mut rng), 1 | 2)));
+        let again = |seed| {
+            let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            (0..20).map(|_| top2.pick(&row, &mut r)).collect::<Vec<_>>()
+        };
+        assert_eq!(again(7), again(7));
+        assert_ne!(again(7), again(8));
+    }
+}
