@@ -375,3 +375,87 @@ fn gpu_here() -> bool {
     }
     present
 }
+
+/// `fusec train --sample-every 2` prints a greedy continuation after steps
+/// 2 and 4 (the last) and logs them; the last is what `fusec generate`
+/// makes from the checkpoint the run saves (the same decode step on the
+/// same weights, so the same ids). A run with no prompt is refused.
+#[test]
+fn samples_during_training_are_what_generate_makes_from_the_checkpoint() {
+    let (log, ck) = (tmp("samples.jsonl"), tmp("samples.safetensors"));
+    let model = [
+        "dsl-examples/gpt2-small.dsl",
+        "--set",
+        "vocab=256",
+        "--set",
+        "layers=1",
+        "--set",
+        "d=32",
+        "--set",
+        "n_heads=2",
+        "--set",
+        "ctx=64",
+        "--cpu",
+    ];
+    let mut a = vec!["train"];
+    a.extend(model);
+    a.extend([
+        "--data",
+        "dsl-examples/data/founding-texts.txt",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "4",
+        "--lr",
+        "3e-3",
+        "--sample-every",
+        "2",
+        "--sample-prompt",
+        "The ",
+        "--sample-tokens",
+        "12",
+        "--log",
+        log.to_str().unwrap(),
+        "--save",
+        ck.to_str().unwrap(),
+    ]);
+    let (code, _, err) = fusec(&a);
+    assert_eq!(code, 0, "{err}");
+    let printed: Vec<&str> = err.lines().filter(|l| l.contains("sample: ")).collect();
+    assert_eq!(printed.len(), 2, "{err}");
+    assert!(printed[0].contains("step     2/4") && printed[1].contains("step     4/4"), "{err}");
+    let samples: Vec<String> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            Some(v.get("sample")?.as_str()?.to_string())
+        })
+        .collect();
+    assert_eq!(samples.len(), 2);
+    let mut g = vec!["generate"];
+    g.extend(model);
+    g.extend([
+        "--weights",
+        ck.to_str().unwrap(),
+        "--prompt",
+        "The ",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]);
+    let (code, out, err) = fusec(&g);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["ids"].as_array().unwrap().len(), 12);
+    assert_eq!(samples[1], format!("The {}", v["text"].as_str().unwrap()));
+
+    let mut bad = vec!["train"];
+    bad.extend(model);
+    bad.extend(["--data", "dsl-examples/data/founding-texts.txt", "--sample-every", "2"]);
+    let (code, _, err) = fusec(&bad);
+    assert_ne!(code, 0);
+    assert!(err.contains("--sample-prompt"), "{err}");
+}

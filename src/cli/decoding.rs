@@ -9,6 +9,33 @@ use fusec::backend::Backend;
 use fusec_compiler::decode::POSITIONS_INPUT;
 use rand::{Rng, SeedableRng};
 
+/// Text to ids and back: a Hugging Face tokenizer, or UTF-8 bytes.
+pub enum Codec {
+    Tokenizer(Box<tokenizers::Tokenizer>),
+    Bytes,
+}
+
+impl Codec {
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, CliError> {
+        match self {
+            Codec::Tokenizer(t) => t
+                .encode(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| CliError::usage(format!("error: cannot encode the prompt: {e}"))),
+            Codec::Bytes => Ok(text.bytes().map(u32::from).collect()),
+        }
+    }
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match self {
+            Codec::Tokenizer(t) => t.decode(ids, false).unwrap_or_default(),
+            Codec::Bytes => {
+                let bytes: Vec<u8> = ids.iter().map(|&i| i.min(255) as u8).collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            }
+        }
+    }
+}
+
 /// How the next token is chosen from a row of logits.
 #[derive(Clone, Copy, Debug)]
 pub struct Sampling {

@@ -9,7 +9,7 @@
 //! (`decoding`).
 
 use super::common::{load, Loaded, ModelArgs};
-use super::decoding::{decode, Limits, Row, Sampling};
+use super::decoding::{decode, Codec, Limits, Row, Sampling};
 use super::open::{runtime_err, start_graph};
 use super::CliError;
 use clap::Args;
@@ -89,33 +89,6 @@ pub struct GenerateArgs {
     /// The GPU to run on
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub gpu: usize,
-}
-
-/// Text to ids and back: a Hugging Face tokenizer, or UTF-8 bytes.
-enum Codec {
-    Tokenizer(Box<tokenizers::Tokenizer>),
-    Bytes,
-}
-
-impl Codec {
-    fn encode(&self, text: &str) -> Result<Vec<u32>, CliError> {
-        match self {
-            Codec::Tokenizer(t) => t
-                .encode(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| CliError::usage(format!("error: cannot encode the prompt: {e}"))),
-            Codec::Bytes => Ok(text.bytes().map(u32::from).collect()),
-        }
-    }
-    fn decode(&self, ids: &[u32]) -> String {
-        match self {
-            Codec::Tokenizer(t) => t.decode(ids, false).unwrap_or_default(),
-            Codec::Bytes => {
-                let bytes: Vec<u8> = ids.iter().map(|&i| i.min(255) as u8).collect();
-                String::from_utf8_lossy(&bytes).into_owned()
-            }
-        }
-    }
 }
 
 /// The model reads token ids as `tokens` (i32 `[B, T]`); any other input

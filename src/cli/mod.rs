@@ -9,6 +9,7 @@ mod checkpoints;
 mod comm_profile;
 mod common;
 mod decoding;
+mod samples;
 pub mod eval;
 pub mod explain;
 pub mod export;

@@ -30,6 +30,14 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     // While the initial weights are still being drawn.
     b.warm_up().map_err(runtime_err)?;
     let validation = open_validation(args, &loaded, &dims, world, b)?;
+    let sampler = super::samples::prepare(
+        &args.samples,
+        &loaded,
+        args.tokenizer.as_deref(),
+        args.cpu,
+        args.gpu,
+        world,
+    )?;
     let data_inputs = data_inputs(b);
     announce_deterministic(args);
     let resumed = set_weights(args, b, drawing, !quiet)?;
@@ -66,6 +74,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         log,
         feed,
         validation,
+        sampler,
         args,
         quiet,
         last,
@@ -79,6 +88,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
         let line = run.step(b, step)?;
         run.report(&line)?;
         run.validate(b, step)?;
+        run.sample(b, step)?;
         run.save_every(b, step)?;
     }
     let done = run.finish(b);

@@ -84,6 +84,8 @@ pub struct TrainArgs {
     pub parallel: super::parallel::ParallelArgs,
     #[command(flatten)]
     pub validation: super::validate::ValidationArgs,
+    #[command(flatten)]
+    pub samples: super::samples::SampleArgs,
     /// With --init-from: a name map (JSON: rename rules, tensors to
     /// transpose, tensors to drop) from another program's names to the
     /// model's, e.g. dsl-examples/maps/hf-gpt2.json

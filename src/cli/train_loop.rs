@@ -312,6 +312,7 @@ pub(super) struct StepLoop<'a> {
     pub(super) log: Option<std::fs::File>,
     pub(super) feed: Feeder<'a>,
     pub(super) validation: Option<Validation>,
+    pub(super) sampler: Option<super::samples::Sampler>,
     pub(super) args: &'a TrainArgs,
     /// Only rank 0 of a launched job prints progress.
     pub(super) quiet: bool,
@@ -435,6 +436,26 @@ impl StepLoop<'_> {
             }
             if let Some(f) = &mut self.log {
                 let _ = writeln!(f, "{{\"step\":{step},\"val_loss\":{}}}", json_num(val));
+            }
+        }
+        Ok(())
+    }
+
+    /// `--sample-every`: a greedy continuation of the prompt after `step`,
+    /// where one is due.
+    pub(super) fn sample(&mut self, b: &dyn Backend, step: u64) -> Result<(), CliError> {
+        let last = self.last;
+        if let Some(s) = self.sampler.as_mut().filter(|s| s.due(step, last)) {
+            let text = s.sample(b)?;
+            if !self.quiet {
+                eprintln!("step {step:>5}/{last}  sample: {}", text.escape_debug());
+            }
+            if let Some(f) = &mut self.log {
+                let _ = writeln!(
+                    f,
+                    "{}",
+                    serde_json::json!({"step": step, "sample": text})
+                );
             }
         }
         Ok(())

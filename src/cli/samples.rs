@@ -1,0 +1,150 @@
+//! Samples during `fusec train`: every `--sample-every` steps (and after
+//! the last), a greedy continuation of `--sample-prompt`, as llm.c prints
+//! one. It runs the model's decode step (`fusec generate`'s) in a session
+//! of its own: its own arena (the weights' compute copies and the
+//! key/value caches for one row), so the training step's plan is
+//! untouched; the training step's weights are copied in (device to device
+//! on a GPU) before each sample.
+
+use super::common::Loaded;
+use super::decoding::{decode, Codec, Limits, Row, Sampling};
+use super::open::{runtime_err, start_graph};
+use super::CliError;
+use clap::Args;
+use fusec::backend::{self, Backend, GpuOptions};
+use fusec_compiler::decode::{decode_graph, CACHE_DIM};
+use fusec_compiler::interp::Precision;
+use fusec_compiler::ir::dim;
+use std::collections::BTreeMap;
+
+#[derive(Args, Debug, Clone, Default)]
+pub struct SampleArgs {
+    /// Print a greedy continuation of --sample-prompt every N steps (and
+    /// after the last)
+    #[arg(long, value_name = "N", requires = "sample_prompt", value_parser = clap::value_parser!(u64).range(1..))]
+    pub sample_every: Option<u64>,
+    /// The text the samples continue (through --tokenizer, or as UTF-8
+    /// bytes, as the data is read)
+    #[arg(long, value_name = "TEXT", requires = "sample_every")]
+    pub sample_prompt: Option<String>,
+    /// Tokens each sample adds
+    #[arg(long, value_name = "N", default_value_t = 32, requires = "sample_every")]
+    pub sample_tokens: usize,
+}
+
+pub struct Sampler {
+    step: Box<dyn Backend>,
+    prompt: Vec<u32>,
+    codec: Codec,
+    limits: Limits,
+    every: u64,
+}
+
+impl Sampler {
+    /// Whether to sample after step `step` of a run ending at `last`.
+    pub fn due(&self, step: u64, last: u64) -> bool {
+        step == last || step.is_multiple_of(self.every)
+    }
+
+    /// The prompt and its greedy continuation with `train`'s weights.
+    pub fn sample(&mut self, train: &dyn Backend) -> Result<String, CliError> {
+        self.step.copy_params_from(train).map_err(runtime_err)?;
+        let mut rows = [Row::new(self.prompt.clone(), 0, 0)];
+        decode(self.step.as_mut(), 1, &mut rows, &self.limits, |_| {})?;
+        let all: Vec<u32> = self.prompt.iter().chain(&rows[0].made).copied().collect();
+        Ok(self.codec.decode(&all))
+    }
+}
+
+/// The sampler, where `--sample-every` asks for one: the decode step at
+/// one row and the prompt's length plus `--sample-tokens` positions.
+pub fn prepare(
+    args: &SampleArgs,
+    loaded: &Loaded,
+    tokenizer: Option<&std::path::Path>,
+    cpu: bool,
+    gpu: usize,
+    world: usize,
+) -> Result<Option<Sampler>, CliError> {
+    let (Some(every), Some(text)) = (args.sample_every, &args.sample_prompt) else {
+        return Ok(None);
+    };
+    if world > 1 {
+        return Err(CliError::usage(
+            "error: --sample-every with data parallelism is not built yet: sample from a checkpoint with fusec generate".to_string(),
+        ));
+    }
+    let codec = match tokenizer {
+        Some(t) => Codec::Tokenizer(Box::new(super::tokenize::load(t)?)),
+        None => Codec::Bytes,
+    };
+    let prompt = codec.encode(text)?;
+    if prompt.is_empty() {
+        return Err(CliError::usage("error: --sample-prompt encodes to no tokens"));
+    }
+    let file = loaded.path.display().to_string();
+    let positions = prompt.len() + args.sample_tokens;
+    let sizes = BTreeMap::from([
+        (dim::BATCH.to_string(), 1i64),
+        (dim::SEQ.to_string(), positions as i64),
+    ]);
+    super::common::check_sizes(loaded, &sizes).map_err(|e| {
+        CliError::usage(format!(
+            "error: --sample-prompt and --sample-tokens {} make {positions} positions, which the model cannot take:\n{}",
+            args.sample_tokens, e.message
+        ))
+    })?;
+    let vocab = super::feed::token_bound(&loaded.compiled.optimized, &sizes);
+    if let Some(v) = vocab {
+        if let Some(&bad) = prompt.iter().find(|&&x| x >= v) {
+            return Err(CliError::usage(format!(
+                "error: --sample-prompt holds token id {bad}, and the model's vocabulary has {v} ids"
+            )));
+        }
+    }
+    let whole = fusec_compiler::driver::logits_graph(&loaded.compiled)
+        .map_err(|e| CliError::usage(format!("error: --sample-every: {file}: {e}")))?;
+    let step_graph =
+        decode_graph(&whole).map_err(|f| CliError::model(f.render(&file, &loaded.source)))?;
+    let dims = BTreeMap::from([
+        (dim::BATCH.to_string(), 1i64),
+        (dim::SEQ.to_string(), 1),
+        (CACHE_DIM.to_string(), positions as i64),
+    ]);
+    let step: Box<dyn Backend> = if cpu {
+        Box::new(backend::Cpu::new(&step_graph, &dims, Precision::AsStored).map_err(runtime_err)?)
+    } else {
+        let what = format!("{} (samples, decode step)", loaded.compiled.model.graph.name);
+        let source = Some((file.as_str(), loaded.source.as_str()));
+        let (s, _) = start_graph(
+            &step_graph,
+            &loaded.compiled.options.lower,
+            &what,
+            &dims,
+            fusec_runtime::device::Opening::here(gpu),
+            GpuOptions::default(),
+            source,
+        )?;
+        Box::new(s)
+    };
+    let eos = match &codec {
+        Codec::Tokenizer(t) => t.token_to_id("<|endoftext|>"),
+        Codec::Bytes => None,
+    };
+    Ok(Some(Sampler {
+        step,
+        prompt,
+        codec,
+        limits: Limits {
+            max_new: args.sample_tokens,
+            eos,
+            sampling: Sampling {
+                temperature: 0.0,
+                top_k: None,
+                top_p: None,
+            },
+            vocab: vocab.map(|v| v as usize),
+        },
+        every,
+    }))
+}
