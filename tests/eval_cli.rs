@@ -290,3 +290,142 @@ fn eval_matches_transformers_through_the_name_maps() {
         );
     }
 }
+
+/// `fusec eval --choices`: each ending's score is the sum of its bytes'
+/// log-probabilities after the context, computed here from the bigram's
+/// weights in f64 (tolerance 1e-5 relative, the CPU reference's f32
+/// rounding as above); the picks and both accuracies follow from them.
+/// Questions of 3 and 4 endings of several lengths share the step's 4
+/// rows. On the GPU too where there is one.
+#[test]
+fn multiple_choice_scores_are_the_endings_log_probabilities() {
+    let vocab = 256;
+    let model = bigram(vocab, false);
+    let (emb, w) = (weights(vocab * FEATURES, 3), weights(FEATURES * vocab, 4));
+    let ck = checkpoint(
+        "choices.safetensors",
+        &[
+            ("emb", vec![vocab, FEATURES], &emb),
+            ("w", vec![FEATURES, vocab], &w),
+        ],
+    );
+    let logp = |x: u8, y: u8| -> f64 {
+        let logits: Vec<f64> = (0..vocab)
+            .map(|v| {
+                (0..FEATURES)
+                    .map(|f| emb[x as usize * FEATURES + f] as f64 * w[f * vocab + v] as f64)
+                    .sum()
+            })
+            .collect();
+        let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
+        logits[y as usize] - lse
+    };
+    let questions: Vec<(&str, Vec<&str>, usize)> = vec![
+        ("The cat sat on", vec![" the mat.", " a hat", " xyzzy!"], 0),
+        (
+            "We hold these",
+            vec![" truths", " rocks to be", " q", " self-evident"],
+            3,
+        ),
+        ("A", vec!["bc", "zz", "b"], 2),
+    ];
+    let file = tmp("questions.jsonl");
+    let lines: Vec<String> = questions
+        .iter()
+        .map(|(c, e, l)| serde_json::json!({"context": c, "endings": e, "label": l}).to_string())
+        .collect();
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let mut want_right = (0, 0);
+    let mut want_scores = Vec::new();
+    for (c, endings, label) in &questions {
+        let s: Vec<f64> = endings
+            .iter()
+            .map(|e| {
+                let seq: Vec<u8> = c.bytes().chain(e.bytes()).collect();
+                (c.len() - 1..seq.len() - 1)
+                    .map(|p| logp(seq[p], seq[p + 1]))
+                    .sum()
+            })
+            .collect();
+        let best = |xs: Vec<f64>| (0..xs.len()).fold(0, |b, i| if xs[i] > xs[b] { i } else { b });
+        want_right.0 += usize::from(best(s.clone()) == *label);
+        let norm = s
+            .iter()
+            .zip(endings)
+            .map(|(x, e)| x / e.chars().count() as f64)
+            .collect();
+        want_right.1 += usize::from(best(norm) == *label);
+        want_scores.push(s);
+    }
+    // Not every question right nor every one wrong: the accuracy means something.
+    assert!(want_right.0 > 0 && want_right.0 < 3, "{want_right:?}");
+    let mut places = vec!["--cpu"];
+    if fusec_runtime::device::driver_present() {
+        places.push("--gpu=0");
+    } else {
+        common::skip("the GPU half of the multiple-choice check: no CUDA driver");
+    }
+    for place in places {
+        let (code, out, err) = fusec(&[
+            "eval",
+            model.to_str().unwrap(),
+            "--weights",
+            ck.to_str().unwrap(),
+            "--choices",
+            file.to_str().unwrap(),
+            place,
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(v["questions"], 3);
+        let acc = v["accuracy"].as_f64().unwrap();
+        assert!(
+            (acc - want_right.0 as f64 / 3.0).abs() < 1e-12,
+            "{place}: {v}"
+        );
+        let norm = v["accuracy_norm"].as_f64().unwrap();
+        assert!(
+            (norm - want_right.1 as f64 / 3.0).abs() < 1e-12,
+            "{place}: {v}"
+        );
+        for (p, want) in v["predictions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(&want_scores)
+        {
+            let got: Vec<f64> = p["scores"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect();
+            assert_eq!(got.len(), want.len());
+            for (g, w) in got.iter().zip(want) {
+                assert!(
+                    (g - w).abs() <= 1e-5 * w.abs(),
+                    "{place}: score {g}, want {w}"
+                );
+            }
+        }
+    }
+    // Bad questions: said with the file and line.
+    let bad = tmp("bad.jsonl");
+    std::fs::write(&bad, "{\"context\": \"a\", \"endings\": [\"b\", \"c\"], \"label\": 0}\n{\"context\": \"a\", \"endings\": [\"b\", \"c\"], \"label\": 2}\n").unwrap();
+    let (code, _, err) = fusec(&[
+        "eval",
+        model.to_str().unwrap(),
+        "--weights",
+        ck.to_str().unwrap(),
+        "--choices",
+        bad.to_str().unwrap(),
+        "--cpu",
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("bad.jsonl:2") && err.contains("\"label\""),
+        "{err}"
+    );
+}

@@ -425,7 +425,10 @@ fn samples_during_training_are_what_generate_makes_from_the_checkpoint() {
     assert_eq!(code, 0, "{err}");
     let printed: Vec<&str> = err.lines().filter(|l| l.contains("sample: ")).collect();
     assert_eq!(printed.len(), 2, "{err}");
-    assert!(printed[0].contains("step     2/4") && printed[1].contains("step     4/4"), "{err}");
+    assert!(
+        printed[0].contains("step     2/4") && printed[1].contains("step     4/4"),
+        "{err}"
+    );
     let samples: Vec<String> = std::fs::read_to_string(&log)
         .unwrap()
         .lines()
@@ -454,7 +457,12 @@ fn samples_during_training_are_what_generate_makes_from_the_checkpoint() {
 
     let mut bad = vec!["train"];
     bad.extend(model);
-    bad.extend(["--data", "dsl-examples/data/founding-texts.txt", "--sample-every", "2"]);
+    bad.extend([
+        "--data",
+        "dsl-examples/data/founding-texts.txt",
+        "--sample-every",
+        "2",
+    ]);
     let (code, _, err) = fusec(&bad);
     assert_ne!(code, 0);
     assert!(err.contains("--sample-prompt"), "{err}");

@@ -319,7 +319,43 @@ pub fn forward_graph(c: &Compiled) -> Result<Graph, String> {
 /// out): what generation samples the next token from. No dropout.
 pub fn logits_graph(c: &Compiled) -> Result<Graph, String> {
     use crate::ir::graph::Role;
-    let mut g = c.model.graph.clone();
+    let (mut g, ce) = loss_cross_entropy(c)?;
+    let logits = g.inputs(ce)[0];
+    g.outputs = vec![(Role::Logits, logits)];
+    forward_passes(&mut g)?;
+    Ok(g)
+}
+
+/// The forward pass to each position's cross-entropy of its target, [B,
+/// T], output as `Role::TokenLosses`: the loss's one cross-entropy over the
+/// same logits and targets, without its smoothing or ignored targets (the
+/// log-probability of each target, negated) and not averaged. What a
+/// multiple-choice scorer sums over a completion's tokens. No dropout.
+pub fn token_losses_graph(c: &Compiled) -> Result<Graph, String> {
+    use crate::ir::graph::{Phase, Role};
+    use crate::ops::{CeRule, CrossEntropy, Op};
+    let (mut g, ce) = loss_cross_entropy(c)?;
+    let Op::CrossEntropy(x) = &g.g[ce].op else {
+        unreachable!("loss_cross_entropy returns a cross-entropy")
+    };
+    let plain = CrossEntropy {
+        classes: x.classes,
+        rule: CeRule::default(),
+    };
+    let ins = g.inputs(ce);
+    let span = g.g[ce].span;
+    let losses = g
+        .add(plain.into(), &[ins[0], ins[1]], span, Phase::Forward)
+        .map_err(|e| e.to_string())?[0];
+    g.outputs = vec![(Role::TokenLosses, losses)];
+    forward_passes(&mut g)?;
+    Ok(g)
+}
+
+/// The model graph and the one cross-entropy its loss is computed from.
+fn loss_cross_entropy(c: &Compiled) -> Result<(Graph, petgraph::stable_graph::NodeIndex), String> {
+    use crate::ir::graph::Role;
+    let g = c.model.graph.clone();
     let loss = g
         .outputs
         .iter()
@@ -343,19 +379,22 @@ pub fn logits_graph(c: &Compiled) -> Result<Graph, String> {
     }
     let [ce] = entropies[..] else {
         return Err(format!(
-            "the loss is computed from {} cross-entropies, and generation reads the logits of exactly one",
+            "the loss is computed from {} cross-entropies, and generation and scoring read the logits of exactly one",
             entropies.len()
         ));
     };
-    let logits = g.inputs(ce)[0];
-    g.outputs = vec![(Role::Logits, logits)];
-    crate::passes::remove_dropout(&mut g);
+    Ok((g, ce))
+}
+
+/// The training step's passes but `pad-dims`, after removing dropout.
+fn forward_passes(g: &mut Graph) -> Result<(), String> {
+    crate::passes::remove_dropout(g);
     let passes: Vec<_> = default_pipeline()
         .into_iter()
         .filter(|p| p.name() != "pad-dims")
         .collect();
-    run_pipeline(&mut g, &passes, |_, _| {}).map_err(|e| e.to_string())?;
-    Ok(g)
+    run_pipeline(g, &passes, |_, _| {}).map_err(|e| e.to_string())?;
+    Ok(())
 }
 
 /// The verifier guards the compiler's own invariants: a failure is a bug in

@@ -133,6 +133,8 @@ pub struct Executor {
     pub grad_norm: Option<usize>,
     /// The logits a decode step outputs.
     pub logits: Option<usize>,
+    /// The per-token losses a scoring step outputs.
+    pub token_losses: Option<usize>,
     pub arena_bytes: u64,
     /// The whole step captured once and replayed (see `capture`): with
     /// the collectives (index 1) and without (index 0, the micro-batches

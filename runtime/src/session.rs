@@ -390,10 +390,17 @@ impl Session {
 
     /// The logits of the finished step (a decode step's output).
     pub fn logits(&self) -> Result<Vec<f64>, RuntimeError> {
-        let b = self
-            .exec
-            .logits
-            .ok_or_else(|| RuntimeError::Unsupported("the step outputs no logits".into()))?;
+        self.read_out(self.exec.logits, "logits")
+    }
+
+    /// The per-token losses of the finished step (a scoring step's output).
+    pub fn token_losses(&self) -> Result<Vec<f64>, RuntimeError> {
+        self.read_out(self.exec.token_losses, "per-token losses")
+    }
+
+    fn read_out(&self, b: Option<usize>, what: &str) -> Result<Vec<f64>, RuntimeError> {
+        let b =
+            b.ok_or_else(|| RuntimeError::Unsupported(format!("the step outputs no {what}")))?;
         Ok(decode(self.exec.slots[b].dtype, &self.exec.read(b)?))
     }
 

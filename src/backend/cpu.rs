@@ -33,6 +33,8 @@ pub struct Cpu {
     last_grads: Vec<(String, Vec<f64>)>,
     /// The last step's logits, where it outputs them (`logits`).
     last_logits: Option<Vec<f64>>,
+    /// The last step's per-token losses, where it outputs them.
+    last_token_losses: Option<Vec<f64>>,
 }
 
 impl Cpu {
@@ -67,6 +69,7 @@ impl Cpu {
             group: 1,
             last_grads: Vec::new(),
             last_logits: None,
+            last_token_losses: None,
         })
     }
 }
@@ -173,6 +176,7 @@ impl Backend for Cpu {
             })
             .collect();
         self.last_logits = r.logits.map(|t| t.data);
+        self.last_token_losses = r.token_losses.map(|t| t.data);
         self.done = Some(StepStats {
             loss: r.loss,
             grad_norm: r.grad_norm,
@@ -181,6 +185,11 @@ impl Backend for Cpu {
     }
     fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
         Ok(self.last_grads.clone())
+    }
+    fn token_losses(&self) -> Result<Vec<f64>, RuntimeError> {
+        self.last_token_losses
+            .clone()
+            .ok_or_else(|| RuntimeError::Unsupported("the step outputs no per-token losses".into()))
     }
     fn logits(&self) -> Result<Vec<f64>, RuntimeError> {
         self.last_logits

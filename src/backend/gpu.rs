@@ -148,6 +148,9 @@ impl Backend for Gpu {
     fn logits(&self) -> Result<Vec<f64>, RuntimeError> {
         self.session.logits()
     }
+    fn token_losses(&self) -> Result<Vec<f64>, RuntimeError> {
+        self.session.token_losses()
+    }
     fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
         self.session.launch(lr, step)
     }

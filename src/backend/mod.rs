@@ -127,6 +127,13 @@ pub trait Backend {
             "this backend cannot read the step's logits".into(),
         ))
     }
+    /// The per-token losses of the step just finished (a scoring step's
+    /// output), [B, T] in row-major order.
+    fn token_losses(&self) -> Result<Vec<f64>, RuntimeError> {
+        Err(RuntimeError::Unsupported(
+            "this backend cannot read the step's per-token losses".into(),
+        ))
+    }
     /// One step; `step` counts from 1.
     fn step(&mut self, lr: f64, step: u64) -> Result<StepStats, RuntimeError> {
         self.launch(lr, step)?;

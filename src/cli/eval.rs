@@ -32,8 +32,17 @@ pub struct EvalArgs {
     pub name_map: Option<PathBuf>,
     /// The tokens: an llm.c shard (.bin), any other file as bytes, or text
     /// through --tokenizer
-    #[arg(long, value_name = "FILE")]
-    pub data: PathBuf,
+    #[arg(long, value_name = "FILE", required_unless_present = "choices")]
+    pub data: Option<PathBuf>,
+    /// Multiple-choice questions instead, one JSON line each:
+    /// {"context": ..., "endings": [...], "label": i}; reports accuracy
+    /// (each ending scored by the sum of its tokens' log-probabilities,
+    /// as HellaSwag is) and length-normalised accuracy
+    #[arg(long, value_name = "FILE.jsonl", conflicts_with_all = ["data", "max_batches"])]
+    pub choices: Option<PathBuf>,
+    /// With --choices: score the first N questions alone
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_questions: Option<u64>,
     /// Tokenize the text of --data with this Hugging Face tokenizer.json
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
@@ -132,6 +141,15 @@ fn load_weights(args: &EvalArgs, b: &mut dyn Backend) -> Result<(), CliError> {
 }
 
 pub fn run(args: &EvalArgs) -> Result<(), CliError> {
+    let data = match (&args.data, &args.choices) {
+        (_, Some(choices)) => return super::choices::run(args, choices),
+        (Some(data), None) => data,
+        (None, None) => {
+            return Err(CliError::usage(
+                "error: give --data FILE (tokens) or --choices FILE.jsonl (questions)",
+            ))
+        }
+    };
     let loaded = load(&args.model)?;
     let file = args.model.model.display().to_string();
     token_inputs(&loaded.compiled.model.graph, &file)?;
@@ -144,8 +162,8 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
             "internal error building the forward-only step: {e}\nthis is a bug in fusec; please report it with the model file"
         ))
     })?;
-    let tokens = super::tokenize::read_tokens(&args.data, args.tokenizer.as_deref())?;
-    let data = args.data.display();
+    let tokens = super::tokenize::read_tokens(data, args.tokenizer.as_deref())?;
+    let data = data.display();
     let limit = args.max_batches.map(|k| k as usize * b);
     let all = windows(&tokens, t, limit);
     if all.is_empty() {

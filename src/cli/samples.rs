@@ -28,7 +28,12 @@ pub struct SampleArgs {
     #[arg(long, value_name = "TEXT", requires = "sample_every")]
     pub sample_prompt: Option<String>,
     /// Tokens each sample adds
-    #[arg(long, value_name = "N", default_value_t = 32, requires = "sample_every")]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 32,
+        requires = "sample_every"
+    )]
     pub sample_tokens: usize,
 }
 
@@ -80,7 +85,9 @@ pub fn prepare(
     };
     let prompt = codec.encode(text)?;
     if prompt.is_empty() {
-        return Err(CliError::usage("error: --sample-prompt encodes to no tokens"));
+        return Err(CliError::usage(
+            "error: --sample-prompt encodes to no tokens",
+        ));
     }
     let file = loaded.path.display().to_string();
     let positions = prompt.len() + args.sample_tokens;
@@ -114,7 +121,10 @@ pub fn prepare(
     let step: Box<dyn Backend> = if cpu {
         Box::new(backend::Cpu::new(&step_graph, &dims, Precision::AsStored).map_err(runtime_err)?)
     } else {
-        let what = format!("{} (samples, decode step)", loaded.compiled.model.graph.name);
+        let what = format!(
+            "{} (samples, decode step)",
+            loaded.compiled.model.graph.name
+        );
         let source = Some((file.as_str(), loaded.source.as_str()));
         let (s, _) = start_graph(
             &step_graph,

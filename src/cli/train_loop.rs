@@ -451,11 +451,7 @@ impl StepLoop<'_> {
                 eprintln!("step {step:>5}/{last}  sample: {}", text.escape_debug());
             }
             if let Some(f) = &mut self.log {
-                let _ = writeln!(
-                    f,
-                    "{}",
-                    serde_json::json!({"step": step, "sample": text})
-                );
+                let _ = writeln!(f, "{}", serde_json::json!({"step": step, "sample": text}));
             }
         }
         Ok(())

@@ -16,6 +16,8 @@ pub struct StepResult {
     pub grads: Vec<(usize, Tensor)>,
     /// The logits a decode step outputs.
     pub logits: Option<Tensor>,
+    /// The per-token losses a scoring step outputs.
+    pub token_losses: Option<Tensor>,
 }
 
 /// Runs step number `step` (counting from 1) with learning rate `lr`.
@@ -45,6 +47,7 @@ pub fn train_step(
         grad_norm: None,
         grads: Vec::new(),
         logits: None,
+        token_losses: None,
     };
     for (role, v) in &g.outputs {
         let t = &vals[v];
@@ -60,6 +63,7 @@ pub fn train_step(
             }
             Role::Grad(i) => result.grads.push((*i, t.clone())),
             Role::Logits => result.logits = Some(t.clone()),
+            Role::TokenLosses => result.token_losses = Some(t.clone()),
         }
     }
     Ok(result)

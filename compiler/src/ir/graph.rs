@@ -114,6 +114,9 @@ pub enum Role {
     /// The logits the loss reads (`driver::logits_graph`: what generation
     /// samples the next token from).
     Logits,
+    /// Each position's cross-entropy of its target, [B, T]
+    /// (`driver::token_losses_graph`: what a multiple-choice scorer sums).
+    TokenLosses,
     Grad(usize),
     NewParam(usize),
     NewState(String),
@@ -125,6 +128,7 @@ impl std::fmt::Display for Role {
         match self {
             Role::Loss => write!(f, "loss"),
             Role::Logits => write!(f, "logits"),
+            Role::TokenLosses => write!(f, "token_losses"),
             Role::Grad(i) => write!(f, "grad[{i}]"),
             Role::NewParam(i) => write!(f, "param[{i}]"),
             Role::NewState(s) => write!(f, "state \"{s}\""),

@@ -109,6 +109,7 @@ pub fn plan_with(
         loss: output_buffer(g, p, &Role::Loss),
         grad_norm: output_buffer(g, p, &Role::GradNorm),
         logits: output_buffer(g, p, &Role::Logits),
+        token_losses: output_buffer(g, p, &Role::TokenLosses),
     };
     // Checked in every build: the check is linear in the buffers but for
     // the ones that overlap in the arena, and a clash would corrupt values

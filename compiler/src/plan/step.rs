@@ -227,6 +227,10 @@ pub struct Plan {
     /// step's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub logits: Option<usize>,
+    /// The buffer of the per-token losses, in a step that outputs them (a
+    /// scoring step's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_losses: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

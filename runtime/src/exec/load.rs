@@ -267,6 +267,7 @@ impl Executor {
             loss: plan.loss,
             grad_norm: plan.grad_norm,
             logits: plan.logits,
+            token_losses: plan.token_losses,
             arena_bytes: plan.arena_bytes,
             graphs: [None, None],
             ran: [false, false],

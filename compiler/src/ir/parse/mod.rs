@@ -354,6 +354,10 @@ impl Parser {
                     c.next()?;
                     Role::Logits
                 }
+                Some(Tok::Ident("token_losses")) => {
+                    c.next()?;
+                    Role::TokenLosses
+                }
                 Some(Tok::Ident(w @ ("grad" | "param"))) => {
                     c.next()?;
                     c.punct('[')?;
