@@ -35,6 +35,10 @@ pub struct SampleArgs {
         requires = "sample_every"
     )]
     pub sample_tokens: usize,
+    /// The tokenizer.json that encodes the prompt and decodes the samples
+    /// (default: --tokenizer; give it where --data is a token shard)
+    #[arg(long, value_name = "FILE", requires = "sample_every")]
+    pub sample_tokenizer: Option<std::path::PathBuf>,
 }
 
 pub struct Sampler {
@@ -79,7 +83,7 @@ pub fn prepare(
             "error: --sample-every with data parallelism is not built yet: sample from a checkpoint with fusec generate".to_string(),
         ));
     }
-    let codec = match tokenizer {
+    let codec = match args.sample_tokenizer.as_deref().or(tokenizer) {
         Some(t) => Codec::Tokenizer(Box::new(super::tokenize::load(t)?)),
         None => Codec::Bytes,
     };
