@@ -39,6 +39,10 @@
 #   tools/gpu_check.sh weights   Hugging Face GPT-2 and LLaMA weights through the shipped maps, fusec's
 #                                token ids beside the Python tokenizers package, validation on the GPU
 #                                beside the CPU reference (tools/import_check.py)
+#   tools/gpu_check.sh generate  fusec generate on the GPU against transformers (greedy ids, fp32), multiple-choice
+#                                scores against the CPU reference's, samples during training, then decoding
+#                                speed beside transformers' generate (tools/bench_generate.py; GEN_ARGS adds
+#                                its flags)
 #   tools/gpu_check.sh seeds     the seeds' jobs: BERT weights through hf-bert.json against transformers
 #                                (tools/hf_bert_check.py), BERT-large beside the Trainer
 #                                (hf_trainer_bert.py, bf16 B = 32) and its twin under torch.compile,
@@ -330,6 +334,22 @@ for mib in (147.24, 27.04):
 dist.destroy_process_group()
 PY
   timeout 200 "$TORCHRUN" --standalone --nproc_per_node $N /tmp/allreduce.py 2>&1 | grep all_reduce
+fi
+if [ "$what" = generate ] || [ "$what" = all ]; then
+  export FUSEC_BIN=$(cd "$BIN" && pwd)/fusec
+  for t in eval_cli generate_cli; do
+    [ -x "$BIN/$t" ] || { echo "missing $BIN/$t"; continue; }
+    run "$t"
+    FUSEC_REQUIRE_GPU=1 timeout "${TEST_TIMEOUT:-400}" "$BIN/$t" --nocapture --test-threads=1 > "$LOGS/$t.log" 2>&1
+    echo "exit $?"
+    grep -E "^test |test result|skip|greedy|panicked|error" "$LOGS/$t.log" | head -40
+  done
+  run "samples during training"
+  timeout 200 "$BIN/fusec" train dsl-examples/gpt2-small.dsl --set layers=2 --data dsl-examples/data/founding-texts.txt \
+    --batch 4 --seq 64 --steps 30 --sample-every 15 --sample-prompt "We hold " 2>&1 | grep -E "sample|error" | head
+  run "decoding speed beside transformers (tools/bench_generate.py)"
+  timeout 500 python3 tools/bench_generate.py --fusec "$BIN/fusec" --out "$LOGS/generate.jsonl" ${GEN_ARGS:-} 2>&1 \
+    | tee "$LOGS/bench-generate.log" | grep -v "^\s*$" | tail -20
 fi
 if [ "$what" = weights ] || [ "$what" = all ]; then
   run "pretrained weights, tokenizer and validation (tools/import_check.py)"

@@ -8,7 +8,7 @@ rm -rf out/device && mkdir -p out/device
 cp target/release/fusec out/device/
 # The runtime's own GPU tests, and those that drive it through the
 # backends (in the fusec package).
-for t in gemm_gpu:fusec-runtime flash_gpu:fusec-runtime step_gpu:fusec dp_gpu:fusec; do
+for t in gemm_gpu:fusec-runtime flash_gpu:fusec-runtime step_gpu:fusec dp_gpu:fusec eval_cli:fusec generate_cli:fusec; do
   # The test target's own executable (the package's binary is listed too).
   exe=$(cargo test --release -p "${t#*:}" --test "${t%%:*}" --no-run --message-format=json 2>/dev/null \
     | grep "\"name\":\"${t%%:*}\"" | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)
