@@ -191,9 +191,12 @@ impl Backend for Cpu {
             .clone()
             .ok_or_else(|| RuntimeError::Unsupported("the step outputs no per-token losses".into()))
     }
-    fn logits(&self) -> Result<Vec<f64>, RuntimeError> {
+    fn logits(&self) -> Result<Vec<f32>, RuntimeError> {
+        // The reference's values are rounded to their dtype as stored:
+        // f32 holds them exactly.
         self.last_logits
-            .clone()
+            .as_ref()
+            .map(|v| v.iter().map(|&x| x as f32).collect())
             .ok_or_else(|| RuntimeError::Unsupported("the step outputs no logits".into()))
     }
     fn finish(&mut self) -> Result<StepStats, RuntimeError> {

@@ -145,7 +145,7 @@ impl Backend for Gpu {
     fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
         self.session.gradients()
     }
-    fn logits(&self) -> Result<Vec<f64>, RuntimeError> {
+    fn logits(&self) -> Result<Vec<f32>, RuntimeError> {
         self.session.logits()
     }
     fn token_losses(&self) -> Result<Vec<f64>, RuntimeError> {

@@ -122,7 +122,7 @@ pub trait Backend {
     }
     /// The logits of the step just finished (a decode step's output), in
     /// row-major order.
-    fn logits(&self) -> Result<Vec<f64>, RuntimeError> {
+    fn logits(&self) -> Result<Vec<f32>, RuntimeError> {
         Err(RuntimeError::Unsupported(
             "this backend cannot read the step's logits".into(),
         ))

@@ -8,6 +8,7 @@ use super::CliError;
 use fusec::backend::Backend;
 use fusec_compiler::decode::POSITIONS_INPUT;
 use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
 
 /// Text to ids and back: a Hugging Face tokenizer, or UTF-8 bytes.
 pub enum Codec {
@@ -48,32 +49,42 @@ impl Sampling {
     /// The next token: the first most likely one (greedy), or one drawn
     /// from the softmax of `row / temperature` restricted to the `top_k`
     /// most likely and then to the fewest whose probabilities reach `top_p`.
-    pub fn pick(&self, row: &[f64], rng: &mut rand_chacha::ChaCha8Rng) -> u32 {
-        let first_max = |r: &[f64]| {
-            r.iter()
+    pub fn pick(&self, row: &[f32], rng: &mut rand_chacha::ChaCha8Rng) -> u32 {
+        if self.temperature <= 0.0 {
+            return row
+                .iter()
                 .enumerate()
-                .fold((0, f64::NEG_INFINITY), |best, (i, &x)| {
+                .fold((0, f32::NEG_INFINITY), |best, (i, &x)| {
                     if x > best.1 {
                         (i, x)
                     } else {
                         best
                     }
                 })
-                .0 as u32
-        };
-        if self.temperature <= 0.0 {
-            return first_max(row);
+                .0 as u32;
         }
+        // Most likely first, equal logits by id: a total order, so the
+        // draw is repeatable. Only what top-k and top-p need is sorted:
+        // the k best (selected first), or every id for top-p alone; with
+        // neither, every id in id order.
+        let by_rank = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
         let mut order: Vec<usize> = (0..row.len()).collect();
-        // Most likely first; equal logits by id, so the draw is repeatable.
-        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-        if let Some(k) = self.top_k {
-            order.truncate(k as usize);
+        match (self.top_k.map(|k| k as usize), self.top_p) {
+            (Some(k), _) if k < order.len() => {
+                order.select_nth_unstable_by(k - 1, by_rank);
+                order.truncate(k);
+                order.sort_unstable_by(by_rank);
+            }
+            (None, None) => {}
+            _ => order.sort_unstable_by(by_rank),
         }
-        let top = row[order[0]];
+        let top = order
+            .iter()
+            .map(|&i| row[i] as f64)
+            .fold(f64::NEG_INFINITY, f64::max);
         let mut probs: Vec<f64> = order
             .iter()
-            .map(|&i| ((row[i] - top) / self.temperature).exp())
+            .map(|&i| ((row[i] as f64 - top) / self.temperature).exp())
             .collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);
@@ -193,16 +204,22 @@ pub fn decode(
         let width = logits.len() / batch;
         let classes = limits.vocab.map_or(width, |v| v.min(width));
         timing.steps += 1;
-        for (b, r) in rows.iter_mut().enumerate() {
-            if r.done || pos + 1 < r.prompt.len() {
-                continue;
-            }
-            let row = &logits[b * width..b * width + classes];
-            let next = limits.sampling.pick(row, &mut r.rng);
-            r.made.push(next);
-            timing.made += 1;
-            r.done = r.made.len() >= limits.max_new || Some(next) == limits.eos;
-        }
+        // Each row picks from its own logits with its own generator: on
+        // every core, the same picks in any order.
+        timing.made += rows
+            .par_iter_mut()
+            .enumerate()
+            .map(|(b, r)| {
+                if r.done || pos + 1 < r.prompt.len() {
+                    return 0;
+                }
+                let row = &logits[b * width..b * width + classes];
+                let next = limits.sampling.pick(row, &mut r.rng);
+                r.made.push(next);
+                r.done = r.made.len() >= limits.max_new || Some(next) == limits.eos;
+                1
+            })
+            .sum::<usize>();
         shown(rows);
         pos += 1;
         debug_assert!(pos <= longest + limits.max_new);
@@ -220,7 +237,7 @@ mod tests {
     #[test]
     fn greedy_and_sampled_picks_keep_to_their_rules() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
-        let row = [0.5, 2.0, 2.0, -1.0, 1.9];
+        let row = [0.5f32, 2.0, 2.0, -1.0, 1.9];
         let greedy = Sampling {
             temperature: 0.0,
             top_k: None,
