@@ -467,3 +467,94 @@ fn samples_during_training_are_what_generate_makes_from_the_checkpoint() {
     assert_ne!(code, 0);
     assert!(err.contains("--sample-prompt"), "{err}");
 }
+
+/// The prefill (every prompt's first tokens in one step of T = the
+/// shortest prompt's length less one) writes the caches a token-a-step
+/// run writes: a 23-byte prompt alone (a prefill of 22) continues as it
+/// does beside a one-byte prompt (no prefill), on freshly drawn weights
+/// (whose picks depend on every position).
+#[test]
+fn a_prefill_gives_what_a_token_a_step_gives() {
+    let init = tmp("prefill-init.safetensors");
+    let model = [
+        "dsl-examples/gpt2-small.dsl",
+        "--set",
+        "vocab=256",
+        "--set",
+        "layers=2",
+        "--set",
+        "d=32",
+        "--set",
+        "n_heads=2",
+        "--set",
+        "ctx=64",
+        "--cpu",
+    ];
+    let mut a = vec!["train"];
+    a.extend(model);
+    a.extend([
+        "--data",
+        "dsl-examples/data/founding-texts.txt",
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--steps",
+        "1",
+        "--save-init",
+        init.to_str().unwrap(),
+    ]);
+    let (code, _, err) = fusec(&a);
+    assert_eq!(code, 0, "{err}");
+    // Weights of the same names and shapes drawn wider than the model's
+    // initialisers, so that the logits differ by more than rounding and
+    // the picks follow the context.
+    let bytes = std::fs::read(&init).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut named = st.tensors();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let drawn: Vec<(String, Vec<usize>, Vec<f32>)> = named
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, t))| {
+            let n = t.shape().iter().product();
+            (
+                name,
+                t.shape().to_vec(),
+                common::drawn_f32(n, 40 + i as u64),
+            )
+        })
+        .collect();
+    let tensors: Vec<(&str, Vec<usize>, &[f32])> = drawn
+        .iter()
+        .map(|(n, s, v)| (n.as_str(), s.clone(), v.as_slice()))
+        .collect();
+    common::write_safetensors(&init, &tensors);
+    let prompt = "Four score and seven ye";
+    let run = |lines: &[&str]| -> Vec<Vec<u32>> {
+        let file = tmp(&format!("prefill-{}.txt", lines.len()));
+        std::fs::write(&file, lines.join("\n")).unwrap();
+        let mut g = vec!["generate"];
+        g.extend(model);
+        g.extend([
+            "--weights",
+            init.to_str().unwrap(),
+            "--prompts",
+            file.to_str().unwrap(),
+            "--max-new-tokens",
+            "24",
+            "--json",
+        ]);
+        let (code, out, err) = fusec(&g);
+        assert_eq!(code, 0, "{err}");
+        out.trim().lines().map(ids).collect()
+    };
+    let alone = run(&[prompt]);
+    let beside = run(&[prompt, "W"]);
+    assert_eq!(alone[0], beside[0]);
+    // Not one token over and over: the picks follow the context.
+    let mut distinct = alone[0].clone();
+    distinct.sort();
+    distinct.dedup();
+    assert!(distinct.len() >= 2, "{:?}", alone[0]);
+}

@@ -190,6 +190,16 @@ pub fn decode_graph(logits: &Graph) -> Result<Graph, Failure> {
     Ok(g)
 }
 
+/// The prefill of a decode step: the same step without its logits, so
+/// that it only fills the caches (run at T = the prompt's length less one,
+/// its logits would be the prompt's every position, which nothing reads).
+pub fn prefill_graph(step: &Graph) -> Result<Graph, Failure> {
+    let mut g = step.clone();
+    g.outputs.retain(|(r, _)| matches!(r, Role::NewState(_)));
+    run_dce(&mut g)?;
+    Ok(g)
+}
+
 fn run_dce(g: &mut Graph) -> Result<(), Failure> {
     use crate::passes::Pass;
     crate::passes::Dce.run(g);

@@ -163,6 +163,28 @@ impl Backend for Gpu {
     fn as_gpu(&self) -> Option<&Gpu> {
         Some(self)
     }
+    fn copy_state_from(&mut self, other: &dyn Backend) -> Result<(), RuntimeError> {
+        // Device to device where both are sessions on this GPU.
+        let Some(src) = other.as_gpu() else {
+            for name in self.state_names() {
+                let v = other.get(&name)?;
+                self.set(&name, &v)?;
+            }
+            return Ok(());
+        };
+        let from = &src.session.exec;
+        let pairs: Vec<(usize, usize)> = self
+            .session
+            .exec
+            .state
+            .iter()
+            .filter_map(|(name, &dst)| from.state.get(name).map(|&s| (s, dst)))
+            .collect();
+        for (s, d) in pairs {
+            self.session.exec.copy_from(from, s, d)?;
+        }
+        Ok(())
+    }
     fn copy_params_from(&mut self, other: &dyn Backend) -> Result<(), RuntimeError> {
         // Device to device where both are sessions on this GPU.
         let Some(src) = other.as_gpu() else {

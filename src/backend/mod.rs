@@ -196,6 +196,15 @@ pub trait Backend {
     fn copy_params_from(&mut self, other: &dyn Backend) -> Result<(), RuntimeError> {
         copy_params_by_value(self, other)
     }
+    /// Takes every state's values from `other` (a decode step's key/value
+    /// caches from its prefill).
+    fn copy_state_from(&mut self, other: &dyn Backend) -> Result<(), RuntimeError> {
+        for name in self.state_names() {
+            let v = other.get(&name)?;
+            self.set(&name, &v)?;
+        }
+        Ok(())
+    }
     /// This backend as a GPU session, where it is one.
     fn as_gpu(&self) -> Option<&Gpu> {
         None

@@ -1,8 +1,10 @@
 //! The decode loop of `fusec generate`: a batch of continuations run
 //! through the decode step (`fusec_compiler::decode`) a position at a
 //! time, each row's key/value caches filling as it goes. Every row stands
-//! at the same position; a row still within its prompt is fed its prompt's
-//! next token (the prefill, a token a step), the others their last pick.
+//! at the same position. Where there is a prefill step (the decode step
+//! at T = m, without its logits), it writes the caches of every row's
+//! first m prompt tokens at once; after it, a row still within its prompt
+//! is fed its prompt's next token, the others their last pick.
 
 use super::CliError;
 use fusec::backend::Backend;
@@ -166,6 +168,7 @@ pub struct Timing {
 /// after each step with the rows (to stream a single one).
 pub fn decode(
     step: &mut dyn Backend,
+    prefill: Option<&mut Box<dyn Backend>>,
     batch: usize,
     rows: &mut [Row],
     limits: &Limits,
@@ -186,6 +189,26 @@ pub fn decode(
     let longest = rows.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
     let positioned = step.shapes().contains_key(POSITIONS_INPUT);
     let mut pos = 0;
+    if let Some(p) = prefill {
+        // Its T: fewer positions than any row's prompt holds.
+        let m = p.shapes().get("tokens").map_or(0, |s| s[1]);
+        let tokens: Vec<f64> = (0..batch)
+            .flat_map(|b| {
+                rows[b.min(rows.len() - 1)].prompt[..m]
+                    .iter()
+                    .map(|&t| t as f64)
+            })
+            .collect();
+        p.set("tokens", &tokens).map_err(err)?;
+        if positioned {
+            let at: Vec<f64> = (0..m).map(|i| i as f64).collect();
+            p.set(POSITIONS_INPUT, &at).map_err(err)?;
+        }
+        p.step(0.0, 1).map_err(err)?;
+        step.copy_state_from(p.as_ref()).map_err(err)?;
+        timing.steps += 1;
+        pos = m;
+    }
     while rows.iter().any(|r| !r.done) {
         let tokens: Vec<f64> = (0..batch)
             .map(|b| {

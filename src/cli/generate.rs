@@ -206,6 +206,21 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
         &backend::needed_params(backend.as_ref()),
     )?;
     backend::restore_params(backend.as_mut(), &ck).map_err(runtime_err)?;
+    // The prefill: every prompt's first m tokens at once, m one less than
+    // the shortest prompt (whose last token's logits pick the first new
+    // one). Not worth a step of its own for a prompt of two tokens.
+    let m = prompts.iter().map(Vec::len).min().unwrap_or(1) - 1;
+    let mut prefill = if m >= 2 {
+        let g = fusec_compiler::decode::prefill_graph(&step)
+            .map_err(|f| CliError::model(f.render(&file, &loaded.source)))?;
+        let mut at = dims.clone();
+        at.insert(dim::SEQ.to_string(), m as i64);
+        let mut p = open_step(args, &loaded, &g, &at)?;
+        p.copy_params_from(backend.as_ref()).map_err(runtime_err)?;
+        Some(p)
+    } else {
+        None
+    };
     let limits = Limits {
         max_new: args.max_new_tokens,
         eos,
@@ -226,20 +241,27 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
             print!("{shown}");
             let _ = std::io::stdout().flush();
         }
-        let t = decode(backend.as_mut(), batch, chunk, &limits, |rows| {
-            if stream {
-                let r = &rows[0];
-                let all: Vec<u32> = r.prompt.iter().chain(&r.made).copied().collect();
-                // The text so far, less what is already shown: a token
-                // may complete a character the last one began.
-                let text = codec.decode(&all);
-                if let Some(new) = text.strip_prefix(&shown) {
-                    print!("{new}");
-                    let _ = std::io::stdout().flush();
-                    shown = text;
+        let t = decode(
+            backend.as_mut(),
+            prefill.as_mut(),
+            batch,
+            chunk,
+            &limits,
+            |rows| {
+                if stream {
+                    let r = &rows[0];
+                    let all: Vec<u32> = r.prompt.iter().chain(&r.made).copied().collect();
+                    // The text so far, less what is already shown: a token
+                    // may complete a character the last one began.
+                    let text = codec.decode(&all);
+                    if let Some(new) = text.strip_prefix(&shown) {
+                        print!("{new}");
+                        let _ = std::io::stdout().flush();
+                        shown = text;
+                    }
                 }
-            }
-        })?;
+            },
+        )?;
         (made, seconds, steps) = (made + t.made, seconds + t.seconds, steps + t.steps);
         for r in chunk.iter() {
             if args.json {

@@ -59,7 +59,7 @@ impl Sampler {
     pub fn sample(&mut self, train: &dyn Backend) -> Result<String, CliError> {
         self.step.copy_params_from(train).map_err(runtime_err)?;
         let mut rows = [Row::new(self.prompt.clone(), 0, 0)];
-        decode(self.step.as_mut(), 1, &mut rows, &self.limits, |_| {})?;
+        decode(self.step.as_mut(), None, 1, &mut rows, &self.limits, |_| {})?;
         let all: Vec<u32> = self.prompt.iter().chain(&rows[0].made).copied().collect();
         Ok(self.codec.decode(&all))
     }
