@@ -14,8 +14,10 @@ same prompt in every row) by --new tokens, no end-of-text stop:
   decode loop, after the kernels are compiled and the step captured);
 - transformers, static cache + torch.compile(mode="reduce-overhead") of
   the forward pass (what its docs prescribe for fast decoding), after two
-  warm-up calls, the median of three timed `generate` calls;
-- transformers, eager with its default dynamic cache, the same way.
+  warm-up calls, the median of GEN_REPEATS (default 3) timed `generate`
+  calls;
+- transformers, eager with its default dynamic cache, after one warm-up
+  call, the same way.
 
 Tokens/s counts new tokens over every row. The ratio is fusec's tokens/s
 over the compiled transformers': above 1, fusec is faster. Prints a
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import time
 
+REPEATS = int(os.environ.get("GEN_REPEATS", "3"))
 PROMPT = [464, 2068, 7586, 21831, 18045, 625, 262, 16931]
 
 MODELS = {
@@ -65,13 +68,15 @@ def time_hf(model, batch, new, compiled):
     if compiled:
         kwargs["cache_implementation"] = "static"
     times = []
-    for i in range(5):
+    # Compiling takes the first two calls; eager needs one to warm up.
+    warm = 2 if compiled else 1
+    for i in range(warm + REPEATS):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(prompt, **kwargs)
         torch.cuda.synchronize()
-        if i >= 2:
+        if i >= warm:
             times.append(time.perf_counter() - t0)
     assert out.shape[1] == len(PROMPT) + new, out.shape
     return batch * new / statistics.median(times)
