@@ -812,36 +812,20 @@ train {
 
 /// The decode step's kernels (cache writes, attention over the caches,
 /// rope at the step's positions, the position table read at them) of
-/// GPT-2, LLaMA (4 query heads over 2 cache heads) and a twin at head dim
-/// 80 with 8 query heads a cache head (two blocks' share), at one new row
-/// and at three, against the interpreter.
+/// `common::decode_models` (GPT-2, LLaMA with 4 query heads over 2 cache
+/// heads, and heads of 80, 40 and 392 features with 8, 3 and 4 query
+/// heads a cache head), at one new row and at three, against the
+/// interpreter.
 #[test]
 fn decode_step_kernels_compute_what_the_interpreter_computes() {
     if !host::have_cxx() {
         return;
     }
     let work = host::work_dir("cuda-host-decode");
-    let tiny: std::collections::HashMap<_, _> = common::tiny_models()
-        .into_iter()
-        .map(|(f, sets, _)| (f, sets))
-        .collect();
-    let models = [
-        (
-            "dsl-examples/gpt2-small.dsl",
-            tiny["gpt2-small.dsl"].clone(),
-        ),
-        (
-            "dsl-examples/llama-small.dsl",
-            tiny["llama-small.dsl"].clone(),
-        ),
-        (
-            "tests/models/twins/gqa-hd80.dsl",
-            vec![("vocab", "61"), ("ffn", "37")],
-        ),
-    ];
     let mut checked = 0;
     let mut decode_ops = 0;
-    for (file, sets) in models {
+    for (file, sets) in common::decode_models() {
+        let file = file.as_str();
         let src = std::fs::read_to_string(common::root().join(file)).unwrap();
         let c = common::compile_with(&src, file, &sets);
         let whole = fusec_compiler::driver::logits_graph(&c).unwrap();
@@ -857,11 +841,14 @@ fn decode_step_kernels_compute_what_the_interpreter_computes() {
                 )
             })
             .count();
-        let stem = std::path::Path::new(file)
-            .file_stem()
-            .unwrap()
-            .to_string_lossy()
-            .to_string();
+        // Models of one file at other sizes get builds of their own.
+        let stem = format!(
+            "{}-{checked}",
+            std::path::Path::new(file)
+                .file_stem()
+                .unwrap()
+                .to_string_lossy()
+        );
         for t in [1, 3] {
             checked += check_graph(
                 &work,

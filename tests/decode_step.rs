@@ -3,11 +3,12 @@
 //! the logits of the whole sequence run at once. Checked on the CPU
 //! reference in f64 within 1e-12 relative: the cached attention sums the
 //! same terms in the same order as the whole sequence's, so only the
-//! rounding of f64 remains. Models: GPT-2 (a learned position table, read
-//! at the step's positions), LLaMA (rope at the step's positions, 4 query
-//! heads over 2 cache heads), and a twin at head dim 80 with 8 query heads
-//! a cache head (more than one block's share). What cannot be decoded
-//! is refused at its place in the model file.
+//! rounding of f64 remains. Models (`common::decode_models`): GPT-2 (a
+//! learned position table, read at the step's positions), LLaMA (rope at
+//! the step's positions, 4 query heads over 2 cache heads), and heads of
+//! 80, 40 and 392 features with 8, 3 and 4 query heads a cache head (more
+//! than one block's share for 8 and, at 392 features, for 4). What cannot
+//! be decoded is refused at its place in the model file.
 
 mod common;
 
@@ -19,28 +20,6 @@ use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::Graph;
 use fusec_compiler::ops::Op;
 use std::collections::HashMap;
-
-/// The language models decoded here: (file under the repository, --set).
-pub fn decode_models() -> Vec<(String, Vec<(&'static str, &'static str)>)> {
-    let tiny: HashMap<_, _> = common::tiny_models()
-        .into_iter()
-        .map(|(f, sets, _)| (f, sets))
-        .collect();
-    vec![
-        (
-            "dsl-examples/gpt2-small.dsl".into(),
-            tiny["gpt2-small.dsl"].clone(),
-        ),
-        (
-            "dsl-examples/llama-small.dsl".into(),
-            tiny["llama-small.dsl"].clone(),
-        ),
-        (
-            "tests/models/twins/gqa-hd80.dsl".into(),
-            vec![("vocab", "61"), ("ffn", "37")],
-        ),
-    ]
-}
 
 fn graphs(file: &str, sets: &[(&str, &str)]) -> (Graph, Graph) {
     let src = std::fs::read_to_string(common::root().join(file)).unwrap();
@@ -169,7 +148,7 @@ fn whole_and_decoded(
 
 #[test]
 fn decoding_a_few_positions_at_a_time_gives_the_whole_sequences_logits() {
-    for (file, sets) in decode_models() {
+    for (file, sets) in common::decode_models() {
         let (whole, step) = graphs(&file, &sets);
         let v = vocab(&whole);
         let (batch, len) = (2, 7);
@@ -212,7 +191,7 @@ fn decoding_a_few_positions_at_a_time_gives_the_whole_sequences_logits() {
 /// of the sequence is fed at position 0.
 #[test]
 fn a_step_at_the_wrong_positions_gives_other_logits() {
-    let (file, sets) = decode_models().remove(1);
+    let (file, sets) = common::decode_models().remove(1);
     let (whole, step) = graphs(&file, &sets);
     let tokens: Vec<f64> = (0..5).map(|i| (i * 5 + 1) as f64).collect();
     let (all, decoded) = whole_and_decoded(&whole, &step, 1, &tokens, &[5], 5);
@@ -292,6 +271,17 @@ fn what_cannot_be_decoded_is_refused_at_its_place() {
         e.contains("slice reads along the positions") && e.contains("model.dsl:9:"),
         "{e}"
     );
+    // Heads wider than the cached attention keeps in registers.
+    let wide = base(
+        "attention(heads(q, 1), heads(k, 1), heads(v, 1), causal = true)",
+        "pos[0:T]",
+    )
+    .replace("const d = 8", "const d = 1032");
+    let e = refusal(&wide);
+    assert!(
+        e.contains("heads of up to 1024 features") && e.contains("model.dsl:11:"),
+        "{e}"
+    );
     // The same model with its table read from 0 decodes.
     let src = base(causal, "pos[0:T]");
     let c = common::compile_with(&src, "model.dsl", &[]);
@@ -309,7 +299,7 @@ fn decode_steps_build_and_compile_with_nvrtc() {
     use fusec_compiler::target::Target;
     let nvrtc_on = common::nvrtc_ready();
     let mut seen = std::collections::HashSet::new();
-    for (file, sets) in decode_models() {
+    for (file, sets) in common::decode_models() {
         let (_, step) = graphs(&file, &sets);
         let program = fuse(&step);
         for (device, arch) in [("h100", "sm_90a"), ("rtx3090", "sm_86")] {

@@ -376,19 +376,15 @@ fn gpu_here() -> bool {
     present
 }
 
-/// `fusec train --sample-every 2` prints a greedy continuation after steps
-/// 2 and 4 (the last) and logs them; the last is what `fusec generate`
-/// makes from the checkpoint the run saves (the same decode step on the
-/// same weights, so the same ids). A run with no prompt is refused.
-#[test]
-fn samples_during_training_are_what_generate_makes_from_the_checkpoint() {
-    let (log, ck) = (tmp("samples.jsonl"), tmp("samples.safetensors"));
-    let model = [
+/// A small GPT-2 (`layers`, 64 positions) on the CPU reference: the model
+/// file and its options, as `train` and `generate` take them.
+fn small_gpt2_model(layers: &str) -> Vec<&str> {
+    vec![
         "dsl-examples/gpt2-small.dsl",
         "--set",
         "vocab=256",
         "--set",
-        "layers=1",
+        layers,
         "--set",
         "d=32",
         "--set",
@@ -396,9 +392,19 @@ fn samples_during_training_are_what_generate_makes_from_the_checkpoint() {
         "--set",
         "ctx=64",
         "--cpu",
-    ];
+    ]
+}
+
+/// `fusec train --sample-every 2` prints a greedy continuation after steps
+/// 2 and 4 (the last) and logs them; the last is what `fusec generate`
+/// makes from the checkpoint the run saves (the same decode step on the
+/// same weights, so the same ids). A run with no prompt is refused.
+#[test]
+fn samples_during_training_are_what_generate_makes_from_the_checkpoint() {
+    let (log, ck) = (tmp("samples.jsonl"), tmp("samples.safetensors"));
+    let model = small_gpt2_model("layers=1");
     let mut a = vec!["train"];
-    a.extend(model);
+    a.extend(&model);
     a.extend([
         "--data",
         "dsl-examples/data/founding-texts.txt",
@@ -439,7 +445,7 @@ fn samples_during_training_are_what_generate_makes_from_the_checkpoint() {
         .collect();
     assert_eq!(samples.len(), 2);
     let mut g = vec!["generate"];
-    g.extend(model);
+    g.extend(&model);
     g.extend([
         "--weights",
         ck.to_str().unwrap(),
@@ -456,7 +462,7 @@ fn samples_during_training_are_what_generate_makes_from_the_checkpoint() {
     assert_eq!(samples[1], format!("The {}", v["text"].as_str().unwrap()));
 
     let mut bad = vec!["train"];
-    bad.extend(model);
+    bad.extend(&model);
     bad.extend([
         "--data",
         "dsl-examples/data/founding-texts.txt",
@@ -476,22 +482,9 @@ fn samples_during_training_are_what_generate_makes_from_the_checkpoint() {
 #[test]
 fn a_prefill_gives_what_a_token_a_step_gives() {
     let init = tmp("prefill-init.safetensors");
-    let model = [
-        "dsl-examples/gpt2-small.dsl",
-        "--set",
-        "vocab=256",
-        "--set",
-        "layers=2",
-        "--set",
-        "d=32",
-        "--set",
-        "n_heads=2",
-        "--set",
-        "ctx=64",
-        "--cpu",
-    ];
+    let model = small_gpt2_model("layers=2");
     let mut a = vec!["train"];
-    a.extend(model);
+    a.extend(&model);
     a.extend([
         "--data",
         "dsl-examples/data/founding-texts.txt",
@@ -535,7 +528,7 @@ fn a_prefill_gives_what_a_token_a_step_gives() {
         let file = tmp(&format!("prefill-{}.txt", lines.len()));
         std::fs::write(&file, lines.join("\n")).unwrap();
         let mut g = vec!["generate"];
-        g.extend(model);
+        g.extend(&model);
         g.extend([
             "--weights",
             init.to_str().unwrap(),

@@ -29,6 +29,10 @@ use petgraph::Direction;
 
 /// The input holding each row's position (i32 [T]).
 pub const POSITIONS_INPUT: &str = "decode.positions";
+/// The widest head (keys' or values' features) a decode step takes: the
+/// cached attention's warps keep a head's features in registers and their
+/// partial sums in shared memory (emit/lower/decode.rs).
+pub const MAX_HEAD_DIM: i64 = 1024;
 /// The symbolic size of the caches: positions they hold.
 pub const CACHE_DIM: &str = "KV";
 
@@ -120,6 +124,20 @@ pub fn decode_graph(logits: &Graph) -> Result<Graph, Failure> {
                     ));
                 }
                 let (q, k, v) = (ins[0], ins[1], ins[2]);
+                let widest = [k, v]
+                    .iter()
+                    .map(|x| g.ty(*x).shape[3].as_const())
+                    .collect::<Option<Vec<_>>>()
+                    .and_then(|w| w.into_iter().max());
+                if widest.is_none_or(|w| w > MAX_HEAD_DIM) {
+                    return Err(refuse(
+                        &g,
+                        n,
+                        &format!("generation decodes heads of up to {MAX_HEAD_DIM} features"),
+                        "heads wider than that, or of no fixed size",
+                        "the cached attention keeps a head's features in a warp's registers; wider heads are not built",
+                    ));
+                }
                 if g.ty(k).shape[1] != Dim::symbol(dim::SEQ) || g.ty(q).shape[1] != Dim::symbol(dim::SEQ)
                 {
                     return Err(refuse(

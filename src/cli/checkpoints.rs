@@ -53,6 +53,17 @@ pub(super) fn load_weights(
     Ok(ck)
 }
 
+/// The weights of `path` (through the name map `map`) written into the
+/// parameters of `b`, checked to fit them first.
+pub(super) fn restore_weights(
+    b: &mut dyn Backend,
+    path: &std::path::Path,
+    map: Option<&std::path::Path>,
+) -> Result<(), CliError> {
+    let ck = load_weights(path, map, &backend::needed_params(b))?;
+    backend::restore_params(b, &ck).map_err(runtime_err)
+}
+
 /// A checkpoint or weights file, checked to hold `needed` by name and shape;
 /// a problem is exit status 3 with the file and the tensor named.
 pub(super) fn load_checked(

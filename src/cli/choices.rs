@@ -12,10 +12,8 @@
 
 use super::decoding::Codec;
 use super::eval::EvalArgs;
-use super::open::{runtime_err, start_graph};
+use super::open::runtime_err;
 use super::CliError;
-use fusec::backend::{self, Backend, GpuOptions};
-use fusec_compiler::interp::Precision;
 use fusec_compiler::ir::dim;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -98,7 +96,13 @@ fn read_questions(
         });
     }
     if out.is_empty() {
-        return Err(bad(0, "no questions".into()));
+        return Err(CliError {
+            message: format!(
+                "error: --choices {} holds no questions (one JSON line each: {{\"context\": ..., \"endings\": [...], \"label\": i}})",
+                path.display()
+            ),
+            code: 3,
+        });
     }
     Ok(out)
 }
@@ -174,27 +178,8 @@ pub fn run(args: &EvalArgs, path: &Path) -> Result<(), CliError> {
     }
     let g = fusec_compiler::driver::token_losses_graph(&loaded.compiled)
         .map_err(|e| CliError::usage(format!("error: {file}: {e}")))?;
-    let mut step: Box<dyn Backend> = if args.cpu {
-        Box::new(backend::Cpu::new(&g, &dims, Precision::AsStored).map_err(runtime_err)?)
-    } else {
-        let what = format!("{} (scoring)", loaded.compiled.model.graph.name);
-        let (s, _) = start_graph(
-            &g,
-            &loaded.compiled.options.lower,
-            &what,
-            &dims,
-            fusec_runtime::device::Opening::here(args.gpu),
-            GpuOptions::default(),
-            Some((file.as_str(), loaded.source.as_str())),
-        )?;
-        Box::new(s)
-    };
-    let ck = super::checkpoints::load_weights(
-        &args.weights,
-        args.name_map.as_deref(),
-        &backend::needed_params(step.as_ref()),
-    )?;
-    backend::restore_params(step.as_mut(), &ck).map_err(runtime_err)?;
+    let mut step = super::open::open_step(&g, &loaded, "scoring", &dims, args.cpu, args.gpu)?;
+    super::checkpoints::restore_weights(step.as_mut(), &args.weights, args.name_map.as_deref())?;
     let bar = indicatif::ProgressBar::new(questions.len() as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("scoring {pos}/{len} questions {wide_bar} {eta}")

@@ -6,11 +6,15 @@
 //! first m prompt tokens at once; after it, a row still within its prompt
 //! is fed its prompt's next token, the others their last pick.
 
+use super::common::Loaded;
 use super::CliError;
 use fusec::backend::Backend;
-use fusec_compiler::decode::POSITIONS_INPUT;
+use fusec_compiler::decode::{decode_graph, POSITIONS_INPUT};
+use fusec_compiler::ir::{dim, Graph};
+use fusec_compiler::ops::Op;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
+use std::collections::BTreeMap;
 
 /// Text to ids and back: a Hugging Face tokenizer, or UTF-8 bytes.
 pub enum Codec {
@@ -37,6 +41,83 @@ impl Codec {
             }
         }
     }
+}
+
+/// The model reads token ids as `tokens` (i32 `[B, T]`); any other input
+/// the decode step keeps is fed zeros (a training target the logits do
+/// not read).
+fn check_inputs(g: &Graph, file: &str) -> Result<(), CliError> {
+    let tokens = g.g.node_indices().any(|n| {
+        matches!(&g.g[n].op, Op::Input(i) if i.name == "tokens"
+            && i.ty.to_string() == format!("i32[{}, {}]", dim::BATCH, dim::SEQ))
+    });
+    if !tokens {
+        return Err(CliError::usage(format!(
+            "error: fusec generate feeds token ids to a language model's `tokens` (i32[B, T], as dsl-examples/gpt2-small.dsl declares it); {file} has none"
+        )));
+    }
+    Ok(())
+}
+
+/// A model made ready to continue prompts: its decode step, the positions
+/// the longest prompt and its new tokens take, and its vocabulary.
+pub struct Prepared {
+    pub step: Graph,
+    pub positions: usize,
+    pub vocab: Option<usize>,
+}
+
+/// The decode step of `loaded`, checked to continue `prompts` (`ids_in`
+/// names them in messages) by `new` tokens each (`positions_of` names the
+/// sum): the model reads `tokens`, has the positions, and knows every
+/// prompt id and every id the tokenizer can give.
+pub fn prepare(
+    loaded: &Loaded,
+    codec: &Codec,
+    prompts: &[Vec<u32>],
+    new: usize,
+    ids_in: &str,
+    positions_of: &str,
+) -> Result<Prepared, CliError> {
+    let file = loaded.path.display().to_string();
+    let whole = fusec_compiler::driver::logits_graph(&loaded.compiled)
+        .map_err(|e| CliError::usage(format!("error: {file}: {e}")))?;
+    check_inputs(&whole, &file)?;
+    let step =
+        decode_graph(&whole).map_err(|f| CliError::model(f.render(&file, &loaded.source)))?;
+    let positions = prompts.iter().map(Vec::len).max().unwrap_or(0) + new;
+    let sizes = BTreeMap::from([
+        (dim::BATCH.to_string(), 1i64),
+        (dim::SEQ.to_string(), positions as i64),
+    ]);
+    super::common::check_sizes(loaded, &sizes).map_err(|e| {
+        CliError::usage(format!(
+            "error: {positions_of} make {positions} positions, which the model cannot take:\n{}",
+            e.message
+        ))
+    })?;
+    let vocab = super::feed::token_bound(&loaded.compiled.optimized, &sizes);
+    if let (Some(v), Codec::Tokenizer(t)) = (vocab, codec) {
+        let n = t.get_vocab_size(true);
+        if n > v as usize {
+            return Err(CliError::usage(format!(
+                "error: the tokenizer has {n} ids and the model's vocabulary {v}: it is not the tokenizer the model was trained with"
+            )));
+        }
+    }
+    if let Some(v) = vocab {
+        if let Some(&bad) = prompts.iter().flatten().find(|&&x| x >= v) {
+            return Err(CliError::usage(format!(
+                "error: {ids_in} holds token id {bad}, and the model's vocabulary has {v} ids (0 to {})",
+                v - 1
+            )));
+        }
+    }
+    Ok(Prepared {
+        step,
+        positions,
+        vocab: vocab.map(|v| v as usize),
+    })
 }
 
 /// How the next token is chosen from a row of logits.

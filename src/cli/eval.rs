@@ -8,11 +8,10 @@
 //! cross-entropy over its B x T targets) weighted by its rows.
 
 use super::common::{load, ModelArgs, SizeArgs};
-use super::open::{runtime_err, start_graph};
+use super::open::runtime_err;
 use super::CliError;
 use clap::Args;
-use fusec::backend::{self, Backend, GpuOptions};
-use fusec_compiler::interp::Precision;
+use fusec::backend::Backend;
 use fusec_compiler::ir::{dim, Graph};
 use fusec_compiler::ops::Op;
 use std::collections::BTreeMap;
@@ -112,32 +111,12 @@ fn open_step(
     forward: &Graph,
     dims: &BTreeMap<String, i64>,
 ) -> Result<Box<dyn Backend>, CliError> {
-    if args.cpu {
-        let cpu = backend::Cpu::new(forward, dims, Precision::AsStored).map_err(runtime_err)?;
-        return Ok(Box::new(cpu));
-    }
-    let what = format!("{} (forward only)", loaded.compiled.model.graph.name);
-    let path = loaded.path.display().to_string();
-    let (s, _) = start_graph(
-        forward,
-        &loaded.compiled.options.lower,
-        &what,
-        dims,
-        fusec_runtime::device::Opening::here(args.gpu),
-        GpuOptions::default(),
-        Some((path.as_str(), loaded.source.as_str())),
-    )?;
-    Ok(Box::new(s))
+    super::open::open_step(forward, loaded, "forward only", dims, args.cpu, args.gpu)
 }
 
 /// Writes the weights of `args.weights` (through `--name-map`) into `b`.
 fn load_weights(args: &EvalArgs, b: &mut dyn Backend) -> Result<(), CliError> {
-    let ck = super::checkpoints::load_weights(
-        &args.weights,
-        args.name_map.as_deref(),
-        &backend::needed_params(b),
-    )?;
-    backend::restore_params(b, &ck).map_err(runtime_err)
+    super::checkpoints::restore_weights(b, &args.weights, args.name_map.as_deref())
 }
 
 pub fn run(args: &EvalArgs) -> Result<(), CliError> {

@@ -9,15 +9,13 @@
 //! (`decoding`).
 
 use super::common::{load, Loaded, ModelArgs};
-use super::decoding::{decode, Codec, Limits, Row, Sampling};
-use super::open::{runtime_err, start_graph};
+use super::decoding::{decode, prepare, Codec, Limits, Prepared, Row, Sampling};
+use super::open::runtime_err;
 use super::CliError;
 use clap::Args;
-use fusec::backend::{self, Backend, GpuOptions};
-use fusec_compiler::decode::{decode_graph, CACHE_DIM};
-use fusec_compiler::interp::Precision;
+use fusec::backend::Backend;
+use fusec_compiler::decode::CACHE_DIM;
 use fusec_compiler::ir::{dim, Graph};
-use fusec_compiler::ops::Op;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
@@ -91,45 +89,14 @@ pub struct GenerateArgs {
     pub gpu: usize,
 }
 
-/// The model reads token ids as `tokens` (i32 `[B, T]`); any other input
-/// the decode step keeps is fed zeros (a training target the logits do
-/// not read).
-fn check_inputs(g: &Graph, file: &str) -> Result<(), CliError> {
-    let tokens = g.g.node_indices().any(|n| {
-        matches!(&g.g[n].op, Op::Input(i) if i.name == "tokens"
-            && i.ty.to_string() == format!("i32[{}, {}]", dim::BATCH, dim::SEQ))
-    });
-    if !tokens {
-        return Err(CliError::usage(format!(
-            "error: fusec generate feeds token ids to a language model's `tokens` (i32[B, T], as dsl-examples/gpt2-small.dsl declares it); {file} has none"
-        )));
-    }
-    Ok(())
-}
-
-/// The decode step at `dims`, on the CPU reference or a GPU.
+/// The decode step (or its prefill) at `dims`, on the CPU reference or a GPU.
 fn open_step(
     args: &GenerateArgs,
     loaded: &Loaded,
     step: &Graph,
     dims: &BTreeMap<String, i64>,
 ) -> Result<Box<dyn Backend>, CliError> {
-    if args.cpu {
-        let cpu = backend::Cpu::new(step, dims, Precision::AsStored).map_err(runtime_err)?;
-        return Ok(Box::new(cpu));
-    }
-    let what = format!("{} (decode step)", loaded.compiled.model.graph.name);
-    let path = loaded.path.display().to_string();
-    let (s, _) = start_graph(
-        step,
-        &loaded.compiled.options.lower,
-        &what,
-        dims,
-        fusec_runtime::device::Opening::here(args.gpu),
-        GpuOptions::default(),
-        Some((path.as_str(), loaded.source.as_str())),
-    )?;
-    Ok(Box::new(s))
+    super::open::open_step(step, loaded, "decode step", dims, args.cpu, args.gpu)
 }
 
 pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
@@ -143,46 +110,26 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
     }
     let loaded = load(&args.model)?;
     let file = args.model.model.display().to_string();
-    let whole = fusec_compiler::driver::logits_graph(&loaded.compiled)
-        .map_err(|e| CliError::usage(format!("error: {file}: {e}")))?;
-    check_inputs(&whole, &file)?;
-    let step =
-        decode_graph(&whole).map_err(|f| CliError::model(f.render(&file, &loaded.source)))?;
     let codec = match &args.tokenizer {
         Some(t) => Codec::Tokenizer(Box::new(super::tokenize::load(t)?)),
         None => Codec::Bytes,
     };
     let prompts = read_prompts(args, &codec)?;
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) + args.max_new_tokens;
-    let sizes = |t: usize| {
-        BTreeMap::from([
-            (dim::BATCH.to_string(), 1i64),
-            (dim::SEQ.to_string(), t as i64),
-        ])
-    };
-    super::common::check_sizes(&loaded, &sizes(longest)).map_err(|e| {
-        CliError::usage(format!(
-            "error: the longest prompt and --max-new-tokens {} make {longest} positions, which the model cannot take:\n{}",
-            args.max_new_tokens, e.message
-        ))
-    })?;
-    let vocab = super::feed::token_bound(&loaded.compiled.optimized, &sizes(longest));
-    if let (Some(v), Codec::Tokenizer(t)) = (vocab, &codec) {
-        let n = t.get_vocab_size(true);
-        if n > v as usize {
-            return Err(CliError::usage(format!(
-                "error: the tokenizer has {n} ids and the model's vocabulary {v}: it is not the tokenizer the model was trained with"
-            )));
-        }
-    }
-    if let Some(v) = vocab {
-        if let Some(&bad) = prompts.iter().flatten().find(|&&x| x >= v) {
-            return Err(CliError::usage(format!(
-                "error: the prompt holds token id {bad}, and the model's vocabulary has {v} ids (0 to {})",
-                v - 1
-            )));
-        }
-    }
+    let Prepared {
+        step,
+        positions: longest,
+        vocab,
+    } = prepare(
+        &loaded,
+        &codec,
+        &prompts,
+        args.max_new_tokens,
+        "the prompt",
+        &format!(
+            "the longest prompt and --max-new-tokens {}",
+            args.max_new_tokens
+        ),
+    )?;
     let eos = args.eos_id.or(match &codec {
         Codec::Tokenizer(t) => t.token_to_id("<|endoftext|>"),
         Codec::Bytes => None,
@@ -200,12 +147,7 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
         (CACHE_DIM.to_string(), longest as i64),
     ]);
     let mut backend = open_step(args, &loaded, &step, &dims)?;
-    let ck = super::checkpoints::load_weights(
-        &args.weights,
-        args.name_map.as_deref(),
-        &backend::needed_params(backend.as_ref()),
-    )?;
-    backend::restore_params(backend.as_mut(), &ck).map_err(runtime_err)?;
+    super::checkpoints::restore_weights(backend.as_mut(), &args.weights, args.name_map.as_deref())?;
     // The prefill: every prompt's first m tokens at once, m one less than
     // the shortest prompt (whose last token's logits pick the first new
     // one). Not worth a step of its own for a prompt of two tokens.
@@ -229,7 +171,7 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
             top_k: args.top_k,
             top_p: args.top_p,
         },
-        vocab: vocab.map(|v| v as usize),
+        vocab,
     };
     let (mut made, mut seconds, mut steps) = (0, 0.0, 0);
     for chunk in rows.chunks_mut(batch) {

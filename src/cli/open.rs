@@ -36,6 +36,35 @@ pub(super) fn start(
     )
 }
 
+/// A step of the model other than training's (`what` names it: "forward
+/// only", "decode step", ...), on the CPU reference or on GPU `gpu`.
+pub(super) fn open_step(
+    g: &fusec_compiler::ir::Graph,
+    loaded: &Loaded,
+    what: &str,
+    dims: &BTreeMap<String, i64>,
+    cpu: bool,
+    gpu: usize,
+) -> Result<Box<dyn fusec::backend::Backend>, CliError> {
+    if cpu {
+        let precision = fusec_compiler::interp::Precision::AsStored;
+        let cpu = fusec::backend::Cpu::new(g, dims, precision).map_err(runtime_err)?;
+        return Ok(Box::new(cpu));
+    }
+    let what = format!("{} ({what})", loaded.compiled.model.graph.name);
+    let path = loaded.path.display().to_string();
+    let (s, _) = start_graph(
+        g,
+        &loaded.compiled.options.lower,
+        &what,
+        dims,
+        device::Opening::here(gpu),
+        GpuOptions::default(),
+        Some((path.as_str(), loaded.source.as_str())),
+    )?;
+    Ok(Box::new(s))
+}
+
 /// [`start`] for any graph of the model (`what` names it in the messages).
 pub(super) fn start_graph(
     g: &fusec_compiler::ir::Graph,

@@ -7,13 +7,12 @@
 //! on a GPU) before each sample.
 
 use super::common::Loaded;
-use super::decoding::{decode, Codec, Limits, Row, Sampling};
-use super::open::{runtime_err, start_graph};
+use super::decoding::{decode, Codec, Limits, Prepared, Row, Sampling};
+use super::open::runtime_err;
 use super::CliError;
 use clap::Args;
-use fusec::backend::{self, Backend, GpuOptions};
-use fusec_compiler::decode::{decode_graph, CACHE_DIM};
-use fusec_compiler::interp::Precision;
+use fusec::backend::Backend;
+use fusec_compiler::decode::CACHE_DIM;
 use fusec_compiler::ir::dim;
 use std::collections::BTreeMap;
 
@@ -93,54 +92,25 @@ pub fn prepare(
             "error: --sample-prompt encodes to no tokens",
         ));
     }
-    let file = loaded.path.display().to_string();
-    let positions = prompt.len() + args.sample_tokens;
-    let sizes = BTreeMap::from([
-        (dim::BATCH.to_string(), 1i64),
-        (dim::SEQ.to_string(), positions as i64),
-    ]);
-    super::common::check_sizes(loaded, &sizes).map_err(|e| {
-        CliError::usage(format!(
-            "error: --sample-prompt and --sample-tokens {} make {positions} positions, which the model cannot take:\n{}",
-            args.sample_tokens, e.message
-        ))
-    })?;
-    let vocab = super::feed::token_bound(&loaded.compiled.optimized, &sizes);
-    if let Some(v) = vocab {
-        if let Some(&bad) = prompt.iter().find(|&&x| x >= v) {
-            return Err(CliError::usage(format!(
-                "error: --sample-prompt holds token id {bad}, and the model's vocabulary has {v} ids"
-            )));
-        }
-    }
-    let whole = fusec_compiler::driver::logits_graph(&loaded.compiled)
-        .map_err(|e| CliError::usage(format!("error: --sample-every: {file}: {e}")))?;
-    let step_graph =
-        decode_graph(&whole).map_err(|f| CliError::model(f.render(&file, &loaded.source)))?;
+    let Prepared {
+        step: step_graph,
+        positions,
+        vocab,
+    } = super::decoding::prepare(
+        loaded,
+        &codec,
+        std::slice::from_ref(&prompt),
+        args.sample_tokens,
+        "--sample-prompt",
+        &format!("--sample-prompt and --sample-tokens {}", args.sample_tokens),
+    )?;
     let dims = BTreeMap::from([
         (dim::BATCH.to_string(), 1i64),
         (dim::SEQ.to_string(), 1),
         (CACHE_DIM.to_string(), positions as i64),
     ]);
-    let step: Box<dyn Backend> = if cpu {
-        Box::new(backend::Cpu::new(&step_graph, &dims, Precision::AsStored).map_err(runtime_err)?)
-    } else {
-        let what = format!(
-            "{} (samples, decode step)",
-            loaded.compiled.model.graph.name
-        );
-        let source = Some((file.as_str(), loaded.source.as_str()));
-        let (s, _) = start_graph(
-            &step_graph,
-            &loaded.compiled.options.lower,
-            &what,
-            &dims,
-            fusec_runtime::device::Opening::here(gpu),
-            GpuOptions::default(),
-            source,
-        )?;
-        Box::new(s)
-    };
+    let step =
+        super::open::open_step(&step_graph, loaded, "samples, decode step", &dims, cpu, gpu)?;
     let eos = match &codec {
         Codec::Tokenizer(t) => t.token_to_id("<|endoftext|>"),
         Codec::Bytes => None,
@@ -157,7 +127,7 @@ pub fn prepare(
                 top_k: None,
                 top_p: None,
             },
-            vocab: vocab.map(|v| v as usize),
+            vocab,
         },
         every,
     }))

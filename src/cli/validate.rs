@@ -6,12 +6,10 @@
 //! GPU).
 
 use super::common::Loaded;
-use super::open::{runtime_err, start_graph};
+use super::open::runtime_err;
 use super::CliError;
 use clap::Args;
-use fusec::backend::GpuOptions;
-use fusec::backend::{self, Backend};
-use fusec_compiler::interp::Precision;
+use fusec::backend::Backend;
 use fusec_runtime::data::Batches;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -104,26 +102,8 @@ pub fn prepare(
             (f(batch.inputs), f(batch.targets))
         })
         .collect();
-    let step: Box<dyn Backend> = if cpu {
-        Box::new(backend::Cpu::new(&forward, dims, Precision::AsStored).map_err(runtime_err)?)
-    } else {
-        let what = format!(
-            "{} (validation, forward only)",
-            loaded.compiled.model.graph.name
-        );
-        let path = loaded.path.display().to_string();
-        let source = Some((path.as_str(), loaded.source.as_str()));
-        let (s, _) = start_graph(
-            &forward,
-            &loaded.compiled.options.lower,
-            &what,
-            dims,
-            fusec_runtime::device::Opening::here(gpu),
-            GpuOptions::default(),
-            source,
-        )?;
-        Box::new(s)
-    };
+    let step =
+        super::open::open_step(&forward, loaded, "validation, forward only", dims, cpu, gpu)?;
     Ok(Some(Validation {
         step,
         batches,

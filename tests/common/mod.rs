@@ -239,3 +239,50 @@ pub fn hf_reference(
     );
     serde_json::from_str(stdout.trim().lines().last()?).ok()
 }
+
+#[allow(dead_code)]
+/// The language models decoded here: (file under the repository, --set).
+/// Beside the shipped shapes: heads of 40 features, 3 query heads a
+/// cache head and a vocabulary of 61; and heads of 392 features, 4 query
+/// heads a cache head (13 features a lane, so a block takes 3 of them and
+/// the fourth goes to a second block).
+pub fn decode_models() -> Vec<(String, Vec<(&'static str, &'static str)>)> {
+    let tiny: HashMap<_, _> = tiny_models()
+        .into_iter()
+        .map(|(f, sets, _)| (f, sets))
+        .collect();
+    vec![
+        (
+            "dsl-examples/gpt2-small.dsl".into(),
+            tiny["gpt2-small.dsl"].clone(),
+        ),
+        (
+            "dsl-examples/llama-small.dsl".into(),
+            tiny["llama-small.dsl"].clone(),
+        ),
+        (
+            "tests/models/twins/gqa-hd80.dsl".into(),
+            vec![("vocab", "61"), ("ffn", "37")],
+        ),
+        (
+            "dsl-examples/llama-small.dsl".into(),
+            vec![
+                ("vocab", "61"),
+                ("d", "240"),
+                ("n_heads", "6"),
+                ("n_kv_heads", "2"),
+                ("ffn", "37"),
+                ("layers", "1"),
+            ],
+        ),
+        (
+            "tests/models/twins/gqa-hd80.dsl".into(),
+            vec![
+                ("vocab", "61"),
+                ("ffn", "37"),
+                ("head_dim", "392"),
+                ("n_heads", "4"),
+            ],
+        ),
+    ]
+}

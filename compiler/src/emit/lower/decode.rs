@@ -76,11 +76,27 @@ fn feats(d: i64, dv: i64) -> i64 {
     (d.max(dv) + 31) / 32
 }
 
+/// Query heads a block takes: up to DECODE_HEADS of a group, fewer where
+/// the warps' partial accumulators (`BLOCK / 32` warps x heads x 32 x
+/// feats floats, 1 KiB a head and feature) would pass 46 KiB of the 48
+/// KiB of static shared memory a block may declare.
+fn heads_per_block(group: i64, feats: i64) -> i64 {
+    group.min(DECODE_HEADS).min(46 / feats.max(1)).max(1)
+}
+
+/// The group size, features a lane and heads a block of a cached attention.
+fn layout(g: &Graph, n: NodeIndex) -> Option<(i64, i64, i64)> {
+    let [_, _, _, hq, hkv, d, dv] = sizes(g, n);
+    let group = hq.as_const()? / hkv.as_const().filter(|&h| h > 0)?;
+    let feats = feats(d.as_const()?, dv.as_const()?);
+    Some((group, feats, heads_per_block(group, feats)))
+}
+
 impl Lower for CachedAttention {
     fn shape(&self, g: &Graph, n: NodeIndex) -> Option<Shape> {
-        let [b, s, _, hq, hkv, _, _] = sizes(g, n);
-        let group = hq.as_const()? / hkv.as_const().filter(|&h| h > 0)?;
-        let chunks = Dim::constant((group + DECODE_HEADS - 1) / DECODE_HEADS);
+        let [b, s, _, _, hkv, _, _] = sizes(g, n);
+        let (group, _, heads) = layout(g, n)?;
+        let chunks = Dim::constant((group + heads - 1) / heads);
         Some(Shape::Rows(
             b.checked_mul(&s)?.checked_mul(&hkv)?.checked_mul(&chunks)?,
         ))
@@ -90,9 +106,7 @@ impl Lower for CachedAttention {
     }
     fn kernel_body(&self, g: &Graph, c: &Ctx, n: NodeIndex) -> Option<String> {
         let [b, s, cache, hq, hkv, d, dv] = sizes(g, n);
-        let group = hq.as_const()? / hkv.as_const().filter(|&h| h > 0)?;
-        let heads = group.min(DECODE_HEADS);
-        let feats = feats(d.as_const()?, dv.as_const()?);
+        let (group, feats, heads) = layout(g, n)?;
         let e = element(Access::input(g, c, n, 0).dt);
         let mut out = String::new();
         let _ = writeln!(
