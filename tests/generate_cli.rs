@@ -401,15 +401,47 @@ fn small_gpt2_model(layers: &str) -> Vec<&str> {
 /// same weights, so the same ids). A run with no prompt is refused.
 #[test]
 fn samples_during_training_are_what_generate_makes_from_the_checkpoint() {
-    let (log, ck) = (tmp("samples.jsonl"), tmp("samples.safetensors"));
+    samples_against_generate("samples", &["--batch", "2"]);
+    let mut bad = vec!["train"];
+    bad.extend(small_gpt2_model("layers=1"));
+    bad.extend([
+        "--data",
+        "dsl-examples/data/founding-texts.txt",
+        "--sample-every",
+        "2",
+    ]);
+    let (code, _, err) = fusec(&bad);
+    assert_ne!(code, 0);
+    assert!(err.contains("--sample-prompt"), "{err}");
+}
+
+/// With data parallelism (two ranks of one row), rank 0's process samples
+/// with the weights the ranks hold: at ZeRO stage 1 (each rank's compute
+/// copy) and at stage 3 (the weights in pieces, read whole as a checkpoint
+/// reads them).
+#[test]
+fn data_parallel_samples_are_what_generate_makes_from_the_checkpoint() {
+    samples_against_generate("samples-dp", &["--batch", "1", "--gpus", "2"]);
+    samples_against_generate(
+        "samples-dp-z3",
+        &["--batch", "1", "--gpus", "2", "--zero", "3"],
+    );
+}
+
+/// A 4-step run with `batch` sampling after steps 2 and 4; its last sample
+/// against `fusec generate` from its checkpoint.
+fn samples_against_generate(name: &str, batch: &[&str]) {
+    let (log, ck) = (
+        tmp(&format!("{name}.jsonl")),
+        tmp(&format!("{name}.safetensors")),
+    );
     let model = small_gpt2_model("layers=1");
     let mut a = vec!["train"];
     a.extend(&model);
+    a.extend(batch);
     a.extend([
         "--data",
         "dsl-examples/data/founding-texts.txt",
-        "--batch",
-        "2",
         "--seq",
         "16",
         "--steps",
@@ -460,18 +492,6 @@ fn samples_during_training_are_what_generate_makes_from_the_checkpoint() {
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["ids"].as_array().unwrap().len(), 12);
     assert_eq!(samples[1], format!("The {}", v["text"].as_str().unwrap()));
-
-    let mut bad = vec!["train"];
-    bad.extend(&model);
-    bad.extend([
-        "--data",
-        "dsl-examples/data/founding-texts.txt",
-        "--sample-every",
-        "2",
-    ]);
-    let (code, _, err) = fusec(&bad);
-    assert_ne!(code, 0);
-    assert!(err.contains("--sample-prompt"), "{err}");
 }
 
 /// The prefill (every prompt's first tokens in one step of T = the

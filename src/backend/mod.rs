@@ -47,7 +47,8 @@ pub trait Backend {
     }
     /// ZeRO under a launcher: gathers the states other processes' ranks
     /// keep, so that `get` reads them whole until the next step. Every
-    /// process of the job calls it at the same points (a checkpoint);
+    /// process of the job calls it at the same points (a checkpoint, a
+    /// validation, a sample; once a step however often it is called);
     /// elsewhere it does nothing.
     fn gather_for_checkpoint(&mut self) -> Result<(), RuntimeError> {
         Ok(())

@@ -472,7 +472,9 @@ impl Backend for Ranks {
             .collect()
     }
     fn get_forward(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
-        if self.master_of(name).is_none() {
+        // Stage 3 keeps no rank's weights whole: they are read as a
+        // checkpoint reads them (gathered first under a launcher).
+        if self.master_of(name).is_none() || self.owned.contains_key(name) {
             return self.get(name);
         }
         // The parameter as every rank keeps it, in the compute dtype: what
@@ -482,7 +484,8 @@ impl Backend for Ranks {
     }
     fn gather_for_checkpoint(&mut self) -> Result<(), RuntimeError> {
         let local = self.workers.len();
-        if self.owned.is_empty() || local == self.world {
+        let done = matches!(&self.gathered, Some((at, _)) if *at == self.steps);
+        if self.owned.is_empty() || local == self.world || done {
             return Ok(());
         }
         // The pieces' owners are the first group's ranks (every group holds

@@ -212,6 +212,15 @@ impl Job {
             _ => true,
         }
     }
+
+    /// The GPU of this process's first rank (`gpu` is `--gpu`): where the
+    /// validation step and the sampler run beside it.
+    pub fn first_gpu(&self, gpu: usize) -> usize {
+        match self {
+            Job::Launched(l) => l.local,
+            _ => gpu,
+        }
+    }
 }
 
 /// The job from `--gpus` and the launcher's variables.

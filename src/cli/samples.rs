@@ -4,7 +4,8 @@
 //! of its own: its own arena (the weights' compute copies and the
 //! key/value caches for one row), so the training step's plan is
 //! untouched; the training step's weights are copied in (device to device
-//! on a GPU) before each sample.
+//! on a GPU) before each sample. With data parallelism it runs in the
+//! process that writes (rank 0's), on its first rank's GPU.
 
 use super::common::Loaded;
 use super::decoding::{decode, Codec, Limits, Prepared, Row, Sampling};
@@ -45,15 +46,16 @@ pub struct Sampler {
     prompt: Vec<u32>,
     codec: Codec,
     limits: Limits,
-    every: u64,
+}
+
+/// Whether `--sample-every` asks for a sample after step `step` of a run
+/// ending at `last` (every process of a job asks alike).
+pub fn due(args: &SampleArgs, step: u64, last: u64) -> bool {
+    args.sample_every
+        .is_some_and(|every| step == last || step.is_multiple_of(every))
 }
 
 impl Sampler {
-    /// Whether to sample after step `step` of a run ending at `last`.
-    pub fn due(&self, step: u64, last: u64) -> bool {
-        step == last || step.is_multiple_of(self.every)
-    }
-
     /// The prompt and its greedy continuation with `train`'s weights.
     pub fn sample(&mut self, train: &dyn Backend) -> Result<String, CliError> {
         self.step.copy_params_from(train).map_err(runtime_err)?;
@@ -72,16 +74,10 @@ pub fn prepare(
     tokenizer: Option<&std::path::Path>,
     cpu: bool,
     gpu: usize,
-    world: usize,
 ) -> Result<Option<Sampler>, CliError> {
-    let (Some(every), Some(text)) = (args.sample_every, &args.sample_prompt) else {
+    let (Some(_), Some(text)) = (args.sample_every, &args.sample_prompt) else {
         return Ok(None);
     };
-    if world > 1 {
-        return Err(CliError::usage(
-            "error: --sample-every with data parallelism is not built yet: sample from a checkpoint with fusec generate".to_string(),
-        ));
-    }
     let codec = match args.sample_tokenizer.as_deref().or(tokenizer) {
         Some(t) => Codec::Tokenizer(Box::new(super::tokenize::load(t)?)),
         None => Codec::Bytes,
@@ -129,6 +125,5 @@ pub fn prepare(
             },
             vocab,
         },
-        every,
     }))
 }

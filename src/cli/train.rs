@@ -29,15 +29,24 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     let b = backend.as_mut();
     // While the initial weights are still being drawn.
     b.warm_up().map_err(runtime_err)?;
-    let validation = open_validation(args, &loaded, &dims, world, b)?;
-    let sampler = super::samples::prepare(
-        &args.samples,
-        &loaded,
-        args.tokenizer.as_deref(),
-        args.cpu,
-        args.gpu,
-        world,
-    )?;
+    // The validation step and the sampler run where the progress is
+    // printed: the other processes of a launched job only help gather
+    // what their ranks keep, when one is due.
+    let eval_gpu = job.first_gpu(args.gpu);
+    let validation = match quiet {
+        false => open_validation(args, &loaded, &dims, world, eval_gpu, b)?,
+        true => None,
+    };
+    let sampler = match quiet {
+        false => super::samples::prepare(
+            &args.samples,
+            &loaded,
+            args.tokenizer.as_deref(),
+            args.cpu,
+            eval_gpu,
+        )?,
+        true => None,
+    };
     let data_inputs = data_inputs(b);
     announce_deterministic(args);
     let resumed = set_weights(args, b, drawing, !quiet)?;
@@ -87,6 +96,7 @@ pub fn train(args: &TrainArgs) -> Result<(), CliError> {
     for step in first..=last {
         let line = run.step(b, step)?;
         run.report(&line)?;
+        run.gather_if_evaluating(b, step)?;
         run.validate(b, step)?;
         run.sample(b, step)?;
         run.save_every(b, step)?;

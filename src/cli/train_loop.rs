@@ -423,9 +423,28 @@ impl StepLoop<'_> {
     }
 
     /// `--val-data`: the validation loss after `step`, where one is due.
+    /// Under ZeRO across processes, the weights other processes' ranks
+    /// keep, gathered where a validation or a sample is due after `step`
+    /// (every process calls this at the same steps; elsewhere it does
+    /// nothing).
+    pub(super) fn gather_if_evaluating(
+        &mut self,
+        b: &mut dyn Backend,
+        step: u64,
+    ) -> Result<(), CliError> {
+        let last = self.last;
+        if super::validate::due(&self.args.validation, step, last)
+            || super::samples::due(&self.args.samples, step, last)
+        {
+            b.gather_for_checkpoint().map_err(runtime_err)?;
+        }
+        Ok(())
+    }
+
     pub(super) fn validate(&mut self, b: &dyn Backend, step: u64) -> Result<(), CliError> {
         let last = self.last;
-        if let Some(v) = self.validation.as_mut().filter(|v| v.due(step, last)) {
+        let due = super::validate::due(&self.args.validation, step, last);
+        if let Some(v) = self.validation.as_mut().filter(|_| due) {
             let val = v.loss(b)?;
             if !self.quiet {
                 eprintln!(
@@ -445,7 +464,8 @@ impl StepLoop<'_> {
     /// where one is due.
     pub(super) fn sample(&mut self, b: &dyn Backend, step: u64) -> Result<(), CliError> {
         let last = self.last;
-        if let Some(s) = self.sampler.as_mut().filter(|s| s.due(step, last)) {
+        let due = super::samples::due(&self.args.samples, step, last);
+        if let Some(s) = self.sampler.as_mut().filter(|_| due) {
             let text = s.sample(b)?;
             if !self.quiet {
                 eprintln!("step {step:>5}/{last}  sample: {}", text.escape_debug());

@@ -139,6 +139,7 @@ pub(super) fn open_validation(
     loaded: &Loaded,
     dims: &BTreeMap<String, i64>,
     world: usize,
+    gpu: usize,
     b: &dyn Backend,
 ) -> Result<Option<Validation>, CliError> {
     super::validate::prepare(
@@ -147,7 +148,7 @@ pub(super) fn open_validation(
         dims,
         args.tokenizer.as_deref(),
         args.cpu,
-        args.gpu,
+        gpu,
         world,
         token_bound(b.graph(), dims),
     )

@@ -3,7 +3,9 @@
 //! cuts), computed by a forward-only step of its own (the forward graph
 //! alone: no gradients, no optimizer state, its own arena) that takes the
 //! training step's weights before each evaluation (device to device on a
-//! GPU).
+//! GPU). With data parallelism it runs in the process that writes (rank
+//! 0's), on its first rank's GPU, over the windows one GPU with the whole
+//! batch reads: `--eval-batches` whole batches, a rank's rows at a time.
 
 use super::common::Loaded;
 use super::open::runtime_err;
@@ -30,20 +32,24 @@ pub struct ValidationArgs {
 
 pub struct Validation {
     step: Box<dyn Backend>,
-    /// Each batch's tokens and targets.
+    /// Each batch's tokens and targets (a rank's rows each).
     batches: Vec<(Vec<f64>, Vec<f64>)>,
-    pub every: u64,
+    /// Whole batches (every rank's rows) the batches make.
+    whole: u64,
     pub tokens: usize,
 }
 
-impl Validation {
-    /// Whether to evaluate after step `step` of a run ending at `last`.
-    pub fn due(&self, step: u64, last: u64) -> bool {
-        step == last || (self.every > 0 && step.is_multiple_of(self.every))
-    }
+/// Whether `--val-data` asks for an evaluation after step `step` of a run
+/// ending at `last` (every process of a job asks alike).
+pub fn due(args: &ValidationArgs, step: u64, last: u64) -> bool {
+    args.val_data.is_some()
+        && (step == last || (args.eval_every > 0 && step.is_multiple_of(args.eval_every)))
+}
 
-    pub fn batches(&self) -> usize {
-        self.batches.len()
+impl Validation {
+    /// Whole batches in each evaluation.
+    pub fn batches(&self) -> u64 {
+        self.whole
     }
 
     /// The mean loss over the validation batches with `train`'s weights.
@@ -74,11 +80,6 @@ pub fn prepare(
     let Some(path) = &args.val_data else {
         return Ok(None);
     };
-    if world > 1 {
-        return Err(CliError::usage(
-            "error: --val-data with data parallelism is not built yet: validate from a one-GPU run of a checkpoint".to_string(),
-        ));
-    }
     let forward = fusec_compiler::driver::forward_graph(&loaded.compiled).map_err(|e| {
         CliError::model(format!(
             "internal error building the forward-only step: {e}\nthis is a bug in fusec; please report it with the model file"
@@ -95,7 +96,10 @@ pub fn prepare(
         message: format!("error: --val-data {}: {e}", path.display()),
         code: 3,
     })?;
-    let batches = (0..args.eval_batches)
+    // Consecutive windows: `world` batches of a rank's rows are one whole
+    // batch's, and each batch's loss is its mean over the same number of
+    // tokens, so their mean is the one-GPU run's.
+    let batches = (0..args.eval_batches * world as u64)
         .map(|_| {
             let batch = src.next_batch();
             let f = |v: Vec<i32>| v.into_iter().map(f64::from).collect();
@@ -107,7 +111,7 @@ pub fn prepare(
     Ok(Some(Validation {
         step,
         batches,
-        every: args.eval_every,
-        tokens: args.eval_batches as usize * b * t,
+        whole: args.eval_batches,
+        tokens: args.eval_batches as usize * world * b * t,
     }))
 }
