@@ -815,7 +815,9 @@ train {
 /// `common::decode_models` (GPT-2, LLaMA with 4 query heads over 2 cache
 /// heads, and heads of 80, 40 and 392 features with 8, 3 and 4 query
 /// heads a cache head), at one new row and at three, against the
-/// interpreter.
+/// interpreter; and the greedy step's pick (`argmax` over the logits as
+/// the interpreter has them: bf16 logits tie often, so the first of equals
+/// is checked too).
 #[test]
 fn decode_step_kernels_compute_what_the_interpreter_computes() {
     if !host::have_cxx() {
@@ -841,6 +843,13 @@ fn decode_step_kernels_compute_what_the_interpreter_computes() {
                 )
             })
             .count();
+        let width = step
+            .output(&fusec_compiler::ir::graph::Role::Logits)
+            .and_then(|v| step.ty(v).shape.last()?.as_const())
+            .unwrap();
+        // Fewer classes than the logits' width where it is odd (a padded
+        // vocabulary's classes).
+        let greedy = fusec_compiler::decode::greedy_graph(&step, width - width % 2).unwrap();
         // Models of one file at other sizes get builds of their own.
         let stem = format!(
             "{}-{checked}",
@@ -849,14 +858,21 @@ fn decode_step_kernels_compute_what_the_interpreter_computes() {
                 .unwrap()
                 .to_string_lossy()
         );
+        // 19 positions: warps' keys in flight cut short at the last.
         for t in [1, 3] {
             checked += check_graph(
                 &work,
                 &format!("{stem}-decode{t}.dsl"),
                 &step,
-                &[("B", 2), ("T", t), ("KV", 6)],
+                &[("B", 2), ("T", t), ("KV", 19)],
             );
         }
+        checked += check_graph(
+            &work,
+            &format!("{stem}-greedy.dsl"),
+            &greedy,
+            &[("B", 3), ("T", 2), ("KV", 19)],
+        );
     }
     let _ = std::fs::remove_dir_all(&work);
     println!("{checked} decode-step kernels ran on the host and matched the interpreter");

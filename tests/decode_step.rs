@@ -12,7 +12,7 @@
 
 mod common;
 
-use fusec_compiler::decode::{cache_name, decode_graph, CACHE_DIM, POSITIONS_INPUT};
+use fusec_compiler::decode::{cache_name, decode_graph, greedy_graph, CACHE_DIM, POSITIONS_INPUT};
 use fusec_compiler::driver::{logits_graph, Failure};
 use fusec_compiler::interp::tensor::Tensor;
 use fusec_compiler::interp::{self, Feeds, Precision};
@@ -187,6 +187,61 @@ fn decoding_a_few_positions_at_a_time_gives_the_whole_sequences_logits() {
     }
 }
 
+/// The greedy step (`decode::greedy_graph`) outputs, for each position,
+/// the index of the largest of the first `classes` logits the decode step
+/// gives it (the first of equals), and no logits. One class fewer than the
+/// logits' width: a pick past it would be a padded vocabulary's unused
+/// column. f64 on both sides, so the picks agree exactly.
+#[test]
+fn the_greedy_step_picks_the_largest_logit() {
+    for (file, sets) in common::decode_models() {
+        let (_, step) = graphs(&file, &sets);
+        let v = vocab(&step);
+        let greedy = greedy_graph(&step, v as i64 - 1).unwrap();
+        assert!(greedy.output(&Role::Logits).is_none(), "{file}");
+        let (batch, s, cache) = (3, 4, 6);
+        let weights = params(&step, 11);
+        let tokens: Vec<f64> = (0..batch * s).map(|i| ((i * 5 + 1) % v) as f64).collect();
+        let run = |g: &Graph| {
+            let mut feeds = Feeds {
+                dims: HashMap::from([
+                    ("B".into(), batch as i64),
+                    ("T".into(), s as i64),
+                    (CACHE_DIM.into(), cache as i64),
+                ]),
+                params: weights.clone(),
+                ..Feeds::default()
+            };
+            for n in g.g.node_indices() {
+                if let Op::State(st) = &g.g[n].op {
+                    let shape = interp::concrete_shape(&st.ty.shape, &feeds.dims).unwrap();
+                    feeds.state.insert(st.name.clone(), Tensor::zeros(&shape));
+                }
+            }
+            feeds
+                .inputs
+                .insert("tokens".into(), Tensor::new(vec![batch, s], tokens.clone()));
+            feeds.inputs.insert(
+                POSITIONS_INPUT.into(),
+                Tensor::new(vec![s], (0..s).map(|p| p as f64).collect()),
+            );
+            zero_other_inputs(g, &mut feeds);
+            interp::step::train_step(g, &mut feeds, 0.0, 1, Precision::F64).unwrap()
+        };
+        let logits = run(&step).logits.unwrap().data;
+        let picks = run(&greedy)
+            .next_tokens
+            .expect("the greedy step's picks")
+            .data;
+        assert_eq!(picks.len(), batch * s, "{file}");
+        for (r, &pick) in picks.iter().enumerate() {
+            let row = &logits[r * v..r * v + v - 1];
+            let want = (0..row.len()).fold(0, |best, j| if row[j] > row[best] { j } else { best });
+            assert_eq!(pick as usize, want, "{file}: row {r}");
+        }
+    }
+}
+
 /// A check that bites: the last token's logits differ when every token
 /// of the sequence is fed at position 0.
 #[test]
@@ -300,55 +355,61 @@ fn decode_steps_build_and_compile_with_nvrtc() {
     let nvrtc_on = common::nvrtc_ready();
     let mut seen = std::collections::HashSet::new();
     for (file, sets) in common::decode_models() {
-        let (_, step) = graphs(&file, &sets);
-        let program = fuse(&step);
-        for (device, arch) in [("h100", "sm_90a"), ("rtx3090", "sm_86")] {
-            let target = Target::for_device(device, false).unwrap();
-            let selection = select(&step, &program, &target, None);
-            assert!(
-                !selection
-                    .choices
-                    .iter()
-                    .any(|c| matches!(c, Choice::Missing)),
-                "{file} {device}: a kernel has no code"
-            );
-            for t in [1, 17] {
-                let sizes = std::collections::BTreeMap::from([
-                    ("B".to_string(), 3),
-                    ("T".to_string(), t),
-                    (CACHE_DIM.to_string(), 40),
-                ]);
-                let plan =
-                    fusec_compiler::plan::plan_with(&step, &program, Some(&selection), &sizes)
-                        .unwrap_or_else(|e| panic!("{file} {device}: {e}"));
-                let caches = plan
-                    .buffers
-                    .iter()
-                    .filter(|b| b.name.starts_with("kv_cache."))
-                    .count();
-                assert!(caches >= 2, "{file}: the plan places no caches");
-                assert!(plan.logits.is_some(), "{file}: no logits buffer");
-            }
-            if !nvrtc_on {
-                continue;
-            }
-            for (name, text) in &selection.sources {
-                let key = (arch, text.replace(name.as_str(), "KERNEL"));
-                if !seen.insert(key) {
+        let (_, decode) = graphs(&file, &sets);
+        let greedy = greedy_graph(&decode, vocab(&decode) as i64).unwrap();
+        for step in [decode, greedy] {
+            let program = fuse(&step);
+            for (device, arch) in [("h100", "sm_90a"), ("rtx3090", "sm_86")] {
+                let target = Target::for_device(device, false).unwrap();
+                let selection = select(&step, &program, &target, None);
+                assert!(
+                    !selection
+                        .choices
+                        .iter()
+                        .any(|c| matches!(c, Choice::Missing)),
+                    "{file} {device}: a kernel has no code"
+                );
+                for t in [1, 17] {
+                    let sizes = std::collections::BTreeMap::from([
+                        ("B".to_string(), 3),
+                        ("T".to_string(), t),
+                        (CACHE_DIM.to_string(), 40),
+                    ]);
+                    let plan =
+                        fusec_compiler::plan::plan_with(&step, &program, Some(&selection), &sizes)
+                            .unwrap_or_else(|e| panic!("{file} {device}: {e}"));
+                    let caches = plan
+                        .buffers
+                        .iter()
+                        .filter(|b| b.name.starts_with("kv_cache."))
+                        .count();
+                    assert!(caches >= 2, "{file}: the plan places no caches");
+                    assert!(
+                        plan.logits.is_some() != plan.next_tokens.is_some(),
+                        "{file}: no logits buffer, or logits beside picks"
+                    );
+                }
+                if !nvrtc_on {
                     continue;
                 }
-                let cubin = fusec_runtime::nvrtc::compile(name, text, arch)
-                    .unwrap_or_else(|e| panic!("{file} {name} ({arch}): {e}"));
-                assert!(
-                    cubin.spill_store_bytes == 0 && cubin.spill_load_bytes == 0,
-                    "{name} ({arch}) spills:\n{}",
-                    cubin.log
-                );
-                assert!(
-                    !cubin.local_arrays(),
-                    "{name} ({arch}) keeps an array in local memory:\n{}",
-                    cubin.log
-                );
+                for (name, text) in &selection.sources {
+                    let key = (arch, text.replace(name.as_str(), "KERNEL"));
+                    if !seen.insert(key) {
+                        continue;
+                    }
+                    let cubin = fusec_runtime::nvrtc::compile(name, text, arch)
+                        .unwrap_or_else(|e| panic!("{file} {name} ({arch}): {e}"));
+                    assert!(
+                        cubin.spill_store_bytes == 0 && cubin.spill_load_bytes == 0,
+                        "{name} ({arch}) spills:\n{}",
+                        cubin.log
+                    );
+                    assert!(
+                        !cubin.local_arrays(),
+                        "{name} ({arch}) keeps an array in local memory:\n{}",
+                        cubin.log
+                    );
+                }
             }
         }
     }

@@ -10,8 +10,8 @@
 // each), so a key's row is read by one coalesced warp load and its score
 // is a warp sum. Each warp keeps an online softmax per query head (running
 // max and sum, accumulators rescaled when the max grows), UNROLL keys in
-// flight at once; the warps' partial results then merge through shared
-// memory. Scores use exp2 with log2(e) folded into the scale.
+// flight at once, scored together and folded in with one rescale; the
+// warps' partial results then merge through shared memory. Scores use exp2 with log2(e) folded into the scale.
 //
 // Shapes: q [B, S, Hq, D], k cache [B, C, Hkv, D], v cache [B, C, Hkv, Dv],
 // o [B, S, Hq, Dv], positions [S] (int); query head h reads cache head
@@ -98,21 +98,34 @@ __device__ __forceinline__ void forward(const View<const typename E::Storage>& q
                     vr[u][f] = (j < keys && e < s.v_dim) ? E::load(&v.p[v_head + j * v.st + e * v.se]) : 0.0f;
                 }
             }
+            // Every key's score first (their warp sums are independent, so
+            // their shuffles overlap), then one rescale for all of them.
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                if (j0 + (fs_i64)u * warps >= keys) break;
+            for (int h = 0; h < HEADS; ++h) {
+                float score[UNROLL];
+                float new_max = mx[h];
 #pragma unroll
-                for (int h = 0; h < HEADS; ++h) {
+                for (int u = 0; u < UNROLL; ++u) {
                     float dot = 0.0f;
 #pragma unroll
                     for (int f = 0; f < LANE_FEATS; ++f) dot += qr[h][f] * kr[u][f];
-                    const float score = fs_warp_sum(dot);
-                    const float new_max = fmaxf(mx[h], score);
-                    const float rescale = exp2f(mx[h] - new_max), p = exp2f(score - new_max);
-                    sum[h] = sum[h] * rescale + p;
-                    mx[h] = new_max;
+                    const float sc = fs_warp_sum(dot);  // the whole warp, every key
+                    score[u] = j0 + (fs_i64)u * warps < keys ? sc : neg_inf;
+                    new_max = fmaxf(new_max, score[u]);
+                }
+                // A key past the last scores -inf: p = 0 (new_max is finite:
+                // the warp's first key j0 < keys is among them).
+                const float rescale = exp2f(mx[h] - new_max);
+                mx[h] = new_max;
+                sum[h] *= rescale;
 #pragma unroll
-                    for (int f = 0; f < LANE_FEATS; ++f) acc[h][f] = acc[h][f] * rescale + p * vr[u][f];
+                for (int f = 0; f < LANE_FEATS; ++f) acc[h][f] *= rescale;
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const float p = exp2f(score[u] - new_max);
+                    sum[h] += p;
+#pragma unroll
+                    for (int f = 0; f < LANE_FEATS; ++f) acc[h][f] += p * vr[u][f];
                 }
             }
         }

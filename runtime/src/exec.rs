@@ -135,6 +135,8 @@ pub struct Executor {
     pub logits: Option<usize>,
     /// The per-token losses a scoring step outputs.
     pub token_losses: Option<usize>,
+    /// The greedy picks a greedy decode step outputs.
+    pub next_tokens: Option<usize>,
     pub arena_bytes: u64,
     /// The whole step captured once and replayed (see `capture`): with
     /// the collectives (index 1) and without (index 0, the micro-batches

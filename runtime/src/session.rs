@@ -406,6 +406,13 @@ impl Session {
             .collect())
     }
 
+    /// The greedy picks of the finished step (a greedy decode step's
+    /// output): B x T token ids.
+    pub fn next_tokens(&self) -> Result<Vec<u32>, RuntimeError> {
+        let picks = self.read_out(self.exec.next_tokens, "greedy picks")?;
+        Ok(picks.into_iter().map(|x| x as u32).collect())
+    }
+
     /// The per-token losses of the finished step (a scoring step's output).
     pub fn token_losses(&self) -> Result<Vec<f64>, RuntimeError> {
         self.read_out(self.exec.token_losses, "per-token losses")

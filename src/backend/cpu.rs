@@ -35,6 +35,7 @@ pub struct Cpu {
     last_logits: Option<Vec<f64>>,
     /// The last step's per-token losses, where it outputs them.
     last_token_losses: Option<Vec<f64>>,
+    last_next_tokens: Option<Vec<u32>>,
 }
 
 impl Cpu {
@@ -70,6 +71,7 @@ impl Cpu {
             last_grads: Vec::new(),
             last_logits: None,
             last_token_losses: None,
+            last_next_tokens: None,
         })
     }
 }
@@ -177,6 +179,9 @@ impl Backend for Cpu {
             .collect();
         self.last_logits = r.logits.map(|t| t.data);
         self.last_token_losses = r.token_losses.map(|t| t.data);
+        self.last_next_tokens = r
+            .next_tokens
+            .map(|t| t.data.iter().map(|&x| x as u32).collect());
         self.done = Some(StepStats {
             loss: r.loss,
             grad_norm: r.grad_norm,
@@ -185,6 +190,11 @@ impl Backend for Cpu {
     }
     fn gradients(&self) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
         Ok(self.last_grads.clone())
+    }
+    fn next_tokens(&self) -> Result<Vec<u32>, RuntimeError> {
+        self.last_next_tokens
+            .clone()
+            .ok_or_else(|| RuntimeError::Unsupported("the step outputs no greedy picks".into()))
     }
     fn token_losses(&self) -> Result<Vec<f64>, RuntimeError> {
         self.last_token_losses

@@ -151,6 +151,9 @@ impl Backend for Gpu {
     fn token_losses(&self) -> Result<Vec<f64>, RuntimeError> {
         self.session.token_losses()
     }
+    fn next_tokens(&self) -> Result<Vec<u32>, RuntimeError> {
+        self.session.next_tokens()
+    }
     fn launch(&mut self, lr: f64, step: u64) -> Result<(), RuntimeError> {
         self.session.launch(lr, step)
     }
@@ -161,6 +164,9 @@ impl Backend for Gpu {
         fusec_runtime::stage::pinned(&self.session.exec.gpu, count, len)
     }
     fn as_gpu(&self) -> Option<&Gpu> {
+        Some(self)
+    }
+    fn as_gpu_mut(&mut self) -> Option<&mut Gpu> {
         Some(self)
     }
     fn copy_state_from(&mut self, other: &dyn Backend) -> Result<(), RuntimeError> {
@@ -191,15 +197,23 @@ impl Backend for Gpu {
             return copy_params_by_value(self, other);
         };
         let from = &src.session.exec;
-        let pairs: Vec<(usize, usize)> = self
+        let pairs: Vec<(String, usize, usize)> = self
             .session
             .exec
             .params
             .iter()
-            .filter_map(|(name, &dst)| from.params.get(name).map(|&s| (s, dst)))
+            .filter_map(|(name, &dst)| from.params.get(name).map(|&s| (name.clone(), s, dst)))
             .collect();
-        for (s, d) in pairs {
-            self.session.exec.copy_from(from, s, d)?;
+        for (name, s, d) in pairs {
+            if from.slots[s].dtype == self.session.exec.slots[d].dtype {
+                self.session.exec.copy_from(from, s, d)?;
+            } else {
+                // A decode step keeps the weights in the dtype its passes
+                // read (bf16) where the training step keeps f32 masters:
+                // through the host, rounded as the step's cast rounds.
+                let v = other.get_forward(&name)?;
+                self.set(&name, &v)?;
+            }
         }
         Ok(())
     }

@@ -128,6 +128,13 @@ pub trait Backend {
             "this backend cannot read the step's logits".into(),
         ))
     }
+    /// The greedy picks of the step just finished (a greedy decode step's
+    /// output), [B, T] token ids in row-major order.
+    fn next_tokens(&self) -> Result<Vec<u32>, RuntimeError> {
+        Err(RuntimeError::Unsupported(
+            "this backend cannot read the step's greedy picks".into(),
+        ))
+    }
     /// The per-token losses of the step just finished (a scoring step's
     /// output), [B, T] in row-major order.
     fn token_losses(&self) -> Result<Vec<f64>, RuntimeError> {
@@ -208,6 +215,10 @@ pub trait Backend {
     }
     /// This backend as a GPU session, where it is one.
     fn as_gpu(&self) -> Option<&Gpu> {
+        None
+    }
+    /// This backend as a GPU session, mutable (to profile its step).
+    fn as_gpu_mut(&mut self) -> Option<&mut Gpu> {
         None
     }
     /// The optimizer state's names (every rank's, for data parallelism

@@ -8,7 +8,6 @@ use clap::Args;
 use fusec::backend::GpuOptions;
 use fusec::backend::{self, Backend};
 use fusec_compiler::ir::dim::{BATCH, SEQ};
-use fusec_compiler::ir::graph::Phase;
 use fusec_compiler::ir::types::DType;
 use fusec_compiler::plan::roofline::{estimate, Device, Estimate};
 use fusec_compiler::plan::trace::Timing;
@@ -195,7 +194,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), CliError> {
             roofline_device(&s.session.exec.gpu.name),
         );
         if let Some(path) = &args.profile {
-            write_profile(path, s, &times, &labels, &est)?;
+            super::profile::write_for(path, s, &times, &labels, &est)?;
         }
         if let Some(path) = &args.trace {
             let title = format!(
@@ -310,30 +309,6 @@ fn print_summary(
         })
     );
     Ok(())
-}
-
-/// `--profile`: every kernel's time judged against this GPU's measured
-/// ceilings.
-fn write_profile(
-    path: &Path,
-    s: &backend::Gpu,
-    times: &[LaunchTime],
-    labels: &[(Phase, String)],
-    est: &Estimate,
-) -> Result<(), CliError> {
-    // The measurement needs about 0.9 GiB beside the step's arena;
-    // where the GPU has no room, the datasheet's figures stand in.
-    let ceilings = fusec_runtime::ceilings::measure(&s.session.exec.gpu).unwrap_or_else(|e| {
-        eprintln!(
-            "note: could not measure this GPU's ceilings ({e}); judging against {}'s datasheet figures",
-            est.device.about
-        );
-        fusec_runtime::ceilings::Ceilings {
-            copy_gb_s: est.device.bytes_per_s / 1e9,
-            bf16_tflops: est.device.tensor_flops / 1e12,
-        }
-    });
-    super::profile::write(path, times, labels, est, ceilings)
 }
 
 /// `--trace`: the step as a Chrome trace, and its picture beside it.
@@ -480,7 +455,7 @@ fn bench_ranks(args: &BenchArgs, job: &super::parallel::Job) -> Result<(), CliEr
 }
 
 /// The roofline's figures for the GPU by its name (an H100's where unknown).
-fn roofline_device(name: &str) -> Device {
+pub(super) fn roofline_device(name: &str) -> Device {
     fusec_compiler::plan::roofline::device_of_gpu(name)
 }
 

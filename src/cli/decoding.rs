@@ -10,6 +10,7 @@ use super::common::Loaded;
 use super::CliError;
 use fusec::backend::Backend;
 use fusec_compiler::decode::{decode_graph, POSITIONS_INPUT};
+use fusec_compiler::ir::graph::Role;
 use fusec_compiler::ir::{dim, Graph};
 use fusec_compiler::ops::Op;
 use rand::{Rng, SeedableRng};
@@ -70,7 +71,9 @@ pub struct Prepared {
 /// The decode step of `loaded`, checked to continue `prompts` (`ids_in`
 /// names them in messages) by `new` tokens each (`positions_of` names the
 /// sum): the model reads `tokens`, has the positions, and knows every
-/// prompt id and every id the tokenizer can give.
+/// prompt id and every id the tokenizer can give. A `greedy` step picks
+/// each next token on the device (`decode::greedy_graph`) and outputs the
+/// picks instead of the logits.
 pub fn prepare(
     loaded: &Loaded,
     codec: &Codec,
@@ -78,6 +81,7 @@ pub fn prepare(
     new: usize,
     ids_in: &str,
     positions_of: &str,
+    greedy: bool,
 ) -> Result<Prepared, CliError> {
     let file = loaded.path.display().to_string();
     let whole = fusec_compiler::driver::logits_graph(&loaded.compiled)
@@ -113,6 +117,24 @@ pub fn prepare(
             )));
         }
     }
+    let step = match greedy {
+        true => {
+            let width = step
+                .output(&Role::Logits)
+                .and_then(|v| step.ty(v).shape.last()?.as_const());
+            let classes = match (vocab.map(i64::from), width) {
+                (Some(v), Some(w)) => v.min(w),
+                (v, w) => v.or(w).ok_or_else(|| {
+                    CliError::usage(format!(
+                        "error: {file}: the logits have no fixed width to pick the most likely token from"
+                    ))
+                })?,
+            };
+            fusec_compiler::decode::greedy_graph(&step, classes)
+                .map_err(|f| CliError::model(f.render(&file, &loaded.source)))?
+        }
+        false => step,
+    };
     Ok(Prepared {
         step,
         positions,
@@ -129,22 +151,26 @@ pub struct Sampling {
 }
 
 impl Sampling {
+    /// Whether the pick is the most likely token (a greedy step makes it
+    /// on the device).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+
     /// The next token: the first most likely one (greedy), or one drawn
     /// from the softmax of `row / temperature` restricted to the `top_k`
     /// most likely and then to the fewest whose probabilities reach `top_p`.
     pub fn pick(&self, row: &[f32], rng: &mut rand_chacha::ChaCha8Rng) -> u32 {
-        if self.temperature <= 0.0 {
-            return row
-                .iter()
-                .enumerate()
-                .fold((0, f32::NEG_INFINITY), |best, (i, &x)| {
-                    if x > best.1 {
-                        (i, x)
-                    } else {
-                        best
-                    }
-                })
-                .0 as u32;
+        if self.is_greedy() {
+            // The first of the largest, NaNs passed over (the device's
+            // `argmax` picks alike): 0 where every logit is NaN.
+            let mut best: Option<(usize, f32)> = None;
+            for (i, &x) in row.iter().enumerate() {
+                if !x.is_nan() && best.is_none_or(|(_, b)| x > b) {
+                    best = Some((i, x));
+                }
+            }
+            return best.map_or(0, |(i, _)| i as u32);
         }
         // Most likely first, equal logits by id: a total order, so the
         // draw is repeatable. Only what top-k and top-p need is sorted:
@@ -241,6 +267,23 @@ pub struct Timing {
     pub steps: usize,
     pub made: usize,
     pub seconds: f64,
+    /// Of `seconds`: feeding the step and waiting for it, reading its
+    /// logits back, and picking the next tokens.
+    pub in_step: f64,
+    pub reading: f64,
+    pub picking: f64,
+}
+
+impl Timing {
+    /// Adds another batch's.
+    pub fn add(&mut self, t: &Timing) {
+        self.steps += t.steps;
+        self.made += t.made;
+        self.seconds += t.seconds;
+        self.in_step += t.in_step;
+        self.reading += t.reading;
+        self.picking += t.picking;
+    }
 }
 
 /// Runs `rows` (at most the step's batch; the rest of the batch repeats
@@ -299,12 +342,21 @@ pub fn decode(
                 r.at(at) as f64
             })
             .collect();
+        let at = std::time::Instant::now();
         step.set("tokens", &tokens).map_err(err)?;
         if positioned {
             step.set(POSITIONS_INPUT, &[pos as f64]).map_err(err)?;
         }
         step.step(0.0, 1).map_err(err)?;
-        let logits = step.logits().map_err(err)?;
+        let stepped = std::time::Instant::now();
+        // A greedy step's picks, or the logits to pick from.
+        let (picks, logits) = match limits.sampling.is_greedy() {
+            true => (step.next_tokens().map_err(err)?, Vec::new()),
+            false => (Vec::new(), step.logits().map_err(err)?),
+        };
+        let read = std::time::Instant::now();
+        timing.in_step += (stepped - at).as_secs_f64();
+        timing.reading += (read - stepped).as_secs_f64();
         let width = logits.len() / batch;
         let classes = limits.vocab.map_or(width, |v| v.min(width));
         timing.steps += 1;
@@ -317,13 +369,19 @@ pub fn decode(
                 if r.done || pos + 1 < r.prompt.len() {
                     return 0;
                 }
-                let row = &logits[b * width..b * width + classes];
-                let next = limits.sampling.pick(row, &mut r.rng);
+                let next = match picks.get(b) {
+                    Some(&id) => id,
+                    None => {
+                        let row = &logits[b * width..b * width + classes];
+                        limits.sampling.pick(row, &mut r.rng)
+                    }
+                };
                 r.made.push(next);
                 r.done = r.made.len() >= limits.max_new || Some(next) == limits.eos;
                 1
             })
             .sum::<usize>();
+        timing.picking += read.elapsed().as_secs_f64();
         shown(rows);
         pos += 1;
         debug_assert!(pos <= longest + limits.max_new);

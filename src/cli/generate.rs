@@ -87,6 +87,11 @@ pub struct GenerateArgs {
     /// The GPU to run on
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub gpu: usize,
+    /// After decoding, time every kernel of one decode step and write
+    /// them to FILE (one JSON line a launch), as `fusec bench --profile`
+    /// does for a training step (GPU only)
+    #[arg(long, value_name = "FILE", conflicts_with = "cpu")]
+    pub profile: Option<PathBuf>,
 }
 
 /// The decode step (or its prefill) at `dims`, on the CPU reference or a GPU.
@@ -129,6 +134,7 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
             "the longest prompt and --max-new-tokens {}",
             args.max_new_tokens
         ),
+        args.temperature == 0.0,
     )?;
     let eos = args.eos_id.or(match &codec {
         Codec::Tokenizer(t) => t.token_to_id("<|endoftext|>"),
@@ -173,7 +179,7 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
         },
         vocab,
     };
-    let (mut made, mut seconds, mut steps) = (0, 0.0, 0);
+    let mut all = super::decoding::Timing::default();
     for chunk in rows.chunks_mut(batch) {
         // One continuation streams as it is made; several print when done.
         let stream = chunk.len() == 1 && !args.json;
@@ -204,7 +210,7 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
                 }
             },
         )?;
-        (made, seconds, steps) = (made + t.made, seconds + t.seconds, steps + t.steps);
+        all.add(&t);
         for r in chunk.iter() {
             if args.json {
                 println!(
@@ -223,10 +229,27 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
             }
         }
     }
+    if let Some(path) = &args.profile {
+        let file = loaded.path.display().to_string();
+        let gpu = backend.as_gpu_mut().ok_or_else(|| {
+            CliError::usage("error: --profile times a GPU's kernels: run without --cpu")
+        })?;
+        super::profile::profile_step(path, gpu, Some((&file, &loaded.source)))?;
+    }
+    let per_step = |s: f64| 1e3 * s / all.steps.max(1) as f64;
     eprintln!(
-        "{made} new tokens in {seconds:.2} s ({:.0} tokens/s, {steps} steps of batch {batch}, {:.2} ms a step) on {}",
-        made as f64 / seconds.max(1e-9),
-        1e3 * seconds / steps.max(1) as f64,
+        "a step: {:.3} ms feeding and running it, {:.3} ms reading its logits back, {:.3} ms picking the tokens",
+        per_step(all.in_step),
+        per_step(all.reading),
+        per_step(all.picking)
+    );
+    eprintln!(
+        "{} new tokens in {:.2} s ({:.0} tokens/s, {} steps of batch {batch}, {:.2} ms a step) on {}",
+        all.made,
+        all.seconds,
+        all.made as f64 / all.seconds.max(1e-9),
+        all.steps,
+        per_step(all.seconds),
         if args.cpu { "the CPU reference" } else { "the GPU" }
     );
     Ok(())

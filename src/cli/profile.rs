@@ -12,6 +12,52 @@ use fusec_runtime::exec::LaunchTime;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
+/// `--profile`: every kernel's time judged against this GPU's measured
+/// ceilings.
+pub(super) fn write_for(
+    path: &std::path::Path,
+    s: &fusec::backend::Gpu,
+    times: &[LaunchTime],
+    labels: &[(Phase, String)],
+    est: &Estimate,
+) -> Result<(), CliError> {
+    // The measurement needs about 0.9 GiB beside the step's arena;
+    // where the GPU has no room, the datasheet's figures stand in.
+    let ceilings = fusec_runtime::ceilings::measure(&s.session.exec.gpu).unwrap_or_else(|e| {
+        eprintln!(
+            "note: could not measure this GPU's ceilings ({e}); judging against {}'s datasheet figures",
+            est.device.about
+        );
+        Ceilings {
+            copy_gb_s: est.device.bytes_per_s / 1e9,
+            bf16_tflops: est.device.tensor_flops / 1e12,
+        }
+    });
+    write(path, times, labels, est, ceilings)
+}
+
+/// One step of `s` (a step other than training's: a decode step) profiled
+/// launch by launch and written as `--profile` writes a training step's.
+pub(super) fn profile_step(
+    path: &std::path::Path,
+    s: &mut fusec::backend::Gpu,
+    source: Option<(&str, &str)>,
+) -> Result<(), CliError> {
+    let times = s
+        .session
+        .exec
+        .profile_step()
+        .map_err(super::open::runtime_err)?;
+    let labels = fusec_compiler::plan::trace::labels(&s.graph, &s.program, source);
+    let est = fusec_compiler::plan::roofline::estimate(
+        &s.graph,
+        &s.program,
+        &s.session.plan,
+        super::bench::roofline_device(&s.session.exec.gpu.name),
+    );
+    write_for(path, s, &times, &labels, &est)
+}
+
 /// Below this fraction of its ceiling a kernel is marked as one to improve.
 const NEAR: f64 = 0.7;
 

@@ -99,6 +99,7 @@ pub fn prepare(
         args.sample_tokens,
         "--sample-prompt",
         &format!("--sample-prompt and --sample-tokens {}", args.sample_tokens),
+        true,
     )?;
     let dims = BTreeMap::from([
         (dim::BATCH.to_string(), 1i64),

@@ -88,6 +88,7 @@ pub const HEADERS: &[(&str, &str)] = &[
         "kv_cache.cuh",
         include_str!("../../../kernels/kv_cache.cuh"),
     ),
+    ("argmax.cuh", include_str!("../../../kernels/argmax.cuh")),
     (
         "elements.cuh",
         include_str!("../../../kernels/elements.cuh"),

@@ -18,6 +18,8 @@ pub struct StepResult {
     pub logits: Option<Tensor>,
     /// The per-token losses a scoring step outputs.
     pub token_losses: Option<Tensor>,
+    /// The greedy picks a greedy decode step outputs.
+    pub next_tokens: Option<Tensor>,
 }
 
 /// Runs step number `step` (counting from 1) with learning rate `lr`.
@@ -48,6 +50,7 @@ pub fn train_step(
         grads: Vec::new(),
         logits: None,
         token_losses: None,
+        next_tokens: None,
     };
     for (role, v) in &g.outputs {
         let t = &vals[v];
@@ -64,6 +67,7 @@ pub fn train_step(
             Role::Grad(i) => result.grads.push((*i, t.clone())),
             Role::Logits => result.logits = Some(t.clone()),
             Role::TokenLosses => result.token_losses = Some(t.clone()),
+            Role::NextTokens => result.next_tokens = Some(t.clone()),
         }
     }
     Ok(result)

@@ -117,6 +117,9 @@ pub enum Role {
     /// Each position's cross-entropy of its target, [B, T]
     /// (`driver::token_losses_graph`: what a multiple-choice scorer sums).
     TokenLosses,
+    /// Greedy decoding's picks, i32 [B, T] (`decode::greedy_graph`): the
+    /// largest logit's index of each position.
+    NextTokens,
     Grad(usize),
     NewParam(usize),
     NewState(String),
@@ -129,6 +132,7 @@ impl std::fmt::Display for Role {
             Role::Loss => write!(f, "loss"),
             Role::Logits => write!(f, "logits"),
             Role::TokenLosses => write!(f, "token_losses"),
+            Role::NextTokens => write!(f, "next_tokens"),
             Role::Grad(i) => write!(f, "grad[{i}]"),
             Role::NewParam(i) => write!(f, "param[{i}]"),
             Role::NewState(s) => write!(f, "state \"{s}\""),

@@ -181,3 +181,64 @@ impl OpDef for CachedAttention {
         vec![Tensor::new(shape, rows.concat())]
     }
 }
+
+/// The index of the largest of the first `classes` entries along the last
+/// axis of x [..., N] (i32 [...]): greedy decoding's pick, made on the
+/// device so that a step returns B token ids instead of B x N logits. The
+/// first index wins a tie and a NaN is never the largest (0 where all
+/// are), as the host's greedy pick has them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ArgMax {
+    pub classes: i64,
+}
+
+impl OpDef for ArgMax {
+    fn name(&self) -> &'static str {
+        "argmax"
+    }
+    fn attrs(&self) -> Vec<String> {
+        vec![format!("classes={}", self.classes)]
+    }
+    fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>, OpError> {
+        expect_arity("argmax", inputs, 1)?;
+        let x = &inputs[0];
+        expect_float("argmax", x, 0)?;
+        let Some(n) = x.shape.last() else {
+            return Err(OpError::new(
+                "`argmax` picks along the last axis, and a scalar has none",
+                format!("found {x}"),
+            ));
+        };
+        if self.classes < 1 || n.as_const().is_some_and(|n| self.classes > n) {
+            return Err(OpError::new(
+                "`argmax` picks among 1 to N classes of the last axis",
+                format!("classes={} of {x}", self.classes),
+            ));
+        }
+        let shape = x.shape[..x.rank() - 1].to_vec();
+        Ok(vec![TensorType::new(DType::I32, shape)])
+    }
+    fn eval(&self, inputs: &[&Tensor], _: &EvalCtx) -> Vec<Tensor> {
+        let x = inputs[0];
+        let n = *x
+            .shape
+            .last()
+            .expect("argmax's shape rule checked the rank");
+        let classes = (self.classes as usize).min(n);
+        let picks = x
+            .data
+            .chunks(n.max(1))
+            .map(|row| {
+                // Strictly larger: the first of equals stays.
+                let mut best: Option<(usize, f64)> = None;
+                for (j, &v) in row[..classes].iter().enumerate() {
+                    if !v.is_nan() && best.is_none_or(|(_, b)| v > b) {
+                        best = Some((j, v));
+                    }
+                }
+                best.map_or(0.0, |(j, _)| j as f64)
+            })
+            .collect();
+        vec![Tensor::new(x.shape[..x.shape.len() - 1].to_vec(), picks)]
+    }
+}

@@ -26,7 +26,7 @@ pub use attention::{packed_layout, Attention, AttentionGrad, AttnDropout};
 pub use builder::Builder;
 pub use collective::{AllGather, AllReduce};
 pub use conv::{Conv2d, Conv2dGradInput, Conv2dGradWeight};
-pub use decode::{CachedAttention, KvWrite};
+pub use decode::{ArgMax, CachedAttention, KvWrite};
 pub use dropout::{key_type as dropout_key_type, Dropout, KEY_INPUT as DROPOUT_KEY_INPUT};
 pub use elementwise::{Binary, BinaryKind, Cast, ClipCoef, Constant, DimValue, Unscale};
 pub use linalg::MatMul;
@@ -213,6 +213,7 @@ ops!(
     AttentionGrad,
     KvWrite,
     CachedAttention,
+    ArgMax,
     Conv2d,
     Conv2dGradInput,
     Conv2dGradWeight,

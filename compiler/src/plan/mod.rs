@@ -110,6 +110,7 @@ pub fn plan_with(
         grad_norm: output_buffer(g, p, &Role::GradNorm),
         logits: output_buffer(g, p, &Role::Logits),
         token_losses: output_buffer(g, p, &Role::TokenLosses),
+        next_tokens: output_buffer(g, p, &Role::NextTokens),
     };
     // Checked in every build: the check is linear in the buffers but for
     // the ones that overlap in the arena, and a clash would corrupt values

@@ -231,6 +231,10 @@ pub struct Plan {
     /// scoring step's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_losses: Option<usize>,
+    /// The buffer of the greedy picks, in a step that outputs them (a
+    /// greedy decode step's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_tokens: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -268,6 +268,7 @@ impl Executor {
             grad_norm: plan.grad_norm,
             logits: plan.logits,
             token_losses: plan.token_losses,
+            next_tokens: plan.next_tokens,
             arena_bytes: plan.arena_bytes,
             graphs: [None, None],
             ran: [false, false],

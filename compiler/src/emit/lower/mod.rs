@@ -108,6 +108,7 @@ pub fn of(op: &Op) -> &dyn Lower {
         Op::AttentionGrad(o) => o,
         Op::KvWrite(o) => o,
         Op::CachedAttention(o) => o,
+        Op::ArgMax(o) => o,
         Op::Conv2d(o) => o,
         Op::Conv2dGradInput(o) => o,
         Op::Conv2dGradWeight(o) => o,

@@ -358,6 +358,10 @@ impl Parser {
                     c.next()?;
                     Role::TokenLosses
                 }
+                Some(Tok::Ident("next_tokens")) => {
+                    c.next()?;
+                    Role::NextTokens
+                }
                 Some(Tok::Ident(w @ ("grad" | "param"))) => {
                     c.next()?;
                     c.punct('[')?;

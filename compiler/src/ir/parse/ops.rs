@@ -216,6 +216,12 @@ pub(super) fn op(
             c.key("scale")?;
             CachedAttention { scale: c.float()? }.into()
         }
+        "argmax" => {
+            c.key("classes")?;
+            let classes =
+                i64::try_from(c.usize()?).map_err(|_| c.error("a class count fits in 64 bits"))?;
+            ArgMax { classes }.into()
+        }
         "attention" | "attention_grad" => {
             c.key("causal")?;
             let causal = c.bool()?;
