@@ -2,8 +2,11 @@
 // `classes` logits, one block a row, so that a decode step hands back B
 // token ids instead of B x N logits. The first index wins a tie and a NaN
 // never wins (as the host's greedy pick): each thread keeps its best
-// (value, index) over a stride of the row, then the block reduces them,
-// warp by warp through shuffles and across warps through shared memory.
+// (value, index) over a stride of the row, UNROLL loads in flight at once
+// (one at a time, a block took 68 us over gpt2's 50257 logits on an H100:
+// a row is one block's, so latency, not bandwidth, bounds it), then the
+// block reduces them, warp by warp through shuffles and across warps
+// through shared memory.
 //
 // E is the element type (fs_el::Bf16, F16 or F32). Needs the prelude
 // (fusec_prelude.cuh) before it; blockDim.x a multiple of FS_WARP, at most
@@ -27,11 +30,23 @@ __device__ __forceinline__ void fs_argmax_row(const typename E::Storage* x, fs_i
     __shared__ int best_i[32];
     float v = -__int_as_float(0x7f800000);
     int at = (int)classes;  // past every class: loses to any real one
-    for (fs_i64 j = threadIdx.x; j < classes; j += blockDim.x) {
-        const float w = E::load(&x[j]);
-        if (fs_argmax_before(w, (int)j, v, at)) {
-            v = w;
-            at = (int)j;
+    constexpr int UNROLL = 16;
+    const fs_i64 step = (fs_i64)blockDim.x;
+    for (fs_i64 j0 = threadIdx.x; j0 < classes; j0 += UNROLL * step) {
+        float w[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const fs_i64 j = j0 + u * step;
+            w[u] = j < classes ? E::load(&x[j]) : 0.0f;
+        }
+        // In index order, so the first of equals stays.
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const fs_i64 j = j0 + u * step;
+            if (j < classes && fs_argmax_before(w[u], (int)j, v, at)) {
+                v = w[u];
+                at = (int)j;
+            }
         }
     }
 #if FS_WARP > 1
