@@ -177,16 +177,15 @@ impl Sampling {
         // the k best (selected first), or every id for top-p alone; with
         // neither, every id in id order.
         let by_rank = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
-        let mut order: Vec<usize> = (0..row.len()).collect();
-        match (self.top_k.map(|k| k as usize), self.top_p) {
-            (Some(k), _) if k < order.len() => {
-                order.select_nth_unstable_by(k - 1, by_rank);
-                order.truncate(k);
-                order.sort_unstable_by(by_rank);
+        let mut order: Vec<usize> = match (self.top_k.map(|k| k as usize), self.top_p) {
+            (Some(k), _) if k < row.len() => top_k(row, k),
+            (None, None) => (0..row.len()).collect(),
+            _ => {
+                let mut all: Vec<usize> = (0..row.len()).collect();
+                all.sort_unstable_by(by_rank);
+                all
             }
-            (None, None) => {}
-            _ => order.sort_unstable_by(by_rank),
-        }
+        };
         let top = order
             .iter()
             .map(|&i| row[i] as f64)
@@ -219,6 +218,53 @@ impl Sampling {
         }
         order[probs.len() - 1] as u32
     }
+}
+
+/// The `k` (at least 1) most likely ids of `row`, most likely first, equal
+/// logits by id (`f32::total_cmp`'s order: a NaN ranks above every
+/// number): one pass keeping the k best in a heap, most ids losing to the
+/// heap's worst at one comparison. Selecting among every id instead made
+/// the picks of top-k 50 over 32 rows of 50257 take 0.95 ms a step on a
+/// 16-core host (docs/benchmarks.md).
+fn top_k(row: &[f32], k: usize) -> Vec<usize> {
+    use std::cmp::Ordering;
+    use std::collections::BinaryHeap;
+    /// Ordered so that the heap's top is the worst kept: the lower logit,
+    /// then the higher id.
+    struct Kept(f32, usize);
+    impl Ord for Kept {
+        fn cmp(&self, other: &Self) -> Ordering {
+            other.0.total_cmp(&self.0).then(self.1.cmp(&other.1))
+        }
+    }
+    impl PartialOrd for Kept {
+        fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+            Some(self.cmp(other))
+        }
+    }
+    impl PartialEq for Kept {
+        fn eq(&self, other: &Self) -> bool {
+            self.cmp(other) == Ordering::Equal
+        }
+    }
+    impl Eq for Kept {}
+    let mut heap: BinaryHeap<Kept> = BinaryHeap::with_capacity(k + 1);
+    for (i, &x) in row.iter().enumerate() {
+        if heap.len() < k {
+            heap.push(Kept(x, i));
+        } else if let Some(worst) = heap.peek() {
+            // Later ids lose ties: better only with a larger logit.
+            if x.total_cmp(&worst.0) == Ordering::Greater {
+                heap.pop();
+                heap.push(Kept(x, i));
+            }
+        }
+    }
+    // Ascending by `Kept`'s order is best first.
+    heap.into_sorted_vec()
+        .into_iter()
+        .map(|kept| kept.1)
+        .collect()
 }
 
 /// One continuation: its prompt, the tokens made so far, and its own
@@ -427,5 +473,30 @@ mod tests {
         };
         assert_eq!(again(7), again(7));
         assert_ne!(again(7), again(8));
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The one-pass top-k keeps what sorting every id by rank keeps,
+        /// in the same order: rows of few distinct values (many ties),
+        /// infinities and NaNs, k from 1 past the row's length.
+        #[test]
+        fn top_k_is_the_sorted_ranks_first_k(
+            row in prop::collection::vec(
+                prop_oneof![
+                    (-3i32..4).prop_map(|x| x as f32 * 0.5),
+                    prop::num::f32::ANY,
+                ],
+                1..200,
+            ),
+            k in 1usize..220,
+        ) {
+            let k = k.min(row.len());
+            let mut all: Vec<usize> = (0..row.len()).collect();
+            all.sort_by(|a, b| row[*b].total_cmp(&row[*a]).then(a.cmp(b)));
+            all.truncate(k);
+            prop_assert_eq!(top_k(&row, k), all);
+        }
     }
 }
