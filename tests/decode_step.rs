@@ -12,7 +12,9 @@
 
 mod common;
 
-use fusec_compiler::decode::{cache_name, decode_graph, greedy_graph, CACHE_DIM, POSITIONS_INPUT};
+use fusec_compiler::decode::{
+    cache_name, decode_graph, greedy_graph, weights_as_read, CACHE_DIM, POSITIONS_INPUT,
+};
 use fusec_compiler::driver::{logits_graph, Failure};
 use fusec_compiler::interp::tensor::Tensor;
 use fusec_compiler::interp::{self, Feeds, Precision};
@@ -356,8 +358,9 @@ fn decode_steps_build_and_compile_with_nvrtc() {
     let mut seen = std::collections::HashSet::new();
     for (file, sets) in common::decode_models() {
         let (_, decode) = graphs(&file, &sets);
-        let greedy = greedy_graph(&decode, vocab(&decode) as i64).unwrap();
-        for step in [decode, greedy] {
+        let read = weights_as_read(&decode).unwrap();
+        let greedy = greedy_graph(&read, vocab(&decode) as i64).unwrap();
+        for step in [decode, read, greedy] {
             let program = fuse(&step);
             for (device, arch) in [("h100", "sm_90a"), ("rtx3090", "sm_86")] {
                 let target = Target::for_device(device, false).unwrap();

@@ -201,7 +201,6 @@ pub fn decode_graph(logits: &Graph) -> Result<Graph, Failure> {
         };
         crate::passes::replace_uses(&mut g, Value { node: n, port: 0 }, made[0]);
     }
-    weights_as_read(&mut g);
     // A model without attention (a bigram) keeps no cache: each position
     // on its own, and the step reads no positions unless a table or rope
     // does.
@@ -209,14 +208,23 @@ pub fn decode_graph(logits: &Graph) -> Result<Graph, Failure> {
     Ok(g)
 }
 
-/// Keeps each parameter that is only ever read cast to one dtype (a
-/// mixed-precision model's f32 weights, cast to bf16 for the forward
-/// pass) in that dtype, so that a step does not cast every weight again
-/// for each token: gpt2-small's cast of its 124M weights was 0.28 ms of a
-/// 1.4 ms step at batch 1 (H100), moving 712 MiB. Its values are the
-/// cast's: the weights written into the step are rounded as they are
-/// stored, as the cast rounded them.
-fn weights_as_read(g: &mut Graph) {
+/// A decode step (or any forward-only step) that keeps each parameter
+/// only ever read cast to one dtype (a mixed-precision model's f32
+/// weights, cast to bf16 for the forward pass) in that dtype, so that a
+/// step does not cast every weight again for each token: gpt2-small's cast
+/// of its 124M weights was 0.28 ms of a 1.4 ms step at batch 1 (H100),
+/// moving 712 MiB. Its values are the cast's: the weights written into the
+/// step are rounded as they are stored, as the cast rounded them. (A step
+/// that takes a training step's f32 weights often, `--sample-every`'s,
+/// keeps them f32: copied device to device, not through the host.)
+pub fn weights_as_read(step: &Graph) -> Result<Graph, Failure> {
+    let mut g = step.clone();
+    cast_weights_once(&mut g);
+    run_dce(&mut g)?;
+    Ok(g)
+}
+
+fn cast_weights_once(g: &mut Graph) {
     for i in 0..g.params.len() {
         let node = g.params[i].node;
         let read = Value { node, port: 0 };

@@ -208,9 +208,10 @@ impl Backend for Gpu {
             if from.slots[s].dtype == self.session.exec.slots[d].dtype {
                 self.session.exec.copy_from(from, s, d)?;
             } else {
-                // A decode step keeps the weights in the dtype its passes
-                // read (bf16) where the training step keeps f32 masters:
-                // through the host, rounded as the step's cast rounds.
+                // A step that keeps the weights in the dtype its passes
+                // read (bf16, `decode::weights_as_read`) from one that
+                // keeps f32 masters: through the host, rounded as the
+                // cast rounds.
                 let v = other.get_forward(&name)?;
                 self.set(&name, &v)?;
             }

@@ -60,6 +60,18 @@ fn check_inputs(g: &Graph, file: &str) -> Result<(), CliError> {
     Ok(())
 }
 
+/// What the decode step is built for.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOptions {
+    /// Each next token picked on the device (`decode::greedy_graph`): the
+    /// step outputs the picks instead of the logits.
+    pub greedy: bool,
+    /// The weights kept in the dtype the passes read
+    /// (`decode::weights_as_read`): faster steps, but a training step's
+    /// f32 weights copied in through the host.
+    pub weights_as_read: bool,
+}
+
 /// A model made ready to continue prompts: its decode step, the positions
 /// the longest prompt and its new tokens take, and its vocabulary.
 pub struct Prepared {
@@ -71,9 +83,7 @@ pub struct Prepared {
 /// The decode step of `loaded`, checked to continue `prompts` (`ids_in`
 /// names them in messages) by `new` tokens each (`positions_of` names the
 /// sum): the model reads `tokens`, has the positions, and knows every
-/// prompt id and every id the tokenizer can give. A `greedy` step picks
-/// each next token on the device (`decode::greedy_graph`) and outputs the
-/// picks instead of the logits.
+/// prompt id and every id the tokenizer can give; built as `options` say.
 pub fn prepare(
     loaded: &Loaded,
     codec: &Codec,
@@ -81,7 +91,7 @@ pub fn prepare(
     new: usize,
     ids_in: &str,
     positions_of: &str,
-    greedy: bool,
+    options: StepOptions,
 ) -> Result<Prepared, CliError> {
     let file = loaded.path.display().to_string();
     let whole = fusec_compiler::driver::logits_graph(&loaded.compiled)
@@ -117,7 +127,13 @@ pub fn prepare(
             )));
         }
     }
-    let step = match greedy {
+    let model_err =
+        |f: fusec_compiler::driver::Failure| CliError::model(f.render(&file, &loaded.source));
+    let step = match options.weights_as_read {
+        true => fusec_compiler::decode::weights_as_read(&step).map_err(model_err)?,
+        false => step,
+    };
+    let step = match options.greedy {
         true => {
             let width = step
                 .output(&Role::Logits)
@@ -130,8 +146,7 @@ pub fn prepare(
                     ))
                 })?,
             };
-            fusec_compiler::decode::greedy_graph(&step, classes)
-                .map_err(|f| CliError::model(f.render(&file, &loaded.source)))?
+            fusec_compiler::decode::greedy_graph(&step, classes).map_err(model_err)?
         }
         false => step,
     };

@@ -9,7 +9,7 @@
 //! (`decoding`).
 
 use super::common::{load, Loaded, ModelArgs};
-use super::decoding::{decode, prepare, Codec, Limits, Prepared, Row, Sampling};
+use super::decoding::{decode, prepare, Codec, Limits, Prepared, Row, Sampling, StepOptions};
 use super::open::runtime_err;
 use super::CliError;
 use clap::Args;
@@ -134,7 +134,10 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
             "the longest prompt and --max-new-tokens {}",
             args.max_new_tokens
         ),
-        args.temperature == 0.0,
+        StepOptions {
+            greedy: args.temperature == 0.0,
+            weights_as_read: true,
+        },
     )?;
     let eos = args.eos_id.or(match &codec {
         Codec::Tokenizer(t) => t.token_to_id("<|endoftext|>"),

@@ -99,7 +99,10 @@ pub fn prepare(
         args.sample_tokens,
         "--sample-prompt",
         &format!("--sample-prompt and --sample-tokens {}", args.sample_tokens),
-        true,
+        super::decoding::StepOptions {
+            greedy: true,
+            weights_as_read: false,
+        },
     )?;
     let dims = BTreeMap::from([
         (dim::BATCH.to_string(), 1i64),
