@@ -42,7 +42,7 @@
 #   tools/gpu_check.sh generate  fusec generate on the GPU against transformers (greedy ids, fp32), multiple-choice
 #                                scores against the CPU reference's, samples during training, then decoding
 #                                speed beside transformers' generate (tools/bench_generate.py; GEN_ARGS adds
-#                                its flags)
+#                                its flags), and gpt2-small's step split and kernels, greedy and sampled, B 1 and 32
 #   tools/gpu_check.sh seeds     the seeds' jobs: BERT weights through hf-bert.json against transformers
 #                                (tools/hf_bert_check.py), BERT-large beside the Trainer
 #                                (hf_trainer_bert.py, bf16 B = 32) and its twin under torch.compile,
@@ -349,7 +349,19 @@ if [ "$what" = generate ] || [ "$what" = all ]; then
     --batch 4 --seq 64 --steps 30 --sample-every 15 --sample-prompt "We hold " 2>&1 | grep -E "sample|error" | head
   run "decoding speed beside transformers (tools/bench_generate.py)"
   timeout 500 python3 tools/bench_generate.py --fusec "$BIN/fusec" --out "$LOGS/generate.jsonl" ${GEN_ARGS:-} 2>&1 \
-    | tee "$LOGS/bench-generate.log" | grep -v "^\s*$" | tail -20
+    | tee "$LOGS/bench-generate.log" | grep -v "^\s*$" | grep -v "^W1\|__cudagraphs\|Writing model" | tail -8
+  # Where a step's time goes (the bench's gpt2-small weights): greedy and
+  # sampled, batch 1 and 32, and one greedy step's kernels (--profile).
+  W=/tmp/fusec-bench-generate/gpt2-small/model.safetensors
+  for B in 1 32; do
+    for T in 0 0.8; do
+      run "gpt2-small generate, batch $B, temperature $T"
+      timeout 60 "$BIN/fusec" generate dsl-examples/gpt2-small.dsl --weights $W --name-map dsl-examples/maps/hf-gpt2.json \
+        --prompt-ids 464,2068,7586,21831,18045,625,262,16931 --num-samples $B --max-new-tokens 256 --json \
+        --temperature $T --top-k 50 --profile "$LOGS/generate-b$B-t$T.jsonl" 2>&1 >/dev/null \
+        | grep -E "^a step|tokens/s|step launch by launch|^  [a-z_]+ +[0-9]+ " | head -14
+    done
+  done
 fi
 if [ "$what" = weights ] || [ "$what" = all ]; then
   run "pretrained weights, tokenizer and validation (tools/import_check.py)"
