@@ -108,8 +108,8 @@ update:
   %112: f32[B, 9, 2, 4] = state "kv_cache.0.k"
   %113: f32[B, 9, 2, 4] = kv_write(%112, %42, %110)
   %114: f32[B, T, 2, 4] = cached_attention(%42, %113, %113, %110) scale=0.5
-  %115: f32[8, 8] = all_gather(%86) rank=1 param=0 pieces=0..16,16..48,48..64 [8, 8]
-  %116: i32[B, T] = argmax(%0) classes=7
+  %115: i32[B, T] = argmax(%0) classes=7
+  %116: f32[8, 8] = all_gather(%86) rank=1 param=0 pieces=0..16,16..48,48..64 [8, 8]
 outputs:
   loss = %96
   grad[0] = %95
