@@ -432,8 +432,8 @@ impl Session {
 /// Stored values of `dt` as f32 (which holds every bf16, f16 or f32
 /// exactly), decoded on every core: bf16 and f32 straight into place (a
 /// bf16 is an f32's high half), other dtypes through the general decoder.
-fn logits_f32(dt: fusec_compiler::ir::DType, bytes: &[u8]) -> Vec<f32> {
-    use fusec_compiler::ir::DType;
+fn logits_f32(dt: fusec_compiler::dtype::DType, bytes: &[u8]) -> Vec<f32> {
+    use fusec_compiler::dtype::DType;
     use rayon::prelude::*;
     const CHUNK: usize = 4096;
     let size = dt.size_bytes();
@@ -468,7 +468,7 @@ mod tests {
     /// than one chunk and a chunk's end.
     #[test]
     fn logits_decode_as_the_general_decoder_does() {
-        use fusec_compiler::ir::DType;
+        use fusec_compiler::dtype::DType;
         let values: Vec<f64> = (0..9000)
             .map(|i| ((i * 37 % 1001) as f64 - 500.0) / 7.0)
             .chain([f64::INFINITY, -0.0, 1e-40])
