@@ -847,11 +847,11 @@ fn decode_step_kernels_compute_what_the_interpreter_computes() {
             .output(&fusec_compiler::ir::graph::Role::Logits)
             .and_then(|v| step.ty(v).shape.last()?.as_const())
             .unwrap();
-        // Fewer classes than the logits' width where it is odd (a padded
-        // vocabulary's classes).
         // The weights kept as the passes read them, as `fusec generate`
         // builds it.
         let read = fusec_compiler::decode::weights_as_read(&step).unwrap();
+        // Fewer classes than the logits' width where it is odd (a padded
+        // vocabulary's classes).
         let greedy = fusec_compiler::decode::greedy_graph(&read, width - width % 2).unwrap();
         // Models of one file at other sizes get builds of their own.
         let stem = format!(

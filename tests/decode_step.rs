@@ -64,6 +64,33 @@ fn zero_other_inputs(g: &Graph, feeds: &mut Feeds) {
     }
 }
 
+/// Feeds for `step` at `batch` rows of `s` new positions against caches
+/// of `cache` positions, every cache zero.
+fn step_feeds(
+    step: &Graph,
+    batch: usize,
+    s: usize,
+    cache: usize,
+    weights: &HashMap<String, Tensor>,
+) -> Feeds {
+    let mut feeds = Feeds {
+        dims: HashMap::from([
+            ("B".into(), batch as i64),
+            ("T".into(), s as i64),
+            (CACHE_DIM.into(), cache as i64),
+        ]),
+        params: weights.clone(),
+        ..Feeds::default()
+    };
+    for n in step.g.node_indices() {
+        if let Op::State(st) = &step.g[n].op {
+            let shape = interp::concrete_shape(&st.ty.shape, &feeds.dims).unwrap();
+            feeds.state.insert(st.name.clone(), Tensor::zeros(&shape));
+        }
+    }
+    feeds
+}
+
 fn vocab(g: &Graph) -> usize {
     let logits = g.output(&Role::Logits).unwrap();
     g.ty(logits).shape.last().unwrap().as_const().unwrap() as usize
@@ -95,32 +122,14 @@ fn whole_and_decoded(
     let all = vals[&whole.output(&Role::Logits).unwrap()].data.clone();
 
     let v = vocab(whole);
-    let mut state: HashMap<String, Tensor> = HashMap::new();
-    for n in step.g.node_indices() {
-        if let Op::State(s) = &step.g[n].op {
-            let mut shape: Vec<usize> = vec![batch, cache];
-            shape.extend(
-                s.ty.shape[2..]
-                    .iter()
-                    .map(|d| d.as_const().unwrap() as usize),
-            );
-            state.insert(s.name.clone(), Tensor::zeros(&shape));
-        }
-    }
+    let mut state = step_feeds(step, batch, 1, cache, &weights).state;
     // Decoded rows, laid out as the whole run's [B, L, V].
     let mut decoded = vec![f64::NAN; batch * len * v];
     let mut at = 0;
     for &s in chunks {
-        let mut feeds = Feeds {
-            dims: HashMap::from([
-                ("B".into(), batch as i64),
-                ("T".into(), s as i64),
-                (CACHE_DIM.into(), cache as i64),
-            ]),
-            params: weights.clone(),
-            state: state.clone(),
-            ..Feeds::default()
-        };
+        let mut feeds = step_feeds(step, batch, s, cache, &weights);
+        // The caches as the chunks before left them.
+        feeds.state = state.clone();
         let rows: Vec<f64> = (0..batch)
             .flat_map(|b| tokens[b * len + at..b * len + at + s].to_vec())
             .collect();
@@ -205,21 +214,7 @@ fn the_greedy_step_picks_the_largest_logit() {
         let weights = params(&step, 11);
         let tokens: Vec<f64> = (0..batch * s).map(|i| ((i * 5 + 1) % v) as f64).collect();
         let run = |g: &Graph| {
-            let mut feeds = Feeds {
-                dims: HashMap::from([
-                    ("B".into(), batch as i64),
-                    ("T".into(), s as i64),
-                    (CACHE_DIM.into(), cache as i64),
-                ]),
-                params: weights.clone(),
-                ..Feeds::default()
-            };
-            for n in g.g.node_indices() {
-                if let Op::State(st) = &g.g[n].op {
-                    let shape = interp::concrete_shape(&st.ty.shape, &feeds.dims).unwrap();
-                    feeds.state.insert(st.name.clone(), Tensor::zeros(&shape));
-                }
-            }
+            let mut feeds = step_feeds(g, batch, s, cache, &weights);
             feeds
                 .inputs
                 .insert("tokens".into(), Tensor::new(vec![batch, s], tokens.clone()));
@@ -255,25 +250,7 @@ fn a_step_at_the_wrong_positions_gives_other_logits() {
     let same = all.iter().zip(&decoded).all(|(a, d)| (a - d).abs() < 1e-12);
     assert!(same, "one step of the whole sequence is the whole sequence");
     // Now feed every chunk at position 0 by hand: the rotation differs.
-    let weights = params(&whole, 7);
-    let mut feeds = Feeds {
-        dims: HashMap::from([("B".into(), 1), ("T".into(), 1), (CACHE_DIM.into(), 5)]),
-        params: weights,
-        ..Feeds::default()
-    };
-    for n in step.g.node_indices() {
-        if let Op::State(s) = &step.g[n].op {
-            let shape: Vec<usize> = [1, 5]
-                .into_iter()
-                .chain(
-                    s.ty.shape[2..]
-                        .iter()
-                        .map(|d| d.as_const().unwrap() as usize),
-                )
-                .collect();
-            feeds.state.insert(s.name.clone(), Tensor::zeros(&shape));
-        }
-    }
+    let mut feeds = step_feeds(&step, 1, 1, 5, &params(&whole, 7));
     let mut last = Vec::new();
     for &t in &tokens {
         feeds

@@ -11,7 +11,8 @@
 // is a warp sum. Each warp keeps an online softmax per query head (running
 // max and sum, accumulators rescaled when the max grows), UNROLL keys in
 // flight at once, scored together and folded in with one rescale; the
-// warps' partial results then merge through shared memory. Scores use exp2 with log2(e) folded into the scale.
+// warps' partial results then merge through shared memory. Scores use
+// exp2 with log2(e) folded into the scale.
 //
 // Shapes: q [B, S, Hq, D], k cache [B, C, Hkv, D], v cache [B, C, Hkv, Dv],
 // o [B, S, Hq, Dv], positions [S] (int); query head h reads cache head

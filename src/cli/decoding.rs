@@ -328,8 +328,9 @@ pub struct Timing {
     pub steps: usize,
     pub made: usize,
     pub seconds: f64,
-    /// Of `seconds`: feeding the step and waiting for it, reading its
-    /// logits back, and picking the next tokens.
+    /// Of `seconds`: feeding the step and launching it, reading its
+    /// output back (the picks or the logits: the wait for the step is
+    /// here), and picking the next tokens.
     pub in_step: f64,
     pub reading: f64,
     pub picking: f64,

@@ -120,6 +120,11 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
         None => Codec::Bytes,
     };
     let prompts = read_prompts(args, &codec)?;
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+    };
     let Prepared {
         step,
         positions: longest,
@@ -135,7 +140,7 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
             args.max_new_tokens
         ),
         StepOptions {
-            greedy: args.temperature == 0.0,
+            greedy: sampling.is_greedy(),
             weights_as_read: true,
         },
     )?;
@@ -175,11 +180,7 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
     let limits = Limits {
         max_new: args.max_new_tokens,
         eos,
-        sampling: Sampling {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-        },
+        sampling,
         vocab,
     };
     let mut all = super::decoding::Timing::default();
@@ -241,8 +242,9 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
     }
     let per_step = |s: f64| 1e3 * s / all.steps.max(1) as f64;
     eprintln!(
-        "a step: {:.3} ms feeding and running it, {:.3} ms reading its logits back, {:.3} ms picking the tokens",
+        "a step: {:.3} ms feeding and launching it, {:.3} ms reading its {} back, {:.3} ms picking the tokens",
         per_step(all.in_step),
+        if sampling.is_greedy() { "picks" } else { "logits" },
         per_step(all.reading),
         per_step(all.picking)
     );

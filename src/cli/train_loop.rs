@@ -422,7 +422,6 @@ impl StepLoop<'_> {
         Ok(())
     }
 
-    /// `--val-data`: the validation loss after `step`, where one is due.
     /// Under ZeRO across processes, the weights other processes' ranks
     /// keep, gathered where a validation or a sample is due after `step`
     /// (every process calls this at the same steps; elsewhere it does
@@ -441,6 +440,7 @@ impl StepLoop<'_> {
         Ok(())
     }
 
+    /// `--val-data`: the validation loss after `step`, where one is due.
     pub(super) fn validate(&mut self, b: &dyn Backend, step: u64) -> Result<(), CliError> {
         let last = self.last;
         let due = super::validate::due(&self.args.validation, step, last);

@@ -224,14 +224,16 @@ impl OpDef for ArgMax {
             .shape
             .last()
             .expect("argmax's shape rule checked the rank");
-        let classes = (self.classes as usize).min(n);
         let picks = x
             .data
             .chunks(n.max(1))
             .map(|row| {
                 // Strictly larger: the first of equals stays.
                 let mut best: Option<(usize, f64)> = None;
-                for (j, &v) in row[..classes].iter().enumerate() {
+                for (j, &v) in super::nn::classes_of(row, Some(self.classes))
+                    .iter()
+                    .enumerate()
+                {
                     if !v.is_nan() && best.is_none_or(|(_, b)| v > b) {
                         best = Some((j, v));
                     }

@@ -519,8 +519,8 @@ fn ce_attrs(classes: Option<i64>, rule: &CeRule) -> Vec<String> {
 }
 
 /// A row's classes: all of it, or the first `classes` where the row is
-/// padded.
-fn classes_of(row: &[f64], classes: Option<i64>) -> &[f64] {
+/// padded (the cross-entropy's and greedy decoding's `argmax`).
+pub(super) fn classes_of(row: &[f64], classes: Option<i64>) -> &[f64] {
     match classes {
         Some(c) => &row[..(c.max(0) as usize).min(row.len())],
         None => row,
