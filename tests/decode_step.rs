@@ -323,13 +323,15 @@ fn what_cannot_be_decoded_is_refused_at_its_place() {
 }
 
 /// The decode step builds for a Hopper GPU and a consumer Ampere GPU at
-/// one new row and at a prefill's 17, its plan places the caches, and
-/// every kernel compiles with NVRTC without spills or local arrays.
-/// Skipped, with a message, where NVRTC is not installed (CI installs it).
+/// one new row and at a prefill's 17, for batches of 3 and 32 rows, its
+/// plan places the caches, the products of 32 rows or fewer run as skinny
+/// GEMMs (chosen at the sizes), and every kernel compiles with NVRTC
+/// without spills or local arrays. Skipped, with a message, where NVRTC is
+/// not installed (CI installs it).
 #[test]
 fn decode_steps_build_and_compile_with_nvrtc() {
     use fusec_compiler::kernel::fuse::fuse;
-    use fusec_compiler::select::{select, Choice};
+    use fusec_compiler::select::{select_at, Choice};
     use fusec_compiler::target::Target;
     let nvrtc_on = common::nvrtc_ready();
     let mut seen = std::collections::HashSet::new();
@@ -341,20 +343,36 @@ fn decode_steps_build_and_compile_with_nvrtc() {
             let program = fuse(&step);
             for (device, arch) in [("h100", "sm_90a"), ("rtx3090", "sm_86")] {
                 let target = Target::for_device(device, false).unwrap();
-                let selection = select(&step, &program, &target, None);
-                assert!(
-                    !selection
-                        .choices
-                        .iter()
-                        .any(|c| matches!(c, Choice::Missing)),
-                    "{file} {device}: a kernel has no code"
-                );
-                for t in [1, 17] {
+                for (b, t) in [(3, 1), (3, 17), (32, 1)] {
                     let sizes = std::collections::BTreeMap::from([
-                        ("B".to_string(), 3),
+                        ("B".to_string(), b),
                         ("T".to_string(), t),
                         (CACHE_DIM.to_string(), 40),
                     ]);
+                    let selection = select_at(&step, &program, &target, None, Some(&sizes));
+                    assert!(
+                        !selection
+                            .choices
+                            .iter()
+                            .any(|c| matches!(c, Choice::Missing)),
+                        "{file} {device}: a kernel has no code"
+                    );
+                    // Every product here has B x T rows: skinny at 32 or
+                    // fewer, cuBLASLt past them.
+                    let skinny = selection
+                        .choices
+                        .iter()
+                        .filter(|c| matches!(c, Choice::Skinny(_)))
+                        .count();
+                    let library = selection
+                        .choices
+                        .iter()
+                        .filter(|c| matches!(c, Choice::Library | Choice::SplitGemm))
+                        .count();
+                    match b * t <= 32 {
+                        true => assert!(skinny > 0 && library == 0, "{file} {device} {b}x{t}"),
+                        false => assert!(skinny == 0 && library > 0, "{file} {device} {b}x{t}"),
+                    }
                     let plan =
                         fusec_compiler::plan::plan_with(&step, &program, Some(&selection), &sizes)
                             .unwrap_or_else(|e| panic!("{file} {device}: {e}"));
@@ -368,27 +386,27 @@ fn decode_steps_build_and_compile_with_nvrtc() {
                         plan.logits.is_some() != plan.next_tokens.is_some(),
                         "{file}: no logits buffer, or logits beside picks"
                     );
-                }
-                if !nvrtc_on {
-                    continue;
-                }
-                for (name, text) in &selection.sources {
-                    let key = (arch, text.replace(name.as_str(), "KERNEL"));
-                    if !seen.insert(key) {
+                    if !nvrtc_on {
                         continue;
                     }
-                    let cubin = fusec_runtime::nvrtc::compile(name, text, arch)
-                        .unwrap_or_else(|e| panic!("{file} {name} ({arch}): {e}"));
-                    assert!(
-                        cubin.spill_store_bytes == 0 && cubin.spill_load_bytes == 0,
-                        "{name} ({arch}) spills:\n{}",
-                        cubin.log
-                    );
-                    assert!(
-                        !cubin.local_arrays(),
-                        "{name} ({arch}) keeps an array in local memory:\n{}",
-                        cubin.log
-                    );
+                    for (name, text) in &selection.sources {
+                        let key = (arch, text.replace(name.as_str(), "KERNEL"));
+                        if !seen.insert(key) {
+                            continue;
+                        }
+                        let cubin = fusec_runtime::nvrtc::compile(name, text, arch)
+                            .unwrap_or_else(|e| panic!("{file} {name} ({arch}): {e}"));
+                        assert!(
+                            cubin.spill_store_bytes == 0 && cubin.spill_load_bytes == 0,
+                            "{name} ({arch}) spills:\n{}",
+                            cubin.log
+                        );
+                        assert!(
+                            !cubin.local_arrays(),
+                            "{name} ({arch}) keeps an array in local memory:\n{}",
+                            cubin.log
+                        );
+                    }
                 }
             }
         }

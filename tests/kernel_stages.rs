@@ -37,7 +37,7 @@ fn gpt2_tiny() -> fusec_compiler::driver::Compiled {
 #[test]
 fn the_selection_verifier_catches_broken_selections() {
     let c = gpt2_tiny();
-    let (program, selection) = select_kernels(&c.optimized, &h100(), None);
+    let (program, selection) = select_kernels(&c.optimized, &h100(), None, None);
     assert_eq!(selection.verify(&program), Ok(()));
     assert!(
         selection
@@ -122,7 +122,8 @@ fn the_plan_verifier_catches_broken_plans() {
 
 /// Each optimisation turned off: the step's kernel program still gives
 /// the graph's outputs exactly (f64), its plan verifies, and the step
-/// changes: more launches, or (the attention) no template instances.
+/// changes: more launches, or (the attention, the skinny products) no
+/// template instances.
 #[test]
 fn every_optimisation_turned_off_keeps_the_step() {
     let mut changed = std::collections::HashMap::<Optimisation, usize>::new();
@@ -179,7 +180,16 @@ fn every_optimisation_turned_off_keeps_the_step() {
                     .filter(|c| matches!(c, Choice::Templates(_)))
                     .count()
             };
-            if opt == Optimisation::TensorCoreAttention {
+            let skinny = |l: &Lowered| {
+                let c = &l.selection.choices;
+                c.iter().filter(|c| matches!(c, Choice::Skinny(_))).count()
+            };
+            if opt == Optimisation::SkinnyGemm {
+                // As many launches: cuBLASLt where the skinny kernels ran.
+                assert_eq!(skinny(&off), 0, "{file}: {opt}");
+                assert_eq!(without, on, "{file}: {opt}");
+                *changed.entry(opt).or_default() += usize::from(skinny(&all_on) > 0);
+            } else if opt == Optimisation::TensorCoreAttention {
                 // Fewer launches: a simple kernel where several templates ran.
                 assert_eq!(templates(&off), 0, "{file}: {opt}");
                 *changed.entry(opt).or_default() += usize::from(templates(&all_on) > 0);

@@ -22,7 +22,7 @@ use crate::kernel::fuse::fuse_with;
 use crate::kernel::Program;
 use crate::plan::roofline::step_flops;
 use crate::plan::{plan_with, CompiledStep, Plan, PlanError, StepParam};
-use crate::select::{select, Selection, Target};
+use crate::select::{select_at, Selection, Target};
 use std::collections::BTreeMap;
 
 /// What the kernel stages made of a step.
@@ -33,10 +33,16 @@ pub struct Lowered {
 }
 
 /// Fusion and kernel selection for `target` (`source` is the model file,
-/// for the kernels' comments).
-pub fn select_kernels(g: &Graph, target: &Target, source: Option<&str>) -> (Program, Selection) {
+/// for the kernels' comments), at the step's sizes where they are known
+/// (`dims`: some kernels are chosen by them, `select::select_at`).
+pub fn select_kernels(
+    g: &Graph,
+    target: &Target,
+    source: Option<&str>,
+    dims: Option<&BTreeMap<String, i64>>,
+) -> (Program, Selection) {
     let program = fuse_with(g, &target.lower);
-    let selection = select(g, &program, target, source);
+    let selection = select_at(g, &program, target, source, dims);
     (program, selection)
 }
 
@@ -47,7 +53,7 @@ pub fn lower(
     dims: &BTreeMap<String, i64>,
     source: Option<&str>,
 ) -> Result<Lowered, PlanError> {
-    let (program, selection) = select_kernels(g, target, source);
+    let (program, selection) = select_kernels(g, target, source, Some(dims));
     let plan = plan_with(g, &program, Some(&selection), dims)?;
     Ok(Lowered {
         program,

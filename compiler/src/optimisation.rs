@@ -23,6 +23,8 @@ pub enum Optimisation {
     GroupKernels,
     /// Attention runs the kernels/attention templates for the device (off: the simple kernels, as FUSEC_ATTENTION=simple)
     TensorCoreAttention,
+    /// A product of 32 rows or fewer at the step's sizes (a decode step's) runs as kernels/gemm/skinny.cuh (off: cuBLASLt)
+    SkinnyGemm,
 }
 
 impl Optimisation {
@@ -36,6 +38,7 @@ impl Optimisation {
         Optimisation::NormResidual,
         Optimisation::GroupKernels,
         Optimisation::TensorCoreAttention,
+        Optimisation::SkinnyGemm,
     ];
 
     /// Its name on the command line (`--disable-pass NAME`) and in filetests.
@@ -49,6 +52,7 @@ impl Optimisation {
             Optimisation::NormResidual => "norm-residual",
             Optimisation::GroupKernels => "group-kernels",
             Optimisation::TensorCoreAttention => "tensor-core-attention",
+            Optimisation::SkinnyGemm => "skinny-gemm",
         }
     }
 
@@ -63,6 +67,7 @@ impl Optimisation {
             Optimisation::NormResidual => "fuse",
             Optimisation::GroupKernels => "fuse",
             Optimisation::TensorCoreAttention => "select",
+            Optimisation::SkinnyGemm => "select",
         }
     }
 
@@ -77,6 +82,7 @@ impl Optimisation {
             Optimisation::NormResidual => "a norm backward adds the residual stream's gradient as it stores dx (off: an add kernel)",
             Optimisation::GroupKernels => "the casts of the master weights and the optimizer updates of every parameter run as one launch each (off: a launch per tensor)",
             Optimisation::TensorCoreAttention => "attention runs the kernels/attention templates for the device (off: the simple kernels, as FUSEC_ATTENTION=simple)",
+            Optimisation::SkinnyGemm => "a product of 32 rows or fewer at the step's sizes (a decode step's) runs as kernels/gemm/skinny.cuh, its epilogue inside (off: cuBLASLt)",
         }
     }
 

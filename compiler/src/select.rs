@@ -9,11 +9,14 @@
 
 use crate::emit::cuda::emit_program;
 use crate::emit::flash::{self, FlashKernel};
+use crate::emit::gemm_skinny;
 use crate::emit::gemm_split::{split_source, SPLIT_SOURCE};
+use crate::emit::launch::KernelLaunch;
 use crate::ir::Graph;
 use crate::kernel::{Body, Program};
 use crate::ops::Op;
 use crate::optimisation::Optimisation;
+use std::collections::BTreeMap;
 use std::fmt::Write;
 
 pub use crate::target::{F32Math, Target};
@@ -33,6 +36,10 @@ pub enum Choice {
     /// Instances of `kernels/` templates, launched in this order, each with
     /// its own grid, block, shared memory and tensor maps.
     Templates(Vec<FlashKernel>),
+    /// A product of few rows as `kernels/gemm/skinny.cuh` under the
+    /// program kernel's name (chosen only where the sizes are known:
+    /// `select_at`), with its epilogue.
+    Skinny(Box<KernelLaunch>),
     /// A bucket of gradients averaged over the data-parallel ranks: NCCL
     /// calls on the communication stream (kernel::buckets).
     Collective,
@@ -57,6 +64,19 @@ pub struct Selection {
 /// Chooses the kernels of program `p` (of graph `g`) for `target`; `source`
 /// is the model file, for the kernels' comments.
 pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> Selection {
+    select_at(g, p, target, source, None)
+}
+
+/// [`select`] at the step's sizes where they are known (`dims`): then a
+/// product of few rows runs as a skinny GEMM of our own rather than a
+/// cuBLASLt call (`emit::gemm_skinny`).
+pub fn select_at(
+    g: &Graph,
+    p: &Program,
+    target: &Target,
+    source: Option<&str>,
+    dims: Option<&BTreeMap<String, i64>>,
+) -> Selection {
     let simple = Target {
         arch: None,
         ..target.clone()
@@ -76,6 +96,15 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
                 .iter()
                 .all(|&b| p.buffers[b].ty.dtype == crate::ir::DType::F32)
     };
+    // A product of few rows at the plan's sizes: the skinny kernel, where
+    // the GPU is one the build compiles for.
+    let skinny = |k: &crate::kernel::Kernel, n: petgraph::stable_graph::NodeIndex| {
+        let dims =
+            dims.filter(|_| target.lower.on(Optimisation::SkinnyGemm) && target.arch.is_some())?;
+        let shape = crate::kernel::gemm::gemm_shape(g, p, k, n, dims).ok()?;
+        let fit = gemm_skinny::fit(p, k, &shape, target.multiprocessors).ok()?;
+        Some(gemm_skinny::launch(g, p, k, &shape, &fit, source))
+    };
     let mut choices = Vec::with_capacity(p.kernels.len());
     let mut fallbacks = Vec::new();
     let mut templates = Vec::new();
@@ -87,12 +116,18 @@ pub fn select(g: &Graph, p: &Program, target: &Target, source: Option<&str>) -> 
             {
                 Choice::Collective
             }
-            Body::Gemm(..) if split(k) => Choice::SplitGemm,
-            Body::Gemm(..) => Choice::Library,
-            Body::Op(n) if matches!(g.g[*n].op, Op::MatMul(_)) && !has_source => match split(k) {
-                true => Choice::SplitGemm,
-                false => Choice::Library,
-            },
+            Body::Gemm(n, _) | Body::Op(n)
+                if matches!(g.g[*n].op, Op::MatMul(_)) && !has_source =>
+            {
+                match skinny(k, *n) {
+                    Some(l) => {
+                        templates.push((l.name.clone(), l.source.clone()));
+                        Choice::Skinny(Box::new(l))
+                    }
+                    None if split(k) => Choice::SplitGemm,
+                    None => Choice::Library,
+                }
+            }
             Body::Op(n) if matches!(g.g[*n].op, Op::Attention(_) | Op::AttentionGrad(_)) => {
                 let chosen = target.arch.and_then(|arch| match g.g[*n].op {
                     Op::Attention(_) => flash::flash_forward(
@@ -202,6 +237,10 @@ impl Selection {
                     "{} splits its operands, and {SPLIT_SOURCE} has no source",
                     k.name
                 )),
+                Choice::Skinny(l) if !has(&l.name) => problems.push(format!(
+                    "{} runs a skinny product, which has no source",
+                    k.name
+                )),
                 Choice::Templates(ks) => {
                     for f in ks.iter().filter(|f| !has(&f.launch.name)) {
                         problems.push(format!(
@@ -253,6 +292,15 @@ impl Selection {
                     format!("cuBLASLt, three TF32 products (operands split by {SPLIT_SOURCE}_*)")
                 }
                 Choice::Generated => "generated".to_string(),
+                Choice::Skinny(l) => format!(
+                    "skinny GEMM {}, grid ({}), block {}{}",
+                    l.template.as_deref().unwrap_or("?"),
+                    l.grid_c()[0],
+                    l.block,
+                    l.scratch_f32
+                        .as_ref()
+                        .map_or(String::new(), |e| format!(", f32 scratch [{e}]"))
+                ),
                 Choice::Missing => "nothing yet".to_string(),
                 Choice::Collective => {
                     "NCCL all-reduce (mean over the ranks), on the communication stream".to_string()

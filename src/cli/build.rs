@@ -152,13 +152,15 @@ fn kernel_stage(c: &Compiled, stage: &str, args: &BuildArgs) -> Result<Option<St
     }
     // Each stage verifies its own result (fusion, selection, the plan).
     let g = &c.optimized;
-    let (program, selection) = select_kernels(g, &target(args, c), None);
+    // Chosen at the step's sizes where every one is given, as a run is.
+    let dims = args.sizes.resolve(&g.dims)?;
+    let sized = super::common::missing(&dims, &g.dims).is_empty();
+    let (program, selection) = select_kernels(g, &target(args, c), None, sized.then_some(&dims));
     Ok(Some(match stage {
         "layout" => print_layouts(g, &program),
         "fuse" => print_program(g, &program),
         "select" => selection.print(g, &program),
         _ => {
-            let dims = args.sizes.resolve(&g.dims)?;
             let plan = plan_with(g, &program, Some(&selection), &dims).map_err(|e| {
                 CliError::usage(format!(
                     "error: {e} (give sizes with --batch, --seq or --dim)"
@@ -298,7 +300,13 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     write(&p, &to_dot(&c.training))?;
     written.push(p);
 
-    let (program, selection) = select_kernels(&c.optimized, &target(args, c), Some(&loaded.source));
+    let sized = super::common::missing(&dims, &c.optimized.dims).is_empty();
+    let (program, selection) = select_kernels(
+        &c.optimized,
+        &target(args, c),
+        Some(&loaded.source),
+        sized.then_some(&dims),
+    );
     let kdir = args.out.join("kernels");
     // Stale kernels from an earlier build would mislead: start the folder afresh.
     let _ = std::fs::remove_dir_all(&kdir);
@@ -367,8 +375,20 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
             fusec_compiler::emit::gemm_split::SPLIT_SOURCE
         ),
     };
+    let skinny = selection
+        .choices
+        .iter()
+        .filter(|c| matches!(c, fusec_compiler::select::Choice::Skinny(_)))
+        .count();
+    let skinny_note = match skinny {
+        0 => String::new(),
+        n => format!(
+            "; {n} product{} of 32 rows or fewer as skinny GEMMs (kernels/gemm/skinny.cuh)",
+            if n == 1 { "" } else { "s" }
+        ),
+    };
     written.push(kdir.join(format!(
-        "*.cu ({} kernels for {}: {templates} of them tensor-core attention, kernels/attention/ templates{}{}{split_note})",
+        "*.cu ({} kernels for {}: {templates} of them tensor-core attention, kernels/attention/ templates{}{}{split_note}{skinny_note})",
         selection.sources.len(),
         args.device,
         if listed.is_empty() { "" } else { ": " },

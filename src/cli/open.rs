@@ -37,7 +37,12 @@ pub(super) fn start(
 }
 
 /// A step of the model other than training's (`what` names it: "forward
-/// only", "decode step", ...), on the CPU reference or on GPU `gpu`.
+/// only", "decode step", ...), on the CPU reference or on GPU `gpu`. On a
+/// GPU the step has run once on zeros and been captured before it is
+/// returned (`Session::warm_up`), so the first step a caller times or
+/// waits for is like every other: the kernels' first loads, cuBLASLt's
+/// choices and the capture (tens to hundreds of milliseconds) are paid
+/// here, before the caller writes its weights.
 pub(super) fn open_step(
     g: &fusec_compiler::ir::Graph,
     loaded: &Loaded,
@@ -53,7 +58,7 @@ pub(super) fn open_step(
     }
     let what = format!("{} ({what})", loaded.compiled.model.graph.name);
     let path = loaded.path.display().to_string();
-    let (s, _) = start_graph(
+    let (mut s, _) = start_graph(
         g,
         &loaded.compiled.options.lower,
         &what,
@@ -62,6 +67,7 @@ pub(super) fn open_step(
         GpuOptions::default(),
         Some((path.as_str(), loaded.source.as_str())),
     )?;
+    fusec::backend::Backend::warm_up(&mut s).map_err(runtime_err)?;
     Ok(Box::new(s))
 }
 

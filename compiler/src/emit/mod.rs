@@ -6,6 +6,7 @@ pub mod cross_entropy;
 pub mod cuda;
 pub mod embedding_grad;
 pub mod flash;
+pub mod gemm_skinny;
 pub mod gemm_split;
 pub mod group;
 pub mod launch;
@@ -125,6 +126,10 @@ pub const HEADERS: &[(&str, &str)] = &[
     (
         "gemm/sm90.cuh",
         include_str!("../../../kernels/gemm/sm90.cuh"),
+    ),
+    (
+        "gemm/skinny.cuh",
+        include_str!("../../../kernels/gemm/skinny.cuh"),
     ),
     (
         "gemm/split_tf32.cuh",

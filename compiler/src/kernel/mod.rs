@@ -12,6 +12,7 @@ pub mod buckets;
 pub(crate) mod forms;
 pub mod fuse;
 pub mod gathers;
+pub mod gemm;
 mod groups;
 pub mod interp;
 pub mod pitch;

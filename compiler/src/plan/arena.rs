@@ -118,8 +118,15 @@ pub(super) fn add_scratch(
                     let n = 3 * (out[ins[0]].bytes + out[ins[1]].bytes) / 4;
                     (n, format!("operands of {name} split for TF32"))
                 }
-                Choice::Templates(ks) => {
-                    let Some(elems) = ks.iter().find_map(|f| f.launch.scratch_f32.as_ref()) else {
+                Choice::Templates(_) | Choice::Skinny(_) => {
+                    let scratch = match c {
+                        Choice::Skinny(l) => l.scratch_f32.as_ref(),
+                        Choice::Templates(ks) => {
+                            ks.iter().find_map(|f| f.launch.scratch_f32.as_ref())
+                        }
+                        _ => None,
+                    };
+                    let Some(elems) = scratch else {
                         continue;
                     };
                     let n = elems

@@ -95,6 +95,12 @@ pub(super) fn launches(
                     .map(|f| template_step(&f.launch, scratch_of.get(&ki).copied(), &env))
                     .collect::<Result<_, _>>()?
             }
+            Some(Choice::Skinny(launch)) => {
+                // Still a product to the report (its shape and epilogue),
+                // run by a kernel of ours.
+                l.kind = LaunchKind::Template;
+                vec![template_step(launch, scratch_of.get(&ki).copied(), &env)?]
+            }
             Some(Choice::SplitGemm) => {
                 l.split_scratch = scratch_of.get(&ki).copied();
                 Vec::new()
@@ -146,6 +152,16 @@ fn generated_step(
             let vec = crate::emit::cuda::vector_width(p, k, pw);
             ((n.max(0) as u64).div_ceil(vec).div_ceil(BLOCK)).clamp(1, 1 << 20)
         }),
+        // A norm forward a warp a row: blocks of BLOCK / 32 warps for its
+        // rows alone, at most FORWARD_BLOCKS (a decode step's few rows
+        // launched 2048 blocks, all but one idle).
+        (Body::Op(n), _) if crate::kernel::forms::norm_forward_rows(g, *n).is_some() => {
+            crate::emit::templates::rows_of(g, *n).eval(env).map(|r| {
+                (r.max(1) as u64)
+                    .div_ceil(BLOCK / 32)
+                    .min(crate::emit::norm_rows::FORWARD_BLOCKS as u64)
+            })
+        }
         _ => shape.as_ref().and_then(|s| grid(s, env)),
     };
     LaunchStep {

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 mod arena;
 pub mod collectives;
 mod compiled;
-pub mod gemm;
+pub use crate::kernel::gemm;
 mod launches;
 pub mod picture;
 pub mod report;

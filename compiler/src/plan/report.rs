@@ -260,17 +260,20 @@ pub fn report_with_source(
     for ((l, cost), k) in plan.launches.iter().zip(&est.kernels).zip(&p.kernels) {
         let read = super::roofline::distinct_bytes(plan, &l.inputs);
         let written = super::roofline::distinct_bytes(plan, &l.outputs);
+        let templates = || {
+            let ts: Vec<String> = l
+                .steps
+                .iter()
+                .map(|t| t.template.clone().unwrap_or_else(|| t.function.clone()))
+                .collect();
+            ts.join(", ")
+        };
         let what = match (&l.epilogue, &l.kind) {
+            // A product run by a template of ours (a skinny GEMM).
+            (Some(e), LaunchKind::Template) => format!("[{}, epilogue {}]", templates(), e.name),
             (Some(e), kind) => format!("[{kind}, epilogue {}]", e.name),
             (None, LaunchKind::Generated) => crate::kernel::print::op_runs(&l.ops, 3),
-            (None, LaunchKind::Template) => {
-                let ts: Vec<String> = l
-                    .steps
-                    .iter()
-                    .map(|t| t.template.clone().unwrap_or_else(|| t.function.clone()))
-                    .collect();
-                format!("[{}]", ts.join(", "))
-            }
+            (None, LaunchKind::Template) => format!("[{}]", templates()),
             (None, kind) => format!("[{kind}]"),
         };
         let at = source

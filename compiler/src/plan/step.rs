@@ -66,7 +66,9 @@ pub enum LaunchKind {
     /// A kernel the emitter wrote (fusion's chains and the ops' own
     /// kernels; `fusec build` writes their CUDA C to its `kernels/` folder).
     Generated,
-    /// Instances of `kernels/` templates (the attention's).
+    /// Instances of `kernels/` templates (the attention's; a product of
+    /// few rows as `kernels/gemm/skinny.cuh`, its `gemm` and `epilogue`
+    /// still said).
     Template,
     /// A bucket's gradients averaged over the data-parallel ranks.
     AllReduce,

@@ -211,7 +211,7 @@ pub fn predicted(est: &Estimate) -> Vec<Timing> {
 fn colour(kind: &str) -> (&'static str, &'static str) {
     match kind {
         "generated" => ("#54a24b", "generated kernels"),
-        "template" => ("#b279a2", "attention templates"),
+        "template" => ("#b279a2", "templates (attention, skinny GEMMs)"),
         "all_reduce" => ("#e45756", "collectives"),
         k if k == LaunchKind::Gemm.as_str() => ("#4c78a8", "GEMMs (cuBLASLt)"),
         _ => ("#9d9d9d", "other"),

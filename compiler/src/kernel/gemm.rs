@@ -1,12 +1,13 @@
 //! The row-major product each GEMM launch runs, with the plan's sizes
-//! bound: what the runtime hands cuBLASLt, worked out here from the
-//! operands' types and the views the kernel reads them through, so the
-//! runtime never reads the graph for it.
+//! bound: what the runtime hands cuBLASLt (and what selection sizes a
+//! skinny product by), worked out here from the operands' types and the
+//! views the kernel reads them through, so the runtime never reads the
+//! graph for it. The plan carries it (`plan::gemm`).
 
+use super::{Kernel, Program};
 use crate::ir::graph::Graph;
 use crate::ir::types::DType;
 use crate::ir::Dim;
-use crate::kernel::{Kernel, Program};
 use petgraph::stable_graph::NodeIndex;
 use serde::Serialize;
 use std::collections::BTreeMap;
