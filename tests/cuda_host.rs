@@ -42,18 +42,28 @@ fn harness(g: &fusec_compiler::ir::Graph, p: &Program, kernels: &[(String, Strin
         }
         let _ = writeln!(s, "  if (!strcmp(argv[1], \"{}\")) {{", k.name);
         let (args, writes) = host::kernel_buffers(&mut s, p, k, &g.dims, true);
-        if let fusec_compiler::kernel::Body::Op(n) = k.body {
-            if matches!(g.g[n].op, fusec_compiler::ops::Op::KvWrite(_)) {
-                // The plan gives a cache write's output its cache's storage
-                // (it writes the new rows alone): the output starts as the cache.
-                let ty = &p.buffers[k.outputs[0]].ty;
-                let _ = writeln!(
-                    s,
-                    "    memcpy(out0, in0, (size_t){} * {});",
-                    ty.numel().to_c(),
-                    ty.dtype.size_bytes()
-                );
-            }
+        // The plan gives a cache write's output its cache's storage (it
+        // writes the new rows alone): the output starts as the cache, in
+        // a write's own kernel or a group of them.
+        let is_write =
+            |op: &fusec_compiler::ops::Op| matches!(op, fusec_compiler::ops::Op::KvWrite(_));
+        let cache_writes: Vec<(usize, usize)> = match &k.body {
+            fusec_compiler::kernel::Body::Op(n) if is_write(&g.g[*n].op) => vec![(0, 0)],
+            fusec_compiler::kernel::Body::Group(ms) => ms
+                .iter()
+                .filter(|m| is_write(&g.g[m.node].op))
+                .map(|m| (m.inputs[0], m.outputs[0]))
+                .collect(),
+            _ => Vec::new(),
+        };
+        for (i, o) in cache_writes {
+            let ty = &p.buffers[k.outputs[o]].ty;
+            let _ = writeln!(
+                s,
+                "    memcpy(out{o}, in{i}, (size_t){} * {});",
+                ty.numel().to_c(),
+                ty.dtype.size_bytes()
+            );
         }
         let _ = writeln!(s, "    {}({});", k.name, args.join(", "));
         s.push_str(&writes);
@@ -810,7 +820,8 @@ train {
     assert!(checked > 0);
 }
 
-/// The decode step's kernels (cache writes, attention over the caches,
+/// The decode step's kernels (cache writes, a layer's two as one group
+/// kernel, attention over the caches,
 /// rope at the step's positions, the position table read at them) of
 /// `common::decode_models` (GPT-2, LLaMA with 4 query heads over 2 cache
 /// heads, and heads of 80, 40 and 392 features with 8, 3 and 4 query
@@ -843,6 +854,13 @@ fn decode_step_kernels_compute_what_the_interpreter_computes() {
                 )
             })
             .count();
+        // A layer's key and value writes run as one launch.
+        let grouped = fuse(&step)
+            .kernels
+            .iter()
+            .filter(|k| k.name.contains("kv_write_x2"))
+            .count();
+        assert!(grouped > 0, "{file}: no cache writes grouped");
         let width = step
             .output(&fusec_compiler::ir::graph::Role::Logits)
             .and_then(|v| step.ty(v).shape.last()?.as_const())

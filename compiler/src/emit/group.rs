@@ -108,7 +108,12 @@ pub fn group_kernel(
         let n = match (g.g[m.node].op.update_range(), &m.chain) {
             (Some((lo, hi)), _) => format!("{}LL", hi - lo),
             (None, Some(chain)) => chain.1.n.to_c(),
-            (None, None) => g.g[m.node].outputs[0].numel().to_c(),
+            // The op's own elements: a cache write's new rows, not the
+            // cache it writes them into.
+            (None, None) => match shape_of(g, m.node) {
+                Some(Shape::Elements(n)) => n.to_c(),
+                _ => g.g[m.node].outputs[0].numel().to_c(),
+            },
         };
         let work = match (&calls, &casts[i], &m.chain) {
             (Some(calls), _, _) => format!("                {}", calls[i].trim_start()),

@@ -204,7 +204,8 @@ pub fn fuse_with(g: &Graph, opts: &LowerOptions) -> Program {
             let casts = super::groups::group_param_casts(g, &f.buffers, kernels);
             let updates = super::groups::group_optimizer_updates(g, casts);
             let sums = super::groups::group_adjacent_sums(g, updates);
-            super::groups::group_elementwise(g, sums)
+            let writes = super::groups::group_cache_writes(g, sums);
+            super::groups::group_elementwise(g, writes)
         }
         false => kernels,
     };

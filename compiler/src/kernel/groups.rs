@@ -112,6 +112,52 @@ pub(super) fn group_adjacent_sums(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel
     out
 }
 
+/// A decode step's cache writes launched one after another (a layer's keys
+/// and values) become one launch at the place of the first: each moves a
+/// few kilobytes, so its launch is most of its time. Only writes that read
+/// no other's result; each keeps its own cache, written in place.
+pub(super) fn group_cache_writes(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel> {
+    let is_write = |k: &Kernel| {
+        matches!(k.body, Body::Op(n) if matches!(g.g[n].op, Op::KvWrite(_)))
+            && k.prologue.is_none()
+            && k.residual.is_none()
+    };
+    let mut out: Vec<Kernel> = Vec::with_capacity(kernels.len());
+    let mut run: Vec<Kernel> = Vec::new();
+    let flush = |run: &mut Vec<Kernel>, out: &mut Vec<Kernel>| {
+        if run.len() < 2 {
+            out.append(run);
+            return;
+        }
+        let n = run.len();
+        let nodes: Vec<_> = run.iter().flat_map(|k| k.nodes.clone()).collect();
+        let all: Vec<usize> = (0..n).collect();
+        let mut grp = regroup(g, std::mem::take(run), &all, 0)
+            .pop()
+            .expect("one group");
+        grp.nodes = nodes;
+        grp.name = format!("kv_write_x{n}");
+        out.push(grp);
+    };
+    for k in kernels {
+        let reads_run = run
+            .iter()
+            .any(|r| r.outputs.iter().any(|b| k.inputs.contains(b)));
+        if is_write(&k) && !reads_run && run.len() < GROUP_MAX {
+            run.push(k);
+            continue;
+        }
+        flush(&mut run, &mut out);
+        if is_write(&k) {
+            run.push(k);
+        } else {
+            out.push(k);
+        }
+    }
+    flush(&mut run, &mut out);
+    out
+}
+
 /// Runs of elementwise chain kernels launched one after another (a
 /// micro-batch's gradient accumulation: every parameter's gradient scaled,
 /// added to its accumulator, the accumulator kept or cleared, a launch

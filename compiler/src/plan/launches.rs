@@ -135,9 +135,13 @@ fn generated_step(
         (Body::Group(members), _) => members
             .iter()
             .map(|m| {
+                let own = || match shape_of(g, m.node) {
+                    Some(Shape::Elements(n)) => n,
+                    _ => g.g[m.node].outputs[0].numel(),
+                };
                 m.chain
                     .as_ref()
-                    .map_or_else(|| g.g[m.node].outputs[0].numel(), |c| c.1.n.clone())
+                    .map_or_else(own, |c| c.1.n.clone())
                     .eval(env)
                     .map(|n| (n.max(0) as u64).div_ceil(crate::emit::group::GROUP_CHUNK as u64))
             })

@@ -128,15 +128,24 @@ pub fn plan_with(
 /// its cache's storage (a state whose new value it is: `decode_graph`
 /// makes it so).
 fn written_in_place(g: &Graph, p: &Program, out: &[PlannedBuffer]) -> Result<(), PlanError> {
+    let is_write =
+        |n: petgraph::stable_graph::NodeIndex| matches!(g.g[n].op, crate::ops::Op::KvWrite(_));
     for k in &p.kernels {
-        let crate::kernel::Body::Op(n) = k.body else {
-            continue;
+        // Each write's (cache, output) buffers: its own kernel's, or a
+        // group member's (kernel::groups::group_cache_writes).
+        let writes: Vec<(usize, usize)> = match &k.body {
+            crate::kernel::Body::Op(n) if is_write(*n) => vec![(k.inputs[0], k.outputs[0])],
+            crate::kernel::Body::Group(ms) => ms
+                .iter()
+                .filter(|m| is_write(m.node))
+                .map(|m| (k.inputs[m.inputs[0]], k.outputs[m.outputs[0]]))
+                .collect(),
+            _ => continue,
         };
-        if !matches!(g.g[n].op, crate::ops::Op::KvWrite(_)) {
-            continue;
-        }
-        let (cache, written) = (k.inputs[0], k.outputs[0]);
-        if out[written].alias_of != Some(cache) {
+        for (cache, written) in writes {
+            if out[written].alias_of == Some(cache) {
+                continue;
+            }
             return Err(PlanError(format!(
                 "internal error: {} writes a key/value cache's new rows, and its output is not the cache's storage\nthis is a bug in fusec; please report it with the model file",
                 k.name
