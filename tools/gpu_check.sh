@@ -42,7 +42,8 @@
 #   tools/gpu_check.sh generate  fusec generate on the GPU against transformers (greedy ids, fp32), multiple-choice
 #                                scores against the CPU reference's, samples during training, then decoding
 #                                speed beside transformers' generate (tools/bench_generate.py; GEN_ARGS adds
-#                                its flags), and gpt2-small's step split and kernels, greedy and sampled, B 1 and 32
+#                                its flags), and gpt2-small's step split and kernels, greedy and sampled, B 1 and 32,
+#                                and greedy again with the products on cuBLASLt (--disable-pass skinny-gemm)
 #   tools/gpu_check.sh seeds     the seeds' jobs: BERT weights through hf-bert.json against transformers
 #                                (tools/hf_bert_check.py), BERT-large beside the Trainer
 #                                (hf_trainer_bert.py, bf16 B = 32) and its twin under torch.compile,
@@ -361,6 +362,13 @@ if [ "$what" = generate ] || [ "$what" = all ]; then
         --temperature $T --top-k 50 --profile "$LOGS/generate-b$B-t$T.jsonl" 2>&1 >/dev/null \
         | grep -E "^a step|tokens/s|step launch by launch|^  [a-z_]+ +[0-9]+ " | head -14
     done
+    # The same binary with the products on cuBLASLt: what the skinny GEMMs
+    # (kernels/gemm/skinny.cuh) gain, in this call.
+    run "gpt2-small generate, batch $B, greedy, products on cuBLASLt (--disable-pass skinny-gemm)"
+    timeout 60 "$BIN/fusec" generate dsl-examples/gpt2-small.dsl --weights $W --name-map dsl-examples/maps/hf-gpt2.json \
+      --prompt-ids 464,2068,7586,21831,18045,625,262,16931 --num-samples $B --max-new-tokens 256 --json \
+      --disable-pass skinny-gemm --profile "$LOGS/generate-b$B-cublaslt.jsonl" 2>&1 >/dev/null \
+      | grep -E "^a step|tokens/s|step launch by launch|^  [a-z_]+ +[0-9]+ " | head -14
   done
 fi
 if [ "$what" = weights ] || [ "$what" = all ]; then
