@@ -423,26 +423,27 @@ pub fn decode(
         let classes = limits.vocab.map_or(width, |v| v.min(width));
         timing.steps += 1;
         // Each row picks from its own logits with its own generator: on
-        // every core, the same picks in any order.
-        timing.made += rows
-            .par_iter_mut()
-            .enumerate()
-            .map(|(b, r)| {
-                if r.done || pos + 1 < r.prompt.len() {
-                    return 0;
+        // every core, the same picks in any order. The device's picks need
+        // no cores (waking the pool would cost more than taking them).
+        let take = |(b, r): (usize, &mut Row)| {
+            if r.done || pos + 1 < r.prompt.len() {
+                return 0;
+            }
+            let next = match picks.get(b) {
+                Some(&id) => id,
+                None => {
+                    let row = &logits[b * width..b * width + classes];
+                    limits.sampling.pick(row, &mut r.rng)
                 }
-                let next = match picks.get(b) {
-                    Some(&id) => id,
-                    None => {
-                        let row = &logits[b * width..b * width + classes];
-                        limits.sampling.pick(row, &mut r.rng)
-                    }
-                };
-                r.made.push(next);
-                r.done = r.made.len() >= limits.max_new || Some(next) == limits.eos;
-                1
-            })
-            .sum::<usize>();
+            };
+            r.made.push(next);
+            r.done = r.made.len() >= limits.max_new || Some(next) == limits.eos;
+            1
+        };
+        timing.made += match picks.is_empty() {
+            true => rows.par_iter_mut().enumerate().map(take).sum::<usize>(),
+            false => rows.iter_mut().enumerate().map(take).sum::<usize>(),
+        };
         timing.picking += read.elapsed().as_secs_f64();
         shown(rows);
         pos += 1;
