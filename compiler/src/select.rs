@@ -96,11 +96,10 @@ pub fn select_at(
                 .iter()
                 .all(|&b| p.buffers[b].ty.dtype == crate::ir::DType::F32)
     };
-    // A product of few rows at the plan's sizes: the skinny kernel, where
-    // the GPU is one the build compiles for.
+    // A product of few rows at the plan's sizes: the skinny kernel (plain
+    // CUDA, for any GPU; whatever runs the attention).
     let skinny = |k: &crate::kernel::Kernel, n: petgraph::stable_graph::NodeIndex| {
-        let dims =
-            dims.filter(|_| target.lower.on(Optimisation::SkinnyGemm) && target.arch.is_some())?;
+        let dims = dims.filter(|_| target.lower.on(Optimisation::SkinnyGemm))?;
         let shape = crate::kernel::gemm::gemm_shape(g, p, k, n, dims).ok()?;
         let fit = gemm_skinny::fit(p, k, &shape, target.multiprocessors).ok()?;
         Some(gemm_skinny::launch(g, p, k, &shape, &fit, source))
