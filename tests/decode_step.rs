@@ -412,3 +412,46 @@ fn decode_steps_build_and_compile_with_nvrtc() {
         }
     }
 }
+
+/// gpt2-small's greedy decode step at its own sizes on an H100, batch 1
+/// and 32: every product is a skinny GEMM, and each launch has blocks for
+/// at least half the GPU's 132 multiprocessors (a product of one row reads
+/// its weights once; a launch on a few multiprocessors would read them at
+/// a few multiprocessors' bandwidth).
+#[test]
+fn gpt2_small_decode_products_are_skinny_and_fill_the_gpu() {
+    use fusec_compiler::select::Choice;
+    let (_, decode) = graphs("dsl-examples/gpt2-small.dsl", &[]);
+    let greedy = greedy_graph(&weights_as_read(&decode).unwrap(), 50257).unwrap();
+    let target = fusec_compiler::target::Target::for_device("h100", false).unwrap();
+    for b in [1, 32] {
+        let dims = std::collections::BTreeMap::from([
+            ("B".to_string(), b),
+            ("T".to_string(), 1),
+            (CACHE_DIM.to_string(), 264),
+        ]);
+        let l = fusec_compiler::lowering::lower(&greedy, &target, &dims, None).unwrap();
+        let mut products = 0;
+        for (k, c) in l.program.kernels.iter().zip(&l.selection.choices) {
+            let product = k
+                .nodes
+                .iter()
+                .any(|&n| matches!(greedy.g[n].op, Op::MatMul(_)));
+            if !product {
+                continue;
+            }
+            products += 1;
+            let Choice::Skinny(launch) = c else {
+                panic!("batch {b}: {} is not a skinny product: {c:?}", k.name);
+            };
+            let env = |s: &str| dims.get(s).copied();
+            let blocks = launch.grid(&env).unwrap()[0];
+            assert!(
+                blocks >= 66,
+                "batch {b}: {} launches {blocks} blocks",
+                k.name
+            );
+        }
+        assert_eq!(products, 49, "batch {b}: 4 products a layer and the head");
+    }
+}
