@@ -907,3 +907,53 @@ fn zero_leaves_a_model_too_small_for_its_ranks_unsplit_unless_asked() {
     assert!(err.contains("leave 3 of 4 ranks nothing to own"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `fusec build --decode` writes the decode step `fusec generate` runs:
+/// its products as skinny GEMMs at batch 2 (and on cuBLASLt past 32
+/// rows), the greedy picks in its plan, a layer's cache writes as one
+/// launch; caches longer than the model's positions are refused.
+#[test]
+fn build_writes_the_decode_step() {
+    let dir = std::env::temp_dir().join(format!("fusec-cli-decode-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    let sets = ["--set", "layers=2"];
+    let mut a = vec!["build", "dsl-examples/gpt2-small.dsl", "--decode", "-o", d];
+    a.extend(sets);
+    a.extend(["--batch", "2", "--dim", "KV=64"]);
+    let (code, out, err) = fusec(&a);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("batch 2, 1 new position a step, caches of 64"),
+        "{out}"
+    );
+    let plan = std::fs::read_to_string(dir.join("plan.json")).unwrap();
+    assert!(
+        plan.contains("\"next_tokens\""),
+        "no greedy picks in the plan"
+    );
+    assert_eq!(
+        plan.matches("fs_skinny::").count(),
+        9,
+        "4 products a layer and the head"
+    );
+    assert!(plan.contains("kv_write_x2"));
+    let report = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+    assert!(!report.contains("textbook"), "a decode step trains nothing");
+    // 33 rows: cuBLASLt.
+    let mut a = vec!["build", "dsl-examples/gpt2-small.dsl", "--decode", "-o", d];
+    a.extend(sets);
+    a.extend(["--batch", "33", "--dim", "KV=64"]);
+    let (code, _, err) = fusec(&a);
+    assert_eq!(code, 0, "{err}");
+    let plan = std::fs::read_to_string(dir.join("plan.json")).unwrap();
+    assert_eq!(plan.matches("fs_skinny::").count(), 0);
+    let mut a = vec!["build", "dsl-examples/gpt2-small.dsl", "--decode", "-o", d];
+    a.extend(["--dim", "KV=5000"]);
+    let (code, _, err) = fusec(&a);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("5000 positions") && err.contains("gpt2-small.dsl:"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -60,6 +60,12 @@ pub struct BuildArgs {
     /// Format of --dump and --dump-after: readable text or Graphviz dot
     #[arg(long, value_enum, default_value = "text")]
     pub format: Format,
+    /// Build the decode step `fusec generate` runs (greedy) instead of the
+    /// training step: --batch rows (default 1) of --seq new positions
+    /// (default 1) against caches of --dim KV=N positions (default 256);
+    /// writes its kernels, plan.json and report.txt
+    #[arg(long, conflicts_with_all = ["dump", "dump_after", "gpus"])]
+    pub decode: bool,
 }
 
 /// The device table's names, each with what it is (`--help` lists them,
@@ -237,6 +243,10 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
     // ZeRO by default over several ranks, where the model splits: then the
     // step is rank --rank's own.
     let mut loaded = load_for_rank(args, ranks)?;
+    if args.decode {
+        let t = target(args, &loaded.compiled);
+        return super::build_decode::run(args, &loaded, t);
+    }
     par.shape_buckets(&mut loaded.compiled.options.lower);
     let dims = args.sizes.resolve(&loaded.compiled.optimized.dims)?;
     let recomputed = fit_memory(

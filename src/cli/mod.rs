@@ -4,6 +4,7 @@
 mod attn_bench;
 pub mod bench;
 pub mod build;
+mod build_decode;
 pub mod check;
 mod checkpoints;
 mod choices;

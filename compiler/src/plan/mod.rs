@@ -192,6 +192,8 @@ fn in_place_ok(g: &Graph, kernel: &crate::kernel::Kernel, slot: usize) -> bool {
 /// kept for it), at its dtype.
 pub fn textbook_bytes(g: &Graph, dims: &BTreeMap<String, i64>) -> Option<u64> {
     use crate::ir::graph::Phase;
+    // A step that trains nothing (a decode step) has no such count.
+    g.output(&Role::Loss)?;
     let env = |s: &str| dims.get(s).copied();
     let params = g.param_count()? as u64;
     let state: u64 = g
