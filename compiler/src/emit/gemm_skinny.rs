@@ -16,10 +16,12 @@ use crate::kernel::gemm::GemmShape;
 use crate::kernel::{Body, Kernel, Program};
 use std::fmt::Write;
 
-/// The most rows a product may have to run as a skinny GEMM. Past it the
-/// products are no longer bound by reading B alone (at 32 rows a weight
-/// element takes 32 multiply-adds, which the CUDA cores of an H100 still
-/// do at the pace B streams in), and cuBLASLt's tensor-core tiles win.
+/// The most rows a product may have to run as a skinny GEMM. At 32 rows a
+/// 16-bit weight element takes 32 multiply-adds: on an H100 (67 TFLOP/s
+/// f32, 3.35 TB/s) the CUDA cores need about 1.6 times as long as B takes
+/// to stream in, so past it the products are bound by arithmetic and
+/// cuBLASLt's tensor-core tiles should win. Where the two cross is to be
+/// measured (`--disable-pass skinny-gemm`).
 pub const MAX_ROWS: u64 = 32;
 /// Threads a block (kernels/gemm/skinny.cuh's THREADS).
 const THREADS: u32 = 256;
