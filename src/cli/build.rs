@@ -131,7 +131,40 @@ pub fn stage_text(c: &Compiled, stage: Stage, source: &str, format: Format) -> S
     graph_text(graph, source, format)
 }
 
-fn write(path: &Path, text: &str) -> Result<(), CliError> {
+/// `sources` as `DIR/<name>.cu`, beside the prelude and every header
+/// they include: each compiles on its own (nvcc -I DIR). Stale kernels
+/// of an earlier build would mislead, so the folder starts afresh.
+pub(super) fn write_kernels(dir: &Path, sources: &[(String, String)]) -> Result<(), CliError> {
+    let _ = std::fs::remove_dir_all(dir);
+    let mkdir = |d: &Path| {
+        std::fs::create_dir_all(d)
+            .map_err(|e| CliError::usage(format!("error: cannot create {}: {e}", d.display())))
+    };
+    mkdir(dir)?;
+    write(&dir.join(PRELUDE_NAME), PRELUDE)?;
+    for (path, text) in HEADERS {
+        let p = dir.join(path);
+        if let Some(parent) = p.parent() {
+            mkdir(parent)?;
+        }
+        write(&p, text)?;
+    }
+    for (name, text) in sources {
+        write(&dir.join(format!("{name}.cu")), text)?;
+    }
+    Ok(())
+}
+
+/// The report's summary: everything before its table of kernels.
+pub(super) fn report_head(text: &str) -> String {
+    let head: Vec<&str> = text
+        .lines()
+        .take_while(|l| !l.starts_with("kernels in launch order"))
+        .collect();
+    head.join("\n").trim_end().to_string()
+}
+
+pub(super) fn write(path: &Path, text: &str) -> Result<(), CliError> {
     std::fs::write(path, text)
         .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))
 }
@@ -318,25 +351,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         sized.then_some(&dims),
     );
     let kdir = args.out.join("kernels");
-    // Stale kernels from an earlier build would mislead: start the folder afresh.
-    let _ = std::fs::remove_dir_all(&kdir);
-    std::fs::create_dir_all(&kdir)
-        .map_err(|e| CliError::usage(format!("error: cannot create {}: {e}", kdir.display())))?;
-    // What runs on the device built for, and the headers its kernels
-    // include: each .cu compiles on its own (nvcc -I out/kernels).
-    write(&kdir.join(PRELUDE_NAME), PRELUDE)?;
-    for (path, text) in HEADERS {
-        let p = kdir.join(path);
-        if let Some(dir) = p.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| {
-                CliError::usage(format!("error: cannot create {}: {e}", dir.display()))
-            })?;
-        }
-        write(&p, text)?;
-    }
-    for (name, text) in &selection.sources {
-        write(&kdir.join(format!("{name}.cu")), text)?;
-    }
+    write_kernels(&kdir, &selection.sources)?;
     let unrunnable: Vec<String> = program
         .kernels
         .iter()
@@ -438,11 +453,7 @@ pub fn run(args: &BuildArgs) -> Result<(), CliError> {
         );
         write(&p, &page)?;
         written.push(p);
-        let head: Vec<&str> = text
-            .lines()
-            .take_while(|l| !l.starts_with("kernels in launch order"))
-            .collect();
-        head.join("\n").trim_end().to_string()
+        report_head(&text)
     } else {
         format!(
             "no memory plan: give the size of {} (--batch, --seq or --dim NAME=N) for plan.json, report.txt and memory.html",

@@ -4,27 +4,17 @@
 //! positions, written as a training build is: the kernels' CUDA C (with
 //! the headers they include), plan.json and report.txt.
 
-use super::build::BuildArgs;
+use super::build::{report_head, write, write_kernels, BuildArgs};
 use super::common::Loaded;
 use super::decoding::{prepare, Codec, Prepared, StepOptions};
 use super::CliError;
 use fusec_compiler::decode::CACHE_DIM;
-use fusec_compiler::emit::{HEADERS, PRELUDE, PRELUDE_NAME};
 use fusec_compiler::ir::dim;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Cache positions where `--dim KV=N` is not given.
 const DEFAULT_POSITIONS: i64 = 256;
-
-fn write(path: &Path, text: &str) -> Result<(), CliError> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| CliError::usage(format!("error: cannot create {}: {e}", dir.display())))?;
-    }
-    std::fs::write(path, text)
-        .map_err(|e| CliError::usage(format!("error: cannot write {}: {e}", path.display())))
-}
 
 pub(super) fn run(
     args: &BuildArgs,
@@ -66,21 +56,9 @@ pub(super) fn run(
     let file = loaded.path.display().to_string();
     let lowered = fusec_compiler::lowering::lower(&step, &target, &dims, Some(&loaded.source))
         .map_err(|e| CliError::usage(format!("error: {file}: the decode step: {e}")))?;
-    std::fs::create_dir_all(&args.out).map_err(|e| {
-        CliError::usage(format!(
-            "error: cannot create output folder {}: {e}",
-            args.out.display()
-        ))
-    })?;
+    // The kernels' folder makes the output folder too.
     let kdir = args.out.join("kernels");
-    let _ = std::fs::remove_dir_all(&kdir);
-    write(&kdir.join(PRELUDE_NAME), PRELUDE)?;
-    for (path, text) in HEADERS {
-        write(&kdir.join(path), text)?;
-    }
-    for (name, text) in &lowered.selection.sources {
-        write(&kdir.join(format!("{name}.cu")), text)?;
-    }
+    write_kernels(&kdir, &lowered.selection.sources)?;
     let mut written: Vec<PathBuf> = vec![kdir.join(format!(
         "*.cu ({} kernels for {})",
         lowered.selection.sources.len(),
@@ -101,15 +79,11 @@ pub(super) fn run(
     let p = args.out.join("report.txt");
     write(&p, &text)?;
     written.push(p);
-    let head: Vec<&str> = text
-        .lines()
-        .take_while(|l| !l.starts_with("kernels in launch order"))
-        .collect();
     println!(
         "the decode step of {file} (greedy, as fusec generate runs it): batch {batch}, {rows} new position{} a step, caches of {positions} positions\n",
         if rows == 1 { "" } else { "s" }
     );
-    println!("{}", head.join("\n").trim_end());
+    println!("{}", report_head(&text));
     println!("\nwrote:");
     for p in written {
         println!("  {}", p.display());
