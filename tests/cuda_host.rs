@@ -45,18 +45,7 @@ fn harness(g: &fusec_compiler::ir::Graph, p: &Program, kernels: &[(String, Strin
         // The plan gives a cache write's output its cache's storage (it
         // writes the new rows alone): the output starts as the cache, in
         // a write's own kernel or a group of them.
-        let is_write =
-            |op: &fusec_compiler::ops::Op| matches!(op, fusec_compiler::ops::Op::KvWrite(_));
-        let cache_writes: Vec<(usize, usize)> = match &k.body {
-            fusec_compiler::kernel::Body::Op(n) if is_write(&g.g[*n].op) => vec![(0, 0)],
-            fusec_compiler::kernel::Body::Group(ms) => ms
-                .iter()
-                .filter(|m| is_write(&g.g[m.node].op))
-                .map(|m| (m.inputs[0], m.outputs[0]))
-                .collect(),
-            _ => Vec::new(),
-        };
-        for (i, o) in cache_writes {
+        for (i, o) in k.cache_writes(g) {
             let ty = &p.buffers[k.outputs[o]].ty;
             let _ = writeln!(
                 s,

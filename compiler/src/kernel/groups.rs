@@ -129,14 +129,13 @@ pub(super) fn group_cache_writes(g: &Graph, kernels: Vec<Kernel>) -> Vec<Kernel>
             out.append(run);
             return;
         }
-        let n = run.len();
+        // Named by Kernel::group: kv_write_x2 for a layer's two.
         let nodes: Vec<_> = run.iter().flat_map(|k| k.nodes.clone()).collect();
-        let all: Vec<usize> = (0..n).collect();
+        let all: Vec<usize> = (0..run.len()).collect();
         let mut grp = regroup(g, std::mem::take(run), &all, 0)
             .pop()
             .expect("one group");
         grp.nodes = nodes;
-        grp.name = format!("kv_write_x{n}");
         out.push(grp);
     };
     for k in kernels {

@@ -247,6 +247,23 @@ pub struct Prologue {
 }
 
 impl Kernel {
+    /// The key/value cache writes this kernel makes, as (input slot of the
+    /// cache, output slot of its new value): its own op's, or its group
+    /// members' (groups::group_cache_writes). The plan stores each output
+    /// over its cache.
+    pub fn cache_writes(&self, g: &crate::ir::Graph) -> Vec<(usize, usize)> {
+        let is_write = |n: NodeIndex| matches!(g.g[n].op, crate::ops::Op::KvWrite(_));
+        match &self.body {
+            Body::Op(n) if is_write(*n) => vec![(0, 0)],
+            Body::Group(ms) => ms
+                .iter()
+                .filter(|m| is_write(m.node))
+                .map(|m| (m.inputs[0], m.outputs[0]))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// A group kernel of `members` over the buffers `inputs` and `outputs`
     /// their slots index, named `{op}_x{count}`.
     pub fn group(

@@ -128,20 +128,11 @@ pub fn plan_with(
 /// its cache's storage (a state whose new value it is: `decode_graph`
 /// makes it so).
 fn written_in_place(g: &Graph, p: &Program, out: &[PlannedBuffer]) -> Result<(), PlanError> {
-    let is_write =
-        |n: petgraph::stable_graph::NodeIndex| matches!(g.g[n].op, crate::ops::Op::KvWrite(_));
     for k in &p.kernels {
-        // Each write's (cache, output) buffers: its own kernel's, or a
-        // group member's (kernel::groups::group_cache_writes).
-        let writes: Vec<(usize, usize)> = match &k.body {
-            crate::kernel::Body::Op(n) if is_write(*n) => vec![(k.inputs[0], k.outputs[0])],
-            crate::kernel::Body::Group(ms) => ms
-                .iter()
-                .filter(|m| is_write(m.node))
-                .map(|m| (k.inputs[m.inputs[0]], k.outputs[m.outputs[0]]))
-                .collect(),
-            _ => continue,
-        };
+        let writes = k
+            .cache_writes(g)
+            .into_iter()
+            .map(|(i, o)| (k.inputs[i], k.outputs[o]));
         for (cache, written) in writes {
             if out[written].alias_of == Some(cache) {
                 continue;
